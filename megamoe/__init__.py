@@ -1,0 +1,7 @@
+"""megamoe: fused Mixture-of-Experts training kernels for Hopper GPUs."""
+
+from megamoe.api import moe
+from megamoe.layer import MegaMoE
+
+__version__ = "0.1.0"
+__all__ = ["MegaMoE", "moe", "__version__"]

@@ -1,0 +1,162 @@
+"""``megamoe.moe``: the functional MoE experts, its argument checks, and the choice of backend.
+
+Shape legend: T tokens, K experts per token, E experts (local to this rank), D hidden size,
+I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from megamoe import reference
+
+PRECISIONS = ("bf16", "fp8")
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def debug_checks_enabled() -> bool:
+    """``MEGAMOE_DEBUG=1`` turns on checks that read device data back to the host (slow, synchronising)."""
+    return os.environ.get("MEGAMOE_DEBUG", "0") == "1"
+
+
+def backend_for(x: torch.Tensor) -> str:
+    """Which implementation :func:`moe` runs for an input on ``x``'s device: ``"triton"`` or ``"reference"``.
+
+    ``MEGAMOE_BACKEND=reference`` forces the reference (for debugging). The fused Triton kernels run on
+    CUDA GPUs of compute capability 8.0 or newer, and on CPU tensors under ``TRITON_INTERPRET=1``
+    (tests). Everything else runs :func:`megamoe.reference.moe_grouped_mm` — same numbers, slower.
+    """
+    forced = os.environ.get("MEGAMOE_BACKEND", "auto")
+    if forced not in ("auto", "reference", "triton"):
+        raise ValueError(f"MEGAMOE_BACKEND must be auto, reference or triton, got {forced!r}")
+    if forced == "reference":
+        return "reference"
+    from megamoe.kernels import AVAILABLE as kernels_available
+
+    if not kernels_available:
+        return "reference"
+    if x.is_cuda:
+        if torch.cuda.get_device_capability(x.device) >= (8, 0):
+            return "triton"
+        _warn_once("megamoe: GPU older than sm80; running the (slow) reference implementation")
+        return "reference"
+    return "triton" if _interpreting() else "reference"
+
+
+def _check_tensor(name: str, t, dim: int, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).removeprefix('torch.')}")
+
+
+def validate(x, topk_idx, topk_weights, w13, w2) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the bad argument. Host-side only: no device sync,
+    except that expert ids are range-checked eagerly on CPU or with ``MEGAMOE_DEBUG=1``; on a GPU they
+    are checked asynchronously (``torch._assert_async``: a bad id fails the stream, never a wrong answer)."""
+    _check_tensor("x", x, 2, _FLOAT_DTYPES)
+    _check_tensor("topk_idx", topk_idx, 2, _INDEX_DTYPES)
+    _check_tensor("topk_weights", topk_weights, 2, _FLOAT_DTYPES)
+    _check_tensor("w13", w13, 3, (x.dtype,))
+    _check_tensor("w2", w2, 3, (x.dtype,))
+    num_tokens, dim = x.shape
+    if topk_idx.shape[0] != num_tokens:
+        raise ValueError(f"topk_idx must have T={num_tokens} rows like x, got shape {tuple(topk_idx.shape)}")
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(
+            f"topk_weights must have the shape of topk_idx {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}"
+        )
+    if topk_idx.shape[1] < 1:
+        raise ValueError("topk_idx must have at least one slot per token (K >= 1)")
+    num_experts, two_i, w13_dim = w13.shape
+    if num_experts < 1:
+        raise ValueError("w13 must hold at least one expert")
+    if w13_dim != dim:
+        raise ValueError(f"w13 must be (E, 2*I, D) with D={dim} (x's hidden size), got shape {tuple(w13.shape)}")
+    if two_i % 2 or two_i == 0:
+        raise ValueError(f"w13 must be (E, 2*I, D) with gate rows then up rows; got odd/zero 2*I={two_i}")
+    inter = two_i // 2
+    if tuple(w2.shape) != (num_experts, dim, inter):
+        raise ValueError(f"w2 must be (E, D, I) = ({num_experts}, {dim}, {inter}), got {tuple(w2.shape)}")
+    for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must share a device")
+    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous() once, outside the training step)")
+    if topk_idx.numel():
+        in_range = ((topk_idx >= -1) & (topk_idx < num_experts)).all()
+        if not x.is_cuda or debug_checks_enabled():
+            if not bool(in_range):
+                bad = topk_idx[(topk_idx < -1) | (topk_idx >= num_experts)][0].item()
+                raise ValueError(f"topk_idx holds expert id {bad}, outside [0, {num_experts}) (or -1 for a dropped slot)")
+        else:
+            torch._assert_async(in_range, f"megamoe: topk_idx holds an expert id outside [-1, {num_experts})")
+
+
+def moe(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    group=None,
+    precision: str = "bf16",
+) -> torch.Tensor:
+    """Mixture-of-Experts SwiGLU experts with routing already done. Differentiable in ``x``,
+    ``topk_weights``, ``w13`` and ``w2``; keeps no activations beyond its inputs on the fused path.
+
+    ``y[t] = sum_k topk_weights[t,k] * w2[e] @ (silu(w13[e,:I] @ x[t]) * (w13[e,I:] @ x[t]))``, ``e = topk_idx[t,k]``.
+
+    Args:
+        x: (T, D) activations, bf16 (fp16/fp32 accepted: computed in their own dtype).
+        topk_idx: (T, K) int32/int64 expert ids in [0, E); -1 marks a dropped slot.
+        topk_weights: (T, K) fp32/bf16/fp16 routing weights (gradient returned in this dtype).
+        w13: (E, 2*I, D) gate rows [0, I) then up rows [I, 2I), dtype of ``x``, contiguous
+            (Hugging Face ``Qwen3MoeExperts.gate_up_proj`` layout).
+        w2: (E, D, I) down projection, dtype of ``x``, contiguous (HF ``down_proj`` layout).
+        group: ``torch.distributed`` process group for expert parallelism; ``None`` for one GPU.
+            Expert parallelism is not implemented yet: passing a group raises ``NotImplementedError``.
+        precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``
+            (blockwise e4m3) is planned and raises ``NotImplementedError`` for now.
+
+    Returns:
+        y: (T, D) in the dtype of ``x``.
+
+    Backend: fused Triton kernels on CUDA (sm80+) — see :func:`backend_for`; elsewhere the
+    TorchTitan-style reference :func:`megamoe.reference.moe_grouped_mm` (same math, slower), or the
+    per-expert loop where ``torch._grouped_mm`` cannot take the shapes (rows not 16-byte aligned).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp8":
+        raise NotImplementedError("precision='fp8' (blockwise e4m3) is not implemented yet; use 'bf16'")
+    if group is not None:
+        raise NotImplementedError("expert parallelism (group=...) is not implemented yet; pass group=None")
+    validate(x, topk_idx, topk_weights, w13, w2)
+    if backend_for(x) == "triton":
+        from megamoe.autograd import fused_moe
+
+        return fused_moe(x, topk_idx, topk_weights, w13, w2)
+    if reference.grouped_mm_supports(x.shape[1], w2.shape[2], x.dtype):
+        return reference.moe_grouped_mm(x, topk_idx, topk_weights, w13, w2)
+    return reference.moe_loop(x, topk_idx, topk_weights, w13, w2)

@@ -1,0 +1,1 @@
+"""Layer benchmark: ``python -m megamoe.bench --help``."""

@@ -1,0 +1,3 @@
+from megamoe.bench.layer import main
+
+main()

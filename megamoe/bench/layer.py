@@ -1,0 +1,291 @@
+"""One MoE layer (experts only, routing done), megamoe against what users run today, side by side.
+
+On a GPU: forward, forward+backward and the activation-checkpointing step (forward + forward-and-
+backward, what an impl that keeps activations costs under full checkpointing; an impl that keeps none
+needs no outer checkpointing, so its step is its forward+backward), effective TFLOP/s, memory, speed-ups
+and the error against the fp32 reference on a small problem. Writes a table, a JSON file and a PNG.
+
+Without a GPU: runs a tiny problem through every implementation that runs on the CPU (the reference,
+and the Triton kernels under ``TRITON_INTERPRET=1``), checks it against the fp32 reference, and says
+that timings need a GPU.
+
+FLOP counts (N = routed rows = T*K less dropped slots): forward 6·N·D·I; backward 12·N·D·I; the
+fused backward recomputes the gate/up GEMM: 16·N·D·I. ``tflops`` = FLOPs executed in the step / step
+time (24·N·D·I for a checkpointed baseline, 22·N·D·I for the fused path); ``model_tflops`` uses the
+training FLOPs 18·N·D·I for every impl (comparable across impls, like MFU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import megamoe
+from megamoe import reference
+from megamoe.api import backend_for
+from megamoe.routing import route
+
+PRESETS = {
+    # name: (D hidden, I expert intermediate, E experts, K top-k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "qwen3-235b-a22b": (4096, 1536, 128, 8),
+    "tiny": (64, 32, 8, 2),
+}
+ROUTINGS = ("random", "balanced", "skewed")
+IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "megamoe")
+BASELINES = ("grouped_mm", "grouped_mm_compiled")
+
+
+def make_routing(kind: str, num_tokens: int, num_experts: int, top_k: int, device, generator) -> tuple:
+    """(topk_idx int64, topk_weights fp32). ``random``: softmax router over N(0,1) logits, top-k,
+    renormalised. ``balanced``: every expert gets the same number of rows (±1). ``skewed``: the same
+    router with Zipf-like expert popularity (logit bias -1.2·ln(rank+1) over a random permutation)."""
+    logits = torch.randn(num_tokens, num_experts, device=device, generator=generator)
+    if kind == "skewed":
+        rank = torch.randperm(num_experts, device=device, generator=generator).float()
+        logits = logits - 1.2 * torch.log1p(rank)
+    topk_idx, topk_weights = route(logits, top_k, score_func="softmax", norm_topk_prob=True)
+    if kind == "balanced":
+        slot = torch.arange(num_tokens * top_k, device=device).view(num_tokens, top_k)
+        topk_idx = slot % num_experts
+    return topk_idx, topk_weights
+
+
+def make_problem(num_tokens, dim, inter, num_experts, top_k, routing, dtype, device, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, dim, device=device, dtype=dtype, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, dim, device=device, dtype=dtype, generator=gen) / dim**0.5
+    w2 = torch.randn(num_experts, dim, inter, device=device, dtype=dtype, generator=gen) / inter**0.5
+    topk_idx, topk_weights = make_routing(routing, num_tokens, num_experts, top_k, device, gen)
+    dy = torch.randn(num_tokens, dim, device=device, dtype=dtype, generator=gen)
+    return x, topk_idx, topk_weights, w13, w2, dy
+
+
+@dataclass
+class Impl:
+    name: str
+    fn: Callable
+    keeps_activations: bool  # True: under full checkpointing its step costs fwd + (fwd + bwd)
+
+
+def make_impls(names, device) -> list[Impl]:
+    impls = []
+    for name in names:
+        if name == "loop":
+            impls.append(Impl(name, reference.moe_loop, True))
+        elif name == "grouped_mm":
+            impls.append(Impl(name, reference.moe_grouped_mm, True))
+        elif name == "grouped_mm_compiled":
+            impls.append(Impl(name, torch.compile(reference.moe_grouped_mm, fullgraph=True), True))
+        elif name == "megamoe":
+            fused = backend_for(torch.empty(0, device=device)) == "triton"
+            impls.append(Impl(name, megamoe.moe, not fused))
+        else:
+            raise ValueError(f"unknown impl {name!r}; choose from {IMPLS}")
+    return impls
+
+
+def grads_of(fn, x, topk_idx, topk_weights, w13, w2, dy):
+    leaves = [t.detach().requires_grad_() for t in (x, topk_weights, w13, w2)]
+    xl, wl, w13l, w2l = leaves
+    y = fn(xl, topk_idx, wl, w13l, w2l)
+    grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
+    return [y.detach(), *grads]
+
+
+def max_rel_err(fn, problem) -> float:
+    """max over (y, dx, d topk_weights, dw13, dw2) of max|out - ref| / max|ref|, ref = fp32 loop."""
+    x, topk_idx, topk_weights, w13, w2, dy = problem
+    ref = grads_of(lambda *a: reference.moe_loop(*a, fp32=True), x, topk_idx, topk_weights, w13, w2, dy)
+    out = grads_of(fn, x, topk_idx, topk_weights, w13, w2, dy)
+    return max(((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for o, r in zip(out, ref))
+
+
+def dense_matmul_tflops(device) -> float:
+    from triton.testing import do_bench
+
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return 2 * n**3 / ms / 1e9
+
+
+def time_impl(impl: Impl, problem, rep_ms: int) -> dict:
+    from triton.testing import do_bench
+
+    x, topk_idx, topk_weights, w13, w2, dy = problem
+    leaves = [t.detach().clone().requires_grad_() for t in (x, topk_weights, w13, w2)]
+    xl, wl, w13l, w2l = leaves
+
+    def fwd():
+        return impl.fn(xl, topk_idx, wl, w13l, w2l)
+
+    def fwd_bwd():
+        fwd().backward(dy)
+
+    fwd_bwd()  # compile / autotune / warm up outside the timed region
+    torch.cuda.synchronize()
+    fwd_ms = do_bench(fwd, warmup=100, rep=rep_ms, return_mode="median")
+    fwd_bwd_ms = do_bench(fwd_bwd, warmup=100, rep=rep_ms, grad_to_none=leaves, return_mode="median")
+
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    y = fwd()
+    torch.cuda.synchronize()
+    saved = torch.cuda.memory_allocated() - base - y.numel() * y.element_size()
+    del y
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak_extra = torch.cuda.max_memory_allocated() - base
+    for t in leaves:
+        t.grad = None
+    ac_ms = fwd_ms + fwd_bwd_ms if impl.keeps_activations else fwd_bwd_ms
+    return {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "ac_step_ms": ac_ms,
+            "fwd_plus_fwd_bwd_ms": fwd_ms + fwd_bwd_ms,
+            "saved_activation_bytes": int(saved), "peak_extra_bytes": int(peak_extra)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (T)")
+    p.add_argument("--routing", choices=ROUTINGS, default="random")
+    p.add_argument("--impls", default="grouped_mm,grouped_mm_compiled,megamoe",
+                   help=f"comma-separated, from {IMPLS} ('loop' is slow: opt in)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition budget per measurement")
+    p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
+    p.add_argument("--no-plot", action="store_true")
+    return p.parse_args(argv)
+
+
+def run_cpu(args) -> None:
+    dim, inter, num_experts, top_k = PRESETS["tiny"]
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    names = ["loop", "grouped_mm", "megamoe"]
+    print("No CUDA GPU: timings need a GPU. Checking correctness on a tiny problem instead")
+    print(f"(T=48, D={dim}, I={inter}, E={num_experts}, K={top_k}, fp32; megamoe runs "
+          f"{'the Triton kernels in the interpreter' if interp else 'the reference'}"
+          f"{'' if interp else ' — set TRITON_INTERPRET=1 to run its Triton kernels'}).")
+    problem = make_problem(48, dim, inter, num_experts, top_k, args.routing, torch.float32, "cpu", args.seed)
+    worst = 0.0
+    for impl in make_impls(names, "cpu"):
+        err = max_rel_err(impl.fn, problem)
+        worst = max(worst, err)
+        print(f"  {impl.name:24s} max rel err vs fp32 reference (y and all grads): {err:.2e}")
+    if worst > 1e-4:
+        sys.exit(f"FAILED: an implementation disagrees with the fp32 reference ({worst:.2e} > 1e-4)")
+    print("OK. Run on a CUDA GPU for timings.")
+
+
+def run_gpu(args) -> dict:
+    import triton
+
+    device = torch.device("cuda")
+    dim, inter, num_experts, top_k = PRESETS[args.preset]
+    names = [n.strip() for n in args.impls.split(",") if n.strip()]
+    impls = make_impls(names, device)
+    info = {
+        "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
+        "megamoe": megamoe.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m megamoe.bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "preset": args.preset, "tokens": args.tokens, "routing": args.routing, "ep": 1,
+        "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k, "dtype": "bfloat16",
+        "megamoe_backend": backend_for(torch.empty(0, device=device)),
+    }
+    print(f"{info['gpu']}  torch {info['torch']}  triton {info['triton']}  {info['date']}")
+    info["matmul_tflops"] = dense_matmul_tflops(device)
+    print(f"dense bf16 8192^3 matmul: {info['matmul_tflops']:.0f} TFLOP/s")
+
+    problem = make_problem(args.tokens, dim, inter, num_experts, top_k, args.routing, torch.bfloat16,
+                           device, args.seed)
+    rows = int((problem[1] >= 0).sum())
+    unit = rows * dim * inter
+    small = make_problem(256, dim, inter, num_experts, top_k, args.routing, torch.bfloat16, device, args.seed + 1)
+    results = []
+    for impl in impls:
+        r = {"impl": impl.name, **time_impl(impl, problem, args.rep_ms)}
+        executed = (24 if impl.keeps_activations else 22) * unit
+        r["tflops"] = executed / r["ac_step_ms"] / 1e9
+        r["model_tflops"] = 18 * unit / r["ac_step_ms"] / 1e9
+        r["max_rel_err"] = max_rel_err(impl.fn, small)
+        results.append(r)
+        print(f"  {impl.name}: fwd {r['fwd_ms']:.3f} ms, fwd+bwd {r['fwd_bwd_ms']:.3f} ms", flush=True)
+    by_name = {r["impl"]: r for r in results}
+    for r in results:
+        for base in BASELINES:
+            if base in by_name and base != r["impl"]:
+                b = by_name[base]
+                r[f"speedup_vs_{base}"] = {k: b[k] / r[k] for k in ("fwd_ms", "fwd_bwd_ms", "ac_step_ms")}
+    info["results"] = results
+    return info
+
+
+def print_table(info: dict) -> None:
+    print(f"\n{info['preset']}  T={info['tokens']}  routing={info['routing']}  {info['gpu']}  "
+          f"(megamoe backend: {info['megamoe_backend']}; ceiling {info['matmul_tflops']:.0f} TFLOP/s)")
+    head = (f"{'impl':22s} {'fwd ms':>8s} {'fwd+bwd':>8s} {'AC step':>8s} {'TFLOP/s':>8s} {'saved MiB':>9s} "
+            f"{'peak MiB':>9s} {'rel err':>8s} {'AC x vs compiled':>17s}")
+    print(head)
+    print("-" * len(head))
+    for r in info["results"]:
+        sp = r.get("speedup_vs_grouped_mm_compiled", {}).get("ac_step_ms")
+        print(f"{r['impl']:22s} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} {r['ac_step_ms']:8.3f} "
+              f"{r['tflops']:8.0f} {r['saved_activation_bytes'] / 2**20:9.0f} {r['peak_extra_bytes'] / 2**20:9.0f} "
+              f"{r['max_rel_err']:8.1e} {'' if sp is None else f'{sp:.2f}x':>17s}")
+
+
+def plot(info: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["impl"] for r in info["results"]]
+    keys = [("fwd_ms", "forward"), ("fwd_bwd_ms", "forward+backward"), ("ac_step_ms", "AC step")]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(keys)
+    for i, (k, label) in enumerate(keys):
+        vals = [r[k] for r in info["results"]]
+        bars = ax.bar([j + i * width for j in range(len(names))], vals, width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks([j + width for j in range(len(names))], names)
+    ax.set_ylabel("ms (lower is better)")
+    ax.set_title(f"{info['preset']} T={info['tokens']} {info['routing']} routing — {info['gpu']}\n"
+                 f"torch {info['torch']}, triton {info['triton']}, {info['date'][:10]}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        run_cpu(args)
+        return
+    info = run_gpu(args)
+    print_table(info)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{info['preset']}-t{info['tokens']}-{info['routing']}-ep{info['ep']}"
+    (out / f"{stem}.json").write_text(json.dumps(info, indent=1) + "\n")
+    if not args.no_plot:
+        plot(info, out / f"{stem}.png")
+    print(f"wrote {out / stem}.json" + ("" if args.no_plot else " and .png"))

@@ -1,0 +1,3 @@
+"""Triton kernels (private). ``AVAILABLE`` says whether the fused path exists in this build."""
+
+AVAILABLE = False

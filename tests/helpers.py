@@ -1,0 +1,72 @@
+"""Shared test helpers: problem generation, the shape matrix, and the tolerance rule."""
+
+from __future__ import annotations
+
+import torch
+
+from megamoe import reference
+
+# (T, D, I, E, K, routing) — one comment per case: what it guards.
+SHAPES = [
+    (1, 32, 16, 4, 2, "random"),        # a single token
+    (5, 32, 16, 4, 2, "random"),        # T smaller than any tile
+    (40, 48, 24, 6, 3, "random"),       # E not a power of two
+    (33, 32, 16, 8, 1, "random"),       # K = 1
+    (17, 32, 16, 4, 4, "random"),       # K = E: every token visits every expert
+    (29, 32, 16, 8, 2, "empty"),        # experts with no tokens (only the first 3 used)
+    (37, 32, 16, 5, 1, "one"),          # every token to one expert
+    (31, 32, 16, 6, 3, "dropped"),      # dropped slots (-1)
+    (45, 40, 20, 5, 2, "random"),       # D and I not multiples of 16/32/64
+]
+
+
+def make_routing(kind: str, num_tokens: int, num_experts: int, top_k: int, gen: torch.Generator):
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    if kind == "empty":
+        scores[:, 3:] -= 2.0  # experts 3.. only win when top_k > 3
+    topk_idx = scores.topk(top_k, dim=1).indices
+    if kind == "one":
+        topk_idx[:, 0] = num_experts - 1
+    if kind == "dropped":
+        drop = torch.rand(num_tokens, top_k, generator=gen) < 0.3
+        topk_idx = topk_idx.masked_fill(drop, -1)
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
+    return topk_idx, topk_weights
+
+
+def make_problem(T, D, I, E, K, routing, dtype=torch.float32, device="cpu", seed=0, idx_dtype=torch.int64):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen)
+    w13 = torch.randn(E, 2 * I, D, generator=gen) / D**0.5
+    w2 = torch.randn(E, D, I, generator=gen) / I**0.5
+    topk_idx, topk_weights = make_routing(routing, T, E, K, gen)
+    dy = torch.randn(T, D, generator=gen)
+    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    return (cast(x), topk_idx.to(device=device, dtype=idx_dtype), topk_weights.to(device), cast(w13), cast(w2),
+            cast(dy))
+
+
+def run_with_grads(fn, x, topk_idx, topk_weights, w13, w2, dy):
+    """Returns [y, dx, d topk_weights, dw13, dw2] of ``fn``."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, topk_weights, w13, w2)]
+    xl, wl, w13l, w2l = leaves
+    y = fn(xl, topk_idx, wl, w13l, w2l)
+    grads = torch.autograd.grad(y, leaves, dy.to(y.dtype), allow_unused=False)
+    return [y.detach(), *grads]
+
+
+NAMES = ["y", "dx", "dtopk_weights", "dw13", "dw2"]
+
+
+def assert_close_to_reference(out, problem, atol=1e-5):
+    """flash-attention's rule: |out - ref32| <= 2 * |ref_lowp - ref32| + atol, elementwise max, where
+    ref_lowp is the reference computed in the test dtype."""
+    x, topk_idx, topk_weights, w13, w2, dy = problem
+    ref32 = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *problem)
+    ref_lp = run_with_grads(reference.moe_loop, *problem)
+    for name, o, r, rl in zip(NAMES, out, ref32, ref_lp):
+        assert o.shape == r.shape, name
+        assert torch.isfinite(o).all(), f"{name} has non-finite values"
+        err = (o.float() - r).abs().max().item()
+        bound = 2 * (rl.float() - r).abs().max().item() + atol * max(1.0, r.abs().max().item())
+        assert err <= bound, f"{name}: max err {err:.3e} > bound {bound:.3e}"

@@ -1,0 +1,112 @@
+"""Public API: argument validation, the module, and the benchmark's CPU path."""
+
+import pytest
+import torch
+
+import megamoe
+from megamoe import reference
+from tests.helpers import assert_close_to_reference, make_problem, run_with_grads
+
+
+def good_args():
+    x, idx, w, w13, w2, _ = make_problem(6, 32, 16, 4, 2, "random")
+    return {"x": x, "topk_idx": idx, "topk_weights": w, "w13": w13, "w2": w2}
+
+
+def call(args, **kwargs):
+    return megamoe.moe(args["x"], args["topk_idx"], args["topk_weights"], args["w13"], args["w2"], **kwargs)
+
+
+BAD_INPUTS = [
+    # (argument, replacement, exception, message fragment)
+    ("x", lambda a: a["x"].numpy(), TypeError, "x must be a torch.Tensor"),
+    ("x", lambda a: a["x"][None], ValueError, "x must have 2 dimensions"),
+    ("x", lambda a: a["x"].long(), TypeError, "x must have dtype"),
+    ("topk_idx", lambda a: a["topk_idx"].float(), TypeError, "topk_idx must have dtype"),
+    ("topk_idx", lambda a: a["topk_idx"][:3], ValueError, "topk_idx must have T=6 rows"),
+    ("topk_idx", lambda a: a["topk_idx"].clone().fill_(4), ValueError, "expert id 4"),
+    ("topk_idx", lambda a: a["topk_idx"].clone().fill_(-2), ValueError, "expert id -2"),
+    ("topk_weights", lambda a: a["topk_weights"][:, :1], ValueError, "topk_weights must have the shape"),
+    ("topk_weights", lambda a: a["topk_weights"].long(), TypeError, "topk_weights must have dtype"),
+    ("w13", lambda a: a["w13"].double(), TypeError, "w13 must have dtype"),
+    ("w13", lambda a: a["w13"][:, :, :16].contiguous(), ValueError, "w13 must be"),
+    ("w13", lambda a: a["w13"][:, :31], ValueError, "odd"),
+    ("w13", lambda a: a["w13"].transpose(1, 2).contiguous().transpose(1, 2), ValueError, "w13 must be contiguous"),
+    ("w2", lambda a: a["w2"][:3], ValueError, "w2 must be"),
+    ("w2", lambda a: a["w2"].transpose(1, 2), ValueError, "w2 must be"),
+    ("w2", lambda a: a["w2"].to("meta"), ValueError, "w2 is on meta"),
+]
+
+
+@pytest.mark.parametrize("name,make,exc,match", BAD_INPUTS, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_INPUTS)])
+def test_bad_input_is_named(name, make, exc, match):
+    args = good_args()
+    args[name] = make(args)
+    with pytest.raises(exc, match=match):
+        call(args)
+
+
+def test_unsupported_options_raise():
+    args = good_args()
+    with pytest.raises(ValueError, match="precision"):
+        call(args, precision="int4")
+    with pytest.raises(NotImplementedError, match="fp8"):
+        call(args, precision="fp8")
+    with pytest.raises(NotImplementedError, match="group"):
+        call(args, group=object())
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_moe_cpu_matches_reference(idx_dtype):
+    problem = make_problem(40, 48, 24, 6, 3, "dropped", idx_dtype=idx_dtype)
+    assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
+
+
+def test_module_forward_backward_and_load_balancing():
+    torch.manual_seed(0)
+    layer = megamoe.MegaMoE(32, 16, 6, 2, score_func="sigmoid")
+    x = torch.randn(2, 9, 32, requires_grad=True)
+    y = layer(x)
+    assert y.shape == x.shape
+    # The module is router + moe(): recompute by hand.
+    logits = x.reshape(-1, 32) @ layer.gate.weight.t()
+    idx, w = megamoe.routing.route(logits, 2, score_func="sigmoid", expert_bias_E=layer.expert_bias)
+    ref = reference.moe_loop(x.reshape(-1, 32), idx, w, layer.w13, layer.w2)
+    torch.testing.assert_close(y.reshape(-1, 32), ref, rtol=1e-5, atol=1e-6)
+    y.square().sum().backward()
+    assert layer.gate.weight.grad.abs().sum() > 0 and x.grad.abs().sum() > 0
+    assert layer.tokens_per_expert.sum() == 18 * 2
+    counts = layer.tokens_per_expert.clone()
+    layer.update_expert_bias(coeff=0.01)
+    expected = 0.01 * torch.sign(counts.mean() - counts)
+    torch.testing.assert_close(layer.expert_bias, expected - expected.mean())
+    assert layer.tokens_per_expert.sum() == 0
+    layer.eval()
+    layer(x)
+    assert layer.tokens_per_expert.sum() == 0  # eval does not count
+
+
+@pytest.mark.parametrize("kwargs,exc", [
+    ({"top_k": 7}, ValueError), ({"score_func": "tanh"}, ValueError), ({"hidden_size": 0}, ValueError),
+    ({"precision": "fp4"}, ValueError), ({"ep_group": object()}, NotImplementedError),
+])
+def test_module_rejects_bad_config(kwargs, exc):
+    args = {"hidden_size": 32, "intermediate_size": 16, "num_experts": 6, "top_k": 2, **kwargs}
+    with pytest.raises(exc):
+        megamoe.MegaMoE(**args)
+
+
+def test_module_rejects_wrong_width():
+    with pytest.raises(ValueError, match="hidden_size=32"):
+        megamoe.MegaMoE(32, 16, 6, 2)(torch.randn(3, 31))
+
+
+def test_benchmark_cpu_path_checks_correctness(capsys):
+    from megamoe.bench.layer import main
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path runs only without a GPU")
+    main([])
+    out = capsys.readouterr().out
+    assert "timings need a GPU" in out
+    assert "OK" in out and "megamoe" in out
