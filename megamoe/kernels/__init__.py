@@ -1,3 +1,3 @@
 """Triton kernels (private). ``AVAILABLE`` says whether the fused path exists in this build."""
 
-AVAILABLE = False
+AVAILABLE = True

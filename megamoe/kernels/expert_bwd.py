@@ -1,0 +1,217 @@
+"""Backward expert kernels. Nothing from the forward is kept: the gate/up GEMM is recomputed.
+
+Shape legend as in expert_fwd.py; NI = ceil(I / BN_ACT) intermediate blocks.
+
+1. ``_act_bwd_kernel`` — per tile × I-block, one loop over D accumulates g, u (recompute, from gathered x
+   rows) and dh' = dy W2 (from gathered dy rows); epilogue: h, a partial d(routing weight) = sum_i dh'·h
+   per I-block, dz = [dg | du] (scaled by the routing weight) and h·w (for dW2).
+2. ``_dx_kernel`` — dz W13 → unweighted dx slot rows; combine.py reduces them per token.
+3. ``_dw13_kernel`` / ``_dw2_kernel`` — per expert, K-grouped GEMMs over that expert's rows:
+   dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w). An expert with no rows gets exact zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.kernels.expert_fwd import _tile_rows, dot_precision
+from megamoe.kernels.plan import BLOCK_M, Plan
+
+
+@triton.jit
+def _act_bwd_kernel(
+    x_ptr,  # (T, D)
+    dy_ptr,  # (T, D)
+    w13_ptr,  # (E, 2I, D)
+    w2_ptr,  # (E, D, I)
+    weights_ptr,  # (N,) routing weights, flat slots
+    dz_ptr,  # (N, 2I) out: [dg | du], sorted rows
+    hw_ptr,  # (N, I) out: h * weight, sorted rows
+    dweight_part_ptr,  # (NI, N) fp32 out: per I-block partial of d(routing weight), flat slots
+    row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+    N, D, I, E, top_k,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+):
+    e, rows, rmask = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, BM)
+    if e >= E:
+        return
+    pid_n = tl.program_id(1)
+    slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    tok = slots // top_k
+    cols = pid_n * BN + tl.arange(0, BN)
+    cmask = cols < I
+    ks = tl.arange(0, BK)
+    e64 = e.to(tl.int64)
+    x_ptrs = x_ptr + tok[:, None] * D + ks[None, :]
+    dy_ptrs = dy_ptr + tok[:, None] * D + ks[None, :]
+    wg_ptrs = w13_ptr + e64 * 2 * I * D + cols[None, :].to(tl.int64) * D + ks[:, None]
+    wu_ptrs = wg_ptrs + I * D
+    w2_ptrs = w2_ptr + e64 * D * I + ks[:, None].to(tl.int64) * I + cols[None, :]
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_d = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
+            g = tl.load(dy_ptrs, mask=rmask[:, None], other=0.0)
+            bg = tl.load(wg_ptrs, mask=cmask[None, :], other=0.0)
+            bu = tl.load(wu_ptrs, mask=cmask[None, :], other=0.0)
+            b2 = tl.load(w2_ptrs, mask=cmask[None, :], other=0.0)
+        else:
+            kmask = ks + k0 < D
+            a = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            g = tl.load(dy_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            bg = tl.load(wg_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            bu = tl.load(wu_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            b2 = tl.load(w2_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
+        acc_d = tl.dot(g, b2, acc_d, input_precision=PREC)
+        x_ptrs += BK
+        dy_ptrs += BK
+        wg_ptrs += BK
+        wu_ptrs += BK
+        w2_ptrs += BK * I
+    wt = tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(acc_g)
+    silu = acc_g * sig
+    h = silu * acc_u
+    # Columns past I hold zeros (masked weights), so they add nothing to the partial sum.
+    tl.store(dweight_part_ptr + pid_n.to(tl.int64) * N + slots, tl.sum(acc_d * h, axis=1), mask=rmask)
+    dh = acc_d * wt[:, None]
+    du = dh * silu
+    dg = dh * acc_u * sig * (1.0 + acc_g * (1.0 - sig))
+    omask = rmask[:, None] & cmask[None, :]
+    rows64 = rows[:, None].to(tl.int64)
+    dz_ptrs = dz_ptr + rows64 * 2 * I + cols[None, :]
+    tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=omask)
+    tl.store(dz_ptrs + I, du.to(dz_ptr.dtype.element_ty), mask=omask)
+    tl.store(hw_ptr + rows64 * I + cols[None, :], (h * wt[:, None]).to(hw_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _dx_kernel(
+    dz_ptr,  # (N, 2I) sorted rows
+    w13_ptr,  # (E, 2I, D)
+    dx_slots_ptr,  # (N, D) out: dz W13, token-major slot rows
+    row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+    D, I, E,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+):
+    e, rows, rmask = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, BM)
+    if e >= E:
+        return
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cmask = cols < D
+    ks = tl.arange(0, BK)
+    a_ptrs = dz_ptr + rows[:, None].to(tl.int64) * 2 * I + ks[None, :]
+    b_ptrs = w13_ptr + e.to(tl.int64) * 2 * I * D + ks[:, None].to(tl.int64) * D + cols[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, 2 * I, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
+        else:
+            kmask = ks + k0 < 2 * I
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        a_ptrs += BK
+        b_ptrs += BK * D
+    slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    out_ptrs = dx_slots_ptr + slots[:, None] * D + cols[None, :]
+    tl.store(out_ptrs, acc.to(dx_slots_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _expert_wgrad_kernel(
+    a_ptr,  # A^T source: (N, P) sorted rows (dz) or (T, P) token rows (dy)
+    b_ptr,  # B source: (T, Q) token rows (x) or (N, Q) sorted rows (h·w)
+    dw_ptr,  # (E, P, Q) out: dW[e] = sum over the expert's rows r of A[r]^T B[r]
+    row_slot_ptr, offsets_ptr,
+    P, Q, top_k,
+    A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+):
+    """One (expert, P-block, Q-block) per program; the K-loop runs over that expert's rows, each
+    operand read either by sorted row or gathered by token through the row map."""
+    e = tl.program_id(0)
+    ps = tl.program_id(1) * BM + tl.arange(0, BM)
+    qs = tl.program_id(2) * BN + tl.arange(0, BN)
+    pmask = ps < P
+    qmask = qs < Q
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    rs = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for r0 in range(start, end, BK):
+        rows = r0 + rs
+        rmask = rows < end
+        slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        if A_BY_TOKEN:
+            a_rows = slots // top_k
+        else:
+            a_rows = rows.to(tl.int64)
+        if B_BY_TOKEN:
+            b_rows = slots // top_k
+        else:
+            b_rows = rows.to(tl.int64)
+        a = tl.load(a_ptr + a_rows[None, :] * P + ps[:, None], mask=pmask[:, None] & rmask[None, :], other=0.0)
+        b = tl.load(b_ptr + b_rows[:, None] * Q + qs[None, :], mask=rmask[:, None] & qmask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    out_ptrs = dw_ptr + e.to(tl.int64) * P * Q + ps[:, None].to(tl.int64) * Q + qs[None, :]
+    tl.store(out_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=pmask[:, None] & qmask[None, :])
+
+
+def act_bwd(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int):
+    """Returns dz (N, 2I), h·w (N, I) in sorted rows and d(routing weight) (T, K) fp32."""
+    num_slots = plan.row_slot_N.numel()
+    num_experts, two_i, dim = w13_EHD.shape
+    inter = two_i // 2
+    bn, bk = 64, 64
+    n_blocks = triton.cdiv(inter, bn)
+    dz_NH = torch.empty(num_slots, two_i, device=x_TD.device, dtype=x_TD.dtype)
+    hw_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
+    # Dropped slots are never written: their d(weight) is exactly zero.
+    dweight_part = torch.zeros(n_blocks, num_slots, device=x_TD.device, dtype=torch.float32)
+    _act_bwd_kernel[(plan.tile_expert_NT.numel(), n_blocks)](
+        x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK.reshape(-1), dz_NH, hw_NI, dweight_part,
+        plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
+        num_slots, dim, inter, num_experts, top_k,
+        BM=BLOCK_M, BN=bn, BK=bk, EVEN_K=dim % bk == 0, PREC=dot_precision(x_TD.dtype),
+        num_warps=8, num_stages=3,
+    )
+    # Fixed-order sum over the I-blocks: deterministic.
+    dweight_TK = dweight_part.sum(dim=0).view(-1, top_k)
+    return dz_NH, hw_NI, dweight_TK
+
+
+def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
+    """Unweighted dx slot rows (N, D), token-major; dropped slots' rows are not written."""
+    num_slots, two_i = dz_NH.shape
+    num_experts, _, dim = w13_EHD.shape
+    out = torch.empty(num_slots, dim, device=dz_NH.device, dtype=dz_NH.dtype)
+    bn, bk = 128, 64
+    _dx_kernel[(plan.tile_expert_NT.numel(), triton.cdiv(dim, bn))](
+        dz_NH, w13_EHD, out, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
+        dim, two_i // 2, num_experts,
+        BM=BLOCK_M, BN=bn, BK=bk, EVEN_K=two_i % bk == 0, PREC=dot_precision(dz_NH.dtype),
+        num_warps=8, num_stages=3,
+    )
+    return out
+
+
+def expert_wgrad(a, b, plan: Plan, num_experts: int, top_k: int, *, a_by_token: bool, b_by_token: bool,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """(E, P, Q) = per expert, sum over its rows of outer(a_row, b_row); a (.., P), b (.., Q)."""
+    p, q = a.shape[1], b.shape[1]
+    dw = torch.empty(num_experts, p, q, device=a.device, dtype=out_dtype)
+    bm, bn, bk = 128, 128, 64
+    _expert_wgrad_kernel[(num_experts, triton.cdiv(p, bm), triton.cdiv(q, bn))](
+        a, b, dw, plan.row_slot_N, plan.offsets_E1, p, q, top_k,
+        A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, BM=bm, BN=bn, BK=bk, PREC=dot_precision(a.dtype),
+        num_warps=8, num_stages=3,
+    )
+    return dw

@@ -1,0 +1,145 @@
+"""Forward expert kernels: gather → [gate|up] GEMM → SwiGLU → h, and h → down GEMM → weighted slot rows.
+
+Shape legend: T tokens, K slots per token, E experts, D hidden, I intermediate, N = T*K slots,
+NT tiles (see plan.py). Rows of ``h`` are in expert-sorted order; slot rows are token-major (t*K + k).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.kernels.plan import BLOCK_M, Plan
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs (tests) use exact fp32 products; tf32 would miss the reference by ~1e-3.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, BM: tl.constexpr):
+    """Expert, sorted rows and row mask of this program's tile (axis 0 of the grid)."""
+    pid_t = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + pid_t)
+    row0 = tl.load(tile_row_ptr + pid_t)
+    row_end = tl.load(offsets_ptr + e + 1)
+    rows = row0 + tl.arange(0, BM)
+    return e, rows, rows < row_end
+
+
+@triton.jit
+def _up_swiglu_fwd_kernel(
+    x_ptr,  # (T, D)
+    w13_ptr,  # (E, 2I, D) gate rows [0, I), up rows [I, 2I)
+    h_ptr,  # (N, I) out: silu(x W1g^T) * (x W1u^T), sorted rows
+    row_slot_ptr,  # (N,) int32
+    offsets_ptr,  # (E+1,) int32
+    tile_expert_ptr,  # (NT,) int32
+    tile_row_ptr,  # (NT,) int32
+    D, I, E, top_k,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+):
+    e, rows, rmask = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, BM)
+    if e >= E:
+        return
+    slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
+    tok = (slots // top_k).to(tl.int64)  # int64: T*D overflows int32 at real sizes
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cmask = cols < I
+    ks = tl.arange(0, BK)
+    a_ptrs = x_ptr + tok[:, None] * D + ks[None, :]
+    wg_ptrs = w13_ptr + e.to(tl.int64) * 2 * I * D + cols[None, :].to(tl.int64) * D + ks[:, None]
+    wu_ptrs = wg_ptrs + I * D
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            bg = tl.load(wg_ptrs, mask=cmask[None, :], other=0.0)
+            bu = tl.load(wu_ptrs, mask=cmask[None, :], other=0.0)
+        else:
+            kmask = ks + k0 < D
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            bg = tl.load(wg_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            bu = tl.load(wu_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
+        a_ptrs += BK
+        wg_ptrs += BK
+        wu_ptrs += BK
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _down_fwd_kernel(
+    h_ptr,  # (N, I) sorted rows
+    w2_ptr,  # (E, D, I)
+    weights_ptr,  # (N,) routing weight of each slot (flat t*K + k)
+    slots_out_ptr,  # (N, D) out: weight * (h W2^T), token-major slot rows
+    row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+    D, I, E,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+):
+    e, rows, rmask = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, BM)
+    if e >= E:
+        return
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cmask = cols < D
+    ks = tl.arange(0, BK)
+    a_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + ks[None, :]
+    b_ptrs = w2_ptr + e.to(tl.int64) * D * I + cols[None, :].to(tl.int64) * I + ks[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
+        else:
+            kmask = ks + k0 < I
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        a_ptrs += BK
+        b_ptrs += BK
+    slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    wt = tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)
+    out = acc * wt[:, None]
+    out_ptrs = slots_out_ptr + slots[:, None] * D + cols[None, :]
+    tl.store(out_ptrs, out.to(slots_out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int) -> torch.Tensor:
+    """h (N, I) in x's dtype, rows in expert-sorted order (rows past the routed count are not written)."""
+    num_slots = plan.row_slot_N.numel()
+    num_experts, two_i, dim = w13_EHD.shape
+    inter = two_i // 2
+    h_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
+    bn, bk = 128, 64
+    grid = (plan.tile_expert_NT.numel(), triton.cdiv(inter, bn))
+    _up_swiglu_fwd_kernel[grid](
+        x_TD, w13_EHD, h_NI, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
+        dim, inter, num_experts, top_k,
+        BM=BLOCK_M, BN=bn, BK=bk, EVEN_K=dim % bk == 0, PREC=dot_precision(x_TD.dtype),
+        num_warps=8, num_stages=3,
+    )
+    return h_NI
+
+
+def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
+    """Weighted expert outputs (N, D), one row per slot ``t*K + k``; dropped slots' rows are not written."""
+    num_slots, inter = h_NI.shape
+    num_experts, dim, _ = w2_EDI.shape
+    slots_ND = torch.empty(num_slots, dim, device=h_NI.device, dtype=h_NI.dtype)
+    bn, bk = 128, 64
+    grid = (plan.tile_expert_NT.numel(), triton.cdiv(dim, bn))
+    _down_fwd_kernel[grid](
+        h_NI, w2_EDI, topk_weights_TK.reshape(-1), slots_ND,
+        plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
+        dim, inter, num_experts,
+        BM=BLOCK_M, BN=bn, BK=bk, EVEN_K=inter % bk == 0, PREC=dot_precision(h_NI.dtype),
+        num_warps=8, num_stages=3,
+    )
+    return slots_ND

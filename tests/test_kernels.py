@@ -1,0 +1,203 @@
+"""Fused Triton kernels against the fp32 reference: outputs and every gradient.
+
+On CPU the kernels run in the Triton interpreter (fp32/fp16, small shapes; bf16 is broken in the 3.6
+interpreter); the GPU cases (bf16, real sizes, poisoned allocator, no host sync, CUDA graphs,
+torch.compile) are marked ``gpu``.
+"""
+
+import pytest
+import torch
+
+import megamoe
+from megamoe.api import backend_for
+from megamoe.kernels.combine import combine
+from megamoe.kernels.plan import BLOCK_M, build_plan
+from tests.helpers import SHAPES, assert_close_to_reference, make_problem, run_with_grads
+
+# The shape matrix plus cases that exercise several tiles per expert, several K-loop iterations with a
+# remainder, and several I-blocks in the backward.
+KERNEL_SHAPES = SHAPES + [
+    (260, 136, 72, 3, 2, "random"),    # 2+ tiles per expert, D and I not multiples of the blocks
+    (150, 128, 128, 2, 2, "dropped"),  # even K loops, a partial last tile, dropped slots
+]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def shape_id(s):
+    return f"T{s[0]}-D{s[1]}-I{s[2]}-E{s[3]}-K{s[4]}-{s[5]}"
+
+
+@pytest.fixture(autouse=True)
+def _uses_kernels():
+    assert backend_for(torch.empty(0, device=DEVICE)) == "triton", "these tests must run the Triton kernels"
+
+
+@pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=[shape_id(s) for s in KERNEL_SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_matches_fp32_reference(shape, dtype):
+    problem = make_problem(*shape, dtype=dtype, device=DEVICE)
+    assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
+
+
+def test_plan_is_a_stable_sort_with_a_complete_tile_table():
+    gen = torch.Generator().manual_seed(3)
+    num_experts, top_k = 7, 3
+    idx = torch.randint(-1, num_experts, (400, top_k), generator=gen)
+    idx[:, 0] = 2  # one popular expert: several tiles
+    plan = build_plan(idx.to(DEVICE), num_experts)
+    flat = idx.reshape(-1)
+    key = torch.where(flat >= 0, flat, num_experts)
+    expected_order = torch.sort(key, stable=True).indices
+    assert torch.equal(plan.row_slot_N.cpu().long(), expected_order)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    assert torch.equal(plan.offsets_E1.cpu().long(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+    # Every routed row is covered by exactly one tile of its own expert.
+    cover = torch.zeros(flat.numel(), dtype=torch.long)
+    for e, r0 in zip(plan.tile_expert_NT.cpu().tolist(), plan.tile_row_NT.cpu().tolist()):
+        if e == num_experts:
+            continue
+        end = min(r0 + BLOCK_M, int(plan.offsets_E1[e + 1]))
+        assert int(plan.offsets_E1[e]) <= r0 < end
+        cover[r0:end] += 1
+    n_routed = int((flat >= 0).sum())
+    assert torch.equal(cover[:n_routed], torch.ones(n_routed, dtype=torch.long))
+
+
+def test_combine_moves_rows_exactly():
+    num_tokens, top_k, dim = 37, 3, 40
+    idx = torch.randint(0, 4, (num_tokens, top_k))
+    idx[::5, 1] = -1
+    # Index-derived payloads: row n holds n*1000 + column, exact in fp32.
+    rows = (torch.arange(num_tokens * top_k)[:, None] * 1000 + torch.arange(dim)[None, :]).float()
+    rows[idx.reshape(-1) < 0] = float("nan")  # dropped slots' rows are never written: must not be read
+    out = combine(rows.to(DEVICE), idx.to(DEVICE), torch.float32).cpu()
+    expected = torch.where((idx >= 0)[:, :, None], rows.view(num_tokens, top_k, dim), 0).sum(1)
+    assert torch.equal(out, expected)
+
+
+def test_experts_without_tokens_get_exactly_zero_gradients():
+    problem = make_problem(29, 32, 16, 8, 2, "empty", device=DEVICE)
+    y, dx, dw, dw13, dw2 = run_with_grads(megamoe.moe, *problem)
+    used = torch.zeros(8, dtype=torch.bool, device=DEVICE)
+    used[problem[1][problem[1] >= 0].unique()] = True
+    assert (~used).any()
+    assert torch.equal(dw13[~used], torch.zeros_like(dw13[~used]))
+    assert torch.equal(dw2[~used], torch.zeros_like(dw2[~used]))
+
+
+def test_dropped_slots_get_zero_weight_gradient():
+    problem = make_problem(31, 32, 16, 6, 3, "dropped", device=DEVICE)
+    _, _, dw, _, _ = run_with_grads(megamoe.moe, *problem)
+    dropped = problem[1] < 0
+    assert dropped.any() and torch.equal(dw[dropped], torch.zeros_like(dw[dropped]))
+
+
+def test_bitwise_deterministic():
+    problem = make_problem(260, 136, 72, 3, 2, "random", dtype=torch.float16, device=DEVICE)
+    first = run_with_grads(megamoe.moe, *problem)
+    second = run_with_grads(megamoe.moe, *problem)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+GPU_SHAPES = [
+    (4096, 2048, 768, 128, 8, "random"),   # Qwen3-30B-A3B layer
+    (1024, 4096, 1536, 128, 8, "random"),  # Qwen3-235B-A22B layer
+    (3000, 1024, 512, 64, 8, "skewed"),
+    (777, 520, 200, 13, 4, "dropped"),     # nothing a multiple of the tile
+]
+
+
+def gpu_problem(T, D, I, E, K, routing, seed=0):
+    if routing == "skewed":
+        gen = torch.Generator().manual_seed(seed)
+        logits = torch.randn(T, E, generator=gen) - 1.5 * torch.log1p(torch.arange(E, dtype=torch.float32))
+        problem = list(make_problem(T, D, I, E, K, "random", dtype=torch.bfloat16, device="cuda", seed=seed))
+        problem[1] = logits.topk(K, dim=1).indices.cuda()
+        return problem
+    return make_problem(T, D, I, E, K, routing, dtype=torch.bfloat16, device="cuda", seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES + GPU_SHAPES, ids=[shape_id(s) for s in SHAPES + GPU_SHAPES])
+def test_fused_bf16_gpu_matches_fp32_reference(shape, poison_cuda):
+    problem = gpu_problem(*shape)
+    assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
+
+
+@pytest.mark.gpu
+def test_no_host_sync_in_forward_and_backward():
+    problem = gpu_problem(512, 256, 128, 16, 4, "random")
+    run_with_grads(megamoe.moe, *problem)  # compile outside the checked region
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run_with_grads(megamoe.moe, *problem)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_with_new_routing():
+    x, idx, w, w13, w2, dy = gpu_problem(512, 256, 128, 16, 4, "random")
+    leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
+    static_idx = idx.clone()
+
+    def step():
+        y = megamoe.moe(leaves[0], static_idx, leaves[1], leaves[2], leaves[3])
+        return [y, *torch.autograd.grad(y, leaves, dy)]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for seed in (1, 2):
+        new_idx = gpu_problem(512, 256, 128, 16, 4, "skewed", seed=seed)[1]
+        static_idx.copy_(new_idx)
+        graph.replay()
+        expected = run_with_grads(megamoe.moe, x, new_idx, w, w13, w2, dy)
+        for a, b in zip(outs, expected):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph_without_recompiles():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(megamoe.moe, fullgraph=True)
+    x, idx, w, w13, w2, dy = gpu_problem(512, 256, 128, 16, 4, "random")
+    for seed in range(3):  # different per-expert counts each step
+        idx = gpu_problem(512, 256, 128, 16, 4, "skewed" if seed else "random", seed=seed)[1]
+        with torch._dynamo.config.patch(error_on_recompile=seed > 0):
+            out = run_with_grads(compiled, x, idx, w, w13, w2, dy)
+        expected = run_with_grads(megamoe.moe, x, idx, w, w13, w2, dy)
+        for a, b in zip(out, expected):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_custom_ops_pass_opcheck():
+    from megamoe import autograd as ops
+
+    x, idx, w, w13, w2, dy = gpu_problem(300, 128, 64, 8, 2, "random")
+    plan = ops._plan_op(idx, 8)
+    torch.library.opcheck(ops._plan_op, (idx, 8))
+    torch.library.opcheck(ops._experts_fwd, (x.requires_grad_(), idx, w.requires_grad_(), w13, w2, *plan))
+    torch.library.opcheck(ops._experts_bwd, (dy, x.detach(), idx, w.detach(), w13, w2, *plan))
+
+
+@pytest.mark.gpu
+def test_recomputed_forward_is_bitwise_equal_under_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    problem = gpu_problem(2048, 1024, 512, 32, 4, "random")
+    plain = run_with_grads(megamoe.moe, *problem)
+    ckpt = run_with_grads(lambda *a: checkpoint(megamoe.moe, *a, use_reentrant=False), *problem)
+    for a, b in zip(plain, ckpt):
+        assert torch.equal(a, b)
