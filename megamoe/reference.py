@@ -118,12 +118,12 @@ def moe_grouped_mm(
     h_MI = F.silu(gate_up_MH[:, :inter]) * gate_up_MH[:, inter:]
     out_MD = torch._grouped_mm(h_MI, w2_EDI.transpose(-2, -1), offs=offs_E)
 
-    # Un-permute (rows past the last group are never read, so their contents do not matter) and
-    # reduce the K slots of each token in a fixed order, in fp32 as TorchTitan applies the scores.
-    out_valid_ND = out_MD[dest_N.clamp_max(m_rows - 1)]
-    out_valid_ND = torch.where((sorted_key_N < num_experts)[:, None], out_valid_ND, 0)
-    slots_ND = torch.empty_like(out_valid_ND)
-    slots_ND[order_N] = out_valid_ND
-    slots_TKD = slots_ND.view(num_tokens, top_k, dim).float()
-    y_TD = (slots_TKD * topk_weights_TK.float()[:, :, None]).sum(dim=1)
-    return y_TD.to(x_TD.dtype)
+    # Scores are applied to the sorted rows in fp32 (TorchTitan, score_before_experts=False); then the
+    # rows are un-permuted (rows past the last group are never read) and each token's K slots summed.
+    score_N = topk_weights_TK.reshape(-1).float()[order_N]
+    # Dropped rows read an arbitrary (possibly unwritten) row: mask it before it meets the score.
+    out_ND = torch.where((sorted_key_N < num_experts)[:, None], out_MD[dest_N.clamp_max(m_rows - 1)], 0)
+    routed_ND = (out_ND.float() * score_N[:, None]).to(x_TD.dtype)
+    slots_ND = torch.empty_like(routed_ND)
+    slots_ND[order_N] = routed_ND
+    return slots_ND.view(num_tokens, top_k, dim).sum(dim=1)

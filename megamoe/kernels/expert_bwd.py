@@ -16,8 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.kernels.expert_fwd import _tile_rows, dot_precision
+from megamoe.kernels.expert_fwd import _tile_rows, dot_precision, launch_config
 from megamoe.kernels.plan import BLOCK_M, Plan
+
+ACT_BWD_CONFIG = {"BN": 64, "BK": 64, "num_warps": 8, "num_stages": 3}
+DX_CONFIG = {"BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+WGRAD_CONFIG = {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit
@@ -170,8 +174,7 @@ def act_bwd(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: in
     num_slots = plan.row_slot_N.numel()
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
-    bn, bk = 64, 64
-    n_blocks = triton.cdiv(inter, bn)
+    n_blocks = triton.cdiv(inter, ACT_BWD_CONFIG["BN"])
     dz_NH = torch.empty(num_slots, two_i, device=x_TD.device, dtype=x_TD.dtype)
     hw_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
     # Dropped slots are never written: their d(weight) is exactly zero.
@@ -180,8 +183,7 @@ def act_bwd(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: in
         x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK.reshape(-1), dz_NH, hw_NI, dweight_part,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         num_slots, dim, inter, num_experts, top_k,
-        BM=BLOCK_M, BN=bn, BK=bk, EVEN_K=dim % bk == 0, PREC=dot_precision(x_TD.dtype),
-        num_warps=8, num_stages=3,
+        BM=BLOCK_M, PREC=dot_precision(x_TD.dtype), **launch_config(ACT_BWD_CONFIG, dim),
     )
     # Fixed-order sum over the I-blocks: deterministic.
     dweight_TK = dweight_part.sum(dim=0).view(-1, top_k)
@@ -193,12 +195,10 @@ def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
     num_slots, two_i = dz_NH.shape
     num_experts, _, dim = w13_EHD.shape
     out = torch.empty(num_slots, dim, device=dz_NH.device, dtype=dz_NH.dtype)
-    bn, bk = 128, 64
-    _dx_kernel[(plan.tile_expert_NT.numel(), triton.cdiv(dim, bn))](
+    _dx_kernel[(plan.tile_expert_NT.numel(), triton.cdiv(dim, DX_CONFIG["BN"]))](
         dz_NH, w13_EHD, out, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, two_i // 2, num_experts,
-        BM=BLOCK_M, BN=bn, BK=bk, EVEN_K=two_i % bk == 0, PREC=dot_precision(dz_NH.dtype),
-        num_warps=8, num_stages=3,
+        BM=BLOCK_M, PREC=dot_precision(dz_NH.dtype), **launch_config(DX_CONFIG, two_i),
     )
     return out
 
@@ -208,10 +208,9 @@ def expert_wgrad(a, b, plan: Plan, num_experts: int, top_k: int, *, a_by_token: 
     """(E, P, Q) = per expert, sum over its rows of outer(a_row, b_row); a (.., P), b (.., Q)."""
     p, q = a.shape[1], b.shape[1]
     dw = torch.empty(num_experts, p, q, device=a.device, dtype=out_dtype)
-    bm, bn, bk = 128, 128, 64
-    _expert_wgrad_kernel[(num_experts, triton.cdiv(p, bm), triton.cdiv(q, bn))](
+    cfg = WGRAD_CONFIG
+    _expert_wgrad_kernel[(num_experts, triton.cdiv(p, cfg["BM"]), triton.cdiv(q, cfg["BN"]))](
         a, b, dw, plan.row_slot_N, plan.offsets_E1, p, q, top_k,
-        A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, BM=bm, BN=bn, BK=bk, PREC=dot_precision(a.dtype),
-        num_warps=8, num_stages=3,
+        A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, PREC=dot_precision(a.dtype), **cfg,
     )
     return dw

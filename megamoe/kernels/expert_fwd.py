@@ -13,6 +13,16 @@ import triton.language as tl
 from megamoe.kernels.plan import BLOCK_M, Plan
 
 
+# Tile configs (BM is plan.BLOCK_M). Module-level so the kernel benchmark can sweep them.
+UP_CONFIG = {"BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+DOWN_CONFIG = {"BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+
+
+def launch_config(config: dict, k_dim: int) -> dict:
+    """Kernel keyword arguments for a config dict, plus EVEN_K for the contraction length."""
+    return {**config, "EVEN_K": k_dim % config["BK"] == 0}
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs (tests) use exact fp32 products; tf32 would miss the reference by ~1e-3.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -117,13 +127,11 @@ def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int) -> torch.Tensor:
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
     h_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
-    bn, bk = 128, 64
-    grid = (plan.tile_expert_NT.numel(), triton.cdiv(inter, bn))
+    grid = (plan.tile_expert_NT.numel(), triton.cdiv(inter, UP_CONFIG["BN"]))
     _up_swiglu_fwd_kernel[grid](
         x_TD, w13_EHD, h_NI, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, inter, num_experts, top_k,
-        BM=BLOCK_M, BN=bn, BK=bk, EVEN_K=dim % bk == 0, PREC=dot_precision(x_TD.dtype),
-        num_warps=8, num_stages=3,
+        BM=BLOCK_M, PREC=dot_precision(x_TD.dtype), **launch_config(UP_CONFIG, dim),
     )
     return h_NI
 
@@ -133,13 +141,11 @@ def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
     num_slots, inter = h_NI.shape
     num_experts, dim, _ = w2_EDI.shape
     slots_ND = torch.empty(num_slots, dim, device=h_NI.device, dtype=h_NI.dtype)
-    bn, bk = 128, 64
-    grid = (plan.tile_expert_NT.numel(), triton.cdiv(dim, bn))
+    grid = (plan.tile_expert_NT.numel(), triton.cdiv(dim, DOWN_CONFIG["BN"]))
     _down_fwd_kernel[grid](
         h_NI, w2_EDI, topk_weights_TK.reshape(-1), slots_ND,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, inter, num_experts,
-        BM=BLOCK_M, BN=bn, BK=bk, EVEN_K=inter % bk == 0, PREC=dot_precision(h_NI.dtype),
-        num_warps=8, num_stages=3,
+        BM=BLOCK_M, PREC=dot_precision(h_NI.dtype), **launch_config(DOWN_CONFIG, inter),
     )
     return slots_ND

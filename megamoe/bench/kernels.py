@@ -1,0 +1,108 @@
+"""Per-kernel times of the fused path (where the layer's time goes), optionally sweeping tile configs.
+
+``python -m megamoe.bench.kernels --preset qwen3-30b-a3b [--sweep]`` on a GPU. Each stage is timed alone
+with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
+With ``--sweep`` every candidate config of each kernel is timed and the table shows the best, next to
+the default that the launchers use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from megamoe.bench.layer import PRESETS, ROUTINGS, make_problem
+from megamoe.kernels import expert_bwd, expert_fwd
+from megamoe.kernels.combine import combine
+from megamoe.kernels.plan import build_plan
+
+
+def grid_of(**axes):
+    keys = list(axes)
+    return [dict(zip(keys, vals)) for vals in itertools.product(*axes.values())]
+
+
+SWEEPS = {
+    (expert_fwd, "UP_CONFIG"): grid_of(BN=[64, 128], BK=[64], num_warps=[4, 8], num_stages=[3, 4]),
+    (expert_fwd, "DOWN_CONFIG"): grid_of(BN=[128, 256], BK=[64], num_warps=[4, 8], num_stages=[3, 4]),
+    (expert_bwd, "ACT_BWD_CONFIG"): grid_of(BN=[64, 128], BK=[32, 64], num_warps=[4, 8], num_stages=[2, 3]),
+    (expert_bwd, "DX_CONFIG"): grid_of(BN=[128, 256], BK=[64], num_warps=[4, 8], num_stages=[3, 4]),
+    (expert_bwd, "WGRAD_CONFIG"): grid_of(BM=[128], BN=[128, 256], BK=[32, 64], num_warps=[4, 8], num_stages=[3, 4]),
+}
+
+
+def stages(problem, num_experts):
+    """name → (callable, FLOPs, config key or None)."""
+    x, topk_idx, topk_weights, w13, w2, dy = problem
+    top_k = topk_idx.shape[1]
+    n_rows = int((topk_idx >= 0).sum())
+    dim, inter = x.shape[1], w2.shape[2]
+    unit = n_rows * dim * inter
+    plan = build_plan(topk_idx, num_experts)
+    h = expert_fwd.up_swiglu_fwd(x, w13, plan, top_k)
+    slots = expert_fwd.down_fwd(h, w2, topk_weights, plan)
+    dz, hw, _ = expert_bwd.act_bwd(x, dy, w13, w2, topk_weights, plan, top_k)
+    wg = expert_bwd.expert_wgrad
+    return {
+        "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),
+        "fwd up+swiglu": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k), 4 * unit, (expert_fwd, "UP_CONFIG")),
+        "fwd down": (lambda: expert_fwd.down_fwd(h, w2, topk_weights, plan), 2 * unit, (expert_fwd, "DOWN_CONFIG")),
+        "combine": (lambda: combine(slots, topk_idx, x.dtype), 0, None),
+        "bwd recompute+act": (lambda: expert_bwd.act_bwd(x, dy, w13, w2, topk_weights, plan, top_k), 6 * unit,
+                              (expert_bwd, "ACT_BWD_CONFIG")),
+        "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, (expert_bwd, "DX_CONFIG")),
+        "bwd dw13": (lambda: wg(dz, x, plan, num_experts, top_k, a_by_token=False, b_by_token=True,
+                                out_dtype=w13.dtype), 4 * unit, (expert_bwd, "WGRAD_CONFIG")),
+        "bwd dw2": (lambda: wg(dy, hw, plan, num_experts, top_k, a_by_token=True, b_by_token=False,
+                               out_dtype=w2.dtype), 2 * unit, (expert_bwd, "WGRAD_CONFIG")),
+    }
+
+
+def main(argv=None) -> None:
+    from triton.testing import do_bench
+
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench.kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--routing", choices=ROUTINGS, default="random")
+    p.add_argument("--sweep", action="store_true", help="time every candidate config of each kernel")
+    p.add_argument("--json", help="write the table as JSON to this path")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the kernel benchmark needs a CUDA GPU")
+    dim, inter, num_experts, top_k = PRESETS[args.preset]
+    problem = make_problem(args.tokens, dim, inter, num_experts, top_k, args.routing, torch.bfloat16, "cuda", 0)
+    rows = []
+    for name, (fn, flops, key) in stages(problem, num_experts).items():
+        ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
+        row = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None}
+        if args.sweep and key is not None:
+            module, attr = key
+            default = getattr(module, attr)
+            best = (ms, default)
+            for cfg in SWEEPS[key]:
+                setattr(module, attr, cfg)
+                try:
+                    t = do_bench(fn, warmup=25, rep=150, return_mode="median")
+                except Exception as exc:  # out of shared memory / registers: not a candidate
+                    print(f"    {name} {cfg}: {type(exc).__name__}")
+                    continue
+                best = min(best, (t, cfg), key=lambda b: b[0])
+            setattr(module, attr, default)
+            row.update(best_ms=best[0], best_config=best[1], best_tflops=flops / best[0] / 1e9)
+        rows.append(row)
+        extra = f"   best {row['best_ms']:.3f} ms {row['best_config']}" if "best_ms" in row else ""
+        tf = f"{row['tflops']:6.0f}" if row["tflops"] else "     -"
+        print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{extra}", flush=True)
+    print(f"{'total':20s} {sum(r['ms'] for r in rows):8.3f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"preset": args.preset, "tokens": args.tokens,
+                                               "gpu": torch.cuda.get_device_name(), "stages": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
