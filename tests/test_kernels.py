@@ -39,17 +39,26 @@ def test_fused_matches_fp32_reference(shape, dtype):
     assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
 
 
-def test_plan_is_a_stable_sort_with_a_complete_tile_table():
+PLAN_CASES = [
+    (400, 3, 7),    # several chunks, one popular expert with several tiles
+    (1000, 8, 128),  # the real expert count
+    (1, 1, 1),      # one slot, one expert
+    (5, 2, 300),    # more experts than slots: most are empty
+]
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", PLAN_CASES)
+def test_plan_is_a_stable_sort_with_a_complete_tile_table(num_tokens, top_k, num_experts):
     gen = torch.Generator().manual_seed(3)
-    num_experts, top_k = 7, 3
-    idx = torch.randint(-1, num_experts, (400, top_k), generator=gen)
-    idx[:, 0] = 2  # one popular expert: several tiles
+    idx = torch.randint(-1, num_experts, (num_tokens, top_k), generator=gen)
+    idx[:, 0] = min(2, num_experts - 1)  # one popular expert
     plan = build_plan(idx.to(DEVICE), num_experts)
     flat = idx.reshape(-1)
     key = torch.where(flat >= 0, flat, num_experts)
     expected_order = torch.sort(key, stable=True).indices
     assert torch.equal(plan.row_slot_N.cpu().long(), expected_order)
     counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    assert plan.tile_expert_NT.numel() == -(-flat.numel() // BLOCK_M) + num_experts
     assert torch.equal(plan.offsets_E1.cpu().long(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
     # Every routed row is covered by exactly one tile of its own expert.
     cover = torch.zeros(flat.numel(), dtype=torch.long)

@@ -15,7 +15,7 @@ from megamoe.kernels.plan import BLOCK_M, Plan
 
 # Tile configs (BM is plan.BLOCK_M). Module-level so the kernel benchmark can sweep them.
 UP_CONFIG = {"BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
-DOWN_CONFIG = {"BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+DOWN_CONFIG = {"BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4}
 
 
 def launch_config(config: dict, k_dim: int) -> dict:
@@ -29,14 +29,17 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, BM: tl.constexpr):
-    """Expert, sorted rows and row mask of this program's tile (axis 0 of the grid)."""
-    pid_t = tl.program_id(0)
+def _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, BM: tl.constexpr):
+    """Expert, sorted rows, row mask and N-block of this program. The 1-D grid runs the N-blocks of one
+    tile next to each other, so a tile's gathered rows are read from DRAM once and then hit in L2
+    (a tile-major order re-reads them from DRAM once per N-block)."""
+    pid = tl.program_id(0)
+    pid_t = pid // num_n
     e = tl.load(tile_expert_ptr + pid_t)
     row0 = tl.load(tile_row_ptr + pid_t)
     row_end = tl.load(offsets_ptr + e + 1)
     rows = row0 + tl.arange(0, BM)
-    return e, rows, rows < row_end
+    return e, rows, rows < row_end, pid % num_n
 
 
 @triton.jit
@@ -51,12 +54,12 @@ def _up_swiglu_fwd_kernel(
     D, I, E, top_k,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
 ):
-    e, rows, rmask = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, BM)
+    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM)
     if e >= E:
         return
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
     tok = (slots // top_k).to(tl.int64)  # int64: T*D overflows int32 at real sizes
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cols = pid_n * BN + tl.arange(0, BN)
     cmask = cols < I
     ks = tl.arange(0, BK)
     a_ptrs = x_ptr + tok[:, None] * D + ks[None, :]
@@ -94,10 +97,10 @@ def _down_fwd_kernel(
     D, I, E,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
 ):
-    e, rows, rmask = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, BM)
+    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(D, BN), BM)
     if e >= E:
         return
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cols = pid_n * BN + tl.arange(0, BN)
     cmask = cols < D
     ks = tl.arange(0, BK)
     a_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + ks[None, :]
@@ -127,7 +130,7 @@ def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int) -> torch.Tensor:
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
     h_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
-    grid = (plan.tile_expert_NT.numel(), triton.cdiv(inter, UP_CONFIG["BN"]))
+    grid = (plan.tile_expert_NT.numel() * triton.cdiv(inter, UP_CONFIG["BN"]),)
     _up_swiglu_fwd_kernel[grid](
         x_TD, w13_EHD, h_NI, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, inter, num_experts, top_k,
@@ -141,7 +144,7 @@ def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
     num_slots, inter = h_NI.shape
     num_experts, dim, _ = w2_EDI.shape
     slots_ND = torch.empty(num_slots, dim, device=h_NI.device, dtype=h_NI.dtype)
-    grid = (plan.tile_expert_NT.numel(), triton.cdiv(dim, DOWN_CONFIG["BN"]))
+    grid = (plan.tile_expert_NT.numel() * triton.cdiv(dim, DOWN_CONFIG["BN"]),)
     _down_fwd_kernel[grid](
         h_NI, w2_EDI, topk_weights_TK.reshape(-1), slots_ND,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,

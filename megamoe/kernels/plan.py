@@ -3,6 +3,11 @@ and the tile table every expert kernel walks.
 
 Shape legend: T tokens, K slots per token, E experts, N = T*K slots, NT = ceil(N/BLOCK_M) + E tiles
 (a static upper bound: each expert wastes less than one tile), so grids never depend on the routing.
+C = ceil(N / CHUNK) chunks of slots; NB = a power of two >= E + 2 histogram bins (E experts, one bin
+for dropped slots, one for the padding of the last chunk).
+
+Three launches, a stable counting sort: per-chunk histograms → one program scans them into each
+(chunk, expert)'s first row, the expert offsets and the tile table → each chunk scatters its slots.
 """
 
 from __future__ import annotations
@@ -10,9 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 # Rows per tile, shared by every expert kernel (forward and backward walk the same tile table).
 BLOCK_M = 128
+CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -36,24 +44,102 @@ def num_tiles(num_slots: int, num_experts: int) -> int:
     return -(-num_slots // BLOCK_M) + num_experts
 
 
+@triton.jit
+def _slot_keys(idx_ptr, N, E, BLOCK: tl.constexpr):
+    """Sort key of this chunk's slots: expert id, E for a dropped slot, E+1 past the end."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < N
+    ids = tl.load(idx_ptr + offs, mask=valid, other=0).to(tl.int32)
+    key = tl.where(ids >= 0, ids, E)
+    return offs, valid, tl.where(valid, key, E + 1)
+
+
+@triton.jit
+def _plan_count_kernel(
+    idx_ptr,  # (N,) expert ids, -1 = dropped
+    hist_ptr,  # (C, NB) int32 out
+    N, E,
+    BLOCK: tl.constexpr, NB: tl.constexpr,
+):
+    _, _, key = _slot_keys(idx_ptr, N, E, BLOCK)
+    tl.store(hist_ptr + tl.program_id(0) * NB + tl.arange(0, NB), tl.histogram(key, NB))
+
+
+@triton.jit
+def _plan_scan_kernel(
+    hist_ptr,  # (C, NB) int32 per-chunk histograms
+    base_ptr,  # (C, NB) int32 out: first sorted row of (chunk, key)
+    offsets_ptr,  # (E+1,) int32 out
+    tile_expert_ptr,  # (NT,) int32 out
+    tile_row_ptr,  # (NT,) int32 out
+    C, E, NT,
+    NB: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr, BM: tl.constexpr,
+):
+    bins = tl.arange(0, NB)
+    total = tl.zeros((NB,), dtype=tl.int32)
+    for c0 in range(0, C, CB):
+        rows = c0 + tl.arange(0, CB)
+        h = tl.load(hist_ptr + rows[:, None] * NB + bins[None, :], mask=rows[:, None] < C, other=0)
+        total += tl.sum(h, axis=0)
+    start = tl.cumsum(total, axis=0) - total  # keys in order: experts, then dropped slots
+    tl.store(offsets_ptr + bins, start, mask=bins <= E)
+    running = start
+    for c0 in range(0, C, CB):
+        rows = c0 + tl.arange(0, CB)
+        cmask = rows[:, None] < C
+        h = tl.load(hist_ptr + rows[:, None] * NB + bins[None, :], mask=cmask, other=0)
+        tl.store(base_ptr + rows[:, None] * NB + bins[None, :], running[None, :] + tl.cumsum(h, axis=0) - h,
+                 mask=cmask)
+        running += tl.sum(h, axis=0)
+    is_expert = bins < E
+    tiles = tl.where(is_expert, (total + BM - 1) // BM, 0)
+    tile_end = tl.cumsum(tiles, axis=0)
+    tile_start = tile_end - tiles
+    for t0 in range(0, NT, TB):
+        ti = t0 + tl.arange(0, TB)
+        # Expert of tile ti: how many experts' tiles end at or before it (E: past the last, idle).
+        e = tl.sum(((tile_end[None, :] <= ti[:, None]) & is_expert[None, :]).to(tl.int32), axis=1)
+        pick = bins[None, :] == e[:, None]
+        row = tl.sum(tl.where(pick, start[None, :] + (ti[:, None] - tile_start[None, :]) * BM, 0), axis=1)
+        tl.store(tile_expert_ptr + ti, e, mask=ti < NT)
+        tl.store(tile_row_ptr + ti, row, mask=ti < NT)
+
+
+@triton.jit
+def _plan_scatter_kernel(
+    idx_ptr,  # (N,) expert ids
+    base_ptr,  # (C, NB) first sorted row of (chunk, key)
+    row_slot_ptr,  # (N,) int32 out: sorted row -> slot
+    N, E,
+    BLOCK: tl.constexpr, NB: tl.constexpr,
+):
+    offs, valid, key = _slot_keys(idx_ptr, N, E, BLOCK)
+    lane = tl.arange(0, BLOCK)
+    # Stable rank inside the chunk: earlier slots with the same key.
+    earlier = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    base = tl.load(base_ptr + tl.program_id(0) * NB + key)
+    tl.store(row_slot_ptr + base + rank, offs, mask=valid)
+
+
 def build_plan(topk_idx_TK: torch.Tensor, num_experts: int) -> Plan:
     """Stable counting sort of the T*K slots by expert (dropped slots last) and the tile table.
-
-    Deterministic: a stable sort and integer counts. A handful of small device ops; no host sync.
-    """
+    Deterministic (integer counts, fixed order); three launches; no host sync."""
     device = topk_idx_TK.device
-    idx_N = topk_idx_TK.reshape(-1).to(torch.int64)
-    key_N = torch.where(idx_N >= 0, idx_N, num_experts)
-    _, order_N = torch.sort(key_N, stable=True)
-    counts_E1 = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    counts_E1.scatter_add_(0, key_N, torch.ones_like(key_N))
-    counts_E = counts_E1[:num_experts]
-    offsets_E1 = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0)])
-    tiles_E = (counts_E + BLOCK_M - 1) // BLOCK_M
-    tile_end_E = torch.cumsum(tiles_E, 0)
-    tile_i = torch.arange(num_tiles(idx_N.numel(), num_experts), device=device)
-    tile_expert = torch.searchsorted(tile_end_E, tile_i, right=True)
-    e = tile_expert.clamp_max(num_experts - 1)
-    tile_row = offsets_E1[e] + (tile_i - (tile_end_E[e] - tiles_E[e])) * BLOCK_M
-    i32 = torch.int32
-    return Plan(offsets_E1.to(i32), order_N.to(i32), tile_expert.to(i32), tile_row.to(i32))
+    idx_N = topk_idx_TK.reshape(-1)
+    n = idx_N.numel()
+    nb = triton.next_power_of_2(num_experts + 2)
+    chunks = max(1, triton.cdiv(n, CHUNK))
+    nt = num_tiles(n, num_experts)
+    i32 = {"device": device, "dtype": torch.int32}
+    hist = torch.empty(chunks, nb, **i32)
+    base = torch.empty(chunks, nb, **i32)
+    offsets = torch.empty(num_experts + 1, **i32)
+    row_slot = torch.empty(n, **i32)
+    tile_expert = torch.empty(nt, **i32)
+    tile_row = torch.empty(nt, **i32)
+    _plan_count_kernel[(chunks,)](idx_N, hist, n, num_experts, BLOCK=CHUNK, NB=nb, num_warps=4)
+    _plan_scan_kernel[(1,)](hist, base, offsets, tile_expert, tile_row, chunks, num_experts, nt,
+                            NB=nb, CB=max(1, 4096 // nb), TB=max(16, 8192 // nb), BM=BLOCK_M, num_warps=8)
+    _plan_scatter_kernel[(chunks,)](idx_N, base, row_slot, n, num_experts, BLOCK=CHUNK, NB=nb, num_warps=4)
+    return Plan(offsets, row_slot, tile_expert, tile_row)
