@@ -16,11 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.kernels.expert_fwd import _tile_rows, dot_precision, launch_config
-from megamoe.kernels.plan import BLOCK_M, Plan
+from megamoe.kernels.expert_fwd import _tile_rows, dot_precision, launch_config, tile_grid
+from megamoe.kernels.plan import Plan
 
-ACT_BWD_CONFIG = {"BN": 128, "BK": 32, "num_warps": 8, "num_stages": 3}
-DX_CONFIG = {"BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4}
+ACT_BWD_CONFIG = {"BM": 128, "BN": 128, "BK": 32, "num_warps": 8, "num_stages": 3}
+DX_CONFIG = {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4}
 WGRAD_CONFIG = {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
 
 
@@ -37,8 +37,9 @@ def _act_bwd_kernel(
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
     N, D, I, E, top_k,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+    TILE_M: tl.constexpr,
 ):
-    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM)
+    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
         return
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
@@ -102,8 +103,9 @@ def _dx_kernel(
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
     D, I, E,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+    TILE_M: tl.constexpr,
 ):
-    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(D, BN), BM)
+    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(D, BN), BM, TILE_M)
     if e >= E:
         return
     cols = pid_n * BN + tl.arange(0, BN)
@@ -184,11 +186,11 @@ def act_bwd(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: in
     hw_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
     # Dropped slots are never written: their d(weight) is exactly zero.
     dweight_part = torch.zeros(n_blocks, num_slots, device=x_TD.device, dtype=torch.float32)
-    _act_bwd_kernel[(plan.tile_expert_NT.numel() * n_blocks,)](
+    _act_bwd_kernel[tile_grid(plan, ACT_BWD_CONFIG, inter)](
         x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK.reshape(-1), dz_NH, hw_NI, dweight_part,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         num_slots, dim, inter, num_experts, top_k,
-        BM=BLOCK_M, PREC=dot_precision(x_TD.dtype), **launch_config(ACT_BWD_CONFIG, dim),
+        PREC=dot_precision(x_TD.dtype), **launch_config(ACT_BWD_CONFIG, dim),
     )
     # Fixed-order sum over the I-blocks: deterministic.
     dweight_TK = dweight_part.sum(dim=0).view(-1, top_k)
@@ -200,10 +202,10 @@ def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
     num_slots, two_i = dz_NH.shape
     num_experts, _, dim = w13_EHD.shape
     out = torch.empty(num_slots, dim, device=dz_NH.device, dtype=dz_NH.dtype)
-    _dx_kernel[(plan.tile_expert_NT.numel() * triton.cdiv(dim, DX_CONFIG["BN"]),)](
+    _dx_kernel[tile_grid(plan, DX_CONFIG, dim)](
         dz_NH, w13_EHD, out, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, two_i // 2, num_experts,
-        BM=BLOCK_M, PREC=dot_precision(dz_NH.dtype), **launch_config(DX_CONFIG, two_i),
+        PREC=dot_precision(dz_NH.dtype), **launch_config(DX_CONFIG, two_i),
     )
     return out
 

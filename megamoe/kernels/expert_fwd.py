@@ -13,14 +13,20 @@ import triton.language as tl
 from megamoe.kernels.plan import BLOCK_M, Plan
 
 
-# Tile configs (BM is plan.BLOCK_M). Module-level so the kernel benchmark can sweep them.
-UP_CONFIG = {"BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
-DOWN_CONFIG = {"BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4}
+# Tile configs (BM: plan.BLOCK_M or a divisor of it, for sub-tiles). Module-level so the kernel
+# benchmark can sweep them.
+UP_CONFIG = {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+DOWN_CONFIG = {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4}
 
 
 def launch_config(config: dict, k_dim: int) -> dict:
-    """Kernel keyword arguments for a config dict, plus EVEN_K for the contraction length."""
-    return {**config, "EVEN_K": k_dim % config["BK"] == 0}
+    """Kernel keyword arguments for a tile-kernel config dict, plus EVEN_K and the plan's tile height."""
+    return {**config, "EVEN_K": k_dim % config["BK"] == 0, "TILE_M": BLOCK_M}
+
+
+def tile_grid(plan: Plan, config: dict, n_dim: int) -> tuple[int]:
+    """1-D grid: every (sub-tile of every plan tile) × N-block."""
+    return (plan.tile_expert_NT.numel() * (BLOCK_M // config["BM"]) * triton.cdiv(n_dim, config["BN"]),)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -29,14 +35,17 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, BM: tl.constexpr):
-    """Expert, sorted rows, row mask and N-block of this program. The 1-D grid runs the N-blocks of one
-    tile next to each other, so a tile's gathered rows are read from DRAM once and then hit in L2
-    (a tile-major order re-reads them from DRAM once per N-block)."""
+def _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, BM: tl.constexpr, TILE_M: tl.constexpr):
+    """Expert, sorted rows, row mask and N-block of this program, which covers BM rows (a sub-tile when
+    BM < TILE_M) of a plan tile. The 1-D grid runs the N-blocks of one (sub-)tile next to each other, so
+    its gathered rows are read from DRAM once and then hit in L2 (a tile-major order re-reads them from
+    DRAM once per N-block)."""
     pid = tl.program_id(0)
-    pid_t = pid // num_n
+    split: tl.constexpr = TILE_M // BM
+    pid_m = pid // num_n
+    pid_t = pid_m // split
     e = tl.load(tile_expert_ptr + pid_t)
-    row0 = tl.load(tile_row_ptr + pid_t)
+    row0 = tl.load(tile_row_ptr + pid_t) + (pid_m % split) * BM
     row_end = tl.load(offsets_ptr + e + 1)
     rows = row0 + tl.arange(0, BM)
     return e, rows, rows < row_end, pid % num_n
@@ -53,8 +62,9 @@ def _up_swiglu_fwd_kernel(
     tile_row_ptr,  # (NT,) int32
     D, I, E, top_k,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+    TILE_M: tl.constexpr,
 ):
-    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM)
+    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
         return
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
@@ -96,8 +106,9 @@ def _down_fwd_kernel(
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
     D, I, E,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+    TILE_M: tl.constexpr,
 ):
-    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(D, BN), BM)
+    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(D, BN), BM, TILE_M)
     if e >= E:
         return
     cols = pid_n * BN + tl.arange(0, BN)
@@ -130,11 +141,10 @@ def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int) -> torch.Tensor:
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
     h_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
-    grid = (plan.tile_expert_NT.numel() * triton.cdiv(inter, UP_CONFIG["BN"]),)
-    _up_swiglu_fwd_kernel[grid](
+    _up_swiglu_fwd_kernel[tile_grid(plan, UP_CONFIG, inter)](
         x_TD, w13_EHD, h_NI, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, inter, num_experts, top_k,
-        BM=BLOCK_M, PREC=dot_precision(x_TD.dtype), **launch_config(UP_CONFIG, dim),
+        PREC=dot_precision(x_TD.dtype), **launch_config(UP_CONFIG, dim),
     )
     return h_NI
 
@@ -144,11 +154,10 @@ def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
     num_slots, inter = h_NI.shape
     num_experts, dim, _ = w2_EDI.shape
     slots_ND = torch.empty(num_slots, dim, device=h_NI.device, dtype=h_NI.dtype)
-    grid = (plan.tile_expert_NT.numel() * triton.cdiv(dim, DOWN_CONFIG["BN"]),)
-    _down_fwd_kernel[grid](
+    _down_fwd_kernel[tile_grid(plan, DOWN_CONFIG, dim)](
         h_NI, w2_EDI, topk_weights_TK.reshape(-1), slots_ND,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, inter, num_experts,
-        BM=BLOCK_M, PREC=dot_precision(h_NI.dtype), **launch_config(DOWN_CONFIG, inter),
+        PREC=dot_precision(h_NI.dtype), **launch_config(DOWN_CONFIG, inter),
     )
     return slots_ND

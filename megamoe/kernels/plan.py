@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Rows per tile, shared by every expert kernel (forward and backward walk the same tile table).
+# Rows per tile, shared by every expert kernel (forward and backward walk the same tile table); a kernel
+# may split a tile into sub-tiles of BM rows (see expert_fwd._tile_rows).
 BLOCK_M = 128
 CHUNK = 128
 
@@ -140,6 +141,6 @@ def build_plan(topk_idx_TK: torch.Tensor, num_experts: int) -> Plan:
     tile_row = torch.empty(nt, **i32)
     _plan_count_kernel[(chunks,)](idx_N, hist, n, num_experts, BLOCK=CHUNK, NB=nb, num_warps=4)
     _plan_scan_kernel[(1,)](hist, base, offsets, tile_expert, tile_row, chunks, num_experts, nt,
-                            NB=nb, CB=max(1, 4096 // nb), TB=max(16, 8192 // nb), BM=BLOCK_M, num_warps=8)
+                            NB=nb, CB=max(1, 32768 // nb), TB=max(16, 16384 // nb), BM=BLOCK_M, num_warps=16)
     _plan_scatter_kernel[(chunks,)](idx_N, base, row_slot, n, num_experts, BLOCK=CHUNK, NB=nb, num_warps=4)
     return Plan(offsets, row_slot, tile_expert, tile_row)
