@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from megamoe.kernels.combine import combine
-from megamoe.kernels.expert_bwd import act_bwd, dx_slots, expert_wgrad
+from megamoe.kernels.expert_bwd import act_bwd, dx_slots, expert_wgrad, gather_rows
 from megamoe.kernels.expert_fwd import down_fwd, up_swiglu_fwd
 from megamoe.kernels.plan import Plan, build_plan, num_tiles
 
@@ -49,11 +49,12 @@ def _experts_bwd(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, 
                  offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
-    num_experts, top_k = w13.shape[0], topk_idx.shape[1]
+    top_k = topk_idx.shape[1]
     dz_NH, hw_NI, dweight_TK = act_bwd(x, dy, w13, w2, topk_weights.contiguous(), plan, top_k)
     dx = combine(dx_slots(dz_NH, w13, plan), topk_idx, x.dtype)
-    dw13 = expert_wgrad(dz_NH, x, plan, num_experts, top_k, a_by_token=False, b_by_token=True, out_dtype=w13.dtype)
-    dw2 = expert_wgrad(dy, hw_NI, plan, num_experts, top_k, a_by_token=True, b_by_token=False, out_dtype=w2.dtype)
+    x_sorted, dy_sorted = gather_rows(x, dy, plan, top_k)
+    dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype)
+    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
 
 

@@ -59,7 +59,10 @@ def test_sub_tiles_match_fp32_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts", PLAN_CASES)
-def test_plan_is_a_stable_sort_with_a_complete_tile_table(num_tokens, top_k, num_experts):
+def test_plan_is_a_stable_sort_with_a_complete_tile_table(num_tokens, top_k, num_experts, monkeypatch):
+    from megamoe.kernels import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "SCAN_BLOCK", 4)  # several steps of the column scan
     gen = torch.Generator().manual_seed(3)
     idx = torch.randint(-1, num_experts, (num_tokens, top_k), generator=gen)
     idx[:, 0] = min(2, num_experts - 1)  # one popular expert

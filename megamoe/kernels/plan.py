@@ -6,8 +6,9 @@ Shape legend: T tokens, K slots per token, E experts, N = T*K slots, NT = ceil(N
 C = ceil(N / CHUNK) chunks of slots; NB = a power of two >= E + 2 histogram bins (E experts, one bin
 for dropped slots, one for the padding of the last chunk).
 
-Three launches, a stable counting sort: per-chunk histograms → one program scans them into each
-(chunk, expert)'s first row, the expert offsets and the tile table → each chunk scatters its slots.
+Four small launches, a stable counting sort, every one parallel (a single-program scan measured
+0.23 ms for the 30B layer): per-chunk histograms → one program per key scans its column down the
+chunks → tile table and expert offsets → each chunk scatters its slots (stable rank inside the chunk).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import triton.language as tl
 # Rows per tile, shared by every expert kernel (forward and backward walk the same tile table); a kernel
 # may split a tile into sub-tiles of BM rows (see expert_fwd._tile_rows).
 BLOCK_M = 128
-CHUNK = 128
+CHUNK = 128  # slots per chunk of the counting sort
+SCAN_BLOCK = 1024  # chunks per step of the column scan
 
 
 @dataclass(frozen=True)
@@ -69,63 +71,79 @@ def _plan_count_kernel(
 @triton.jit
 def _plan_scan_kernel(
     hist_ptr,  # (C, NB) int32 per-chunk histograms
-    base_ptr,  # (C, NB) int32 out: first sorted row of (chunk, key)
+    chunk_base_ptr,  # (C, NB) int32 out: rows of key b in the chunks before c
+    total_ptr,  # (NB,) int32 out: rows of key b in all chunks
+    C,
+    NB: tl.constexpr, CB: tl.constexpr,
+):
+    """One program per key: an exclusive scan down its histogram column."""
+    b = tl.program_id(0)
+    running = tl.zeros((), dtype=tl.int32)
+    for c0 in range(0, C, CB):
+        rows = c0 + tl.arange(0, CB)
+        h = tl.load(hist_ptr + rows * NB + b, mask=rows < C, other=0)
+        tl.store(chunk_base_ptr + rows * NB + b, running + tl.cumsum(h, axis=0) - h, mask=rows < C)
+        running += tl.sum(h, axis=0)
+    tl.store(total_ptr + b, running)
+
+
+@triton.jit
+def _key_starts(total_ptr, NB: tl.constexpr):
+    """First sorted row of each key (experts in order, then dropped slots), from the key totals."""
+    total = tl.load(total_ptr + tl.arange(0, NB))
+    return total, tl.cumsum(total, axis=0) - total
+
+
+@triton.jit
+def _plan_tiles_kernel(
+    total_ptr,  # (NB,) int32 rows per key
     offsets_ptr,  # (E+1,) int32 out
     tile_expert_ptr,  # (NT,) int32 out
     tile_row_ptr,  # (NT,) int32 out
-    C, E, NT,
-    NB: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr, BM: tl.constexpr,
+    E, NT,
+    NB: tl.constexpr, TB: tl.constexpr, BM: tl.constexpr,
 ):
     bins = tl.arange(0, NB)
-    total = tl.zeros((NB,), dtype=tl.int32)
-    for c0 in range(0, C, CB):
-        rows = c0 + tl.arange(0, CB)
-        h = tl.load(hist_ptr + rows[:, None] * NB + bins[None, :], mask=rows[:, None] < C, other=0)
-        total += tl.sum(h, axis=0)
-    start = tl.cumsum(total, axis=0) - total  # keys in order: experts, then dropped slots
-    tl.store(offsets_ptr + bins, start, mask=bins <= E)
-    running = start
-    for c0 in range(0, C, CB):
-        rows = c0 + tl.arange(0, CB)
-        cmask = rows[:, None] < C
-        h = tl.load(hist_ptr + rows[:, None] * NB + bins[None, :], mask=cmask, other=0)
-        tl.store(base_ptr + rows[:, None] * NB + bins[None, :], running[None, :] + tl.cumsum(h, axis=0) - h,
-                 mask=cmask)
-        running += tl.sum(h, axis=0)
+    total, start = _key_starts(total_ptr, NB)
+    if tl.program_id(0) == 0:
+        tl.store(offsets_ptr + bins, start, mask=bins <= E)
     is_expert = bins < E
     tiles = tl.where(is_expert, (total + BM - 1) // BM, 0)
     tile_end = tl.cumsum(tiles, axis=0)
     tile_start = tile_end - tiles
-    for t0 in range(0, NT, TB):
-        ti = t0 + tl.arange(0, TB)
-        # Expert of tile ti: how many experts' tiles end at or before it (E: past the last, idle).
-        e = tl.sum(((tile_end[None, :] <= ti[:, None]) & is_expert[None, :]).to(tl.int32), axis=1)
-        pick = bins[None, :] == e[:, None]
-        row = tl.sum(tl.where(pick, start[None, :] + (ti[:, None] - tile_start[None, :]) * BM, 0), axis=1)
-        tl.store(tile_expert_ptr + ti, e, mask=ti < NT)
-        tl.store(tile_row_ptr + ti, row, mask=ti < NT)
+    ti = tl.program_id(0) * TB + tl.arange(0, TB)
+    # Expert of tile ti: how many experts' tiles end at or before it (E: past the last, idle).
+    e = tl.sum(((tile_end[None, :] <= ti[:, None]) & is_expert[None, :]).to(tl.int32), axis=1)
+    pick = bins[None, :] == e[:, None]
+    row = tl.sum(tl.where(pick, start[None, :] + (ti[:, None] - tile_start[None, :]) * BM, 0), axis=1)
+    tl.store(tile_expert_ptr + ti, e, mask=ti < NT)
+    tl.store(tile_row_ptr + ti, row, mask=ti < NT)
 
 
 @triton.jit
 def _plan_scatter_kernel(
     idx_ptr,  # (N,) expert ids
-    base_ptr,  # (C, NB) first sorted row of (chunk, key)
+    chunk_base_ptr,  # (C, NB) rows of each key in earlier chunks
+    total_ptr,  # (NB,) rows per key
     row_slot_ptr,  # (N,) int32 out: sorted row -> slot
     N, E,
     BLOCK: tl.constexpr, NB: tl.constexpr,
 ):
     offs, valid, key = _slot_keys(idx_ptr, N, E, BLOCK)
+    _, start = _key_starts(total_ptr, NB)
+    bins = tl.arange(0, NB)
+    key_start = tl.sum(tl.where(bins[None, :] == key[:, None], start[None, :], 0), axis=1)
     lane = tl.arange(0, BLOCK)
     # Stable rank inside the chunk: earlier slots with the same key.
     earlier = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
     rank = tl.sum(earlier.to(tl.int32), axis=1)
-    base = tl.load(base_ptr + tl.program_id(0) * NB + key)
+    base = key_start + tl.load(chunk_base_ptr + tl.program_id(0) * NB + key)
     tl.store(row_slot_ptr + base + rank, offs, mask=valid)
 
 
 def build_plan(topk_idx_TK: torch.Tensor, num_experts: int) -> Plan:
     """Stable counting sort of the T*K slots by expert (dropped slots last) and the tile table.
-    Deterministic (integer counts, fixed order); three launches; no host sync."""
+    Deterministic (integer counts, fixed order); four launches; no host sync."""
     device = topk_idx_TK.device
     idx_N = topk_idx_TK.reshape(-1)
     n = idx_N.numel()
@@ -134,13 +152,17 @@ def build_plan(topk_idx_TK: torch.Tensor, num_experts: int) -> Plan:
     nt = num_tiles(n, num_experts)
     i32 = {"device": device, "dtype": torch.int32}
     hist = torch.empty(chunks, nb, **i32)
-    base = torch.empty(chunks, nb, **i32)
+    chunk_base = torch.empty(chunks, nb, **i32)
+    total = torch.empty(nb, **i32)
     offsets = torch.empty(num_experts + 1, **i32)
     row_slot = torch.empty(n, **i32)
     tile_expert = torch.empty(nt, **i32)
     tile_row = torch.empty(nt, **i32)
     _plan_count_kernel[(chunks,)](idx_N, hist, n, num_experts, BLOCK=CHUNK, NB=nb, num_warps=4)
-    _plan_scan_kernel[(1,)](hist, base, offsets, tile_expert, tile_row, chunks, num_experts, nt,
-                            NB=nb, CB=max(1, 32768 // nb), TB=max(16, 16384 // nb), BM=BLOCK_M, num_warps=16)
-    _plan_scatter_kernel[(chunks,)](idx_N, base, row_slot, n, num_experts, BLOCK=CHUNK, NB=nb, num_warps=4)
+    _plan_scan_kernel[(nb,)](hist, chunk_base, total, chunks, NB=nb, CB=SCAN_BLOCK, num_warps=4)
+    tb = max(16, 8192 // nb)
+    _plan_tiles_kernel[(triton.cdiv(nt, tb),)](total, offsets, tile_expert, tile_row, num_experts, nt,
+                                               NB=nb, TB=tb, BM=BLOCK_M, num_warps=4)
+    _plan_scatter_kernel[(chunks,)](idx_N, chunk_base, total, row_slot, n, num_experts,
+                                    BLOCK=CHUNK, NB=nb, num_warps=4)
     return Plan(offsets, row_slot, tile_expert, tile_row)
