@@ -111,7 +111,7 @@ def moe_grouped_mm(
     row_token_M = torch.full((m_rows + 1,), num_tokens, dtype=torch.int64, device=device)
     row_token_M[dest_N] = order_N // top_k
     x_pad = torch.cat([x_TD, x_TD.new_zeros(1, dim)])
-    x_rows_MD = x_pad.index_select(0, row_token_M[:m_rows])
+    x_rows_MD = x_pad[row_token_M[:m_rows]]
 
     offs_E = pad_end_E.to(torch.int32)
     gate_up_MH = torch._grouped_mm(x_rows_MD, w13_EHD.transpose(-2, -1), offs=offs_E)
@@ -122,8 +122,10 @@ def moe_grouped_mm(
     # rows are un-permuted (rows past the last group are never read) and each token's K slots summed.
     score_N = topk_weights_TK.reshape(-1).float()[order_N]
     # Dropped rows read an arbitrary (possibly unwritten) row: mask it before it meets the score.
-    out_ND = torch.where((sorted_key_N < num_experts)[:, None],
-                         out_MD.index_select(0, dest_N.clamp_max(m_rows - 1)), 0)
+    out_ND = torch.where((sorted_key_N < num_experts)[:, None], out_MD[dest_N.clamp_max(m_rows - 1)], 0)
     routed_ND = (out_ND.float() * score_N[:, None]).to(x_TD.dtype)
-    slots_ND = torch.empty_like(routed_ND).index_copy(0, order_N, routed_ND)
+    # Advanced indexing, not index_select/index_copy: under torch.compile the latter measured 40% slower
+    # forward+backward (13.2 vs 9.3 ms, 30B layer); the baseline is kept at its strongest.
+    slots_ND = torch.empty_like(routed_ND)
+    slots_ND[order_N] = routed_ND
     return slots_ND.view(num_tokens, top_k, dim).sum(dim=1)

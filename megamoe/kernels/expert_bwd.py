@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.kernels.expert_fwd import _tile_rows, dot_precision, launch_config, tile_grid
+from megamoe.kernels.expert_fwd import _tile_rows, dot_precision, fit_dtype, launch_config, tile_grid
 from megamoe.kernels.plan import Plan
 
 ACT_BWD_CONFIG = {"BM": 128, "BN": 128, "BK": 32, "num_warps": 8, "num_stages": 3}
@@ -204,7 +204,7 @@ def act_bwd(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: in
         x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK.reshape(-1), dz_NH, hw_NI, dweight_part,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         num_slots, dim, inter, num_experts, top_k,
-        PREC=dot_precision(x_TD.dtype), **launch_config(ACT_BWD_CONFIG, dim),
+        PREC=dot_precision(x_TD.dtype), **launch_config(ACT_BWD_CONFIG, dim, x_TD.dtype),
     )
     # Fixed-order sum over the I-blocks: deterministic.
     dweight_TK = dweight_part.sum(dim=0).view(-1, top_k)
@@ -219,7 +219,7 @@ def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
     _dx_kernel[tile_grid(plan, DX_CONFIG, dim)](
         dz_NH, w13_EHD, out, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, two_i // 2, num_experts,
-        PREC=dot_precision(dz_NH.dtype), **launch_config(DX_CONFIG, two_i),
+        PREC=dot_precision(dz_NH.dtype), **launch_config(DX_CONFIG, two_i, dz_NH.dtype),
     )
     return out
 
@@ -242,7 +242,7 @@ def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor
     p, q = a_NP.shape[1], b_NQ.shape[1]
     num_experts = plan.offsets_E1.numel() - 1
     dw = torch.empty(num_experts, p, q, device=a_NP.device, dtype=out_dtype)
-    cfg = WGRAD_CONFIG
+    cfg = fit_dtype(WGRAD_CONFIG, a_NP.dtype)
     _expert_wgrad_kernel[(num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
         a_NP, b_NQ, dw, plan.offsets_E1, p, q, PREC=dot_precision(a_NP.dtype), **cfg,
     )

@@ -19,8 +19,17 @@ UP_CONFIG = {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
 DOWN_CONFIG = {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4}
 
 
-def launch_config(config: dict, k_dim: int) -> dict:
+def fit_dtype(config: dict, dtype: torch.dtype) -> dict:
+    """The configs are tuned for 16-bit operands; fp32 tiles are twice the bytes, so halve BK to stay
+    inside shared memory (the 30B down config needs 288 KB in fp32 against 227 KB)."""
+    if torch.empty((), dtype=dtype).element_size() > 2:
+        return {**config, "BK": config["BK"] // 2}
+    return config
+
+
+def launch_config(config: dict, k_dim: int, dtype: torch.dtype) -> dict:
     """Kernel keyword arguments for a tile-kernel config dict, plus EVEN_K and the plan's tile height."""
+    config = fit_dtype(config, dtype)
     return {**config, "EVEN_K": k_dim % config["BK"] == 0, "TILE_M": BLOCK_M}
 
 
@@ -144,7 +153,7 @@ def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int) -> torch.Tensor:
     _up_swiglu_fwd_kernel[tile_grid(plan, UP_CONFIG, inter)](
         x_TD, w13_EHD, h_NI, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, inter, num_experts, top_k,
-        PREC=dot_precision(x_TD.dtype), **launch_config(UP_CONFIG, dim),
+        PREC=dot_precision(x_TD.dtype), **launch_config(UP_CONFIG, dim, x_TD.dtype),
     )
     return h_NI
 
@@ -158,6 +167,6 @@ def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
         h_NI, w2_EDI, topk_weights_TK.reshape(-1), slots_ND,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, inter, num_experts,
-        PREC=dot_precision(h_NI.dtype), **launch_config(DOWN_CONFIG, inter),
+        PREC=dot_precision(h_NI.dtype), **launch_config(DOWN_CONFIG, inter, h_NI.dtype),
     )
     return slots_ND
