@@ -1,0 +1,51 @@
+"""Markdown tables and PNG plots from committed benchmark JSON files.
+
+``python -m megamoe.bench.report [benchmarks/results]`` prints one table row per (problem, impl) and
+(re)draws each JSON file's PNG next to it. Every number comes from the JSON files; nothing is typed in.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from megamoe.bench.layer import plot
+
+
+def load(folder: Path) -> list[dict]:
+    runs = []
+    for path in sorted(folder.glob("*-ep*.json")):
+        info = json.loads(path.read_text())
+        info["_path"] = path
+        runs.append(info)
+    return runs
+
+
+def table(runs: list[dict]) -> str:
+    lines = ["| problem | impl | fwd ms | fwd+bwd ms | AC step ms | TFLOP/s | AC-step speed-up vs compiled |",
+             "|---|---|---|---|---|---|---|"]
+    for info in runs:
+        problem = f"{info['preset']} T={info['tokens']} {info['routing']}"
+        for r in info["results"]:
+            sp = r.get("speedup_vs_grouped_mm_compiled", {}).get("ac_step_ms")
+            lines.append(f"| {problem} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
+                         f"{r['ac_step_ms']:.2f} | {r['tflops']:.0f} | {'' if sp is None else f'{sp:.2f}x'} |")
+    first = runs[0] if runs else {}
+    lines.append("")
+    lines.append(f"{first.get('gpu', '?')}, torch {first.get('torch', '?')}, triton {first.get('triton', '?')}, "
+                 f"{first.get('date', '?')[:10]}; dense bf16 matmul {first.get('matmul_tflops', 0):.0f} TFLOP/s.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    folder = Path(argv[0] if argv else "benchmarks/results")
+    runs = load(folder)
+    for info in runs:
+        plot(info, info["_path"].with_suffix(".png"))
+    print(table(runs))
+
+
+if __name__ == "__main__":
+    main()
