@@ -4,4 +4,4 @@ from megamoe.api import moe
 from megamoe.layer import MegaMoE
 
 __version__ = "0.1.0"
-__all__ = ["MegaMoE", "moe", "__version__"]
+__all__ = ["MegaMoE", "__version__", "moe"]

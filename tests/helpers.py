@@ -41,7 +41,7 @@ def make_problem(T, D, I, E, K, routing, dtype=torch.float32, device="cpu", seed
     w2 = torch.randn(E, D, I, generator=gen) / I**0.5
     topk_idx, topk_weights = make_routing(routing, T, E, K, gen)
     dy = torch.randn(T, D, generator=gen)
-    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    cast = lambda t: t.to(device=device, dtype=dtype)
     return (cast(x), topk_idx.to(device=device, dtype=idx_dtype), topk_weights.to(device), cast(w13), cast(w2),
             cast(dy))
 
@@ -61,7 +61,6 @@ NAMES = ["y", "dx", "dtopk_weights", "dw13", "dw2"]
 def assert_close_to_reference(out, problem, atol=1e-5):
     """flash-attention's rule: |out - ref32| <= 2 * |ref_lowp - ref32| + atol, elementwise max, where
     ref_lowp is the reference computed in the test dtype."""
-    x, topk_idx, topk_weights, w13, w2, dy = problem
     ref32 = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *problem)
     ref_lp = run_with_grads(reference.moe_loop, *problem)
     for name, o, r, rl in zip(NAMES, out, ref32, ref_lp):

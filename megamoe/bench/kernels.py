@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 
 import torch
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from megamoe.bench.layer import PRESETS, ROUTINGS, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd
@@ -91,7 +93,7 @@ def main(argv=None) -> None:
                 setattr(module, attr, cfg)
                 try:
                     t = do_bench(fn, warmup=25, rep=150, return_mode="median")
-                except Exception as exc:  # out of shared memory / registers: not a candidate
+                except (OutOfResources, CompilationError) as exc:  # does not fit: not a candidate
                     print(f"    {name} {cfg}: {type(exc).__name__}")
                     continue
                 best = min(best, (t, cfg), key=lambda b: b[0])

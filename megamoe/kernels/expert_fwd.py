@@ -12,7 +12,6 @@ import triton.language as tl
 
 from megamoe.kernels.plan import BLOCK_M, Plan
 
-
 # Tile configs (BM: plan.BLOCK_M or a divisor of it, for sub-tiles). Module-level so the kernel
 # benchmark can sweep them.
 UP_CONFIG = {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
