@@ -51,9 +51,8 @@ def test_sub_tiles_match_fp32_reference(monkeypatch):
     """BM smaller than the plan's tile (a kernel config the sweep may pick) covers every row once."""
     from megamoe.kernels import expert_bwd, expert_fwd
 
-    for module, name in ((expert_fwd, "UP_CONFIG"), (expert_fwd, "DOWN_CONFIG"),
-                         (expert_bwd, "ACT_BWD_CONFIG"), (expert_bwd, "DX_CONFIG")):
-        monkeypatch.setattr(module, name, {**getattr(module, name), "BM": 64, "BN": 64, "BK": 32})
+    for kernel in (expert_fwd.UP, expert_fwd.DOWN, expert_bwd.ACT_BWD, expert_bwd.DX):
+        monkeypatch.setattr(kernel, "default", {**kernel.default, "BM": 64, "BN": 64, "BK": 32})
     problem = make_problem(260, 136, 72, 3, 2, "random", device=DEVICE)
     assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
 
@@ -156,6 +155,14 @@ def test_fused_bf16_gpu_matches_fp32_reference(shape, poison_cuda):
 def test_fused_fp32_gpu_matches_fp32_reference(shape, poison_cuda):
     """fp32 operands at real widths (tiles are tuned for 16-bit; fp32 must still fit shared memory)."""
     problem = make_problem(*shape, dtype=torch.float32, device="cuda")
+    assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
+
+
+@pytest.mark.gpu
+def test_autotuned_configs_match_fp32_reference(monkeypatch, poison_cuda):
+    """The layer's default mode: Triton's autotuner picks each kernel's config on first use."""
+    monkeypatch.setenv("MEGAMOE_AUTOTUNE", "1")
+    problem = gpu_problem(2048, 1024, 512, 32, 4, "skewed")
     assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
 
 

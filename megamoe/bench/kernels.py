@@ -2,8 +2,9 @@
 
 ``python -m megamoe.bench.kernels --preset qwen3-30b-a3b [--sweep]`` on a GPU. Each stage is timed alone
 with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
-With ``--sweep`` every candidate config of each kernel is timed and the table shows the best, next to
-the default that the launchers use.
+Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``).
+With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
+shows the best next to the default.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -29,19 +31,19 @@ def grid_of(**axes):
 
 
 SWEEPS = {
-    (expert_fwd, "UP_CONFIG"): grid_of(BM=[64, 128], BN=[128], BK=[64], num_warps=[8], num_stages=[3, 4])
+    expert_fwd.UP: grid_of(BM=[64, 128], BN=[128], BK=[64], num_warps=[8], num_stages=[3, 4])
     + grid_of(BM=[128], BN=[64, 128], BK=[32, 128], num_warps=[8], num_stages=[3]),
-    (expert_fwd, "DOWN_CONFIG"): grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3]),
-    (expert_bwd, "ACT_BWD_CONFIG"): grid_of(BM=[64], BN=[64, 128, 256], BK=[32, 64], num_warps=[4, 8], num_stages=[3])
+    expert_fwd.DOWN: grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3]),
+    expert_bwd.ACT_BWD: grid_of(BM=[64], BN=[64, 128, 256], BK=[32, 64], num_warps=[4, 8], num_stages=[3])
     + grid_of(BM=[128], BN=[64, 128], BK=[32], num_warps=[8], num_stages=[2, 4]),
-    (expert_bwd, "DX_CONFIG"): grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3]),
-    (expert_bwd, "WGRAD_CONFIG"): grid_of(BM=[128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3, 4])
+    expert_bwd.DX: grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3]),
+    expert_bwd.WGRAD: grid_of(BM=[128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3, 4])
     + grid_of(BM=[64], BN=[128, 256], BK=[64, 128], num_warps=[4, 8], num_stages=[3]),
 }
 
 
 def stages(problem, num_experts):
-    """name → (callable, FLOPs, config key or None)."""
+    """name → (callable, FLOPs, TunedKernel or None)."""
     x, topk_idx, topk_weights, w13, w2, dy = problem
     top_k = topk_idx.shape[1]
     n_rows = int((topk_idx >= 0).sum())
@@ -55,15 +57,15 @@ def stages(problem, num_experts):
     x_sorted, dy_sorted = expert_bwd.gather_rows(x, dy, plan, top_k)
     return {
         "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),
-        "fwd up+swiglu": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k), 4 * unit, (expert_fwd, "UP_CONFIG")),
-        "fwd down": (lambda: expert_fwd.down_fwd(h, w2, topk_weights, plan), 2 * unit, (expert_fwd, "DOWN_CONFIG")),
+        "fwd up+swiglu": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k), 4 * unit, expert_fwd.UP),
+        "fwd down": (lambda: expert_fwd.down_fwd(h, w2, topk_weights, plan), 2 * unit, expert_fwd.DOWN),
         "combine": (lambda: combine(slots, topk_idx, x.dtype), 0, None),
         "bwd recompute+act": (lambda: expert_bwd.act_bwd(x, dy, w13, w2, topk_weights, plan, top_k), 6 * unit,
-                              (expert_bwd, "ACT_BWD_CONFIG")),
-        "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, (expert_bwd, "DX_CONFIG")),
+                              expert_bwd.ACT_BWD),
+        "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, expert_bwd.DX),
         "bwd gather x, dy": (lambda: expert_bwd.gather_rows(x, dy, plan, top_k), 0, None),
-        "bwd dw13": (lambda: wg(dz, x_sorted, plan, w13.dtype), 4 * unit, (expert_bwd, "WGRAD_CONFIG")),
-        "bwd dw2": (lambda: wg(dy_sorted, hw, plan, w2.dtype), 2 * unit, (expert_bwd, "WGRAD_CONFIG")),
+        "bwd dw13": (lambda: wg(dz, x_sorted, plan, w13.dtype), 4 * unit, expert_bwd.WGRAD),
+        "bwd dw2": (lambda: wg(dy_sorted, hw, plan, w2.dtype), 2 * unit, expert_bwd.WGRAD),
     }
 
 
@@ -79,6 +81,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the kernel benchmark needs a CUDA GPU")
+    if args.sweep:
+        os.environ["MEGAMOE_AUTOTUNE"] = "0"  # time each kernel's default config, which the sweep sets
     dim, inter, num_experts, top_k = PRESETS[args.preset]
     problem = make_problem(args.tokens, dim, inter, num_experts, top_k, args.routing, torch.bfloat16, "cuda", 0)
     rows = []
@@ -86,18 +90,17 @@ def main(argv=None) -> None:
         ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
         row = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None}
         if args.sweep and key is not None:
-            module, attr = key
-            default = getattr(module, attr)
+            default = key.default
             best = (ms, default)
             for cfg in SWEEPS[key]:
-                setattr(module, attr, cfg)
+                key.default = cfg
                 try:
                     t = do_bench(fn, warmup=25, rep=150, return_mode="median")
                 except (OutOfResources, CompilationError) as exc:  # does not fit: not a candidate
                     print(f"    {name} {cfg}: {type(exc).__name__}")
                     continue
                 best = min(best, (t, cfg), key=lambda b: b[0])
-            setattr(module, attr, default)
+            key.default = default
             row.update(best_ms=best[0], best_config=best[1], best_tflops=flops / best[0] / 1e9)
         rows.append(row)
         extra = f"   best {row['best_ms']:.3f} ms {row['best_config']}" if "best_ms" in row else ""

@@ -32,6 +32,7 @@ import torch
 import megamoe
 from megamoe import reference
 from megamoe.api import backend_for
+from megamoe.kernels.tuning import autotune_enabled
 from megamoe.routing import route
 
 PRESETS = {
@@ -208,6 +209,7 @@ def run_gpu(args) -> dict:
         "preset": args.preset, "tokens": args.tokens, "routing": args.routing, "ep": 1,
         "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k, "dtype": "bfloat16",
         "megamoe_backend": backend_for(torch.empty(0, device=device)),
+        "megamoe_autotune": autotune_enabled(torch.bfloat16),
     }
     print(f"{info['gpu']}  torch {info['torch']}  triton {info['triton']}  {info['date']}")
     info["matmul_tflops"] = dense_matmul_tflops(device)

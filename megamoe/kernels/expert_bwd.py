@@ -17,12 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.kernels.expert_fwd import _tile_rows, dot_precision, fit_dtype, launch_config, tile_grid
-from megamoe.kernels.plan import Plan
-
-ACT_BWD_CONFIG = {"BM": 128, "BN": 128, "BK": 32, "num_warps": 8, "num_stages": 3}
-DX_CONFIG = {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4}
-WGRAD_CONFIG = {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+from megamoe.kernels.expert_fwd import _tile_rows, dot_precision, tile_grid
+from megamoe.kernels.plan import BLOCK_M, Plan
+from megamoe.kernels.tuning import TunedKernel, configs
 
 
 @triton.jit
@@ -37,8 +34,8 @@ def _act_bwd_kernel(
     dweight_part_ptr,  # (NI, N) fp32 out: per I-block partial of d(routing weight), flat slots
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
     N, D, I, E, top_k,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
-    TILE_M: tl.constexpr,
+    PREC: tl.constexpr, TILE_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
@@ -103,8 +100,8 @@ def _dx_kernel(
     dx_slots_ptr,  # (N, D) out: dz W13, token-major slot rows
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
     D, I, E,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
-    TILE_M: tl.constexpr,
+    PREC: tl.constexpr, TILE_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(D, BN), BM, TILE_M)
     if e >= E:
@@ -159,7 +156,8 @@ def _expert_wgrad_kernel(
     dw_ptr,  # (E, P, Q) out: dW[e] = sum over the expert's rows r of a[r]^T b[r]
     offsets_ptr,
     P, Q,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """One (expert, P-block, Q-block) per program; the K-loop runs over that expert's rows. Both
     operands are in sorted row order: gathering through the row map inside the K-loop measured 1.45x
@@ -190,21 +188,41 @@ def _expert_wgrad_kernel(
     tl.store(out_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=pmask[:, None] & qmask[None, :])
 
 
+# Defaults: best of the sweep on the 30B layer (docs/NOTES.md); candidates: runners-up and wider tiles.
+ACT_BWD = TunedKernel(
+    _act_bwd_kernel, default=configs((128, 128, 32, 8, 3))[0],
+    candidates=configs((128, 128, 32, 8, 4), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (64, 128, 32, 4, 3)),
+    key=["D", "I"], even_k=lambda a: a["D"] % a["BK"] == 0,
+)
+DX = TunedKernel(
+    _dx_kernel, default=configs((128, 256, 64, 8, 4))[0],
+    candidates=configs((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3)),
+    key=["D", "I"], even_k=lambda a: (2 * a["I"]) % a["BK"] == 0,
+)
+# EVEN_K is unused by the weight-gradient kernel (its K-loop runs over a variable number of rows).
+WGRAD = TunedKernel(
+    _expert_wgrad_kernel, default=configs((128, 128, 64, 8, 3))[0],
+    candidates=configs((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 128, 32, 8, 4)),
+    key=["P", "Q"], even_k=lambda a: False,
+)
+
+
 def act_bwd(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int):
     """Returns dz (N, 2I), h·w (N, I) in sorted rows and d(routing weight) (T, K) fp32."""
     num_slots = plan.row_slot_N.numel()
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
-    n_blocks = triton.cdiv(inter, ACT_BWD_CONFIG["BN"])
+    # One partial per I-block of the narrowest candidate; rows past the chosen config's blocks stay 0.
+    n_blocks = triton.cdiv(inter, ACT_BWD.min_block("BN"))
     dz_NH = torch.empty(num_slots, two_i, device=x_TD.device, dtype=x_TD.dtype)
     hw_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
     # Dropped slots are never written: their d(weight) is exactly zero.
     dweight_part = torch.zeros(n_blocks, num_slots, device=x_TD.device, dtype=torch.float32)
-    _act_bwd_kernel[tile_grid(plan, ACT_BWD_CONFIG, inter)](
+    ACT_BWD[tile_grid(plan, inter)](
         x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK.reshape(-1), dz_NH, hw_NI, dweight_part,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         num_slots, dim, inter, num_experts, top_k,
-        PREC=dot_precision(x_TD.dtype), **launch_config(ACT_BWD_CONFIG, dim, x_TD.dtype),
+        PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
     )
     # Fixed-order sum over the I-blocks: deterministic.
     dweight_TK = dweight_part.sum(dim=0).view(-1, top_k)
@@ -216,10 +234,10 @@ def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
     num_slots, two_i = dz_NH.shape
     num_experts, _, dim = w13_EHD.shape
     out = torch.empty(num_slots, dim, device=dz_NH.device, dtype=dz_NH.dtype)
-    _dx_kernel[tile_grid(plan, DX_CONFIG, dim)](
+    DX[tile_grid(plan, dim)](
         dz_NH, w13_EHD, out, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, two_i // 2, num_experts,
-        PREC=dot_precision(dz_NH.dtype), **launch_config(DX_CONFIG, two_i, dz_NH.dtype),
+        PREC=dot_precision(dz_NH.dtype), TILE_M=BLOCK_M, dtype=dz_NH.dtype,
     )
     return out
 
@@ -242,8 +260,7 @@ def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor
     p, q = a_NP.shape[1], b_NQ.shape[1]
     num_experts = plan.offsets_E1.numel() - 1
     dw = torch.empty(num_experts, p, q, device=a_NP.device, dtype=out_dtype)
-    cfg = fit_dtype(WGRAD_CONFIG, a_NP.dtype)
-    _expert_wgrad_kernel[(num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
-        a_NP, b_NQ, dw, plan.offsets_E1, p, q, PREC=dot_precision(a_NP.dtype), **cfg,
+    WGRAD[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
+        a_NP, b_NQ, dw, plan.offsets_E1, p, q, PREC=dot_precision(a_NP.dtype), dtype=a_NP.dtype,
     )
     return dw

@@ -11,30 +11,12 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.plan import BLOCK_M, Plan
-
-# Tile configs (BM: plan.BLOCK_M or a divisor of it, for sub-tiles). Module-level so the kernel
-# benchmark can sweep them.
-UP_CONFIG = {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
-DOWN_CONFIG = {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4}
+from megamoe.kernels.tuning import TunedKernel, configs
 
 
-def fit_dtype(config: dict, dtype: torch.dtype) -> dict:
-    """The configs are tuned for 16-bit operands; fp32 tiles are twice the bytes, so halve BK to stay
-    inside shared memory (the 30B down config needs 288 KB in fp32 against 227 KB)."""
-    if torch.empty((), dtype=dtype).element_size() > 2:
-        return {**config, "BK": config["BK"] // 2}
-    return config
-
-
-def launch_config(config: dict, k_dim: int, dtype: torch.dtype) -> dict:
-    """Kernel keyword arguments for a tile-kernel config dict, plus EVEN_K and the plan's tile height."""
-    config = fit_dtype(config, dtype)
-    return {**config, "EVEN_K": k_dim % config["BK"] == 0, "TILE_M": BLOCK_M}
-
-
-def tile_grid(plan: Plan, config: dict, n_dim: int) -> tuple[int]:
-    """1-D grid: every (sub-tile of every plan tile) × N-block."""
-    return (plan.tile_expert_NT.numel() * (BLOCK_M // config["BM"]) * triton.cdiv(n_dim, config["BN"]),)
+def tile_grid(plan: Plan, n_dim: int):
+    """1-D grid over every (sub-tile of every plan tile) × N-block, as a function of the config."""
+    return lambda cfg: (plan.tile_expert_NT.numel() * (BLOCK_M // cfg["BM"]) * triton.cdiv(n_dim, cfg["BN"]),)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -69,8 +51,8 @@ def _up_swiglu_fwd_kernel(
     tile_expert_ptr,  # (NT,) int32
     tile_row_ptr,  # (NT,) int32
     D, I, E, top_k,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
-    TILE_M: tl.constexpr,
+    PREC: tl.constexpr, TILE_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
@@ -113,8 +95,8 @@ def _down_fwd_kernel(
     slots_out_ptr,  # (N, D) out: weight * (h W2^T), token-major slot rows
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
     D, I, E,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
-    TILE_M: tl.constexpr,
+    PREC: tl.constexpr, TILE_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(D, BN), BM, TILE_M)
     if e >= E:
@@ -143,16 +125,30 @@ def _down_fwd_kernel(
     tl.store(out_ptrs, out.to(slots_out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
+# Defaults: best of the sweep on the 30B layer (docs/NOTES.md); candidates: the runners-up there and
+# larger-N/K shapes for wider layers.
+UP = TunedKernel(
+    _up_swiglu_fwd_kernel, default=configs((128, 128, 64, 8, 3))[0],
+    candidates=configs((128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4)),
+    key=["D", "I"], even_k=lambda a: a["D"] % a["BK"] == 0,
+)
+DOWN = TunedKernel(
+    _down_fwd_kernel, default=configs((128, 256, 64, 8, 3))[0],
+    candidates=configs((128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3)),
+    key=["D", "I"], even_k=lambda a: a["I"] % a["BK"] == 0,
+)
+
+
 def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int) -> torch.Tensor:
     """h (N, I) in x's dtype, rows in expert-sorted order (rows past the routed count are not written)."""
     num_slots = plan.row_slot_N.numel()
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
     h_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
-    _up_swiglu_fwd_kernel[tile_grid(plan, UP_CONFIG, inter)](
+    UP[tile_grid(plan, inter)](
         x_TD, w13_EHD, h_NI, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, inter, num_experts, top_k,
-        PREC=dot_precision(x_TD.dtype), **launch_config(UP_CONFIG, dim, x_TD.dtype),
+        PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
     )
     return h_NI
 
@@ -162,10 +158,10 @@ def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
     num_slots, inter = h_NI.shape
     num_experts, dim, _ = w2_EDI.shape
     slots_ND = torch.empty(num_slots, dim, device=h_NI.device, dtype=h_NI.dtype)
-    _down_fwd_kernel[tile_grid(plan, DOWN_CONFIG, dim)](
+    DOWN[tile_grid(plan, dim)](
         h_NI, w2_EDI, topk_weights_TK.reshape(-1), slots_ND,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, inter, num_experts,
-        PREC=dot_precision(h_NI.dtype), **launch_config(DOWN_CONFIG, inter, h_NI.dtype),
+        PREC=dot_precision(h_NI.dtype), TILE_M=BLOCK_M, dtype=h_NI.dtype,
     )
     return slots_ND
