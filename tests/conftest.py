@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tests run each kernel's fixed default config (fast, one known config); test_kernels.py has one
 # GPU test with autotuning on.
-os.environ.setdefault("MEGAMOE_AUTOTUNE", "0")
+os.environ["MEGAMOE_AUTOTUNE"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -57,6 +57,25 @@ def test_sub_tiles_match_fp32_reference(monkeypatch):
     assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
 
 
+def test_every_config_writes_every_weight_gradient_partial(monkeypatch):
+    """What autotuning relies on: after a config with narrow blocks, a config with wide blocks run on
+    the same (dirty) partial buffer must leave no stale partial behind."""
+    from megamoe.kernels import expert_bwd
+
+    x, idx, w, w13, w2, dy = make_problem(260, 136, 200, 3, 2, "random", device=DEVICE)
+    plan = build_plan(idx, 3)
+    _, _, expected = expert_bwd.act_bwd(x, dy, w13, w2, w, plan, 2)
+    n = idx.numel()
+    dz = torch.empty(n, 400, device=DEVICE)
+    hw = torch.empty(n, 200, device=DEVICE)
+    part = torch.zeros(-(-200 // expert_bwd.PART_COLS), n, device=DEVICE)
+    for bn in (64, 128):  # first writes every 64-column group itself, then the wide config must too
+        monkeypatch.setattr(expert_bwd.ACT_BWD, "default", {**expert_bwd.ACT_BWD.default, "BN": bn, "BK": 32})
+        part.add_(1000.0)  # dirty every partial, as a previous config's run would
+        expert_bwd.act_bwd_into(x, dy, w13, w2, w, plan, 2, dz, hw, part)
+    assert torch.equal(part.sum(0).view(-1, 2), expected)
+
+
 @pytest.mark.parametrize("num_tokens,top_k,num_experts", PLAN_CASES)
 def test_plan_is_a_stable_sort_with_a_complete_tile_table(num_tokens, top_k, num_experts, monkeypatch):
     from megamoe.kernels import plan as plan_module

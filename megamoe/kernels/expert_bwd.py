@@ -31,10 +31,10 @@ def _act_bwd_kernel(
     weights_ptr,  # (N,) routing weights, flat slots
     dz_ptr,  # (N, 2I) out: [dg | du], sorted rows
     hw_ptr,  # (N, I) out: h * weight, sorted rows
-    dweight_part_ptr,  # (NI, N) fp32 out: per I-block partial of d(routing weight), flat slots
+    dweight_part_ptr,  # (NI, N) fp32 out: partial d(routing weight) per PART_COLS columns, flat slots
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
     N, D, I, E, top_k,
-    PREC: tl.constexpr, TILE_M: tl.constexpr,
+    PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
@@ -80,8 +80,16 @@ def _act_bwd_kernel(
     sig = tl.sigmoid(acc_g)
     silu = acc_g * sig
     h = silu * acc_u
-    # Columns past I hold zeros (masked weights), so they add nothing to the partial sum.
-    tl.store(dweight_part_ptr + pid_n.to(tl.int64) * N + slots, tl.sum(acc_d * h, axis=1), mask=rmask)
+    # One partial per PART_COLS columns, whatever BN is: every config writes every partial row, so a
+    # config switch (the autotuner runs several on the same buffers) leaves no stale partial behind.
+    # Columns past I hold zeros (masked weights), so they add nothing.
+    dwh = acc_d * h
+    local = tl.arange(0, BN) // PART_COLS
+    for j in tl.static_range(BN // PART_COLS):
+        part_row = pid_n * (BN // PART_COLS) + j
+        tl.store(dweight_part_ptr + part_row.to(tl.int64) * N + slots,
+                 tl.sum(tl.where((local == j)[None, :], dwh, 0.0), axis=1),
+                 mask=rmask & (part_row * PART_COLS < I))
     dh = acc_d * wt[:, None]
     du = dh * silu
     dg = dh * acc_u * sig * (1.0 + acc_g * (1.0 - sig))
@@ -188,6 +196,9 @@ def _expert_wgrad_kernel(
     tl.store(out_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=pmask[:, None] & qmask[None, :])
 
 
+# Columns per partial d(routing weight) in the act kernel; every config's BN is a multiple of it.
+PART_COLS = 64
+
 # Defaults: best of the sweep on the 30B layer (docs/NOTES.md); candidates: runners-up and wider tiles.
 ACT_BWD = TunedKernel(
     _act_bwd_kernel, default=configs((128, 128, 32, 8, 3))[0],
@@ -210,23 +221,28 @@ WGRAD = TunedKernel(
 def act_bwd(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int):
     """Returns dz (N, 2I), h·w (N, I) in sorted rows and d(routing weight) (T, K) fp32."""
     num_slots = plan.row_slot_N.numel()
+    two_i = w13_EHD.shape[1]
+    dz_NH = torch.empty(num_slots, two_i, device=x_TD.device, dtype=x_TD.dtype)
+    hw_NI = torch.empty(num_slots, two_i // 2, device=x_TD.device, dtype=x_TD.dtype)
+    # Dropped slots are never written: their d(weight) is exactly zero.
+    dweight_part = torch.zeros(triton.cdiv(two_i // 2, PART_COLS), num_slots, device=x_TD.device,
+                               dtype=torch.float32)
+    act_bwd_into(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan, top_k, dz_NH, hw_NI, dweight_part)
+    # Fixed-order sum over the column groups: deterministic.
+    return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
+
+
+def act_bwd_into(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int,
+                 dz_NH, hw_NI, dweight_part) -> None:
+    """Launch the act kernel into given buffers; ``dweight_part`` is (ceil(I / PART_COLS), N) fp32."""
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
-    # One partial per I-block of the narrowest candidate; rows past the chosen config's blocks stay 0.
-    n_blocks = triton.cdiv(inter, ACT_BWD.min_block("BN"))
-    dz_NH = torch.empty(num_slots, two_i, device=x_TD.device, dtype=x_TD.dtype)
-    hw_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
-    # Dropped slots are never written: their d(weight) is exactly zero.
-    dweight_part = torch.zeros(n_blocks, num_slots, device=x_TD.device, dtype=torch.float32)
     ACT_BWD[tile_grid(plan, inter)](
         x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK.reshape(-1), dz_NH, hw_NI, dweight_part,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
-        num_slots, dim, inter, num_experts, top_k,
-        PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
+        plan.row_slot_N.numel(), dim, inter, num_experts, top_k,
+        PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=x_TD.dtype,
     )
-    # Fixed-order sum over the I-blocks: deterministic.
-    dweight_TK = dweight_part.sum(dim=0).view(-1, top_k)
-    return dz_NH, hw_NI, dweight_TK
 
 
 def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
