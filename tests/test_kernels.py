@@ -116,6 +116,14 @@ def test_combine_moves_rows_exactly():
     assert torch.equal(out, expected)
 
 
+def test_empty_batch():
+    """T = 0 (an empty micro-batch): empty outputs, zero weight gradients, no launch errors."""
+    x, idx, w, w13, w2, dy = make_problem(0, 32, 16, 4, 2, "random", device=DEVICE)
+    y, dx, dw, dw13, dw2 = run_with_grads(megamoe.moe, x, idx, w, w13, w2, dy)
+    assert y.shape == (0, 32) and dx.shape == (0, 32) and dw.shape == (0, 2)
+    assert torch.equal(dw13, torch.zeros_like(dw13)) and torch.equal(dw2, torch.zeros_like(dw2))
+
+
 def test_experts_without_tokens_get_exactly_zero_gradients():
     problem = make_problem(29, 32, 16, 8, 2, "empty", device=DEVICE)
     *_, dw13, dw2 = run_with_grads(megamoe.moe, *problem)

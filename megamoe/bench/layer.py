@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import shlex
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -194,6 +195,17 @@ def run_cpu(args) -> None:
     print("OK. Run on a CUDA GPU for timings.")
 
 
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None  # not a git checkout (e.g. a copied working tree)
+
+
 def run_gpu(args) -> dict:
     import triton
 
@@ -203,7 +215,7 @@ def run_gpu(args) -> dict:
     impls = make_impls(names, device)
     info = {
         "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
-        "megamoe": megamoe.__version__,
+        "megamoe": megamoe.__version__, "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m megamoe.bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "preset": args.preset, "tokens": args.tokens, "routing": args.routing, "ep": 1,
