@@ -43,7 +43,7 @@ PRESETS = {
     "tiny": (64, 32, 8, 2),
 }
 ROUTINGS = ("random", "balanced", "skewed")
-IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "megamoe")
+IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "megamoe")
 BASELINES = ("grouped_mm", "grouped_mm_compiled")
 
 
@@ -79,6 +79,20 @@ class Impl:
     keeps_activations: bool  # True: under full checkpointing its step costs fwd + (fwd + bwd)
 
 
+def liger_moe() -> Callable:
+    """Liger-Kernel's fused Triton MoE (same weight layout) behind our signature; needs
+    ``pip install liger-kernel`` (0.8.5 was checked against the fp32 reference in the interpreter)."""
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except ImportError as exc:
+        raise SystemExit("impl 'liger' needs Liger-Kernel: pip install liger-kernel==0.8.5") from exc
+
+    def fn(x, topk_idx, topk_weights, w13, w2):
+        return LigerFusedMoEFunction.apply(x, w13, w2, topk_idx.to(torch.int32), topk_weights)
+
+    return fn
+
+
 def make_impls(names, device) -> list[Impl]:
     impls = []
     for name in names:
@@ -88,6 +102,8 @@ def make_impls(names, device) -> list[Impl]:
             impls.append(Impl(name, reference.moe_grouped_mm, True))
         elif name == "grouped_mm_compiled":
             impls.append(Impl(name, torch.compile(reference.moe_grouped_mm, fullgraph=True), True))
+        elif name == "liger":
+            impls.append(Impl(name, liger_moe(), True))
         elif name == "megamoe":
             fused = backend_for(torch.empty(0, device=device)) == "triton"
             impls.append(Impl(name, megamoe.moe, not fused))
@@ -168,7 +184,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=16384, help="tokens per step (T)")
     p.add_argument("--routing", choices=ROUTINGS, default="random")
     p.add_argument("--impls", default="grouped_mm,grouped_mm_compiled,megamoe",
-                   help=f"comma-separated, from {IMPLS} ('loop' is slow: opt in)")
+                   help=f"comma-separated, from {IMPLS} ('loop' is slow: opt in; 'liger' needs liger-kernel)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition budget per measurement")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
