@@ -53,6 +53,11 @@ class TunedKernel:
         self._kernel = triton.heuristics({"EVEN_K": even_k})(kernel)
         self._tuned = triton.autotune([_triton_config(c) for c in [default, *candidates]], key=key)(self._kernel)
 
+    @property
+    def jit_fn(self):
+        """The underlying ``triton.jit`` function."""
+        return self._kernel.fn
+
     def __getitem__(self, grid: Callable[[dict], tuple]):
         def launch(*args, dtype: torch.dtype, **kwargs):
             if autotune_enabled(dtype):

@@ -1,0 +1,98 @@
+"""Compile the GEMM kernels for Hopper (sm_90a) on any machine — no GPU needed — and report registers,
+spills and shared memory from ``ptxas -v``: the first things to check before spending device time.
+
+``python -m megamoe.bench.resources [--candidates]``. Pointers and the D / I / P / Q sizes are
+specialised as 16-divisible, as Triton does at run time for such values: without that Triton neither
+vectorises nor pipelines the loads, and the report would describe a kernel that never runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from megamoe.kernels import expert_bwd, expert_fwd
+from megamoe.kernels.tuning import TILE_KEYS, TunedKernel, fit_dtype
+
+HOPPER = GPUTarget("cuda", 90, 32)
+SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200 (sm_90)
+KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "act": expert_bwd.ACT_BWD, "dx": expert_bwd.DX,
+           "wgrad": expert_bwd.WGRAD}
+_POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
+                  "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32"}
+_DIVISIBLE_INTS = {"D", "I", "P", "Q"}
+_EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True}
+
+
+def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
+    """``dtype``: Triton name of the activation/weight element type (bf16, fp16, fp32)."""
+    fn = kernel.jit_fn
+    signature, attrs, constexprs = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[name] = config[name] if name in TILE_KEYS else _EXTRA_CONSTEXPRS[name]
+            if name == "PREC" and dtype == "fp32":
+                constexprs[name] = "ieee"
+            continue
+        is_ptr = name.endswith("_ptr")
+        signature[name] = _POINTER_TYPES.get(name, "*" + dtype) if is_ptr else "i32"
+        if is_ptr or name in _DIVISIBLE_INTS:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs)
+    return triton.compile(src, target=HOPPER,
+                          options={"num_warps": config["num_warps"], "num_stages": config["num_stages"]})
+
+
+def resources(kernel: TunedKernel, config: dict, dtype: str = "bf16") -> dict:
+    """Registers per thread, spill bytes (stores), shared memory and whether the MMAs are Hopper's
+    warpgroup MMAs (bf16/fp16 should be; fp32 'ieee' dots are not), for one config on sm_90a."""
+    compiled = compile_for_hopper(kernel, config, dtype)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True,
+                                text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return {"registers": registers, "spill_bytes": int(spills.group(1)) if spills else 0,
+            "shared_bytes": compiled.metadata.shared, "wgmma": "wgmma.mma_async" in compiled.asm["ptx"]}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench.resources", description=__doc__.split("\n\n")[0])
+    p.add_argument("--candidates", action="store_true", help="also every autotuning candidate")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                   help="operand type (fp32 applies the launchers' halved BK)")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels this compiles")
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    print(f"{'kernel':6s} {'config':52s} {'regs':>5s} {'spill B':>8s} {'smem KiB':>9s} {'wgmma':>6s}")
+    too_big = []
+    for name, kernel in KERNELS.items():
+        for config in [kernel.default, *(kernel.candidates if args.candidates else [])]:
+            config = fit_dtype(config, torch_dtype)
+            r = resources(kernel, config, args.dtype)
+            cfg = " ".join(f"{k}={v}" for k, v in config.items())
+            print(f"{name:6s} {cfg:52s} {r['registers']:5d} {r['spill_bytes']:8d} {r['shared_bytes'] / 1024:9.0f} "
+                  f"{'yes' if r['wgmma'] else 'no':>6s}", flush=True)
+            if r["shared_bytes"] > SHARED_MEMORY_LIMIT:
+                too_big.append(f"{name} {cfg}")
+    if too_big:
+        raise SystemExit("over the shared-memory limit: " + "; ".join(too_big))
+
+
+if __name__ == "__main__":
+    main()

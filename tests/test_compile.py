@@ -1,0 +1,22 @@
+"""Every GEMM kernel's default config compiles for Hopper (sm_90a) inside the shared memory, bf16 with
+warpgroup MMAs — checked on any machine, no GPU needed (Triton compiles ahead of time for a named
+target). Runs in a subprocess because the CPU test session interprets the kernels instead."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-m", "megamoe.bench.resources", "--dtype", dtype],
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()[1:] if line.strip()]
+    assert len(rows) == 5, out.stdout
+    if dtype == "bf16":
+        assert all(row[-1] == "yes" for row in rows), f"bf16 GEMMs must use warpgroup MMAs:\n{out.stdout}"
