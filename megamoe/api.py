@@ -42,13 +42,9 @@ def backend_for(x: torch.Tensor) -> str:
     (tests). Everything else runs :func:`megamoe.reference.moe_grouped_mm` — same numbers, slower.
     """
     forced = os.environ.get("MEGAMOE_BACKEND", "auto")
-    if forced not in ("auto", "reference", "triton"):
-        raise ValueError(f"MEGAMOE_BACKEND must be auto, reference or triton, got {forced!r}")
+    if forced not in ("auto", "reference"):
+        raise ValueError(f"MEGAMOE_BACKEND must be auto or reference, got {forced!r}")
     if forced == "reference":
-        return "reference"
-    from megamoe.kernels import AVAILABLE as kernels_available
-
-    if not kernels_available:
         return "reference"
     if x.is_cuda:
         if torch.cuda.get_device_capability(x.device) >= (8, 0):

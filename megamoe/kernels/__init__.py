@@ -1,3 +1,1 @@
-"""Triton kernels (private). ``AVAILABLE`` says whether the fused path exists in this build."""
-
-AVAILABLE = True
+"""Triton kernels (private): the routing plan, the expert GEMMs forward and backward, the combine."""
