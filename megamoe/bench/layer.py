@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import shlex
@@ -178,18 +179,32 @@ def time_impl(impl: Impl, problem, rep_ms: int) -> dict:
             "saved_activation_bytes": int(saved), "peak_extra_bytes": int(peak_extra)}
 
 
+def csv_of(allowed):
+    """argparse type: a comma-separated list, each item in ``allowed`` (or converted by it)."""
+    def parse(text: str) -> list:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if callable(allowed):
+            return [allowed(item) for item in items]
+        bad = [item for item in items if item not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{bad or text!r} not in {sorted(allowed)}")
+        return items
+    return parse
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m megamoe.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b")
-    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (T)")
-    p.add_argument("--routing", choices=ROUTINGS, default="random")
+    p.add_argument("--preset", type=csv_of(PRESETS), default="qwen3-30b-a3b",
+                   help=f"one or more (comma-separated) of {sorted(PRESETS)}")
+    p.add_argument("--tokens", type=csv_of(int), default="16384", help="tokens per step (T), comma-separated")
+    p.add_argument("--routing", type=csv_of(ROUTINGS), default="random", help=f"comma-separated, from {ROUTINGS}")
     p.add_argument("--impls", default="grouped_mm,grouped_mm_compiled,megamoe",
                    help=f"comma-separated, from {IMPLS} ('loop' is slow: opt in; 'liger' needs liger-kernel)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition budget per measurement")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
     p.add_argument("--no-plot", action="store_true")
-    return p.parse_args(argv)
+    return p.parse_args(argv)  # argparse applies ``type`` to string defaults too
 
 
 def run_cpu(args) -> None:
@@ -200,7 +215,7 @@ def run_cpu(args) -> None:
     print(f"(T=48, D={dim}, I={inter}, E={num_experts}, K={top_k}, fp32; megamoe runs "
           f"{'the Triton kernels in the interpreter' if interp else 'the reference'}"
           f"{'' if interp else ' — set TRITON_INTERPRET=1 to run its Triton kernels'}).")
-    problem = make_problem(48, dim, inter, num_experts, top_k, args.routing, torch.float32, "cpu", args.seed)
+    problem = make_problem(48, dim, inter, num_experts, top_k, args.routing[0], torch.float32, "cpu", args.seed)
     worst = 0.0
     for impl in make_impls(names, "cpu"):
         err = max_rel_err(impl.fn, problem)
@@ -222,32 +237,28 @@ def git_commit() -> str | None:
         return None  # not a git checkout (e.g. a copied working tree)
 
 
-def run_gpu(args) -> dict:
+def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) -> dict:
     import triton
 
     device = torch.device("cuda")
-    dim, inter, num_experts, top_k = PRESETS[args.preset]
-    names = [n.strip() for n in args.impls.split(",") if n.strip()]
-    impls = make_impls(names, device)
+    dim, inter, num_experts, top_k = PRESETS[preset]
+    torch._dynamo.reset()  # a fresh, static-shape compile of the baseline for every problem
+    impls = make_impls([n.strip() for n in args.impls.split(",") if n.strip()], device)
     info = {
         "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
         "megamoe": megamoe.__version__, "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m megamoe.bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "preset": args.preset, "tokens": args.tokens, "routing": args.routing, "ep": 1,
+        "preset": preset, "tokens": tokens, "routing": routing, "ep": 1,
         "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k, "dtype": "bfloat16",
         "megamoe_backend": backend_for(torch.empty(0, device=device)),
         "megamoe_autotune": autotune_enabled(torch.bfloat16),
     }
-    print(f"{info['gpu']}  torch {info['torch']}  triton {info['triton']}  {info['date']}")
-    info["matmul_tflops"] = dense_matmul_tflops(device)
-    print(f"dense bf16 8192^3 matmul: {info['matmul_tflops']:.0f} TFLOP/s")
-
-    problem = make_problem(args.tokens, dim, inter, num_experts, top_k, args.routing, torch.bfloat16,
-                           device, args.seed)
+    info["matmul_tflops"] = matmul_tflops
+    problem = make_problem(tokens, dim, inter, num_experts, top_k, routing, torch.bfloat16, device, args.seed)
     rows = int((problem[1] >= 0).sum())
     unit = rows * dim * inter
-    small = make_problem(256, dim, inter, num_experts, top_k, args.routing, torch.bfloat16, device, args.seed + 1)
+    small = make_problem(256, dim, inter, num_experts, top_k, routing, torch.bfloat16, device, args.seed + 1)
     results = []
     for impl in impls:
         r = {"impl": impl.name, **time_impl(impl, problem, args.rep_ms)}
@@ -310,12 +321,18 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         run_cpu(args)
         return
-    info = run_gpu(args)
-    print_table(info)
+    device = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name(device)}  torch {torch.__version__}")
+    matmul_tflops = dense_matmul_tflops(device)
+    print(f"dense bf16 8192^3 matmul: {matmul_tflops:.0f} TFLOP/s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{info['preset']}-t{info['tokens']}-{info['routing']}-ep{info['ep']}"
-    (out / f"{stem}.json").write_text(json.dumps(info, indent=1) + "\n")
-    if not args.no_plot:
-        plot(info, out / f"{stem}.png")
-    print(f"wrote {out / stem}.json" + ("" if args.no_plot else " and .png"))
+    for preset, tokens, routing in itertools.product(args.preset, args.tokens, args.routing):
+        print(f"\n== {preset} T={tokens} {routing}", flush=True)
+        info = run_gpu(args, preset, tokens, routing, matmul_tflops)
+        print_table(info)
+        stem = f"{info['preset']}-t{info['tokens']}-{info['routing']}-ep{info['ep']}"
+        (out / f"{stem}.json").write_text(json.dumps(info, indent=1) + "\n")
+        if not args.no_plot:
+            plot(info, out / f"{stem}.png")
+        print(f"wrote {out / stem}.json" + ("" if args.no_plot else " and .png"))
