@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megamoe import reference
+from megamoe.bench.layer import grads_of as run_with_grads
 
 # (T, D, I, E, K, routing) — one comment per case: what it guards.
 SHAPES = [
@@ -44,15 +45,6 @@ def make_problem(T, D, I, E, K, routing, dtype=torch.float32, device="cpu", seed
     cast = lambda t: t.to(device=device, dtype=dtype)
     return (cast(x), topk_idx.to(device=device, dtype=idx_dtype), topk_weights.to(device), cast(w13), cast(w2),
             cast(dy))
-
-
-def run_with_grads(fn, x, topk_idx, topk_weights, w13, w2, dy):
-    """Returns [y, dx, d topk_weights, dw13, dw2] of ``fn``."""
-    leaves = [t.detach().clone().requires_grad_() for t in (x, topk_weights, w13, w2)]
-    xl, wl, w13l, w2l = leaves
-    y = fn(xl, topk_idx, wl, w13l, w2l)
-    grads = torch.autograd.grad(y, leaves, dy.to(y.dtype), allow_unused=False)
-    return [y.detach(), *grads]
 
 
 NAMES = ["y", "dx", "dtopk_weights", "dw13", "dw2"]

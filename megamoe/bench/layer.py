@@ -114,6 +114,7 @@ def make_impls(names, device) -> list[Impl]:
 
 
 def grads_of(fn, x, topk_idx, topk_weights, w13, w2, dy):
+    """[y, dx, d topk_weights, dw13, dw2] of ``fn`` for the output gradient ``dy`` (fresh leaves)."""
     leaves = [t.detach().requires_grad_() for t in (x, topk_weights, w13, w2)]
     xl, wl, w13l, w2l = leaves
     y = fn(xl, topk_idx, wl, w13l, w2l)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.kernels.expert_fwd import _tile_rows, dot_precision, tile_grid
+from megamoe.kernels.expert_fwd import _rows_matmul, _tile_rows, dot_precision, tile_grid
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.tuning import TunedKernel, configs
 
@@ -119,18 +119,7 @@ def _dx_kernel(
     ks = tl.arange(0, BK)
     a_ptrs = dz_ptr + rows[:, None].to(tl.int64) * 2 * I + ks[None, :]
     b_ptrs = w13_ptr + e.to(tl.int64) * 2 * I * D + ks[:, None].to(tl.int64) * D + cols[None, :]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, 2 * I, BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
-        else:
-            kmask = ks + k0 < 2 * I
-            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
-        a_ptrs += BK
-        b_ptrs += BK * D
+    acc = _rows_matmul(a_ptrs, b_ptrs, rmask, cmask, 2 * I, D, BM, BN, BK, EVEN_K, PREC)
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
     out_ptrs = dx_slots_ptr + slots[:, None] * D + cols[None, :]
     tl.store(out_ptrs, acc.to(dx_slots_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])

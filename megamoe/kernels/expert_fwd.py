@@ -88,6 +88,28 @@ def _up_swiglu_fwd_kernel(
 
 
 @triton.jit
+def _rows_matmul(a_ptrs, b_ptrs, rmask, cmask, K, stride_bk,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                 PREC: tl.constexpr):
+    """fp32 (BM, BN) = A[rows, :K] @ B[:K, cols]. ``a_ptrs`` (BM, BK) and ``b_ptrs`` (BK, BN) point at
+    k = 0; A is contiguous along K, B advances ``stride_bk`` elements per k."""
+    ks = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
+        else:
+            kmask = ks + k0 < K
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        a_ptrs += BK
+        b_ptrs += BK * stride_bk
+    return acc
+
+
+@triton.jit
 def _down_fwd_kernel(
     h_ptr,  # (N, I) sorted rows
     w2_ptr,  # (E, D, I)
@@ -106,18 +128,7 @@ def _down_fwd_kernel(
     ks = tl.arange(0, BK)
     a_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + ks[None, :]
     b_ptrs = w2_ptr + e.to(tl.int64) * D * I + cols[None, :].to(tl.int64) * I + ks[:, None]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
-        else:
-            kmask = ks + k0 < I
-            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
-        a_ptrs += BK
-        b_ptrs += BK
+    acc = _rows_matmul(a_ptrs, b_ptrs, rmask, cmask, I, 1, BM, BN, BK, EVEN_K, PREC)
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
     wt = tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)
     out = acc * wt[:, None]
