@@ -38,8 +38,10 @@ def backend_for(x: torch.Tensor) -> str:
     """Which implementation :func:`moe` runs for an input on ``x``'s device: ``"triton"`` or ``"reference"``.
 
     ``MEGAMOE_BACKEND=reference`` forces the reference (for debugging). The fused Triton kernels run on
-    CUDA GPUs of compute capability 8.0 or newer, and on CPU tensors under ``TRITON_INTERPRET=1``
-    (tests). Everything else runs :func:`megamoe.reference.moe_grouped_mm` — same numbers, slower.
+    Hopper (compute capability 9.0) or newer GPUs — they read the weights through TMA descriptors — and
+    on CPU tensors under ``TRITON_INTERPRET=1`` (tests). Everything else runs
+    :func:`megamoe.reference.moe_grouped_mm` — same numbers, slower. Shapes the kernels cannot take
+    are checked separately (:func:`fused_supports`).
     """
     forced = os.environ.get("MEGAMOE_BACKEND", "auto")
     if forced not in ("auto", "reference"):
@@ -47,11 +49,21 @@ def backend_for(x: torch.Tensor) -> str:
     if forced == "reference":
         return "reference"
     if x.is_cuda:
-        if torch.cuda.get_device_capability(x.device) >= (8, 0):
+        if torch.cuda.get_device_capability(x.device) >= (9, 0):
             return "triton"
-        _warn_once("megamoe: GPU older than sm80; running the (slow) reference implementation")
+        _warn_once("megamoe: GPU older than Hopper (sm90); running the (slow) reference implementation")
         return "reference"
     return "triton" if _interpreting() else "reference"
+
+
+def fused_supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the fused kernels take these shapes: TMA needs the rows of the weights (D and I elements)
+    to be multiples of 16 bytes and the weights to start 16-byte aligned. Real layers always are (D and I
+    are multiples of 64); otherwise :func:`moe` warns once and runs the reference. Alignment is read off
+    the storage offset (allocations themselves are aligned; ``data_ptr`` would break ``torch.compile``)."""
+    size = x.element_size()
+    return all(n * size % 16 == 0 for n in (x.shape[1], w2.shape[2])) and all(
+        t.storage_offset() * size % 16 == 0 for t in (w13, w2))
 
 
 def _check_tensor(name: str, t, dim: int, dtypes) -> None:
@@ -138,8 +150,8 @@ def moe(
     Returns:
         y: (T, D) in the dtype of ``x``.
 
-    Backend: fused Triton kernels on CUDA (sm80+) — see :func:`backend_for`; elsewhere the
-    TorchTitan-style reference :func:`megamoe.reference.moe_grouped_mm` (same math, slower), or the
+    Backend: fused Triton kernels on CUDA (sm90+) for shapes :func:`fused_supports` takes — see
+    :func:`backend_for`; elsewhere (with a one-time warning on a GPU) the TorchTitan-style reference :func:`megamoe.reference.moe_grouped_mm` (same math, slower), or the
     per-expert loop where ``torch._grouped_mm`` cannot take the shapes (rows not 16-byte aligned).
     """
     if precision not in PRECISIONS:
@@ -150,9 +162,12 @@ def moe(
         raise NotImplementedError("expert parallelism (group=...) is not implemented yet; pass group=None")
     validate(x, topk_idx, topk_weights, w13, w2)
     if backend_for(x) == "triton":
-        from megamoe.autograd import fused_moe
+        if fused_supports(x, w13, w2):
+            from megamoe.autograd import fused_moe
 
-        return fused_moe(x, topk_idx, topk_weights, w13, w2)
+            return fused_moe(x, topk_idx, topk_weights, w13, w2)
+        _warn_once(f"megamoe: D={x.shape[1]} and I={w2.shape[2]} rows of {x.dtype} are not 16-byte multiples (or "
+                   "the weights are not 16-byte aligned); running the (slow) reference implementation")
     if reference.grouped_mm_supports(x.shape[1], w2.shape[2], x.dtype):
         return reference.moe_grouped_mm(x, topk_idx, topk_weights, w13, w2)
     return reference.moe_loop(x, topk_idx, topk_weights, w13, w2)

@@ -17,7 +17,7 @@ SHAPES = [
     (29, 32, 16, 8, 2, "empty"),        # experts with no tokens (only the first 3 used)
     (37, 32, 16, 5, 1, "one"),          # every token to one expert
     (31, 32, 16, 6, 3, "dropped"),      # dropped slots (-1)
-    (45, 40, 20, 5, 2, "random"),       # D and I not multiples of 16/32/64
+    (45, 40, 24, 5, 2, "random"),       # D and I not multiples of 16/32/64
 ]
 
 

@@ -39,6 +39,29 @@ def test_fused_matches_fp32_reference(shape, dtype):
     assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
 
 
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """The same values, contiguous, starting one element past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
+    return flat.copy_(t.reshape(-1)).view(t.shape)
+
+
+@pytest.mark.parametrize("case", ["rows not 16-byte multiples", "weights not 16-byte aligned"])
+def test_shapes_tma_cannot_take_warn_and_run_the_reference(case, monkeypatch):
+    import megamoe.api
+    import megamoe.autograd
+
+    monkeypatch.setattr(megamoe.api, "_warned", set())
+    shape = (20, 32, 20, 4, 2, "random") if case.startswith("rows") else (20, 32, 16, 4, 2, "random")
+    x, idx, w, w13, w2, dy = make_problem(*shape, dtype=torch.float16, device=DEVICE)  # I=20: 40-byte rows
+    if case.startswith("weights"):
+        w13 = misaligned(w13)
+    monkeypatch.setattr(megamoe.autograd, "fused_moe", lambda *a: pytest.fail("the fused path ran"))
+    problem = (x, idx, w, w13, w2, dy)
+    with pytest.warns(UserWarning, match="16-byte"):
+        out = run_with_grads(megamoe.moe, *problem)
+    assert_close_to_reference(out, problem)
+
+
 PLAN_CASES = [
     (400, 3, 7),    # several chunks, one popular expert with several tiles
     (1000, 8, 128),  # the real expert count

@@ -3,7 +3,8 @@ spills and shared memory from ``ptxas -v``: the first things to check before spe
 
 ``python -m megamoe.bench.resources [--candidates]``. Pointers and the D / I / P / Q sizes are
 specialised as 16-divisible, as Triton does at run time for such values: without that Triton neither
-vectorises nor pipelines the loads, and the report would describe a kernel that never runs.
+vectorises nor pipelines the loads, and the report would describe a kernel that never runs. TMA
+descriptor parameters (``*_desc``) get the block shape the config gives them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
             constexprs[name] = config[name] if name in TILE_KEYS else _EXTRA_CONSTEXPRS[name]
             if name == "PREC" and dtype == "fp32":
                 constexprs[name] = "ieee"
+            continue
+        if name.endswith("_desc"):
+            block = ", ".join(map(str, kernel.blocks(config)[name]))
+            signature[name] = f"tensordesc<{dtype}[{block}]>"
             continue
         is_ptr = name.endswith("_ptr")
         signature[name] = _POINTER_TYPES.get(name, "*" + dtype) if is_ptr else "i32"

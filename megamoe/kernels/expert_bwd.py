@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.kernels.expert_fwd import _rows_matmul, _tile_rows, dot_precision, tile_grid
+from megamoe.kernels.expert_fwd import _sorted_rows_matmul, _tile_rows, descriptor, dot_precision, tile_grid
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.tuning import TunedKernel, configs
 
@@ -26,8 +26,8 @@ from megamoe.kernels.tuning import TunedKernel, configs
 def _act_bwd_kernel(
     x_ptr,  # (T, D)
     dy_ptr,  # (T, D)
-    w13_ptr,  # (E, 2I, D)
-    w2_ptr,  # (E, D, I)
+    w13_desc,  # (E, 2, I, D) view of w13 (gate, up); block (1, 1, BN, BK)
+    w2_desc,  # (E, D, I); block (1, BK, BN)
     weights_ptr,  # (N,) routing weights, flat slots
     dz_ptr,  # (N, 2I) out: [dg | du], sorted rows
     hw_ptr,  # (N, I) out: h * weight, sorted rows
@@ -37,20 +37,16 @@ def _act_bwd_kernel(
     PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
+    e, _, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM,
+                                         TILE_M)
     if e >= E:
         return
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
     tok = slots // top_k
-    cols = pid_n * BN + tl.arange(0, BN)
-    cmask = cols < I
+    n0 = pid_n * BN
     ks = tl.arange(0, BK)
-    e64 = e.to(tl.int64)
     x_ptrs = x_ptr + tok[:, None] * D + ks[None, :]
     dy_ptrs = dy_ptr + tok[:, None] * D + ks[None, :]
-    wg_ptrs = w13_ptr + e64 * 2 * I * D + cols[None, :].to(tl.int64) * D + ks[:, None]
-    wu_ptrs = wg_ptrs + I * D
-    w2_ptrs = w2_ptr + e64 * D * I + ks[:, None].to(tl.int64) * I + cols[None, :]
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     acc_d = tl.zeros((BM, BN), dtype=tl.float32)
@@ -58,24 +54,21 @@ def _act_bwd_kernel(
         if EVEN_K:
             a = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
             g = tl.load(dy_ptrs, mask=rmask[:, None], other=0.0)
-            bg = tl.load(wg_ptrs, mask=cmask[None, :], other=0.0)
-            bu = tl.load(wu_ptrs, mask=cmask[None, :], other=0.0)
-            b2 = tl.load(w2_ptrs, mask=cmask[None, :], other=0.0)
         else:
-            kmask = ks + k0 < D
-            a = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            g = tl.load(dy_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            bg = tl.load(wg_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-            bu = tl.load(wu_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-            b2 = tl.load(w2_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
+            kmask = rmask[:, None] & (ks + k0 < D)[None, :]
+            a = tl.load(x_ptrs, mask=kmask, other=0.0)
+            g = tl.load(dy_ptrs, mask=kmask, other=0.0)
+        # The descriptors zero-fill past this expert's I columns/rows and past D.
+        bg = w13_desc.load([e, 0, n0, k0]).reshape(BN, BK)
+        bu = w13_desc.load([e, 1, n0, k0]).reshape(BN, BK)
+        b2 = w2_desc.load([e, k0, n0]).reshape(BK, BN)
+        acc_g = tl.dot(a, bg.T, acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
         acc_d = tl.dot(g, b2, acc_d, input_precision=PREC)
         x_ptrs += BK
         dy_ptrs += BK
-        wg_ptrs += BK
-        wu_ptrs += BK
-        w2_ptrs += BK * I
+    cols = n0 + tl.arange(0, BN)
+    cmask = cols < I
     wt = tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(acc_g)
     silu = acc_g * sig
@@ -103,26 +96,24 @@ def _act_bwd_kernel(
 
 @triton.jit
 def _dx_kernel(
-    dz_ptr,  # (N, 2I) sorted rows
-    w13_ptr,  # (E, 2I, D)
+    dz_desc,  # (N, 2I) sorted rows; block (BM, BK)
+    w13_desc,  # (E, 2I, D); block (1, BK, BN)
     dx_slots_ptr,  # (N, D) out: dz W13, token-major slot rows
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
     D, I, E,
     PREC: tl.constexpr, TILE_M: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(D, BN), BM, TILE_M)
+    e, row0, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(D, BN), BM,
+                                             TILE_M)
     if e >= E:
         return
-    cols = pid_n * BN + tl.arange(0, BN)
-    cmask = cols < D
-    ks = tl.arange(0, BK)
-    a_ptrs = dz_ptr + rows[:, None].to(tl.int64) * 2 * I + ks[None, :]
-    b_ptrs = w13_ptr + e.to(tl.int64) * 2 * I * D + ks[:, None].to(tl.int64) * D + cols[None, :]
-    acc = _rows_matmul(a_ptrs, b_ptrs, rmask, cmask, 2 * I, D, BM, BN, BK, EVEN_K, PREC)
+    n0 = pid_n * BN
+    acc = _sorted_rows_matmul(dz_desc, w13_desc, e, row0, n0, 2 * I, False, BM, BN, BK, PREC)
+    cols = n0 + tl.arange(0, BN)
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
     out_ptrs = dx_slots_ptr + slots[:, None] * D + cols[None, :]
-    tl.store(out_ptrs, acc.to(dx_slots_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    tl.store(out_ptrs, acc.to(dx_slots_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < D)[None, :])
 
 
 @triton.jit
@@ -154,7 +145,7 @@ def _expert_wgrad_kernel(
     offsets_ptr,
     P, Q,
     PREC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """One (expert, P-block, Q-block) per program; the K-loop runs over that expert's rows. Both
     operands are in sorted row order: gathering through the row map inside the K-loop measured 1.45x
@@ -193,17 +184,18 @@ ACT_BWD = TunedKernel(
     _act_bwd_kernel, default=configs((128, 128, 32, 8, 3))[0],
     candidates=configs((128, 128, 32, 8, 4), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (64, 128, 32, 4, 3)),
     key=["D", "I"], even_k=lambda a: a["D"] % a["BK"] == 0,
+    blocks=lambda c: {"w13_desc": [1, 1, c["BN"], c["BK"]], "w2_desc": [1, c["BK"], c["BN"]]},
 )
 DX = TunedKernel(
     _dx_kernel, default=configs((128, 256, 64, 8, 4))[0],
     candidates=configs((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3)),
-    key=["D", "I"], even_k=lambda a: (2 * a["I"]) % a["BK"] == 0,
+    key=["D", "I"], even_k=None,  # the descriptors zero-fill the K tail
+    blocks=lambda c: {"dz_desc": [c["BM"], c["BK"]], "w13_desc": [1, c["BK"], c["BN"]]},
 )
-# EVEN_K is unused by the weight-gradient kernel (its K-loop runs over a variable number of rows).
 WGRAD = TunedKernel(
     _expert_wgrad_kernel, default=configs((128, 128, 64, 8, 3))[0],
     candidates=configs((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 128, 32, 8, 4)),
-    key=["P", "Q"], even_k=lambda a: False,
+    key=["P", "Q"], even_k=None, blocks=lambda c: {},
 )
 
 
@@ -226,8 +218,11 @@ def act_bwd_into(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_
     """Launch the act kernel into given buffers; ``dweight_part`` is (ceil(I / PART_COLS), N) fp32."""
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
+    if plan.row_slot_N.numel() == 0:  # an empty batch (a TMA descriptor cannot be empty)
+        return
     ACT_BWD[tile_grid(plan, inter)](
-        x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK.reshape(-1), dz_NH, hw_NI, dweight_part,
+        x_TD, dy_TD, descriptor(w13_EHD.view(num_experts, 2, inter, dim)), descriptor(w2_EDI),
+        topk_weights_TK.reshape(-1), dz_NH, hw_NI, dweight_part,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         plan.row_slot_N.numel(), dim, inter, num_experts, top_k,
         PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=x_TD.dtype,
@@ -239,8 +234,10 @@ def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
     num_slots, two_i = dz_NH.shape
     num_experts, _, dim = w13_EHD.shape
     out = torch.empty(num_slots, dim, device=dz_NH.device, dtype=dz_NH.dtype)
+    if num_slots == 0:
+        return out
     DX[tile_grid(plan, dim)](
-        dz_NH, w13_EHD, out, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
+        descriptor(dz_NH), descriptor(w13_EHD), out, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, two_i // 2, num_experts,
         PREC=dot_precision(dz_NH.dtype), TILE_M=BLOCK_M, dtype=dz_NH.dtype,
     )

@@ -9,9 +9,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.tuning import TunedKernel, configs
+
+
+def descriptor(t: torch.Tensor) -> TensorDescriptor:
+    """A TMA descriptor over all of ``t`` (contiguous, rows 16-byte aligned: see ``api.fused_supports``);
+    its block shape is set per config at launch (``TunedKernel.blocks``)."""
+    return TensorDescriptor.from_tensor(t, [1] * t.dim())
 
 
 def tile_grid(plan: Plan, n_dim: int):
@@ -26,10 +33,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, BM: tl.constexpr, TILE_M: tl.constexpr):
-    """Expert, sorted rows, row mask and N-block of this program, which covers BM rows (a sub-tile when
-    BM < TILE_M) of a plan tile. The 1-D grid runs the N-blocks of one (sub-)tile next to each other, so
-    its gathered rows are read from DRAM once and then hit in L2 (a tile-major order re-reads them from
-    DRAM once per N-block)."""
+    """Expert, first sorted row, sorted rows, row mask and N-block of this program, which covers BM rows
+    (a sub-tile when BM < TILE_M) of a plan tile. The 1-D grid runs the N-blocks of one (sub-)tile next
+    to each other, so its gathered rows are read from DRAM once and then hit in L2 (a tile-major order
+    re-reads them from DRAM once per N-block)."""
     pid = tl.program_id(0)
     split: tl.constexpr = TILE_M // BM
     pid_m = pid // num_n
@@ -38,13 +45,13 @@ def _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, BM: tl.constex
     row0 = tl.load(tile_row_ptr + pid_t) + (pid_m % split) * BM
     row_end = tl.load(offsets_ptr + e + 1)
     rows = row0 + tl.arange(0, BM)
-    return e, rows, rows < row_end, pid % num_n
+    return e, row0, rows, rows < row_end, pid % num_n
 
 
 @triton.jit
 def _up_swiglu_fwd_kernel(
     x_ptr,  # (T, D)
-    w13_ptr,  # (E, 2I, D) gate rows [0, I), up rows [I, 2I)
+    w13_desc,  # (E, 2, I, D) view of w13: [:, 0] gate rows, [:, 1] up rows; block (1, 1, BN, BK)
     h_ptr,  # (N, I) out: silu(x W1g^T) * (x W1u^T), sorted rows
     row_slot_ptr,  # (N,) int32
     offsets_ptr,  # (E+1,) int32
@@ -54,86 +61,75 @@ def _up_swiglu_fwd_kernel(
     PREC: tl.constexpr, TILE_M: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
+    e, _, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM,
+                                         TILE_M)
     if e >= E:
         return
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
     tok = (slots // top_k).to(tl.int64)  # int64: T*D overflows int32 at real sizes
-    cols = pid_n * BN + tl.arange(0, BN)
-    cmask = cols < I
+    n0 = pid_n * BN
     ks = tl.arange(0, BK)
     a_ptrs = x_ptr + tok[:, None] * D + ks[None, :]
-    wg_ptrs = w13_ptr + e.to(tl.int64) * 2 * I * D + cols[None, :].to(tl.int64) * D + ks[:, None]
-    wu_ptrs = wg_ptrs + I * D
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, D, BK):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-            bg = tl.load(wg_ptrs, mask=cmask[None, :], other=0.0)
-            bu = tl.load(wu_ptrs, mask=cmask[None, :], other=0.0)
         else:
-            kmask = ks + k0 < D
-            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            bg = tl.load(wg_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-            bu = tl.load(wu_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
+            a = tl.load(a_ptrs, mask=rmask[:, None] & (ks + k0 < D)[None, :], other=0.0)
+        # The descriptor zero-fills past this expert's I rows and past D: no masks on the weights.
+        bg = w13_desc.load([e, 0, n0, k0]).reshape(BN, BK)
+        bu = w13_desc.load([e, 1, n0, k0]).reshape(BN, BK)
+        acc_g = tl.dot(a, bg.T, acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
         a_ptrs += BK
-        wg_ptrs += BK
-        wu_ptrs += BK
     h = acc_g * tl.sigmoid(acc_g) * acc_u
+    cols = n0 + tl.arange(0, BN)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < I)[None, :])
 
 
 @triton.jit
-def _rows_matmul(a_ptrs, b_ptrs, rmask, cmask, K, stride_bk,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                 PREC: tl.constexpr):
-    """fp32 (BM, BN) = A[rows, :K] @ B[:K, cols]. ``a_ptrs`` (BM, BK) and ``b_ptrs`` (BK, BN) point at
-    k = 0; A is contiguous along K, B advances ``stride_bk`` elements per k."""
-    ks = tl.arange(0, BK)
+def _sorted_rows_matmul(a_desc, w_desc, e, row0, n0, K, W_K_LAST: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """fp32 (BM, BN) = A[row0 : row0+BM, :K] @ W[e][:K, n0 : n0+BN], both through TMA. A holds sorted rows
+    (block (BM, BK)); rows past the expert's end belong to the next expert, and the caller masks them at
+    the store. W is (E, N, K) when ``W_K_LAST`` (block (1, BN, BK)), else (E, K, N) (block (1, BK, BN)).
+    The descriptors zero-fill past K and past the expert's N, so the loop needs no masks."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
+        a = a_desc.load([row0, k0])
+        if W_K_LAST:
+            b = w_desc.load([e, n0, k0]).reshape(BN, BK).T
         else:
-            kmask = ks + k0 < K
-            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            b = w_desc.load([e, k0, n0]).reshape(BK, BN)
         acc = tl.dot(a, b, acc, input_precision=PREC)
-        a_ptrs += BK
-        b_ptrs += BK * stride_bk
     return acc
 
 
 @triton.jit
 def _down_fwd_kernel(
-    h_ptr,  # (N, I) sorted rows
-    w2_ptr,  # (E, D, I)
+    h_desc,  # (N, I) sorted rows; block (BM, BK)
+    w2_desc,  # (E, D, I); block (1, BN, BK)
     weights_ptr,  # (N,) routing weight of each slot (flat t*K + k)
     slots_out_ptr,  # (N, D) out: weight * (h W2^T), token-major slot rows
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
     D, I, E,
     PREC: tl.constexpr, TILE_M: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    e, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(D, BN), BM, TILE_M)
+    e, row0, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(D, BN), BM,
+                                             TILE_M)
     if e >= E:
         return
-    cols = pid_n * BN + tl.arange(0, BN)
-    cmask = cols < D
-    ks = tl.arange(0, BK)
-    a_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + ks[None, :]
-    b_ptrs = w2_ptr + e.to(tl.int64) * D * I + cols[None, :].to(tl.int64) * I + ks[:, None]
-    acc = _rows_matmul(a_ptrs, b_ptrs, rmask, cmask, I, 1, BM, BN, BK, EVEN_K, PREC)
+    n0 = pid_n * BN
+    acc = _sorted_rows_matmul(h_desc, w2_desc, e, row0, n0, I, True, BM, BN, BK, PREC)
+    cols = n0 + tl.arange(0, BN)
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
     wt = tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)
     out = acc * wt[:, None]
     out_ptrs = slots_out_ptr + slots[:, None] * D + cols[None, :]
-    tl.store(out_ptrs, out.to(slots_out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    tl.store(out_ptrs, out.to(slots_out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < D)[None, :])
 
 
 # Defaults: best of the sweep on the 30B layer (docs/NOTES.md); candidates: the runners-up there and
@@ -142,11 +138,13 @@ UP = TunedKernel(
     _up_swiglu_fwd_kernel, default=configs((128, 128, 64, 8, 3))[0],
     candidates=configs((128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4)),
     key=["D", "I"], even_k=lambda a: a["D"] % a["BK"] == 0,
+    blocks=lambda c: {"w13_desc": [1, 1, c["BN"], c["BK"]]},
 )
 DOWN = TunedKernel(
     _down_fwd_kernel, default=configs((128, 256, 64, 8, 3))[0],
     candidates=configs((128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3)),
-    key=["D", "I"], even_k=lambda a: a["I"] % a["BK"] == 0,
+    key=["D", "I"], even_k=None,  # the descriptors zero-fill the K tail
+    blocks=lambda c: {"h_desc": [c["BM"], c["BK"]], "w2_desc": [1, c["BN"], c["BK"]]},
 )
 
 
@@ -156,8 +154,10 @@ def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int) -> torch.Tensor:
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
     h_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
+    if num_slots == 0:  # an empty batch (a TMA descriptor cannot be empty)
+        return h_NI
     UP[tile_grid(plan, inter)](
-        x_TD, w13_EHD, h_NI, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
+        x_TD, descriptor(w13_EHD.view(num_experts, 2, inter, dim)), h_NI, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, inter, num_experts, top_k,
         PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
     )
@@ -169,8 +169,10 @@ def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
     num_slots, inter = h_NI.shape
     num_experts, dim, _ = w2_EDI.shape
     slots_ND = torch.empty(num_slots, dim, device=h_NI.device, dtype=h_NI.dtype)
+    if num_slots == 0:
+        return slots_ND
     DOWN[tile_grid(plan, dim)](
-        h_NI, w2_EDI, topk_weights_TK.reshape(-1), slots_ND,
+        descriptor(h_NI), descriptor(w2_EDI), topk_weights_TK.reshape(-1), slots_ND,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
         dim, inter, num_experts,
         PREC=dot_precision(h_NI.dtype), TILE_M=BLOCK_M, dtype=h_NI.dtype,

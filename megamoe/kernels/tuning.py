@@ -1,15 +1,17 @@
 """Tile configs of the GEMM kernels: a fixed default per kernel, and a short list of candidates that
 Triton's autotuner times once per static shape (D, I and the dtypes — never the token count) on first use.
 
-Autotuning is opt-in, ``MEGAMOE_AUTOTUNE=1``: measured 1.10x instead of 1.04x over the compiled baseline
-on the 235B layer, but that run also found that the tuning call itself returned a stale d(routing
-weight) (fixed since, with the fix checked on CPU only; see docs/NOTES.md). It becomes the default once
-``test_autotuned_configs_match_fp32_reference`` has passed on a GPU. Otherwise — and always under the
-interpreter and for fp32 operands — each kernel runs its fixed default. Autotuning synchronises the host
-once per new shape, on its first call; later calls are sync-free.
+Autotuning is on by default for 16-bit operands on a GPU (measured 1.10x instead of 1.04x over the
+compiled baseline on the 235B layer; docs/NOTES.md §6). ``MEGAMOE_AUTOTUNE=0`` pins each kernel to its
+fixed default, as do the interpreter and fp32 operands. Autotuning synchronises the host once per new
+shape, on its first call (run one step before capturing a CUDA graph); later calls are sync-free.
 
 Invariant every kernel keeps so that autotuning is safe: any config writes every output element the
 caller reads (the autotuner runs several configs on the same buffers before the chosen one).
+
+TMA operands: a kernel parameter named ``*_desc`` is a ``triton.tools.tensor_descriptor.TensorDescriptor``
+whose block shape depends on the config; the kernel's ``blocks(config)`` gives it, and the launcher (or,
+when autotuning, each config's pre-hook) sets it before the launch.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ TILE_KEYS = ("BM", "BN", "BK")
 
 
 def autotune_enabled(dtype: torch.dtype) -> bool:
-    return (os.environ.get("MEGAMOE_AUTOTUNE", "0") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return (os.environ.get("MEGAMOE_AUTOTUNE", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
             and torch.empty((), dtype=dtype).element_size() == 2)
 
 
@@ -36,27 +38,35 @@ def fit_dtype(config: dict, dtype: torch.dtype) -> dict:
     return config
 
 
-def _triton_config(config: dict) -> triton.Config:
+def _triton_config(config: dict, pre_hook) -> triton.Config:
     return triton.Config({k: config[k] for k in TILE_KEYS}, num_warps=config["num_warps"],
-                         num_stages=config["num_stages"])
+                         num_stages=config["num_stages"], pre_hook=pre_hook)
 
 
 class TunedKernel:
-    """A Triton kernel with EVEN_K derived from BK, launched with ``default`` or autotuned over
+    """A Triton kernel (with EVEN_K derived from BK by ``even_k``, if given), launched with ``default`` or autotuned over
     ``[default, *candidates]`` keyed on ``key`` (static dims). ``kernel[grid](*args, dtype=..., **kw)``
-    with ``grid`` a function of the config dict, as for ``triton.autotune``."""
+    with ``grid`` a function of the config dict, as for ``triton.autotune``. ``blocks(config)`` maps each
+    ``*_desc`` parameter to its TMA block shape under that config."""
 
     def __init__(self, kernel, default: dict, candidates: list[dict], key: list[str],
-                 even_k: Callable[[dict], bool]):
+                 even_k: Callable[[dict], bool] | None, blocks: Callable[[dict], dict[str, list[int]]]):
         self.default = default
         self.candidates = candidates
-        self._kernel = triton.heuristics({"EVEN_K": even_k})(kernel)
-        self._tuned = triton.autotune([_triton_config(c) for c in [default, *candidates]], key=key)(self._kernel)
+        self.blocks = blocks
+        self._kernel = triton.heuristics({"EVEN_K": even_k})(kernel) if even_k else kernel
+        self._arg_names = self.jit_fn.arg_names
+        self._tuned = triton.autotune([_triton_config(c, self._set_blocks) for c in [default, *candidates]],
+                                      key=key)(self._kernel)
+
+    def _set_blocks(self, nargs: dict) -> None:
+        for name, block in self.blocks(nargs).items():
+            nargs[name].block_shape = block
 
     @property
     def jit_fn(self):
         """The underlying ``triton.jit`` function."""
-        return self._kernel.fn
+        return self._kernel.fn if isinstance(self._kernel, triton.runtime.Heuristics) else self._kernel
 
     def __getitem__(self, grid: Callable[[dict], tuple]):
         def launch(*args, dtype: torch.dtype, **kwargs):
@@ -64,6 +74,7 @@ class TunedKernel:
                 self._tuned[grid](*args, **kwargs)
             else:
                 config = fit_dtype(self.default, dtype)
+                self._set_blocks({**dict(zip(self._arg_names, args)), **kwargs, **config})
                 self._kernel[grid(config)](*args, **kwargs, **config)
 
         return launch
