@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import itertools
 import json
 import os
@@ -227,6 +228,17 @@ def run_cpu(args) -> None:
     print("OK. Run on a CUDA GPU for timings.")
 
 
+def source_digest() -> str:
+    """sha256 over the megamoe package's sources (paths and bytes): identifies the code that ran even
+    where the checkout's git metadata is stale (the lent GPU machine gets a copy of the working tree
+    whose .git can lag behind). Recompute on any commit with the same function to match a result."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
@@ -247,7 +259,7 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
     impls = make_impls([n.strip() for n in args.impls.split(",") if n.strip()], device)
     info = {
         "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
-        "megamoe": megamoe.__version__, "commit": git_commit(),
+        "megamoe": megamoe.__version__, "commit": git_commit(), "source_sha256": source_digest(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m megamoe.bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "preset": preset, "tokens": tokens, "routing": routing, "ep": 1,

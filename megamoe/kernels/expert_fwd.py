@@ -11,13 +11,20 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from megamoe.api import warn_once
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.tuning import TunedKernel, configs
 
 
 def descriptor(t: torch.Tensor) -> TensorDescriptor:
-    """A TMA descriptor over all of ``t`` (contiguous, rows 16-byte aligned: see ``api.fused_supports``);
-    its block shape is set per config at launch (``TunedKernel.blocks``)."""
+    """A TMA descriptor over all of ``t`` (contiguous, rows 16-byte multiples: see ``api.fused_supports``);
+    its block shape is set per config at launch (``TunedKernel.blocks``). TMA also needs the start
+    16-byte aligned: a tensor that is not (a weight view at an odd offset into a larger buffer) is
+    copied, with a one-time warning, since that copy is paid on every call."""
+    if t.data_ptr() % 16:
+        warn_once(f"megamoe: a {tuple(t.shape)} operand does not start 16-byte aligned; copying it on every "
+                  "call (slow). Allocate the expert weights aligned (any fresh tensor is).")
+        t = t.clone()
     return TensorDescriptor.from_tensor(t, [1] * t.dim())
 
 
