@@ -76,8 +76,9 @@ def _check_tensor(name: str, t, dim: int, dtypes) -> None:
         raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).removeprefix('torch.')}")
 
 
-def validate(x, topk_idx, topk_weights, w13, w2) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the bad argument. Host-side only: no device sync,
+def validate(x, topk_idx, topk_weights, w13, w2, num_ranks: int = 1) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the bad argument. With ``num_ranks`` > 1 (expert
+    parallelism) the weights hold this rank's E/R experts and expert ids range over all E. Host-side only: no device sync,
     except that expert ids are range-checked eagerly on CPU or with ``MEGAMOE_DEBUG=1``; on a GPU they
     are checked asynchronously (``torch._assert_async``: a bad id fails the stream, never a wrong answer)."""
     _check_tensor("x", x, 2, _FLOAT_DTYPES)
@@ -94,16 +95,17 @@ def validate(x, topk_idx, topk_weights, w13, w2) -> None:
         )
     if topk_idx.shape[1] < 1:
         raise ValueError("topk_idx must have at least one slot per token (K >= 1)")
-    num_experts, two_i, w13_dim = w13.shape
-    if num_experts < 1:
+    num_local, two_i, w13_dim = w13.shape
+    num_experts = num_local * num_ranks
+    if num_local < 1:
         raise ValueError("w13 must hold at least one expert")
     if w13_dim != dim:
         raise ValueError(f"w13 must be (E, 2*I, D) with D={dim} (x's hidden size), got shape {tuple(w13.shape)}")
     if two_i % 2 or two_i == 0:
         raise ValueError(f"w13 must be (E, 2*I, D) with gate rows then up rows; got odd/zero 2*I={two_i}")
     inter = two_i // 2
-    if tuple(w2.shape) != (num_experts, dim, inter):
-        raise ValueError(f"w2 must be (E, D, I) = ({num_experts}, {dim}, {inter}), got {tuple(w2.shape)}")
+    if tuple(w2.shape) != (num_local, dim, inter):
+        raise ValueError(f"w2 must be (E, D, I) = ({num_local}, {dim}, {inter}), got {tuple(w2.shape)}")
     for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must share a device")
@@ -142,8 +144,13 @@ def moe(
         w13: (E, 2*I, D) gate rows [0, I) then up rows [I, 2I), dtype of ``x``, contiguous
             (Hugging Face ``Qwen3MoeExperts.gate_up_proj`` layout).
         w2: (E, D, I) down projection, dtype of ``x``, contiguous (HF ``down_proj`` layout).
-        group: ``torch.distributed`` process group for expert parallelism; ``None`` for one GPU.
-            Expert parallelism is not implemented yet: passing a group raises ``NotImplementedError``.
+        group: ``torch.distributed`` process group for expert parallelism (EP); ``None`` for one GPU.
+            Under EP each rank passes its own tokens, *global* expert ids in [0, E) and the weights of
+            its own E/R experts (rank r owns experts [r*E/R, (r+1)*E/R)); every rank of the group must
+            call with the same D, I and E/R. For now this runs the all-to-all baseline
+            (:func:`megamoe.parallel.all_to_all.moe_all_to_all`, host-synchronising, with a one-time
+            warning) with the fused kernels for the local experts; the fused in-kernel dispatch is
+            not implemented yet.
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``
             (blockwise e4m3) is planned and raises ``NotImplementedError`` for now.
 
@@ -151,15 +158,24 @@ def moe(
         y: (T, D) in the dtype of ``x``.
 
     Backend: fused Triton kernels on CUDA (sm90+) for shapes :func:`fused_supports` takes — see
-    :func:`backend_for`; elsewhere (with a one-time warning on a GPU) the TorchTitan-style reference :func:`megamoe.reference.moe_grouped_mm` (same math, slower), or the
-    per-expert loop where ``torch._grouped_mm`` cannot take the shapes (rows not 16-byte aligned).
+    :func:`backend_for`; elsewhere (with a one-time warning on a GPU) the TorchTitan-style reference
+    :func:`megamoe.reference.moe_grouped_mm` (same math, slower), or the per-expert loop where ``torch._grouped_mm`` cannot take the shapes (rows not 16-byte aligned).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8":
         raise NotImplementedError("precision='fp8' (blockwise e4m3) is not implemented yet; use 'bf16'")
     if group is not None:
-        raise NotImplementedError("expert parallelism (group=...) is not implemented yet; pass group=None")
+        import torch.distributed as dist
+
+        from megamoe.parallel.all_to_all import moe_all_to_all
+
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        validate(x, topk_idx, topk_weights, w13, w2, num_ranks=dist.get_world_size(group))
+        warn_once("megamoe: the fused expert-parallel dispatch is not implemented yet; group=... runs the "
+                  "all-to-all baseline (host-synchronising), with the fused kernels for the local experts")
+        return moe_all_to_all(x, topk_idx, topk_weights, w13, w2, group, experts=moe)
     validate(x, topk_idx, topk_weights, w13, w2)
     if backend_for(x) == "triton":
         if fused_supports(x, w2):

@@ -20,14 +20,17 @@ class MegaMoE(nn.Module):
         score_func: ``"softmax"`` (Qwen3-MoE) or ``"sigmoid"`` (DeepSeek-V3 / TorchTitan); see
             :mod:`megamoe.routing`.
         norm_topk_prob: renormalise each token's K gating weights to sum to one.
-        ep_group: process group for expert parallelism (not implemented yet; must be ``None``).
+        ep_group: process group for expert parallelism, or ``None``. With a group of R ranks this
+            rank holds experts [r*E/R, (r+1)*E/R) (``w13``/``w2`` have E/R experts; R must divide E), the
+            router stays replicated over all E, and :func:`megamoe.moe` exchanges the rows.
         precision: ``"bf16"`` (see :func:`megamoe.moe`).
         route_scale: multiplies the gating weights (DeepSeek-V3 ``routed_scaling_factor``).
         initializer_range: std of the normal init of every weight (HF ``initializer_range``).
         device, dtype: where and in which dtype to create the parameters (the router is kept in the
             same dtype; its scores are computed in fp32).
 
-    Parameters: ``gate.weight`` (E, D), ``w13`` (E, 2I, D) gate rows then up rows, ``w2`` (E, D, I).
+    Parameters: ``gate.weight`` (E, D), ``w13`` (E/R, 2I, D) gate rows then up rows, ``w2`` (E/R, D, I)
+    (R = 1 without ``ep_group``).
 
     Aux-loss-free load balancing (TorchTitan / DeepSeek-V3): in training mode every forward adds the
     tokens routed to each expert into the ``tokens_per_expert`` buffer; :meth:`update_expert_bias`
@@ -63,16 +66,25 @@ class MegaMoE(nn.Module):
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        num_ranks = 1
         if ep_group is not None:
-            raise NotImplementedError("expert parallelism (ep_group=...) is not implemented yet")
+            import torch.distributed as dist
+
+            if not isinstance(ep_group, dist.ProcessGroup):
+                raise TypeError(f"ep_group must be a torch.distributed ProcessGroup or None, got "
+                                f"{type(ep_group).__name__}")
+            num_ranks = dist.get_world_size(ep_group)
+            if num_experts % num_ranks:
+                raise ValueError(f"num_experts={num_experts} must be a multiple of the ep_group size {num_ranks}")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.norm_topk_prob, self.route_scale = score_func, norm_topk_prob, route_scale
         self.ep_group, self.precision, self.initializer_range = ep_group, precision, initializer_range
         factory = {"device": device, "dtype": dtype}
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, **factory)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        num_local = num_experts // num_ranks
+        self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate_size, hidden_size, **factory))
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, **factory))
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, device=device, dtype=torch.float32))
         self.reset_parameters()

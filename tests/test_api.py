@@ -52,7 +52,7 @@ def test_unsupported_options_raise():
         call(args, precision="int4")
     with pytest.raises(NotImplementedError, match="fp8"):
         call(args, precision="fp8")
-    with pytest.raises(NotImplementedError, match="group"):
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
         call(args, group=object())
 
 
@@ -88,7 +88,7 @@ def test_module_forward_backward_and_load_balancing():
 
 @pytest.mark.parametrize("kwargs,exc", [
     ({"top_k": 7}, ValueError), ({"score_func": "tanh"}, ValueError), ({"hidden_size": 0}, ValueError),
-    ({"precision": "fp4"}, ValueError), ({"ep_group": object()}, NotImplementedError),
+    ({"precision": "fp4"}, ValueError), ({"ep_group": object()}, TypeError),
 ])
 def test_module_rejects_bad_config(kwargs, exc):
     args = {"hidden_size": 32, "intermediate_size": 16, "num_experts": 6, "top_k": 2, **kwargs}
