@@ -73,6 +73,8 @@ def _worker(rank, num_ranks, port, test):
                 check_rank(case, rank, num_ranks, group, lambda *a: megamoe.moe(*a, group=group))
         elif test == "layer":
             check_layer(rank, num_ranks, group)
+        elif test == "bench":
+            check_bench(group)
         # Rank 0 hosts the rendezvous store: no rank tears down while another still uses it (without
         # this barrier gloo aborted a rank at exit about one run in five).
         dist.barrier()
@@ -110,6 +112,19 @@ def check_layer(rank, num_ranks, group):
     torch.testing.assert_close(layer.gate.weight.grad, full.gate.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+def check_bench(group):
+    """The EP benchmark's measuring code (what runs on GPUs) on the tiny preset: every impl is timed and
+    agrees with the one-device reference."""
+    from megamoe.bench.ep import ep_impls, measure
+
+    impls = ep_impls(["a2a_grouped_mm", "a2a_megamoe"], group)
+    info = measure(impls, group, "tiny", 16, "skewed", torch.device("cpu"), iters=2, seed=0)
+    assert [r["impl"] for r in info["results"]] == ["a2a_grouped_mm", "a2a_megamoe"]
+    for r in info["results"]:
+        assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["max_rel_err"] < 1e-4, r
+    assert info["exchange_fwd_ms"] > 0 and info["exchange_fwd_bytes_rank0"] > 0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -139,4 +154,8 @@ def test_moe_with_group_equals_one_device_reference(num_ranks):
 
 def test_layer_with_ep_group_equals_one_layer():
     spawn("layer", 2)
+
+
+def test_ep_benchmark_measures_every_impl():
+    spawn("bench", 2)
 

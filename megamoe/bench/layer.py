@@ -35,6 +35,7 @@ import torch
 import megamoe
 from megamoe import reference
 from megamoe.api import backend_for
+from megamoe.bench.ep import EP_IMPLS
 from megamoe.kernels.tuning import autotune_enabled
 from megamoe.routing import route
 
@@ -200,8 +201,13 @@ def parse_args(argv=None):
                    help=f"one or more (comma-separated) of {sorted(PRESETS)}")
     p.add_argument("--tokens", type=csv_of(int), default="16384", help="tokens per step (T), comma-separated")
     p.add_argument("--routing", type=csv_of(ROUTINGS), default="random", help=f"comma-separated, from {ROUTINGS}")
-    p.add_argument("--impls", default="grouped_mm,grouped_mm_compiled,megamoe",
-                   help=f"comma-separated, from {IMPLS} ('loop' is slow: opt in; 'liger' needs liger-kernel)")
+    p.add_argument("--impls", default=None,
+                   help=f"comma-separated, from {IMPLS} (default: grouped_mm,grouped_mm_compiled,megamoe; 'loop' "
+                        f"is slow: opt in; 'liger' needs liger-kernel); with --ep from {EP_IMPLS} (default: all)")
+    p.add_argument("--ep", action="store_true",
+                   help="expert-parallel benchmark over the torchrun ranks (see megamoe/bench/ep.py); --tokens is "
+                        "per rank")
+    p.add_argument("--ep-iters", type=int, default=20, help="timed iterations per measurement with --ep")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition budget per measurement")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
@@ -331,6 +337,12 @@ def plot(info: dict, path: Path) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.ep:
+        from megamoe.bench.ep import main as ep_main
+
+        ep_main(args)
+        return
+    args.impls = args.impls or "grouped_mm,grouped_mm_compiled,megamoe"
     if not torch.cuda.is_available():
         run_cpu(args)
         return

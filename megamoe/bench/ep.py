@@ -1,0 +1,238 @@
+"""Expert-parallel layer benchmark: ``torchrun --nproc-per-node N -m megamoe.bench --ep``.
+
+Every rank holds T tokens (``--tokens`` is per rank) and E/N experts of the preset (rank r owns
+experts [r·E/N, (r+1)·E/N)). Implementations, all through the all-to-all dispatcher of
+:mod:`megamoe.parallel.all_to_all` (TorchTitan's path: host-synced splits, ``all_to_all_single``):
+
+* ``a2a_grouped_mm`` / ``a2a_grouped_mm_compiled`` — local experts by ``torch._grouped_mm``, eager or
+  ``torch.compile``'d: the baselines of issue 4;
+* ``a2a_megamoe`` — the same exchange with megamoe's fused kernels for the local experts (what
+  ``megamoe.moe(group=...)`` runs until the fused in-kernel dispatch exists).
+
+Per impl: forward, forward+backward and the activation-checkpointing step (every impl here keeps the
+exchanged rows for its backward, so its step is forward + forward-and-backward), as the maximum over
+ranks of each rank's median; and, for the exchange alone, the time of the two ``all_to_all_single`` of
+a forward and the bytes they move (GB/s per rank). Every rank runs the same fixed number of
+iterations (``do_bench`` picks its own count per rank, which would desynchronise the collectives).
+
+Without GPUs (gloo on CPU): the tiny preset, checked against the one-device fp32 reference on the
+gathered problem, outputs and every gradient; it says that timings need GPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import megamoe
+from megamoe import reference
+from megamoe.parallel.all_to_all import AllToAll, moe_all_to_all
+
+EP_IMPLS = ("a2a_grouped_mm", "a2a_grouped_mm_compiled", "a2a_megamoe")
+
+
+def local_problem(global_problem, rank: int, num_ranks: int):
+    """This rank's tokens and experts of a problem made for all ranks (tokens split evenly)."""
+    x, idx, w, w13, w2, dy = global_problem
+    tok = slice(rank * x.shape[0] // num_ranks, (rank + 1) * x.shape[0] // num_ranks)
+    per_rank = w13.shape[0] // num_ranks
+    exp = slice(rank * per_rank, (rank + 1) * per_rank)
+    return x[tok], idx[tok], w[tok], w13[exp].contiguous(), w2[exp].contiguous(), dy[tok]
+
+
+def ep_impls(names, group) -> dict:
+    unknown = [n for n in names if n not in EP_IMPLS]
+    if unknown:
+        raise ValueError(f"unknown EP impl(s) {unknown}; choose from {EP_IMPLS}")
+    impls = {}
+    for name in names:
+        if name == "a2a_grouped_mm":
+            experts = reference.moe_grouped_mm
+        elif name == "a2a_grouped_mm_compiled":
+            experts = torch.compile(reference.moe_grouped_mm, fullgraph=True)
+        else:
+            experts = megamoe.moe
+        impls[name] = functools.partial(_with_group, group=group, experts=experts)
+    return impls
+
+
+def _with_group(*problem, group, experts):
+    return moe_all_to_all(*problem, group, experts=experts)
+
+
+def timed(fn, iters: int, warmup: int, device) -> float:
+    """Median ms of ``fn`` over ``iters`` calls, the same count on every rank (CUDA events on a GPU,
+    wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def max_over_ranks(value: float, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def gathered_errors(fn, problem, rank, num_ranks) -> float:
+    """max over (y, dx, d weights, dw13, dw2) of max|out - ref| / max|ref| for this rank's share, the
+    reference being the one-device fp32 layer on the whole problem."""
+    from megamoe.bench.layer import grads_of
+
+    out = grads_of(fn, *local_problem(problem, rank, num_ranks))
+    ref = grads_of(lambda *a: reference.moe_loop(*a, fp32=True), *[t.float() if t.is_floating_point() else t
+                                                                   for t in problem])
+    x = problem[0]
+    tok = slice(rank * x.shape[0] // num_ranks, (rank + 1) * x.shape[0] // num_ranks)
+    per_rank = problem[3].shape[0] // num_ranks
+    exp = slice(rank * per_rank, (rank + 1) * per_rank)
+    ref = [ref[0][tok], ref[1][tok], ref[2][tok], ref[3][exp], ref[4][exp]]
+    return max(((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for o, r in zip(out, ref))
+
+
+def exchange_only(problem_local, group):
+    """The forward's two ``all_to_all_single`` on this problem's splits (no experts): ms and bytes."""
+    x, idx, *_ = problem_local
+    num_ranks = dist.get_world_size(group)
+    num_experts = problem_local[3].shape[0] * num_ranks
+    key = torch.where(idx.reshape(-1) >= 0, idx.reshape(-1), num_experts)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts, group=group)
+    send_splits = counts.view(num_ranks, -1).sum(1).tolist()
+    recv_splits = recv.view(num_ranks, -1).sum(1).tolist()
+    rows = x.new_empty(sum(send_splits), x.shape[1])
+
+    def run():
+        back = AllToAll.apply(AllToAll.apply(rows, recv_splits, send_splits, group), send_splits, recv_splits, group)
+        return back
+
+    moved = (sum(send_splits) + sum(recv_splits)) * x.shape[1] * x.element_size()  # out and back, sent bytes
+    return run, moved
+
+
+def main(args) -> None:
+    """Entry point of ``python -m megamoe.bench --ep`` (under torchrun, or with a process group already
+    initialised by the caller)."""
+    cuda = torch.cuda.is_available()
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        if "RANK" not in os.environ:
+            raise SystemExit("--ep runs under torchrun: torchrun --nproc-per-node N -m megamoe.bench --ep ...")
+        dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        run(args, cuda)
+        dist.barrier()  # rank 0 hosts the rendezvous store: nobody tears down while others still use it
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def run(args, cuda: bool) -> None:
+    from megamoe.bench.layer import PRESETS, make_problem
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    group = dist.group.WORLD
+    names = [n.strip() for n in args.impls.split(",") if n.strip()] if args.impls else list(EP_IMPLS)
+    if not cuda:  # the compiled grouped_mm takes bf16 only, which the CPU check does not use
+        names = [n for n in names if n != "a2a_grouped_mm_compiled"]
+    impls = ep_impls(names, group)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    if not cuda:
+        dim, inter, num_experts, top_k = PRESETS["tiny"]
+        say(f"No CUDA GPU: timings need GPUs. Checking the EP path with {num_ranks} gloo ranks on a tiny "
+            f"problem instead (8 tokens per rank, D={dim}, I={inter}, E={num_experts}, K={top_k}, fp32).")
+        if num_experts % num_ranks:
+            raise SystemExit(f"the tiny preset's {num_experts} experts do not split over {num_ranks} ranks")
+        problem = make_problem(8 * num_ranks, dim, inter, num_experts, top_k, args.routing[0], torch.float32,
+                               "cpu", args.seed)
+        worst = 0.0
+        for name, fn in impls.items():
+            err = max_over_ranks(gathered_errors(fn, problem, rank, num_ranks), device)
+            worst = max(worst, err)
+            say(f"  {name:26s} max rel err vs the one-device fp32 reference (y and all grads): {err:.2e}")
+        if worst > 1e-4:
+            raise SystemExit(f"FAILED: an EP implementation disagrees with the reference ({worst:.2e} > 1e-4)")
+        say("OK. Run on GPUs (torchrun --nproc-per-node N) for timings.")
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for preset, tokens, routing in itertools.product(args.preset, args.tokens, args.routing):
+        info = measure(impls, group, preset, tokens, routing, device, args.ep_iters, args.seed)
+        say(f"\n{preset} T={tokens}/rank {routing} EP={num_ranks}: exchange {info['exchange_fwd_ms']:.3f} ms "
+            f"({info['exchange_gb_per_s_rank0']:.0f} GB/s on rank 0)")
+        for r in info["results"]:
+            say(f"  {r['impl']:26s} fwd {r['fwd_ms']:8.3f}  fwd+bwd {r['fwd_bwd_ms']:8.3f}  "
+                f"AC step {r['ac_step_ms']:8.3f} ms  rel err {r['max_rel_err']:.1e}")
+        if rank == 0:
+            stem = f"{preset}-t{tokens}-{routing}-ep{num_ranks}"
+            (out / f"{stem}.json").write_text(json.dumps(info, indent=1) + "\n")
+            say(f"wrote {out / stem}.json")
+
+
+def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, iters: int, seed: int) -> dict:
+    """Times and errors of every impl on one problem (``tokens`` per rank), as the result JSON holds them.
+    bf16 on a GPU; fp32 on CPU (where it only exercises the code: CPU timings mean nothing)."""
+    from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest
+
+    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    dim, inter, num_experts, top_k = PRESETS[preset]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    problem = make_problem(tokens * num_ranks, dim, inter, num_experts, top_k, routing, dtype, device, seed)
+    small = make_problem(64 * num_ranks, dim, inter, num_experts, top_k, routing, dtype, device, seed + 1)
+    local = local_problem(problem, rank, num_ranks)
+    x, idx, w, w13, w2, dy = local
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
+    results = []
+    for name, fn in impls.items():
+        def fwd(fn=fn):
+            return fn(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+
+        def fwd_bwd(fn=fn):
+            fwd(fn).backward(dy)
+            for t in leaves:
+                t.grad = None
+
+        fwd_ms = max_over_ranks(timed(fwd, iters, 3, device), device)
+        fwd_bwd_ms = max_over_ranks(timed(fwd_bwd, iters, 3, device), device)
+        err = max_over_ranks(gathered_errors(fn, small, rank, num_ranks), device)
+        results.append({"impl": name, "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
+                        "ac_step_ms": fwd_ms + fwd_bwd_ms, "max_rel_err": err})
+    exchange, moved = exchange_only(local, group)
+    comm_ms = max_over_ranks(timed(exchange, iters, 3, device), device)
+    return {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "ranks": num_ranks, "commit": git_commit(), "source_sha256": source_digest(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": f"torchrun --nproc-per-node {num_ranks} -m megamoe.bench " + " ".join(sys.argv[1:]),
+        "preset": preset, "tokens_per_rank": tokens, "routing": routing, "ep": num_ranks, "dtype": str(dtype),
+        "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k,
+        "exchange_fwd_ms": comm_ms, "exchange_fwd_bytes_rank0": moved,
+        "exchange_gb_per_s_rank0": moved / comm_ms / 1e6, "results": results,
+    }
