@@ -1,0 +1,239 @@
+"""The fused expert-parallel protocol, forward: device-side counts exchange, dispatch of rows into their
+owner's buffer, the owner's expert kernels, weighted rows sent back into the source's slots, and the
+source's deterministic combine. No host synchronisation anywhere; every wait is a spin on a flag in
+device memory that a kernel of an *earlier* phase releases.
+
+Shape legend as in workspace.py; E = R*L global experts; T, K this rank's tokens and slots; N = T*K.
+
+Phases (each rank runs them in this order on its own stream; :func:`loopback_forward` runs each phase for
+every virtual rank before the next phase, so that on one device no wait can precede its producer):
+
+1. :func:`exchange_counts` — my per-expert row counts into each owner's ``counts[me, :]``, then
+   ``counts_flag[me] = epoch`` (release).
+2. :func:`dispatch_rows` — wait for every source's counts at every owner (acquire), compute where my rows
+   of each expert land in the owner's ``recv_x`` (expert-major, then source rank: a fixed order, so
+   results are deterministic), copy them with their slot id and routing weight, and count them into
+   the owner's ``arrived[me, l]`` (release). Rows past the owner's capacity are not written; they are
+   counted in ``overflow`` (the owner's and mine) and reported by ``Workspace.check_overflow`` (the
+   call's output is wrong then), and counted as arrived and returned so that no wait hangs on them.
+3. :func:`owner_experts` — wait until every ``arrived`` equals ``counts`` (acquire), reset ``arrived``,
+   run the one-GPU fused kernels on ``recv_x`` (up + SwiGLU, down with the routing weight).
+4. :func:`send_back` — each weighted output row into its source's ``y_slots[slot]``, counted into the
+   source's ``returned[me]`` (release).
+5. :func:`combine_returned` — wait until ``returned`` equals what I sent to each owner (acquire), reset
+   it, and reduce each token's K slots in slot order (fp32).
+
+Not yet: the backward, the overlap of phases 2-4 (persistent expert kernels that wait per tile instead
+of phase 3's global wait), and the symmetric-memory workspace.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.kernels.combine import combine
+from megamoe.kernels.expert_fwd import down_fwd, up_swiglu_fwd
+from megamoe.kernels.plan import Plan, build_plan
+from megamoe.parallel.workspace import Workspace
+
+
+@triton.jit
+def _peer(table_ptr, peer, ty: tl.constexpr):
+    """Base pointer of ``peer``'s buffer (scalar or tensor of peers) from an address table."""
+    return tl.load(table_ptr + peer).to(tl.pointer_type(ty))
+
+
+@triton.jit
+def _exchange_counts_kernel(offsets_ptr, counts_tab, counts_flag_tab, epoch_ptr, rank, L, LB: tl.constexpr):
+    owner = tl.program_id(0)
+    ls = tl.arange(0, LB)
+    e = owner * L + ls
+    lmask = ls < L
+    n = tl.load(offsets_ptr + e + 1, mask=lmask, other=0) - tl.load(offsets_ptr + e, mask=lmask, other=0)
+    tl.store(_peer(counts_tab, owner, tl.int32) + rank * L + ls, n, mask=lmask)
+    epoch = tl.load(epoch_ptr)
+    tl.atomic_xchg(_peer(counts_flag_tab, owner, tl.int32) + rank, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _dispatch_rows_kernel(
+    x_ptr,  # (T, D) my tokens
+    weights_ptr,  # (N,) my routing weights, flat slots
+    row_slot_ptr, offsets_ptr,  # my plan over the E global experts
+    counts_tab, counts_flag_tab, recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab,
+    returned_tab, epoch_ptr,
+    rank, R, L, D, top_k, capacity, max_slots,
+    RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
+):
+    E = R * L
+    rows = tl.program_id(0) * RB + tl.arange(0, RB)
+    rmask = rows < tl.load(offsets_ptr + E)
+    if tl.sum(rmask.to(tl.int32), axis=0) == 0:
+        return
+    # Every owner's counts from every source must be in before any destination is known.
+    epoch = tl.load(epoch_ptr)
+    srcs = tl.arange(0, CB)
+    for owner in range(R):
+        flags = _peer(counts_flag_tab, owner, tl.int32) + srcs
+        while tl.sum((tl.atomic_add(flags, 0, mask=srcs < R, sem="acquire", scope="sys") != epoch)
+                     & (srcs < R), axis=0) > 0:
+            pass
+    # Global expert of each row: the number of experts whose rows end at or before it.
+    es = tl.arange(0, EB)
+    ends = tl.load(offsets_ptr + es + 1, mask=es < E, other=2147483647)
+    e = tl.minimum(tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1), E - 1)  # masked rows: any
+    owner = e // L
+    local = e % L
+    # Destination = rows of the owner's experts before mine + rows of my expert from lower source ranks
+    # + my rank within the expert. counts at the owner are [src, l], flattened c = src * L + l.
+    cs = tl.arange(0, CB)
+    counts = tl.load(_peer(counts_tab, owner, tl.int32)[:, None] + cs[None, :],
+                     mask=rmask[:, None] & (cs < R * L)[None, :], other=0)
+    c_src = cs // L
+    c_l = cs % L
+    before = (c_l[None, :] < local[:, None]) | ((c_l[None, :] == local[:, None]) & (c_src[None, :] < rank))
+    dst = tl.sum(tl.where(before, counts, 0), axis=1) + rows - tl.load(offsets_ptr + e, mask=rmask, other=0)
+    fits = rmask & (dst < capacity)
+    slot = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
+    tok = (slot // top_k).to(tl.int64)
+    dst64 = dst.to(tl.int64)
+    recv_x = _peer(recv_x_tab, owner, x_ptr.dtype.element_ty)
+    for d0 in range(0, D, BD):
+        ds = d0 + tl.arange(0, BD)
+        m = fits[:, None] & (ds < D)[None, :]
+        v = tl.load(x_ptr + tok[:, None] * D + ds[None, :], mask=m)
+        tl.store(recv_x[:, None] + dst64[:, None] * D + ds[None, :], v, mask=m)
+    tl.store(_peer(recv_meta_tab, owner, tl.int32) + dst64, rank * max_slots + slot, mask=fits)
+    tl.store(_peer(recv_weight_tab, owner, tl.float32) + dst64,
+             tl.load(weights_ptr + slot, mask=fits, other=0.0).to(tl.float32), mask=fits)
+    # Count every row into the owner's arrivals (release: the row stores above happen before the owner
+    # can see the count). A row that did not fit is counted too, so that no wait hangs on it: in the
+    # owner's and my ``overflow``, and as already returned in mine.
+    tl.atomic_add(_peer(arrived_tab, owner, tl.int32) + rank * L + local, 1, mask=rmask, sem="release",
+                  scope="sys")
+    lost = rmask & (dst >= capacity)
+    tl.atomic_add(_peer(overflow_tab, owner, tl.int32), 1, mask=lost, sem="relaxed", scope="sys")
+    tl.atomic_add(_peer(overflow_tab, rank, tl.int32), tl.sum(lost.to(tl.int32), axis=0), sem="relaxed", scope="sys")
+    tl.atomic_add(_peer(returned_tab, rank, tl.int32) + owner, 1, mask=lost, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def _wait_and_reset_kernel(counter_ptr, expected_ptr, n, NB: tl.constexpr):
+    """Spin until ``counter[i] == expected[i]`` for every i < n (acquire), then zero the counters."""
+    i = tl.arange(0, NB)
+    m = i < n
+    want = tl.load(expected_ptr + i, mask=m, other=0)
+    while tl.sum((tl.atomic_add(counter_ptr + i, 0, mask=m, sem="acquire", scope="sys") != want) & m, axis=0) > 0:
+        pass
+    tl.store(counter_ptr + i, tl.zeros_like(want), mask=m)
+
+
+@triton.jit
+def _send_back_kernel(
+    out_ptr,  # (C, D) weighted expert outputs, in received-row order
+    recv_meta_ptr, total_ptr,  # my received rows' (src, slot) and their number
+    y_slots_tab, returned_tab,
+    rank, D, max_slots, capacity,
+    RB: tl.constexpr, BD: tl.constexpr,
+):
+    rows = tl.program_id(0) * RB + tl.arange(0, RB)
+    rmask = (rows < tl.load(total_ptr)) & (rows < capacity)  # the total counts lost rows too (overflow)
+    meta = tl.load(recv_meta_ptr + rows, mask=rmask, other=0)
+    src = meta // max_slots
+    slot = (meta % max_slots).to(tl.int64)
+    y_slots = _peer(y_slots_tab, src, out_ptr.dtype.element_ty)
+    for d0 in range(0, D, BD):
+        ds = d0 + tl.arange(0, BD)
+        m = rmask[:, None] & (ds < D)[None, :]
+        v = tl.load(out_ptr + rows[:, None].to(tl.int64) * D + ds[None, :], mask=m)
+        tl.store(y_slots[:, None] + slot[:, None] * D + ds[None, :], v, mask=m)
+    tl.atomic_add(_peer(returned_tab, src, tl.int32) + rank, 1, mask=rmask, sem="release", scope="sys")
+
+
+ROWS_PER_PROGRAM = 16
+
+
+def exchange_counts(ws: Workspace, plan: Plan) -> None:
+    """Phase 1 (call ``ws.epoch.add_(1)`` once before it, on every rank)."""
+    _exchange_counts_kernel[(ws.num_ranks,)](plan.offsets_E1, ws.tables["counts"], ws.tables["counts_flag"], ws.epoch,
+                                             ws.rank, ws.num_local, LB=triton.next_power_of_2(ws.num_local))
+
+
+def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan) -> None:
+    """Phase 2: my routed rows into their owners' receive buffers."""
+    num_slots = plan.row_slot_N.numel()
+    dim = x_TD.shape[1]
+    num_experts = ws.num_ranks * ws.num_local
+    if num_slots == 0:
+        return
+    _dispatch_rows_kernel[(triton.cdiv(num_slots, ROWS_PER_PROGRAM),)](
+        x_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1,
+        *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_meta", "recv_weight", "arrived",
+                                 "overflow", "returned")),
+        ws.epoch, ws.rank, ws.num_ranks, ws.num_local, dim, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
+        RB=ROWS_PER_PROGRAM, EB=triton.next_power_of_2(num_experts),
+        CB=triton.next_power_of_2(max(num_experts, ws.num_ranks)), BD=min(256, triton.next_power_of_2(dim)),
+    )
+
+
+def received_offsets(ws: Workspace) -> torch.Tensor:
+    """(L+1,) int32 first received row of each local expert (device tensors only: no sync)."""
+    per_expert = ws.counts.sum(dim=0, dtype=torch.int32)
+    return torch.cat([per_expert.new_zeros(1), per_expert.cumsum(0, dtype=torch.int32)])
+
+
+def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 3: wait for every row addressed to me, then my experts on them. Returns the weighted output
+    rows (C, D) in received order and the number of received rows (a (1,) device tensor)."""
+    _wait_and_reset_kernel[(1,)](ws.arrived, ws.counts, ws.counts.numel(), NB=triton.next_power_of_2(ws.counts.numel()))
+    offsets = received_offsets(ws)
+    total = offsets[-1:]
+    # The received rows are already expert-major: expert l owns rows [offsets[l], offsets[l+1]); the rest
+    # of the buffer is unused (marked dropped) and never read.
+    rows = torch.arange(ws.capacity, device=offsets.device, dtype=torch.int32)
+    local_idx = torch.searchsorted(offsets[1:], rows, right=True).to(torch.int32)
+    local_idx = torch.where(rows < total, local_idx, -1)
+    plan = build_plan(local_idx[:, None], ws.num_local)
+    h = up_swiglu_fwd(ws.recv_x, w13_LHD, plan, top_k=1)
+    return down_fwd(h, w2_LDI, ws.recv_weight[:, None], plan), total
+
+
+def send_back(ws: Workspace, out_CD: torch.Tensor, total: torch.Tensor) -> None:
+    """Phase 4: every weighted output row into its source's ``y_slots``."""
+    dim = out_CD.shape[1]
+    _send_back_kernel[(triton.cdiv(ws.capacity, ROWS_PER_PROGRAM),)](
+        out_CD, ws.recv_meta, total, ws.tables["y_slots"], ws.tables["returned"], ws.rank, dim, ws.max_slots,
+        ws.capacity,
+        RB=ROWS_PER_PROGRAM, BD=min(256, triton.next_power_of_2(dim)),
+    )
+
+
+def combine_returned(ws: Workspace, plan: Plan, topk_idx_TK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Phase 5: wait for my rows from every owner, then each token's sum over its K slots."""
+    num_local, num_ranks = ws.num_local, ws.num_ranks
+    sent = plan.offsets_E1[num_local::num_local][:num_ranks] - plan.offsets_E1[:-1:num_local][:num_ranks]
+    _wait_and_reset_kernel[(1,)](ws.returned, sent.to(torch.int32), num_ranks,
+                                 NB=triton.next_power_of_2(num_ranks))
+    return combine(ws.y_slots[: topk_idx_TK.numel()], topk_idx_TK, out_dtype)
+
+
+def loopback_forward(workspaces: list[Workspace], problems: list[tuple]) -> list[torch.Tensor]:
+    """The forward of R virtual ranks on one device: ``problems[r] = (x, topk_idx, topk_weights, w13, w2)``
+    with global expert ids and rank r's local experts. Each phase runs for every rank before the next,
+    so every wait's producer has already run (one device executes the launches in order)."""
+    num_experts = workspaces[0].num_ranks * workspaces[0].num_local
+    for ws, (x, topk_idx, *_rest) in zip(workspaces, problems):
+        if topk_idx.numel() > ws.max_slots:
+            raise ValueError(f"rank {ws.rank}: {topk_idx.numel()} slots exceed the workspace's {ws.max_slots}")
+    plans = [build_plan(p[1], num_experts) for p in problems]
+    for ws, plan in zip(workspaces, plans):
+        ws.epoch.add_(1)
+        exchange_counts(ws, plan)
+    for ws, plan, (x, _, weights, _, _) in zip(workspaces, plans, problems):
+        dispatch_rows(ws, x, weights, plan)
+    outputs = [owner_experts(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
+    for ws, (out, total) in zip(workspaces, outputs):
+        send_back(ws, out, total)
+    return [combine_returned(ws, plan, p[1], p[0].dtype) for ws, plan, p in zip(workspaces, plans, problems)]

@@ -1,0 +1,83 @@
+"""Buffers of the fused expert-parallel protocol, and the tables of every rank's base addresses that the
+kernels in dispatch.py read and write through.
+
+Shape legend: R ranks, L local experts per rank, C receive capacity (rows one rank can receive per call,
+from all sources), S slot capacity (T*K slots one rank can send per call), D hidden size.
+
+Each rank owns one set of buffers; a peer's buffer is reached through ``tables[name][peer]`` (an int64
+address the kernels cast to a pointer). Two ways to build them, with the same kernels:
+
+* :func:`loopback_workspaces` — R virtual ranks on one device (ordinary tensors): the protocol (counts,
+  flags, peer writes, returns) is tested and profiled on one GPU, or on CPU in the Triton interpreter;
+* symmetric memory (``torch.distributed._symmetric_memory``, one rank per GPU) — not built yet.
+
+Flags never need a host round trip: ``counts_flag`` holds the call's epoch (a device counter every call
+increments), ``arrived`` and ``returned`` count rows and are reset by their only reader once it has
+seen them all (safe: a source cannot start its next call's dispatch before every owner has sent this
+call's rows back, which each owner does only after that reset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# name: (shape from (R, L, C, S, D), dtype; None = the activation dtype)
+BUFFERS = {
+    "counts": (lambda R, L, C, S, D: (R, L), torch.int32),  # [src, l]: rows src sends to my expert l
+    "counts_flag": (lambda R, L, C, S, D: (R,), torch.int32),  # [src]: epoch once src's counts are in
+    "arrived": (lambda R, L, C, S, D: (R, L), torch.int32),  # [src, l]: rows of (src, l) written so far
+    "recv_x": (lambda R, L, C, S, D: (C, D), None),  # received rows: expert-major, then source-major
+    "recv_meta": (lambda R, L, C, S, D: (C,), torch.int32),  # src * S + slot of each received row
+    "recv_weight": (lambda R, L, C, S, D: (C,), torch.float32),  # routing weight of each received row
+    "y_slots": (lambda R, L, C, S, D: (S, D), None),  # weighted expert outputs sent back, slot order
+    "returned": (lambda R, L, C, S, D: (R,), torch.int32),  # [owner]: rows owner sent back so far
+    "overflow": (lambda R, L, C, S, D: (1,), torch.int32),  # rows that did not fit (sticky)
+}
+
+
+@dataclass
+class Workspace:
+    """One rank's view: its own buffers, every rank's addresses, and its call counter."""
+
+    rank: int
+    num_ranks: int
+    num_local: int
+    capacity: int
+    max_slots: int
+    buffers: dict[str, torch.Tensor]
+    tables: dict[str, torch.Tensor]
+    """name → (R,) int64 base address of that buffer on every rank."""
+    epoch: torch.Tensor
+    """(1,) int32 on the device: incremented at the start of every call (no host sync)."""
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        buffers = self.__dict__.get("buffers", {})
+        if name in buffers:
+            return buffers[name]
+        raise AttributeError(name)
+
+    def check_overflow(self) -> None:
+        """Raise if any earlier call received more rows than ``capacity`` (those rows were dropped by the
+        protocol, so its results were wrong). Asynchronous on a GPU (``torch._assert_async``: the stream
+        fails with this message); immediate on CPU."""
+        torch._assert_async(self.overflow[0] == 0,
+                            f"megamoe: expert-parallel receive capacity {self.capacity} rows exceeded on rank "
+                            f"{self.rank}; raise max_tokens_per_rank")
+
+
+def loopback_workspaces(num_ranks: int, num_local: int, capacity: int, max_slots: int, dim: int,
+                        dtype: torch.dtype, device) -> list[Workspace]:
+    """R virtual ranks' workspaces on one device, wired to each other."""
+    shape_args = (num_ranks, num_local, capacity, max_slots, dim)
+    per_rank = [
+        {name: torch.zeros(shape(*shape_args), dtype=kind or dtype, device=device)
+         for name, (shape, kind) in BUFFERS.items()}
+        for _ in range(num_ranks)
+    ]
+    tables = {name: torch.tensor([bufs[name].data_ptr() for bufs in per_rank], dtype=torch.int64, device=device)
+              for name in BUFFERS}
+    return [Workspace(r, num_ranks, num_local, capacity, max_slots, per_rank[r], tables,
+                      torch.zeros(1, dtype=torch.int32, device=device))
+            for r in range(num_ranks)]

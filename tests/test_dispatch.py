@@ -1,0 +1,150 @@
+"""The fused expert-parallel protocol on the loopback workspace (R virtual ranks on one device): exact
+data movement on index-derived payloads, forward results against the one-device reference, repeated
+calls (epochs, counter resets) and capacity overflow. On CPU in the Triton interpreter; the same tests
+run on a GPU (where the kernels really spin on their flags)."""
+
+import pytest
+import torch
+
+from megamoe import reference
+from megamoe.kernels.plan import build_plan
+from megamoe.parallel import dispatch
+from megamoe.parallel.workspace import loopback_workspaces
+from tests.helpers import make_problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (name, tokens per rank, experts per rank, K, routing)
+CASES = [
+    ("random, uneven tokens", [9, 4, 13, 6], 2, 3, "random"),
+    ("a rank with no tokens", [7, 0, 5, 8], 2, 2, "random"),
+    ("everything to rank 0's experts", [6, 5, 7, 4], 2, 2, "to-rank-0"),
+    ("dropped slots", [8, 8, 8, 8], 3, 2, "dropped"),
+    ("experts with no rows", [5, 6, 4, 7], 3, 1, "empty"),
+]
+DIM, INTER = 32, 16
+
+
+def split_problem(case, num_ranks, seed=0):
+    """Per-rank problems (x, topk_idx, topk_weights, w13 local, w2 local) and the gathered problem."""
+    _, sizes, per_rank, top_k, routing = case
+    sizes = sizes[:num_ranks]
+    num_experts = per_rank * num_ranks
+    kind = "random" if routing == "to-rank-0" else routing
+    x, idx, w, w13, w2, _ = make_problem(sum(sizes), DIM, INTER, num_experts, top_k, kind, device=DEVICE,
+                                         seed=seed)
+    if routing == "to-rank-0":
+        idx = torch.stack([(idx[:, 0] + k) % per_rank for k in range(top_k)], dim=1)
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    ranks = []
+    for r in range(num_ranks):
+        tok = slice(bounds[r], bounds[r + 1])
+        exp = slice(r * per_rank, (r + 1) * per_rank)
+        ranks.append((x[tok], idx[tok], w[tok], w13[exp].contiguous(), w2[exp].contiguous()))
+    return ranks, (x, idx, w, w13, w2), bounds
+
+
+def workspaces_for(ranks, per_rank, capacity=None):
+    num_ranks = len(ranks)
+    total = sum(int((p[1] >= 0).sum()) for p in ranks)
+    max_slots = max(1, max(p[1].numel() for p in ranks))
+    return loopback_workspaces(num_ranks, per_rank, capacity or max(1, total), max_slots, DIM, torch.float32, DEVICE)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_dispatch_and_send_back_move_rows_exactly(case, num_ranks):
+    ranks, _, _ = split_problem(case, num_ranks)
+    per_rank = case[2]
+    num_experts = per_rank * num_ranks
+    # Payload: row t of rank r is filled with 1000*r + t (exact in fp32), so every received row names
+    # its origin.
+    ranks = [(torch.full_like(x, 0) + (1000 * r + torch.arange(x.shape[0], device=DEVICE))[:, None].float(), *rest)
+             for r, (x, *rest) in enumerate(ranks)]
+    workspaces = workspaces_for(ranks, per_rank)
+    plans = [build_plan(p[1], num_experts) for p in ranks]
+    for ws, plan in zip(workspaces, plans):
+        ws.epoch.add_(1)
+        dispatch.exchange_counts(ws, plan)
+    for ws, plan, (x, _, w, _, _) in zip(workspaces, plans, ranks):
+        dispatch.dispatch_rows(ws, x, w, plan)
+
+    for owner, ws in enumerate(workspaces):
+        # Expected layout: local expert l, then source rank s, then the source's slots in order.
+        rows, meta, weights = [], [], []
+        for l in range(per_rank):
+            for s, (x, idx, w, _, _) in enumerate(ranks):
+                slots = (idx.reshape(-1) == owner * per_rank + l).nonzero().flatten()
+                rows.append(x[slots // idx.shape[1]])
+                meta.append(s * ws.max_slots + slots)
+                weights.append(w.reshape(-1)[slots].float())
+        rows, meta, weights = torch.cat(rows), torch.cat(meta), torch.cat(weights)
+        n = rows.shape[0]
+        assert int(ws.counts.sum()) == n
+        assert torch.equal(ws.recv_x[:n], rows), f"owner {owner}: received rows"
+        assert torch.equal(ws.recv_meta[:n], meta.to(torch.int32)), f"owner {owner}: row metadata"
+        assert torch.equal(ws.recv_weight[:n], weights), f"owner {owner}: routing weights"
+        assert int(ws.overflow[0]) == 0
+
+    # Send the received rows straight back: every routed slot gets its own token's row.
+    for ws in workspaces:
+        dispatch._wait_and_reset_kernel[(1,)](ws.arrived, ws.counts, ws.counts.numel(), NB=64)
+        dispatch.send_back(ws, ws.recv_x, dispatch.received_offsets(ws)[-1:])
+    for ws, plan, (x, idx, _, _, _) in zip(workspaces, plans, ranks):
+        routed = (idx.reshape(-1) >= 0).nonzero().flatten()
+        assert torch.equal(ws.y_slots[routed], x[routed // idx.shape[1]]), f"rank {ws.rank}: returned rows"
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_loopback_forward_matches_one_device_reference(case, num_ranks):
+    ranks, (x, idx, w, w13, w2), bounds = split_problem(case, num_ranks)
+    workspaces = workspaces_for(ranks, case[2])
+    ys = dispatch.loopback_forward(workspaces, ranks)
+    ref = reference.moe_loop(x, idx, w, w13, w2, fp32=True)
+    for r, y in enumerate(ys):
+        expected = ref[bounds[r]:bounds[r + 1]]
+        assert y.shape == expected.shape
+        err = (y - expected).abs().max().item() if y.numel() else 0.0
+        assert err <= 1e-5 * max(1.0, expected.abs().max().item() if y.numel() else 0.0), f"rank {r}: {err:.2e}"
+    for ws in workspaces:
+        ws.check_overflow()
+        assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0, "counters not reset"
+
+
+def test_consecutive_calls_reuse_the_workspace():
+    """Epochs and counter resets: three calls with different routing through one set of workspaces."""
+    case = CASES[0]
+    ranks0, _, _ = split_problem(case, 4, seed=0)
+    workspaces = workspaces_for(ranks0, case[2], capacity=4 * 64)
+    for seed in range(3):
+        ranks, (x, idx, w, w13, w2), bounds = split_problem(case, 4, seed=seed)
+        ys = dispatch.loopback_forward(workspaces, ranks)
+        ref = reference.moe_loop(x, idx, w, w13, w2, fp32=True)
+        for r, y in enumerate(ys):
+            torch.testing.assert_close(y, ref[bounds[r]:bounds[r + 1]], rtol=1e-5, atol=1e-5)
+    assert all(int(ws.epoch[0]) == 3 for ws in workspaces)
+
+
+def test_capacity_overflow_is_reported_and_nothing_hangs():
+    case = CASES[2]  # every row goes to rank 0's experts
+    ranks, _, _ = split_problem(case, 4)
+    capacity = 10
+    workspaces = workspaces_for(ranks, case[2], capacity=capacity)
+    dispatch.loopback_forward(workspaces, ranks)  # returns: a lost row is counted, never waited for
+    # Owner 0's layout: local expert, then source rank; rows from position `capacity` on are lost.
+    sent = [[int((p[1] == l).sum()) for p in ranks] for l in range(case[2])]
+    lost, position = [0] * 4, 0
+    for l in range(case[2]):
+        for s in range(4):
+            lost[s] += max(0, position + sent[l][s] - max(position, capacity))
+            position += sent[l][s]
+    assert sum(lost) == position - capacity > 0
+    # Rank 0 counts every lost row as the owner, plus its own as a source; the others their own.
+    assert [int(ws.overflow[0]) for ws in workspaces] == [sum(lost) + lost[0], *lost[1:]]
+    for ws in workspaces:
+        if int(ws.overflow[0]):
+            with pytest.raises(RuntimeError):
+                ws.check_overflow()
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
