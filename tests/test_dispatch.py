@@ -10,7 +10,7 @@ from megamoe import reference
 from megamoe.kernels.plan import build_plan
 from megamoe.parallel import dispatch
 from megamoe.parallel.workspace import loopback_workspaces
-from tests.helpers import make_problem
+from tests.helpers import make_problem, run_with_grads
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -31,7 +31,7 @@ def split_problem(case, num_ranks, seed=0):
     sizes = sizes[:num_ranks]
     num_experts = per_rank * num_ranks
     kind = "random" if routing == "to-rank-0" else routing
-    x, idx, w, w13, w2, _ = make_problem(sum(sizes), DIM, INTER, num_experts, top_k, kind, device=DEVICE,
+    x, idx, w, w13, w2, dy = make_problem(sum(sizes), DIM, INTER, num_experts, top_k, kind, device=DEVICE,
                                          seed=seed)
     if routing == "to-rank-0":
         idx = torch.stack([(idx[:, 0] + k) % per_rank for k in range(top_k)], dim=1)
@@ -41,7 +41,8 @@ def split_problem(case, num_ranks, seed=0):
         tok = slice(bounds[r], bounds[r + 1])
         exp = slice(r * per_rank, (r + 1) * per_rank)
         ranks.append((x[tok], idx[tok], w[tok], w13[exp].contiguous(), w2[exp].contiguous()))
-    return ranks, (x, idx, w, w13, w2), bounds
+    dys = [dy[bounds[r]:bounds[r + 1]] for r in range(num_ranks)]
+    return ranks, (x, idx, w, w13, w2, dy), bounds, dys
 
 
 def workspaces_for(ranks, per_rank, capacity=None):
@@ -54,7 +55,7 @@ def workspaces_for(ranks, per_rank, capacity=None):
 @pytest.mark.parametrize("num_ranks", [2, 4])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_dispatch_and_send_back_move_rows_exactly(case, num_ranks):
-    ranks, _, _ = split_problem(case, num_ranks)
+    ranks, _, _, _ = split_problem(case, num_ranks)
     per_rank = case[2]
     num_experts = per_rank * num_ranks
     # Payload: row t of rank r is filled with 1000*r + t (exact in fp32), so every received row names
@@ -98,7 +99,7 @@ def test_dispatch_and_send_back_move_rows_exactly(case, num_ranks):
 @pytest.mark.parametrize("num_ranks", [2, 4])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_loopback_forward_matches_one_device_reference(case, num_ranks):
-    ranks, (x, idx, w, w13, w2), bounds = split_problem(case, num_ranks)
+    ranks, (x, idx, w, w13, w2, _), bounds, _ = split_problem(case, num_ranks)
     workspaces = workspaces_for(ranks, case[2])
     ys = dispatch.loopback_forward(workspaces, ranks)
     ref = reference.moe_loop(x, idx, w, w13, w2, fp32=True)
@@ -112,13 +113,35 @@ def test_loopback_forward_matches_one_device_reference(case, num_ranks):
         assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0, "counters not reset"
 
 
+@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_loopback_backward_matches_one_device_reference(case, num_ranks):
+    """dx and d(routing weight) of each rank's tokens, dw13/dw2 of each rank's experts (rows of every
+    rank), against the fp32 one-device layer; experts that receive no rows get exact zeros."""
+    ranks, problem, bounds, dys = split_problem(case, num_ranks)
+    workspaces = workspaces_for(ranks, case[2])
+    grads = dispatch.loopback_backward(workspaces, ranks, dys)
+    _, dx, dw, dw13, dw2 = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *problem)
+    per_rank = case[2]
+    for r, got in enumerate(grads):
+        tok, exp = slice(bounds[r], bounds[r + 1]), slice(r * per_rank, (r + 1) * per_rank)
+        for name, g, ref in zip(["dx", "dtopk_weights", "dw13", "dw2"], got, [dx[tok], dw[tok], dw13[exp], dw2[exp]]):
+            assert g.shape == ref.shape, f"rank {r}: {name} shape"
+            err = (g.float() - ref).abs().max().item() if g.numel() else 0.0
+            bound = 1e-5 * max(1.0, ref.abs().max().item() if g.numel() else 0.0)
+            assert err <= bound, f"rank {r}: {name} max err {err:.2e} > {bound:.2e}"
+            if name.startswith("dw"):
+                empty = (ref.flatten(1).abs().amax(1) == 0)
+                assert torch.equal(g[empty], torch.zeros_like(g[empty])), f"rank {r}: {name} of an empty expert"
+
+
 def test_consecutive_calls_reuse_the_workspace():
     """Epochs and counter resets: three calls with different routing through one set of workspaces."""
     case = CASES[0]
-    ranks0, _, _ = split_problem(case, 4, seed=0)
+    ranks0, _, _, _ = split_problem(case, 4, seed=0)
     workspaces = workspaces_for(ranks0, case[2], capacity=4 * 64)
     for seed in range(3):
-        ranks, (x, idx, w, w13, w2), bounds = split_problem(case, 4, seed=seed)
+        ranks, (x, idx, w, w13, w2, _), bounds, _ = split_problem(case, 4, seed=seed)
         ys = dispatch.loopback_forward(workspaces, ranks)
         ref = reference.moe_loop(x, idx, w, w13, w2, fp32=True)
         for r, y in enumerate(ys):
@@ -128,7 +151,7 @@ def test_consecutive_calls_reuse_the_workspace():
 
 def test_capacity_overflow_is_reported_and_nothing_hangs():
     case = CASES[2]  # every row goes to rank 0's experts
-    ranks, _, _ = split_problem(case, 4)
+    ranks, _, _, _ = split_problem(case, 4)
     capacity = 10
     workspaces = workspaces_for(ranks, case[2], capacity=capacity)
     dispatch.loopback_forward(workspaces, ranks)  # returns: a lost row is counted, never waited for

@@ -18,13 +18,15 @@ every virtual rank before the next phase, so that on one device no wait can prec
    call's output is wrong then), and counted as arrived and returned so that no wait hangs on them.
 3. :func:`owner_experts` — wait until every ``arrived`` equals ``counts`` (acquire), reset ``arrived``,
    run the one-GPU fused kernels on ``recv_x`` (up + SwiGLU, down with the routing weight).
+   Backward (:func:`owner_experts_backward`): the same with the dy rows dispatched alongside x; the
+   one-GPU fused backward runs on them, dx rows and d(routing weight) go back, weight grads stay.
 4. :func:`send_back` — each weighted output row into its source's ``y_slots[slot]``, counted into the
    source's ``returned[me]`` (release).
 5. :func:`combine_returned` — wait until ``returned`` equals what I sent to each owner (acquire), reset
    it, and reduce each token's K slots in slot order (fp32).
 
-Not yet: the backward, the overlap of phases 2-4 (persistent expert kernels that wait per tile instead
-of phase 3's global wait), and the symmetric-memory workspace.
+Not yet: the overlap of phases 2-4 (persistent expert kernels that wait per tile instead of phase 3's
+global wait), the symmetric-memory workspace and the autograd wiring for real ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.combine import combine
+from megamoe.kernels.expert_bwd import act_bwd, dx_slots, expert_wgrad
 from megamoe.kernels.expert_fwd import down_fwd, up_swiglu_fwd
 from megamoe.kernels.plan import Plan, build_plan
 from megamoe.parallel.workspace import Workspace
@@ -60,12 +63,13 @@ def _exchange_counts_kernel(offsets_ptr, counts_tab, counts_flag_tab, epoch_ptr,
 @triton.jit
 def _dispatch_rows_kernel(
     x_ptr,  # (T, D) my tokens
+    dy_ptr,  # (T, D) their output gradient (backward; unused unless HAS_DY)
     weights_ptr,  # (N,) my routing weights, flat slots
     row_slot_ptr, offsets_ptr,  # my plan over the E global experts
-    counts_tab, counts_flag_tab, recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab,
-    returned_tab, epoch_ptr,
+    counts_tab, counts_flag_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
+    overflow_tab, returned_tab, epoch_ptr,
     rank, R, L, D, top_k, capacity, max_slots,
-    RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
+    HAS_DY: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
 ):
     E = R * L
     rows = tl.program_id(0) * RB + tl.arange(0, RB)
@@ -100,11 +104,15 @@ def _dispatch_rows_kernel(
     tok = (slot // top_k).to(tl.int64)
     dst64 = dst.to(tl.int64)
     recv_x = _peer(recv_x_tab, owner, x_ptr.dtype.element_ty)
+    recv_dy = _peer(recv_dy_tab, owner, x_ptr.dtype.element_ty)
     for d0 in range(0, D, BD):
         ds = d0 + tl.arange(0, BD)
         m = fits[:, None] & (ds < D)[None, :]
-        v = tl.load(x_ptr + tok[:, None] * D + ds[None, :], mask=m)
-        tl.store(recv_x[:, None] + dst64[:, None] * D + ds[None, :], v, mask=m)
+        src = tok[:, None] * D + ds[None, :]
+        dst_off = dst64[:, None] * D + ds[None, :]
+        tl.store(recv_x[:, None] + dst_off, tl.load(x_ptr + src, mask=m), mask=m)
+        if HAS_DY:
+            tl.store(recv_dy[:, None] + dst_off, tl.load(dy_ptr + src, mask=m), mask=m)
     tl.store(_peer(recv_meta_tab, owner, tl.int32) + dst64, rank * max_slots + slot, mask=fits)
     tl.store(_peer(recv_weight_tab, owner, tl.float32) + dst64,
              tl.load(weights_ptr + slot, mask=fits, other=0.0).to(tl.float32), mask=fits)
@@ -132,11 +140,12 @@ def _wait_and_reset_kernel(counter_ptr, expected_ptr, n, NB: tl.constexpr):
 
 @triton.jit
 def _send_back_kernel(
-    out_ptr,  # (C, D) weighted expert outputs, in received-row order
+    out_ptr,  # (C, D) rows to send, in received-row order (weighted outputs, or dx rows)
+    scalar_ptr,  # (C,) fp32 per-row scalar to send (d routing weight; unused unless HAS_SCALAR)
     recv_meta_ptr, total_ptr,  # my received rows' (src, slot) and their number
-    y_slots_tab, returned_tab,
+    y_slots_tab, slot_scalar_tab, returned_tab,
     rank, D, max_slots, capacity,
-    RB: tl.constexpr, BD: tl.constexpr,
+    HAS_SCALAR: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr,
 ):
     rows = tl.program_id(0) * RB + tl.arange(0, RB)
     rmask = (rows < tl.load(total_ptr)) & (rows < capacity)  # the total counts lost rows too (overflow)
@@ -149,6 +158,8 @@ def _send_back_kernel(
         m = rmask[:, None] & (ds < D)[None, :]
         v = tl.load(out_ptr + rows[:, None].to(tl.int64) * D + ds[None, :], mask=m)
         tl.store(y_slots[:, None] + slot[:, None] * D + ds[None, :], v, mask=m)
+    if HAS_SCALAR:
+        tl.store(_peer(slot_scalar_tab, src, tl.float32) + slot, tl.load(scalar_ptr + rows, mask=rmask), mask=rmask)
     tl.atomic_add(_peer(returned_tab, src, tl.int32) + rank, 1, mask=rmask, sem="release", scope="sys")
 
 
@@ -161,19 +172,20 @@ def exchange_counts(ws: Workspace, plan: Plan) -> None:
                                              ws.rank, ws.num_local, LB=triton.next_power_of_2(ws.num_local))
 
 
-def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan) -> None:
-    """Phase 2: my routed rows into their owners' receive buffers."""
+def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan,
+                  dy_TD: torch.Tensor | None = None) -> None:
+    """Phase 2: my routed rows into their owners' receive buffers (and, in the backward, their dy rows)."""
     num_slots = plan.row_slot_N.numel()
     dim = x_TD.shape[1]
     num_experts = ws.num_ranks * ws.num_local
     if num_slots == 0:
         return
     _dispatch_rows_kernel[(triton.cdiv(num_slots, ROWS_PER_PROGRAM),)](
-        x_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1,
-        *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_meta", "recv_weight", "arrived",
-                                 "overflow", "returned")),
+        x_TD, x_TD if dy_TD is None else dy_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1,
+        *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_dy", "recv_meta", "recv_weight",
+                                 "arrived", "overflow", "returned")),
         ws.epoch, ws.rank, ws.num_ranks, ws.num_local, dim, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
-        RB=ROWS_PER_PROGRAM, EB=triton.next_power_of_2(num_experts),
+        HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM, EB=triton.next_power_of_2(num_experts),
         CB=triton.next_power_of_2(max(num_experts, ws.num_ranks)), BD=min(256, triton.next_power_of_2(dim)),
     )
 
@@ -184,29 +196,48 @@ def received_offsets(ws: Workspace) -> torch.Tensor:
     return torch.cat([per_expert.new_zeros(1), per_expert.cumsum(0, dtype=torch.int32)])
 
 
-def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 3: wait for every row addressed to me, then my experts on them. Returns the weighted output
-    rows (C, D) in received order and the number of received rows (a (1,) device tensor)."""
+def received_plan(ws: Workspace) -> tuple[Plan, torch.Tensor]:
+    """Wait for every row addressed to me (and reset the arrival counters), then the plan of my received
+    rows and their number (a (1,) device tensor; more than the capacity after an overflow). The rows are
+    already expert-major, expert l owning rows [offsets[l], offsets[l+1]); the plan marks the rest of the
+    buffer dropped, so no kernel reads it."""
     _wait_and_reset_kernel[(1,)](ws.arrived, ws.counts, ws.counts.numel(), NB=triton.next_power_of_2(ws.counts.numel()))
     offsets = received_offsets(ws)
     total = offsets[-1:]
-    # The received rows are already expert-major: expert l owns rows [offsets[l], offsets[l+1]); the rest
-    # of the buffer is unused (marked dropped) and never read.
     rows = torch.arange(ws.capacity, device=offsets.device, dtype=torch.int32)
     local_idx = torch.searchsorted(offsets[1:], rows, right=True).to(torch.int32)
     local_idx = torch.where(rows < total, local_idx, -1)
-    plan = build_plan(local_idx[:, None], ws.num_local)
+    return build_plan(local_idx[:, None], ws.num_local), total
+
+
+def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 3, forward: my experts on the rows I received. Returns the weighted output rows (C, D) in
+    received order and the number of received rows."""
+    plan, total = received_plan(ws)
     h = up_swiglu_fwd(ws.recv_x, w13_LHD, plan, top_k=1)
     return down_fwd(h, w2_LDI, ws.recv_weight[:, None], plan), total
 
 
-def send_back(ws: Workspace, out_CD: torch.Tensor, total: torch.Tensor) -> None:
-    """Phase 4: every weighted output row into its source's ``y_slots``."""
+def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor):
+    """Phase 3, backward: the one-GPU fused backward on the received x and dy rows (the gate/up GEMM is
+    recomputed; the rows are already in expert order, so the weight gradients need no gather). Returns
+    dx rows (C, D), d(routing weight) per row (C,) fp32, the number of received rows, dw13 and dw2."""
+    plan, total = received_plan(ws)
+    dz, hw, dweight = act_bwd(ws.recv_x, ws.recv_dy, w13_LHD, w2_LDI, ws.recv_weight[:, None], plan, top_k=1)
+    dx = dx_slots(dz, w13_LHD, plan)
+    dw13 = expert_wgrad(dz, ws.recv_x, plan, w13_LHD.dtype)
+    dw2 = expert_wgrad(ws.recv_dy, hw, plan, w2_LDI.dtype)
+    return dx, dweight.view(-1), total, dw13, dw2
+
+
+def send_back(ws: Workspace, out_CD: torch.Tensor, total: torch.Tensor, scalar_C: torch.Tensor | None = None) -> None:
+    """Phase 4: every row of ``out_CD`` into its source's ``y_slots`` (and ``scalar_C`` into its
+    ``slot_scalar``)."""
     dim = out_CD.shape[1]
     _send_back_kernel[(triton.cdiv(ws.capacity, ROWS_PER_PROGRAM),)](
-        out_CD, ws.recv_meta, total, ws.tables["y_slots"], ws.tables["returned"], ws.rank, dim, ws.max_slots,
-        ws.capacity,
-        RB=ROWS_PER_PROGRAM, BD=min(256, triton.next_power_of_2(dim)),
+        out_CD, out_CD if scalar_C is None else scalar_C, ws.recv_meta, total,
+        ws.tables["y_slots"], ws.tables["slot_scalar"], ws.tables["returned"], ws.rank, dim, ws.max_slots,
+        ws.capacity, HAS_SCALAR=scalar_C is not None, RB=ROWS_PER_PROGRAM, BD=min(256, triton.next_power_of_2(dim)),
     )
 
 
@@ -219,21 +250,45 @@ def combine_returned(ws: Workspace, plan: Plan, topk_idx_TK: torch.Tensor, out_d
     return combine(ws.y_slots[: topk_idx_TK.numel()], topk_idx_TK, out_dtype)
 
 
-def loopback_forward(workspaces: list[Workspace], problems: list[tuple]) -> list[torch.Tensor]:
-    """The forward of R virtual ranks on one device: ``problems[r] = (x, topk_idx, topk_weights, w13, w2)``
-    with global expert ids and rank r's local experts. Each phase runs for every rank before the next,
-    so every wait's producer has already run (one device executes the launches in order)."""
+def _start(workspaces: list[Workspace], problems: list[tuple]) -> list[Plan]:
+    """Plans and phase 1 of a loopback call."""
     num_experts = workspaces[0].num_ranks * workspaces[0].num_local
-    for ws, (x, topk_idx, *_rest) in zip(workspaces, problems):
+    for ws, (_, topk_idx, *_rest) in zip(workspaces, problems):
         if topk_idx.numel() > ws.max_slots:
             raise ValueError(f"rank {ws.rank}: {topk_idx.numel()} slots exceed the workspace's {ws.max_slots}")
     plans = [build_plan(p[1], num_experts) for p in problems]
     for ws, plan in zip(workspaces, plans):
         ws.epoch.add_(1)
         exchange_counts(ws, plan)
+    return plans
+
+
+def loopback_forward(workspaces: list[Workspace], problems: list[tuple]) -> list[torch.Tensor]:
+    """The forward of R virtual ranks on one device: ``problems[r] = (x, topk_idx, topk_weights, w13, w2)``
+    with global expert ids and rank r's local experts. Each phase runs for every rank before the next,
+    so every wait's producer has already run (one device executes the launches in order)."""
+    plans = _start(workspaces, problems)
     for ws, plan, (x, _, weights, _, _) in zip(workspaces, plans, problems):
         dispatch_rows(ws, x, weights, plan)
     outputs = [owner_experts(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
     for ws, (out, total) in zip(workspaces, outputs):
         send_back(ws, out, total)
     return [combine_returned(ws, plan, p[1], p[0].dtype) for ws, plan, p in zip(workspaces, plans, problems)]
+
+
+def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: list[torch.Tensor]) -> list[tuple]:
+    """The backward of :func:`loopback_forward` for output gradients ``dys``: per rank (dx, d topk_weights
+    (fp32), dw13, dw2). Nothing from the forward is used: x and dy rows travel again (the workspace is
+    shared by every layer, so the forward's received rows are gone by then)."""
+    plans = _start(workspaces, problems)
+    for ws, plan, (x, _, weights, _, _), dy in zip(workspaces, plans, problems, dys):
+        dispatch_rows(ws, x, weights, plan, dy_TD=dy)
+    grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
+    for ws, (dx_rows, dweight_rows, total, _, _) in zip(workspaces, grads):
+        send_back(ws, dx_rows, total, dweight_rows)
+    results = []
+    for ws, plan, (x, topk_idx, _, _, _), (_, _, _, dw13, dw2) in zip(workspaces, plans, problems, grads):
+        dx = combine_returned(ws, plan, topk_idx, x.dtype)
+        dweight = torch.where(topk_idx >= 0, ws.slot_scalar[: topk_idx.numel()].view(topk_idx.shape), 0.0)
+        results.append((dx, dweight, dw13, dw2))
+    return results

@@ -31,7 +31,9 @@ BUFFERS = {
     "recv_x": (lambda R, L, C, S, D: (C, D), None),  # received rows: expert-major, then source-major
     "recv_meta": (lambda R, L, C, S, D: (C,), torch.int32),  # src * S + slot of each received row
     "recv_weight": (lambda R, L, C, S, D: (C,), torch.float32),  # routing weight of each received row
-    "y_slots": (lambda R, L, C, S, D: (S, D), None),  # weighted expert outputs sent back, slot order
+    "recv_dy": (lambda R, L, C, S, D: (C, D), None),  # backward: dy of each received row's token
+    "y_slots": (lambda R, L, C, S, D: (S, D), None),  # rows sent back (forward: weighted outputs; backward: dx)
+    "slot_scalar": (lambda R, L, C, S, D: (S,), torch.float32),  # backward: d(routing weight) sent back
     "returned": (lambda R, L, C, S, D: (R,), torch.int32),  # [owner]: rows owner sent back so far
     "overflow": (lambda R, L, C, S, D: (1,), torch.int32),  # rows that did not fit (sticky)
 }
