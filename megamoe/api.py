@@ -131,6 +131,7 @@ def moe(
     *,
     group=None,
     precision: str = "bf16",
+    max_tokens_per_rank: int | None = None,
 ) -> torch.Tensor:
     """Mixture-of-Experts SwiGLU experts with routing already done. Differentiable in ``x``,
     ``topk_weights``, ``w13`` and ``w2``; keeps no activations beyond its inputs on the fused path.
@@ -147,10 +148,15 @@ def moe(
         group: ``torch.distributed`` process group for expert parallelism (EP); ``None`` for one GPU.
             Under EP each rank passes its own tokens, *global* expert ids in [0, E) and the weights of
             its own E/R experts (rank r owns experts [r*E/R, (r+1)*E/R)); every rank of the group must
-            call with the same D, I and E/R. For now this runs the all-to-all baseline
+            call with the same D, I and E/R. By default this runs the all-to-all baseline
             (:func:`megamoe.parallel.all_to_all.moe_all_to_all`, host-synchronising, with a one-time
-            warning) with the fused kernels for the local experts; the fused in-kernel dispatch is
-            not implemented yet.
+            warning) with the fused kernels for the local experts. ``MEGAMOE_EP=fused`` selects the
+            fused protocol (:mod:`megamoe.parallel.fused`: device-side dispatch through symmetric
+            memory, no host sync); it becomes the default once it has passed its multi-GPU tests.
+        max_tokens_per_rank: fused EP only: the most tokens any rank passes in one call; sizes the
+            symmetric-memory workspace (``R * max_tokens_per_rank * K`` receive rows of D, twice, per
+            rank), the same on every rank. ``None``: agreed at the first call (the largest T of any rank,
+            one collective), and a later call with more tokens raises ``ValueError``.
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``
             (blockwise e4m3) is planned and raises ``NotImplementedError`` for now.
 
@@ -173,8 +179,17 @@ def moe(
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
         validate(x, topk_idx, topk_weights, w13, w2, num_ranks=dist.get_world_size(group))
-        warn_once("megamoe: the fused expert-parallel dispatch is not implemented yet; group=... runs the "
-                  "all-to-all baseline (host-synchronising), with the fused kernels for the local experts")
+        ep = os.environ.get("MEGAMOE_EP", "all_to_all")
+        if ep not in ("all_to_all", "fused"):
+            raise ValueError(f"MEGAMOE_EP must be all_to_all or fused, got {ep!r}")
+        if ep == "fused":
+            if backend_for(x) != "triton" or not x.is_cuda or not fused_supports(x, w2):
+                raise ValueError("MEGAMOE_EP=fused needs CUDA tensors on sm90+ with 16-byte rows")
+            from megamoe.parallel.fused import moe_fused_ep
+
+            return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank)
+        warn_once("megamoe: group=... runs the all-to-all baseline (host-synchronising) with the fused kernels "
+                  "for the local experts; MEGAMOE_EP=fused selects the fused dispatch (not yet GPU-tested)")
         return moe_all_to_all(x, topk_idx, topk_weights, w13, w2, group, experts=moe)
     validate(x, topk_idx, topk_weights, w13, w2)
     if backend_for(x) == "triton":

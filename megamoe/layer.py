@@ -24,6 +24,7 @@ class MegaMoE(nn.Module):
             rank holds experts [r*E/R, (r+1)*E/R) (``w13``/``w2`` have E/R experts; R must divide E), the
             router stays replicated over all E, and :func:`megamoe.moe` exchanges the rows.
         precision: ``"bf16"`` (see :func:`megamoe.moe`).
+        max_tokens_per_rank: with ``ep_group`` and ``MEGAMOE_EP=fused``: see :func:`megamoe.moe`.
         route_scale: multiplies the gating weights (DeepSeek-V3 ``routed_scaling_factor``).
         initializer_range: std of the normal init of every weight (HF ``initializer_range``).
         device, dtype: where and in which dtype to create the parameters (the router is kept in the
@@ -50,6 +51,7 @@ class MegaMoE(nn.Module):
         ep_group=None,
         precision: str = "bf16",
         *,
+        max_tokens_per_rank: int | None = None,
         route_scale: float = 1.0,
         initializer_range: float = 0.02,
         device=None,
@@ -80,6 +82,7 @@ class MegaMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.norm_topk_prob, self.route_scale = score_func, norm_topk_prob, route_scale
         self.ep_group, self.precision, self.initializer_range = ep_group, precision, initializer_range
+        self.max_tokens_per_rank = max_tokens_per_rank
         factory = {"device": device, "dtype": dtype}
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, **factory)
         num_local = num_experts // num_ranks
@@ -110,7 +113,8 @@ class MegaMoE(nn.Module):
                 self.tokens_per_expert.scatter_add_(
                     0, topk_idx.reshape(-1), torch.ones_like(topk_idx.reshape(-1), dtype=torch.float32)
                 )
-        y_TD = moe(x_TD, topk_idx, topk_weights, self.w13, self.w2, group=self.ep_group, precision=self.precision)
+        y_TD = moe(x_TD, topk_idx, topk_weights, self.w13, self.w2, group=self.ep_group, precision=self.precision,
+                   max_tokens_per_rank=self.max_tokens_per_rank)
         return y_TD.reshape(x.shape)
 
     @torch.no_grad()

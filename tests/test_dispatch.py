@@ -171,3 +171,63 @@ def test_capacity_overflow_is_reported_and_nothing_hangs():
                 ws.check_overflow()
                 if DEVICE == "cuda":
                     torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+STEPS_SCRIPT = """
+import torch
+from megamoe.parallel import dispatch
+from megamoe.parallel.workspace import loopback_workspaces
+from tests.helpers import make_problem
+
+R, L, T, K, D, I = 8, 4, 256, 4, 256, 128
+workspaces = loopback_workspaces(R, L, R * T * K, T * K, D, torch.bfloat16, "cuda")
+for step in range(200):
+    x, idx, w, w13, w2, dy = make_problem(R * T, D, I, R * L, K, "random", dtype=torch.bfloat16, device="cuda",
+                                          seed=step)
+    ranks = [(x[r * T:(r + 1) * T], idx[r * T:(r + 1) * T], w[r * T:(r + 1) * T], w13[r * L:(r + 1) * L],
+              w2[r * L:(r + 1) * L]) for r in range(R)]
+    if step % 2:
+        dispatch.loopback_backward(workspaces, ranks, [dy[r * T:(r + 1) * T] for r in range(R)])
+    else:
+        dispatch.loopback_forward(workspaces, ranks)
+torch.cuda.synchronize()
+print("done", int(workspaces[0].epoch[0]))
+"""
+
+
+@pytest.mark.gpu
+def test_two_hundred_loopback_steps_without_a_hang():
+    """R = 8 virtual ranks, forward and backward alternating, new routing every step; in a subprocess
+    with a timeout, so that a hang fails the test instead of stalling the run."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", STEPS_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=300, check=False)
+    assert out.returncode == 0 and "done 200" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.gpu
+def test_loopback_step_replays_in_a_cuda_graph_with_new_routing():
+    case = CASES[0]
+    ranks = split_problem(case, 4)[0]
+    static = [tuple(t.clone() for t in p) for p in ranks]
+    workspaces = workspaces_for(ranks, case[2], capacity=4 * 64)
+    dispatch.loopback_forward(workspaces, static)  # compile and load every kernel before capturing
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = dispatch.loopback_forward(workspaces, static)
+    for seed in (1, 2):
+        ranks, (x, idx, w, w13, w2, _), bounds, _ = split_problem(case, 4, seed=seed)
+        for dst, src in zip(static, ranks):
+            for d, s in zip(dst, src):
+                d.copy_(s)
+        graph.replay()
+        ref = reference.moe_loop(x, idx, w, w13, w2, fp32=True)
+        for r, y in enumerate(ys):
+            torch.testing.assert_close(y, ref[bounds[r]:bounds[r + 1]], rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ the interpreter (no GPU) ``megamoe.moe(group=...)`` runs the fused kernels for t
 those cases also check that the fused kernels compose with the exchange.
 """
 
+import os
 import socket
 import time
 
@@ -42,13 +43,14 @@ def global_problem(case, num_ranks):
     return sizes, per_rank, (x, idx, w, w13, w2, dy)
 
 
-def check_rank(case, rank, num_ranks, group, fn):
-    """``fn(*local problem)`` on this rank against the fp32 one-device reference on the whole problem."""
+def check_rank(case, rank, num_ranks, group, fn, device="cpu"):
+    """``fn(*local problem)`` on this rank (its tensors on ``device``) against the fp32 one-device
+    reference on the whole problem."""
     sizes, per_rank, (x, idx, w, w13, w2, dy) = global_problem(case, num_ranks)
     tok = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
     exp = slice(rank * per_rank, (rank + 1) * per_rank)
-    local = (x[tok], idx[tok], w[tok], w13[exp].contiguous(), w2[exp].contiguous(), dy[tok])
-    out = run_with_grads(fn, *local)
+    local = [t.to(device) for t in (x[tok], idx[tok], w[tok], w13[exp].contiguous(), w2[exp].contiguous(), dy[tok])]
+    out = [t.cpu() for t in run_with_grads(fn, *local)]
     ref = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), x, idx, w, w13, w2, dy)
     ref_local = [ref[0][tok], ref[1][tok], ref[2][tok], ref[3][exp], ref[4][exp]]
     for name, o, r in zip(["y", "dx", "dtopk_weights", "dw13", "dw2"], out, ref_local):
@@ -59,10 +61,19 @@ def check_rank(case, rank, num_ranks, group, fn):
 
 
 def _worker(rank, num_ranks, port, test):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    if test == "fused":  # one GPU per rank, symmetric memory
+        torch.cuda.set_device(rank)
+        os.environ["MEGAMOE_EP"] = "fused"
+    dist.init_process_group("nccl" if test == "fused" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=num_ranks)
     try:
         group = dist.group.WORLD
-        if test == "baseline":
+        if test == "fused":
+            for step in range(3):  # the workspace is reused across calls
+                for case in CASES:
+                    check_rank(case, rank, num_ranks, group, lambda *a: megamoe.moe(*a, group=group),
+                               device=f"cuda:{rank}")
+        elif test == "baseline":
             for case in CASES:
                 check_rank(case, rank, num_ranks, group,
                            lambda *a: moe_all_to_all(*a, group, experts=reference.moe_grouped_mm))
@@ -159,3 +170,15 @@ def test_layer_with_ep_group_equals_one_layer():
 def test_ep_benchmark_measures_every_impl():
     spawn("bench", 2)
 
+
+
+@pytest.mark.gpu
+def test_fused_ep_group_of_one_equals_one_device_reference():
+    """The fused protocol over real symmetric memory with one rank (the issue's 'group of size 1')."""
+    spawn("fused", 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
+def test_fused_ep_on_every_gpu_equals_one_device_reference():
+    spawn("fused", min(torch.cuda.device_count(), 8))

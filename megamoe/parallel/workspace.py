@@ -9,7 +9,9 @@ address the kernels cast to a pointer). Two ways to build them, with the same ke
 
 * :func:`loopback_workspaces` — R virtual ranks on one device (ordinary tensors): the protocol (counts,
   flags, peer writes, returns) is tested and profiled on one GPU, or on CPU in the Triton interpreter;
-* symmetric memory (``torch.distributed._symmetric_memory``, one rank per GPU) — not built yet.
+* :func:`symmetric_workspace` — one rank per GPU of a node: every buffer lives in one symmetric-memory
+  allocation (``torch.distributed._symmetric_memory``, CUDA backend, NVLink multicast off), so a peer's
+  buffer is its base address (from the rendezvous) plus the buffer's offset.
 
 Flags never need a host round trip: ``counts_flag`` holds the call's epoch (a device counter every call
 increments), ``arrived`` and ``returned`` count rows and are reset by their only reader once it has
@@ -53,6 +55,8 @@ class Workspace:
     """name → (R,) int64 base address of that buffer on every rank."""
     epoch: torch.Tensor
     """(1,) int32 on the device: incremented at the start of every call (no host sync)."""
+    handle: object = None
+    """The symmetric-memory rendezvous, kept alive with the workspace (None for loopback)."""
 
     def __getattr__(self, name: str) -> torch.Tensor:
         buffers = self.__dict__.get("buffers", {})
@@ -83,3 +87,39 @@ def loopback_workspaces(num_ranks: int, num_local: int, capacity: int, max_slots
     return [Workspace(r, num_ranks, num_local, capacity, max_slots, per_rank[r], tables,
                       torch.zeros(1, dtype=torch.int32, device=device))
             for r in range(num_ranks)]
+
+
+_ALIGN = 128  # bytes between buffers inside the symmetric allocation
+
+
+def symmetric_workspace(group, num_local: int, capacity: int, max_slots: int, dim: int,
+                        dtype: torch.dtype) -> Workspace:
+    """This rank's workspace in symmetric memory over ``group`` (a collective: every rank calls it with
+    the same sizes). Allocate it once per (group, sizes) and reuse it across layers and steps. Sets
+    ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` unless already set: nothing here uses NVLink multicast."""
+    import os
+
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    shape_args = (num_ranks, num_local, capacity, max_slots, dim)
+    layout, size = {}, 0  # name → (byte offset, shape, dtype)
+    for name, (shape, kind) in BUFFERS.items():
+        kind = kind or dtype
+        layout[name] = (size, shape(*shape_args), kind)
+        size += -(-torch.Size(shape(*shape_args)).numel() * kind.itemsize // _ALIGN) * _ALIGN
+    device = torch.device("cuda", torch.cuda.current_device())
+    raw = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(raw, group)
+    raw.zero_()
+    buffers = {name: raw[offset:offset + torch.Size(shp).numel() * kind.itemsize].view(kind).view(shp)
+               for name, (offset, shp, kind) in layout.items()}
+    bases = handle.buffer_ptrs
+    tables = {name: torch.tensor([base + offset for base in bases], dtype=torch.int64, device=device)
+              for name, (offset, _, _) in layout.items()}
+    torch.cuda.synchronize(device)
+    dist.barrier(group)  # every rank's buffers are zeroed before any peer writes into them
+    return Workspace(rank, num_ranks, num_local, capacity, max_slots, buffers, tables,
+                     torch.zeros(1, dtype=torch.int32, device=device), handle)

@@ -1,0 +1,81 @@
+"""The fused expert-parallel layer for real ranks (one GPU each): the phases of dispatch.py in order on
+this rank's stream, over a symmetric-memory workspace, wired into autograd. Saved for the backward: the
+inputs and the routing plan; the backward sends x and dy rows again and recomputes on the owners.
+
+Selected by ``MEGAMOE_EP=fused``; ``megamoe.moe(group=...)`` runs the all-to-all baseline otherwise (the
+default until this path has passed its multi-GPU tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megamoe.kernels.plan import Plan, build_plan
+from megamoe.parallel import dispatch
+from megamoe.parallel.workspace import Workspace, symmetric_workspace
+
+_WORKSPACES: dict[tuple, Workspace] = {}
+_AGREED_MAX_TOKENS: dict[tuple, int] = {}
+
+
+def workspace_for(group, num_local: int, max_tokens_per_rank: int, top_k: int, dim: int,
+                  dtype: torch.dtype) -> Workspace:
+    """The workspace for these sizes, allocated on first use (a collective) and reused by every layer
+    and step with the same sizes. Receive capacity: every rank's rows could go to one owner, so
+    ``R * max_tokens_per_rank * K`` rows; no call can overflow it."""
+    num_ranks = dist.get_world_size(group)
+    key = (group.group_name, num_local, max_tokens_per_rank, top_k, dim, dtype)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = symmetric_workspace(group, num_local, num_ranks * max_tokens_per_rank * top_k,
+                                               max_tokens_per_rank * top_k, dim, dtype)
+    return _WORKSPACES[key]
+
+
+class FusedEP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2, ws: Workspace):
+        plan = build_plan(topk_idx, ws.num_ranks * ws.num_local)
+        ws.check_overflow()
+        ws.epoch.add_(1)
+        dispatch.exchange_counts(ws, plan)
+        dispatch.dispatch_rows(ws, x, topk_weights, plan)
+        out, total = dispatch.owner_experts(ws, w13, w2)
+        dispatch.send_back(ws, out, total)
+        y = dispatch.combine_returned(ws, plan, topk_idx, x.dtype)
+        ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan.tensors())
+        ctx.ws = ws
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, topk_idx, topk_weights, w13, w2, *plan_tensors = ctx.saved_tensors
+        ws, plan = ctx.ws, Plan(*plan_tensors)
+        ws.epoch.add_(1)
+        dispatch.exchange_counts(ws, plan)
+        dispatch.dispatch_rows(ws, x, topk_weights, plan, dy_TD=dy.contiguous())
+        dx_rows, dweight_rows, total, dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2)
+        dispatch.send_back(ws, dx_rows, total, dweight_rows)
+        dx = dispatch.combine_returned(ws, plan, topk_idx, x.dtype)
+        dweight = torch.where(topk_idx >= 0, ws.slot_scalar[: topk_idx.numel()].view(topk_idx.shape), 0.0)
+        return dx, None, dweight.to(topk_weights.dtype), dw13, dw2, None
+
+
+def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank: int | None = None):
+    """The MoE layer over the experts of ``group`` with the fused protocol (arguments as for
+    :func:`megamoe.parallel.all_to_all.moe_all_to_all`). ``max_tokens_per_rank`` sizes the workspace
+    and must be the same on every rank; ``None`` agrees on the largest T of any rank at the first call
+    (one collective and host sync, then never again for these sizes)."""
+    num_tokens, top_k = topk_idx.shape
+    if max_tokens_per_rank is None:
+        key = (group.group_name, w13.shape[0], top_k, x.shape[1], x.dtype)
+        if key not in _AGREED_MAX_TOKENS:
+            largest = torch.tensor([num_tokens], device=x.device)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+            _AGREED_MAX_TOKENS[key] = int(largest.item())
+        max_tokens_per_rank = _AGREED_MAX_TOKENS[key]
+    if num_tokens > max_tokens_per_rank:
+        raise ValueError(f"{num_tokens} tokens on this rank exceed max_tokens_per_rank={max_tokens_per_rank} "
+                         "(pass a larger max_tokens_per_rank to megamoe.moe / MegaMoE)")
+    ws = workspace_for(group, w13.shape[0], max_tokens_per_rank, top_k, x.shape[1], x.dtype)
+    return FusedEP.apply(x, topk_idx.contiguous(), topk_weights.contiguous(), w13, w2, ws)
