@@ -173,6 +173,14 @@ def test_capacity_overflow_is_reported_and_nothing_hangs():
                     torch.cuda.synchronize()
 
 
+def test_loopback_benchmark_checks_the_protocol():
+    """``python -m megamoe.bench --ep --loopback R``; on a GPU it also times it, on CPU it checks."""
+    from megamoe.bench.ep import loopback_case
+
+    info = loopback_case("tiny", 8, "skewed", 4, seed=0, timed=False)
+    assert info["loopback_fwd_max_rel_err"] < 1e-4
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 STEPS_SCRIPT = """

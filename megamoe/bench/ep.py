@@ -136,8 +136,11 @@ def exchange_only(problem_local, group):
 
 def main(args) -> None:
     """Entry point of ``python -m megamoe.bench --ep`` (under torchrun, or with a process group already
-    initialised by the caller)."""
+    initialised by the caller); with ``--loopback R``, one process and R virtual ranks."""
     cuda = torch.cuda.is_available()
+    if args.loopback:
+        run_loopback(args, cuda)
+        return
     owns_group = not dist.is_initialized()
     if owns_group:
         if "RANK" not in os.environ:
@@ -235,4 +238,84 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
         "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k,
         "exchange_fwd_ms": comm_ms, "exchange_fwd_bytes_rank0": moved,
         "exchange_gb_per_s_rank0": moved / comm_ms / 1e6, "results": results,
+    }
+
+
+def run_loopback(args, cuda: bool) -> None:
+    """``--ep --loopback R``: the fused protocol's R virtual ranks on one device against the plain
+    one-device fused layer on the same (gathered) problem: the cost of the EP machinery (counts, waits,
+    row copies out and back) with no NVLink in the way. Forward and forward+backward. Without a GPU: a
+    tiny problem through the interpreter, checked against the fp32 reference."""
+    num_ranks = args.loopback
+    if not cuda:
+        print(f"No CUDA GPU: timings need a GPU. Checking the loopback protocol ({num_ranks} virtual ranks) on "
+              "a tiny problem instead.")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("set TRITON_INTERPRET=1: the protocol's kernels are Triton kernels")
+        err = loopback_case("tiny", 8, args.routing[0], num_ranks, args.seed, timed=False)["loopback_fwd_max_rel_err"]
+        print(f"  loopback forward, max rel err vs the fp32 reference: {err:.2e}")
+        if err > 1e-4:
+            raise SystemExit("FAILED: the loopback forward disagrees with the reference")
+        print("OK. Run on a GPU for timings.")
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for preset, tokens, routing in itertools.product(args.preset, args.tokens, args.routing):
+        info = loopback_case(preset, tokens, routing, num_ranks, args.seed, timed=True)
+        print(f"{preset} T={tokens}/rank {routing} loopback R={num_ranks}: fwd {info['loopback_fwd_ms']:.3f} ms "
+              f"(plain {info['plain_fwd_ms']:.3f}, {100 * info['machinery_cost_fwd']:+.1f}%), fwd+bwd "
+              f"{info['loopback_fwd_bwd_ms']:.3f} ms (plain {info['plain_fwd_bwd_ms']:.3f}, "
+              f"{100 * info['machinery_cost_fwd_bwd']:+.1f}%), rel err {info['loopback_fwd_max_rel_err']:.1e}")
+        stem = f"{preset}-t{tokens}-{routing}-loopback{num_ranks}"
+        (out / f"{stem}.json").write_text(json.dumps(info, indent=1) + "\n")
+        print(f"wrote {out / stem}.json")
+
+
+def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: int, timed: bool) -> dict:
+    """One problem (``tokens`` per virtual rank): the loopback forward's error against the fp32
+    reference and, if ``timed`` (a GPU), its times against the plain layer."""
+    from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest
+    from megamoe.parallel import dispatch
+    from megamoe.parallel.workspace import loopback_workspaces
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dim, inter, num_experts, top_k = PRESETS[preset]
+    if num_experts % num_ranks:
+        raise SystemExit(f"{preset}: {num_experts} experts do not split over {num_ranks} ranks")
+    problem = make_problem(tokens * num_ranks, dim, inter, num_experts, top_k, routing, dtype, device, seed)
+    x, idx, w, w13, w2, dy = problem
+    ranks = [local_problem(problem, r, num_ranks)[:5] for r in range(num_ranks)]
+    dys = [local_problem(problem, r, num_ranks)[5] for r in range(num_ranks)]
+    workspaces = loopback_workspaces(num_ranks, num_experts // num_ranks, num_ranks * tokens * top_k,
+                                     tokens * top_k, dim, dtype, device)
+    ys = dispatch.loopback_forward(workspaces, ranks)
+    ref = reference.moe_loop(*[t.float() if t.is_floating_point() else t for t in problem[:5]], fp32=True)
+    info = {"preset": preset, "tokens_per_rank": tokens, "routing": routing, "loopback_ranks": num_ranks,
+            "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k,
+            "loopback_fwd_max_rel_err": ((torch.cat(ys).float() - ref).abs().max() / ref.abs().max()).item()}
+    if not timed:
+        return info
+    from triton.testing import do_bench
+
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
+
+    def plain_fwd_bwd():
+        megamoe.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3]).backward(dy)
+
+    times = {
+        "loopback_fwd_ms": do_bench(lambda: dispatch.loopback_forward(workspaces, ranks), return_mode="median"),
+        "loopback_bwd_ms": do_bench(lambda: dispatch.loopback_backward(workspaces, ranks, dys), return_mode="median"),
+        "plain_fwd_ms": do_bench(lambda: megamoe.moe(x, idx, w, w13, w2), return_mode="median"),
+        "plain_fwd_bwd_ms": do_bench(plain_fwd_bwd, grad_to_none=leaves, return_mode="median"),
+    }
+    times["loopback_fwd_bwd_ms"] = times["loopback_fwd_ms"] + times["loopback_bwd_ms"]
+    return {
+        "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "commit": git_commit(),
+        "source_sha256": source_digest(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m megamoe.bench " + " ".join(sys.argv[1:]), **info, **times,
+        "machinery_cost_fwd": times["loopback_fwd_ms"] / times["plain_fwd_ms"] - 1,
+        "machinery_cost_fwd_bwd": times["loopback_fwd_bwd_ms"] / times["plain_fwd_bwd_ms"] - 1,
     }

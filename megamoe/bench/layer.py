@@ -208,6 +208,9 @@ def parse_args(argv=None):
                    help="expert-parallel benchmark over the torchrun ranks (see megamoe/bench/ep.py); --tokens is "
                         "per rank")
     p.add_argument("--ep-iters", type=int, default=20, help="timed iterations per measurement with --ep")
+    p.add_argument("--loopback", type=int, default=0, metavar="R",
+                   help="with --ep: R virtual ranks on one device (no torchrun): the fused protocol against the "
+                        "plain one-device layer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition budget per measurement")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
