@@ -145,6 +145,22 @@ def test_plan_is_a_stable_sort_with_a_complete_tile_table(num_tokens, top_k, num
     assert torch.equal(cover[:n_routed], torch.ones(n_routed, dtype=torch.long))
 
 
+@pytest.mark.parametrize("counts,num_rows", [([3, 0, 200, 1], 300), ([0, 0], 5), ([130, 130, 130], 300)],
+                         ids=["gaps and unused rows", "nothing routed", "clipped at num_rows"])
+def test_plan_from_counts_equals_the_sorting_plan(counts, num_rows):
+    """Rows already grouped by expert (an EP owner's receive buffer): the plan from the counts is the
+    plan the counting sort builds for the same rows."""
+    from megamoe.kernels.plan import plan_from_counts
+
+    ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))[:num_rows]
+    idx = torch.full((num_rows,), -1, dtype=torch.int32)
+    idx[: ids.numel()] = ids.to(torch.int32)
+    expected = build_plan(idx.to(DEVICE)[:, None], len(counts))
+    got = plan_from_counts(torch.tensor(counts, dtype=torch.int32, device=DEVICE), num_rows)
+    for a, b in zip(got.tensors(), expected.tensors()):
+        assert torch.equal(a, b)
+
+
 def test_combine_moves_rows_exactly():
     num_tokens, top_k, dim = 37, 3, 40
     idx = torch.randint(0, 4, (num_tokens, top_k))

@@ -166,3 +166,27 @@ def build_plan(topk_idx_TK: torch.Tensor, num_experts: int) -> Plan:
     _plan_scatter_kernel[(chunks,)](idx_N, chunk_base, total, row_slot, n, num_experts,
                                     BLOCK=CHUNK, NB=nb, num_warps=4)
     return Plan(offsets, row_slot, tile_expert, tile_row)
+
+
+def plan_from_counts(rows_per_expert_E: torch.Tensor, num_rows: int) -> Plan:
+    """The plan of ``num_rows`` rows that are already sorted by expert, expert e owning the next
+    ``rows_per_expert_E[e]`` rows (clipped at ``num_rows``; rows past the last expert are unused): the
+    rows received by an expert-parallel owner. Identity row map, so each row is its own slot (use
+    ``top_k=1``); one launch for the tile table, no sort, no host sync."""
+    device = rows_per_expert_E.device
+    num_experts = rows_per_expert_E.numel()
+    nb = triton.next_power_of_2(num_experts + 2)
+    ends = rows_per_expert_E.to(torch.int64).cumsum(0).clamp_max(num_rows)
+    routed = torch.diff(ends, prepend=ends.new_zeros(1))
+    total = torch.zeros(nb, device=device, dtype=torch.int32)
+    total[:num_experts] = routed.to(torch.int32)
+    total[num_experts] = num_rows - ends[-1].to(torch.int32)  # unused rows: the "dropped" key
+    nt = num_tiles(num_rows, num_experts)
+    offsets = torch.empty(num_experts + 1, device=device, dtype=torch.int32)
+    tile_expert = torch.empty(nt, device=device, dtype=torch.int32)
+    tile_row = torch.empty(nt, device=device, dtype=torch.int32)
+    tb = max(16, 8192 // nb)
+    _plan_tiles_kernel[(triton.cdiv(nt, tb),)](total, offsets, tile_expert, tile_row, num_experts, nt,
+                                               NB=nb, TB=tb, BM=BLOCK_M, num_warps=4)
+    row_slot = torch.arange(num_rows, device=device, dtype=torch.int32)
+    return Plan(offsets, row_slot, tile_expert, tile_row)

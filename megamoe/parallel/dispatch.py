@@ -38,7 +38,7 @@ import triton.language as tl
 from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import act_bwd, dx_slots, expert_wgrad
 from megamoe.kernels.expert_fwd import down_fwd, up_swiglu_fwd
-from megamoe.kernels.plan import Plan, build_plan
+from megamoe.kernels.plan import Plan, build_plan, plan_from_counts
 from megamoe.parallel.workspace import Workspace
 
 
@@ -190,24 +190,13 @@ def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tens
     )
 
 
-def received_offsets(ws: Workspace) -> torch.Tensor:
-    """(L+1,) int32 first received row of each local expert (device tensors only: no sync)."""
-    per_expert = ws.counts.sum(dim=0, dtype=torch.int32)
-    return torch.cat([per_expert.new_zeros(1), per_expert.cumsum(0, dtype=torch.int32)])
-
-
 def received_plan(ws: Workspace) -> tuple[Plan, torch.Tensor]:
     """Wait for every row addressed to me (and reset the arrival counters), then the plan of my received
     rows and their number (a (1,) device tensor; more than the capacity after an overflow). The rows are
-    already expert-major, expert l owning rows [offsets[l], offsets[l+1]); the plan marks the rest of the
-    buffer dropped, so no kernel reads it."""
+    already expert-major, so the plan is built from the counts, with no sort."""
     _wait_and_reset_kernel[(1,)](ws.arrived, ws.counts, ws.counts.numel(), NB=triton.next_power_of_2(ws.counts.numel()))
-    offsets = received_offsets(ws)
-    total = offsets[-1:]
-    rows = torch.arange(ws.capacity, device=offsets.device, dtype=torch.int32)
-    local_idx = torch.searchsorted(offsets[1:], rows, right=True).to(torch.int32)
-    local_idx = torch.where(rows < total, local_idx, -1)
-    return build_plan(local_idx[:, None], ws.num_local), total
+    rows_per_expert = ws.counts.sum(dim=0, dtype=torch.int32)
+    return plan_from_counts(rows_per_expert, ws.capacity), rows_per_expert.sum(dtype=torch.int32)[None]
 
 
 def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
