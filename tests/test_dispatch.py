@@ -81,7 +81,7 @@ def test_dispatch_and_send_back_move_rows_exactly(case, num_ranks):
                 weights.append(w.reshape(-1)[slots].float())
         rows, meta, weights = torch.cat(rows), torch.cat(meta), torch.cat(weights)
         n = rows.shape[0]
-        assert int(ws.counts.sum()) == n
+        assert int(dispatch.current_counts(ws).sum()) == n
         assert torch.equal(ws.recv_x[:n], rows), f"owner {owner}: received rows"
         assert torch.equal(ws.recv_meta[:n], meta.to(torch.int32)), f"owner {owner}: row metadata"
         assert torch.equal(ws.recv_weight[:n], weights), f"owner {owner}: routing weights"
@@ -89,8 +89,9 @@ def test_dispatch_and_send_back_move_rows_exactly(case, num_ranks):
 
     # Send the received rows straight back: every routed slot gets its own token's row.
     for ws in workspaces:
-        dispatch._wait_and_reset_kernel[(1,)](ws.arrived, ws.counts, ws.counts.numel(), NB=64)
-        dispatch.send_back(ws, ws.recv_x, ws.counts.sum(dtype=torch.int32)[None])
+        counts = dispatch.current_counts(ws)
+        dispatch._wait_and_reset_kernel[(1,)](ws.arrived, counts, counts.numel(), NB=64)
+        dispatch.send_back(ws, ws.recv_x, counts.sum(dtype=torch.int32)[None])
     for ws, plan, (x, idx, _, _, _) in zip(workspaces, plans, ranks):
         routed = (idx.reshape(-1) >= 0).nonzero().flatten()
         assert torch.equal(ws.y_slots[routed], x[routed // idx.shape[1]]), f"rank {ws.rank}: returned rows"

@@ -8,9 +8,10 @@ Shape legend as in workspace.py; E = R*L global experts; T, K this rank's tokens
 Phases (each rank runs them in this order on its own stream; :func:`loopback_forward` runs each phase for
 every virtual rank before the next phase, so that on one device no wait can precede its producer):
 
-1. :func:`exchange_counts` — my per-expert row counts into each owner's ``counts[me, :]``, then
-   ``counts_flag[me] = epoch`` (release).
-2. :func:`dispatch_rows` — wait for every source's counts at every owner (acquire), compute where my rows
+1. :func:`exchange_counts` — my per-expert row counts into each owner's ``counts[epoch % 2, me, :]``,
+   then ``counts_flag[epoch % 2, me] = epoch`` (release).
+2. :func:`dispatch_rows` — wait for every source's counts at every owner (acquire; every program waits,
+   even one with no rows, which keeps every rank within one call of the others), compute where my rows
    of each expert land in the owner's ``recv_x`` (expert-major, then source rank: a fixed order, so
    results are deterministic), copy them with their slot id and routing weight, and count them into
    the owner's ``arrived[me, l]`` (release). Rows past the owner's capacity are not written; they are
@@ -49,15 +50,16 @@ def _peer(table_ptr, peer, ty: tl.constexpr):
 
 
 @triton.jit
-def _exchange_counts_kernel(offsets_ptr, counts_tab, counts_flag_tab, epoch_ptr, rank, L, LB: tl.constexpr):
+def _exchange_counts_kernel(offsets_ptr, counts_tab, counts_flag_tab, epoch_ptr, rank, R, L, LB: tl.constexpr):
     owner = tl.program_id(0)
     ls = tl.arange(0, LB)
     e = owner * L + ls
     lmask = ls < L
     n = tl.load(offsets_ptr + e + 1, mask=lmask, other=0) - tl.load(offsets_ptr + e, mask=lmask, other=0)
-    tl.store(_peer(counts_tab, owner, tl.int32) + rank * L + ls, n, mask=lmask)
     epoch = tl.load(epoch_ptr)
-    tl.atomic_xchg(_peer(counts_flag_tab, owner, tl.int32) + rank, epoch, sem="release", scope="sys")
+    parity = epoch % 2
+    tl.store(_peer(counts_tab, owner, tl.int32) + (parity * R + rank) * L + ls, n, mask=lmask)
+    tl.atomic_xchg(_peer(counts_flag_tab, owner, tl.int32) + parity * R + rank, epoch, sem="release", scope="sys")
 
 
 @triton.jit
@@ -72,18 +74,21 @@ def _dispatch_rows_kernel(
     HAS_DY: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
 ):
     E = R * L
+    # Every owner's counts from every source must be in before any destination is known. Every program
+    # waits, even one with no rows to send: that wait is what keeps a rank from running two calls ahead
+    # of another (see workspace.py: the counts are double-buffered by the epoch's parity).
+    epoch = tl.load(epoch_ptr)
+    parity = epoch % 2
+    srcs = tl.arange(0, CB)
+    for owner in range(R):
+        flags = _peer(counts_flag_tab, owner, tl.int32) + parity * R + srcs
+        while tl.sum((tl.atomic_add(flags, 0, mask=srcs < R, sem="acquire", scope="sys") != epoch)
+                     & (srcs < R), axis=0) > 0:
+            pass
     rows = tl.program_id(0) * RB + tl.arange(0, RB)
     rmask = rows < tl.load(offsets_ptr + E)
     if tl.sum(rmask.to(tl.int32), axis=0) == 0:
         return
-    # Every owner's counts from every source must be in before any destination is known.
-    epoch = tl.load(epoch_ptr)
-    srcs = tl.arange(0, CB)
-    for owner in range(R):
-        flags = _peer(counts_flag_tab, owner, tl.int32) + srcs
-        while tl.sum((tl.atomic_add(flags, 0, mask=srcs < R, sem="acquire", scope="sys") != epoch)
-                     & (srcs < R), axis=0) > 0:
-            pass
     # Global expert of each row: the number of experts whose rows end at or before it.
     es = tl.arange(0, EB)
     ends = tl.load(offsets_ptr + es + 1, mask=es < E, other=2147483647)
@@ -93,7 +98,7 @@ def _dispatch_rows_kernel(
     # Destination = rows of the owner's experts before mine + rows of my expert from lower source ranks
     # + my rank within the expert. counts at the owner are [src, l], flattened c = src * L + l.
     cs = tl.arange(0, CB)
-    counts = tl.load(_peer(counts_tab, owner, tl.int32)[:, None] + cs[None, :],
+    counts = tl.load(_peer(counts_tab, owner, tl.int32)[:, None] + parity * R * L + cs[None, :],
                      mask=rmask[:, None] & (cs < R * L)[None, :], other=0)
     c_src = cs // L
     c_l = cs % L
@@ -169,7 +174,8 @@ ROWS_PER_PROGRAM = 16
 def exchange_counts(ws: Workspace, plan: Plan) -> None:
     """Phase 1 (call ``ws.epoch.add_(1)`` once before it, on every rank)."""
     _exchange_counts_kernel[(ws.num_ranks,)](plan.offsets_E1, ws.tables["counts"], ws.tables["counts_flag"], ws.epoch,
-                                             ws.rank, ws.num_local, LB=triton.next_power_of_2(ws.num_local))
+                                             ws.rank, ws.num_ranks, ws.num_local,
+                                             LB=triton.next_power_of_2(ws.num_local))
 
 
 def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan,
@@ -190,12 +196,19 @@ def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tens
     )
 
 
+def current_counts(ws: Workspace) -> torch.Tensor:
+    """(R, L) rows each source sends to each of my experts in the current call (the copy of the epoch's
+    parity, picked on the device: no sync)."""
+    return torch.where(ws.epoch % 2 == 0, ws.counts[0], ws.counts[1])
+
+
 def received_plan(ws: Workspace) -> tuple[Plan, torch.Tensor]:
     """Wait for every row addressed to me (and reset the arrival counters), then the plan of my received
     rows and their number (a (1,) device tensor; more than the capacity after an overflow). The rows are
     already expert-major, so the plan is built from the counts, with no sort."""
-    _wait_and_reset_kernel[(1,)](ws.arrived, ws.counts, ws.counts.numel(), NB=triton.next_power_of_2(ws.counts.numel()))
-    rows_per_expert = ws.counts.sum(dim=0, dtype=torch.int32)
+    counts = current_counts(ws)
+    _wait_and_reset_kernel[(1,)](ws.arrived, counts, counts.numel(), NB=triton.next_power_of_2(counts.numel()))
+    rows_per_expert = counts.sum(dim=0, dtype=torch.int32)
     return plan_from_counts(rows_per_expert, ws.capacity), rows_per_expert.sum(dtype=torch.int32)[None]
 
 

@@ -15,8 +15,10 @@ address the kernels cast to a pointer). Two ways to build them, with the same ke
 
 Flags never need a host round trip: ``counts_flag`` holds the call's epoch (a device counter every call
 increments), ``arrived`` and ``returned`` count rows and are reset by their only reader once it has
-seen them all (safe: a source cannot start its next call's dispatch before every owner has sent this
-call's rows back, which each owner does only after that reset).
+seen them all. ``counts`` and ``counts_flag`` come in two copies, picked by the epoch's parity: a rank
+that has finished a call may write the next call's counts while a slower rank still reads this call's
+(it cannot get two calls ahead: the next dispatch waits for every rank's next counts). See
+docs/DESIGN_NOTES.md for why no wait can hang.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import torch
 
 # name: (shape from (R, L, C, S, D), dtype; None = the activation dtype)
 BUFFERS = {
-    "counts": (lambda R, L, C, S, D: (R, L), torch.int32),  # [src, l]: rows src sends to my expert l
-    "counts_flag": (lambda R, L, C, S, D: (R,), torch.int32),  # [src]: epoch once src's counts are in
+    # [epoch % 2, src, l]: rows src sends to my expert l (two copies: see below)
+    "counts": (lambda R, L, C, S, D: (2, R, L), torch.int32),
+    "counts_flag": (lambda R, L, C, S, D: (2, R), torch.int32),  # [epoch % 2, src]: epoch once src's counts are in
     "arrived": (lambda R, L, C, S, D: (R, L), torch.int32),  # [src, l]: rows of (src, l) written so far
     "recv_x": (lambda R, L, C, S, D: (C, D), None),  # received rows: expert-major, then source-major
     "recv_meta": (lambda R, L, C, S, D: (C,), torch.int32),  # src * S + slot of each received row
