@@ -29,7 +29,7 @@ KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "act": expert_bwd.ACT_B
            "wgrad": expert_bwd.WGRAD}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
                   "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32"}
-_DIVISIBLE_INTS = {"D", "I", "P", "Q"}
+_DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True}
 
 
@@ -41,7 +41,8 @@ def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
         name = param.name
         if param.is_constexpr:
             signature[name] = "constexpr"
-            constexprs[name] = config[name] if name in TILE_KEYS else _EXTRA_CONSTEXPRS[name]
+            constexprs[name] = (config[name] if name in TILE_KEYS else
+                                kernel.constants.get(name, _EXTRA_CONSTEXPRS.get(name)))
             if name == "PREC" and dtype == "fp32":
                 constexprs[name] = "ieee"
             continue

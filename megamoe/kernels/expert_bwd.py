@@ -5,7 +5,8 @@ Shape legend as in expert_fwd.py; NI = ceil(I / BN_ACT) intermediate blocks.
 1. ``_act_bwd_kernel`` — per tile × I-block, one loop over D accumulates g, u (recompute, from gathered x
    rows) and dh' = dy W2 (from gathered dy rows); epilogue: h, a partial d(routing weight) = sum_i dh'·h
    per I-block, dz = [dg | du] (scaled by the routing weight) and h·w (for dW2).
-2. ``_dx_kernel`` — dz W13 → unweighted dx slot rows; combine.py reduces them per token.
+2. dx — dz W13 → unweighted dx slot rows (``expert_fwd._rows_to_slots_kernel``, the down projection's
+   kernel); combine.py reduces them per token.
 3. ``_gather_rows_kernel`` then ``_expert_wgrad_kernel`` — x and dy rows copied into sorted order, then
    per expert, K-grouped GEMMs over that expert's rows: dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w).
    An expert with no rows gets exact zeros.
@@ -17,7 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.kernels.expert_fwd import _sorted_rows_matmul, _tile_rows, descriptor, dot_precision, tile_grid
+from megamoe.kernels.expert_fwd import (
+    _rows_to_slots_kernel,
+    _tile_rows,
+    descriptor,
+    dot_precision,
+    rows_to_slots,
+    tile_grid,
+)
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.tuning import TunedKernel, configs
 
@@ -95,28 +103,6 @@ def _act_bwd_kernel(
 
 
 @triton.jit
-def _dx_kernel(
-    dz_desc,  # (N, 2I) sorted rows; block (BM, BK)
-    w13_desc,  # (E, 2I, D); block (1, BK, BN)
-    dx_slots_ptr,  # (N, D) out: dz W13, token-major slot rows
-    row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-    D, I, E,
-    PREC: tl.constexpr, TILE_M: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-):
-    e, row0, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(D, BN), BM,
-                                             TILE_M)
-    if e >= E:
-        return
-    n0 = pid_n * BN
-    acc = _sorted_rows_matmul(dz_desc, w13_desc, e, row0, n0, 2 * I, False, BM, BN, BK, PREC)
-    cols = n0 + tl.arange(0, BN)
-    slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    out_ptrs = dx_slots_ptr + slots[:, None] * D + cols[None, :]
-    tl.store(out_ptrs, acc.to(dx_slots_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < D)[None, :])
-
-
-@triton.jit
 def _gather_rows_kernel(
     x_ptr,  # (T, D)
     dy_ptr,  # (T, D)
@@ -187,10 +173,11 @@ ACT_BWD = TunedKernel(
     blocks=lambda c: {"w13_desc": [1, 1, c["BN"], c["BK"]], "w2_desc": [1, c["BK"], c["BN"]]},
 )
 DX = TunedKernel(
-    _dx_kernel, default=configs((128, 256, 64, 8, 4))[0],
+    _rows_to_slots_kernel, default=configs((128, 256, 64, 8, 4))[0],
     candidates=configs((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3)),
-    key=["D", "I"], even_k=None,  # the descriptors zero-fill the K tail
-    blocks=lambda c: {"dz_desc": [c["BM"], c["BK"]], "w13_desc": [1, c["BK"], c["BN"]]},
+    key=["N_OUT", "K"], even_k=None,  # the descriptors zero-fill the K tail
+    blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BK"], c["BN"]]},
+    constants={"W_K_LAST": False, "WEIGHTED": False},
 )
 WGRAD = TunedKernel(
     _expert_wgrad_kernel, default=configs((128, 128, 64, 8, 3))[0],
@@ -231,17 +218,7 @@ def act_bwd_into(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_
 
 def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
     """Unweighted dx slot rows (N, D), token-major; dropped slots' rows are not written."""
-    num_slots, two_i = dz_NH.shape
-    num_experts, _, dim = w13_EHD.shape
-    out = torch.empty(num_slots, dim, device=dz_NH.device, dtype=dz_NH.dtype)
-    if num_slots == 0:
-        return out
-    DX[tile_grid(plan, dim)](
-        descriptor(dz_NH), descriptor(w13_EHD), out, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
-        dim, two_i // 2, num_experts,
-        PREC=dot_precision(dz_NH.dtype), TILE_M=BLOCK_M, dtype=dz_NH.dtype,
-    )
-    return out
+    return rows_to_slots(DX, dz_NH, w13_EHD, None, plan, w13_EHD.shape[2])
 
 
 def gather_rows(x_TD, dy_TD, plan: Plan, top_k: int):

@@ -115,28 +115,30 @@ def _sorted_rows_matmul(a_desc, w_desc, e, row0, n0, K, W_K_LAST: tl.constexpr,
 
 
 @triton.jit
-def _down_fwd_kernel(
-    h_desc,  # (N, I) sorted rows; block (BM, BK)
-    w2_desc,  # (E, D, I); block (1, BN, BK)
-    weights_ptr,  # (N,) routing weight of each slot (flat t*K + k)
-    slots_out_ptr,  # (N, D) out: weight * (h W2^T), token-major slot rows
+def _rows_to_slots_kernel(
+    a_desc,  # (N, K) sorted rows; block (BM, BK)
+    w_desc,  # (E, N_OUT, K) if W_K_LAST, block (1, BN, BK); else (E, K, N_OUT), block (1, BK, BN)
+    weights_ptr,  # (N,) routing weight of each slot (flat t*K + k); read only if WEIGHTED
+    slots_out_ptr,  # (N, N_OUT) out: [weight *] (A W[e]), token-major slot rows
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-    D, I, E,
-    PREC: tl.constexpr, TILE_M: tl.constexpr,
+    N_OUT, K, E,
+    W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    e, row0, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(D, BN), BM,
+    """A GEMM over sorted rows whose output rows go back to slot order: the forward's down projection
+    (h W2^T, weighted) and the backward's dx (dz W13, unweighted)."""
+    e, row0, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(N_OUT, BN), BM,
                                              TILE_M)
     if e >= E:
         return
     n0 = pid_n * BN
-    acc = _sorted_rows_matmul(h_desc, w2_desc, e, row0, n0, I, True, BM, BN, BK, PREC)
+    acc = _sorted_rows_matmul(a_desc, w_desc, e, row0, n0, K, W_K_LAST, BM, BN, BK, PREC)
     cols = n0 + tl.arange(0, BN)
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    wt = tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)
-    out = acc * wt[:, None]
-    out_ptrs = slots_out_ptr + slots[:, None] * D + cols[None, :]
-    tl.store(out_ptrs, out.to(slots_out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < D)[None, :])
+    if WEIGHTED:
+        acc = acc * tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = slots_out_ptr + slots[:, None] * N_OUT + cols[None, :]
+    tl.store(out_ptrs, acc.to(slots_out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < N_OUT)[None, :])
 
 
 # Defaults: best of the sweep on the 30B layer (docs/NOTES.md); candidates: the runners-up there and
@@ -148,10 +150,11 @@ UP = TunedKernel(
     blocks=lambda c: {"w13_desc": [1, 1, c["BN"], c["BK"]]},
 )
 DOWN = TunedKernel(
-    _down_fwd_kernel, default=configs((128, 256, 64, 8, 3))[0],
+    _rows_to_slots_kernel, default=configs((128, 256, 64, 8, 3))[0],
     candidates=configs((128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3)),
-    key=["D", "I"], even_k=None,  # the descriptors zero-fill the K tail
-    blocks=lambda c: {"h_desc": [c["BM"], c["BK"]], "w2_desc": [1, c["BN"], c["BK"]]},
+    key=["N_OUT", "K"], even_k=None,  # the descriptors zero-fill the K tail
+    blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BN"], c["BK"]]},
+    constants={"W_K_LAST": True, "WEIGHTED": True},
 )
 
 
@@ -171,17 +174,23 @@ def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int) -> torch.Tensor:
     return h_NI
 
 
+def rows_to_slots(kernel: TunedKernel, a_NK, w_E, weights_N, plan: Plan, n_out: int) -> torch.Tensor:
+    """Launch ``_rows_to_slots_kernel`` as ``kernel`` (DOWN or DX) configures it: (N, n_out) slot rows of
+    ``a_NK`` (sorted rows) times each row's expert weight ``w_E[e]``, scaled by ``weights_N`` if given;
+    dropped slots' rows are not written."""
+    num_slots, k = a_NK.shape
+    out = torch.empty(num_slots, n_out, device=a_NK.device, dtype=a_NK.dtype)
+    if num_slots == 0:  # an empty batch (a TMA descriptor cannot be empty)
+        return out
+    kernel[tile_grid(plan, n_out)](
+        descriptor(a_NK), descriptor(w_E), out if weights_N is None else weights_N, out,
+        plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
+        n_out, k, w_E.shape[0],
+        PREC=dot_precision(a_NK.dtype), TILE_M=BLOCK_M, dtype=a_NK.dtype,
+    )
+    return out
+
+
 def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
     """Weighted expert outputs (N, D), one row per slot ``t*K + k``; dropped slots' rows are not written."""
-    num_slots, inter = h_NI.shape
-    num_experts, dim, _ = w2_EDI.shape
-    slots_ND = torch.empty(num_slots, dim, device=h_NI.device, dtype=h_NI.dtype)
-    if num_slots == 0:
-        return slots_ND
-    DOWN[tile_grid(plan, dim)](
-        descriptor(h_NI), descriptor(w2_EDI), topk_weights_TK.reshape(-1), slots_ND,
-        plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
-        dim, inter, num_experts,
-        PREC=dot_precision(h_NI.dtype), TILE_M=BLOCK_M, dtype=h_NI.dtype,
-    )
-    return slots_ND
+    return rows_to_slots(DOWN, h_NI, w2_EDI, topk_weights_TK.reshape(-1), plan, w2_EDI.shape[1])

@@ -47,13 +47,16 @@ class TunedKernel:
     """A Triton kernel (with EVEN_K derived from BK by ``even_k``, if given), launched with ``default`` or autotuned over
     ``[default, *candidates]`` keyed on ``key`` (static dims). ``kernel[grid](*args, dtype=..., **kw)``
     with ``grid`` a function of the config dict, as for ``triton.autotune``. ``blocks(config)`` maps each
-    ``*_desc`` parameter to its TMA block shape under that config."""
+    ``*_desc`` parameter to its TMA block shape under that config. ``constants``: constexpr arguments
+    this instance always passes (one Triton kernel can serve several GEMMs)."""
 
     def __init__(self, kernel, default: dict, candidates: list[dict], key: list[str],
-                 even_k: Callable[[dict], bool] | None, blocks: Callable[[dict], dict[str, list[int]]]):
+                 even_k: Callable[[dict], bool] | None, blocks: Callable[[dict], dict[str, list[int]]],
+                 constants: dict | None = None):
         self.default = default
         self.candidates = candidates
         self.blocks = blocks
+        self.constants = constants or {}
         self._kernel = triton.heuristics({"EVEN_K": even_k})(kernel) if even_k else kernel
         self._arg_names = self.jit_fn.arg_names
         self._tuned = triton.autotune([_triton_config(c, self._set_blocks) for c in [default, *candidates]],
@@ -70,6 +73,7 @@ class TunedKernel:
 
     def __getitem__(self, grid: Callable[[dict], tuple]):
         def launch(*args, dtype: torch.dtype, **kwargs):
+            kwargs = {**kwargs, **self.constants}
             if autotune_enabled(dtype):
                 self._tuned[grid](*args, **kwargs)
             else:
