@@ -54,7 +54,7 @@ def workspaces_for(ranks, per_rank, capacity=None):
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_dispatch_and_send_back_move_rows_exactly(case, num_ranks):
+def test_dispatch_and_write_back_move_rows_exactly(case, num_ranks):
     ranks, _, _, _ = split_problem(case, num_ranks)
     per_rank = case[2]
     num_experts = per_rank * num_ranks
@@ -87,14 +87,19 @@ def test_dispatch_and_send_back_move_rows_exactly(case, num_ranks):
         assert torch.equal(ws.recv_weight[:n], weights), f"owner {owner}: routing weights"
         assert int(ws.overflow[0]) == 0
 
-    # Send the received rows straight back: every routed slot gets its own token's row.
+    # Write the received rows back through the owners' output GEMM with identity experts (exact in fp32:
+    # every product is x * 1 or x * 0) and a per-row scalar: every routed slot gets its own token's row,
+    # and the source's wait sees every column of every row.
+    eye = torch.eye(DIM, device=DEVICE).expand(per_rank, DIM, DIM).contiguous()
     for ws in workspaces:
-        counts = dispatch.current_counts(ws)
-        dispatch._wait_and_reset_kernel[(1,)](ws.arrived, counts, counts.numel(), NB=64)
-        dispatch.send_back(ws, ws.recv_x, counts.sum(dtype=torch.int32)[None])
+        plan = dispatch.received_plan(ws)
+        dispatch.rows_to_peer_slots(ws, dispatch.DX_PEER, ws.recv_x, eye, plan, DIM,
+                                    scalar_C=ws.recv_meta.float())
     for ws, plan, (x, idx, _, _, _) in zip(workspaces, plans, ranks):
+        dispatch.combine_returned(ws, plan, idx, x.dtype)  # returns only once every row is whole
         routed = (idx.reshape(-1) >= 0).nonzero().flatten()
         assert torch.equal(ws.y_slots[routed], x[routed // idx.shape[1]]), f"rank {ws.rank}: returned rows"
+        assert torch.equal(ws.slot_scalar[routed], (ws.rank * ws.max_slots + routed).float()), "returned scalars"
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])

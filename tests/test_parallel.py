@@ -7,7 +7,7 @@ those cases also check that the fused kernels compose with the exchange.
 """
 
 import os
-import socket
+import tempfile
 import time
 
 import pytest
@@ -60,11 +60,11 @@ def check_rank(case, rank, num_ranks, group, fn, device="cpu"):
         assert err <= bound, f"{case[0]}, rank {rank}: {name} max err {err:.2e} > {bound:.2e}"
 
 
-def _worker(rank, num_ranks, port, test):
+def _worker(rank, num_ranks, init_file, test):
     if test == "fused":  # one GPU per rank, symmetric memory
         torch.cuda.set_device(rank)
         os.environ["MEGAMOE_EP"] = "fused"
-    dist.init_process_group("nccl" if test == "fused" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group("nccl" if test == "fused" else "gloo", init_method=f"file://{init_file}",
                             rank=rank, world_size=num_ranks)
     try:
         group = dist.group.WORLD
@@ -86,8 +86,8 @@ def _worker(rank, num_ranks, port, test):
             check_layer(rank, num_ranks, group)
         elif test == "bench":
             check_bench(group)
-        # Rank 0 hosts the rendezvous store: no rank tears down while another still uses it (without
-        # this barrier gloo aborted a rank at exit about one run in five).
+        # No rank tears down while another still talks to it (without this barrier gloo aborted a rank at
+        # exit about one run in five, with a TCP rendezvous).
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -136,14 +136,10 @@ def check_bench(group):
     assert info["exchange_fwd_ms"] > 0 and info["exchange_fwd_bytes_rank0"] > 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(test: str, num_ranks: int) -> None:
-    ctx = mp.start_processes(_worker, args=(num_ranks, free_port(), test), nprocs=num_ranks, join=False,
+    # A file rendezvous: no port to race for, and no store that dies with rank 0.
+    init_file = tempfile.mktemp(prefix="megamoe-test-pg-")
+    ctx = mp.start_processes(_worker, args=(num_ranks, init_file, test), nprocs=num_ranks, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=1):

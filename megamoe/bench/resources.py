@@ -22,13 +22,15 @@ from triton.compiler import ASTSource
 
 from megamoe.kernels import expert_bwd, expert_fwd
 from megamoe.kernels.tuning import TILE_KEYS, TunedKernel, fit_dtype
+from megamoe.parallel import dispatch
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200 (sm_90)
 KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "act": expert_bwd.ACT_BWD, "dx": expert_bwd.DX,
-           "wgrad": expert_bwd.WGRAD}
+           "wgrad": expert_bwd.WGRAD, "down_peer": dispatch.DOWN_PEER, "dx_peer": dispatch.DX_PEER}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
-                  "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32"}
+                  "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
+                  "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True}
 
@@ -49,6 +51,10 @@ def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
         if name.endswith("_desc"):
             block = ", ".join(map(str, kernel.blocks(config)[name]))
             signature[name] = f"tensordesc<{dtype}[{block}]>"
+            continue
+        if name.endswith("_tab"):  # a table of every rank's buffer addresses (expert parallelism)
+            signature[name] = "*i64"
+            attrs[(i,)] = [["tt.divisibility", 16]]
             continue
         is_ptr = name.endswith("_ptr")
         signature[name] = _POINTER_TYPES.get(name, "*" + dtype) if is_ptr else "i32"

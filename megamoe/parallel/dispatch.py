@@ -17,14 +17,14 @@ every virtual rank before the next phase, so that on one device no wait can prec
    the owner's ``arrived[me, l]`` (release). Rows past the owner's capacity are not written; they are
    counted in ``overflow`` (the owner's and mine) and reported by ``Workspace.check_overflow`` (the
    call's output is wrong then), and counted as arrived and returned so that no wait hangs on them.
-3. :func:`owner_experts` — wait until every ``arrived`` equals ``counts`` (acquire), reset ``arrived``,
-   run the one-GPU fused kernels on ``recv_x`` (up + SwiGLU, down with the routing weight).
-   Backward (:func:`owner_experts_backward`): the same with the dy rows dispatched alongside x; the
-   one-GPU fused backward runs on them, dx rows and d(routing weight) go back, weight grads stay.
-4. :func:`send_back` — each weighted output row into its source's ``y_slots[slot]``, counted into the
-   source's ``returned[me]`` (release).
-5. :func:`combine_returned` — wait until ``returned`` equals what I sent to each owner (acquire), reset
-   it, and reduce each token's K slots in slot order (fp32).
+3. and 4. :func:`owner_experts` — wait until every ``arrived`` equals ``counts`` (acquire), reset
+   ``arrived``, run the one-GPU up + SwiGLU kernel on ``recv_x``, then the down GEMM whose epilogue
+   weights each row and writes it straight into its source's ``y_slots[slot]``, counting the columns it
+   wrote into the source's ``returned[me]`` (release). Backward (:func:`owner_experts_backward`): the
+   same with the dy rows dispatched alongside x; the one-GPU fused backward runs on them, the dx GEMM
+   writes dx rows and d(routing weight) straight into the source's slots, weight grads stay.
+5. :func:`combine_returned` — wait until ``returned`` counts every column of every row I sent to each
+   owner (acquire), reset it, and reduce each token's K slots in slot order (fp32).
 
 Not yet: the overlap of phases 2-4 (persistent expert kernels that wait per tile instead of phase 3's
 global wait), the symmetric-memory workspace and the autograd wiring for real ranks.
@@ -37,9 +37,18 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.combine import combine
-from megamoe.kernels.expert_bwd import act_bwd, dx_slots, expert_wgrad
-from megamoe.kernels.expert_fwd import down_fwd, up_swiglu_fwd
-from megamoe.kernels.plan import Plan, build_plan, plan_from_counts
+from megamoe.kernels.expert_bwd import DX, act_bwd, expert_wgrad
+from megamoe.kernels.expert_fwd import (
+    DOWN,
+    _sorted_rows_matmul,
+    _tile_rows,
+    descriptor,
+    dot_precision,
+    tile_grid,
+    up_swiglu_fwd,
+)
+from megamoe.kernels.plan import BLOCK_M, Plan, build_plan, plan_from_counts
+from megamoe.kernels.tuning import TunedKernel
 from megamoe.parallel.workspace import Workspace
 
 
@@ -108,16 +117,16 @@ def _dispatch_rows_kernel(
     slot = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
     tok = (slot // top_k).to(tl.int64)
     dst64 = dst.to(tl.int64)
-    recv_x = _peer(recv_x_tab, owner, x_ptr.dtype.element_ty)
-    recv_dy = _peer(recv_dy_tab, owner, x_ptr.dtype.element_ty)
+    # Each destination row's start in the owner's buffers, 16-byte aligned (see the output kernel below).
+    x_rows = tl.multiple_of(_peer(recv_x_tab, owner, x_ptr.dtype.element_ty) + dst64 * D, 16)
+    dy_rows = tl.multiple_of(_peer(recv_dy_tab, owner, x_ptr.dtype.element_ty) + dst64 * D, 16)
     for d0 in range(0, D, BD):
         ds = d0 + tl.arange(0, BD)
         m = fits[:, None] & (ds < D)[None, :]
         src = tok[:, None] * D + ds[None, :]
-        dst_off = dst64[:, None] * D + ds[None, :]
-        tl.store(recv_x[:, None] + dst_off, tl.load(x_ptr + src, mask=m), mask=m)
+        tl.store(x_rows[:, None] + ds[None, :], tl.load(x_ptr + src, mask=m), mask=m)
         if HAS_DY:
-            tl.store(recv_dy[:, None] + dst_off, tl.load(dy_ptr + src, mask=m), mask=m)
+            tl.store(dy_rows[:, None] + ds[None, :], tl.load(dy_ptr + src, mask=m), mask=m)
     tl.store(_peer(recv_meta_tab, owner, tl.int32) + dst64, rank * max_slots + slot, mask=fits)
     tl.store(_peer(recv_weight_tab, owner, tl.float32) + dst64,
              tl.load(weights_ptr + slot, mask=fits, other=0.0).to(tl.float32), mask=fits)
@@ -129,7 +138,8 @@ def _dispatch_rows_kernel(
     lost = rmask & (dst >= capacity)
     tl.atomic_add(_peer(overflow_tab, owner, tl.int32), 1, mask=lost, sem="relaxed", scope="sys")
     tl.atomic_add(_peer(overflow_tab, rank, tl.int32), tl.sum(lost.to(tl.int32), axis=0), sem="relaxed", scope="sys")
-    tl.atomic_add(_peer(returned_tab, rank, tl.int32) + owner, 1, mask=lost, sem="relaxed", scope="sys")
+    tl.atomic_add(_peer(returned_tab, rank, tl.int64) + owner, lost.to(tl.int64) * D, mask=lost, sem="relaxed",
+                  scope="sys")
 
 
 @triton.jit
@@ -144,28 +154,53 @@ def _wait_and_reset_kernel(counter_ptr, expected_ptr, n, NB: tl.constexpr):
 
 
 @triton.jit
-def _send_back_kernel(
-    out_ptr,  # (C, D) rows to send, in received-row order (weighted outputs, or dx rows)
-    scalar_ptr,  # (C,) fp32 per-row scalar to send (d routing weight; unused unless HAS_SCALAR)
-    recv_meta_ptr, total_ptr,  # my received rows' (src, slot) and their number
+def _rows_to_peer_slots_kernel(
+    a_desc,  # (C, K) my received rows (or their dz); block (BM, BK)
+    w_desc,  # my experts: (L, N_OUT, K) if W_K_LAST, block (1, BN, BK); else (L, K, N_OUT), block (1, BK, BN)
+    weights_ptr,  # (C,) routing weight of each received row (read if WEIGHTED)
+    scalar_ptr,  # (C,) fp32 per received row, sent along to the source's slot_scalar (if SCALAR)
+    recv_meta_ptr,  # (C,) src * S + slot of each received row
     y_slots_tab, slot_scalar_tab, returned_tab,
-    rank, D, max_slots, capacity,
-    HAS_SCALAR: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr,
+    offsets_ptr, tile_expert_ptr, tile_row_ptr,  # the plan of my received rows
+    N_OUT, K, E, rank, max_slots,
+    W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr, SCALAR: tl.constexpr, PREC: tl.constexpr,
+    TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    rows = tl.program_id(0) * RB + tl.arange(0, RB)
-    rmask = (rows < tl.load(total_ptr)) & (rows < capacity)  # the total counts lost rows too (overflow)
+    """The down projection (forward) or dx (backward) of my experts, written straight into the source
+    rank's slot rows: no output buffer here, no copy afterwards. Each program counts the columns it
+    wrote into the source's ``returned[me]`` (release), so the source knows when a row is whole without
+    knowing this rank's tile config."""
+    e, row0, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(N_OUT, BN), BM,
+                                             TILE_M)
+    if e >= E:
+        return
+    n0 = pid_n * BN
+    acc = _sorted_rows_matmul(a_desc, w_desc, e, row0, n0, K, W_K_LAST, BM, BN, BK, PREC)
+    if WEIGHTED:
+        acc = acc * tl.load(weights_ptr + rows, mask=rmask, other=0.0)[:, None]
     meta = tl.load(recv_meta_ptr + rows, mask=rmask, other=0)
     src = meta // max_slots
     slot = (meta % max_slots).to(tl.int64)
-    y_slots = _peer(y_slots_tab, src, out_ptr.dtype.element_ty)
-    for d0 in range(0, D, BD):
-        ds = d0 + tl.arange(0, BD)
-        m = rmask[:, None] & (ds < D)[None, :]
-        v = tl.load(out_ptr + rows[:, None].to(tl.int64) * D + ds[None, :], mask=m)
-        tl.store(y_slots[:, None] + slot[:, None] * D + ds[None, :], v, mask=m)
-    if HAS_SCALAR:
-        tl.store(_peer(slot_scalar_tab, src, tl.float32) + slot, tl.load(scalar_ptr + rows, mask=rmask), mask=rmask)
-    tl.atomic_add(_peer(returned_tab, src, tl.int32) + rank, 1, mask=rmask, sem="release", scope="sys")
+    cols = n0 + tl.arange(0, BN)
+    # Each row's first element at its source; 16-byte aligned (rows are 16-byte multiples, buffers
+    # aligned), which lets the compiler store 16 bytes at a time (it cannot know it for loaded pointers).
+    out_rows = tl.multiple_of(_peer(y_slots_tab, src, a_desc.dtype) + slot * N_OUT, 16)
+    tl.store(out_rows[:, None] + cols[None, :], acc.to(a_desc.dtype), mask=rmask[:, None] & (cols < N_OUT)[None, :])
+    if SCALAR:  # noqa: SIM102 (a constexpr and a tensor condition cannot share one Triton `if`)
+        if pid_n == 0:
+            tl.store(_peer(slot_scalar_tab, src, tl.float32) + slot, tl.load(scalar_ptr + rows, mask=rmask),
+                     mask=rmask)
+    written = tl.zeros((BM,), dtype=tl.int64) + tl.minimum(N_OUT - n0, BN)
+    tl.atomic_add(_peer(returned_tab, src, tl.int64) + rank, written, mask=rmask, sem="release", scope="sys")
+
+
+# The owners' output GEMMs: the tiles of the one-device DOWN / DX kernels, the peer epilogue above.
+DOWN_PEER = TunedKernel(_rows_to_peer_slots_kernel, default=DOWN.default, candidates=DOWN.candidates,
+                        key=["N_OUT", "K"], even_k=None, blocks=DOWN.blocks,
+                        constants={"W_K_LAST": True, "WEIGHTED": True, "SCALAR": False})
+DX_PEER = TunedKernel(_rows_to_peer_slots_kernel, default=DX.default, candidates=DX.candidates,
+                      key=["N_OUT", "K"], even_k=None, blocks=DX.blocks,
+                      constants={"W_K_LAST": False, "WEIGHTED": False, "SCALAR": True})
 
 
 ROWS_PER_PROGRAM = 16
@@ -202,52 +237,55 @@ def current_counts(ws: Workspace) -> torch.Tensor:
     return torch.where(ws.epoch % 2 == 0, ws.counts[0], ws.counts[1])
 
 
-def received_plan(ws: Workspace) -> tuple[Plan, torch.Tensor]:
+def received_plan(ws: Workspace) -> Plan:
     """Wait for every row addressed to me (and reset the arrival counters), then the plan of my received
-    rows and their number (a (1,) device tensor; more than the capacity after an overflow). The rows are
-    already expert-major, so the plan is built from the counts, with no sort."""
+    rows (already expert-major, so the plan is built from the counts, with no sort; rows past the
+    capacity, lost to an overflow, are not in it)."""
     counts = current_counts(ws)
     _wait_and_reset_kernel[(1,)](ws.arrived, counts, counts.numel(), NB=triton.next_power_of_2(counts.numel()))
-    rows_per_expert = counts.sum(dim=0, dtype=torch.int32)
-    return plan_from_counts(rows_per_expert, ws.capacity), rows_per_expert.sum(dtype=torch.int32)[None]
+    return plan_from_counts(counts.sum(dim=0, dtype=torch.int32), ws.capacity)
 
 
-def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 3, forward: my experts on the rows I received. Returns the weighted output rows (C, D) in
-    received order and the number of received rows."""
-    plan, total = received_plan(ws)
-    h = up_swiglu_fwd(ws.recv_x, w13_LHD, plan, top_k=1)
-    return down_fwd(h, w2_LDI, ws.recv_weight[:, None], plan), total
-
-
-def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor):
-    """Phase 3, backward: the one-GPU fused backward on the received x and dy rows (the gate/up GEMM is
-    recomputed; the rows are already in expert order, so the weight gradients need no gather). Returns
-    dx rows (C, D), d(routing weight) per row (C,) fp32, the number of received rows, dw13 and dw2."""
-    plan, total = received_plan(ws)
-    dz, hw, dweight = act_bwd(ws.recv_x, ws.recv_dy, w13_LHD, w2_LDI, ws.recv_weight[:, None], plan, top_k=1)
-    dx = dx_slots(dz, w13_LHD, plan)
-    dw13 = expert_wgrad(dz, ws.recv_x, plan, w13_LHD.dtype)
-    dw2 = expert_wgrad(ws.recv_dy, hw, plan, w2_LDI.dtype)
-    return dx, dweight.view(-1), total, dw13, dw2
-
-
-def send_back(ws: Workspace, out_CD: torch.Tensor, total: torch.Tensor, scalar_C: torch.Tensor | None = None) -> None:
-    """Phase 4: every row of ``out_CD`` into its source's ``y_slots`` (and ``scalar_C`` into its
-    ``slot_scalar``)."""
-    dim = out_CD.shape[1]
-    _send_back_kernel[(triton.cdiv(ws.capacity, ROWS_PER_PROGRAM),)](
-        out_CD, out_CD if scalar_C is None else scalar_C, ws.recv_meta, total,
-        ws.tables["y_slots"], ws.tables["slot_scalar"], ws.tables["returned"], ws.rank, dim, ws.max_slots,
-        ws.capacity, HAS_SCALAR=scalar_C is not None, RB=ROWS_PER_PROGRAM, BD=min(256, triton.next_power_of_2(dim)),
+def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w_L: torch.Tensor, plan: Plan,
+                       n_out: int, weights_C: torch.Tensor | None = None, scalar_C: torch.Tensor | None = None) -> None:
+    """Launch ``_rows_to_peer_slots_kernel`` as ``kernel`` (DOWN_PEER or DX_PEER) configures it."""
+    any_c = ws.recv_weight  # stands in for an argument the kernel's constants say it does not read
+    kernel[tile_grid(plan, n_out)](
+        descriptor(a_CK), descriptor(w_L), any_c if weights_C is None else weights_C,
+        any_c if scalar_C is None else scalar_C, ws.recv_meta,
+        ws.tables["y_slots"], ws.tables["slot_scalar"], ws.tables["returned"],
+        plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
+        n_out, a_CK.shape[1], w_L.shape[0], ws.rank, ws.max_slots,
+        PREC=dot_precision(a_CK.dtype), TILE_M=BLOCK_M, dtype=a_CK.dtype,
     )
 
 
+def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor) -> None:
+    """Phases 3 and 4, forward: my experts on the rows I received; the down GEMM writes each weighted
+    row straight into its source's ``y_slots``."""
+    plan = received_plan(ws)
+    h = up_swiglu_fwd(ws.recv_x, w13_LHD, plan, top_k=1)
+    rows_to_peer_slots(ws, DOWN_PEER, h, w2_LDI, plan, w2_LDI.shape[1], weights_C=ws.recv_weight)
+
+
+def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor):
+    """Phases 3 and 4, backward: the one-GPU fused backward on the received x and dy rows (the gate/up
+    GEMM is recomputed; the rows are already in expert order, so the weight gradients need no gather);
+    the dx GEMM writes each row, and its d(routing weight), straight into the source's slots. Returns
+    dw13 and dw2 of my experts."""
+    plan = received_plan(ws)
+    dz, hw, dweight = act_bwd(ws.recv_x, ws.recv_dy, w13_LHD, w2_LDI, ws.recv_weight[:, None], plan, top_k=1)
+    rows_to_peer_slots(ws, DX_PEER, dz, w13_LHD, plan, w13_LHD.shape[2], scalar_C=dweight.view(-1))
+    return expert_wgrad(dz, ws.recv_x, plan, w13_LHD.dtype), expert_wgrad(ws.recv_dy, hw, plan, w2_LDI.dtype)
+
+
 def combine_returned(ws: Workspace, plan: Plan, topk_idx_TK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Phase 5: wait for my rows from every owner, then each token's sum over its K slots."""
+    """Phase 5: wait until every owner has written all D columns of every row I sent it (acquire), then
+    each token's sum over its K slots."""
     num_local, num_ranks = ws.num_local, ws.num_ranks
     sent = plan.offsets_E1[num_local::num_local][:num_ranks] - plan.offsets_E1[:-1:num_local][:num_ranks]
-    _wait_and_reset_kernel[(1,)](ws.returned, sent.to(torch.int32), num_ranks,
+    dim = ws.y_slots.shape[1]
+    _wait_and_reset_kernel[(1,)](ws.returned, sent.to(torch.int64) * dim, num_ranks,
                                  NB=triton.next_power_of_2(num_ranks))
     return combine(ws.y_slots[: topk_idx_TK.numel()], topk_idx_TK, out_dtype)
 
@@ -272,9 +310,8 @@ def loopback_forward(workspaces: list[Workspace], problems: list[tuple]) -> list
     plans = _start(workspaces, problems)
     for ws, plan, (x, _, weights, _, _) in zip(workspaces, plans, problems):
         dispatch_rows(ws, x, weights, plan)
-    outputs = [owner_experts(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
-    for ws, (out, total) in zip(workspaces, outputs):
-        send_back(ws, out, total)
+    for ws, p in zip(workspaces, problems):
+        owner_experts(ws, p[3], p[4])
     return [combine_returned(ws, plan, p[1], p[0].dtype) for ws, plan, p in zip(workspaces, plans, problems)]
 
 
@@ -285,11 +322,9 @@ def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: l
     plans = _start(workspaces, problems)
     for ws, plan, (x, _, weights, _, _), dy in zip(workspaces, plans, problems, dys):
         dispatch_rows(ws, x, weights, plan, dy_TD=dy)
-    grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
-    for ws, (dx_rows, dweight_rows, total, _, _) in zip(workspaces, grads):
-        send_back(ws, dx_rows, total, dweight_rows)
+    weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
     results = []
-    for ws, plan, (x, topk_idx, _, _, _), (_, _, _, dw13, dw2) in zip(workspaces, plans, problems, grads):
+    for ws, plan, (x, topk_idx, _, _, _), (dw13, dw2) in zip(workspaces, plans, problems, weight_grads):
         dx = combine_returned(ws, plan, topk_idx, x.dtype)
         dweight = torch.where(topk_idx >= 0, ws.slot_scalar[: topk_idx.numel()].view(topk_idx.shape), 0.0)
         results.append((dx, dweight, dw13, dw2))

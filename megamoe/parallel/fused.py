@@ -40,8 +40,7 @@ class FusedEP(torch.autograd.Function):
         ws.epoch.add_(1)
         dispatch.exchange_counts(ws, plan)
         dispatch.dispatch_rows(ws, x, topk_weights, plan)
-        out, total = dispatch.owner_experts(ws, w13, w2)
-        dispatch.send_back(ws, out, total)
+        dispatch.owner_experts(ws, w13, w2)
         y = dispatch.combine_returned(ws, plan, topk_idx, x.dtype)
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan.tensors())
         ctx.ws = ws
@@ -54,8 +53,7 @@ class FusedEP(torch.autograd.Function):
         ws.epoch.add_(1)
         dispatch.exchange_counts(ws, plan)
         dispatch.dispatch_rows(ws, x, topk_weights, plan, dy_TD=dy.contiguous())
-        dx_rows, dweight_rows, total, dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2)
-        dispatch.send_back(ws, dx_rows, total, dweight_rows)
+        dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2)
         dx = dispatch.combine_returned(ws, plan, topk_idx, x.dtype)
         dweight = torch.where(topk_idx >= 0, ws.slot_scalar[: topk_idx.numel()].view(topk_idx.shape), 0.0)
         return dx, None, dweight.to(topk_weights.dtype), dw13, dw2, None

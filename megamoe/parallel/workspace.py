@@ -39,7 +39,7 @@ BUFFERS = {
     "recv_dy": (lambda R, L, C, S, D: (C, D), None),  # backward: dy of each received row's token
     "y_slots": (lambda R, L, C, S, D: (S, D), None),  # rows sent back (forward: weighted outputs; backward: dx)
     "slot_scalar": (lambda R, L, C, S, D: (S,), torch.float32),  # backward: d(routing weight) sent back
-    "returned": (lambda R, L, C, S, D: (R,), torch.int32),  # [owner]: rows owner sent back so far
+    "returned": (lambda R, L, C, S, D: (R,), torch.int64),  # [owner]: row columns owner wrote back so far
     "overflow": (lambda R, L, C, S, D: (1,), torch.int32),  # rows that did not fit (sticky)
 }
 
