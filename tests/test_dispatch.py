@@ -92,7 +92,8 @@ def test_dispatch_and_write_back_move_rows_exactly(case, num_ranks):
     # and the source's wait sees every column of every row.
     eye = torch.eye(DIM, device=DEVICE).expand(per_rank, DIM, DIM).contiguous()
     for ws in workspaces:
-        plan = dispatch.received_plan(ws)
+        plan, counts = dispatch.received_plan(ws)
+        dispatch.reset_arrivals(ws, counts)
         dispatch.rows_to_peer_slots(ws, dispatch.DX_PEER, ws.recv_x, eye, plan, DIM,
                                     scalar_C=ws.recv_meta.float())
     for ws, plan, (x, idx, _, _, _) in zip(workspaces, plans, ranks):

@@ -30,9 +30,9 @@ KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "act": expert_bwd.ACT_B
            "wgrad": expert_bwd.WGRAD, "down_peer": dispatch.DOWN_PEER, "dx_peer": dispatch.DX_PEER}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
                   "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
-                  "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32"}
+                  "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32", "arrived_ptr": "*i32", "counts_ptr": "*i32"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
-_EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True}
+_EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "WAIT_ROWS": False}
 
 
 def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):

@@ -21,6 +21,7 @@ import triton.language as tl
 from megamoe.kernels.expert_fwd import (
     _rows_to_slots_kernel,
     _tile_rows,
+    _wait_expert_rows,
     descriptor,
     dot_precision,
     rows_to_slots,
@@ -41,14 +42,17 @@ def _act_bwd_kernel(
     hw_ptr,  # (N, I) out: h * weight, sorted rows
     dweight_part_ptr,  # (NI, N) fp32 out: partial d(routing weight) per PART_COLS columns, flat slots
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-    N, D, I, E, top_k,
-    PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr,
+    arrived_ptr, counts_ptr,  # (R, E) int32 each: expert parallelism only (WAIT_ROWS)
+    N, D, I, E, top_k, R,
+    WAIT_ROWS: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     e, _, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM,
                                          TILE_M)
     if e >= E:
         return
+    if WAIT_ROWS:
+        _wait_expert_rows(arrived_ptr, counts_ptr, e, E, R)
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
     tok = slots // top_k
     n0 = pid_n * BN
@@ -186,8 +190,9 @@ WGRAD = TunedKernel(
 )
 
 
-def act_bwd(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int):
-    """Returns dz (N, 2I), h·w (N, I) in sorted rows and d(routing weight) (T, K) fp32."""
+def act_bwd(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int, arrivals: tuple | None = None):
+    """Returns dz (N, 2I), h·w (N, I) in sorted rows and d(routing weight) (T, K) fp32. ``arrivals``: as
+    for ``expert_fwd.up_swiglu_fwd``."""
     num_slots = plan.row_slot_N.numel()
     two_i = w13_EHD.shape[1]
     dz_NH = torch.empty(num_slots, two_i, device=x_TD.device, dtype=x_TD.dtype)
@@ -195,24 +200,26 @@ def act_bwd(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: in
     # Dropped slots are never written: their d(weight) is exactly zero.
     dweight_part = torch.zeros(triton.cdiv(two_i // 2, PART_COLS), num_slots, device=x_TD.device,
                                dtype=torch.float32)
-    act_bwd_into(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan, top_k, dz_NH, hw_NI, dweight_part)
+    act_bwd_into(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan, top_k, dz_NH, hw_NI, dweight_part, arrivals)
     # Fixed-order sum over the column groups: deterministic.
     return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
 
 
 def act_bwd_into(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int,
-                 dz_NH, hw_NI, dweight_part) -> None:
+                 dz_NH, hw_NI, dweight_part, arrivals: tuple | None = None) -> None:
     """Launch the act kernel into given buffers; ``dweight_part`` is (ceil(I / PART_COLS), N) fp32."""
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
     if plan.row_slot_N.numel() == 0:  # an empty batch (a TMA descriptor cannot be empty)
         return
+    arrived, counts = arrivals or (plan.offsets_E1, plan.offsets_E1)  # unread without arrivals
     ACT_BWD[tile_grid(plan, inter)](
         x_TD, dy_TD, descriptor(w13_EHD.view(num_experts, 2, inter, dim)), descriptor(w2_EDI),
         topk_weights_TK.reshape(-1), dz_NH, hw_NI, dweight_part,
-        plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
-        plan.row_slot_N.numel(), dim, inter, num_experts, top_k,
-        PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=x_TD.dtype,
+        plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT, arrived, counts,
+        plan.row_slot_N.numel(), dim, inter, num_experts, top_k, counts.shape[0] if arrivals else 1,
+        WAIT_ROWS=arrivals is not None, PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS,
+        dtype=x_TD.dtype,
     )
 
 

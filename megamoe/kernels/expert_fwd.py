@@ -55,6 +55,23 @@ def _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, BM: tl.constex
     return e, row0, rows, rows < row_end, pid % num_n
 
 
+# Most expert-parallel ranks the kernels' wait loops handle (one node).
+MAX_EP_RANKS = tl.constexpr(16)
+
+
+@triton.jit
+def _wait_expert_rows(arrived_ptr, counts_ptr, e, E, R):
+    """Expert parallelism: spin until every source's rows of my expert ``e`` are in my receive buffer
+    (``arrived[s, e] == counts[s, e]`` for every source s; acquire). A tile of an expert whose rows
+    are all here starts at once; the others wait only for their own expert's rows."""
+    srcs = tl.arange(0, MAX_EP_RANKS)
+    m = srcs < R
+    want = tl.load(counts_ptr + srcs * E + e, mask=m, other=0)
+    while tl.sum((tl.atomic_add(arrived_ptr + srcs * E + e, 0, mask=m, sem="acquire", scope="sys") != want) & m,
+                 axis=0) > 0:
+        pass
+
+
 @triton.jit
 def _up_swiglu_fwd_kernel(
     x_ptr,  # (T, D)
@@ -64,14 +81,17 @@ def _up_swiglu_fwd_kernel(
     offsets_ptr,  # (E+1,) int32
     tile_expert_ptr,  # (NT,) int32
     tile_row_ptr,  # (NT,) int32
-    D, I, E, top_k,
-    PREC: tl.constexpr, TILE_M: tl.constexpr,
+    arrived_ptr, counts_ptr,  # (R, E) int32 each: expert parallelism only (WAIT_ROWS), see _wait_expert_rows
+    D, I, E, top_k, R,
+    WAIT_ROWS: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     e, _, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM,
                                          TILE_M)
     if e >= E:
         return
+    if WAIT_ROWS:
+        _wait_expert_rows(arrived_ptr, counts_ptr, e, E, R)
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
     tok = (slots // top_k).to(tl.int64)  # int64: T*D overflows int32 at real sizes
     n0 = pid_n * BN
@@ -158,18 +178,22 @@ DOWN = TunedKernel(
 )
 
 
-def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int) -> torch.Tensor:
-    """h (N, I) in x's dtype, rows in expert-sorted order (rows past the routed count are not written)."""
+def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, arrivals: tuple | None = None) -> torch.Tensor:
+    """h (N, I) in x's dtype, rows in expert-sorted order (rows past the routed count are not written).
+    ``arrivals``: expert parallelism only, ``(arrived, counts)`` (R, E) int32 — each tile first waits for
+    its expert's rows (see ``_wait_expert_rows``)."""
     num_slots = plan.row_slot_N.numel()
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
     h_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
     if num_slots == 0:  # an empty batch (a TMA descriptor cannot be empty)
         return h_NI
+    arrived, counts = arrivals or (plan.offsets_E1, plan.offsets_E1)  # unread without arrivals
     UP[tile_grid(plan, inter)](
-        x_TD, descriptor(w13_EHD.view(num_experts, 2, inter, dim)), h_NI, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
-        dim, inter, num_experts, top_k,
-        PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
+        x_TD, descriptor(w13_EHD.view(num_experts, 2, inter, dim)), h_NI, plan.row_slot_N, plan.offsets_E1,
+        plan.tile_expert_NT, plan.tile_row_NT, arrived, counts,
+        dim, inter, num_experts, top_k, counts.shape[0] if arrivals else 1,
+        WAIT_ROWS=arrivals is not None, PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
     )
     return h_NI
 

@@ -17,8 +17,10 @@ every virtual rank before the next phase, so that on one device no wait can prec
    the owner's ``arrived[me, l]`` (release). Rows past the owner's capacity are not written; they are
    counted in ``overflow`` (the owner's and mine) and reported by ``Workspace.check_overflow`` (the
    call's output is wrong then), and counted as arrived and returned so that no wait hangs on them.
-3. and 4. :func:`owner_experts` — wait until every ``arrived`` equals ``counts`` (acquire), reset
-   ``arrived``, run the one-GPU up + SwiGLU kernel on ``recv_x``, then the down GEMM whose epilogue
+3. and 4. :func:`owner_experts` — wait for every source's counts, build the plan of the rows on their
+   way, run the one-GPU up + SwiGLU kernel on ``recv_x`` — each tile first waits until its expert's
+   rows from every source are in (``arrived`` equals ``counts``, acquire), so experts whose rows are
+   here compute while others' rows still travel — reset ``arrived``, then the down GEMM whose epilogue
    weights each row and writes it straight into its source's ``y_slots[slot]``, counting the columns it
    wrote into the source's ``returned[me]`` (release). Backward (:func:`owner_experts_backward`): the
    same with the dy rows dispatched alongside x; the one-GPU fused backward runs on them, the dx GEMM
@@ -26,8 +28,8 @@ every virtual rank before the next phase, so that on one device no wait can prec
 5. :func:`combine_returned` — wait until ``returned`` counts every column of every row I sent to each
    owner (acquire), reset it, and reduce each token's K slots in slot order (fp32).
 
-Not yet: the overlap of phases 2-4 (persistent expert kernels that wait per tile instead of phase 3's
-global wait), the symmetric-memory workspace and the autograd wiring for real ranks.
+Not yet: persistent expert kernels that pick ready tiles first (a waiting program holds its SM), and
+communication on a chosen number of SMs.
 """
 
 from __future__ import annotations
@@ -143,6 +145,17 @@ def _dispatch_rows_kernel(
 
 
 @triton.jit
+def _wait_epoch_kernel(counts_flag_ptr, epoch_ptr, R, RB: tl.constexpr):
+    """Spin until every source's counts of this call are in my ``counts`` (acquire)."""
+    epoch = tl.load(epoch_ptr)
+    srcs = tl.arange(0, RB)
+    flags = counts_flag_ptr + (epoch % 2) * R + srcs
+    while tl.sum((tl.atomic_add(flags, 0, mask=srcs < R, sem="acquire", scope="sys") != epoch) & (srcs < R),
+                 axis=0) > 0:
+        pass
+
+
+@triton.jit
 def _wait_and_reset_kernel(counter_ptr, expected_ptr, n, NB: tl.constexpr):
     """Spin until ``counter[i] == expected[i]`` for every i < n (acquire), then zero the counters."""
     i = tl.arange(0, NB)
@@ -237,13 +250,19 @@ def current_counts(ws: Workspace) -> torch.Tensor:
     return torch.where(ws.epoch % 2 == 0, ws.counts[0], ws.counts[1])
 
 
-def received_plan(ws: Workspace) -> Plan:
-    """Wait for every row addressed to me (and reset the arrival counters), then the plan of my received
-    rows (already expert-major, so the plan is built from the counts, with no sort; rows past the
-    capacity, lost to an overflow, are not in it)."""
+def received_plan(ws: Workspace) -> tuple[Plan, torch.Tensor]:
+    """Wait for every source's counts (not its rows: the expert kernels wait for those, per expert), then
+    the plan of the rows I am receiving — already expert-major, so built from the counts, with no sort;
+    rows past the capacity, lost to an overflow, are not in it — and the current (R, L) counts."""
+    _wait_epoch_kernel[(1,)](ws.counts_flag, ws.epoch, ws.num_ranks, RB=triton.next_power_of_2(ws.num_ranks))
     counts = current_counts(ws)
+    return plan_from_counts(counts.sum(dim=0, dtype=torch.int32), ws.capacity), counts
+
+
+def reset_arrivals(ws: Workspace, counts: torch.Tensor) -> None:
+    """Zero the arrival counters once every row has arrived (the expert kernel that waited for them has
+    run, so this returns at once)."""
     _wait_and_reset_kernel[(1,)](ws.arrived, counts, counts.numel(), NB=triton.next_power_of_2(counts.numel()))
-    return plan_from_counts(counts.sum(dim=0, dtype=torch.int32), ws.capacity)
 
 
 def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w_L: torch.Tensor, plan: Plan,
@@ -263,8 +282,9 @@ def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w
 def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor) -> None:
     """Phases 3 and 4, forward: my experts on the rows I received; the down GEMM writes each weighted
     row straight into its source's ``y_slots``."""
-    plan = received_plan(ws)
-    h = up_swiglu_fwd(ws.recv_x, w13_LHD, plan, top_k=1)
+    plan, counts = received_plan(ws)
+    h = up_swiglu_fwd(ws.recv_x, w13_LHD, plan, top_k=1, arrivals=(ws.arrived, counts))
+    reset_arrivals(ws, counts)
     rows_to_peer_slots(ws, DOWN_PEER, h, w2_LDI, plan, w2_LDI.shape[1], weights_C=ws.recv_weight)
 
 
@@ -273,8 +293,10 @@ def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.T
     GEMM is recomputed; the rows are already in expert order, so the weight gradients need no gather);
     the dx GEMM writes each row, and its d(routing weight), straight into the source's slots. Returns
     dw13 and dw2 of my experts."""
-    plan = received_plan(ws)
-    dz, hw, dweight = act_bwd(ws.recv_x, ws.recv_dy, w13_LHD, w2_LDI, ws.recv_weight[:, None], plan, top_k=1)
+    plan, counts = received_plan(ws)
+    dz, hw, dweight = act_bwd(ws.recv_x, ws.recv_dy, w13_LHD, w2_LDI, ws.recv_weight[:, None], plan, top_k=1,
+                              arrivals=(ws.arrived, counts))
+    reset_arrivals(ws, counts)
     rows_to_peer_slots(ws, DX_PEER, dz, w13_LHD, plan, w13_LHD.shape[2], scalar_C=dweight.view(-1))
     return expert_wgrad(dz, ws.recv_x, plan, w13_LHD.dtype), expert_wgrad(ws.recv_dy, hw, plan, w2_LDI.dtype)
 

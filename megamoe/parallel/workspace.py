@@ -76,9 +76,17 @@ class Workspace:
                             f"{self.rank}; raise max_tokens_per_rank")
 
 
+def _check_ranks(num_ranks: int) -> None:
+    from megamoe.kernels.expert_fwd import MAX_EP_RANKS
+
+    if not 1 <= num_ranks <= MAX_EP_RANKS.value:
+        raise ValueError(f"expert parallelism over {num_ranks} ranks: 1 to {MAX_EP_RANKS.value} are supported")
+
+
 def loopback_workspaces(num_ranks: int, num_local: int, capacity: int, max_slots: int, dim: int,
                         dtype: torch.dtype, device) -> list[Workspace]:
     """R virtual ranks' workspaces on one device, wired to each other."""
+    _check_ranks(num_ranks)
     shape_args = (num_ranks, num_local, capacity, max_slots, dim)
     per_rank = [
         {name: torch.zeros(shape(*shape_args), dtype=kind or dtype, device=device)
@@ -107,6 +115,7 @@ def symmetric_workspace(group, num_local: int, capacity: int, max_slots: int, di
 
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    _check_ranks(num_ranks)
     shape_args = (num_ranks, num_local, capacity, max_slots, dim)
     layout, size = {}, 0  # name → (byte offset, shape, dtype)
     for name, (shape, kind) in BUFFERS.items():
