@@ -80,6 +80,7 @@ def _worker(rank, num_ranks, init_file, test):
         elif test == "api":
             # The workers inherit TRITON_INTERPRET from conftest: the local experts run the fused kernels.
             assert backend_for(torch.empty(0)) == "triton"
+            check_ep_selection(group)
             for case in CASES:
                 check_rank(case, rank, num_ranks, group, lambda *a: megamoe.moe(*a, group=group))
         elif test == "layer":
@@ -91,6 +92,20 @@ def _worker(rank, num_ranks, init_file, test):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def check_ep_selection(group):
+    """MEGAMOE_EP picks the expert-parallel path; a bad value, or the fused path on CPU tensors, is a clear
+    error rather than a silent fallback."""
+    x, idx, w, w13, w2, _ = make_problem(4, 32, 16, 2 * dist.get_world_size(group), 2, "random")
+    local = (x, idx, w, w13[:2].contiguous(), w2[:2].contiguous())
+    for value, match in (("nccl", "MEGAMOE_EP must be"), ("fused", "needs CUDA tensors")):
+        os.environ["MEGAMOE_EP"] = value
+        try:
+            with pytest.raises(ValueError, match=match):
+                megamoe.moe(*local, group=group)
+        finally:
+            del os.environ["MEGAMOE_EP"]
 
 
 def check_layer(rank, num_ranks, group):
