@@ -1,6 +1,6 @@
-"""The fused expert-parallel protocol, forward: device-side counts exchange, dispatch of rows into their
-owner's buffer, the owner's expert kernels, weighted rows sent back into the source's slots, and the
-source's deterministic combine. No host synchronisation anywhere; every wait is a spin on a flag in
+"""The fused expert-parallel protocol, forward and backward: device-side counts exchange, dispatch of rows
+into their owner's buffer, the owner's expert kernels writing their output rows straight into the
+source's slots, and the source's deterministic combine. No host synchronisation anywhere; every wait is a spin on a flag in
 device memory that a kernel of an *earlier* phase releases.
 
 Shape legend as in workspace.py; E = R*L global experts; T, K this rank's tokens and slots; N = T*K.
