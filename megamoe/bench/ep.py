@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import megamoe
 from megamoe import reference
-from megamoe.parallel.all_to_all import AllToAll, moe_all_to_all
+from megamoe.parallel.all_to_all import AllToAll, exchange_splits, moe_all_to_all
 
 EP_IMPLS = ("a2a_grouped_mm", "a2a_grouped_mm_compiled", "a2a_megamoe")
 
@@ -114,23 +114,16 @@ def gathered_errors(fn, problem, rank, num_ranks) -> float:
 
 
 def exchange_only(problem_local, group):
-    """The forward's two ``all_to_all_single`` on this problem's splits (no experts): ms and bytes."""
-    x, idx, *_ = problem_local
-    num_ranks = dist.get_world_size(group)
-    num_experts = problem_local[3].shape[0] * num_ranks
-    key = torch.where(idx.reshape(-1) >= 0, idx.reshape(-1), num_experts)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    recv = torch.empty_like(counts)
-    dist.all_to_all_single(recv, counts, group=group)
-    send_splits = counts.view(num_ranks, -1).sum(1).tolist()
-    recv_splits = recv.view(num_ranks, -1).sum(1).tolist()
+    """The forward's two ``all_to_all_single`` of rows on this problem's splits (no experts): a function
+    to time, and the bytes this rank sends out and back."""
+    x, idx, _, w13, *_ = problem_local
+    _, _, send_splits, recv_splits = exchange_splits(idx, w13.shape[0], group)
     rows = x.new_empty(sum(send_splits), x.shape[1])
 
     def run():
-        back = AllToAll.apply(AllToAll.apply(rows, recv_splits, send_splits, group), send_splits, recv_splits, group)
-        return back
+        return AllToAll.apply(AllToAll.apply(rows, recv_splits, send_splits, group), send_splits, recv_splits, group)
 
-    moved = (sum(send_splits) + sum(recv_splits)) * x.shape[1] * x.element_size()  # out and back, sent bytes
+    moved = (sum(send_splits) + sum(recv_splits)) * x.shape[1] * x.element_size()
     return run, moved
 
 

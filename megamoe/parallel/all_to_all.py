@@ -50,6 +50,24 @@ class AllToAll(torch.autograd.Function):
         return grad_in, None, None, None
 
 
+def exchange_splits(topk_idx_TK: torch.Tensor, num_local: int, group):
+    """Steps 1–2: this rank's slots in send order and the counts exchange. Returns the slot order
+    (N,) (by global expert, stable; the first ``sum(send_splits)`` are the routed slots), the rows each
+    source sends to each of my experts (R*L,) flattened (source, local expert), and the row splits per
+    rank to send and to receive — Python ints: the host round trip of the baseline."""
+    num_ranks = dist.get_world_size(group)
+    num_experts = num_ranks * num_local
+    idx_N = topk_idx_TK.reshape(-1).long()
+    key_N = torch.where(idx_N >= 0, idx_N, num_experts)  # dropped slots sort last and are not sent
+    order_N = torch.argsort(key_N, stable=True)
+    send_counts_E = torch.bincount(key_N, minlength=num_experts + 1)[:num_experts]
+    recv_counts_E = torch.empty_like(send_counts_E)
+    dist.all_to_all_single(recv_counts_E, send_counts_E, group=group)
+    send_splits = send_counts_E.view(num_ranks, num_local).sum(1).tolist()
+    recv_splits = recv_counts_E.view(num_ranks, num_local).sum(1).tolist()
+    return order_N, recv_counts_E, send_splits, recv_splits
+
+
 def moe_all_to_all(
     x_TD: torch.Tensor,
     topk_idx_TK: torch.Tensor,
@@ -76,19 +94,10 @@ def moe_all_to_all(
     """
     num_ranks = dist.get_world_size(group)
     num_local, _, dim = w13_LHD.shape
-    num_experts = num_ranks * num_local
     num_tokens, top_k = topk_idx_TK.shape
     device = x_TD.device
 
-    idx_N = topk_idx_TK.reshape(-1).long()
-    key_N = torch.where(idx_N >= 0, idx_N, num_experts)  # dropped slots sort last and are not sent
-    order_N = torch.argsort(key_N, stable=True)
-    send_counts_E = torch.bincount(key_N, minlength=num_experts + 1)[:num_experts]
-    recv_counts_E = torch.empty_like(send_counts_E)  # (R sources, L local experts), flattened
-    dist.all_to_all_single(recv_counts_E, send_counts_E, group=group)
-    # The host round trip of the baseline: the row splits must be Python ints.
-    send_splits = send_counts_E.view(num_ranks, num_local).sum(1).tolist()
-    recv_splits = recv_counts_E.view(num_ranks, num_local).sum(1).tolist()
+    order_N, recv_counts_E, send_splits, recv_splits = exchange_splits(topk_idx_TK, num_local, group)
     num_sent, num_recv = sum(send_splits), sum(recv_splits)
 
     sent_slots_S = order_N[:num_sent]  # grouped by destination rank, then by local expert
