@@ -41,12 +41,17 @@ from megamoe.parallel.all_to_all import AllToAll, exchange_splits, moe_all_to_al
 EP_IMPLS = ("a2a_grouped_mm", "a2a_grouped_mm_compiled", "a2a_megamoe")
 
 
-def local_problem(global_problem, rank: int, num_ranks: int):
+def rank_share(problem, rank: int, num_ranks: int) -> tuple[slice, slice]:
     """This rank's tokens and experts of a problem made for all ranks (tokens split evenly)."""
-    x, idx, w, w13, w2, dy = global_problem
-    tok = slice(rank * x.shape[0] // num_ranks, (rank + 1) * x.shape[0] // num_ranks)
-    per_rank = w13.shape[0] // num_ranks
-    exp = slice(rank * per_rank, (rank + 1) * per_rank)
+    num_tokens, per_rank = problem[0].shape[0], problem[3].shape[0] // num_ranks
+    return (slice(rank * num_tokens // num_ranks, (rank + 1) * num_tokens // num_ranks),
+            slice(rank * per_rank, (rank + 1) * per_rank))
+
+
+def local_problem(problem, rank: int, num_ranks: int):
+    """(x, topk_idx, topk_weights, w13, w2, dy) of this rank's share."""
+    x, idx, w, w13, w2, dy = problem
+    tok, exp = rank_share(problem, rank, num_ranks)
     return x[tok], idx[tok], w[tok], w13[exp].contiguous(), w2[exp].contiguous(), dy[tok]
 
 
@@ -97,20 +102,23 @@ def max_over_ranks(value: float, device) -> float:
     return t.item()
 
 
-def gathered_errors(fn, problem, rank, num_ranks) -> float:
-    """max over (y, dx, d weights, dw13, dw2) of max|out - ref| / max|ref| for this rank's share, the
-    reference being the one-device fp32 layer on the whole problem."""
+def reference_share(problem, rank: int, num_ranks: int) -> list[torch.Tensor]:
+    """(y, dx, d weights) of this rank's tokens and (dw13, dw2) of its experts, from the one-device fp32
+    layer on the whole problem."""
+    from megamoe.bench.layer import grads_of
+
+    ref = grads_of(lambda *a: reference.moe_loop(*a, fp32=True),
+                   *[t.float() if t.is_floating_point() else t for t in problem])
+    tok, exp = rank_share(problem, rank, num_ranks)
+    return [ref[0][tok], ref[1][tok], ref[2][tok], ref[3][exp], ref[4][exp]]
+
+
+def gathered_error(fn, problem, ref_share, rank: int, num_ranks: int) -> float:
+    """max over (y, dx, d weights, dw13, dw2) of max|out - ref| / max|ref| for this rank's share."""
     from megamoe.bench.layer import grads_of
 
     out = grads_of(fn, *local_problem(problem, rank, num_ranks))
-    ref = grads_of(lambda *a: reference.moe_loop(*a, fp32=True), *[t.float() if t.is_floating_point() else t
-                                                                   for t in problem])
-    x = problem[0]
-    tok = slice(rank * x.shape[0] // num_ranks, (rank + 1) * x.shape[0] // num_ranks)
-    per_rank = problem[3].shape[0] // num_ranks
-    exp = slice(rank * per_rank, (rank + 1) * per_rank)
-    ref = [ref[0][tok], ref[1][tok], ref[2][tok], ref[3][exp], ref[4][exp]]
-    return max(((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for o, r in zip(out, ref))
+    return max(((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for o, r in zip(out, ref_share))
 
 
 def exchange_only(problem_local, group):
@@ -169,8 +177,9 @@ def run(args, cuda: bool) -> None:
         problem = make_problem(8 * num_ranks, dim, inter, num_experts, top_k, args.routing[0], torch.float32,
                                "cpu", args.seed)
         worst = 0.0
+        ref = reference_share(problem, rank, num_ranks)
         for name, fn in impls.items():
-            err = max_over_ranks(gathered_errors(fn, problem, rank, num_ranks), device)
+            err = max_over_ranks(gathered_error(fn, problem, ref, rank, num_ranks), device)
             worst = max(worst, err)
             say(f"  {name:26s} max rel err vs the one-device fp32 reference (y and all grads): {err:.2e}")
         if worst > 1e-4:
@@ -202,6 +211,7 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     problem = make_problem(tokens * num_ranks, dim, inter, num_experts, top_k, routing, dtype, device, seed)
     small = make_problem(64 * num_ranks, dim, inter, num_experts, top_k, routing, dtype, device, seed + 1)
+    small_ref = reference_share(small, rank, num_ranks)
     local = local_problem(problem, rank, num_ranks)
     x, idx, w, w13, w2, dy = local
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
@@ -217,7 +227,7 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
 
         fwd_ms = max_over_ranks(timed(fwd, iters, 3, device), device)
         fwd_bwd_ms = max_over_ranks(timed(fwd_bwd, iters, 3, device), device)
-        err = max_over_ranks(gathered_errors(fn, small, rank, num_ranks), device)
+        err = max_over_ranks(gathered_error(fn, small, small_ref, rank, num_ranks), device)
         results.append({"impl": name, "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
                         "ac_step_ms": fwd_ms + fwd_bwd_ms, "max_rel_err": err})
     exchange, moved = exchange_only(local, group)
@@ -279,8 +289,8 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
         raise SystemExit(f"{preset}: {num_experts} experts do not split over {num_ranks} ranks")
     problem = make_problem(tokens * num_ranks, dim, inter, num_experts, top_k, routing, dtype, device, seed)
     x, idx, w, w13, w2, dy = problem
-    ranks = [local_problem(problem, r, num_ranks)[:5] for r in range(num_ranks)]
-    dys = [local_problem(problem, r, num_ranks)[5] for r in range(num_ranks)]
+    shares = [local_problem(problem, r, num_ranks) for r in range(num_ranks)]
+    ranks, dys = [share[:5] for share in shares], [share[5] for share in shares]
     workspaces = loopback_workspaces(num_ranks, num_experts // num_ranks, num_ranks * tokens * top_k,
                                      tokens * top_k, dim, dtype, device)
     ys = dispatch.loopback_forward(workspaces, ranks)
