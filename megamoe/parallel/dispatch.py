@@ -8,8 +8,8 @@ Shape legend as in workspace.py; E = R*L global experts; T, K this rank's tokens
 Phases (each rank runs them in this order on its own stream; :func:`loopback_forward` runs each phase for
 every virtual rank before the next phase, so that on one device no wait can precede its producer):
 
-1. :func:`exchange_counts` — my per-expert row counts into each owner's ``counts[epoch % 2, me, :]``,
-   then ``counts_flag[epoch % 2, me] = epoch`` (release).
+1. :func:`exchange_counts` — a new epoch, then my per-expert row counts into each owner's
+   ``counts[epoch % 2, me, :]``, then ``counts_flag[epoch % 2, me] = epoch`` (release).
 2. :func:`dispatch_rows` — wait for every source's counts at every owner (acquire; every program waits,
    even one with no rows, which keeps every rank within one call of the others), compute where my rows
    of each expert land in the owner's ``recv_x`` (expert-major, then source rank: a fixed order, so
@@ -220,7 +220,8 @@ ROWS_PER_PROGRAM = 16
 
 
 def exchange_counts(ws: Workspace, plan: Plan) -> None:
-    """Phase 1 (call ``ws.epoch.add_(1)`` once before it, on every rank)."""
+    """Phase 1, which starts a call: a new epoch (on the device), then my counts to every owner."""
+    ws.epoch.add_(1)
     _exchange_counts_kernel[(ws.num_ranks,)](plan.offsets_E1, ws.tables["counts"], ws.tables["counts_flag"], ws.epoch,
                                              ws.rank, ws.num_ranks, ws.num_local,
                                              LB=triton.next_power_of_2(ws.num_local))
@@ -312,6 +313,14 @@ def combine_returned(ws: Workspace, plan: Plan, topk_idx_TK: torch.Tensor, out_d
     return combine(ws.y_slots[: topk_idx_TK.numel()], topk_idx_TK, out_dtype)
 
 
+def combine_returned_backward(ws: Workspace, plan: Plan, topk_idx_TK: torch.Tensor, out_dtype: torch.dtype):
+    """Phase 5 of the backward: dx (T, D) from the returned rows, and d(routing weight) (T, K) fp32 from the
+    returned scalars (exact zero for a dropped slot)."""
+    dx = combine_returned(ws, plan, topk_idx_TK, out_dtype)
+    returned = ws.slot_scalar[: topk_idx_TK.numel()].view(topk_idx_TK.shape)
+    return dx, torch.where(topk_idx_TK >= 0, returned, 0.0)
+
+
 def _start(workspaces: list[Workspace], problems: list[tuple]) -> list[Plan]:
     """Plans and phase 1 of a loopback call."""
     num_experts = workspaces[0].num_ranks * workspaces[0].num_local
@@ -320,7 +329,6 @@ def _start(workspaces: list[Workspace], problems: list[tuple]) -> list[Plan]:
             raise ValueError(f"rank {ws.rank}: {topk_idx.numel()} slots exceed the workspace's {ws.max_slots}")
     plans = [build_plan(p[1], num_experts) for p in problems]
     for ws, plan in zip(workspaces, plans):
-        ws.epoch.add_(1)
         exchange_counts(ws, plan)
     return plans
 
@@ -347,7 +355,5 @@ def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: l
     weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
     results = []
     for ws, plan, (x, topk_idx, _, _, _), (dw13, dw2) in zip(workspaces, plans, problems, weight_grads):
-        dx = combine_returned(ws, plan, topk_idx, x.dtype)
-        dweight = torch.where(topk_idx >= 0, ws.slot_scalar[: topk_idx.numel()].view(topk_idx.shape), 0.0)
-        results.append((dx, dweight, dw13, dw2))
+        results.append((*combine_returned_backward(ws, plan, topk_idx, x.dtype), dw13, dw2))
     return results

@@ -37,7 +37,6 @@ class FusedEP(torch.autograd.Function):
     def forward(ctx, x, topk_idx, topk_weights, w13, w2, ws: Workspace):
         plan = build_plan(topk_idx, ws.num_ranks * ws.num_local)
         ws.check_overflow()
-        ws.epoch.add_(1)
         dispatch.exchange_counts(ws, plan)
         dispatch.dispatch_rows(ws, x, topk_weights, plan)
         dispatch.owner_experts(ws, w13, w2)
@@ -50,12 +49,10 @@ class FusedEP(torch.autograd.Function):
     def backward(ctx, dy):
         x, topk_idx, topk_weights, w13, w2, *plan_tensors = ctx.saved_tensors
         ws, plan = ctx.ws, Plan(*plan_tensors)
-        ws.epoch.add_(1)
         dispatch.exchange_counts(ws, plan)
         dispatch.dispatch_rows(ws, x, topk_weights, plan, dy_TD=dy.contiguous())
         dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2)
-        dx = dispatch.combine_returned(ws, plan, topk_idx, x.dtype)
-        dweight = torch.where(topk_idx >= 0, ws.slot_scalar[: topk_idx.numel()].view(topk_idx.shape), 0.0)
+        dx, dweight = dispatch.combine_returned_backward(ws, plan, topk_idx, x.dtype)
         return dx, None, dweight.to(topk_weights.dtype), dw13, dw2, None
 
 
