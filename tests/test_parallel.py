@@ -35,6 +35,7 @@ def global_problem(case, num_ranks):
     _, sizes, dim, inter, per_rank, top_k, routing = case
     sizes = sizes[:num_ranks]
     num_experts = per_rank * num_ranks
+    top_k = min(top_k, num_experts)  # a group of one has only per_rank experts (K = E is a case of its own)
     x, idx, w, w13, w2, dy = make_problem(sum(sizes), dim, inter, num_experts, top_k,
                                           "random" if routing == "to-rank-0" else routing, seed=len(sizes))
     if routing == "to-rank-0":
