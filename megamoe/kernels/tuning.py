@@ -6,8 +6,11 @@ compiled baseline on the 235B layer; docs/NOTES.md §6). ``MEGAMOE_AUTOTUNE=0`` 
 fixed default, as do the interpreter and fp32 operands. Autotuning synchronises the host once per new
 shape, on its first call (run one step before capturing a CUDA graph); later calls are sync-free.
 
-Invariant every kernel keeps so that autotuning is safe: any config writes every output element the
-caller reads (the autotuner runs several configs on the same buffers before the chosen one).
+Invariant every autotuned kernel keeps so that autotuning is safe: any config writes every output
+element the caller reads (the autotuner runs several configs on the same buffers before the chosen one).
+A kernel whose effects are not idempotent (the expert-parallel epilogues add to other ranks' arrival
+counters) must run once per launch, so it is never autotuned: it ``follows`` its one-device twin and
+launches with the config the twin chose for the same key (see ``TunedKernel.has_tuned``).
 
 TMA operands: a kernel parameter named ``*_desc`` is a ``triton.tools.tensor_descriptor.TensorDescriptor``
 whose block shape depends on the config; the kernel's ``blocks(config)`` gives it, and the launcher (or,
@@ -48,19 +51,29 @@ class TunedKernel:
     ``[default, *candidates]`` keyed on ``key`` (static dims). ``kernel[grid](*args, dtype=..., **kw)``
     with ``grid`` a function of the config dict, as for ``triton.autotune``. ``blocks(config)`` maps each
     ``*_desc`` parameter to its TMA block shape under that config. ``constants``: constexpr arguments
-    this instance always passes (one Triton kernel can serve several GEMMs)."""
+    this instance always passes (one Triton kernel can serve several GEMMs). ``follows``: for a kernel
+    that must not be autotuned (non-idempotent effects), the kernel whose tiles it shares and whose
+    choice it takes, per key; it launches with ``default`` until ``follows`` has tuned that key."""
 
     def __init__(self, kernel, default: dict, candidates: list[dict], key: list[str],
                  even_k: Callable[[dict], bool] | None, blocks: Callable[[dict], dict[str, list[int]]],
-                 constants: dict | None = None):
+                 constants: dict | None = None, follows: TunedKernel | None = None):
         self.default = default
         self.candidates = candidates
+        self.key = key
         self.blocks = blocks
         self.constants = constants or {}
+        self.follows = follows
+        self._chosen: dict[tuple, dict] = {}  # (key values..., dtype) -> the config autotuning picked
         self._kernel = triton.heuristics({"EVEN_K": even_k})(kernel) if even_k else kernel
         self._arg_names = self.jit_fn.arg_names
         self._tuned = triton.autotune([_triton_config(c, self._set_blocks) for c in [default, *candidates]],
                                       key=key)(self._kernel)
+
+    def has_tuned(self, dtype: torch.dtype, **key_values) -> bool:
+        """Whether a launch with these key arguments (all of ``key``, by name) and operand dtype has
+        autotuned, or needs no tuning (autotuning off)."""
+        return not autotune_enabled(dtype) or (*(key_values[k] for k in self.key), dtype) in self._chosen
 
     def _set_blocks(self, nargs: dict) -> None:
         for name, block in self.blocks(nargs).items():
@@ -74,12 +87,19 @@ class TunedKernel:
     def __getitem__(self, grid: Callable[[dict], tuple]):
         def launch(*args, dtype: torch.dtype, **kwargs):
             kwargs = {**kwargs, **self.constants}
-            if autotune_enabled(dtype):
-                self._tuned[grid](*args, **kwargs)
-            else:
+            named = {**dict(zip(self._arg_names, args)), **kwargs}
+            key = (*(named[k] for k in self.key), dtype)
+            if not autotune_enabled(dtype):
                 config = fit_dtype(self.default, dtype)
-                self._set_blocks({**dict(zip(self._arg_names, args)), **kwargs, **config})
-                self._kernel[grid(config)](*args, **kwargs, **config)
+            elif self.follows is not None:
+                config = self.follows._chosen.get(key, self.default)
+            else:
+                self._tuned[grid](*args, **kwargs)
+                best = self._tuned.best_config
+                self._chosen[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+                return
+            self._set_blocks({**named, **config})
+            self._kernel[grid(config)](*args, **kwargs, **config)
 
         return launch
 

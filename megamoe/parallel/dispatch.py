@@ -46,6 +46,7 @@ from megamoe.kernels.expert_fwd import (
     _tile_rows,
     descriptor,
     dot_precision,
+    rows_to_slots,
     tile_grid,
     up_swiglu_fwd,
 )
@@ -208,11 +209,13 @@ def _rows_to_peer_slots_kernel(
 
 
 # The owners' output GEMMs: the tiles of the one-device DOWN / DX kernels, the peer epilogue above.
-DOWN_PEER = TunedKernel(_rows_to_peer_slots_kernel, default=DOWN.default, candidates=DOWN.candidates,
-                        key=["N_OUT", "K"], even_k=None, blocks=DOWN.blocks,
+# They add to the sources' arrival counters, so they never autotune (each config the autotuner tried
+# would count its columns again): they take the tiles DOWN / DX chose on the same operands.
+DOWN_PEER = TunedKernel(_rows_to_peer_slots_kernel, default=DOWN.default, candidates=[], key=DOWN.key,
+                        even_k=None, blocks=DOWN.blocks, follows=DOWN,
                         constants={"W_K_LAST": True, "WEIGHTED": True, "SCALAR": False})
-DX_PEER = TunedKernel(_rows_to_peer_slots_kernel, default=DX.default, candidates=DX.candidates,
-                      key=["N_OUT", "K"], even_k=None, blocks=DX.blocks,
+DX_PEER = TunedKernel(_rows_to_peer_slots_kernel, default=DX.default, candidates=[], key=DX.key,
+                      even_k=None, blocks=DX.blocks, follows=DX,
                       constants={"W_K_LAST": False, "WEIGHTED": False, "SCALAR": True})
 
 
@@ -268,7 +271,12 @@ def reset_arrivals(ws: Workspace, counts: torch.Tensor) -> None:
 
 def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w_L: torch.Tensor, plan: Plan,
                        n_out: int, weights_C: torch.Tensor | None = None, scalar_C: torch.Tensor | None = None) -> None:
-    """Launch ``_rows_to_peer_slots_kernel`` as ``kernel`` (DOWN_PEER or DX_PEER) configures it."""
+    """Launch ``_rows_to_peer_slots_kernel`` as ``kernel`` (DOWN_PEER or DX_PEER) configures it. The first
+    time a shape is seen with autotuning on, the one-device twin (DOWN or DX) runs once on the same
+    operands into a scratch output, to choose the tiles (a host sync, like any first autotuned call)."""
+    twin = kernel.follows
+    if not twin.has_tuned(a_CK.dtype, N_OUT=n_out, K=a_CK.shape[1]) and plan.row_slot_N.numel():
+        rows_to_slots(twin, a_CK, w_L, weights_C, plan, n_out)
     any_c = ws.recv_weight  # stands in for an argument the kernel's constants say it does not read
     kernel[tile_grid(plan, n_out)](
         descriptor(a_CK), descriptor(w_L), any_c if weights_C is None else weights_C,
