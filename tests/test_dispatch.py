@@ -88,15 +88,15 @@ def test_dispatch_and_write_back_move_rows_exactly(case, num_ranks):
 
     # Write the received rows back through the owners' output GEMM with identity experts (exact in fp32:
     # every product is x * 1 or x * 0) and a per-row scalar: every routed slot gets its own token's row,
-    # and the source's wait sees every column of every row.
+    # and the source's wait sees every owner's signal.
     eye = torch.eye(DIM, device=DEVICE).expand(per_rank, DIM, DIM).contiguous()
     for ws in workspaces:
         plan, counts = dispatch.received_plan(ws)
         dispatch.reset_arrivals(ws, counts)
         dispatch.rows_to_peer_slots(ws, dispatch.DX_PEER, ws.recv_x, eye, plan, DIM,
                                     scalar_C=ws.recv_meta.float())
-    for ws, plan, (x, idx, _, _, _) in zip(workspaces, plans, ranks):
-        dispatch.combine_returned(ws, plan, idx, x.dtype)  # returns only once every row is whole
+    for ws, (x, idx, _, _, _) in zip(workspaces, ranks):
+        dispatch.combine_returned(ws, idx, x.dtype)  # returns only once every row is whole
         routed = (idx.reshape(-1) >= 0).nonzero().flatten()
         assert torch.equal(ws.y_slots[routed], x[routed // idx.shape[1]]), f"rank {ws.rank}: returned rows"
         assert torch.equal(ws.slot_scalar[routed], (ws.rank * ws.max_slots + routed).float()), "returned scalars"

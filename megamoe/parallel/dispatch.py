@@ -21,12 +21,13 @@ every virtual rank before the next phase, so that on one device no wait can prec
    way, run the one-GPU up + SwiGLU kernel on ``recv_x`` — each tile first waits until its expert's
    rows from every source are in (``arrived`` equals ``counts``, acquire), so experts whose rows are
    here compute while others' rows still travel — reset ``arrived``, then the down GEMM whose epilogue
-   weights each row and writes it straight into its source's ``y_slots[slot]``, counting the columns it
-   wrote into the source's ``returned[me]`` (release). Backward (:func:`owner_experts_backward`): the
-   same with the dy rows dispatched alongside x; the one-GPU fused backward runs on them, the dx GEMM
-   writes dx rows and d(routing weight) straight into the source's slots, weight grads stay.
-5. :func:`combine_returned` — wait until ``returned`` counts every column of every row I sent to each
-   owner (acquire), reset it, and reduce each token's K slots in slot order (fp32).
+   weights each row and writes it straight into its source's ``y_slots[slot]``; once it has finished, a
+   one-program kernel adds 1 to every source's ``returned[me]`` (release). Backward
+   (:func:`owner_experts_backward`): the same with the dy rows dispatched alongside x; the one-GPU fused
+   backward runs on them, the dx GEMM writes dx rows and d(routing weight) straight into the source's
+   slots, weight grads stay.
+5. :func:`combine_returned` — wait until every owner has signalled ``returned`` (acquire), reset it, and
+   reduce each token's K slots in slot order (fp32).
 
 Not yet: persistent expert kernels that pick ready tiles first (a waiting program holds its SM), and
 communication on a chosen number of SMs.
@@ -81,7 +82,7 @@ def _dispatch_rows_kernel(
     weights_ptr,  # (N,) my routing weights, flat slots
     row_slot_ptr, offsets_ptr,  # my plan over the E global experts
     counts_tab, counts_flag_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
-    overflow_tab, returned_tab, epoch_ptr,
+    overflow_tab, epoch_ptr,
     rank, R, L, D, top_k, capacity, max_slots,
     HAS_DY: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
 ):
@@ -134,15 +135,13 @@ def _dispatch_rows_kernel(
     tl.store(_peer(recv_weight_tab, owner, tl.float32) + dst64,
              tl.load(weights_ptr + slot, mask=fits, other=0.0).to(tl.float32), mask=fits)
     # Count every row into the owner's arrivals (release: the row stores above happen before the owner
-    # can see the count). A row that did not fit is counted too, so that no wait hangs on it: in the
-    # owner's and my ``overflow``, and as already returned in mine.
+    # can see the count). A row that did not fit is counted too, so that no wait hangs on it, and in the
+    # owner's and my ``overflow``.
     tl.atomic_add(_peer(arrived_tab, owner, tl.int32) + rank * L + local, 1, mask=rmask, sem="release",
                   scope="sys")
     lost = rmask & (dst >= capacity)
     tl.atomic_add(_peer(overflow_tab, owner, tl.int32), 1, mask=lost, sem="relaxed", scope="sys")
     tl.atomic_add(_peer(overflow_tab, rank, tl.int32), tl.sum(lost.to(tl.int32), axis=0), sem="relaxed", scope="sys")
-    tl.atomic_add(_peer(returned_tab, rank, tl.int64) + owner, lost.to(tl.int64) * D, mask=lost, sem="relaxed",
-                  scope="sys")
 
 
 @triton.jit
@@ -174,16 +173,16 @@ def _rows_to_peer_slots_kernel(
     weights_ptr,  # (C,) routing weight of each received row (read if WEIGHTED)
     scalar_ptr,  # (C,) fp32 per received row, sent along to the source's slot_scalar (if SCALAR)
     recv_meta_ptr,  # (C,) src * S + slot of each received row
-    y_slots_tab, slot_scalar_tab, returned_tab,
+    y_slots_tab, slot_scalar_tab,
     offsets_ptr, tile_expert_ptr, tile_row_ptr,  # the plan of my received rows
-    N_OUT, K, E, rank, max_slots,
+    N_OUT, K, E, max_slots,
     W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr, SCALAR: tl.constexpr, PREC: tl.constexpr,
     TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """The down projection (forward) or dx (backward) of my experts, written straight into the source
-    rank's slot rows: no output buffer here, no copy afterwards. Each program counts the columns it
-    wrote into the source's ``returned[me]`` (release), so the source knows when a row is whole without
-    knowing this rank's tile config."""
+    rank's slot rows: no output buffer here, no copy afterwards. Plain stores: the sources learn that
+    their rows are whole from :func:`_signal_returned_kernel`, launched after this kernel (a release per
+    tile, the first version, made this GEMM 1.7x slower than the one-device one; docs/NOTES.md §9)."""
     e, row0, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(N_OUT, BN), BM,
                                              TILE_M)
     if e >= E:
@@ -204,8 +203,15 @@ def _rows_to_peer_slots_kernel(
         if pid_n == 0:
             tl.store(_peer(slot_scalar_tab, src, tl.float32) + slot, tl.load(scalar_ptr + rows, mask=rmask),
                      mask=rmask)
-    written = tl.zeros((BM,), dtype=tl.int64) + tl.minimum(N_OUT - n0, BN)
-    tl.atomic_add(_peer(returned_tab, src, tl.int64) + rank, written, mask=rmask, sem="release", scope="sys")
+
+
+@triton.jit
+def _signal_returned_kernel(returned_tab, rank, R, RB: tl.constexpr):
+    """After my output GEMM (the previous kernel on this stream) has finished: 1 into every source's
+    ``returned[me]`` (release, system scope: the GEMM's stores to the sources, peers' memory included,
+    are visible before the flag)."""
+    srcs = tl.arange(0, RB)
+    tl.atomic_add(_peer(returned_tab, srcs, tl.int64) + rank, 1, mask=srcs < R, sem="release", scope="sys")
 
 
 # The owners' output GEMMs: the tiles of the one-device DOWN / DX kernels, the peer epilogue above.
@@ -241,7 +247,7 @@ def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tens
     _dispatch_rows_kernel[(triton.cdiv(num_slots, ROWS_PER_PROGRAM),)](
         x_TD, x_TD if dy_TD is None else dy_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1,
         *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_dy", "recv_meta", "recv_weight",
-                                 "arrived", "overflow", "returned")),
+                                 "arrived", "overflow")),
         ws.epoch, ws.rank, ws.num_ranks, ws.num_local, dim, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
         HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM, EB=triton.next_power_of_2(num_experts),
         CB=triton.next_power_of_2(max(num_experts, ws.num_ranks)), BD=min(256, triton.next_power_of_2(dim)),
@@ -281,11 +287,13 @@ def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w
     kernel[tile_grid(plan, n_out)](
         descriptor(a_CK), descriptor(w_L), any_c if weights_C is None else weights_C,
         any_c if scalar_C is None else scalar_C, ws.recv_meta,
-        ws.tables["y_slots"], ws.tables["slot_scalar"], ws.tables["returned"],
+        ws.tables["y_slots"], ws.tables["slot_scalar"],
         plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
-        n_out, a_CK.shape[1], w_L.shape[0], ws.rank, ws.max_slots,
+        n_out, a_CK.shape[1], w_L.shape[0], ws.max_slots,
         PREC=dot_precision(a_CK.dtype), TILE_M=BLOCK_M, dtype=a_CK.dtype,
     )
+    _signal_returned_kernel[(1,)](ws.tables["returned"], ws.rank, ws.num_ranks,
+                                  RB=triton.next_power_of_2(ws.num_ranks))
 
 
 def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor) -> None:
@@ -310,21 +318,17 @@ def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.T
     return expert_wgrad(dz, ws.recv_x, plan, w13_LHD.dtype), expert_wgrad(ws.recv_dy, hw, plan, w2_LDI.dtype)
 
 
-def combine_returned(ws: Workspace, plan: Plan, topk_idx_TK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Phase 5: wait until every owner has written all D columns of every row I sent it (acquire), then
+def combine_returned(ws: Workspace, topk_idx_TK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Phase 5: wait until every owner has written back every row I sent it (its signal, acquire), then
     each token's sum over its K slots."""
-    num_local, num_ranks = ws.num_local, ws.num_ranks
-    sent = plan.offsets_E1[num_local::num_local][:num_ranks] - plan.offsets_E1[:-1:num_local][:num_ranks]
-    dim = ws.y_slots.shape[1]
-    _wait_and_reset_kernel[(1,)](ws.returned, sent.to(torch.int64) * dim, num_ranks,
-                                 NB=triton.next_power_of_2(num_ranks))
+    _wait_and_reset_kernel[(1,)](ws.returned, ws.one_per_rank, ws.num_ranks, NB=triton.next_power_of_2(ws.num_ranks))
     return combine(ws.y_slots[: topk_idx_TK.numel()], topk_idx_TK, out_dtype)
 
 
-def combine_returned_backward(ws: Workspace, plan: Plan, topk_idx_TK: torch.Tensor, out_dtype: torch.dtype):
+def combine_returned_backward(ws: Workspace, topk_idx_TK: torch.Tensor, out_dtype: torch.dtype):
     """Phase 5 of the backward: dx (T, D) from the returned rows, and d(routing weight) (T, K) fp32 from the
     returned scalars (exact zero for a dropped slot)."""
-    dx = combine_returned(ws, plan, topk_idx_TK, out_dtype)
+    dx = combine_returned(ws, topk_idx_TK, out_dtype)
     returned = ws.slot_scalar[: topk_idx_TK.numel()].view(topk_idx_TK.shape)
     return dx, torch.where(topk_idx_TK >= 0, returned, 0.0)
 
@@ -350,7 +354,7 @@ def loopback_forward(workspaces: list[Workspace], problems: list[tuple]) -> list
         dispatch_rows(ws, x, weights, plan)
     for ws, p in zip(workspaces, problems):
         owner_experts(ws, p[3], p[4])
-    return [combine_returned(ws, plan, p[1], p[0].dtype) for ws, plan, p in zip(workspaces, plans, problems)]
+    return [combine_returned(ws, p[1], p[0].dtype) for ws, p in zip(workspaces, problems)]
 
 
 def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: list[torch.Tensor]) -> list[tuple]:
@@ -362,6 +366,6 @@ def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: l
         dispatch_rows(ws, x, weights, plan, dy_TD=dy)
     weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
     results = []
-    for ws, plan, (x, topk_idx, _, _, _), (dw13, dw2) in zip(workspaces, plans, problems, weight_grads):
-        results.append((*combine_returned_backward(ws, plan, topk_idx, x.dtype), dw13, dw2))
+    for ws, (x, topk_idx, _, _, _), (dw13, dw2) in zip(workspaces, problems, weight_grads):
+        results.append((*combine_returned_backward(ws, topk_idx, x.dtype), dw13, dw2))
     return results

@@ -40,7 +40,7 @@ class FusedEP(torch.autograd.Function):
         dispatch.exchange_counts(ws, plan)
         dispatch.dispatch_rows(ws, x, topk_weights, plan)
         dispatch.owner_experts(ws, w13, w2)
-        y = dispatch.combine_returned(ws, plan, topk_idx, x.dtype)
+        y = dispatch.combine_returned(ws, topk_idx, x.dtype)
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan.tensors())
         ctx.ws = ws
         return y
@@ -52,7 +52,7 @@ class FusedEP(torch.autograd.Function):
         dispatch.exchange_counts(ws, plan)
         dispatch.dispatch_rows(ws, x, topk_weights, plan, dy_TD=dy.contiguous())
         dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2)
-        dx, dweight = dispatch.combine_returned_backward(ws, plan, topk_idx, x.dtype)
+        dx, dweight = dispatch.combine_returned_backward(ws, topk_idx, x.dtype)
         return dx, None, dweight.to(topk_weights.dtype), dw13, dw2, None
 
 

@@ -14,8 +14,8 @@ address the kernels cast to a pointer). Two ways to build them, with the same ke
   buffer is its base address (from the rendezvous) plus the buffer's offset.
 
 Flags never need a host round trip: ``counts_flag`` holds the call's epoch (a device counter every call
-increments), ``arrived`` and ``returned`` count rows and are reset by their only reader once it has
-seen them all. ``counts`` and ``counts_flag`` come in two copies, picked by the epoch's parity: a rank
+increments), ``arrived`` counts rows and ``returned`` counts owners that have written back; each is
+reset by its only reader once it has seen them all. ``counts`` and ``counts_flag`` come in two copies, picked by the epoch's parity: a rank
 that has finished a call may write the next call's counts while a slower rank still reads this call's
 (it cannot get two calls ahead: the next dispatch waits for every rank's next counts). See
 docs/DESIGN_NOTES.md for why no wait can hang.
@@ -39,7 +39,7 @@ BUFFERS = {
     "recv_dy": (lambda R, L, C, S, D: (C, D), None),  # backward: dy of each received row's token
     "y_slots": (lambda R, L, C, S, D: (S, D), None),  # rows sent back (forward: weighted outputs; backward: dx)
     "slot_scalar": (lambda R, L, C, S, D: (S,), torch.float32),  # backward: d(routing weight) sent back
-    "returned": (lambda R, L, C, S, D: (R,), torch.int64),  # [owner]: row columns owner wrote back so far
+    "returned": (lambda R, L, C, S, D: (R,), torch.int64),  # [owner]: 1 once owner has written back my rows
     "overflow": (lambda R, L, C, S, D: (1,), torch.int32),  # rows that did not fit (sticky)
 }
 
@@ -60,6 +60,10 @@ class Workspace:
     """(1,) int32 on the device: incremented at the start of every call (no host sync)."""
     handle: object = None
     """The symmetric-memory rendezvous, kept alive with the workspace (None for loopback)."""
+
+    def __post_init__(self):
+        self.one_per_rank = torch.ones(self.num_ranks, dtype=torch.int64, device=self.epoch.device)
+        """What ``returned`` holds once every owner has written back."""
 
     def __getattr__(self, name: str) -> torch.Tensor:
         buffers = self.__dict__.get("buffers", {})
