@@ -300,6 +300,7 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
             "loopback_fwd_max_rel_err": ((torch.cat(ys).float() - ref).abs().max() / ref.abs().max()).item()}
     if not timed:
         return info
+    import triton
     from triton.testing import do_bench
 
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
@@ -315,7 +316,8 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     }
     times["loopback_fwd_bwd_ms"] = times["loopback_fwd_ms"] + times["loopback_bwd_ms"]
     return {
-        "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "commit": git_commit(),
+        "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
+        "commit": git_commit(),
         "source_sha256": source_digest(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m megamoe.bench " + " ".join(sys.argv[1:]), **info, **times,

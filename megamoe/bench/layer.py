@@ -314,24 +314,29 @@ def print_table(info: dict) -> None:
               f"{r['max_rel_err']:8.1e} {'' if sp is None else f'{sp:.2f}x':>17s}")
 
 
-def plot(info: dict, path: Path) -> None:
+PLOT_KEYS = (("fwd_ms", "forward"), ("fwd_bwd_ms", "forward+backward"), ("ac_step_ms", "AC step"))
+
+
+def plot(info: dict, path: Path, keys=PLOT_KEYS, problem: str | None = None) -> None:
+    """Bars of ``info["results"]`` (one group per impl, one bar per (key, label) of ``keys``), titled by
+    ``problem`` (default: preset, tokens, routing) and the run's GPU, versions and date."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [r["impl"] for r in info["results"]]
-    keys = [("fwd_ms", "forward"), ("fwd_bwd_ms", "forward+backward"), ("ac_step_ms", "AC step")]
+    problem = problem or f"{info['preset']} T={info['tokens']} {info['routing']} routing"
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / len(keys)
     for i, (k, label) in enumerate(keys):
         vals = [r[k] for r in info["results"]]
         bars = ax.bar([j + i * width for j in range(len(names))], vals, width, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.set_xticks([j + width for j in range(len(names))], names)
+    ax.set_xticks([j + width * (len(keys) - 1) / 2 for j in range(len(names))], names)
     ax.set_ylabel("ms (lower is better)")
-    ax.set_title(f"{info['preset']} T={info['tokens']} {info['routing']} routing — {info['gpu']}\n"
-                 f"torch {info['torch']}, triton {info['triton']}, {info['date'][:10]}", fontsize=9)
+    ax.set_title(f"{problem} — {info['gpu']}\ntorch {info['torch']}, triton {info.get('triton', '?')}, "
+                 f"{info['date'][:10]}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

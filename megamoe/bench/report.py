@@ -1,6 +1,7 @@
 """Markdown tables and PNG plots from committed benchmark JSON files.
 
-``python -m megamoe.bench.report [benchmarks/results]`` prints one table row per (problem, impl) and
+``python -m megamoe.bench.report [benchmarks/results]`` prints one table row per (problem, impl) of the
+layer benchmark, then one row per loopback run of the EP benchmark (``--ep --loopback R``), and
 (re)draws each JSON file's PNG next to it. Every number comes from the JSON files; nothing is typed in.
 """
 
@@ -10,12 +11,12 @@ import json
 import sys
 from pathlib import Path
 
-from megamoe.bench.layer import plot
+from megamoe.bench.layer import PLOT_KEYS, plot
 
 
-def load(folder: Path) -> list[dict]:
+def load(folder: Path, pattern: str = "*-ep*.json") -> list[dict]:
     runs = []
-    for path in sorted(folder.glob("*-ep*.json")):
+    for path in sorted(folder.glob(pattern)):
         info = json.loads(path.read_text())
         info["_path"] = path
         runs.append(info)
@@ -38,6 +39,28 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def loopback_table(runs: list[dict]) -> str:
+    """The EP machinery's cost: the fused protocol on R virtual ranks of one GPU against the plain layer."""
+    lines = ["| problem | virtual ranks | fwd ms (plain) | fwd cost | fwd+bwd ms (plain) | fwd+bwd cost |",
+             "|---|---|---|---|---|---|"]
+    for info in runs:
+        lines.append(f"| {info['preset']} T={info['tokens_per_rank']}/rank {info['routing']} | {info['loopback_ranks']} | "
+                     f"{info['loopback_fwd_ms']:.3f} ({info['plain_fwd_ms']:.3f}) | {100 * info['machinery_cost_fwd']:+.1f}% | "
+                     f"{info['loopback_fwd_bwd_ms']:.3f} ({info['plain_fwd_bwd_ms']:.3f}) | "
+                     f"{100 * info['machinery_cost_fwd_bwd']:+.1f}% |")
+    return "\n".join(lines)
+
+
+def plot_loopback(info: dict, path: Path) -> None:
+    ranks = info["loopback_ranks"]
+    bars = {**info, "results": [
+        {"impl": "plain layer", "fwd_ms": info["plain_fwd_ms"], "fwd_bwd_ms": info["plain_fwd_bwd_ms"]},
+        {"impl": f"fused EP, loopback R={ranks}", "fwd_ms": info["loopback_fwd_ms"],
+         "fwd_bwd_ms": info["loopback_fwd_bwd_ms"]}]}
+    plot(bars, path, keys=PLOT_KEYS[:2],
+         problem=f"{info['preset']} T={info['tokens_per_rank']}/rank x {ranks} {info['routing']} routing")
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     folder = Path(argv[0] if argv else "benchmarks/results")
@@ -45,6 +68,12 @@ def main(argv=None) -> None:
     for info in runs:
         plot(info, info["_path"].with_suffix(".png"))
     print(table(runs))
+    loopback = load(folder, "*-loopback*.json")
+    for info in loopback:
+        plot_loopback(info, info["_path"].with_suffix(".png"))
+    if loopback:
+        print()
+        print(loopback_table(loopback))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,22 @@
+"""The results tables in the README are the report's output on the committed JSON files (no number typed
+in by hand), and the report draws a plot for each file."""
+
+import shutil
+from pathlib import Path
+
+from megamoe.bench import report
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_tables_are_the_reports_output_and_every_result_is_plotted(tmp_path, capsys):
+    for path in (ROOT / "benchmarks" / "results").glob("*.json"):
+        shutil.copy(path, tmp_path)  # the report redraws PNGs next to the JSONs: not in the checkout
+    report.main([str(tmp_path)])
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    readme = (ROOT / "README.md").read_text().splitlines()
+    assert len(printed) > 4 and any("virtual ranks" in line for line in printed)
+    missing = [line for line in printed if line not in readme]
+    assert not missing, f"README rows out of date with benchmarks/results (python -m megamoe.bench.report): {missing}"
+    results = {p.stem for pattern in ("*-ep*.json", "*-loopback*.json") for p in tmp_path.glob(pattern)}
+    assert results and results == {p.stem for p in tmp_path.glob("*.png")}
