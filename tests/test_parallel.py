@@ -74,6 +74,7 @@ def _worker(rank, num_ranks, init_file, test):
                 for case in CASES:
                     check_rank(case, rank, num_ranks, group, lambda *a: megamoe.moe(*a, group=group),
                                device=f"cuda:{rank}")
+            check_bench(group, torch.device("cuda", rank))
         elif test == "baseline":
             for case in CASES:
                 check_rank(case, rank, num_ranks, group,
@@ -87,7 +88,7 @@ def _worker(rank, num_ranks, init_file, test):
         elif test == "layer":
             check_layer(rank, num_ranks, group)
         elif test == "bench":
-            check_bench(group)
+            check_bench(group, torch.device("cpu"))
         # No rank tears down while another still talks to it (without this barrier gloo aborted a rank at
         # exit about one run in five, with a TCP rendezvous).
         dist.barrier()
@@ -139,17 +140,52 @@ def check_layer(rank, num_ranks, group):
     torch.testing.assert_close(layer.gate.weight.grad, full.gate.weight.grad, rtol=1e-5, atol=1e-6)
 
 
-def check_bench(group):
-    """The EP benchmark's measuring code (what runs on GPUs) on the tiny preset: every impl is timed and
-    agrees with the one-device reference."""
+def check_bench(group, device):
+    """The EP benchmark's measuring code on the tiny preset: every impl is timed and agrees with the
+    one-device reference (fp32 on CPU; bf16 on GPUs, where the fused protocol must be as close as the
+    all-to-all path with the same local kernels), and the compute-only (and, with the fused impl, the
+    communication-only) halves of the overlap figure are measured."""
     from megamoe.bench.ep import ep_impls, measure
 
-    impls = ep_impls(["a2a_grouped_mm", "a2a_megamoe"], group)
-    info = measure(impls, group, "tiny", 16, "skewed", torch.device("cpu"), iters=2, seed=0)
-    assert [r["impl"] for r in info["results"]] == ["a2a_grouped_mm", "a2a_megamoe"]
+    names = ["a2a_megamoe", "fused"] if device.type == "cuda" else ["a2a_grouped_mm", "a2a_megamoe"]
+    info = measure(ep_impls(names, group), group, "tiny", 16, "skewed", device, iters=2, seed=0)
+    assert [r["impl"] for r in info["results"]] == names
     for r in info["results"]:
-        assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["max_rel_err"] < 1e-4, r
+        assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0, r
+    errors = [r["max_rel_err"] for r in info["results"]]
+    if device.type == "cuda":
+        assert errors[1] <= 2 * errors[0] + 1e-3, errors
+        assert info["comm_only_fwd_ms"] > 0 and info["overlap_fwd"] > 0
+    else:
+        assert max(errors) < 1e-4, errors
+        assert "overlap_fwd" not in info  # needs the fused impl (GPUs)
     assert info["exchange_fwd_ms"] > 0 and info["exchange_fwd_bytes_rank0"] > 0
+    assert info["compute_only_fwd_ms"] > 0 and info["compute_only_fwd_bwd_ms"] > 0
+    # What the result file feeds: the report's table (one row per impl and one for the run) and plot.
+    from megamoe.bench.report import ep_table
+
+    rows = ep_table([info]).splitlines()[2:]
+    assert len(rows) == len(names) + 1 and all(f"| {n} |" in row for n, row in zip(names, rows))
+
+
+def test_compute_only_problem_is_each_ranks_received_rows():
+    """The EP benchmark's compute-only figure runs each rank's experts on exactly the rows routed to them."""
+    from megamoe.bench.ep import received_problem
+
+    num_ranks, per_rank = 3, 2
+    problem = make_problem(20, 16, 8, num_ranks * per_rank, 3, "dropped", seed=1)
+    x, idx = problem[0], problem[1]
+    total = 0
+    for rank in range(num_ranks):
+        rx, ridx, rw, w13, w2, rdy = received_problem(problem, rank, num_ranks)
+        mine = (idx >= rank * per_rank) & (idx < (rank + 1) * per_rank)
+        token = mine.nonzero()[:, 0]
+        assert torch.equal(rx, x[token]) and torch.equal(rdy, problem[5][token])
+        assert torch.equal(ridx[:, 0], idx[mine] - rank * per_rank) and bool((rw == 1).all())
+        experts = slice(rank * per_rank, (rank + 1) * per_rank)
+        assert torch.equal(w13, problem[3][experts]) and torch.equal(w2, problem[4][experts])
+        total += rx.shape[0]
+    assert total == int((idx >= 0).sum())
 
 
 def spawn(test: str, num_ranks: int) -> None:

@@ -7,13 +7,20 @@ experts [r·E/N, (r+1)·E/N)). Implementations, all through the all-to-all dispa
 * ``a2a_grouped_mm`` / ``a2a_grouped_mm_compiled`` — local experts by ``torch._grouped_mm``, eager or
   ``torch.compile``'d: the baselines of issue 4;
 * ``a2a_megamoe`` — the same exchange with megamoe's fused kernels for the local experts (what
-  ``megamoe.moe(group=...)`` runs until the fused in-kernel dispatch exists).
+  ``megamoe.moe(group=...)`` runs by default until the fused protocol has passed its multi-GPU tests);
+* ``fused`` — the device-side protocol (:mod:`megamoe.parallel.fused`, ``MEGAMOE_EP=fused``): GPUs only.
 
 Per impl: forward, forward+backward and the activation-checkpointing step (every impl here keeps the
 exchanged rows for its backward, so its step is forward + forward-and-backward), as the maximum over
 ranks of each rank's median; and, for the exchange alone, the time of the two ``all_to_all_single`` of
 a forward and the bytes they move (GB/s per rank). Every rank runs the same fixed number of
 iterations (``do_bench`` picks its own count per rank, which would desynchronise the collectives).
+
+The overlap figure (with ``fused``): the fused forward against ``compute_only`` — the same rank's expert
+work with no communication, megamoe's one-device kernels on the rows its experts receive — and
+``comm_only`` — the fused protocol's rows out and back with no experts (:func:`dispatch.round_trip`),
+both timed in the same run: ``overlap_fwd = fused fwd / max(compute_only fwd, comm_only fwd)`` (1.0 is
+perfect overlap; compute + comm, no overlap at all, is up to 2.0).
 
 Without GPUs (gloo on CPU): the tiny preset, checked against the one-device fp32 reference on the
 gathered problem, outputs and every gradient; it says that timings need GPUs.
@@ -38,7 +45,7 @@ import megamoe
 from megamoe import reference
 from megamoe.parallel.all_to_all import AllToAll, exchange_splits, moe_all_to_all
 
-EP_IMPLS = ("a2a_grouped_mm", "a2a_grouped_mm_compiled", "a2a_megamoe")
+EP_IMPLS = ("a2a_grouped_mm", "a2a_grouped_mm_compiled", "a2a_megamoe", "fused")
 
 
 def rank_share(problem, rank: int, num_ranks: int) -> tuple[slice, slice]:
@@ -55,6 +62,18 @@ def local_problem(problem, rank: int, num_ranks: int):
     return x[tok], idx[tok], w[tok], w13[exp].contiguous(), w2[exp].contiguous(), dy[tok]
 
 
+def received_problem(problem, rank: int, num_ranks: int):
+    """The expert work this rank does in an EP step, as a one-device problem with no communication:
+    every row routed to its experts, from every rank's tokens, with K = 1 and routing weight 1 (the
+    compute-only figure). Host-synchronising (``nonzero``): set-up only."""
+    x, idx, _, w13, w2, dy = problem
+    _, exp = rank_share(problem, rank, num_ranks)
+    token, k = ((idx >= exp.start) & (idx < exp.stop)).nonzero(as_tuple=True)
+    local = (idx[token, k] - exp.start)[:, None]
+    return (x[token], local, torch.ones(local.shape, device=x.device, dtype=torch.float32), w13[exp].contiguous(),
+            w2[exp].contiguous(), dy[token])
+
+
 def ep_impls(names, group) -> dict:
     unknown = [n for n in names if n not in EP_IMPLS]
     if unknown:
@@ -65,6 +84,11 @@ def ep_impls(names, group) -> dict:
             experts = reference.moe_grouped_mm
         elif name == "a2a_grouped_mm_compiled":
             experts = torch.compile(reference.moe_grouped_mm, fullgraph=True)
+        elif name == "fused":
+            from megamoe.parallel.fused import moe_fused_ep
+
+            impls[name] = functools.partial(moe_fused_ep, group=group)
+            continue
         else:
             experts = megamoe.moe
         impls[name] = functools.partial(_with_group, group=group, experts=experts)
@@ -164,8 +188,8 @@ def run(args, cuda: bool) -> None:
         torch.cuda.set_device(device)
     group = dist.group.WORLD
     names = [n.strip() for n in args.impls.split(",") if n.strip()] if args.impls else list(EP_IMPLS)
-    if not cuda:  # the compiled grouped_mm takes bf16 only, which the CPU check does not use
-        names = [n for n in names if n != "a2a_grouped_mm_compiled"]
+    if not cuda:  # the compiled grouped_mm takes bf16 only, which the CPU check does not use; the fused
+        names = [n for n in names if n not in ("a2a_grouped_mm_compiled", "fused")]  # protocol needs GPUs
     impls = ep_impls(names, group)
     say = print if rank == 0 else (lambda *a, **k: None)
     if not cuda:
@@ -191,12 +215,16 @@ def run(args, cuda: bool) -> None:
     for preset, tokens, routing in itertools.product(args.preset, args.tokens, args.routing):
         info = measure(impls, group, preset, tokens, routing, device, args.ep_iters, args.seed)
         say(f"\n{preset} T={tokens}/rank {routing} EP={num_ranks}: exchange {info['exchange_fwd_ms']:.3f} ms "
-            f"({info['exchange_gb_per_s_rank0']:.0f} GB/s on rank 0)")
+            f"({info['exchange_gb_per_s_rank0']:.0f} GB/s on rank 0); compute only: fwd "
+            f"{info['compute_only_fwd_ms']:.3f}, fwd+bwd {info['compute_only_fwd_bwd_ms']:.3f} ms")
+        if "overlap_fwd" in info:
+            say(f"  fused protocol, rows out and back only: {info['comm_only_fwd_ms']:.3f} ms; overlap figure "
+                f"(fused fwd / max(compute, comm)): {info['overlap_fwd']:.2f}")
         for r in info["results"]:
             say(f"  {r['impl']:26s} fwd {r['fwd_ms']:8.3f}  fwd+bwd {r['fwd_bwd_ms']:8.3f}  "
                 f"AC step {r['ac_step_ms']:8.3f} ms  rel err {r['max_rel_err']:.1e}")
         if rank == 0:
-            stem = f"{preset}-t{tokens}-{routing}-ep{num_ranks}"
+            stem = f"{preset}-t{tokens}-per-rank-{routing}-ep{num_ranks}"  # not the layer benchmark's names
             (out / f"{stem}.json").write_text(json.dumps(info, indent=1) + "\n")
             say(f"wrote {out / stem}.json")
 
@@ -232,6 +260,10 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
                         "ac_step_ms": fwd_ms + fwd_bwd_ms, "max_rel_err": err})
     exchange, moved = exchange_only(local, group)
     comm_ms = max_over_ranks(timed(exchange, iters, 3, device), device)
+    overlap = compute_and_comm_only(problem, local, group, device, iters, fused_comm="fused" in impls)
+    if "fused" in impls:
+        fused_fwd = next(r["fwd_ms"] for r in results if r["impl"] == "fused")
+        overlap["overlap_fwd"] = fused_fwd / max(overlap["compute_only_fwd_ms"], overlap["comm_only_fwd_ms"])
     return {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "ranks": num_ranks, "commit": git_commit(), "source_sha256": source_digest(),
@@ -240,8 +272,36 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
         "preset": preset, "tokens_per_rank": tokens, "routing": routing, "ep": num_ranks, "dtype": str(dtype),
         "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k,
         "exchange_fwd_ms": comm_ms, "exchange_fwd_bytes_rank0": moved,
-        "exchange_gb_per_s_rank0": moved / comm_ms / 1e6, "results": results,
+        "exchange_gb_per_s_rank0": moved / comm_ms / 1e6, **overlap, "results": results,
     }
+
+
+def compute_and_comm_only(problem, local, group, device, iters: int, fused_comm: bool) -> dict:
+    """The two halves of the overlap figure, as the maximum over ranks of each rank's median: this rank's
+    expert work alone (one-device megamoe on :func:`received_problem`, forward and forward+backward) and,
+    if ``fused_comm``, the fused protocol's forward communication alone (:func:`dispatch.round_trip`)."""
+    from megamoe.kernels.plan import build_plan
+    from megamoe.parallel import dispatch
+    from megamoe.parallel.fused import workspace_for
+
+    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    x, idx, w, w13, w2, dy = received_problem(problem, rank, num_ranks)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
+
+    def fwd_bwd():
+        megamoe.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3]).backward(dy)
+        for t in leaves:
+            t.grad = None
+
+    out = {"compute_only_fwd_ms": max_over_ranks(timed(lambda: megamoe.moe(x, idx, w, w13, w2), iters, 3, device), device),
+           "compute_only_fwd_bwd_ms": max_over_ranks(timed(fwd_bwd, iters, 3, device), device)}
+    if fused_comm:
+        x, idx, w, w13, *_ = local
+        ws = workspace_for(group, w13.shape[0], x.shape[0], idx.shape[1], x.shape[1], x.dtype)
+        plan = build_plan(idx, w13.shape[0] * num_ranks)
+        out["comm_only_fwd_ms"] = max_over_ranks(
+            timed(lambda: dispatch.round_trip(ws, x, idx, w, plan), iters, 3, device), device)
+    return out
 
 
 def run_loopback(args, cuda: bool) -> None:

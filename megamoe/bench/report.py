@@ -1,8 +1,9 @@
 """Markdown tables and PNG plots from committed benchmark JSON files.
 
 ``python -m megamoe.bench.report [benchmarks/results]`` prints one table row per (problem, impl) of the
-layer benchmark, then one row per loopback run of the EP benchmark (``--ep --loopback R``), and
-(re)draws each JSON file's PNG next to it. Every number comes from the JSON files; nothing is typed in.
+layer benchmark, one per loopback run of the EP benchmark (``--ep --loopback R``) and one per
+(problem, impl) of the multi-GPU EP benchmark (``torchrun ... --ep``), and (re)draws each JSON file's PNG
+next to it. Every number comes from the JSON files; nothing is typed in.
 """
 
 from __future__ import annotations
@@ -14,12 +15,18 @@ from pathlib import Path
 from megamoe.bench.layer import PLOT_KEYS, plot
 
 
-def load(folder: Path, pattern: str = "*-ep*.json") -> list[dict]:
-    runs = []
-    for path in sorted(folder.glob(pattern)):
+def load(folder: Path) -> dict[str, list[dict]]:
+    """The result files of ``folder`` by kind: "layer", "loopback", "ep" (per-kernel files are skipped)."""
+    runs = {"layer": [], "loopback": [], "ep": []}
+    for path in sorted(folder.glob("*.json")):
         info = json.loads(path.read_text())
         info["_path"] = path
-        runs.append(info)
+        if "loopback_ranks" in info:
+            runs["loopback"].append(info)
+        elif "tokens_per_rank" in info:
+            runs["ep"].append(info)
+        elif "results" in info:
+            runs["layer"].append(info)
     return runs
 
 
@@ -51,6 +58,27 @@ def loopback_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ep_table(runs: list[dict]) -> str:
+    """Expert parallelism over real ranks: each impl's times (maximum over ranks), its AC-step speed-up
+    over the all-to-all baselines, and the exchange and overlap figures of the run."""
+    lines = ["| problem | impl | fwd ms | fwd+bwd ms | AC step ms | vs a2a eager | vs a2a compiled |",
+             "|---|---|---|---|---|---|---|"]
+    for info in runs:
+        problem = f"{info['preset']} T={info['tokens_per_rank']}/rank {info['routing']} EP={info['ep']}"
+        base = {r["impl"]: r["ac_step_ms"] for r in info["results"]}
+        for r in info["results"]:
+            sp = [f"{base[b] / r['ac_step_ms']:.2f}x" if b in base else ""
+                  for b in ("a2a_grouped_mm", "a2a_grouped_mm_compiled")]
+            lines.append(f"| {problem} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
+                         f"{r['ac_step_ms']:.2f} | {sp[0]} | {sp[1]} |")
+        extra = f"; fused protocol rows out and back {info['comm_only_fwd_ms']:.2f} ms" if "comm_only_fwd_ms" in info else ""
+        overlap = f"; overlap figure {info['overlap_fwd']:.2f}" if "overlap_fwd" in info else ""
+        lines.append(f"| {problem} | (exchange {info['exchange_fwd_ms']:.2f} ms, "
+                     f"{info['exchange_gb_per_s_rank0']:.0f} GB/s; compute only fwd {info['compute_only_fwd_ms']:.2f}, "
+                     f"fwd+bwd {info['compute_only_fwd_bwd_ms']:.2f} ms{extra}{overlap}) | | | | | |")
+    return "\n".join(lines)
+
+
 def plot_loopback(info: dict, path: Path) -> None:
     ranks = info["loopback_ranks"]
     bars = {**info, "results": [
@@ -63,17 +91,19 @@ def plot_loopback(info: dict, path: Path) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    folder = Path(argv[0] if argv else "benchmarks/results")
-    runs = load(folder)
-    for info in runs:
+    runs = load(Path(argv[0] if argv else "benchmarks/results"))
+    for info in runs["layer"]:
         plot(info, info["_path"].with_suffix(".png"))
-    print(table(runs))
-    loopback = load(folder, "*-loopback*.json")
-    for info in loopback:
+    for info in runs["loopback"]:
         plot_loopback(info, info["_path"].with_suffix(".png"))
-    if loopback:
-        print()
-        print(loopback_table(loopback))
+    for info in runs["ep"]:
+        plot(info, info["_path"].with_suffix(".png"),
+             problem=f"{info['preset']} T={info['tokens_per_rank']}/rank {info['routing']} routing, EP={info['ep']}")
+    print(table(runs["layer"]))
+    for title, kind, make in (("EP machinery, loopback", "loopback", loopback_table), ("EP, real ranks", "ep", ep_table)):
+        if runs[kind]:
+            print(f"\n{title}:\n")
+            print(make(runs[kind]))
 
 
 if __name__ == "__main__":

@@ -206,6 +206,22 @@ def _rows_to_peer_slots_kernel(
 
 
 @triton.jit
+def _return_rows_kernel(recv_x_ptr, recv_meta_ptr, offsets_ptr, y_slots_tab, L, D, max_slots,
+                        RB: tl.constexpr, BD: tl.constexpr):
+    """Communication only (no experts): every row I received, unchanged, into its source's slot."""
+    rows = tl.program_id(0) * RB + tl.arange(0, RB)
+    rmask = rows < tl.load(offsets_ptr + L)
+    meta = tl.load(recv_meta_ptr + rows, mask=rmask, other=0)
+    out_rows = tl.multiple_of(_peer(y_slots_tab, meta // max_slots, recv_x_ptr.dtype.element_ty)
+                              + (meta % max_slots).to(tl.int64) * D, 16)
+    for d0 in range(0, D, BD):
+        ds = d0 + tl.arange(0, BD)
+        m = rmask[:, None] & (ds < D)[None, :]
+        tl.store(out_rows[:, None] + ds[None, :], tl.load(recv_x_ptr + rows.to(tl.int64)[:, None] * D + ds[None, :],
+                                                           mask=m), mask=m)
+
+
+@triton.jit
 def _signal_returned_kernel(returned_tab, rank, R, RB: tl.constexpr):
     """After my output GEMM (the previous kernel on this stream) has finished: 1 into every source's
     ``returned[me]`` (release, system scope: the GEMM's stores to the sources, peers' memory included,
@@ -292,8 +308,7 @@ def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w
         n_out, a_CK.shape[1], w_L.shape[0], ws.max_slots,
         PREC=dot_precision(a_CK.dtype), TILE_M=BLOCK_M, dtype=a_CK.dtype,
     )
-    _signal_returned_kernel[(1,)](ws.tables["returned"], ws.rank, ws.num_ranks,
-                                  RB=triton.next_power_of_2(ws.num_ranks))
+    signal_returned(ws)
 
 
 def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor) -> None:
@@ -318,10 +333,44 @@ def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.T
     return expert_wgrad(dz, ws.recv_x, plan, w13_LHD.dtype), expert_wgrad(ws.recv_dy, hw, plan, w2_LDI.dtype)
 
 
+def return_rows(ws: Workspace) -> None:
+    """Phases 3 and 4 with no experts (the communication-only figure of the EP benchmark): wait for my
+    rows, then send each back, unchanged, into its source's ``y_slots`` and signal."""
+    plan, counts = received_plan(ws)
+    reset_arrivals(ws, counts)  # returns once every row is in
+    dim = ws.recv_x.shape[1]
+    _return_rows_kernel[(triton.cdiv(ws.capacity, ROWS_PER_PROGRAM),)](
+        ws.recv_x, ws.recv_meta, plan.offsets_E1, ws.tables["y_slots"], ws.num_local, dim, ws.max_slots,
+        RB=ROWS_PER_PROGRAM, BD=min(256, triton.next_power_of_2(dim)))
+    signal_returned(ws)
+
+
+def signal_returned(ws: Workspace) -> None:
+    """After my output kernel: every source's ``returned[me]`` = 1 (release)."""
+    _signal_returned_kernel[(1,)](ws.tables["returned"], ws.rank, ws.num_ranks, RB=triton.next_power_of_2(ws.num_ranks))
+
+
+def wait_returned(ws: Workspace) -> None:
+    """Until every owner has signalled that my rows are back (acquire); then reset the signals."""
+    _wait_and_reset_kernel[(1,)](ws.returned, ws.one_per_rank, ws.num_ranks, NB=triton.next_power_of_2(ws.num_ranks))
+
+
+def round_trip(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+               plan: Plan) -> torch.Tensor:
+    """The forward's communication alone, on one rank: counts, my rows out, every owner's rows back
+    (:func:`return_rows`), my wait for them; returns ``y_slots`` (N, D): slot t*K + k holds x[t] again.
+    Timed against the fused forward (the overlap figure); on a real group every rank must call it."""
+    exchange_counts(ws, plan)
+    dispatch_rows(ws, x_TD, topk_weights_TK, plan)
+    return_rows(ws)
+    wait_returned(ws)
+    return ws.y_slots[: topk_idx_TK.numel()]
+
+
 def combine_returned(ws: Workspace, topk_idx_TK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Phase 5: wait until every owner has written back every row I sent it (its signal, acquire), then
     each token's sum over its K slots."""
-    _wait_and_reset_kernel[(1,)](ws.returned, ws.one_per_rank, ws.num_ranks, NB=triton.next_power_of_2(ws.num_ranks))
+    wait_returned(ws)
     return combine(ws.y_slots[: topk_idx_TK.numel()], topk_idx_TK, out_dtype)
 
 
@@ -355,6 +404,18 @@ def loopback_forward(workspaces: list[Workspace], problems: list[tuple]) -> list
     for ws, p in zip(workspaces, problems):
         owner_experts(ws, p[3], p[4])
     return [combine_returned(ws, p[1], p[0].dtype) for ws, p in zip(workspaces, problems)]
+
+
+def loopback_round_trip(workspaces: list[Workspace], problems: list[tuple]) -> list[torch.Tensor]:
+    """:func:`round_trip` for R virtual ranks on one device, phase by phase; per rank its ``y_slots``."""
+    plans = _start(workspaces, problems)
+    for ws, plan, (x, _, weights, _, _) in zip(workspaces, plans, problems):
+        dispatch_rows(ws, x, weights, plan)
+    for ws in workspaces:
+        return_rows(ws)
+    for ws in workspaces:
+        wait_returned(ws)
+    return [ws.y_slots[: p[1].numel()] for ws, p in zip(workspaces, problems)]
 
 
 def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: list[torch.Tensor]) -> list[tuple]:
