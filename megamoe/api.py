@@ -132,6 +132,7 @@ def moe(
     group=None,
     precision: str = "bf16",
     max_tokens_per_rank: int | None = None,
+    comm_sms: int = 0,
 ) -> torch.Tensor:
     """Mixture-of-Experts SwiGLU experts with routing already done. Differentiable in ``x``,
     ``topk_weights``, ``w13`` and ``w2``; keeps no activations beyond its inputs on the fused path.
@@ -157,6 +158,11 @@ def moe(
             symmetric-memory workspace (``R * max_tokens_per_rank * K`` receive rows of D, twice, per
             rank), the same on every rank. ``None``: agreed at the first call (the largest T of any rank,
             one collective), and a later call with more tokens raises ``ValueError``.
+        comm_sms: fused EP only: 0 (default) sends the rows to their owners in a kernel of its own,
+            on every SM, before the expert kernels; N > 0 sends them from N programs (one SM each) of
+            the gate/up kernel's launch while its other programs compute on the rows already in —
+            communication overlapping the GEMM (forward only so far; not yet measured on several GPUs,
+            hence not the default).
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``
             (blockwise e4m3) is planned and raises ``NotImplementedError`` for now.
 
@@ -171,6 +177,11 @@ def moe(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8":
         raise NotImplementedError("precision='fp8' (blockwise e4m3) is not implemented yet; use 'bf16'")
+    if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 0:
+        raise ValueError(f"comm_sms must be an int >= 0, got {comm_sms!r}")
+    if comm_sms and (group is None or os.environ.get("MEGAMOE_EP") != "fused"):
+        raise ValueError("comm_sms > 0 applies to the fused expert-parallel path only (group=... and "
+                         "MEGAMOE_EP=fused)")
     if group is not None:
         import torch.distributed as dist
 
@@ -187,7 +198,7 @@ def moe(
                 raise ValueError("MEGAMOE_EP=fused needs CUDA tensors on sm90+ with 16-byte rows")
             from megamoe.parallel.fused import moe_fused_ep
 
-            return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank)
+            return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank, comm_sms)
         warn_once("megamoe: group=... runs the all-to-all baseline (host-synchronising) with the fused kernels "
                   "for the local experts; MEGAMOE_EP=fused selects the fused dispatch (not yet GPU-tested)")
         return moe_all_to_all(x, topk_idx, topk_weights, w13, w2, group, experts=moe)

@@ -25,6 +25,7 @@ class MegaMoE(nn.Module):
             router stays replicated over all E, and :func:`megamoe.moe` exchanges the rows.
         precision: ``"bf16"`` (see :func:`megamoe.moe`).
         max_tokens_per_rank: with ``ep_group`` and ``MEGAMOE_EP=fused``: see :func:`megamoe.moe`.
+        comm_sms: with ``ep_group`` and ``MEGAMOE_EP=fused``: see :func:`megamoe.moe`.
         route_scale: multiplies the gating weights (DeepSeek-V3 ``routed_scaling_factor``).
         initializer_range: std of the normal init of every weight (HF ``initializer_range``).
         device, dtype: where and in which dtype to create the parameters (the router is kept in the
@@ -52,6 +53,7 @@ class MegaMoE(nn.Module):
         precision: str = "bf16",
         *,
         max_tokens_per_rank: int | None = None,
+        comm_sms: int = 0,
         route_scale: float = 1.0,
         initializer_range: float = 0.02,
         device=None,
@@ -82,7 +84,7 @@ class MegaMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.norm_topk_prob, self.route_scale = score_func, norm_topk_prob, route_scale
         self.ep_group, self.precision, self.initializer_range = ep_group, precision, initializer_range
-        self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_tokens_per_rank, self.comm_sms = max_tokens_per_rank, comm_sms
         factory = {"device": device, "dtype": dtype}
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, **factory)
         num_local = num_experts // num_ranks
@@ -114,7 +116,7 @@ class MegaMoE(nn.Module):
                     0, topk_idx.reshape(-1), torch.ones_like(topk_idx.reshape(-1), dtype=torch.float32)
                 )
         y_TD = moe(x_TD, topk_idx, topk_weights, self.w13, self.w2, group=self.ep_group, precision=self.precision,
-                   max_tokens_per_rank=self.max_tokens_per_rank)
+                   max_tokens_per_rank=self.max_tokens_per_rank, comm_sms=self.comm_sms)
         return y_TD.reshape(x.shape)
 
     @torch.no_grad()

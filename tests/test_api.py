@@ -54,6 +54,11 @@ def test_unsupported_options_raise():
         call(args, precision="fp8")
     with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
         call(args, group=object())
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="comm_sms must be an int >= 0"):
+            call(args, comm_sms=bad)
+    with pytest.raises(ValueError, match="fused expert-parallel path only"):
+        call(args, comm_sms=8)  # one device: nothing to send
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])

@@ -134,6 +134,25 @@ def test_loopback_forward_matches_one_device_reference(case, num_ranks):
         assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0, "counters not reset"
 
 
+@pytest.mark.parametrize("comm_sms", [1, 3])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_rows_sent_from_the_up_kernels_launch_match_the_reference(case, comm_sms):
+    """Phase 2 on ``comm_sms`` programs of the up kernel's launch (one virtual rank: its own senders feed
+    its GEMM tiles), twice on one workspace; outputs against the fp32 reference."""
+    ranks, problem, _, _ = split_problem(case, 1)
+    workspaces = workspaces_for(ranks, case[2] * 1)
+    for _ in range(2):
+        (y,) = dispatch.loopback_forward(workspaces, ranks, comm_sms=comm_sms)
+        torch.testing.assert_close(y, reference.moe_loop(*problem[:5], fp32=True), rtol=1e-5, atol=1e-5)
+        assert int(workspaces[0].arrived.abs().sum()) == 0 and int(workspaces[0].returned.abs().sum()) == 0
+
+
+def test_rows_sent_from_the_up_kernel_need_one_virtual_rank():
+    ranks = split_problem(CASES[0], 2)[0]
+    with pytest.raises(ValueError, match="one virtual rank"):
+        dispatch.loopback_forward(workspaces_for(ranks, CASES[0][2]), ranks, comm_sms=1)
+
+
 @pytest.mark.parametrize("num_ranks", [2, 4])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_loopback_backward_matches_one_device_reference(case, num_ranks):

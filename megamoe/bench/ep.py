@@ -8,7 +8,9 @@ experts [r·E/N, (r+1)·E/N)). Implementations, all through the all-to-all dispa
   ``torch.compile``'d: the baselines of issue 4;
 * ``a2a_megamoe`` — the same exchange with megamoe's fused kernels for the local experts (what
   ``megamoe.moe(group=...)`` runs by default until the fused protocol has passed its multi-GPU tests);
-* ``fused`` — the device-side protocol (:mod:`megamoe.parallel.fused`, ``MEGAMOE_EP=fused``): GPUs only.
+* ``fused`` — the device-side protocol (:mod:`megamoe.parallel.fused`, ``MEGAMOE_EP=fused``): GPUs only;
+  ``fused_smsN`` (``--comm-sms N``) — the same with the rows sent from N programs of the up kernel's
+  launch, overlapping its GEMM.
 
 Per impl: forward, forward+backward and the activation-checkpointing step (every impl here keeps the
 exchanged rows for its backward, so its step is forward + forward-and-backward), as the maximum over
@@ -19,8 +21,8 @@ iterations (``do_bench`` picks its own count per rank, which would desynchronise
 The overlap figure (with ``fused``): the fused forward against ``compute_only`` — the same rank's expert
 work with no communication, megamoe's one-device kernels on the rows its experts receive — and
 ``comm_only`` — the fused protocol's rows out and back with no experts (:func:`dispatch.round_trip`),
-both timed in the same run: ``overlap_fwd = fused fwd / max(compute_only fwd, comm_only fwd)`` (1.0 is
-perfect overlap; compute + comm, no overlap at all, is up to 2.0).
+both timed in the same run: per fused impl, ``overlap_fwd = fwd / max(compute_only fwd, comm_only fwd)``
+(1.0 is perfect overlap; compute + comm, no overlap at all, is up to 2.0).
 
 Without GPUs (gloo on CPU): the tiny preset, checked against the one-device fp32 reference on the
 gathered problem, outputs and every gradient; it says that timings need GPUs.
@@ -74,7 +76,9 @@ def received_problem(problem, rank: int, num_ranks: int):
             w2[exp].contiguous(), dy[token])
 
 
-def ep_impls(names, group) -> dict:
+def ep_impls(names, group, comm_sms=()) -> dict:
+    """name → fn(x, topk_idx, topk_weights, w13, w2) for ``names`` (of EP_IMPLS), plus ``fused_smsN`` for each
+    N of ``comm_sms``."""
     unknown = [n for n in names if n not in EP_IMPLS]
     if unknown:
         raise ValueError(f"unknown EP impl(s) {unknown}; choose from {EP_IMPLS}")
@@ -92,6 +96,11 @@ def ep_impls(names, group) -> dict:
         else:
             experts = megamoe.moe
         impls[name] = functools.partial(_with_group, group=group, experts=experts)
+    if comm_sms:
+        from megamoe.parallel.fused import moe_fused_ep
+
+        for n in comm_sms:
+            impls[f"fused_sms{n}"] = functools.partial(moe_fused_ep, group=group, comm_sms=n)
     return impls
 
 
@@ -190,7 +199,7 @@ def run(args, cuda: bool) -> None:
     names = [n.strip() for n in args.impls.split(",") if n.strip()] if args.impls else list(EP_IMPLS)
     if not cuda:  # the compiled grouped_mm takes bf16 only, which the CPU check does not use; the fused
         names = [n for n in names if n not in ("a2a_grouped_mm_compiled", "fused")]  # protocol needs GPUs
-    impls = ep_impls(names, group)
+    impls = ep_impls(names, group, args.comm_sms if cuda else ())
     say = print if rank == 0 else (lambda *a, **k: None)
     if not cuda:
         dim, inter, num_experts, top_k = PRESETS["tiny"]
@@ -217,12 +226,12 @@ def run(args, cuda: bool) -> None:
         say(f"\n{preset} T={tokens}/rank {routing} EP={num_ranks}: exchange {info['exchange_fwd_ms']:.3f} ms "
             f"({info['exchange_gb_per_s_rank0']:.0f} GB/s on rank 0); compute only: fwd "
             f"{info['compute_only_fwd_ms']:.3f}, fwd+bwd {info['compute_only_fwd_bwd_ms']:.3f} ms")
-        if "overlap_fwd" in info:
-            say(f"  fused protocol, rows out and back only: {info['comm_only_fwd_ms']:.3f} ms; overlap figure "
-                f"(fused fwd / max(compute, comm)): {info['overlap_fwd']:.2f}")
+        if "comm_only_fwd_ms" in info:
+            say(f"  fused protocol, rows out and back only: {info['comm_only_fwd_ms']:.3f} ms")
         for r in info["results"]:
+            overlap = f"  overlap figure {r['overlap_fwd']:.2f}" if "overlap_fwd" in r else ""
             say(f"  {r['impl']:26s} fwd {r['fwd_ms']:8.3f}  fwd+bwd {r['fwd_bwd_ms']:8.3f}  "
-                f"AC step {r['ac_step_ms']:8.3f} ms  rel err {r['max_rel_err']:.1e}")
+                f"AC step {r['ac_step_ms']:8.3f} ms  rel err {r['max_rel_err']:.1e}{overlap}")
         if rank == 0:
             stem = f"{preset}-t{tokens}-per-rank-{routing}-ep{num_ranks}"  # not the layer benchmark's names
             (out / f"{stem}.json").write_text(json.dumps(info, indent=1) + "\n")
@@ -260,10 +269,10 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
                         "ac_step_ms": fwd_ms + fwd_bwd_ms, "max_rel_err": err})
     exchange, moved = exchange_only(local, group)
     comm_ms = max_over_ranks(timed(exchange, iters, 3, device), device)
-    overlap = compute_and_comm_only(problem, local, group, device, iters, fused_comm="fused" in impls)
-    if "fused" in impls:
-        fused_fwd = next(r["fwd_ms"] for r in results if r["impl"] == "fused")
-        overlap["overlap_fwd"] = fused_fwd / max(overlap["compute_only_fwd_ms"], overlap["comm_only_fwd_ms"])
+    fused = [r for r in results if r["impl"].startswith("fused")]
+    overlap = compute_and_comm_only(problem, local, group, device, iters, fused_comm=bool(fused))
+    for r in fused:
+        r["overlap_fwd"] = r["fwd_ms"] / max(overlap["compute_only_fwd_ms"], overlap["comm_only_fwd_ms"])
     return {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "ranks": num_ranks, "commit": git_commit(), "source_sha256": source_digest(),
@@ -310,12 +319,16 @@ def run_loopback(args, cuda: bool) -> None:
     row copies out and back) with no NVLink in the way. Forward and forward+backward. Without a GPU: a
     tiny problem through the interpreter, checked against the fp32 reference."""
     num_ranks = args.loopback
+    if args.comm_sms and num_ranks != 1:
+        raise SystemExit("--comm-sms with --loopback needs --loopback 1 (a virtual rank's launch cannot wait for "
+                         "rows that a later launch sends)")
     if not cuda:
         print(f"No CUDA GPU: timings need a GPU. Checking the loopback protocol ({num_ranks} virtual ranks) on "
               "a tiny problem instead.")
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("set TRITON_INTERPRET=1: the protocol's kernels are Triton kernels")
-        err = loopback_case("tiny", 8, args.routing[0], num_ranks, args.seed, timed=False)["loopback_fwd_max_rel_err"]
+        info = loopback_case("tiny", 8, args.routing[0], num_ranks, args.seed, timed=False, comm_sms=args.comm_sms)
+        err = max(v for k, v in info.items() if k.startswith("loopback_fwd_max_rel_err"))
         print(f"  loopback forward, max rel err vs the fp32 reference: {err:.2e}")
         if err > 1e-4:
             raise SystemExit("FAILED: the loopback forward disagrees with the reference")
@@ -324,19 +337,24 @@ def run_loopback(args, cuda: bool) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for preset, tokens, routing in itertools.product(args.preset, args.tokens, args.routing):
-        info = loopback_case(preset, tokens, routing, num_ranks, args.seed, timed=True)
+        info = loopback_case(preset, tokens, routing, num_ranks, args.seed, timed=True, comm_sms=args.comm_sms)
         print(f"{preset} T={tokens}/rank {routing} loopback R={num_ranks}: fwd {info['loopback_fwd_ms']:.3f} ms "
               f"(plain {info['plain_fwd_ms']:.3f}, {100 * info['machinery_cost_fwd']:+.1f}%), fwd+bwd "
               f"{info['loopback_fwd_bwd_ms']:.3f} ms (plain {info['plain_fwd_bwd_ms']:.3f}, "
               f"{100 * info['machinery_cost_fwd_bwd']:+.1f}%), rel err {info['loopback_fwd_max_rel_err']:.1e}")
+        for n in args.comm_sms:
+            print(f"  rows sent from {n} programs of the up kernel: fwd {info[f'loopback_fwd_ms_sms{n}']:.3f} ms "
+                  f"({100 * info[f'machinery_cost_fwd_sms{n}']:+.1f}%), rel err {info[f'loopback_fwd_max_rel_err_sms{n}']:.1e}")
         stem = f"{preset}-t{tokens}-{routing}-loopback{num_ranks}"
         (out / f"{stem}.json").write_text(json.dumps(info, indent=1) + "\n")
         print(f"wrote {out / stem}.json")
 
 
-def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: int, timed: bool) -> dict:
+def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: int, timed: bool,
+                  comm_sms=()) -> dict:
     """One problem (``tokens`` per virtual rank): the loopback forward's error against the fp32
-    reference and, if ``timed`` (a GPU), its times against the plain layer."""
+    reference and, if ``timed`` (a GPU), its times against the plain layer; the same, forward only,
+    with the rows sent from N programs of the up kernel's launch for each N of ``comm_sms``."""
     from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest
     from megamoe.parallel import dispatch
     from megamoe.parallel.workspace import loopback_workspaces
@@ -353,11 +371,12 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     ranks, dys = [share[:5] for share in shares], [share[5] for share in shares]
     workspaces = loopback_workspaces(num_ranks, num_experts // num_ranks, num_ranks * tokens * top_k,
                                      tokens * top_k, dim, dtype, device)
-    ys = dispatch.loopback_forward(workspaces, ranks)
     ref = reference.moe_loop(*[t.float() if t.is_floating_point() else t for t in problem[:5]], fp32=True)
     info = {"preset": preset, "tokens_per_rank": tokens, "routing": routing, "loopback_ranks": num_ranks,
-            "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k,
-            "loopback_fwd_max_rel_err": ((torch.cat(ys).float() - ref).abs().max() / ref.abs().max()).item()}
+            "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k}
+    for n, suffix in [(0, ""), *((n, f"_sms{n}") for n in comm_sms)]:
+        ys = dispatch.loopback_forward(workspaces, ranks, comm_sms=n)
+        info[f"loopback_fwd_max_rel_err{suffix}"] = ((torch.cat(ys).float() - ref).abs().max() / ref.abs().max()).item()
     if not timed:
         return info
     import triton
@@ -375,6 +394,10 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
         "plain_fwd_bwd_ms": do_bench(plain_fwd_bwd, grad_to_none=leaves, return_mode="median"),
     }
     times["loopback_fwd_bwd_ms"] = times["loopback_fwd_ms"] + times["loopback_bwd_ms"]
+    for n in comm_sms:
+        fwd = do_bench(lambda n=n: dispatch.loopback_forward(workspaces, ranks, comm_sms=n), return_mode="median")
+        times[f"loopback_fwd_ms_sms{n}"] = fwd
+        times[f"machinery_cost_fwd_sms{n}"] = fwd / times["plain_fwd_ms"] - 1
     return {
         "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
         "commit": git_commit(),

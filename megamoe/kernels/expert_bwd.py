@@ -47,7 +47,7 @@ def _act_bwd_kernel(
     WAIT_ROWS: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    e, _, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM,
+    e, _, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM,
                                          TILE_M)
     if e >= E:
         return

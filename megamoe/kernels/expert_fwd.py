@@ -39,12 +39,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, BM: tl.constexpr, TILE_M: tl.constexpr):
-    """Expert, first sorted row, sorted rows, row mask and N-block of this program, which covers BM rows
-    (a sub-tile when BM < TILE_M) of a plan tile. The 1-D grid runs the N-blocks of one (sub-)tile next
-    to each other, so its gathered rows are read from DRAM once and then hit in L2 (a tile-major order
-    re-reads them from DRAM once per N-block)."""
-    pid = tl.program_id(0)
+def _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, BM: tl.constexpr, TILE_M: tl.constexpr):
+    """Expert, first sorted row, sorted rows, row mask and N-block of program ``pid`` of a 1-D tile grid,
+    which covers BM rows (a sub-tile when BM < TILE_M) of a plan tile. The grid runs the N-blocks of one
+    (sub-)tile next to each other, so its gathered rows are read from DRAM once and then hit in L2 (a
+    tile-major order re-reads them from DRAM once per N-block)."""
     split: tl.constexpr = TILE_M // BM
     pid_m = pid // num_n
     pid_t = pid_m // split
@@ -86,8 +85,18 @@ def _up_swiglu_fwd_kernel(
     WAIT_ROWS: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    e, _, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM,
-                                         TILE_M)
+    _up_swiglu_tile(tl.program_id(0), x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+                    arrived_ptr, counts_ptr, D, I, E, top_k, R, WAIT_ROWS, PREC, TILE_M, BM, BN, BK, EVEN_K)
+
+
+@triton.jit
+def _up_swiglu_tile(pid, x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+                    arrived_ptr, counts_ptr, D, I, E, top_k, R, WAIT_ROWS: tl.constexpr, PREC: tl.constexpr,
+                    TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    EVEN_K: tl.constexpr):
+    """Program ``pid`` of the up kernel's grid (arguments as for ``_up_swiglu_fwd_kernel``); the EP
+    kernel that also sends rows runs it on its programs past the senders."""
+    e, _, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
         return
     if WAIT_ROWS:
@@ -147,7 +156,7 @@ def _rows_to_slots_kernel(
 ):
     """A GEMM over sorted rows whose output rows go back to slot order: the forward's down projection
     (h W2^T, weighted) and the backward's dx (dz W13, unweighted)."""
-    e, row0, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(N_OUT, BN), BM,
+    e, row0, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(N_OUT, BN), BM,
                                              TILE_M)
     if e >= E:
         return

@@ -61,6 +61,7 @@ class TunedKernel:
         self.default = default
         self.candidates = candidates
         self.key = key
+        self.even_k = even_k
         self.blocks = blocks
         self.constants = constants or {}
         self.follows = follows

@@ -43,8 +43,10 @@ from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import DX, act_bwd, expert_wgrad
 from megamoe.kernels.expert_fwd import (
     DOWN,
+    UP,
     _sorted_rows_matmul,
     _tile_rows,
+    _up_swiglu_tile,
     descriptor,
     dot_precision,
     rows_to_slots,
@@ -86,19 +88,37 @@ def _dispatch_rows_kernel(
     rank, R, L, D, top_k, capacity, max_slots,
     HAS_DY: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
 ):
-    E = R * L
-    # Every owner's counts from every source must be in before any destination is known. Every program
-    # waits, even one with no rows to send: that wait is what keeps a rank from running two calls ahead
-    # of another (see workspace.py: the counts are double-buffered by the epoch's parity).
+    """Phase 2 as its own kernel: program i sends my sorted rows [i*RB, (i+1)*RB)."""
+    _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB)
+    _send_rows(tl.program_id(0), x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, recv_x_tab,
+               recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
+               rank, R, L, D, top_k, capacity, max_slots, HAS_DY, RB, EB, CB, BD)
+
+
+@triton.jit
+def _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB: tl.constexpr):
+    """Spin until every owner has every source's counts of this call (acquire). Every sending program
+    waits, even one with no rows to send: that wait is what keeps a rank from running two calls ahead
+    of another (see workspace.py: the counts are double-buffered by the epoch's parity)."""
     epoch = tl.load(epoch_ptr)
-    parity = epoch % 2
     srcs = tl.arange(0, CB)
     for owner in range(R):
-        flags = _peer(counts_flag_tab, owner, tl.int32) + parity * R + srcs
+        flags = _peer(counts_flag_tab, owner, tl.int32) + (epoch % 2) * R + srcs
         while tl.sum((tl.atomic_add(flags, 0, mask=srcs < R, sem="acquire", scope="sys") != epoch)
                      & (srcs < R), axis=0) > 0:
             pass
-    rows = tl.program_id(0) * RB + tl.arange(0, RB)
+
+
+@triton.jit
+def _send_rows(block, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, recv_x_tab, recv_dy_tab,
+               recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
+               rank, R, L, D, top_k, capacity, max_slots,
+               HAS_DY: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
+    """My sorted rows [block*RB, (block+1)*RB) (and their dy rows if HAS_DY) into their owners' receive
+    buffers, once every owner's counts are in (the caller waited: ``_wait_all_counts``)."""
+    E = R * L
+    parity = tl.load(epoch_ptr) % 2
+    rows = block * RB + tl.arange(0, RB)
     rmask = rows < tl.load(offsets_ptr + E)
     if tl.sum(rmask.to(tl.int32), axis=0) == 0:
         return
@@ -145,6 +165,37 @@ def _dispatch_rows_kernel(
 
 
 @triton.jit
+def _send_and_up_kernel(
+    # Programs [0, SENDERS): phase 2, as _dispatch_rows_kernel (rows in blocks of RB, strided over them).
+    x_ptr, weights_ptr, row_slot_ptr, offsets_ptr,
+    counts_tab, counts_flag_tab, recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
+    rank, R, L, top_k, capacity, max_slots, num_blocks,
+    # Programs SENDERS and up: the up kernel on my receive buffer (its plan: recv_*), each tile waiting
+    # for its expert's rows (arrived, counts: (R, L)).
+    recv_x_ptr, w13_desc, h_ptr, recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
+    arrived_ptr, counts_ptr, D, I,
+    SENDERS: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
+    PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """Phases 2 and 3 in one launch: the first SENDERS programs send my rows while the others compute on
+    the rows that have arrived — communication on SENDERS SMs, overlapping the up GEMM. No deadlock: the
+    senders are the grid's first programs, so they are resident before any computing program can wait,
+    and they wait only for counts, which every rank wrote before this launch (docs/DESIGN_NOTES.md)."""
+    pid = tl.program_id(0)
+    if pid < SENDERS:
+        _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB)
+        for block in range(pid, num_blocks, SENDERS):
+            _send_rows(block, x_ptr, x_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, recv_x_tab,
+                       recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
+                       rank, R, L, D, top_k, capacity, max_slots, False, RB, EB, CB, BD)
+    else:
+        _up_swiglu_tile(pid - SENDERS, recv_x_ptr, w13_desc, h_ptr, recv_row_slot_ptr, recv_offsets_ptr,
+                        tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I, L, 1, R, True, PREC, TILE_M,
+                        BM, BN, BK, EVEN_K)
+
+
+@triton.jit
 def _wait_epoch_kernel(counts_flag_ptr, epoch_ptr, R, RB: tl.constexpr):
     """Spin until every source's counts of this call are in my ``counts`` (acquire)."""
     epoch = tl.load(epoch_ptr)
@@ -183,7 +234,7 @@ def _rows_to_peer_slots_kernel(
     rank's slot rows: no output buffer here, no copy afterwards. Plain stores: the sources learn that
     their rows are whole from :func:`_signal_returned_kernel`, launched after this kernel (a release per
     tile, the first version, made this GEMM 1.7x slower than the one-device one; docs/NOTES.md §9)."""
-    e, row0, rows, rmask, pid_n = _tile_rows(tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(N_OUT, BN), BM,
+    e, row0, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(N_OUT, BN), BM,
                                              TILE_M)
     if e >= E:
         return
@@ -242,6 +293,11 @@ DX_PEER = TunedKernel(_rows_to_peer_slots_kernel, default=DX.default, candidates
 
 
 ROWS_PER_PROGRAM = 16
+SEND_ROWS = 64  # rows per step of a sending program of _send_and_up_kernel (few programs: more bytes in flight)
+
+# Never autotuned (it moves rows into peers and counts them): the tiles UP chose on the same operands.
+SEND_UP = TunedKernel(_send_and_up_kernel, default=UP.default, candidates=[], key=UP.key, even_k=UP.even_k,
+                      blocks=UP.blocks, follows=UP)
 
 
 def exchange_counts(ws: Workspace, plan: Plan) -> None:
@@ -311,13 +367,44 @@ def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w
     signal_returned(ws)
 
 
-def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor) -> None:
+def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, send: tuple | None = None) -> None:
     """Phases 3 and 4, forward: my experts on the rows I received; the down GEMM writes each weighted
-    row straight into its source's ``y_slots``."""
+    row straight into its source's ``y_slots``. ``send = (x_TD, topk_weights_TK, plan, comm_sms)``: phase
+    2 runs in the up kernel's launch, on ``comm_sms`` of its programs (:func:`send_and_up`); without it,
+    the caller has run :func:`dispatch_rows`."""
     plan, counts = received_plan(ws)
-    h = up_swiglu_fwd(ws.recv_x, w13_LHD, plan, top_k=1, arrivals=(ws.arrived, counts))
+    if send is None:
+        h = up_swiglu_fwd(ws.recv_x, w13_LHD, plan, top_k=1, arrivals=(ws.arrived, counts))
+    else:
+        h = send_and_up(ws, *send, w13_LHD, plan, counts)
     reset_arrivals(ws, counts)
     rows_to_peer_slots(ws, DOWN_PEER, h, w2_LDI, plan, w2_LDI.shape[1], weights_C=ws.recv_weight)
+
+
+def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan, comm_sms: int,
+                w13_LHD: torch.Tensor, recv_plan: Plan, counts: torch.Tensor) -> torch.Tensor:
+    """Phases 2 and 3 in one launch (``_send_and_up_kernel``): ``comm_sms`` programs send my rows (``plan``)
+    while the rest run the up + SwiGLU GEMM on my receive buffer (``recv_plan``), each tile once its
+    expert's rows are in. Returns h (C, I) in received-row order."""
+    num_local, two_i, dim = w13_LHD.shape
+    inter = two_i // 2
+    if not UP.has_tuned(x_TD.dtype, D=dim, I=inter):  # choose the tiles on the plain kernel (rows: any)
+        up_swiglu_fwd(ws.recv_x, w13_LHD, recv_plan, top_k=1)
+    h_CI = torch.empty(ws.capacity, inter, device=x_TD.device, dtype=x_TD.dtype)
+    num_experts = ws.num_ranks * num_local
+    tiles = tile_grid(recv_plan, inter)
+    SEND_UP[lambda cfg: (comm_sms + tiles(cfg)[0],)](
+        x_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1,
+        *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_meta", "recv_weight", "arrived", "overflow")),
+        ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
+        triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
+        ws.recv_x, descriptor(w13_LHD.view(num_local, 2, inter, dim)), h_CI, recv_plan.row_slot_N,
+        recv_plan.offsets_E1, recv_plan.tile_expert_NT, recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
+        SENDERS=comm_sms, RB=SEND_ROWS, EB=triton.next_power_of_2(num_experts),
+        CB=triton.next_power_of_2(max(num_experts, ws.num_ranks)), BD=min(256, triton.next_power_of_2(dim)),
+        PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
+    )
+    return h_CI
 
 
 def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor):
@@ -394,15 +481,23 @@ def _start(workspaces: list[Workspace], problems: list[tuple]) -> list[Plan]:
     return plans
 
 
-def loopback_forward(workspaces: list[Workspace], problems: list[tuple]) -> list[torch.Tensor]:
+def loopback_forward(workspaces: list[Workspace], problems: list[tuple], comm_sms: int = 0) -> list[torch.Tensor]:
     """The forward of R virtual ranks on one device: ``problems[r] = (x, topk_idx, topk_weights, w13, w2)``
     with global expert ids and rank r's local experts. Each phase runs for every rank before the next,
-    so every wait's producer has already run (one device executes the launches in order)."""
+    so every wait's producer has already run (one device executes the launches in order).
+    ``comm_sms > 0`` (one virtual rank only): the rows are sent from the up kernel's launch
+    (:func:`send_and_up`); with more ranks, one rank's launch would wait for rows a later launch sends."""
+    if comm_sms and len(workspaces) > 1:
+        raise ValueError("comm_sms > 0 on the loopback needs exactly one virtual rank")
     plans = _start(workspaces, problems)
-    for ws, plan, (x, _, weights, _, _) in zip(workspaces, plans, problems):
-        dispatch_rows(ws, x, weights, plan)
-    for ws, p in zip(workspaces, problems):
-        owner_experts(ws, p[3], p[4])
+    if comm_sms:
+        (ws,), (plan,), ((x, _, weights, w13, w2),) = workspaces, plans, problems
+        owner_experts(ws, w13, w2, send=(x, weights, plan, comm_sms))
+    else:
+        for ws, plan, (x, _, weights, _, _) in zip(workspaces, plans, problems):
+            dispatch_rows(ws, x, weights, plan)
+        for ws, p in zip(workspaces, problems):
+            owner_experts(ws, p[3], p[4])
     return [combine_returned(ws, p[1], p[0].dtype) for ws, p in zip(workspaces, problems)]
 
 

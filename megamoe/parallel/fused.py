@@ -34,12 +34,15 @@ def workspace_for(group, num_local: int, max_tokens_per_rank: int, top_k: int, d
 
 class FusedEP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w13, w2, ws: Workspace):
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2, ws: Workspace, comm_sms: int):
         plan = build_plan(topk_idx, ws.num_ranks * ws.num_local)
         ws.check_overflow()
         dispatch.exchange_counts(ws, plan)
-        dispatch.dispatch_rows(ws, x, topk_weights, plan)
-        dispatch.owner_experts(ws, w13, w2)
+        if comm_sms:
+            dispatch.owner_experts(ws, w13, w2, send=(x, topk_weights, plan, comm_sms))
+        else:
+            dispatch.dispatch_rows(ws, x, topk_weights, plan)
+            dispatch.owner_experts(ws, w13, w2)
         y = dispatch.combine_returned(ws, topk_idx, x.dtype)
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan.tensors())
         ctx.ws = ws
@@ -53,14 +56,17 @@ class FusedEP(torch.autograd.Function):
         dispatch.dispatch_rows(ws, x, topk_weights, plan, dy_TD=dy.contiguous())
         dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2)
         dx, dweight = dispatch.combine_returned_backward(ws, topk_idx, x.dtype)
-        return dx, None, dweight.to(topk_weights.dtype), dw13, dw2, None
+        return dx, None, dweight.to(topk_weights.dtype), dw13, dw2, None, None
 
 
-def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank: int | None = None):
+def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank: int | None = None,
+                 comm_sms: int = 0):
     """The MoE layer over the experts of ``group`` with the fused protocol (arguments as for
     :func:`megamoe.parallel.all_to_all.moe_all_to_all`). ``max_tokens_per_rank`` sizes the workspace
     and must be the same on every rank; ``None`` agrees on the largest T of any rank at the first call
-    (one collective and host sync, then never again for these sizes)."""
+    (one collective and host sync, then never again for these sizes). ``comm_sms``: 0 sends the rows
+    in a kernel of their own before the expert kernels; N > 0 sends them from N programs of the up
+    kernel's launch, overlapping its GEMM (forward; see :func:`megamoe.moe`)."""
     num_tokens, top_k = topk_idx.shape
     if max_tokens_per_rank is None:
         key = (group.group_name, w13.shape[0], top_k, x.shape[1], x.dtype)
@@ -73,4 +79,4 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
         raise ValueError(f"{num_tokens} tokens on this rank exceed max_tokens_per_rank={max_tokens_per_rank} "
                          "(pass a larger max_tokens_per_rank to megamoe.moe / MegaMoE)")
     ws = workspace_for(group, w13.shape[0], max_tokens_per_rank, top_k, x.shape[1], x.dtype)
-    return FusedEP.apply(x, topk_idx.contiguous(), topk_weights.contiguous(), w13, w2, ws)
+    return FusedEP.apply(x, topk_idx.contiguous(), topk_weights.contiguous(), w13, w2, ws, comm_sms)
