@@ -160,9 +160,9 @@ def moe(
             one collective), and a later call with more tokens raises ``ValueError``.
         comm_sms: fused EP only: 0 (default) sends the rows to their owners in a kernel of its own,
             on every SM, before the expert kernels; N > 0 sends them from N programs (one SM each) of
-            the gate/up kernel's launch while its other programs compute on the rows already in —
-            communication overlapping the GEMM (forward only so far; not yet measured on several GPUs,
-            hence not the default).
+            the gate/up kernel's launch (forward) and of the recompute+act kernel's launch (backward)
+            while their other programs compute on the rows already in — communication overlapping the
+            GEMMs (not yet measured on several GPUs, hence not the default).
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``
             (blockwise e4m3) is planned and raises ``NotImplementedError`` for now.
 

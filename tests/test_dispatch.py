@@ -140,7 +140,7 @@ def test_rows_sent_from_the_up_kernels_launch_match_the_reference(case, comm_sms
     """Phase 2 on ``comm_sms`` programs of the up kernel's launch (one virtual rank: its own senders feed
     its GEMM tiles), twice on one workspace; outputs against the fp32 reference."""
     ranks, problem, _, _ = split_problem(case, 1)
-    workspaces = workspaces_for(ranks, case[2] * 1)
+    workspaces = workspaces_for(ranks, case[2])
     for _ in range(2):
         (y,) = dispatch.loopback_forward(workspaces, ranks, comm_sms=comm_sms)
         torch.testing.assert_close(y, reference.moe_loop(*problem[:5], fp32=True), rtol=1e-5, atol=1e-5)
@@ -153,14 +153,15 @@ def test_rows_sent_from_the_up_kernel_need_one_virtual_rank():
         dispatch.loopback_forward(workspaces_for(ranks, CASES[0][2]), ranks, comm_sms=1)
 
 
-@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("num_ranks, comm_sms", [(2, 0), (4, 0), (1, 2)])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_loopback_backward_matches_one_device_reference(case, num_ranks):
+def test_loopback_backward_matches_one_device_reference(case, num_ranks, comm_sms):
     """dx and d(routing weight) of each rank's tokens, dw13/dw2 of each rank's experts (rows of every
-    rank), against the fp32 one-device layer; experts that receive no rows get exact zeros."""
+    rank), against the fp32 one-device layer; experts that receive no rows get exact zeros. With
+    ``comm_sms``, the x and dy rows are sent from the recompute+act kernel's launch (one virtual rank)."""
     ranks, problem, bounds, dys = split_problem(case, num_ranks)
     workspaces = workspaces_for(ranks, case[2])
-    grads = dispatch.loopback_backward(workspaces, ranks, dys)
+    grads = dispatch.loopback_backward(workspaces, ranks, dys, comm_sms=comm_sms)
     _, dx, dw, dw13, dw2 = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *problem)
     per_rank = case[2]
     for r, got in enumerate(grads):

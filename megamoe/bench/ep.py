@@ -343,8 +343,10 @@ def run_loopback(args, cuda: bool) -> None:
               f"{info['loopback_fwd_bwd_ms']:.3f} ms (plain {info['plain_fwd_bwd_ms']:.3f}, "
               f"{100 * info['machinery_cost_fwd_bwd']:+.1f}%), rel err {info['loopback_fwd_max_rel_err']:.1e}")
         for n in args.comm_sms:
-            print(f"  rows sent from {n} programs of the up kernel: fwd {info[f'loopback_fwd_ms_sms{n}']:.3f} ms "
-                  f"({100 * info[f'machinery_cost_fwd_sms{n}']:+.1f}%), rel err {info[f'loopback_fwd_max_rel_err_sms{n}']:.1e}")
+            print(f"  rows sent from {n} programs of the expert kernels: fwd {info[f'loopback_fwd_ms_sms{n}']:.3f} ms "
+                  f"({100 * info[f'machinery_cost_fwd_sms{n}']:+.1f}%), fwd+bwd "
+                  f"{info[f'loopback_fwd_bwd_ms_sms{n}']:.3f} ms ({100 * info[f'machinery_cost_fwd_bwd_sms{n}']:+.1f}%), "
+                  f"rel err {info[f'loopback_fwd_max_rel_err_sms{n}']:.1e}")
         stem = f"{preset}-t{tokens}-{routing}-loopback{num_ranks}"
         (out / f"{stem}.json").write_text(json.dumps(info, indent=1) + "\n")
         print(f"wrote {out / stem}.json")
@@ -353,8 +355,8 @@ def run_loopback(args, cuda: bool) -> None:
 def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: int, timed: bool,
                   comm_sms=()) -> dict:
     """One problem (``tokens`` per virtual rank): the loopback forward's error against the fp32
-    reference and, if ``timed`` (a GPU), its times against the plain layer; the same, forward only,
-    with the rows sent from N programs of the up kernel's launch for each N of ``comm_sms``."""
+    reference and, if ``timed`` (a GPU), its times against the plain layer; the same with the rows sent
+    from N programs of the expert kernels' launches for each N of ``comm_sms`` (the error: forward)."""
     from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest
     from megamoe.parallel import dispatch
     from megamoe.parallel.workspace import loopback_workspaces
@@ -396,8 +398,10 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     times["loopback_fwd_bwd_ms"] = times["loopback_fwd_ms"] + times["loopback_bwd_ms"]
     for n in comm_sms:
         fwd = do_bench(lambda n=n: dispatch.loopback_forward(workspaces, ranks, comm_sms=n), return_mode="median")
-        times[f"loopback_fwd_ms_sms{n}"] = fwd
-        times[f"machinery_cost_fwd_sms{n}"] = fwd / times["plain_fwd_ms"] - 1
+        bwd = do_bench(lambda n=n: dispatch.loopback_backward(workspaces, ranks, dys, comm_sms=n), return_mode="median")
+        times.update({f"loopback_fwd_ms_sms{n}": fwd, f"loopback_fwd_bwd_ms_sms{n}": fwd + bwd,
+                      f"machinery_cost_fwd_sms{n}": fwd / times["plain_fwd_ms"] - 1,
+                      f"machinery_cost_fwd_bwd_sms{n}": (fwd + bwd) / times["plain_fwd_bwd_ms"] - 1})
     return {
         "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
         "commit": git_commit(),

@@ -28,11 +28,12 @@ HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200 (sm_90)
 KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "act": expert_bwd.ACT_BWD, "dx": expert_bwd.DX,
            "wgrad": expert_bwd.WGRAD, "down_peer": dispatch.DOWN_PEER, "dx_peer": dispatch.DX_PEER,
-           "send_up": dispatch.SEND_UP}
+           "send_up": dispatch.SEND_UP, "send_act": dispatch.SEND_ACT}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
                   "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
                   "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32", "arrived_ptr": "*i32", "counts_ptr": "*i32",
-                  "epoch_ptr": "*i32", "recv_row_slot_ptr": "*i32", "recv_offsets_ptr": "*i32"}
+                  "epoch_ptr": "*i32", "recv_row_slot_ptr": "*i32", "recv_offsets_ptr": "*i32",
+                  "recv_weight_ptr": "*fp32"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "WAIT_ROWS": False,
                      # the EP sending programs: 16 of them, 128 experts, D = 2048

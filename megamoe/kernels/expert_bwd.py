@@ -47,8 +47,19 @@ def _act_bwd_kernel(
     WAIT_ROWS: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    e, _, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM,
-                                         TILE_M)
+    _act_bwd_tile(tl.program_id(0), x_ptr, dy_ptr, w13_desc, w2_desc, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
+                  row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, N, D, I, E, top_k, R,
+                  WAIT_ROWS, PREC, TILE_M, PART_COLS, BM, BN, BK, EVEN_K)
+
+
+@triton.jit
+def _act_bwd_tile(pid, x_ptr, dy_ptr, w13_desc, w2_desc, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
+                  row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, N, D, I, E, top_k, R,
+                  WAIT_ROWS: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """Program ``pid`` of the act kernel's grid (arguments as for ``_act_bwd_kernel``); the EP kernel that
+    also sends rows runs it on its programs past the senders."""
+    e, _, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
         return
     if WAIT_ROWS:
@@ -193,16 +204,20 @@ WGRAD = TunedKernel(
 def act_bwd(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int, arrivals: tuple | None = None):
     """Returns dz (N, 2I), h·w (N, I) in sorted rows and d(routing weight) (T, K) fp32. ``arrivals``: as
     for ``expert_fwd.up_swiglu_fwd``."""
-    num_slots = plan.row_slot_N.numel()
-    two_i = w13_EHD.shape[1]
-    dz_NH = torch.empty(num_slots, two_i, device=x_TD.device, dtype=x_TD.dtype)
-    hw_NI = torch.empty(num_slots, two_i // 2, device=x_TD.device, dtype=x_TD.dtype)
-    # Dropped slots are never written: their d(weight) is exactly zero.
-    dweight_part = torch.zeros(triton.cdiv(two_i // 2, PART_COLS), num_slots, device=x_TD.device,
-                               dtype=torch.float32)
+    dz_NH, hw_NI, dweight_part = act_bwd_outputs(plan.row_slot_N.numel(), w13_EHD.shape[1], x_TD)
     act_bwd_into(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan, top_k, dz_NH, hw_NI, dweight_part, arrivals)
     # Fixed-order sum over the column groups: deterministic.
     return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
+
+
+def act_bwd_outputs(num_slots: int, two_i: int, like: torch.Tensor):
+    """The act kernel's outputs: dz (N, 2I) and h·w (N, I) in ``like``'s dtype, and the partial
+    d(routing weight) (ceil(I / PART_COLS), N) fp32, zeroed: dropped slots are never written, so their
+    d(weight) is exactly zero."""
+    dz_NH = torch.empty(num_slots, two_i, device=like.device, dtype=like.dtype)
+    hw_NI = torch.empty(num_slots, two_i // 2, device=like.device, dtype=like.dtype)
+    dweight_part = torch.zeros(triton.cdiv(two_i // 2, PART_COLS), num_slots, device=like.device, dtype=torch.float32)
+    return dz_NH, hw_NI, dweight_part
 
 
 def act_bwd_into(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int,

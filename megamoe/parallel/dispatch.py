@@ -40,7 +40,15 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.combine import combine
-from megamoe.kernels.expert_bwd import DX, act_bwd, expert_wgrad
+from megamoe.kernels.expert_bwd import (
+    ACT_BWD,
+    DX,
+    PART_COLS,
+    _act_bwd_tile,
+    act_bwd,
+    act_bwd_outputs,
+    expert_wgrad,
+)
 from megamoe.kernels.expert_fwd import (
     DOWN,
     UP,
@@ -165,6 +173,20 @@ def _send_rows(block, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, cou
 
 
 @triton.jit
+def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, counts_flag_tab,
+            recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
+            rank, R, L, D, top_k, capacity, max_slots, HAS_DY: tl.constexpr, SENDERS: tl.constexpr,
+            RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
+    """Sending program ``pid`` of SENDERS in an expert kernel's launch: once the counts are in, my row
+    blocks pid, pid + SENDERS, ... (of ``num_blocks`` blocks of RB rows)."""
+    _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB)
+    for block in range(pid, num_blocks, SENDERS):
+        _send_rows(block, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, recv_x_tab, recv_dy_tab,
+                   recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
+                   rank, R, L, D, top_k, capacity, max_slots, HAS_DY, RB, EB, CB, BD)
+
+
+@triton.jit
 def _send_and_up_kernel(
     # Programs [0, SENDERS): phase 2, as _dispatch_rows_kernel (rows in blocks of RB, strided over them).
     x_ptr, weights_ptr, row_slot_ptr, offsets_ptr,
@@ -184,15 +206,40 @@ def _send_and_up_kernel(
     and they wait only for counts, which every rank wrote before this launch (docs/DESIGN_NOTES.md)."""
     pid = tl.program_id(0)
     if pid < SENDERS:
-        _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB)
-        for block in range(pid, num_blocks, SENDERS):
-            _send_rows(block, x_ptr, x_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, recv_x_tab,
-                       recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
-                       rank, R, L, D, top_k, capacity, max_slots, False, RB, EB, CB, BD)
+        _sender(pid, num_blocks, x_ptr, x_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, counts_flag_tab,
+                recv_x_tab, recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
+                rank, R, L, D, top_k, capacity, max_slots, False, SENDERS, RB, EB, CB, BD)
     else:
         _up_swiglu_tile(pid - SENDERS, recv_x_ptr, w13_desc, h_ptr, recv_row_slot_ptr, recv_offsets_ptr,
                         tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I, L, 1, R, True, PREC, TILE_M,
                         BM, BN, BK, EVEN_K)
+
+
+@triton.jit
+def _send_and_act_kernel(
+    # Programs [0, SENDERS): phase 2 of the backward (x and dy rows), as in _send_and_up_kernel.
+    x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr,
+    counts_tab, counts_flag_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab,
+    epoch_ptr, rank, R, L, top_k, capacity, max_slots, num_blocks,
+    # Programs SENDERS and up: the recompute+act kernel on my receive buffers, tiles waiting for their rows.
+    recv_x_ptr, recv_dy_ptr, w13_desc, w2_desc, recv_weight_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
+    recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I,
+    SENDERS: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
+    PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """The backward's phases 2 and 3 in one launch (see _send_and_up_kernel, whose no-deadlock argument
+    this shares)."""
+    pid = tl.program_id(0)
+    if pid < SENDERS:
+        _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, counts_flag_tab,
+                recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
+                rank, R, L, D, top_k, capacity, max_slots, True, SENDERS, RB, EB, CB, BD)
+    else:
+        _act_bwd_tile(pid - SENDERS, recv_x_ptr, recv_dy_ptr, w13_desc, w2_desc, recv_weight_ptr, dz_ptr, hw_ptr,
+                      dweight_part_ptr, recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
+                      arrived_ptr, counts_ptr, capacity, D, I, L, 1, R, True, PREC, TILE_M, PART_COLS, BM, BN, BK,
+                      EVEN_K)
 
 
 @triton.jit
@@ -298,6 +345,8 @@ SEND_ROWS = 64  # rows per step of a sending program of _send_and_up_kernel (few
 # Never autotuned (it moves rows into peers and counts them): the tiles UP chose on the same operands.
 SEND_UP = TunedKernel(_send_and_up_kernel, default=UP.default, candidates=[], key=UP.key, even_k=UP.even_k,
                       blocks=UP.blocks, follows=UP)
+SEND_ACT = TunedKernel(_send_and_act_kernel, default=ACT_BWD.default, candidates=[], key=ACT_BWD.key,
+                       even_k=ACT_BWD.even_k, blocks=ACT_BWD.blocks, follows=ACT_BWD)
 
 
 def exchange_counts(ws: Workspace, plan: Plan) -> None:
@@ -407,14 +456,46 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor
     return h_CI
 
 
-def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor):
+def send_and_act(ws: Workspace, x_TD: torch.Tensor, dy_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan,
+                 comm_sms: int, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, recv_plan: Plan, counts: torch.Tensor):
+    """The backward's phases 2 and 3 in one launch (``_send_and_act_kernel``): ``comm_sms`` programs send my
+    x and dy rows while the rest run the recompute+act kernel on my receive buffers. Returns dz (C, 2I),
+    h·w (C, I) and d(routing weight) (C,) fp32 of the received rows, as ``act_bwd`` does."""
+    num_local, two_i, dim = w13_LHD.shape
+    inter = two_i // 2
+    if not ACT_BWD.has_tuned(x_TD.dtype, D=dim, I=inter):  # choose the tiles on the plain kernel (rows: any)
+        act_bwd(ws.recv_x, ws.recv_dy, w13_LHD, w2_LDI, ws.recv_weight[:, None], recv_plan, top_k=1)
+    dz_CH, hw_CI, dweight_part = act_bwd_outputs(ws.capacity, two_i, x_TD)
+    num_experts = ws.num_ranks * num_local
+    tiles = tile_grid(recv_plan, inter)
+    SEND_ACT[lambda cfg: (comm_sms + tiles(cfg)[0],)](
+        x_TD, dy_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1,
+        *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_dy", "recv_meta", "recv_weight", "arrived",
+                                 "overflow")),
+        ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
+        triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
+        ws.recv_x, ws.recv_dy, descriptor(w13_LHD.view(num_local, 2, inter, dim)), descriptor(w2_LDI), ws.recv_weight,
+        dz_CH, hw_CI, dweight_part, recv_plan.row_slot_N, recv_plan.offsets_E1, recv_plan.tile_expert_NT,
+        recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
+        SENDERS=comm_sms, RB=SEND_ROWS, EB=triton.next_power_of_2(num_experts),
+        CB=triton.next_power_of_2(max(num_experts, ws.num_ranks)), BD=min(256, triton.next_power_of_2(dim)),
+        PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=x_TD.dtype,
+    )
+    return dz_CH, hw_CI, dweight_part.sum(dim=0)
+
+
+def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, send: tuple | None = None):
     """Phases 3 and 4, backward: the one-GPU fused backward on the received x and dy rows (the gate/up
     GEMM is recomputed; the rows are already in expert order, so the weight gradients need no gather);
     the dx GEMM writes each row, and its d(routing weight), straight into the source's slots. Returns
-    dw13 and dw2 of my experts."""
+    dw13 and dw2 of my experts. ``send = (x_TD, dy_TD, topk_weights_TK, plan, comm_sms)``: phase 2 runs in
+    the recompute+act kernel's launch (:func:`send_and_act`); without it, the caller ran :func:`dispatch_rows`."""
     plan, counts = received_plan(ws)
-    dz, hw, dweight = act_bwd(ws.recv_x, ws.recv_dy, w13_LHD, w2_LDI, ws.recv_weight[:, None], plan, top_k=1,
-                              arrivals=(ws.arrived, counts))
+    if send is None:
+        dz, hw, dweight = act_bwd(ws.recv_x, ws.recv_dy, w13_LHD, w2_LDI, ws.recv_weight[:, None], plan, top_k=1,
+                                  arrivals=(ws.arrived, counts))
+    else:
+        dz, hw, dweight = send_and_act(ws, *send, w13_LHD, w2_LDI, plan, counts)
     reset_arrivals(ws, counts)
     rows_to_peer_slots(ws, DX_PEER, dz, w13_LHD, plan, w13_LHD.shape[2], scalar_C=dweight.view(-1))
     return expert_wgrad(dz, ws.recv_x, plan, w13_LHD.dtype), expert_wgrad(ws.recv_dy, hw, plan, w2_LDI.dtype)
@@ -513,14 +594,22 @@ def loopback_round_trip(workspaces: list[Workspace], problems: list[tuple]) -> l
     return [ws.y_slots[: p[1].numel()] for ws, p in zip(workspaces, problems)]
 
 
-def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: list[torch.Tensor]) -> list[tuple]:
+def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: list[torch.Tensor],
+                      comm_sms: int = 0) -> list[tuple]:
     """The backward of :func:`loopback_forward` for output gradients ``dys``: per rank (dx, d topk_weights
     (fp32), dw13, dw2). Nothing from the forward is used: x and dy rows travel again (the workspace is
-    shared by every layer, so the forward's received rows are gone by then)."""
+    shared by every layer, so the forward's received rows are gone by then). ``comm_sms``: as for
+    :func:`loopback_forward` (one virtual rank only)."""
+    if comm_sms and len(workspaces) > 1:
+        raise ValueError("comm_sms > 0 on the loopback needs exactly one virtual rank")
     plans = _start(workspaces, problems)
-    for ws, plan, (x, _, weights, _, _), dy in zip(workspaces, plans, problems, dys):
-        dispatch_rows(ws, x, weights, plan, dy_TD=dy)
-    weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
+    if comm_sms:
+        (ws,), (plan,), ((x, _, weights, w13, w2),), (dy,) = workspaces, plans, problems, dys
+        weight_grads = [owner_experts_backward(ws, w13, w2, send=(x, dy, weights, plan, comm_sms))]
+    else:
+        for ws, plan, (x, _, weights, _, _), dy in zip(workspaces, plans, problems, dys):
+            dispatch_rows(ws, x, weights, plan, dy_TD=dy)
+        weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
     results = []
     for ws, (x, topk_idx, _, _, _), (dw13, dw2) in zip(workspaces, problems, weight_grads):
         results.append((*combine_returned_backward(ws, topk_idx, x.dtype), dw13, dw2))

@@ -45,7 +45,7 @@ class FusedEP(torch.autograd.Function):
             dispatch.owner_experts(ws, w13, w2)
         y = dispatch.combine_returned(ws, topk_idx, x.dtype)
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan.tensors())
-        ctx.ws = ws
+        ctx.ws, ctx.comm_sms = ws, comm_sms
         return y
 
     @staticmethod
@@ -53,8 +53,12 @@ class FusedEP(torch.autograd.Function):
         x, topk_idx, topk_weights, w13, w2, *plan_tensors = ctx.saved_tensors
         ws, plan = ctx.ws, Plan(*plan_tensors)
         dispatch.exchange_counts(ws, plan)
-        dispatch.dispatch_rows(ws, x, topk_weights, plan, dy_TD=dy.contiguous())
-        dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2)
+        if ctx.comm_sms:
+            dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2,
+                                                        send=(x, dy.contiguous(), topk_weights, plan, ctx.comm_sms))
+        else:
+            dispatch.dispatch_rows(ws, x, topk_weights, plan, dy_TD=dy.contiguous())
+            dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2)
         dx, dweight = dispatch.combine_returned_backward(ws, topk_idx, x.dtype)
         return dx, None, dweight.to(topk_weights.dtype), dw13, dw2, None, None
 
@@ -66,7 +70,8 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
     and must be the same on every rank; ``None`` agrees on the largest T of any rank at the first call
     (one collective and host sync, then never again for these sizes). ``comm_sms``: 0 sends the rows
     in a kernel of their own before the expert kernels; N > 0 sends them from N programs of the up
-    kernel's launch, overlapping its GEMM (forward; see :func:`megamoe.moe`)."""
+    (forward) and recompute+act (backward) kernels' launches, overlapping their GEMMs (see
+    :func:`megamoe.moe`)."""
     num_tokens, top_k = topk_idx.shape
     if max_tokens_per_rank is None:
         key = (group.group_name, w13.shape[0], top_k, x.shape[1], x.dtype)
