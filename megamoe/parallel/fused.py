@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megamoe.api import debug_checks_enabled
 from megamoe.kernels.plan import Plan, build_plan
 from megamoe.parallel import dispatch
 from megamoe.parallel.workspace import Workspace, symmetric_workspace
@@ -44,6 +45,8 @@ class FusedEP(torch.autograd.Function):
             dispatch.dispatch_rows(ws, x, topk_weights, plan)
             dispatch.owner_experts(ws, w13, w2)
         y = dispatch.combine_returned(ws, topk_idx, x.dtype)
+        if debug_checks_enabled():
+            ws.check_overflow(now=True)
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan.tensors())
         ctx.ws, ctx.comm_sms = ws, comm_sms
         return y
@@ -60,6 +63,8 @@ class FusedEP(torch.autograd.Function):
             dispatch.dispatch_rows(ws, x, topk_weights, plan, dy_TD=dy.contiguous())
             dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2)
         dx, dweight = dispatch.combine_returned_backward(ws, topk_idx, x.dtype)
+        if debug_checks_enabled():
+            ws.check_overflow(now=True)
         return dx, None, dweight.to(topk_weights.dtype), dw13, dw2, None, None
 
 

@@ -71,13 +71,18 @@ class Workspace:
             return buffers[name]
         raise AttributeError(name)
 
-    def check_overflow(self) -> None:
+    def check_overflow(self, now: bool = False) -> None:
         """Raise if any earlier call received more rows than ``capacity`` (those rows were dropped by the
         protocol, so its results were wrong). Asynchronous on a GPU (``torch._assert_async``: the stream
-        fails with this message); immediate on CPU."""
-        torch._assert_async(self.overflow[0] == 0,
-                            f"megamoe: expert-parallel receive capacity {self.capacity} rows exceeded on rank "
-                            f"{self.rank}; raise max_tokens_per_rank")
+        fails with this message, and the CUDA context with it); immediate on CPU. ``now``: read the counter
+        back (a host sync) and raise ``RuntimeError`` at once — the debug mode (``MEGAMOE_DEBUG=1``)."""
+        message = (f"megamoe: expert-parallel receive capacity {self.capacity} rows exceeded on rank {self.rank}; "
+                   "raise max_tokens_per_rank")
+        if now:
+            if int(self.overflow[0]):
+                raise RuntimeError(message)
+            return
+        torch._assert_async(self.overflow[0] == 0, message)
 
 
 def _check_ranks(num_ranks: int) -> None:
