@@ -234,7 +234,8 @@ from megamoe.parallel import dispatch
 from megamoe.parallel.workspace import loopback_workspaces
 from tests.helpers import make_problem
 
-R, L, T, K, D, I = 8, 4, 256, 4, 256, 128
+R, COMM_SMS = {ranks}, {comm_sms}
+L, T, K, D, I = 32 // R, 256, 4, 256, 128
 workspaces = loopback_workspaces(R, L, R * T * K, T * K, D, torch.bfloat16, "cuda")
 for step in range(200):
     x, idx, w, w13, w2, dy = make_problem(R * T, D, I, R * L, K, "random", dtype=torch.bfloat16, device="cuda",
@@ -242,10 +243,10 @@ for step in range(200):
     ranks = [(x[r * T:(r + 1) * T], idx[r * T:(r + 1) * T], w[r * T:(r + 1) * T], w13[r * L:(r + 1) * L],
               w2[r * L:(r + 1) * L]) for r in range(R)]
     if step % 2:
-        dispatch.loopback_backward(workspaces, ranks, [dy[r * T:(r + 1) * T] for r in range(R)])
+        dispatch.loopback_backward(workspaces, ranks, [dy[r * T:(r + 1) * T] for r in range(R)], comm_sms=COMM_SMS)
     else:
-        dispatch.loopback_forward(workspaces, ranks)
-ys = torch.cat(dispatch.loopback_forward(workspaces, ranks)).float()
+        dispatch.loopback_forward(workspaces, ranks, comm_sms=COMM_SMS)
+ys = torch.cat(dispatch.loopback_forward(workspaces, ranks, comm_sms=COMM_SMS)).float()
 ref32 = reference.moe_loop(x, idx, w, w13, w2, fp32=True)
 ref_lp = reference.moe_loop(x, idx, w, w13, w2).float()
 err, bound = (ys - ref32).abs().max().item(), 2 * (ref_lp - ref32).abs().max().item() + 1e-5 * ref32.abs().max().item()
@@ -254,19 +255,21 @@ print("done", int(workspaces[0].epoch[0]), "max err", err, "bound", bound, "ok" 
 
 
 @pytest.mark.gpu
-def test_two_hundred_loopback_steps_without_a_hang():
-    """R = 8 virtual ranks, forward and backward alternating, new routing every step, then a forward
-    checked against the reference; in a subprocess with a timeout, so that a hang fails the test instead
-    of stalling the run. Autotuning on, as users run it: the first step tunes the waiting expert kernels,
-    and the peer epilogues (which count columns at the sources) must run once per launch, not once per
-    config tried."""
+@pytest.mark.parametrize("ranks, comm_sms", [(8, 0), (1, 16)])
+def test_two_hundred_loopback_steps_without_a_hang(ranks, comm_sms):
+    """R virtual ranks, forward and backward alternating, new routing every step, then a forward checked
+    against the reference; in a subprocess with a timeout, so that a hang fails the test instead of
+    stalling the run. Autotuning on, as users run it: the first step tunes the waiting expert kernels,
+    and the kernels with peer side effects must run once per launch, not once per config tried. With
+    ``comm_sms`` (one rank), the rows are sent from the expert kernels' own launches."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
            "MEGAMOE_AUTOTUNE": "1"}
-    out = subprocess.run([sys.executable, "-c", STEPS_SCRIPT], capture_output=True, text=True, env=env,
+    script = STEPS_SCRIPT.format(ranks=ranks, comm_sms=comm_sms)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                          timeout=300, check=False)
     assert out.returncode == 0 and "done 201" in out.stdout and out.stdout.rstrip().endswith("ok"), \
         out.stdout + out.stderr
