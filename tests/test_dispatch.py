@@ -225,6 +225,27 @@ def test_loopback_benchmark_checks_the_protocol():
     assert info["loopback_fwd_max_rel_err"] < 1e-4
 
 
+def test_loopback_benchmark_timed_path_runs(monkeypatch):
+    """The GPU-only part of ``--ep --loopback 1 --comm-sms 2 --profile`` (timings, costs, per-kernel tables)
+    on CPU, with the timer and the CUDA queries stubbed: what it records, not how fast."""
+    import triton.testing
+
+    from megamoe.bench.ep import loopback_case
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 2.0)[1])
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stub")
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    info = loopback_case("tiny", 8, "random", 1, seed=0, timed=True, comm_sms=(2,), profile=True)
+    for key in ("loopback_fwd_ms", "loopback_fwd_bwd_ms", "plain_fwd_bwd_ms", "machinery_cost_fwd_bwd",
+                "loopback_fwd_ms_sms2", "machinery_cost_fwd_bwd_sms2", "loopback_fwd_max_rel_err_sms2"):
+        assert key in info, key
+    assert info["loopback_fwd_max_rel_err_sms2"] < 1e-4
+    assert "===== loopback backward, comm_sms=2" in info["_profile"]
+    if DEVICE == "cpu":
+        assert info["loopback_fwd_bwd_ms"] == 4.0 and info["machinery_cost_fwd_bwd_sms2"] == 1.0
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 STEPS_SCRIPT = """

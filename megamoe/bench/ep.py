@@ -337,7 +337,9 @@ def run_loopback(args, cuda: bool) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for preset, tokens, routing in itertools.product(args.preset, args.tokens, args.routing):
-        info = loopback_case(preset, tokens, routing, num_ranks, args.seed, timed=True, comm_sms=args.comm_sms)
+        info = loopback_case(preset, tokens, routing, num_ranks, args.seed, timed=True, comm_sms=args.comm_sms,
+                             profile=args.profile)
+        tables = info.pop("_profile", None)
         print(f"{preset} T={tokens}/rank {routing} loopback R={num_ranks}: fwd {info['loopback_fwd_ms']:.3f} ms "
               f"(plain {info['plain_fwd_ms']:.3f}, {100 * info['machinery_cost_fwd']:+.1f}%), fwd+bwd "
               f"{info['loopback_fwd_bwd_ms']:.3f} ms (plain {info['plain_fwd_bwd_ms']:.3f}, "
@@ -350,13 +352,17 @@ def run_loopback(args, cuda: bool) -> None:
         stem = f"{preset}-t{tokens}-{routing}-loopback{num_ranks}"
         (out / f"{stem}.json").write_text(json.dumps(info, indent=1) + "\n")
         print(f"wrote {out / stem}.json")
+        if tables:
+            (out / f"{stem}-profile.txt").write_text(tables)
+            print(f"wrote {out / stem}-profile.txt")
 
 
 def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: int, timed: bool,
-                  comm_sms=()) -> dict:
+                  comm_sms=(), profile: bool = False) -> dict:
     """One problem (``tokens`` per virtual rank): the loopback forward's error against the fp32
     reference and, if ``timed`` (a GPU), its times against the plain layer; the same with the rows sent
-    from N programs of the expert kernels' launches for each N of ``comm_sms`` (the error: forward)."""
+    from N programs of the expert kernels' launches for each N of ``comm_sms`` (the error: forward).
+    ``profile``: also ``"_profile"``, per-kernel CUDA time tables of every variant (text)."""
     from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest
     from megamoe.parallel import dispatch
     from megamoe.parallel.workspace import loopback_workspaces
@@ -388,20 +394,31 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
 
     def plain_fwd_bwd():
         megamoe.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3]).backward(dy)
+        for t in leaves:  # no gradient accumulation in the timed or profiled step
+            t.grad = None
 
-    times = {
-        "loopback_fwd_ms": do_bench(lambda: dispatch.loopback_forward(workspaces, ranks), return_mode="median"),
-        "loopback_bwd_ms": do_bench(lambda: dispatch.loopback_backward(workspaces, ranks, dys), return_mode="median"),
-        "plain_fwd_ms": do_bench(lambda: megamoe.moe(x, idx, w, w13, w2), return_mode="median"),
-        "plain_fwd_bwd_ms": do_bench(plain_fwd_bwd, grad_to_none=leaves, return_mode="median"),
-    }
+    def fwd(n=0):
+        return dispatch.loopback_forward(workspaces, ranks, comm_sms=n)
+
+    def bwd(n=0):
+        return dispatch.loopback_backward(workspaces, ranks, dys, comm_sms=n)
+
+    variants = {"loopback forward": fwd, "loopback backward": bwd,
+                "plain forward": lambda: megamoe.moe(x, idx, w, w13, w2), "plain forward+backward": plain_fwd_bwd}
+    ms = {name: do_bench(fn, return_mode="median") for name, fn in variants.items()}
+    times = {"loopback_fwd_ms": ms["loopback forward"], "loopback_bwd_ms": ms["loopback backward"],
+             "plain_fwd_ms": ms["plain forward"], "plain_fwd_bwd_ms": ms["plain forward+backward"]}
     times["loopback_fwd_bwd_ms"] = times["loopback_fwd_ms"] + times["loopback_bwd_ms"]
     for n in comm_sms:
-        fwd = do_bench(lambda n=n: dispatch.loopback_forward(workspaces, ranks, comm_sms=n), return_mode="median")
-        bwd = do_bench(lambda n=n: dispatch.loopback_backward(workspaces, ranks, dys, comm_sms=n), return_mode="median")
-        times.update({f"loopback_fwd_ms_sms{n}": fwd, f"loopback_fwd_bwd_ms_sms{n}": fwd + bwd,
-                      f"machinery_cost_fwd_sms{n}": fwd / times["plain_fwd_ms"] - 1,
-                      f"machinery_cost_fwd_bwd_sms{n}": (fwd + bwd) / times["plain_fwd_bwd_ms"] - 1})
+        variants[f"loopback forward, comm_sms={n}"] = functools.partial(fwd, n)
+        variants[f"loopback backward, comm_sms={n}"] = functools.partial(bwd, n)
+        f_ms = do_bench(variants[f"loopback forward, comm_sms={n}"], return_mode="median")
+        fb_ms = f_ms + do_bench(variants[f"loopback backward, comm_sms={n}"], return_mode="median")
+        times.update({f"loopback_fwd_ms_sms{n}": f_ms, f"loopback_fwd_bwd_ms_sms{n}": fb_ms,
+                      f"machinery_cost_fwd_sms{n}": f_ms / times["plain_fwd_ms"] - 1,
+                      f"machinery_cost_fwd_bwd_sms{n}": fb_ms / times["plain_fwd_bwd_ms"] - 1})
+    if profile:
+        times["_profile"] = kernel_tables(variants)
     return {
         "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
         "commit": git_commit(),
@@ -411,3 +428,24 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
         "machinery_cost_fwd": times["loopback_fwd_ms"] / times["plain_fwd_ms"] - 1,
         "machinery_cost_fwd_bwd": times["loopback_fwd_bwd_ms"] / times["plain_fwd_bwd_ms"] - 1,
     }
+
+
+def kernel_tables(variants: dict, calls: int = 5) -> str:
+    """Per-kernel CUDA time of each variant (name → function), ``calls`` calls after three warm-up calls,
+    as torch.profiler tables: where a variant's time goes, kernel by kernel (CPU time without a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activity, order = (ProfilerActivity.CUDA, "cuda_time_total") if cuda else (ProfilerActivity.CPU, "cpu_time_total")
+    out = []
+    for name, fn in variants.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[activity]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        out.append(f"===== {name} ({calls} calls)\n"
+                   + prof.key_averages().table(sort_by=order, row_limit=15, max_name_column_width=50))
+    return "\n".join(out) + "\n"

@@ -214,6 +214,9 @@ def parse_args(argv=None):
     p.add_argument("--comm-sms", type=lambda v: [int(n) for n in v.split(",")], default=[], metavar="N[,N...]",
                    help="with --ep: also the fused protocol sending rows from N programs of the expert kernels' "
                         "launches (impl fused_smsN; with --loopback, one virtual rank only)")
+    p.add_argument("--profile", action="store_true",
+                   help="with --ep --loopback: also write each variant's per-kernel CUDA times (torch.profiler) "
+                        "next to the JSON")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition budget per measurement")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
