@@ -12,5 +12,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch 2.13.0 resolves to the local CPU wheel; numpy<2.3 is needed by the Triton 3.6 interpreter.
 .venv/bin/python -m pip install -q --disable-pip-version-check \
-    "torch==2.13.0" "triton==3.6.0" "numpy<2.3" "pytest>=8" "matplotlib" >&2
+    "torch==2.13.0" "triton==3.6.0" "numpy<2.3" "pytest>=8" "pytest-timeout" "matplotlib" >&2
 echo .venv/bin/python

@@ -134,26 +134,32 @@ def test_loopback_forward_matches_one_device_reference(case, num_ranks):
         assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0, "counters not reset"
 
 
-@pytest.mark.parametrize("comm_sms", [1, 3])
+@pytest.mark.parametrize("num_ranks, comm_sms", [(1, 1), (1, 3), (3, 2), (4, 1)])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_rows_sent_from_the_up_kernels_launch_match_the_reference(case, comm_sms):
-    """Phase 2 on ``comm_sms`` programs of the up kernel's launch (one virtual rank: its own senders feed
-    its GEMM tiles), twice on one workspace; outputs against the fp32 reference."""
-    ranks, problem, _, _ = split_problem(case, 1)
+def test_rows_sent_from_the_up_kernels_launch_match_the_reference(case, num_ranks, comm_sms):
+    """Phase 2 on ``comm_sms`` programs of the up kernel's launch, in the senders' order (local expert, then
+    owner), twice on one workspace; outputs against the fp32 reference. One virtual rank: its senders
+    feed its own GEMM tiles in one launch; more: each rank's senders run first, in launches of their own."""
+    ranks, problem, bounds, _ = split_problem(case, num_ranks)
     workspaces = workspaces_for(ranks, case[2])
+    ref = reference.moe_loop(*problem[:5], fp32=True)
     for _ in range(2):
-        (y,) = dispatch.loopback_forward(workspaces, ranks, comm_sms=comm_sms)
-        torch.testing.assert_close(y, reference.moe_loop(*problem[:5], fp32=True), rtol=1e-5, atol=1e-5)
-        assert int(workspaces[0].arrived.abs().sum()) == 0 and int(workspaces[0].returned.abs().sum()) == 0
+        for r, y in enumerate(dispatch.loopback_forward(workspaces, ranks, comm_sms=comm_sms)):
+            torch.testing.assert_close(y, ref[bounds[r]:bounds[r + 1]], rtol=1e-5, atol=1e-5)
+        for ws in workspaces:
+            assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0
 
 
-def test_rows_sent_from_the_up_kernel_need_one_virtual_rank():
-    ranks = split_problem(CASES[0], 2)[0]
-    with pytest.raises(ValueError, match="one virtual rank"):
-        dispatch.loopback_forward(workspaces_for(ranks, CASES[0][2]), ranks, comm_sms=1)
+def test_send_order_is_local_expert_major():
+    """Segment o = l * R + k of the senders' order is my rows of owner k's local expert l."""
+    idx = torch.tensor([[0, 5], [1, 2], [4, 3], [5, 0], [2, 3]], device=DEVICE)  # R = 3 owners of L = 2 experts
+    plan = build_plan(idx, 6)
+    per_expert = torch.bincount(idx.flatten(), minlength=6)  # global expert e = k * L + l
+    lmajor = per_expert.view(3, 2).t().flatten()  # (l, k) order
+    assert torch.equal(dispatch.send_order(plan, 3, 2).long(), lmajor.cumsum(0))
 
 
-@pytest.mark.parametrize("num_ranks, comm_sms", [(2, 0), (4, 0), (1, 2)])
+@pytest.mark.parametrize("num_ranks, comm_sms", [(2, 0), (4, 0), (1, 2), (3, 2)])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_loopback_backward_matches_one_device_reference(case, num_ranks, comm_sms):
     """dx and d(routing weight) of each rank's tokens, dw13/dw2 of each rank's experts (rows of every

@@ -213,7 +213,8 @@ def parse_args(argv=None):
                         "plain one-device layer")
     p.add_argument("--comm-sms", type=lambda v: [int(n) for n in v.split(",")], default=[], metavar="N[,N...]",
                    help="with --ep: also the fused protocol sending rows from N programs of the expert kernels' "
-                        "launches (impl fused_smsN; with --loopback, one virtual rank only)")
+                        "launches (impl fused_smsN; with --loopback R > 1 each rank's senders run before every GEMM, so "
+                        "only R = 1 overlaps)")
     p.add_argument("--profile", action="store_true",
                    help="with --ep --loopback: also write each variant's per-kernel CUDA times (torch.profiler) "
                         "next to the JSON")

@@ -4,7 +4,8 @@ spills and shared memory from ``ptxas -v``: the first things to check before spe
 ``python -m megamoe.bench.resources [--candidates]``. Pointers and the D / I / P / Q sizes are
 specialised as 16-divisible, as Triton does at run time for such values: without that Triton neither
 vectorises nor pipelines the loads, and the report would describe a kernel that never runs. TMA
-descriptor parameters (``*_desc``) get the block shape the config gives them.
+descriptor parameters (``*_desc``) get the block shape the config gives them. Then the expert-parallel
+protocol's other kernels, which have no tile config, are compiled too (no report: they must compile).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot
                   "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
                   "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32", "arrived_ptr": "*i32", "counts_ptr": "*i32",
                   "epoch_ptr": "*i32", "recv_row_slot_ptr": "*i32", "recv_offsets_ptr": "*i32",
-                  "recv_weight_ptr": "*fp32"}
+                  "recv_weight_ptr": "*fp32", "send_ends_ptr": "*i32"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "WAIT_ROWS": False,
                      # the EP sending programs: 16 of them, 128 experts, D = 2048
@@ -109,6 +110,33 @@ def main(argv=None) -> None:
                 too_big.append(f"{name} {cfg}")
     if too_big:
         raise SystemExit("over the shared-memory limit: " + "; ".join(too_big))
+    for fn in PROTOCOL_KERNELS:
+        compile_protocol_kernel(fn)
+        print(f"{fn.__name__}: compiles", flush=True)
+
+
+# The expert-parallel protocol's other kernels (no tile config): checked to compile for sm_90a.
+PROTOCOL_KERNELS = (dispatch._exchange_counts_kernel, dispatch._dispatch_rows_kernel, dispatch._wait_epoch_kernel,
+                    dispatch._wait_and_reset_kernel, dispatch._return_rows_kernel, dispatch._signal_returned_kernel)
+_PROTOCOL_CONSTEXPRS = {"HAS_DY": True, "RB": 16, "EB": 128, "CB": 128, "BD": 256, "LB": 16, "NB": 8}
+
+
+def compile_protocol_kernel(fn):
+    """``fn`` (a dispatch.py kernel) for sm_90a with bf16 rows, 128 experts and D = 2048's block sizes."""
+    signature, constexprs = {}, {}
+    for param in fn.params:
+        name = param.name
+        if param.is_constexpr:
+            signature[name], constexprs[name] = "constexpr", _PROTOCOL_CONSTEXPRS[name]
+        elif name.endswith("_tab"):
+            signature[name] = "*i64"
+        elif name.endswith("_ptr"):
+            signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_x_ptr": "*bf16", "counter_ptr": "*i64",
+                               "expected_ptr": "*i64"}.get(name, _POINTER_TYPES.get(name, "*i32"))
+        else:
+            signature[name] = "i32"
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER,
+                          options={"num_warps": 4})
 
 
 if __name__ == "__main__":

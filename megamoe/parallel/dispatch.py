@@ -98,8 +98,10 @@ def _dispatch_rows_kernel(
 ):
     """Phase 2 as its own kernel: program i sends my sorted rows [i*RB, (i+1)*RB)."""
     _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB)
-    _send_rows(tl.program_id(0), x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, recv_x_tab,
-               recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
+    rows = tl.program_id(0) * RB + tl.arange(0, RB)
+    _send_rows(tl.where(rows < tl.load(offsets_ptr + R * L), rows, -1), x_ptr, dy_ptr, weights_ptr, row_slot_ptr,
+               offsets_ptr,
+               counts_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
                rank, R, L, D, top_k, capacity, max_slots, HAS_DY, RB, EB, CB, BD)
 
 
@@ -118,18 +120,17 @@ def _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB: tl.constexpr):
 
 
 @triton.jit
-def _send_rows(block, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, recv_x_tab, recv_dy_tab,
-               recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
+def _send_rows(rows, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, recv_x_tab,
+               recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
                rank, R, L, D, top_k, capacity, max_slots,
                HAS_DY: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
-    """My sorted rows [block*RB, (block+1)*RB) (and their dy rows if HAS_DY) into their owners' receive
-    buffers, once every owner's counts are in (the caller waited: ``_wait_all_counts``)."""
+    """My sorted rows ``rows`` (RB of them; -1: none) and their dy rows if HAS_DY into their owners' receive
+    buffers, once every owner's counts are in (the caller waited: ``_wait_all_counts``). The validity
+    travels as -1 rather than as a mask argument: Triton 3.6 fails to compile a boolean tensor passed to
+    a called function (sm_90a: "failed to legalize unresolved materialization ... tensor<64xi1>")."""
     E = R * L
     parity = tl.load(epoch_ptr) % 2
-    rows = block * RB + tl.arange(0, RB)
-    rmask = rows < tl.load(offsets_ptr + E)
-    if tl.sum(rmask.to(tl.int32), axis=0) == 0:
-        return
+    rmask = rows >= 0  # every access below is masked by it (an early return here fails to compile too)
     # Global expert of each row: the number of experts whose rows end at or before it.
     es = tl.arange(0, EB)
     ends = tl.load(offsets_ptr + es + 1, mask=es < E, other=2147483647)
@@ -173,23 +174,35 @@ def _send_rows(block, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, cou
 
 
 @triton.jit
-def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, counts_flag_tab,
-            recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
-            rank, R, L, D, top_k, capacity, max_slots, HAS_DY: tl.constexpr, SENDERS: tl.constexpr,
+def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr, counts_tab,
+            counts_flag_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab,
+            epoch_ptr, rank, R, L, D, top_k, capacity, max_slots, HAS_DY: tl.constexpr, SENDERS: tl.constexpr,
             RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
-    """Sending program ``pid`` of SENDERS in an expert kernel's launch: once the counts are in, my row
-    blocks pid, pid + SENDERS, ... (of ``num_blocks`` blocks of RB rows)."""
+    """Sending program ``pid`` of SENDERS in an expert kernel's launch: once the counts are in, blocks pid,
+    pid + SENDERS, ... (of ``num_blocks`` blocks of RB rows) of my rows in sending order — local expert
+    first, then owner (``send_ends``: see :func:`send_order`) — so that every owner receives its first
+    experts' rows from every source first and its tiles can start while later experts' rows travel."""
     _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB)
+    E = R * L
+    os_ = tl.arange(0, EB)
+    ends = tl.load(send_ends_ptr + os_, mask=os_ < E, other=2147483647)
     for block in range(pid, num_blocks, SENDERS):
-        _send_rows(block, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, recv_x_tab, recv_dy_tab,
-                   recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
+        pos = block * RB + tl.arange(0, RB)
+        pmask = pos < tl.load(send_ends_ptr + E - 1)
+        # Segment o (local expert o // R of owner o % R) holds the positions [ends[o-1], ends[o]).
+        o = tl.minimum(tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), axis=1), E - 1)
+        e = (o % R) * L + o // R
+        seg_end = tl.load(send_ends_ptr + o, mask=pmask, other=0)
+        rows = tl.load(offsets_ptr + e + 1, mask=pmask, other=0) - (seg_end - pos)
+        _send_rows(tl.where(pmask, rows, -1), x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, recv_x_tab,
+                   recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
                    rank, R, L, D, top_k, capacity, max_slots, HAS_DY, RB, EB, CB, BD)
 
 
 @triton.jit
 def _send_and_up_kernel(
     # Programs [0, SENDERS): phase 2, as _dispatch_rows_kernel (rows in blocks of RB, strided over them).
-    x_ptr, weights_ptr, row_slot_ptr, offsets_ptr,
+    x_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr,
     counts_tab, counts_flag_tab, recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
     rank, R, L, top_k, capacity, max_slots, num_blocks,
     # Programs SENDERS and up: the up kernel on my receive buffer (its plan: recv_*), each tile waiting
@@ -206,7 +219,8 @@ def _send_and_up_kernel(
     and they wait only for counts, which every rank wrote before this launch (docs/DESIGN_NOTES.md)."""
     pid = tl.program_id(0)
     if pid < SENDERS:
-        _sender(pid, num_blocks, x_ptr, x_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, counts_flag_tab,
+        _sender(pid, num_blocks, x_ptr, x_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr, counts_tab,
+                counts_flag_tab,
                 recv_x_tab, recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
                 rank, R, L, D, top_k, capacity, max_slots, False, SENDERS, RB, EB, CB, BD)
     else:
@@ -218,7 +232,7 @@ def _send_and_up_kernel(
 @triton.jit
 def _send_and_act_kernel(
     # Programs [0, SENDERS): phase 2 of the backward (x and dy rows), as in _send_and_up_kernel.
-    x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr,
+    x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr,
     counts_tab, counts_flag_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab,
     epoch_ptr, rank, R, L, top_k, capacity, max_slots, num_blocks,
     # Programs SENDERS and up: the recompute+act kernel on my receive buffers, tiles waiting for their rows.
@@ -232,7 +246,8 @@ def _send_and_act_kernel(
     this shares)."""
     pid = tl.program_id(0)
     if pid < SENDERS:
-        _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, counts_flag_tab,
+        _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr, counts_tab,
+                counts_flag_tab,
                 recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
                 rank, R, L, D, top_k, capacity, max_slots, True, SENDERS, RB, EB, CB, BD)
     else:
@@ -430,11 +445,22 @@ def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, se
     rows_to_peer_slots(ws, DOWN_PEER, h, w2_LDI, plan, w2_LDI.shape[1], weights_C=ws.recv_weight)
 
 
+def send_order(plan: Plan, num_ranks: int, num_local: int) -> torch.Tensor:
+    """(E,) int32: where each segment of my rows ends in the senders' order — local expert l major, owner k
+    minor (segment o = l * R + k holds my rows of global expert k * L + l). Sorted by global expert, every
+    source would send to owner 0 first and owner R-1's tiles could not start before the whole exchange
+    ended; in this order every owner has its expert-0 rows from every source after about 1/L of it.
+    On the device, no sync."""
+    counts = plan.offsets_E1.diff().view(num_ranks, num_local)
+    return counts.t().reshape(-1).cumsum(0).to(torch.int32)
+
+
 def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan, comm_sms: int,
-                w13_LHD: torch.Tensor, recv_plan: Plan, counts: torch.Tensor) -> torch.Tensor:
+                w13_LHD: torch.Tensor, recv_plan: Plan, counts: torch.Tensor, compute: bool = True) -> torch.Tensor:
     """Phases 2 and 3 in one launch (``_send_and_up_kernel``): ``comm_sms`` programs send my rows (``plan``)
     while the rest run the up + SwiGLU GEMM on my receive buffer (``recv_plan``), each tile once its
-    expert's rows are in. Returns h (C, I) in received-row order."""
+    expert's rows are in. Returns h (C, I) in received-row order. ``compute=False``: the senders alone
+    (the loopback's way to run them for several virtual ranks on one stream; h is not written)."""
     num_local, two_i, dim = w13_LHD.shape
     inter = two_i // 2
     if not UP.has_tuned(x_TD.dtype, D=dim, I=inter):  # choose the tiles on the plain kernel (rows: any)
@@ -442,8 +468,8 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor
     h_CI = torch.empty(ws.capacity, inter, device=x_TD.device, dtype=x_TD.dtype)
     num_experts = ws.num_ranks * num_local
     tiles = tile_grid(recv_plan, inter)
-    SEND_UP[lambda cfg: (comm_sms + tiles(cfg)[0],)](
-        x_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1,
+    SEND_UP[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
+        x_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1, send_order(plan, ws.num_ranks, num_local),
         *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_meta", "recv_weight", "arrived", "overflow")),
         ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
         triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
@@ -457,10 +483,12 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor
 
 
 def send_and_act(ws: Workspace, x_TD: torch.Tensor, dy_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan,
-                 comm_sms: int, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, recv_plan: Plan, counts: torch.Tensor):
+                 comm_sms: int, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, recv_plan: Plan, counts: torch.Tensor,
+                 compute: bool = True):
     """The backward's phases 2 and 3 in one launch (``_send_and_act_kernel``): ``comm_sms`` programs send my
     x and dy rows while the rest run the recompute+act kernel on my receive buffers. Returns dz (C, 2I),
-    h·w (C, I) and d(routing weight) (C,) fp32 of the received rows, as ``act_bwd`` does."""
+    h·w (C, I) and d(routing weight) (C,) fp32 of the received rows, as ``act_bwd`` does. ``compute``: as
+    for :func:`send_and_up`."""
     num_local, two_i, dim = w13_LHD.shape
     inter = two_i // 2
     if not ACT_BWD.has_tuned(x_TD.dtype, D=dim, I=inter):  # choose the tiles on the plain kernel (rows: any)
@@ -468,8 +496,9 @@ def send_and_act(ws: Workspace, x_TD: torch.Tensor, dy_TD: torch.Tensor, topk_we
     dz_CH, hw_CI, dweight_part = act_bwd_outputs(ws.capacity, two_i, x_TD)
     num_experts = ws.num_ranks * num_local
     tiles = tile_grid(recv_plan, inter)
-    SEND_ACT[lambda cfg: (comm_sms + tiles(cfg)[0],)](
+    SEND_ACT[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
         x_TD, dy_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1,
+        send_order(plan, ws.num_ranks, num_local),
         *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_dy", "recv_meta", "recv_weight", "arrived",
                                  "overflow")),
         ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
@@ -566,14 +595,18 @@ def loopback_forward(workspaces: list[Workspace], problems: list[tuple], comm_sm
     """The forward of R virtual ranks on one device: ``problems[r] = (x, topk_idx, topk_weights, w13, w2)``
     with global expert ids and rank r's local experts. Each phase runs for every rank before the next,
     so every wait's producer has already run (one device executes the launches in order).
-    ``comm_sms > 0`` (one virtual rank only): the rows are sent from the up kernel's launch
-    (:func:`send_and_up`); with more ranks, one rank's launch would wait for rows a later launch sends."""
-    if comm_sms and len(workspaces) > 1:
-        raise ValueError("comm_sms > 0 on the loopback needs exactly one virtual rank")
+    ``comm_sms > 0``: the rows are sent by ``comm_sms`` programs of the up kernel's launch (:func:`send_and_up`)
+    — with one virtual rank in the same launch as its GEMM tiles; with more, each rank's senders run in a
+    launch of their own first (a rank's tiles would otherwise wait for rows that a later launch sends)."""
     plans = _start(workspaces, problems)
-    if comm_sms:
+    if comm_sms and len(workspaces) == 1:
         (ws,), (plan,), ((x, _, weights, w13, w2),) = workspaces, plans, problems
         owner_experts(ws, w13, w2, send=(x, weights, plan, comm_sms))
+    elif comm_sms:
+        for ws, plan, (x, _, weights, w13, _) in zip(workspaces, plans, problems):
+            send_and_up(ws, x, weights, plan, comm_sms, w13, *received_plan(ws), compute=False)
+        for ws, p in zip(workspaces, problems):
+            owner_experts(ws, p[3], p[4])
     else:
         for ws, plan, (x, _, weights, _, _) in zip(workspaces, plans, problems):
             dispatch_rows(ws, x, weights, plan)
@@ -599,13 +632,15 @@ def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: l
     """The backward of :func:`loopback_forward` for output gradients ``dys``: per rank (dx, d topk_weights
     (fp32), dw13, dw2). Nothing from the forward is used: x and dy rows travel again (the workspace is
     shared by every layer, so the forward's received rows are gone by then). ``comm_sms``: as for
-    :func:`loopback_forward` (one virtual rank only)."""
-    if comm_sms and len(workspaces) > 1:
-        raise ValueError("comm_sms > 0 on the loopback needs exactly one virtual rank")
+    :func:`loopback_forward`."""
     plans = _start(workspaces, problems)
-    if comm_sms:
+    if comm_sms and len(workspaces) == 1:
         (ws,), (plan,), ((x, _, weights, w13, w2),), (dy,) = workspaces, plans, problems, dys
         weight_grads = [owner_experts_backward(ws, w13, w2, send=(x, dy, weights, plan, comm_sms))]
+    elif comm_sms:
+        for ws, plan, (x, _, weights, w13, w2), dy in zip(workspaces, plans, problems, dys):
+            send_and_act(ws, x, dy, weights, plan, comm_sms, w13, w2, *received_plan(ws), compute=False)
+        weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
     else:
         for ws, plan, (x, _, weights, _, _), dy in zip(workspaces, plans, problems, dys):
             dispatch_rows(ws, x, weights, plan, dy_TD=dy)
