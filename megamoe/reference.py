@@ -34,7 +34,7 @@ def _maybe_fp32(fp32: bool, *tensors: torch.Tensor) -> list[torch.Tensor]:
 
 def grouped_mm_supports(dim: int, inter: int, dtype: torch.dtype) -> bool:
     """``torch._grouped_mm`` needs every row stride to be a multiple of 16 bytes."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     return (dim * size) % 16 == 0 and (inter * size) % 16 == 0
 
 
