@@ -162,7 +162,7 @@ def moe(
             on every SM, before the expert kernels; N > 0 sends them from N programs (one SM each) of
             the gate/up kernel's launch (forward) and of the recompute+act kernel's launch (backward)
             while their other programs compute on the rows already in — communication overlapping the
-            GEMMs (not yet measured on several GPUs, hence not the default).
+            GEMMs (not yet measured on several GPUs, hence not the default). Fewer than the GPU's SMs.
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``
             (blockwise e4m3) is planned and raises ``NotImplementedError`` for now.
 
