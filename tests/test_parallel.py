@@ -76,6 +76,9 @@ def _worker(rank, num_ranks, init_file, test):
                     check_rank(case, rank, num_ranks, group,
                                lambda *a, c=comm_sms: megamoe.moe(*a, group=group, comm_sms=c), device=f"cuda:{rank}")
             check_bench(group, torch.device("cuda", rank))
+            x, idx, w, w13, w2, _ = make_problem(8, 32, 16, 2 * num_ranks, 2, "random", device=f"cuda:{rank}")
+            with pytest.raises(ValueError, match="leaves none of this GPU's"):
+                megamoe.moe(x, idx, w, w13[:2].contiguous(), w2[:2].contiguous(), group=group, comm_sms=100_000)
         elif test == "baseline":
             for case in CASES:
                 check_rank(case, rank, num_ranks, group,
