@@ -16,7 +16,7 @@ every virtual rank before the next phase, so that on one device no wait can prec
    results are deterministic), copy them with their slot id and routing weight, and count them into
    the owner's ``arrived[me, l]`` (release). Rows past the owner's capacity are not written; they are
    counted in ``overflow`` (the owner's and mine) and reported by ``Workspace.check_overflow`` (the
-   call's output is wrong then), and counted as arrived and returned so that no wait hangs on them.
+   call's output is wrong then), and counted as arrived so that no wait hangs on them.
 3. and 4. :func:`owner_experts` — wait for every source's counts, build the plan of the rows on their
    way, run the one-GPU up + SwiGLU kernel on ``recv_x`` — each tile first waits until its expert's
    rows from every source are in (``arrived`` equals ``counts``, acquire), so experts whose rows are
@@ -29,8 +29,10 @@ every virtual rank before the next phase, so that on one device no wait can prec
 5. :func:`combine_returned` — wait until every owner has signalled ``returned`` (acquire), reset it, and
    reduce each token's K slots in slot order (fp32).
 
-Not yet: persistent expert kernels that pick ready tiles first (a waiting program holds its SM), and
-communication on a chosen number of SMs.
+With ``comm_sms = N > 0`` phases 2 and 3 share one launch (:func:`send_and_up`, :func:`send_and_act`): the
+first N programs send my rows (local expert first, owner second: :func:`send_order`) while the others are
+the expert kernel's tiles, which wait for their rows as above — communication on N SMs overlapping the
+GEMM. Not yet: persistent expert kernels that pick ready tiles first (a waiting program holds its SM).
 """
 
 from __future__ import annotations
