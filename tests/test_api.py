@@ -115,3 +115,14 @@ def test_benchmark_cpu_path_checks_correctness(capsys):
     out = capsys.readouterr().out
     assert "timings need a GPU" in out
     assert "OK" in out and "megamoe" in out
+
+
+def test_benchmark_impls():
+    """Every impl name the benchmark offers builds; the CUDA-graph variant times the same function."""
+    from megamoe.bench.layer import IMPLS, make_impls
+
+    impls = {impl.name: impl for impl in make_impls([n for n in IMPLS if n != "liger"], "cpu")}
+    assert impls["megamoe_cudagraph"].cuda_graph and not impls["megamoe"].cuda_graph
+    assert impls["megamoe_cudagraph"].fn is impls["megamoe"].fn is megamoe.moe
+    with pytest.raises(ValueError, match="unknown impl"):
+        make_impls(["megamoe_eager"], "cpu")

@@ -46,7 +46,7 @@ PRESETS = {
     "tiny": (64, 32, 8, 2),
 }
 ROUTINGS = ("random", "balanced", "skewed")
-IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "megamoe")
+IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "megamoe", "megamoe_cudagraph")
 BASELINES = ("grouped_mm", "grouped_mm_compiled")
 
 
@@ -80,6 +80,7 @@ class Impl:
     name: str
     fn: Callable
     keeps_activations: bool  # True: under full checkpointing its step costs fwd + (fwd + bwd)
+    cuda_graph: bool = False  # timed as CUDA-graph replays (no host launch cost); memory measured eagerly
 
 
 def liger_moe() -> Callable:
@@ -107,9 +108,9 @@ def make_impls(names, device) -> list[Impl]:
             impls.append(Impl(name, torch.compile(reference.moe_grouped_mm, fullgraph=True), True))
         elif name == "liger":
             impls.append(Impl(name, liger_moe(), True))
-        elif name == "megamoe":
+        elif name in ("megamoe", "megamoe_cudagraph"):
             fused = backend_for(torch.empty(0, device=device)) == "triton"
-            impls.append(Impl(name, megamoe.moe, not fused))
+            impls.append(Impl(name, megamoe.moe, not fused, cuda_graph=name == "megamoe_cudagraph"))
         else:
             raise ValueError(f"unknown impl {name!r}; choose from {IMPLS}")
     return impls
@@ -157,8 +158,13 @@ def time_impl(impl: Impl, problem, rep_ms: int) -> dict:
 
     fwd_bwd()  # compile / autotune / warm up outside the timed region
     torch.cuda.synchronize()
-    fwd_ms = do_bench(fwd, warmup=100, rep=rep_ms, return_mode="median")
-    fwd_bwd_ms = do_bench(fwd_bwd, warmup=100, rep=rep_ms, grad_to_none=leaves, return_mode="median")
+    if impl.cuda_graph:  # the same launches, replayed: what a captured training step pays
+        timed_fwd = cuda_graphed(fwd)
+        timed_fwd_bwd = cuda_graphed(lambda: torch.autograd.grad(fwd(), leaves, dy))
+    else:
+        timed_fwd, timed_fwd_bwd = fwd, fwd_bwd
+    fwd_ms = do_bench(timed_fwd, warmup=100, rep=rep_ms, return_mode="median")
+    fwd_bwd_ms = do_bench(timed_fwd_bwd, warmup=100, rep=rep_ms, grad_to_none=leaves, return_mode="median")
 
     for t in leaves:
         t.grad = None
@@ -180,6 +186,20 @@ def time_impl(impl: Impl, problem, rep_ms: int) -> dict:
     return {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "ac_step_ms": ac_ms,
             "fwd_plus_fwd_bwd_ms": fwd_ms + fwd_bwd_ms,
             "saved_activation_bytes": int(saved), "peak_extra_bytes": int(peak_extra)}
+
+
+def cuda_graphed(fn: Callable) -> Callable:
+    """``fn``'s launches captured once in a CUDA graph (after a warm-up call on the capture stream);
+    returns the graph's replay, which reruns them on the same tensors."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def csv_of(allowed):
