@@ -346,8 +346,9 @@ def _signal_returned_kernel(returned_tab, rank, R, RB: tl.constexpr):
 
 
 # The owners' output GEMMs: the tiles of the one-device DOWN / DX kernels, the peer epilogue above.
-# They add to the sources' arrival counters, so they never autotune (each config the autotuner tried
-# would count its columns again): they take the tiles DOWN / DX chose on the same operands.
+# Their stores go into other ranks' memory, so they are not autotuned (each config tried would write
+# there again, and the timing would be of NVLink traffic): they take the tiles DOWN / DX chose on the
+# same operands. (The first version also counted its columns at the sources, and hung when autotuned.)
 DOWN_PEER = TunedKernel(_rows_to_peer_slots_kernel, default=DOWN.default, candidates=[], key=DOWN.key,
                         even_k=None, blocks=DOWN.blocks, follows=DOWN,
                         constants={"W_K_LAST": True, "WEIGHTED": True, "SCALAR": False})
@@ -366,6 +367,14 @@ SEND_ACT = TunedKernel(_send_and_act_kernel, default=ACT_BWD.default, candidates
                        even_k=ACT_BWD.even_k, blocks=ACT_BWD.blocks, follows=ACT_BWD)
 
 
+def _send_blocks(ws: Workspace, dim: int) -> dict:
+    """Block sizes of the row-sending code (``_send_rows``): all global experts (EB), all (source, local
+    expert) counts or ranks (CB), and the columns copied per step (BD)."""
+    num_experts = ws.num_ranks * ws.num_local
+    return {"EB": triton.next_power_of_2(num_experts), "CB": triton.next_power_of_2(max(num_experts, ws.num_ranks)),
+            "BD": min(256, triton.next_power_of_2(dim))}
+
+
 def exchange_counts(ws: Workspace, plan: Plan) -> None:
     """Phase 1, which starts a call: a new epoch (on the device), then my counts to every owner."""
     ws.epoch.add_(1)
@@ -379,7 +388,6 @@ def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tens
     """Phase 2: my routed rows into their owners' receive buffers (and, in the backward, their dy rows)."""
     num_slots = plan.row_slot_N.numel()
     dim = x_TD.shape[1]
-    num_experts = ws.num_ranks * ws.num_local
     if num_slots == 0:
         return
     _dispatch_rows_kernel[(triton.cdiv(num_slots, ROWS_PER_PROGRAM),)](
@@ -387,8 +395,7 @@ def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tens
         *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_dy", "recv_meta", "recv_weight",
                                  "arrived", "overflow")),
         ws.epoch, ws.rank, ws.num_ranks, ws.num_local, dim, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
-        HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM, EB=triton.next_power_of_2(num_experts),
-        CB=triton.next_power_of_2(max(num_experts, ws.num_ranks)), BD=min(256, triton.next_power_of_2(dim)),
+        HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM, **_send_blocks(ws, dim),
     )
 
 
@@ -468,7 +475,6 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor
     if not UP.has_tuned(x_TD.dtype, D=dim, I=inter):  # choose the tiles on the plain kernel (rows: any)
         up_swiglu_fwd(ws.recv_x, w13_LHD, recv_plan, top_k=1)
     h_CI = torch.empty(ws.capacity, inter, device=x_TD.device, dtype=x_TD.dtype)
-    num_experts = ws.num_ranks * num_local
     tiles = tile_grid(recv_plan, inter)
     SEND_UP[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
         x_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1, send_order(plan, ws.num_ranks, num_local),
@@ -477,8 +483,7 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor
         triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
         ws.recv_x, descriptor(w13_LHD.view(num_local, 2, inter, dim)), h_CI, recv_plan.row_slot_N,
         recv_plan.offsets_E1, recv_plan.tile_expert_NT, recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
-        SENDERS=comm_sms, RB=SEND_ROWS, EB=triton.next_power_of_2(num_experts),
-        CB=triton.next_power_of_2(max(num_experts, ws.num_ranks)), BD=min(256, triton.next_power_of_2(dim)),
+        SENDERS=comm_sms, RB=SEND_ROWS, **_send_blocks(ws, dim),
         PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
     )
     return h_CI
@@ -496,7 +501,6 @@ def send_and_act(ws: Workspace, x_TD: torch.Tensor, dy_TD: torch.Tensor, topk_we
     if not ACT_BWD.has_tuned(x_TD.dtype, D=dim, I=inter):  # choose the tiles on the plain kernel (rows: any)
         act_bwd(ws.recv_x, ws.recv_dy, w13_LHD, w2_LDI, ws.recv_weight[:, None], recv_plan, top_k=1)
     dz_CH, hw_CI, dweight_part = act_bwd_outputs(ws.capacity, two_i, x_TD)
-    num_experts = ws.num_ranks * num_local
     tiles = tile_grid(recv_plan, inter)
     SEND_ACT[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
         x_TD, dy_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1,
@@ -508,8 +512,7 @@ def send_and_act(ws: Workspace, x_TD: torch.Tensor, dy_TD: torch.Tensor, topk_we
         ws.recv_x, ws.recv_dy, descriptor(w13_LHD.view(num_local, 2, inter, dim)), descriptor(w2_LDI), ws.recv_weight,
         dz_CH, hw_CI, dweight_part, recv_plan.row_slot_N, recv_plan.offsets_E1, recv_plan.tile_expert_NT,
         recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
-        SENDERS=comm_sms, RB=SEND_ROWS, EB=triton.next_power_of_2(num_experts),
-        CB=triton.next_power_of_2(max(num_experts, ws.num_ranks)), BD=min(256, triton.next_power_of_2(dim)),
+        SENDERS=comm_sms, RB=SEND_ROWS, **_send_blocks(ws, dim),
         PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=x_TD.dtype,
     )
     return dz_CH, hw_CI, dweight_part.sum(dim=0)
