@@ -10,6 +10,7 @@ import torch
 
 import megamoe
 from megamoe.api import backend_for
+from megamoe.bench.layer import cuda_graphed
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import BLOCK_M, build_plan
 from tests.helpers import SHAPES, assert_close_to_reference, make_problem, run_with_grads
@@ -271,18 +272,11 @@ def test_cuda_graph_replays_with_new_routing():
         y = megamoe.moe(leaves[0], static_idx, leaves[1], leaves[2], leaves[3])
         return [y, *torch.autograd.grad(y, leaves, dy)]
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    replay, outs = cuda_graphed(step)
     for seed in (1, 2):
         new_idx = gpu_problem(512, 256, 128, 16, 4, "skewed", seed=seed)[1]
         static_idx.copy_(new_idx)
-        graph.replay()
+        replay()
         expected = run_with_grads(megamoe.moe, x, new_idx, w, w13, w2, dy)
         for a, b in zip(outs, expected):
             assert torch.equal(a, b)

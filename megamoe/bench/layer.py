@@ -159,8 +159,8 @@ def time_impl(impl: Impl, problem, rep_ms: int) -> dict:
     fwd_bwd()  # compile / autotune / warm up outside the timed region
     torch.cuda.synchronize()
     if impl.cuda_graph:  # the same launches, replayed: what a captured training step pays
-        timed_fwd = cuda_graphed(fwd)
-        timed_fwd_bwd = cuda_graphed(lambda: torch.autograd.grad(fwd(), leaves, dy))
+        timed_fwd, _ = cuda_graphed(fwd)
+        timed_fwd_bwd, _ = cuda_graphed(lambda: torch.autograd.grad(fwd(), leaves, dy))
     else:
         timed_fwd, timed_fwd_bwd = fwd, fwd_bwd
     fwd_ms = do_bench(timed_fwd, warmup=100, rep=rep_ms, return_mode="median")
@@ -188,9 +188,10 @@ def time_impl(impl: Impl, problem, rep_ms: int) -> dict:
             "saved_activation_bytes": int(saved), "peak_extra_bytes": int(peak_extra)}
 
 
-def cuda_graphed(fn: Callable) -> Callable:
-    """``fn``'s launches captured once in a CUDA graph (after a warm-up call on the capture stream);
-    returns the graph's replay, which reruns them on the same tensors."""
+def cuda_graphed(fn: Callable) -> tuple[Callable, object]:
+    """``fn``'s launches captured once in a CUDA graph (after a warm-up call on a side stream); returns
+    the graph's replay, which reruns them on the same tensors, and what the captured call returned (the
+    tensors each replay rewrites)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -198,8 +199,8 @@ def cuda_graphed(fn: Callable) -> Callable:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        out = fn()
+    return graph.replay, out
 
 
 def csv_of(allowed):
