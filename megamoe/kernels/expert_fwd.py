@@ -156,8 +156,8 @@ def _rows_to_slots_kernel(
 ):
     """A GEMM over sorted rows whose output rows go back to slot order: the forward's down projection
     (h W2^T, weighted) and the backward's dx (dz W13, unweighted)."""
-    e, row0, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(N_OUT, BN), BM,
-                                             TILE_M)
+    e, row0, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
+                                             tl.cdiv(N_OUT, BN), BM, TILE_M)
     if e >= E:
         return
     n0 = pid_n * BN
