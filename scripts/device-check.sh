@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv > "$work/gpu.txt" 2>&1
 case $stage in
 tests)
     step gpu-tests 380 "${py[@]}" -m pytest -m gpu -q -p no:logging
-    step loopback-tests 180 "${py[@]}" -m pytest -q -p no:logging tests/test_dispatch.py
+    step loopback-tests 420 "${py[@]}" -m pytest -q -p no:logging tests/test_dispatch.py
     ;;
 bench)
     step loopback-bench 200 "${py[@]}" -m megamoe.bench --ep --loopback 1 --comm-sms 8,16,32 --profile --no-plot \

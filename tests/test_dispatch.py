@@ -228,7 +228,7 @@ def test_loopback_benchmark_checks_the_protocol():
     from megamoe.bench.ep import loopback_case
 
     info = loopback_case("tiny", 8, "skewed", 4, seed=0, timed=False)
-    assert info["loopback_fwd_max_rel_err"] < 1e-4
+    assert info["loopback_fwd_max_rel_err"] <= 2 * info["plain_fwd_max_rel_err"] + 1e-4  # fp32 on CPU, bf16 on GPUs
 
 
 def test_loopback_benchmark_timed_path_runs(monkeypatch):
@@ -246,7 +246,7 @@ def test_loopback_benchmark_timed_path_runs(monkeypatch):
     for key in ("loopback_fwd_ms", "loopback_fwd_bwd_ms", "plain_fwd_bwd_ms", "machinery_cost_fwd_bwd",
                 "loopback_fwd_ms_sms2", "machinery_cost_fwd_bwd_sms2", "loopback_fwd_max_rel_err_sms2"):
         assert key in info, key
-    assert info["loopback_fwd_max_rel_err_sms2"] < 1e-4
+    assert info["loopback_fwd_max_rel_err_sms2"] <= 2 * info["plain_fwd_max_rel_err"] + 1e-4
     assert "===== loopback backward, comm_sms=2" in info["_profile"]
     if DEVICE == "cpu":
         assert info["loopback_fwd_bwd_ms"] == 4.0 and info["machinery_cost_fwd_bwd_sms2"] == 1.0

@@ -78,7 +78,8 @@ def _worker(rank, num_ranks, init_file, test):
             check_bench(group, torch.device("cuda", rank))
             x, idx, w, w13, w2, _ = make_problem(8, 32, 16, 2 * num_ranks, 2, "random", device=f"cuda:{rank}")
             with pytest.raises(ValueError, match="leaves none of this GPU's"):
-                megamoe.moe(x, idx, w, w13[:2].contiguous(), w2[:2].contiguous(), group=group, comm_sms=100_000)
+                megamoe.moe(x, idx, w, w13[:2].contiguous(), w2[:2].contiguous(), group=group, comm_sms=100_000,
+                            max_tokens_per_rank=8)
         elif test == "baseline":
             for case in CASES:
                 check_rank(case, rank, num_ranks, group,
@@ -158,11 +159,11 @@ def check_bench(group, device):
     one-device reference (fp32 on CPU; bf16 on GPUs, where the fused protocol must be as close as the
     all-to-all path with the same local kernels), and the compute-only (and, with the fused impl, the
     communication-only) halves of the overlap figure are measured."""
-    from megamoe.bench.ep import ep_impls, measure
+    from megamoe.bench.ep import ERROR_TOKENS_PER_RANK, ep_impls, measure
 
     cuda = device.type == "cuda"
     names = ["a2a_megamoe", "fused"] if cuda else ["a2a_grouped_mm", "a2a_megamoe"]
-    impls = ep_impls(names, group, comm_sms=(2,) if cuda else ())
+    impls = ep_impls(names, group, ERROR_TOKENS_PER_RANK, comm_sms=(2,) if cuda else ())
     names += ["fused_sms2"] if cuda else []
     info = measure(impls, group, "tiny", 16, "skewed", device, iters=2, seed=0)
     assert [r["impl"] for r in info["results"]] == names

@@ -48,6 +48,7 @@ from megamoe import reference
 from megamoe.parallel.all_to_all import AllToAll, exchange_splits, moe_all_to_all
 
 EP_IMPLS = ("a2a_grouped_mm", "a2a_grouped_mm_compiled", "a2a_megamoe", "fused")
+ERROR_TOKENS_PER_RANK = 64  # each rank's tokens in the small problem every impl is checked on
 
 
 def rank_share(problem, rank: int, num_ranks: int) -> tuple[slice, slice]:
@@ -76,9 +77,10 @@ def received_problem(problem, rank: int, num_ranks: int):
             w2[exp].contiguous(), dy[token])
 
 
-def ep_impls(names, group, comm_sms=()) -> dict:
+def ep_impls(names, group, max_tokens_per_rank: int, comm_sms=()) -> dict:
     """name → fn(x, topk_idx, topk_weights, w13, w2) for ``names`` (of EP_IMPLS), plus ``fused_smsN`` for each
-    N of ``comm_sms``."""
+    N of ``comm_sms``; the fused impls size their workspace for ``max_tokens_per_rank`` (at least the
+    largest timed problem and :data:`ERROR_TOKENS_PER_RANK`)."""
     unknown = [n for n in names if n not in EP_IMPLS]
     if unknown:
         raise ValueError(f"unknown EP impl(s) {unknown}; choose from {EP_IMPLS}")
@@ -91,7 +93,7 @@ def ep_impls(names, group, comm_sms=()) -> dict:
         elif name == "fused":
             from megamoe.parallel.fused import moe_fused_ep
 
-            impls[name] = functools.partial(moe_fused_ep, group=group)
+            impls[name] = functools.partial(moe_fused_ep, group=group, max_tokens_per_rank=max_tokens_per_rank)
             continue
         else:
             experts = megamoe.moe
@@ -100,7 +102,8 @@ def ep_impls(names, group, comm_sms=()) -> dict:
         from megamoe.parallel.fused import moe_fused_ep
 
         for n in comm_sms:
-            impls[f"fused_sms{n}"] = functools.partial(moe_fused_ep, group=group, comm_sms=n)
+            impls[f"fused_sms{n}"] = functools.partial(moe_fused_ep, group=group, comm_sms=n,
+                                                       max_tokens_per_rank=max_tokens_per_rank)
     return impls
 
 
@@ -199,7 +202,7 @@ def run(args, cuda: bool) -> None:
     names = [n.strip() for n in args.impls.split(",") if n.strip()] if args.impls else list(EP_IMPLS)
     if not cuda:  # the compiled grouped_mm takes bf16 only, which the CPU check does not use; the fused
         names = [n for n in names if n not in ("a2a_grouped_mm_compiled", "fused")]  # protocol needs GPUs
-    impls = ep_impls(names, group, args.comm_sms if cuda else ())
+    impls = ep_impls(names, group, max(*args.tokens, ERROR_TOKENS_PER_RANK), args.comm_sms if cuda else ())
     say = print if rank == 0 else (lambda *a, **k: None)
     if not cuda:
         dim, inter, num_experts, top_k = PRESETS["tiny"]
@@ -247,7 +250,7 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
     dim, inter, num_experts, top_k = PRESETS[preset]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     problem = make_problem(tokens * num_ranks, dim, inter, num_experts, top_k, routing, dtype, device, seed)
-    small = make_problem(64 * num_ranks, dim, inter, num_experts, top_k, routing, dtype, device, seed + 1)
+    small = make_problem(ERROR_TOKENS_PER_RANK * num_ranks, dim, inter, num_experts, top_k, routing, dtype, device, seed + 1)
     small_ref = reference_share(small, rank, num_ranks)
     local = local_problem(problem, rank, num_ranks)
     x, idx, w, w13, w2, dy = local
@@ -357,7 +360,7 @@ def run_loopback(args, cuda: bool) -> None:
 def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: int, timed: bool,
                   comm_sms=(), profile: bool = False) -> dict:
     """One problem (``tokens`` per virtual rank): the loopback forward's error against the fp32
-    reference and, if ``timed`` (a GPU), its times against the plain layer; the same with the rows sent
+    reference (and the plain one-device layer's, the bar it is held to) and, if ``timed`` (a GPU), its times against the plain layer; the same with the rows sent
     from N programs of the expert kernels' launches for each N of ``comm_sms`` (the error: forward).
     ``profile``: also ``"_profile"``, per-kernel CUDA time tables of every variant (text)."""
     from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest
@@ -379,9 +382,14 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     ref = reference.moe_loop(*[t.float() if t.is_floating_point() else t for t in problem[:5]], fp32=True)
     info = {"preset": preset, "tokens_per_rank": tokens, "routing": routing, "loopback_ranks": num_ranks,
             "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k}
+
+    def rel_err(y):
+        return ((y.float() - ref).abs().max() / ref.abs().max()).item()
+
+    info["plain_fwd_max_rel_err"] = rel_err(megamoe.moe(*problem[:5]))
     for n, suffix in [(0, ""), *((n, f"_sms{n}") for n in comm_sms)]:
-        ys = dispatch.loopback_forward(workspaces, ranks, comm_sms=n)
-        info[f"loopback_fwd_max_rel_err{suffix}"] = ((torch.cat(ys).float() - ref).abs().max() / ref.abs().max()).item()
+        info[f"loopback_fwd_max_rel_err{suffix}"] = rel_err(torch.cat(dispatch.loopback_forward(workspaces, ranks,
+                                                                                               comm_sms=n)))
     if not timed:
         return info
     import triton

@@ -47,14 +47,19 @@ def table(runs: list[dict]) -> str:
 
 
 def loopback_table(runs: list[dict]) -> str:
-    """The EP machinery's cost: the fused protocol on R virtual ranks of one GPU against the plain layer."""
+    """The EP machinery's cost: the fused protocol on R virtual ranks of one GPU against the plain layer,
+    with the rows sent by a kernel of their own and (``comm_sms=N``) from N programs of the expert kernels."""
     lines = ["| problem | virtual ranks | fwd ms (plain) | fwd cost | fwd+bwd ms (plain) | fwd+bwd cost |",
              "|---|---|---|---|---|---|"]
     for info in runs:
-        lines.append(f"| {info['preset']} T={info['tokens_per_rank']}/rank {info['routing']} | {info['loopback_ranks']} | "
-                     f"{info['loopback_fwd_ms']:.3f} ({info['plain_fwd_ms']:.3f}) | {100 * info['machinery_cost_fwd']:+.1f}% | "
-                     f"{info['loopback_fwd_bwd_ms']:.3f} ({info['plain_fwd_bwd_ms']:.3f}) | "
-                     f"{100 * info['machinery_cost_fwd_bwd']:+.1f}% |")
+        sms = sorted(int(k.removeprefix("loopback_fwd_ms_sms")) for k in info if k.startswith("loopback_fwd_ms_sms"))
+        for n, suffix in [(0, ""), *((n, f"_sms{n}") for n in sms)]:
+            ranks = f"{info['loopback_ranks']}" + (f", comm_sms={n}" if n else "")
+            lines.append(f"| {info['preset']} T={info['tokens_per_rank']}/rank {info['routing']} | {ranks} | "
+                         f"{info['loopback_fwd_ms' + suffix]:.3f} ({info['plain_fwd_ms']:.3f}) | "
+                         f"{100 * info['machinery_cost_fwd' + suffix]:+.1f}% | "
+                         f"{info['loopback_fwd_bwd_ms' + suffix]:.3f} ({info['plain_fwd_bwd_ms']:.3f}) | "
+                         f"{100 * info['machinery_cost_fwd_bwd' + suffix]:+.1f}% |")
     return "\n".join(lines)
 
 
