@@ -84,6 +84,7 @@ def _exchange_counts_kernel(offsets_ptr, counts_tab, counts_flag_tab, epoch_ptr,
     epoch = tl.load(epoch_ptr)
     parity = epoch % 2
     tl.store(_peer(counts_tab, owner, tl.int32) + (parity * R + rank) * L + ls, n, mask=lmask)
+    tl.debug_barrier()  # every thread's counts before the one thread's (cumulative) release: see _send_rows
     tl.atomic_xchg(_peer(counts_flag_tab, owner, tl.int32) + parity * R + rank, epoch, sem="release", scope="sys")
 
 
@@ -101,10 +102,11 @@ def _dispatch_rows_kernel(
     """Phase 2 as its own kernel: program i sends my sorted rows [i*RB, (i+1)*RB)."""
     _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB)
     rows = tl.program_id(0) * RB + tl.arange(0, RB)
-    _send_rows(tl.where(rows < tl.load(offsets_ptr + R * L), rows, -1), x_ptr, dy_ptr, weights_ptr, row_slot_ptr,
-               offsets_ptr,
-               counts_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
-               rank, R, L, D, top_k, capacity, max_slots, HAS_DY, RB, EB, CB, BD)
+    rows = tl.where(rows < tl.load(offsets_ptr + R * L), rows, -1)
+    e = _experts_of_rows(rows, offsets_ptr, R * L, EB)
+    dst = _dest_bases(e, counts_tab, epoch_ptr, rank, R, L, CB) + rows - tl.load(offsets_ptr + e)
+    _send_rows(rows, e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, recv_x_tab, recv_dy_tab, recv_meta_tab,
+               recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k, capacity, max_slots, HAS_DY, RB, BD)
 
 
 @triton.jit
@@ -122,32 +124,43 @@ def _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB: tl.constexpr):
 
 
 @triton.jit
-def _send_rows(rows, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, recv_x_tab,
-               recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
-               rank, R, L, D, top_k, capacity, max_slots,
-               HAS_DY: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
-    """My sorted rows ``rows`` (RB of them; -1: none) and their dy rows if HAS_DY into their owners' receive
-    buffers, once every owner's counts are in (the caller waited: ``_wait_all_counts``). The validity
-    travels as -1 rather than as a mask argument: Triton 3.6 fails to compile a boolean tensor passed to
-    a called function (sm_90a: "failed to legalize unresolved materialization ... tensor<64xi1>")."""
-    E = R * L
-    parity = tl.load(epoch_ptr) % 2
-    rmask = rows >= 0  # every access below is masked by it (an early return here fails to compile too)
-    # Global expert of each row: the number of experts whose rows end at or before it.
+def _experts_of_rows(rows, offsets_ptr, E, EB: tl.constexpr):
+    """Global expert of each of my sorted ``rows`` (-1: none; its expert is any valid one): the number of
+    experts whose rows end at or before it."""
     es = tl.arange(0, EB)
     ends = tl.load(offsets_ptr + es + 1, mask=es < E, other=2147483647)
-    e = tl.minimum(tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1), E - 1)  # masked rows: any
-    owner = e // L
-    local = e % L
-    # Destination = rows of the owner's experts before mine + rows of my expert from lower source ranks
-    # + my rank within the expert. counts at the owner are [src, l], flattened c = src * L + l.
+    return tl.minimum(tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1), E - 1)
+
+
+@triton.jit
+def _dest_bases(es, counts_tab, epoch_ptr, rank, R, L, CB: tl.constexpr):
+    """Where my rows of each global expert of ``es`` start in its owner's receive buffer (0 past R*L
+    experts): after the rows of the owner's lower local experts from every source, then those of this
+    expert from lower source ranks. The counts at the owner are [src, l], flattened c = src * L + l."""
+    parity = tl.load(epoch_ptr) % 2
+    owner = es // L
+    local = es % L
     cs = tl.arange(0, CB)
     counts = tl.load(_peer(counts_tab, owner, tl.int32)[:, None] + parity * R * L + cs[None, :],
-                     mask=rmask[:, None] & (cs < R * L)[None, :], other=0)
+                     mask=(es < R * L)[:, None] & (cs < R * L)[None, :], other=0)
     c_src = cs // L
     c_l = cs % L
     before = (c_l[None, :] < local[:, None]) | ((c_l[None, :] == local[:, None]) & (c_src[None, :] < rank))
-    dst = tl.sum(tl.where(before, counts, 0), axis=1) + rows - tl.load(offsets_ptr + e, mask=rmask, other=0)
+    return tl.sum(tl.where(before, counts, 0), axis=1)
+
+
+@triton.jit
+def _send_rows(rows, e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, recv_x_tab, recv_dy_tab, recv_meta_tab,
+               recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k, capacity, max_slots,
+               HAS_DY: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr):
+    """My sorted rows ``rows`` (RB of them; -1: none) of global experts ``e`` and their dy rows if HAS_DY
+    into their owners' receive buffers at rows ``dst`` (the caller waited for the counts:
+    ``_wait_all_counts``). The validity travels as -1 rather than as a mask argument: Triton 3.6 fails to
+    compile a boolean tensor passed to a called function (sm_90a: "failed to legalize unresolved
+    materialization ... tensor<64xi1>")."""
+    rmask = rows >= 0  # every access below is masked by it (an early return here fails to compile too)
+    owner = e // L
+    local = e % L
     fits = rmask & (dst < capacity)
     slot = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
     tok = (slot // top_k).to(tl.int64)
@@ -155,7 +168,9 @@ def _send_rows(rows, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, coun
     # Each destination row's start in the owner's buffers, 16-byte aligned (see the output kernel below).
     x_rows = tl.multiple_of(_peer(recv_x_tab, owner, x_ptr.dtype.element_ty) + dst64 * D, 16)
     dy_rows = tl.multiple_of(_peer(recv_dy_tab, owner, x_ptr.dtype.element_ty) + dst64 * D, 16)
-    for d0 in range(0, D, BD):
+    # Pipelined (cp.async through shared memory): a sending program is one block on its SM, so its loads
+    # must overlap one another to move more than one chunk per memory latency.
+    for d0 in tl.range(0, D, BD, num_stages=4):
         ds = d0 + tl.arange(0, BD)
         m = fits[:, None] & (ds < D)[None, :]
         src = tok[:, None] * D + ds[None, :]
@@ -165,11 +180,17 @@ def _send_rows(rows, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, coun
     tl.store(_peer(recv_meta_tab, owner, tl.int32) + dst64, rank * max_slots + slot, mask=fits)
     tl.store(_peer(recv_weight_tab, owner, tl.float32) + dst64,
              tl.load(weights_ptr + slot, mask=fits, other=0.0).to(tl.float32), mask=fits)
-    # Count every row into the owner's arrivals (release: the row stores above happen before the owner
-    # can see the count). A row that did not fit is counted too, so that no wait hangs on it, and in the
-    # owner's and my ``overflow``.
-    tl.atomic_add(_peer(arrived_tab, owner, tl.int32) + rank * L + local, 1, mask=rmask, sem="release",
-                  scope="sys")
+    # Count the rows into their owners' arrivals: one release per expert among them, by one thread, after
+    # a barrier of the whole block — the barrier orders every thread's row stores before that thread's
+    # release, and a release at system scope is cumulative, so the owner that acquires the count sees
+    # the rows. A row that did not fit is counted too, so that no wait hangs on it, and in the owner's
+    # and my ``overflow``.
+    idx = tl.arange(0, RB)
+    same = (e[:, None] == e[None, :]) & rmask[None, :]
+    first = rmask & (tl.min(tl.where(same, idx[None, :], RB), axis=1) == idx)
+    tl.debug_barrier()
+    tl.atomic_add(_peer(arrived_tab, owner, tl.int32) + rank * L + local, tl.sum(same.to(tl.int32), axis=1),
+                  mask=first, sem="release", scope="sys")
     lost = rmask & (dst >= capacity)
     tl.atomic_add(_peer(overflow_tab, owner, tl.int32), 1, mask=lost, sem="relaxed", scope="sys")
     tl.atomic_add(_peer(overflow_tab, rank, tl.int32), tl.sum(lost.to(tl.int32), axis=0), sem="relaxed", scope="sys")
@@ -188,6 +209,9 @@ def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_p
     E = R * L
     os_ = tl.arange(0, EB)
     ends = tl.load(send_ends_ptr + os_, mask=os_ < E, other=2147483647)
+    # Once per program rather than per block: every expert's start at its owner (from the owners' counts,
+    # across NVLink with real ranks), indexed by global expert.
+    bases = _dest_bases(os_, counts_tab, epoch_ptr, rank, R, L, CB)
     for block in range(pid, num_blocks, SENDERS):
         pos = block * RB + tl.arange(0, RB)
         pmask = pos < tl.load(send_ends_ptr + E - 1)
@@ -196,9 +220,10 @@ def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_p
         e = (o % R) * L + o // R
         seg_end = tl.load(send_ends_ptr + o, mask=pmask, other=0)
         rows = tl.load(offsets_ptr + e + 1, mask=pmask, other=0) - (seg_end - pos)
-        _send_rows(tl.where(pmask, rows, -1), x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, counts_tab, recv_x_tab,
-                   recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
-                   rank, R, L, D, top_k, capacity, max_slots, HAS_DY, RB, EB, CB, BD)
+        dst = tl.sum(tl.where(e[:, None] == os_[None, :], bases[None, :], 0), axis=1) + rows - tl.load(offsets_ptr + e)
+        _send_rows(tl.where(pmask, rows, -1), e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, recv_x_tab,
+                   recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k,
+                   capacity, max_slots, HAS_DY, RB, BD)
 
 
 @triton.jit
