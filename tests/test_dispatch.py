@@ -50,7 +50,12 @@ def workspaces_for(ranks, per_rank, capacity=None):
     num_ranks = len(ranks)
     total = sum(int((p[1] >= 0).sum()) for p in ranks)
     max_slots = max(1, max(p[1].numel() for p in ranks))
-    return loopback_workspaces(num_ranks, per_rank, capacity or max(1, total), max_slots, DIM, torch.float32, DEVICE)
+    workspaces = loopback_workspaces(num_ranks, per_rank, capacity or max(1, total), max_slots, DIM, torch.float32,
+                                     DEVICE)
+    for ws in workspaces:  # receive rows that nobody sends stay NaN: a kernel that reads one shows it
+        ws.recv_x.fill_(float("nan"))
+        ws.recv_dy.fill_(float("nan"))
+    return workspaces
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])

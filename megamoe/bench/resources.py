@@ -122,20 +122,25 @@ _PROTOCOL_CONSTEXPRS = {"HAS_DY": True, "RB": 16, "EB": 128, "CB": 128, "BD": 25
 
 
 def compile_protocol_kernel(fn):
-    """``fn`` (a dispatch.py kernel) for sm_90a with bf16 rows, 128 experts and D = 2048's block sizes."""
-    signature, constexprs = {}, {}
-    for param in fn.params:
+    """``fn`` (a dispatch.py kernel) for sm_90a with bf16 rows, 128 experts and D = 2048's block sizes;
+    pointers and D specialised as 16-divisible, as at run time (without it the row copies compile to
+    2-byte loads that never run)."""
+    signature, attrs, constexprs = {}, {}, {}
+    for i, param in enumerate(fn.params):
         name = param.name
         if param.is_constexpr:
             signature[name], constexprs[name] = "constexpr", _PROTOCOL_CONSTEXPRS[name]
-        elif name.endswith("_tab"):
+            continue
+        if name.endswith("_tab"):
             signature[name] = "*i64"
         elif name.endswith("_ptr"):
             signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_x_ptr": "*bf16", "counter_ptr": "*i64",
                                "expected_ptr": "*i64"}.get(name, _POINTER_TYPES.get(name, "*i32"))
         else:
             signature[name] = "i32"
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER,
+        if name.endswith(("_tab", "_ptr")) or name == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs), target=HOPPER,
                           options={"num_warps": 4})
 
 

@@ -140,8 +140,9 @@ def _gather_rows_kernel(
 
 @triton.jit
 def _expert_wgrad_kernel(
-    a_ptr,  # (N, P) sorted rows
-    b_ptr,  # (N, Q) sorted rows
+    a_desc,  # (N, P) sorted rows; block (BK, BM)
+    b_desc,  # (N, Q) sorted rows; block (BK, BN)
+    a_ptr, b_ptr,  # the same rows, for the masked last step
     dw_ptr,  # (E, P, Q) out: dW[e] = sum over the expert's rows r of a[r]^T b[r]
     offsets_ptr,
     P, Q,
@@ -149,32 +150,35 @@ def _expert_wgrad_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """One (expert, P-block, Q-block) per program; the K-loop runs over that expert's rows. Both
-    operands are in sorted row order: gathering through the row map inside the K-loop measured 1.45x
-    slower (the dependent index loads stall the pipeline). The 1-D grid is expert-major, so the programs
-    running at once share one expert's rows in L2 (expert-minor order re-reads them from DRAM once
-    per output block)."""
+    operands are in sorted row order and come in through TMA (gathering through the row map inside the
+    K-loop measured 1.45x slower: the dependent index loads stall the pipeline). TMA zero-fills past N,
+    P and Q but not past the expert's last row, whose next rows are the next expert's (or, in a receive
+    buffer, never written: possibly NaN, which a zero in the other operand would not cancel): the last,
+    partial step reads both operands through masked pointer loads instead. The 1-D grid is
+    expert-major, so the programs running at once share one expert's rows in L2 (expert-minor order
+    re-reads them from DRAM once per output block)."""
     num_p = tl.cdiv(P, BM)
     num_q = tl.cdiv(Q, BN)
     pid = tl.program_id(0)
     e = pid // (num_p * num_q)
     pq = pid % (num_p * num_q)
-    ps = (pq // num_q) * BM + tl.arange(0, BM)
-    qs = (pq % num_q) * BN + tl.arange(0, BN)
-    pmask = ps < P
-    qmask = qs < Q
+    p0 = (pq // num_q) * BM
+    q0 = (pq % num_q) * BN
+    ps = p0 + tl.arange(0, BM)
+    qs = q0 + tl.arange(0, BN)
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
-    rs = tl.arange(0, BK)
+    full_end = start + (end - start) // BK * BK
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for r0 in range(start, end, BK):
-        rows = r0 + rs
-        rmask = rows < end
-        rows64 = rows.to(tl.int64)
-        a = tl.load(a_ptr + rows64[None, :] * P + ps[:, None], mask=pmask[:, None] & rmask[None, :], other=0.0)
-        b = tl.load(b_ptr + rows64[:, None] * Q + qs[None, :], mask=rmask[:, None] & qmask[None, :], other=0.0)
+    for r0 in range(start, full_end, BK):
+        acc = tl.dot(a_desc.load([r0, p0]).T, b_desc.load([r0, q0]), acc, input_precision=PREC)
+    if full_end < end:
+        rows = (full_end + tl.arange(0, BK)).to(tl.int64)
+        a = tl.load(a_ptr + rows[None, :] * P + ps[:, None], mask=(ps < P)[:, None] & (rows < end)[None, :], other=0.0)
+        b = tl.load(b_ptr + rows[:, None] * Q + qs[None, :], mask=(rows < end)[:, None] & (qs < Q)[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
     out_ptrs = dw_ptr + e.to(tl.int64) * P * Q + ps[:, None].to(tl.int64) * Q + qs[None, :]
-    tl.store(out_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=pmask[:, None] & qmask[None, :])
+    tl.store(out_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(ps < P)[:, None] & (qs < Q)[None, :])
 
 
 # Columns per partial d(routing weight) in the act kernel; every config's BN is a multiple of it.
@@ -197,7 +201,7 @@ DX = TunedKernel(
 WGRAD = TunedKernel(
     _expert_wgrad_kernel, default=configs((128, 128, 64, 8, 3))[0],
     candidates=configs((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 128, 32, 8, 4)),
-    key=["P", "Q"], even_k=None, blocks=lambda c: {},
+    key=["P", "Q"], even_k=None, blocks=lambda c: {"a_desc": [c["BK"], c["BM"]], "b_desc": [c["BK"], c["BN"]]},
 )
 
 
@@ -260,8 +264,11 @@ def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor
     """(E, P, Q): per expert, the sum over its sorted rows r of outer(a[r], b[r])."""
     p, q = a_NP.shape[1], b_NQ.shape[1]
     num_experts = plan.offsets_E1.numel() - 1
+    if a_NP.shape[0] == 0:  # no rows at all (a TMA descriptor cannot be empty)
+        return torch.zeros(num_experts, p, q, device=a_NP.device, dtype=out_dtype)
     dw = torch.empty(num_experts, p, q, device=a_NP.device, dtype=out_dtype)
     WGRAD[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
-        a_NP, b_NQ, dw, plan.offsets_E1, p, q, PREC=dot_precision(a_NP.dtype), dtype=a_NP.dtype,
+        descriptor(a_NP), descriptor(b_NQ), a_NP, b_NQ, dw, plan.offsets_E1, p, q, PREC=dot_precision(a_NP.dtype),
+        dtype=a_NP.dtype,
     )
     return dw
