@@ -10,9 +10,11 @@ shows the best next to the default.
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -108,8 +110,17 @@ def main(argv=None) -> None:
         print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{extra}", flush=True)
     print(f"{'total':20s} {sum(r['ms'] for r in rows):8.3f} ms")
     if args.json:
-        Path(args.json).write_text(json.dumps({"preset": args.preset, "tokens": args.tokens,
-                                               "gpu": torch.cuda.get_device_name(), "stages": rows}, indent=1))
+        import triton
+
+        from megamoe.bench.layer import git_commit, source_digest
+
+        Path(args.json).write_text(json.dumps({
+            "preset": args.preset, "tokens": args.tokens, "routing": args.routing, "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
+            "source_sha256": source_digest(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python -m megamoe.bench.kernels " + " ".join(sys.argv[1:] if argv is None else argv),
+            "stages": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
