@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# One call of the lent GPU machine (the `device` tool's `run`), from the repository root:
-#   bash scripts/device-check.sh tests   GPU tests, then the loopback tests with real spin-waits
-#   bash scripts/device-check.sh bench   EP machinery (loopback, comm_sms sweep, per-kernel tables),
-#                                        then the 30B layer benchmark against the baselines
+# One call of the lent GPU machine (the `device` tool's `run`, at most 10 minutes), from the repository root:
+#   bash scripts/device-check.sh tests      `pytest -m gpu` (~4 min on one H200)
+#   bash scripts/device-check.sh loopback   tests/test_dispatch.py: every loopback test with real spin-waits
+#                                           (not GPU-marked, so `-m gpu` skips them; ~5 min, mostly compiles)
+#   bash scripts/device-check.sh bench      EP machinery (loopback, comm_sms sweep, per-kernel tables), the
+#                                           per-kernel times, the 1k-token layer benchmark with CUDA-graph replay
+#   bash scripts/device-check.sh layer      the layer benchmark on the README's 16k-token problems (Liger-Kernel
+#                                           too if the call carries `.whl`: see docs/NOTES.md)
+#   bash scripts/device-check.sh multi      on a multi-GPU kind: the fused EP tests on real ranks, then the
+#                                           torchrun EP benchmark (issue 5), NVLink multicast off throughout
 # Each step runs unbuffered under a time limit that aborts with a Python stack dump (a hang shows where
 # the host stopped); logs and results are packed into $OUT/device-check-<stage>.tgz after every step
-# (the tool returns only a few files, and what a step finished survives the tool's 10-minute limit).
+# (the tool returns only a few files, and what a step finished survives the call's time limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: device-check.sh tests|bench}
+stage=${1:?usage: device-check.sh tests|loopback|bench|layer|multi}
 out=${OUT:?set OUT to the folder whose files come back}
 work=$(mktemp -d)
 export PYTHONPATH=.
+if compgen -G ".whl/*.whl" > /dev/null; then  # optional baselines, installed without the network
+    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 py=(python3 -u -X faulthandler)
 
 step() {  # step NAME SECONDS COMMAND...: run it, keep its log, print its last lines
@@ -25,19 +35,41 @@ step() {  # step NAME SECONDS COMMAND...: run it, keep its log, print its last l
 }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv > "$work/gpu.txt" 2>&1
+gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
 case $stage in
 tests)
-    step gpu-tests 380 "${py[@]}" -m pytest -m gpu -q -p no:logging
-    step loopback-tests 420 "${py[@]}" -m pytest -q -p no:logging tests/test_dispatch.py
+    step gpu-tests 560 "${py[@]}" -m pytest -m gpu -q -p no:logging --durations=10
+    ;;
+loopback)
+    step loopback-tests 570 "${py[@]}" -m pytest -q -p no:logging --durations=10 tests/test_dispatch.py
     ;;
 bench)
-    step loopback-bench 200 "${py[@]}" -m megamoe.bench --ep --loopback 1 --comm-sms 8,16,32 --profile --no-plot \
+    step loopback-bench 120 "${py[@]}" -m megamoe.bench --ep --loopback 1 --comm-sms 16,32,64 --profile --no-plot \
         --out "$work/results"
-    step layer-bench 360 "${py[@]}" -m megamoe.bench --preset qwen3-30b-a3b --routing random --no-plot \
-        --out "$work/results"
+    mkdir -p "$work/results"
+    step kernels 120 "${py[@]}" -m megamoe.bench.kernels --preset qwen3-30b-a3b --json "$work/results/kernels-qwen3-30b-a3b.json"
+    step layer-bench-1k 150 "${py[@]}" -m megamoe.bench --preset qwen3-30b-a3b --tokens 1024 \
+        --impls grouped_mm,grouped_mm_compiled,megamoe,megamoe_cudagraph --no-plot --out "$work/results"
+    ;;
+layer)
+    impls=grouped_mm,grouped_mm_compiled,megamoe
+    python3 -c "import liger_kernel" 2> /dev/null && impls=grouped_mm,grouped_mm_compiled,liger,megamoe
+    step layer-bench 570 "${py[@]}" -m megamoe.bench --preset qwen3-30b-a3b,qwen3-235b-a22b --routing random,skewed \
+        --impls "$impls" --no-plot --out "$work/results"
+    ;;
+multi)
+    if [ "$gpus" -lt 2 ]; then
+        echo "stage multi needs 2+ GPUs; this machine has $gpus" >&2
+        exit 2
+    fi
+    step multi-gpu-tests 200 "${py[@]}" -m pytest -q -p no:logging tests/test_parallel.py -m gpu
+    step ep-bench-30b 200 "${py[@]}" -m torch.distributed.run --nproc-per-node "$gpus" -m megamoe.bench --ep --preset qwen3-30b-a3b \
+        --tokens 16384 --routing random,skewed --comm-sms 16,32 --no-plot --out "$work/results"
+    step ep-bench-235b 180 "${py[@]}" -m torch.distributed.run --nproc-per-node "$gpus" -m megamoe.bench --ep --preset qwen3-235b-a22b \
+        --tokens 16384 --routing random --comm-sms 32 --no-plot --out "$work/results"
     ;;
 *)
-    echo "unknown stage $stage: tests or bench" >&2
+    echo "unknown stage $stage: tests, loopback, bench, layer or multi" >&2
     exit 2
     ;;
 esac
