@@ -250,7 +250,8 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
     dim, inter, num_experts, top_k = PRESETS[preset]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     problem = make_problem(tokens * num_ranks, dim, inter, num_experts, top_k, routing, dtype, device, seed)
-    small = make_problem(ERROR_TOKENS_PER_RANK * num_ranks, dim, inter, num_experts, top_k, routing, dtype, device, seed + 1)
+    small = make_problem(ERROR_TOKENS_PER_RANK * num_ranks, dim, inter, num_experts, top_k, routing, dtype, device,
+                         seed + 1)
     small_ref = reference_share(small, rank, num_ranks)
     local = local_problem(problem, rank, num_ranks)
     x, idx, w, w13, w2, dy = local
@@ -360,8 +361,9 @@ def run_loopback(args, cuda: bool) -> None:
 def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: int, timed: bool,
                   comm_sms=(), profile: bool = False) -> dict:
     """One problem (``tokens`` per virtual rank): the loopback forward's error against the fp32
-    reference (and the plain one-device layer's, the bar it is held to) and, if ``timed`` (a GPU), its times against the plain layer; the same with the rows sent
-    from N programs of the expert kernels' launches for each N of ``comm_sms`` (the error: forward).
+    reference (and the plain one-device layer's, the bar it is held to) and, if ``timed`` (a GPU), its
+    times against the plain layer; the same with the rows sent from N programs of the expert kernels'
+    launches for each N of ``comm_sms`` (the error: forward).
     ``profile``: also ``"_profile"``, per-kernel CUDA time tables of every variant (text)."""
     from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest
     from megamoe.parallel import dispatch
