@@ -1,5 +1,8 @@
-"""Autograd wiring of the fused kernels as ``torch.library`` custom ops (``torch.compile`` sees them as
-opaque ops with fake implementations; their shapes depend only on T, K, E, D, I, never on the routing).
+"""Autograd wiring of the fused kernels. Eagerly, a ``torch.autograd.Function``; under ``torch.compile``,
+``torch.library`` custom ops, which the compiler sees as opaque ops with fake implementations (their
+shapes depend only on T, K, E, D, I, never on the routing). Both run the same two bodies
+(:func:`experts_forward`, :func:`experts_backward`); the custom ops' dispatch layers cost the host about
+as much as the rest of the step's Python (docs/NOTES.md §13), which small batches cannot hide.
 
 Saved for backward: the inputs and the routing plan (a few int32 vectors) — no activations.
 """
@@ -13,6 +16,46 @@ from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import act_bwd, dx_slots, expert_wgrad, gather_rows
 from megamoe.kernels.expert_fwd import down_fwd, up_swiglu_fwd
 from megamoe.kernels.plan import Plan, build_plan, num_tiles
+
+
+def experts_forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                    offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor) -> Tensor:
+    """y (T, D) of the fused layer, given the routing plan's tensors."""
+    plan = Plan(offsets, row_slot, tile_expert, tile_row)
+    top_k = topk_idx.shape[1]
+    h_NI = up_swiglu_fwd(x, w13, plan, top_k)
+    slots_ND = down_fwd(h_NI, w2, topk_weights.contiguous(), plan)
+    return combine(slots_ND, topk_idx, x.dtype)
+
+
+def experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                     offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d topk_weights, dw13, dw2), recomputing what the forward did not keep."""
+    plan = Plan(offsets, row_slot, tile_expert, tile_row)
+    top_k = topk_idx.shape[1]
+    dz_NH, hw_NI, dweight_TK = act_bwd(x, dy, w13, w2, topk_weights.contiguous(), plan, top_k)
+    dx = combine(dx_slots(dz_NH, w13, plan), topk_idx, x.dtype)
+    x_sorted, dy_sorted = gather_rows(x, dy, plan, top_k)
+    dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype)
+    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
+    return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
+
+
+class _FusedMoE(torch.autograd.Function):
+    """The eager path."""
+
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2):
+        plan = build_plan(topk_idx, w13.shape[0]).tensors()
+        ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan)
+        return experts_forward(x, topk_idx, topk_weights, w13, w2, *plan)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, topk_idx, topk_weights, w13, w2, *plan = ctx.saved_tensors
+        dx, dweight, dw13, dw2 = experts_backward(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan)
+        return dx, None, dweight, dw13, dw2
 
 
 @torch.library.custom_op("megamoe::plan", mutates_args=())
@@ -32,11 +75,7 @@ def _(topk_idx, num_experts):
 @torch.library.custom_op("megamoe::experts_fwd", mutates_args=())
 def _experts_fwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                  offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor) -> Tensor:
-    plan = Plan(offsets, row_slot, tile_expert, tile_row)
-    top_k = topk_idx.shape[1]
-    h_NI = up_swiglu_fwd(x, w13, plan, top_k)
-    slots_ND = down_fwd(h_NI, w2, topk_weights.contiguous(), plan)
-    return combine(slots_ND, topk_idx, x.dtype)
+    return experts_forward(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row)
 
 
 @_experts_fwd.register_fake
@@ -48,14 +87,7 @@ def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_r
 def _experts_bwd(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                  offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    plan = Plan(offsets, row_slot, tile_expert, tile_row)
-    top_k = topk_idx.shape[1]
-    dz_NH, hw_NI, dweight_TK = act_bwd(x, dy, w13, w2, topk_weights.contiguous(), plan, top_k)
-    dx = combine(dx_slots(dz_NH, w13, plan), topk_idx, x.dtype)
-    x_sorted, dy_sorted = gather_rows(x, dy, plan, top_k)
-    dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype)
-    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
-    return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
+    return experts_backward(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row)
 
 
 @_experts_bwd.register_fake
@@ -79,5 +111,7 @@ _experts_fwd.register_autograd(_backward, setup_context=_setup_context)
 def fused_moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     """The fused path of :func:`megamoe.moe` (arguments already validated)."""
     topk_idx = topk_idx.contiguous()
+    if not torch.compiler.is_compiling():
+        return _FusedMoE.apply(x, topk_idx, topk_weights, w13, w2)
     plan = _plan_op(topk_idx, w13.shape[0])
     return _experts_fwd(x, topk_idx, topk_weights, w13, w2, *plan)

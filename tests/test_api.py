@@ -126,3 +126,20 @@ def test_benchmark_impls():
     assert impls["megamoe_cudagraph"].fn is impls["megamoe"].fn is megamoe.moe
     with pytest.raises(ValueError, match="unknown impl"):
         make_impls(["megamoe_eager"], "cpu")
+
+
+def test_host_time_probe_times_both_paths_and_restores_the_launcher(capsys):
+    """``python -m megamoe.bench.host`` (kernels stubbed out); afterwards the kernels run again."""
+    import os
+
+    import triton.runtime.interpreter
+
+    from megamoe.bench.host import main
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the probe stubs the interpreter's launches")
+    run = triton.runtime.interpreter.InterpretedFunction.run
+    main(["--tokens", "64", "--steps", "10", "--reps", "1"])
+    out = capsys.readouterr().out
+    assert "eager (megamoe.moe)" in out and "custom ops" in out
+    assert triton.runtime.interpreter.InterpretedFunction.run is run

@@ -13,7 +13,7 @@ from megamoe.api import backend_for
 from megamoe.bench.layer import cuda_graphed
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import BLOCK_M, build_plan
-from tests.helpers import SHAPES, assert_close_to_reference, make_problem, run_with_grads
+from tests.helpers import NAMES, SHAPES, assert_close_to_reference, make_problem, run_with_grads
 
 # The shape matrix plus cases that exercise several tiles per expert, several K-loop iterations with a
 # remainder, and several I-blocks in the backward.
@@ -79,6 +79,24 @@ def test_fused_path_check_traces_under_torch_compile():
     x, _, _, _, w2, _ = make_problem(4, 32, 16, 4, 2, "random", device=DEVICE)
     fn = torch.compile(lambda x, w2: x * 2 if fused_supports(x, w2) else x * 3, fullgraph=True, backend="eager")
     assert torch.equal(fn(x, w2), x * 2)
+
+
+def test_compiled_custom_ops_equal_the_eager_path(monkeypatch):
+    """Under ``torch.compile`` the layer runs as custom ops (eagerly, an autograd.Function, which skips
+    their dispatch layers): the same kernels, so the same bits, outputs and every gradient. (On CPU the
+    expert-id check reads the ids on the host, a graph break; on a GPU it is an asynchronous device
+    assert, and the GPU test compiles the layer with ``fullgraph=True``.)"""
+    import torch._dynamo
+
+    import megamoe.autograd
+
+    problem = make_problem(40, 32, 16, 6, 3, "random", device=DEVICE)
+    expected = run_with_grads(megamoe.moe, *problem)
+    torch._dynamo.reset()
+    monkeypatch.setattr(megamoe.autograd._FusedMoE, "apply", lambda *a: pytest.fail("the eager path was traced"))
+    out = run_with_grads(torch.compile(megamoe.moe, backend="aot_eager"), *problem)
+    for name, a, b in zip(NAMES, out, expected):
+        assert torch.equal(a, b), name
 
 
 PLAN_CASES = [
