@@ -35,3 +35,25 @@ def poison_cuda():
     # Also poison blocks the allocator already caches.
     torch.cuda.synchronize()
     yield
+
+
+_EMPTY, _EMPTY_LIKE = torch.empty, torch.empty_like
+
+
+def _poisoned(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype in (torch.int32, torch.int64):
+        t.fill_(-123456)
+    return t
+
+
+@pytest.fixture(autouse=True)
+def poison_cpu_empty(monkeypatch):
+    """CPU counterpart of ``poison_cuda``: every ``torch.empty``/``empty_like`` during a test starts as NaN
+    (floats) or a large negative number (ints), so an element a kernel reads but nobody wrote shows in
+    the result (or as an out-of-bounds index in the interpreter) instead of reading leftover zeros."""
+    if torch.cuda.is_available():
+        return
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poisoned(_EMPTY(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poisoned(_EMPTY_LIKE(*a, **k)))
