@@ -54,8 +54,10 @@ bench)
 layer)
     impls=grouped_mm,grouped_mm_compiled,megamoe
     python3 -c "import liger_kernel" 2> /dev/null && impls=grouped_mm,grouped_mm_compiled,liger,megamoe
-    step layer-bench 570 "${py[@]}" -m megamoe.bench --preset qwen3-30b-a3b,qwen3-235b-a22b --routing random,skewed \
-        --impls "$impls" --no-plot --out "$work/results"
+    for preset in qwen3-30b-a3b qwen3-235b-a22b; do  # a step each: what finished survives a time-out
+        step "layer-bench-$preset" 280 "${py[@]}" -m megamoe.bench --preset "$preset" --routing random,skewed \
+            --impls "$impls" --no-plot --out "$work/results"
+    done
     ;;
 multi)
     if [ "$gpus" -lt 2 ]; then
