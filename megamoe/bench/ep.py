@@ -244,7 +244,7 @@ def run(args, cuda: bool) -> None:
 def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, iters: int, seed: int) -> dict:
     """Times and errors of every impl on one problem (``tokens`` per rank), as the result JSON holds them.
     bf16 on a GPU; fp32 on CPU (where it only exercises the code: CPU timings mean nothing)."""
-    from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest
+    from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest, training_step
 
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     dim, inter, num_experts, top_k = PRESETS[preset]
@@ -254,18 +254,9 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
                          seed + 1)
     small_ref = reference_share(small, rank, num_ranks)
     local = local_problem(problem, rank, num_ranks)
-    x, idx, w, w13, w2, dy = local
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
     results = []
     for name, fn in impls.items():
-        def fwd(fn=fn):
-            return fn(leaves[0], idx, leaves[1], leaves[2], leaves[3])
-
-        def fwd_bwd(fn=fn):
-            fwd(fn).backward(dy)
-            for t in leaves:
-                t.grad = None
-
+        fwd, fwd_bwd = training_step(fn, local)
         fwd_ms = max_over_ranks(timed(fwd, iters, 3, device), device)
         fwd_bwd_ms = max_over_ranks(timed(fwd_bwd, iters, 3, device), device)
         err = max_over_ranks(gathered_error(fn, small, small_ref, rank, num_ranks), device)
@@ -293,19 +284,15 @@ def compute_and_comm_only(problem, local, group, device, iters: int, fused_comm:
     """The two halves of the overlap figure, as the maximum over ranks of each rank's median: this rank's
     expert work alone (one-device megamoe on :func:`received_problem`, forward and forward+backward) and,
     if ``fused_comm``, the fused protocol's forward communication alone (:func:`dispatch.round_trip`)."""
+    from megamoe.bench.layer import training_step
     from megamoe.kernels.plan import build_plan
     from megamoe.parallel import dispatch
     from megamoe.parallel.fused import workspace_for
 
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
-    x, idx, w, w13, w2, dy = received_problem(problem, rank, num_ranks)
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
-
-    def fwd_bwd():
-        megamoe.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3]).backward(dy)
-        for t in leaves:
-            t.grad = None
-
+    received = received_problem(problem, rank, num_ranks)
+    x, idx, w, w13, w2, _ = received
+    _, fwd_bwd = training_step(megamoe.moe, received)
     out = {"compute_only_fwd_ms": max_over_ranks(timed(lambda: megamoe.moe(x, idx, w, w13, w2), iters, 3, device), device),
            "compute_only_fwd_bwd_ms": max_over_ranks(timed(fwd_bwd, iters, 3, device), device)}
     if fused_comm:
@@ -365,7 +352,7 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     times against the plain layer; the same with the rows sent from N programs of the expert kernels'
     launches for each N of ``comm_sms`` (the error: forward).
     ``profile``: also ``"_profile"``, per-kernel CUDA time tables of every variant (text)."""
-    from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest
+    from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest, training_step
     from megamoe.parallel import dispatch
     from megamoe.parallel.workspace import loopback_workspaces
 
@@ -376,7 +363,7 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     if num_experts % num_ranks:
         raise SystemExit(f"{preset}: {num_experts} experts do not split over {num_ranks} ranks")
     problem = make_problem(tokens * num_ranks, dim, inter, num_experts, top_k, routing, dtype, device, seed)
-    x, idx, w, w13, w2, dy = problem
+    x, idx, w, w13, w2, _ = problem
     shares = [local_problem(problem, r, num_ranks) for r in range(num_ranks)]
     ranks, dys = [share[:5] for share in shares], [share[5] for share in shares]
     workspaces = loopback_workspaces(num_ranks, num_experts // num_ranks, num_ranks * tokens * top_k,
@@ -397,12 +384,7 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     import triton
     from triton.testing import do_bench
 
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
-
-    def plain_fwd_bwd():
-        megamoe.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3]).backward(dy)
-        for t in leaves:  # no gradient accumulation in the timed or profiled step
-            t.grad = None
+    _, plain_fwd_bwd = training_step(megamoe.moe, problem)
 
     def fwd(n=0):
         return dispatch.loopback_forward(workspaces, ranks, comm_sms=n)

@@ -20,14 +20,9 @@ import torch
 
 
 def step_time_us(fn, problem, steps: int) -> float:
-    x, idx, w, w13, w2, dy = problem
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
+    from megamoe.bench.layer import training_step
 
-    def step():
-        fn(leaves[0], idx, leaves[1], leaves[2], leaves[3]).backward(dy)
-        for t in leaves:
-            t.grad = None
-
+    _, step = training_step(fn, problem)
     for _ in range(steps // 10):
         step()
     start = time.perf_counter()

@@ -143,6 +143,24 @@ def dense_matmul_tflops(device) -> float:
     return 2 * n**3 / ms / 1e9
 
 
+def training_step(fn: Callable, problem) -> tuple[Callable, Callable]:
+    """``(fwd, fwd_bwd)`` over fresh leaf copies of ``problem``'s x, routing weights, w13 and w2: ``fwd()``
+    runs ``fn`` on them; ``fwd_bwd()`` also runs the backward with the problem's dy and then drops the
+    gradients, so that no step accumulates into the last one's."""
+    x, topk_idx, topk_weights, w13, w2, dy = problem
+    leaves = [t.detach().clone().requires_grad_() for t in (x, topk_weights, w13, w2)]
+
+    def fwd():
+        return fn(leaves[0], topk_idx, *leaves[1:])
+
+    def fwd_bwd():
+        fwd().backward(dy)
+        for t in leaves:
+            t.grad = None
+
+    return fwd, fwd_bwd
+
+
 def time_impl(impl: Impl, problem, rep_ms: int) -> dict:
     from triton.testing import do_bench
 
