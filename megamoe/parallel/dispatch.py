@@ -383,7 +383,8 @@ DX_PEER = TunedKernel(_rows_to_peer_slots_kernel, default=DX.default, candidates
 
 
 ROWS_PER_PROGRAM = 16
-SEND_ROWS = 32  # rows per step of a sending program (64 spilled 308 B in the act variant on sm_90a, 32: 160 B)
+SEND_ROWS = 32  # rows per step of a sending program (sm_90a, pipelined copy: 64 spill 112 B / 196 B in the
+#                up / act variants, 32: none / 120 B)
 
 # Never autotuned (it moves rows into peers and counts them): the tiles UP chose on the same operands.
 SEND_UP = TunedKernel(_send_and_up_kernel, default=UP.default, candidates=[], key=UP.key, even_k=UP.even_k,
