@@ -569,7 +569,7 @@ def return_rows(ws: Workspace) -> None:
     dim = ws.recv_x.shape[1]
     _return_rows_kernel[(triton.cdiv(ws.capacity, ROWS_PER_PROGRAM),)](
         ws.recv_x, ws.recv_meta, plan.offsets_E1, ws.tables["y_slots"], ws.num_local, dim, ws.max_slots,
-        RB=ROWS_PER_PROGRAM, BD=min(256, triton.next_power_of_2(dim)))
+        RB=ROWS_PER_PROGRAM, BD=_send_blocks(ws, dim)["BD"])
     signal_returned(ws)
 
 
