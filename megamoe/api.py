@@ -66,6 +66,38 @@ def fused_supports(x: torch.Tensor, w2: torch.Tensor) -> bool:
     return x.shape[1] * size % 16 == 0 and w2.shape[2] * size % 16 == 0
 
 
+# Programs of the expert kernels' launches that send the rows on the fused EP path (``comm_sms``). Measured on
+# two H200s (benchmarks/results/*-per-rank-*-ep2.json, docs/NOTES.md §14): against 0 (a dispatch kernel of its
+# own) 32 shortens forward+backward by 4-9% on the 30B and 235B layers, random and skewed routing; 16 is
+# slower than 0. On one GPU (loopback, R=1) 32 and 0 tie.
+DEFAULT_COMM_SMS = 32
+
+
+def ep_path(x: torch.Tensor, w2: torch.Tensor) -> str:
+    """Which exchange :func:`moe` runs with ``group=...``: ``"fused"`` or ``"all_to_all"``.
+
+    ``MEGAMOE_EP`` (default ``auto``): ``auto`` picks the fused protocol (:mod:`megamoe.parallel.fused`)
+    wherever it runs — CUDA tensors, the fused backend (sm90+) and shapes :func:`fused_supports` takes —
+    and otherwise the all-to-all baseline, with a one-time warning for CUDA tensors (it synchronises
+    with the host); ``fused`` raises ``ValueError`` where the fused protocol cannot run; ``all_to_all``
+    always runs the baseline (TorchTitan's host-synced ``all_to_all_single`` around megamoe's local
+    experts).
+    """
+    ep = os.environ.get("MEGAMOE_EP", "auto")
+    if ep not in ("auto", "all_to_all", "fused"):
+        raise ValueError(f"MEGAMOE_EP must be auto, all_to_all or fused, got {ep!r}")
+    if ep == "all_to_all":
+        return ep
+    if x.is_cuda and backend_for(x) == "triton" and fused_supports(x, w2):
+        return "fused"
+    if ep == "fused":
+        raise ValueError("MEGAMOE_EP=fused needs CUDA tensors on sm90+ with 16-byte rows")
+    if x.is_cuda:
+        warn_once("megamoe: the fused expert-parallel path cannot run here (it needs sm90+ and 16-byte rows); "
+                  "running the all-to-all baseline, which synchronises with the host")
+    return "all_to_all"
+
+
 def _check_tensor(name: str, t, dim: int, dtypes) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -132,7 +164,7 @@ def moe(
     group=None,
     precision: str = "bf16",
     max_tokens_per_rank: int | None = None,
-    comm_sms: int = 0,
+    comm_sms: int | None = None,
 ) -> torch.Tensor:
     """Mixture-of-Experts SwiGLU experts with routing already done. Differentiable in ``x``,
     ``topk_weights``, ``w13`` and ``w2``; keeps no activations beyond its inputs on the fused path.
@@ -149,20 +181,21 @@ def moe(
         group: ``torch.distributed`` process group for expert parallelism (EP); ``None`` for one GPU.
             Under EP each rank passes its own tokens, *global* expert ids in [0, E) and the weights of
             its own E/R experts (rank r owns experts [r*E/R, (r+1)*E/R)); every rank of the group must
-            call with the same D, I and E/R. By default this runs the all-to-all baseline
-            (:func:`megamoe.parallel.all_to_all.moe_all_to_all`, host-synchronising, with a one-time
-            warning) with the fused kernels for the local experts. ``MEGAMOE_EP=fused`` selects the
-            fused protocol (:mod:`megamoe.parallel.fused`: device-side dispatch through symmetric
-            memory, no host sync); it becomes the default once it has passed its multi-GPU tests.
+            call with the same D, I and E/R. The exchange is chosen by ``MEGAMOE_EP`` (see
+            :func:`ep_path`): by default the fused protocol (:mod:`megamoe.parallel.fused`: device-side
+            dispatch through symmetric memory, no host sync) wherever it runs — CUDA tensors on sm90+
+            with 16-byte rows — and elsewhere the all-to-all baseline
+            (:func:`megamoe.parallel.all_to_all.moe_all_to_all`, host-synchronising; a one-time
+            warning on a GPU) with megamoe's local experts.
         max_tokens_per_rank: fused EP only: the most tokens any rank passes in one call; sizes the
             symmetric-memory workspace (``R * max_tokens_per_rank * K`` receive rows of D, twice, per
             rank), the same on every rank. ``None``: agreed at the first call (the largest T of any rank,
             one collective), and a later call with more tokens raises ``ValueError``.
-        comm_sms: fused EP only: 0 (default) sends the rows to their owners in a kernel of its own,
-            on every SM, before the expert kernels; N > 0 sends them from N programs (one SM each) of
-            the gate/up kernel's launch (forward) and of the recompute+act kernel's launch (backward)
-            while their other programs compute on the rows already in — communication overlapping the
-            GEMMs (not yet measured on several GPUs, hence not the default). Fewer than the GPU's SMs.
+        comm_sms: fused EP only: N > 0 sends the rows to their owners from N programs (one SM each)
+            of the gate/up kernel's launch (forward) and of the recompute+act kernel's launch
+            (backward) while their other programs compute on the rows already in — communication
+            overlapping the GEMMs; fewer than the GPU's SMs. 0 sends them in a kernel of its own, on
+            every SM, before the expert kernels. ``None`` (default): :data:`DEFAULT_COMM_SMS`.
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``
             (blockwise e4m3) is planned and raises ``NotImplementedError`` for now.
 
@@ -177,11 +210,8 @@ def moe(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8":
         raise NotImplementedError("precision='fp8' (blockwise e4m3) is not implemented yet; use 'bf16'")
-    if not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 0:
-        raise ValueError(f"comm_sms must be an int >= 0, got {comm_sms!r}")
-    if comm_sms and (group is None or os.environ.get("MEGAMOE_EP") != "fused"):
-        raise ValueError("comm_sms > 0 applies to the fused expert-parallel path only (group=... and "
-                         "MEGAMOE_EP=fused)")
+    if comm_sms is not None and (not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 0):
+        raise ValueError(f"comm_sms must be None or an int >= 0, got {comm_sms!r}")
     if group is not None:
         import torch.distributed as dist
 
@@ -190,18 +220,17 @@ def moe(
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
         validate(x, topk_idx, topk_weights, w13, w2, num_ranks=dist.get_world_size(group))
-        ep = os.environ.get("MEGAMOE_EP", "all_to_all")
-        if ep not in ("all_to_all", "fused"):
-            raise ValueError(f"MEGAMOE_EP must be all_to_all or fused, got {ep!r}")
-        if ep == "fused":
-            if backend_for(x) != "triton" or not x.is_cuda or not fused_supports(x, w2):
-                raise ValueError("MEGAMOE_EP=fused needs CUDA tensors on sm90+ with 16-byte rows")
+        if ep_path(x, w2) == "fused":
             from megamoe.parallel.fused import moe_fused_ep
 
-            return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank, comm_sms)
-        warn_once("megamoe: group=... runs the all-to-all baseline (host-synchronising) with the fused kernels "
-                  "for the local experts; MEGAMOE_EP=fused selects the fused dispatch (not yet GPU-tested)")
+            return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank,
+                                DEFAULT_COMM_SMS if comm_sms is None else comm_sms)
+        if comm_sms:
+            raise ValueError("comm_sms > 0 applies to the fused expert-parallel path only, and this call runs "
+                             "the all-to-all one (see megamoe.api.ep_path)")
         return moe_all_to_all(x, topk_idx, topk_weights, w13, w2, group, experts=moe)
+    if comm_sms:
+        raise ValueError("comm_sms > 0 applies to the fused expert-parallel path only (group=...)")
     validate(x, topk_idx, topk_weights, w13, w2)
     if backend_for(x) == "triton":
         if fused_supports(x, w2):

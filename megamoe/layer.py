@@ -24,8 +24,8 @@ class MegaMoE(nn.Module):
             rank holds experts [r*E/R, (r+1)*E/R) (``w13``/``w2`` have E/R experts; R must divide E), the
             router stays replicated over all E, and :func:`megamoe.moe` exchanges the rows.
         precision: ``"bf16"`` (see :func:`megamoe.moe`).
-        max_tokens_per_rank: with ``ep_group`` and ``MEGAMOE_EP=fused``: see :func:`megamoe.moe`.
-        comm_sms: with ``ep_group`` and ``MEGAMOE_EP=fused``: see :func:`megamoe.moe`.
+        max_tokens_per_rank: with ``ep_group``, on the fused path: see :func:`megamoe.moe`.
+        comm_sms: with ``ep_group``, on the fused path: see :func:`megamoe.moe` (``None``: the measured default).
         route_scale: multiplies the gating weights (DeepSeek-V3 ``routed_scaling_factor``).
         initializer_range: std of the normal init of every weight (HF ``initializer_range``).
         device, dtype: where and in which dtype to create the parameters (the router is kept in the
@@ -53,7 +53,7 @@ class MegaMoE(nn.Module):
         precision: str = "bf16",
         *,
         max_tokens_per_rank: int | None = None,
-        comm_sms: int = 0,
+        comm_sms: int | None = None,
         route_scale: float = 1.0,
         initializer_range: float = 0.02,
         device=None,

@@ -55,10 +55,32 @@ def test_unsupported_options_raise():
     with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
         call(args, group=object())
     for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="comm_sms must be an int >= 0"):
+        with pytest.raises(ValueError, match="comm_sms must be None or an int >= 0"):
             call(args, comm_sms=bad)
     with pytest.raises(ValueError, match="fused expert-parallel path only"):
         call(args, comm_sms=8)  # one device: nothing to send
+
+
+def test_ep_path_defaults_to_fused_where_it_runs_and_says_so_elsewhere(monkeypatch):
+    """``MEGAMOE_EP``: ``auto`` (default) takes the fused protocol only where it runs (never CPU tensors, even
+    under the interpreter), quietly on CPU; ``fused`` where it cannot run and a bad value are clear errors."""
+    import warnings
+
+    from megamoe.api import ep_path
+
+    args = good_args()
+    x, w2 = args["x"], args["w2"]
+    monkeypatch.delenv("MEGAMOE_EP", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ep_path(x, w2) == "all_to_all"
+    for value, expected in (("auto", "all_to_all"), ("all_to_all", "all_to_all")):
+        monkeypatch.setenv("MEGAMOE_EP", value)
+        assert ep_path(x, w2) == expected
+    for value, match in (("fused", "needs CUDA tensors"), ("nccl", "MEGAMOE_EP must be auto, all_to_all or fused")):
+        monkeypatch.setenv("MEGAMOE_EP", value)
+        with pytest.raises(ValueError, match=match):
+            ep_path(x, w2)
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 import megamoe
 from megamoe import reference
-from megamoe.api import backend_for
+from megamoe.api import backend_for, ep_path
 from megamoe.parallel.all_to_all import moe_all_to_all
 from tests.helpers import make_problem, run_with_grads
 
@@ -65,13 +65,13 @@ def check_rank(case, rank, num_ranks, group, fn, device="cpu"):
 def _worker(rank, num_ranks, init_file, test):
     if test == "fused":  # one GPU per rank, symmetric memory
         torch.cuda.set_device(rank)
-        os.environ["MEGAMOE_EP"] = "fused"
     dist.init_process_group("nccl" if test == "fused" else "gloo", init_method=f"file://{init_file}",
                             rank=rank, world_size=num_ranks)
     try:
         group = dist.group.WORLD
         if test == "fused":
-            for comm_sms in (0, 0, 2, 0, 2):  # the workspace is reused across calls, in both modes
+            assert ep_path(torch.empty(1, 32, device="cuda"), torch.empty(1, 32, 16, device="cuda")) == "fused"
+            for comm_sms in (None, 0, 2, 0, None):  # the default, and the workspace reused across calls in both modes
                 for case in CASES:
                     check_rank(case, rank, num_ranks, group,
                                lambda *a, c=comm_sms: megamoe.moe(*a, group=group, comm_sms=c), device=f"cuda:{rank}")
@@ -110,9 +110,10 @@ def _worker(rank, num_ranks, init_file, test):
 
 def check_ep_selection(group):
     """MEGAMOE_EP picks the expert-parallel path; a bad value, or the fused path on CPU tensors, is a clear
-    error rather than a silent fallback."""
+    error rather than a silent fallback; by default CPU tensors take the all-to-all path."""
     x, idx, w, w13, w2, _ = make_problem(4, 32, 16, 2 * dist.get_world_size(group), 2, "random")
     local = (x, idx, w, w13[:2].contiguous(), w2[:2].contiguous())
+    assert "MEGAMOE_EP" not in os.environ and ep_path(x, w2) == "all_to_all"
     for value, match in (("nccl", "MEGAMOE_EP must be"), ("fused", "needs CUDA tensors")):
         os.environ["MEGAMOE_EP"] = value
         try:

@@ -2,8 +2,8 @@
 this rank's stream, over a symmetric-memory workspace, wired into autograd. Saved for the backward: the
 inputs and the routing plan; the backward sends x and dy rows again and recomputes on the owners.
 
-Selected by ``MEGAMOE_EP=fused``; ``megamoe.moe(group=...)`` runs the all-to-all baseline otherwise (the
-default until this path has passed its multi-GPU tests).
+What ``megamoe.moe(group=...)`` runs wherever it can (CUDA tensors, sm90+, 16-byte rows; see
+:func:`megamoe.api.ep_path`); ``MEGAMOE_EP=all_to_all`` selects the all-to-all baseline instead.
 """
 
 from __future__ import annotations
