@@ -6,6 +6,7 @@ the interpreter (no GPU) ``megamoe.moe(group=...)`` runs the fused kernels for t
 those cases also check that the fused kernels compose with the exchange.
 """
 
+import functools
 import os
 import sys
 import tempfile
@@ -75,6 +76,7 @@ def _worker(rank, num_ranks, init_file, test):
                 for case in CASES:
                     check_rank(case, rank, num_ranks, group,
                                lambda *a, c=comm_sms: megamoe.moe(*a, group=group, comm_sms=c), device=f"cuda:{rank}")
+            check_steps(rank, num_ranks, group, f"cuda:{rank}", steps=200)
             check_bench(group, torch.device("cuda", rank))
             x, idx, w, w13, w2, _ = make_problem(8, 32, 16, 2 * num_ranks, 2, "random", device=f"cuda:{rank}")
             with pytest.raises(ValueError, match="leaves none of this GPU's"):
@@ -90,6 +92,7 @@ def _worker(rank, num_ranks, init_file, test):
             check_ep_selection(group)
             for case in CASES:
                 check_rank(case, rank, num_ranks, group, lambda *a: megamoe.moe(*a, group=group))
+            check_steps(rank, num_ranks, group, "cpu", steps=3)  # the GPU test's 200-step check, checked itself
         elif test == "layer":
             check_layer(rank, num_ranks, group)
         elif test == "bench":
@@ -106,6 +109,23 @@ def _worker(rank, num_ranks, init_file, test):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def check_steps(rank, num_ranks, group, device, steps):
+    """``steps`` consecutive steps of ``moe(group=...)`` (forward and backward; on GPUs the fused path with
+    the default comm_sms), each with new routing and a new token count on every rank (none, at times),
+    without a hang; the last one against the fp32 reference."""
+    local = slice(2 * rank, 2 * rank + 2)
+    for step in range(steps):
+        *_, w13, w2, _ = make_problem(1, 32, 16, 2 * num_ranks, 2, "random", device=device, seed=step)  # every rank's
+        x, idx, w, *_, dy = make_problem((7 * step + 5 * rank) % 17, 32, 16, 2 * num_ranks, 2, "random",
+                                         device=device, seed=steps * (rank + 1) + step)  # this rank's own tokens
+        fn = functools.partial(megamoe.moe, group=group, max_tokens_per_rank=16)
+        out = run_with_grads(fn, x, idx, w, w13[local].contiguous(), w2[local].contiguous(), dy)
+    ref = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), x.cpu(), idx.cpu(), w.cpu(), w13.cpu(),
+                         w2.cpu(), dy.cpu())  # this rank's tokens through every expert, as the ranks' do
+    for name, o, r in zip(["y", "dx", "dtopk_weights"], out, ref):
+        torch.testing.assert_close(o.cpu(), r, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"step {steps}, {n}: {m}")
 
 
 def check_ep_selection(group):
