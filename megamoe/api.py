@@ -67,7 +67,7 @@ def fused_supports(x: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 # Programs of the expert kernels' launches that send the rows on the fused EP path (``comm_sms``). Measured on
-# two H200s (benchmarks/results/*-per-rank-*-ep2.json, docs/NOTES.md §14): against 0 (a dispatch kernel of its
+# two H200s (benchmarks/results/*-per-rank-*-ep2.json, docs/NOTES.md §15): against 0 (a dispatch kernel of its
 # own) 32 shortens forward+backward by 4-9% on the 30B and 235B layers, random and skewed routing; 16 is
 # slower than 0. On one GPU (loopback, R=1) 32 and 0 tie.
 DEFAULT_COMM_SMS = 32

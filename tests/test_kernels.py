@@ -133,6 +133,7 @@ def test_every_config_writes_every_weight_gradient_partial(monkeypatch):
         monkeypatch.setattr(expert_bwd.ACT_BWD, "default", {**expert_bwd.ACT_BWD.default, "BN": bn, "BK": 32})
         part.add_(1000.0)  # dirty every partial, as a previous config's run would
         expert_bwd.act_bwd_into(x, dy, w13, w2, w, plan, 2, dz, hw, part)
+        assert expert_bwd.ACT_BWD.last_config["BN"] == bn  # what the kernel benchmark records
     assert torch.equal(part.sum(0).view(-1, 2), expected)
 
 

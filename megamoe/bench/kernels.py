@@ -2,7 +2,8 @@
 
 ``python -m megamoe.bench.kernels --preset qwen3-30b-a3b [--sweep]`` on a GPU. Each stage is timed alone
 with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
-Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``).
+Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``); the
+config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
 shows the best next to the default.
 """
@@ -90,7 +91,8 @@ def main(argv=None) -> None:
     rows = []
     for name, (fn, flops, key) in stages(problem, num_experts).items():
         ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
-        row = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None}
+        row = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
+               "config": None if key is None else key.last_config}  # autotuned or default
         if args.sweep and key is not None:
             default = key.default
             best = (ms, default)
@@ -107,7 +109,10 @@ def main(argv=None) -> None:
         rows.append(row)
         extra = f"   best {row['best_ms']:.3f} ms {row['best_config']}" if "best_ms" in row else ""
         tf = f"{row['tflops']:6.0f}" if row["tflops"] else "     -"
-        print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{extra}", flush=True)
+        cfg = row["config"]
+        ran = "" if cfg is None else (f"   {cfg['BM']}x{cfg['BN']}x{cfg['BK']} warps {cfg['num_warps']} "
+                                      f"stages {cfg['num_stages']}")
+        print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{ran}{extra}", flush=True)
     print(f"{'total':20s} {sum(r['ms'] for r in rows):8.3f} ms")
     if args.json:
         import triton

@@ -66,6 +66,7 @@ class TunedKernel:
         self.constants = constants or {}
         self.follows = follows
         self._chosen: dict[tuple, dict] = {}  # (key values..., dtype) -> the config autotuning picked
+        self.last_config: dict | None = None  # the config of the latest launch (for the benchmarks' records)
         self._kernel = triton.heuristics({"EVEN_K": even_k})(kernel) if even_k else kernel
         self._arg_names = self.jit_fn.arg_names
         self._tuned = triton.autotune([_triton_config(c, self._set_blocks) for c in [default, *candidates]],
@@ -97,8 +98,10 @@ class TunedKernel:
             else:
                 self._tuned[grid](*args, **kwargs)
                 best = self._tuned.best_config
-                self._chosen[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+                self._chosen[key] = self.last_config = {**best.kwargs, "num_warps": best.num_warps,
+                                                        "num_stages": best.num_stages}
                 return
+            self.last_config = config
             self._set_blocks({**named, **config})
             self._kernel[grid(config)](*args, **kwargs, **config)
 
