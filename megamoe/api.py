@@ -6,6 +6,7 @@ I expert intermediate size.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -71,6 +72,15 @@ def fused_supports(x: torch.Tensor, w2: torch.Tensor) -> bool:
 # own) 32 shortens forward+backward by 4-9% on the 30B and 235B layers, random and skewed routing; 16 is
 # slower than 0. On one GPU (loopback, R=1) 32 and 0 tie.
 DEFAULT_COMM_SMS = 32
+
+
+@functools.cache
+def default_comm_sms(device_index: int) -> int:
+    """``comm_sms`` when the caller passes ``None``: :data:`DEFAULT_COMM_SMS`, or 0 (the rows sent by a kernel
+    of their own) on a GPU with no more than twice as many SMs (a MIG slice, say), where that many senders
+    would leave the GEMMs too few SMs. Not measured on such GPUs."""
+    num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return DEFAULT_COMM_SMS if num_sms > 2 * DEFAULT_COMM_SMS else 0
 
 
 def ep_path(x: torch.Tensor, w2: torch.Tensor) -> str:
@@ -195,7 +205,8 @@ def moe(
             of the gate/up kernel's launch (forward) and of the recompute+act kernel's launch
             (backward) while their other programs compute on the rows already in — communication
             overlapping the GEMMs; fewer than the GPU's SMs. 0 sends them in a kernel of its own, on
-            every SM, before the expert kernels. ``None`` (default): :data:`DEFAULT_COMM_SMS`.
+            every SM, before the expert kernels. ``None`` (default): :data:`DEFAULT_COMM_SMS` (32, measured),
+            or 0 on a GPU with at most 64 SMs (:func:`default_comm_sms`).
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``
             (blockwise e4m3) is planned and raises ``NotImplementedError`` for now.
 
@@ -224,7 +235,7 @@ def moe(
             from megamoe.parallel.fused import moe_fused_ep
 
             return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank,
-                                DEFAULT_COMM_SMS if comm_sms is None else comm_sms)
+                                default_comm_sms(x.device.index) if comm_sms is None else comm_sms)
         if comm_sms:
             raise ValueError("comm_sms > 0 applies to the fused expert-parallel path only, and this call runs "
                              "the all-to-all one (see megamoe.api.ep_path)")

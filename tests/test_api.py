@@ -83,6 +83,21 @@ def test_ep_path_defaults_to_fused_where_it_runs_and_says_so_elsewhere(monkeypat
             ep_path(x, w2)
 
 
+def test_default_comm_sms_leaves_small_gpus_their_sms(monkeypatch):
+    """The measured default on an H200-sized GPU; a kernel of its own (0) where 32 senders would take half
+    the SMs or more (a MIG slice), instead of an error about an argument the caller never passed."""
+    import types
+
+    from megamoe.api import DEFAULT_COMM_SMS, default_comm_sms
+
+    for num_sms, expected in ((132, DEFAULT_COMM_SMS), (2 * DEFAULT_COMM_SMS, 0), (16, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda index, n=num_sms: types.SimpleNamespace(multi_processor_count=n))
+        default_comm_sms.cache_clear()
+        assert default_comm_sms(0) == expected
+    default_comm_sms.cache_clear()
+
+
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 def test_moe_cpu_matches_reference(idx_dtype):
     problem = make_problem(40, 48, 24, 6, 3, "dropped", idx_dtype=idx_dtype)
