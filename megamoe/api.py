@@ -205,8 +205,8 @@ def moe(
             of the gate/up kernel's launch (forward) and of the recompute+act kernel's launch
             (backward) while their other programs compute on the rows already in — communication
             overlapping the GEMMs; fewer than the GPU's SMs. 0 sends them in a kernel of its own, on
-            every SM, before the expert kernels. ``None`` (default): :data:`DEFAULT_COMM_SMS` (32, measured),
-            or 0 on a GPU with at most 64 SMs (:func:`default_comm_sms`).
+            every SM, before the expert kernels. ``None`` (default): :data:`DEFAULT_COMM_SMS` (32,
+            measured), or 0 on a GPU with at most 64 SMs (:func:`default_comm_sms`).
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``
             (blockwise e4m3) is planned and raises ``NotImplementedError`` for now.
 

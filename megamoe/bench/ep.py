@@ -14,10 +14,11 @@ experts [r·E/N, (r+1)·E/N)). Implementations, all through the all-to-all dispa
 
 Per impl: forward, forward+backward and the activation-checkpointing step, as the maximum over ranks of
 each rank's median. The all-to-all impls keep the exchanged rows for their backward, so their step is
-forward + forward-and-backward; the fused impls keep only their inputs and the routing plan (the backward
-sends the rows again), so their step is their forward-and-backward, as for megamoe in the layer benchmark; and, for the exchange alone, the time of the two ``all_to_all_single`` of
-a forward and the bytes they move (GB/s per rank). Every rank runs the same fixed number of
-iterations (``do_bench`` picks its own count per rank, which would desynchronise the collectives).
+forward + forward-and-backward; the fused impls keep only their inputs and the routing plan (the
+backward sends the rows again), so their step is their forward-and-backward, as for megamoe in the layer
+benchmark; and, for the exchange alone, the time of the two ``all_to_all_single`` of a forward and the
+bytes they move (GB/s per rank). Every rank runs the same fixed number of iterations (``do_bench`` picks
+its own count per rank, which would desynchronise the collectives).
 
 The overlap figure (with ``fused``): the fused forward against ``compute_only`` — the same rank's expert
 work with no communication, megamoe's one-device kernels on the rows its experts receive — and
