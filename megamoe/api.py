@@ -236,12 +236,11 @@ def moe(
 
             return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank,
                                 default_comm_sms(x.device.index) if comm_sms is None else comm_sms)
-        if comm_sms:
-            raise ValueError("comm_sms > 0 applies to the fused expert-parallel path only, and this call runs "
-                             "the all-to-all one (see megamoe.api.ep_path)")
-        return moe_all_to_all(x, topk_idx, topk_weights, w13, w2, group, experts=moe)
     if comm_sms:
-        raise ValueError("comm_sms > 0 applies to the fused expert-parallel path only (group=...)")
+        raise ValueError("comm_sms > 0 applies to the fused expert-parallel path only (group=..., where "
+                         "megamoe.api.ep_path picks it)")
+    if group is not None:
+        return moe_all_to_all(x, topk_idx, topk_weights, w13, w2, group, experts=moe)
     validate(x, topk_idx, topk_weights, w13, w2)
     if backend_for(x) == "triton":
         if fused_supports(x, w2):

@@ -54,12 +54,10 @@ bench)
 layer)
     # Liger on the 30B layer only (issue 3 asks for it there; on the 235B layer its autotuning alone
     # outlasted the step's 280 s: benchmarks/logs/layer-bench-run14-235b-liger-timeout.log).
-    liger=
-    python3 -c "import liger_kernel" 2> /dev/null && liger=liger,
     for preset in qwen3-30b-a3b qwen3-235b-a22b; do  # a step each: what finished survives a time-out
-        extra=
-        [ "$preset" = qwen3-30b-a3b ] && extra=$liger
-        impls=grouped_mm,grouped_mm_compiled,${extra}megamoe
+        impls=grouped_mm,grouped_mm_compiled,megamoe
+        [ "$preset" = qwen3-30b-a3b ] && python3 -c "import liger_kernel" 2> /dev/null \
+            && impls=grouped_mm,grouped_mm_compiled,liger,megamoe
         step "layer-bench-$preset" 280 "${py[@]}" -m megamoe.bench --preset "$preset" --routing random,skewed \
             --impls "$impls" --no-plot --out "$work/results"
     done

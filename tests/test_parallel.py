@@ -116,11 +116,11 @@ def check_steps(rank, num_ranks, group, device, steps):
     the default comm_sms), each with new routing and a new token count on every rank (none, at times),
     without a hang; the last one against the fp32 reference."""
     local = slice(2 * rank, 2 * rank + 2)
+    fn = functools.partial(megamoe.moe, group=group, max_tokens_per_rank=16)
     for step in range(steps):
         *_, w13, w2, _ = make_problem(1, 32, 16, 2 * num_ranks, 2, "random", device=device, seed=step)  # every rank's
         x, idx, w, *_, dy = make_problem((7 * step + 5 * rank) % 17, 32, 16, 2 * num_ranks, 2, "random",
                                          device=device, seed=steps * (rank + 1) + step)  # this rank's own tokens
-        fn = functools.partial(megamoe.moe, group=group, max_tokens_per_rank=16)
         out = run_with_grads(fn, x, idx, w, w13[local].contiguous(), w2[local].contiguous(), dy)
     ref = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), x.cpu(), idx.cpu(), w.cpu(), w13.cpu(),
                          w2.cpu(), dy.cpu())  # this rank's tokens through every expert, as the ranks' do
