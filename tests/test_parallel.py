@@ -6,6 +6,7 @@ the interpreter (no GPU) ``megamoe.moe(group=...)`` runs the fused kernels for t
 those cases also check that the fused kernels compose with the exchange.
 """
 
+import faulthandler
 import functools
 import os
 import sys
@@ -64,6 +65,9 @@ def check_rank(case, rank, num_ranks, group, fn, device="cpu"):
 
 
 def _worker(rank, num_ranks, init_file, test):
+    # A rank still running shortly before spawn() gives up prints where it is (the parent's own dump,
+    # from a time limit around pytest, shows only the join).
+    faulthandler.dump_traceback_later(TIMEOUT_S - 20, exit=False)
     if test == "fused":  # one GPU per rank, symmetric memory
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if test == "fused" else "gloo", init_method=f"file://{init_file}",

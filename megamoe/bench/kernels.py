@@ -37,8 +37,9 @@ SWEEPS = {
     expert_fwd.UP: grid_of(BM=[64, 128], BN=[128], BK=[64], num_warps=[8], num_stages=[3, 4])
     + grid_of(BM=[128], BN=[64, 128], BK=[32, 128], num_warps=[8], num_stages=[3]),
     expert_fwd.DOWN: grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3]),
-    expert_bwd.ACT_BWD: grid_of(BM=[64], BN=[64, 128, 256], BK=[32, 64], num_warps=[4, 8], num_stages=[3])
-    + grid_of(BM=[128], BN=[64, 128], BK=[32], num_warps=[8], num_stages=[2, 4]),
+    expert_bwd.DH: grid_of(BM=[64, 128], BN=[128, 256], BK=[64], num_warps=[8], num_stages=[3, 4]),
+    expert_bwd.ACT_BWD_DH: grid_of(BM=[64, 128], BN=[64, 128], BK=[64], num_warps=[8], num_stages=[3, 4])
+    + grid_of(BM=[128], BN=[64, 128], BK=[32, 128], num_warps=[8], num_stages=[3]),
     expert_bwd.DX: grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3]),
     expert_bwd.WGRAD: grid_of(BM=[128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3, 4])
     + grid_of(BM=[64], BN=[128, 256], BK=[64, 128], num_warps=[4, 8], num_stages=[3]),
@@ -55,18 +56,20 @@ def stages(problem, num_experts):
     plan = build_plan(topk_idx, num_experts)
     h = expert_fwd.up_swiglu_fwd(x, w13, plan, top_k)
     slots = expert_fwd.down_fwd(h, w2, topk_weights, plan)
-    dz, hw, _ = expert_bwd.act_bwd(x, dy, w13, w2, topk_weights, plan, top_k)
-    wg = expert_bwd.expert_wgrad
     x_sorted, dy_sorted = expert_bwd.gather_rows(x, dy, plan, top_k)
+    dh = expert_bwd.dh_sorted(dy_sorted, w2, plan)
+    dz, hw, _ = expert_bwd.act_bwd(x_sorted, dh, w13, w2, topk_weights, plan, top_k, sorted_dh=True)
+    wg = expert_bwd.expert_wgrad
     return {
         "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),
         "fwd up+swiglu": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k), 4 * unit, expert_fwd.UP),
         "fwd down": (lambda: expert_fwd.down_fwd(h, w2, topk_weights, plan), 2 * unit, expert_fwd.DOWN),
         "combine": (lambda: combine(slots, topk_idx, x.dtype), 0, None),
-        "bwd recompute+act": (lambda: expert_bwd.act_bwd(x, dy, w13, w2, topk_weights, plan, top_k), 6 * unit,
-                              expert_bwd.ACT_BWD),
-        "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, expert_bwd.DX),
         "bwd gather x, dy": (lambda: expert_bwd.gather_rows(x, dy, plan, top_k), 0, None),
+        "bwd dh'": (lambda: expert_bwd.dh_sorted(dy_sorted, w2, plan), 2 * unit, expert_bwd.DH),
+        "bwd recompute+act": (lambda: expert_bwd.act_bwd(x_sorted, dh, w13, w2, topk_weights, plan, top_k,
+                                                         sorted_dh=True), 4 * unit, expert_bwd.ACT_BWD_DH),
+        "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, expert_bwd.DX),
         "bwd dw13": (lambda: wg(dz, x_sorted, plan, w13.dtype), 4 * unit, expert_bwd.WGRAD),
         "bwd dw2": (lambda: wg(dy_sorted, hw, plan, w2.dtype), 2 * unit, expert_bwd.WGRAD),
     }

@@ -4,7 +4,7 @@ spills and shared memory from ``ptxas -v``: the first things to check before spe
 ``python -m megamoe.bench.resources [--candidates]``. Pointers and the D / I / P / Q sizes are
 specialised as 16-divisible, as Triton does at run time for such values: without that Triton neither
 vectorises nor pipelines the loads, and the report would describe a kernel that never runs. TMA
-descriptor parameters (``*_desc``) get the block shape the config gives them. Then the expert-parallel
+descriptor parameters (those the kernel's ``blocks`` names) get the block shape the config gives them. Then the expert-parallel
 protocol's other kernels, which have no tile config, are compiled too (no report: they must compile).
 """
 
@@ -27,7 +27,8 @@ from megamoe.parallel import dispatch
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200 (sm_90)
-KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "act": expert_bwd.ACT_BWD, "dx": expert_bwd.DX,
+KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "dh": expert_bwd.DH, "act": expert_bwd.ACT_BWD_DH,
+           "act_gather": expert_bwd.ACT_BWD, "dx": expert_bwd.DX,
            "wgrad": expert_bwd.WGRAD, "down_peer": dispatch.DOWN_PEER, "dx_peer": dispatch.DX_PEER,
            "send_up": dispatch.SEND_UP, "send_act": dispatch.SEND_ACT}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
@@ -44,6 +45,7 @@ _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": T
 def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
     """``dtype``: Triton name of the activation/weight element type (bf16, fp16, fp32)."""
     fn = kernel.jit_fn
+    blocks = kernel.blocks(config)
     signature, attrs, constexprs = {}, {}, {}
     for i, param in enumerate(fn.params):
         name = param.name
@@ -54,15 +56,15 @@ def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
             if name == "PREC" and dtype == "fp32":
                 constexprs[name] = "ieee"
             continue
-        if name.endswith("_desc"):
-            block = ", ".join(map(str, kernel.blocks(config)[name]))
+        if name in blocks:  # a TMA descriptor
+            block = ", ".join(map(str, blocks[name]))
             signature[name] = f"tensordesc<{dtype}[{block}]>"
             continue
         if name.endswith("_tab"):  # a table of every rank's buffer addresses (expert parallelism)
             signature[name] = "*i64"
             attrs[(i,)] = [["tt.divisibility", 16]]
             continue
-        is_ptr = name.endswith("_ptr")
+        is_ptr = name.endswith(("_ptr", "_src"))  # *_src: a pointer where the config gives it no TMA block
         signature[name] = _POINTER_TYPES.get(name, "*" + dtype) if is_ptr else "i32"
         if is_ptr or name in _DIVISIBLE_INTS:
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -97,14 +99,14 @@ def main(argv=None) -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels this compiles")
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    print(f"{'kernel':6s} {'config':52s} {'regs':>5s} {'spill B':>8s} {'smem KiB':>9s} {'wgmma':>6s}")
+    print(f"{'kernel':10s} {'config':52s} {'regs':>5s} {'spill B':>8s} {'smem KiB':>9s} {'wgmma':>6s}")
     too_big = []
     for name, kernel in KERNELS.items():
         for config in [kernel.default, *(kernel.candidates if args.candidates else [])]:
             config = fit_dtype(config, torch_dtype)
             r = resources(kernel, config, args.dtype)
             cfg = " ".join(f"{k}={v}" for k, v in config.items())
-            print(f"{name:6s} {cfg:52s} {r['registers']:5d} {r['spill_bytes']:8d} {r['shared_bytes'] / 1024:9.0f} "
+            print(f"{name:10s} {cfg:52s} {r['registers']:5d} {r['spill_bytes']:8d} {r['shared_bytes'] / 1024:9.0f} "
                   f"{'yes' if r['wgmma'] else 'no':>6s}", flush=True)
             if r["shared_bytes"] > SHARED_MEMORY_LIMIT:
                 too_big.append(f"{name} {cfg}")

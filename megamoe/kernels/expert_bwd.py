@@ -2,14 +2,22 @@
 
 Shape legend as in expert_fwd.py; NI = ceil(I / BN_ACT) intermediate blocks.
 
-1. ``_act_bwd_kernel`` — per tile × I-block, one loop over D accumulates g, u (recompute, from gathered x
-   rows) and dh' = dy W2 (from gathered dy rows); epilogue: h, a partial d(routing weight) = sum_i dh'·h
-   per I-block, dz = [dg | du] (scaled by the routing weight) and h·w (for dW2).
-2. dx — dz W13 → unweighted dx slot rows (``expert_fwd._rows_to_slots_kernel``, the down projection's
+One device:
+
+1. ``_gather_rows_kernel`` — x and dy rows copied into sorted order (for every later step).
+2. ``_dh_rows_kernel`` — dh' = dy W2[e] (N, I), sorted rows: a grouped GEMM through TMA.
+3. ``_act_bwd_kernel`` with ``DH_ROWS`` — per tile × I-block, one loop over D recomputes g and u from the
+   sorted x rows (TMA); epilogue, with dh' read back: h, a partial d(routing weight) = sum_i dh'·h per
+   I-block, dz = [dg | du] (scaled by the routing weight) and h·w (for dW2). Computing dh' in the same
+   K-loop instead (three 128×128 fp32 accumulators: 255 registers, spills) measured 8–11% slower for
+   the two steps together (docs/NOTES.md §17).
+4. dx — dz W13 → unweighted dx slot rows (``expert_fwd._rows_to_slots_kernel``, the down projection's
    kernel); combine.py reduces them per token.
-3. ``_gather_rows_kernel`` then ``_expert_wgrad_kernel`` — x and dy rows copied into sorted order, then
-   per expert, K-grouped GEMMs over that expert's rows: dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w).
-   An expert with no rows gets exact zeros.
+5. ``_expert_wgrad_kernel`` — per expert, K-grouped GEMMs over that expert's sorted rows:
+   dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w). An expert with no rows gets exact zeros.
+
+Expert parallelism runs ``_act_bwd_kernel`` without ``DH_ROWS`` on its receive buffers, as the rows
+arrive: the three accumulators in one K-loop over x and dy rows gathered through pointers.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import triton.language as tl
 
 from megamoe.kernels.expert_fwd import (
     _rows_to_slots_kernel,
+    _sorted_rows_matmul,
     _tile_rows,
     _wait_expert_rows,
     descriptor,
@@ -33,10 +42,10 @@ from megamoe.kernels.tuning import TunedKernel, configs
 
 @triton.jit
 def _act_bwd_kernel(
-    x_ptr,  # (T, D)
-    dy_ptr,  # (T, D)
+    x_src,  # DH_ROWS: (N, D) sorted x rows, TMA block (BM, BK); else (T, D) x rows gathered by pointers
+    dy_src,  # DH_ROWS: (N, I) dh' = dy W2[e], sorted rows (pointers); else (T, D) dy rows gathered
     w13_desc,  # (E, 2, I, D) view of w13 (gate, up); block (1, 1, BN, BK)
-    w2_desc,  # (E, D, I); block (1, BK, BN)
+    w2_desc,  # (E, D, I); block (1, BK, BN); unread with DH_ROWS
     weights_ptr,  # (N,) routing weights, flat slots
     dz_ptr,  # (N, 2I) out: [dg | du], sorted rows
     hw_ptr,  # (N, I) out: h * weight, sorted rows
@@ -44,37 +53,50 @@ def _act_bwd_kernel(
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
     arrived_ptr, counts_ptr,  # (R, E) int32 each: expert parallelism only (WAIT_ROWS)
     N, D, I, E, top_k, R,
-    WAIT_ROWS: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    WAIT_ROWS: tl.constexpr, DH_ROWS: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr,
+    PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    _act_bwd_tile(tl.program_id(0), x_ptr, dy_ptr, w13_desc, w2_desc, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
+    _act_bwd_tile(tl.program_id(0), x_src, dy_src, w13_desc, w2_desc, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
                   row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, N, D, I, E, top_k, R,
-                  WAIT_ROWS, PREC, TILE_M, PART_COLS, BM, BN, BK, EVEN_K)
+                  WAIT_ROWS, DH_ROWS, PREC, TILE_M, PART_COLS, BM, BN, BK, EVEN_K)
 
 
 @triton.jit
-def _act_bwd_tile(pid, x_ptr, dy_ptr, w13_desc, w2_desc, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
+def _act_bwd_tile(pid, x_src, dy_src, w13_desc, w2_desc, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
                   row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, N, D, I, E, top_k, R,
-                  WAIT_ROWS: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+                  WAIT_ROWS: tl.constexpr, DH_ROWS: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr,
+                  PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
     """Program ``pid`` of the act kernel's grid (arguments as for ``_act_bwd_kernel``); the EP kernel that
-    also sends rows runs it on its programs past the senders."""
-    e, _, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
+    also sends rows runs it on its programs past the senders.
+
+    DH_ROWS: the x operand comes in through TMA from row ``row0`` of the sorted rows. Past the expert's
+    last row those are the next expert's rows (or rows nobody wrote, after the last routed one, or TMA's
+    zeros past N); each output row depends only on its own x row, and every store and d(weight) partial
+    is masked to the expert's rows, so those rows change nothing."""
+    e, row0, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM,
+                                             TILE_M)
     if e >= E:
         return
     if WAIT_ROWS:
         _wait_expert_rows(arrived_ptr, counts_ptr, e, E, R)
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    tok = slots // top_k
     n0 = pid_n * BN
-    ks = tl.arange(0, BK)
-    x_ptrs = x_ptr + tok[:, None] * D + ks[None, :]
-    dy_ptrs = dy_ptr + tok[:, None] * D + ks[None, :]
+    cols = n0 + tl.arange(0, BN)
+    cmask = cols < I
+    omask = rmask[:, None] & cmask[None, :]
+    rows64 = rows[:, None].to(tl.int64)
+    if not DH_ROWS:
+        tok = slots // top_k
+        ks = tl.arange(0, BK)
+        x_ptrs = x_src + tok[:, None] * D + ks[None, :]
+        dy_ptrs = dy_src + tok[:, None] * D + ks[None, :]
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     acc_d = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, D, BK):
-        if EVEN_K:
+        if DH_ROWS:  # TMA zero-fills past D
+            a = x_src.load([row0, k0])
+        elif EVEN_K:
             a = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
             g = tl.load(dy_ptrs, mask=rmask[:, None], other=0.0)
         else:
@@ -84,14 +106,15 @@ def _act_bwd_tile(pid, x_ptr, dy_ptr, w13_desc, w2_desc, weights_ptr, dz_ptr, hw
         # The descriptors zero-fill past this expert's I columns/rows and past D.
         bg = w13_desc.load([e, 0, n0, k0]).reshape(BN, BK)
         bu = w13_desc.load([e, 1, n0, k0]).reshape(BN, BK)
-        b2 = w2_desc.load([e, k0, n0]).reshape(BK, BN)
         acc_g = tl.dot(a, bg.T, acc_g, input_precision=PREC)
         acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
-        acc_d = tl.dot(g, b2, acc_d, input_precision=PREC)
-        x_ptrs += BK
-        dy_ptrs += BK
-    cols = n0 + tl.arange(0, BN)
-    cmask = cols < I
+        if not DH_ROWS:
+            b2 = w2_desc.load([e, k0, n0]).reshape(BK, BN)
+            acc_d = tl.dot(g, b2, acc_d, input_precision=PREC)
+            x_ptrs += BK
+            dy_ptrs += BK
+    if DH_ROWS:
+        acc_d = tl.load(dy_src + rows64 * I + cols[None, :], mask=omask, other=0.0).to(tl.float32)
     wt = tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(acc_g)
     silu = acc_g * sig
@@ -109,12 +132,30 @@ def _act_bwd_tile(pid, x_ptr, dy_ptr, w13_desc, w2_desc, weights_ptr, dz_ptr, hw
     dh = acc_d * wt[:, None]
     du = dh * silu
     dg = dh * acc_u * sig * (1.0 + acc_g * (1.0 - sig))
-    omask = rmask[:, None] & cmask[None, :]
-    rows64 = rows[:, None].to(tl.int64)
     dz_ptrs = dz_ptr + rows64 * 2 * I + cols[None, :]
     tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=omask)
     tl.store(dz_ptrs + I, du.to(dz_ptr.dtype.element_ty), mask=omask)
     tl.store(hw_ptr + rows64 * I + cols[None, :], (h * wt[:, None]).to(hw_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _dh_rows_kernel(
+    dy_desc,  # (N, D) dy rows in sorted order; block (BM, BK)
+    w2_desc,  # (E, D, I); block (1, BK, BN)
+    dh_ptr,  # (N, I) out: dh' = dy W2[e], sorted rows (rows past the routed count not written)
+    offsets_ptr, tile_expert_ptr, tile_row_ptr,
+    D, I, E,
+    PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    e, row0, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
+                                             tl.cdiv(I, BN), BM, TILE_M)
+    if e >= E:
+        return
+    n0 = pid_n * BN
+    acc = _sorted_rows_matmul(dy_desc, w2_desc, e, row0, n0, D, False, BM, BN, BK, PREC)
+    cols = n0 + tl.arange(0, BN)
+    tl.store(dh_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], acc.to(dh_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (cols < I)[None, :])
 
 
 @triton.jit
@@ -184,12 +225,30 @@ def _expert_wgrad_kernel(
 # Columns per partial d(routing weight) in the act kernel; every config's BN is a multiple of it.
 PART_COLS = 64
 
-# Defaults: best of the sweep on the 30B layer (docs/NOTES.md); candidates: runners-up and wider tiles.
+# Defaults and candidates of the next three: the sweep of docs/NOTES.md §17 (30B and 235B layers), in which
+# ACT_BWD's default (set in §7) was still the fastest of its list.
+# dh' computed in the K-loop, rows gathered through pointers (expert parallelism).
 ACT_BWD = TunedKernel(
     _act_bwd_kernel, default=configs((128, 128, 32, 8, 3))[0],
     candidates=configs((128, 128, 32, 8, 4), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (64, 128, 32, 4, 3)),
     key=["D", "I"], even_k=lambda a: a["D"] % a["BK"] == 0,
     blocks=lambda c: {"w13_desc": [1, 1, c["BN"], c["BK"]], "w2_desc": [1, c["BK"], c["BN"]]},
+    constants={"DH_ROWS": False},
+)
+# dh' from ``_dh_rows_kernel``, x from the sorted rows (one device): two accumulators, as the up kernel.
+ACT_BWD_DH = TunedKernel(
+    _act_bwd_kernel, default=configs((128, 128, 64, 8, 4))[0],
+    candidates=configs((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 128, 8, 3)),
+    key=["D", "I"], even_k=None,
+    blocks=lambda c: {"x_src": [c["BM"], c["BK"]], "w13_desc": [1, 1, c["BN"], c["BK"]],
+                      "w2_desc": [1, c["BK"], c["BN"]]},
+    constants={"DH_ROWS": True, "EVEN_K": True},  # EVEN_K: unread (TMA zero-fills the K tail)
+)
+DH = TunedKernel(
+    _dh_rows_kernel, default=configs((128, 256, 64, 8, 3))[0],
+    candidates=configs((128, 128, 64, 8, 3), (128, 128, 64, 8, 4)),
+    key=["D", "I"], even_k=None,
+    blocks=lambda c: {"dy_desc": [c["BM"], c["BK"]], "w2_desc": [1, c["BK"], c["BN"]]},
 )
 DX = TunedKernel(
     _rows_to_slots_kernel, default=configs((128, 256, 64, 8, 4))[0],
@@ -205,11 +264,14 @@ WGRAD = TunedKernel(
 )
 
 
-def act_bwd(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int, arrivals: tuple | None = None):
-    """Returns dz (N, 2I), h·w (N, I) in sorted rows and d(routing weight) (T, K) fp32. ``arrivals``: as
-    for ``expert_fwd.up_swiglu_fwd``."""
-    dz_NH, hw_NI, dweight_part = act_bwd_outputs(plan.row_slot_N.numel(), w13_EHD.shape[1], x_TD)
-    act_bwd_into(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan, top_k, dz_NH, hw_NI, dweight_part, arrivals)
+def act_bwd(x_src, dy_src, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int, arrivals: tuple | None = None,
+            sorted_dh: bool = False):
+    """Returns dz (N, 2I), h·w (N, I) in sorted rows and d(routing weight) (T, K) fp32. ``x_src``, ``dy_src``:
+    x and dy (T, D); or, with ``sorted_dh``, the sorted x rows (``gather_rows``) and dh' (``dh_sorted``).
+    ``arrivals``: as for ``expert_fwd.up_swiglu_fwd`` (not with ``sorted_dh``)."""
+    dz_NH, hw_NI, dweight_part = act_bwd_outputs(plan.row_slot_N.numel(), w13_EHD.shape[1], x_src)
+    act_bwd_into(x_src, dy_src, w13_EHD, w2_EDI, topk_weights_TK, plan, top_k, dz_NH, hw_NI, dweight_part, arrivals,
+                 sorted_dh)
     # Fixed-order sum over the column groups: deterministic.
     return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
 
@@ -224,22 +286,39 @@ def act_bwd_outputs(num_slots: int, two_i: int, like: torch.Tensor):
     return dz_NH, hw_NI, dweight_part
 
 
-def act_bwd_into(x_TD, dy_TD, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int,
-                 dz_NH, hw_NI, dweight_part, arrivals: tuple | None = None) -> None:
-    """Launch the act kernel into given buffers; ``dweight_part`` is (ceil(I / PART_COLS), N) fp32."""
+def act_bwd_into(x_src, dy_src, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int,
+                 dz_NH, hw_NI, dweight_part, arrivals: tuple | None = None, sorted_dh: bool = False) -> None:
+    """Launch the act kernel (``ACT_BWD``, or ``ACT_BWD_DH`` with ``sorted_dh``; operands as for ``act_bwd``)
+    into given buffers; ``dweight_part`` is (ceil(I / PART_COLS), N) fp32."""
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
     if plan.row_slot_N.numel() == 0:  # an empty batch (a TMA descriptor cannot be empty)
         return
     arrived, counts = arrivals or (plan.offsets_E1, plan.offsets_E1)  # unread without arrivals
-    ACT_BWD[tile_grid(plan, inter)](
-        x_TD, dy_TD, descriptor(w13_EHD.view(num_experts, 2, inter, dim)), descriptor(w2_EDI),
+    kernel, x_src = (ACT_BWD_DH, descriptor(x_src)) if sorted_dh else (ACT_BWD, x_src)
+    kernel[tile_grid(plan, inter)](
+        x_src, dy_src, descriptor(w13_EHD.view(num_experts, 2, inter, dim)), descriptor(w2_EDI),
         topk_weights_TK.reshape(-1), dz_NH, hw_NI, dweight_part,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT, arrived, counts,
         plan.row_slot_N.numel(), dim, inter, num_experts, top_k, counts.shape[0] if arrivals else 1,
-        WAIT_ROWS=arrivals is not None, PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS,
-        dtype=x_TD.dtype,
+        WAIT_ROWS=arrivals is not None, PREC=dot_precision(dz_NH.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS,
+        dtype=dz_NH.dtype,
     )
+
+
+def dh_sorted(dy_sorted_ND, w2_EDI, plan: Plan) -> torch.Tensor:
+    """dh' = dy W2[e] (N, I) in dy's dtype, sorted rows, from the sorted dy rows (``gather_rows``); rows
+    past the routed count are not written."""
+    num_experts, dim, inter = w2_EDI.shape
+    num_slots = dy_sorted_ND.shape[0]
+    dh_NI = torch.empty(num_slots, inter, device=dy_sorted_ND.device, dtype=dy_sorted_ND.dtype)
+    if num_slots == 0:  # an empty batch (a TMA descriptor cannot be empty)
+        return dh_NI
+    DH[tile_grid(plan, inter)](
+        descriptor(dy_sorted_ND), descriptor(w2_EDI), dh_NI, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
+        dim, inter, num_experts, PREC=dot_precision(dy_sorted_ND.dtype), TILE_M=BLOCK_M, dtype=dy_sorted_ND.dtype,
+    )
+    return dh_NI
 
 
 def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
@@ -248,7 +327,8 @@ def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
 
 
 def gather_rows(x_TD, dy_TD, plan: Plan, top_k: int):
-    """x and dy rows in expert-sorted order, (N, D) each, for the weight gradients."""
+    """x and dy rows in expert-sorted order, (N, D) each, for dh', the act kernel and the weight gradients;
+    rows past the routed ones (dropped slots) are not written."""
     num_slots, dim = plan.row_slot_N.numel(), x_TD.shape[1]
     x_sorted = torch.empty(num_slots, dim, device=x_TD.device, dtype=x_TD.dtype)
     dy_sorted = torch.empty_like(x_sorted)

@@ -280,8 +280,8 @@ def _send_and_act_kernel(
     else:
         _act_bwd_tile(pid - SENDERS, recv_x_ptr, recv_dy_ptr, w13_desc, w2_desc, recv_weight_ptr, dz_ptr, hw_ptr,
                       dweight_part_ptr, recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                      arrived_ptr, counts_ptr, capacity, D, I, L, 1, R, True, PREC, TILE_M, PART_COLS, BM, BN, BK,
-                      EVEN_K)
+                      arrived_ptr, counts_ptr, capacity, D, I, L, 1, R, True, False, PREC, TILE_M, PART_COLS, BM, BN,
+                      BK, EVEN_K)
 
 
 @triton.jit
