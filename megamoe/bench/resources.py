@@ -4,8 +4,9 @@ spills and shared memory from ``ptxas -v``: the first things to check before spe
 ``python -m megamoe.bench.resources [--candidates]``. Pointers and the D / I / P / Q sizes are
 specialised as 16-divisible, as Triton does at run time for such values: without that Triton neither
 vectorises nor pipelines the loads, and the report would describe a kernel that never runs. TMA
-descriptor parameters (those the kernel's ``blocks`` names) get the block shape the config gives them. Then the expert-parallel
-protocol's other kernels, which have no tile config, are compiled too (no report: they must compile).
+descriptor parameters (those the kernel's ``blocks`` names) get the block shape the config gives them.
+Then the expert-parallel protocol's other kernels, which have no tile config, are compiled too (no
+report: they must compile).
 """
 
 from __future__ import annotations
