@@ -9,12 +9,19 @@
 #                                           too if the call carries `.whl`: see docs/NOTES.md)
 #   bash scripts/device-check.sh multi      on a multi-GPU kind: the fused EP tests on real ranks, then the
 #                                           torchrun EP benchmark (issue 5), NVLink multicast off throughout
+#   bash scripts/device-check.sh compare DIR...
+#                                           per-kernel times (30B and 235B) of this tree and of each DIR, a
+#                                           copy of another branch made here before the call (`mkdir -p _exp/B
+#                                           && git archive B megamoe tests pyproject.toml | tar -x -C _exp/B`:
+#                                           an untracked folder travels with the tree); on a machine with
+#                                           2+ GPUs, `pytest -m gpu` of the last DIR runs on GPU 1 meanwhile
 # Each step runs unbuffered under a time limit that aborts with a Python stack dump (a hang shows where
 # the host stopped); logs and results are packed into $OUT/device-check-<stage>.tgz after every step
 # (the tool returns only a few files, and what a step finished survives the call's time limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: device-check.sh tests|loopback|bench|layer|multi}
+stage=${1:?usage: device-check.sh tests|loopback|bench|layer|multi|compare DIR...}
+shift
 out=${OUT:?set OUT to the folder whose files come back}
 work=$(mktemp -d)
 export PYTHONPATH=.
@@ -73,8 +80,28 @@ multi)
     step ep-bench-235b 180 "${py[@]}" -m torch.distributed.run --nproc-per-node "$gpus" -m megamoe.bench --ep --preset qwen3-235b-a22b \
         --tokens 16384 --routing random,skewed --comm-sms 32 --no-plot --out "$work/results"
     ;;
+compare)
+    [ "$#" -ge 1 ] || { echo "stage compare needs one or more package copies (DIR with DIR/megamoe)" >&2; exit 2; }
+    mkdir -p "$work/results"
+    if [ "$gpus" -ge 2 ]; then  # the last tree's GPU tests on GPU 1 while GPU 0 times the kernels
+        last=${!#}
+        (cd "$last" && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=. timeout -s ABRT 500 \
+            "${py[@]}" -m pytest -m gpu -q -p no:logging -x tests > "$work/gpu-tests-$(basename "$last").log" 2>&1;
+         echo "exit status $?" >> "$work/gpu-tests-$(basename "$last").log") &
+    fi
+    for tree in . "$@"; do
+        name=$([ "$tree" = . ] && echo this-tree || basename "$tree")
+        for preset in qwen3-30b-a3b qwen3-235b-a22b; do
+            # From inside the tree: `python -m` puts the working directory ahead of PYTHONPATH.
+            CUDA_VISIBLE_DEVICES=0 step "kernels-$name-$preset" 100 env -C "$tree" PYTHONPATH=. "${py[@]}" \
+                -m megamoe.bench.kernels --preset "$preset" --json "$work/results/kernels-$name-$preset.json"
+        done
+    done
+    wait
+    tar czf "$out/device-check-$stage.tgz" -C "$work" .
+    ;;
 *)
-    echo "unknown stage $stage: tests, loopback, bench, layer or multi" >&2
+    echo "unknown stage $stage: tests, loopback, bench, layer, multi or compare" >&2
     exit 2
     ;;
 esac
