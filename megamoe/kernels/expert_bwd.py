@@ -5,14 +5,15 @@ Shape legend as in expert_fwd.py; NI = ceil(I / BN_ACT) intermediate blocks.
 One device:
 
 1. ``_gather_rows_kernel`` — x and dy rows copied into sorted order (for every later step).
-2. ``_dh_rows_kernel`` — dh' = dy W2[e] (N, I), sorted rows: a grouped GEMM through TMA.
+2. dh' = dy W2[e] (N, I), sorted rows: a grouped GEMM through TMA (``expert_fwd._sorted_rows_gemm_kernel``,
+   the down projection's kernel, its output rows left in sorted order).
 3. ``_act_bwd_kernel`` with ``DH_ROWS`` — per tile × I-block, one loop over D recomputes g and u from the
    sorted x rows (TMA); epilogue, with dh' read back: h, a partial d(routing weight) = sum_i dh'·h per
    I-block, dz = [dg | du] (scaled by the routing weight) and h·w (for dW2). Computing dh' in the same
    K-loop instead (three 128×128 fp32 accumulators: 255 registers, spills) measured 8–11% slower for
    the two steps together (docs/NOTES.md §17).
-4. dx — dz W13 → unweighted dx slot rows (``expert_fwd._rows_to_slots_kernel``, the down projection's
-   kernel); combine.py reduces them per token.
+4. dx — dz W13 → unweighted dx slot rows (``expert_fwd._sorted_rows_gemm_kernel`` again); combine.py
+   reduces them per token.
 5. ``_expert_wgrad_kernel`` — per expert, K-grouped GEMMs over that expert's sorted rows:
    dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w). An expert with no rows gets exact zeros.
 
@@ -27,13 +28,12 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.expert_fwd import (
-    _rows_to_slots_kernel,
-    _sorted_rows_matmul,
+    _sorted_rows_gemm_kernel,
     _tile_rows,
     _wait_expert_rows,
     descriptor,
     dot_precision,
-    rows_to_slots,
+    sorted_rows_gemm,
     tile_grid,
 )
 from megamoe.kernels.plan import BLOCK_M, Plan
@@ -139,26 +139,6 @@ def _act_bwd_tile(pid, x_src, dy_src, w13_desc, w2_desc, weights_ptr, dz_ptr, hw
 
 
 @triton.jit
-def _dh_rows_kernel(
-    dy_desc,  # (N, D) dy rows in sorted order; block (BM, BK)
-    w2_desc,  # (E, D, I); block (1, BK, BN)
-    dh_ptr,  # (N, I) out: dh' = dy W2[e], sorted rows (rows past the routed count not written)
-    offsets_ptr, tile_expert_ptr, tile_row_ptr,
-    D, I, E,
-    PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-):
-    e, row0, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
-                                             tl.cdiv(I, BN), BM, TILE_M)
-    if e >= E:
-        return
-    n0 = pid_n * BN
-    acc = _sorted_rows_matmul(dy_desc, w2_desc, e, row0, n0, D, False, BM, BN, BK, PREC)
-    cols = n0 + tl.arange(0, BN)
-    tl.store(dh_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], acc.to(dh_ptr.dtype.element_ty),
-             mask=rmask[:, None] & (cols < I)[None, :])
-
-
-@triton.jit
 def _gather_rows_kernel(
     x_ptr,  # (T, D)
     dy_ptr,  # (T, D)
@@ -235,7 +215,7 @@ ACT_BWD = TunedKernel(
     blocks=lambda c: {"w13_desc": [1, 1, c["BN"], c["BK"]], "w2_desc": [1, c["BK"], c["BN"]]},
     constants={"DH_ROWS": False},
 )
-# dh' from ``_dh_rows_kernel``, x from the sorted rows (one device): two accumulators, as the up kernel.
+# dh' from ``DH``, x from the sorted rows (one device): two accumulators, as the up kernel.
 ACT_BWD_DH = TunedKernel(
     _act_bwd_kernel, default=configs((128, 128, 64, 8, 4))[0],
     candidates=configs((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 128, 8, 3)),
@@ -245,17 +225,18 @@ ACT_BWD_DH = TunedKernel(
     constants={"DH_ROWS": True, "EVEN_K": True},  # EVEN_K: unread (TMA zero-fills the K tail)
 )
 DH = TunedKernel(
-    _dh_rows_kernel, default=configs((128, 256, 64, 8, 3))[0],
+    _sorted_rows_gemm_kernel, default=configs((128, 256, 64, 8, 3))[0],
     candidates=configs((128, 128, 64, 8, 3), (128, 128, 64, 8, 4)),
-    key=["D", "I"], even_k=None,
-    blocks=lambda c: {"dy_desc": [c["BM"], c["BK"]], "w2_desc": [1, c["BK"], c["BN"]]},
+    key=["N_OUT", "K"], even_k=None,  # the descriptors zero-fill the K tail
+    blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BK"], c["BN"]]},
+    constants={"W_K_LAST": False, "WEIGHTED": False, "TO_SLOTS": False},
 )
 DX = TunedKernel(
-    _rows_to_slots_kernel, default=configs((128, 256, 64, 8, 4))[0],
+    _sorted_rows_gemm_kernel, default=configs((128, 256, 64, 8, 4))[0],
     candidates=configs((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3)),
     key=["N_OUT", "K"], even_k=None,  # the descriptors zero-fill the K tail
     blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BK"], c["BN"]]},
-    constants={"W_K_LAST": False, "WEIGHTED": False},
+    constants={"W_K_LAST": False, "WEIGHTED": False, "TO_SLOTS": True},
 )
 WGRAD = TunedKernel(
     _expert_wgrad_kernel, default=configs((128, 128, 64, 8, 3))[0],
@@ -309,21 +290,12 @@ def act_bwd_into(x_src, dy_src, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, to
 def dh_sorted(dy_sorted_ND, w2_EDI, plan: Plan) -> torch.Tensor:
     """dh' = dy W2[e] (N, I) in dy's dtype, sorted rows, from the sorted dy rows (``gather_rows``); rows
     past the routed count are not written."""
-    num_experts, dim, inter = w2_EDI.shape
-    num_slots = dy_sorted_ND.shape[0]
-    dh_NI = torch.empty(num_slots, inter, device=dy_sorted_ND.device, dtype=dy_sorted_ND.dtype)
-    if num_slots == 0:  # an empty batch (a TMA descriptor cannot be empty)
-        return dh_NI
-    DH[tile_grid(plan, inter)](
-        descriptor(dy_sorted_ND), descriptor(w2_EDI), dh_NI, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
-        dim, inter, num_experts, PREC=dot_precision(dy_sorted_ND.dtype), TILE_M=BLOCK_M, dtype=dy_sorted_ND.dtype,
-    )
-    return dh_NI
+    return sorted_rows_gemm(DH, dy_sorted_ND, w2_EDI, None, plan, w2_EDI.shape[2])
 
 
 def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
     """Unweighted dx slot rows (N, D), token-major; dropped slots' rows are not written."""
-    return rows_to_slots(DX, dz_NH, w13_EHD, None, plan, w13_EHD.shape[2])
+    return sorted_rows_gemm(DX, dz_NH, w13_EHD, None, plan, w13_EHD.shape[2])
 
 
 def gather_rows(x_TD, dy_TD, plan: Plan, top_k: int):

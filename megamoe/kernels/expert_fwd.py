@@ -144,18 +144,19 @@ def _sorted_rows_matmul(a_desc, w_desc, e, row0, n0, K, W_K_LAST: tl.constexpr,
 
 
 @triton.jit
-def _rows_to_slots_kernel(
+def _sorted_rows_gemm_kernel(
     a_desc,  # (N, K) sorted rows; block (BM, BK)
     w_desc,  # (E, N_OUT, K) if W_K_LAST, block (1, BN, BK); else (E, K, N_OUT), block (1, BK, BN)
     weights_ptr,  # (N,) routing weight of each slot (flat t*K + k); read only if WEIGHTED
-    slots_out_ptr,  # (N, N_OUT) out: [weight *] (A W[e]), token-major slot rows
+    out_ptr,  # (N, N_OUT) out: [weight *] (A W[e]), token-major slot rows if TO_SLOTS, else sorted rows
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
     N_OUT, K, E,
-    W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr, TO_SLOTS: tl.constexpr, PREC: tl.constexpr,
+    TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """A GEMM over sorted rows whose output rows go back to slot order: the forward's down projection
-    (h W2^T, weighted) and the backward's dx (dz W13, unweighted)."""
+    """A GEMM over sorted rows, each row times its expert's weight: the forward's down projection
+    (h W2^T, weighted) and the backward's dx (dz W13, unweighted), whose output rows go back to slot
+    order (TO_SLOTS), and the backward's dh' (dy W2), whose output rows stay sorted."""
     e, row0, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                              tl.cdiv(N_OUT, BN), BM, TILE_M)
     if e >= E:
@@ -163,11 +164,15 @@ def _rows_to_slots_kernel(
     n0 = pid_n * BN
     acc = _sorted_rows_matmul(a_desc, w_desc, e, row0, n0, K, W_K_LAST, BM, BN, BK, PREC)
     cols = n0 + tl.arange(0, BN)
-    slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    if WEIGHTED:
-        acc = acc * tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = slots_out_ptr + slots[:, None] * N_OUT + cols[None, :]
-    tl.store(out_ptrs, acc.to(slots_out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < N_OUT)[None, :])
+    out_rows = rows.to(tl.int64)
+    if TO_SLOTS or WEIGHTED:
+        slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        if TO_SLOTS:
+            out_rows = slots
+        if WEIGHTED:
+            acc = acc * tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + out_rows[:, None] * N_OUT + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < N_OUT)[None, :])
 
 
 # Defaults: best of the sweep on the 30B layer (docs/NOTES.md); candidates: the runners-up there and
@@ -179,11 +184,11 @@ UP = TunedKernel(
     blocks=lambda c: {"w13_desc": [1, 1, c["BN"], c["BK"]]},
 )
 DOWN = TunedKernel(
-    _rows_to_slots_kernel, default=configs((128, 256, 64, 8, 3))[0],
+    _sorted_rows_gemm_kernel, default=configs((128, 256, 64, 8, 3))[0],
     candidates=configs((128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3)),
     key=["N_OUT", "K"], even_k=None,  # the descriptors zero-fill the K tail
     blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BN"], c["BK"]]},
-    constants={"W_K_LAST": True, "WEIGHTED": True},
+    constants={"W_K_LAST": True, "WEIGHTED": True, "TO_SLOTS": True},
 )
 
 
@@ -207,10 +212,11 @@ def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, arrivals: tuple | None 
     return h_NI
 
 
-def rows_to_slots(kernel: TunedKernel, a_NK, w_E, weights_N, plan: Plan, n_out: int) -> torch.Tensor:
-    """Launch ``_rows_to_slots_kernel`` as ``kernel`` (DOWN or DX) configures it: (N, n_out) slot rows of
-    ``a_NK`` (sorted rows) times each row's expert weight ``w_E[e]``, scaled by ``weights_N`` if given;
-    dropped slots' rows are not written."""
+def sorted_rows_gemm(kernel: TunedKernel, a_NK, w_E, weights_N, plan: Plan, n_out: int) -> torch.Tensor:
+    """Launch ``_sorted_rows_gemm_kernel`` as ``kernel`` (DOWN, DX or DH) configures it: (N, n_out), ``a_NK``
+    (sorted rows) times each row's expert weight ``w_E[e]``, scaled by ``weights_N`` if given, in slot
+    rows (DOWN, DX: dropped slots' rows are not written) or sorted rows (DH: rows past the routed count
+    are not written)."""
     num_slots, k = a_NK.shape
     out = torch.empty(num_slots, n_out, device=a_NK.device, dtype=a_NK.dtype)
     if num_slots == 0:  # an empty batch (a TMA descriptor cannot be empty)
@@ -226,4 +232,4 @@ def rows_to_slots(kernel: TunedKernel, a_NK, w_E, weights_N, plan: Plan, n_out: 
 
 def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
     """Weighted expert outputs (N, D), one row per slot ``t*K + k``; dropped slots' rows are not written."""
-    return rows_to_slots(DOWN, h_NI, w2_EDI, topk_weights_TK.reshape(-1), plan, w2_EDI.shape[1])
+    return sorted_rows_gemm(DOWN, h_NI, w2_EDI, topk_weights_TK.reshape(-1), plan, w2_EDI.shape[1])

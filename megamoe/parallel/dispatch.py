@@ -59,7 +59,7 @@ from megamoe.kernels.expert_fwd import (
     _up_swiglu_tile,
     descriptor,
     dot_precision,
-    rows_to_slots,
+    sorted_rows_gemm,
     tile_grid,
     up_swiglu_fwd,
 )
@@ -453,7 +453,7 @@ def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w
     operands into a scratch output, to choose the tiles (a host sync, like any first autotuned call)."""
     twin = kernel.follows
     if not twin.has_tuned(a_CK.dtype, N_OUT=n_out, K=a_CK.shape[1]) and plan.row_slot_N.numel():
-        rows_to_slots(twin, a_CK, w_L, weights_C, plan, n_out)
+        sorted_rows_gemm(twin, a_CK, w_L, weights_C, plan, n_out)
     any_c = ws.recv_weight  # stands in for an argument the kernel's constants say it does not read
     kernel[tile_grid(plan, n_out)](
         descriptor(a_CK), descriptor(w_L), any_c if weights_C is None else weights_C,
