@@ -131,7 +131,7 @@ def _act_bwd_tile(pid, x_src, dy_src, w13_desc, w2_desc, weights_ptr, dz_ptr, hw
                  mask=rmask & (part_row * PART_COLS < I))
     dh = acc_d * wt[:, None]
     du = dh * silu
-    dg = dh * acc_u * sig * (1.0 + acc_g * (1.0 - sig))
+    dg = dh * acc_u * (sig + silu * (1.0 - sig))
     dz_ptrs = dz_ptr + rows64 * 2 * I + cols[None, :]
     tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=omask)
     tl.store(dz_ptrs + I, du.to(dz_ptr.dtype.element_ty), mask=omask)
