@@ -117,6 +117,25 @@ def test_sub_tiles_match_fp32_reference(monkeypatch):
     assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
 
 
+def use_the_other_launch_mode(monkeypatch):
+    """dh', down and dx with the PERSISTENT setting their defaults do not use (autotuning may pick
+    either): a persistent kernel must visit every busy tile once, a tile-grid one must skip idle tiles."""
+    from megamoe.kernels import expert_bwd, expert_fwd
+
+    for kernel in (expert_fwd.DOWN, expert_bwd.DH, expert_bwd.DX):
+        monkeypatch.setattr(kernel, "default", {**kernel.default, "PERSISTENT": not kernel.default["PERSISTENT"]})
+
+
+OTHER_MODE_SHAPES = [s for s in KERNEL_SHAPES if s[0] in (1, 17, 29, 37, 260, 150)]
+
+
+@pytest.mark.parametrize("shape", OTHER_MODE_SHAPES, ids=[shape_id(s) for s in OTHER_MODE_SHAPES])
+def test_other_launch_mode_matches_fp32_reference(monkeypatch, shape):
+    use_the_other_launch_mode(monkeypatch)
+    problem = make_problem(*shape, device=DEVICE)
+    assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
+
+
 @pytest.mark.parametrize("sorted_dh", [False, True], ids=["gathered", "sorted-dh"])
 def test_every_config_writes_every_weight_gradient_partial(monkeypatch, sorted_dh):
     """What autotuning relies on: after a config with narrow blocks, a config with wide blocks run on
@@ -272,6 +291,13 @@ def test_fused_fp32_gpu_matches_fp32_reference(shape, poison_cuda):
 def test_autotuned_configs_match_fp32_reference(monkeypatch, poison_cuda):
     """The layer's default mode: Triton's autotuner picks each kernel's config on first use."""
     monkeypatch.setenv("MEGAMOE_AUTOTUNE", "1")
+    problem = gpu_problem(2048, 1024, 512, 32, 4, "skewed")
+    assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
+
+
+@pytest.mark.gpu
+def test_other_launch_mode_bf16_gpu_matches_fp32_reference(monkeypatch, poison_cuda):
+    use_the_other_launch_mode(monkeypatch)
     problem = gpu_problem(2048, 1024, 512, 32, 4, "skewed")
     assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
 

@@ -36,11 +36,14 @@ def grid_of(**axes):
 SWEEPS = {
     expert_fwd.UP: grid_of(BM=[64, 128], BN=[128], BK=[64], num_warps=[8], num_stages=[3, 4])
     + grid_of(BM=[128], BN=[64, 128], BK=[32, 128], num_warps=[8], num_stages=[3]),
-    expert_fwd.DOWN: grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3]),
-    expert_bwd.DH: grid_of(BM=[64, 128], BN=[128, 256], BK=[64], num_warps=[8], num_stages=[3, 4]),
+    expert_fwd.DOWN: grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3],
+                             PERSISTENT=[False, True]),
+    expert_bwd.DH: grid_of(BM=[64, 128], BN=[128, 256], BK=[64], num_warps=[8], num_stages=[3, 4],
+                           PERSISTENT=[False, True]),
     expert_bwd.ACT_BWD_DH: grid_of(BM=[64, 128], BN=[64, 128], BK=[64], num_warps=[8], num_stages=[3, 4])
     + grid_of(BM=[128], BN=[64, 128], BK=[32, 128], num_warps=[8], num_stages=[3]),
-    expert_bwd.DX: grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3]),
+    expert_bwd.DX: grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3, 4],
+                           PERSISTENT=[False, True]),
     expert_bwd.WGRAD: grid_of(BM=[128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3, 4])
     + grid_of(BM=[64], BN=[128, 256], BK=[64, 128], num_warps=[4, 8], num_stages=[3]),
 }
@@ -114,7 +117,7 @@ def main(argv=None) -> None:
         tf = f"{row['tflops']:6.0f}" if row["tflops"] else "     -"
         cfg = row["config"]
         ran = "" if cfg is None else (f"   {cfg['BM']}x{cfg['BN']}x{cfg['BK']} warps {cfg['num_warps']} "
-                                      f"stages {cfg['num_stages']}")
+                                      f"stages {cfg['num_stages']}" + (" persistent" if cfg.get("PERSISTENT") else ""))
         print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{ran}{extra}", flush=True)
     print(f"{'total':20s} {sum(r['ms'] for r in rows):8.3f} ms")
     if args.json:

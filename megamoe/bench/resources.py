@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from megamoe.kernels import expert_bwd, expert_fwd
-from megamoe.kernels.tuning import TILE_KEYS, TunedKernel, fit_dtype
+from megamoe.kernels.tuning import TunedKernel, fit_dtype
 from megamoe.parallel import dispatch
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -52,7 +52,7 @@ def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
         name = param.name
         if param.is_constexpr:
             signature[name] = "constexpr"
-            constexprs[name] = (config[name] if name in TILE_KEYS else
+            constexprs[name] = (config[name] if name in config else
                                 kernel.constants.get(name, _EXTRA_CONSTEXPRS.get(name)))
             if name == "PREC" and dtype == "fp32":
                 constexprs[name] = "ieee"

@@ -224,16 +224,19 @@ ACT_BWD_DH = TunedKernel(
                       "w2_desc": [1, c["BK"], c["BN"]]},
     constants={"DH_ROWS": True, "EVEN_K": True},  # EVEN_K: unread (TMA zero-fills the K tail)
 )
+# dh', down and dx: PERSISTENT or not per config (docs/NOTES.md §20: it wins on some shapes, not all).
 DH = TunedKernel(
-    _sorted_rows_gemm_kernel, default=configs((128, 256, 64, 8, 3))[0],
-    candidates=configs((128, 128, 64, 8, 3), (128, 128, 64, 8, 4)),
+    _sorted_rows_gemm_kernel, default=configs((128, 256, 64, 8, 3), PERSISTENT=True)[0],
+    candidates=configs((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), PERSISTENT=True)
+    + configs((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), PERSISTENT=False),
     key=["N_OUT", "K"], even_k=None,  # the descriptors zero-fill the K tail
     blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BK"], c["BN"]]},
     constants={"W_K_LAST": False, "WEIGHTED": False, "TO_SLOTS": False},
 )
 DX = TunedKernel(
-    _sorted_rows_gemm_kernel, default=configs((128, 256, 64, 8, 4))[0],
-    candidates=configs((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3)),
+    _sorted_rows_gemm_kernel, default=configs((128, 256, 64, 8, 4), PERSISTENT=False)[0],
+    candidates=configs((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3), PERSISTENT=False)
+    + configs((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), PERSISTENT=True),
     key=["N_OUT", "K"], even_k=None,  # the descriptors zero-fill the K tail
     blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BK"], c["BN"]]},
     constants={"W_K_LAST": False, "WEIGHTED": False, "TO_SLOTS": True},

@@ -144,6 +144,16 @@ def _sorted_rows_matmul(a_desc, w_desc, e, row0, n0, K, W_K_LAST: tl.constexpr,
 
 
 @triton.jit
+def _busy_tiles(offsets_ptr, E, EB: tl.constexpr, TILE_M: tl.constexpr):
+    """How many plan tiles hold rows (they come first in the tile table): the sum over experts of
+    ceil(rows / TILE_M). EB: a power of two >= E."""
+    experts = tl.arange(0, EB)
+    lo = tl.load(offsets_ptr + experts, mask=experts < E, other=0)
+    hi = tl.load(offsets_ptr + experts + 1, mask=experts < E, other=0)
+    return tl.sum((hi - lo + TILE_M - 1) // TILE_M, axis=0)
+
+
+@triton.jit
 def _sorted_rows_gemm_kernel(
     a_desc,  # (N, K) sorted rows; block (BM, BK)
     w_desc,  # (E, N_OUT, K) if W_K_LAST, block (1, BN, BK); else (E, K, N_OUT), block (1, BK, BN)
@@ -151,15 +161,41 @@ def _sorted_rows_gemm_kernel(
     out_ptr,  # (N, N_OUT) out: [weight *] (A W[e]), token-major slot rows if TO_SLOTS, else sorted rows
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
     N_OUT, K, E,
-    W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr, TO_SLOTS: tl.constexpr, PREC: tl.constexpr,
-    TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PROGRAMS,  # the grid's size; read only if PERSISTENT
+    W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr, TO_SLOTS: tl.constexpr, PERSISTENT: tl.constexpr,
+    EB: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """A GEMM over sorted rows, each row times its expert's weight: the forward's down projection
     (h W2^T, weighted) and the backward's dx (dz W13, unweighted), whose output rows go back to slot
-    order (TO_SLOTS), and the backward's dh' (dy W2), whose output rows stay sorted."""
-    e, row0, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
-                                             tl.cdiv(N_OUT, BN), BM, TILE_M)
-    if e >= E:
+    order (TO_SLOTS), and the backward's dh' (dy W2), whose output rows stay sorted.
+
+    A config knob: without PERSISTENT, one program per (sub-)tile × N-block of the tile grid, idle tiles
+    return at once. With PERSISTENT, PROGRAMS programs (one per SM) stride over the busy tiles (counted
+    from the expert offsets; EB: a power of two >= E) in one flattened loop, so Triton's pipeliner loads
+    the next tile's operands during this tile's epilogue."""
+    num_n = tl.cdiv(N_OUT, BN)
+    if PERSISTENT:
+        work = _busy_tiles(offsets_ptr, E, EB, TILE_M) * (TILE_M // BM) * num_n
+        for pid in tl.range(tl.program_id(0), work, PROGRAMS, flatten=True):
+            _sorted_rows_gemm_tile(pid, a_desc, w_desc, weights_ptr, out_ptr, row_slot_ptr, offsets_ptr,
+                                   tile_expert_ptr, tile_row_ptr, N_OUT, K, E, num_n, W_K_LAST, WEIGHTED, TO_SLOTS,
+                                   False, PREC, TILE_M, BM, BN, BK)
+    else:
+        _sorted_rows_gemm_tile(tl.program_id(0), a_desc, w_desc, weights_ptr, out_ptr, row_slot_ptr, offsets_ptr,
+                               tile_expert_ptr, tile_row_ptr, N_OUT, K, E, num_n, W_K_LAST, WEIGHTED, TO_SLOTS,
+                               True, PREC, TILE_M, BM, BN, BK)
+
+
+@triton.jit
+def _sorted_rows_gemm_tile(pid, a_desc, w_desc, weights_ptr, out_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr,
+                           tile_row_ptr, N_OUT, K, E, num_n, W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr,
+                           TO_SLOTS: tl.constexpr, SKIP_IDLE: tl.constexpr, PREC: tl.constexpr,
+                           TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One BM × BN output block of ``_sorted_rows_gemm_kernel``. SKIP_IDLE: return on an idle tile (a
+    persistent caller visits busy tiles only)."""
+    e, row0, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, BM, TILE_M)
+    if SKIP_IDLE and e >= E:
         return
     n0 = pid_n * BN
     acc = _sorted_rows_matmul(a_desc, w_desc, e, row0, n0, K, W_K_LAST, BM, BN, BK, PREC)
@@ -184,12 +220,20 @@ UP = TunedKernel(
     blocks=lambda c: {"w13_desc": [1, 1, c["BN"], c["BK"]]},
 )
 DOWN = TunedKernel(
-    _sorted_rows_gemm_kernel, default=configs((128, 256, 64, 8, 3))[0],
-    candidates=configs((128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3)),
+    _sorted_rows_gemm_kernel, default=configs((128, 256, 64, 8, 3), PERSISTENT=True)[0],
+    candidates=configs((128, 256, 64, 8, 4), (128, 128, 64, 8, 4), PERSISTENT=True)
+    + configs((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3), PERSISTENT=False),
     key=["N_OUT", "K"], even_k=None,  # the descriptors zero-fill the K tail
     blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BN"], c["BK"]]},
     constants={"W_K_LAST": True, "WEIGHTED": True, "TO_SLOTS": True},
 )
+
+
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent kernel: one per SM (4 in the interpreter, so that each strides)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, arrivals: tuple | None = None) -> torch.Tensor:
@@ -221,10 +265,11 @@ def sorted_rows_gemm(kernel: TunedKernel, a_NK, w_E, weights_N, plan: Plan, n_ou
     out = torch.empty(num_slots, n_out, device=a_NK.device, dtype=a_NK.dtype)
     if num_slots == 0:  # an empty batch (a TMA descriptor cannot be empty)
         return out
-    kernel[tile_grid(plan, n_out)](
+    programs, tiles = persistent_programs(a_NK.device), tile_grid(plan, n_out)
+    kernel[lambda cfg: (programs,) if cfg["PERSISTENT"] else tiles(cfg)](
         descriptor(a_NK), descriptor(w_E), out if weights_N is None else weights_N, out,
         plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
-        n_out, k, w_E.shape[0],
+        n_out, k, w_E.shape[0], programs, EB=triton.next_power_of_2(w_E.shape[0]),
         PREC=dot_precision(a_NK.dtype), TILE_M=BLOCK_M, dtype=a_NK.dtype,
     )
     return out

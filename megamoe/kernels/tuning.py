@@ -26,6 +26,7 @@ import torch
 import triton
 
 TILE_KEYS = ("BM", "BN", "BK")
+LAUNCH_KEYS = ("num_warps", "num_stages")
 
 
 def autotune_enabled(dtype: torch.dtype) -> bool:
@@ -42,7 +43,7 @@ def fit_dtype(config: dict, dtype: torch.dtype) -> dict:
 
 
 def _triton_config(config: dict, pre_hook) -> triton.Config:
-    return triton.Config({k: config[k] for k in TILE_KEYS}, num_warps=config["num_warps"],
+    return triton.Config({k: v for k, v in config.items() if k not in LAUNCH_KEYS}, num_warps=config["num_warps"],
                          num_stages=config["num_stages"], pre_hook=pre_hook)
 
 
@@ -53,12 +54,16 @@ class TunedKernel:
     ``*_desc`` parameter to its TMA block shape under that config. ``constants``: constexpr arguments
     this instance always passes (one Triton kernel can serve several GEMMs). ``follows``: for a kernel
     that must not be autotuned (non-idempotent effects), the kernel whose tiles it shares and whose
-    choice it takes, per key; it launches with ``default`` until ``follows`` has tuned that key."""
+    choice it takes, per key; it launches with ``default`` until ``follows`` has tuned that key. A config
+    is the tile shape, ``num_warps``, ``num_stages`` and any other constexpr knob of the kernel (e.g.
+    ``PERSISTENT``); a follower keeps only the knobs its own kernel has."""
 
     def __init__(self, kernel, default: dict, candidates: list[dict], key: list[str],
                  even_k: Callable[[dict], bool] | None, blocks: Callable[[dict], dict[str, list[int]]],
                  constants: dict | None = None, follows: TunedKernel | None = None):
-        self.default = default
+        self._kernel = triton.heuristics({"EVEN_K": even_k})(kernel) if even_k else kernel
+        self._arg_names = self.jit_fn.arg_names
+        self.default = self._own(default)
         self.candidates = candidates
         self.key = key
         self.even_k = even_k
@@ -67,10 +72,12 @@ class TunedKernel:
         self.follows = follows
         self._chosen: dict[tuple, dict] = {}  # (key values..., dtype) -> the config autotuning picked
         self.last_config: dict | None = None  # the config of the latest launch (for the benchmarks' records)
-        self._kernel = triton.heuristics({"EVEN_K": even_k})(kernel) if even_k else kernel
-        self._arg_names = self.jit_fn.arg_names
-        self._tuned = triton.autotune([_triton_config(c, self._set_blocks) for c in [default, *candidates]],
+        self._tuned = triton.autotune([_triton_config(c, self._set_blocks) for c in [self.default, *candidates]],
                                       key=key)(self._kernel)
+
+    def _own(self, config: dict) -> dict:
+        """``config`` without the knobs this kernel lacks (a follower's twin may have more)."""
+        return {k: v for k, v in config.items() if k in LAUNCH_KEYS or k in self._arg_names}
 
     def has_tuned(self, dtype: torch.dtype, **key_values) -> bool:
         """Whether a launch with these key arguments (all of ``key``, by name) and operand dtype has
@@ -94,7 +101,7 @@ class TunedKernel:
             if not autotune_enabled(dtype):
                 config = fit_dtype(self.default, dtype)
             elif self.follows is not None:
-                config = self.follows._chosen.get(key, self.default)
+                config = self._own(self.follows._chosen.get(key, self.default))
             else:
                 self._tuned[grid](*args, **kwargs)
                 best = self._tuned.best_config
@@ -108,6 +115,6 @@ class TunedKernel:
         return launch
 
 
-def configs(*rows: tuple) -> list[dict]:
-    """Config dicts from (BM, BN, BK, num_warps, num_stages) rows."""
-    return [dict(zip((*TILE_KEYS, "num_warps", "num_stages"), row)) for row in rows]
+def configs(*rows: tuple, **knobs) -> list[dict]:
+    """Config dicts from (BM, BN, BK, num_warps, num_stages) rows, each with the constexpr ``knobs``."""
+    return [{**dict(zip((*TILE_KEYS, *LAUNCH_KEYS), row)), **knobs} for row in rows]
