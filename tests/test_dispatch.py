@@ -155,6 +155,18 @@ def test_rows_sent_from_the_up_kernels_launch_match_the_reference(case, num_rank
             assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_output_gemms_take_their_twins_tile_without_knobs_they_lack(persistent):
+    """DOWN_PEER / DX_PEER launch with the config DOWN / DX chose (autotuning), minus the knobs of the
+    one-device kernel that the peer kernel has no parameter for (PERSISTENT): passing one would fail the
+    launch. Checked here on the configs, since the CPU tests never autotune and so never take that path."""
+    for twin, follower in ((dispatch.DOWN, dispatch.DOWN_PEER), (dispatch.DX, dispatch.DX_PEER)):
+        chosen = {**twin.default, "BN": 128, "PERSISTENT": persistent}
+        assert twin._own(chosen) == chosen
+        assert follower._own(chosen) == {k: v for k, v in chosen.items() if k != "PERSISTENT"}
+        assert "PERSISTENT" not in follower.default
+
+
 def test_send_order_is_local_expert_major():
     """Segment o = l * R + k of the senders' order is my rows of owner k's local expert l."""
     idx = torch.tensor([[0, 5], [1, 2], [4, 3], [5, 0], [2, 3]], device=DEVICE)  # R = 3 owners of L = 2 experts

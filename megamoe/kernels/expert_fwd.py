@@ -6,6 +6,8 @@ NT tiles (see plan.py). Rows of ``h`` are in expert-sorted order; slot rows are 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -233,7 +235,12 @@ def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent kernel: one per SM (4 in the interpreter, so that each strides)."""
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:  # cached: asked on every launch
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, arrivals: tuple | None = None) -> torch.Tensor:
