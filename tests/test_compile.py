@@ -1,7 +1,7 @@
 """Every GEMM kernel's default config compiles for Hopper (sm_90a) inside the shared memory, bf16 with
-warpgroup MMAs, and so does every other kernel of the expert-parallel protocol — checked on any machine,
-no GPU needed (Triton compiles ahead of time for a named target; the interpreter that runs the CPU tests
-accepts code that does not compile). Runs in a subprocess because the CPU test session interprets the
+warpgroup MMAs, and so does every kernel without a tile config (the backward's row copies, the
+expert-parallel protocol) — checked on any machine, no GPU needed (Triton compiles ahead of time for a
+named target; the interpreter that runs the CPU tests accepts code that does not compile). Runs in a subprocess because the CPU test session interprets the
 kernels instead."""
 
 import os
@@ -19,8 +19,8 @@ def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
                          capture_output=True, text=True, env=env, timeout=600, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line.split() for line in out.stdout.splitlines()[1:] if line.strip()]
-    from megamoe.bench.resources import KERNELS, PROTOCOL_KERNELS
+    from megamoe.bench.resources import KERNELS, OTHER_KERNELS
 
-    assert len(rows) == len(KERNELS) + len(PROTOCOL_KERNELS), out.stdout
+    assert len(rows) == len(KERNELS) + len(OTHER_KERNELS), out.stdout
     if dtype == "bf16":
         assert all(row[-1] == "yes" for row in rows[:len(KERNELS)]), f"bf16 GEMMs must use warpgroup MMAs:\n{out.stdout}"

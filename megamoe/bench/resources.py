@@ -5,8 +5,8 @@ spills and shared memory from ``ptxas -v``: the first things to check before spe
 specialised as 16-divisible, as Triton does at run time for such values: without that Triton neither
 vectorises nor pipelines the loads, and the report would describe a kernel that never runs. TMA
 descriptor parameters (those the kernel's ``blocks`` names) get the block shape the config gives them.
-Then the expert-parallel protocol's other kernels, which have no tile config, are compiled too (no
-report: they must compile).
+Then the kernels without a tile config (the backward's row copies, the expert-parallel protocol's
+kernels) are compiled too (no report: they must compile).
 """
 
 from __future__ import annotations
@@ -113,31 +113,35 @@ def main(argv=None) -> None:
                 too_big.append(f"{name} {cfg}")
     if too_big:
         raise SystemExit("over the shared-memory limit: " + "; ".join(too_big))
-    for fn in PROTOCOL_KERNELS:
-        compile_protocol_kernel(fn)
+    for fn in OTHER_KERNELS:
+        compile_other_kernel(fn)
         print(f"{fn.__name__}: compiles", flush=True)
 
 
-# The expert-parallel protocol's other kernels (no tile config): checked to compile for sm_90a.
-PROTOCOL_KERNELS = (dispatch._exchange_counts_kernel, dispatch._dispatch_rows_kernel, dispatch._wait_epoch_kernel,
-                    dispatch._wait_and_reset_kernel, dispatch._return_rows_kernel, dispatch._signal_returned_kernel)
-_PROTOCOL_CONSTEXPRS = {"HAS_DY": True, "RB": 16, "EB": 128, "CB": 128, "BD": 256, "LB": 16, "NB": 8}
+# The kernels without a tile config: the backward's row copies and the expert-parallel protocol's
+# kernels, checked to compile for sm_90a.
+OTHER_KERNELS = (expert_bwd._invert_rows_kernel, expert_bwd._scatter_rows_kernel,
+                 dispatch._exchange_counts_kernel, dispatch._dispatch_rows_kernel, dispatch._wait_epoch_kernel,
+                 dispatch._wait_and_reset_kernel, dispatch._return_rows_kernel, dispatch._signal_returned_kernel)
+_OTHER_CONSTEXPRS = {"HAS_DY": True, "RB": 16, "EB": 128, "CB": 128, "BD": 256, "LB": 16, "NB": 8, "TB": 16,
+                     "BLOCK": 1024}
 
 
-def compile_protocol_kernel(fn):
-    """``fn`` (a dispatch.py kernel) for sm_90a with bf16 rows, 128 experts and D = 2048's block sizes;
+def compile_other_kernel(fn):
+    """``fn`` (one of ``OTHER_KERNELS``) for sm_90a with bf16 rows, 128 experts and D = 2048's block sizes;
     pointers and D specialised as 16-divisible, as at run time (without it the row copies compile to
     2-byte loads that never run)."""
     signature, attrs, constexprs = {}, {}, {}
     for i, param in enumerate(fn.params):
         name = param.name
         if param.is_constexpr:
-            signature[name], constexprs[name] = "constexpr", _PROTOCOL_CONSTEXPRS[name]
+            signature[name], constexprs[name] = "constexpr", _OTHER_CONSTEXPRS[name]
             continue
         if name.endswith("_tab"):
             signature[name] = "*i64"
         elif name.endswith("_ptr"):
-            signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_x_ptr": "*bf16", "counter_ptr": "*i64",
+            signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_x_ptr": "*bf16", "x_out_ptr": "*bf16",
+                               "dy_out_ptr": "*bf16", "counter_ptr": "*i64",
                                "expected_ptr": "*i64"}.get(name, _POINTER_TYPES.get(name, "*i32"))
         else:
             signature[name] = "i32"

@@ -4,7 +4,7 @@ Shape legend as in expert_fwd.py; NI = ceil(I / BN_ACT) intermediate blocks.
 
 One device:
 
-1. ``_gather_rows_kernel`` — x and dy rows copied into sorted order (for every later step).
+1. ``_scatter_rows_kernel`` — x and dy rows copied into sorted order (for every later step), token-major.
 2. dh' = dy W2[e] (N, I), sorted rows: a grouped GEMM through TMA (``expert_fwd._sorted_rows_gemm_kernel``,
    the down projection's kernel, its output rows left in sorted order).
 3. ``_act_bwd_kernel`` with ``DH_ROWS`` — per tile × I-block, one loop over D recomputes g and u from the
@@ -139,24 +139,40 @@ def _act_bwd_tile(pid, x_src, dy_src, w13_desc, w2_desc, weights_ptr, dz_ptr, hw
 
 
 @triton.jit
-def _gather_rows_kernel(
+def _invert_rows_kernel(row_slot_ptr, slot_row_ptr, N, BLOCK: tl.constexpr):
+    """slot_row[row_slot[r]] = r: the sorted row of every slot (row_slot is a permutation of the N slots)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < N
+    tl.store(slot_row_ptr + tl.load(row_slot_ptr + rows, mask=mask, other=0), rows, mask=mask)
+
+
+@triton.jit
+def _scatter_rows_kernel(
     x_ptr,  # (T, D)
     dy_ptr,  # (T, D)
     x_out_ptr,  # (N, D) out: x rows in sorted order (rows past the routed count not written)
     dy_out_ptr,  # (N, D) out: dy rows in sorted order
-    row_slot_ptr, offsets_ptr,
-    D, E, top_k,
-    RB: tl.constexpr, BD: tl.constexpr,
+    slot_row_ptr, offsets_ptr,
+    T, D, E, top_k,
+    TB: tl.constexpr, BD: tl.constexpr,
 ):
-    rows = tl.program_id(0) * RB + tl.arange(0, RB)
-    rmask = rows < tl.load(offsets_ptr + E)
-    tok = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64) // top_k
+    """Token-major: each program reads TB tokens' x and dy columns once and writes them to each of their
+    top_k sorted rows. (Row-major, gathering each sorted row from its token, re-reads a token's row once
+    per slot, from DRAM once x and dy outgrow L2.)"""
+    toks = tl.program_id(0) * TB + tl.arange(0, TB)
+    tmask = toks < T
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
-    mask = rmask[:, None] & (cols < D)[None, :]
-    src = tok[:, None] * D + cols[None, :]
-    dst = rows[:, None].to(tl.int64) * D + cols[None, :]
-    tl.store(x_out_ptr + dst, tl.load(x_ptr + src, mask=mask), mask=mask)
-    tl.store(dy_out_ptr + dst, tl.load(dy_ptr + src, mask=mask), mask=mask)
+    cmask = (cols < D)[None, :]
+    src = toks[:, None].to(tl.int64) * D + cols[None, :]
+    x = tl.load(x_ptr + src, mask=tmask[:, None] & cmask)
+    dy = tl.load(dy_ptr + src, mask=tmask[:, None] & cmask)
+    routed = tl.load(offsets_ptr + E)
+    for k in range(top_k):
+        rows = tl.load(slot_row_ptr + toks * top_k + k, mask=tmask, other=0)
+        mask = (tmask & (rows < routed))[:, None] & cmask
+        dst = rows[:, None].to(tl.int64) * D + cols[None, :]
+        tl.store(x_out_ptr + dst, x, mask=mask)
+        tl.store(dy_out_ptr + dst, dy, mask=mask)
 
 
 @triton.jit
@@ -307,10 +323,14 @@ def gather_rows(x_TD, dy_TD, plan: Plan, top_k: int):
     num_slots, dim = plan.row_slot_N.numel(), x_TD.shape[1]
     x_sorted = torch.empty(num_slots, dim, device=x_TD.device, dtype=x_TD.dtype)
     dy_sorted = torch.empty_like(x_sorted)
-    rb, bd = 16, min(512, triton.next_power_of_2(dim))
-    _gather_rows_kernel[(max(1, triton.cdiv(num_slots, rb)), triton.cdiv(dim, bd))](
-        x_TD, dy_TD, x_sorted, dy_sorted, plan.row_slot_N, plan.offsets_E1, dim, plan.offsets_E1.numel() - 1,
-        top_k, RB=rb, BD=bd, num_warps=4,
+    if num_slots == 0:
+        return x_sorted, dy_sorted
+    slot_row = torch.empty_like(plan.row_slot_N)
+    _invert_rows_kernel[(triton.cdiv(num_slots, 1024),)](plan.row_slot_N, slot_row, num_slots, BLOCK=1024)
+    tb, bd = 16, min(512, triton.next_power_of_2(dim))
+    _scatter_rows_kernel[(triton.cdiv(x_TD.shape[0], tb), triton.cdiv(dim, bd))](
+        x_TD, dy_TD, x_sorted, dy_sorted, slot_row, plan.offsets_E1, x_TD.shape[0], dim,
+        plan.offsets_E1.numel() - 1, top_k, TB=tb, BD=bd, num_warps=4,
     )
     return x_sorted, dy_sorted
 
