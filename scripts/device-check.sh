@@ -14,7 +14,8 @@
 #                                           copy of another branch made here before the call (`mkdir -p _exp/B
 #                                           && git archive B megamoe tests pyproject.toml | tar -x -C _exp/B`:
 #                                           an untracked folder travels with the tree); on a machine with
-#                                           2+ GPUs, `pytest -m gpu` of the last DIR runs on GPU 1 meanwhile
+#                                           2+ GPUs, `pytest -m gpu` of the last DIR runs on GPU 1 meanwhile;
+#                                           TOKENS=N (default 16384) sets the problem's token count
 # Each step runs unbuffered under a time limit that aborts with a Python stack dump (a hang shows where
 # the host stopped); logs and results are packed into $OUT/device-check-<stage>.tgz after every step
 # (the tool returns only a few files, and what a step finished survives the call's time limit).
@@ -89,12 +90,14 @@ compare)
             "${py[@]}" -m pytest -m gpu -q -p no:logging -x tests > "$work/gpu-tests-$(basename "$last").log" 2>&1;
          echo "exit status $?" >> "$work/gpu-tests-$(basename "$last").log") &
     fi
+    tokens=${TOKENS:-16384}
     for tree in . "$@"; do
         name=$([ "$tree" = . ] && echo this-tree || basename "$tree")
         for preset in qwen3-30b-a3b qwen3-235b-a22b; do
             # From inside the tree: `python -m` puts the working directory ahead of PYTHONPATH.
-            CUDA_VISIBLE_DEVICES=0 step "kernels-$name-$preset" 100 env -C "$tree" PYTHONPATH=. "${py[@]}" \
-                -m megamoe.bench.kernels --preset "$preset" --json "$work/results/kernels-$name-$preset.json"
+            CUDA_VISIBLE_DEVICES=0 step "kernels-$name-$preset-t$tokens" 100 env -C "$tree" PYTHONPATH=. "${py[@]}" \
+                -m megamoe.bench.kernels --preset "$preset" --tokens "$tokens" \
+                --json "$work/results/kernels-$name-$preset-t$tokens.json"
         done
     done
     wait
