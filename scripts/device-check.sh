@@ -15,7 +15,8 @@
 #                                           && git archive B megamoe tests pyproject.toml | tar -x -C _exp/B`:
 #                                           an untracked folder travels with the tree); on a machine with
 #                                           2+ GPUs, `pytest -m gpu` of the last DIR runs on GPU 1 meanwhile;
-#                                           TOKENS=N (default 16384) sets the problem's token count
+#                                           TOKENS=N (default 16384) sets the problem's token count,
+#                                           PRESETS="..." the presets (default: the 30B and 235B layers)
 # Each step runs unbuffered under a time limit that aborts with a Python stack dump (a hang shows where
 # the host stopped); logs and results are packed into $OUT/device-check-<stage>.tgz after every step
 # (the tool returns only a few files, and what a step finished survives the call's time limit).
@@ -93,7 +94,7 @@ compare)
     tokens=${TOKENS:-16384}
     for tree in . "$@"; do
         name=$([ "$tree" = . ] && echo this-tree || basename "$tree")
-        for preset in qwen3-30b-a3b qwen3-235b-a22b; do
+        for preset in ${PRESETS:-qwen3-30b-a3b qwen3-235b-a22b}; do
             # From inside the tree: `python -m` puts the working directory ahead of PYTHONPATH.
             CUDA_VISIBLE_DEVICES=0 step "kernels-$name-$preset-t$tokens" 100 env -C "$tree" PYTHONPATH=. "${py[@]}" \
                 -m megamoe.bench.kernels --preset "$preset" --tokens "$tokens" \
