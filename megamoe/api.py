@@ -75,12 +75,16 @@ DEFAULT_COMM_SMS = 32
 
 
 @functools.cache
+def sm_count(device_index: int) -> int:
+    """SMs of CUDA device ``device_index`` (cached: the launchers ask on every call)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def default_comm_sms(device_index: int) -> int:
     """``comm_sms`` when the caller passes ``None``: :data:`DEFAULT_COMM_SMS`, or 0 (the rows sent by a kernel
     of their own) on a GPU with no more than twice as many SMs (a MIG slice, say), where that many senders
     would leave the GEMMs too few SMs. Not measured on such GPUs."""
-    num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return DEFAULT_COMM_SMS if num_sms > 2 * DEFAULT_COMM_SMS else 0
+    return DEFAULT_COMM_SMS if sm_count(device_index) > 2 * DEFAULT_COMM_SMS else 0
 
 
 def ep_path(x: torch.Tensor, w2: torch.Tensor) -> str:

@@ -88,14 +88,14 @@ def test_default_comm_sms_leaves_small_gpus_their_sms(monkeypatch):
     the SMs or more (a MIG slice), instead of an error about an argument the caller never passed."""
     import types
 
-    from megamoe.api import DEFAULT_COMM_SMS, default_comm_sms
+    from megamoe.api import DEFAULT_COMM_SMS, default_comm_sms, sm_count
 
     for num_sms, expected in ((132, DEFAULT_COMM_SMS), (2 * DEFAULT_COMM_SMS, 0), (16, 0)):
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda index, n=num_sms: types.SimpleNamespace(multi_processor_count=n))
-        default_comm_sms.cache_clear()
+        sm_count.cache_clear()
         assert default_comm_sms(0) == expected
-    default_comm_sms.cache_clear()
+    sm_count.cache_clear()
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])

@@ -6,14 +6,12 @@ NT tiles (see plan.py). Rows of ``h`` are in expert-sorted order; slot rows are 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.api import warn_once
+from megamoe.api import sm_count, warn_once
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.tuning import TunedKernel, configs
 
@@ -235,12 +233,7 @@ def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent kernel: one per SM (4 in the interpreter, so that each strides)."""
     if device.type != "cuda":
         return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(index: int) -> int:  # cached: asked on every launch
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return sm_count(device.index)
 
 
 def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, arrivals: tuple | None = None) -> torch.Tensor:
