@@ -6,7 +6,8 @@
 #   bash scripts/device-check.sh bench      EP machinery (loopback, comm_sms sweep, per-kernel tables), the
 #                                           per-kernel times, the 1k-token layer benchmark with CUDA-graph replay
 #   bash scripts/device-check.sh layer      the layer benchmark on the README's 16k-token problems (Liger-Kernel
-#                                           too if the call carries `.whl`: see docs/NOTES.md)
+#                                           too if the call carries `.whl`: see docs/NOTES.md), with each
+#                                           impl's per-kernel profile of forward+backward
 #   bash scripts/device-check.sh multi      on a multi-GPU kind: the fused EP tests on real ranks, then the
 #                                           torchrun EP benchmark (issue 5), NVLink multicast off throughout
 #   bash scripts/device-check.sh compare DIR...
@@ -14,9 +15,10 @@
 #                                           copy of another branch made here before the call (`mkdir -p _exp/B
 #                                           && git archive B megamoe tests pyproject.toml | tar -x -C _exp/B`:
 #                                           an untracked folder travels with the tree); on a machine with
-#                                           2+ GPUs, `pytest -m gpu` of the last DIR runs on GPU 1 meanwhile;
-#                                           TOKENS=N (default 16384) sets the problem's token count,
-#                                           PRESETS="..." the presets (default: the 30B and 235B layers)
+#                                           2+ GPUs, `pytest -m gpu` of the last DIR (or of TESTS=DIR; TESTS=
+#                                           for none) runs on GPU 1 meanwhile; TOKENS=N (default 16384) sets
+#                                           the problem's token count, PRESETS="..." the presets (default: the
+#                                           30B and 235B layers); the archive is device-check-compare-tN.tgz
 # Each step runs unbuffered under a time limit that aborts with a Python stack dump (a hang shows where
 # the host stopped); logs and results are packed into $OUT/device-check-<stage>.tgz after every step
 # (the tool returns only a few files, and what a step finished survives the call's time limit).
@@ -24,6 +26,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:?usage: device-check.sh tests|loopback|bench|layer|multi|compare DIR...}
 shift
+tag=$stage
+[ "$stage" = compare ] && tag=compare-t${TOKENS:-16384}  # two compares in one call keep both archives
 out=${OUT:?set OUT to the folder whose files come back}
 work=$(mktemp -d)
 export PYTHONPATH=.
@@ -40,7 +44,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, keep its log, print its last l
     echo "exit status $?" >> "$work/$name.log"
     echo "== $name"
     tail -4 "$work/$name.log"
-    tar czf "$out/device-check-$stage.tgz" -C "$work" .
+    tar czf "$out/device-check-$tag.tgz" -C "$work" .
 }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv > "$work/gpu.txt" 2>&1
@@ -68,7 +72,7 @@ layer)
         [ "$preset" = qwen3-30b-a3b ] && python3 -c "import liger_kernel" 2> /dev/null \
             && impls=grouped_mm,grouped_mm_compiled,liger,megamoe
         step "layer-bench-$preset" 280 "${py[@]}" -m megamoe.bench --preset "$preset" --routing random,skewed \
-            --impls "$impls" --no-plot --out "$work/results"
+            --impls "$impls" --profile --no-plot --out "$work/results"
     done
     ;;
 multi)
@@ -85,11 +89,11 @@ multi)
 compare)
     [ "$#" -ge 1 ] || { echo "stage compare needs one or more package copies (DIR with DIR/megamoe)" >&2; exit 2; }
     mkdir -p "$work/results"
-    if [ "$gpus" -ge 2 ]; then  # the last tree's GPU tests on GPU 1 while GPU 0 times the kernels
-        last=${!#}
-        (cd "$last" && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=. timeout -s ABRT 500 \
-            "${py[@]}" -m pytest -m gpu -q -p no:logging -x tests > "$work/gpu-tests-$(basename "$last").log" 2>&1;
-         echo "exit status $?" >> "$work/gpu-tests-$(basename "$last").log") &
+    tested=${TESTS-${!#}}
+    if [ "$gpus" -ge 2 ] && [ -n "$tested" ]; then  # one tree's GPU tests on GPU 1 while GPU 0 times kernels
+        log="$work/gpu-tests-$(basename "$(realpath "$tested")").log"
+        (cd "$tested" && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=. timeout -s ABRT 560 \
+            "${py[@]}" -m pytest -m gpu -q -p no:logging -x tests > "$log" 2>&1; echo "exit status $?" >> "$log") &
     fi
     tokens=${TOKENS:-16384}
     for tree in . "$@"; do
@@ -102,7 +106,7 @@ compare)
         done
     done
     wait
-    tar czf "$out/device-check-$stage.tgz" -C "$work" .
+    tar czf "$out/device-check-$tag.tgz" -C "$work" .
     ;;
 *)
     echo "unknown stage $stage: tests, loopback, bench, layer, multi or compare" >&2

@@ -35,7 +35,7 @@ import torch
 import megamoe
 from megamoe import reference
 from megamoe.api import backend_for
-from megamoe.bench.ep import EP_IMPLS
+from megamoe.bench.ep import EP_IMPLS, kernel_tables
 from megamoe.kernels.tuning import autotune_enabled
 from megamoe.routing import route
 
@@ -255,8 +255,9 @@ def parse_args(argv=None):
                         "launches (impl fused_smsN; with --loopback R > 1 each rank's senders run before every GEMM, so "
                         "only R = 1 overlaps)")
     p.add_argument("--profile", action="store_true",
-                   help="with --ep --loopback: also write each variant's per-kernel CUDA times (torch.profiler) "
-                        "next to the JSON")
+                   help="also write each impl's (with --ep --loopback: each variant's) per-kernel CUDA times of "
+                        "forward+backward (torch.profiler) next to the JSON: where a step's time goes beyond the "
+                        "expert kernels (python -m megamoe.bench.kernels)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition budget per measurement")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
@@ -343,6 +344,8 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
                 b = by_name[base]
                 r[f"speedup_vs_{base}"] = {k: b[k] / r[k] for k in ("fwd_ms", "fwd_bwd_ms", "ac_step_ms")}
     info["results"] = results
+    if args.profile:
+        info["_profile"] = kernel_tables({impl.name: training_step(impl.fn, problem)[1] for impl in impls})
     return info
 
 
@@ -409,9 +412,13 @@ def main(argv=None) -> None:
     for preset, tokens, routing in itertools.product(args.preset, args.tokens, args.routing):
         print(f"\n== {preset} T={tokens} {routing}", flush=True)
         info = run_gpu(args, preset, tokens, routing, matmul_tflops)
+        tables = info.pop("_profile", None)
         print_table(info)
         stem = f"{info['preset']}-t{info['tokens']}-{info['routing']}-ep{info['ep']}"
         (out / f"{stem}.json").write_text(json.dumps(info, indent=1) + "\n")
+        if tables:
+            (out / f"{stem}-profile.txt").write_text(tables)
+            print(f"wrote {out / stem}-profile.txt")
         if not args.no_plot:
             plot(info, out / f"{stem}.png")
         print(f"wrote {out / stem}.json" + ("" if args.no_plot else " and .png"))
