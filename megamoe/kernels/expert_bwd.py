@@ -180,7 +180,7 @@ def _expert_wgrad_kernel(
     a_desc,  # (N, P) sorted rows; block (BK, BM)
     b_desc,  # (N, Q) sorted rows; block (BK, BN)
     a_ptr, b_ptr,  # the same rows, for the masked last step
-    dw_ptr,  # (E, P, Q) out: dW[e] = sum over the expert's rows r of a[r]^T b[r]
+    dw_desc,  # (E, P, Q) out: dW[e] = sum over the expert's rows r of a[r]^T b[r]; block (1, BM, BN)
     offsets_ptr,
     P, Q,
     PREC: tl.constexpr,
@@ -214,8 +214,8 @@ def _expert_wgrad_kernel(
         a = tl.load(a_ptr + rows[None, :] * P + ps[:, None], mask=(ps < P)[:, None] & (rows < end)[None, :], other=0.0)
         b = tl.load(b_ptr + rows[:, None] * Q + qs[None, :], mask=(rows < end)[:, None] & (qs < Q)[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
-    out_ptrs = dw_ptr + e.to(tl.int64) * P * Q + ps[:, None].to(tl.int64) * Q + qs[None, :]
-    tl.store(out_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(ps < P)[:, None] & (qs < Q)[None, :])
+    # A TMA store: the block is this program's alone, and the copy engine clips it at P and Q.
+    dw_desc.store([e, p0, q0], acc.to(dw_desc.dtype).reshape(1, BM, BN))
 
 
 # Columns per partial d(routing weight) in the act kernel; every config's BN is a multiple of it.
@@ -260,7 +260,8 @@ DX = TunedKernel(
 WGRAD = TunedKernel(
     _expert_wgrad_kernel, default=configs((128, 128, 64, 8, 3))[0],
     candidates=configs((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 128, 32, 8, 4)),
-    key=["P", "Q"], even_k=None, blocks=lambda c: {"a_desc": [c["BK"], c["BM"]], "b_desc": [c["BK"], c["BN"]]},
+    key=["P", "Q"], even_k=None,
+    blocks=lambda c: {"a_desc": [c["BK"], c["BM"]], "b_desc": [c["BK"], c["BN"]], "dw_desc": [1, c["BM"], c["BN"]]},
 )
 
 
@@ -343,7 +344,7 @@ def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor
         return torch.zeros(num_experts, p, q, device=a_NP.device, dtype=out_dtype)
     dw = torch.empty(num_experts, p, q, device=a_NP.device, dtype=out_dtype)
     WGRAD[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
-        descriptor(a_NP), descriptor(b_NQ), a_NP, b_NQ, dw, plan.offsets_E1, p, q, PREC=dot_precision(a_NP.dtype),
+        descriptor(a_NP), descriptor(b_NQ), a_NP, b_NQ, descriptor(dw), plan.offsets_E1, p, q, PREC=dot_precision(a_NP.dtype),
         dtype=a_NP.dtype,
     )
     return dw
