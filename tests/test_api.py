@@ -170,6 +170,7 @@ def test_benchmark_gpu_path_writes_results_and_profile(tmp_path):
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["max_rel_err"] < 2e-2
     tables = (tmp_path / "tiny-t64-random-ep1-profile.txt").read_text()
     assert "===== grouped_mm" in tables and "===== megamoe" in tables and "_act_bwd_kernel" in tables
+    assert "ms wall per call" in tables and "----- megamoe: host side" in tables and "cudaLaunchKernel" in tables
 
 
 def test_benchmark_impls():

@@ -429,20 +429,30 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
 
 def kernel_tables(variants: dict, calls: int = 5) -> str:
     """Per-kernel CUDA time of each variant (name → function), ``calls`` calls after three warm-up calls,
-    as torch.profiler tables: where a variant's time goes, kernel by kernel (CPU time without a GPU)."""
+    as torch.profiler tables: where a variant's time goes, kernel by kernel (CPU time without a GPU). On
+    a GPU each variant also gets its host-side table (CUDA runtime calls: a synchronising call or a
+    cudaMalloc shows there) and the wall time of the back-to-back calls, so that the GPU's idle time
+    is the wall time less the kernels' total."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    activity, order = (ProfilerActivity.CUDA, "cuda_time_total") if cuda else (ProfilerActivity.CPU, "cpu_time_total")
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     out = []
     for name, fn in variants.items():
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-        with profile(activities=[activity]) as prof:
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
             for _ in range(calls):
                 fn()
             torch.cuda.synchronize()
-        out.append(f"===== {name} ({calls} calls)\n"
-                   + prof.key_averages().table(sort_by=order, row_limit=15, max_name_column_width=50))
+            wall_ms = (time.perf_counter() - start) * 1e3 / calls
+        averages = prof.key_averages()
+        out.append(f"===== {name} ({calls} calls, {wall_ms:.3f} ms wall per call under the profiler)\n"
+                   + averages.table(sort_by="self_cuda_time_total" if cuda else "cpu_time_total", row_limit=15,
+                                    max_name_column_width=50))
+        if cuda:
+            out.append(f"----- {name}: host side\n"
+                       + averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
     return "\n".join(out) + "\n"
