@@ -195,7 +195,8 @@ def test_host_time_probe_times_both_paths_and_restores_the_launcher(capsys):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the probe stubs the interpreter's launches")
     run = triton.runtime.interpreter.InterpretedFunction.run
-    main(["--tokens", "64", "--steps", "10", "--reps", "1"])
+    main(["--tokens", "64", "--steps", "10", "--reps", "1", "--cprofile", "5"])
     out = capsys.readouterr().out
     assert "eager (megamoe.moe)" in out and "custom ops" in out
+    assert "Ordered by: internal time" in out and "tuning.py" in out  # the cProfile listing names our launcher
     assert triton.runtime.interpreter.InterpretedFunction.run is run

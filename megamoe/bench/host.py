@@ -1,12 +1,17 @@
-"""Host time of one forward+backward step with every kernel launch stubbed out: what megamoe's Python
-costs around its kernels (validation, plan, autograd, launch preparation, allocations), which bounds
-small batches on the GPU (docs/NOTES.md §7, §13). Any machine, no GPU:
+"""Host time of one forward+backward step: what the Python around the kernels costs (validation,
+plan, autograd, launch preparation, allocations), which bounds small batches on the GPU (docs/NOTES.md
+§7, §13). Two modes:
 
-    TRITON_INTERPRET=1 python -m megamoe.bench.host [--tokens 1024] [--reps 5]
+    TRITON_INTERPRET=1 python -m megamoe.bench.host [--tokens 1024] [--reps 5]   # any machine, no GPU
+    python -m megamoe.bench.host --gpu [--tokens 1024] [--cprofile 30]             # a CUDA GPU
 
-The eager path (``megamoe.moe``, an autograd.Function) and the custom ops that ``torch.compile`` sees
-are timed alternately in one process. Triton's own launcher on a GPU is not included (the interpreter
-replaces it), so the figures are the part of the host time that megamoe's code controls.
+With the interpreter every kernel launch is stubbed out, so the figures are the part of the host time
+that megamoe's code controls (Triton's launcher is not included). With ``--gpu`` the 30B layer's
+kernels really launch: the host time per step is the wall time of enqueueing steps while the GPU
+keeps up (so at small batches it is the step's wall time), Triton's launcher included. The eager path
+(``megamoe.moe``, an autograd.Function) and the custom ops that ``torch.compile`` sees are timed
+alternately in one process. ``--cprofile N`` also lists the N functions with the most own time over
+the eager path's steps (cProfile's overhead inflates them; compare them with each other).
 """
 
 from __future__ import annotations
@@ -23,12 +28,34 @@ def step_time_us(fn, problem, steps: int) -> float:
     from megamoe.bench.layer import training_step
 
     _, step = training_step(fn, problem)
+    sync = torch.cuda.synchronize if problem[0].is_cuda else (lambda: None)
     for _ in range(steps // 10):
         step()
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         step()
+    sync()
     return 1e6 * (time.perf_counter() - start) / steps
+
+
+def cprofile_table(fn, problem, steps: int, top: int) -> str:
+    """cProfile's listing of the ``top`` functions by own time over ``steps`` steps of ``fn``."""
+    import cProfile
+    import io
+    import pstats
+
+    from megamoe.bench.layer import training_step
+
+    _, step = training_step(fn, problem)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def main(argv=None) -> None:
@@ -36,17 +63,22 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--steps", type=int, default=200, help="timed steps per repetition")
     p.add_argument("--reps", type=int, default=5, help="alternating repetitions of both paths")
+    p.add_argument("--gpu", action="store_true", help="launch the kernels on the CUDA GPU instead of stubbing them")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also list the N functions with the most own time (cProfile) over the eager path's steps")
     args = p.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("set TRITON_INTERPRET=1: the launches are stubbed out through the interpreter")
+    if args.gpu == (os.environ.get("TRITON_INTERPRET") == "1"):
+        raise SystemExit("either --gpu (a CUDA GPU, kernels launch) or TRITON_INTERPRET=1 (launches stubbed out)")
     import triton.runtime.interpreter
 
     import megamoe
     from megamoe import autograd
     from megamoe.bench.layer import make_problem
 
-    # The 30B layer's expert count and top-k (the host work depends on them, not on D and I).
-    problem = make_problem(args.tokens, 256, 128, 128, 8, "random", torch.float32, "cpu", 0)
+    if args.gpu:  # the 30B layer, bf16; its first step autotunes
+        problem = make_problem(args.tokens, 2048, 768, 128, 8, "random", torch.bfloat16, "cuda", 0)
+    else:  # the 30B layer's expert count and top-k (the host work depends on them, not on D and I)
+        problem = make_problem(args.tokens, 256, 128, 128, 8, "random", torch.float32, "cpu", 0)
 
     def custom_ops(x, idx, w, w13, w2):
         return autograd._experts_fwd(x, idx, w, w13, w2, *autograd._plan_op(idx, w13.shape[0]))
@@ -55,16 +87,20 @@ def main(argv=None) -> None:
     times = {name: [] for name in paths}
     interpreted = triton.runtime.interpreter.InterpretedFunction
     run = interpreted.run
-    interpreted.run = lambda self, *a, **k: None  # no kernel runs
+    if not args.gpu:
+        interpreted.run = lambda self, *a, **k: None  # no kernel runs
     try:
         for _ in range(args.reps):
             for name, fn in paths.items():
                 times[name].append(step_time_us(fn, problem, args.steps))
+        table = cprofile_table(megamoe.moe, problem, args.steps, args.cprofile) if args.cprofile else ""
     finally:
         interpreted.run = run
-    print(f"host time per forward+backward step, kernels stubbed, T={args.tokens}, E=128, K=8:")
+    mode = f"kernels on {torch.cuda.get_device_name()}" if args.gpu else "kernels stubbed"
+    print(f"host time per forward+backward step, {mode}, T={args.tokens}, E=128, K=8:")
     for name, ts in times.items():
         print(f"  {name:30s} median {statistics.median(ts):6.0f} us  ({', '.join(f'{t:.0f}' for t in ts)})")
+    print(table, end="")
 
 
 if __name__ == "__main__":
