@@ -49,7 +49,8 @@ def _triton_config(config: dict, pre_hook) -> triton.Config:
 
 class TunedKernel:
     """A Triton kernel (with EVEN_K derived from BK by ``even_k``, if given), launched with ``default`` or autotuned over
-    ``[default, *candidates]`` keyed on ``key`` (static dims). ``kernel[grid](*args, dtype=..., **kw)``
+    ``[default, *candidates]`` keyed on ``key`` (static dims) on the key's first launch, and launched with the
+    chosen config directly after that. ``kernel[grid](*args, dtype=..., **kw)``
     with ``grid`` a function of the config dict, as for ``triton.autotune``. ``blocks(config)`` maps each
     ``*_desc`` parameter to its TMA block shape under that config. ``constants``: constexpr arguments
     this instance always passes (one Triton kernel can serve several GEMMs). ``follows``: for a kernel
@@ -102,6 +103,10 @@ class TunedKernel:
                 config = fit_dtype(self.default, dtype)
             elif self.follows is not None:
                 config = self._own(self.follows._chosen.get(key, self.default))
+            elif key in self._chosen:
+                # Tuned: straight to the kernel; the autotuner's per-call work is host time that small
+                # batches pay (docs/NOTES.md §21).
+                config = self._chosen[key]
             else:
                 self._tuned[grid](*args, **kwargs)
                 best = self._tuned.best_config
