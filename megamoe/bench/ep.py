@@ -431,8 +431,9 @@ def kernel_tables(variants: dict, calls: int = 5) -> str:
     """Per-kernel CUDA time of each variant (name → function), ``calls`` calls after three warm-up calls,
     as torch.profiler tables: where a variant's time goes, kernel by kernel (CPU time without a GPU). On
     a GPU each variant also gets its host-side table (CUDA runtime calls: a synchronising call or a
-    cudaMalloc shows there) and the wall time of the back-to-back calls, so that the GPU's idle time
-    is the wall time less the kernels' total."""
+    cudaMalloc shows there) and the wall time of the back-to-back calls: the GPU idled at most the wall
+    time less the kernels' total (which also holds the first launch's latency and the profiler's own
+    host work)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
