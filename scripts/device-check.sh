@@ -24,7 +24,9 @@
 #                                           30B and 235B layers); the archive is device-check-compare-tN.tgz
 # Each step runs unbuffered under a time limit that aborts with a Python stack dump (a hang shows where
 # the host stopped); logs and results are packed into $OUT/device-check-<stage>.tgz after every step
-# (the tool returns only a few files, and what a step finished survives the call's time limit).
+# (the tool returns only a few files, and what a step finished survives the call's time limit). Every
+# GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv, and each step's
+# log starts and ends with the time, so a step's numbers can be read against the clock it ran at.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:?usage: device-check.sh tests|loopback|bench|layer|multi|compare DIR...}
@@ -43,8 +45,9 @@ py=(python3 -u -X faulthandler)
 step() {  # step NAME SECONDS COMMAND...: run it, keep its log, print its last lines
     local name=$1 limit=$2
     shift 2
-    timeout -s ABRT "$limit" "$@" > "$work/$name.log" 2>&1
-    echo "exit status $?" >> "$work/$name.log"
+    echo "started $(date -u +%FT%T.%3N)" > "$work/$name.log"
+    timeout -s ABRT "$limit" "$@" >> "$work/$name.log" 2>&1
+    echo "exit status $? at $(date -u +%FT%T.%3N)" >> "$work/$name.log"
     echo "== $name"
     tail -4 "$work/$name.log"
     tar czf "$work.$name.tgz" -C "$work" . && mv -f "$work.$name.tgz" "$out/device-check-$tag.tgz"  # atomic
@@ -52,6 +55,12 @@ step() {  # step NAME SECONDS COMMAND...: run it, keep its log, print its last l
 
 nvidia-smi --query-gpu=name,driver_version --format=csv > "$work/gpu.txt" 2>&1
 gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+if [ "$gpus" -gt 0 ]; then  # stopped at exit; the stages wait for their own jobs by pid, never for this one
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
+        -lms 250 > "$work/clocks.csv" 2>&1 &
+    sampler=$!
+    trap 'kill "$sampler" 2> /dev/null' EXIT
+fi
 case $stage in
 tests)
     step gpu-tests 560 "${py[@]}" -m pytest -m gpu -q -p no:logging --durations=10
@@ -92,10 +101,12 @@ layer)
     problems=("$@")
     [ "$#" -eq 0 ] && problems=(30b 235b 1k 65k)
     queues=$((gpus < 1 ? 1 : gpus))
+    pids=()
     for ((g = 0; g < queues; g++)); do
         (for ((i = g; i < ${#problems[@]}; i += queues)); do problem "$g" "${problems[i]}"; done) &
+        pids+=($!)
     done
-    wait
+    wait "${pids[@]}"
     tar czf "$out/device-check-$tag.tgz" -C "$work" .  # both queues' last steps (their archives may cross)
     ;;
 multi)
@@ -117,6 +128,7 @@ compare)
         log="$work/gpu-tests-$(basename "$(realpath "$tested")").log"
         (cd "$tested" && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=. timeout -s ABRT 560 \
             "${py[@]}" -m pytest -m gpu -q -p no:logging -x tests > "$log" 2>&1; echo "exit status $?" >> "$log") &
+        tests_pid=$!
     fi
     tokens=${TOKENS:-16384}
     for tree in . "$@"; do
@@ -128,7 +140,7 @@ compare)
                 --json "$work/results/kernels-$name-$preset-t$tokens.json"
         done
     done
-    wait
+    [ -n "${tests_pid:-}" ] && wait "$tests_pid"
     tar czf "$out/device-check-$tag.tgz" -C "$work" .
     ;;
 *)
