@@ -200,3 +200,19 @@ def test_host_time_probe_times_both_paths_and_restores_the_launcher(capsys):
     assert "eager (megamoe.moe)" in out and "custom ops" in out
     assert "Ordered by: internal time" in out and "tuning.py" in out  # the cProfile listing names our launcher
     assert triton.runtime.interpreter.InterpretedFunction.run is run
+    with pytest.raises(SystemExit, match="either --gpu"):
+        main(["--gpu"])  # real launches under the interpreter: refused
+
+
+@pytest.mark.gpu
+def test_host_time_probe_on_the_gpu(capsys):
+    """``python -m megamoe.bench.host --gpu``: the 30B layer's steps with real launches; the cProfile
+    listing shows Triton's launcher, which the stubbed mode leaves out."""
+    from megamoe.bench.host import main
+
+    main(["--gpu", "--tokens", "64", "--steps", "10", "--reps", "1", "--cprofile", "20"])
+    out = capsys.readouterr().out
+    assert "kernels on" in out and "eager (megamoe.moe)" in out and "custom ops" in out
+    assert "triton/runtime/jit.py" in out
+    with pytest.raises(SystemExit, match="either --gpu"):
+        main([])  # neither mode chosen: no TRITON_INTERPRET on a GPU machine
