@@ -213,6 +213,6 @@ def test_host_time_probe_on_the_gpu(capsys):
     main(["--gpu", "--tokens", "64", "--steps", "10", "--reps", "1", "--cprofile", "20"])
     out = capsys.readouterr().out
     assert "kernels on" in out and "eager (megamoe.moe)" in out and "custom ops" in out
-    assert "due to restriction <20>" in out and "triton/runtime/" in out  # Triton's launcher is in it
+    assert "due to restriction <20>" in out and "/triton/" in out  # Triton's launch path is in the listing
     with pytest.raises(SystemExit, match="either --gpu"):
         main([])  # neither mode chosen: no TRITON_INTERPRET on a GPU machine
