@@ -257,7 +257,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="also write each impl's (with --ep --loopback: each variant's) per-kernel CUDA times of "
                         "forward+backward (torch.profiler) next to the JSON: where a step's time goes beyond the "
-                        "expert kernels (python -m megamoe.bench.kernels)")
+                        "expert kernels (python -m megamoe.bench.kernels); CUDA-graph impls share their eager "
+                        "twin's table")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition budget per measurement")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
@@ -344,8 +345,9 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
                 b = by_name[base]
                 r[f"speedup_vs_{base}"] = {k: b[k] / r[k] for k in ("fwd_ms", "fwd_bwd_ms", "ac_step_ms")}
     info["results"] = results
-    if args.profile:
-        info["_profile"] = kernel_tables({impl.name: training_step(impl.fn, problem)[1] for impl in impls})
+    if args.profile:  # a CUDA-graph impl launches its eager twin's kernels: profiling it again would repeat that
+        info["_profile"] = kernel_tables({impl.name: training_step(impl.fn, problem)[1] for impl in impls
+                                          if not impl.cuda_graph})
     return info
 
 
