@@ -20,3 +20,19 @@ def test_readme_tables_are_the_reports_output_and_every_result_is_plotted(tmp_pa
     assert not missing, f"README rows out of date with benchmarks/results (python -m megamoe.bench.report): {missing}"
     results = {p.stem for pattern in ("*-ep*.json", "*-loopback*.json") for p in tmp_path.glob(pattern)}
     assert results and results == {p.stem for p in tmp_path.glob("*.png")}
+
+
+def test_readme_option_rewrites_stale_tables_and_footer(tmp_path):
+    """``--readme`` puts the report's tables (and the layer table's footer line) in place of stale ones:
+    a README with one row and the footer changed comes back equal to the committed README."""
+    for path in (ROOT / "benchmarks" / "results").glob("*.json"):
+        shutil.copy(path, tmp_path)
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| qwen3-30b-a3b T=16384 random | megamoe |"))
+    footer = next(line for line in readme.splitlines() if "dense bf16 matmul" in line)
+    stale = readme.replace(row, row.replace("| megamoe |", "| megamoe | 0.01 |", 1)).replace(footer, "old footer")
+    assert stale != readme
+    target = tmp_path / "README.md"
+    target.write_text(stale)
+    report.main([str(tmp_path), "--readme", str(target)])
+    assert target.read_text() == readme

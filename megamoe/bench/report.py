@@ -1,15 +1,17 @@
 """Markdown tables and PNG plots from committed benchmark JSON files.
 
-``python -m megamoe.bench.report [benchmarks/results]`` prints one table row per (problem, impl) of the
-layer benchmark, one per loopback run of the EP benchmark (``--ep --loopback R``) and one per
-(problem, impl) of the multi-GPU EP benchmark (``torchrun ... --ep``), and (re)draws each JSON file's PNG
-next to it. Every number comes from the JSON files; nothing is typed in.
+``python -m megamoe.bench.report [benchmarks/results] [--readme README.md]`` prints one table row per
+(problem, impl) of the layer benchmark, one per loopback run of the EP benchmark (``--ep --loopback R``)
+and one per (problem, impl) of the multi-GPU EP benchmark (``torchrun ... --ep``), and (re)draws each
+JSON file's PNG next to it. ``--readme`` also writes the tables into that file in place of the ones with
+the same header (and the layer table's footer line). Every number comes from the JSON files; nothing is
+typed in.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 from megamoe.bench.layer import PLOT_KEYS, plot
@@ -95,9 +97,38 @@ def plot_loopback(info: dict, path: Path) -> None:
          problem=f"{info['preset']} T={info['tokens_per_rank']}/rank x {ranks} {info['routing']} routing")
 
 
+def update_readme(text: str, tables: list[str]) -> str:
+    """``text`` with each of its tables (a run of lines starting with "|" whose header line is the first
+    line of one of ``tables``) replaced by that table's rows. A table's lines after its rows (the layer
+    table's footer, after a blank line) replace the first non-empty line after the old rows."""
+    by_header = {t.splitlines()[0]: t.splitlines() for t in tables}
+    lines, out, i = text.splitlines(), [], 0
+    while i < len(lines):
+        new = by_header.get(lines[i])
+        if new is None:
+            out.append(lines[i])
+            i += 1
+            continue
+        rows = [line for line in new if line.startswith("|")]
+        footer = [line for line in new[len(rows):] if line]
+        out += rows
+        while i < len(lines) and lines[i].startswith("|"):
+            i += 1
+        if footer:
+            while i < len(lines) and not lines[i]:
+                out.append(lines[i])
+                i += 1
+            out += footer
+            i += 1
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    runs = load(Path(argv[0] if argv else "benchmarks/results"))
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("folder", nargs="?", default="benchmarks/results", help="the benchmark JSON files")
+    p.add_argument("--readme", type=Path, help="also write the tables into this Markdown file")
+    args = p.parse_args(argv)
+    runs = load(Path(args.folder))
     for info in runs["layer"]:
         plot(info, info["_path"].with_suffix(".png"))
     for info in runs["loopback"]:
@@ -105,11 +136,15 @@ def main(argv=None) -> None:
     for info in runs["ep"]:
         plot(info, info["_path"].with_suffix(".png"),
              problem=f"{info['preset']} T={info['tokens_per_rank']}/rank {info['routing']} routing, EP={info['ep']}")
-    print(table(runs["layer"]))
+    tables = [table(runs["layer"])]
+    print(tables[0])
     for title, kind, make in (("EP machinery, loopback", "loopback", loopback_table), ("EP, real ranks", "ep", ep_table)):
         if runs[kind]:
+            tables.append(make(runs[kind]))
             print(f"\n{title}:\n")
-            print(make(runs[kind]))
+            print(tables[-1])
+    if args.readme:
+        args.readme.write_text(update_readme(args.readme.read_text(), tables))
 
 
 if __name__ == "__main__":
