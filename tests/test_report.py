@@ -1,7 +1,10 @@
 """The results tables in the README are the report's output on the committed JSON files (no number typed
-in by hand), and the report draws a plot for each file."""
+in by hand), the report draws a plot for each file, and a result names the commit of the code that ran."""
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from megamoe.bench import report
@@ -36,3 +39,25 @@ def test_readme_option_rewrites_stale_tables_and_footer(tmp_path):
     target.write_text(stale)
     report.main([str(tmp_path), "--readme", str(target)])
     assert target.read_text() == readme
+
+
+def test_results_name_a_commit_only_for_the_checkouts_own_package(tmp_path):
+    """A result's ``commit`` is the HEAD of the checkout whose megamoe package ran; a copy of another
+    branch inside that checkout (``device-check.sh compare``'s ``_exp/B``) gets None, not the enclosing
+    HEAD, which names code that did not run."""
+    def git(*args, cwd=tmp_path):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    def commit_seen_from(folder):
+        code = "from megamoe.bench.layer import git_commit; print(git_commit())"
+        return subprocess.run([sys.executable, "-c", code], cwd=folder, check=True, capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": str(folder)}).stdout.strip()
+
+    git("init", "-q")
+    for folder in (tmp_path, tmp_path / "_exp" / "b"):
+        shutil.copytree(ROOT / "megamoe", folder / "megamoe", ignore=shutil.ignore_patterns("__pycache__"))
+    git("add", "-A")
+    git("commit", "-qm", "copy")
+    assert commit_seen_from(tmp_path) == git("rev-parse", "HEAD")
+    assert commit_seen_from(tmp_path / "_exp" / "b") == "None"

@@ -297,14 +297,21 @@ def source_digest() -> str:
 
 
 def git_commit() -> str | None:
+    """HEAD of the checkout the running megamoe package belongs to ("-dirty" with uncommitted changes), or
+    None when the package is not that checkout's own: a copied working tree, or a copy of another branch
+    inside this checkout (``device-check.sh compare``'s ``_exp/B``), whose enclosing repository's HEAD
+    would name code that did not run."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=root).stdout.strip()
+
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parent)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True, cwd=Path(__file__).resolve().parent).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            return None
+        return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
-        return None  # not a git checkout (e.g. a copied working tree)
+        return None  # not a git checkout
 
 
 def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) -> dict:
