@@ -125,7 +125,7 @@ compare)
     mkdir -p "$work/results"
     tested=${TESTS-${!#}}
     if [ "$gpus" -ge 2 ] && [ -n "$tested" ]; then  # one tree's GPU tests on GPU 1 while GPU 0 times kernels
-        log="$work/gpu-tests-$(basename "$(realpath "$tested")").log"
+        log="$work/gpu-tests-$([ "$(realpath "$tested")" = "$(realpath .)" ] && echo this-tree || basename "$tested").log"
         (cd "$tested" && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=. timeout -s ABRT 560 \
             "${py[@]}" -m pytest -m gpu -q -p no:logging -x tests > "$log" 2>&1; echo "exit status $?" >> "$log") &
         tests_pid=$!
