@@ -156,18 +156,21 @@ def test_benchmark_cpu_path_checks_correctness(capsys):
 
 @pytest.mark.gpu
 def test_benchmark_gpu_path_writes_results_and_profile(tmp_path):
-    """``python -m megamoe.bench --profile`` on a tiny problem: the JSON has every impl's times and error,
-    and the per-kernel tables name every impl."""
+    """``python -m megamoe.bench --profile`` on a tiny problem: the JSON has every impl's times, error and
+    timing window (UTC, one impl after the other), and the per-kernel tables name every impl."""
     import json
 
-    from megamoe.bench.layer import main
+    from megamoe.bench.layer import main, utc_now
 
+    before = utc_now()
     main(["--preset", "tiny", "--tokens", "64", "--impls", "grouped_mm,megamoe", "--profile", "--no-plot",
           "--rep-ms", "5", "--out", str(tmp_path)])
     info = json.loads((tmp_path / "tiny-t64-random-ep1.json").read_text())
     assert [r["impl"] for r in info["results"]] == ["grouped_mm", "megamoe"]
     for r in info["results"]:
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["max_rel_err"] < 2e-2
+    windows = [t for r in info["results"] for t in r["timed_utc"]]
+    assert before <= windows[0] and windows == sorted(windows) and windows[-1] <= utc_now()
     tables = (tmp_path / "tiny-t64-random-ep1-profile.txt").read_text()
     assert "===== grouped_mm" in tables and "===== megamoe" in tables and "_act_bwd_kernel" in tables
     assert "ms wall per call" in tables and "----- megamoe: host side" in tables and "cudaLaunchKernel" in tables

@@ -32,7 +32,6 @@ gathered problem, outputs and every gradient; it says that timings need GPUs.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import itertools
 import json
@@ -246,7 +245,7 @@ def run(args, cuda: bool) -> None:
 def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, iters: int, seed: int) -> dict:
     """Times and errors of every impl on one problem (``tokens`` per rank), as the result JSON holds them.
     bf16 on a GPU; fp32 on CPU (where it only exercises the code: CPU timings mean nothing)."""
-    from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest, training_step
+    from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest, training_step, utc_now
 
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     dim, inter, num_experts, top_k = PRESETS[preset]
@@ -275,7 +274,7 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
     return {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "ranks": num_ranks, "commit": git_commit(), "source_sha256": source_digest(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now("seconds"),
         "command": f"torchrun --nproc-per-node {num_ranks} -m megamoe.bench " + " ".join(sys.argv[1:]),
         "preset": preset, "tokens_per_rank": tokens, "routing": routing, "ep": num_ranks, "dtype": str(dtype),
         "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k,
@@ -356,7 +355,7 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     times against the plain layer; the same with the rows sent from N programs of the expert kernels'
     launches for each N of ``comm_sms`` (the error: forward).
     ``profile``: also ``"_profile"``, per-kernel CUDA time tables of every variant (text)."""
-    from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest, training_step
+    from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest, training_step, utc_now
     from megamoe.parallel import dispatch
     from megamoe.parallel.workspace import loopback_workspaces
 
@@ -420,7 +419,7 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
         "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
         "commit": git_commit(),
         "source_sha256": source_digest(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now("seconds"),
         "command": "python -m megamoe.bench " + " ".join(sys.argv[1:]), **info, **times,
         "machinery_cost_fwd": times["loopback_fwd_ms"] / times["plain_fwd_ms"] - 1,
         "machinery_cost_fwd_bwd": times["loopback_fwd_bwd_ms"] / times["plain_fwd_bwd_ms"] - 1,

@@ -11,7 +11,6 @@ shows the best next to the default.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
@@ -22,7 +21,7 @@ import torch
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from megamoe.bench.layer import PRESETS, ROUTINGS, make_problem
+from megamoe.bench.layer import PRESETS, ROUTINGS, make_problem, utc_now
 from megamoe.kernels import expert_bwd, expert_fwd
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import build_plan
@@ -96,9 +95,11 @@ def main(argv=None) -> None:
     problem = make_problem(args.tokens, dim, inter, num_experts, top_k, args.routing, torch.bfloat16, "cuda", 0)
     rows = []
     for name, (fn, flops, key) in stages(problem, num_experts).items():
+        started = utc_now()  # the timing window, to read against device-check's clocks.csv
         ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
         row = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
-               "config": None if key is None else key.last_config}  # autotuned or default
+               "config": None if key is None else key.last_config,  # autotuned or default
+               "timed_utc": [started, utc_now()]}
         if args.sweep and key is not None:
             default = key.default
             best = (ms, default)
@@ -129,7 +130,7 @@ def main(argv=None) -> None:
             "preset": args.preset, "tokens": args.tokens, "routing": args.routing, "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
             "source_sha256": source_digest(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": utc_now("seconds"),
             "command": "python -m megamoe.bench.kernels " + " ".join(sys.argv[1:] if argv is None else argv),
             "stages": rows}, indent=1) + "\n")
 

@@ -181,8 +181,12 @@ def time_impl(impl: Impl, problem, rep_ms: int) -> dict:
         timed_fwd_bwd, _ = cuda_graphed(lambda: torch.autograd.grad(fwd(), leaves, dy))
     else:
         timed_fwd, timed_fwd_bwd = fwd, fwd_bwd
+    # When each median was taken (UTC, as device-check's clocks.csv): the SM clock under the power limit
+    # moves the GEMMs' times (docs/FACTS.md, session 9), so a result can be read against the clock it met.
+    started = utc_now()
     fwd_ms = do_bench(timed_fwd, warmup=100, rep=rep_ms, return_mode="median")
     fwd_bwd_ms = do_bench(timed_fwd_bwd, warmup=100, rep=rep_ms, grad_to_none=leaves, return_mode="median")
+    timed_utc = [started, utc_now()]
 
     for t in leaves:
         t.grad = None
@@ -202,7 +206,7 @@ def time_impl(impl: Impl, problem, rep_ms: int) -> dict:
         t.grad = None
     ac_ms = fwd_ms + fwd_bwd_ms if impl.keeps_activations else fwd_bwd_ms
     return {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "ac_step_ms": ac_ms,
-            "fwd_plus_fwd_bwd_ms": fwd_ms + fwd_bwd_ms,
+            "fwd_plus_fwd_bwd_ms": fwd_ms + fwd_bwd_ms, "timed_utc": timed_utc,
             "saved_activation_bytes": int(saved), "peak_extra_bytes": int(peak_extra)}
 
 
@@ -296,6 +300,11 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
+def utc_now(timespec: str = "milliseconds") -> str:
+    """The time in UTC, ISO 8601: a result's ``date`` (seconds) and its timing windows (milliseconds)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec=timespec)
+
+
 def git_commit() -> str | None:
     """HEAD of the checkout the running megamoe package belongs to ("-dirty" with uncommitted changes), or
     None when the package is not that checkout's own: a copied working tree, or a copy of another branch
@@ -324,7 +333,7 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
     info = {
         "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
         "megamoe": megamoe.__version__, "commit": git_commit(), "source_sha256": source_digest(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now("seconds"),
         "command": "python -m megamoe.bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "preset": preset, "tokens": tokens, "routing": routing, "ep": 1,
         "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k, "dtype": "bfloat16",
