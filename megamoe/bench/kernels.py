@@ -21,7 +21,7 @@ import torch
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from megamoe.bench.layer import PRESETS, ROUTINGS, make_problem, utc_now
+from megamoe.bench.layer import PRESETS, ROUTINGS, git_commit, make_problem, source_digest, utc_now
 from megamoe.kernels import expert_bwd, expert_fwd
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import build_plan
@@ -123,8 +123,6 @@ def main(argv=None) -> None:
     print(f"{'total':20s} {sum(r['ms'] for r in rows):8.3f} ms")
     if args.json:
         import triton
-
-        from megamoe.bench.layer import git_commit, source_digest
 
         Path(args.json).write_text(json.dumps({
             "preset": args.preset, "tokens": args.tokens, "routing": args.routing, "gpu": torch.cuda.get_device_name(),
