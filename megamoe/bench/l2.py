@@ -1,0 +1,94 @@
+"""Read bandwidth of the GPU's L2 (and, past its size, of HBM): the rate at which the GEMM kernels could
+pull operand tiles into the SMs (docs/NOTES.md §24).
+
+``python -m megamoe.bench.l2 [--json PATH]`` on a GPU. A persistent kernel (``--per-sm`` programs per SM)
+reads 16 KB blocks of a bf16 buffer round-robin, many times over, and adds them up; the footprint sweeps
+from a few MB (L2-resident) to 1 GB (HBM). Two load paths, as the GEMMs use them: TMA into shared
+memory (the sorted-row and weight operands) and pointer loads into registers (the up kernel's gathered
+x rows). Every program writes its sum, so nothing read is dead code; ``read_sum`` checks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from megamoe.bench.layer import git_commit, source_digest, utc_now
+
+ROWS, COLS = 128, 64  # one block: 16 KB of bf16, a GEMM operand tile's size
+
+
+@triton.jit
+def _read_blocks_kernel(src, src_desc, sums_ptr, num_blocks, reads, TMA: tl.constexpr, BR: tl.constexpr,
+                        BC: tl.constexpr):
+    """Program p reads blocks p, p + P, p + 2P, ... (mod ``num_blocks``) until ``reads`` block reads are
+    shared out, and writes the fp32 sum of everything it read to ``sums[p]``."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    offs = tl.arange(0, BR)[:, None] * BC + tl.arange(0, BC)[None, :]
+    acc = tl.zeros((BR, BC), dtype=tl.float32)
+    for i in range(pid, reads, programs):
+        b = i % num_blocks
+        if TMA:
+            block = src_desc.load([b * BR, 0])
+        else:
+            block = tl.load(src + b.to(tl.int64) * (BR * BC) + offs)
+        acc += block.to(tl.float32)
+    tl.store(sums_ptr + pid, tl.sum(acc))
+
+
+def read_sum(buf: torch.Tensor, reads: int, programs: int, tma: bool, num_warps: int = 4,
+             num_stages: int = 4) -> torch.Tensor:
+    """Per-program sums of ``reads`` block reads of ``buf`` ((blocks * ROWS, COLS), bf16 or fp32)."""
+    assert buf.shape[1] == COLS and buf.shape[0] % ROWS == 0
+    sums = torch.empty(programs, device=buf.device, dtype=torch.float32)
+    desc = TensorDescriptor.from_tensor(buf, [ROWS, COLS])
+    _read_blocks_kernel[(programs,)](buf, desc, sums, buf.shape[0] // ROWS, reads, TMA=tma, BR=ROWS, BC=COLS,
+                                     num_warps=num_warps, num_stages=num_stages)
+    return sums
+
+
+def main(argv=None) -> None:
+    from triton.testing import do_bench
+
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench.l2", description=__doc__.split("\n\n")[0])
+    p.add_argument("--per-sm", default="1,2,4", help="programs per SM to try (comma-separated)")
+    p.add_argument("--json", help="write the table as JSON to this path")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the L2 benchmark needs a CUDA GPU")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    block_bytes = ROWS * COLS * 2
+    rows = []
+    for mb in (4, 8, 16, 24, 32, 48, 64, 1024):
+        blocks = mb * 2**20 // block_bytes
+        buf = torch.randn(blocks * ROWS, COLS, device="cuda", dtype=torch.bfloat16)
+        reads = max(blocks, 4 * 2**30 // block_bytes)  # 4 GB read per launch, at least the whole buffer
+        for per_sm in (int(v) for v in args.per_sm.split(",")):
+            for tma in (True, False):
+                started = utc_now()
+                ms = do_bench(functools.partial(read_sum, buf, reads, sms * per_sm, tma), warmup=10, rep=100,
+                              return_mode="median")
+                row = {"footprint_mb": mb, "programs_per_sm": per_sm, "path": "tma" if tma else "pointer",
+                       "ms": ms, "tb_per_s": reads * block_bytes / ms / 1e9, "timed_utc": [started, utc_now()]}
+                rows.append(row)
+                print(f"{mb:5d} MB  {per_sm} per SM  {row['path']:7s}  {ms:7.3f} ms  {row['tb_per_s']:5.2f} TB/s",
+                      flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"),
+            "command": "python -m megamoe.bench.l2 " + " ".join(sys.argv[1:] if argv is None else argv),
+            "block_bytes": block_bytes, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
