@@ -1,7 +1,7 @@
 """Read bandwidth of the GPU's L2 (and, past its size, of HBM): the rate at which the GEMM kernels could
 pull operand tiles into the SMs (docs/NOTES.md §24).
 
-``python -m megamoe.bench.l2 [--json PATH]`` on a GPU. A persistent kernel (``--per-sm`` programs per SM)
+``python -m megamoe.bench.l2 [--json PATH]`` on a GPU (with ``--json``, the plot goes next to it as PNG). A persistent kernel (``--per-sm`` programs per SM)
 reads 16 KB blocks of a bf16 buffer round-robin, many times over, and adds them up; the footprint sweeps
 from a few MB (L2-resident) to 1 GB (HBM). Two load paths, as the GEMMs use them: TMA into shared
 memory (the sorted-row and weight operands) and pointer loads into registers (the up kernel's gathered
@@ -56,6 +56,28 @@ def read_sum(buf: torch.Tensor, reads: int, programs: int, tma: bool, num_warps:
     return sums
 
 
+def plot(info: dict, path: Path) -> None:
+    """TB/s against footprint, one line per (load path, programs per SM), titled by GPU, versions and date."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for key in sorted({(r["path"], r["programs_per_sm"]) for r in info["rows"]}):
+        pts = [(r["footprint_mb"], r["tb_per_s"]) for r in info["rows"] if (r["path"], r["programs_per_sm"]) == key]
+        ax.plot(*zip(*pts), marker="o", label=f"{key[0]}, {key[1]} per SM")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("footprint (MB)")
+    ax.set_ylabel("read TB/s")
+    ax.set_title(f"read bandwidth by footprint — {info['gpu']}\ntorch {info['torch']}, triton {info['triton']}, "
+                 f"{info['date'][:10]}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     from triton.testing import do_bench
 
@@ -88,6 +110,7 @@ def main(argv=None) -> None:
             "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"),
             "command": "python -m megamoe.bench.l2 " + " ".join(sys.argv[1:] if argv is None else argv),
             "block_bytes": block_bytes, "rows": rows}, indent=1) + "\n")
+        plot(json.loads(Path(args.json).read_text()), Path(args.json).with_suffix(".png"))
 
 
 if __name__ == "__main__":
