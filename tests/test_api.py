@@ -213,9 +213,12 @@ def test_host_time_probe_on_the_gpu(capsys):
     listing shows Triton's launcher, which the stubbed mode leaves out."""
     from megamoe.bench.host import main
 
-    main(["--gpu", "--tokens", "64", "--steps", "10", "--reps", "1", "--cprofile", "20"])
+    main(["--gpu", "--tokens", "64", "--steps", "10", "--reps", "1", "--cprofile", "20", "--stages"])
     out = capsys.readouterr().out
     assert "kernels on" in out and "eager (megamoe.moe)" in out and "custom ops" in out
     assert "due to restriction <20>" in out and "/triton/" in out  # Triton's launch path is in the listing
+    stages = out.split("host time per call of each stage")[1]
+    for name in ("triton kernel, one pointer", "torch.add", "fwd up+swiglu", "bwd dw2"):
+        assert float(stages.split(name)[1].split()[0]) > 0
     with pytest.raises(SystemExit, match="either --gpu"):
         main([])  # neither mode chosen: no TRITON_INTERPRET on a GPU machine

@@ -3,7 +3,7 @@ plan, autograd, launch preparation, allocations), which bounds small batches on 
 §7, §13). Two modes:
 
     TRITON_INTERPRET=1 python -m megamoe.bench.host [--tokens 1024] [--reps 5]   # any machine, no GPU
-    python -m megamoe.bench.host --gpu [--tokens 1024] [--cprofile 30]             # a CUDA GPU
+    python -m megamoe.bench.host --gpu [--tokens 1024] [--cprofile 30] [--stages]  # a CUDA GPU
 
 With the interpreter every kernel launch is stubbed out, so the figures are the part of the host time
 that megamoe's code controls (Triton's launcher is not included). With ``--gpu`` the 30B layer's
@@ -11,7 +11,10 @@ kernels really launch: the host time per step is the wall time of enqueueing ste
 keeps up (so at small batches it is the step's wall time), Triton's launcher included. The eager path
 (``megamoe.moe``, an autograd.Function) and the custom ops that ``torch.compile`` sees are timed
 alternately in one process. ``--cprofile N`` also lists the N functions with the most own time over
-the eager path's steps (cProfile's overhead inflates them; compare them with each other).
+the eager path's steps (cProfile's overhead inflates them; compare them with each other). ``--stages``
+also lists the host time of each stage of ``megamoe.bench.kernels`` alone (the Python that enqueues its
+kernels, no sync), beside that of a one-argument Triton kernel and of a ``torch.add``: which launches
+cost the host most.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import statistics
 import time
 
 import torch
+import triton
 
 
 def step_time_us(fn, problem, steps: int) -> float:
@@ -58,6 +62,35 @@ def cprofile_table(fn, problem, steps: int, top: int) -> str:
     return out.getvalue()
 
 
+@triton.jit
+def _noop_kernel(ptr):
+    pass
+
+
+def enqueue_us(fn, calls: int = 200) -> float:
+    """Host time of one call of ``fn`` in µs: the wall time of ``calls`` calls without a sync, over the
+    count (fewer calls than the launch queue holds, so the host never waits for the GPU)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
+
+
+def stage_table(problem) -> str:
+    """Host µs per call of every per-kernel stage (``megamoe.bench.kernels.stages``) and of two references."""
+    from megamoe.bench.kernels import stages
+
+    x = problem[0]
+    one = torch.zeros(1, device=x.device)
+    rows = [("triton kernel, one pointer", lambda: _noop_kernel[(1,)](one)), ("torch.add", lambda: one + one)]
+    rows += [(name, fn) for name, (fn, _, _) in stages(problem, problem[3].shape[0]).items()]
+    return "".join(f"  {name:30s} {enqueue_us(fn):7.1f} us\n" for name, fn in rows)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m megamoe.bench.host", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=1024)
@@ -66,6 +99,7 @@ def main(argv=None) -> None:
     p.add_argument("--gpu", action="store_true", help="launch the kernels on the CUDA GPU instead of stubbing them")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also list the N functions with the most own time (cProfile) over the eager path's steps")
+    p.add_argument("--stages", action="store_true", help="with --gpu: also the host time of each stage's launch")
     args = p.parse_args(argv)
     if args.gpu == (os.environ.get("TRITON_INTERPRET") == "1"):
         raise SystemExit("either --gpu (a CUDA GPU, kernels launch) or TRITON_INTERPRET=1 (launches stubbed out)")
@@ -94,6 +128,8 @@ def main(argv=None) -> None:
             for name, fn in paths.items():
                 times[name].append(step_time_us(fn, problem, args.steps))
         table = cprofile_table(megamoe.moe, problem, args.steps, args.cprofile) if args.cprofile else ""
+        if args.stages and args.gpu:
+            table += "host time per call of each stage (enqueue only):\n" + stage_table(problem)
     finally:
         interpreted.run = run
     mode = f"kernels on {torch.cuda.get_device_name()}" if args.gpu else "kernels stubbed"
