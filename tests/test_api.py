@@ -208,6 +208,23 @@ def test_host_time_probe_times_both_paths_and_restores_the_launcher(capsys):
 
 
 @pytest.mark.gpu
+def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
+    """``python -m megamoe.bench.kernels``: every stage timed, each GEMM's config recorded (on sm90 the
+    weight gradients' is the warp-specialized kernel's)."""
+    import json
+
+    from megamoe.bench.kernels import main
+
+    main(["--tokens", "256", "--json", str(tmp_path / "k.json")])
+    rows = {r["stage"]: r for r in json.loads((tmp_path / "k.json").read_text())["stages"]}
+    assert {"plan", "fwd up+swiglu", "bwd recompute+act", "bwd dw13", "bwd dw2"} <= set(rows)
+    assert all(r["ms"] > 0 and len(r["timed_utc"]) == 2 for r in rows.values())
+    assert rows["fwd up+swiglu"]["config"]["BM"] in (64, 128)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert rows["bwd dw13"]["config"]["WARP_SPECIALIZED"] and rows["bwd dw2"]["config"]["WARP_SPECIALIZED"]
+
+
+@pytest.mark.gpu
 def test_host_time_probe_on_the_gpu(capsys):
     """``python -m megamoe.bench.host --gpu``: the 30B layer's steps with real launches; the cProfile
     listing shows Triton's launcher, which the stubbed mode leaves out."""

@@ -1,6 +1,6 @@
 """Every GEMM kernel's default config compiles for Hopper (sm_90a) inside the shared memory, bf16 with
 warpgroup MMAs, and so does every kernel without a tile config (the backward's row copies, the
-expert-parallel protocol) — checked on any machine, no GPU needed (Triton compiles ahead of time for a
+expert-parallel protocol), and the Gluon weight-gradient kernel — checked on any machine, no GPU needed (Triton compiles ahead of time for a
 named target; the interpreter that runs the CPU tests accepts code that does not compile). Runs in a
 subprocess because the CPU test session interprets the kernels instead."""
 
@@ -21,6 +21,8 @@ def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
     rows = [line.split() for line in out.stdout.splitlines()[1:] if line.strip()]
     from megamoe.bench.resources import KERNELS, OTHER_KERNELS
 
-    assert len(rows) == len(KERNELS) + len(OTHER_KERNELS), out.stdout
+    gemms = len(KERNELS) + (dtype == "bf16")  # bf16: and the Gluon weight-gradient kernel
+    assert len(rows) == gemms + len(OTHER_KERNELS), out.stdout
     if dtype == "bf16":
-        assert all(row[-1] == "yes" for row in rows[:len(KERNELS)]), f"bf16 GEMMs must use warpgroup MMAs:\n{out.stdout}"
+        assert rows[len(KERNELS)][0] == "wgrad_ws" and int(rows[len(KERNELS)][-3]) == 0, out.stdout  # no spills
+        assert all(row[-1] == "yes" for row in rows[:gemms]), f"bf16 GEMMs must use warpgroup MMAs:\n{out.stdout}"

@@ -392,3 +392,28 @@ def test_every_weight_gradient_config_matches_a_per_expert_reference(monkeypatch
         dw = expert_bwd.expert_wgrad(x_sorted, dy_sorted, plan, x.dtype)
         assert torch.equal(dw[3], torch.zeros_like(dw[3])), config
         torch.testing.assert_close(dw, expected, rtol=1e-5, atol=1e-4, msg=lambda m, c=config: f"{c}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p, q, counts", [
+    (136, 72, [0, 1, 63, 64, 65, 200, 0, 130]),  # P, Q past the tile; experts empty, under one step, mid-step
+    (1536, 2048, [1024 + 37 * (i % 5) - 70 for i in range(128)]),  # the 30B dW13 shape at 16k tokens
+])
+def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, counts, poison_cuda):
+    """The Gluon kernel on the GPU: each expert's sum of outer products, an empty expert exact zeros,
+    and rows past the last expert (never written: NaN here) or of the next expert never leak in."""
+    from megamoe.kernels.wgrad_ws import expert_wgrad_ws
+
+    offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device="cuda")
+    routed = int(offsets[-1])
+    a = torch.randn(routed + 45, p, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(routed + 45, q, device="cuda", dtype=torch.bfloat16)
+    a[routed:], b[routed:] = float("nan"), float("nan")
+    dw = torch.empty(len(counts), p, q, device="cuda", dtype=torch.bfloat16)
+    expert_wgrad_ws(a, b, offsets, dw)
+    bounds = offsets.tolist()
+    expected = torch.stack([a[lo:hi].float().T @ b[lo:hi].float() for lo, hi in itertools.pairwise(bounds)])
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e])), e
+    torch.testing.assert_close(dw.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())

@@ -2,6 +2,8 @@
 
 ``python -m megamoe.bench.kernels --preset qwen3-30b-a3b [--sweep]`` on a GPU. Each stage is timed alone
 with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
+On an sm90 GPU the weight gradients run the warp-specialized Gluon kernel (``kernels.wgrad_ws``: one tile,
+not autotuned, not swept; its record reads ``WARP_SPECIALIZED``).
 Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``); the
 config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
@@ -16,6 +18,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from triton.compiler.errors import CompilationError
@@ -25,6 +28,8 @@ from megamoe.bench.layer import PRESETS, ROUTINGS, git_commit, make_problem, sou
 from megamoe.kernels import expert_bwd, expert_fwd
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import build_plan
+from megamoe.kernels.tuning import TunedKernel
+from megamoe.kernels.wgrad_ws import WS_CONFIG, ws_supported
 
 
 def grid_of(**axes):
@@ -62,6 +67,7 @@ def stages(problem, num_experts):
     dh = expert_bwd.dh_sorted(dy_sorted, w2, plan)
     dz, hw, _ = expert_bwd.act_bwd(x_sorted, dh, w13, w2, topk_weights, plan, top_k, sorted_dh=True)
     wg = expert_bwd.expert_wgrad
+    wgrad = SimpleNamespace(last_config=WS_CONFIG) if ws_supported(x) else expert_bwd.WGRAD
     return {
         "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),
         "fwd up+swiglu": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k), 4 * unit, expert_fwd.UP),
@@ -72,8 +78,8 @@ def stages(problem, num_experts):
         "bwd recompute+act": (lambda: expert_bwd.act_bwd(x_sorted, dh, w13, w2, topk_weights, plan, top_k,
                                                          sorted_dh=True), 4 * unit, expert_bwd.ACT_BWD_DH),
         "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, expert_bwd.DX),
-        "bwd dw13": (lambda: wg(dz, x_sorted, plan, w13.dtype), 4 * unit, expert_bwd.WGRAD),
-        "bwd dw2": (lambda: wg(dy_sorted, hw, plan, w2.dtype), 2 * unit, expert_bwd.WGRAD),
+        "bwd dw13": (lambda: wg(dz, x_sorted, plan, w13.dtype), 4 * unit, wgrad),
+        "bwd dw2": (lambda: wg(dy_sorted, hw, plan, w2.dtype), 2 * unit, wgrad),
     }
 
 
@@ -100,7 +106,7 @@ def main(argv=None) -> None:
         row = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
                "config": None if key is None else key.last_config,  # autotuned or default
                "timed_utc": [started, utc_now()]}
-        if args.sweep and key is not None:
+        if args.sweep and isinstance(key, TunedKernel):
             default = key.default
             best = (ms, default)
             for cfg in SWEEPS[key]:
@@ -118,7 +124,8 @@ def main(argv=None) -> None:
         tf = f"{row['tflops']:6.0f}" if row["tflops"] else "     -"
         cfg = row["config"]
         ran = "" if cfg is None else (f"   {cfg['BM']}x{cfg['BN']}x{cfg['BK']} warps {cfg['num_warps']} "
-                                      f"stages {cfg['num_stages']}" + (" persistent" if cfg.get("PERSISTENT") else ""))
+                                      f"stages {cfg['num_stages']}" + (" persistent" if cfg.get("PERSISTENT") else "")
+                                      + (" warp-specialized" if cfg.get("WARP_SPECIALIZED") else ""))
         print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{ran}{extra}", flush=True)
     print(f"{'total':20s} {sum(r['ms'] for r in rows):8.3f} ms")
     if args.json:

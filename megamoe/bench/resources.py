@@ -1,7 +1,8 @@
 """Compile the GEMM kernels for Hopper (sm_90a) on any machine — no GPU needed — and report registers,
 spills and shared memory from ``ptxas -v``: the first things to check before spending device time.
 
-``python -m megamoe.bench.resources [--candidates]``. Pointers and the D / I / P / Q sizes are
+``python -m megamoe.bench.resources [--candidates]``; with 16-bit operands also the Gluon weight-gradient
+kernel (``kernels.wgrad_ws``). Pointers and the D / I / P / Q sizes are
 specialised as 16-divisible, as Triton does at run time for such values: without that Triton neither
 vectorises nor pipelines the loads, and the report would describe a kernel that never runs. TMA
 descriptor parameters (those the kernel's ``blocks`` names) get the block shape the config gives them.
@@ -22,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megamoe.kernels import expert_bwd, expert_fwd
+from megamoe.kernels import expert_bwd, expert_fwd, wgrad_ws
 from megamoe.kernels.tuning import TunedKernel, fit_dtype
 from megamoe.parallel import dispatch
 
@@ -77,7 +78,11 @@ def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
 def resources(kernel: TunedKernel, config: dict, dtype: str = "bf16") -> dict:
     """Registers per thread, spill bytes (stores), shared memory and whether the MMAs are Hopper's
     warpgroup MMAs (bf16/fp16 should be; fp32 'ieee' dots are not), for one config on sm_90a."""
-    compiled = compile_for_hopper(kernel, config, dtype)
+    return ptxas_report(compile_for_hopper(kernel, config, dtype))
+
+
+def ptxas_report(compiled) -> dict:
+    """``resources``' figures of one compiled kernel."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
@@ -89,6 +94,29 @@ def resources(kernel: TunedKernel, config: dict, dtype: str = "bf16") -> dict:
     spills = re.search(r"(\d+) bytes spill stores", report)
     return {"registers": registers, "spill_bytes": int(spills.group(1)) if spills else 0,
             "shared_bytes": compiled.metadata.shared, "wgmma": "wgmma.mma_async" in compiled.asm["ptx"]}
+
+
+def compile_wgrad_ws(dtype: str = "bf16"):
+    """The warp-specialized Gluon weight-gradient kernel (``kernels.wgrad_ws``) for sm_90a, at its tile,
+    with 16-bit operands (``dtype`` bf16 or fp16) and the offsets pointer 16-byte aligned."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    bm, bn, bk, stages = wgrad_ws.WS_TILE
+    element = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+
+    def desc(block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, element)
+        return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
+
+    fn = wgrad_ws._wgrad_ws_kernel
+    signature = {"a_desc": desc([bk, bm]), "b_desc": desc([bk, bn]), "dw_desc": desc([1, bm, bn]),
+                 "offsets_ptr": "*i32", "num_p": "i32", "num_q": "i32", "tiles": "i32", "STAGES": "constexpr",
+                 "num_warps": "constexpr"}
+    src = GluonASTSource(fn=fn, signature=signature, constexprs={"STAGES": stages, "num_warps": wgrad_ws.WS_NUM_WARPS},
+                         attrs={(fn.arg_names.index("offsets_ptr"),): [["tt.divisibility", 16]]})
+    return triton.compile(src, target=HOPPER, options={"num_warps": wgrad_ws.WS_NUM_WARPS,
+                                                       "maxnreg": wgrad_ws.WS_MAXNREG})
 
 
 def main(argv=None) -> None:
@@ -111,6 +139,14 @@ def main(argv=None) -> None:
                   f"{'yes' if r['wgmma'] else 'no':>6s}", flush=True)
             if r["shared_bytes"] > SHARED_MEMORY_LIMIT:
                 too_big.append(f"{name} {cfg}")
+    if args.dtype != "fp32":  # the Gluon weight gradients take 16-bit operands only
+        r = ptxas_report(compile_wgrad_ws(args.dtype))
+        bm, bn, bk, stages = wgrad_ws.WS_TILE
+        cfg = f"BM={bm} BN={bn} BK={bk} STAGES={stages} num_warps={wgrad_ws.WS_NUM_WARPS} maxnreg={wgrad_ws.WS_MAXNREG}"
+        print(f"{'wgrad_ws':10s} {cfg:52s} {r['registers']:5d} {r['spill_bytes']:8d} {r['shared_bytes'] / 1024:9.0f} "
+              f"{'yes' if r['wgmma'] else 'no':>6s}", flush=True)
+        if r["shared_bytes"] > SHARED_MEMORY_LIMIT:
+            too_big.append(f"wgrad_ws {cfg}")
     if too_big:
         raise SystemExit("over the shared-memory limit: " + "; ".join(too_big))
     for fn in OTHER_KERNELS:

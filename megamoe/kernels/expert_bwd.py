@@ -38,6 +38,7 @@ from megamoe.kernels.expert_fwd import (
 )
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.tuning import TunedKernel, configs
+from megamoe.kernels.wgrad_ws import expert_wgrad_ws, ws_supported
 
 
 @triton.jit
@@ -346,6 +347,9 @@ def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor
     if a_NP.shape[0] == 0:  # no rows at all (a TMA descriptor cannot be empty)
         return torch.zeros(num_experts, p, q, device=a_NP.device, dtype=out_dtype)
     dw = torch.empty(num_experts, p, q, device=a_NP.device, dtype=out_dtype)
+    if ws_supported(a_NP) and out_dtype == a_NP.dtype:
+        expert_wgrad_ws(a_NP, b_NQ, plan.offsets_E1, dw)
+        return dw
     WGRAD[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
         descriptor(a_NP), descriptor(b_NQ), a_NP, b_NQ, descriptor(dw), plan.offsets_E1, p, q, PREC=dot_precision(a_NP.dtype),
         dtype=a_NP.dtype,
