@@ -36,6 +36,15 @@ from megamoe.api import sm_count
 
 
 @gluon.jit
+def _wgrad_block(tile, offsets_ptr, num_p, num_q, BM: gl.constexpr, BN: gl.constexpr):
+    """Block ``tile`` of the expert-major order: its expert, first P and Q, and the expert's sorted rows
+    [start, end)."""
+    e = tile // (num_p * num_q)
+    pq = tile % (num_p * num_q)
+    return e, (pq // num_q) * BM, (pq % num_q) * BN, gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
+
+
+@gluon.jit
 def _loader(a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles):
     """Producer partition (one warp): every K-step's operand blocks, in the MMA partition's order."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -45,12 +54,7 @@ def _loader(a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, nu
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        e = tile // (num_p * num_q)
-        pq = tile % (num_p * num_q)
-        p0 = (pq // num_q) * BM
-        q0 = (pq % num_q) * BN
-        start = gl.load(offsets_ptr + e)
-        end = gl.load(offsets_ptr + e + 1)
+        _, p0, q0, start, end = _wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
         for r0 in range(start, end, BK):
             s = step % STAGES
             mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
@@ -90,12 +94,7 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
                                                          instr_shape=[16, BN, 16])
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        e = tile // (num_p * num_q)
-        pq = tile % (num_p * num_q)
-        p0 = (pq // num_q) * BM
-        q0 = (pq % num_q) * BN
-        start = gl.load(offsets_ptr + e)
-        end = gl.load(offsets_ptr + e + 1)
+        e, p0, q0, start, end = _wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         for r0 in range(start, end, BK):
             s = step % STAGES
