@@ -258,8 +258,9 @@ DX = TunedKernel(
     blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BK"], c["BN"]]},
     constants={"W_K_LAST": False, "WEIGHTED": False, "TO_SLOTS": True},
 )
-# The last three candidates: one warp group per program and little shared memory, 3 to 5 programs per SM,
-# for small batches, where each expert has a K-step or two and the kernel is its stores and latencies.
+# Where the Gluon kernel (wgrad_ws.py) does not run: fp32, GPUs other than sm90, the interpreter. The last
+# three candidates: one warp group per program and little shared memory, 3 to 5 programs per SM, for small
+# batches, where each expert has a K-step or two and the kernel is its stores and latencies.
 WGRAD = TunedKernel(
     _expert_wgrad_kernel, default=configs((128, 128, 64, 8, 3))[0],
     candidates=configs((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 128, 32, 8, 4),
