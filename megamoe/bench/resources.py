@@ -119,6 +119,15 @@ def compile_wgrad_ws(dtype: str = "bf16"):
                                                        "maxnreg": wgrad_ws.WS_MAXNREG})
 
 
+def report_row(name: str, cfg: str, r: dict, too_big: list[str]) -> None:
+    """Print one kernel's ``resources`` figures as a table row; note it in ``too_big`` if it needs more
+    shared memory than the H200 has."""
+    print(f"{name:10s} {cfg:52s} {r['registers']:5d} {r['spill_bytes']:8d} {r['shared_bytes'] / 1024:9.0f} "
+          f"{'yes' if r['wgmma'] else 'no':>6s}", flush=True)
+    if r["shared_bytes"] > SHARED_MEMORY_LIMIT:
+        too_big.append(f"{name} {cfg}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m megamoe.bench.resources", description=__doc__.split("\n\n")[0])
     p.add_argument("--candidates", action="store_true", help="also every autotuning candidate")
@@ -133,20 +142,12 @@ def main(argv=None) -> None:
     for name, kernel in KERNELS.items():
         for config in [kernel.default, *(kernel.candidates if args.candidates else [])]:
             config = fit_dtype(config, torch_dtype)
-            r = resources(kernel, config, args.dtype)
-            cfg = " ".join(f"{k}={v}" for k, v in config.items())
-            print(f"{name:10s} {cfg:52s} {r['registers']:5d} {r['spill_bytes']:8d} {r['shared_bytes'] / 1024:9.0f} "
-                  f"{'yes' if r['wgmma'] else 'no':>6s}", flush=True)
-            if r["shared_bytes"] > SHARED_MEMORY_LIMIT:
-                too_big.append(f"{name} {cfg}")
+            report_row(name, " ".join(f"{k}={v}" for k, v in config.items()), resources(kernel, config, args.dtype),
+                       too_big)
     if args.dtype != "fp32":  # the Gluon weight gradients take 16-bit operands only
-        r = ptxas_report(compile_wgrad_ws(args.dtype))
         bm, bn, bk, stages = wgrad_ws.WS_TILE
-        cfg = f"BM={bm} BN={bn} BK={bk} STAGES={stages} num_warps={wgrad_ws.WS_NUM_WARPS} maxnreg={wgrad_ws.WS_MAXNREG}"
-        print(f"{'wgrad_ws':10s} {cfg:52s} {r['registers']:5d} {r['spill_bytes']:8d} {r['shared_bytes'] / 1024:9.0f} "
-              f"{'yes' if r['wgmma'] else 'no':>6s}", flush=True)
-        if r["shared_bytes"] > SHARED_MEMORY_LIMIT:
-            too_big.append(f"wgrad_ws {cfg}")
+        report_row("wgrad_ws", f"BM={bm} BN={bn} BK={bk} STAGES={stages} num_warps={wgrad_ws.WS_NUM_WARPS} "
+                   f"maxnreg={wgrad_ws.WS_MAXNREG}", ptxas_report(compile_wgrad_ws(args.dtype)), too_big)
     if too_big:
         raise SystemExit("over the shared-memory limit: " + "; ".join(too_big))
     for fn in OTHER_KERNELS:
