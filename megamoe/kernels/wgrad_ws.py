@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megamoe.api import sm_count
+from megamoe.kernels.expert_fwd import persistent_programs
 
 
 @gluon.jit
@@ -166,7 +166,7 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
     num_experts, p, q = dw.shape
     num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
     tiles = num_experts * num_p * num_q
-    _wgrad_ws_kernel[(min(tiles, sm_count(a_NP.device.index)),)](
+    _wgrad_ws_kernel[(min(tiles, persistent_programs(a_NP.device)),)](
         _desc(a_NP, [bk, bm]), _desc(b_NQ, [bk, bn]), _desc(dw, [1, bm, bn]), offsets_E1, num_p, num_q, tiles,
         STAGES=stages, num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG,
     )
