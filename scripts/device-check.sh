@@ -10,7 +10,9 @@
 #                                           profiles and the CUDA-graph replay of megamoe: 30b, 235b (16k tokens,
 #                                           random and skewed; Liger-Kernel beside the 30B if the call carries
 #                                           `.whl`: docs/NOTES.md), 1k, 65k (30B); default all four: ~8 min
-#                                           on two GPUs (a queue per GPU); on one GPU, name two per call
+#                                           on two GPUs (a queue per GPU); on one GPU, name two per call;
+#                                           GPU_TESTS=1 on 2+ GPUs: `pytest -m gpu` on the last GPU meanwhile,
+#                                           the problems queued on the others
 #   bash scripts/device-check.sh multi      on a multi-GPU kind: the fused EP tests on real ranks, then the
 #                                           torchrun EP benchmark (issue 5), NVLink multicast off throughout
 #   bash scripts/device-check.sh compare DIR...
@@ -102,6 +104,11 @@ layer)
     [ "$#" -eq 0 ] && problems=(30b 235b 1k 65k)
     queues=$((gpus < 1 ? 1 : gpus))
     pids=()
+    if [ -n "${GPU_TESTS:-}" ] && [ "$gpus" -ge 2 ]; then  # the tests of this tree beside the benchmarks
+        queues=$((gpus - 1))
+        CUDA_VISIBLE_DEVICES=$queues step gpu-tests 560 "${py[@]}" -m pytest -m gpu -q -p no:logging --durations=10 &
+        pids+=($!)
+    fi
     for ((g = 0; g < queues; g++)); do
         (for ((i = g; i < ${#problems[@]}; i += queues)); do problem "$g" "${problems[i]}"; done) &
         pids+=($!)

@@ -172,7 +172,8 @@ def test_benchmark_gpu_path_writes_results_and_profile(tmp_path):
     windows = [t for r in info["results"] for t in r["timed_utc"]]
     assert before <= windows[0] and windows == sorted(windows) and windows[-1] <= utc_now()
     tables = (tmp_path / "tiny-t64-random-ep1-profile.txt").read_text()
-    assert "===== grouped_mm" in tables and "===== megamoe" in tables and "_act_bwd_kernel" in tables
+    act = "_act_ws_kernel" if torch.cuda.get_device_capability()[0] == 9 else "_act_bwd_kernel"  # kernels/ws.py
+    assert "===== grouped_mm" in tables and "===== megamoe" in tables and act in tables
     assert "ms wall per call" in tables and "----- megamoe: host side" in tables and "cudaLaunchKernel" in tables
 
 
@@ -209,8 +210,8 @@ def test_host_time_probe_times_both_paths_and_restores_the_launcher(capsys):
 
 @pytest.mark.gpu
 def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
-    """``python -m megamoe.bench.kernels``: every stage timed, each GEMM's config recorded (on sm90 the
-    weight gradients' is the warp-specialized kernel's)."""
+    """``python -m megamoe.bench.kernels``: every stage timed, each GEMM's config recorded (on sm90 those of
+    dh', the act kernel and the weight gradients are the warp-specialized kernels')."""
     import json
 
     from megamoe.bench.kernels import main
@@ -221,7 +222,9 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
     assert all(r["ms"] > 0 and len(r["timed_utc"]) == 2 for r in rows.values())
     assert rows["fwd up+swiglu"]["config"]["BM"] in (64, 128)
     if torch.cuda.get_device_capability()[0] == 9:
-        assert rows["bwd dw13"]["config"]["WARP_SPECIALIZED"] and rows["bwd dw2"]["config"]["WARP_SPECIALIZED"]
+        for stage in ("bwd dh'", "bwd recompute+act", "bwd dw13", "bwd dw2"):
+            assert rows[stage]["config"]["WARP_SPECIALIZED"], stage
+        assert not rows["bwd dx"]["config"].get("WARP_SPECIALIZED")
 
 
 @pytest.mark.gpu

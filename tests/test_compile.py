@@ -1,6 +1,6 @@
 """Every GEMM kernel's default config compiles for Hopper (sm_90a) inside the shared memory, bf16 with
 warpgroup MMAs, and so does every kernel without a tile config (the backward's row copies, the
-expert-parallel protocol), and the Gluon weight-gradient kernel — checked on any machine, no GPU needed (Triton compiles ahead of time for a
+expert-parallel protocol), and the Gluon kernels — checked on any machine, no GPU needed (Triton compiles ahead of time for a
 named target; the interpreter that runs the CPU tests accepts code that does not compile). Runs in a
 subprocess because the CPU test session interprets the kernels instead."""
 
@@ -19,10 +19,14 @@ def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
                          capture_output=True, text=True, env=env, timeout=600, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line.split() for line in out.stdout.splitlines()[1:] if line.strip()]
-    from megamoe.bench.resources import KERNELS, OTHER_KERNELS
+    from megamoe.bench.resources import KERNELS, OTHER_KERNELS, WS_KERNELS
 
-    gemms = len(KERNELS) + (dtype == "bf16")  # bf16: and the Gluon weight-gradient kernel
+    gemms = len(KERNELS) + (len(WS_KERNELS) if dtype == "bf16" else 0)  # bf16: and the Gluon kernels
     assert len(rows) == gemms + len(OTHER_KERNELS), out.stdout
     if dtype == "bf16":
-        assert rows[len(KERNELS)][0] == "wgrad_ws" and int(rows[len(KERNELS)][-3]) == 0, out.stdout  # no spills
+        gluon = rows[len(KERNELS):gemms]
+        assert [row[0] for row in gluon] == list(WS_KERNELS), out.stdout
+        spills = {row[0]: int(row[-3]) for row in rows[:gemms]}
+        for name, (twin, _) in WS_KERNELS.items():  # a Gluon kernel spills no more than the Triton kernel it replaces
+            assert spills[name] <= spills[twin], out.stdout
         assert all(row[-1] == "yes" for row in rows[:gemms]), f"bf16 GEMMs must use warpgroup MMAs:\n{out.stdout}"

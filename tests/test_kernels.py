@@ -402,7 +402,7 @@ def test_every_weight_gradient_config_matches_a_per_expert_reference(monkeypatch
 def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, counts, poison_cuda):
     """The Gluon kernel on the GPU: each expert's sum of outer products, an empty expert exact zeros,
     and rows past the last expert (never written: NaN here) or of the next expert never leak in."""
-    from megamoe.kernels.wgrad_ws import expert_wgrad_ws
+    from megamoe.kernels.ws import expert_wgrad_ws
 
     offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device="cuda")
     routed = int(offsets[-1])
@@ -417,3 +417,58 @@ def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, co
         if n == 0:
             assert torch.equal(dw[e], torch.zeros_like(dw[e])), e
     torch.testing.assert_close(dw.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+def edge_routing_problem(num_tokens, dim, inter, num_experts, top_k):
+    """A skewed bf16 problem on the GPU with expert 3 given no rows and every 7th token's first slot dropped;
+    returns the problem, its plan and the routed row count."""
+    problem = make_problem(num_tokens, dim, inter, num_experts, top_k, "skewed", device="cuda", dtype=torch.bfloat16)
+    idx = problem[1]
+    idx[idx == 3] = 4  # expert 3 gets no rows
+    idx[::7, 0] = -1  # dropped slots
+    plan = build_plan(idx, num_experts)
+    return problem, plan, int(plan.offsets_E1[-1])
+
+
+GLUON_SHAPES = [(300, 136, 72, 5, 2), (4096, 2048, 768, 128, 8)]  # D, I past the tile; the 30B layer's D and I
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", GLUON_SHAPES)
+def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
+    """The Gluon dh' kernel on the GPU: every routed sorted row equals dy_row W2[e] in fp32, with an expert
+    without rows, dropped slots, and NaN rows past the routed ones (read by the last tile, never stored)."""
+    from megamoe.kernels import expert_bwd
+    from megamoe.kernels.ws import ws_supported
+
+    (_, _, _, _, w2, _), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
+    dy_sorted = torch.randn(plan.row_slot_N.numel(), dim, device="cuda", dtype=torch.bfloat16)
+    dy_sorted[routed:] = float("nan")
+    assert ws_supported(dy_sorted)
+    bounds = itertools.pairwise(plan.offsets_E1.tolist())
+    expected = torch.cat([dy_sorted[lo:hi].float() @ w2[e].float() for e, (lo, hi) in enumerate(bounds)])
+    got = expert_bwd.dh_sorted(dy_sorted, w2, plan)[:routed].float()
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", GLUON_SHAPES)
+def test_warp_specialized_act_kernel_matches_the_triton_kernel(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
+    """The Gluon act kernel on the GPU against the Triton one on the same sorted rows and dh': dz and h·w
+    of every routed row, every d(routing weight) partial, and exact zeros for dropped slots' partials (I
+    past the tile, an expert without rows, rows past the routed ones never written: NaN here)."""
+    from megamoe.kernels import expert_bwd
+
+    (x, idx, weights, w13, w2, dy), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
+    x_sorted, dy_sorted = expert_bwd.gather_rows(x, dy, plan, top_k)
+    dh = expert_bwd.dh_sorted(dy_sorted, w2, plan)
+    outs = {}
+    for gluon in (True, False):
+        dz, hw, part = expert_bwd.act_bwd_outputs(plan.row_slot_N.numel(), 2 * inter, x)
+        expert_bwd.act_bwd_into(x_sorted, dh, w13, w2, weights, plan, top_k, dz, hw, part, sorted_dh=True,
+                                gluon=gluon)
+        outs[gluon] = dz[:routed].float(), hw[:routed].float(), part
+    for got, want in zip(outs[True], outs[False]):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    dropped = (idx.reshape(-1) < 0).nonzero().squeeze(1)
+    assert torch.equal(outs[True][2][:, dropped], torch.zeros_like(outs[True][2][:, dropped]))

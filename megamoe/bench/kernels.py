@@ -2,8 +2,8 @@
 
 ``python -m megamoe.bench.kernels --preset qwen3-30b-a3b [--sweep]`` on a GPU. Each stage is timed alone
 with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
-On an sm90 GPU the weight gradients run the warp-specialized Gluon kernel (``kernels.wgrad_ws``: one tile,
-not autotuned, not swept; its record reads ``WARP_SPECIALIZED``).
+On an sm90 GPU dh', the act kernel and the weight gradients run their warp-specialized Gluon kernels
+(``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``).
 Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``); the
 config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
@@ -29,7 +29,7 @@ from megamoe.kernels import expert_bwd, expert_fwd
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import build_plan
 from megamoe.kernels.tuning import TunedKernel
-from megamoe.kernels.wgrad_ws import WS_CONFIG, ws_supported
+from megamoe.kernels.ws import ACT_CONFIG, WS_CONFIG, ws_supported
 
 
 def grid_of(**axes):
@@ -54,7 +54,8 @@ SWEEPS = {
 
 
 def stages(problem, num_experts):
-    """name → (callable, FLOPs, TunedKernel or None)."""
+    """name → (callable, FLOPs, the GEMM's TunedKernel — or, for one that runs a ``kernels.ws`` kernel, a record
+    of that kernel's fixed config — or None)."""
     x, topk_idx, topk_weights, w13, w2, dy = problem
     top_k = topk_idx.shape[1]
     n_rows = int((topk_idx >= 0).sum())
@@ -67,19 +68,23 @@ def stages(problem, num_experts):
     dh = expert_bwd.dh_sorted(dy_sorted, w2, plan)
     dz, hw, _ = expert_bwd.act_bwd(x_sorted, dh, w13, w2, topk_weights, plan, top_k, sorted_dh=True)
     wg = expert_bwd.expert_wgrad
-    wgrad = SimpleNamespace(last_config=WS_CONFIG) if ws_supported(x) else expert_bwd.WGRAD
+
+    def tuned(kernel, gluon_config=WS_CONFIG):  # on sm90, a record of the kernels.ws kernel that runs instead
+        return SimpleNamespace(last_config=gluon_config) if ws_supported(x) else kernel
+
     return {
         "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),
         "fwd up+swiglu": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k), 4 * unit, expert_fwd.UP),
         "fwd down": (lambda: expert_fwd.down_fwd(h, w2, topk_weights, plan), 2 * unit, expert_fwd.DOWN),
         "combine": (lambda: combine(slots, topk_idx, x.dtype), 0, None),
         "bwd gather x, dy": (lambda: expert_bwd.gather_rows(x, dy, plan, top_k), 0, None),
-        "bwd dh'": (lambda: expert_bwd.dh_sorted(dy_sorted, w2, plan), 2 * unit, expert_bwd.DH),
+        "bwd dh'": (lambda: expert_bwd.dh_sorted(dy_sorted, w2, plan), 2 * unit, tuned(expert_bwd.DH)),
         "bwd recompute+act": (lambda: expert_bwd.act_bwd(x_sorted, dh, w13, w2, topk_weights, plan, top_k,
-                                                         sorted_dh=True), 4 * unit, expert_bwd.ACT_BWD_DH),
+                                                         sorted_dh=True), 4 * unit,
+                              tuned(expert_bwd.ACT_BWD_DH, ACT_CONFIG)),
         "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, expert_bwd.DX),
-        "bwd dw13": (lambda: wg(dz, x_sorted, plan, w13.dtype), 4 * unit, wgrad),
-        "bwd dw2": (lambda: wg(dy_sorted, hw, plan, w2.dtype), 2 * unit, wgrad),
+        "bwd dw13": (lambda: wg(dz, x_sorted, plan, w13.dtype), 4 * unit, tuned(expert_bwd.WGRAD)),
+        "bwd dw2": (lambda: wg(dy_sorted, hw, plan, w2.dtype), 2 * unit, tuned(expert_bwd.WGRAD)),
     }
 
 

@@ -1,8 +1,8 @@
 """Compile the GEMM kernels for Hopper (sm_90a) on any machine — no GPU needed — and report registers,
 spills and shared memory from ``ptxas -v``: the first things to check before spending device time.
 
-``python -m megamoe.bench.resources [--candidates]``; with 16-bit operands also the Gluon weight-gradient
-kernel (``kernels.wgrad_ws``). Pointers and the D / I / P / Q sizes are
+``python -m megamoe.bench.resources [--candidates]``; with 16-bit operands also the Gluon kernels
+(``kernels.ws``), whose pointer-store epilogues must emit 16-byte stores. Pointers and the D / I / P / Q sizes are
 specialised as 16-divisible, as Triton does at run time for such values: without that Triton neither
 vectorises nor pipelines the loads, and the report would describe a kernel that never runs. TMA
 descriptor parameters (those the kernel's ``blocks`` names) get the block shape the config gives them.
@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megamoe.kernels import expert_bwd, expert_fwd, wgrad_ws
+from megamoe.kernels import expert_bwd, expert_fwd, ws
 from megamoe.kernels.tuning import TunedKernel, fit_dtype
 from megamoe.parallel import dispatch
 
@@ -93,30 +93,50 @@ def ptxas_report(compiled) -> dict:
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = re.search(r"(\d+) bytes spill stores", report)
     return {"registers": registers, "spill_bytes": int(spills.group(1)) if spills else 0,
-            "shared_bytes": compiled.metadata.shared, "wgmma": "wgmma.mma_async" in compiled.asm["ptx"]}
+            "shared_bytes": compiled.metadata.shared, "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
+            "wide_stores": "st.global.v4" in compiled.asm["ptx"]}
 
 
-def compile_wgrad_ws(dtype: str = "bf16"):
-    """The warp-specialized Gluon weight-gradient kernel (``kernels.wgrad_ws``) for sm_90a, at its tile,
-    with 16-bit operands (``dtype`` bf16 or fp16) and the offsets pointer 16-byte aligned."""
+# The Gluon kernels (``kernels.ws``) by report name, each with the Triton kernel (``KERNELS``) it replaces and
+# its tile.
+WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE), "dh_ws": ("dh", ws.WS_TILE), "act_ws": ("act", ws.ACT_TILE)}
+
+
+def compile_ws(name: str, dtype: str = "bf16"):
+    """The Gluon kernel ``name`` of ``WS_KERNELS`` for sm_90a at its tile, with 16-bit operands (``dtype`` bf16
+    or fp16), pointers and the D / I / P / Q sizes specialised as 16-divisible as at run time, 128 experts."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    bm, bn, bk, stages = wgrad_ws.WS_TILE
+    bm, bn, bk, stages = WS_KERNELS[name][1]
     element = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
 
     def desc(block):
         layout = gl.NVMMASharedLayout.get_default_for(block, element)
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
-    fn = wgrad_ws._wgrad_ws_kernel
-    signature = {"a_desc": desc([bk, bm]), "b_desc": desc([bk, bn]), "dw_desc": desc([1, bm, bn]),
-                 "offsets_ptr": "*i32", "num_p": "i32", "num_q": "i32", "tiles": "i32", "STAGES": "constexpr",
-                 "num_warps": "constexpr"}
-    src = GluonASTSource(fn=fn, signature=signature, constexprs={"STAGES": stages, "num_warps": wgrad_ws.WS_NUM_WARPS},
-                         attrs={(fn.arg_names.index("offsets_ptr"),): [["tt.divisibility", 16]]})
-    return triton.compile(src, target=HOPPER, options={"num_warps": wgrad_ws.WS_NUM_WARPS,
-                                                       "maxnreg": wgrad_ws.WS_MAXNREG})
+    tiles = dict.fromkeys(["offsets_ptr", "tile_expert_ptr", "tile_row_ptr"], "*i32")
+    constexprs = {"STAGES": stages, "num_warps": ws.WS_NUM_WARPS}
+    if name == "wgrad_ws":
+        fn = ws._wgrad_ws_kernel
+        signature = {"a_desc": desc([bk, bm]), "b_desc": desc([bk, bn]), "dw_desc": desc([1, bm, bn]),
+                     "offsets_ptr": "*i32", "num_p": "i32", "num_q": "i32", "tiles": "i32"}
+    elif name == "dh_ws":
+        fn = ws._dh_ws_kernel
+        signature = {"a_desc": desc([bm, bk]), "w_desc": desc([1, bk, bn]), "out_ptr": f"*{dtype}", **tiles,
+                     "N_OUT": "i32", "K": "i32", "E": "i32"}
+        constexprs.update(EB=128, TILE_M=bm)
+    else:
+        fn = ws._act_ws_kernel
+        signature = {"x_desc": desc([bm, bk]), "w13_desc": desc([1, 1, bn, bk]), "dh_desc": desc([bm, bn]),
+                     "weights_ptr": "*fp32", "dz_ptr": f"*{dtype}", "hw_ptr": f"*{dtype}", "dweight_part_ptr": "*fp32",
+                     "row_slot_ptr": "*i32", **tiles, **dict.fromkeys(["N", "D", "I", "E"], "i32")}
+        constexprs.update(EB=128, TILE_M=bm, PART_COLS=expert_bwd.PART_COLS)
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+             if arg.endswith("_ptr") or arg in _DIVISIBLE_INTS}
+    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=HOPPER, options={"num_warps": ws.WS_NUM_WARPS, "maxnreg": ws.WS_MAXNREG})
 
 
 def report_row(name: str, cfg: str, r: dict, too_big: list[str]) -> None:
@@ -144,10 +164,15 @@ def main(argv=None) -> None:
             config = fit_dtype(config, torch_dtype)
             report_row(name, " ".join(f"{k}={v}" for k, v in config.items()), resources(kernel, config, args.dtype),
                        too_big)
-    if args.dtype != "fp32":  # the Gluon weight gradients take 16-bit operands only
-        bm, bn, bk, stages = wgrad_ws.WS_TILE
-        report_row("wgrad_ws", f"BM={bm} BN={bn} BK={bk} STAGES={stages} num_warps={wgrad_ws.WS_NUM_WARPS} "
-                   f"maxnreg={wgrad_ws.WS_MAXNREG}", ptxas_report(compile_wgrad_ws(args.dtype)), too_big)
+    narrow = []
+    for name, (_, (bm, bn, bk, stages)) in WS_KERNELS.items() if args.dtype != "fp32" else ():  # 16-bit only
+        r = ptxas_report(compile_ws(name, args.dtype))
+        report_row(name, f"BM={bm} BN={bn} BK={bk} STAGES={stages} num_warps={ws.WS_NUM_WARPS} "
+                   f"maxnreg={ws.WS_MAXNREG}", r, too_big)
+        if name != "wgrad_ws" and not r["wide_stores"]:  # its epilogue stores through pointers: 16 bytes each
+            narrow.append(name)
+    if narrow:  # 4-byte stores cost the first Gluon sorted-rows kernel 3-23% (docs/NOTES.md §24)
+        raise SystemExit("Gluon kernels without 16-byte global stores: " + ", ".join(narrow))
     if too_big:
         raise SystemExit("over the shared-memory limit: " + "; ".join(too_big))
     for fn in OTHER_KERNELS:

@@ -17,6 +17,9 @@ One device:
 5. ``_expert_wgrad_kernel`` — per expert, K-grouped GEMMs over that expert's sorted rows:
    dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w). An expert with no rows gets exact zeros.
 
+On sm90 with 16-bit operands, steps 2, 3 and 5 run warp-specialized Gluon twins instead (``ws.py``:
+``_dh_ws_kernel``, ``_act_ws_kernel``, ``_wgrad_ws_kernel``; same operands and outputs).
+
 Expert parallelism runs ``_act_bwd_kernel`` without ``DH_ROWS`` on its receive buffers, as the rows
 arrive: the three accumulators in one K-loop over x and dy rows gathered through pointers.
 """
@@ -38,7 +41,7 @@ from megamoe.kernels.expert_fwd import (
 )
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.tuning import TunedKernel, configs
-from megamoe.kernels.wgrad_ws import expert_wgrad_ws, ws_supported
+from megamoe.kernels.ws import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
 
 
 @triton.jit
@@ -258,7 +261,7 @@ DX = TunedKernel(
     blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BK"], c["BN"]]},
     constants={"W_K_LAST": False, "WEIGHTED": False, "TO_SLOTS": True},
 )
-# Where the Gluon kernel (wgrad_ws.py) does not run: fp32, GPUs other than sm90, the interpreter. The last
+# Where the Gluon kernel (ws.py) does not run: fp32, GPUs other than sm90, the interpreter. The last
 # three candidates: one warp group per program and little shared memory, 3 to 5 programs per SM, for small
 # batches, where each expert has a K-step or two and the kernel is its stores and latencies.
 WGRAD = TunedKernel(
@@ -293,12 +296,18 @@ def act_bwd_outputs(num_slots: int, two_i: int, like: torch.Tensor):
 
 
 def act_bwd_into(x_src, dy_src, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int,
-                 dz_NH, hw_NI, dweight_part, arrivals: tuple | None = None, sorted_dh: bool = False) -> None:
-    """Launch the act kernel (``ACT_BWD``, or ``ACT_BWD_DH`` with ``sorted_dh``; operands as for ``act_bwd``)
-    into given buffers; ``dweight_part`` is (ceil(I / PART_COLS), N) fp32."""
+                 dz_NH, hw_NI, dweight_part, arrivals: tuple | None = None, sorted_dh: bool = False,
+                 gluon: bool = True) -> None:
+    """Launch the act kernel (``ACT_BWD``, or ``ACT_BWD_DH`` with ``sorted_dh`` — on sm90 with 16-bit operands
+    its warp-specialized Gluon twin ``ws._act_ws_kernel`` instead, unless ``gluon=False``; operands as for
+    ``act_bwd``) into given buffers; ``dweight_part`` is (ceil(I / PART_COLS), N) fp32."""
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
     if plan.row_slot_N.numel() == 0:  # an empty batch (a TMA descriptor cannot be empty)
+        return
+    if sorted_dh and gluon and ws_supported(x_src):
+        act_bwd_ws(x_src, dy_src, w13_EHD, topk_weights_TK.reshape(-1), plan, dz_NH, hw_NI, dweight_part, BLOCK_M,
+                   PART_COLS)
         return
     arrived, counts = arrivals or (plan.offsets_E1, plan.offsets_E1)  # unread without arrivals
     kernel, x_src = (ACT_BWD_DH, descriptor(x_src)) if sorted_dh else (ACT_BWD, x_src)
@@ -314,8 +323,14 @@ def act_bwd_into(x_src, dy_src, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, to
 
 def dh_sorted(dy_sorted_ND, w2_EDI, plan: Plan) -> torch.Tensor:
     """dh' = dy W2[e] (N, I) in dy's dtype, sorted rows, from the sorted dy rows (``gather_rows``); rows
-    past the routed count are not written."""
-    return sorted_rows_gemm(DH, dy_sorted_ND, w2_EDI, None, plan, w2_EDI.shape[2])
+    past the routed count are not written. On sm90 with 16-bit operands through the warp-specialized Gluon
+    kernel ``ws._dh_ws_kernel``, elsewhere ``DH``."""
+    num_slots = dy_sorted_ND.shape[0]
+    if not (num_slots and ws_supported(dy_sorted_ND)):
+        return sorted_rows_gemm(DH, dy_sorted_ND, w2_EDI, None, plan, w2_EDI.shape[2])
+    out = torch.empty(num_slots, w2_EDI.shape[2], device=dy_sorted_ND.device, dtype=dy_sorted_ND.dtype)
+    dh_ws(dy_sorted_ND, w2_EDI, out, plan, BLOCK_M)
+    return out
 
 
 def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:

@@ -1,0 +1,445 @@
+"""Persistent, warp-specialized Gluon GEMM kernels (Hopper, 16-bit operands), used on sm90 in place of
+their Triton twins (which stay for fp32, other GPUs, the interpreter — the CPU tests run those — and the
+expert-parallel kernels).
+
+The Triton GEMMs run one output block per program. Each block's pipeline fill and epilogue (and, for
+the weight gradients, the last partial K-step through masked pointer loads) sit exposed between main
+loops (docs/NOTES.md §24). Here one program per SM walks the blocks, in two partitions:
+
+- a loader warp streams the operands of every K-step of every block through TMA into a ring of
+  ``STAGES`` buffers, running ahead into the next block while the current one finishes;
+- the default partition (8 warps, two warpgroups) issues the warpgroup MMAs, keeps one in flight, frees
+  each buffer when its MMA is done, and runs the epilogue.
+
+Three kernels, each where it measured faster than its Triton twin (docs/NOTES.md §24-25; the down
+projection, dx and the up kernel as Gluon kernels did not, and stay Triton):
+
+- ``_wgrad_ws_kernel``: dW[e] = sum over expert e's sorted rows r of outer(a[r], b[r]), as
+  ``expert_bwd._expert_wgrad_kernel``; blocks expert-major. An expert's last, partial K-step is loaded
+  whole by TMA (rows past the expert belong to the next expert, or were never written); the MMA partition
+  zeroes those rows of both operands in shared memory first. The bf16 block leaves through an
+  asynchronous TMA store that overlaps the next block's main loop.
+- ``_dh_ws_kernel``: dh' = dy W2[e] in sorted rows, as ``expert_bwd.DH``: blocks over the plan's busy
+  tiles, a tile's I-blocks side by side; the epilogue converts the block through shared memory into
+  16-byte row segments and stores them through masked pointer stores (a tile's rows past its expert
+  belong to the next tile).
+- ``_act_ws_kernel``: the one-device act kernel (``expert_bwd.ACT_BWD_DH``): recomputes both gate/up
+  products, and the loader also brings the block's dh' through TMA after its K-steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from megamoe.kernels.expert_fwd import persistent_programs
+
+
+@gluon.jit
+def _next_slot(empty, ready, step, nbytes: gl.constexpr):
+    """Loader side of the ring: wait until slot ``step % STAGES`` is free, announce ``nbytes`` on its ready
+    barrier, and return the slot."""
+    STAGES: gl.constexpr = empty.type.shape[0]
+    s = step % STAGES
+    mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), nbytes)
+    return s
+
+
+@gluon.jit
+def _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN: gl.constexpr):
+    """Block ``w`` of the busy tiles × N-blocks order: its expert, first sorted row and first column."""
+    return gl.load(tile_expert_ptr + w // num_n), gl.load(tile_row_ptr + w // num_n), (w % num_n) * BN
+
+
+@gluon.jit
+def _wgrad_block(tile, offsets_ptr, num_p, num_q, BM: gl.constexpr, BN: gl.constexpr):
+    """Block ``tile`` of the expert-major order: its expert, first P and Q, and the expert's sorted rows
+    [start, end)."""
+    e = tile // (num_p * num_q)
+    pq = tile % (num_p * num_q)
+    return e, (pq // num_q) * BM, (pq % num_q) * BN, gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles):
+    """Producer partition (one warp): every K-step's operand blocks, in the MMA partition's order."""
+    BK: gl.constexpr = a_desc.block_type.shape[0]
+    BM: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    step = 0
+    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        _, p0, q0, start, end = _wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        for r0 in range(start, end, BK):
+            s = _next_slot(empty, ready, step, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [r0, p0], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [r0, q0], ready.index(s), b_bufs.index(s))
+            step += 1
+
+
+@gluon.constexpr_function
+def _mma_layout(cols, num_warps):
+    """The warpgroup MMA accumulator layout of a block ``cols`` wide: warps stacked down the rows, one
+    m16 x ``cols`` x k16 instruction shape."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
+
+
+@gluon.constexpr_function
+def _row_block_layout(cols, num_warps):
+    """8 contiguous elements per thread, a warp across min(cols, 256) columns, warps down the rows."""
+    lanes = min(32, cols // 8)
+    return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _zero_rows_past(buf, r0, end, num_warps: gl.constexpr):
+    """Zero the rows of a (BK, X) operand block in shared memory whose sorted row r0 + i is >= end."""
+    BK: gl.constexpr = buf.type.shape[0]
+    X: gl.constexpr = buf.type.shape[1]
+    layout: gl.constexpr = _row_block_layout(X, num_warps)
+    rows = r0 + gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
+    block = buf.load(layout)
+    buf.store(gl.where((rows < end)[:, None], block, gl.zeros([BK, X], block.dtype, layout)))
+
+
+@gluon.jit
+def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
+                   num_warps: gl.constexpr):
+    """Default partition: the MMAs of each block, its tail rows zeroed, and its TMA store."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BK: gl.constexpr = a_bufs.type.shape[1]
+    BM: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[2]
+    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
+    step = 0
+    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        e, p0, q0, start, end = _wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for r0 in range(start, end, BK):
+            s = step % STAGES
+            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+            if r0 + BK > end:  # the expert's last, partial step
+                _zero_rows_past(a_bufs.index(s), r0, end, num_warps)
+                _zero_rows_past(b_bufs.index(s), r0, end, num_warps)
+                fence_async_shared()
+            acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            if r0 > start:  # the previous step's MMA is done: its buffers go back to the loader
+                mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+            step += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if end > start:
+            mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+        tma.store_wait(0)  # the previous block's store has left c_smem
+        c_smem.reshape([BM, BN]).store(acc.to(dw_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dw_desc, [e, p0, q0], c_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, STAGES: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """a_desc: (N, P) sorted rows, block (BK, BM); b_desc: (N, Q), block (BK, BN); dw_desc: (E, P, Q),
+    block (1, BM, BN). Tiles: E * num_p * num_q output blocks, expert-major."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
+    ready = _barriers(STAGES)
+    empty = _barriers(STAGES)
+    gl.warp_specialize([
+        (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
+                          num_warps)),
+        (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
+    ], [1], [40])
+
+
+@gluon.jit
+def _busy_tiles(offsets_ptr, E, EB: gl.constexpr, TILE_M: gl.constexpr, num_warps: gl.constexpr):
+    """How many plan tiles hold rows (they come first in the tile table): the sum over experts of
+    ceil(rows / TILE_M). EB: a power of two >= E."""
+    experts = gl.arange(0, EB, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    lo = gl.load(offsets_ptr + experts, mask=experts < E, other=0)
+    hi = gl.load(offsets_ptr + experts + 1, mask=experts < E, other=0)
+    return gl.sum((hi - lo + TILE_M - 1) // TILE_M, axis=0)
+
+
+@gluon.jit
+def _barriers(count: gl.constexpr):
+    """``count`` mbarriers, each completing on one arrival (plus, for TMA, its expected bytes)."""
+    bars = gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(count):
+        mbarrier.init(bars.index(i), count=1)
+    return bars
+
+
+@gluon.jit
+def _tiles_loader(a_desc, w_desc, dh_desc, tile_expert_ptr, tile_row_ptr, ready, empty, dh_ready, dh_empty, a_bufs,
+                  w_bufs, u_bufs, dh_smem, K, num_n, work, ACT: gl.constexpr):
+    """Producer partition (one warp) of the kernels over the plan's busy tiles × N-blocks: per block, its
+    K-steps (the sorted rows ``a`` and the expert's weight blocks) into the ring. Without ``ACT``: w (E, K, N),
+    block (1, BK, BN), into ``w_bufs``. With ``ACT``: gate and up weights (E, 2, I, K), block (1, 1, BN, BK),
+    into ``w_bufs`` and ``u_bufs``, then the block's dh' (``dh_desc``, into ``dh_smem``), which the act
+    kernel's MMA partition reads after the main loop; the dh' and ``u_bufs`` arguments are unread
+    without ``ACT``."""
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[2]  # (1, BK, BN) or (1, 1, BN, BK)
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if ACT else 1) * w_desc.block_type.nbytes
+    step = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        for k in range(0, K, BK):
+            s = _next_slot(empty, ready, step, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row0, k], ready.index(s), a_bufs.index(s))
+            if ACT:
+                tma.async_copy_global_to_shared(w_desc, [e, 0, n0, k], ready.index(s), w_bufs.index(s))
+                tma.async_copy_global_to_shared(w_desc, [e, 1, n0, k], ready.index(s), u_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(w_desc, [e, k, n0], ready.index(s), w_bufs.index(s))
+            step += 1
+        if ACT:
+            block = (w - gl.program_id(0)) // gl.num_programs(0)  # this program's how-manieth block
+            mbarrier.wait(dh_empty.index(0), (block & 1) ^ 1)
+            mbarrier.expect(dh_ready.index(0), dh_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(dh_desc, [row0, n0], dh_ready.index(0), dh_smem)
+
+
+@gluon.jit
+def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT, K,
+                      num_n, work, num_warps: gl.constexpr):
+    """Default partition of ``_dh_ws_kernel``: the MMAs of each block and its masked epilogue."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = w_bufs.type.shape[3]  # [STAGES, 1, BK, BN]
+    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
+    out_layout: gl.constexpr = _row_block_layout(BN, num_warps)
+    step = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for k in range(0, K, BK):
+            s = step % STAGES
+            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).reshape([BK, BN]), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            if k > 0:
+                mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+            step += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+        # Through shared memory into a layout of 16-byte row segments: stores straight from the
+        # accumulator's layout are 4 bytes each (run 32: the kernel lost 3-23% to Triton's, which converts).
+        out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+        mask = (rows < gl.load(offsets_ptr + e + 1))[:, None] & (cols < N_OUT)[None, :]
+        gl.store(out_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], out, mask=mask)
+
+
+@gluon.jit
+def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, N_OUT, K, E, EB: gl.constexpr,
+                  TILE_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """a_desc: (N, K) sorted dy rows, block (TILE_M, BK); w_desc: W2 (E, K, N_OUT), block (1, BK, BN); out (N, N_OUT)
+    in sorted rows; other arguments as for ``expert_fwd._sorted_rows_gemm_kernel``. Blocks: the busy tiles
+    (counted from the offsets; EB a power of two >= E) times the N-blocks."""
+    BN: gl.constexpr = w_desc.block_type.shape[2]
+    num_n = gl.cdiv(N_OUT, BN)
+    work = _busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = _barriers(STAGES)
+    empty = _barriers(STAGES)
+    gl.warp_specialize([
+        (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT,
+                             K, num_n, work, num_warps)),
+        (_tiles_loader, (a_desc, w_desc, a_desc, tile_expert_ptr, tile_row_ptr, ready, empty, ready, empty, a_bufs,
+                         w_bufs, w_bufs, a_bufs, K, num_n, work, False)),
+    ], [1], [40])
+
+
+@gluon.jit
+def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout: gl.constexpr):
+    """One block's K-loop over the ring for the gate and up accumulators (x rows times both weight
+    blocks), one MMA pair in flight; returns both accumulators and the next ring step."""
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    BM: gl.constexpr = x_bufs.type.shape[1]
+    BK: gl.constexpr = x_bufs.type.shape[2]
+    BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
+    acc_g = gl.zeros([BM, BN], gl.float32, acc_layout)
+    acc_u = gl.zeros([BM, BN], gl.float32, acc_layout)
+    for k in range(0, D, BK):
+        s = step % STAGES
+        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+        acc_g = warpgroup_mma(x_bufs.index(s), g_bufs.index(s).reshape([BN, BK]).permute((1, 0)), acc_g, is_async=True)
+        acc_u = warpgroup_mma(x_bufs.index(s), u_bufs.index(s).reshape([BN, BK]).permute((1, 0)), acc_u, is_async=True)
+        acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))
+        if k > 0:
+            mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+        step += 1
+    acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+    mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+    return acc_g, acc_u, step
+
+
+@gluon.jit
+def _act_mma_partition(weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr,
+                       tile_row_ptr, ready, empty, dh_ready, dh_empty, x_bufs, g_bufs, u_bufs, dh_smem, N, D, I,
+                       num_n, work, PART_COLS: gl.constexpr, num_warps: gl.constexpr):
+    """Default partition of ``_act_ws_kernel``: both GEMMs of each block, then the epilogue of
+    ``expert_bwd._act_bwd_tile`` (``DH_ROWS``) on it."""
+    BM: gl.constexpr = x_bufs.type.shape[1]
+    BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
+    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
+    out_layout: gl.constexpr = _row_block_layout(BN, num_warps)
+    dtype: gl.constexpr = dz_ptr.dtype.element_ty
+    step = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        pid_n = w % num_n
+        acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout)
+
+        # Epilogue, in the accumulators' layout: h, the d(weight) partials, dz = [dg | du], h * w.
+        mbarrier.wait(dh_ready.index(0), ((w - gl.program_id(0)) // gl.num_programs(0)) & 1)
+        dhp = dh_smem.load(acc_layout).to(gl.float32)
+        fence_async_shared()  # this generic read before the loader's next TMA write of dh_smem
+        mbarrier.arrive(dh_empty.index(0), count=1)
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+        rmask = rows < gl.load(offsets_ptr + e + 1)
+        slots = gl.load(row_slot_ptr + rows, mask=rmask, other=0).to(gl.int64)
+        wt = gl.load(weights_ptr + slots, mask=rmask, other=0.0).to(gl.float32)
+        sig = 1.0 / (1.0 + gl.exp(-acc_g))
+        silu = acc_g * sig
+        h = silu * acc_u
+        dwh = dhp * h
+        local = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout)) // PART_COLS
+        for j in gl.static_range(BN // PART_COLS):
+            part_row = pid_n * (BN // PART_COLS) + j
+            gl.store(dweight_part_ptr + part_row.to(gl.int64) * N + slots,
+                     gl.sum(gl.where((local == j)[None, :], dwh, 0.0), axis=1),
+                     mask=rmask & (part_row * PART_COLS < I))
+        dh = dhp * wt[:, None]
+        du = (dh * silu).to(dtype)
+        dg = (dh * acc_u * (sig + silu * (1.0 - sig))).to(dtype)
+        hw = (h * wt[:, None]).to(dtype)
+
+        # Stores: through shared memory into 16-byte row segments (gl.convert_layout), masked to the
+        # expert's rows and to I.
+        orows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+        ocols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+        omask = (orows < gl.load(offsets_ptr + e + 1))[:, None] & (ocols < I)[None, :]
+        orows64 = orows.to(gl.int64)[:, None]
+        dz_ptrs = dz_ptr + orows64 * 2 * I + ocols[None, :]
+        gl.store(dz_ptrs, gl.convert_layout(dg, out_layout), mask=omask)
+        gl.store(dz_ptrs + I, gl.convert_layout(du, out_layout), mask=omask)
+        gl.store(hw_ptr + orows64 * I + ocols[None, :], gl.convert_layout(hw, out_layout), mask=omask)
+
+
+@gluon.jit
+def _act_ws_kernel(x_desc, w13_desc, dh_desc, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
+                   tile_expert_ptr, tile_row_ptr, N, D, I, E, EB: gl.constexpr, TILE_M: gl.constexpr,
+                   PART_COLS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The one-device act kernel (``expert_bwd._act_bwd_kernel`` with ``DH_ROWS``): x_desc (N, D) sorted rows,
+    block (TILE_M, BK); w13_desc (E, 2, I, D), block (1, 1, BN, BK); dh_desc (N, I) dh' in sorted rows,
+    block (TILE_M, BN); outputs and other arguments as for the Triton kernel. Blocks: the busy tiles times
+    the I-blocks."""
+    BN: gl.constexpr = w13_desc.block_type.shape[2]
+    num_n = gl.cdiv(I, BN)
+    work = _busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
+    u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
+    dh_smem = gl.allocate_shared_memory(dh_desc.dtype, dh_desc.block_type.shape, dh_desc.layout)
+    ready = _barriers(STAGES)
+    empty = _barriers(STAGES)
+    dh_ready = _barriers(1)
+    dh_empty = _barriers(1)
+    gl.warp_specialize([
+        (_act_mma_partition, (weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr,
+                              tile_row_ptr, ready, empty, dh_ready, dh_empty, x_bufs, g_bufs, u_bufs, dh_smem, N, D, I,
+                              num_n, work, PART_COLS, num_warps)),
+        (_tiles_loader, (x_desc, w13_desc, dh_desc, tile_expert_ptr, tile_row_ptr, ready, empty, dh_ready, dh_empty,
+                         x_bufs, g_bufs, u_bufs, dh_smem, D, num_n, work, True)),
+    ], [1], [48])
+
+
+# (BM, BN, BK, STAGES) of the GEMM kernels: 128x256 blocks, as the Triton kernels' usual pick at 16k tokens;
+# 3 stages of 48 KB (and the weight gradients' 64 KB output block) fit the 227 KB of shared memory.
+WS_TILE = (128, 256, 64, 3)
+WS_NUM_WARPS = 8
+WS_MAXNREG = 168  # 12 warps (8 + the loader's warpgroup) x 32 x 168 <= 64 K registers
+# The same as a config dict, for the benchmarks' records.
+WS_CONFIG = {"BM": WS_TILE[0], "BN": WS_TILE[1], "BK": WS_TILE[2], "num_warps": WS_NUM_WARPS,
+             "num_stages": WS_TILE[3], "WARP_SPECIALIZED": True}
+
+
+def ws_supported(a: torch.Tensor) -> bool:
+    """Whether the warp-specialized kernels take this operand: 16-bit, on an sm90 GPU."""
+    return (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(a.device)[0] == 9)
+
+
+def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def _launch_ws(kernel, programs: int, *args, **constexprs) -> None:
+    kernel[(programs,)](*args, STAGES=WS_TILE[3], num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG, **constexprs)
+
+
+def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor) -> None:
+    """dw (E, P, Q) = per expert, the sum over its sorted rows r of outer(a[r], b[r]); a, b, dw 16-bit,
+    contiguous, on an sm90 GPU (``ws_supported``), with at least one row."""
+    bm, bn, bk, _ = WS_TILE
+    num_experts, p, q = dw.shape
+    num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
+    tiles = num_experts * num_p * num_q
+    _launch_ws(_wgrad_ws_kernel, min(tiles, persistent_programs(a_NP.device)), _desc(a_NP, [bk, bm]), _desc(b_NQ, [bk, bn]),
+               _desc(dw, [1, bm, bn]), offsets_E1, num_p, num_q, tiles)
+
+
+def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int) -> None:
+    """``expert_bwd.dh_sorted``'s product through ``_dh_ws_kernel`` into ``out_NI`` (sorted rows); 16-bit operands
+    on an sm90 GPU (``ws_supported``), at least one row; ``tile_m`` the plan's tile height."""
+    bm, bn, bk, _ = WS_TILE
+    assert bm == tile_m, "a block is one plan tile"
+    num_experts = w2_EDI.shape[0]
+    _launch_ws(_dh_ws_kernel, persistent_programs(dy_sorted_ND.device), _desc(dy_sorted_ND, [bm, bk]),
+               _desc(w2_EDI, [1, bk, bn]), out_NI, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
+               out_NI.shape[1], dy_sorted_ND.shape[1], num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=tile_m)
+
+
+# (BM, BN, BK, STAGES) of the act kernel: 128 rows x 128 columns of gate and of up (the Triton kernel's
+# pick), 3 stages of 48 KB and the 32 KB dh' block.
+ACT_TILE = (128, 128, 64, 3)
+ACT_CONFIG = {**WS_CONFIG, "BN": ACT_TILE[1]}
+
+
+def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tensor, weights_N: torch.Tensor, plan,
+               dz_NH: torch.Tensor, hw_NI: torch.Tensor, dweight_part: torch.Tensor, tile_m: int,
+               part_cols: int) -> None:
+    """``expert_bwd.act_bwd_into``'s one-device act kernel (``sorted_dh``) through ``_act_ws_kernel``; 16-bit
+    operands on an sm90 GPU (``ws_supported``), at least one row; ``tile_m`` the plan's tile height."""
+    bm, bn, bk, stages = ACT_TILE
+    assert bm == tile_m and bn % part_cols == 0
+    num_experts, two_i, dim = w13_EHD.shape
+    inter = two_i // 2
+    _act_ws_kernel[(persistent_programs(x_sorted.device),)](
+        _desc(x_sorted, [bm, bk]), _desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]),
+        _desc(dh_NI, [bm, bn]), weights_N, dz_NH, hw_NI, dweight_part, plan.row_slot_N, plan.offsets_E1,
+        plan.tile_expert_NT, plan.tile_row_NT, dz_NH.shape[0], dim, inter, num_experts,
+        EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, PART_COLS=part_cols, STAGES=stages,
+        num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG,
+    )
