@@ -29,6 +29,8 @@ projection, dx and the up kernel as Gluon kernels did not, and stay Triton):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -390,9 +392,15 @@ def ws_supported(a: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(a.device)[0] == 9)
 
 
+@functools.cache
+def _smem_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a TMA block, built once per block shape and dtype: building it is most of
+    a launch's host time otherwise (``get_default_for``; §25)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
-    return TensorDescriptor.from_tensor(t, block, layout)
+    return TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), t.dtype))
 
 
 def _launch_ws(kernel, programs: int, *args, **constexprs) -> None:
