@@ -77,8 +77,8 @@ def _act_bwd_tile(pid, x_src, dy_src, w13_desc, w2_desc, weights_ptr, dz_ptr, hw
     last row those are the next expert's rows (or rows nobody wrote, after the last routed one, or TMA's
     zeros past N); each output row depends only on its own x row, and every store and d(weight) partial
     is masked to the expert's rows, so those rows change nothing."""
-    e, row0, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), E,
-                                             BM, TILE_M)
+    e, row0, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM,
+                                             TILE_M)
     if e >= E:
         return
     if WAIT_ROWS:

@@ -39,13 +39,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, E, BM: tl.constexpr, TILE_M: tl.constexpr):
+def _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, BM: tl.constexpr, TILE_M: tl.constexpr):
     """Expert, first sorted row, sorted rows, row mask and N-block of program ``pid`` of a 1-D tile grid,
     which covers BM rows (a sub-tile when BM < TILE_M) of a plan tile. The grid runs the N-blocks of one
     (sub-)tile next to each other, so its gathered rows are read from DRAM once and then hit in L2 (a
-    tile-major order re-reads them from DRAM once per N-block). The expert is ``E`` (idle, as a tile past
-    the busy ones) for a sub-tile past its expert's last row: with few rows per expert (small batches) that
-    is the second half of most tiles, which would otherwise run a whole main loop for no row."""
+    tile-major order re-reads them from DRAM once per N-block)."""
     split: tl.constexpr = TILE_M // BM
     pid_m = pid // num_n
     pid_t = pid_m // split
@@ -53,8 +51,6 @@ def _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, E, BM: tl
     row0 = tl.load(tile_row_ptr + pid_t) + (pid_m % split) * BM
     row_end = tl.load(offsets_ptr + e + 1)
     rows = row0 + tl.arange(0, BM)
-    if split > 1:
-        e = tl.where(row0 < row_end, e, E)
     return e, row0, rows, rows < row_end, pid % num_n
 
 
@@ -100,8 +96,7 @@ def _up_swiglu_tile(pid, x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile
                     EVEN_K: tl.constexpr):
     """Program ``pid`` of the up kernel's grid (arguments as for ``_up_swiglu_fwd_kernel``); the EP
     kernel that also sends rows runs it on its programs past the senders."""
-    e, _, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), E, BM,
-                                          TILE_M)
+    e, _, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
         return
     if WAIT_ROWS:
@@ -178,15 +173,14 @@ def _sorted_rows_gemm_kernel(
     A config knob: without PERSISTENT, one program per (sub-)tile × N-block of the tile grid, idle tiles
     return at once. With PERSISTENT, PROGRAMS programs (one per SM) stride over the busy tiles (counted
     from the expert offsets; EB: a power of two >= E) in one flattened loop, so Triton's pipeliner loads
-    the next tile's operands during this tile's epilogue; with sub-tiles (BM < TILE_M) they skip those
-    past their expert's rows."""
+    the next tile's operands during this tile's epilogue."""
     num_n = tl.cdiv(N_OUT, BN)
     if PERSISTENT:
         work = _busy_tiles(offsets_ptr, E, EB, TILE_M) * (TILE_M // BM) * num_n
         for pid in tl.range(tl.program_id(0), work, PROGRAMS, flatten=True):
             _sorted_rows_gemm_tile(pid, a_desc, w_desc, weights_ptr, out_ptr, row_slot_ptr, offsets_ptr,
                                    tile_expert_ptr, tile_row_ptr, N_OUT, K, E, num_n, W_K_LAST, WEIGHTED, TO_SLOTS,
-                                   BM < TILE_M, PREC, TILE_M, BM, BN, BK)
+                                   False, PREC, TILE_M, BM, BN, BK)
     else:
         _sorted_rows_gemm_tile(tl.program_id(0), a_desc, w_desc, weights_ptr, out_ptr, row_slot_ptr, offsets_ptr,
                                tile_expert_ptr, tile_row_ptr, N_OUT, K, E, num_n, W_K_LAST, WEIGHTED, TO_SLOTS,
@@ -198,9 +192,9 @@ def _sorted_rows_gemm_tile(pid, a_desc, w_desc, weights_ptr, out_ptr, row_slot_p
                            tile_row_ptr, N_OUT, K, E, num_n, W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr,
                            TO_SLOTS: tl.constexpr, SKIP_IDLE: tl.constexpr, PREC: tl.constexpr,
                            TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One BM × BN output block of ``_sorted_rows_gemm_kernel``. SKIP_IDLE: return on an idle (sub-)tile (a
-    persistent caller visits busy tiles only, so it skips only sub-tiles past their expert's rows)."""
-    e, row0, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, E, BM, TILE_M)
+    """One BM × BN output block of ``_sorted_rows_gemm_kernel``. SKIP_IDLE: return on an idle tile (a
+    persistent caller visits busy tiles only)."""
+    e, row0, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, BM, TILE_M)
     if SKIP_IDLE and e >= E:
         return
     n0 = pid_n * BN

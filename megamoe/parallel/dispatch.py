@@ -324,7 +324,7 @@ def _rows_to_peer_slots_kernel(
     their rows are whole from :func:`_signal_returned_kernel`, launched after this kernel (a release per
     tile, the first version, made this GEMM 1.7x slower than the one-device one; docs/NOTES.md §9)."""
     e, row0, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
-                                             tl.cdiv(N_OUT, BN), E, BM, TILE_M)
+                                             tl.cdiv(N_OUT, BN), BM, TILE_M)
     if e >= E:
         return
     n0 = pid_n * BN
