@@ -115,24 +115,24 @@ def compile_ws(name: str, dtype: str = "bf16"):
         layout = gl.NVMMASharedLayout.get_default_for(block, element)
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
-    tiles = dict.fromkeys(["offsets_ptr", "tile_expert_ptr", "tile_row_ptr"], "*i32")
     constexprs = {"STAGES": stages, "num_warps": ws.WS_NUM_WARPS}
     if name == "wgrad_ws":
-        fn = ws._wgrad_ws_kernel
-        signature = {"a_desc": desc([bk, bm]), "b_desc": desc([bk, bn]), "dw_desc": desc([1, bm, bn]),
-                     "offsets_ptr": "*i32", "num_p": "i32", "num_q": "i32", "tiles": "i32"}
+        fn, blocks = ws._wgrad_ws_kernel, {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
     elif name == "dh_ws":
-        fn = ws._dh_ws_kernel
-        signature = {"a_desc": desc([bm, bk]), "w_desc": desc([1, bk, bn]), "out_ptr": f"*{dtype}", **tiles,
-                     "N_OUT": "i32", "K": "i32", "E": "i32"}
+        fn, blocks = ws._dh_ws_kernel, {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
         constexprs.update(EB=128, TILE_M=bm)
     else:
-        fn = ws._act_ws_kernel
-        signature = {"x_desc": desc([bm, bk]), "w13_desc": desc([1, 1, bn, bk]), "dh_desc": desc([bm, bn]),
-                     "weights_ptr": "*fp32", "dz_ptr": f"*{dtype}", "hw_ptr": f"*{dtype}", "dweight_part_ptr": "*fp32",
-                     "row_slot_ptr": "*i32", **tiles, **dict.fromkeys(["N", "D", "I", "E"], "i32")}
+        fn, blocks = ws._act_ws_kernel, {"x_desc": [bm, bk], "w13_desc": [1, 1, bn, bk], "dh_desc": [bm, bn]}
         constexprs.update(EB=128, TILE_M=bm, PART_COLS=expert_bwd.PART_COLS)
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
+
+    def arg_type(arg):  # the rest typed as for the Triton kernels (compile_for_hopper): pointers by name, else i32
+        if arg in blocks:
+            return desc(blocks[arg])
+        if arg in constexprs:
+            return "constexpr"
+        return _POINTER_TYPES.get(arg, f"*{dtype}") if arg.endswith("_ptr") else "i32"
+
+    signature = {arg: arg_type(arg) for arg in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
              if arg.endswith("_ptr") or arg in _DIVISIBLE_INTS}
     src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
