@@ -211,7 +211,7 @@ def test_host_time_probe_times_both_paths_and_restores_the_launcher(capsys):
 @pytest.mark.gpu
 def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
     """``python -m megamoe.bench.kernels``: every stage timed, each GEMM's config recorded (on sm90 those of
-    dh', the act kernel and the weight gradients are the warp-specialized kernels')."""
+    the up kernel, dh', the act kernel and the weight gradients are the warp-specialized kernels')."""
     import json
 
     from megamoe.bench.kernels import main
@@ -222,9 +222,10 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
     assert all(r["ms"] > 0 and len(r["timed_utc"]) == 2 for r in rows.values())
     assert rows["fwd up+swiglu"]["config"]["BM"] in (64, 128)
     if torch.cuda.get_device_capability()[0] == 9:
-        for stage in ("bwd dh'", "bwd recompute+act", "bwd dw13", "bwd dw2"):
+        for stage in ("fwd up+swiglu", "bwd dh'", "bwd recompute+act", "bwd dw13", "bwd dw2"):
             assert rows[stage]["config"]["WARP_SPECIALIZED"], stage
-        assert not rows["bwd dx"]["config"].get("WARP_SPECIALIZED")
+        for stage in ("fwd down", "bwd dx"):
+            assert not rows[stage]["config"].get("WARP_SPECIALIZED"), stage
 
 
 @pytest.mark.gpu

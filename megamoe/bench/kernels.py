@@ -2,8 +2,8 @@
 
 ``python -m megamoe.bench.kernels --preset qwen3-30b-a3b [--sweep]`` on a GPU. Each stage is timed alone
 with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
-On an sm90 GPU dh', the act kernel and the weight gradients run their warp-specialized Gluon kernels
-(``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``).
+On an sm90 GPU the up kernel, dh', the act kernel and the weight gradients run their warp-specialized Gluon
+kernels (``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``).
 Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``); the
 config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
@@ -29,7 +29,7 @@ from megamoe.kernels import expert_bwd, expert_fwd
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import build_plan
 from megamoe.kernels.tuning import TunedKernel
-from megamoe.kernels.ws import ACT_CONFIG, WS_CONFIG, ws_supported
+from megamoe.kernels.ws import ACT_CONFIG, UP_CONFIG, WS_CONFIG, ws_supported
 
 
 def grid_of(**axes):
@@ -74,7 +74,8 @@ def stages(problem, num_experts):
 
     return {
         "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),
-        "fwd up+swiglu": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k), 4 * unit, expert_fwd.UP),
+        "fwd up+swiglu": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k), 4 * unit,
+                          tuned(expert_fwd.UP, UP_CONFIG)),
         "fwd down": (lambda: expert_fwd.down_fwd(h, w2, topk_weights, plan), 2 * unit, expert_fwd.DOWN),
         "combine": (lambda: combine(slots, topk_idx, x.dtype), 0, None),
         "bwd gather x, dy": (lambda: expert_bwd.gather_rows(x, dy, plan, top_k), 0, None),

@@ -99,7 +99,8 @@ def ptxas_report(compiled) -> dict:
 
 # The Gluon kernels (``kernels.ws``) by report name, each with the Triton kernel (``KERNELS``) it replaces and
 # its tile.
-WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE), "dh_ws": ("dh", ws.WS_TILE), "act_ws": ("act", ws.ACT_TILE)}
+WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE), "dh_ws": ("dh", ws.WS_TILE), "act_ws": ("act", ws.ACT_TILE),
+              "up_ws": ("up", ws.UP_TILE)}
 
 
 def compile_ws(name: str, dtype: str = "bf16"):
@@ -121,9 +122,12 @@ def compile_ws(name: str, dtype: str = "bf16"):
     elif name == "dh_ws":
         fn, blocks = ws._dh_ws_kernel, {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
         constexprs.update(EB=128, TILE_M=bm)
-    else:
+    elif name == "act_ws":
         fn, blocks = ws._act_ws_kernel, {"x_desc": [bm, bk], "w13_desc": [1, 1, bn, bk], "dh_desc": [bm, bn]}
         constexprs.update(EB=128, TILE_M=bm, PART_COLS=expert_bwd.PART_COLS)
+    else:
+        fn, blocks = ws._up_ws_kernel, {"w13_desc": [1, 1, bn, bk]}
+        constexprs.update(EB=128, TILE_M=bm, BK=bk, LOADER_WARPS=ws.UP_LOADER_WARPS)
 
     def arg_type(arg):  # the rest typed as for the Triton kernels (compile_for_hopper): pointers by name, else i32
         if arg in blocks:

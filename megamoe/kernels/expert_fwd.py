@@ -14,6 +14,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from megamoe.api import sm_count, warn_once
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.tuning import TunedKernel, configs
+from megamoe.kernels.ws import up_swiglu_ws, ws_supported
 
 
 def descriptor(t: torch.Tensor) -> TensorDescriptor:
@@ -236,15 +237,21 @@ def persistent_programs(device: torch.device) -> int:
     return sm_count(device.index)
 
 
-def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, arrivals: tuple | None = None) -> torch.Tensor:
-    """h (N, I) in x's dtype, rows in expert-sorted order (rows past the routed count are not written).
+def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, arrivals: tuple | None = None,
+                  gluon: bool = True) -> torch.Tensor:
+    """h (N, I) in x's dtype, rows in expert-sorted order (rows past the routed count are not written); on sm90
+    with 16-bit operands (x 16-byte aligned) through the warp-specialized Gluon kernel ``ws._up_ws_kernel``.
     ``arrivals``: expert parallelism only, ``(arrived, counts)`` (R, E) int32 — each tile first waits for
-    its expert's rows (see ``_wait_expert_rows``)."""
+    its expert's rows (see ``_wait_expert_rows``); always the Triton kernel. ``gluon=False``: the Triton kernel
+    even where the Gluon one would run (to autotune it for the expert-parallel kernel that follows its choice)."""
     num_slots = plan.row_slot_N.numel()
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
     h_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
     if num_slots == 0:  # an empty batch (a TMA descriptor cannot be empty)
+        return h_NI
+    if gluon and arrivals is None and ws_supported(x_TD) and x_TD.data_ptr() % 16 == 0:
+        up_swiglu_ws(x_TD, w13_EHD, h_NI, plan, top_k, BLOCK_M)
         return h_NI
     arrived, counts = arrivals or (plan.offsets_E1, plan.offsets_E1)  # unread without arrivals
     UP[tile_grid(plan, inter)](

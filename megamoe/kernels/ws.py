@@ -11,8 +11,8 @@ loops (docs/NOTES.md §24). Here one program per SM walks the blocks, in two par
 - the default partition (8 warps, two warpgroups) issues the warpgroup MMAs, keeps one in flight, frees
   each buffer when its MMA is done, and runs the epilogue.
 
-Three kernels, each where it measured faster than its Triton twin (docs/NOTES.md §24-25; the down
-projection, dx and the up kernel as Gluon kernels did not, and stay Triton):
+Four kernels, each where it measured faster than its Triton twin (docs/NOTES.md §24-26; the down
+projection and dx as Gluon kernels did not, and stay Triton):
 
 - ``_wgrad_ws_kernel``: dW[e] = sum over expert e's sorted rows r of outer(a[r], b[r]), as
   ``expert_bwd._expert_wgrad_kernel``; blocks expert-major. An expert's last, partial K-step is loaded
@@ -24,7 +24,10 @@ projection, dx and the up kernel as Gluon kernels did not, and stay Triton):
   16-byte row segments and stores them through masked pointer stores (a tile's rows past its expert
   belong to the next tile).
 - ``_act_ws_kernel``: the one-device act kernel (``expert_bwd.ACT_BWD_DH``): recomputes both gate/up
-  products, and the loader also brings the block's dh' through TMA after its K-steps.
+  products, and the loader also brings the block's dh' through TMA after its K-steps. Four ring stages:
+  the epilogue stages its output blocks through the dh' buffer.
+- ``_up_ws_kernel``: the one-device forward up kernel (gate/up GEMM + SwiGLU), four stages; its loader
+  (one warpgroup) gathers the x rows from their tokens through ``cp.async`` beside the weights' TMA.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -44,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megamoe.kernels.expert_fwd import persistent_programs
+from megamoe.api import sm_count
 
 
 @gluon.jit
@@ -272,9 +276,11 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
 
 
 @gluon.jit
-def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout: gl.constexpr):
+def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout: gl.constexpr,
+                      GENERIC_WRITES: gl.constexpr):
     """One block's K-loop over the ring for the gate and up accumulators (x rows times both weight
-    blocks), one MMA pair in flight; returns both accumulators and the next ring step."""
+    blocks), one MMA pair in flight; returns both accumulators and the next ring step. GENERIC_WRITES:
+    the loader wrote x through generic-proxy copies (cp.async), fenced before the MMAs read them."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     BM: gl.constexpr = x_bufs.type.shape[1]
     BK: gl.constexpr = x_bufs.type.shape[2]
@@ -284,6 +290,8 @@ def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout:
     for k in range(0, D, BK):
         s = step % STAGES
         mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+        if GENERIC_WRITES:
+            fence_async_shared()
         acc_g = warpgroup_mma(x_bufs.index(s), g_bufs.index(s).reshape([BN, BK]).permute((1, 0)), acc_g, is_async=True)
         acc_u = warpgroup_mma(x_bufs.index(s), u_bufs.index(s).reshape([BN, BK]).permute((1, 0)), acc_u, is_async=True)
         acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))
@@ -293,6 +301,16 @@ def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout:
     acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
     mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
     return acc_g, acc_u, step
+
+
+@gluon.jit
+def _store_via(buf, block, ptrs, mask, layout: gl.constexpr):
+    """Store ``block`` to ``ptrs`` (masked) in ``layout`` through the shared buffer ``buf``, which the calling
+    partition owns: barriers before the write (earlier reads done) and before the read (the write done)."""
+    gl.thread_barrier()
+    buf.store(block)
+    gl.thread_barrier()
+    gl.store(ptrs, buf.load(layout), mask=mask)
 
 
 @gluon.jit
@@ -310,13 +328,11 @@ def _act_mma_partition(weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_p
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         pid_n = w % num_n
-        acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout)
+        acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout, False)
 
         # Epilogue, in the accumulators' layout: h, the d(weight) partials, dz = [dg | du], h * w.
         mbarrier.wait(dh_ready.index(0), ((w - gl.program_id(0)) // gl.num_programs(0)) & 1)
         dhp = dh_smem.load(acc_layout).to(gl.float32)
-        fence_async_shared()  # this generic read before the loader's next TMA write of dh_smem
-        mbarrier.arrive(dh_empty.index(0), count=1)
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
         rmask = rows < gl.load(offsets_ptr + e + 1)
         slots = gl.load(row_slot_ptr + rows, mask=rmask, other=0).to(gl.int64)
@@ -336,16 +352,21 @@ def _act_mma_partition(weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_p
         dg = (dh * acc_u * (sig + silu * (1.0 - sig))).to(dtype)
         hw = (h * wt[:, None]).to(dtype)
 
-        # Stores: through shared memory into 16-byte row segments (gl.convert_layout), masked to the
-        # expert's rows and to I.
+        # Stores: each output block through the dh' buffer (read above; the loader writes the next block's
+        # dh' there only after this block's arrive below) into 16-byte row segments, masked to the expert's
+        # rows and to I. Staging in dh_smem instead of gl.convert_layout's own 32 KB scratch leaves room
+        # for a fourth ring stage.
         orows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
         ocols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
         omask = (orows < gl.load(offsets_ptr + e + 1))[:, None] & (ocols < I)[None, :]
         orows64 = orows.to(gl.int64)[:, None]
         dz_ptrs = dz_ptr + orows64 * 2 * I + ocols[None, :]
-        gl.store(dz_ptrs, gl.convert_layout(dg, out_layout), mask=omask)
-        gl.store(dz_ptrs + I, gl.convert_layout(du, out_layout), mask=omask)
-        gl.store(hw_ptr + orows64 * I + ocols[None, :], gl.convert_layout(hw, out_layout), mask=omask)
+        _store_via(dh_smem, dg, dz_ptrs, omask, out_layout)
+        _store_via(dh_smem, du, dz_ptrs + I, omask, out_layout)
+        _store_via(dh_smem, hw, hw_ptr + orows64 * I + ocols[None, :], omask, out_layout)
+        gl.thread_barrier()  # every thread's last read of dh_smem is done
+        fence_async_shared()  # these generic accesses before the loader's next TMA write of dh_smem
+        mbarrier.arrive(dh_empty.index(0), count=1)
 
 
 @gluon.jit
@@ -374,6 +395,82 @@ def _act_ws_kernel(x_desc, w13_desc, dh_desc, weights_ptr, dz_ptr, hw_ptr, dweig
         (_tiles_loader, (x_desc, w13_desc, dh_desc, tile_expert_ptr, tile_row_ptr, ready, empty, dh_ready, dh_empty,
                          x_bufs, g_bufs, u_bufs, dh_smem, D, num_n, work, True)),
     ], [1], [48])
+
+
+@gluon.jit
+def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs,
+               u_bufs, D, top_k, num_n, work, num_warps: gl.constexpr):
+    """Producer partition (4 warps) of ``_up_ws_kernel``: per K-step, the gate and up weight blocks through
+    TMA and the block's x rows, gathered from their tokens through 16-byte ``cp.async`` copies (rows past
+    the expert's end zero-filled). Each thread's copies arrive on the stage's ready barrier when they
+    land, so the barrier completes on the TMA bytes and every producer thread's copies."""
+    BM: gl.constexpr = x_bufs.type.shape[1]
+    BK: gl.constexpr = x_bufs.type.shape[2]
+    BN: gl.constexpr = w13_desc.block_type.shape[2]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    step = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        rmask = rows < gl.load(offsets_ptr + e + 1)
+        tok = (gl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k).to(gl.int64)
+        cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+        ptrs = x_ptr + tok[:, None] * D + cols[None, :]
+        for k in range(0, D, BK):
+            s = _next_slot(empty, ready, step, 2 * w13_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w13_desc, [e, 0, n0, k], ready.index(s), g_bufs.index(s))
+            tma.async_copy_global_to_shared(w13_desc, [e, 1, n0, k], ready.index(s), u_bufs.index(s))
+            # Whole 16-byte chunks in or out: rows are 16-byte multiples (api.fused_supports).
+            async_copy.async_copy_global_to_shared(x_bufs.index(s), ptrs + k, mask=rmask[:, None] & (cols + k < D)[None, :])
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            step += 1
+
+
+@gluon.jit
+def _up_mma_partition(h_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs, u_bufs, D, I,
+                      num_n, work, num_warps: gl.constexpr):
+    """Default partition of ``_up_ws_kernel``: both GEMMs of each block, then h = silu(g) * u, stored in
+    16-byte row segments, masked to the expert's rows and to I."""
+    BM: gl.constexpr = x_bufs.type.shape[1]
+    BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
+    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
+    out_layout: gl.constexpr = _row_block_layout(BN, num_warps)
+    step = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout, True)
+        h = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+        mask = (rows < gl.load(offsets_ptr + e + 1))[:, None] & (cols < I)[None, :]
+        gl.store(h_ptr + rows.to(gl.int64)[:, None] * I + cols[None, :], gl.convert_layout(h, out_layout), mask=mask)
+
+
+@gluon.jit
+def _up_ws_kernel(x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, D, I, E, top_k,
+                  EB: gl.constexpr, TILE_M: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                  LOADER_WARPS: gl.constexpr, num_warps: gl.constexpr):
+    """The one-device up kernel (``expert_fwd._up_swiglu_fwd_kernel`` without ``WAIT_ROWS``): x (T, D)
+    gathered by token, w13_desc (E, 2, I, D), block (1, 1, BN, BK); h (N, I) out in sorted rows. Blocks:
+    the busy tiles times the I-blocks. Each ready barrier counts the loader's TMA arrival and one
+    ``cp.async`` arrival per loader thread."""
+    BN: gl.constexpr = w13_desc.block_type.shape[2]
+    num_n = gl.cdiv(I, BN)
+    work = _busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BK], x_ptr.dtype.element_ty)
+    x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, TILE_M, BK], x_layout)
+    g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
+    u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1 + 32 * LOADER_WARPS)
+    empty = _barriers(STAGES)
+    gl.warp_specialize([
+        (_up_mma_partition, (h_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs, u_bufs,
+                             D, I, num_n, work, num_warps)),
+        (_up_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
+                      g_bufs, u_bufs, D, top_k, num_n, work, LOADER_WARPS)),
+    ], [LOADER_WARPS], [80])
 
 
 # (BM, BN, BK, STAGES) of the GEMM kernels: 128x256 blocks, as the Triton kernels' usual pick at 16k tokens;
@@ -414,7 +511,7 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
     num_experts, p, q = dw.shape
     num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
     tiles = num_experts * num_p * num_q
-    _launch_ws(_wgrad_ws_kernel, min(tiles, persistent_programs(a_NP.device)), _desc(a_NP, [bk, bm]), _desc(b_NQ, [bk, bn]),
+    _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), _desc(a_NP, [bk, bm]), _desc(b_NQ, [bk, bn]),
                _desc(dw, [1, bm, bn]), offsets_E1, num_p, num_q, tiles)
 
 
@@ -424,15 +521,15 @@ def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor
     bm, bn, bk, _ = WS_TILE
     assert bm == tile_m, "a block is one plan tile"
     num_experts = w2_EDI.shape[0]
-    _launch_ws(_dh_ws_kernel, persistent_programs(dy_sorted_ND.device), _desc(dy_sorted_ND, [bm, bk]),
+    _launch_ws(_dh_ws_kernel, sm_count(dy_sorted_ND.device.index), _desc(dy_sorted_ND, [bm, bk]),
                _desc(w2_EDI, [1, bk, bn]), out_NI, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
                out_NI.shape[1], dy_sorted_ND.shape[1], num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=tile_m)
 
 
 # (BM, BN, BK, STAGES) of the act kernel: 128 rows x 128 columns of gate and of up (the Triton kernel's
-# pick), 3 stages of 48 KB and the 32 KB dh' block.
-ACT_TILE = (128, 128, 64, 3)
-ACT_CONFIG = {**WS_CONFIG, "BN": ACT_TILE[1]}
+# pick), 4 stages of 48 KB and the 32 KB dh' block, which also stages the epilogue's stores (224 KB).
+ACT_TILE = (128, 128, 64, 4)
+ACT_CONFIG = {**WS_CONFIG, "BN": ACT_TILE[1], "num_stages": ACT_TILE[3]}
 
 
 def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tensor, weights_N: torch.Tensor, plan,
@@ -444,8 +541,28 @@ def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tenso
     assert bm == tile_m and bn % part_cols == 0
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
-    _launch_ws(_act_ws_kernel, persistent_programs(x_sorted.device), _desc(x_sorted, [bm, bk]),
+    _launch_ws(_act_ws_kernel, sm_count(x_sorted.device.index), _desc(x_sorted, [bm, bk]),
                _desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), _desc(dh_NI, [bm, bn]), weights_N,
                dz_NH, hw_NI, dweight_part, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
                dz_NH.shape[0], dim, inter, num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=tile_m,
                PART_COLS=part_cols, stages=stages)
+
+
+UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.async arrival each per stage
+# The act kernel's block and ring: no dh' block here, so 4 x 48 KB and the 32 KB conversion scratch (224 KB).
+UP_TILE = ACT_TILE
+UP_CONFIG = ACT_CONFIG
+
+
+def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, plan, top_k: int, tile_m: int) -> None:
+    """``expert_fwd.up_swiglu_fwd``'s one-device kernel through ``_up_ws_kernel`` into ``h_NI``; 16-bit operands
+    on an sm90 GPU (``ws_supported``), x contiguous with 16-byte aligned rows, at least one row; ``tile_m`` the
+    plan's tile height."""
+    bm, bn, bk, stages = UP_TILE
+    assert bm == tile_m, "a block is one plan tile"
+    num_experts, two_i, dim = w13_EHD.shape
+    inter = two_i // 2
+    _launch_ws(_up_ws_kernel, sm_count(x_TD.device.index), x_TD,
+               _desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), h_NI, plan.row_slot_N, plan.offsets_E1,
+               plan.tile_expert_NT, plan.tile_row_NT, dim, inter, num_experts, top_k,
+               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, LOADER_WARPS=UP_LOADER_WARPS, stages=stages)

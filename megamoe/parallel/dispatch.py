@@ -499,7 +499,7 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor
     num_local, two_i, dim = w13_LHD.shape
     inter = two_i // 2
     if not UP.has_tuned(x_TD.dtype, D=dim, I=inter):  # choose the tiles on the plain kernel (rows: any)
-        up_swiglu_fwd(ws.recv_x, w13_LHD, recv_plan, top_k=1)
+        up_swiglu_fwd(ws.recv_x, w13_LHD, recv_plan, top_k=1, gluon=False)
     h_CI = torch.empty(ws.capacity, inter, device=x_TD.device, dtype=x_TD.dtype)
     tiles = tile_grid(recv_plan, inter)
     SEND_UP[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
