@@ -408,6 +408,10 @@ def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    # D itself (its rows are 16-byte multiples: api.fused_supports), written so that the compiler knows it is a
+    # multiple of 8 elements even where D is not one of 16: else its row offsets and column mask could split a
+    # 16-byte copy, and cp.async has no 2-byte form (the kernel would not compile for D = 40, 136, 520).
+    D8 = D // 8 * 8
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
@@ -415,13 +419,13 @@ def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile
         rmask = rows < gl.load(offsets_ptr + e + 1)
         tok = (gl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k).to(gl.int64)
         cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
-        ptrs = x_ptr + tok[:, None] * D + cols[None, :]
+        ptrs = x_ptr + tok[:, None] * D8 + cols[None, :]
         for k in range(0, D, BK):
             s = _next_slot(empty, ready, step, 2 * w13_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(w13_desc, [e, 0, n0, k], ready.index(s), g_bufs.index(s))
             tma.async_copy_global_to_shared(w13_desc, [e, 1, n0, k], ready.index(s), u_bufs.index(s))
             # Whole 16-byte chunks in or out: rows are 16-byte multiples (api.fused_supports).
-            async_copy.async_copy_global_to_shared(x_bufs.index(s), ptrs + k, mask=rmask[:, None] & (cols + k < D)[None, :])
+            async_copy.async_copy_global_to_shared(x_bufs.index(s), ptrs + k, mask=rmask[:, None] & (cols + k < D8)[None, :])
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
 
