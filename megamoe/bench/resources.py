@@ -6,8 +6,9 @@ spills and shared memory from ``ptxas -v``: the first things to check before spe
 specialised as 16-divisible, as Triton does at run time for such values: without that Triton neither
 vectorises nor pipelines the loads, and the report would describe a kernel that never runs. TMA
 descriptor parameters (those the kernel's ``blocks`` names) get the block shape the config gives them.
-Then the kernels without a tile config (the backward's row copies, the expert-parallel protocol's
-kernels) are compiled too (no report: they must compile).
+Then the Gluon kernels with the sizes not so specialised (run time for D = 520, say) and the kernels
+without a tile config (the backward's row copies, the expert-parallel protocol's kernels) are compiled too
+(no report: they must compile).
 """
 
 from __future__ import annotations
@@ -103,9 +104,10 @@ WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE), "dh_ws": ("dh", ws.WS_TILE), "a
               "up_ws": ("up", ws.UP_TILE)}
 
 
-def compile_ws(name: str, dtype: str = "bf16"):
+def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True):
     """The Gluon kernel ``name`` of ``WS_KERNELS`` for sm_90a at its tile, with 16-bit operands (``dtype`` bf16
-    or fp16), pointers and the D / I / P / Q sizes specialised as 16-divisible as at run time, 128 experts."""
+    or fp16), pointers and the D / I / P / Q sizes specialised as 16-divisible as at run time, 128 experts.
+    ``sizes_divisible=False``: the sizes not so specialised, as at run time for sizes such as D = 520."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -138,7 +140,7 @@ def compile_ws(name: str, dtype: str = "bf16"):
 
     signature = {arg: arg_type(arg) for arg in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
-             if arg.endswith("_ptr") or arg in _DIVISIBLE_INTS}
+             if arg.endswith("_ptr") or (sizes_divisible and arg in _DIVISIBLE_INTS)}
     src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=HOPPER, options={"num_warps": ws.WS_NUM_WARPS, "maxnreg": ws.WS_MAXNREG})
 
@@ -179,6 +181,9 @@ def main(argv=None) -> None:
         raise SystemExit("Gluon kernels without 16-byte global stores: " + ", ".join(narrow))
     if too_big:
         raise SystemExit("over the shared-memory limit: " + "; ".join(too_big))
+    for name in WS_KERNELS if args.dtype != "fp32" else ():  # the shapes api.fused_supports admits, D = 520 say
+        compile_ws(name, args.dtype, sizes_divisible=False)
+        print(f"{name} with sizes not 16-divisible: compiles", flush=True)
     for fn in OTHER_KERNELS:
         compile_other_kernel(fn)
         print(f"{fn.__name__}: compiles", flush=True)
