@@ -80,6 +80,14 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _comm_sms_ok(comm_sms) -> bool:
+    """An int >= 0 (not a bool), or a pair (forward, backward) of them."""
+    def count(n):
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+    return count(comm_sms) or (isinstance(comm_sms, tuple) and len(comm_sms) == 2 and all(map(count, comm_sms)))
+
+
 def default_comm_sms(device_index: int) -> int:
     """``comm_sms`` when the caller passes ``None``: :data:`DEFAULT_COMM_SMS`, or 0 (the rows sent by a kernel
     of their own) on a GPU with no more than twice as many SMs (a MIG slice, say), where that many senders
@@ -178,7 +186,7 @@ def moe(
     group=None,
     precision: str = "bf16",
     max_tokens_per_rank: int | None = None,
-    comm_sms: int | None = None,
+    comm_sms: int | tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Mixture-of-Experts SwiGLU experts with routing already done. Differentiable in ``x``,
     ``topk_weights``, ``w13`` and ``w2``; keeps no activations beyond its inputs on the fused path.
@@ -209,8 +217,9 @@ def moe(
             of the gate/up kernel's launch (forward) and of the recompute+act kernel's launch
             (backward) while their other programs compute on the rows already in — communication
             overlapping the GEMMs; fewer than the GPU's SMs. 0 sends them in a kernel of its own, on
-            every SM, before the expert kernels. ``None`` (default): :data:`DEFAULT_COMM_SMS` (32,
-            measured), or 0 on a GPU with at most 64 SMs (:func:`default_comm_sms`).
+            every SM, before the expert kernels. A pair ``(forward, backward)`` of such counts sets the
+            two directions apart. ``None`` (default): :data:`DEFAULT_COMM_SMS` (32, measured), or 0 on a
+            GPU with at most 64 SMs (:func:`default_comm_sms`).
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``
             (blockwise e4m3) is planned and raises ``NotImplementedError`` for now.
 
@@ -225,8 +234,8 @@ def moe(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8":
         raise NotImplementedError("precision='fp8' (blockwise e4m3) is not implemented yet; use 'bf16'")
-    if comm_sms is not None and (not isinstance(comm_sms, int) or isinstance(comm_sms, bool) or comm_sms < 0):
-        raise ValueError(f"comm_sms must be None or an int >= 0, got {comm_sms!r}")
+    if comm_sms is not None and not _comm_sms_ok(comm_sms):
+        raise ValueError(f"comm_sms must be None, an int >= 0 or a pair (forward, backward) of them, got {comm_sms!r}")
     if group is not None:
         import torch.distributed as dist
 
@@ -240,7 +249,7 @@ def moe(
 
             return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank,
                                 default_comm_sms(x.device.index) if comm_sms is None else comm_sms)
-    if comm_sms:
+    if comm_sms and max((comm_sms, comm_sms) if isinstance(comm_sms, int) else comm_sms):
         raise ValueError("comm_sms > 0 applies to the fused expert-parallel path only (group=..., where "
                          "megamoe.api.ep_path picks it)")
     if group is not None:

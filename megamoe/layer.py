@@ -53,7 +53,7 @@ class MegaMoE(nn.Module):
         precision: str = "bf16",
         *,
         max_tokens_per_rank: int | None = None,
-        comm_sms: int | None = None,
+        comm_sms: int | tuple[int, int] | None = None,
         route_scale: float = 1.0,
         initializer_range: float = 0.02,
         device=None,

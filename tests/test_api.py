@@ -54,11 +54,13 @@ def test_unsupported_options_raise():
         call(args, precision="fp8")
     with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
         call(args, group=object())
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="comm_sms must be None or an int >= 0"):
+    for bad in (-1, 1.5, True, (1,), (1, 2, 3), (-1, 2), (2, True), [0, 32]):
+        with pytest.raises(ValueError, match="comm_sms must be None, an int >= 0 or a pair"):
             call(args, comm_sms=bad)
-    with pytest.raises(ValueError, match="fused expert-parallel path only"):
-        call(args, comm_sms=8)  # one device: nothing to send
+    for sending in (8, (0, 8), (8, 0)):
+        with pytest.raises(ValueError, match="fused expert-parallel path only"):
+            call(args, comm_sms=sending)  # one device: nothing to send
+    call(args, comm_sms=(0, 0))
 
 
 def test_ep_path_defaults_to_fused_where_it_runs_and_says_so_elsewhere(monkeypatch):

@@ -76,16 +76,18 @@ def _worker(rank, num_ranks, init_file, test):
         group = dist.group.WORLD
         if test == "fused":
             assert ep_path(torch.empty(1, 32, device="cuda"), torch.empty(1, 32, 16, device="cuda")) == "fused"
-            for comm_sms in (None, 0, 2, 0, None):  # the default, and the workspace reused across calls in both modes
+            # the default, the workspace reused across calls in both modes, and each direction in its own mode
+            for comm_sms in (None, 0, 2, 0, None, (0, 2), (2, 0)):
                 for case in CASES:
                     check_rank(case, rank, num_ranks, group,
                                lambda *a, c=comm_sms: megamoe.moe(*a, group=group, comm_sms=c), device=f"cuda:{rank}")
             check_steps(rank, num_ranks, group, f"cuda:{rank}", steps=200)
             check_bench(group, torch.device("cuda", rank))
             x, idx, w, w13, w2, _ = make_problem(8, 32, 16, 2 * num_ranks, 2, "random", device=f"cuda:{rank}")
-            with pytest.raises(ValueError, match="leaves none of this GPU's"):
-                megamoe.moe(x, idx, w, w13[:2].contiguous(), w2[:2].contiguous(), group=group, comm_sms=100_000,
-                            max_tokens_per_rank=8)
+            for too_many in (100_000, (0, 100_000)):
+                with pytest.raises(ValueError, match="leaves none of this GPU's"):
+                    megamoe.moe(x, idx, w, w13[:2].contiguous(), w2[:2].contiguous(), group=group, comm_sms=too_many,
+                                max_tokens_per_rank=8)
         elif test == "baseline":
             for case in CASES:
                 check_rank(case, rank, num_ranks, group,
@@ -188,8 +190,8 @@ def check_bench(group, device):
 
     cuda = device.type == "cuda"
     names = ["a2a_megamoe", "fused"] if cuda else ["a2a_grouped_mm", "a2a_megamoe"]
-    impls = ep_impls(names, group, ERROR_TOKENS_PER_RANK, comm_sms=(2,) if cuda else ())
-    names += ["fused_sms2"] if cuda else []
+    impls = ep_impls(names, group, ERROR_TOKENS_PER_RANK, comm_sms=(2, (0, 2)) if cuda else ())
+    names += ["fused_sms2", "fused_sms0_2"] if cuda else []
     info = measure(impls, group, "tiny", 16, "skewed", device, iters=2, seed=0)
     assert [r["impl"] for r in info["results"]] == names
     for r in info["results"]:

@@ -10,7 +10,8 @@ experts [r·E/N, (r+1)·E/N)). Implementations, all through the all-to-all dispa
   ``megamoe.moe(group=...)`` runs where the fused protocol cannot, or with ``MEGAMOE_EP=all_to_all``);
 * ``fused`` — the device-side protocol (:mod:`megamoe.parallel.fused`) with ``comm_sms=0``: GPUs only;
   ``fused_smsN`` (``--comm-sms N``) — the same with the rows sent from N programs of the up kernel's
-  launch, overlapping its GEMM.
+  launch, overlapping its GEMM; ``fused_smsF_B`` (``--comm-sms-split F:B``) — F such programs in the
+  forward, B in the backward.
 
 Per impl: forward, forward+backward and the activation-checkpointing step, as the maximum over ranks of
 each rank's median. The all-to-all impls keep the exchanged rows for their backward, so their step is
@@ -80,7 +81,7 @@ def received_problem(problem, rank: int, num_ranks: int):
 
 def ep_impls(names, group, max_tokens_per_rank: int, comm_sms=()) -> dict:
     """name → fn(x, topk_idx, topk_weights, w13, w2) for ``names`` (of EP_IMPLS), plus ``fused_smsN`` for each
-    N of ``comm_sms``; the fused impls size their workspace for ``max_tokens_per_rank`` (at least the
+    N of ``comm_sms`` (``fused_smsF_B`` for a pair (F, B): forward, backward); the fused impls size their workspace for ``max_tokens_per_rank`` (at least the
     largest timed problem and :data:`ERROR_TOKENS_PER_RANK`)."""
     unknown = [n for n in names if n not in EP_IMPLS]
     if unknown:
@@ -102,9 +103,10 @@ def ep_impls(names, group, max_tokens_per_rank: int, comm_sms=()) -> dict:
     if comm_sms:
         from megamoe.parallel.fused import moe_fused_ep
 
-        for n in comm_sms:
-            impls[f"fused_sms{n}"] = functools.partial(moe_fused_ep, group=group, comm_sms=n,
-                                                       max_tokens_per_rank=max_tokens_per_rank)
+        for n in comm_sms:  # an int, or a pair (forward, backward)
+            name = f"fused_sms{n}" if isinstance(n, int) else "fused_sms{}_{}".format(*n)
+            impls[name] = functools.partial(moe_fused_ep, group=group, comm_sms=n,
+                                            max_tokens_per_rank=max_tokens_per_rank)
     return impls
 
 
@@ -203,7 +205,8 @@ def run(args, cuda: bool) -> None:
     names = [n.strip() for n in args.impls.split(",") if n.strip()] if args.impls else list(EP_IMPLS)
     if not cuda:  # the compiled grouped_mm takes bf16 only, which the CPU check does not use; the fused
         names = [n for n in names if n not in ("a2a_grouped_mm_compiled", "fused")]  # protocol needs GPUs
-    impls = ep_impls(names, group, max(*args.tokens, ERROR_TOKENS_PER_RANK), args.comm_sms if cuda else ())
+    impls = ep_impls(names, group, max(*args.tokens, ERROR_TOKENS_PER_RANK),
+                     [*args.comm_sms, *args.comm_sms_split] if cuda else ())
     say = print if rank == 0 else (lambda *a, **k: None)
     if not cuda:
         dim, inter, num_experts, top_k = PRESETS["tiny"]

@@ -258,6 +258,10 @@ def parse_args(argv=None):
                    help="with --ep: also the fused protocol sending rows from N programs of the expert kernels' "
                         "launches (impl fused_smsN; with --loopback R > 1 each rank's senders run before every GEMM, so "
                         "only R = 1 overlaps)")
+    p.add_argument("--comm-sms-split", type=lambda v: [tuple(int(n) for n in pair.split(":")) for pair in v.split(",")],
+                   default=[], metavar="F:B[,F:B...]",
+                   help="with --ep on real ranks: also the fused protocol with F sending programs in the forward and "
+                        "B in the backward (impl fused_smsF_B; 0: a dispatch kernel of its own)")
     p.add_argument("--profile", action="store_true",
                    help="also write each impl's (with --ep --loopback: each variant's) per-kernel CUDA times of "
                         "forward+backward (torch.profiler) next to the JSON: where a step's time goes beyond the "

@@ -35,12 +35,12 @@ def workspace_for(group, num_local: int, max_tokens_per_rank: int, top_k: int, d
 
 class FusedEP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w13, w2, ws: Workspace, comm_sms: int):
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2, ws: Workspace, comm_sms: tuple[int, int]):
         plan = build_plan(topk_idx, ws.num_ranks * ws.num_local)
         ws.check_overflow()
         dispatch.exchange_counts(ws, plan)
-        if comm_sms:
-            dispatch.owner_experts(ws, w13, w2, send=(x, topk_weights, plan, comm_sms))
+        if comm_sms[0]:
+            dispatch.owner_experts(ws, w13, w2, send=(x, topk_weights, plan, comm_sms[0]))
         else:
             dispatch.dispatch_rows(ws, x, topk_weights, plan)
             dispatch.owner_experts(ws, w13, w2)
@@ -48,7 +48,7 @@ class FusedEP(torch.autograd.Function):
         if debug_checks_enabled():
             ws.check_overflow(now=True)
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan.tensors())
-        ctx.ws, ctx.comm_sms = ws, comm_sms
+        ctx.ws, ctx.comm_sms = ws, comm_sms[1]
         return y
 
     @staticmethod
@@ -69,14 +69,14 @@ class FusedEP(torch.autograd.Function):
 
 
 def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank: int | None = None,
-                 comm_sms: int = 0):
+                 comm_sms: int | tuple[int, int] = 0):
     """The MoE layer over the experts of ``group`` with the fused protocol (arguments as for
     :func:`megamoe.parallel.all_to_all.moe_all_to_all`). ``max_tokens_per_rank`` sizes the workspace
     and must be the same on every rank; ``None`` agrees on the largest T of any rank at the first call
     (one collective and host sync, then never again for these sizes). ``comm_sms``: 0 sends the rows
     in a kernel of their own before the expert kernels; N > 0 sends them from N programs of the up
-    (forward) and recompute+act (backward) kernels' launches, overlapping their GEMMs (see
-    :func:`megamoe.moe`)."""
+    (forward) and recompute+act (backward) kernels' launches, overlapping their GEMMs; a pair (forward,
+    backward) sets the two directions apart (see :func:`megamoe.moe`)."""
     num_tokens, top_k = topk_idx.shape
     if max_tokens_per_rank is None:
         key = (group.group_name, w13.shape[0], top_k, x.shape[1], x.dtype)
@@ -88,7 +88,8 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
     if num_tokens > max_tokens_per_rank:
         raise ValueError(f"{num_tokens} tokens on this rank exceed max_tokens_per_rank={max_tokens_per_rank} "
                          "(pass a larger max_tokens_per_rank to megamoe.moe / MegaMoE)")
-    if comm_sms and comm_sms >= (num_sms := sm_count(x.device.index)):
-        raise ValueError(f"comm_sms={comm_sms} leaves none of this GPU's {num_sms} SMs to the expert GEMMs")
+    comm_sms = (comm_sms, comm_sms) if isinstance(comm_sms, int) else tuple(comm_sms)
+    if max(comm_sms) and max(comm_sms) >= (num_sms := sm_count(x.device.index)):
+        raise ValueError(f"comm_sms={max(comm_sms)} leaves none of this GPU's {num_sms} SMs to the expert GEMMs")
     ws = workspace_for(group, w13.shape[0], max_tokens_per_rank, top_k, x.shape[1], x.dtype)
     return FusedEP.apply(x, topk_idx.contiguous(), topk_weights.contiguous(), w13, w2, ws, comm_sms)
