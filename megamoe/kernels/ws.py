@@ -182,11 +182,12 @@ def _busy_tiles(offsets_ptr, E, EB: gl.constexpr, TILE_M: gl.constexpr, num_warp
 
 
 @gluon.jit
-def _barriers(count: gl.constexpr):
-    """``count`` mbarriers, each completing on one arrival (plus, for TMA, its expected bytes)."""
+def _barriers(count: gl.constexpr, arrivals: gl.constexpr = 1):
+    """``count`` mbarriers, each completing on ``arrivals`` arrivals (plus, for TMA, its expected bytes): one,
+    or for a ring that a gathering loader fills, one plus a cp.async arrival per loader thread."""
     bars = gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(count):
-        mbarrier.init(bars.index(i), count=1)
+        mbarrier.init(bars.index(i), count=arrivals)
     return bars
 
 
@@ -465,9 +466,7 @@ def _up_ws_kernel(x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert
     x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, TILE_M, BK], x_layout)
     g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
     u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1 + 32 * LOADER_WARPS)
+    ready = _barriers(STAGES, 1 + 32 * LOADER_WARPS)
     empty = _barriers(STAGES)
     gl.warp_specialize([
         (_up_mma_partition, (h_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs, u_bufs,
