@@ -88,6 +88,11 @@ def _comm_sms_ok(comm_sms) -> bool:
     return count(comm_sms) or (isinstance(comm_sms, tuple) and len(comm_sms) == 2 and all(map(count, comm_sms)))
 
 
+def comm_sms_pair(comm_sms: int | tuple[int, int]) -> tuple[int, int]:
+    """``comm_sms`` (already checked) as its (forward, backward) counts: an int serves both directions."""
+    return (comm_sms, comm_sms) if isinstance(comm_sms, int) else tuple(comm_sms)
+
+
 def default_comm_sms(device_index: int) -> int:
     """``comm_sms`` when the caller passes ``None``: :data:`DEFAULT_COMM_SMS`, or 0 (the rows sent by a kernel
     of their own) on a GPU with no more than twice as many SMs (a MIG slice, say), where that many senders
@@ -249,7 +254,7 @@ def moe(
 
             return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank,
                                 default_comm_sms(x.device.index) if comm_sms is None else comm_sms)
-    if comm_sms and max((comm_sms, comm_sms) if isinstance(comm_sms, int) else comm_sms):
+    if comm_sms is not None and max(comm_sms_pair(comm_sms)):
         raise ValueError("comm_sms > 0 applies to the fused expert-parallel path only (group=..., where "
                          "megamoe.api.ep_path picks it)")
     if group is not None:

@@ -1,8 +1,9 @@
 """Every GEMM kernel's default config compiles for Hopper (sm_90a) inside the shared memory, bf16 with
 warpgroup MMAs, and so does every kernel without a tile config (the backward's row copies, the
-expert-parallel protocol), and the Gluon kernels (also with sizes not 16-divisible) — checked on any machine, no GPU needed (Triton compiles ahead of time for a
-named target; the interpreter that runs the CPU tests accepts code that does not compile). Runs in a
-subprocess because the CPU test session interprets the kernels instead."""
+expert-parallel protocol), and the Gluon kernels (also with sizes not 16-divisible) — checked on any
+machine, no GPU needed (Triton compiles ahead of time for a named target; the interpreter that runs the
+CPU tests accepts code that does not compile). Runs in a subprocess because the CPU test session
+interprets the kernels instead."""
 
 import os
 import subprocess
@@ -21,9 +22,10 @@ def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
     rows = [line.split() for line in out.stdout.splitlines()[1:] if line.strip()]
     from megamoe.bench.resources import KERNELS, OTHER_KERNELS, WS_KERNELS
 
-    gemms = len(KERNELS) + (len(WS_KERNELS) if dtype == "bf16" else 0)  # bf16: and the Gluon kernels
-    # bf16: each Gluon kernel also compiled with sizes not 16-divisible (a line each)
-    assert len(rows) == gemms + len(OTHER_KERNELS) + (len(WS_KERNELS) if dtype == "bf16" else 0), out.stdout
+    gluon_kernels = len(WS_KERNELS) if dtype == "bf16" else 0  # 16-bit only
+    gemms = len(KERNELS) + gluon_kernels
+    # and a line for each Gluon kernel compiled with sizes not 16-divisible
+    assert len(rows) == gemms + len(OTHER_KERNELS) + gluon_kernels, out.stdout
     if dtype == "bf16":
         gluon = rows[len(KERNELS):gemms]
         assert [row[0] for row in gluon] == list(WS_KERNELS), out.stdout

@@ -81,8 +81,9 @@ def received_problem(problem, rank: int, num_ranks: int):
 
 def ep_impls(names, group, max_tokens_per_rank: int, comm_sms=()) -> dict:
     """name → fn(x, topk_idx, topk_weights, w13, w2) for ``names`` (of EP_IMPLS), plus ``fused_smsN`` for each
-    N of ``comm_sms`` (``fused_smsF_B`` for a pair (F, B): forward, backward); the fused impls size their workspace for ``max_tokens_per_rank`` (at least the
-    largest timed problem and :data:`ERROR_TOKENS_PER_RANK`)."""
+    N of ``comm_sms`` (``fused_smsF_B`` for a pair (F, B): forward, backward); the fused impls size their
+    workspace for ``max_tokens_per_rank`` (at least the largest timed problem and
+    :data:`ERROR_TOKENS_PER_RANK`)."""
     unknown = [n for n in names if n not in EP_IMPLS]
     if unknown:
         raise ValueError(f"unknown EP impl(s) {unknown}; choose from {EP_IMPLS}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megamoe.api import debug_checks_enabled, sm_count
+from megamoe.api import comm_sms_pair, debug_checks_enabled, sm_count
 from megamoe.kernels.plan import Plan, build_plan
 from megamoe.parallel import dispatch
 from megamoe.parallel.workspace import Workspace, symmetric_workspace
@@ -88,7 +88,7 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
     if num_tokens > max_tokens_per_rank:
         raise ValueError(f"{num_tokens} tokens on this rank exceed max_tokens_per_rank={max_tokens_per_rank} "
                          "(pass a larger max_tokens_per_rank to megamoe.moe / MegaMoE)")
-    comm_sms = (comm_sms, comm_sms) if isinstance(comm_sms, int) else tuple(comm_sms)
+    comm_sms = comm_sms_pair(comm_sms)
     if max(comm_sms) and max(comm_sms) >= (num_sms := sm_count(x.device.index)):
         raise ValueError(f"comm_sms={max(comm_sms)} leaves none of this GPU's {num_sms} SMs to the expert GEMMs")
     ws = workspace_for(group, w13.shape[0], max_tokens_per_rank, top_k, x.shape[1], x.dtype)
