@@ -24,8 +24,8 @@ projection and dx as Gluon kernels did not, and stay Triton):
   16-byte row segments and stores them through masked pointer stores (a tile's rows past its expert
   belong to the next tile).
 - ``_act_ws_kernel``: the one-device act kernel (``expert_bwd.ACT_BWD_DH``): recomputes both gate/up
-  products, and the loader also brings the block's dh' through TMA after its K-steps. Four ring stages:
-  the epilogue stages its output blocks through the dh' buffer.
+  products and hands them, rounded to bf16/fp16, through shared memory to a third partition (4 warps) that
+  runs the SwiGLU-backward epilogue on them while the MMA warps start the next block; three ring stages.
 - ``_up_ws_kernel``: the one-device forward up kernel (gate/up GEMM + SwiGLU), four stages; its loader
   (one warpgroup) gathers the x rows from their tokens through ``cp.async`` beside the weights' TMA.
 """
@@ -192,34 +192,27 @@ def _barriers(count: gl.constexpr, arrivals: gl.constexpr = 1):
 
 
 @gluon.jit
-def _tiles_loader(a_desc, w_desc, dh_desc, tile_expert_ptr, tile_row_ptr, ready, empty, dh_ready, dh_empty, a_bufs,
-                  w_bufs, u_bufs, dh_smem, K, num_n, work, ACT: gl.constexpr):
+def _tiles_loader(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, u_bufs, K, num_n, work,
+                  GATE_UP: gl.constexpr):
     """Producer partition (one warp) of the kernels over the plan's busy tiles × N-blocks: per block, its
-    K-steps (the sorted rows ``a`` and the expert's weight blocks) into the ring. Without ``ACT``: w (E, K, N),
-    block (1, BK, BN), into ``w_bufs``. With ``ACT``: gate and up weights (E, 2, I, K), block (1, 1, BN, BK),
-    into ``w_bufs`` and ``u_bufs``, then the block's dh' (``dh_desc``, into ``dh_smem``), which the act
-    kernel's MMA partition reads after the main loop; the dh' and ``u_bufs`` arguments are unread
-    without ``ACT``."""
+    K-steps (the sorted rows ``a`` and the expert's weight blocks) into the ring. Without ``GATE_UP``: w (E, K, N),
+    block (1, BK, BN), into ``w_bufs`` (``u_bufs`` unread). With it: gate and up weights (E, 2, I, K), block
+    (1, 1, BN, BK), into ``w_bufs`` and ``u_bufs``."""
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[2]  # (1, BK, BN) or (1, 1, BN, BK)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if ACT else 1) * w_desc.block_type.nbytes
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATE_UP else 1) * w_desc.block_type.nbytes
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         for k in range(0, K, BK):
             s = _next_slot(empty, ready, step, nbytes)
             tma.async_copy_global_to_shared(a_desc, [row0, k], ready.index(s), a_bufs.index(s))
-            if ACT:
+            if GATE_UP:
                 tma.async_copy_global_to_shared(w_desc, [e, 0, n0, k], ready.index(s), w_bufs.index(s))
                 tma.async_copy_global_to_shared(w_desc, [e, 1, n0, k], ready.index(s), u_bufs.index(s))
             else:
                 tma.async_copy_global_to_shared(w_desc, [e, k, n0], ready.index(s), w_bufs.index(s))
             step += 1
-        if ACT:
-            block = (w - gl.program_id(0)) // gl.num_programs(0)  # this program's how-manieth block
-            mbarrier.wait(dh_empty.index(0), (block & 1) ^ 1)
-            mbarrier.expect(dh_ready.index(0), dh_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(dh_desc, [row0, n0], dh_ready.index(0), dh_smem)
 
 
 @gluon.jit
@@ -271,8 +264,8 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
     gl.warp_specialize([
         (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT,
                              K, num_n, work, num_warps)),
-        (_tiles_loader, (a_desc, w_desc, a_desc, tile_expert_ptr, tile_row_ptr, ready, empty, ready, empty, a_bufs,
-                         w_bufs, w_bufs, a_bufs, K, num_n, work, False)),
+        (_tiles_loader, (a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, w_bufs, K, num_n,
+                         work, False)),
     ], [1], [40])
 
 
@@ -305,97 +298,102 @@ def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout:
 
 
 @gluon.jit
-def _store_via(buf, block, ptrs, mask, layout: gl.constexpr):
-    """Store ``block`` to ``ptrs`` (masked) in ``layout`` through the shared buffer ``buf``, which the calling
-    partition owns: barriers before the write (earlier reads done) and before the read (the write done)."""
-    gl.thread_barrier()
-    buf.store(block)
-    gl.thread_barrier()
-    gl.store(ptrs, buf.load(layout), mask=mask)
+def _act_mma_partition(tile_expert_ptr, tile_row_ptr, ready, empty, gu_ready, gu_empty, x_bufs, g_bufs, u_bufs, gu_smem,
+                       D, num_n, work, num_warps: gl.constexpr):
+    """Default partition of ``_act_ws_kernel``: both GEMMs of each block, then g and u, rounded to the operands'
+    dtype, into ``gu_smem`` for the epilogue partition, and on to the next block's GEMMs."""
+    BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
+    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
+    step = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout, False)
+        block = (w - gl.program_id(0)) // gl.num_programs(0)  # this program's how-manieth block
+        mbarrier.wait(gu_empty.index(0), (block & 1) ^ 1)  # the epilogue has read the previous block's
+        gu_smem.index(0).store(acc_g.to(gu_smem.dtype))
+        gu_smem.index(1).store(acc_u.to(gu_smem.dtype))
+        gl.thread_barrier()  # every thread's stores before the one arrival
+        mbarrier.arrive(gu_ready.index(0), count=1)
 
 
 @gluon.jit
-def _act_mma_partition(weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr,
-                       tile_row_ptr, ready, empty, dh_ready, dh_empty, x_bufs, g_bufs, u_bufs, dh_smem, N, D, I,
-                       num_n, work, PART_COLS: gl.constexpr, num_warps: gl.constexpr):
-    """Default partition of ``_act_ws_kernel``: both GEMMs of each block, then the epilogue of
-    ``expert_bwd._act_bwd_tile`` (``DH_ROWS``) on it."""
-    BM: gl.constexpr = x_bufs.type.shape[1]
-    BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
-    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
-    out_layout: gl.constexpr = _row_block_layout(BN, num_warps)
+def _act_epilogue_partition(weights_ptr, dh_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
+                            tile_expert_ptr, tile_row_ptr, gu_ready, gu_empty, gu_smem, N, I, num_n, work,
+                            PART_COLS: gl.constexpr, num_warps: gl.constexpr):
+    """Epilogue partition of ``_act_ws_kernel``, ``expert_bwd._act_bwd_tile``'s epilogue (``DH_ROWS``) on each
+    block's g and u from ``gu_smem`` and its dh' rows (loaded here), ``CHUNK`` rows at a time, in a layout of
+    16-byte row segments: h, the d(weight) partials, dz = [dg | du] and h * w, masked to the expert's rows and
+    to I. It overlaps the MMA partition's next block."""
+    BM: gl.constexpr = gu_smem.type.shape[1]
+    BN: gl.constexpr = gu_smem.type.shape[2]
+    CHUNK: gl.constexpr = 16
+    layout: gl.constexpr = _row_block_layout(BN, num_warps)
     dtype: gl.constexpr = dz_ptr.dtype.element_ty
-    step = 0
+    local = gl.arange(0, BN, layout=gl.SliceLayout(0, layout)) // PART_COLS
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         pid_n = w % num_n
-        acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout, False)
-
-        # Epilogue, in the accumulators' layout: h, the d(weight) partials, dz = [dg | du], h * w.
-        mbarrier.wait(dh_ready.index(0), ((w - gl.program_id(0)) // gl.num_programs(0)) & 1)
-        dhp = dh_smem.load(acc_layout).to(gl.float32)
-        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
-        rmask = rows < gl.load(offsets_ptr + e + 1)
-        slots = gl.load(row_slot_ptr + rows, mask=rmask, other=0).to(gl.int64)
-        wt = gl.load(weights_ptr + slots, mask=rmask, other=0.0).to(gl.float32)
-        sig = 1.0 / (1.0 + gl.exp(-acc_g))
-        silu = acc_g * sig
-        h = silu * acc_u
-        dwh = dhp * h
-        local = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout)) // PART_COLS
-        for j in gl.static_range(BN // PART_COLS):
-            part_row = pid_n * (BN // PART_COLS) + j
-            gl.store(dweight_part_ptr + part_row.to(gl.int64) * N + slots,
-                     gl.sum(gl.where((local == j)[None, :], dwh, 0.0), axis=1),
-                     mask=rmask & (part_row * PART_COLS < I))
-        dh = dhp * wt[:, None]
-        du = (dh * silu).to(dtype)
-        dg = (dh * acc_u * (sig + silu * (1.0 - sig))).to(dtype)
-        hw = (h * wt[:, None]).to(dtype)
-
-        # Stores: each output block through the dh' buffer (read above; the loader writes the next block's
-        # dh' there only after this block's arrive below) into 16-byte row segments, masked to the expert's
-        # rows and to I. Staging in dh_smem instead of gl.convert_layout's own 32 KB scratch leaves room
-        # for a fourth ring stage.
-        orows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-        ocols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-        omask = (orows < gl.load(offsets_ptr + e + 1))[:, None] & (ocols < I)[None, :]
-        orows64 = orows.to(gl.int64)[:, None]
-        dz_ptrs = dz_ptr + orows64 * 2 * I + ocols[None, :]
-        _store_via(dh_smem, dg, dz_ptrs, omask, out_layout)
-        _store_via(dh_smem, du, dz_ptrs + I, omask, out_layout)
-        _store_via(dh_smem, hw, hw_ptr + orows64 * I + ocols[None, :], omask, out_layout)
-        gl.thread_barrier()  # every thread's last read of dh_smem is done
-        fence_async_shared()  # these generic accesses before the loader's next TMA write of dh_smem
-        mbarrier.arrive(dh_empty.index(0), count=1)
+        end = gl.load(offsets_ptr + e + 1)
+        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+        mbarrier.wait(gu_ready.index(0), ((w - gl.program_id(0)) // gl.num_programs(0)) & 1)
+        for c in gl.static_range(BM // CHUNK):
+            rows = row0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            rmask = rows < end
+            mask = rmask[:, None] & (cols < I)[None, :]
+            rows64 = rows.to(gl.int64)[:, None]
+            dhp = gl.load(dh_ptr + rows64 * I + cols[None, :], mask=mask, other=0.0).to(gl.float32)
+            slots = gl.load(row_slot_ptr + rows, mask=rmask, other=0).to(gl.int64)
+            wt = gl.load(weights_ptr + slots, mask=rmask, other=0.0).to(gl.float32)
+            g = gu_smem.index(0).slice(c * CHUNK, CHUNK).load(layout).to(gl.float32)
+            u = gu_smem.index(1).slice(c * CHUNK, CHUNK).load(layout).to(gl.float32)
+            sig = 1.0 / (1.0 + gl.exp(-g))
+            silu = g * sig
+            h = silu * u
+            dwh = dhp * h
+            for j in gl.static_range(BN // PART_COLS):
+                part_row = pid_n * (BN // PART_COLS) + j
+                gl.store(dweight_part_ptr + part_row.to(gl.int64) * N + slots,
+                         gl.sum(gl.where((local == j)[None, :], dwh, 0.0), axis=1),
+                         mask=rmask & (part_row * PART_COLS < I))
+            dh = dhp * wt[:, None]
+            dz_ptrs = dz_ptr + rows64 * 2 * I + cols[None, :]
+            gl.store(dz_ptrs, (dh * u * (sig + silu * (1.0 - sig))).to(dtype), mask=mask)
+            gl.store(dz_ptrs + I, (dh * silu).to(dtype), mask=mask)
+            gl.store(hw_ptr + rows64 * I + cols[None, :], (h * wt[:, None]).to(dtype), mask=mask)
+        gl.thread_barrier()  # every thread's reads of gu_smem before the one arrival
+        mbarrier.arrive(gu_empty.index(0), count=1)
 
 
 @gluon.jit
-def _act_ws_kernel(x_desc, w13_desc, dh_desc, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
+def _act_ws_kernel(x_desc, w13_desc, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
                    tile_expert_ptr, tile_row_ptr, N, D, I, E, EB: gl.constexpr, TILE_M: gl.constexpr,
-                   PART_COLS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                   PART_COLS: gl.constexpr, STAGES: gl.constexpr, EPILOGUE_WARPS: gl.constexpr,
+                   EPILOGUE_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The one-device act kernel (``expert_bwd._act_bwd_kernel`` with ``DH_ROWS``): x_desc (N, D) sorted rows,
-    block (TILE_M, BK); w13_desc (E, 2, I, D), block (1, 1, BN, BK); dh_desc (N, I) dh' in sorted rows,
-    block (TILE_M, BN); outputs and other arguments as for the Triton kernel. Blocks: the busy tiles times
-    the I-blocks."""
+    block (TILE_M, BK); w13_desc (E, 2, I, D), block (1, 1, BN, BK); dh (N, I) dh' in sorted rows; outputs and
+    other arguments as for the Triton kernel. Blocks: the busy tiles times the I-blocks. Three partitions: the
+    TMA loader (one warp), the MMAs (``num_warps``), the epilogue (``EPILOGUE_WARPS``), which takes each block's
+    g and u through shared memory (rounded to the operands' dtype) while the MMAs run the next block."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     num_n = gl.cdiv(I, BN)
     work = _busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
     u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
-    dh_smem = gl.allocate_shared_memory(dh_desc.dtype, dh_desc.block_type.shape, dh_desc.layout)
+    gu_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BN], w13_desc.dtype)
+    gu_smem = gl.allocate_shared_memory(w13_desc.dtype, [2, TILE_M, BN], gu_layout)
     ready = _barriers(STAGES)
     empty = _barriers(STAGES)
-    dh_ready = _barriers(1)
-    dh_empty = _barriers(1)
+    gu_ready = _barriers(1)
+    gu_empty = _barriers(1)
     gl.warp_specialize([
-        (_act_mma_partition, (weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr,
-                              tile_row_ptr, ready, empty, dh_ready, dh_empty, x_bufs, g_bufs, u_bufs, dh_smem, N, D, I,
-                              num_n, work, PART_COLS, num_warps)),
-        (_tiles_loader, (x_desc, w13_desc, dh_desc, tile_expert_ptr, tile_row_ptr, ready, empty, dh_ready, dh_empty,
-                         x_bufs, g_bufs, u_bufs, dh_smem, D, num_n, work, True)),
-    ], [1], [48])
+        (_act_mma_partition, (tile_expert_ptr, tile_row_ptr, ready, empty, gu_ready, gu_empty, x_bufs, g_bufs, u_bufs,
+                              gu_smem, D, num_n, work, num_warps)),
+        (_tiles_loader, (x_desc, w13_desc, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs, u_bufs, D, num_n,
+                         work, True)),
+        (_act_epilogue_partition, (weights_ptr, dh_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
+                                   tile_expert_ptr, tile_row_ptr, gu_ready, gu_empty, gu_smem, N, I, num_n, work,
+                                   PART_COLS, EPILOGUE_WARPS)),
+    ], [1, EPILOGUE_WARPS], [24, EPILOGUE_REGS])
 
 
 @gluon.jit
@@ -530,9 +528,13 @@ def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor
 
 
 # (BM, BN, BK, STAGES) of the act kernel: 128 rows x 128 columns of gate and of up (the Triton kernel's
-# pick), 4 stages of 48 KB and the 32 KB dh' block, which also stages the epilogue's stores (224 KB).
-ACT_TILE = (128, 128, 64, 4)
-ACT_CONFIG = {**WS_CONFIG, "BN": ACT_TILE[1], "num_stages": ACT_TILE[3]}
+# pick), 3 stages of 48 KB and the 64 KB g/u hand-off block (208 KB).
+ACT_TILE = (128, 128, 64, 3)
+ACT_CONFIG = {**WS_CONFIG, "BN": ACT_TILE[1], "num_stages": ACT_TILE[3], "EPILOGUE_WARPS": 4}
+ACT_EPILOGUE_WARPS = ACT_CONFIG["EPILOGUE_WARPS"]
+ACT_MAXNREG = 128  # 16 warps (8 MMA, the loader's warpgroup, 4 epilogue) x 32 x 128 = 64 K registers
+# Per epilogue thread; the loader keeps 24 and the MMA warps get the rest: (64 K - 128 x 24 - 128 x 152) / 256 = 168.
+ACT_EPILOGUE_REGS = 152
 
 
 def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tensor, weights_N: torch.Tensor, plan,
@@ -544,17 +546,18 @@ def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tenso
     assert bm == tile_m and bn % part_cols == 0
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
-    _launch_ws(_act_ws_kernel, sm_count(x_sorted.device.index), _desc(x_sorted, [bm, bk]),
-               _desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), _desc(dh_NI, [bm, bn]), weights_N,
-               dz_NH, hw_NI, dweight_part, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
-               dz_NH.shape[0], dim, inter, num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=tile_m,
-               PART_COLS=part_cols, stages=stages)
+    _act_ws_kernel[(sm_count(x_sorted.device.index),)](
+        _desc(x_sorted, [bm, bk]), _desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), dh_NI, weights_N,
+        dz_NH, hw_NI, dweight_part, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
+        dz_NH.shape[0], dim, inter, num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=tile_m,
+        PART_COLS=part_cols, STAGES=stages, EPILOGUE_WARPS=ACT_EPILOGUE_WARPS, EPILOGUE_REGS=ACT_EPILOGUE_REGS,
+        num_warps=WS_NUM_WARPS, maxnreg=ACT_MAXNREG)
 
 
 UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.async arrival each per stage
-# The act kernel's block and ring: no dh' block here, so 4 x 48 KB and the 32 KB conversion scratch (224 KB).
-UP_TILE = ACT_TILE
-UP_CONFIG = ACT_CONFIG
+# The act kernel's block with four stages: 4 x 48 KB and the 32 KB conversion scratch (224 KB).
+UP_TILE = (*ACT_TILE[:3], 4)
+UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
 
 
 def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, plan, top_k: int, tile_m: int) -> None:
