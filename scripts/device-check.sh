@@ -21,9 +21,12 @@
 #                                           && git archive B megamoe tests pyproject.toml | tar -x -C _exp/B`:
 #                                           an untracked folder travels with the tree); on a machine with
 #                                           2+ GPUs, `pytest -m gpu` of the last DIR (or of TESTS=DIR; TESTS=
-#                                           for none) runs on GPU 1 meanwhile; TOKENS=N (default 16384) sets
-#                                           the problem's token count, PRESETS="..." the presets (default: the
-#                                           30B and 235B layers); the archive is device-check-compare-tN.tgz
+#                                           for none) runs on GPU 1 meanwhile, on one GPU after the timings
+#                                           (at most TESTS_LIMIT seconds, default 300); TESTS_PATH (a file or
+#                                           folder, default tests) and TESTS_K (a pytest -k expression) narrow them;
+#                                           TOKENS=N (default 16384) sets the problem's token count, PRESETS="..."
+#                                           the presets (default: the 30B and 235B layers); the archive is
+#                                           device-check-compare-tN.tgz
 # Each step runs unbuffered under a time limit that aborts with a Python stack dump (a hang shows where
 # the host stopped); logs and results are packed into $OUT/device-check-<stage>.tgz after every step
 # (the tool returns only a few files, and what a step finished survives the call's time limit). Every
@@ -131,10 +134,17 @@ compare)
     [ "$#" -ge 1 ] || { echo "stage compare needs one or more package copies (DIR with DIR/megamoe)" >&2; exit 2; }
     mkdir -p "$work/results"
     tested=${TESTS-${!#}}
-    if [ "$gpus" -ge 2 ] && [ -n "$tested" ]; then  # one tree's GPU tests on GPU 1 while GPU 0 times kernels
+    test_args=("${TESTS_PATH:-tests}")
+    [ -n "${TESTS_K:-}" ] && test_args+=(-k "$TESTS_K")
+    run_tests() {  # run_tests GPU LIMIT: the tested tree's GPU tests
+        local log
         log="$work/gpu-tests-$([ "$(realpath "$tested")" = "$(realpath .)" ] && echo this-tree || basename "$tested").log"
-        (cd "$tested" && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=. timeout -s ABRT 560 \
-            "${py[@]}" -m pytest -m gpu -q -p no:logging -x tests > "$log" 2>&1; echo "exit status $?" >> "$log") &
+        (cd "$tested" && CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=. timeout -s ABRT "$2" \
+            "${py[@]}" -m pytest -m gpu -q -p no:logging -x "${test_args[@]}" > "$log" 2>&1; echo "exit status $?" >> "$log")
+        tail -2 "$log"
+    }
+    if [ "$gpus" -ge 2 ] && [ -n "$tested" ]; then  # one tree's GPU tests on GPU 1 while GPU 0 times kernels
+        run_tests 1 560 &
         tests_pid=$!
     fi
     tokens=${TOKENS:-16384}
@@ -148,6 +158,9 @@ compare)
         done
     done
     [ -n "${tests_pid:-}" ] && wait "$tests_pid"
+    if [ "$gpus" -eq 1 ] && [ -n "$tested" ]; then  # one GPU: the tests after the timings, within TESTS_LIMIT
+        run_tests 0 "${TESTS_LIMIT:-300}"
+    fi
     tar czf "$out/device-check-$tag.tgz" -C "$work" .
     ;;
 *)
