@@ -98,10 +98,10 @@ def ptxas_report(compiled) -> dict:
             "wide_stores": "st.global.v4" in compiled.asm["ptx"]}
 
 
-# The Gluon kernels (``kernels.ws``) by report name, each with the Triton kernel (``KERNELS``) it replaces and
-# its tile.
-WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE), "dh_ws": ("dh", ws.WS_TILE), "act_ws": ("act", ws.ACT_TILE),
-              "up_ws": ("up", ws.UP_TILE)}
+# The Gluon kernels (``kernels.ws``) by report name, each with the Triton kernel (``KERNELS``) it replaces, its
+# tile and its launch's register cap.
+WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG), "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG),
+              "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG), "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG)}
 
 
 def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True):
@@ -111,7 +111,7 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    bm, bn, bk, stages = WS_KERNELS[name][1]
+    _, (bm, bn, bk, stages), maxnreg = WS_KERNELS[name]
     element = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
 
     def desc(block):
@@ -143,12 +143,7 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True):
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
              if arg.endswith("_ptr") or (sizes_divisible and arg in _DIVISIBLE_INTS)}
     src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=HOPPER, options={"num_warps": ws.WS_NUM_WARPS, "maxnreg": ws_maxnreg(name)})
-
-
-def ws_maxnreg(name: str) -> int:
-    """The launch's register cap of the Gluon kernel ``name``: the act kernel's three partitions take 16 warps."""
-    return ws.ACT_MAXNREG if name == "act_ws" else ws.WS_MAXNREG
+    return triton.compile(src, target=HOPPER, options={"num_warps": ws.WS_NUM_WARPS, "maxnreg": maxnreg})
 
 
 def report_row(name: str, cfg: str, r: dict, too_big: list[str]) -> None:
@@ -177,10 +172,10 @@ def main(argv=None) -> None:
             report_row(name, " ".join(f"{k}={v}" for k, v in config.items()), resources(kernel, config, args.dtype),
                        too_big)
     narrow = []
-    for name, (_, (bm, bn, bk, stages)) in WS_KERNELS.items() if args.dtype != "fp32" else ():  # 16-bit only
+    for name, (_, (bm, bn, bk, stages), maxnreg) in WS_KERNELS.items() if args.dtype != "fp32" else ():  # 16-bit only
         r = ptxas_report(compile_ws(name, args.dtype))
         report_row(name, f"BM={bm} BN={bn} BK={bk} STAGES={stages} num_warps={ws.WS_NUM_WARPS} "
-                   f"maxnreg={ws_maxnreg(name)}", r, too_big)
+                   f"maxnreg={maxnreg}", r, too_big)
         if name != "wgrad_ws" and not r["wide_stores"]:  # its epilogue stores through pointers: 16 bytes each
             narrow.append(name)
     if narrow:  # 4-byte stores cost the first Gluon sorted-rows kernel 3-23% (docs/NOTES.md §24)

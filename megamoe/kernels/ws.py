@@ -501,8 +501,9 @@ def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), t.dtype))
 
 
-def _launch_ws(kernel, programs: int, *args, stages: int = WS_TILE[3], **constexprs) -> None:
-    kernel[(programs,)](*args, STAGES=stages, num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG, **constexprs)
+def _launch_ws(kernel, programs: int, *args, stages: int = WS_TILE[3], maxnreg: int = WS_MAXNREG,
+               **constexprs) -> None:
+    kernel[(programs,)](*args, STAGES=stages, num_warps=WS_NUM_WARPS, maxnreg=maxnreg, **constexprs)
 
 
 def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor) -> None:
@@ -546,12 +547,11 @@ def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tenso
     assert bm == tile_m and bn % part_cols == 0
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
-    _act_ws_kernel[(sm_count(x_sorted.device.index),)](
-        _desc(x_sorted, [bm, bk]), _desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), dh_NI, weights_N,
-        dz_NH, hw_NI, dweight_part, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
-        dz_NH.shape[0], dim, inter, num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=tile_m,
-        PART_COLS=part_cols, STAGES=stages, EPILOGUE_WARPS=ACT_EPILOGUE_WARPS, EPILOGUE_REGS=ACT_EPILOGUE_REGS,
-        num_warps=WS_NUM_WARPS, maxnreg=ACT_MAXNREG)
+    _launch_ws(_act_ws_kernel, sm_count(x_sorted.device.index), _desc(x_sorted, [bm, bk]),
+               _desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), dh_NI, weights_N, dz_NH, hw_NI,
+               dweight_part, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT, dz_NH.shape[0],
+               dim, inter, num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, PART_COLS=part_cols,
+               EPILOGUE_WARPS=ACT_EPILOGUE_WARPS, EPILOGUE_REGS=ACT_EPILOGUE_REGS, stages=stages, maxnreg=ACT_MAXNREG)
 
 
 UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.async arrival each per stage
