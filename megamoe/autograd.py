@@ -13,7 +13,13 @@ import torch
 from torch import Tensor
 
 from megamoe.kernels.combine import combine
-from megamoe.kernels.expert_bwd import act_bwd, dh_sorted, dx_slots, expert_wgrad, gather_rows
+from megamoe.kernels.expert_bwd import (
+    act_bwd,
+    dx_slots,
+    expert_wgrad,
+    expert_wgrad_and_combine,
+    sorted_rows_and_dh,
+)
 from megamoe.kernels.expert_fwd import down_fwd, up_swiglu_fwd
 from megamoe.kernels.plan import Plan, build_plan, num_tiles
 
@@ -34,11 +40,10 @@ def experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tens
     """(dx, d topk_weights, dw13, dw2), recomputing what the forward did not keep."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
-    x_sorted, dy_sorted = gather_rows(x, dy, plan, top_k)
-    dz_NH, hw_NI, dweight_TK = act_bwd(x_sorted, dh_sorted(dy_sorted, w2, plan), w13, w2, topk_weights.contiguous(),
-                                       plan, top_k, sorted_dh=True)
-    dx = combine(dx_slots(dz_NH, w13, plan), topk_idx, x.dtype)
-    dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype)
+    x_sorted, dy_sorted, dh_NI = sorted_rows_and_dh(x, dy, w2, plan, top_k)
+    dz_NH, hw_NI, dweight_TK = act_bwd(x_sorted, dh_NI, w13, w2, topk_weights.contiguous(), plan, top_k, sorted_dh=True)
+    dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots(dz_NH, w13, plan), topk_idx,
+                                        x.dtype)
     dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
 

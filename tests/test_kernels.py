@@ -453,6 +453,42 @@ def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, int
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", GLUON_SHAPES)
+def test_dh_kernel_copies_x_into_sorted_rows_beside_its_mmas(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
+    """``sorted_rows_and_dh`` on the GPU, where the dh' kernel copies x's rows beside its MMAs: the routed
+    x and dy rows equal ``gather_rows``' and dh' equals the kernel's without the copy, bit for bit (an expert
+    without rows, dropped slots; D inside one of the copy's 1 024-column chunks and over two)."""
+    from megamoe.kernels import expert_bwd
+
+    (x, _, _, _, w2, dy), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
+    x_sorted, dy_sorted, dh = expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k)
+    want_x, want_dy = expert_bwd.gather_rows(x, dy, plan, top_k)
+    assert torch.equal(x_sorted[:routed], want_x[:routed])
+    assert torch.equal(dy_sorted[:routed], want_dy[:routed])
+    assert torch.equal(dh[:routed], expert_bwd.dh_sorted(want_dy, w2, plan)[:routed])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", GLUON_SHAPES)
+def test_weight_gradient_kernel_combines_dx_beside_its_mmas(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
+    """``expert_wgrad_and_combine`` on the GPU, where the dW13 kernel reduces the dx slot rows beside its
+    MMAs: dW and the combined rows equal ``expert_wgrad`` and ``combine`` bit for bit, with dropped slots
+    whose rows hold NaN (never read), an expert without rows; D inside one of the combine's 512-column chunks
+    and over four."""
+    from megamoe.kernels import expert_bwd
+
+    (x, idx, _, _, _, dy), plan, _ = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
+    x_sorted, dy_sorted = expert_bwd.gather_rows(x, dy, plan, top_k)
+    slots = torch.randn(idx.numel(), dim, device="cuda", dtype=torch.bfloat16)
+    slots[(idx.reshape(-1) < 0).nonzero().squeeze(1)] = float("nan")
+    dw, combined = expert_bwd.expert_wgrad_and_combine(x_sorted, dy_sorted, plan, x.dtype, slots, idx, x.dtype)
+    assert torch.equal(dw, expert_bwd.expert_wgrad(x_sorted, dy_sorted, plan, x.dtype))
+    want = combine(slots, idx, x.dtype)
+    assert not want.isnan().any()
+    assert torch.equal(combined, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", GLUON_SHAPES)
 def test_warp_specialized_act_kernel_matches_the_triton_kernel(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
     """The Gluon act kernel on the GPU against the Triton one on the same sorted rows and dh': dz and h·w
     of every routed row, every d(routing weight) partial, and exact zeros for dropped slots' partials (I

@@ -38,7 +38,8 @@ _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot
                   "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
                   "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32", "arrived_ptr": "*i32", "counts_ptr": "*i32",
                   "epoch_ptr": "*i32", "recv_row_slot_ptr": "*i32", "recv_offsets_ptr": "*i32",
-                  "recv_weight_ptr": "*fp32", "send_ends_ptr": "*i32"}
+                  "recv_weight_ptr": "*fp32", "send_ends_ptr": "*i32", "slot_row_ptr": "*i32",
+                  "topk_idx_ptr": "*i64"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "WAIT_ROWS": False,
                      # the EP sending programs: 16 of them, 128 experts, D = 2048
@@ -119,11 +120,12 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True):
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
     constexprs = {"STAGES": stages, "num_warps": ws.WS_NUM_WARPS}
-    if name == "wgrad_ws":
+    if name == "wgrad_ws":  # with the dx combine beside the MMAs (as dW13 runs), top-8
         fn, blocks = ws._wgrad_ws_kernel, {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
-    elif name == "dh_ws":
+        constexprs.update(TOP_K=8, COPY_WARPS=ws.COPY_WARPS)
+    elif name == "dh_ws":  # with the x copy beside the MMAs, top-8
         fn, blocks = ws._dh_ws_kernel, {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
-        constexprs.update(EB=128, TILE_M=bm)
+        constexprs.update(EB=128, TILE_M=bm, TOP_K=8, COPY_WARPS=ws.COPY_WARPS)
     elif name == "act_ws":
         fn, blocks = ws._act_ws_kernel, {"x_desc": [bm, bk], "w13_desc": [1, 1, bn, bk]}
         constexprs.update(EB=128, TILE_M=bm, PART_COLS=expert_bwd.PART_COLS, EPILOGUE_WARPS=ws.ACT_EPILOGUE_WARPS,
@@ -195,7 +197,7 @@ def main(argv=None) -> None:
 OTHER_KERNELS = (expert_bwd._invert_rows_kernel, expert_bwd._scatter_rows_kernel,
                  dispatch._exchange_counts_kernel, dispatch._dispatch_rows_kernel, dispatch._wait_epoch_kernel,
                  dispatch._wait_and_reset_kernel, dispatch._return_rows_kernel, dispatch._signal_returned_kernel)
-_OTHER_CONSTEXPRS = {"HAS_DY": True, "RB": 16, "EB": 128, "CB": 128, "BD": 256, "LB": 16, "NB": 8, "TB": 16,
+_OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "RB": 16, "EB": 128, "CB": 128, "BD": 256, "LB": 16, "NB": 8, "TB": 16,
                      "BLOCK": 1024}
 
 
@@ -212,8 +214,8 @@ def compile_other_kernel(fn):
         if name.endswith("_tab"):
             signature[name] = "*i64"
         elif name.endswith("_ptr"):
-            signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_x_ptr": "*bf16", "x_out_ptr": "*bf16",
-                               "dy_out_ptr": "*bf16", "counter_ptr": "*i64",
+            signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_x_ptr": "*bf16", "a_ptr": "*bf16",
+                               "b_ptr": "*bf16", "a_out_ptr": "*bf16", "b_out_ptr": "*bf16", "counter_ptr": "*i64",
                                "expected_ptr": "*i64"}.get(name, _POINTER_TYPES.get(name, "*i32"))
         else:
             signature[name] = "i32"

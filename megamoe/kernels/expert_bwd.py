@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_fwd import (
     _sorted_rows_gemm_kernel,
     _tile_rows,
@@ -152,31 +153,33 @@ def _invert_rows_kernel(row_slot_ptr, slot_row_ptr, N, BLOCK: tl.constexpr):
 
 @triton.jit
 def _scatter_rows_kernel(
-    x_ptr,  # (T, D)
-    dy_ptr,  # (T, D)
-    x_out_ptr,  # (N, D) out: x rows in sorted order (rows past the routed count not written)
-    dy_out_ptr,  # (N, D) out: dy rows in sorted order
+    a_ptr,  # (T, D)
+    b_ptr,  # (T, D), with HAS_B
+    a_out_ptr,  # (N, D) out: a's rows in sorted order (rows past the routed count not written)
+    b_out_ptr,  # (N, D) out: b's rows in sorted order, with HAS_B
     slot_row_ptr, offsets_ptr,
     T, D, E, top_k,
-    TB: tl.constexpr, BD: tl.constexpr,
+    HAS_B: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr,
 ):
-    """Token-major: each program reads TB tokens' x and dy columns once and writes them to each of their
-    top_k sorted rows. (Row-major, gathering each sorted row from its token, re-reads a token's row once
-    per slot, from DRAM once x and dy outgrow L2.)"""
+    """Token-major: each program reads TB tokens' columns once and writes them to each of their top_k sorted
+    rows. (Row-major, gathering each sorted row from its token, re-reads a token's row once per slot, from
+    DRAM once the rows outgrow L2.)"""
     toks = tl.program_id(0) * TB + tl.arange(0, TB)
     tmask = toks < T
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cmask = (cols < D)[None, :]
     src = toks[:, None].to(tl.int64) * D + cols[None, :]
-    x = tl.load(x_ptr + src, mask=tmask[:, None] & cmask)
-    dy = tl.load(dy_ptr + src, mask=tmask[:, None] & cmask)
+    a = tl.load(a_ptr + src, mask=tmask[:, None] & cmask)
+    if HAS_B:
+        b = tl.load(b_ptr + src, mask=tmask[:, None] & cmask)
     routed = tl.load(offsets_ptr + E)
     for k in range(top_k):
         rows = tl.load(slot_row_ptr + toks * top_k + k, mask=tmask, other=0)
         mask = (tmask & (rows < routed))[:, None] & cmask
         dst = rows[:, None].to(tl.int64) * D + cols[None, :]
-        tl.store(x_out_ptr + dst, x, mask=mask)
-        tl.store(dy_out_ptr + dst, dy, mask=mask)
+        tl.store(a_out_ptr + dst, a, mask=mask)
+        if HAS_B:
+            tl.store(b_out_ptr + dst, b, mask=mask)
 
 
 @triton.jit
@@ -338,22 +341,48 @@ def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
     return sorted_rows_gemm(DX, dz_NH, w13_EHD, None, plan, w13_EHD.shape[2])
 
 
+def _slot_rows(plan: Plan) -> torch.Tensor:
+    """Each slot's sorted row (the inverse of the plan's row -> slot map)."""
+    num_slots = plan.row_slot_N.numel()
+    slot_row = torch.empty_like(plan.row_slot_N)
+    _invert_rows_kernel[(triton.cdiv(num_slots, 1024),)](plan.row_slot_N, slot_row, num_slots, BLOCK=1024)
+    return slot_row
+
+
+def _scatter_rows(a_TD, b_TD, slot_row, plan: Plan, top_k: int) -> list[torch.Tensor]:
+    """The rows of a (and of b, unless None) copied into sorted order, (N, D) each; rows past the routed ones
+    (dropped slots) are not written."""
+    num_slots, (num_tokens, dim) = slot_row.numel(), a_TD.shape
+    outs = [torch.empty(num_slots, dim, device=a_TD.device, dtype=a_TD.dtype) for _ in range(1 if b_TD is None else 2)]
+    tb, bd = 16, min(512, triton.next_power_of_2(dim))
+    _scatter_rows_kernel[(triton.cdiv(num_tokens, tb), triton.cdiv(dim, bd))](
+        a_TD, a_TD if b_TD is None else b_TD, outs[0], outs[-1], slot_row, plan.offsets_E1, num_tokens, dim,
+        plan.offsets_E1.numel() - 1, top_k, HAS_B=b_TD is not None, TB=tb, BD=bd, num_warps=4,
+    )
+    return outs
+
+
 def gather_rows(x_TD, dy_TD, plan: Plan, top_k: int):
     """x and dy rows in expert-sorted order, (N, D) each, for dh', the act kernel and the weight gradients;
     rows past the routed ones (dropped slots) are not written."""
     num_slots, dim = plan.row_slot_N.numel(), x_TD.shape[1]
-    x_sorted = torch.empty(num_slots, dim, device=x_TD.device, dtype=x_TD.dtype)
-    dy_sorted = torch.empty_like(x_sorted)
     if num_slots == 0:
-        return x_sorted, dy_sorted
-    slot_row = torch.empty_like(plan.row_slot_N)
-    _invert_rows_kernel[(triton.cdiv(num_slots, 1024),)](plan.row_slot_N, slot_row, num_slots, BLOCK=1024)
-    tb, bd = 16, min(512, triton.next_power_of_2(dim))
-    _scatter_rows_kernel[(triton.cdiv(x_TD.shape[0], tb), triton.cdiv(dim, bd))](
-        x_TD, dy_TD, x_sorted, dy_sorted, slot_row, plan.offsets_E1, x_TD.shape[0], dim,
-        plan.offsets_E1.numel() - 1, top_k, TB=tb, BD=bd, num_warps=4,
-    )
-    return x_sorted, dy_sorted
+        return (torch.empty(0, dim, device=x_TD.device, dtype=x_TD.dtype),) * 2
+    return tuple(_scatter_rows(x_TD, dy_TD, _slot_rows(plan), plan, top_k))
+
+
+def sorted_rows_and_dh(x_TD, dy_TD, w2_EDI, plan: Plan, top_k: int):
+    """(x_sorted, dy_sorted, dh'): ``gather_rows`` and ``dh_sorted`` together. On sm90 with 16-bit operands only
+    dy is copied ahead; x's copy runs inside the dh' kernel, beside its MMAs (``ws._dh_ws_kernel``)."""
+    if not (plan.row_slot_N.numel() and ws_supported(dy_TD)):
+        x_sorted, dy_sorted = gather_rows(x_TD, dy_TD, plan, top_k)
+        return x_sorted, dy_sorted, dh_sorted(dy_sorted, w2_EDI, plan)
+    slot_row = _slot_rows(plan)
+    (dy_sorted,) = _scatter_rows(dy_TD, None, slot_row, plan, top_k)
+    x_sorted = torch.empty_like(dy_sorted)
+    dh = torch.empty(dy_sorted.shape[0], w2_EDI.shape[2], device=dy_TD.device, dtype=dy_TD.dtype)
+    dh_ws(dy_sorted, w2_EDI, dh, plan, BLOCK_M, copy_x=(x_TD, x_sorted, slot_row, top_k))
+    return x_sorted, dy_sorted, dh
 
 
 def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor:
@@ -371,3 +400,15 @@ def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor
         dtype=a_NP.dtype,
     )
     return dw
+
+
+def expert_wgrad_and_combine(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, slots_ND, topk_idx_TK,
+                             combine_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``expert_wgrad(a, b)``, ``combine(slots, topk_idx)``). On sm90 with 16-bit operands the combine runs
+    inside the weight-gradient kernel, beside its MMAs (``ws._wgrad_ws_kernel``), with the same sums."""
+    if not (a_NP.shape[0] and ws_supported(a_NP) and out_dtype == a_NP.dtype):
+        return expert_wgrad(a_NP, b_NQ, plan, out_dtype), combine(slots_ND, topk_idx_TK, combine_dtype)
+    dw = torch.empty(plan.offsets_E1.numel() - 1, a_NP.shape[1], b_NQ.shape[1], device=a_NP.device, dtype=out_dtype)
+    out = torch.empty(topk_idx_TK.shape[0], slots_ND.shape[1], device=slots_ND.device, dtype=combine_dtype)
+    expert_wgrad_ws(a_NP, b_NQ, plan.offsets_E1, dw, combine=(slots_ND, topk_idx_TK, out))
+    return dw, out

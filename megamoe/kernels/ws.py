@@ -155,20 +155,30 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
 
 
 @gluon.jit
-def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, STAGES: gl.constexpr,
-                     num_warps: gl.constexpr):
+def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, rows_ptr, topk_idx_ptr, out_ptr, T, D,
+                     TOP_K: gl.constexpr, COPY_WARPS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: (N, P) sorted rows, block (BK, BM); b_desc: (N, Q), block (BK, BN); dw_desc: (E, P, Q),
-    block (1, BM, BN). Tiles: E * num_p * num_q output blocks, expert-major."""
+    block (1, BM, BN). Tiles: E * num_p * num_q output blocks, expert-major. With ``COPY_WARPS``, a third
+    partition of that many warps combines slot rows (T * TOP_K, D) into out (T, D) beside them
+    (``_combine_partition``; ``topk_idx`` marks the dropped slots)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
     ready = _barriers(STAGES)
     empty = _barriers(STAGES)
-    gl.warp_specialize([
-        (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
-                          num_warps)),
-        (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
-    ], [1], [40])
+    if COPY_WARPS > 0:
+        gl.warp_specialize([
+            (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
+                              num_warps)),
+            (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
+            (_combine_partition, (rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K, COPY_WARPS)),
+        ], [1, COPY_WARPS], [40, 40])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
+                              num_warps)),
+            (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
+        ], [1], [40])
 
 
 @gluon.jit
@@ -215,6 +225,52 @@ def _tiles_loader(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a
             step += 1
 
 
+@gluon.constexpr_function
+def _row_chunk_layout(per_thread, num_warps):
+    """``per_thread`` contiguous elements per thread along one row (8: one 16-byte vector of a 16-bit type)."""
+    return gl.BlockedLayout([per_thread], [32], [num_warps], [0])
+
+
+@gluon.jit
+def _scatter_rows_partition(src_ptr, dst_ptr, slot_row_ptr, offsets_ptr, T, D, E, TOP_K: gl.constexpr,
+                            num_warps: gl.constexpr):
+    """A side job beside the MMAs (``expert_bwd._scatter_rows_kernel`` for one tensor): each token's row of src
+    (T, D) into its TOP_K sorted rows of dst (N, D); slots past the routed rows (dropped) are not written. The
+    programs share the (token, column chunk) items; the copy reads and writes HBM while the MMAs, which it does
+    not feed, keep the tensor cores busy."""
+    BD: gl.constexpr = 16 * 32 * num_warps  # two 16-byte vectors per thread: one load, TOP_K stores
+    cols = gl.arange(0, BD, layout=_row_chunk_layout(16, num_warps))
+    routed = gl.load(offsets_ptr + E)
+    chunks = gl.cdiv(D, BD)
+    for item in range(gl.program_id(0), T * chunks, gl.num_programs(0)):
+        t = item // chunks
+        c = (item % chunks) * BD + cols
+        cmask = c < D
+        row = gl.load(src_ptr + t.to(gl.int64) * D + c, mask=cmask)
+        for k in gl.static_range(TOP_K):
+            r = gl.load(slot_row_ptr + t * TOP_K + k)
+            gl.store(dst_ptr + r.to(gl.int64) * D + c, row, mask=cmask & (r < routed))
+
+
+@gluon.jit
+def _combine_partition(rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K: gl.constexpr, num_warps: gl.constexpr):
+    """A side job beside the MMAs (``combine._combine_kernel``): out[t] = the sum over k of rows[t * TOP_K + k]
+    for the slots not dropped (topk_idx >= 0), in slot order, in fp32 — the same sums as that kernel."""
+    BD: gl.constexpr = 8 * 32 * num_warps  # one 16-byte vector per thread and slot: TOP_K loads in flight
+    cols = gl.arange(0, BD, layout=_row_chunk_layout(8, num_warps))
+    chunks = gl.cdiv(D, BD)
+    for item in range(gl.program_id(0), T * chunks, gl.num_programs(0)):
+        t = item // chunks
+        c = (item % chunks) * BD + cols
+        cmask = c < D
+        acc = gl.zeros([BD], gl.float32, _row_chunk_layout(8, num_warps))
+        for k in gl.static_range(TOP_K):
+            e = gl.load(topk_idx_ptr + t * TOP_K + k)
+            v = gl.load(rows_ptr + (t.to(gl.int64) * TOP_K + k) * D + c, mask=cmask & (e >= 0), other=0.0)
+            acc += v.to(gl.float32)
+        gl.store(out_ptr + t.to(gl.int64) * D + c, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
 @gluon.jit
 def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT, K,
                       num_n, work, num_warps: gl.constexpr):
@@ -249,11 +305,14 @@ def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready
 
 
 @gluon.jit
-def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, N_OUT, K, E, EB: gl.constexpr,
-                  TILE_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, x_ptr, x_sorted_ptr, slot_row_ptr,
+                  T, N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr, TOP_K: gl.constexpr, COPY_WARPS: gl.constexpr,
+                  STAGES: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: (N, K) sorted dy rows, block (TILE_M, BK); w_desc: W2 (E, K, N_OUT), block (1, BK, BN); out (N, N_OUT)
     in sorted rows; other arguments as for ``expert_fwd._sorted_rows_gemm_kernel``. Blocks: the busy tiles
-    (counted from the offsets; EB a power of two >= E) times the N-blocks."""
+    (counted from the offsets; EB a power of two >= E) times the N-blocks. With ``COPY_WARPS``, a third
+    partition of that many warps copies x (T, K) into sorted rows (``x_sorted``, through each slot's sorted row
+    ``slot_row``) for the kernels after this one."""
     BN: gl.constexpr = w_desc.block_type.shape[2]
     num_n = gl.cdiv(N_OUT, BN)
     work = _busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -261,12 +320,21 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = _barriers(STAGES)
     empty = _barriers(STAGES)
-    gl.warp_specialize([
-        (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT,
-                             K, num_n, work, num_warps)),
-        (_tiles_loader, (a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, w_bufs, K, num_n,
-                         work, False)),
-    ], [1], [40])
+    if COPY_WARPS > 0:
+        gl.warp_specialize([
+            (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
+                                 N_OUT, K, num_n, work, num_warps)),
+            (_tiles_loader, (a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, w_bufs, K,
+                             num_n, work, False)),
+            (_scatter_rows_partition, (x_ptr, x_sorted_ptr, slot_row_ptr, offsets_ptr, T, K, E, TOP_K, COPY_WARPS)),
+        ], [1, COPY_WARPS], [40, 40])
+    else:
+        gl.warp_specialize([
+            (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
+                                 N_OUT, K, num_n, work, num_warps)),
+            (_tiles_loader, (a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, w_bufs, K,
+                             num_n, work, False)),
+        ], [1], [40])
 
 
 @gluon.jit
@@ -506,26 +574,48 @@ def _launch_ws(kernel, programs: int, *args, stages: int = WS_TILE[3], maxnreg: 
     kernel[(programs,)](*args, STAGES=stages, num_warps=WS_NUM_WARPS, maxnreg=maxnreg, **constexprs)
 
 
-def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor) -> None:
+# Warps of the side copy that the dh' and weight-gradient kernels run beside their MMAs (the x rows into sorted
+# order; the dx combine). Two share the loader's warpgroup, so a kernel stays at 12 warps and 168 registers;
+# a warpgroup of its own would make 16 warps, a cap of 128 registers, and the 64x256 MMA needs more.
+COPY_WARPS = 2
+
+
+def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor,
+                    combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """dw (E, P, Q) = per expert, the sum over its sorted rows r of outer(a[r], b[r]); a, b, dw 16-bit,
-    contiguous, on an sm90 GPU (``ws_supported``), with at least one row."""
+    contiguous, on an sm90 GPU (``ws_supported``), with at least one row. ``combine``: (slot rows (T*K, D),
+    topk_idx (T, K), out (T, D)), all contiguous, to reduce into ``out`` beside the MMAs, with the sums of
+    ``combine.combine``."""
     bm, bn, bk, _ = WS_TILE
     num_experts, p, q = dw.shape
     num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
     tiles = num_experts * num_p * num_q
+    if combine is None:  # the combine's arguments are not read
+        rows, topk_idx, out, num_tokens, top_k, copy_warps = a_NP, offsets_E1, a_NP, 0, 1, 0
+    else:
+        (rows, topk_idx, out), num_tokens, top_k, copy_warps = combine, *combine[1].shape, COPY_WARPS
     _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), _desc(a_NP, [bk, bm]), _desc(b_NQ, [bk, bn]),
-               _desc(dw, [1, bm, bn]), offsets_E1, num_p, num_q, tiles)
+               _desc(dw, [1, bm, bn]), offsets_E1, num_p, num_q, tiles, rows, topk_idx, out, num_tokens, out.shape[1],
+               TOP_K=top_k, COPY_WARPS=copy_warps)
 
 
-def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int) -> None:
+def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,
+          copy_x: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """``expert_bwd.dh_sorted``'s product through ``_dh_ws_kernel`` into ``out_NI`` (sorted rows); 16-bit operands
-    on an sm90 GPU (``ws_supported``), at least one row; ``tile_m`` the plan's tile height."""
+    on an sm90 GPU (``ws_supported``), at least one row; ``tile_m`` the plan's tile height. ``copy_x``: (x (T, D),
+    x_sorted (N, D) out, slot_row (N,) each slot's sorted row, top_k), the rows of x to copy into sorted order
+    beside the MMAs."""
     bm, bn, bk, _ = WS_TILE
     assert bm == tile_m, "a block is one plan tile"
     num_experts = w2_EDI.shape[0]
+    if copy_x is None:  # the copy's arguments are not read
+        x, x_sorted, slot_row, top_k, copy_warps = dy_sorted_ND, dy_sorted_ND, plan.offsets_E1, 1, 0
+    else:
+        (x, x_sorted, slot_row, top_k), copy_warps = copy_x, COPY_WARPS
     _launch_ws(_dh_ws_kernel, sm_count(dy_sorted_ND.device.index), _desc(dy_sorted_ND, [bm, bk]),
-               _desc(w2_EDI, [1, bk, bn]), out_NI, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
-               out_NI.shape[1], dy_sorted_ND.shape[1], num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=tile_m)
+               _desc(w2_EDI, [1, bk, bn]), out_NI, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT, x, x_sorted,
+               slot_row, x.shape[0], out_NI.shape[1], dy_sorted_ND.shape[1], num_experts,
+               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, TOP_K=top_k, COPY_WARPS=copy_warps)
 
 
 # (BM, BN, BK, STAGES) of the act kernel: 128 rows x 128 columns of gate and of up (the Triton kernel's
