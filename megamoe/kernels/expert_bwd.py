@@ -18,7 +18,10 @@ One device:
    dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w). An expert with no rows gets exact zeros.
 
 On sm90 with 16-bit operands, steps 2, 3 and 5 run warp-specialized Gluon twins instead (``ws.py``:
-``_dh_ws_kernel``, ``_act_ws_kernel``, ``_wgrad_ws_kernel``; same operands and outputs).
+``_dh_ws_kernel``, ``_act_ws_kernel``, ``_wgrad_ws_kernel``; same operands and outputs), and two copies move
+into them, run by a partition of their own beside the MMAs: step 1 copies only dy ahead, x's rows are copied
+inside the dh' kernel (``sorted_rows_and_dh``); step 4's combine runs inside the dW13 kernel
+(``expert_wgrad_and_combine``).
 
 Expert parallelism runs ``_act_bwd_kernel`` without ``DH_ROWS`` on its receive buffers, as the rows
 arrive: the three accumulators in one K-loop over x and dy rows gathered through pointers.

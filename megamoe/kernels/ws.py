@@ -18,11 +18,16 @@ projection and dx as Gluon kernels did not, and stay Triton):
   ``expert_bwd._expert_wgrad_kernel``; blocks expert-major. An expert's last, partial K-step is loaded
   whole by TMA (rows past the expert belong to the next expert, or were never written); the MMA partition
   zeroes those rows of both operands in shared memory first. The bf16 block leaves through an
-  asynchronous TMA store that overlaps the next block's main loop.
+  asynchronous TMA store that overlaps the next block's main loop. For dW13 a third partition (two warps)
+  runs the dx combine beside the MMAs.
 - ``_dh_ws_kernel``: dh' = dy W2[e] in sorted rows, as ``expert_bwd.DH``: blocks over the plan's busy
   tiles, a tile's I-blocks side by side; the epilogue converts the block through shared memory into
   16-byte row segments and stores them through masked pointer stores (a tile's rows past its expert
-  belong to the next tile).
+  belong to the next tile). A third partition (two warps) copies x's rows into sorted order beside the
+  MMAs, for the act kernel and dW13.
+
+The two side copies are memory-bound work that no MMA beside them waits for; run as kernels of their own
+they cost about 0.3 / 0.6 ms of a 30B / 235B step (docs/NOTES.md §28).
 - ``_act_ws_kernel``: the one-device act kernel (``expert_bwd.ACT_BWD_DH``): recomputes both gate/up
   products and hands them, rounded to bf16/fp16, through shared memory to a third partition (4 warps) that
   runs the SwiGLU-backward epilogue on them while the MMA warps start the next block; three ring stages.
