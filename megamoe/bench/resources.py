@@ -100,9 +100,12 @@ def ptxas_report(compiled) -> dict:
 
 
 # The Gluon kernels (``kernels.ws``) by report name, each with the Triton kernel (``KERNELS``) it replaces, its
-# tile and its launch's register cap.
-WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG), "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG),
-              "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG), "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG)}
+# tile and its launch's register cap; the weight-gradient kernel twice, as the layer runs it: plain for dW2,
+# with the dx combine beside its MMAs for dW13.
+WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
+              "wgrad_combine_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
+              "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
+              "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG)}
 
 
 def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True):
@@ -120,9 +123,10 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True):
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
     constexprs = {"STAGES": stages, "num_warps": ws.WS_NUM_WARPS}
-    if name == "wgrad_ws":  # with the dx combine beside the MMAs (as dW13 runs), top-8
+    if name in ("wgrad_ws", "wgrad_combine_ws"):  # the second with the dx combine beside the MMAs, top-8
         fn, blocks = ws._wgrad_ws_kernel, {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
-        constexprs.update(TOP_K=8, COPY_WARPS=ws.COPY_WARPS)
+        combine = name == "wgrad_combine_ws"
+        constexprs.update(TOP_K=8 if combine else 1, COPY_WARPS=ws.COPY_WARPS if combine else 0)
     elif name == "dh_ws":  # with the x copy beside the MMAs, top-8
         fn, blocks = ws._dh_ws_kernel, {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
         constexprs.update(EB=128, TILE_M=bm, TOP_K=8, COPY_WARPS=ws.COPY_WARPS)

@@ -25,14 +25,14 @@ projection and dx as Gluon kernels did not, and stay Triton):
   16-byte row segments and stores them through masked pointer stores (a tile's rows past its expert
   belong to the next tile). A third partition (two warps) copies x's rows into sorted order beside the
   MMAs, for the act kernel and dW13.
-
-The two side copies are memory-bound work that no MMA beside them waits for; run as kernels of their own
-they cost about 0.3 / 0.6 ms of a 30B / 235B step (docs/NOTES.md §28).
 - ``_act_ws_kernel``: the one-device act kernel (``expert_bwd.ACT_BWD_DH``): recomputes both gate/up
   products and hands them, rounded to bf16/fp16, through shared memory to a third partition (4 warps) that
   runs the SwiGLU-backward epilogue on them while the MMA warps start the next block; three ring stages.
 - ``_up_ws_kernel``: the one-device forward up kernel (gate/up GEMM + SwiGLU), four stages; its loader
   (one warpgroup) gathers the x rows from their tokens through ``cp.async`` beside the weights' TMA.
+
+The two side copies are memory-bound work that no MMA beside them waits for; run as kernels of their own
+they cost about 0.3 / 0.6 ms of a 30B / 235B step (docs/NOTES.md §28).
 """
 
 from __future__ import annotations
