@@ -230,7 +230,8 @@ def run(args, cuda: bool) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for preset, tokens, routing in itertools.product(args.preset, args.tokens, args.routing):
-        info = measure(impls, group, preset, tokens, routing, device, args.ep_iters, args.seed)
+        info = measure(impls, group, preset, tokens, routing, device, args.ep_iters, args.seed, args.profile)
+        tables = info.pop("_profile", None)
         say(f"\n{preset} T={tokens}/rank {routing} EP={num_ranks}: exchange {info['exchange_fwd_ms']:.3f} ms "
             f"({info['exchange_gb_per_s_rank0']:.0f} GB/s on rank 0); compute only: fwd "
             f"{info['compute_only_fwd_ms']:.3f}, fwd+bwd {info['compute_only_fwd_bwd_ms']:.3f} ms")
@@ -240,15 +241,22 @@ def run(args, cuda: bool) -> None:
             overlap = f"  overlap figure {r['overlap_fwd']:.2f}" if "overlap_fwd" in r else ""
             say(f"  {r['impl']:26s} fwd {r['fwd_ms']:8.3f}  fwd+bwd {r['fwd_bwd_ms']:8.3f}  "
                 f"AC step {r['ac_step_ms']:8.3f} ms  rel err {r['max_rel_err']:.1e}{overlap}")
+        stem = f"{preset}-t{tokens}-per-rank-{routing}-ep{num_ranks}"  # not the layer benchmark's names
         if rank == 0:
-            stem = f"{preset}-t{tokens}-per-rank-{routing}-ep{num_ranks}"  # not the layer benchmark's names
             (out / f"{stem}.json").write_text(json.dumps(info, indent=1) + "\n")
             say(f"wrote {out / stem}.json")
+        if tables:  # every rank's: an owner that waits longer for its rows shows it
+            (out / f"{stem}-rank{rank}-profile.txt").write_text(tables)
+            say(f"wrote {out / stem}-rank<r>-profile.txt, one per rank")
 
 
-def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, iters: int, seed: int) -> dict:
+def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, iters: int, seed: int,
+            profile: bool = False) -> dict:
     """Times and errors of every impl on one problem (``tokens`` per rank), as the result JSON holds them.
-    bf16 on a GPU; fp32 on CPU (where it only exercises the code: CPU timings mean nothing)."""
+    bf16 on a GPU; fp32 on CPU (where it only exercises the code: CPU timings mean nothing). ``profile``:
+    also ``"_profile"``, this rank's per-kernel CUDA time tables (:func:`kernel_tables`) of each fused impl's
+    forward and of the two halves of the overlap figure: where the fused forward's time goes beyond
+    max(compute only, comm only)."""
     from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest, training_step, utc_now
 
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
@@ -259,9 +267,11 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
                          seed + 1)
     small_ref = reference_share(small, rank, num_ranks)
     local = local_problem(problem, rank, num_ranks)
-    results = []
+    results, forwards = [], {}
     for name, fn in impls.items():
         fwd, fwd_bwd = training_step(fn, local)
+        if name.startswith("fused"):
+            forwards[f"{name} forward"] = fwd
         fwd_ms = max_over_ranks(timed(fwd, iters, 3, device), device)
         fwd_bwd_ms = max_over_ranks(timed(fwd_bwd, iters, 3, device), device)
         err = max_over_ranks(gathered_error(fn, small, small_ref, rank, num_ranks), device)
@@ -272,9 +282,11 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
     exchange, moved = exchange_only(local, group)
     comm_ms = max_over_ranks(timed(exchange, iters, 3, device), device)
     fused = [r for r in results if r["impl"].startswith("fused")]
-    overlap = compute_and_comm_only(problem, local, group, device, iters, fused_comm=bool(fused))
+    overlap, halves = compute_and_comm_only(problem, local, group, device, iters, fused_comm=bool(fused))
     for r in fused:
         r["overlap_fwd"] = r["fwd_ms"] / max(overlap["compute_only_fwd_ms"], overlap["comm_only_fwd_ms"])
+    if profile:  # every rank profiles the same calls in the same order: the fused ones wait on each other
+        overlap["_profile"] = kernel_tables({**forwards, **halves})
     return {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "ranks": num_ranks, "commit": git_commit(), "source_sha256": source_digest(),
@@ -287,10 +299,11 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
     }
 
 
-def compute_and_comm_only(problem, local, group, device, iters: int, fused_comm: bool) -> dict:
+def compute_and_comm_only(problem, local, group, device, iters: int, fused_comm: bool) -> tuple[dict, dict]:
     """The two halves of the overlap figure, as the maximum over ranks of each rank's median: this rank's
     expert work alone (one-device megamoe on :func:`received_problem`, forward and forward+backward) and,
-    if ``fused_comm``, the fused protocol's forward communication alone (:func:`dispatch.round_trip`)."""
+    if ``fused_comm``, the fused protocol's forward communication alone (:func:`dispatch.round_trip`).
+    Also the two forwards timed (name → function), for a profile."""
     from megamoe.bench.layer import training_step
     from megamoe.kernels.plan import build_plan
     from megamoe.parallel import dispatch
@@ -298,17 +311,17 @@ def compute_and_comm_only(problem, local, group, device, iters: int, fused_comm:
 
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     received = received_problem(problem, rank, num_ranks)
-    x, idx, w, w13, w2, _ = received
-    _, fwd_bwd = training_step(megamoe.moe, received)
-    out = {"compute_only_fwd_ms": max_over_ranks(timed(lambda: megamoe.moe(x, idx, w, w13, w2), iters, 3, device), device),
+    fwd, fwd_bwd = training_step(megamoe.moe, received)
+    halves = {"compute only forward": fwd}
+    out = {"compute_only_fwd_ms": max_over_ranks(timed(fwd, iters, 3, device), device),
            "compute_only_fwd_bwd_ms": max_over_ranks(timed(fwd_bwd, iters, 3, device), device)}
     if fused_comm:
         x, idx, w, w13, *_ = local
         ws = workspace_for(group, w13.shape[0], x.shape[0], idx.shape[1], x.shape[1], x.dtype)
         plan = build_plan(idx, w13.shape[0] * num_ranks)
-        out["comm_only_fwd_ms"] = max_over_ranks(
-            timed(lambda: dispatch.round_trip(ws, x, idx, w, plan), iters, 3, device), device)
-    return out
+        halves["comm only forward"] = functools.partial(dispatch.round_trip, ws, x, idx, w, plan)
+        out["comm_only_fwd_ms"] = max_over_ranks(timed(halves["comm only forward"], iters, 3, device), device)
+    return out, halves
 
 
 def run_loopback(args, cuda: bool) -> None:
@@ -441,16 +454,17 @@ def kernel_tables(variants: dict, calls: int = 5) -> str:
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     out = []
     for name, fn in variants.items():
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
+        sync()
         with profile(activities=activities) as prof:
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
-            torch.cuda.synchronize()
+            sync()
             wall_ms = (time.perf_counter() - start) * 1e3 / calls
         averages = prof.key_averages()
         out.append(f"===== {name} ({calls} calls, {wall_ms:.3f} ms wall per call under the profiler)\n"

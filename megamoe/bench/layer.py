@@ -266,7 +266,8 @@ def parse_args(argv=None):
                    help="also write each impl's (with --ep --loopback: each variant's) per-kernel CUDA times of "
                         "forward+backward (torch.profiler) next to the JSON: where a step's time goes beyond the "
                         "expert kernels (python -m megamoe.bench.kernels); CUDA-graph impls share their eager "
-                        "twin's table")
+                        "twin's table. With --ep on real ranks: each fused impl's forward and the overlap figure's "
+                        "two halves (compute only, comm only), one file per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition budget per measurement")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
