@@ -116,23 +116,25 @@ def _with_group(*problem, group, experts):
 
 
 def timed(fn, iters: int, warmup: int, device) -> float:
-    """Median ms of ``fn`` over ``iters`` calls, the same count on every rank (CUDA events on a GPU,
-    wall clock on CPU)."""
+    """Median ms of ``fn`` over ``iters`` calls, the same count on every rank. On a GPU, CUDA events around
+    each call and no host sync between calls, as ``triton.testing.do_bench`` times the one-device layer: the
+    host runs ahead of the GPU as in training, so a call's launch time shows only where the host is slower
+    than the GPU (impls that sync the host, like the all-to-all's splits, still pay it). Wall clock on CPU."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:
             start.record()
             fn()
             end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
+        torch.cuda.synchronize(device)
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
 
