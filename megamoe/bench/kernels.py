@@ -97,6 +97,7 @@ def main(argv=None) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--routing", choices=ROUTINGS, default="random")
+    p.add_argument("--top-k", type=int, help="slots per token (default: the preset's K)")
     p.add_argument("--sweep", action="store_true", help="time every candidate config of each kernel")
     p.add_argument("--json", help="write the table as JSON to this path")
     args = p.parse_args(argv)
@@ -105,6 +106,7 @@ def main(argv=None) -> None:
     if args.sweep:
         os.environ["MEGAMOE_AUTOTUNE"] = "0"  # time each kernel's default config, which the sweep sets
     dim, inter, num_experts, top_k = PRESETS[args.preset]
+    top_k = args.top_k or top_k
     problem = make_problem(args.tokens, dim, inter, num_experts, top_k, args.routing, torch.bfloat16, "cuda", 0)
     rows = []
     for name, (fn, flops, key) in stages(problem, num_experts).items():
@@ -139,7 +141,7 @@ def main(argv=None) -> None:
         import triton
 
         Path(args.json).write_text(json.dumps({
-            "preset": args.preset, "tokens": args.tokens, "routing": args.routing, "gpu": torch.cuda.get_device_name(),
+            "preset": args.preset, "tokens": args.tokens, "top_k": top_k, "routing": args.routing, "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
             "source_sha256": source_digest(),
             "date": utc_now("seconds"),

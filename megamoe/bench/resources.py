@@ -14,6 +14,7 @@ without a tile config (the backward's row copies, the expert-parallel protocol's
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -108,10 +109,11 @@ WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG)}
 
 
-def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True):
+def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8):
     """The Gluon kernel ``name`` of ``WS_KERNELS`` for sm_90a at its tile, with 16-bit operands (``dtype`` bf16
     or fp16), pointers and the D / I / P / Q sizes specialised as 16-divisible as at run time, 128 experts.
-    ``sizes_divisible=False``: the sizes not so specialised, as at run time for sizes such as D = 520."""
+    ``sizes_divisible=False``: the sizes not so specialised, as at run time for sizes such as D = 520.
+    ``top_k``: the slots per token of the side copies (``dh_ws``, ``wgrad_combine_ws``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -126,10 +128,10 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True):
     if name in ("wgrad_ws", "wgrad_combine_ws"):  # the second with the dx combine beside the MMAs, top-8
         fn, blocks = ws._wgrad_ws_kernel, {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
         combine = name == "wgrad_combine_ws"
-        constexprs.update(TOP_K=8 if combine else 1, COPY_WARPS=ws.COPY_WARPS if combine else 0)
+        constexprs.update(TOP_K=top_k if combine else 1, COPY_WARPS=ws.COPY_WARPS if combine else 0)
     elif name == "dh_ws":  # with the x copy beside the MMAs, top-8
         fn, blocks = ws._dh_ws_kernel, {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
-        constexprs.update(EB=128, TILE_M=bm, TOP_K=8, COPY_WARPS=ws.COPY_WARPS)
+        constexprs.update(EB=128, TILE_M=bm, TOP_K=top_k, COPY_WARPS=ws.COPY_WARPS)
     elif name == "act_ws":
         fn, blocks = ws._act_ws_kernel, {"x_desc": [bm, bk], "w13_desc": [1, 1, bn, bk]}
         constexprs.update(EB=128, TILE_M=bm, PART_COLS=expert_bwd.PART_COLS, EPILOGUE_WARPS=ws.ACT_EPILOGUE_WARPS,
@@ -191,6 +193,11 @@ def main(argv=None) -> None:
     for name in WS_KERNELS if args.dtype != "fp32" else ():  # the shapes api.fused_supports admits, D = 520 say
         compile_ws(name, args.dtype, sizes_divisible=False)
         print(f"{name} with sizes not 16-divisible: compiles", flush=True)
+    for name, top_k in itertools.product(("dh_ws", "wgrad_combine_ws") if args.dtype != "fp32" else (), (1, 2)):
+        # a side copy moves more items per pass at small top_k (ws._items_per_pass): within its registers
+        if spill := ptxas_report(compile_ws(name, args.dtype, top_k=top_k))["spill_bytes"]:
+            raise SystemExit(f"{name} at top_k={top_k} spills {spill} bytes")
+        print(f"{name} at top_k={top_k}: compiles without spills", flush=True)
     for fn in OTHER_KERNELS:
         compile_other_kernel(fn)
         print(f"{fn.__name__}: compiles", flush=True)

@@ -177,7 +177,7 @@ def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, 
                               num_warps)),
             (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
             (_combine_partition, (rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K, COPY_WARPS)),
-        ], [1, COPY_WARPS], [40, 40])
+        ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
     else:
         gl.warp_specialize([
             (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
@@ -231,9 +231,18 @@ def _tiles_loader(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a
 
 
 @gluon.constexpr_function
-def _row_chunk_layout(per_thread, num_warps):
-    """``per_thread`` contiguous elements per thread along one row (8: one 16-byte vector of a 16-bit type)."""
-    return gl.BlockedLayout([per_thread], [32], [num_warps], [0])
+def _items_layout(per_thread, num_warps):
+    """Items down the rows, ``per_thread`` contiguous elements per thread along each item's row chunk (8: one
+    16-byte vector of a 16-bit type): a thread holds one vector per item of the pass."""
+    return gl.BlockedLayout([1, per_thread], [1, 32], [1, num_warps], [1, 0])
+
+
+@gluon.constexpr_function
+def _items_per_pass(top_k):
+    """How many (token, column chunk) items a side copy moves per pass: 8 // top_k, so that a pass moves about
+    eight rows' chunks whatever top_k is. A pass costs about one load latency, whatever it moves: with one item
+    per pass, at top_k = 1 the copies took longer than the GEMMs beside them (docs/NOTES.md §31)."""
+    return max(1, 8 // top_k)
 
 
 @gluon.jit
@@ -241,39 +250,51 @@ def _scatter_rows_partition(src_ptr, dst_ptr, slot_row_ptr, offsets_ptr, T, D, E
                             num_warps: gl.constexpr):
     """A side job beside the MMAs (``expert_bwd._scatter_rows_kernel`` for one tensor): each token's row of src
     (T, D) into its TOP_K sorted rows of dst (N, D); slots past the routed rows (dropped) are not written. The
-    programs share the (token, column chunk) items; the copy reads and writes HBM while the MMAs, which it does
-    not feed, keep the tensor cores busy."""
-    BD: gl.constexpr = 16 * 32 * num_warps  # two 16-byte vectors per thread: one load, TOP_K stores
-    cols = gl.arange(0, BD, layout=_row_chunk_layout(16, num_warps))
+    programs share the (token, column chunk) items, several per pass when TOP_K is small; the copy reads and
+    writes HBM while the MMAs, which it does not feed, keep the tensor cores busy."""
+    BD: gl.constexpr = 16 * 32 * num_warps  # two 16-byte vectors per thread and item: one load, TOP_K stores
+    G: gl.constexpr = _items_per_pass(TOP_K)
+    layout: gl.constexpr = _items_layout(16, num_warps)
+    cols = gl.arange(0, BD, layout=gl.SliceLayout(0, layout))
+    group = gl.arange(0, G, layout=gl.SliceLayout(1, layout))
     routed = gl.load(offsets_ptr + E)
     chunks = gl.cdiv(D, BD)
-    for item in range(gl.program_id(0), T * chunks, gl.num_programs(0)):
+    for first in range(gl.program_id(0) * G, T * chunks, gl.num_programs(0) * G):
+        item = first + group
+        valid = item < T * chunks
         t = item // chunks
-        c = (item % chunks) * BD + cols
-        cmask = c < D
-        row = gl.load(src_ptr + t.to(gl.int64) * D + c, mask=cmask)
+        c = ((item % chunks) * BD)[:, None] + cols[None, :]
+        mask = valid[:, None] & (c < D)
+        row = gl.load(src_ptr + t.to(gl.int64)[:, None] * D + c, mask=mask)
         for k in gl.static_range(TOP_K):
-            r = gl.load(slot_row_ptr + t * TOP_K + k)
-            gl.store(dst_ptr + r.to(gl.int64) * D + c, row, mask=cmask & (r < routed))
+            r = gl.load(slot_row_ptr + t * TOP_K + k, mask=valid, other=0)
+            gl.store(dst_ptr + r.to(gl.int64)[:, None] * D + c, row, mask=mask & (r < routed)[:, None])
 
 
 @gluon.jit
 def _combine_partition(rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K: gl.constexpr, num_warps: gl.constexpr):
     """A side job beside the MMAs (``combine._combine_kernel``): out[t] = the sum over k of rows[t * TOP_K + k]
-    for the slots not dropped (topk_idx >= 0), in slot order, in fp32 — the same sums as that kernel."""
-    BD: gl.constexpr = 8 * 32 * num_warps  # one 16-byte vector per thread and slot: TOP_K loads in flight
-    cols = gl.arange(0, BD, layout=_row_chunk_layout(8, num_warps))
+    for the slots not dropped (topk_idx >= 0), in slot order, in fp32 — the same sums as that kernel. The
+    programs share the (token, column chunk) items, several per pass when TOP_K is small."""
+    BD: gl.constexpr = 8 * 32 * num_warps  # one 16-byte vector per thread, item and slot
+    G: gl.constexpr = _items_per_pass(TOP_K)
+    layout: gl.constexpr = _items_layout(8, num_warps)
+    cols = gl.arange(0, BD, layout=gl.SliceLayout(0, layout))
+    group = gl.arange(0, G, layout=gl.SliceLayout(1, layout))
     chunks = gl.cdiv(D, BD)
-    for item in range(gl.program_id(0), T * chunks, gl.num_programs(0)):
+    for first in range(gl.program_id(0) * G, T * chunks, gl.num_programs(0) * G):
+        item = first + group
+        valid = item < T * chunks
         t = item // chunks
-        c = (item % chunks) * BD + cols
-        cmask = c < D
-        acc = gl.zeros([BD], gl.float32, _row_chunk_layout(8, num_warps))
+        c = ((item % chunks) * BD)[:, None] + cols[None, :]
+        mask = valid[:, None] & (c < D)
+        acc = gl.zeros([G, BD], gl.float32, layout)
         for k in gl.static_range(TOP_K):
-            e = gl.load(topk_idx_ptr + t * TOP_K + k)
-            v = gl.load(rows_ptr + (t.to(gl.int64) * TOP_K + k) * D + c, mask=cmask & (e >= 0), other=0.0)
+            e = gl.load(topk_idx_ptr + t * TOP_K + k, mask=valid, other=-1)
+            v = gl.load(rows_ptr + (t.to(gl.int64) * TOP_K + k)[:, None] * D + c, mask=mask & (e >= 0)[:, None],
+                        other=0.0)
             acc += v.to(gl.float32)
-        gl.store(out_ptr + t.to(gl.int64) * D + c, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+        gl.store(out_ptr + t.to(gl.int64)[:, None] * D + c, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -332,7 +353,7 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
             (_tiles_loader, (a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, w_bufs, K,
                              num_n, work, False)),
             (_scatter_rows_partition, (x_ptr, x_sorted_ptr, slot_row_ptr, offsets_ptr, T, K, E, TOP_K, COPY_WARPS)),
-        ], [1, COPY_WARPS], [40, 40])
+        ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
     else:
         gl.warp_specialize([
             (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
@@ -583,6 +604,9 @@ def _launch_ws(kernel, programs: int, *args, stages: int = WS_TILE[3], maxnreg: 
 # order; the dx combine). Two share the loader's warpgroup, so a kernel stays at 12 warps and 168 registers;
 # a warpgroup of its own would make 16 warps, a cap of 128 registers, and the 64x256 MMA needs more.
 COPY_WARPS = 2
+# Registers per thread of the loader's warpgroup when a side copy shares it (the loader's and the copy's): a
+# pass's eight row chunks of 16-byte vectors; the MMA warps keep (64 K - 128 x 128) / 256 = 192 >= 168.
+SIDE_REGS = gl.constexpr(128)
 
 
 def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor,
