@@ -431,6 +431,9 @@ def edge_routing_problem(num_tokens, dim, inter, num_experts, top_k):
 
 
 GLUON_SHAPES = [(300, 136, 72, 5, 2), (4096, 2048, 768, 128, 8)]  # D, I past the tile; the 30B layer's D and I
+# The side copies move 8 // top_k items per pass (ws._items_per_pass): also top_k 1 and 3, with item counts
+# that are not a multiple of it and D over several of the copies' column chunks.
+SIDE_COPY_SHAPES = [*GLUON_SHAPES, (1001, 2088, 72, 5, 1), (333, 520, 72, 5, 3)]
 
 
 @pytest.mark.gpu
@@ -452,7 +455,7 @@ def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, int
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", GLUON_SHAPES)
+@pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", SIDE_COPY_SHAPES)
 def test_dh_kernel_copies_x_into_sorted_rows_beside_its_mmas(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
     """``sorted_rows_and_dh`` on the GPU, where the dh' kernel copies x's rows beside its MMAs: the routed
     x and dy rows equal ``gather_rows``' and dh' equals the kernel's without the copy, bit for bit (an expert
@@ -468,7 +471,7 @@ def test_dh_kernel_copies_x_into_sorted_rows_beside_its_mmas(num_tokens, dim, in
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", GLUON_SHAPES)
+@pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", SIDE_COPY_SHAPES)
 def test_weight_gradient_kernel_combines_dx_beside_its_mmas(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
     """``expert_wgrad_and_combine`` on the GPU, where the dW13 kernel reduces the dx slot rows beside its
     MMAs: dW and the combined rows equal ``expert_wgrad`` and ``combine`` bit for bit, with dropped slots
