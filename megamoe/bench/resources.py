@@ -101,8 +101,8 @@ def ptxas_report(compiled) -> dict:
 
 
 # The Gluon kernels (``kernels.ws``) by report name, each with the Triton kernel (``KERNELS``) it replaces, its
-# tile and its launch's register cap; the weight-gradient kernel twice, as the layer runs it: plain for dW2,
-# with the dx combine beside its MMAs for dW13.
+# tile and its launch's register cap; the weight-gradient kernel twice, as the layer runs it: for dW2 (no tokens
+# to combine, one slot: the combine partition idles) and for dW13 (the dx combine beside its MMAs, top-8).
 WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "wgrad_combine_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
@@ -125,13 +125,13 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
     constexprs = {"STAGES": stages, "num_warps": ws.WS_NUM_WARPS}
-    if name in ("wgrad_ws", "wgrad_combine_ws"):  # the second with the dx combine beside the MMAs, top-8
+    if name in ("wgrad_ws", "wgrad_combine_ws"):
         fn, blocks = ws._wgrad_ws_kernel, {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
         combine = name == "wgrad_combine_ws"
-        constexprs.update(TOP_K=top_k if combine else 1, COPY_WARPS=ws.COPY_WARPS if combine else 0)
-    elif name == "dh_ws":  # with the x copy beside the MMAs, top-8
+        constexprs.update(TOP_K=top_k if combine else 1)
+    elif name == "dh_ws":  # the x copy beside the MMAs, top-8
         fn, blocks = ws._dh_ws_kernel, {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
-        constexprs.update(EB=128, TILE_M=bm, TOP_K=top_k, COPY_WARPS=ws.COPY_WARPS)
+        constexprs.update(EB=128, TILE_M=bm, TOP_K=top_k)
     elif name == "act_ws":
         fn, blocks = ws._act_ws_kernel, {"x_desc": [bm, bk], "w13_desc": [1, 1, bn, bk]}
         constexprs.update(EB=128, TILE_M=bm, PART_COLS=expert_bwd.PART_COLS, EPILOGUE_WARPS=ws.ACT_EPILOGUE_WARPS,

@@ -161,29 +161,21 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
 
 @gluon.jit
 def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, rows_ptr, topk_idx_ptr, out_ptr, T, D,
-                     TOP_K: gl.constexpr, COPY_WARPS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                     TOP_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: (N, P) sorted rows, block (BK, BM); b_desc: (N, Q), block (BK, BN); dw_desc: (E, P, Q),
-    block (1, BM, BN). Tiles: E * num_p * num_q output blocks, expert-major. With ``COPY_WARPS``, a third
-    partition of that many warps combines slot rows (T * TOP_K, D) into out (T, D) beside them
-    (``_combine_partition``; ``topk_idx`` marks the dropped slots)."""
+    block (1, BM, BN). Tiles: E * num_p * num_q output blocks, expert-major. A third partition (``COPY_WARPS``
+    warps) combines slot rows (T * TOP_K, D) into out (T, D) beside them (``_combine_partition``; ``topk_idx``
+    marks the dropped slots); with T = 0 it has nothing to do and returns."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
     ready = _barriers(STAGES)
     empty = _barriers(STAGES)
-    if COPY_WARPS > 0:
-        gl.warp_specialize([
-            (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
-                              num_warps)),
-            (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
-            (_combine_partition, (rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K, COPY_WARPS)),
-        ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
-    else:
-        gl.warp_specialize([
-            (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
-                              num_warps)),
-            (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
-        ], [1], [40])
+    gl.warp_specialize([
+        (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles, num_warps)),
+        (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
+        (_combine_partition, (rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K, COPY_WARPS)),
+    ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
 
 
 @gluon.jit
@@ -332,13 +324,13 @@ def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready
 
 @gluon.jit
 def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, x_ptr, x_sorted_ptr, slot_row_ptr,
-                  T, N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr, TOP_K: gl.constexpr, COPY_WARPS: gl.constexpr,
-                  STAGES: gl.constexpr, num_warps: gl.constexpr):
+                  T, N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr, TOP_K: gl.constexpr, STAGES: gl.constexpr,
+                  num_warps: gl.constexpr):
     """a_desc: (N, K) sorted dy rows, block (TILE_M, BK); w_desc: W2 (E, K, N_OUT), block (1, BK, BN); out (N, N_OUT)
     in sorted rows; other arguments as for ``expert_fwd._sorted_rows_gemm_kernel``. Blocks: the busy tiles
-    (counted from the offsets; EB a power of two >= E) times the N-blocks. With ``COPY_WARPS``, a third
-    partition of that many warps copies x (T, K) into sorted rows (``x_sorted``, through each slot's sorted row
-    ``slot_row``) for the kernels after this one."""
+    (counted from the offsets; EB a power of two >= E) times the N-blocks. A third partition (``COPY_WARPS`` warps)
+    copies x (T, K) into sorted rows (``x_sorted``, through each slot's sorted row ``slot_row``) for the kernels
+    after this one; with T = 0 it has nothing to do and returns."""
     BN: gl.constexpr = w_desc.block_type.shape[2]
     num_n = gl.cdiv(N_OUT, BN)
     work = _busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -346,21 +338,13 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = _barriers(STAGES)
     empty = _barriers(STAGES)
-    if COPY_WARPS > 0:
-        gl.warp_specialize([
-            (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
-                                 N_OUT, K, num_n, work, num_warps)),
-            (_tiles_loader, (a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, w_bufs, K,
-                             num_n, work, False)),
-            (_scatter_rows_partition, (x_ptr, x_sorted_ptr, slot_row_ptr, offsets_ptr, T, K, E, TOP_K, COPY_WARPS)),
-        ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
-    else:
-        gl.warp_specialize([
-            (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
-                                 N_OUT, K, num_n, work, num_warps)),
-            (_tiles_loader, (a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, w_bufs, K,
-                             num_n, work, False)),
-        ], [1], [40])
+    gl.warp_specialize([
+        (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT,
+                             K, num_n, work, num_warps)),
+        (_tiles_loader, (a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, w_bufs, K, num_n,
+                         work, False)),
+        (_scatter_rows_partition, (x_ptr, x_sorted_ptr, slot_row_ptr, offsets_ptr, T, K, E, TOP_K, COPY_WARPS)),
+    ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
 
 
 @gluon.jit
@@ -603,8 +587,8 @@ def _launch_ws(kernel, programs: int, *args, stages: int = WS_TILE[3], maxnreg: 
 # Warps of the side copy that the dh' and weight-gradient kernels run beside their MMAs (the x rows into sorted
 # order; the dx combine). Two share the loader's warpgroup, so a kernel stays at 12 warps and 168 registers;
 # a warpgroup of its own would make 16 warps, a cap of 128 registers, and the 64x256 MMA needs more.
-COPY_WARPS = 2
-# Registers per thread of the loader's warpgroup when a side copy shares it (the loader's and the copy's): a
+COPY_WARPS = gl.constexpr(2)
+# Registers per thread of the loader's warpgroup, which the side copy shares (the loader's and the copy's): a
 # pass's eight row chunks of 16-byte vectors; the MMA warps keep (64 K - 128 x 128) / 256 = 192 >= 168.
 SIDE_REGS = gl.constexpr(128)
 
@@ -619,13 +603,13 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
     num_experts, p, q = dw.shape
     num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
     tiles = num_experts * num_p * num_q
-    if combine is None:  # the combine's arguments are not read
-        rows, topk_idx, out, num_tokens, top_k, copy_warps = a_NP, offsets_E1, a_NP, 0, 1, 0
+    if combine is None:  # no tokens: the combine partition returns at once and reads none of these
+        rows, topk_idx, out, num_tokens, top_k = a_NP, offsets_E1, a_NP, 0, 1
     else:
-        (rows, topk_idx, out), num_tokens, top_k, copy_warps = combine, *combine[1].shape, COPY_WARPS
+        (rows, topk_idx, out), (num_tokens, top_k) = combine, combine[1].shape
     _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), _desc(a_NP, [bk, bm]), _desc(b_NQ, [bk, bn]),
                _desc(dw, [1, bm, bn]), offsets_E1, num_p, num_q, tiles, rows, topk_idx, out, num_tokens, out.shape[1],
-               TOP_K=top_k, COPY_WARPS=copy_warps)
+               TOP_K=top_k)
 
 
 def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,
@@ -637,14 +621,14 @@ def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor
     bm, bn, bk, _ = WS_TILE
     assert bm == tile_m, "a block is one plan tile"
     num_experts = w2_EDI.shape[0]
-    if copy_x is None:  # the copy's arguments are not read
-        x, x_sorted, slot_row, top_k, copy_warps = dy_sorted_ND, dy_sorted_ND, plan.offsets_E1, 1, 0
+    if copy_x is None:  # no tokens: the copy partition returns at once and reads none of these
+        x, x_sorted, slot_row, top_k = dy_sorted_ND[:0], dy_sorted_ND, plan.offsets_E1, 1
     else:
-        (x, x_sorted, slot_row, top_k), copy_warps = copy_x, COPY_WARPS
+        x, x_sorted, slot_row, top_k = copy_x
     _launch_ws(_dh_ws_kernel, sm_count(dy_sorted_ND.device.index), _desc(dy_sorted_ND, [bm, bk]),
                _desc(w2_EDI, [1, bk, bn]), out_NI, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT, x, x_sorted,
                slot_row, x.shape[0], out_NI.shape[1], dy_sorted_ND.shape[1], num_experts,
-               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, TOP_K=top_k, COPY_WARPS=copy_warps)
+               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, TOP_K=top_k)
 
 
 # (BM, BN, BK, STAGES) of the act kernel: 128 rows x 128 columns of gate and of up (the Triton kernel's
