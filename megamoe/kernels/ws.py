@@ -238,6 +238,16 @@ def _items_per_pass(top_k):
 
 
 @gluon.jit
+def _pass_items(first, group, cols, chunks, T, D, BD: gl.constexpr):
+    """The side copies' items ``first + group`` of the T * chunks (token, BD-column chunk) items: whether each
+    exists, its token, its columns (G, BD) and their mask."""
+    item = first + group
+    valid = item < T * chunks
+    c = ((item % chunks) * BD)[:, None] + cols[None, :]
+    return valid, item // chunks, c, valid[:, None] & (c < D)
+
+
+@gluon.jit
 def _scatter_rows_partition(src_ptr, dst_ptr, slot_row_ptr, offsets_ptr, T, D, E, TOP_K: gl.constexpr,
                             num_warps: gl.constexpr):
     """A side job beside the MMAs (``expert_bwd._scatter_rows_kernel`` for one tensor): each token's row of src
@@ -252,11 +262,7 @@ def _scatter_rows_partition(src_ptr, dst_ptr, slot_row_ptr, offsets_ptr, T, D, E
     routed = gl.load(offsets_ptr + E)
     chunks = gl.cdiv(D, BD)
     for first in range(gl.program_id(0) * G, T * chunks, gl.num_programs(0) * G):
-        item = first + group
-        valid = item < T * chunks
-        t = item // chunks
-        c = ((item % chunks) * BD)[:, None] + cols[None, :]
-        mask = valid[:, None] & (c < D)
+        valid, t, c, mask = _pass_items(first, group, cols, chunks, T, D, BD)
         row = gl.load(src_ptr + t.to(gl.int64)[:, None] * D + c, mask=mask)
         for k in gl.static_range(TOP_K):
             r = gl.load(slot_row_ptr + t * TOP_K + k, mask=valid, other=0)
@@ -275,11 +281,7 @@ def _combine_partition(rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K: gl.constexp
     group = gl.arange(0, G, layout=gl.SliceLayout(1, layout))
     chunks = gl.cdiv(D, BD)
     for first in range(gl.program_id(0) * G, T * chunks, gl.num_programs(0) * G):
-        item = first + group
-        valid = item < T * chunks
-        t = item // chunks
-        c = ((item % chunks) * BD)[:, None] + cols[None, :]
-        mask = valid[:, None] & (c < D)
+        valid, t, c, mask = _pass_items(first, group, cols, chunks, T, D, BD)
         acc = gl.zeros([G, BD], gl.float32, layout)
         for k in gl.static_range(TOP_K):
             e = gl.load(topk_idx_ptr + t * TOP_K + k, mask=valid, other=-1)
