@@ -125,8 +125,8 @@ multi)
         exit 2
     fi
     step multi-gpu-tests 420 "${py[@]}" -m pytest -q -p no:logging tests/test_parallel.py -m gpu
-    step ep-bench-30b 240 "${py[@]}" -m torch.distributed.run --nproc-per-node "$gpus" -m megamoe.bench --ep --preset qwen3-30b-a3b \
-        --tokens 16384 --routing random,skewed --comm-sms 32,64 --comm-sms-split 0:32 --profile --no-plot --out "$work/results"
+    step ep-bench-30b 300 "${py[@]}" -m torch.distributed.run --nproc-per-node "$gpus" -m megamoe.bench --ep --preset qwen3-30b-a3b \
+        --tokens 16384 --routing random,skewed --comm-sms 16,24,32,64 --comm-sms-split 0:32 --profile --no-plot --out "$work/results"
     step ep-bench-235b 180 "${py[@]}" -m torch.distributed.run --nproc-per-node "$gpus" -m megamoe.bench --ep --preset qwen3-235b-a22b \
         --tokens 16384 --routing random,skewed --comm-sms 32 --no-plot --out "$work/results"
     ;;
