@@ -167,13 +167,26 @@ def test_output_gemms_take_their_twins_tile_without_knobs_they_lack(persistent):
         assert "PERSISTENT" not in follower.default
 
 
-def test_send_order_is_local_expert_major():
-    """Segment o = l * R + k of the senders' order is my rows of owner k's local expert l."""
-    idx = torch.tensor([[0, 5], [1, 2], [4, 3], [5, 0], [2, 3]], device=DEVICE)  # R = 3 owners of L = 2 experts
-    plan = build_plan(idx, 6)
-    per_expert = torch.bincount(idx.flatten(), minlength=6)  # global expert e = k * L + l
-    lmajor = per_expert.view(3, 2).t().flatten()  # (l, k) order
-    assert torch.equal(dispatch.send_order(plan, 3, 2).long(), lmajor.cumsum(0))
+@pytest.mark.parametrize("idx, num_ranks, num_local", [
+    ([[0, 5], [1, 2], [4, 3], [5, 0], [2, 3]], 3, 2),  # every expert has rows
+    ([[0, 5], [1, 2], [1, 3], [5, 0], [2, 3]], 3, 2),  # expert 4 (owner 2's local expert 0) has none
+    (None, 2, 1),  # 2 500 rows per expert: more than one of the kernel's blocks of 1 024
+])
+def test_send_list_is_local_expert_major(idx, num_ranks, num_local):
+    """Segment l * R + k of the senders' order is my rows of owner k's local expert l, in sorted order,
+    each as (slot, global expert, index among my rows of that expert)."""
+    num_experts = num_ranks * num_local
+    idx = (torch.tensor(idx) if idx is not None else (torch.arange(5000) % 2)[:, None]).to(DEVICE)
+    plan = build_plan(idx, num_experts)
+    offsets = plan.offsets_E1.tolist()
+    want = [[], [], []]
+    for local in range(num_local):
+        for owner in range(num_ranks):
+            e = owner * num_local + local
+            want[0] += plan.row_slot_N[offsets[e]:offsets[e + 1]].tolist()
+            want[1] += [e] * (offsets[e + 1] - offsets[e])
+            want[2] += list(range(offsets[e + 1] - offsets[e]))
+    assert dispatch.send_list(plan, num_ranks, num_local).tolist() == want
 
 
 @pytest.mark.parametrize("num_ranks, comm_sms", [(2, 0), (4, 0), (1, 2), (3, 2)])

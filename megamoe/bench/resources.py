@@ -39,7 +39,7 @@ _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot
                   "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
                   "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32", "arrived_ptr": "*i32", "counts_ptr": "*i32",
                   "epoch_ptr": "*i32", "recv_row_slot_ptr": "*i32", "recv_offsets_ptr": "*i32",
-                  "recv_weight_ptr": "*fp32", "send_ends_ptr": "*i32", "slot_row_ptr": "*i32",
+                  "recv_weight_ptr": "*fp32", "send_list_ptr": "*i32", "slot_row_ptr": "*i32",
                   "topk_idx_ptr": "*i64"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "WAIT_ROWS": False,
@@ -207,7 +207,8 @@ def main(argv=None) -> None:
 # kernels, checked to compile for sm_90a.
 OTHER_KERNELS = (expert_bwd._invert_rows_kernel, expert_bwd._scatter_rows_kernel,
                  dispatch._exchange_counts_kernel, dispatch._dispatch_rows_kernel, dispatch._wait_epoch_kernel,
-                 dispatch._wait_and_reset_kernel, dispatch._return_rows_kernel, dispatch._signal_returned_kernel)
+                 dispatch._wait_and_reset_kernel, dispatch._return_rows_kernel, dispatch._signal_returned_kernel,
+                 dispatch._send_list_kernel)
 _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "RB": 16, "EB": 128, "CB": 128, "BD": 256, "LB": 16, "NB": 8, "TB": 16,
                      "BLOCK": 1024}
 

@@ -30,7 +30,7 @@ every virtual rank before the next phase, so that on one device no wait can prec
    reduce each token's K slots in slot order (fp32).
 
 With ``comm_sms = N > 0`` phases 2 and 3 share one launch (:func:`send_and_up`, :func:`send_and_act`): the
-first N programs send my rows (local expert first, owner second: :func:`send_order`) while the others are
+first N programs send my rows (local expert first, owner second: :func:`send_list`) while the others are
 the expert kernel's tiles, which wait for their rows as above — communication on N SMs overlapping the
 GEMM. Not yet: persistent expert kernels that pick ready tiles first (a waiting program holds its SM).
 """
@@ -105,8 +105,9 @@ def _dispatch_rows_kernel(
     rows = tl.where(rows < tl.load(offsets_ptr + R * L), rows, -1)
     e = _experts_of_rows(rows, offsets_ptr, R * L, EB)
     dst = _dest_bases(e, counts_tab, epoch_ptr, rank, R, L, CB) + rows - tl.load(offsets_ptr + e)
-    _send_rows(rows, e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, recv_x_tab, recv_dy_tab, recv_meta_tab,
-               recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k, capacity, max_slots, HAS_DY, RB, BD)
+    slots = tl.where(rows >= 0, tl.load(row_slot_ptr + rows, mask=rows >= 0, other=0), -1)
+    _send_rows(slots, e, dst, x_ptr, dy_ptr, weights_ptr, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab,
+               arrived_tab, overflow_tab, rank, L, D, top_k, capacity, max_slots, HAS_DY, RB, BD)
 
 
 @triton.jit
@@ -150,19 +151,19 @@ def _dest_bases(es, counts_tab, epoch_ptr, rank, R, L, CB: tl.constexpr):
 
 
 @triton.jit
-def _send_rows(rows, e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, recv_x_tab, recv_dy_tab, recv_meta_tab,
-               recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k, capacity, max_slots,
+def _send_rows(slot, e, dst, x_ptr, dy_ptr, weights_ptr, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab,
+               arrived_tab, overflow_tab, rank, L, D, top_k, capacity, max_slots,
                HAS_DY: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr):
-    """My sorted rows ``rows`` (RB of them; -1: none) of global experts ``e`` and their dy rows if HAS_DY
+    """My rows of slots ``slot`` (RB of them; -1: none) of global experts ``e`` and their dy rows if HAS_DY
     into their owners' receive buffers at rows ``dst`` (the caller waited for the counts:
     ``_wait_all_counts``). The validity travels as -1 rather than as a mask argument: Triton 3.6 fails to
     compile a boolean tensor passed to a called function (sm_90a: "failed to legalize unresolved
     materialization ... tensor<64xi1>")."""
-    rmask = rows >= 0  # every access below is masked by it (an early return here fails to compile too)
+    rmask = slot >= 0  # every access below is masked by it (an early return here fails to compile too)
     owner = e // L
     local = e % L
     fits = rmask & (dst < capacity)
-    slot = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
+    weight = tl.load(weights_ptr + slot, mask=fits, other=0.0)  # issued before the copy, which hides its latency
     tok = (slot // top_k).to(tl.int64)
     dst64 = dst.to(tl.int64)
     # Each destination row's start in the owner's buffers, 16-byte aligned (see the output kernel below).
@@ -178,8 +179,7 @@ def _send_rows(rows, e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, recv_x_ta
         if HAS_DY:
             tl.store(dy_rows[:, None] + ds[None, :], tl.load(dy_ptr + src, mask=m), mask=m)
     tl.store(_peer(recv_meta_tab, owner, tl.int32) + dst64, rank * max_slots + slot, mask=fits)
-    tl.store(_peer(recv_weight_tab, owner, tl.float32) + dst64,
-             tl.load(weights_ptr + slot, mask=fits, other=0.0).to(tl.float32), mask=fits)
+    tl.store(_peer(recv_weight_tab, owner, tl.float32) + dst64, weight.to(tl.float32), mask=fits)
     # Count the rows into their owners' arrivals: one release per expert among them, by one thread, after
     # a barrier of the whole block — the barrier orders every thread's row stores before that thread's
     # release, and a release at system scope is cumulative, so the owner that acquires the count sees
@@ -197,41 +197,45 @@ def _send_rows(rows, e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, recv_x_ta
 
 
 @triton.jit
-def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr, counts_tab,
+def _send_list_block(block, send_list_ptr, num_rows, RB: tl.constexpr):
+    """Entries [block*RB, (block+1)*RB) of :func:`send_list` (slot -1, expert 0 past its end)."""
+    pos = block * RB + tl.arange(0, RB)
+    m = pos < num_rows
+    return (tl.load(send_list_ptr + pos, mask=m, other=-1), tl.load(send_list_ptr + num_rows + pos, mask=m, other=0),
+            tl.load(send_list_ptr + 2 * num_rows + pos, mask=m, other=0))
+
+
+@triton.jit
+def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab,
             counts_flag_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab,
             epoch_ptr, rank, R, L, D, top_k, capacity, max_slots, HAS_DY: tl.constexpr, SENDERS: tl.constexpr,
             RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
     """Sending program ``pid`` of SENDERS in an expert kernel's launch: once the counts are in, blocks pid,
-    pid + SENDERS, ... (of ``num_blocks`` blocks of RB rows) of my rows in sending order — local expert
-    first, then owner (``send_ends``: see :func:`send_order`) — so that every owner receives its first
-    experts' rows from every source first and its tiles can start while later experts' rows travel."""
+    pid + SENDERS, ... (of ``num_blocks`` blocks of RB rows) of my ``num_rows`` rows in the order of
+    :func:`send_list` — local expert first, then owner — so that every owner receives its first experts'
+    rows from every source first and its tiles can start while later experts' rows travel."""
     _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB)
-    E = R * L
     os_ = tl.arange(0, EB)
-    ends = tl.load(send_ends_ptr + os_, mask=os_ < E, other=2147483647)
     # Once per program rather than per block: every expert's start at its owner (from the owners' counts,
     # across NVLink with real ranks), indexed by global expert.
     bases = _dest_bases(os_, counts_tab, epoch_ptr, rank, R, L, CB)
+    slot, e, index = _send_list_block(pid, send_list_ptr, num_rows, RB)
     for block in range(pid, num_blocks, SENDERS):
-        pos = block * RB + tl.arange(0, RB)
-        pmask = pos < tl.load(send_ends_ptr + E - 1)
-        # Segment o (local expert o // R of owner o % R) holds the positions [ends[o-1], ends[o]).
-        o = tl.minimum(tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), axis=1), E - 1)
-        e = (o % R) * L + o // R
-        seg_end = tl.load(send_ends_ptr + o, mask=pmask, other=0)
-        rows = tl.load(offsets_ptr + e + 1, mask=pmask, other=0) - (seg_end - pos)
-        dst = tl.sum(tl.where(e[:, None] == os_[None, :], bases[None, :], 0), axis=1) + rows - tl.load(offsets_ptr + e)
-        _send_rows(tl.where(pmask, rows, -1), e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, recv_x_tab,
-                   recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k,
-                   capacity, max_slots, HAS_DY, RB, BD)
+        # The next block's entries load while this block's rows are copied: a sender's time is a chain of
+        # memory latencies per block (docs/NOTES.md §36), and this takes one out of it.
+        next_slot, next_e, next_index = _send_list_block(block + SENDERS, send_list_ptr, num_rows, RB)
+        dst = tl.sum(tl.where(e[:, None] == os_[None, :], bases[None, :], 0), axis=1) + index
+        _send_rows(slot, e, dst, x_ptr, dy_ptr, weights_ptr, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab,
+                   arrived_tab, overflow_tab, rank, L, D, top_k, capacity, max_slots, HAS_DY, RB, BD)
+        slot, e, index = next_slot, next_e, next_index
 
 
 @triton.jit
 def _send_and_up_kernel(
     # Programs [0, SENDERS): phase 2, as _dispatch_rows_kernel (rows in blocks of RB, strided over them).
-    x_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr,
+    x_ptr, weights_ptr, send_list_ptr,
     counts_tab, counts_flag_tab, recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
-    rank, R, L, top_k, capacity, max_slots, num_blocks,
+    rank, R, L, top_k, capacity, max_slots, num_rows, num_blocks,
     # Programs SENDERS and up: the up kernel on my receive buffer (its plan: recv_*), each tile waiting
     # for its expert's rows (arrived, counts: (R, L)).
     recv_x_ptr, w13_desc, h_ptr, recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
@@ -246,8 +250,7 @@ def _send_and_up_kernel(
     and they wait only for counts, which every rank wrote before this launch (docs/DESIGN_NOTES.md)."""
     pid = tl.program_id(0)
     if pid < SENDERS:
-        _sender(pid, num_blocks, x_ptr, x_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr, counts_tab,
-                counts_flag_tab,
+        _sender(pid, num_blocks, x_ptr, x_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
                 recv_x_tab, recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
                 rank, R, L, D, top_k, capacity, max_slots, False, SENDERS, RB, EB, CB, BD)
     else:
@@ -259,9 +262,9 @@ def _send_and_up_kernel(
 @triton.jit
 def _send_and_act_kernel(
     # Programs [0, SENDERS): phase 2 of the backward (x and dy rows), as in _send_and_up_kernel.
-    x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr,
+    x_ptr, dy_ptr, weights_ptr, send_list_ptr,
     counts_tab, counts_flag_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab,
-    epoch_ptr, rank, R, L, top_k, capacity, max_slots, num_blocks,
+    epoch_ptr, rank, R, L, top_k, capacity, max_slots, num_rows, num_blocks,
     # Programs SENDERS and up: the recompute+act kernel on my receive buffers, tiles waiting for their rows.
     recv_x_ptr, recv_dy_ptr, w13_desc, w2_desc, recv_weight_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
     recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I,
@@ -273,8 +276,7 @@ def _send_and_act_kernel(
     this shares)."""
     pid = tl.program_id(0)
     if pid < SENDERS:
-        _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr, counts_tab,
-                counts_flag_tab,
+        _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
                 recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
                 rank, R, L, D, top_k, capacity, max_slots, True, SENDERS, RB, EB, CB, BD)
     else:
@@ -282,6 +284,28 @@ def _send_and_act_kernel(
                       dweight_part_ptr, recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
                       arrived_ptr, counts_ptr, capacity, D, I, L, 1, R, True, False, PREC, TILE_M, PART_COLS, BM, BN,
                       BK, EVEN_K)
+
+
+@triton.jit
+def _send_list_kernel(row_slot_ptr, offsets_ptr, send_list_ptr, num_rows, R, L, EB: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Program e writes my rows of global expert e into :func:`send_list`, after the segments that precede
+    its own: those of every lower local expert, then those of its local expert at lower owners."""
+    e = tl.program_id(0)
+    es = tl.arange(0, EB)
+    em = es < R * L
+    sizes = tl.load(offsets_ptr + es + 1, mask=em, other=0) - tl.load(offsets_ptr + es, mask=em, other=0)
+    before = ((es % L) < e % L) | (((es % L) == e % L) & (es // L < e // L))
+    start = tl.sum(tl.where(before & em, sizes, 0), axis=0)
+    row0 = tl.load(offsets_ptr + e)
+    n = tl.load(offsets_ptr + e + 1) - row0
+    for i0 in range(0, n, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < n
+        pos = send_list_ptr + start + i
+        tl.store(pos, tl.load(row_slot_ptr + row0 + i, mask=m), mask=m)
+        tl.store(pos + num_rows, tl.full([BLOCK], 0, tl.int32) + e, mask=m)
+        tl.store(pos + 2 * num_rows, i, mask=m)
 
 
 @triton.jit
@@ -480,14 +504,19 @@ def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, se
     rows_to_peer_slots(ws, DOWN_PEER, h, w2_LDI, plan, w2_LDI.shape[1], weights_C=ws.recv_weight)
 
 
-def send_order(plan: Plan, num_ranks: int, num_local: int) -> torch.Tensor:
-    """(E,) int32: where each segment of my rows ends in the senders' order — local expert l major, owner k
-    minor (segment o = l * R + k holds my rows of global expert k * L + l). Sorted by global expert, every
-    source would send to owner 0 first and owner R-1's tiles could not start before the whole exchange
-    ended; in this order every owner has its expert-0 rows from every source after about 1/L of it.
-    On the device, no sync."""
-    counts = plan.offsets_E1.diff().view(num_ranks, num_local)
-    return counts.t().reshape(-1).cumsum(0).to(torch.int32)
+def send_list(plan: Plan, num_ranks: int, num_local: int) -> torch.Tensor:
+    """(3, N) int32: my N routed rows in the senders' order, as (slot, global expert, index among my rows
+    of that expert). Local expert l major, owner k minor: segment l * R + k holds my rows of global expert
+    k * L + l, in sorted order. Sorted by global expert, every source would send to owner 0 first and owner
+    R-1's tiles could not start before the whole exchange ended; in this order every owner has its
+    expert-0 rows from every source after about 1/L of it. One launch, on the device, no sync."""
+    num_rows = plan.row_slot_N.numel()
+    out = torch.empty(3, num_rows, device=plan.row_slot_N.device, dtype=torch.int32)
+    if num_rows:
+        _send_list_kernel[(num_ranks * num_local,)](plan.row_slot_N, plan.offsets_E1, out, num_rows, num_ranks,
+                                                    num_local, EB=triton.next_power_of_2(num_ranks * num_local),
+                                                    BLOCK=1024)
+    return out
 
 
 def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan, comm_sms: int,
@@ -503,10 +532,10 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor
     h_CI = torch.empty(ws.capacity, inter, device=x_TD.device, dtype=x_TD.dtype)
     tiles = tile_grid(recv_plan, inter)
     SEND_UP[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
-        x_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1, send_order(plan, ws.num_ranks, num_local),
+        x_TD, topk_weights_TK.reshape(-1), send_list(plan, ws.num_ranks, num_local),
         *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_meta", "recv_weight", "arrived", "overflow")),
         ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
-        triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
+        plan.row_slot_N.numel(), triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
         ws.recv_x, descriptor(w13_LHD.view(num_local, 2, inter, dim)), h_CI, recv_plan.row_slot_N,
         recv_plan.offsets_E1, recv_plan.tile_expert_NT, recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
         SENDERS=comm_sms, RB=SEND_ROWS, **_send_blocks(ws, dim),
@@ -529,12 +558,11 @@ def send_and_act(ws: Workspace, x_TD: torch.Tensor, dy_TD: torch.Tensor, topk_we
     dz_CH, hw_CI, dweight_part = act_bwd_outputs(ws.capacity, two_i, x_TD)
     tiles = tile_grid(recv_plan, inter)
     SEND_ACT[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
-        x_TD, dy_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1,
-        send_order(plan, ws.num_ranks, num_local),
+        x_TD, dy_TD, topk_weights_TK.reshape(-1), send_list(plan, ws.num_ranks, num_local),
         *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_dy", "recv_meta", "recv_weight", "arrived",
                                  "overflow")),
         ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
-        triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
+        plan.row_slot_N.numel(), triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
         ws.recv_x, ws.recv_dy, descriptor(w13_LHD.view(num_local, 2, inter, dim)), descriptor(w2_LDI), ws.recv_weight,
         dz_CH, hw_CI, dweight_part, recv_plan.row_slot_N, recv_plan.offsets_E1, recv_plan.tile_expert_NT,
         recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
