@@ -170,11 +170,12 @@ def test_output_gemms_take_their_twins_tile_without_knobs_they_lack(persistent):
 @pytest.mark.parametrize("idx, num_ranks, num_local", [
     ([[0, 5], [1, 2], [4, 3], [5, 0], [2, 3]], 3, 2),  # every expert has rows
     ([[0, 5], [1, 2], [1, 3], [5, 0], [2, 3]], 3, 2),  # expert 4 (owner 2's local expert 0) has none
+    ([[0, -1], [-1, 2], [4, 3], [5, 0], [-1, -1]], 3, 2),  # dropped slots: after the routed rows, as none
     (None, 2, 1),  # 2 500 rows per expert: more than one of the kernel's blocks of 1 024
 ])
 def test_send_list_is_local_expert_major(idx, num_ranks, num_local):
     """Segment l * R + k of the senders' order is my rows of owner k's local expert l, in sorted order,
-    each as (slot, global expert, index among my rows of that expert)."""
+    each as (slot, global expert, index among my rows of that expert); then the dropped slots, as none."""
     num_experts = num_ranks * num_local
     idx = (torch.tensor(idx) if idx is not None else (torch.arange(5000) % 2)[:, None]).to(DEVICE)
     plan = build_plan(idx, num_experts)
@@ -186,6 +187,8 @@ def test_send_list_is_local_expert_major(idx, num_ranks, num_local):
             want[0] += plan.row_slot_N[offsets[e]:offsets[e + 1]].tolist()
             want[1] += [e] * (offsets[e + 1] - offsets[e])
             want[2] += list(range(offsets[e + 1] - offsets[e]))
+    dropped = idx.numel() - offsets[-1]
+    want = [want[0] + [-1] * dropped, want[1] + [0] * dropped, want[2] + list(range(dropped))]
     assert dispatch.send_list(plan, num_ranks, num_local).tolist() == want
 
 

@@ -289,22 +289,24 @@ def _send_and_act_kernel(
 @triton.jit
 def _send_list_kernel(row_slot_ptr, offsets_ptr, send_list_ptr, num_rows, R, L, EB: tl.constexpr,
                       BLOCK: tl.constexpr):
-    """Program e writes my rows of global expert e into :func:`send_list`, after the segments that precede
-    its own: those of every lower local expert, then those of its local expert at lower owners."""
+    """Program e < E writes my rows of global expert e into :func:`send_list`, after the segments that
+    precede its own: those of every lower local expert, then those of its local expert at lower owners.
+    Program E marks the entries of the dropped slots, past the routed rows, as none (slot -1)."""
     e = tl.program_id(0)
+    E = R * L
     es = tl.arange(0, EB)
-    em = es < R * L
+    em = es < E
     sizes = tl.load(offsets_ptr + es + 1, mask=em, other=0) - tl.load(offsets_ptr + es, mask=em, other=0)
     before = ((es % L) < e % L) | (((es % L) == e % L) & (es // L < e // L))
-    start = tl.sum(tl.where(before & em, sizes, 0), axis=0)
+    start = tl.where(e < E, tl.sum(tl.where(before & em, sizes, 0), axis=0), tl.load(offsets_ptr + E))
     row0 = tl.load(offsets_ptr + e)
-    n = tl.load(offsets_ptr + e + 1) - row0
+    n = tl.where(e < E, tl.load(offsets_ptr + e + 1, mask=e < E, other=0), num_rows) - row0
     for i0 in range(0, n, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         m = i < n
         pos = send_list_ptr + start + i
-        tl.store(pos, tl.load(row_slot_ptr + row0 + i, mask=m), mask=m)
-        tl.store(pos + num_rows, tl.full([BLOCK], 0, tl.int32) + e, mask=m)
+        tl.store(pos, tl.where(e < E, tl.load(row_slot_ptr + row0 + i, mask=m), -1), mask=m)
+        tl.store(pos + num_rows, tl.where(e < E, e, 0) + tl.zeros([BLOCK], tl.int32), mask=m)
         tl.store(pos + 2 * num_rows, i, mask=m)
 
 
@@ -505,15 +507,15 @@ def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, se
 
 
 def send_list(plan: Plan, num_ranks: int, num_local: int) -> torch.Tensor:
-    """(3, N) int32: my N routed rows in the senders' order, as (slot, global expert, index among my rows
-    of that expert). Local expert l major, owner k minor: segment l * R + k holds my rows of global expert
+    """(3, N) int32: my N slots' rows in the senders' order, as (slot, global expert, index among my rows
+    of that expert); the dropped slots' entries last, with slot -1. Local expert l major, owner k minor: segment l * R + k holds my rows of global expert
     k * L + l, in sorted order. Sorted by global expert, every source would send to owner 0 first and owner
     R-1's tiles could not start before the whole exchange ended; in this order every owner has its
     expert-0 rows from every source after about 1/L of it. One launch, on the device, no sync."""
     num_rows = plan.row_slot_N.numel()
     out = torch.empty(3, num_rows, device=plan.row_slot_N.device, dtype=torch.int32)
     if num_rows:
-        _send_list_kernel[(num_ranks * num_local,)](plan.row_slot_N, plan.offsets_E1, out, num_rows, num_ranks,
+        _send_list_kernel[(num_ranks * num_local + 1,)](plan.row_slot_N, plan.offsets_E1, out, num_rows, num_ranks,
                                                     num_local, EB=triton.next_power_of_2(num_ranks * num_local),
                                                     BLOCK=1024)
     return out
