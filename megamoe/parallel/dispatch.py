@@ -508,10 +508,11 @@ def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, se
 
 def send_list(plan: Plan, num_ranks: int, num_local: int) -> torch.Tensor:
     """(3, N) int32: my N slots' rows in the senders' order, as (slot, global expert, index among my rows
-    of that expert); the dropped slots' entries last, with slot -1. Local expert l major, owner k minor: segment l * R + k holds my rows of global expert
-    k * L + l, in sorted order. Sorted by global expert, every source would send to owner 0 first and owner
-    R-1's tiles could not start before the whole exchange ended; in this order every owner has its
-    expert-0 rows from every source after about 1/L of it. One launch, on the device, no sync."""
+    of that expert); the dropped slots' entries last, with slot -1. Local expert l major, owner k minor:
+    segment l * R + k holds my rows of global expert k * L + l, in sorted order. Sorted by global expert,
+    every source would send to owner 0 first and owner R-1's tiles could not start before the whole
+    exchange ended; in this order every owner has its expert-0 rows from every source after about 1/L of
+    it. One launch, on the device, no sync."""
     num_rows = plan.row_slot_N.numel()
     out = torch.empty(3, num_rows, device=plan.row_slot_N.device, dtype=torch.int32)
     if num_rows:
