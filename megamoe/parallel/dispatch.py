@@ -12,15 +12,17 @@ every virtual rank before the next phase, so that on one device no wait can prec
    ``counts[epoch % 2, me, :]``, then ``counts_flag[epoch % 2, me] = epoch`` (release).
 2. :func:`dispatch_rows` — wait for every source's counts at every owner (acquire; every program waits,
    even one with no rows, which keeps every rank within one call of the others), compute where my rows
-   of each expert land in the owner's ``recv_x`` (expert-major, then source rank: a fixed order, so
-   results are deterministic), copy them with their slot id and routing weight, and count them into
-   the owner's ``arrived[me, l]`` (release). Rows past the owner's capacity are not written; they are
+   of each expert land at the owner (expert-major, then source rank: a fixed order, so results are
+   deterministic), write their slot id and routing weight there, copy the rows — forward: each token's
+   row once per owner, into ``recv_tokens`` (``_send_rows``); backward: x and dy once per slot, into
+   ``recv_x`` / ``recv_dy`` — and count them into the owner's ``arrived[me, l]`` (release). Rows past the owner's capacity are not written; they are
    counted in ``overflow`` (the owner's and mine) and reported by ``Workspace.check_overflow`` (the
    call's output is wrong then), and counted as arrived so that no wait hangs on them.
 3. and 4. :func:`owner_experts` — wait for every source's counts, build the plan of the rows on their
-   way, run the one-GPU up + SwiGLU kernel on ``recv_x`` — each tile first waits until its expert's
-   rows from every source are in (``arrived`` equals ``counts``, acquire), so experts whose rows are
-   here compute while others' rows still travel — reset ``arrived``, then the down GEMM whose epilogue
+   way, run the one-GPU up + SwiGLU kernel on the received token rows — each tile first waits until
+   the rows of its expert and the lower ones from every source are in (``arrived`` equals ``counts``,
+   acquire; see ``expert_fwd._wait_rows``), so experts whose rows are here compute while others' rows
+   still travel — reset ``arrived``, then the down GEMM whose epilogue
    weights each row and writes it straight into its source's ``y_slots[slot]``; once it has finished, a
    one-program kernel adds 1 to every source's ``returned[me]`` (release). Backward
    (:func:`owner_experts_backward`): the same with the dy rows dispatched alongside x; the one-GPU fused
@@ -36,6 +38,8 @@ GEMM. Not yet: persistent expert kernels that pick ready tiles first (a waiting 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -94,10 +98,12 @@ def _dispatch_rows_kernel(
     dy_ptr,  # (T, D) their output gradient (backward; unused unless HAS_DY)
     weights_ptr,  # (N,) my routing weights, flat slots
     row_slot_ptr, offsets_ptr,  # my plan over the E global experts
-    counts_tab, counts_flag_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
-    overflow_tab, epoch_ptr,
-    rank, R, L, D, top_k, capacity, max_slots,
-    HAS_DY: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
+    topk_idx_ptr,  # (T, K) my routing (forward: which of a token's slots carries its row to an owner)
+    counts_tab, counts_flag_tab, recv_tokens_tab, recv_token_row_tab, recv_x_tab, recv_dy_tab, recv_meta_tab,
+    recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
+    rank, R, L, D, top_k, capacity, max_tokens, max_slots,
+    HAS_DY: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr,
+    BD: tl.constexpr,
 ):
     """Phase 2 as its own kernel: program i sends my sorted rows [i*RB, (i+1)*RB)."""
     _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB)
@@ -105,8 +111,9 @@ def _dispatch_rows_kernel(
     rows = tl.where(rows < tl.load(offsets_ptr + R * L), rows, -1)
     e = _experts_of_rows(rows, offsets_ptr, R * L, EB)
     dst = _dest_bases(e, counts_tab, epoch_ptr, rank, R, L, CB) + rows - tl.load(offsets_ptr + e)
-    _send_rows(rows, e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, recv_x_tab, recv_dy_tab, recv_meta_tab,
-               recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k, capacity, max_slots, HAS_DY, RB, BD)
+    _send_rows(rows, e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, topk_idx_ptr, recv_tokens_tab,
+               recv_token_row_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab,
+               rank, L, D, top_k, capacity, max_tokens, max_slots, HAS_DY, RB, KB, BD)
 
 
 @triton.jit
@@ -150,14 +157,22 @@ def _dest_bases(es, counts_tab, epoch_ptr, rank, R, L, CB: tl.constexpr):
 
 
 @triton.jit
-def _send_rows(rows, e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, recv_x_tab, recv_dy_tab, recv_meta_tab,
-               recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k, capacity, max_slots,
-               HAS_DY: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr):
-    """My sorted rows ``rows`` (RB of them; -1: none) of global experts ``e`` and their dy rows if HAS_DY
-    into their owners' receive buffers at rows ``dst`` (the caller waited for the counts:
-    ``_wait_all_counts``). The validity travels as -1 rather than as a mask argument: Triton 3.6 fails to
-    compile a boolean tensor passed to a called function (sm_90a: "failed to legalize unresolved
-    materialization ... tensor<64xi1>")."""
+def _send_rows(rows, e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, topk_idx_ptr, recv_tokens_tab,
+               recv_token_row_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab,
+               rank, L, D, top_k, capacity, max_tokens, max_slots,
+               HAS_DY: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, BD: tl.constexpr):
+    """My sorted rows ``rows`` (RB of them; -1: none) of global experts ``e`` into their owners' receive
+    buffers at rows ``dst`` (the caller waited for the counts: ``_wait_all_counts``): each row's slot id and
+    routing weight, and its token's row of x —
+    - forward (not HAS_DY): into the owner's ``recv_tokens`` at row ``rank * max_tokens + token``, once per
+      (token, owner): by the token's first slot there in the senders' order (lowest local expert, then slot;
+      KB >= top_k), whatever the slot's ``dst``; the owner's up kernel reads it through ``recv_token_row``.
+      A token that picked several of an owner's experts crosses NVLink once;
+    - backward (HAS_DY): x and dy rows into ``recv_x`` / ``recv_dy`` at ``dst``, one per slot (the weight
+      gradients read them there as expert-sorted rows).
+    The validity travels as -1 rather than as a mask argument: Triton 3.6 fails to compile a boolean tensor
+    passed to a called function (sm_90a: "failed to legalize unresolved materialization ...
+    tensor<64xi1>")."""
     rmask = rows >= 0  # every access below is masked by it (an early return here fails to compile too)
     owner = e // L
     local = e % L
@@ -165,14 +180,28 @@ def _send_rows(rows, e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, recv_x_ta
     slot = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
     tok = (slot // top_k).to(tl.int64)
     dst64 = dst.to(tl.int64)
-    # Each destination row's start in the owner's buffers, 16-byte aligned (see the output kernel below).
-    x_rows = tl.multiple_of(_peer(recv_x_tab, owner, x_ptr.dtype.element_ty) + dst64 * D, 16)
-    dy_rows = tl.multiple_of(_peer(recv_dy_tab, owner, x_ptr.dtype.element_ty) + dst64 * D, 16)
+    if HAS_DY:
+        carries = fits
+        # Each destination row's start in the owner's buffers, 16-byte aligned (see the output kernel below).
+        x_rows = tl.multiple_of(_peer(recv_x_tab, owner, x_ptr.dtype.element_ty) + dst64 * D, 16)
+        dy_rows = tl.multiple_of(_peer(recv_dy_tab, owner, x_ptr.dtype.element_ty) + dst64 * D, 16)
+    else:
+        # The token's other slots at the same owner that come first (dropped slots: -1, no owner).
+        ks = tl.arange(0, KB)
+        picks = tl.load(topk_idx_ptr + tok[:, None] * top_k + ks[None, :], mask=rmask[:, None] & (ks < top_k)[None, :],
+                        other=-1)
+        pick_local = picks % L
+        before = (picks >= 0) & (picks // L == owner[:, None]) & (
+            (pick_local < local[:, None]) | ((pick_local == local[:, None]) & (ks[None, :] < (slot % top_k)[:, None])))
+        carries = rmask & (tl.sum(before.to(tl.int32), axis=1) == 0)
+        token_row = rank * max_tokens + tok
+        x_rows = tl.multiple_of(_peer(recv_tokens_tab, owner, x_ptr.dtype.element_ty) + token_row * D, 16)
+        tl.store(_peer(recv_token_row_tab, owner, tl.int32) + dst64, token_row.to(tl.int32), mask=fits)
     # Pipelined (cp.async through shared memory): a sending program is one block on its SM, so its loads
     # must overlap one another to move more than one chunk per memory latency.
     for d0 in tl.range(0, D, BD, num_stages=4):
         ds = d0 + tl.arange(0, BD)
-        m = fits[:, None] & (ds < D)[None, :]
+        m = carries[:, None] & (ds < D)[None, :]
         src = tok[:, None] * D + ds[None, :]
         tl.store(x_rows[:, None] + ds[None, :], tl.load(x_ptr + src, mask=m), mask=m)
         if HAS_DY:
@@ -197,10 +226,11 @@ def _send_rows(rows, e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, recv_x_ta
 
 
 @triton.jit
-def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr, counts_tab,
-            counts_flag_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab,
-            epoch_ptr, rank, R, L, D, top_k, capacity, max_slots, HAS_DY: tl.constexpr, SENDERS: tl.constexpr,
-            RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
+def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr, topk_idx_ptr,
+            counts_tab, counts_flag_tab, recv_tokens_tab, recv_token_row_tab, recv_x_tab, recv_dy_tab, recv_meta_tab,
+            recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, max_tokens,
+            max_slots, HAS_DY: tl.constexpr, SENDERS: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr,
+            EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
     """Sending program ``pid`` of SENDERS in an expert kernel's launch: once the counts are in, blocks pid,
     pid + SENDERS, ... (of ``num_blocks`` blocks of RB rows) of my rows in sending order — local expert
     first, then owner (``send_ends``: see :func:`send_order`) — so that every owner receives its first
@@ -221,24 +251,25 @@ def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_p
         seg_end = tl.load(send_ends_ptr + o, mask=pmask, other=0)
         rows = tl.load(offsets_ptr + e + 1, mask=pmask, other=0) - (seg_end - pos)
         dst = tl.sum(tl.where(e[:, None] == os_[None, :], bases[None, :], 0), axis=1) + rows - tl.load(offsets_ptr + e)
-        _send_rows(tl.where(pmask, rows, -1), e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, recv_x_tab,
-                   recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k,
-                   capacity, max_slots, HAS_DY, RB, BD)
+        _send_rows(tl.where(pmask, rows, -1), e, dst, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, topk_idx_ptr,
+                   recv_tokens_tab, recv_token_row_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab,
+                   arrived_tab, overflow_tab, rank, L, D, top_k, capacity, max_tokens, max_slots, HAS_DY, RB, KB, BD)
 
 
 @triton.jit
 def _send_and_up_kernel(
     # Programs [0, SENDERS): phase 2, as _dispatch_rows_kernel (rows in blocks of RB, strided over them).
-    x_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr,
-    counts_tab, counts_flag_tab, recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
-    rank, R, L, top_k, capacity, max_slots, num_blocks,
-    # Programs SENDERS and up: the up kernel on my receive buffer (its plan: recv_*), each tile waiting
-    # for its expert's rows (arrived, counts: (R, L)).
-    recv_x_ptr, w13_desc, h_ptr, recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
+    x_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr, topk_idx_ptr,
+    counts_tab, counts_flag_tab, recv_tokens_tab, recv_token_row_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
+    overflow_tab, epoch_ptr, rank, R, L, top_k, capacity, max_tokens, max_slots, num_blocks,
+    # Programs SENDERS and up: the up kernel on my received token rows (its plan: recv_*, rows gathered
+    # through recv_token_row), each tile waiting for the rows of its expert and the lower ones (arrived,
+    # counts: (R, L); LB >= L).
+    recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
     arrived_ptr, counts_ptr, D, I,
-    SENDERS: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    SENDERS: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr,
+    CB: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """Phases 2 and 3 in one launch: the first SENDERS programs send my rows while the others compute on
     the rows that have arrived — communication on SENDERS SMs, overlapping the up GEMM. No deadlock: the
@@ -246,13 +277,13 @@ def _send_and_up_kernel(
     and they wait only for counts, which every rank wrote before this launch (docs/DESIGN_NOTES.md)."""
     pid = tl.program_id(0)
     if pid < SENDERS:
-        _sender(pid, num_blocks, x_ptr, x_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr, counts_tab,
-                counts_flag_tab,
-                recv_x_tab, recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
-                rank, R, L, D, top_k, capacity, max_slots, False, SENDERS, RB, EB, CB, BD)
+        _sender(pid, num_blocks, x_ptr, x_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr, topk_idx_ptr,
+                counts_tab, counts_flag_tab, recv_tokens_tab, recv_token_row_tab, recv_tokens_tab, recv_tokens_tab,
+                recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity,
+                max_tokens, max_slots, False, SENDERS, RB, KB, EB, CB, BD)
     else:
-        _up_swiglu_tile(pid - SENDERS, recv_x_ptr, w13_desc, h_ptr, recv_row_slot_ptr, recv_offsets_ptr,
-                        tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I, L, 1, R, True, PREC, TILE_M,
+        _up_swiglu_tile(pid - SENDERS, recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, recv_offsets_ptr,
+                        tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I, L, 1, R, LB, PREC, TILE_M,
                         BM, BN, BK, EVEN_K)
 
 
@@ -273,10 +304,11 @@ def _send_and_act_kernel(
     this shares)."""
     pid = tl.program_id(0)
     if pid < SENDERS:
-        _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr, counts_tab,
-                counts_flag_tab,
-                recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
-                rank, R, L, D, top_k, capacity, max_slots, True, SENDERS, RB, EB, CB, BD)
+        # (The forward's token-row arguments are unread here: rows go per slot, to recv_x and recv_dy.)
+        _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, row_slot_ptr, offsets_ptr, send_ends_ptr, row_slot_ptr,
+                counts_tab, counts_flag_tab, recv_x_tab, recv_meta_tab, recv_x_tab, recv_dy_tab, recv_meta_tab,
+                recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, 0, max_slots,
+                True, SENDERS, RB, 1, EB, CB, BD)
     else:
         _act_bwd_tile(pid - SENDERS, recv_x_ptr, recv_dy_ptr, w13_desc, w2_desc, recv_weight_ptr, dz_ptr, hw_ptr,
                       dweight_part_ptr, recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
@@ -346,18 +378,20 @@ def _rows_to_peer_slots_kernel(
 
 
 @triton.jit
-def _return_rows_kernel(recv_x_ptr, recv_meta_ptr, offsets_ptr, y_slots_tab, L, D, max_slots,
+def _return_rows_kernel(recv_tokens_ptr, recv_token_row_ptr, recv_meta_ptr, offsets_ptr, y_slots_tab, L, D, max_slots,
                         RB: tl.constexpr, BD: tl.constexpr):
-    """Communication only (no experts): every row I received, unchanged, into its source's slot."""
+    """Communication only (no experts): every row I received (its token's row), unchanged, into its
+    source's slot."""
     rows = tl.program_id(0) * RB + tl.arange(0, RB)
     rmask = rows < tl.load(offsets_ptr + L)
+    token_rows = tl.load(recv_token_row_ptr + rows, mask=rmask, other=0).to(tl.int64)
     meta = tl.load(recv_meta_ptr + rows, mask=rmask, other=0)
-    out_rows = tl.multiple_of(_peer(y_slots_tab, meta // max_slots, recv_x_ptr.dtype.element_ty)
+    out_rows = tl.multiple_of(_peer(y_slots_tab, meta // max_slots, recv_tokens_ptr.dtype.element_ty)
                               + (meta % max_slots).to(tl.int64) * D, 16)
     for d0 in range(0, D, BD):
         ds = d0 + tl.arange(0, BD)
         m = rmask[:, None] & (ds < D)[None, :]
-        tl.store(out_rows[:, None] + ds[None, :], tl.load(recv_x_ptr + rows.to(tl.int64)[:, None] * D + ds[None, :],
+        tl.store(out_rows[:, None] + ds[None, :], tl.load(recv_tokens_ptr + token_rows[:, None] * D + ds[None, :],
                                                            mask=m), mask=m)
 
 
@@ -395,7 +429,8 @@ SEND_ACT = TunedKernel(_send_and_act_kernel, default=ACT_BWD.default, candidates
 
 def _send_blocks(ws: Workspace, dim: int) -> dict:
     """Block sizes of the row-sending code (``_send_rows``): all global experts (EB), all (source, local
-    expert) counts or ranks (CB), and the columns copied per step (BD)."""
+    expert) counts or ranks (CB), and the columns copied per step (BD). The forward's also take KB, a
+    power of two >= top_k."""
     num_experts = ws.num_ranks * ws.num_local
     return {"EB": triton.next_power_of_2(num_experts), "CB": triton.next_power_of_2(max(num_experts, ws.num_ranks)),
             "BD": min(256, triton.next_power_of_2(dim))}
@@ -409,19 +444,22 @@ def exchange_counts(ws: Workspace, plan: Plan) -> None:
                                              LB=triton.next_power_of_2(ws.num_local))
 
 
-def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan,
-                  dy_TD: torch.Tensor | None = None) -> None:
-    """Phase 2: my routed rows into their owners' receive buffers (and, in the backward, their dy rows)."""
+def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                  plan: Plan, dy_TD: torch.Tensor | None = None) -> None:
+    """Phase 2: my routed rows into their owners' receive buffers: in the forward each token's row once
+    per owner (``recv_tokens``), in the backward (``dy_TD``) its x and dy rows once per slot (``recv_x``,
+    ``recv_dy``); each slot's id and routing weight."""
     num_slots = plan.row_slot_N.numel()
     dim = x_TD.shape[1]
     if num_slots == 0:
         return
     _dispatch_rows_kernel[(triton.cdiv(num_slots, ROWS_PER_PROGRAM),)](
         x_TD, x_TD if dy_TD is None else dy_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1,
-        *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_dy", "recv_meta", "recv_weight",
-                                 "arrived", "overflow")),
-        ws.epoch, ws.rank, ws.num_ranks, ws.num_local, dim, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
-        HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM, **_send_blocks(ws, dim),
+        topk_idx_TK, *(ws.tables[n] for n in ("counts", "counts_flag", "recv_tokens", "recv_token_row", "recv_x",
+                                              "recv_dy", "recv_meta", "recv_weight", "arrived", "overflow")),
+        ws.epoch, ws.rank, ws.num_ranks, ws.num_local, dim, topk_weights_TK.shape[1], ws.capacity, ws.max_tokens,
+        ws.max_slots, HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM, KB=triton.next_power_of_2(topk_idx_TK.shape[1]),
+        **_send_blocks(ws, dim),
     )
 
 
@@ -468,12 +506,13 @@ def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w
 
 def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, send: tuple | None = None) -> None:
     """Phases 3 and 4, forward: my experts on the rows I received; the down GEMM writes each weighted
-    row straight into its source's ``y_slots``. ``send = (x_TD, topk_weights_TK, plan, comm_sms)``: phase
-    2 runs in the up kernel's launch, on ``comm_sms`` of its programs (:func:`send_and_up`); without it,
-    the caller has run :func:`dispatch_rows`."""
+    row straight into its source's ``y_slots``. ``send = (x_TD, topk_idx_TK, topk_weights_TK, plan,
+    comm_sms)``: phase 2 runs in the up kernel's launch, on ``comm_sms`` of its programs (:func:`send_and_up`);
+    without it, the caller has run :func:`dispatch_rows`."""
     plan, counts = received_plan(ws)
-    if send is None:
-        h = up_swiglu_fwd(ws.recv_x, w13_LHD, plan, top_k=1, arrivals=(ws.arrived, counts))
+    if send is None:  # the up kernel gathers each received row's token row
+        h = up_swiglu_fwd(ws.recv_tokens, w13_LHD, dataclasses.replace(plan, row_slot_N=ws.recv_token_row), top_k=1,
+                          arrivals=(ws.arrived, counts))
     else:
         h = send_and_up(ws, *send, w13_LHD, plan, counts)
     reset_arrivals(ws, counts)
@@ -490,11 +529,12 @@ def send_order(plan: Plan, num_ranks: int, num_local: int) -> torch.Tensor:
     return counts.t().reshape(-1).cumsum(0).to(torch.int32)
 
 
-def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan, comm_sms: int,
-                w13_LHD: torch.Tensor, recv_plan: Plan, counts: torch.Tensor, compute: bool = True) -> torch.Tensor:
-    """Phases 2 and 3 in one launch (``_send_and_up_kernel``): ``comm_sms`` programs send my rows (``plan``)
-    while the rest run the up + SwiGLU GEMM on my receive buffer (``recv_plan``), each tile once its
-    expert's rows are in. Returns h (C, I) in received-row order. ``compute=False``: the senders alone
+def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                plan: Plan, comm_sms: int, w13_LHD: torch.Tensor, recv_plan: Plan, counts: torch.Tensor,
+                compute: bool = True) -> torch.Tensor:
+    """Phases 2 and 3 in one launch (``_send_and_up_kernel``): ``comm_sms`` programs send my rows (``plan``;
+    each token's row once per owner) while the rest run the up + SwiGLU GEMM on my received token rows
+    (``recv_plan``), each tile once the rows of its expert and the lower ones are in. Returns h (C, I) in received-row order. ``compute=False``: the senders alone
     (the loopback's way to run them for several virtual ranks on one stream; h is not written)."""
     num_local, two_i, dim = w13_LHD.shape
     inter = two_i // 2
@@ -504,13 +544,14 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor
     tiles = tile_grid(recv_plan, inter)
     SEND_UP[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
         x_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1, send_order(plan, ws.num_ranks, num_local),
-        *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_meta", "recv_weight", "arrived", "overflow")),
-        ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
-        triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
-        ws.recv_x, descriptor(w13_LHD.view(num_local, 2, inter, dim)), h_CI, recv_plan.row_slot_N,
+        topk_idx_TK, *(ws.tables[n] for n in ("counts", "counts_flag", "recv_tokens", "recv_token_row", "recv_meta",
+                                              "recv_weight", "arrived", "overflow")),
+        ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_tokens,
+        ws.max_slots, triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
+        ws.recv_tokens, descriptor(w13_LHD.view(num_local, 2, inter, dim)), h_CI, ws.recv_token_row,
         recv_plan.offsets_E1, recv_plan.tile_expert_NT, recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
-        SENDERS=comm_sms, RB=SEND_ROWS, **_send_blocks(ws, dim),
-        PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
+        SENDERS=comm_sms, RB=SEND_ROWS, KB=triton.next_power_of_2(topk_idx_TK.shape[1]),
+        LB=triton.next_power_of_2(num_local), **_send_blocks(ws, dim), PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
     )
     return h_CI
 
@@ -568,8 +609,8 @@ def return_rows(ws: Workspace) -> None:
     reset_arrivals(ws, counts)  # returns once every row is in
     dim = ws.recv_x.shape[1]
     _return_rows_kernel[(triton.cdiv(ws.capacity, ROWS_PER_PROGRAM),)](
-        ws.recv_x, ws.recv_meta, plan.offsets_E1, ws.tables["y_slots"], ws.num_local, dim, ws.max_slots,
-        RB=ROWS_PER_PROGRAM, BD=_send_blocks(ws, dim)["BD"])
+        ws.recv_tokens, ws.recv_token_row, ws.recv_meta, plan.offsets_E1, ws.tables["y_slots"], ws.num_local, dim,
+        ws.max_slots, RB=ROWS_PER_PROGRAM, BD=_send_blocks(ws, dim)["BD"])
     signal_returned(ws)
 
 
@@ -589,7 +630,7 @@ def round_trip(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, top
     (:func:`return_rows`), my wait for them; returns ``y_slots`` (N, D): slot t*K + k holds x[t] again.
     Timed against the fused forward (the overlap figure); on a real group every rank must call it."""
     exchange_counts(ws, plan)
-    dispatch_rows(ws, x_TD, topk_weights_TK, plan)
+    dispatch_rows(ws, x_TD, topk_idx_TK, topk_weights_TK, plan)
     return_rows(ws)
     wait_returned(ws)
     return ws.y_slots[: topk_idx_TK.numel()]
@@ -631,16 +672,16 @@ def loopback_forward(workspaces: list[Workspace], problems: list[tuple], comm_sm
     launch of their own first (a rank's tiles would otherwise wait for rows that a later launch sends)."""
     plans = _start(workspaces, problems)
     if comm_sms and len(workspaces) == 1:
-        (ws,), (plan,), ((x, _, weights, w13, w2),) = workspaces, plans, problems
-        owner_experts(ws, w13, w2, send=(x, weights, plan, comm_sms))
+        (ws,), (plan,), ((x, idx, weights, w13, w2),) = workspaces, plans, problems
+        owner_experts(ws, w13, w2, send=(x, idx, weights, plan, comm_sms))
     elif comm_sms:
-        for ws, plan, (x, _, weights, w13, _) in zip(workspaces, plans, problems):
-            send_and_up(ws, x, weights, plan, comm_sms, w13, *received_plan(ws), compute=False)
+        for ws, plan, (x, idx, weights, w13, _) in zip(workspaces, plans, problems):
+            send_and_up(ws, x, idx, weights, plan, comm_sms, w13, *received_plan(ws), compute=False)
         for ws, p in zip(workspaces, problems):
             owner_experts(ws, p[3], p[4])
     else:
-        for ws, plan, (x, _, weights, _, _) in zip(workspaces, plans, problems):
-            dispatch_rows(ws, x, weights, plan)
+        for ws, plan, (x, idx, weights, _, _) in zip(workspaces, plans, problems):
+            dispatch_rows(ws, x, idx, weights, plan)
         for ws, p in zip(workspaces, problems):
             owner_experts(ws, p[3], p[4])
     return [combine_returned(ws, p[1], p[0].dtype) for ws, p in zip(workspaces, problems)]
@@ -649,8 +690,8 @@ def loopback_forward(workspaces: list[Workspace], problems: list[tuple], comm_sm
 def loopback_round_trip(workspaces: list[Workspace], problems: list[tuple]) -> list[torch.Tensor]:
     """:func:`round_trip` for R virtual ranks on one device, phase by phase; per rank its ``y_slots``."""
     plans = _start(workspaces, problems)
-    for ws, plan, (x, _, weights, _, _) in zip(workspaces, plans, problems):
-        dispatch_rows(ws, x, weights, plan)
+    for ws, plan, (x, idx, weights, _, _) in zip(workspaces, plans, problems):
+        dispatch_rows(ws, x, idx, weights, plan)
     for ws in workspaces:
         return_rows(ws)
     for ws in workspaces:
@@ -673,8 +714,8 @@ def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: l
             send_and_act(ws, x, dy, weights, plan, comm_sms, w13, w2, *received_plan(ws), compute=False)
         weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
     else:
-        for ws, plan, (x, _, weights, _, _), dy in zip(workspaces, plans, problems, dys):
-            dispatch_rows(ws, x, weights, plan, dy_TD=dy)
+        for ws, plan, (x, idx, weights, _, _), dy in zip(workspaces, plans, problems, dys):
+            dispatch_rows(ws, x, idx, weights, plan, dy_TD=dy)
         weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
     results = []
     for ws, (x, topk_idx, _, _, _), (dw13, dw2) in zip(workspaces, problems, weight_grads):
