@@ -50,9 +50,11 @@ def workspaces_for(ranks, per_rank, capacity=None):
     num_ranks = len(ranks)
     total = sum(int((p[1] >= 0).sum()) for p in ranks)
     max_slots = max(1, max(p[1].numel() for p in ranks))
-    workspaces = loopback_workspaces(num_ranks, per_rank, capacity or max(1, total), max_slots, DIM, torch.float32,
-                                     DEVICE)
+    max_tokens = max(1, max(p[0].shape[0] for p in ranks))
+    workspaces = loopback_workspaces(num_ranks, per_rank, capacity or max(1, total), max_tokens, max_slots, DIM,
+                                     torch.float32, DEVICE)
     for ws in workspaces:  # receive rows that nobody sends stay NaN: a kernel that reads one shows it
+        ws.recv_tokens.fill_(float("nan"))
         ws.recv_x.fill_(float("nan"))
         ws.recv_dy.fill_(float("nan"))
     return workspaces
@@ -72,24 +74,31 @@ def test_dispatch_and_write_back_move_rows_exactly(case, num_ranks):
     plans = [build_plan(p[1], num_experts) for p in ranks]
     for ws, plan in zip(workspaces, plans):
         dispatch.exchange_counts(ws, plan)
-    for ws, plan, (x, _, w, _, _) in zip(workspaces, plans, ranks):
-        dispatch.dispatch_rows(ws, x, w, plan)
+    for ws, plan, (x, idx, w, _, _) in zip(workspaces, plans, ranks):
+        dispatch.dispatch_rows(ws, x, idx, w, plan)
 
     for owner, ws in enumerate(workspaces):
-        # Expected layout: local expert l, then source rank s, then the source's slots in order.
-        rows, meta, weights = [], [], []
+        # Expected layout: local expert l, then source rank s, then the source's slots in order; each
+        # received row points at its token's row, which arrived once per (source, token) with a slot here.
+        token_rows, meta, weights = [], [], []
         for l in range(per_rank):
             for s, (x, idx, w, _, _) in enumerate(ranks):
                 slots = (idx.reshape(-1) == owner * per_rank + l).nonzero().flatten()
-                rows.append(x[slots // idx.shape[1]])
+                token_rows.append(s * ws.max_tokens + slots // idx.shape[1])
                 meta.append(s * ws.max_slots + slots)
                 weights.append(w.reshape(-1)[slots].float())
-        rows, meta, weights = torch.cat(rows), torch.cat(meta), torch.cat(weights)
-        n = rows.shape[0]
+        token_rows, meta, weights = torch.cat(token_rows), torch.cat(meta), torch.cat(weights)
+        n = meta.shape[0]
         assert int(dispatch.current_counts(ws).sum()) == n
-        assert torch.equal(ws.recv_x[:n], rows), f"owner {owner}: received rows"
+        assert torch.equal(ws.recv_token_row[:n], token_rows.to(torch.int32)), f"owner {owner}: token rows"
         assert torch.equal(ws.recv_meta[:n], meta.to(torch.int32)), f"owner {owner}: row metadata"
         assert torch.equal(ws.recv_weight[:n], weights), f"owner {owner}: routing weights"
+        expected = torch.full_like(ws.recv_tokens, float("nan"))
+        for s, (x, idx, *_) in enumerate(ranks):
+            here = ((idx >= owner * per_rank) & (idx < (owner + 1) * per_rank)).any(dim=1)
+            expected[s * ws.max_tokens + here.nonzero().flatten()] = x[here]
+        assert torch.equal(ws.recv_tokens.nan_to_num(-1.0), expected.nan_to_num(-1.0)), \
+            f"owner {owner}: token rows received (each once, none for a token without a slot here)"
         assert int(ws.overflow[0]) == 0
 
     # Write the received rows back through the owners' output GEMM with identity experts (exact in fp32:
@@ -99,7 +108,7 @@ def test_dispatch_and_write_back_move_rows_exactly(case, num_ranks):
     for ws in workspaces:
         plan, counts = dispatch.received_plan(ws)
         dispatch.reset_arrivals(ws, counts)
-        dispatch.rows_to_peer_slots(ws, dispatch.DX_PEER, ws.recv_x, eye, plan, DIM,
+        dispatch.rows_to_peer_slots(ws, dispatch.DX_PEER, ws.recv_tokens[ws.recv_token_row.long()], eye, plan, DIM,
                                     scalar_C=ws.recv_meta.float())
     for ws, (x, idx, _, _, _) in zip(workspaces, ranks):
         dispatch.combine_returned(ws, idx, x.dtype)  # returns only once every row is whole
@@ -171,11 +180,12 @@ def test_output_gemms_take_their_twins_tile_without_knobs_they_lack(persistent):
     ([[0, 5], [1, 2], [4, 3], [5, 0], [2, 3]], 3, 2),  # every expert has rows
     ([[0, 5], [1, 2], [1, 3], [5, 0], [2, 3]], 3, 2),  # expert 4 (owner 2's local expert 0) has none
     ([[0, -1], [-1, 2], [4, 3], [5, 0], [-1, -1]], 3, 2),  # dropped slots: after the routed rows, as none
-    (None, 2, 1),  # 2 500 rows per expert: more than one of the kernel's blocks of 1 024
+    (None, 2, 1),  # 2 500 rows per expert: more than one of the kernel's blocks
 ])
 def test_send_list_is_local_expert_major(idx, num_ranks, num_local):
     """Segment l * R + k of the senders' order is my rows of owner k's local expert l, in sorted order,
-    each as (slot, global expert, index among my rows of that expert); then the dropped slots, as none."""
+    each as (slot, global expert, index among my rows of that expert, whether it carries its token's row
+    there: given the routing, its first slot at that owner); then the dropped slots, as none."""
     num_experts = num_ranks * num_local
     idx = (torch.tensor(idx) if idx is not None else (torch.arange(5000) % 2)[:, None]).to(DEVICE)
     plan = build_plan(idx, num_experts)
@@ -189,7 +199,13 @@ def test_send_list_is_local_expert_major(idx, num_ranks, num_local):
             want[2] += list(range(offsets[e + 1] - offsets[e]))
     dropped = idx.numel() - offsets[-1]
     want = [want[0] + [-1] * dropped, want[1] + [0] * dropped, want[2] + list(range(dropped))]
-    assert dispatch.send_list(plan, num_ranks, num_local).tolist() == want
+    # carries: the token's first slot at the owner, lowest local expert first, then lowest slot
+    picks, top_k = idx.tolist(), idx.shape[1]
+    carries = [int(slot >= 0 and not any(
+        p >= 0 and p // num_local == e // num_local and (p % num_local, k) < (e % num_local, slot % top_k)
+        for k, p in enumerate(picks[slot // top_k]))) for slot, e in zip(want[0], want[1])]
+    assert dispatch.send_list(plan, num_ranks, num_local).tolist() == [*want, [0] * len(carries)]
+    assert dispatch.send_list(plan, num_ranks, num_local, idx).tolist() == [*want, carries]
 
 
 @pytest.mark.parametrize("num_ranks, comm_sms", [(2, 0), (4, 0), (1, 2), (3, 2)])
@@ -296,7 +312,7 @@ from tests.helpers import make_problem
 
 R, COMM_SMS = {ranks}, {comm_sms}
 L, T, K, D, I = 32 // R, 256, 4, 256, 128
-workspaces = loopback_workspaces(R, L, R * T * K, T * K, D, torch.bfloat16, "cuda")
+workspaces = loopback_workspaces(R, L, R * T * K, T, T * K, D, torch.bfloat16, "cuda")
 for step in range(200):
     x, idx, w, w13, w2, dy = make_problem(R * T, D, I, R * L, K, "random", dtype=torch.bfloat16, device="cuda",
                                           seed=step)

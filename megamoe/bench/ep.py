@@ -389,7 +389,7 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     shares = [local_problem(problem, r, num_ranks) for r in range(num_ranks)]
     ranks, dys = [share[:5] for share in shares], [share[5] for share in shares]
     workspaces = loopback_workspaces(num_ranks, num_experts // num_ranks, num_ranks * tokens * top_k,
-                                     tokens * top_k, dim, dtype, device)
+                                     tokens, tokens * top_k, dim, dtype, device)
     ref = reference.moe_loop(*[t.float() if t.is_floating_point() else t for t in problem[:5]], fp32=True)
     info = {"preset": preset, "tokens_per_rank": tokens, "routing": routing, "loopback_ranks": num_ranks,
             "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k}

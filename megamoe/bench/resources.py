@@ -40,11 +40,11 @@ _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot
                   "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32", "arrived_ptr": "*i32", "counts_ptr": "*i32",
                   "epoch_ptr": "*i32", "recv_row_slot_ptr": "*i32", "recv_offsets_ptr": "*i32",
                   "recv_weight_ptr": "*fp32", "send_list_ptr": "*i32", "slot_row_ptr": "*i32",
-                  "topk_idx_ptr": "*i64"}
+                  "topk_idx_ptr": "*i64", "recv_token_row_ptr": "*i32"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "WAIT_ROWS": False,
-                     # the EP sending programs: 16 of them, 128 experts, D = 2048
-                     "SENDERS": 16, "RB": dispatch.SEND_ROWS, "EB": 128, "CB": 128, "BD": 256}
+                     # the EP sending programs: 16 of them, 128 experts (64 per rank), top-8, D = 2048
+                     "SENDERS": 16, "RB": dispatch.SEND_ROWS, "LB": 64, "EB": 128, "CB": 128, "BD": 256}
 
 
 def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
@@ -209,7 +209,8 @@ OTHER_KERNELS = (expert_bwd._invert_rows_kernel, expert_bwd._scatter_rows_kernel
                  dispatch._exchange_counts_kernel, dispatch._dispatch_rows_kernel, dispatch._wait_epoch_kernel,
                  dispatch._wait_and_reset_kernel, dispatch._return_rows_kernel, dispatch._signal_returned_kernel,
                  dispatch._send_list_kernel)
-_OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "RB": 16, "EB": 128, "CB": 128, "BD": 256, "LB": 16, "NB": 8, "TB": 16,
+_OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "KB": 8, "EB": 128, "CB": 128, "BD": 256,
+                     "LB": 16, "NB": 8, "TB": 16,
                      "BLOCK": 1024}
 
 
@@ -226,7 +227,7 @@ def compile_other_kernel(fn):
         if name.endswith("_tab"):
             signature[name] = "*i64"
         elif name.endswith("_ptr"):
-            signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_x_ptr": "*bf16", "a_ptr": "*bf16",
+            signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_tokens_ptr": "*bf16", "a_ptr": "*bf16",
                                "b_ptr": "*bf16", "a_out_ptr": "*bf16", "b_out_ptr": "*bf16", "counter_ptr": "*i64",
                                "expected_ptr": "*i64"}.get(name, _POINTER_TYPES.get(name, "*i32"))
         else:

@@ -37,7 +37,7 @@ from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_fwd import (
     _sorted_rows_gemm_kernel,
     _tile_rows,
-    _wait_expert_rows,
+    _wait_rows,
     descriptor,
     dot_precision,
     sorted_rows_gemm,
@@ -86,7 +86,7 @@ def _act_bwd_tile(pid, x_src, dy_src, w13_desc, w2_desc, weights_ptr, dz_ptr, hw
     if e >= E:
         return
     if WAIT_ROWS:
-        _wait_expert_rows(arrived_ptr, counts_ptr, e, E, R)
+        _wait_rows(arrived_ptr, counts_ptr, e, e, E, R, 1)
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
     n0 = pid_n * BN
     cols = n0 + tl.arange(0, BN)

@@ -60,15 +60,19 @@ MAX_EP_RANKS = tl.constexpr(16)
 
 
 @triton.jit
-def _wait_expert_rows(arrived_ptr, counts_ptr, e, E, R):
-    """Expert parallelism: spin until every source's rows of my expert ``e`` are in my receive buffer
-    (``arrived[s, e] == counts[s, e]`` for every source s; acquire). A tile of an expert whose rows
-    are all here starts at once; the others wait only for their own expert's rows."""
-    srcs = tl.arange(0, MAX_EP_RANKS)
-    m = srcs < R
-    want = tl.load(counts_ptr + srcs * E + e, mask=m, other=0)
-    while tl.sum((tl.atomic_add(arrived_ptr + srcs * E + e, 0, mask=m, sem="acquire", scope="sys") != want) & m,
-                 axis=0) > 0:
+def _wait_rows(arrived_ptr, counts_ptr, first, e, E, R, EB: tl.constexpr):
+    """Expert parallelism: spin until every source's rows of my experts ``first`` to ``e`` (at most EB of
+    them) are in my receive buffers (``arrived[s, l] == counts[s, l]`` for every source s; acquire). The
+    act kernel waits for its own expert (``first = e``, EB 1); the forward up kernel for every expert up to
+    its own, since a token row it reads was sent with the token's first slot at this owner, whose expert
+    may be a lower one (``dispatch._send_rows``). The senders go expert by expert, so a tile whose rows
+    are here starts at once either way."""
+    srcs = tl.arange(0, MAX_EP_RANKS)[:, None]
+    ls = first + tl.arange(0, EB)[None, :]
+    m = (srcs < R) & (ls <= e)
+    want = tl.load(counts_ptr + srcs * E + ls, mask=m, other=0)
+    while tl.sum(tl.sum(((tl.atomic_add(arrived_ptr + srcs * E + ls, 0, mask=m, sem="acquire", scope="sys") != want)
+                         & m).to(tl.int32), axis=1), axis=0) > 0:
         pass
 
 
@@ -81,9 +85,10 @@ def _up_swiglu_fwd_kernel(
     offsets_ptr,  # (E+1,) int32
     tile_expert_ptr,  # (NT,) int32
     tile_row_ptr,  # (NT,) int32
-    arrived_ptr, counts_ptr,  # (R, E) int32 each: expert parallelism only (WAIT_ROWS), see _wait_expert_rows
+    arrived_ptr, counts_ptr,  # (R, E) int32 each: expert parallelism only (WAIT_ROWS), see _wait_rows
     D, I, E, top_k, R,
-    WAIT_ROWS: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr,
+    WAIT_ROWS: tl.constexpr,  # 0, or a power of two >= E: each tile first waits for the rows of experts 0..e
+    PREC: tl.constexpr, TILE_M: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     _up_swiglu_tile(tl.program_id(0), x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
@@ -101,7 +106,7 @@ def _up_swiglu_tile(pid, x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile
     if e >= E:
         return
     if WAIT_ROWS:
-        _wait_expert_rows(arrived_ptr, counts_ptr, e, E, R)
+        _wait_rows(arrived_ptr, counts_ptr, 0, e, E, R, WAIT_ROWS)
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
     tok = (slots // top_k).to(tl.int64)  # int64: T*D overflows int32 at real sizes
     n0 = pid_n * BN
@@ -242,7 +247,7 @@ def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, arrivals: tuple | None 
     """h (N, I) in x's dtype, rows in expert-sorted order (rows past the routed count are not written); on sm90
     with 16-bit operands (x 16-byte aligned) through the warp-specialized Gluon kernel ``ws._up_ws_kernel``.
     ``arrivals``: expert parallelism only, ``(arrived, counts)`` (R, E) int32 — each tile first waits for
-    its expert's rows (see ``_wait_expert_rows``); always the Triton kernel. ``gluon=False``: the Triton kernel
+    the rows of its expert and the lower ones (see ``_wait_rows``); always the Triton kernel. ``gluon=False``: the Triton kernel
     even where the Gluon one would run (to autotune it for the expert-parallel kernel that follows its choice)."""
     num_slots = plan.row_slot_N.numel()
     num_experts, two_i, dim = w13_EHD.shape
@@ -258,7 +263,8 @@ def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, arrivals: tuple | None 
         x_TD, descriptor(w13_EHD.view(num_experts, 2, inter, dim)), h_NI, plan.row_slot_N, plan.offsets_E1,
         plan.tile_expert_NT, plan.tile_row_NT, arrived, counts,
         dim, inter, num_experts, top_k, counts.shape[0] if arrivals else 1,
-        WAIT_ROWS=arrivals is not None, PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
+        WAIT_ROWS=triton.next_power_of_2(num_experts) if arrivals else 0, PREC=dot_precision(x_TD.dtype),
+        TILE_M=BLOCK_M, dtype=x_TD.dtype,
     )
     return h_NI
 

@@ -12,15 +12,17 @@ every virtual rank before the next phase, so that on one device no wait can prec
    ``counts[epoch % 2, me, :]``, then ``counts_flag[epoch % 2, me] = epoch`` (release).
 2. :func:`dispatch_rows` — wait for every source's counts at every owner (acquire; every program waits,
    even one with no rows, which keeps every rank within one call of the others), compute where my rows
-   of each expert land in the owner's ``recv_x`` (expert-major, then source rank: a fixed order, so
-   results are deterministic), copy them with their slot id and routing weight, and count them into
-   the owner's ``arrived[me, l]`` (release). Rows past the owner's capacity are not written; they are
+   of each expert land at the owner (expert-major, then source rank: a fixed order, so results are
+   deterministic), write their slot id and routing weight there, copy the rows — forward: each token's
+   row once per owner, into ``recv_tokens`` (``_send_rows``); backward: x and dy once per slot, into
+   ``recv_x`` / ``recv_dy`` — and count them into the owner's ``arrived[me, l]`` (release). Rows past the owner's capacity are not written; they are
    counted in ``overflow`` (the owner's and mine) and reported by ``Workspace.check_overflow`` (the
    call's output is wrong then), and counted as arrived so that no wait hangs on them.
 3. and 4. :func:`owner_experts` — wait for every source's counts, build the plan of the rows on their
-   way, run the one-GPU up + SwiGLU kernel on ``recv_x`` — each tile first waits until its expert's
-   rows from every source are in (``arrived`` equals ``counts``, acquire), so experts whose rows are
-   here compute while others' rows still travel — reset ``arrived``, then the down GEMM whose epilogue
+   way, run the one-GPU up + SwiGLU kernel on the received token rows — each tile first waits until
+   the rows of its expert and the lower ones from every source are in (``arrived`` equals ``counts``,
+   acquire; see ``expert_fwd._wait_rows``), so experts whose rows are here compute while others' rows
+   still travel — reset ``arrived``, then the down GEMM whose epilogue
    weights each row and writes it straight into its source's ``y_slots[slot]``; once it has finished, a
    one-program kernel adds 1 to every source's ``returned[me]`` (release). Backward
    (:func:`owner_experts_backward`): the same with the dy rows dispatched alongside x; the one-GPU fused
@@ -36,6 +38,8 @@ GEMM. Not yet: persistent expert kernels that pick ready tiles first (a waiting 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -94,10 +98,12 @@ def _dispatch_rows_kernel(
     dy_ptr,  # (T, D) their output gradient (backward; unused unless HAS_DY)
     weights_ptr,  # (N,) my routing weights, flat slots
     row_slot_ptr, offsets_ptr,  # my plan over the E global experts
-    counts_tab, counts_flag_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
-    overflow_tab, epoch_ptr,
-    rank, R, L, D, top_k, capacity, max_slots,
-    HAS_DY: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
+    topk_idx_ptr,  # (T, K) my routing (forward: which of a token's slots carries its row to an owner)
+    counts_tab, counts_flag_tab, recv_tokens_tab, recv_token_row_tab, recv_x_tab, recv_dy_tab, recv_meta_tab,
+    recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
+    rank, R, L, D, top_k, capacity, max_tokens, max_slots,
+    HAS_DY: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr,
+    BD: tl.constexpr,
 ):
     """Phase 2 as its own kernel: program i sends my sorted rows [i*RB, (i+1)*RB)."""
     _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB)
@@ -106,8 +112,12 @@ def _dispatch_rows_kernel(
     e = _experts_of_rows(rows, offsets_ptr, R * L, EB)
     dst = _dest_bases(e, counts_tab, epoch_ptr, rank, R, L, CB) + rows - tl.load(offsets_ptr + e)
     slots = tl.where(rows >= 0, tl.load(row_slot_ptr + rows, mask=rows >= 0, other=0), -1)
-    _send_rows(slots, e, dst, x_ptr, dy_ptr, weights_ptr, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab,
-               arrived_tab, overflow_tab, rank, L, D, top_k, capacity, max_slots, HAS_DY, RB, BD)
+    carries = slots * 0
+    if not HAS_DY:
+        carries = _carries_row(slots, e, topk_idx_ptr, L, top_k, KB)
+    _send_rows(slots, e, dst, carries, x_ptr, dy_ptr, weights_ptr, recv_tokens_tab, recv_token_row_tab, recv_x_tab,
+               recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k, capacity,
+               max_tokens, max_slots, HAS_DY, RB, BD)
 
 
 @triton.jit
@@ -151,14 +161,38 @@ def _dest_bases(es, counts_tab, epoch_ptr, rank, R, L, CB: tl.constexpr):
 
 
 @triton.jit
-def _send_rows(slot, e, dst, x_ptr, dy_ptr, weights_ptr, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab,
-               arrived_tab, overflow_tab, rank, L, D, top_k, capacity, max_slots,
-               HAS_DY: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr):
-    """My rows of slots ``slot`` (RB of them; -1: none) of global experts ``e`` and their dy rows if HAS_DY
-    into their owners' receive buffers at rows ``dst`` (the caller waited for the counts:
-    ``_wait_all_counts``). The validity travels as -1 rather than as a mask argument: Triton 3.6 fails to
-    compile a boolean tensor passed to a called function (sm_90a: "failed to legalize unresolved
-    materialization ... tensor<64xi1>")."""
+def _carries_row(slot, e, topk_idx_ptr, L, top_k, KB: tl.constexpr):
+    """1 where slot ``slot`` (-1: none) of global expert ``e`` is its token's first slot at that expert's
+    owner in the senders' order (lowest local expert, then slot; KB >= top_k), else 0: the one slot that
+    carries the token's row there in the forward. Dropped slots (expert -1) have no owner."""
+    rmask = slot >= 0
+    owner = e // L
+    local = e % L
+    ks = tl.arange(0, KB)
+    picks = tl.load(topk_idx_ptr + (slot // top_k).to(tl.int64)[:, None] * top_k + ks[None, :],
+                    mask=rmask[:, None] & (ks < top_k)[None, :], other=-1)
+    pick_local = picks % L
+    before = (picks >= 0) & (picks // L == owner[:, None]) & (
+        (pick_local < local[:, None]) | ((pick_local == local[:, None]) & (ks[None, :] < (slot % top_k)[:, None])))
+    return (rmask & (tl.sum(before.to(tl.int32), axis=1) == 0)).to(tl.int32)
+
+
+@triton.jit
+def _send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, recv_tokens_tab, recv_token_row_tab, recv_x_tab,
+               recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k, capacity,
+               max_tokens, max_slots, HAS_DY: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr):
+    """My rows of slots ``slot`` (RB of them; -1: none) of global experts ``e`` into their owners' receive
+    buffers at rows ``dst`` (the caller waited for the counts: ``_wait_all_counts``): each row's slot id and
+    routing weight, and its token's row of x —
+    - forward (not HAS_DY): into the owner's ``recv_tokens`` at row ``rank * max_tokens + token``, by the
+      slots where ``carries`` is 1 (:func:`_carries_row`), whatever the slot's ``dst``; the owner's up kernel
+      reads it through ``recv_token_row``. A token that picked several of an owner's experts crosses NVLink
+      once;
+    - backward (HAS_DY): x and dy rows into ``recv_x`` / ``recv_dy`` at ``dst``, one per slot (the weight
+      gradients read them there as expert-sorted rows); ``carries`` is not read.
+    The validity travels as -1 rather than as a mask argument: Triton 3.6 fails to compile a boolean tensor
+    passed to a called function (sm_90a: "failed to legalize unresolved materialization ...
+    tensor<64xi1>")."""
     rmask = slot >= 0  # every access below is masked by it (an early return here fails to compile too)
     owner = e // L
     local = e % L
@@ -166,14 +200,21 @@ def _send_rows(slot, e, dst, x_ptr, dy_ptr, weights_ptr, recv_x_tab, recv_dy_tab
     weight = tl.load(weights_ptr + slot, mask=fits, other=0.0)  # issued before the copy, which hides its latency
     tok = (slot // top_k).to(tl.int64)
     dst64 = dst.to(tl.int64)
-    # Each destination row's start in the owner's buffers, 16-byte aligned (see the output kernel below).
-    x_rows = tl.multiple_of(_peer(recv_x_tab, owner, x_ptr.dtype.element_ty) + dst64 * D, 16)
-    dy_rows = tl.multiple_of(_peer(recv_dy_tab, owner, x_ptr.dtype.element_ty) + dst64 * D, 16)
+    if HAS_DY:
+        copies = fits
+        # Each destination row's start in the owner's buffers, 16-byte aligned (see the output kernel below).
+        x_rows = tl.multiple_of(_peer(recv_x_tab, owner, x_ptr.dtype.element_ty) + dst64 * D, 16)
+        dy_rows = tl.multiple_of(_peer(recv_dy_tab, owner, x_ptr.dtype.element_ty) + dst64 * D, 16)
+    else:
+        copies = rmask & (carries != 0)
+        token_row = rank * max_tokens + tok
+        x_rows = tl.multiple_of(_peer(recv_tokens_tab, owner, x_ptr.dtype.element_ty) + token_row * D, 16)
+        tl.store(_peer(recv_token_row_tab, owner, tl.int32) + dst64, token_row.to(tl.int32), mask=fits)
     # Pipelined (cp.async through shared memory): a sending program is one block on its SM, so its loads
     # must overlap one another to move more than one chunk per memory latency.
     for d0 in tl.range(0, D, BD, num_stages=4):
         ds = d0 + tl.arange(0, BD)
-        m = fits[:, None] & (ds < D)[None, :]
+        m = copies[:, None] & (ds < D)[None, :]
         src = tok[:, None] * D + ds[None, :]
         tl.store(x_rows[:, None] + ds[None, :], tl.load(x_ptr + src, mask=m), mask=m)
         if HAS_DY:
@@ -202,14 +243,15 @@ def _send_list_block(block, send_list_ptr, num_rows, RB: tl.constexpr):
     pos = block * RB + tl.arange(0, RB)
     m = pos < num_rows
     return (tl.load(send_list_ptr + pos, mask=m, other=-1), tl.load(send_list_ptr + num_rows + pos, mask=m, other=0),
-            tl.load(send_list_ptr + 2 * num_rows + pos, mask=m, other=0))
+            tl.load(send_list_ptr + 2 * num_rows + pos, mask=m, other=0),
+            tl.load(send_list_ptr + 3 * num_rows + pos, mask=m, other=0))
 
 
 @triton.jit
-def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab,
-            counts_flag_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab,
-            epoch_ptr, rank, R, L, D, top_k, capacity, max_slots, HAS_DY: tl.constexpr, SENDERS: tl.constexpr,
-            RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
+def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
+            recv_tokens_tab, recv_token_row_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
+            overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, max_tokens, max_slots, HAS_DY: tl.constexpr,
+            SENDERS: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
     """Sending program ``pid`` of SENDERS in an expert kernel's launch: once the counts are in, blocks pid,
     pid + SENDERS, ... (of ``num_blocks`` blocks of RB rows) of my ``num_rows`` rows in the order of
     :func:`send_list` — local expert first, then owner — so that every owner receives its first experts'
@@ -219,30 +261,32 @@ def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows
     # Once per program rather than per block: every expert's start at its owner (from the owners' counts,
     # across NVLink with real ranks), indexed by global expert.
     bases = _dest_bases(os_, counts_tab, epoch_ptr, rank, R, L, CB)
-    slot, e, index = _send_list_block(pid, send_list_ptr, num_rows, RB)
+    slot, e, index, carries = _send_list_block(pid, send_list_ptr, num_rows, RB)
     for block in range(pid, num_blocks, SENDERS):
         # The next block's entries load while this block's rows are copied: a sender's time is a chain of
         # memory latencies per block (docs/NOTES.md §36), and this takes one out of it.
-        next_slot, next_e, next_index = _send_list_block(block + SENDERS, send_list_ptr, num_rows, RB)
+        next_slot, next_e, next_index, next_carries = _send_list_block(block + SENDERS, send_list_ptr, num_rows, RB)
         dst = tl.sum(tl.where(e[:, None] == os_[None, :], bases[None, :], 0), axis=1) + index
-        _send_rows(slot, e, dst, x_ptr, dy_ptr, weights_ptr, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab,
-                   arrived_tab, overflow_tab, rank, L, D, top_k, capacity, max_slots, HAS_DY, RB, BD)
-        slot, e, index = next_slot, next_e, next_index
+        _send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, recv_tokens_tab, recv_token_row_tab, recv_x_tab,
+                   recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k, capacity,
+                   max_tokens, max_slots, HAS_DY, RB, BD)
+        slot, e, index, carries = next_slot, next_e, next_index, next_carries
 
 
 @triton.jit
 def _send_and_up_kernel(
     # Programs [0, SENDERS): phase 2, as _dispatch_rows_kernel (rows in blocks of RB, strided over them).
     x_ptr, weights_ptr, send_list_ptr,
-    counts_tab, counts_flag_tab, recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
-    rank, R, L, top_k, capacity, max_slots, num_rows, num_blocks,
-    # Programs SENDERS and up: the up kernel on my receive buffer (its plan: recv_*), each tile waiting
-    # for its expert's rows (arrived, counts: (R, L)).
-    recv_x_ptr, w13_desc, h_ptr, recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
+    counts_tab, counts_flag_tab, recv_tokens_tab, recv_token_row_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
+    overflow_tab, epoch_ptr, rank, R, L, top_k, capacity, max_tokens, max_slots, num_rows, num_blocks,
+    # Programs SENDERS and up: the up kernel on my received token rows (its plan: recv_*, rows gathered
+    # through recv_token_row), each tile waiting for the rows of its expert and the lower ones (arrived,
+    # counts: (R, L); LB >= L).
+    recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
     arrived_ptr, counts_ptr, D, I,
-    SENDERS: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    SENDERS: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr,
+    CB: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """Phases 2 and 3 in one launch: the first SENDERS programs send my rows while the others compute on
     the rows that have arrived — communication on SENDERS SMs, overlapping the up GEMM. No deadlock: the
@@ -251,11 +295,12 @@ def _send_and_up_kernel(
     pid = tl.program_id(0)
     if pid < SENDERS:
         _sender(pid, num_blocks, x_ptr, x_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
-                recv_x_tab, recv_x_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
-                rank, R, L, D, top_k, capacity, max_slots, False, SENDERS, RB, EB, CB, BD)
+                recv_tokens_tab, recv_token_row_tab, recv_tokens_tab, recv_tokens_tab, recv_meta_tab, recv_weight_tab,
+                arrived_tab, overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, max_tokens, max_slots, False,
+                SENDERS, RB, EB, CB, BD)
     else:
-        _up_swiglu_tile(pid - SENDERS, recv_x_ptr, w13_desc, h_ptr, recv_row_slot_ptr, recv_offsets_ptr,
-                        tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I, L, 1, R, True, PREC, TILE_M,
+        _up_swiglu_tile(pid - SENDERS, recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, recv_offsets_ptr,
+                        tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I, L, 1, R, LB, PREC, TILE_M,
                         BM, BN, BK, EVEN_K)
 
 
@@ -276,9 +321,10 @@ def _send_and_act_kernel(
     this shares)."""
     pid = tl.program_id(0)
     if pid < SENDERS:
+        # (The forward's token-row arguments are unread here: rows go per slot, to recv_x and recv_dy.)
         _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
-                recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, epoch_ptr,
-                rank, R, L, D, top_k, capacity, max_slots, True, SENDERS, RB, EB, CB, BD)
+                recv_x_tab, recv_meta_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
+                overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, 0, max_slots, True, SENDERS, RB, EB, CB, BD)
     else:
         _act_bwd_tile(pid - SENDERS, recv_x_ptr, recv_dy_ptr, w13_desc, w2_desc, recv_weight_ptr, dz_ptr, hw_ptr,
                       dweight_part_ptr, recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
@@ -287,11 +333,12 @@ def _send_and_act_kernel(
 
 
 @triton.jit
-def _send_list_kernel(row_slot_ptr, offsets_ptr, send_list_ptr, num_rows, R, L, EB: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _send_list_kernel(row_slot_ptr, offsets_ptr, topk_idx_ptr, send_list_ptr, num_rows, R, L, top_k,
+                      CARRIES: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, BLOCK: tl.constexpr):
     """Program e < E writes my rows of global expert e into :func:`send_list`, after the segments that
-    precede its own: those of every lower local expert, then those of its local expert at lower owners.
-    Program E marks the entries of the dropped slots, past the routed rows, as none (slot -1)."""
+    precede its own: those of every lower local expert, then those of its local expert at lower owners;
+    with CARRIES, which of them carry their token's row (:func:`_carries_row`), else 0. Program E marks the
+    entries of the dropped slots, past the routed rows, as none (slot -1)."""
     e = tl.program_id(0)
     E = R * L
     es = tl.arange(0, EB)
@@ -305,9 +352,15 @@ def _send_list_kernel(row_slot_ptr, offsets_ptr, send_list_ptr, num_rows, R, L, 
         i = i0 + tl.arange(0, BLOCK)
         m = i < n
         pos = send_list_ptr + start + i
-        tl.store(pos, tl.where(e < E, tl.load(row_slot_ptr + row0 + i, mask=m), -1), mask=m)
-        tl.store(pos + num_rows, tl.where(e < E, e, 0) + tl.zeros([BLOCK], tl.int32), mask=m)
+        slot = tl.where(e < E, tl.load(row_slot_ptr + row0 + i, mask=m, other=-1), -1)
+        expert = tl.where(e < E, e, 0) + tl.zeros([BLOCK], tl.int32)
+        tl.store(pos, slot, mask=m)
+        tl.store(pos + num_rows, expert, mask=m)
         tl.store(pos + 2 * num_rows, i, mask=m)
+        carries = tl.zeros([BLOCK], tl.int32)
+        if CARRIES:
+            carries = _carries_row(slot, expert, topk_idx_ptr, L, top_k, KB)
+        tl.store(pos + 3 * num_rows, carries, mask=m)
 
 
 @triton.jit
@@ -372,18 +425,20 @@ def _rows_to_peer_slots_kernel(
 
 
 @triton.jit
-def _return_rows_kernel(recv_x_ptr, recv_meta_ptr, offsets_ptr, y_slots_tab, L, D, max_slots,
+def _return_rows_kernel(recv_tokens_ptr, recv_token_row_ptr, recv_meta_ptr, offsets_ptr, y_slots_tab, L, D, max_slots,
                         RB: tl.constexpr, BD: tl.constexpr):
-    """Communication only (no experts): every row I received, unchanged, into its source's slot."""
+    """Communication only (no experts): every row I received (its token's row), unchanged, into its
+    source's slot."""
     rows = tl.program_id(0) * RB + tl.arange(0, RB)
     rmask = rows < tl.load(offsets_ptr + L)
+    token_rows = tl.load(recv_token_row_ptr + rows, mask=rmask, other=0).to(tl.int64)
     meta = tl.load(recv_meta_ptr + rows, mask=rmask, other=0)
-    out_rows = tl.multiple_of(_peer(y_slots_tab, meta // max_slots, recv_x_ptr.dtype.element_ty)
+    out_rows = tl.multiple_of(_peer(y_slots_tab, meta // max_slots, recv_tokens_ptr.dtype.element_ty)
                               + (meta % max_slots).to(tl.int64) * D, 16)
     for d0 in range(0, D, BD):
         ds = d0 + tl.arange(0, BD)
         m = rmask[:, None] & (ds < D)[None, :]
-        tl.store(out_rows[:, None] + ds[None, :], tl.load(recv_x_ptr + rows.to(tl.int64)[:, None] * D + ds[None, :],
+        tl.store(out_rows[:, None] + ds[None, :], tl.load(recv_tokens_ptr + token_rows[:, None] * D + ds[None, :],
                                                            mask=m), mask=m)
 
 
@@ -421,7 +476,8 @@ SEND_ACT = TunedKernel(_send_and_act_kernel, default=ACT_BWD.default, candidates
 
 def _send_blocks(ws: Workspace, dim: int) -> dict:
     """Block sizes of the row-sending code (``_send_rows``): all global experts (EB), all (source, local
-    expert) counts or ranks (CB), and the columns copied per step (BD)."""
+    expert) counts or ranks (CB), and the columns copied per step (BD). The forward's also take KB, a
+    power of two >= top_k."""
     num_experts = ws.num_ranks * ws.num_local
     return {"EB": triton.next_power_of_2(num_experts), "CB": triton.next_power_of_2(max(num_experts, ws.num_ranks)),
             "BD": min(256, triton.next_power_of_2(dim))}
@@ -435,19 +491,22 @@ def exchange_counts(ws: Workspace, plan: Plan) -> None:
                                              LB=triton.next_power_of_2(ws.num_local))
 
 
-def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan,
-                  dy_TD: torch.Tensor | None = None) -> None:
-    """Phase 2: my routed rows into their owners' receive buffers (and, in the backward, their dy rows)."""
+def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                  plan: Plan, dy_TD: torch.Tensor | None = None) -> None:
+    """Phase 2: my routed rows into their owners' receive buffers: in the forward each token's row once
+    per owner (``recv_tokens``), in the backward (``dy_TD``) its x and dy rows once per slot (``recv_x``,
+    ``recv_dy``); each slot's id and routing weight."""
     num_slots = plan.row_slot_N.numel()
     dim = x_TD.shape[1]
     if num_slots == 0:
         return
     _dispatch_rows_kernel[(triton.cdiv(num_slots, ROWS_PER_PROGRAM),)](
         x_TD, x_TD if dy_TD is None else dy_TD, topk_weights_TK.reshape(-1), plan.row_slot_N, plan.offsets_E1,
-        *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_dy", "recv_meta", "recv_weight",
-                                 "arrived", "overflow")),
-        ws.epoch, ws.rank, ws.num_ranks, ws.num_local, dim, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
-        HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM, **_send_blocks(ws, dim),
+        topk_idx_TK, *(ws.tables[n] for n in ("counts", "counts_flag", "recv_tokens", "recv_token_row", "recv_x",
+                                              "recv_dy", "recv_meta", "recv_weight", "arrived", "overflow")),
+        ws.epoch, ws.rank, ws.num_ranks, ws.num_local, dim, topk_weights_TK.shape[1], ws.capacity, ws.max_tokens,
+        ws.max_slots, HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM, KB=triton.next_power_of_2(topk_idx_TK.shape[1]),
+        **_send_blocks(ws, dim),
     )
 
 
@@ -494,39 +553,45 @@ def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w
 
 def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, send: tuple | None = None) -> None:
     """Phases 3 and 4, forward: my experts on the rows I received; the down GEMM writes each weighted
-    row straight into its source's ``y_slots``. ``send = (x_TD, topk_weights_TK, plan, comm_sms)``: phase
-    2 runs in the up kernel's launch, on ``comm_sms`` of its programs (:func:`send_and_up`); without it,
-    the caller has run :func:`dispatch_rows`."""
+    row straight into its source's ``y_slots``. ``send = (x_TD, topk_idx_TK, topk_weights_TK, plan,
+    comm_sms)``: phase 2 runs in the up kernel's launch, on ``comm_sms`` of its programs (:func:`send_and_up`);
+    without it, the caller has run :func:`dispatch_rows`."""
     plan, counts = received_plan(ws)
-    if send is None:
-        h = up_swiglu_fwd(ws.recv_x, w13_LHD, plan, top_k=1, arrivals=(ws.arrived, counts))
+    if send is None:  # the up kernel gathers each received row's token row
+        h = up_swiglu_fwd(ws.recv_tokens, w13_LHD, dataclasses.replace(plan, row_slot_N=ws.recv_token_row), top_k=1,
+                          arrivals=(ws.arrived, counts))
     else:
         h = send_and_up(ws, *send, w13_LHD, plan, counts)
     reset_arrivals(ws, counts)
     rows_to_peer_slots(ws, DOWN_PEER, h, w2_LDI, plan, w2_LDI.shape[1], weights_C=ws.recv_weight)
 
 
-def send_list(plan: Plan, num_ranks: int, num_local: int) -> torch.Tensor:
-    """(3, N) int32: my N slots' rows in the senders' order, as (slot, global expert, index among my rows
-    of that expert); the dropped slots' entries last, with slot -1. Local expert l major, owner k minor:
+def send_list(plan: Plan, num_ranks: int, num_local: int, topk_idx_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """(4, N) int32: my N slots' rows in the senders' order, as (slot, global expert, index among my rows
+    of that expert, carries: 1 if the slot carries its token's row to the owner in the forward, given my
+    routing ``topk_idx_TK``; 0 without it); the dropped slots' entries last, with slot -1. Local expert l
+    major, owner k minor:
     segment l * R + k holds my rows of global expert k * L + l, in sorted order. Sorted by global expert,
     every source would send to owner 0 first and owner R-1's tiles could not start before the whole
     exchange ended; in this order every owner has its expert-0 rows from every source after about 1/L of
     it. One launch, on the device, no sync."""
     num_rows = plan.row_slot_N.numel()
-    out = torch.empty(3, num_rows, device=plan.row_slot_N.device, dtype=torch.int32)
+    out = torch.empty(4, num_rows, device=plan.row_slot_N.device, dtype=torch.int32)
     if num_rows:
-        _send_list_kernel[(num_ranks * num_local + 1,)](plan.row_slot_N, plan.offsets_E1, out, num_rows, num_ranks,
-                                                    num_local, EB=triton.next_power_of_2(num_ranks * num_local),
-                                                    BLOCK=1024)
+        top_k = 1 if topk_idx_TK is None else topk_idx_TK.shape[1]
+        _send_list_kernel[(num_ranks * num_local + 1,)](
+            plan.row_slot_N, plan.offsets_E1, plan.row_slot_N if topk_idx_TK is None else topk_idx_TK, out, num_rows,
+            num_ranks, num_local, top_k, CARRIES=topk_idx_TK is not None, KB=triton.next_power_of_2(top_k),
+            EB=triton.next_power_of_2(num_ranks * num_local), BLOCK=256)
     return out
 
 
-def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan, comm_sms: int,
-                w13_LHD: torch.Tensor, recv_plan: Plan, counts: torch.Tensor, compute: bool = True) -> torch.Tensor:
-    """Phases 2 and 3 in one launch (``_send_and_up_kernel``): ``comm_sms`` programs send my rows (``plan``)
-    while the rest run the up + SwiGLU GEMM on my receive buffer (``recv_plan``), each tile once its
-    expert's rows are in. Returns h (C, I) in received-row order. ``compute=False``: the senders alone
+def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                plan: Plan, comm_sms: int, w13_LHD: torch.Tensor, recv_plan: Plan, counts: torch.Tensor,
+                compute: bool = True) -> torch.Tensor:
+    """Phases 2 and 3 in one launch (``_send_and_up_kernel``): ``comm_sms`` programs send my rows (``plan``;
+    each token's row once per owner) while the rest run the up + SwiGLU GEMM on my received token rows
+    (``recv_plan``), each tile once the rows of its expert and the lower ones are in. Returns h (C, I) in received-row order. ``compute=False``: the senders alone
     (the loopback's way to run them for several virtual ranks on one stream; h is not written)."""
     num_local, two_i, dim = w13_LHD.shape
     inter = two_i // 2
@@ -535,13 +600,14 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor
     h_CI = torch.empty(ws.capacity, inter, device=x_TD.device, dtype=x_TD.dtype)
     tiles = tile_grid(recv_plan, inter)
     SEND_UP[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
-        x_TD, topk_weights_TK.reshape(-1), send_list(plan, ws.num_ranks, num_local),
-        *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_meta", "recv_weight", "arrived", "overflow")),
-        ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
-        plan.row_slot_N.numel(), triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
-        ws.recv_x, descriptor(w13_LHD.view(num_local, 2, inter, dim)), h_CI, recv_plan.row_slot_N,
+        x_TD, topk_weights_TK.reshape(-1), send_list(plan, ws.num_ranks, num_local, topk_idx_TK),
+        *(ws.tables[n] for n in ("counts", "counts_flag", "recv_tokens", "recv_token_row", "recv_meta",
+                                 "recv_weight", "arrived", "overflow")),
+        ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_tokens,
+        ws.max_slots, plan.row_slot_N.numel(), triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
+        ws.recv_tokens, descriptor(w13_LHD.view(num_local, 2, inter, dim)), h_CI, ws.recv_token_row,
         recv_plan.offsets_E1, recv_plan.tile_expert_NT, recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
-        SENDERS=comm_sms, RB=SEND_ROWS, **_send_blocks(ws, dim),
+        SENDERS=comm_sms, RB=SEND_ROWS, LB=triton.next_power_of_2(num_local), **_send_blocks(ws, dim),
         PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
     )
     return h_CI
@@ -599,8 +665,8 @@ def return_rows(ws: Workspace) -> None:
     reset_arrivals(ws, counts)  # returns once every row is in
     dim = ws.recv_x.shape[1]
     _return_rows_kernel[(triton.cdiv(ws.capacity, ROWS_PER_PROGRAM),)](
-        ws.recv_x, ws.recv_meta, plan.offsets_E1, ws.tables["y_slots"], ws.num_local, dim, ws.max_slots,
-        RB=ROWS_PER_PROGRAM, BD=_send_blocks(ws, dim)["BD"])
+        ws.recv_tokens, ws.recv_token_row, ws.recv_meta, plan.offsets_E1, ws.tables["y_slots"], ws.num_local, dim,
+        ws.max_slots, RB=ROWS_PER_PROGRAM, BD=_send_blocks(ws, dim)["BD"])
     signal_returned(ws)
 
 
@@ -620,7 +686,7 @@ def round_trip(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, top
     (:func:`return_rows`), my wait for them; returns ``y_slots`` (N, D): slot t*K + k holds x[t] again.
     Timed against the fused forward (the overlap figure); on a real group every rank must call it."""
     exchange_counts(ws, plan)
-    dispatch_rows(ws, x_TD, topk_weights_TK, plan)
+    dispatch_rows(ws, x_TD, topk_idx_TK, topk_weights_TK, plan)
     return_rows(ws)
     wait_returned(ws)
     return ws.y_slots[: topk_idx_TK.numel()]
@@ -662,16 +728,16 @@ def loopback_forward(workspaces: list[Workspace], problems: list[tuple], comm_sm
     launch of their own first (a rank's tiles would otherwise wait for rows that a later launch sends)."""
     plans = _start(workspaces, problems)
     if comm_sms and len(workspaces) == 1:
-        (ws,), (plan,), ((x, _, weights, w13, w2),) = workspaces, plans, problems
-        owner_experts(ws, w13, w2, send=(x, weights, plan, comm_sms))
+        (ws,), (plan,), ((x, idx, weights, w13, w2),) = workspaces, plans, problems
+        owner_experts(ws, w13, w2, send=(x, idx, weights, plan, comm_sms))
     elif comm_sms:
-        for ws, plan, (x, _, weights, w13, _) in zip(workspaces, plans, problems):
-            send_and_up(ws, x, weights, plan, comm_sms, w13, *received_plan(ws), compute=False)
+        for ws, plan, (x, idx, weights, w13, _) in zip(workspaces, plans, problems):
+            send_and_up(ws, x, idx, weights, plan, comm_sms, w13, *received_plan(ws), compute=False)
         for ws, p in zip(workspaces, problems):
             owner_experts(ws, p[3], p[4])
     else:
-        for ws, plan, (x, _, weights, _, _) in zip(workspaces, plans, problems):
-            dispatch_rows(ws, x, weights, plan)
+        for ws, plan, (x, idx, weights, _, _) in zip(workspaces, plans, problems):
+            dispatch_rows(ws, x, idx, weights, plan)
         for ws, p in zip(workspaces, problems):
             owner_experts(ws, p[3], p[4])
     return [combine_returned(ws, p[1], p[0].dtype) for ws, p in zip(workspaces, problems)]
@@ -680,8 +746,8 @@ def loopback_forward(workspaces: list[Workspace], problems: list[tuple], comm_sm
 def loopback_round_trip(workspaces: list[Workspace], problems: list[tuple]) -> list[torch.Tensor]:
     """:func:`round_trip` for R virtual ranks on one device, phase by phase; per rank its ``y_slots``."""
     plans = _start(workspaces, problems)
-    for ws, plan, (x, _, weights, _, _) in zip(workspaces, plans, problems):
-        dispatch_rows(ws, x, weights, plan)
+    for ws, plan, (x, idx, weights, _, _) in zip(workspaces, plans, problems):
+        dispatch_rows(ws, x, idx, weights, plan)
     for ws in workspaces:
         return_rows(ws)
     for ws in workspaces:
@@ -704,8 +770,8 @@ def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: l
             send_and_act(ws, x, dy, weights, plan, comm_sms, w13, w2, *received_plan(ws), compute=False)
         weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
     else:
-        for ws, plan, (x, _, weights, _, _), dy in zip(workspaces, plans, problems, dys):
-            dispatch_rows(ws, x, weights, plan, dy_TD=dy)
+        for ws, plan, (x, idx, weights, _, _), dy in zip(workspaces, plans, problems, dys):
+            dispatch_rows(ws, x, idx, weights, plan, dy_TD=dy)
         weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
     results = []
     for ws, (x, topk_idx, _, _, _), (dw13, dw2) in zip(workspaces, problems, weight_grads):

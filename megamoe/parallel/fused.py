@@ -29,7 +29,7 @@ def workspace_for(group, num_local: int, max_tokens_per_rank: int, top_k: int, d
     key = (group.group_name, num_local, max_tokens_per_rank, top_k, dim, dtype)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = symmetric_workspace(group, num_local, num_ranks * max_tokens_per_rank * top_k,
-                                               max_tokens_per_rank * top_k, dim, dtype)
+                                               max_tokens_per_rank, max_tokens_per_rank * top_k, dim, dtype)
     return _WORKSPACES[key]
 
 
@@ -40,9 +40,9 @@ class FusedEP(torch.autograd.Function):
         ws.check_overflow()
         dispatch.exchange_counts(ws, plan)
         if comm_sms[0]:
-            dispatch.owner_experts(ws, w13, w2, send=(x, topk_weights, plan, comm_sms[0]))
+            dispatch.owner_experts(ws, w13, w2, send=(x, topk_idx, topk_weights, plan, comm_sms[0]))
         else:
-            dispatch.dispatch_rows(ws, x, topk_weights, plan)
+            dispatch.dispatch_rows(ws, x, topk_idx, topk_weights, plan)
             dispatch.owner_experts(ws, w13, w2)
         y = dispatch.combine_returned(ws, topk_idx, x.dtype)
         if debug_checks_enabled():
@@ -60,7 +60,7 @@ class FusedEP(torch.autograd.Function):
             dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2,
                                                         send=(x, dy.contiguous(), topk_weights, plan, ctx.comm_sms))
         else:
-            dispatch.dispatch_rows(ws, x, topk_weights, plan, dy_TD=dy.contiguous())
+            dispatch.dispatch_rows(ws, x, topk_idx, topk_weights, plan, dy_TD=dy.contiguous())
             dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2)
         dx, dweight = dispatch.combine_returned_backward(ws, topk_idx, x.dtype)
         if debug_checks_enabled():

@@ -2,7 +2,8 @@
 kernels in dispatch.py read and write through.
 
 Shape legend: R ranks, L local experts per rank, C receive capacity (rows one rank can receive per call,
-from all sources), S slot capacity (T*K slots one rank can send per call), D hidden size.
+from all sources), T token capacity (tokens one rank can send per call), S slot capacity (T*K slots one
+rank can send per call), D hidden size.
 
 Each rank owns one set of buffers; a peer's buffer is reached through ``tables[name][peer]`` (an int64
 address the kernels cast to a pointer). Two ways to build them, with the same kernels:
@@ -27,20 +28,24 @@ from dataclasses import dataclass
 
 import torch
 
-# name: (shape from (R, L, C, S, D), dtype; None = the activation dtype)
+# name: (shape from (R, L, C, T, S, D), dtype; None = the activation dtype)
 BUFFERS = {
     # [epoch % 2, src, l]: rows src sends to my expert l (two copies: see below)
-    "counts": (lambda R, L, C, S, D: (2, R, L), torch.int32),
-    "counts_flag": (lambda R, L, C, S, D: (2, R), torch.int32),  # [epoch % 2, src]: epoch once src's counts are in
-    "arrived": (lambda R, L, C, S, D: (R, L), torch.int32),  # [src, l]: rows of (src, l) written so far
-    "recv_x": (lambda R, L, C, S, D: (C, D), None),  # received rows: expert-major, then source-major
-    "recv_meta": (lambda R, L, C, S, D: (C,), torch.int32),  # src * S + slot of each received row
-    "recv_weight": (lambda R, L, C, S, D: (C,), torch.float32),  # routing weight of each received row
-    "recv_dy": (lambda R, L, C, S, D: (C, D), None),  # backward: dy of each received row's token
-    "y_slots": (lambda R, L, C, S, D: (S, D), None),  # rows sent back (forward: weighted outputs; backward: dx)
-    "slot_scalar": (lambda R, L, C, S, D: (S,), torch.float32),  # backward: d(routing weight) sent back
-    "returned": (lambda R, L, C, S, D: (R,), torch.int64),  # [owner]: 1 once owner has written back my rows
-    "overflow": (lambda R, L, C, S, D: (1,), torch.int32),  # rows that did not fit (sticky)
+    "counts": (lambda R, L, C, T, S, D: (2, R, L), torch.int32),
+    "counts_flag": (lambda R, L, C, T, S, D: (2, R), torch.int32),  # [epoch % 2, src]: epoch once src's counts are in
+    "arrived": (lambda R, L, C, T, S, D: (R, L), torch.int32),  # [src, l]: rows of (src, l) written so far
+    # Forward: each source's token rows, src * T + token, written once per (token, owner) however many of
+    # the owner's experts the token picked.
+    "recv_tokens": (lambda R, L, C, T, S, D: (R * T, D), None),
+    "recv_token_row": (lambda R, L, C, T, S, D: (C,), torch.int32),  # forward: recv_tokens row of each received row
+    "recv_x": (lambda R, L, C, T, S, D: (C, D), None),  # backward: received rows, expert-major, then source-major
+    "recv_meta": (lambda R, L, C, T, S, D: (C,), torch.int32),  # src * S + slot of each received row
+    "recv_weight": (lambda R, L, C, T, S, D: (C,), torch.float32),  # routing weight of each received row
+    "recv_dy": (lambda R, L, C, T, S, D: (C, D), None),  # backward: dy of each received row's token
+    "y_slots": (lambda R, L, C, T, S, D: (S, D), None),  # rows sent back (forward: weighted outputs; backward: dx)
+    "slot_scalar": (lambda R, L, C, T, S, D: (S,), torch.float32),  # backward: d(routing weight) sent back
+    "returned": (lambda R, L, C, T, S, D: (R,), torch.int64),  # [owner]: 1 once owner has written back my rows
+    "overflow": (lambda R, L, C, T, S, D: (1,), torch.int32),  # rows that did not fit (sticky)
 }
 
 
@@ -52,6 +57,7 @@ class Workspace:
     num_ranks: int
     num_local: int
     capacity: int
+    max_tokens: int
     max_slots: int
     buffers: dict[str, torch.Tensor]
     tables: dict[str, torch.Tensor]
@@ -92,11 +98,11 @@ def _check_ranks(num_ranks: int) -> None:
         raise ValueError(f"expert parallelism over {num_ranks} ranks: 1 to {MAX_EP_RANKS.value} are supported")
 
 
-def loopback_workspaces(num_ranks: int, num_local: int, capacity: int, max_slots: int, dim: int,
+def loopback_workspaces(num_ranks: int, num_local: int, capacity: int, max_tokens: int, max_slots: int, dim: int,
                         dtype: torch.dtype, device) -> list[Workspace]:
     """R virtual ranks' workspaces on one device, wired to each other."""
     _check_ranks(num_ranks)
-    shape_args = (num_ranks, num_local, capacity, max_slots, dim)
+    shape_args = (num_ranks, num_local, capacity, max_tokens, max_slots, dim)
     per_rank = [
         {name: torch.zeros(shape(*shape_args), dtype=kind or dtype, device=device)
          for name, (shape, kind) in BUFFERS.items()}
@@ -104,7 +110,7 @@ def loopback_workspaces(num_ranks: int, num_local: int, capacity: int, max_slots
     ]
     tables = {name: torch.tensor([bufs[name].data_ptr() for bufs in per_rank], dtype=torch.int64, device=device)
               for name in BUFFERS}
-    return [Workspace(r, num_ranks, num_local, capacity, max_slots, per_rank[r], tables,
+    return [Workspace(r, num_ranks, num_local, capacity, max_tokens, max_slots, per_rank[r], tables,
                       torch.zeros(1, dtype=torch.int32, device=device))
             for r in range(num_ranks)]
 
@@ -112,7 +118,7 @@ def loopback_workspaces(num_ranks: int, num_local: int, capacity: int, max_slots
 _ALIGN = 128  # bytes between buffers inside the symmetric allocation
 
 
-def symmetric_workspace(group, num_local: int, capacity: int, max_slots: int, dim: int,
+def symmetric_workspace(group, num_local: int, capacity: int, max_tokens: int, max_slots: int, dim: int,
                         dtype: torch.dtype) -> Workspace:
     """This rank's workspace in symmetric memory over ``group`` (a collective: every rank calls it with
     the same sizes). Allocate it once per (group, sizes) and reuse it across layers and steps. Sets
@@ -125,7 +131,7 @@ def symmetric_workspace(group, num_local: int, capacity: int, max_slots: int, di
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     _check_ranks(num_ranks)
-    shape_args = (num_ranks, num_local, capacity, max_slots, dim)
+    shape_args = (num_ranks, num_local, capacity, max_tokens, max_slots, dim)
     layout, size = {}, 0  # name → (byte offset, shape, dtype)
     for name, (shape, kind) in BUFFERS.items():
         kind = kind or dtype
@@ -142,5 +148,5 @@ def symmetric_workspace(group, num_local: int, capacity: int, max_slots: int, di
               for name, (offset, _, _) in layout.items()}
     torch.cuda.synchronize(device)
     dist.barrier(group)  # every rank's buffers are zeroed before any peer writes into them
-    return Workspace(rank, num_ranks, num_local, capacity, max_slots, buffers, tables,
+    return Workspace(rank, num_ranks, num_local, capacity, max_tokens, max_slots, buffers, tables,
                      torch.zeros(1, dtype=torch.int32, device=device), handle)
