@@ -248,21 +248,21 @@ def _send_list_block(block, send_list_ptr, num_rows, RB: tl.constexpr):
 
 
 @triton.jit
-def _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
+def _sender(pid, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
             recv_tokens_tab, recv_token_row_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
             overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, max_tokens, max_slots, HAS_DY: tl.constexpr,
             SENDERS: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
     """Sending program ``pid`` of SENDERS in an expert kernel's launch: once the counts are in, blocks pid,
-    pid + SENDERS, ... (of ``num_blocks`` blocks of RB rows) of my ``num_rows`` rows in the order of
-    :func:`send_list` — local expert first, then owner — so that every owner receives its first experts'
-    rows from every source first and its tiles can start while later experts' rows travel."""
+    pid + SENDERS, ... (RB rows each) of my ``num_rows`` rows in the order of :func:`send_list` — local expert
+    first, then owner — so that every owner receives its first experts' rows from every source first and its
+    tiles can start while later experts' rows travel."""
     _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB)
     os_ = tl.arange(0, EB)
     # Once per program rather than per block: every expert's start at its owner (from the owners' counts,
     # across NVLink with real ranks), indexed by global expert.
     bases = _dest_bases(os_, counts_tab, epoch_ptr, rank, R, L, CB)
     slot, e, index, carries = _send_list_block(pid, send_list_ptr, num_rows, RB)
-    for block in range(pid, num_blocks, SENDERS):
+    for block in range(pid, tl.cdiv(num_rows, RB), SENDERS):
         # The next block's entries load while this block's rows are copied: a sender's time is a chain of
         # memory latencies per block (docs/NOTES.md §36), and this takes one out of it.
         next_slot, next_e, next_index, next_carries = _send_list_block(block + SENDERS, send_list_ptr, num_rows, RB)
@@ -278,7 +278,7 @@ def _send_and_up_kernel(
     # Programs [0, SENDERS): phase 2, as _dispatch_rows_kernel (rows in blocks of RB, strided over them).
     x_ptr, weights_ptr, send_list_ptr,
     counts_tab, counts_flag_tab, recv_tokens_tab, recv_token_row_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
-    overflow_tab, epoch_ptr, rank, R, L, top_k, capacity, max_tokens, max_slots, num_rows, num_blocks,
+    overflow_tab, epoch_ptr, rank, R, L, top_k, capacity, max_tokens, max_slots, num_rows,
     # Programs SENDERS and up: the up kernel on my received token rows (its plan: recv_*, rows gathered
     # through recv_token_row), each tile waiting for the rows of its expert and the lower ones (arrived,
     # counts: (R, L); LB >= L).
@@ -294,7 +294,7 @@ def _send_and_up_kernel(
     and they wait only for counts, which every rank wrote before this launch (docs/DESIGN_NOTES.md)."""
     pid = tl.program_id(0)
     if pid < SENDERS:
-        _sender(pid, num_blocks, x_ptr, x_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
+        _sender(pid, x_ptr, x_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
                 recv_tokens_tab, recv_token_row_tab, recv_tokens_tab, recv_tokens_tab, recv_meta_tab, recv_weight_tab,
                 arrived_tab, overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, max_tokens, max_slots, False,
                 SENDERS, RB, EB, CB, BD)
@@ -309,7 +309,7 @@ def _send_and_act_kernel(
     # Programs [0, SENDERS): phase 2 of the backward (x and dy rows), as in _send_and_up_kernel.
     x_ptr, dy_ptr, weights_ptr, send_list_ptr,
     counts_tab, counts_flag_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab,
-    epoch_ptr, rank, R, L, top_k, capacity, max_slots, num_rows, num_blocks,
+    epoch_ptr, rank, R, L, top_k, capacity, max_slots, num_rows,
     # Programs SENDERS and up: the recompute+act kernel on my receive buffers, tiles waiting for their rows.
     recv_x_ptr, recv_dy_ptr, w13_desc, w2_desc, recv_weight_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
     recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I,
@@ -322,7 +322,7 @@ def _send_and_act_kernel(
     pid = tl.program_id(0)
     if pid < SENDERS:
         # (The forward's token-row arguments are unread here: rows go per slot, to recv_x and recv_dy.)
-        _sender(pid, num_blocks, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
+        _sender(pid, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
                 recv_x_tab, recv_meta_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
                 overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, 0, max_slots, True, SENDERS, RB, EB, CB, BD)
     else:
@@ -352,7 +352,7 @@ def _send_list_kernel(row_slot_ptr, offsets_ptr, topk_idx_ptr, send_list_ptr, nu
         i = i0 + tl.arange(0, BLOCK)
         m = i < n
         pos = send_list_ptr + start + i
-        slot = tl.where(e < E, tl.load(row_slot_ptr + row0 + i, mask=m, other=-1), -1)
+        slot = tl.load(row_slot_ptr + row0 + i, mask=m & (e < E), other=-1)
         expert = tl.where(e < E, e, 0) + tl.zeros([BLOCK], tl.int32)
         tl.store(pos, slot, mask=m)
         tl.store(pos + num_rows, expert, mask=m)
@@ -604,7 +604,7 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, to
         *(ws.tables[n] for n in ("counts", "counts_flag", "recv_tokens", "recv_token_row", "recv_meta",
                                  "recv_weight", "arrived", "overflow")),
         ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_tokens,
-        ws.max_slots, plan.row_slot_N.numel(), triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
+        ws.max_slots, plan.row_slot_N.numel(),
         ws.recv_tokens, descriptor(w13_LHD.view(num_local, 2, inter, dim)), h_CI, ws.recv_token_row,
         recv_plan.offsets_E1, recv_plan.tile_expert_NT, recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
         SENDERS=comm_sms, RB=SEND_ROWS, LB=triton.next_power_of_2(num_local), **_send_blocks(ws, dim),
@@ -631,7 +631,7 @@ def send_and_act(ws: Workspace, x_TD: torch.Tensor, dy_TD: torch.Tensor, topk_we
         *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_dy", "recv_meta", "recv_weight", "arrived",
                                  "overflow")),
         ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
-        plan.row_slot_N.numel(), triton.cdiv(plan.row_slot_N.numel(), SEND_ROWS),
+        plan.row_slot_N.numel(),
         ws.recv_x, ws.recv_dy, descriptor(w13_LHD.view(num_local, 2, inter, dim)), descriptor(w2_LDI), ws.recv_weight,
         dz_CH, hw_CI, dweight_part, recv_plan.row_slot_N, recv_plan.offsets_E1, recv_plan.tile_expert_NT,
         recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
