@@ -44,20 +44,24 @@ _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "WAIT_ROWS": False,
                      # the EP sending programs: 16 of them, 128 experts (64 per rank), top-8, D = 2048
-                     "SENDERS": 16, "RB": dispatch.SEND_ROWS, "LB": 64, "EB": 128, "CB": 128, "BD": 256}
+                     "SENDERS": 16, "LB": 64, "EB": 128, "CB": 128}
+# ... and their blocks, as the launchers pass them (at D = 2048 BD is the launcher's cap)
+_SENDER_BLOCKS = {dispatch.SEND_UP: {"RB": dispatch.SEND_UP_ROWS, "BD": dispatch.SEND_UP_COLS},
+                  dispatch.SEND_ACT: {"RB": dispatch.SEND_ACT_ROWS, "BD": dispatch.SEND_ACT_COLS}}
 
 
 def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
     """``dtype``: Triton name of the activation/weight element type (bf16, fp16, fp32)."""
     fn = kernel.jit_fn
     blocks = kernel.blocks(config)
+    extra = {**_EXTRA_CONSTEXPRS, **_SENDER_BLOCKS.get(kernel, {})}
     signature, attrs, constexprs = {}, {}, {}
     for i, param in enumerate(fn.params):
         name = param.name
         if param.is_constexpr:
             signature[name] = "constexpr"
             constexprs[name] = (config[name] if name in config else
-                                kernel.constants.get(name, _EXTRA_CONSTEXPRS.get(name)))
+                                kernel.constants.get(name, extra.get(name)))
             if name == "PREC" and dtype == "fp32":
                 constexprs[name] = "ieee"
             continue

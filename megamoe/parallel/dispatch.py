@@ -464,8 +464,13 @@ DX_PEER = TunedKernel(_rows_to_peer_slots_kernel, default=DX.default, candidates
 
 
 ROWS_PER_PROGRAM = 16
-SEND_ROWS = 32  # rows per step of a sending program (sm_90a, pipelined copy: 64 spill 112 B / 196 B in the
-#                up / act variants, 32: none / 120 B)
+# Rows (slots) per block and columns per copy step of the in-kernel sending programs. The forward's carry each
+# token's row once per owner, about a quarter of a block's slots at top-8 over two ranks, so their blocks are
+# wider in slots and narrower per step than the backward's, which copy x and dy for every slot: forward 64 x 128
+# (sm_90a send_up: 16 B of spills; run 75, 30B EP=2: forward 2.65-2.75 -> 2.58 ms, docs/NOTES.md §37; 64 x 256
+# spills 124 B and gained less), backward 32 x 256 (send_act: 168 B of spills; 64 rows: 428 B).
+SEND_UP_ROWS, SEND_UP_COLS = 64, 128
+SEND_ACT_ROWS, SEND_ACT_COLS = 32, 256
 
 # Never autotuned (it moves rows into peers and counts them): the tiles UP chose on the same operands.
 SEND_UP = TunedKernel(_send_and_up_kernel, default=UP.default, candidates=[], key=UP.key, even_k=UP.even_k,
@@ -474,13 +479,13 @@ SEND_ACT = TunedKernel(_send_and_act_kernel, default=ACT_BWD.default, candidates
                        even_k=ACT_BWD.even_k, blocks=ACT_BWD.blocks, follows=ACT_BWD)
 
 
-def _send_blocks(ws: Workspace, dim: int) -> dict:
+def _send_blocks(ws: Workspace, dim: int, max_cols: int = 256) -> dict:
     """Block sizes of the row-sending code (``_send_rows``): all global experts (EB), all (source, local
-    expert) counts or ranks (CB), and the columns copied per step (BD). The forward's also take KB, a
-    power of two >= top_k."""
+    expert) counts or ranks (CB), and the columns copied per step (BD, at most ``max_cols``). The forward's
+    also take KB, a power of two >= top_k."""
     num_experts = ws.num_ranks * ws.num_local
     return {"EB": triton.next_power_of_2(num_experts), "CB": triton.next_power_of_2(max(num_experts, ws.num_ranks)),
-            "BD": min(256, triton.next_power_of_2(dim))}
+            "BD": min(max_cols, triton.next_power_of_2(dim))}
 
 
 def exchange_counts(ws: Workspace, plan: Plan) -> None:
@@ -607,7 +612,7 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, to
         ws.max_slots, plan.row_slot_N.numel(),
         ws.recv_tokens, descriptor(w13_LHD.view(num_local, 2, inter, dim)), h_CI, ws.recv_token_row,
         recv_plan.offsets_E1, recv_plan.tile_expert_NT, recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
-        SENDERS=comm_sms, RB=SEND_ROWS, LB=triton.next_power_of_2(num_local), **_send_blocks(ws, dim),
+        SENDERS=comm_sms, RB=SEND_UP_ROWS, LB=triton.next_power_of_2(num_local), **_send_blocks(ws, dim, SEND_UP_COLS),
         PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
     )
     return h_CI
@@ -635,7 +640,7 @@ def send_and_act(ws: Workspace, x_TD: torch.Tensor, dy_TD: torch.Tensor, topk_we
         ws.recv_x, ws.recv_dy, descriptor(w13_LHD.view(num_local, 2, inter, dim)), descriptor(w2_LDI), ws.recv_weight,
         dz_CH, hw_CI, dweight_part, recv_plan.row_slot_N, recv_plan.offsets_E1, recv_plan.tile_expert_NT,
         recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
-        SENDERS=comm_sms, RB=SEND_ROWS, **_send_blocks(ws, dim),
+        SENDERS=comm_sms, RB=SEND_ACT_ROWS, **_send_blocks(ws, dim, SEND_ACT_COLS),
         PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=x_TD.dtype,
     )
     return dz_CH, hw_CI, dweight_part.sum(dim=0)
