@@ -216,8 +216,9 @@ def moe(
             warning on a GPU) with megamoe's local experts.
         max_tokens_per_rank: fused EP only: the most tokens any rank passes in one call; sizes the
             symmetric-memory workspace (``R * max_tokens_per_rank * K`` receive rows of D, twice, and
-            ``R * max_tokens_per_rank`` token rows of D per rank), the same on every rank. ``None``: agreed at the first call (the largest T of any rank,
-            one collective), and a later call with more tokens raises ``ValueError``.
+            ``R * max_tokens_per_rank`` token rows of D per rank), the same on every rank. ``None``:
+            agreed at the first call (the largest T of any rank, one collective), and a later call with
+            more tokens raises ``ValueError``.
         comm_sms: fused EP only: N > 0 sends the rows to their owners from N programs (one SM each)
             of the gate/up kernel's launch (forward) and of the recompute+act kernel's launch
             (backward) while their other programs compute on the rows already in — communication

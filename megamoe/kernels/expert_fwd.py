@@ -247,8 +247,9 @@ def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, arrivals: tuple | None 
     """h (N, I) in x's dtype, rows in expert-sorted order (rows past the routed count are not written); on sm90
     with 16-bit operands (x 16-byte aligned) through the warp-specialized Gluon kernel ``ws._up_ws_kernel``.
     ``arrivals``: expert parallelism only, ``(arrived, counts)`` (R, E) int32 — each tile first waits for
-    the rows of its expert and the lower ones (see ``_wait_rows``); always the Triton kernel. ``gluon=False``: the Triton kernel
-    even where the Gluon one would run (to autotune it for the expert-parallel kernel that follows its choice)."""
+    the rows of its expert and the lower ones (see ``_wait_rows``); always the Triton kernel.
+    ``gluon=False``: the Triton kernel even where the Gluon one would run (to autotune it for the
+    expert-parallel kernel that follows its choice)."""
     num_slots = plan.row_slot_N.numel()
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2

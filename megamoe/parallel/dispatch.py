@@ -15,9 +15,10 @@ every virtual rank before the next phase, so that on one device no wait can prec
    of each expert land at the owner (expert-major, then source rank: a fixed order, so results are
    deterministic), write their slot id and routing weight there, copy the rows — forward: each token's
    row once per owner, into ``recv_tokens`` (``_send_rows``); backward: x and dy once per slot, into
-   ``recv_x`` / ``recv_dy`` — and count them into the owner's ``arrived[me, l]`` (release). Rows past the owner's capacity are not written; they are
-   counted in ``overflow`` (the owner's and mine) and reported by ``Workspace.check_overflow`` (the
-   call's output is wrong then), and counted as arrived so that no wait hangs on them.
+   ``recv_x`` / ``recv_dy`` — and count them into the owner's ``arrived[me, l]`` (release). Rows past
+   the owner's capacity are not written; they are counted in ``overflow`` (the owner's and mine) and
+   reported by ``Workspace.check_overflow`` (the call's output is wrong then), and counted as arrived so
+   that no wait hangs on them.
 3. and 4. :func:`owner_experts` — wait for every source's counts, build the plan of the rows on their
    way, run the one-GPU up + SwiGLU kernel on the received token rows — each tile first waits until
    the rows of its expert and the lower ones from every source are in (``arrived`` equals ``counts``,
@@ -596,8 +597,9 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, to
                 compute: bool = True) -> torch.Tensor:
     """Phases 2 and 3 in one launch (``_send_and_up_kernel``): ``comm_sms`` programs send my rows (``plan``;
     each token's row once per owner) while the rest run the up + SwiGLU GEMM on my received token rows
-    (``recv_plan``), each tile once the rows of its expert and the lower ones are in. Returns h (C, I) in received-row order. ``compute=False``: the senders alone
-    (the loopback's way to run them for several virtual ranks on one stream; h is not written)."""
+    (``recv_plan``), each tile once the rows of its expert and the lower ones are in. Returns h (C, I) in
+    received-row order. ``compute=False``: the senders alone (the loopback's way to run them for several
+    virtual ranks on one stream; h is not written)."""
     num_local, two_i, dim = w13_LHD.shape
     inter = two_i // 2
     if not UP.has_tuned(x_TD.dtype, D=dim, I=inter):  # choose the tiles on the plain kernel (rows: any)
