@@ -186,7 +186,7 @@ def check_bench(group, device):
     one-device reference (fp32 on CPU; bf16 on GPUs, where the fused protocol must be as close as the
     all-to-all path with the same local kernels), the compute-only (and, with the fused impl, the
     communication-only) halves of the overlap figure are measured, and the profile covers the fused
-    forwards and both halves."""
+    forwards and forward+backward calls and the timed halves."""
     from megamoe.bench.ep import ERROR_TOKENS_PER_RANK, ep_impls, measure
 
     cuda = device.type == "cuda"
@@ -195,10 +195,11 @@ def check_bench(group, device):
     names += ["fused_sms2", "fused_sms0_2"] if cuda else []
     info = measure(impls, group, "tiny", 16, "skewed", device, iters=2, seed=0, profile=True)
     assert [r["impl"] for r in info["results"]] == names
-    # The profile: a table per fused impl's forward and per half of the overlap figure.
+    # The profile: a table per fused impl's forward and forward+backward and per timed half of the overlap figure.
     profiled = [line.split(" (")[0][6:] for line in info.pop("_profile").splitlines() if line.startswith("===== ")]
-    assert profiled == [f"{n} forward" for n in names if n.startswith("fused")] + ["compute only forward"] + (
-        ["comm only forward"] if cuda else [])
+    assert profiled == [f"{n} {call}" for n in names if n.startswith("fused") for call in ("forward", "forward+backward")
+                        ] + ["compute only forward", "compute only forward+backward"] + (
+                            ["comm only forward"] if cuda else [])
     for r in info["results"]:
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0, r
     errors = [r["max_rel_err"] for r in info["results"]]

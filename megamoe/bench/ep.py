@@ -257,8 +257,9 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
     """Times and errors of every impl on one problem (``tokens`` per rank), as the result JSON holds them.
     bf16 on a GPU; fp32 on CPU (where it only exercises the code: CPU timings mean nothing). ``profile``:
     also ``"_profile"``, this rank's per-kernel CUDA time tables (:func:`kernel_tables`) of each fused impl's
-    forward and of the two halves of the overlap figure: where the fused forward's time goes beyond
-    max(compute only, comm only)."""
+    forward and forward+backward and of the halves of the overlap figure (compute only: forward and
+    forward+backward; comm only: forward): where the fused forward's time goes beyond max(compute only,
+    comm only), and the backward's beyond the compute-only backward."""
     from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest, training_step, utc_now
 
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
@@ -274,6 +275,7 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
         fwd, fwd_bwd = training_step(fn, local)
         if name.startswith("fused"):
             forwards[f"{name} forward"] = fwd
+            forwards[f"{name} forward+backward"] = fwd_bwd
         fwd_ms = max_over_ranks(timed(fwd, iters, 3, device), device)
         fwd_bwd_ms = max_over_ranks(timed(fwd_bwd, iters, 3, device), device)
         err = max_over_ranks(gathered_error(fn, small, small_ref, rank, num_ranks), device)
@@ -305,7 +307,8 @@ def compute_and_comm_only(problem, local, group, device, iters: int, fused_comm:
     """The two halves of the overlap figure, as the maximum over ranks of each rank's median: this rank's
     expert work alone (one-device megamoe on :func:`received_problem`, forward and forward+backward) and,
     if ``fused_comm``, the fused protocol's forward communication alone (:func:`dispatch.round_trip`).
-    Also the two forwards timed (name → function), for a profile."""
+    Also the calls timed (name → function: the forwards and the compute-only forward+backward), for a
+    profile."""
     from megamoe.bench.layer import training_step
     from megamoe.kernels.plan import build_plan
     from megamoe.parallel import dispatch
@@ -314,7 +317,7 @@ def compute_and_comm_only(problem, local, group, device, iters: int, fused_comm:
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     received = received_problem(problem, rank, num_ranks)
     fwd, fwd_bwd = training_step(megamoe.moe, received)
-    halves = {"compute only forward": fwd}
+    halves = {"compute only forward": fwd, "compute only forward+backward": fwd_bwd}
     out = {"compute_only_fwd_ms": max_over_ranks(timed(fwd, iters, 3, device), device),
            "compute_only_fwd_bwd_ms": max_over_ranks(timed(fwd_bwd, iters, 3, device), device)}
     if fused_comm:
