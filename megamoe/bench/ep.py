@@ -270,12 +270,12 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
                          seed + 1)
     small_ref = reference_share(small, rank, num_ranks)
     local = local_problem(problem, rank, num_ranks)
-    results, forwards = [], {}
+    results, profiled = [], {}
     for name, fn in impls.items():
         fwd, fwd_bwd = training_step(fn, local)
         if name.startswith("fused"):
-            forwards[f"{name} forward"] = fwd
-            forwards[f"{name} forward+backward"] = fwd_bwd
+            profiled[f"{name} forward"] = fwd
+            profiled[f"{name} forward+backward"] = fwd_bwd
         fwd_ms = max_over_ranks(timed(fwd, iters, 3, device), device)
         fwd_bwd_ms = max_over_ranks(timed(fwd_bwd, iters, 3, device), device)
         err = max_over_ranks(gathered_error(fn, small, small_ref, rank, num_ranks), device)
@@ -290,7 +290,7 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
     for r in fused:
         r["overlap_fwd"] = r["fwd_ms"] / max(overlap["compute_only_fwd_ms"], overlap["comm_only_fwd_ms"])
     if profile:  # every rank profiles the same calls in the same order: the fused ones wait on each other
-        overlap["_profile"] = kernel_tables({**forwards, **halves})
+        overlap["_profile"] = kernel_tables({**profiled, **halves})
     return {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "ranks": num_ranks, "commit": git_commit(), "source_sha256": source_digest(),
@@ -307,8 +307,8 @@ def compute_and_comm_only(problem, local, group, device, iters: int, fused_comm:
     """The two halves of the overlap figure, as the maximum over ranks of each rank's median: this rank's
     expert work alone (one-device megamoe on :func:`received_problem`, forward and forward+backward) and,
     if ``fused_comm``, the fused protocol's forward communication alone (:func:`dispatch.round_trip`).
-    Also the calls timed (name → function: the forwards and the compute-only forward+backward), for a
-    profile."""
+    Also the calls timed (name → function: compute only forward and forward+backward, comm only forward),
+    for a profile."""
     from megamoe.bench.layer import training_step
     from megamoe.kernels.plan import build_plan
     from megamoe.parallel import dispatch

@@ -133,7 +133,7 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
         fn, blocks = ws._wgrad_ws_kernel, {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
         combine = name == "wgrad_combine_ws"
         constexprs.update(TOP_K=top_k if combine else 1)
-    elif name == "dh_ws":  # the x copy beside the MMAs, top-8
+    elif name == "dh_ws":  # the x copy beside the MMAs, of top_k slots per token
         fn, blocks = ws._dh_ws_kernel, {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
         constexprs.update(EB=128, TILE_M=bm, TOP_K=top_k)
     elif name == "act_ws":

@@ -482,8 +482,7 @@ SEND_ACT = TunedKernel(_send_and_act_kernel, default=ACT_BWD.default, candidates
 
 def _send_blocks(ws: Workspace, dim: int, max_cols: int = 256) -> dict:
     """Block sizes of the row-sending code (``_send_rows``): all global experts (EB), all (source, local
-    expert) counts or ranks (CB), and the columns copied per step (BD, at most ``max_cols``). The forward's
-    also take KB, a power of two >= top_k."""
+    expert) counts or ranks (CB), and the columns copied per step (BD, at most ``max_cols``)."""
     num_experts = ws.num_ranks * ws.num_local
     return {"EB": triton.next_power_of_2(num_experts), "CB": triton.next_power_of_2(max(num_experts, ws.num_ranks)),
             "BD": min(max_cols, triton.next_power_of_2(dim))}
