@@ -184,14 +184,16 @@ def test_output_gemms_take_their_twins_tile_without_knobs_they_lack(persistent):
     ([[0, 5], [1, 2], [4, 3], [5, 0], [2, 3]], 3, 2),  # every expert has rows
     ([[0, 5], [1, 2], [1, 3], [5, 0], [2, 3]], 3, 2),  # expert 4 (owner 2's local expert 0) has none
     ([[0, -1], [-1, 2], [4, 3], [5, 0], [-1, -1]], 3, 2),  # dropped slots: after the routed rows, as none
-    (None, 2, 1),  # 2 500 rows per expert: more than one of the kernel's blocks
+    ("5 000 rows per expert", 2, 1),  # more blocks than programs per expert (dispatch.SEND_LIST_SPLIT)
+    ("half of them dropped", 2, 1),  # as many dropped slots, expert 1 empty
 ])
 def test_send_list_is_local_expert_major(idx, num_ranks, num_local):
     """Segment l * R + k of the senders' order is my rows of owner k's local expert l, in sorted order,
     each as (slot, global expert, index among my rows of that expert, whether it carries its token's row
     there: given the routing, its first slot at that owner); then the dropped slots, as none."""
     num_experts = num_ranks * num_local
-    idx = (torch.tensor(idx) if idx is not None else (torch.arange(5000) % 2)[:, None]).to(DEVICE)
+    long = {"5 000 rows per expert": torch.arange(10_000) % 2, "half of them dropped": torch.arange(10_000) % 2 - 1}
+    idx = (torch.tensor(idx) if isinstance(idx, list) else long[idx][:, None]).to(DEVICE)
     plan = build_plan(idx, num_experts)
     offsets = plan.offsets_E1.tolist()
     want = [[], [], []]

@@ -336,11 +336,14 @@ def _send_and_act_kernel(
 @triton.jit
 def _send_list_kernel(row_slot_ptr, offsets_ptr, topk_idx_ptr, send_list_ptr, num_rows, R, L, top_k,
                       CARRIES: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, BLOCK: tl.constexpr):
-    """Program e < E writes my rows of global expert e into :func:`send_list`, after the segments that
+    """Programs (e, c), e < E, write my rows of global expert e into :func:`send_list`, after the segments that
     precede its own: those of every lower local expert, then those of its local expert at lower owners;
-    with CARRIES, which of them carry their token's row (:func:`_carries_row`), else 0. Program E marks the
-    entries of the dropped slots, past the routed rows, as none (slot -1)."""
+    with CARRIES, which of them carry their token's row (:func:`_carries_row`), else 0. Programs (E, c) mark
+    the entries of the dropped slots, past the routed rows, as none (slot -1). Program c of a segment's C
+    takes its blocks c, c + C, ... of BLOCK rows: a popular expert's rows are not one program's serial loop."""
     e = tl.program_id(0)
+    c = tl.program_id(1)
+    C = tl.num_programs(1)
     E = R * L
     es = tl.arange(0, EB)
     em = es < E
@@ -349,7 +352,7 @@ def _send_list_kernel(row_slot_ptr, offsets_ptr, topk_idx_ptr, send_list_ptr, nu
     start = tl.where(e < E, tl.sum(tl.where(before & em, sizes, 0), axis=0), tl.load(offsets_ptr + E))
     row0 = tl.load(offsets_ptr + e)
     n = tl.where(e < E, tl.load(offsets_ptr + e + 1, mask=e < E, other=0), num_rows) - row0
-    for i0 in range(0, n, BLOCK):
+    for i0 in range(c * BLOCK, n, C * BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         m = i < n
         pos = send_list_ptr + start + i
@@ -472,6 +475,10 @@ ROWS_PER_PROGRAM = 16
 # spills 124 B and gained less), backward 32 x 256 (send_act: 168 B of spills; 64 rows: 428 B).
 SEND_UP_ROWS, SEND_UP_COLS = 64, 128
 SEND_ACT_ROWS, SEND_ACT_COLS = 32, 256
+# send_list's kernel: rows per block, and programs per segment (global expert) at most. An expert holds at most
+# one row per token, so at 16k tokens a program loops over at most 4 blocks (docs/NOTES.md §37: with one program
+# per expert the list took 0.29 ms of the 30B EP=2 forward on skewed routing).
+SEND_LIST_BLOCK, SEND_LIST_SPLIT = 256, 16
 
 # Never autotuned (it moves rows into peers and counts them): the tiles UP chose on the same operands.
 SEND_UP = TunedKernel(_send_and_up_kernel, default=UP.default, candidates=[], key=UP.key, even_k=UP.even_k,
@@ -584,10 +591,11 @@ def send_list(plan: Plan, num_ranks: int, num_local: int, topk_idx_TK: torch.Ten
     out = torch.empty(4, num_rows, device=plan.row_slot_N.device, dtype=torch.int32)
     if num_rows:
         top_k = 1 if topk_idx_TK is None else topk_idx_TK.shape[1]
-        _send_list_kernel[(num_ranks * num_local + 1,)](
+        split = min(SEND_LIST_SPLIT, triton.cdiv(num_rows, SEND_LIST_BLOCK))
+        _send_list_kernel[(num_ranks * num_local + 1, split)](
             plan.row_slot_N, plan.offsets_E1, plan.row_slot_N if topk_idx_TK is None else topk_idx_TK, out, num_rows,
             num_ranks, num_local, top_k, CARRIES=topk_idx_TK is not None, KB=triton.next_power_of_2(top_k),
-            EB=triton.next_power_of_2(num_ranks * num_local), BLOCK=256)
+            EB=triton.next_power_of_2(num_ranks * num_local), BLOCK=SEND_LIST_BLOCK)
     return out
 
 
