@@ -22,10 +22,10 @@ CASES = [
     ("dropped slots", [8, 8, 8, 8], 3, 2, "dropped"),
     ("experts with no rows", [5, 6, 4, 7], 3, 1, "empty"),
 ]
-DIM, INTER = 32, 16
+DIM, INTER = 80, 16
 # Enough slots for every sending program of the senders' tests to loop over several blocks, the last one
 # partial, with dropped slots among them (one rank: 660 slots, over 2 or 3 senders in blocks of 64 forward and
-# of 32 backward; dispatch.SEND_UP_ROWS / SEND_ACT_ROWS).
+# of 32 backward; dispatch.SEND_UP_ROWS / SEND_DH_ROWS).
 SENDER_CASES = CASES + [("several blocks per sender", [220, 90, 70, 60], 2, 3, "dropped")]
 
 
@@ -219,7 +219,7 @@ def test_send_list_is_local_expert_major(idx, num_ranks, num_local):
 def test_loopback_backward_matches_one_device_reference(case, num_ranks, comm_sms):
     """dx and d(routing weight) of each rank's tokens, dw13/dw2 of each rank's experts (rows of every
     rank), against the fp32 one-device layer; experts that receive no rows get exact zeros. With
-    ``comm_sms``, the x and dy rows are sent from the recompute+act kernel's launch (one virtual rank)."""
+    ``comm_sms``, the x and dy rows are sent from the dh' kernel's launch (one virtual rank)."""
     ranks, problem, bounds, dys = split_problem(case, num_ranks)
     workspaces = workspaces_for(ranks, case[2])
     grads = dispatch.loopback_backward(workspaces, ranks, dys, comm_sms=comm_sms)

@@ -34,7 +34,7 @@ SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200 (sm_90)
 KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "dh": expert_bwd.DH, "act": expert_bwd.ACT_BWD_DH,
            "act_gather": expert_bwd.ACT_BWD, "dx": expert_bwd.DX,
            "wgrad": expert_bwd.WGRAD, "down_peer": dispatch.DOWN_PEER, "dx_peer": dispatch.DX_PEER,
-           "send_up": dispatch.SEND_UP, "send_act": dispatch.SEND_ACT}
+           "send_up": dispatch.SEND_UP, "send_dh": dispatch.SEND_DH}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
                   "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
                   "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32", "arrived_ptr": "*i32", "counts_ptr": "*i32",
@@ -47,7 +47,7 @@ _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": T
                      "SENDERS": 16, "LB": 64, "EB": 128, "CB": 128}
 # ... and their blocks, as the launchers pass them (at D = 2048 BD is the launcher's cap)
 _SENDER_BLOCKS = {dispatch.SEND_UP: {"RB": dispatch.SEND_UP_ROWS, "BD": dispatch.SEND_UP_COLS},
-                  dispatch.SEND_ACT: {"RB": dispatch.SEND_ACT_ROWS, "BD": dispatch.SEND_ACT_COLS}}
+                  dispatch.SEND_DH: {"RB": dispatch.SEND_DH_ROWS, "BD": dispatch.SEND_DH_COLS}}
 
 
 def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):

@@ -32,7 +32,7 @@ every virtual rank before the next phase, so that on one device no wait can prec
 5. :func:`combine_returned` — wait until every owner has signalled ``returned`` (acquire), reset it, and
    reduce each token's K slots in slot order (fp32).
 
-With ``comm_sms = N > 0`` phases 2 and 3 share one launch (:func:`send_and_up`, :func:`send_and_act`): the
+With ``comm_sms = N > 0`` phases 2 and 3 share one launch (:func:`send_and_up`, :func:`send_and_dh`): the
 first N programs send my rows (local expert first, owner second: :func:`send_list`) while the others are
 the expert kernel's tiles, which wait for their rows as above — communication on N SMs overlapping the
 GEMM. Not yet: persistent expert kernels that pick ready tiles first (a waiting program holds its SM).
@@ -48,12 +48,8 @@ import triton.language as tl
 
 from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
-    ACT_BWD,
     DX,
-    PART_COLS,
-    _act_bwd_tile,
     act_bwd,
-    act_bwd_outputs,
     expert_wgrad,
 )
 from megamoe.kernels.expert_fwd import (
@@ -62,6 +58,7 @@ from megamoe.kernels.expert_fwd import (
     _sorted_rows_matmul,
     _tile_rows,
     _up_swiglu_tile,
+    _wait_rows,
     descriptor,
     dot_precision,
     sorted_rows_gemm,
@@ -69,7 +66,7 @@ from megamoe.kernels.expert_fwd import (
     up_swiglu_fwd,
 )
 from megamoe.kernels.plan import BLOCK_M, Plan, build_plan, plan_from_counts
-from megamoe.kernels.tuning import TunedKernel
+from megamoe.kernels.tuning import TunedKernel, configs
 from megamoe.parallel.workspace import Workspace
 
 
@@ -306,20 +303,49 @@ def _send_and_up_kernel(
 
 
 @triton.jit
-def _send_and_act_kernel(
+def _dh_rows_tile(pid, dy_ptr, w2_desc, dh_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr,
+                  D, I, L, R, PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """One BM x BN block of dh' = dy W2[e] on my received dy rows (expert-major: each row its own slot),
+    once every source's rows of its expert are in; rows past the expert's end are not written. dy is read
+    through pointers: TMA reads through the async proxy, which the acquire does not order (docs/NOTES.md §16)."""
+    e, _, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
+    if e >= L:
+        return
+    _wait_rows(arrived_ptr, counts_ptr, e, e, L, R, 1)
+    n0 = pid_n * BN
+    ks = tl.arange(0, BK)
+    rows64 = rows[:, None].to(tl.int64)
+    a_ptrs = dy_ptr + rows64 * D + ks[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=rmask[:, None] & (ks + k0 < D)[None, :], other=0.0)
+        # The descriptor zero-fills past D and past the expert's I columns.
+        b = w2_desc.load([e, k0, n0]).reshape(BK, BN)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        a_ptrs += BK
+    cols = n0 + tl.arange(0, BN)
+    tl.store(dh_ptr + rows64 * I + cols[None, :], acc.to(dh_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (cols < I)[None, :])
+
+
+@triton.jit
+def _send_and_dh_kernel(
     # Programs [0, SENDERS): phase 2 of the backward (x and dy rows), as in _send_and_up_kernel.
     x_ptr, dy_ptr, weights_ptr, send_list_ptr,
     counts_tab, counts_flag_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab,
     epoch_ptr, rank, R, L, top_k, capacity, max_slots, num_rows,
-    # Programs SENDERS and up: the recompute+act kernel on my receive buffers, tiles waiting for their rows.
-    recv_x_ptr, recv_dy_ptr, w13_desc, w2_desc, recv_weight_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
-    recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I,
+    # Programs SENDERS and up: dh' on my received dy rows (_dh_rows_tile), each tile waiting for its expert's rows.
+    recv_dy_ptr, w2_desc, dh_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I,
     SENDERS: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, EVEN_K: tl.constexpr,
+    PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    """The backward's phases 2 and 3 in one launch (see _send_and_up_kernel, whose no-deadlock argument
-    this shares)."""
+    """The backward's phase 2 and its first GEMM in one launch (see _send_and_up_kernel, whose
+    no-deadlock argument this shares). SENDERS = 0: the GEMM alone, on rows another launch sends."""
     pid = tl.program_id(0)
     if pid < SENDERS:
         # (The forward's token-row arguments are unread here: rows go per slot, to recv_x and recv_dy.)
@@ -327,10 +353,8 @@ def _send_and_act_kernel(
                 recv_x_tab, recv_meta_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
                 overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, 0, max_slots, True, SENDERS, RB, EB, CB, BD)
     else:
-        _act_bwd_tile(pid - SENDERS, recv_x_ptr, recv_dy_ptr, w13_desc, w2_desc, recv_weight_ptr, dz_ptr, hw_ptr,
-                      dweight_part_ptr, recv_row_slot_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                      arrived_ptr, counts_ptr, capacity, D, I, L, 1, R, True, False, PREC, TILE_M, PART_COLS, BM, BN,
-                      BK, EVEN_K)
+        _dh_rows_tile(pid - SENDERS, recv_dy_ptr, w2_desc, dh_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
+                      arrived_ptr, counts_ptr, D, I, L, R, PREC, TILE_M, BM, BN, BK, EVEN_K)
 
 
 @triton.jit
@@ -474,7 +498,7 @@ ROWS_PER_PROGRAM = 16
 # (sm_90a send_up: 16 B of spills; run 75, 30B EP=2: forward 2.65-2.75 -> 2.58 ms, docs/NOTES.md §37; 64 x 256
 # spills 124 B and gained less), backward 32 x 256 (send_act: 168 B of spills; 64 rows: 428 B).
 SEND_UP_ROWS, SEND_UP_COLS = 64, 128
-SEND_ACT_ROWS, SEND_ACT_COLS = 32, 256
+SEND_DH_ROWS, SEND_DH_COLS = 32, 256
 # send_list's kernel: rows per block, and programs per segment (global expert) at most. An expert holds at most
 # one row per token, so at 16k tokens a program loops over at most 4 blocks (docs/NOTES.md §37: with one program
 # per expert the list took 0.29 ms of the 30B EP=2 forward on skewed routing).
@@ -483,8 +507,9 @@ SEND_LIST_BLOCK, SEND_LIST_SPLIT = 256, 16
 # Never autotuned (it moves rows into peers and counts them): the tiles UP chose on the same operands.
 SEND_UP = TunedKernel(_send_and_up_kernel, default=UP.default, candidates=[], key=UP.key, even_k=UP.even_k,
                       blocks=UP.blocks, follows=UP)
-SEND_ACT = TunedKernel(_send_and_act_kernel, default=ACT_BWD.default, candidates=[], key=ACT_BWD.key,
-                       even_k=ACT_BWD.even_k, blocks=ACT_BWD.blocks, follows=ACT_BWD)
+# Never autotuned either (it moves rows too): one fixed config, which the autotuner launches once as it is.
+SEND_DH = TunedKernel(_send_and_dh_kernel, default=configs((128, 256, 64, 8, 3))[0], candidates=[], key=["D", "I"],
+                      even_k=lambda a: a["D"] % a["BK"] == 0, blocks=lambda c: {"w2_desc": [1, c["BK"], c["BN"]]})
 
 
 def _send_blocks(ws: Workspace, dim: int, max_cols: int = 256) -> dict:
@@ -627,47 +652,45 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, to
     return h_CI
 
 
-def send_and_act(ws: Workspace, x_TD: torch.Tensor, dy_TD: torch.Tensor, topk_weights_TK: torch.Tensor, plan: Plan,
-                 comm_sms: int, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, recv_plan: Plan, counts: torch.Tensor,
-                 compute: bool = True):
-    """The backward's phases 2 and 3 in one launch (``_send_and_act_kernel``): ``comm_sms`` programs send my
-    x and dy rows while the rest run the recompute+act kernel on my receive buffers. Returns dz (C, 2I),
-    h·w (C, I) and d(routing weight) (C,) fp32 of the received rows, as ``act_bwd`` does. ``compute``: as
-    for :func:`send_and_up`."""
-    num_local, two_i, dim = w13_LHD.shape
-    inter = two_i // 2
-    if not ACT_BWD.has_tuned(x_TD.dtype, D=dim, I=inter):  # choose the tiles on the plain kernel (rows: any)
-        act_bwd(ws.recv_x, ws.recv_dy, w13_LHD, w2_LDI, ws.recv_weight[:, None], recv_plan, top_k=1)
-    dz_CH, hw_CI, dweight_part = act_bwd_outputs(ws.capacity, two_i, x_TD)
+def send_and_dh(ws: Workspace, w2_LDI: torch.Tensor, recv_plan: Plan, counts: torch.Tensor, send: tuple | None = None,
+                compute: bool = True) -> torch.Tensor:
+    """The backward's phase 2 and its dh' GEMM in one launch (``_send_and_dh_kernel``): with ``send = (x_TD, dy_TD,
+    topk_weights_TK, plan, comm_sms)``, ``comm_sms`` programs send my x and dy rows while the rest compute
+    dh' = dy W2[e] (C, I) on my received dy rows (``recv_plan``), each tile once its expert's rows are in;
+    without it, the GEMM alone (another launch sent the rows). Rows past the routed count are not written.
+    ``compute=False``: the senders alone (as for :func:`send_and_up`; dh' is not written)."""
+    num_local, dim, inter = w2_LDI.shape
+    x_TD, dy_TD, topk_weights_TK, plan, comm_sms = send or (ws.recv_x, ws.recv_dy, ws.recv_weight[:, None], None, 0)
+    dh_CI = torch.empty(ws.capacity, inter, device=w2_LDI.device, dtype=w2_LDI.dtype)
     tiles = tile_grid(recv_plan, inter)
-    SEND_ACT[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
-        x_TD, dy_TD, topk_weights_TK.reshape(-1), send_list(plan, ws.num_ranks, num_local),
+    # Without senders the list is unread: the received plan's row map stands in for it.
+    send_list_ = recv_plan.row_slot_N if plan is None else send_list(plan, ws.num_ranks, num_local)
+    SEND_DH[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
+        x_TD, dy_TD, topk_weights_TK.reshape(-1), send_list_,
         *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_dy", "recv_meta", "recv_weight", "arrived",
                                  "overflow")),
         ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
-        plan.row_slot_N.numel(),
-        ws.recv_x, ws.recv_dy, descriptor(w13_LHD.view(num_local, 2, inter, dim)), descriptor(w2_LDI), ws.recv_weight,
-        dz_CH, hw_CI, dweight_part, recv_plan.row_slot_N, recv_plan.offsets_E1, recv_plan.tile_expert_NT,
-        recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
-        SENDERS=comm_sms, RB=SEND_ACT_ROWS, **_send_blocks(ws, dim, SEND_ACT_COLS),
-        PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=x_TD.dtype,
+        0 if plan is None else plan.row_slot_N.numel(),
+        ws.recv_dy, descriptor(w2_LDI), dh_CI, recv_plan.offsets_E1, recv_plan.tile_expert_NT, recv_plan.tile_row_NT,
+        ws.arrived, counts, dim, inter,
+        SENDERS=comm_sms, RB=SEND_DH_ROWS, **_send_blocks(ws, dim, SEND_DH_COLS), PREC=dot_precision(w2_LDI.dtype),
+        TILE_M=BLOCK_M, dtype=w2_LDI.dtype,
     )
-    return dz_CH, hw_CI, dweight_part.sum(dim=0)
+    return dh_CI
 
 
 def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, send: tuple | None = None):
-    """Phases 3 and 4, backward: the one-GPU fused backward on the received x and dy rows (the gate/up
-    GEMM is recomputed; the rows are already in expert order, so the weight gradients need no gather);
-    the dx GEMM writes each row, and its d(routing weight), straight into the source's slots. Returns
-    dw13 and dw2 of my experts. ``send = (x_TD, dy_TD, topk_weights_TK, plan, comm_sms)``: phase 2 runs in
-    the recompute+act kernel's launch (:func:`send_and_act`); without it, the caller ran :func:`dispatch_rows`."""
+    """Phases 3 and 4, backward: dh' on the received dy rows as they arrive (:func:`send_and_dh`), then the
+    one-GPU backward's act kernel (the gate/up GEMM recomputed; on sm90 the warp-specialized one) on the received
+    x rows and dh' — the rows are already in expert order, so nothing is gathered; the dx GEMM writes each row,
+    and its d(routing weight), straight into the source's slots. Returns dw13 and dw2 of my experts.
+    ``send = (x_TD, dy_TD, topk_weights_TK, plan, comm_sms)``: phase 2 runs in the dh' kernel's launch;
+    without it, the caller ran :func:`dispatch_rows` (or the senders' launch)."""
     plan, counts = received_plan(ws)
-    if send is None:
-        dz, hw, dweight = act_bwd(ws.recv_x, ws.recv_dy, w13_LHD, w2_LDI, ws.recv_weight[:, None], plan, top_k=1,
-                                  arrivals=(ws.arrived, counts))
-    else:
-        dz, hw, dweight = send_and_act(ws, *send, w13_LHD, w2_LDI, plan, counts)
+    dh = send_and_dh(ws, w2_LDI, plan, counts, send)
+    # Every expert's rows are in: each expert with rows had a dh' tile wait for them.
     reset_arrivals(ws, counts)
+    dz, hw, dweight = act_bwd(ws.recv_x, dh, w13_LHD, w2_LDI, ws.recv_weight[:, None], plan, top_k=1, sorted_dh=True)
     rows_to_peer_slots(ws, DX_PEER, dz, w13_LHD, plan, w13_LHD.shape[2], scalar_C=dweight.view(-1))
     return expert_wgrad(dz, ws.recv_x, plan, w13_LHD.dtype), expert_wgrad(ws.recv_dy, hw, plan, w2_LDI.dtype)
 
@@ -781,7 +804,7 @@ def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: l
         weight_grads = [owner_experts_backward(ws, w13, w2, send=(x, dy, weights, plan, comm_sms))]
     elif comm_sms:
         for ws, plan, (x, _, weights, w13, w2), dy in zip(workspaces, plans, problems, dys):
-            send_and_act(ws, x, dy, weights, plan, comm_sms, w13, w2, *received_plan(ws), compute=False)
+            send_and_dh(ws, w2, *received_plan(ws), send=(x, dy, weights, plan, comm_sms), compute=False)
         weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
     else:
         for ws, plan, (x, idx, weights, _, _), dy in zip(workspaces, plans, problems, dys):
