@@ -220,7 +220,7 @@ def moe(
             agreed at the first call (the largest T of any rank, one collective), and a later call with
             more tokens raises ``ValueError``.
         comm_sms: fused EP only: N > 0 sends the rows to their owners from N programs (one SM each)
-            of the gate/up kernel's launch (forward) and of the recompute+act kernel's launch
+            of the gate/up kernel's launch (forward) and of the dh' kernel's launch
             (backward) while their other programs compute on the rows already in — communication
             overlapping the GEMMs; fewer than the GPU's SMs. 0 sends them in a kernel of its own, on
             every SM, before the expert kernels. A pair ``(forward, backward)`` of such counts sets the

@@ -41,7 +41,7 @@ def experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tens
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
     x_sorted, dy_sorted, dh_NI = sorted_rows_and_dh(x, dy, w2, plan, top_k)
-    dz_NH, hw_NI, dweight_TK = act_bwd(x_sorted, dh_NI, w13, w2, topk_weights.contiguous(), plan, top_k, sorted_dh=True)
+    dz_NH, hw_NI, dweight_TK = act_bwd(x_sorted, dh_NI, w13, topk_weights.contiguous(), plan, top_k)
     dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots(dz_NH, w13, plan), topk_idx,
                                         x.dtype)
     dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)

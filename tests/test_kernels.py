@@ -113,7 +113,7 @@ def test_sub_tiles_match_fp32_reference(monkeypatch):
     """BM smaller than the plan's tile (a kernel config the sweep may pick) covers every row once."""
     from megamoe.kernels import expert_bwd, expert_fwd
 
-    for kernel in (expert_fwd.UP, expert_fwd.DOWN, expert_bwd.DH, expert_bwd.ACT_BWD_DH, expert_bwd.DX):
+    for kernel in (expert_fwd.UP, expert_fwd.DOWN, expert_bwd.DH, expert_bwd.ACT_BWD, expert_bwd.DX):
         monkeypatch.setattr(kernel, "default", {**kernel.default, "BM": 64, "BN": 64, "BK": 32})
     problem = make_problem(260, 136, 72, 3, 2, "random", device=DEVICE)
     assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
@@ -138,20 +138,16 @@ def test_other_launch_mode_matches_fp32_reference(monkeypatch, shape):
     assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
 
 
-@pytest.mark.parametrize("sorted_dh", [False, True], ids=["gathered", "sorted-dh"])
-def test_every_config_writes_every_weight_gradient_partial(monkeypatch, sorted_dh):
+def test_every_config_writes_every_weight_gradient_partial(monkeypatch):
     """What autotuning relies on: after a config with narrow blocks, a config with wide blocks run on
-    the same (dirty) partial buffer must leave no stale partial behind. Both act kernels: the
-    expert-parallel one (x, dy gathered) and the one-device one (sorted x rows and dh')."""
+    the same (dirty) partial buffer must leave no stale partial behind."""
     from megamoe.kernels import expert_bwd
 
     x, idx, w, w13, w2, dy = make_problem(260, 136, 200, 3, 2, "random", device=DEVICE)
     plan = build_plan(idx, 3)
-    operands, kernel = (x, dy), expert_bwd.ACT_BWD
-    if sorted_dh:
-        x_sorted, dy_sorted = expert_bwd.gather_rows(x, dy, plan, 2)
-        operands, kernel = (x_sorted, expert_bwd.dh_sorted(dy_sorted, w2, plan)), expert_bwd.ACT_BWD_DH
-    _, _, expected = expert_bwd.act_bwd(*operands, w13, w2, w, plan, 2, sorted_dh=sorted_dh)
+    x_sorted, dy_sorted = expert_bwd.gather_rows(x, dy, plan, 2)
+    operands, kernel = (x_sorted, expert_bwd.dh_sorted(dy_sorted, w2, plan)), expert_bwd.ACT_BWD
+    _, _, expected = expert_bwd.act_bwd(*operands, w13, w, plan, 2)
     n = idx.numel()
     dz = torch.empty(n, 400, device=DEVICE)
     hw = torch.empty(n, 200, device=DEVICE)
@@ -159,7 +155,7 @@ def test_every_config_writes_every_weight_gradient_partial(monkeypatch, sorted_d
     for bn in (64, 128):  # first writes every 64-column group itself, then the wide config must too
         monkeypatch.setattr(kernel, "default", {**kernel.default, "BN": bn})  # BK as for `expected`: same sums
         part.add_(1000.0)  # dirty every partial, as a previous config's run would
-        expert_bwd.act_bwd_into(*operands, w13, w2, w, plan, 2, dz, hw, part, sorted_dh=sorted_dh)
+        expert_bwd.act_bwd_into(*operands, w13, w, plan, 2, dz, hw, part)
         assert kernel.last_config["BN"] == bn  # what the kernel benchmark records
     assert torch.equal(part.sum(0).view(-1, 2), expected)
 
@@ -504,8 +500,7 @@ def test_warp_specialized_act_kernel_matches_the_triton_kernel(num_tokens, dim, 
     outs = {}
     for gluon in (True, False):
         dz, hw, part = expert_bwd.act_bwd_outputs(plan.row_slot_N.numel(), 2 * inter, x)
-        expert_bwd.act_bwd_into(x_sorted, dh, w13, w2, weights, plan, top_k, dz, hw, part, sorted_dh=True,
-                                gluon=gluon)
+        expert_bwd.act_bwd_into(x_sorted, dh, w13, weights, plan, top_k, dz, hw, part, gluon=gluon)
         outs[gluon] = dz[:routed].float(), hw[:routed].float(), part
     for got, want in zip(outs[True], outs[False]):
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())

@@ -44,7 +44,7 @@ SWEEPS = {
                              PERSISTENT=[False, True]),
     expert_bwd.DH: grid_of(BM=[64, 128], BN=[128, 256], BK=[64], num_warps=[8], num_stages=[3, 4],
                            PERSISTENT=[False, True]),
-    expert_bwd.ACT_BWD_DH: grid_of(BM=[64, 128], BN=[64, 128], BK=[64], num_warps=[8], num_stages=[3, 4])
+    expert_bwd.ACT_BWD: grid_of(BM=[64, 128], BN=[64, 128], BK=[64], num_warps=[8], num_stages=[3, 4])
     + grid_of(BM=[128], BN=[64, 128], BK=[32, 128], num_warps=[8], num_stages=[3]),
     expert_bwd.DX: grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3, 4],
                            PERSISTENT=[False, True]),
@@ -65,7 +65,7 @@ def stages(problem, num_experts):
     h = expert_fwd.up_swiglu_fwd(x, w13, plan, top_k)
     slots = expert_fwd.down_fwd(h, w2, topk_weights, plan)
     x_sorted, dy_sorted, dh = expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k)
-    dz, hw, _ = expert_bwd.act_bwd(x_sorted, dh, w13, w2, topk_weights, plan, top_k, sorted_dh=True)
+    dz, hw, _ = expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k)
     dx = expert_bwd.dx_slots(dz, w13, plan)
 
     def tuned(kernel, gluon_config=WS_CONFIG):  # on sm90, a record of the kernels.ws kernel that runs instead
@@ -80,9 +80,8 @@ def stages(problem, num_experts):
         # On sm90 the x copy runs inside the dh' kernel and the dx combine inside the dW13 kernel: timed with them.
         "bwd gather, dh'": (lambda: expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k), 2 * unit,
                             tuned(expert_bwd.DH)),
-        "bwd recompute+act": (lambda: expert_bwd.act_bwd(x_sorted, dh, w13, w2, topk_weights, plan, top_k,
-                                                         sorted_dh=True), 4 * unit,
-                              tuned(expert_bwd.ACT_BWD_DH, ACT_CONFIG)),
+        "bwd recompute+act": (lambda: expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k), 4 * unit,
+                              tuned(expert_bwd.ACT_BWD, ACT_CONFIG)),
         "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, expert_bwd.DX),
         "bwd dw13, combine": (lambda: expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, w13.dtype, dx, topk_idx,
                                                                           x.dtype), 4 * unit, tuned(expert_bwd.WGRAD)),

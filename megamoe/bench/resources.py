@@ -31,9 +31,8 @@ from megamoe.parallel import dispatch
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200 (sm_90)
-KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "dh": expert_bwd.DH, "act": expert_bwd.ACT_BWD_DH,
-           "act_gather": expert_bwd.ACT_BWD, "dx": expert_bwd.DX,
-           "wgrad": expert_bwd.WGRAD, "down_peer": dispatch.DOWN_PEER, "dx_peer": dispatch.DX_PEER,
+KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "dh": expert_bwd.DH, "act": expert_bwd.ACT_BWD,
+           "dx": expert_bwd.DX, "wgrad": expert_bwd.WGRAD, "down_peer": dispatch.DOWN_PEER, "dx_peer": dispatch.DX_PEER,
            "send_up": dispatch.SEND_UP, "send_dh": dispatch.SEND_DH}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
                   "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",

@@ -7,7 +7,7 @@ One device:
 1. ``_scatter_rows_kernel`` — x and dy rows copied into sorted order (for every later step), token-major.
 2. dh' = dy W2[e] (N, I), sorted rows: a grouped GEMM through TMA (``expert_fwd._sorted_rows_gemm_kernel``,
    the down projection's kernel, its output rows left in sorted order).
-3. ``_act_bwd_kernel`` with ``DH_ROWS`` — per tile × I-block, one loop over D recomputes g and u from the
+3. ``_act_bwd_kernel`` — per tile × I-block, one loop over D recomputes g and u from the
    sorted x rows (TMA); epilogue, with dh' read back: h, a partial d(routing weight) = sum_i dh'·h per
    I-block, dz = [dg | du] (scaled by the routing weight) and h·w (for dW2). Computing dh' in the same
    K-loop instead (three 128×128 fp32 accumulators: 255 registers, spills) measured 8–11% slower for
@@ -23,8 +23,8 @@ into them, run by a partition of their own beside the MMAs: step 1 copies only d
 inside the dh' kernel (``sorted_rows_and_dh``); step 4's combine runs inside the dW13 kernel
 (``expert_wgrad_and_combine``).
 
-Expert parallelism runs ``_act_bwd_kernel`` without ``DH_ROWS`` on its receive buffers, as the rows
-arrive: the three accumulators in one K-loop over x and dy rows gathered through pointers.
+Expert parallelism runs steps 3–5 on its receive buffers, which are already in expert order; its dh' GEMM
+waits for the rows as they arrive (``parallel.dispatch._send_and_dh_kernel``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_fwd import (
     _sorted_rows_gemm_kernel,
     _tile_rows,
-    _wait_rows,
     descriptor,
     dot_precision,
     sorted_rows_gemm,
@@ -50,79 +49,41 @@ from megamoe.kernels.ws import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
 
 @triton.jit
 def _act_bwd_kernel(
-    x_src,  # DH_ROWS: (N, D) sorted x rows, TMA block (BM, BK); else (T, D) x rows gathered by pointers
-    dy_src,  # DH_ROWS: (N, I) dh' = dy W2[e], sorted rows (pointers); else (T, D) dy rows gathered
+    x_desc,  # (N, D) sorted x rows; block (BM, BK)
+    dh_ptr,  # (N, I) dh' = dy W2[e], sorted rows
     w13_desc,  # (E, 2, I, D) view of w13 (gate, up); block (1, 1, BN, BK)
-    w2_desc,  # (E, D, I); block (1, BK, BN); unread with DH_ROWS
     weights_ptr,  # (N,) routing weights, flat slots
     dz_ptr,  # (N, 2I) out: [dg | du], sorted rows
     hw_ptr,  # (N, I) out: h * weight, sorted rows
     dweight_part_ptr,  # (NI, N) fp32 out: partial d(routing weight) per PART_COLS columns, flat slots
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-    arrived_ptr, counts_ptr,  # (R, E) int32 each: expert parallelism only (WAIT_ROWS)
-    N, D, I, E, top_k, R,
-    WAIT_ROWS: tl.constexpr, DH_ROWS: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr,
-    PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    N, D, I, E,
+    PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
-    _act_bwd_tile(tl.program_id(0), x_src, dy_src, w13_desc, w2_desc, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
-                  row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, N, D, I, E, top_k, R,
-                  WAIT_ROWS, DH_ROWS, PREC, TILE_M, PART_COLS, BM, BN, BK, EVEN_K)
-
-
-@triton.jit
-def _act_bwd_tile(pid, x_src, dy_src, w13_desc, w2_desc, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
-                  row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, N, D, I, E, top_k, R,
-                  WAIT_ROWS: tl.constexpr, DH_ROWS: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr,
-                  PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    """Program ``pid`` of the act kernel's grid (arguments as for ``_act_bwd_kernel``); the EP kernel that
-    also sends rows runs it on its programs past the senders.
-
-    DH_ROWS: the x operand comes in through TMA from row ``row0`` of the sorted rows. Past the expert's
-    last row those are the next expert's rows (or rows nobody wrote, after the last routed one, or TMA's
-    zeros past N); each output row depends only on its own x row, and every store and d(weight) partial
-    is masked to the expert's rows, so those rows change nothing."""
-    e, row0, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM,
-                                             TILE_M)
+    """The x operand comes in through TMA from row ``row0`` of the sorted rows. Past the expert's last row
+    those are the next expert's rows (or rows nobody wrote, after the last routed one, or TMA's zeros past
+    N); each output row depends only on its own x row, and every store and d(weight) partial is masked to
+    the expert's rows, so those rows change nothing."""
+    e, row0, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
+                                             tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
         return
-    if WAIT_ROWS:
-        _wait_rows(arrived_ptr, counts_ptr, e, e, E, R, 1)
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
     n0 = pid_n * BN
     cols = n0 + tl.arange(0, BN)
-    cmask = cols < I
-    omask = rmask[:, None] & cmask[None, :]
+    omask = rmask[:, None] & (cols < I)[None, :]
     rows64 = rows[:, None].to(tl.int64)
-    if not DH_ROWS:
-        tok = slots // top_k
-        ks = tl.arange(0, BK)
-        x_ptrs = x_src + tok[:, None] * D + ks[None, :]
-        dy_ptrs = dy_src + tok[:, None] * D + ks[None, :]
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_d = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, D, BK):
-        if DH_ROWS:  # TMA zero-fills past D
-            a = x_src.load([row0, k0])
-        elif EVEN_K:
-            a = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
-            g = tl.load(dy_ptrs, mask=rmask[:, None], other=0.0)
-        else:
-            kmask = rmask[:, None] & (ks + k0 < D)[None, :]
-            a = tl.load(x_ptrs, mask=kmask, other=0.0)
-            g = tl.load(dy_ptrs, mask=kmask, other=0.0)
-        # The descriptors zero-fill past this expert's I columns/rows and past D.
+        # The descriptors zero-fill past D and past this expert's I columns.
+        a = x_desc.load([row0, k0])
         bg = w13_desc.load([e, 0, n0, k0]).reshape(BN, BK)
         bu = w13_desc.load([e, 1, n0, k0]).reshape(BN, BK)
         acc_g = tl.dot(a, bg.T, acc_g, input_precision=PREC)
         acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
-        if not DH_ROWS:
-            b2 = w2_desc.load([e, k0, n0]).reshape(BK, BN)
-            acc_d = tl.dot(g, b2, acc_d, input_precision=PREC)
-            x_ptrs += BK
-            dy_ptrs += BK
-    if DH_ROWS:
-        acc_d = tl.load(dy_src + rows64 * I + cols[None, :], mask=omask, other=0.0).to(tl.float32)
+    acc_d = tl.load(dh_ptr + rows64 * I + cols[None, :], mask=omask, other=0.0).to(tl.float32)
     wt = tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(acc_g)
     silu = acc_g * sig
@@ -232,23 +193,13 @@ def _expert_wgrad_kernel(
 PART_COLS = 64
 
 # Defaults and candidates of the next three: the sweep of docs/NOTES.md §17 (30B and 235B layers), in which
-# ACT_BWD's default (set in §7) was still the fastest of its list.
-# dh' computed in the K-loop, rows gathered through pointers (expert parallelism).
+# the then expert-parallel act kernel's default (set in §7) was still the fastest of its list.
+# Sorted x rows and dh' from ``DH``: two accumulators, as the up kernel.
 ACT_BWD = TunedKernel(
-    _act_bwd_kernel, default=configs((128, 128, 32, 8, 3))[0],
-    candidates=configs((128, 128, 32, 8, 4), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (64, 128, 32, 4, 3)),
-    key=["D", "I"], even_k=lambda a: a["D"] % a["BK"] == 0,
-    blocks=lambda c: {"w13_desc": [1, 1, c["BN"], c["BK"]], "w2_desc": [1, c["BK"], c["BN"]]},
-    constants={"DH_ROWS": False},
-)
-# dh' from ``DH``, x from the sorted rows (one device): two accumulators, as the up kernel.
-ACT_BWD_DH = TunedKernel(
     _act_bwd_kernel, default=configs((128, 128, 64, 8, 4))[0],
     candidates=configs((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 128, 8, 3)),
-    key=["D", "I"], even_k=None,
-    blocks=lambda c: {"x_src": [c["BM"], c["BK"]], "w13_desc": [1, 1, c["BN"], c["BK"]],
-                      "w2_desc": [1, c["BK"], c["BN"]]},
-    constants={"DH_ROWS": True, "EVEN_K": True},  # EVEN_K: unread (TMA zero-fills the K tail)
+    key=["D", "I"], even_k=None,  # the descriptors zero-fill the K tail
+    blocks=lambda c: {"x_desc": [c["BM"], c["BK"]], "w13_desc": [1, 1, c["BN"], c["BK"]]},
 )
 # dh', down and dx: PERSISTENT or not per config (docs/NOTES.md §20: it wins on some shapes, not all).
 DH = TunedKernel(
@@ -279,14 +230,11 @@ WGRAD = TunedKernel(
 )
 
 
-def act_bwd(x_src, dy_src, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int, arrivals: tuple | None = None,
-            sorted_dh: bool = False):
-    """Returns dz (N, 2I), h·w (N, I) in sorted rows and d(routing weight) (T, K) fp32. ``x_src``, ``dy_src``:
-    x and dy (T, D); or, with ``sorted_dh``, the sorted x rows (``gather_rows``) and dh' (``dh_sorted``).
-    ``arrivals``: as for ``expert_fwd.up_swiglu_fwd`` (not with ``sorted_dh``)."""
-    dz_NH, hw_NI, dweight_part = act_bwd_outputs(plan.row_slot_N.numel(), w13_EHD.shape[1], x_src)
-    act_bwd_into(x_src, dy_src, w13_EHD, w2_EDI, topk_weights_TK, plan, top_k, dz_NH, hw_NI, dweight_part, arrivals,
-                 sorted_dh)
+def act_bwd(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int):
+    """Returns dz (N, 2I), h·w (N, I) in sorted rows and d(routing weight) (T, K) fp32, from the sorted x rows
+    (``gather_rows``) and dh' (``dh_sorted``)."""
+    dz_NH, hw_NI, dweight_part = act_bwd_outputs(plan.row_slot_N.numel(), w13_EHD.shape[1], x_sorted_ND)
+    act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan, top_k, dz_NH, hw_NI, dweight_part)
     # Fixed-order sum over the column groups: deterministic.
     return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
 
@@ -301,29 +249,25 @@ def act_bwd_outputs(num_slots: int, two_i: int, like: torch.Tensor):
     return dz_NH, hw_NI, dweight_part
 
 
-def act_bwd_into(x_src, dy_src, w13_EHD, w2_EDI, topk_weights_TK, plan: Plan, top_k: int,
-                 dz_NH, hw_NI, dweight_part, arrivals: tuple | None = None, sorted_dh: bool = False,
+def act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int, dz_NH, hw_NI, dweight_part,
                  gluon: bool = True) -> None:
-    """Launch the act kernel (``ACT_BWD``, or ``ACT_BWD_DH`` with ``sorted_dh`` — on sm90 with 16-bit operands
-    its warp-specialized Gluon twin ``ws._act_ws_kernel`` instead, unless ``gluon=False``; operands as for
-    ``act_bwd``) into given buffers; ``dweight_part`` is (ceil(I / PART_COLS), N) fp32."""
+    """Launch the act kernel (``ACT_BWD`` — on sm90 with 16-bit operands its warp-specialized Gluon twin
+    ``ws._act_ws_kernel`` instead, unless ``gluon=False``; operands as for ``act_bwd``) into given buffers;
+    ``dweight_part`` is (ceil(I / PART_COLS), N) fp32."""
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
     if plan.row_slot_N.numel() == 0:  # an empty batch (a TMA descriptor cannot be empty)
         return
-    if sorted_dh and gluon and ws_supported(x_src):
-        act_bwd_ws(x_src, dy_src, w13_EHD, topk_weights_TK.reshape(-1), plan, dz_NH, hw_NI, dweight_part, BLOCK_M,
-                   PART_COLS)
+    if gluon and ws_supported(x_sorted_ND):
+        act_bwd_ws(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK.reshape(-1), plan, dz_NH, hw_NI, dweight_part,
+                   BLOCK_M, PART_COLS)
         return
-    arrived, counts = arrivals or (plan.offsets_E1, plan.offsets_E1)  # unread without arrivals
-    kernel, x_src = (ACT_BWD_DH, descriptor(x_src)) if sorted_dh else (ACT_BWD, x_src)
-    kernel[tile_grid(plan, inter)](
-        x_src, dy_src, descriptor(w13_EHD.view(num_experts, 2, inter, dim)), descriptor(w2_EDI),
+    ACT_BWD[tile_grid(plan, inter)](
+        descriptor(x_sorted_ND), dh_NI, descriptor(w13_EHD.view(num_experts, 2, inter, dim)),
         topk_weights_TK.reshape(-1), dz_NH, hw_NI, dweight_part,
-        plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT, arrived, counts,
-        plan.row_slot_N.numel(), dim, inter, num_experts, top_k, counts.shape[0] if arrivals else 1,
-        WAIT_ROWS=arrivals is not None, PREC=dot_precision(dz_NH.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS,
-        dtype=dz_NH.dtype,
+        plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
+        plan.row_slot_N.numel(), dim, inter, num_experts,
+        PREC=dot_precision(dz_NH.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=dz_NH.dtype,
     )
 
 

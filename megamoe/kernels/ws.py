@@ -25,7 +25,7 @@ projection and dx as Gluon kernels did not, and stay Triton):
   16-byte row segments and stores them through masked pointer stores (a tile's rows past its expert
   belong to the next tile). A third partition (two warps) copies x's rows into sorted order beside the
   MMAs, for the act kernel and dW13.
-- ``_act_ws_kernel``: the one-device act kernel (``expert_bwd.ACT_BWD_DH``): recomputes both gate/up
+- ``_act_ws_kernel``: the one-device act kernel (``expert_bwd.ACT_BWD``): recomputes both gate/up
   products and hands them, rounded to bf16/fp16, through shared memory to a third partition (4 warps) that
   runs the SwiGLU-backward epilogue on them while the MMA warps start the next block; three ring stages.
 - ``_up_ws_kernel``: the one-device forward up kernel (gate/up GEMM + SwiGLU), four stages; its loader
@@ -399,7 +399,7 @@ def _act_mma_partition(tile_expert_ptr, tile_row_ptr, ready, empty, gu_ready, gu
 def _act_epilogue_partition(weights_ptr, dh_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
                             tile_expert_ptr, tile_row_ptr, gu_ready, gu_empty, gu_smem, N, I, num_n, work,
                             PART_COLS: gl.constexpr, num_warps: gl.constexpr):
-    """Epilogue partition of ``_act_ws_kernel``, ``expert_bwd._act_bwd_tile``'s epilogue (``DH_ROWS``) on each
+    """Epilogue partition of ``_act_ws_kernel``, ``expert_bwd._act_bwd_kernel``'s epilogue on each
     block's g and u from ``gu_smem`` and its dh' rows (loaded here), ``CHUNK`` rows at a time, in a layout of
     16-byte row segments: h, the d(weight) partials, dz = [dg | du] and h * w, masked to the expert's rows and
     to I. It overlaps the MMA partition's next block."""
@@ -448,7 +448,7 @@ def _act_ws_kernel(x_desc, w13_desc, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweigh
                    tile_expert_ptr, tile_row_ptr, N, D, I, E, EB: gl.constexpr, TILE_M: gl.constexpr,
                    PART_COLS: gl.constexpr, STAGES: gl.constexpr, EPILOGUE_WARPS: gl.constexpr,
                    EPILOGUE_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """The one-device act kernel (``expert_bwd._act_bwd_kernel`` with ``DH_ROWS``): x_desc (N, D) sorted rows,
+    """The act kernel (``expert_bwd._act_bwd_kernel``): x_desc (N, D) sorted rows,
     block (TILE_M, BK); w13_desc (E, 2, I, D), block (1, 1, BN, BK); dh (N, I) dh' in sorted rows; outputs and
     other arguments as for the Triton kernel. Blocks: the busy tiles times the I-blocks. Three partitions: the
     TMA loader (one warp), the MMAs (``num_warps``), the epilogue (``EPILOGUE_WARPS``), which takes each block's
@@ -646,7 +646,7 @@ ACT_EPILOGUE_REGS = 152
 def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tensor, weights_N: torch.Tensor, plan,
                dz_NH: torch.Tensor, hw_NI: torch.Tensor, dweight_part: torch.Tensor, tile_m: int,
                part_cols: int) -> None:
-    """``expert_bwd.act_bwd_into``'s one-device act kernel (``sorted_dh``) through ``_act_ws_kernel``; 16-bit
+    """``expert_bwd.act_bwd_into``'s act kernel through ``_act_ws_kernel``; 16-bit
     operands on an sm90 GPU (``ws_supported``), at least one row; ``tile_m`` the plan's tile height."""
     bm, bn, bk, stages = ACT_TILE
     assert bm == tile_m and bn % part_cols == 0

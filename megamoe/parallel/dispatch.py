@@ -690,7 +690,7 @@ def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.T
     dh = send_and_dh(ws, w2_LDI, plan, counts, send)
     # Every expert's rows are in: each expert with rows had a dh' tile wait for them.
     reset_arrivals(ws, counts)
-    dz, hw, dweight = act_bwd(ws.recv_x, dh, w13_LHD, w2_LDI, ws.recv_weight[:, None], plan, top_k=1, sorted_dh=True)
+    dz, hw, dweight = act_bwd(ws.recv_x, dh, w13_LHD, ws.recv_weight[:, None], plan, top_k=1)
     rows_to_peer_slots(ws, DX_PEER, dz, w13_LHD, plan, w13_LHD.shape[2], scalar_C=dweight.view(-1))
     return expert_wgrad(dz, ws.recv_x, plan, w13_LHD.dtype), expert_wgrad(ws.recv_dy, hw, plan, w2_LDI.dtype)
 

@@ -75,7 +75,7 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
     and must be the same on every rank; ``None`` agrees on the largest T of any rank at the first call
     (one collective and host sync, then never again for these sizes). ``comm_sms``: 0 sends the rows
     in a kernel of their own before the expert kernels; N > 0 sends them from N programs of the up
-    (forward) and recompute+act (backward) kernels' launches, overlapping their GEMMs; a pair (forward,
+    (forward) and dh' (backward) kernels' launches, overlapping their GEMMs; a pair (forward,
     backward) sets the two directions apart (see :func:`megamoe.moe`)."""
     num_tokens, top_k = topk_idx.shape
     if max_tokens_per_rank is None:
