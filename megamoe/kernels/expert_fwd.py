@@ -77,6 +77,15 @@ def _wait_rows(arrived_ptr, counts_ptr, first, e, E, R, EB: tl.constexpr):
 
 
 @triton.jit
+def _rows_k_block(a_ptrs, rmask, ks, k0, D, EVEN_K: tl.constexpr):
+    """The (BM, BK) block at column k0 of rows read through pointers (``a_ptrs``: their column-k0 entries),
+    zero past the rows (``rmask``) and, unless EVEN_K, past D."""
+    if EVEN_K:
+        return tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+    return tl.load(a_ptrs, mask=rmask[:, None] & (ks + k0 < D)[None, :], other=0.0)
+
+
+@triton.jit
 def _up_swiglu_fwd_kernel(
     x_ptr,  # (T, D)
     w13_desc,  # (E, 2, I, D) view of w13: [:, 0] gate rows, [:, 1] up rows; block (1, 1, BN, BK)
@@ -115,10 +124,7 @@ def _up_swiglu_tile(pid, x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, D, BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=rmask[:, None] & (ks + k0 < D)[None, :], other=0.0)
+        a = _rows_k_block(a_ptrs, rmask, ks, k0, D, EVEN_K)
         # The descriptor zero-fills past this expert's I rows and past D: no masks on the weights.
         bg = w13_desc.load([e, 0, n0, k0]).reshape(BN, BK)
         bu = w13_desc.load([e, 1, n0, k0]).reshape(BN, BK)

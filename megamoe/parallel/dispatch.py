@@ -55,6 +55,7 @@ from megamoe.kernels.expert_bwd import (
 from megamoe.kernels.expert_fwd import (
     DOWN,
     UP,
+    _rows_k_block,
     _sorted_rows_matmul,
     _tile_rows,
     _up_swiglu_tile,
@@ -319,10 +320,7 @@ def _dh_rows_tile(pid, dy_ptr, w2_desc, dh_ptr, offsets_ptr, tile_expert_ptr, ti
     a_ptrs = dy_ptr + rows64 * D + ks[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, D, BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=rmask[:, None] & (ks + k0 < D)[None, :], other=0.0)
+        a = _rows_k_block(a_ptrs, rmask, ks, k0, D, EVEN_K)
         # The descriptor zero-fills past D and past the expert's I columns.
         b = w2_desc.load([e, k0, n0]).reshape(BK, BN)
         acc = tl.dot(a, b, acc, input_precision=PREC)
