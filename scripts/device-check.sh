@@ -27,6 +27,15 @@
 #                                           TOKENS=N (default 16384) sets the problem's token count, PRESETS="..."
 #                                           the presets (default: the 30B and 235B layers); the archive is
 #                                           device-check-compare-tN.tgz
+#   bash scripts/device-check.sh ep-compare TREE...
+#                                           on a multi-GPU kind: the torchrun EP benchmark of each TREE in turn
+#                                           (`.` for this tree; copies made as for compare; name one twice to
+#                                           see the spread within the call, e.g. `. _exp/B . _exp/B`), fused
+#                                           impls only, with per-rank profiles: PRESETS (default the 30B
+#                                           layer), ROUTING (default random,skewed), COMM_SMS (default 32),
+#                                           TOKENS; TESTS=DIR first runs that tree's tests on GPU 0 (TESTS_PATH,
+#                                           TESTS_K as for compare; TESTS_MARK, default gpu, empty for all;
+#                                           at most TESTS_LIMIT seconds, default 300)
 # Each step runs unbuffered under a time limit that aborts with a Python stack dump (a hang shows where
 # the host stopped); logs and results are packed into $OUT/device-check-<stage>.tgz after every step
 # (the tool returns only a few files, and what a step finished survives the call's time limit). Every
@@ -34,7 +43,7 @@
 # log starts and ends with the time, so a step's numbers can be read against the clock it ran at.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: device-check.sh tests|loopback|bench|layer|multi|compare DIR...}
+stage=${1:?usage: device-check.sh tests|loopback|bench|layer|multi|compare DIR...|ep-compare TREE...}
 shift
 tag=$stage
 [ "$stage" = compare ] && tag=compare-t${TOKENS:-16384}  # two compares in one call keep both archives
@@ -66,6 +75,16 @@ if [ "$gpus" -gt 0 ]; then  # stopped at exit; the stages wait for their own job
     sampler=$!
     trap 'kill "$sampler" 2> /dev/null' EXIT
 fi
+test_args=("${TESTS_PATH:-tests}")
+[ -n "${TESTS_K:-}" ] && test_args+=(-k "$TESTS_K")
+[ -n "${TESTS_MARK-gpu}" ] && test_args+=(-m "${TESTS_MARK-gpu}")
+run_tests() {  # run_tests GPU LIMIT: the tests of the tree $tested (compare, ep-compare)
+    local log
+    log="$work/gpu-tests-$([ "$(realpath "$tested")" = "$(realpath .)" ] && echo this-tree || basename "$tested").log"
+    (cd "$tested" && CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=. timeout -s ABRT "$2" \
+        "${py[@]}" -m pytest -q -p no:logging -x "${test_args[@]}" > "$log" 2>&1; echo "exit status $?" >> "$log")
+    tail -2 "$log"
+}
 case $stage in
 tests)
     step gpu-tests 560 "${py[@]}" -m pytest -m gpu -q -p no:logging --durations=10
@@ -134,15 +153,6 @@ compare)
     [ "$#" -ge 1 ] || { echo "stage compare needs one or more package copies (DIR with DIR/megamoe)" >&2; exit 2; }
     mkdir -p "$work/results"
     tested=${TESTS-${!#}}
-    test_args=("${TESTS_PATH:-tests}")
-    [ -n "${TESTS_K:-}" ] && test_args+=(-k "$TESTS_K")
-    run_tests() {  # run_tests GPU LIMIT: the tested tree's GPU tests
-        local log
-        log="$work/gpu-tests-$([ "$(realpath "$tested")" = "$(realpath .)" ] && echo this-tree || basename "$tested").log"
-        (cd "$tested" && CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=. timeout -s ABRT "$2" \
-            "${py[@]}" -m pytest -m gpu -q -p no:logging -x "${test_args[@]}" > "$log" 2>&1; echo "exit status $?" >> "$log")
-        tail -2 "$log"
-    }
     if [ "$gpus" -ge 2 ] && [ -n "$tested" ]; then  # one tree's GPU tests on GPU 1 while GPU 0 times kernels
         run_tests 1 560 &
         tests_pid=$!
@@ -163,8 +173,29 @@ compare)
     fi
     tar czf "$out/device-check-$tag.tgz" -C "$work" .
     ;;
+ep-compare)
+    [ "$gpus" -ge 2 ] || { echo "stage ep-compare needs 2+ GPUs; this machine has $gpus" >&2; exit 2; }
+    [ "$#" -ge 1 ] || { echo "stage ep-compare needs one or more trees (. or DIR with DIR/megamoe)" >&2; exit 2; }
+    mkdir -p "$work/results"
+    if [ -n "${TESTS:-}" ]; then
+        tested=$TESTS
+        run_tests 0 "${TESTS_LIMIT:-300}"
+    fi
+    i=0
+    for tree in "$@"; do
+        i=$((i + 1))
+        name=$i-$([ "$tree" = . ] && echo this-tree || basename "$tree")
+        for preset in ${PRESETS:-qwen3-30b-a3b}; do
+            step "ep-$name-$preset" 200 env -C "$tree" PYTHONPATH=. "${py[@]}" -m torch.distributed.run \
+                --nproc-per-node "$gpus" -m megamoe.bench --ep --preset "$preset" --tokens "${TOKENS:-16384}" \
+                --routing "${ROUTING:-random,skewed}" --impls fused --comm-sms "${COMM_SMS:-32}" --profile --no-plot \
+                --out "$work/results/$name"
+        done
+    done
+    tar czf "$out/device-check-$tag.tgz" -C "$work" .
+    ;;
 *)
-    echo "unknown stage $stage: tests, loopback, bench, layer, multi or compare" >&2
+    echo "unknown stage $stage: tests, loopback, bench, layer, multi, compare or ep-compare" >&2
     exit 2
     ;;
 esac
