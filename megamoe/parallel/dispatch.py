@@ -494,7 +494,7 @@ ROWS_PER_PROGRAM = 16
 # token's row once per owner, about a quarter of a block's slots at top-8 over two ranks, so their blocks are
 # wider in slots and narrower per step than the backward's, which copy x and dy for every slot: forward 64 x 128
 # (sm_90a send_up: 16 B of spills; run 75, 30B EP=2: forward 2.65-2.75 -> 2.58 ms, docs/NOTES.md §37; 64 x 256
-# spills 124 B and gained less), backward 32 x 256 (send_act: 168 B of spills; 64 rows: 428 B).
+# spills 124 B and gained less), backward 32 x 256 (send_dh: no spills; 64 rows: 264 B).
 SEND_UP_ROWS, SEND_UP_COLS = 64, 128
 SEND_DH_ROWS, SEND_DH_COLS = 32, 256
 # send_list's kernel: rows per block, and programs per segment (global expert) at most. An expert holds at most
