@@ -51,7 +51,7 @@ def backend_for(x: torch.Tensor) -> str:
     if forced == "reference":
         return "reference"
     if x.is_cuda:
-        if torch.cuda.get_device_capability(x.device) >= (9, 0):
+        if device_capability(x.device.index) >= (9, 0):
             return "triton"
         warn_once("megamoe: GPU older than Hopper (sm90); running the (slow) reference implementation")
         return "reference"
@@ -78,6 +78,13 @@ DEFAULT_COMM_SMS = 32
 def sm_count(device_index: int) -> int:
     """SMs of CUDA device ``device_index`` (cached: the launchers ask on every call)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def device_capability(device_index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``device_index`` (cached: asked on every call, and the query costs
+    host time)."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 def _comm_sms_ok(comm_sms) -> bool:

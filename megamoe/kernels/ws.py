@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megamoe.api import sm_count
+from megamoe.api import device_capability, sm_count
 
 
 @gluon.jit
@@ -566,8 +566,7 @@ WS_CONFIG = {"BM": WS_TILE[0], "BN": WS_TILE[1], "BK": WS_TILE[2], "num_warps": 
 
 def ws_supported(a: torch.Tensor) -> bool:
     """Whether the warp-specialized kernels take this operand: 16-bit, on an sm90 GPU."""
-    return (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(a.device)[0] == 9)
+    return a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and device_capability(a.device.index)[0] == 9
 
 
 @functools.cache
