@@ -51,7 +51,9 @@ def backend_for(x: torch.Tensor) -> str:
     if forced == "reference":
         return "reference"
     if x.is_cuda:
-        if device_capability(x.device.index) >= (9, 0):
+        # Not the cached device_capability: this runs inside torch.compile regions, where Dynamo warns on every
+        # functools.cache-wrapped call it traces.
+        if torch.cuda.get_device_capability(x.device) >= (9, 0):
             return "triton"
         warn_once("megamoe: GPU older than Hopper (sm90); running the (slow) reference implementation")
         return "reference"
@@ -82,8 +84,8 @@ def sm_count(device_index: int) -> int:
 
 @functools.cache
 def device_capability(device_index: int) -> tuple[int, int]:
-    """Compute capability of CUDA device ``device_index`` (cached: asked on every call, and the query costs
-    host time)."""
+    """Compute capability of CUDA device ``device_index`` (cached: the backward's launchers ask several times a
+    step, and the query costs host time). Not for code that ``torch.compile`` traces (see :func:`backend_for`)."""
     return torch.cuda.get_device_capability(device_index)
 
 
