@@ -63,10 +63,10 @@ MAX_EP_RANKS = tl.constexpr(16)
 def _wait_rows(arrived_ptr, counts_ptr, first, e, E, R, EB: tl.constexpr):
     """Expert parallelism: spin until every source's rows of my experts ``first`` to ``e`` (at most EB of
     them) are in my receive buffers (``arrived[s, l] == counts[s, l]`` for every source s; acquire). The
-    backward's dh' tiles (``dispatch._dh_rows_tile``) wait for their own expert (``first = e``, EB 1); the forward
-    up kernel for every expert up to its own, since a token row it reads was sent with the token's first slot at this owner, whose expert
-    may be a lower one (``dispatch._send_rows``). The senders go expert by expert, so a tile whose rows
-    are here starts at once either way."""
+    backward's dh' tiles (``dispatch._dh_rows_tile``) wait for their own expert (``first = e``, EB 1); the
+    forward up kernel for every expert up to its own, since a token row it reads was sent with the token's
+    first slot at this owner, whose expert may be a lower one (``dispatch._send_rows``). The senders go
+    expert by expert, so a tile whose rows are here starts at once either way."""
     srcs = tl.arange(0, MAX_EP_RANKS)[:, None]
     ls = first + tl.arange(0, EB)[None, :]
     m = (srcs < R) & (ls <= e)
