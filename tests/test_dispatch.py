@@ -169,15 +169,20 @@ def test_rows_sent_from_the_up_kernels_launch_match_the_reference(case, num_rank
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_output_gemms_take_their_twins_tile_without_knobs_they_lack(persistent):
-    """DOWN_PEER / DX_PEER launch with the config DOWN / DX chose (autotuning), minus the knobs of the
-    one-device kernel that the peer kernel has no parameter for (PERSISTENT): passing one would fail the
-    launch. Checked here on the configs, since the CPU tests never autotune and so never take that path."""
+def test_output_gemms_take_their_twins_tile_and_launch_mode(persistent, monkeypatch):
+    """DOWN_PEER / DX_PEER launch with the config DOWN / DX chose (autotuning), the launch mode (PERSISTENT)
+    included — checked on the configs, since the CPU tests never autotune — and each mode writes every routed
+    slot: forward and backward on three loopback ranks against the fp32 reference, at 16 output columns per
+    block, so that the persistent programs (4 in the interpreter) stride over several busy tiles, with dropped
+    slots and experts with no rows (idle tiles)."""
     for twin, follower in ((dispatch.DOWN, dispatch.DOWN_PEER), (dispatch.DX, dispatch.DX_PEER)):
         chosen = {**twin.default, "BN": 128, "PERSISTENT": persistent}
-        assert twin._own(chosen) == chosen
-        assert follower._own(chosen) == {k: v for k, v in chosen.items() if k != "PERSISTENT"}
-        assert "PERSISTENT" not in follower.default
+        assert follower._own(chosen) == chosen
+        assert follower.default == twin.default
+        monkeypatch.setattr(follower, "default", {**twin.default, "BN": 16, "PERSISTENT": persistent})
+    for case in (CASES[3], CASES[4]):
+        test_loopback_forward_matches_one_device_reference(case, 3)
+        test_loopback_backward_matches_one_device_reference(case, 3, 0)
 
 
 @pytest.mark.parametrize("idx, num_ranks, num_local", [

@@ -55,6 +55,7 @@ from megamoe.kernels.expert_bwd import (
 from megamoe.kernels.expert_fwd import (
     DOWN,
     UP,
+    _busy_tiles,
     _rows_k_block,
     _sorted_rows_matmul,
     _tile_rows,
@@ -62,6 +63,7 @@ from megamoe.kernels.expert_fwd import (
     _wait_rows,
     descriptor,
     dot_precision,
+    persistent_programs,
     sorted_rows_gemm,
     tile_grid,
     up_swiglu_fwd,
@@ -421,16 +423,40 @@ def _rows_to_peer_slots_kernel(
     y_slots_tab, slot_scalar_tab,
     offsets_ptr, tile_expert_ptr, tile_row_ptr,  # the plan of my received rows
     N_OUT, K, E, max_slots,
-    W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr, SCALAR: tl.constexpr, PREC: tl.constexpr,
-    TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PROGRAMS,  # the grid's size; read only if PERSISTENT
+    W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr, SCALAR: tl.constexpr, PERSISTENT: tl.constexpr,
+    EB: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """The down projection (forward) or dx (backward) of my experts, written straight into the source
     rank's slot rows: no output buffer here, no copy afterwards. Plain stores: the sources learn that
     their rows are whole from :func:`_signal_returned_kernel`, launched after this kernel (a release per
-    tile, the first version, made this GEMM 1.7x slower than the one-device one; docs/NOTES.md §9)."""
-    e, row0, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
-                                             tl.cdiv(N_OUT, BN), BM, TILE_M)
-    if e >= E:
+    tile, the first version, made this GEMM 1.7x slower than the one-device one; docs/NOTES.md §9).
+    PERSISTENT as for the one-device twin (``expert_fwd._sorted_rows_gemm_kernel``): PROGRAMS programs
+    stride over the busy tiles, so one tile's stores into the peers overlap the next tile's loads."""
+    num_n = tl.cdiv(N_OUT, BN)
+    if PERSISTENT:
+        work = _busy_tiles(offsets_ptr, E, EB, TILE_M) * (TILE_M // BM) * num_n
+        for pid in tl.range(tl.program_id(0), work, PROGRAMS, flatten=True):
+            _rows_to_peer_slots_tile(pid, a_desc, w_desc, weights_ptr, scalar_ptr, recv_meta_ptr, y_slots_tab,
+                                     slot_scalar_tab, offsets_ptr, tile_expert_ptr, tile_row_ptr, N_OUT, K, E,
+                                     max_slots, num_n, W_K_LAST, WEIGHTED, SCALAR, False, PREC, TILE_M, BM, BN, BK)
+    else:
+        _rows_to_peer_slots_tile(tl.program_id(0), a_desc, w_desc, weights_ptr, scalar_ptr, recv_meta_ptr,
+                                 y_slots_tab, slot_scalar_tab, offsets_ptr, tile_expert_ptr, tile_row_ptr, N_OUT, K,
+                                 E, max_slots, num_n, W_K_LAST, WEIGHTED, SCALAR, True, PREC, TILE_M, BM, BN, BK)
+
+
+@triton.jit
+def _rows_to_peer_slots_tile(pid, a_desc, w_desc, weights_ptr, scalar_ptr, recv_meta_ptr, y_slots_tab,
+                             slot_scalar_tab, offsets_ptr, tile_expert_ptr, tile_row_ptr, N_OUT, K, E, max_slots,
+                             num_n, W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr, SCALAR: tl.constexpr,
+                             SKIP_IDLE: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr):
+    """One BM x BN output block of ``_rows_to_peer_slots_kernel``. SKIP_IDLE: return on an idle tile (a
+    persistent caller visits busy tiles only)."""
+    e, row0, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, BM, TILE_M)
+    if SKIP_IDLE and e >= E:
         return
     n0 = pid_n * BN
     acc = _sorted_rows_matmul(a_desc, w_desc, e, row0, n0, K, W_K_LAST, BM, BN, BK, PREC)
@@ -479,8 +505,9 @@ def _signal_returned_kernel(returned_tab, rank, R, RB: tl.constexpr):
 
 # The owners' output GEMMs: the tiles of the one-device DOWN / DX kernels, the peer epilogue above.
 # Their stores go into other ranks' memory, so they are not autotuned (each config tried would write
-# there again, and the timing would be of NVLink traffic): they take the tiles DOWN / DX chose on the
-# same operands. (The first version also counted its columns at the sources, and hung when autotuned.)
+# there again, and the timing would be of NVLink traffic): they take the tiles and the launch mode
+# (PERSISTENT) DOWN / DX chose on the same operands. (The first version also counted its columns at the
+# sources, and hung when autotuned.)
 DOWN_PEER = TunedKernel(_rows_to_peer_slots_kernel, default=DOWN.default, candidates=[], key=DOWN.key,
                         even_k=None, blocks=DOWN.blocks, follows=DOWN,
                         constants={"W_K_LAST": True, "WEIGHTED": True, "SCALAR": False})
@@ -575,12 +602,13 @@ def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w
     if not twin.has_tuned(a_CK.dtype, N_OUT=n_out, K=a_CK.shape[1]) and plan.row_slot_N.numel():
         sorted_rows_gemm(twin, a_CK, w_L, weights_C, plan, n_out)
     any_c = ws.recv_weight  # stands in for an argument the kernel's constants say it does not read
-    kernel[tile_grid(plan, n_out)](
+    programs, tiles = persistent_programs(a_CK.device), tile_grid(plan, n_out)
+    kernel[lambda cfg: (programs,) if cfg["PERSISTENT"] else tiles(cfg)](
         descriptor(a_CK), descriptor(w_L), any_c if weights_C is None else weights_C,
         any_c if scalar_C is None else scalar_C, ws.recv_meta,
         ws.tables["y_slots"], ws.tables["slot_scalar"],
         plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
-        n_out, a_CK.shape[1], w_L.shape[0], ws.max_slots,
+        n_out, a_CK.shape[1], w_L.shape[0], ws.max_slots, programs, EB=triton.next_power_of_2(w_L.shape[0]),
         PREC=dot_precision(a_CK.dtype), TILE_M=BLOCK_M, dtype=a_CK.dtype,
     )
     signal_returned(ws)
