@@ -166,6 +166,16 @@ def report_row(name: str, cfg: str, r: dict, too_big: list[str]) -> None:
         too_big.append(f"{name} {cfg}")
 
 
+def configs_to_check(kernel: TunedKernel, candidates: bool) -> list[dict]:
+    """The kernel's default config, and its autotuning candidates if ``candidates``; a kernel that follows its
+    twin's choice (``TunedKernel.follows``) with a launch-mode knob, also its default in the other mode: the
+    twin may choose either."""
+    checked = [kernel.default, *(kernel.candidates if candidates else [])]
+    if kernel.follows is not None and "PERSISTENT" in kernel.default:
+        checked.append({**kernel.default, "PERSISTENT": not kernel.default["PERSISTENT"]})
+    return checked
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m megamoe.bench.resources", description=__doc__.split("\n\n")[0])
     p.add_argument("--candidates", action="store_true", help="also every autotuning candidate")
@@ -178,7 +188,7 @@ def main(argv=None) -> None:
     print(f"{'kernel':10s} {'config':52s} {'regs':>5s} {'spill B':>8s} {'smem KiB':>9s} {'wgmma':>6s}")
     too_big = []
     for name, kernel in KERNELS.items():
-        for config in [kernel.default, *(kernel.candidates if args.candidates else [])]:
+        for config in configs_to_check(kernel, args.candidates):
             config = fit_dtype(config, torch_dtype)
             report_row(name, " ".join(f"{k}={v}" for k, v in config.items()), resources(kernel, config, args.dtype),
                        too_big)

@@ -470,10 +470,9 @@ def _rows_to_peer_slots_tile(pid, a_desc, w_desc, weights_ptr, scalar_ptr, recv_
     # aligned), which lets the compiler store 16 bytes at a time (it cannot know it for loaded pointers).
     out_rows = tl.multiple_of(_peer(y_slots_tab, src, a_desc.dtype) + slot * N_OUT, 16)
     tl.store(out_rows[:, None] + cols[None, :], acc.to(a_desc.dtype), mask=rmask[:, None] & (cols < N_OUT)[None, :])
-    if SCALAR:  # noqa: SIM102 (a constexpr and a tensor condition cannot share one Triton `if`)
-        if pid_n == 0:
-            tl.store(_peer(slot_scalar_tab, src, tl.float32) + slot, tl.load(scalar_ptr + rows, mask=rmask),
-                     mask=rmask)
+    if SCALAR:  # by the first N-block; a mask, not an `if`: a branch on it fails to compile in the persistent loop
+        first = rmask & (pid_n == 0)
+        tl.store(_peer(slot_scalar_tab, src, tl.float32) + slot, tl.load(scalar_ptr + rows, mask=first), mask=first)
 
 
 @triton.jit
