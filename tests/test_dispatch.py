@@ -138,6 +138,11 @@ def test_round_trip_returns_every_row_exactly(case, num_ranks):
 @pytest.mark.parametrize("num_ranks", [2, 4])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_loopback_forward_matches_one_device_reference(case, num_ranks):
+    check_loopback_forward(case, num_ranks)
+
+
+def check_loopback_forward(case, num_ranks):
+    """Each rank's y against the fp32 one-device layer; the overflow and arrival/return counters clear after."""
     ranks, (x, idx, w, w13, w2, _), bounds, _ = split_problem(case, num_ranks)
     workspaces = workspaces_for(ranks, case[2])
     ys = dispatch.loopback_forward(workspaces, ranks)
@@ -181,8 +186,8 @@ def test_output_gemms_take_their_twins_tile_and_launch_mode(persistent, monkeypa
         assert follower.default == twin.default
         monkeypatch.setattr(follower, "default", {**twin.default, "BN": 16, "PERSISTENT": persistent})
     for case in (CASES[3], CASES[4]):
-        test_loopback_forward_matches_one_device_reference(case, 3)
-        test_loopback_backward_matches_one_device_reference(case, 3, 0)
+        check_loopback_forward(case, 3)
+        check_loopback_backward(case, 3, 0)
 
 
 @pytest.mark.parametrize("idx, num_ranks, num_local", [
@@ -222,9 +227,14 @@ def test_send_list_is_local_expert_major(idx, num_ranks, num_local):
 @pytest.mark.parametrize("num_ranks, comm_sms", [(2, 0), (4, 0), (1, 2), (3, 2)])
 @pytest.mark.parametrize("case", SENDER_CASES, ids=[c[0] for c in SENDER_CASES])
 def test_loopback_backward_matches_one_device_reference(case, num_ranks, comm_sms):
+    """The backward on loopback ranks (:func:`check_loopback_backward`). With ``comm_sms``, the x and dy rows are
+    sent from the dh' kernel's launch (one virtual rank)."""
+    check_loopback_backward(case, num_ranks, comm_sms)
+
+
+def check_loopback_backward(case, num_ranks, comm_sms):
     """dx and d(routing weight) of each rank's tokens, dw13/dw2 of each rank's experts (rows of every
-    rank), against the fp32 one-device layer; experts that receive no rows get exact zeros. With
-    ``comm_sms``, the x and dy rows are sent from the dh' kernel's launch (one virtual rank)."""
+    rank), against the fp32 one-device layer; experts that receive no rows get exact zeros."""
     ranks, problem, bounds, dys = split_problem(case, num_ranks)
     workspaces = workspaces_for(ranks, case[2])
     grads = dispatch.loopback_backward(workspaces, ranks, dys, comm_sms=comm_sms)
