@@ -45,6 +45,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
 from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
@@ -178,10 +179,27 @@ def _carries_row(slot, e, topk_idx_ptr, L, top_k, KB: tl.constexpr):
     return (rmask & (tl.sum(before.to(tl.int32), axis=1) == 0)).to(tl.int32)
 
 
+# The forward senders' trace (``megamoe.bench.sender_trace``; off unless ``SENDER_TRACE`` is a dict): the GPU's
+# global timer (ns) at fixed points, per sending program TRACE_HEAD stamps (start, counts in, end) and
+# TRACE_PER_BLOCK per block for its first TRACE_BLOCKS blocks (start; copies issued; metadata stored; released;
+# and, as the next block's start, the overflow counts and the next entries), then per GEMM tile program two
+# (start, end). -1: no stamp.
+TRACE_HEAD, TRACE_PER_BLOCK, TRACE_BLOCKS = tl.constexpr(3), tl.constexpr(4), tl.constexpr(128)
+SENDER_TRACE: dict | None = None
+
+
+@triton.jit
+def _stamp(trace_ptr, at, k, TRACE: tl.constexpr):
+    """``trace[at + k] = now`` (ns) if TRACE and ``at >= 0``."""
+    if TRACE:
+        tl.store(trace_ptr + at + k, globaltimer(), mask=at >= 0)
+
+
 @triton.jit
 def _send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, recv_tokens_tab, recv_token_row_tab, recv_x_tab,
                recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k, capacity,
-               max_tokens, max_slots, HAS_DY: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr):
+               max_tokens, max_slots, HAS_DY: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr,
+               trace_ptr=None, trace_at=-1, TRACE: tl.constexpr = False):
     """My rows of slots ``slot`` (RB of them; -1: none) of global experts ``e`` into their owners' receive
     buffers at rows ``dst`` (the caller waited for the counts: ``_wait_all_counts``): each row's slot id and
     routing weight, and its token's row of x —
@@ -193,7 +211,7 @@ def _send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, recv_tokens_ta
       gradients read them there as expert-sorted rows); ``carries`` is not read.
     The validity travels as -1 rather than as a mask argument: Triton 3.6 fails to compile a boolean tensor
     passed to a called function (sm_90a: "failed to legalize unresolved materialization ...
-    tensor<64xi1>")."""
+    tensor<64xi1>"). TRACE: stamps ``trace_at + 1..3`` (see SENDER_TRACE)."""
     rmask = slot >= 0  # every access below is masked by it (an early return here fails to compile too)
     owner = e // L
     local = e % L
@@ -220,8 +238,10 @@ def _send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, recv_tokens_ta
         tl.store(x_rows[:, None] + ds[None, :], tl.load(x_ptr + src, mask=m), mask=m)
         if HAS_DY:
             tl.store(dy_rows[:, None] + ds[None, :], tl.load(dy_ptr + src, mask=m), mask=m)
+    _stamp(trace_ptr, trace_at, 1, TRACE)
     tl.store(_peer(recv_meta_tab, owner, tl.int32) + dst64, rank * max_slots + slot, mask=fits)
     tl.store(_peer(recv_weight_tab, owner, tl.float32) + dst64, weight.to(tl.float32), mask=fits)
+    _stamp(trace_ptr, trace_at, 2, TRACE)
     # Count the rows into their owners' arrivals: one release per expert among them, by one thread, after
     # a barrier of the whole block — the barrier orders every thread's row stores before that thread's
     # release, and a release at system scope is cumulative, so the owner that acquires the count sees
@@ -233,6 +253,7 @@ def _send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, recv_tokens_ta
     tl.debug_barrier()
     tl.atomic_add(_peer(arrived_tab, owner, tl.int32) + rank * L + local, tl.sum(same.to(tl.int32), axis=1),
                   mask=first, sem="release", scope="sys")
+    _stamp(trace_ptr, trace_at, 3, TRACE)
     lost = rmask & (dst >= capacity)
     tl.atomic_add(_peer(overflow_tab, owner, tl.int32), 1, mask=lost, sem="relaxed", scope="sys")
     tl.atomic_add(_peer(overflow_tab, rank, tl.int32), tl.sum(lost.to(tl.int32), axis=0), sem="relaxed", scope="sys")
@@ -252,26 +273,34 @@ def _send_list_block(block, send_list_ptr, num_rows, RB: tl.constexpr):
 def _sender(pid, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
             recv_tokens_tab, recv_token_row_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
             overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, max_tokens, max_slots, HAS_DY: tl.constexpr,
-            SENDERS: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
+            SENDERS: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
+            trace_ptr=None, TRACE: tl.constexpr = False):
     """Sending program ``pid`` of SENDERS in an expert kernel's launch: once the counts are in, blocks pid,
     pid + SENDERS, ... (RB rows each) of my ``num_rows`` rows in the order of :func:`send_list` — local expert
     first, then owner — so that every owner receives its first experts' rows from every source first and its
-    tiles can start while later experts' rows travel."""
+    tiles can start while later experts' rows travel. TRACE: its stamps (see SENDER_TRACE)."""
+    head = pid * (TRACE_HEAD + TRACE_PER_BLOCK * TRACE_BLOCKS)
+    _stamp(trace_ptr, head, 0, TRACE)
     _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB)
     os_ = tl.arange(0, EB)
     # Once per program rather than per block: every expert's start at its owner (from the owners' counts,
     # across NVLink with real ranks), indexed by global expert.
     bases = _dest_bases(os_, counts_tab, epoch_ptr, rank, R, L, CB)
     slot, e, index, carries = _send_list_block(pid, send_list_ptr, num_rows, RB)
+    _stamp(trace_ptr, head, 1, TRACE)
     for block in range(pid, tl.cdiv(num_rows, RB), SENDERS):
+        j = (block - pid) // SENDERS
+        trace_at = tl.where(j < TRACE_BLOCKS, head + TRACE_HEAD + j * TRACE_PER_BLOCK, -1)
+        _stamp(trace_ptr, trace_at, 0, TRACE)
         # The next block's entries load while this block's rows are copied: a sender's time is a chain of
         # memory latencies per block (docs/NOTES.md §36), and this takes one out of it.
         next_slot, next_e, next_index, next_carries = _send_list_block(block + SENDERS, send_list_ptr, num_rows, RB)
         dst = tl.sum(tl.where(e[:, None] == os_[None, :], bases[None, :], 0), axis=1) + index
         _send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, recv_tokens_tab, recv_token_row_tab, recv_x_tab,
                    recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab, overflow_tab, rank, L, D, top_k, capacity,
-                   max_tokens, max_slots, HAS_DY, RB, BD)
+                   max_tokens, max_slots, HAS_DY, RB, BD, trace_ptr, trace_at, TRACE)
         slot, e, index, carries = next_slot, next_e, next_index, next_carries
+    _stamp(trace_ptr, head, 2, TRACE)
 
 
 @triton.jit
@@ -285,9 +314,10 @@ def _send_and_up_kernel(
     # counts: (R, L); LB >= L).
     recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
     arrived_ptr, counts_ptr, D, I,
+    trace_ptr,  # read if TRACE (see SENDER_TRACE)
     SENDERS: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr,
     CB: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, TRACE: tl.constexpr,
 ):
     """Phases 2 and 3 in one launch: the first SENDERS programs send my rows while the others compute on
     the rows that have arrived — communication on SENDERS SMs, overlapping the up GEMM. No deadlock: the
@@ -298,11 +328,14 @@ def _send_and_up_kernel(
         _sender(pid, x_ptr, x_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
                 recv_tokens_tab, recv_token_row_tab, recv_tokens_tab, recv_tokens_tab, recv_meta_tab, recv_weight_tab,
                 arrived_tab, overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, max_tokens, max_slots, False,
-                SENDERS, RB, EB, CB, BD)
+                SENDERS, RB, EB, CB, BD, trace_ptr, TRACE)
     else:
+        tile_at = SENDERS * (TRACE_HEAD + TRACE_PER_BLOCK * TRACE_BLOCKS) + 2 * (pid - SENDERS)
+        _stamp(trace_ptr, tile_at, 0, TRACE)
         _up_swiglu_tile(pid - SENDERS, recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, recv_offsets_ptr,
                         tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I, L, 1, R, LB, PREC, TILE_M,
                         BM, BN, BK, EVEN_K)
+        _stamp(trace_ptr, tile_at, 1, TRACE)
 
 
 @triton.jit
@@ -663,6 +696,13 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, to
         up_swiglu_fwd(ws.recv_x, w13_LHD, recv_plan, top_k=1, gluon=False)
     h_CI = torch.empty(ws.capacity, inter, device=x_TD.device, dtype=x_TD.dtype)
     tiles = tile_grid(recv_plan, inter)
+    trace = None
+    if SENDER_TRACE is not None:  # room for the smallest tiles any config has (64 x 64)
+        stride = TRACE_HEAD.value + TRACE_PER_BLOCK.value * TRACE_BLOCKS.value
+        grid = recv_plan.tile_expert_NT.numel() * (BLOCK_M // 64) * triton.cdiv(inter, 64)
+        trace = SENDER_TRACE["stamps"] = torch.full((comm_sms * stride + 2 * grid,), -1, device=x_TD.device,
+                                                    dtype=torch.int64)
+        SENDER_TRACE.update(senders=comm_sms, stride=stride)
     SEND_UP[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
         x_TD, topk_weights_TK.reshape(-1), send_list(plan, ws.num_ranks, num_local, topk_idx_TK),
         *(ws.tables[n] for n in ("counts", "counts_flag", "recv_tokens", "recv_token_row", "recv_meta",
@@ -671,8 +711,9 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, to
         ws.max_slots, plan.row_slot_N.numel(),
         ws.recv_tokens, descriptor(w13_LHD.view(num_local, 2, inter, dim)), h_CI, ws.recv_token_row,
         recv_plan.offsets_E1, recv_plan.tile_expert_NT, recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
+        h_CI if trace is None else trace,
         SENDERS=comm_sms, RB=SEND_UP_ROWS, LB=triton.next_power_of_2(num_local), **_send_blocks(ws, dim, SEND_UP_COLS),
-        PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
+        PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, TRACE=trace is not None, dtype=x_TD.dtype,
     )
     return h_CI
 

@@ -1,0 +1,140 @@
+"""Where the EP forward's send + up kernel spends its time, on real ranks (GPUs only):
+
+    torchrun --nproc-per-node N -m megamoe.bench.sender_trace [--preset P] [--tokens T] [--routing R,...]
+                                                            [--comm-sms S] [--out DIR]
+
+Runs the fused forward (``comm_sms`` senders) a few times, then once more with the kernel's stamps on
+(``dispatch.SENDER_TRACE``: the GPU's global timer at fixed points of every sending program and around every
+GEMM tile program), and reports per rank, from the kernel's first stamp: when the senders have the counts and
+when they finish, what a block costs in each phase (issuing the row copies, storing the rows' metadata into
+the owner, the block barrier and the release of its arrival counts, and the overflow counts plus the next
+entries), and when the tiles start and end, with their total SM time (waiting for rows included). The stamps
+cost a few registers and stores: the traced call is a little slower than an untraced one, and its phases are
+where the time goes, not the exact time. One JSON per (preset, routing) under ``--out``, with every rank's
+figures."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# A block's phases, between its stamps (dispatch._sender, _send_rows): the destination rows, the routing weights'
+# load and the row copies (loads, then stores into the owner); the slot ids and weights stored into the owner;
+# the block barrier and the system-scope release of its arrival counts; from there to the next block's start.
+PHASES = ("rows and copies", "store metadata", "barrier + release", "overflow + next entries")
+
+
+def summarize(stamps: torch.Tensor, senders: int, stride: int, head: int, per_block: int) -> dict:
+    """Figures (µs from the kernel's first stamp, and per-phase block costs) from one traced call's stamps
+    (``dispatch.SENDER_TRACE``: -1 where none was taken)."""
+    s = stamps.cpu()
+    t0 = int(s[s >= 0].min())
+
+    def us(t):
+        return (t - t0) / 1e3
+
+    sender = s[: senders * stride].view(senders, stride)
+    heads = sender[:, :head]
+    blocks = sender[:, head:].reshape(senders, -1, per_block)
+    phases = {name: [] for name in PHASES}
+    for prog in blocks:
+        taken = prog[(prog >= 0).all(dim=1)]
+        for j, name in enumerate(PHASES[:3]):
+            phases[name] += ((taken[:, j + 1] - taken[:, j]).double() / 1e3).tolist()
+        phases[PHASES[3]] += ((taken[1:, 0] - taken[:-1, 3]).double() / 1e3).tolist()  # to the next block's start
+    tiles = s[senders * stride:].view(-1, 2)
+    tiles = tiles[(tiles >= 0).all(dim=1)]
+    tile_us = (tiles[:, 1] - tiles[:, 0]).double() / 1e3
+    return {
+        "senders": senders,
+        "counts_in_us": {"median": statistics.median(us(int(t)) for t in heads[:, 1]),
+                         "max": max(us(int(t)) for t in heads[:, 1])},
+        "senders_done_us": {"min": min(us(int(t)) for t in heads[:, 2]),
+                            "median": statistics.median(us(int(t)) for t in heads[:, 2]),
+                            "max": max(us(int(t)) for t in heads[:, 2])},
+        "blocks_traced": len(phases[PHASES[0]]),
+        "block_phase_us": {name: {"median": statistics.median(v), "mean": sum(v) / len(v), "total_sm_ms": sum(v) / 1e3}
+                           for name, v in phases.items() if v},
+        "tiles": int(tiles.shape[0]),
+        "tiles_first_start_us": us(int(tiles[:, 0].min())),
+        "tiles_last_end_us": us(int(tiles[:, 1].max())),
+        "tile_us": {"median": float(tile_us.median()), "total_sm_ms": float(tile_us.sum()) / 1e3},
+    }
+
+
+def main(argv=None) -> None:
+    from megamoe.bench.ep import local_problem
+    from megamoe.bench.layer import PRESETS, make_problem, source_digest, utc_now
+    from megamoe.parallel import dispatch
+    from megamoe.parallel.fused import moe_fused_ep
+
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m megamoe.bench.sender_trace",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per rank")
+    p.add_argument("--routing", default="random,skewed", help="comma-separated routings")
+    p.add_argument("--comm-sms", type=int, default=32, help="sending programs of the send + up kernel")
+    p.add_argument("--out", default="benchmarks/results/traces")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("sender_trace reads the GPU's timer inside the kernels: it needs GPUs (torchrun on a "
+                         "multi-GPU machine)")
+    dist.init_process_group("nccl")
+    try:
+        rank, num_ranks = dist.get_rank(), dist.get_world_size()
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dim, inter, num_experts, top_k = PRESETS[args.preset]
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for routing in args.routing.split(","):
+            problem = make_problem(args.tokens * num_ranks, dim, inter, num_experts, top_k, routing, torch.bfloat16,
+                                   device, seed=0)
+            call = functools.partial(moe_fused_ep, *local_problem(problem, rank, num_ranks)[:5], dist.group.WORLD,
+                                     comm_sms=args.comm_sms)
+            for _ in range(3):
+                call()
+            torch.cuda.synchronize(device)
+            dist.barrier()
+            dispatch.SENDER_TRACE = {}
+            try:
+                call()
+                torch.cuda.synchronize(device)
+                trace = dispatch.SENDER_TRACE
+            finally:
+                dispatch.SENDER_TRACE = None
+            mine = summarize(trace["stamps"], trace["senders"], trace["stride"], dispatch.TRACE_HEAD.value,
+                             dispatch.TRACE_PER_BLOCK.value)
+            every = [None] * num_ranks
+            dist.all_gather_object(every, mine)
+            if rank == 0:
+                info = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "ranks": num_ranks,
+                        "source_sha256": source_digest(), "date": utc_now("seconds"),
+                        "command": f"torchrun --nproc-per-node {num_ranks} -m megamoe.bench.sender_trace "
+                                   + " ".join(argv if argv is not None else sys.argv[1:]),
+                        "preset": args.preset, "tokens_per_rank": args.tokens, "routing": routing,
+                        "comm_sms": args.comm_sms, "per_rank": every}
+                path = out / f"{args.preset}-t{args.tokens}-{routing}-ep{num_ranks}-sms{args.comm_sms}-trace.json"
+                path.write_text(json.dumps(info, indent=1) + "\n")
+                for r, f in enumerate(every):
+                    phases = ", ".join(f"{name} {v['median']:.2f}" for name, v in f["block_phase_us"].items())
+                    print(f"{args.preset} {routing} rank {r}: counts in {f['counts_in_us']['max']:.0f} µs; senders "
+                          f"done {f['senders_done_us']['min']:.0f}-{f['senders_done_us']['max']:.0f} µs; tiles "
+                          f"{f['tiles_first_start_us']:.0f}-{f['tiles_last_end_us']:.0f} µs ({f['tiles']}, "
+                          f"median {f['tile_us']['median']:.1f} µs, {f['tile_us']['total_sm_ms']:.1f} SM-ms); "
+                          f"block phases, median µs: {phases}", flush=True)
+                print(f"wrote {path}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

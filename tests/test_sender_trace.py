@@ -1,0 +1,54 @@
+"""The EP senders' trace tool (megamoe.bench.sender_trace): its summary of a call's stamps, on stamps made
+up here (the stamps themselves need GPUs)."""
+
+import pytest
+import torch
+
+from megamoe.bench.sender_trace import PHASES, summarize
+from megamoe.parallel import dispatch
+
+HEAD, PER_BLOCK, BLOCKS = dispatch.TRACE_HEAD.value, dispatch.TRACE_PER_BLOCK.value, dispatch.TRACE_BLOCKS.value
+STRIDE = HEAD + PER_BLOCK * BLOCKS
+
+
+def made_up_stamps():
+    """Two senders (the second with one block, the first with two) and three tiles, times in ns from 1e6."""
+    stamps = torch.full((2 * STRIDE + 2 * 4,), -1, dtype=torch.int64)
+    t0 = 1_000_000
+    sender0 = [t0, t0 + 2000, t0 + 40_000]
+    blocks0 = [[t0 + 3000, t0 + 8000, t0 + 9000, t0 + 12_000], [t0 + 14_000, t0 + 20_000, t0 + 21_000, t0 + 25_000]]
+    sender1 = [t0 + 500, t0 + 3000, t0 + 30_000]
+    blocks1 = [[t0 + 4000, t0 + 6000, t0 + 7000, t0 + 11_000]]
+    for prog, (head, blocks) in enumerate(((sender0, blocks0), (sender1, blocks1))):
+        base = prog * STRIDE
+        stamps[base:base + HEAD] = torch.tensor(head)
+        for j, block in enumerate(blocks):
+            at = base + HEAD + j * PER_BLOCK
+            stamps[at:at + PER_BLOCK] = torch.tensor(block)
+    tiles = [[t0 + 1000, t0 + 26_000], [t0 + 1500, t0 + 50_000], [t0 + 2000, t0 + 10_000]]  # the 4th not run
+    stamps[2 * STRIDE:2 * STRIDE + 6] = torch.tensor(tiles).flatten()
+    return stamps
+
+
+def test_summary_of_made_up_stamps():
+    f = summarize(made_up_stamps(), senders=2, stride=STRIDE, head=HEAD, per_block=PER_BLOCK)
+    assert f["senders"] == 2 and f["blocks_traced"] == 3 and f["tiles"] == 3
+    assert f["counts_in_us"] == {"median": 2.5, "max": 3.0}
+    assert f["senders_done_us"] == {"min": 30.0, "median": 35.0, "max": 40.0}
+    phases = f["block_phase_us"]
+    assert list(phases) == list(PHASES)
+    assert phases["rows and copies"]["mean"] == pytest.approx((5 + 6 + 2) / 3)
+    assert phases["store metadata"]["median"] == pytest.approx(1.0)
+    assert phases["barrier + release"]["total_sm_ms"] == pytest.approx((3 + 4 + 4) / 1e3)
+    assert phases["overflow + next entries"] == {"median": 2.0, "mean": 2.0, "total_sm_ms": 0.002}  # sender 0 only
+    assert f["tiles_first_start_us"] == 1.0 and f["tiles_last_end_us"] == 50.0
+    assert f["tile_us"]["median"] == pytest.approx(25.0) and f["tile_us"]["total_sm_ms"] == pytest.approx(0.0815)
+
+
+def test_refuses_to_run_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    from megamoe.bench.sender_trace import main
+
+    with pytest.raises(SystemExit, match="needs GPUs"):
+        main([])
