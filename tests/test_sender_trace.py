@@ -7,13 +7,15 @@ import torch
 from megamoe.bench.sender_trace import PHASES, summarize
 from megamoe.parallel import dispatch
 
-HEAD, PER_BLOCK, BLOCKS = dispatch.TRACE_HEAD.value, dispatch.TRACE_PER_BLOCK.value, dispatch.TRACE_BLOCKS.value
+HEAD, PER_BLOCK, BLOCKS, PER_TILE = (dispatch.TRACE_HEAD.value, dispatch.TRACE_PER_BLOCK.value,
+                                     dispatch.TRACE_BLOCKS.value, dispatch.TRACE_PER_TILE.value)
 STRIDE = HEAD + PER_BLOCK * BLOCKS
 
 
 def made_up_stamps():
-    """Two senders (the second with one block, the first with two) and three tiles, times in ns from 1e6."""
-    stamps = torch.full((2 * STRIDE + 2 * 4,), -1, dtype=torch.int64)
+    """Two senders (the second with one block, the first with two) and four tile programs (three busy, one
+    idle) of five launched, times in ns from 1e6."""
+    stamps = torch.full((2 * STRIDE + PER_TILE * 5,), -1, dtype=torch.int64)
     t0 = 1_000_000
     sender0 = [t0, t0 + 2000, t0 + 40_000]
     blocks0 = [[t0 + 3000, t0 + 8000, t0 + 9000, t0 + 12_000], [t0 + 14_000, t0 + 20_000, t0 + 21_000, t0 + 25_000]]
@@ -25,14 +27,15 @@ def made_up_stamps():
         for j, block in enumerate(blocks):
             at = base + HEAD + j * PER_BLOCK
             stamps[at:at + PER_BLOCK] = torch.tensor(block)
-    tiles = [[t0 + 1000, t0 + 26_000], [t0 + 1500, t0 + 50_000], [t0 + 2000, t0 + 10_000]]  # the 4th not run
-    stamps[2 * STRIDE:2 * STRIDE + 6] = torch.tensor(tiles).flatten()
+    tiles = [[t0 + 1000, t0 + 5000, t0 + 26_000], [t0 + 1500, t0 + 30_000, t0 + 50_000],
+             [t0 + 2000, -1, t0 + 3000], [t0 + 2500, t0 + 2500, t0 + 10_000]]  # the 5th program did not run
+    stamps[2 * STRIDE:2 * STRIDE + PER_TILE * 4] = torch.tensor(tiles).flatten()
     return stamps
 
 
 def test_summary_of_made_up_stamps():
-    f = summarize(made_up_stamps(), senders=2, stride=STRIDE, head=HEAD, per_block=PER_BLOCK)
-    assert f["senders"] == 2 and f["blocks_traced"] == 3 and f["tiles"] == 3
+    f = summarize(made_up_stamps(), senders=2, stride=STRIDE, head=HEAD, per_block=PER_BLOCK, per_tile=PER_TILE)
+    assert f["senders"] == 2 and f["blocks_traced"] == 3
     assert f["counts_in_us"] == {"median": 2.5, "max": 3.0}
     assert f["senders_done_us"] == {"min": 30.0, "median": 35.0, "max": 40.0}
     phases = f["block_phase_us"]
@@ -41,8 +44,11 @@ def test_summary_of_made_up_stamps():
     assert phases["store metadata"]["median"] == pytest.approx(1.0)
     assert phases["barrier + release"]["total_sm_ms"] == pytest.approx((3 + 4 + 4) / 1e3)
     assert phases["overflow + next entries"] == {"median": 2.0, "mean": 2.0, "total_sm_ms": 0.002}  # sender 0 only
+    assert f["tiles_busy"] == 3 and f["tiles_idle"] == 1
     assert f["tiles_first_start_us"] == 1.0 and f["tiles_last_end_us"] == 50.0
-    assert f["tile_us"]["median"] == pytest.approx(25.0) and f["tile_us"]["total_sm_ms"] == pytest.approx(0.0815)
+    assert f["tile_wait_us"]["median"] == pytest.approx(4.0) and f["tile_wait_us"]["total_sm_ms"] == pytest.approx(0.0325)
+    assert f["tile_work_us"]["median"] == pytest.approx(20.0) and f["tile_work_us"]["total_sm_ms"] == pytest.approx(0.0485)
+    assert f["rows_in_us_by_eighth"] == [5.0, 30.0, 2.5] and f["wait_us_by_eighth"] == [4.0, 28.5, 0.0]
 
 
 def test_refuses_to_run_without_a_gpu():

@@ -32,7 +32,7 @@ import torch.distributed as dist
 PHASES = ("rows and copies", "store metadata", "barrier + release", "overflow + next entries")
 
 
-def summarize(stamps: torch.Tensor, senders: int, stride: int, head: int, per_block: int) -> dict:
+def summarize(stamps: torch.Tensor, senders: int, stride: int, head: int, per_block: int, per_tile: int) -> dict:
     """Figures (µs from the kernel's first stamp, and per-phase block costs) from one traced call's stamps
     (``dispatch.SENDER_TRACE``: -1 where none was taken)."""
     s = stamps.cpu()
@@ -50,9 +50,12 @@ def summarize(stamps: torch.Tensor, senders: int, stride: int, head: int, per_bl
         for j, name in enumerate(PHASES[:3]):
             phases[name] += ((taken[:, j + 1] - taken[:, j]).double() / 1e3).tolist()
         phases[PHASES[3]] += ((taken[1:, 0] - taken[:-1, 3]).double() / 1e3).tolist()  # to the next block's start
-    tiles = s[senders * stride:].view(-1, 2)
-    tiles = tiles[(tiles >= 0).all(dim=1)]
-    tile_us = (tiles[:, 1] - tiles[:, 0]).double() / 1e3
+    tiles = s[senders * stride:].view(-1, per_tile)
+    ran = tiles[(tiles[:, 0] >= 0) & (tiles[:, 2] >= 0)]
+    busy = ran[ran[:, 1] >= 0]  # in launch order, which is expert order
+    wait = (busy[:, 1] - busy[:, 0]).double() / 1e3
+    work = (busy[:, 2] - busy[:, 1]).double() / 1e3
+    eighths = [chunk for chunk in torch.arange(busy.shape[0]).chunk(8) if chunk.numel()]
     return {
         "senders": senders,
         "counts_in_us": {"median": statistics.median(us(int(t)) for t in heads[:, 1]),
@@ -63,10 +66,15 @@ def summarize(stamps: torch.Tensor, senders: int, stride: int, head: int, per_bl
         "blocks_traced": len(phases[PHASES[0]]),
         "block_phase_us": {name: {"median": statistics.median(v), "mean": sum(v) / len(v), "total_sm_ms": sum(v) / 1e3}
                            for name, v in phases.items() if v},
-        "tiles": int(tiles.shape[0]),
-        "tiles_first_start_us": us(int(tiles[:, 0].min())),
-        "tiles_last_end_us": us(int(tiles[:, 1].max())),
-        "tile_us": {"median": float(tile_us.median()), "total_sm_ms": float(tile_us.sum()) / 1e3},
+        "tiles_busy": int(busy.shape[0]), "tiles_idle": int(ran.shape[0] - busy.shape[0]),
+        "tiles_first_start_us": us(int(ran[:, 0].min())),
+        "tiles_last_end_us": us(int(ran[:, 2].max())),
+        "tile_wait_us": {"median": float(wait.median()), "p90": float(wait.quantile(0.9)),
+                         "total_sm_ms": float(wait.sum()) / 1e3},
+        "tile_work_us": {"median": float(work.median()), "total_sm_ms": float(work.sum()) / 1e3},
+        # the busy tiles in eighths of launch (expert) order: when their rows were in, how long they waited
+        "rows_in_us_by_eighth": [us(int(busy[c, 1].median())) for c in eighths],
+        "wait_us_by_eighth": [float(wait[c].mean()) for c in eighths],
     }
 
 
@@ -112,7 +120,7 @@ def main(argv=None) -> None:
             finally:
                 dispatch.SENDER_TRACE = None
             mine = summarize(trace["stamps"], trace["senders"], trace["stride"], dispatch.TRACE_HEAD.value,
-                             dispatch.TRACE_PER_BLOCK.value)
+                             dispatch.TRACE_PER_BLOCK.value, dispatch.TRACE_PER_TILE.value)
             every = [None] * num_ranks
             dist.all_gather_object(every, mine)
             if rank == 0:
@@ -128,9 +136,12 @@ def main(argv=None) -> None:
                     phases = ", ".join(f"{name} {v['median']:.2f}" for name, v in f["block_phase_us"].items())
                     print(f"{args.preset} {routing} rank {r}: counts in {f['counts_in_us']['max']:.0f} µs; senders "
                           f"done {f['senders_done_us']['min']:.0f}-{f['senders_done_us']['max']:.0f} µs; tiles "
-                          f"{f['tiles_first_start_us']:.0f}-{f['tiles_last_end_us']:.0f} µs ({f['tiles']}, "
-                          f"median {f['tile_us']['median']:.1f} µs, {f['tile_us']['total_sm_ms']:.1f} SM-ms); "
-                          f"block phases, median µs: {phases}", flush=True)
+                          f"{f['tiles_first_start_us']:.0f}-{f['tiles_last_end_us']:.0f} µs ({f['tiles_busy']} busy: "
+                          f"wait {f['tile_wait_us']['total_sm_ms']:.1f} SM-ms, work {f['tile_work_us']['total_sm_ms']:.1f}"
+                          f" SM-ms, median {f['tile_work_us']['median']:.1f} µs); rows in by eighth "
+                          f"{[round(t) for t in f['rows_in_us_by_eighth']]} µs, mean wait "
+                          f"{[round(t) for t in f['wait_us_by_eighth']]} µs; block phases, median µs: {phases}",
+                          flush=True)
                 print(f"wrote {path}", flush=True)
     finally:
         dist.destroy_process_group()

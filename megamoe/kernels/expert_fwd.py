@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.api import sm_count, warn_once
@@ -108,14 +109,17 @@ def _up_swiglu_fwd_kernel(
 def _up_swiglu_tile(pid, x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                     arrived_ptr, counts_ptr, D, I, E, top_k, R, WAIT_ROWS: tl.constexpr, PREC: tl.constexpr,
                     TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    EVEN_K: tl.constexpr):
+                    EVEN_K: tl.constexpr, trace_ptr=None, trace_at=-1, TRACE: tl.constexpr = False):
     """Program ``pid`` of the up kernel's grid (arguments as for ``_up_swiglu_fwd_kernel``); the EP
-    kernel that also sends rows runs it on its programs past the senders."""
+    kernel that also sends rows runs it on its programs past the senders (TRACE: it stamps when a busy
+    tile's rows are in, ``dispatch.SENDER_TRACE``)."""
     e, _, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
         return
     if WAIT_ROWS:
         _wait_rows(arrived_ptr, counts_ptr, 0, e, E, R, WAIT_ROWS)
+    if TRACE:
+        tl.store(trace_ptr + trace_at, globaltimer())
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
     tok = (slots // top_k).to(tl.int64)  # int64: T*D overflows int32 at real sizes
     n0 = pid_n * BN

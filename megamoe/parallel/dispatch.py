@@ -182,9 +182,10 @@ def _carries_row(slot, e, topk_idx_ptr, L, top_k, KB: tl.constexpr):
 # The forward senders' trace (``megamoe.bench.sender_trace``; off unless ``SENDER_TRACE`` is a dict): the GPU's
 # global timer (ns) at fixed points, per sending program TRACE_HEAD stamps (start, counts in, end) and
 # TRACE_PER_BLOCK per block for its first TRACE_BLOCKS blocks (start; copies issued; metadata stored; released;
-# and, as the next block's start, the overflow counts and the next entries), then per GEMM tile program two
-# (start, end). -1: no stamp.
-TRACE_HEAD, TRACE_PER_BLOCK, TRACE_BLOCKS = tl.constexpr(3), tl.constexpr(4), tl.constexpr(128)
+# and, as the next block's start, the overflow counts and the next entries), then per GEMM tile program
+# TRACE_PER_TILE (start; its rows in, if it has any; end). -1: no stamp.
+TRACE_HEAD, TRACE_PER_BLOCK, TRACE_BLOCKS, TRACE_PER_TILE = tl.constexpr(3), tl.constexpr(4), tl.constexpr(128), \
+    tl.constexpr(3)
 SENDER_TRACE: dict | None = None
 
 
@@ -330,12 +331,12 @@ def _send_and_up_kernel(
                 arrived_tab, overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, max_tokens, max_slots, False,
                 SENDERS, RB, EB, CB, BD, trace_ptr, TRACE)
     else:
-        tile_at = SENDERS * (TRACE_HEAD + TRACE_PER_BLOCK * TRACE_BLOCKS) + 2 * (pid - SENDERS)
+        tile_at = SENDERS * (TRACE_HEAD + TRACE_PER_BLOCK * TRACE_BLOCKS) + TRACE_PER_TILE * (pid - SENDERS)
         _stamp(trace_ptr, tile_at, 0, TRACE)
         _up_swiglu_tile(pid - SENDERS, recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, recv_offsets_ptr,
                         tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I, L, 1, R, LB, PREC, TILE_M,
-                        BM, BN, BK, EVEN_K)
-        _stamp(trace_ptr, tile_at, 1, TRACE)
+                        BM, BN, BK, EVEN_K, trace_ptr, tile_at + 1, TRACE)
+        _stamp(trace_ptr, tile_at, 2, TRACE)
 
 
 @triton.jit
@@ -700,8 +701,8 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, to
     if SENDER_TRACE is not None:  # room for the smallest tiles any config has (64 x 64)
         stride = TRACE_HEAD.value + TRACE_PER_BLOCK.value * TRACE_BLOCKS.value
         grid = recv_plan.tile_expert_NT.numel() * (BLOCK_M // 64) * triton.cdiv(inter, 64)
-        trace = SENDER_TRACE["stamps"] = torch.full((comm_sms * stride + 2 * grid,), -1, device=x_TD.device,
-                                                    dtype=torch.int64)
+        trace = SENDER_TRACE["stamps"] = torch.full((comm_sms * stride + TRACE_PER_TILE.value * grid,), -1,
+                                                    device=x_TD.device, dtype=torch.int64)
         SENDER_TRACE.update(senders=comm_sms, stride=stride)
     SEND_UP[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
         x_TD, topk_weights_TK.reshape(-1), send_list(plan, ws.num_ranks, num_local, topk_idx_TK),
