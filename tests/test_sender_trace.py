@@ -44,6 +44,8 @@ def test_summary_of_made_up_stamps():
     assert phases["store metadata"]["median"] == pytest.approx(1.0)
     assert phases["barrier + release"]["total_sm_ms"] == pytest.approx((3 + 4 + 4) / 1e3)
     assert phases["overflow + next entries"] == {"median": 2.0, "mean": 2.0, "total_sm_ms": 0.002}  # sender 0 only
+    assert f["block_us_by_round"] == [8.0, 11.0]  # round 0: 9 and 7 µs; round 1: sender 0's 11 µs
+    assert f["released_us_by_round"] == [11.5, 25.0]  # round 0 released at 12 and 11 µs; round 1 at 25
     assert f["tiles_busy"] == 3 and f["tiles_idle"] == 1
     assert f["tiles_first_start_us"] == 1.0 and f["tiles_last_end_us"] == 50.0
     assert f["tile_wait_us"]["median"] == pytest.approx(4.0) and f["tile_wait_us"]["total_sm_ms"] == pytest.approx(0.0325)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 # load and the row copies (loads, then stores into the owner); the slot ids and weights stored into the owner;
 # the block barrier and the system-scope release of its arrival counts; from there to the next block's start.
 PHASES = ("rows and copies", "store metadata", "barrier + release", "overflow + next entries")
+ROUNDS = 8  # the senders' first rounds reported one by one (a round: every sender's j-th block)
 
 
 def summarize(stamps: torch.Tensor, senders: int, stride: int, head: int, per_block: int, per_tile: int) -> dict:
@@ -50,6 +51,8 @@ def summarize(stamps: torch.Tensor, senders: int, stride: int, head: int, per_bl
         for j, name in enumerate(PHASES[:3]):
             phases[name] += ((taken[:, j + 1] - taken[:, j]).double() / 1e3).tolist()
         phases[PHASES[3]] += ((taken[1:, 0] - taken[:-1, 3]).double() / 1e3).tolist()  # to the next block's start
+    rounds = [blocks[:, j][(blocks[:, j] >= 0).all(dim=1)] for j in range(min(ROUNDS, blocks.shape[1]))]
+    rounds = [r for r in rounds if r.shape[0]]  # round j: every sender's j-th block
     tiles = s[senders * stride:].view(-1, per_tile)
     ran = tiles[(tiles[:, 0] >= 0) & (tiles[:, 2] >= 0)]
     busy = ran[ran[:, 1] >= 0]  # in launch order, which is expert order
@@ -66,6 +69,9 @@ def summarize(stamps: torch.Tensor, senders: int, stride: int, head: int, per_bl
         "blocks_traced": len(phases[PHASES[0]]),
         "block_phase_us": {name: {"median": statistics.median(v), "mean": sum(v) / len(v), "total_sm_ms": sum(v) / 1e3}
                            for name, v in phases.items() if v},
+        # the senders' first rounds: how long a block took (start to released), and when the round was released
+        "block_us_by_round": [statistics.median(((r[:, 3] - r[:, 0]).double() / 1e3).tolist()) for r in rounds],
+        "released_us_by_round": [statistics.median(us(int(t)) for t in r[:, 3]) for r in rounds],
         "tiles_busy": int(busy.shape[0]), "tiles_idle": int(ran.shape[0] - busy.shape[0]),
         "tiles_first_start_us": us(int(ran[:, 0].min())),
         "tiles_last_end_us": us(int(ran[:, 2].max())),
@@ -141,7 +147,8 @@ def main(argv=None) -> None:
                           f"wait {f['tile_wait_us']['total_sm_ms']:.1f} SM-ms, work {f['tile_work_us']['total_sm_ms']:.1f}"
                           f" SM-ms, median {f['tile_work_us']['median']:.1f} µs); rows in by eighth "
                           f"{[round(t) for t in f['rows_in_us_by_eighth']]} µs, mean wait "
-                          f"{[round(t) for t in f['wait_us_by_eighth']]} µs; block phases, median µs: {phases}",
+                          f"{[round(t) for t in f['wait_us_by_eighth']]} µs; first rounds released at "
+                          f"{[round(t) for t in f['released_us_by_round']]} µs; block phases, median µs: {phases}",
                           flush=True)
                 print(f"wrote {path}", flush=True)
     finally:
