@@ -53,10 +53,12 @@ def test_summary_of_made_up_stamps():
     assert f["rows_in_us_by_eighth"] == [5.0, 30.0, 2.5] and f["wait_us_by_eighth"] == [4.0, 28.5, 0.0]
 
 
-def test_refuses_to_run_without_a_gpu():
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is here")
+def test_refuses_what_it_cannot_trace(capsys):
     from megamoe.bench.sender_trace import main
 
-    with pytest.raises(SystemExit, match="needs GPUs"):
-        main([])
+    with pytest.raises(SystemExit):
+        main(["--comm-sms", "0"])
+    assert "--comm-sms must be at least 1" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs GPUs"):
+            main([])

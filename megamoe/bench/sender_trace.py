@@ -6,8 +6,8 @@
 Runs the fused forward (``comm_sms`` senders) a few times, then twice more with the kernel's stamps on
 (``dispatch.SENDER_TRACE``: the GPU's global timer at fixed points of every sending program and of every
 GEMM tile program), and reports per rank, for the second traced call, from the kernel's first stamp: when
-the senders have the counts and when they finish, what a block costs in each phase (:data:`PHASES`), and
-the GEMM tiles: when the first starts and the last ends, how long the busy ones waited for their rows and
+the senders have the counts and when they finish, what a block costs in each phase (:data:`PHASES`) and
+their first rounds one by one (:data:`ROUNDS`), and the GEMM tiles: when the first starts and the last ends, how long the busy ones waited for their rows and
 how long they worked (SM time), and, per eighth of them in launch order, when their rows came. The stamps
 cost a few registers and stores: the traced call is a little slower than an untraced one; its phases say
 where the time goes, not the exact time. One JSON per (preset, routing) under ``--out``, with every
@@ -98,6 +98,8 @@ def main(argv=None) -> None:
     p.add_argument("--comm-sms", type=int, default=32, help="sending programs of the send + up kernel")
     p.add_argument("--out", default="benchmarks/results/traces")
     args = p.parse_args(argv)
+    if args.comm_sms <= 0:
+        p.error("--comm-sms must be at least 1: the trace is of the senders in the up kernel's launch")
     if not torch.cuda.is_available():
         raise SystemExit("sender_trace reads the GPU's timer inside the kernels: it needs GPUs (torchrun on a "
                          "multi-GPU machine)")
