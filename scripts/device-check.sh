@@ -35,7 +35,9 @@
 #                                           layer), ROUTING (default random,skewed), COMM_SMS (default 32),
 #                                           TOKENS; TESTS=DIR first runs that tree's tests on GPU 0 (TESTS_PATH,
 #                                           TESTS_K as for compare; TESTS_MARK, default gpu, empty for all;
-#                                           at most TESTS_LIMIT seconds, default 300)
+#                                           at most TESTS_LIMIT seconds, default 300); TRACE=1: after each
+#                                           tree's benchmark, its send + up kernel's trace (bench.sender_trace,
+#                                           ~30 s; COMM_SMS must be one count then)
 # Each step runs unbuffered under a time limit that aborts with a Python stack dump (a hang shows where
 # the host stopped); logs and results are packed into $OUT/device-check-<stage>.tgz after every step
 # (the tool returns only a few files, and what a step finished survives the call's time limit). Every
@@ -190,6 +192,12 @@ ep-compare)
                 --nproc-per-node "$gpus" -m megamoe.bench --ep --preset "$preset" --tokens "${TOKENS:-16384}" \
                 --routing "${ROUTING:-random,skewed}" --impls fused --comm-sms "${COMM_SMS:-32}" --profile --no-plot \
                 --out "$work/results/$name"
+            if [ -n "${TRACE:-}" ]; then  # where the send + up kernel's time goes, in this tree
+                step "trace-$name-$preset" 120 env -C "$tree" PYTHONPATH=. "${py[@]}" -m torch.distributed.run \
+                    --nproc-per-node "$gpus" -m megamoe.bench.sender_trace --preset "$preset" \
+                    --tokens "${TOKENS:-16384}" --routing "${ROUTING:-random,skewed}" --comm-sms "${COMM_SMS:-32}" \
+                    --out "$work/results/$name/traces"
+            fi
         done
     done
     tar czf "$out/device-check-$tag.tgz" -C "$work" .
