@@ -1,22 +1,25 @@
-"""Where the EP forward's send + up kernel spends its time, on real ranks (GPUs only):
+"""Where the EP kernels that send rows spend their time — the forward's send + up and the backward's send + dh'
+— on real ranks (GPUs only):
 
     torchrun --nproc-per-node N -m megamoe.bench.sender_trace [--preset P] [--tokens T] [--routing R,...]
                                                             [--comm-sms S] [--out DIR]
 
-Runs the fused forward (``comm_sms`` senders) a few times, then twice more with the kernel's stamps on
-(``dispatch.SENDER_TRACE``: the GPU's global timer at fixed points of every sending program and of every
-GEMM tile program), and reports per rank, for the second traced call, from the kernel's first stamp: when
+Runs the fused forward and backward (``comm_sms`` senders each way) a few times, then twice more with the
+kernels' stamps on (``dispatch.SENDER_TRACE``: the GPU's global timer at fixed points of every sending program
+and of every GEMM tile program), and reports per rank and kernel, for the second traced step, from the
+kernel's first stamp: when
 the senders have the counts and when they finish, what a block costs in each phase (:data:`PHASES`) and
 their first rounds one by one (:data:`ROUNDS`), and the GEMM tiles: when the first starts and the last ends, how long the busy ones waited for their rows and
 how long they worked (SM time), and, per eighth of them in launch order, when their rows came. The stamps
 cost a few registers and stores: the traced call is a little slower than an untraced one; its phases say
 where the time goes, not the exact time. One JSON per (preset, routing) under ``--out``, with every
-rank's figures."""
+rank's figures per kernel ("up", "dh")."""
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -86,7 +89,7 @@ def summarize(stamps: torch.Tensor, senders: int, stride: int, head: int, per_bl
 
 def main(argv=None) -> None:
     from megamoe.bench.ep import local_problem
-    from megamoe.bench.layer import PRESETS, make_problem, source_digest, utc_now
+    from megamoe.bench.layer import PRESETS, make_problem, source_digest, training_step, utc_now
     from megamoe.parallel import dispatch
     from megamoe.parallel.fused import moe_fused_ep
 
@@ -95,11 +98,11 @@ def main(argv=None) -> None:
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank")
     p.add_argument("--routing", default="random,skewed", help="comma-separated routings")
-    p.add_argument("--comm-sms", type=int, default=32, help="sending programs of the send + up kernel")
+    p.add_argument("--comm-sms", type=int, default=32, help="sending programs of each kernel traced")
     p.add_argument("--out", default="benchmarks/results/traces")
     args = p.parse_args(argv)
     if args.comm_sms <= 0:
-        p.error("--comm-sms must be at least 1: the trace is of the senders in the up kernel's launch")
+        p.error("--comm-sms must be at least 1: the trace is of the senders in the GEMMs' launches")
     if not torch.cuda.is_available():
         raise SystemExit("sender_trace reads the GPU's timer inside the kernels: it needs GPUs (torchrun on a "
                          "multi-GPU machine)")
@@ -114,8 +117,8 @@ def main(argv=None) -> None:
         for routing in args.routing.split(","):
             problem = make_problem(args.tokens * num_ranks, dim, inter, num_experts, top_k, routing, torch.bfloat16,
                                    device, seed=0)
-            call = functools.partial(moe_fused_ep, *local_problem(problem, rank, num_ranks)[:5], dist.group.WORLD,
-                                     comm_sms=args.comm_sms)
+            _, call = training_step(functools.partial(moe_fused_ep, group=dist.group.WORLD, comm_sms=args.comm_sms),
+                                    local_problem(problem, rank, num_ranks))
             for _ in range(3):
                 call()
             dispatch.SENDER_TRACE = {}
@@ -128,8 +131,9 @@ def main(argv=None) -> None:
                 trace = dispatch.SENDER_TRACE
             finally:
                 dispatch.SENDER_TRACE = None
-            mine = summarize(trace["stamps"], trace["senders"], trace["stride"], dispatch.TRACE_HEAD.value,
-                             dispatch.TRACE_PER_BLOCK.value, dispatch.TRACE_PER_TILE.value)
+            mine = {kernel: summarize(t["stamps"], t["senders"], t["stride"], dispatch.TRACE_HEAD.value,
+                                      dispatch.TRACE_PER_BLOCK.value, dispatch.TRACE_PER_TILE.value)
+                    for kernel, t in trace.items()}
             every = [None] * num_ranks
             dist.all_gather_object(every, mine)
             if rank == 0:
@@ -141,9 +145,10 @@ def main(argv=None) -> None:
                         "comm_sms": args.comm_sms, "per_rank": every}
                 path = out / f"{args.preset}-t{args.tokens}-{routing}-ep{num_ranks}-sms{args.comm_sms}-trace.json"
                 path.write_text(json.dumps(info, indent=1) + "\n")
-                for r, f in enumerate(every):
+                for (r, per_kernel), kernel in itertools.product(enumerate(every), ("up", "dh")):
+                    f = per_kernel[kernel]
                     phases = ", ".join(f"{name} {v['median']:.2f}" for name, v in f["block_phase_us"].items())
-                    print(f"{args.preset} {routing} rank {r}: counts in {f['counts_in_us']['max']:.0f} µs; senders "
+                    print(f"{args.preset} {routing} rank {r} send + {kernel}: counts in {f['counts_in_us']['max']:.0f} µs; senders "
                           f"done {f['senders_done_us']['min']:.0f}-{f['senders_done_us']['max']:.0f} µs; tiles "
                           f"{f['tiles_first_start_us']:.0f}-{f['tiles_last_end_us']:.0f} µs ({f['tiles_busy']} busy: "
                           f"wait {f['tile_wait_us']['total_sm_ms']:.1f} SM-ms, work {f['tile_work_us']['total_sm_ms']:.1f}"

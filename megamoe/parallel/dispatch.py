@@ -179,8 +179,9 @@ def _carries_row(slot, e, topk_idx_ptr, L, top_k, KB: tl.constexpr):
     return (rmask & (tl.sum(before.to(tl.int32), axis=1) == 0)).to(tl.int32)
 
 
-# The forward senders' trace (``megamoe.bench.sender_trace``; off unless ``SENDER_TRACE`` is a dict): the GPU's
-# global timer (ns) at fixed points, per sending program TRACE_HEAD stamps (start, counts in, end) and
+# The senders' trace (``megamoe.bench.sender_trace``; off unless ``SENDER_TRACE`` is a dict, which then holds each
+# traced launch's stamps by kernel, "up" or "dh": :func:`_trace_buffer`) of the send + up and send + dh' kernels:
+# the GPU's global timer (ns) at fixed points, per sending program TRACE_HEAD stamps (start, counts in, end) and
 # TRACE_PER_BLOCK per block for its first TRACE_BLOCKS blocks (start; copies issued; metadata stored; released;
 # and, as the next block's start, the overflow counts and the next entries), then per GEMM tile program
 # TRACE_PER_TILE (start; its rows in, if it has any; end). -1: no stamp.
@@ -342,14 +343,16 @@ def _send_and_up_kernel(
 @triton.jit
 def _dh_rows_tile(pid, dy_ptr, w2_desc, dh_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr,
                   D, I, L, R, PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, EVEN_K: tl.constexpr):
+                  BK: tl.constexpr, EVEN_K: tl.constexpr, trace_ptr, trace_at, TRACE: tl.constexpr):
     """One BM x BN block of dh' = dy W2[e] on my received dy rows (expert-major: each row its own slot),
     once every source's rows of its expert are in; rows past the expert's end are not written. dy is read
-    through pointers: TMA reads through the async proxy, which the acquire does not order (docs/NOTES.md §16)."""
+    through pointers: TMA reads through the async proxy, which the acquire does not order (docs/NOTES.md §16).
+    TRACE: stamps ``trace_at + 1`` once the rows are in (see SENDER_TRACE)."""
     e, _, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
     if e >= L:
         return
     _wait_rows(arrived_ptr, counts_ptr, e, e, L, R, 1)
+    _stamp(trace_ptr, trace_at, 1, TRACE)
     n0 = pid_n * BN
     ks = tl.arange(0, BK)
     rows64 = rows[:, None].to(tl.int64)
@@ -374,9 +377,10 @@ def _send_and_dh_kernel(
     epoch_ptr, rank, R, L, top_k, capacity, max_slots, num_rows,
     # Programs SENDERS and up: dh' on my received dy rows (_dh_rows_tile), each tile waiting for its expert's rows.
     recv_dy_ptr, w2_desc, dh_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I,
+    trace_ptr,  # read if TRACE (see SENDER_TRACE)
     SENDERS: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, TRACE: tl.constexpr,
 ):
     """The backward's phase 2 and its first GEMM in one launch (see _send_and_up_kernel, whose
     no-deadlock argument this shares). SENDERS = 0: the GEMM alone, on rows another launch sends."""
@@ -385,10 +389,14 @@ def _send_and_dh_kernel(
         # (The forward's token-row arguments are unread here: rows go per slot, to recv_x and recv_dy.)
         _sender(pid, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab, counts_flag_tab,
                 recv_x_tab, recv_meta_tab, recv_x_tab, recv_dy_tab, recv_meta_tab, recv_weight_tab, arrived_tab,
-                overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, 0, max_slots, True, SENDERS, RB, EB, CB, BD)
+                overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, 0, max_slots, True, SENDERS, RB, EB, CB, BD,
+                trace_ptr, TRACE)
     else:
+        tile_at = SENDERS * (TRACE_HEAD + TRACE_PER_BLOCK * TRACE_BLOCKS) + TRACE_PER_TILE * (pid - SENDERS)
+        _stamp(trace_ptr, tile_at, 0, TRACE)
         _dh_rows_tile(pid - SENDERS, recv_dy_ptr, w2_desc, dh_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                      arrived_ptr, counts_ptr, D, I, L, R, PREC, TILE_M, BM, BN, BK, EVEN_K)
+                      arrived_ptr, counts_ptr, D, I, L, R, PREC, TILE_M, BM, BN, BK, EVEN_K, trace_ptr, tile_at, TRACE)
+        _stamp(trace_ptr, tile_at, 2, TRACE)
 
 
 @triton.jit
@@ -683,6 +691,19 @@ def send_list(plan: Plan, num_ranks: int, num_local: int, topk_idx_TK: torch.Ten
     return out
 
 
+def _trace_buffer(kernel: str, senders: int, recv_plan: Plan, n_dim: int) -> torch.Tensor | None:
+    """With SENDER_TRACE on, a new stamp buffer for ``kernel``'s next launch ("up": send + up, "dh": send + dh'),
+    kept there with its layout; else None."""
+    if SENDER_TRACE is None:
+        return None
+    stride = TRACE_HEAD.value + TRACE_PER_BLOCK.value * TRACE_BLOCKS.value
+    grid = recv_plan.tile_expert_NT.numel() * (BLOCK_M // 64) * triton.cdiv(n_dim, 64)  # the smallest tiles: 64 x 64
+    stamps = torch.full((senders * stride + TRACE_PER_TILE.value * grid,), -1, device=recv_plan.offsets_E1.device,
+                        dtype=torch.int64)
+    SENDER_TRACE[kernel] = {"stamps": stamps, "senders": senders, "stride": stride}
+    return stamps
+
+
 def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                 plan: Plan, comm_sms: int, w13_LHD: torch.Tensor, recv_plan: Plan, counts: torch.Tensor,
                 compute: bool = True) -> torch.Tensor:
@@ -697,13 +718,7 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, to
         up_swiglu_fwd(ws.recv_x, w13_LHD, recv_plan, top_k=1, gluon=False)
     h_CI = torch.empty(ws.capacity, inter, device=x_TD.device, dtype=x_TD.dtype)
     tiles = tile_grid(recv_plan, inter)
-    trace = None
-    if SENDER_TRACE is not None:  # room for the smallest tiles any config has (64 x 64)
-        stride = TRACE_HEAD.value + TRACE_PER_BLOCK.value * TRACE_BLOCKS.value
-        grid = recv_plan.tile_expert_NT.numel() * (BLOCK_M // 64) * triton.cdiv(inter, 64)
-        trace = SENDER_TRACE["stamps"] = torch.full((comm_sms * stride + TRACE_PER_TILE.value * grid,), -1,
-                                                    device=x_TD.device, dtype=torch.int64)
-        SENDER_TRACE.update(senders=comm_sms, stride=stride)
+    trace = _trace_buffer("up", comm_sms, recv_plan, inter)
     SEND_UP[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
         x_TD, topk_weights_TK.reshape(-1), send_list(plan, ws.num_ranks, num_local, topk_idx_TK),
         *(ws.tables[n] for n in ("counts", "counts_flag", "recv_tokens", "recv_token_row", "recv_meta",
@@ -732,6 +747,7 @@ def send_and_dh(ws: Workspace, w2_LDI: torch.Tensor, recv_plan: Plan, counts: to
     tiles = tile_grid(recv_plan, inter)
     # Without senders the list is unread: the received plan's row map stands in for it.
     send_list_ = recv_plan.row_slot_N if plan is None else send_list(plan, ws.num_ranks, num_local)
+    trace = _trace_buffer("dh", comm_sms, recv_plan, inter)
     SEND_DH[lambda cfg: (comm_sms + (tiles(cfg)[0] if compute else 0),)](
         x_TD, dy_TD, topk_weights_TK.reshape(-1), send_list_,
         *(ws.tables[n] for n in ("counts", "counts_flag", "recv_x", "recv_dy", "recv_meta", "recv_weight", "arrived",
@@ -739,9 +755,9 @@ def send_and_dh(ws: Workspace, w2_LDI: torch.Tensor, recv_plan: Plan, counts: to
         ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_slots,
         0 if plan is None else plan.row_slot_N.numel(),
         ws.recv_dy, descriptor(w2_LDI), dh_CI, recv_plan.offsets_E1, recv_plan.tile_expert_NT, recv_plan.tile_row_NT,
-        ws.arrived, counts, dim, inter,
+        ws.arrived, counts, dim, inter, dh_CI if trace is None else trace,
         SENDERS=comm_sms, RB=SEND_DH_ROWS, **_send_blocks(ws, dim, SEND_DH_COLS), PREC=dot_precision(w2_LDI.dtype),
-        TILE_M=BLOCK_M, dtype=w2_LDI.dtype,
+        TILE_M=BLOCK_M, TRACE=trace is not None, dtype=w2_LDI.dtype,
     )
     return dh_CI
 
