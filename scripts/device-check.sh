@@ -36,7 +36,7 @@
 #                                           TOKENS; TESTS=DIR first runs that tree's tests on GPU 0 (TESTS_PATH,
 #                                           TESTS_K as for compare; TESTS_MARK, default gpu, empty for all;
 #                                           at most TESTS_LIMIT seconds, default 300); TRACE=1: after each
-#                                           tree's benchmark, its send + up kernel's trace (bench.sender_trace,
+#                                           tree's benchmark, its sending kernels' trace (bench.sender_trace,
 #                                           ~30 s; COMM_SMS must be one count then)
 # Each step runs unbuffered under a time limit that aborts with a Python stack dump (a hang shows where
 # the host stopped); logs and results are packed into $OUT/device-check-<stage>.tgz after every step
@@ -192,7 +192,7 @@ ep-compare)
                 --nproc-per-node "$gpus" -m megamoe.bench --ep --preset "$preset" --tokens "${TOKENS:-16384}" \
                 --routing "${ROUTING:-random,skewed}" --impls fused --comm-sms "${COMM_SMS:-32}" --profile --no-plot \
                 --out "$work/results/$name"
-            if [ -n "${TRACE:-}" ]; then  # where the send + up kernel's time goes, in this tree
+            if [ -n "${TRACE:-}" ]; then  # where the sending kernels' time goes, in this tree
                 step "trace-$name-$preset" 120 env -C "$tree" PYTHONPATH=. "${py[@]}" -m torch.distributed.run \
                     --nproc-per-node "$gpus" -m megamoe.bench.sender_trace --preset "$preset" \
                     --tokens "${TOKENS:-16384}" --routing "${ROUTING:-random,skewed}" --comm-sms "${COMM_SMS:-32}" \

@@ -7,9 +7,8 @@ import torch
 from megamoe.bench.sender_trace import PHASES, summarize
 from megamoe.parallel import dispatch
 
-HEAD, PER_BLOCK, BLOCKS, PER_TILE = (dispatch.TRACE_HEAD.value, dispatch.TRACE_PER_BLOCK.value,
-                                     dispatch.TRACE_BLOCKS.value, dispatch.TRACE_PER_TILE.value)
-STRIDE = HEAD + PER_BLOCK * BLOCKS
+HEAD, PER_BLOCK, PER_TILE = dispatch.TRACE_HEAD.value, dispatch.TRACE_PER_BLOCK.value, dispatch.TRACE_PER_TILE.value
+STRIDE = dispatch.TRACE_STRIDE.value
 
 
 def made_up_stamps():

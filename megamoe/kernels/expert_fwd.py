@@ -61,6 +61,14 @@ MAX_EP_RANKS = tl.constexpr(16)
 
 
 @triton.jit
+def _stamp(trace_ptr, at, k, TRACE: tl.constexpr):
+    """Expert parallelism's trace (``parallel.dispatch.SENDER_TRACE``): ``trace[at + k] = now`` (the GPU's global
+    timer, ns) if TRACE and ``at >= 0``."""
+    if TRACE:
+        tl.store(trace_ptr + at + k, globaltimer(), mask=at >= 0)
+
+
+@triton.jit
 def _wait_rows(arrived_ptr, counts_ptr, first, e, E, R, EB: tl.constexpr):
     """Expert parallelism: spin until every source's rows of my experts ``first`` to ``e`` (at most EB of
     them) are in my receive buffers (``arrived[s, l] == counts[s, l]`` for every source s; acquire). The
@@ -111,15 +119,14 @@ def _up_swiglu_tile(pid, x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile
                     TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     EVEN_K: tl.constexpr, trace_ptr=None, trace_at=-1, TRACE: tl.constexpr = False):
     """Program ``pid`` of the up kernel's grid (arguments as for ``_up_swiglu_fwd_kernel``); the EP
-    kernel that also sends rows runs it on its programs past the senders (TRACE: it stamps when a busy
-    tile's rows are in, ``dispatch.SENDER_TRACE``)."""
+    kernel that also sends rows runs it on its programs past the senders (TRACE: it stamps ``trace_at + 1`` when a
+    busy tile's rows are in, ``dispatch.SENDER_TRACE``)."""
     e, _, rows, rmask, pid_n = _tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
         return
     if WAIT_ROWS:
         _wait_rows(arrived_ptr, counts_ptr, 0, e, E, R, WAIT_ROWS)
-    if TRACE:
-        tl.store(trace_ptr + trace_at, globaltimer())
+    _stamp(trace_ptr, trace_at, 1, TRACE)
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
     tok = (slots // top_k).to(tl.int64)  # int64: T*D overflows int32 at real sizes
     n0 = pid_n * BN

@@ -45,7 +45,6 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import globaltimer
 
 from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
@@ -59,6 +58,7 @@ from megamoe.kernels.expert_fwd import (
     _busy_tiles,
     _rows_k_block,
     _sorted_rows_matmul,
+    _stamp,
     _tile_rows,
     _up_swiglu_tile,
     _wait_rows,
@@ -187,14 +187,14 @@ def _carries_row(slot, e, topk_idx_ptr, L, top_k, KB: tl.constexpr):
 # TRACE_PER_TILE (start; its rows in, if it has any; end). -1: no stamp.
 TRACE_HEAD, TRACE_PER_BLOCK, TRACE_BLOCKS, TRACE_PER_TILE = tl.constexpr(3), tl.constexpr(4), tl.constexpr(128), \
     tl.constexpr(3)
+TRACE_STRIDE = tl.constexpr(TRACE_HEAD.value + TRACE_PER_BLOCK.value * TRACE_BLOCKS.value)  # stamps per sender
 SENDER_TRACE: dict | None = None
 
 
 @triton.jit
-def _stamp(trace_ptr, at, k, TRACE: tl.constexpr):
-    """``trace[at + k] = now`` (ns) if TRACE and ``at >= 0``."""
-    if TRACE:
-        tl.store(trace_ptr + at + k, globaltimer(), mask=at >= 0)
+def _tile_trace_at(pid, SENDERS: tl.constexpr):
+    """Where GEMM tile program ``pid`` (>= SENDERS) of a sending kernel's launch stamps, after the senders'."""
+    return SENDERS * TRACE_STRIDE + TRACE_PER_TILE * (pid - SENDERS)
 
 
 @triton.jit
@@ -281,7 +281,7 @@ def _sender(pid, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, counts_tab
     pid + SENDERS, ... (RB rows each) of my ``num_rows`` rows in the order of :func:`send_list` — local expert
     first, then owner — so that every owner receives its first experts' rows from every source first and its
     tiles can start while later experts' rows travel. TRACE: its stamps (see SENDER_TRACE)."""
-    head = pid * (TRACE_HEAD + TRACE_PER_BLOCK * TRACE_BLOCKS)
+    head = pid * TRACE_STRIDE
     _stamp(trace_ptr, head, 0, TRACE)
     _wait_all_counts(counts_flag_tab, epoch_ptr, R, CB)
     os_ = tl.arange(0, EB)
@@ -332,11 +332,11 @@ def _send_and_up_kernel(
                 arrived_tab, overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, max_tokens, max_slots, False,
                 SENDERS, RB, EB, CB, BD, trace_ptr, TRACE)
     else:
-        tile_at = SENDERS * (TRACE_HEAD + TRACE_PER_BLOCK * TRACE_BLOCKS) + TRACE_PER_TILE * (pid - SENDERS)
+        tile_at = _tile_trace_at(pid, SENDERS)
         _stamp(trace_ptr, tile_at, 0, TRACE)
         _up_swiglu_tile(pid - SENDERS, recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, recv_offsets_ptr,
                         tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I, L, 1, R, LB, PREC, TILE_M,
-                        BM, BN, BK, EVEN_K, trace_ptr, tile_at + 1, TRACE)
+                        BM, BN, BK, EVEN_K, trace_ptr, tile_at, TRACE)
         _stamp(trace_ptr, tile_at, 2, TRACE)
 
 
@@ -392,7 +392,7 @@ def _send_and_dh_kernel(
                 overflow_tab, epoch_ptr, rank, R, L, D, top_k, capacity, 0, max_slots, True, SENDERS, RB, EB, CB, BD,
                 trace_ptr, TRACE)
     else:
-        tile_at = SENDERS * (TRACE_HEAD + TRACE_PER_BLOCK * TRACE_BLOCKS) + TRACE_PER_TILE * (pid - SENDERS)
+        tile_at = _tile_trace_at(pid, SENDERS)
         _stamp(trace_ptr, tile_at, 0, TRACE)
         _dh_rows_tile(pid - SENDERS, recv_dy_ptr, w2_desc, dh_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
                       arrived_ptr, counts_ptr, D, I, L, R, PREC, TILE_M, BM, BN, BK, EVEN_K, trace_ptr, tile_at, TRACE)
@@ -696,11 +696,10 @@ def _trace_buffer(kernel: str, senders: int, recv_plan: Plan, n_dim: int) -> tor
     kept there with its layout; else None."""
     if SENDER_TRACE is None:
         return None
-    stride = TRACE_HEAD.value + TRACE_PER_BLOCK.value * TRACE_BLOCKS.value
     grid = recv_plan.tile_expert_NT.numel() * (BLOCK_M // 64) * triton.cdiv(n_dim, 64)  # the smallest tiles: 64 x 64
-    stamps = torch.full((senders * stride + TRACE_PER_TILE.value * grid,), -1, device=recv_plan.offsets_E1.device,
-                        dtype=torch.int64)
-    SENDER_TRACE[kernel] = {"stamps": stamps, "senders": senders, "stride": stride}
+    stamps = torch.full((senders * TRACE_STRIDE.value + TRACE_PER_TILE.value * grid,), -1,
+                        device=recv_plan.offsets_E1.device, dtype=torch.int64)
+    SENDER_TRACE[kernel] = {"stamps": stamps, "senders": senders, "stride": TRACE_STRIDE.value}
     return stamps
 
 
