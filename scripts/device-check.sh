@@ -33,6 +33,7 @@
 #                                           see the spread within the call, e.g. `. _exp/B . _exp/B`), fused
 #                                           impls only, with per-rank profiles: PRESETS (default the 30B
 #                                           layer), ROUTING (default random,skewed), COMM_SMS (default 32),
+#                                           COMM_SMS_SPLIT (--comm-sms-split, e.g. 32:64; default none),
 #                                           TOKENS; TESTS=DIR first runs that tree's tests on GPU 0 (TESTS_PATH,
 #                                           TESTS_K as for compare; TESTS_MARK, default gpu, empty for all;
 #                                           at most TESTS_LIMIT seconds, default 300); TRACE=1: after each
@@ -190,8 +191,8 @@ ep-compare)
         for preset in ${PRESETS:-qwen3-30b-a3b}; do
             step "ep-$name-$preset" 200 env -C "$tree" PYTHONPATH=. "${py[@]}" -m torch.distributed.run \
                 --nproc-per-node "$gpus" -m megamoe.bench --ep --preset "$preset" --tokens "${TOKENS:-16384}" \
-                --routing "${ROUTING:-random,skewed}" --impls fused --comm-sms "${COMM_SMS:-32}" --profile --no-plot \
-                --out "$work/results/$name"
+                --routing "${ROUTING:-random,skewed}" --impls fused --comm-sms "${COMM_SMS:-32}" \
+                ${COMM_SMS_SPLIT:+--comm-sms-split "$COMM_SMS_SPLIT"} --profile --no-plot --out "$work/results/$name"
             if [ -n "${TRACE:-}" ]; then  # where the sending kernels' time goes, in this tree
                 step "trace-$name-$preset" 120 env -C "$tree" PYTHONPATH=. "${py[@]}" -m torch.distributed.run \
                     --nproc-per-node "$gpus" -m megamoe.bench.sender_trace --preset "$preset" \
