@@ -155,6 +155,20 @@ def check_loopback_forward(case, num_ranks):
     for ws in workspaces:
         ws.check_overflow()
         assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0, "counters not reset"
+        assert_ready_marks_the_last_busy_expert(ws)
+
+
+def assert_ready_marks_the_last_busy_expert(ws):
+    """The up tiles' shortcut (``expert_fwd._wait_rows_upto``) after a forward: this call's base, epoch * (L + 1),
+    plus one past my last local expert with received rows (the first of its tiles always waits in full and
+    records it); below the base if I received none."""
+    epoch, num_local = int(ws.epoch[0]), ws.num_local
+    busy = torch.nonzero(ws.counts[epoch % 2].sum(0)).flatten()
+    base = epoch * (num_local + 1)
+    if busy.numel():
+        assert int(ws.ready[0]) == base + int(busy[-1]) + 1, f"rank {ws.rank}: ready {int(ws.ready[0])}"
+    else:
+        assert int(ws.ready[0]) < base, f"rank {ws.rank}: ready {int(ws.ready[0])} with no rows received"
 
 
 @pytest.mark.parametrize("num_ranks, comm_sms", [(1, 1), (1, 3), (3, 2), (4, 1)])
@@ -171,6 +185,7 @@ def test_rows_sent_from_the_up_kernels_launch_match_the_reference(case, num_rank
             torch.testing.assert_close(y, ref[bounds[r]:bounds[r + 1]], rtol=1e-5, atol=1e-5)
         for ws in workspaces:
             assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0
+            assert_ready_marks_the_last_busy_expert(ws)
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -263,6 +278,8 @@ def test_consecutive_calls_reuse_the_workspace():
         ref = reference.moe_loop(x, idx, w, w13, w2, fp32=True)
         for r, y in enumerate(ys):
             torch.testing.assert_close(y, ref[bounds[r]:bounds[r + 1]], rtol=1e-5, atol=1e-5)
+        for ws in workspaces:
+            assert_ready_marks_the_last_busy_expert(ws)
     assert all(int(ws.epoch[0]) == 3 for ws in workspaces)
 
 

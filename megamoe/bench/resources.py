@@ -39,7 +39,8 @@ _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot
                   "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32", "arrived_ptr": "*i32", "counts_ptr": "*i32",
                   "epoch_ptr": "*i32", "recv_row_slot_ptr": "*i32", "recv_offsets_ptr": "*i32",
                   "recv_weight_ptr": "*fp32", "send_list_ptr": "*i32", "slot_row_ptr": "*i32",
-                  "topk_idx_ptr": "*i64", "recv_token_row_ptr": "*i32", "trace_ptr": "*i64"}
+                  "topk_idx_ptr": "*i64", "recv_token_row_ptr": "*i32", "trace_ptr": "*i64",
+                  "ready_ptr": "*i64"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "WAIT_ROWS": False, "TRACE": False,
                      # the EP sending programs: 16 of them, 128 experts (64 per rank), top-8, D = 2048

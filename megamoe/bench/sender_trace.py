@@ -4,9 +4,9 @@
     torchrun --nproc-per-node N -m megamoe.bench.sender_trace [--preset P] [--tokens T] [--routing R,...]
                                                             [--comm-sms S] [--out DIR]
 
-Runs the fused forward and backward (``comm_sms`` senders each way) a few times, then twice more with the
-kernels' stamps on (``dispatch.SENDER_TRACE``: the GPU's global timer at fixed points of every sending program
-and of every GEMM tile program), and reports per rank and kernel, for the second traced step, from the
+Runs the fused forward and backward (``comm_sms`` senders each way) a few times, then three times more with
+the kernels' stamps on (``dispatch.SENDER_TRACE``: the GPU's global timer at fixed points of every sending program
+and of every GEMM tile program), and reports per rank and kernel, for the third traced step, from the
 kernel's first stamp: when
 the senders have the counts and when they finish, what a block costs in each phase (:data:`PHASES`) and
 their first rounds one by one (:data:`ROUNDS`), and the GEMM tiles: when the first starts and the last ends, how long the busy ones waited for their rows and
@@ -122,10 +122,11 @@ def main(argv=None) -> None:
             for _ in range(3):
                 call()
             dispatch.SENDER_TRACE = {}
-            try:  # the first traced call compiles the traced kernel, which one rank may take much longer to
-                for _ in range(2):  # do than the other (run 90): the second call is the one kept
-                    torch.cuda.synchronize(device)
-                    dist.barrier()
+            try:  # the first traced call compiles the traced kernels, which one rank may take much longer to do
+                call()  # than the other (run 90); the kept call, the third, is queued behind the second, so that
+                torch.cuda.synchronize(device)  # the hosts' launch times cannot skew the ranks (runs 92-93: kept
+                dist.barrier()  # right after the barrier, 3 of 16 launches had one rank's first rows ~1 ms late)
+                for _ in range(2):
                     call()
                 torch.cuda.synchronize(device)
                 trace = dispatch.SENDER_TRACE

@@ -86,6 +86,20 @@ def _wait_rows(arrived_ptr, counts_ptr, first, e, E, R, EB: tl.constexpr):
 
 
 @triton.jit
+def _wait_rows_upto(arrived_ptr, counts_ptr, ready_ptr, epoch_ptr, e, E, R, EB: tl.constexpr):
+    """The forward up tile's wait (``_wait_rows`` for experts 0..e), skipped when ``ready`` says another tile
+    of this call has already seen them all in. ``ready`` (int64) holds epoch * (E + 1) + n once a tile of
+    the call with that epoch has seen experts 0..n-1 in: only ever raised (atomic max), so it needs no reset,
+    and an earlier call's value is below this call's base. Its release and acquire pass the senders'
+    releases, which that tile acquired, on to this one. The full wait costs ~2 µs per tile whose rows are long
+    in (docs/NOTES.md §46); this check, one atomic."""
+    base = tl.load(epoch_ptr).to(tl.int64) * (E + 1)
+    if tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") <= base + e:
+        _wait_rows(arrived_ptr, counts_ptr, 0, e, E, R, EB)
+        tl.atomic_max(ready_ptr, base + e + 1, sem="release", scope="gpu")
+
+
+@triton.jit
 def _rows_k_block(a_ptrs, rmask, ks, k0, D, EVEN_K: tl.constexpr):
     """The (BM, BK) block at column k0 of rows read through pointers (``a_ptrs``: their column-k0 entries),
     zero past the rows (``rmask``) and, unless EVEN_K, past D."""
@@ -104,18 +118,21 @@ def _up_swiglu_fwd_kernel(
     tile_expert_ptr,  # (NT,) int32
     tile_row_ptr,  # (NT,) int32
     arrived_ptr, counts_ptr,  # (R, E) int32 each: expert parallelism only (WAIT_ROWS), see _wait_rows
+    ready_ptr, epoch_ptr,  # (1,) int64 and (1,) int32: expert parallelism only, see _wait_rows_upto
     D, I, E, top_k, R,
     WAIT_ROWS: tl.constexpr,  # 0, or a power of two >= E: each tile first waits for the rows of experts 0..e
     PREC: tl.constexpr, TILE_M: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     _up_swiglu_tile(tl.program_id(0), x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                    arrived_ptr, counts_ptr, D, I, E, top_k, R, WAIT_ROWS, PREC, TILE_M, BM, BN, BK, EVEN_K)
+                    arrived_ptr, counts_ptr, ready_ptr, epoch_ptr, D, I, E, top_k, R, WAIT_ROWS, PREC, TILE_M, BM, BN,
+                    BK, EVEN_K)
 
 
 @triton.jit
 def _up_swiglu_tile(pid, x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                    arrived_ptr, counts_ptr, D, I, E, top_k, R, WAIT_ROWS: tl.constexpr, PREC: tl.constexpr,
+                    arrived_ptr, counts_ptr, ready_ptr, epoch_ptr, D, I, E, top_k, R, WAIT_ROWS: tl.constexpr,
+                    PREC: tl.constexpr,
                     TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     EVEN_K: tl.constexpr, trace_ptr=None, trace_at=-1, TRACE: tl.constexpr = False):
     """Program ``pid`` of the up kernel's grid (arguments as for ``_up_swiglu_fwd_kernel``); the EP
@@ -125,7 +142,7 @@ def _up_swiglu_tile(pid, x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile
     if e >= E:
         return
     if WAIT_ROWS:
-        _wait_rows(arrived_ptr, counts_ptr, 0, e, E, R, WAIT_ROWS)
+        _wait_rows_upto(arrived_ptr, counts_ptr, ready_ptr, epoch_ptr, e, E, R, WAIT_ROWS)
     _stamp(trace_ptr, trace_at, 1, TRACE)
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
     tok = (slots // top_k).to(tl.int64)  # int64: T*D overflows int32 at real sizes
@@ -263,8 +280,9 @@ def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, arrivals: tuple | None 
                   gluon: bool = True) -> torch.Tensor:
     """h (N, I) in x's dtype, rows in expert-sorted order (rows past the routed count are not written); on sm90
     with 16-bit operands (x 16-byte aligned) through the warp-specialized Gluon kernel ``ws._up_ws_kernel``.
-    ``arrivals``: expert parallelism only, ``(arrived, counts)`` (R, E) int32 — each tile first waits for
-    the rows of its expert and the lower ones (see ``_wait_rows``); always the Triton kernel.
+    ``arrivals``: expert parallelism only, ``(arrived, counts, ready, epoch)`` — (R, E) int32 each, (1,) int64,
+    (1,) int32: each tile first waits for the rows of its expert and the lower ones (see ``_wait_rows_upto``);
+    always the Triton kernel.
     ``gluon=False``: the Triton kernel even where the Gluon one would run (to autotune it for the
     expert-parallel kernel that follows its choice)."""
     num_slots = plan.row_slot_N.numel()
@@ -276,10 +294,10 @@ def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, arrivals: tuple | None 
     if gluon and arrivals is None and ws_supported(x_TD) and x_TD.data_ptr() % 16 == 0:
         up_swiglu_ws(x_TD, w13_EHD, h_NI, plan, top_k, BLOCK_M)
         return h_NI
-    arrived, counts = arrivals or (plan.offsets_E1, plan.offsets_E1)  # unread without arrivals
+    arrived, counts, ready, epoch = arrivals or (plan.offsets_E1,) * 4  # unread without arrivals
     UP[tile_grid(plan, inter)](
         x_TD, descriptor(w13_EHD.view(num_experts, 2, inter, dim)), h_NI, plan.row_slot_N, plan.offsets_E1,
-        plan.tile_expert_NT, plan.tile_row_NT, arrived, counts,
+        plan.tile_expert_NT, plan.tile_row_NT, arrived, counts, ready, epoch,
         dim, inter, num_experts, top_k, counts.shape[0] if arrivals else 1,
         WAIT_ROWS=triton.next_power_of_2(num_experts) if arrivals else 0, PREC=dot_precision(x_TD.dtype),
         TILE_M=BLOCK_M, dtype=x_TD.dtype,

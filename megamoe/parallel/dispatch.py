@@ -22,7 +22,7 @@ every virtual rank before the next phase, so that on one device no wait can prec
 3. and 4. :func:`owner_experts` — wait for every source's counts, build the plan of the rows on their
    way, run the one-GPU up + SwiGLU kernel on the received token rows — each tile first waits until
    the rows of its expert and the lower ones from every source are in (``arrived`` equals ``counts``,
-   acquire; see ``expert_fwd._wait_rows``), so experts whose rows are here compute while others' rows
+   acquire; see ``expert_fwd._wait_rows_upto``), so experts whose rows are here compute while others' rows
    still travel — reset ``arrived``, then the down GEMM whose epilogue
    weights each row and writes it straight into its source's ``y_slots[slot]``; once it has finished, a
    one-program kernel adds 1 to every source's ``returned[me]`` (release). Backward
@@ -315,7 +315,7 @@ def _send_and_up_kernel(
     # through recv_token_row), each tile waiting for the rows of its expert and the lower ones (arrived,
     # counts: (R, L); LB >= L).
     recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
-    arrived_ptr, counts_ptr, D, I,
+    arrived_ptr, counts_ptr, ready_ptr, D, I,  # ready: see expert_fwd._wait_rows_upto
     trace_ptr,  # read if TRACE (see SENDER_TRACE)
     SENDERS: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr,
     CB: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr,
@@ -335,8 +335,8 @@ def _send_and_up_kernel(
         tile_at = _tile_trace_at(pid, SENDERS)
         _stamp(trace_ptr, tile_at, 0, TRACE)
         _up_swiglu_tile(pid - SENDERS, recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, recv_offsets_ptr,
-                        tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, D, I, L, 1, R, LB, PREC, TILE_M,
-                        BM, BN, BK, EVEN_K, trace_ptr, tile_at, TRACE)
+                        tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, ready_ptr, epoch_ptr, D, I, L, 1, R, LB,
+                        PREC, TILE_M, BM, BN, BK, EVEN_K, trace_ptr, tile_at, TRACE)
         _stamp(trace_ptr, tile_at, 2, TRACE)
 
 
@@ -663,7 +663,7 @@ def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, se
     plan, counts = received_plan(ws)
     if send is None:  # the up kernel gathers each received row's token row
         h = up_swiglu_fwd(ws.recv_tokens, w13_LHD, dataclasses.replace(plan, row_slot_N=ws.recv_token_row), top_k=1,
-                          arrivals=(ws.arrived, counts))
+                          arrivals=(ws.arrived, counts, ws.ready, ws.epoch))
     else:
         h = send_and_up(ws, *send, w13_LHD, plan, counts)
     reset_arrivals(ws, counts)
@@ -725,7 +725,7 @@ def send_and_up(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, to
         ws.epoch, ws.rank, ws.num_ranks, num_local, topk_weights_TK.shape[1], ws.capacity, ws.max_tokens,
         ws.max_slots, plan.row_slot_N.numel(),
         ws.recv_tokens, descriptor(w13_LHD.view(num_local, 2, inter, dim)), h_CI, ws.recv_token_row,
-        recv_plan.offsets_E1, recv_plan.tile_expert_NT, recv_plan.tile_row_NT, ws.arrived, counts, dim, inter,
+        recv_plan.offsets_E1, recv_plan.tile_expert_NT, recv_plan.tile_row_NT, ws.arrived, counts, ws.ready, dim, inter,
         h_CI if trace is None else trace,
         SENDERS=comm_sms, RB=SEND_UP_ROWS, LB=triton.next_power_of_2(num_local), **_send_blocks(ws, dim, SEND_UP_COLS),
         PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, TRACE=trace is not None, dtype=x_TD.dtype,

@@ -34,6 +34,8 @@ BUFFERS = {
     "counts": (lambda R, L, C, T, S, D: (2, R, L), torch.int32),
     "counts_flag": (lambda R, L, C, T, S, D: (2, R), torch.int32),  # [epoch % 2, src]: epoch once src's counts are in
     "arrived": (lambda R, L, C, T, S, D: (R, L), torch.int32),  # [src, l]: rows of (src, l) written so far
+    # epoch * (L + 1) + n once one of my up tiles has seen experts 0..n-1 arrived (expert_fwd._wait_rows_upto)
+    "ready": (lambda R, L, C, T, S, D: (1,), torch.int64),
     # Forward: each source's token rows, src * T + token, written once per (token, owner) however many of
     # the owner's experts the token picked.
     "recv_tokens": (lambda R, L, C, T, S, D: (R * T, D), None),
