@@ -7,10 +7,10 @@
 Runs the fused forward and backward (``comm_sms`` senders each way) a few times, then three times more with
 the kernels' stamps on (``dispatch.SENDER_TRACE``: the GPU's global timer at fixed points of every sending program
 and of every GEMM tile program), and reports per rank and kernel, for the third traced step, from the
-kernel's first stamp: when
-the senders have the counts and when they finish, what a block costs in each phase (:data:`PHASES`) and
-their first rounds one by one (:data:`ROUNDS`), and the GEMM tiles: when the first starts and the last ends, how long the busy ones waited for their rows and
-how long they worked (SM time), and, per eighth of them in launch order, when their rows came. The stamps
+kernel's first stamp: when the senders have the counts and when they finish, what a block costs in each phase
+(:data:`PHASES`) and their first rounds one by one (:data:`ROUNDS`), and the GEMM tiles: when the first starts
+and the last ends, how long the busy ones waited for their rows and how long they worked (SM time), and, per
+eighth of them in launch order, when their rows came. The stamps
 cost a few registers and stores: the traced call is a little slower than an untraced one; its phases say
 where the time goes, not the exact time. One JSON per (preset, routing) under ``--out``, with every
 rank's figures per kernel ("up", "dh")."""

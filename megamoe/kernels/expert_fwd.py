@@ -132,8 +132,7 @@ def _up_swiglu_fwd_kernel(
 @triton.jit
 def _up_swiglu_tile(pid, x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                     arrived_ptr, counts_ptr, ready_ptr, epoch_ptr, D, I, E, top_k, R, WAIT_ROWS: tl.constexpr,
-                    PREC: tl.constexpr,
-                    TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     EVEN_K: tl.constexpr, trace_ptr=None, trace_at=-1, TRACE: tl.constexpr = False):
     """Program ``pid`` of the up kernel's grid (arguments as for ``_up_swiglu_fwd_kernel``); the EP
     kernel that also sends rows runs it on its programs past the senders (TRACE: it stamps ``trace_at + 1`` when a
