@@ -154,14 +154,14 @@ def check_loopback_forward(case, num_ranks):
         assert err <= 1e-5 * max(1.0, expected.abs().max().item() if y.numel() else 0.0), f"rank {r}: {err:.2e}"
     for ws in workspaces:
         ws.check_overflow()
-        assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0, "counters not reset"
-        assert_ready_marks_the_last_busy_expert(ws)
+        assert_counters_after_forward(ws)
 
 
-def assert_ready_marks_the_last_busy_expert(ws):
-    """The up tiles' shortcut (``expert_fwd._wait_rows_upto``) after a forward: this call's base, epoch * (L + 1),
-    plus one past my last local expert with received rows (the first of its tiles always waits in full and
-    records it); below the base if I received none."""
+def assert_counters_after_forward(ws):
+    """After a forward: the arrival and return counters reset, and the up tiles' shortcut
+    (``expert_fwd._wait_rows_upto``) at this call's base, epoch * (L + 1), plus one past my last local expert with
+    received rows (the first of its tiles always waits in full and records it); below the base if I received none."""
+    assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0, "counters not reset"
     epoch, num_local = int(ws.epoch[0]), ws.num_local
     busy = torch.nonzero(ws.counts[epoch % 2].sum(0)).flatten()
     base = epoch * (num_local + 1)
@@ -184,8 +184,7 @@ def test_rows_sent_from_the_up_kernels_launch_match_the_reference(case, num_rank
         for r, y in enumerate(dispatch.loopback_forward(workspaces, ranks, comm_sms=comm_sms)):
             torch.testing.assert_close(y, ref[bounds[r]:bounds[r + 1]], rtol=1e-5, atol=1e-5)
         for ws in workspaces:
-            assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0
-            assert_ready_marks_the_last_busy_expert(ws)
+            assert_counters_after_forward(ws)
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -279,7 +278,7 @@ def test_consecutive_calls_reuse_the_workspace():
         for r, y in enumerate(ys):
             torch.testing.assert_close(y, ref[bounds[r]:bounds[r + 1]], rtol=1e-5, atol=1e-5)
         for ws in workspaces:
-            assert_ready_marks_the_last_busy_expert(ws)
+            assert_counters_after_forward(ws)
     assert all(int(ws.epoch[0]) == 3 for ws in workspaces)
 
 
