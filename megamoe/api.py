@@ -6,34 +6,20 @@ I expert intermediate size.
 
 from __future__ import annotations
 
-import functools
 import os
-import warnings
 
 import torch
+import torch.distributed as dist
 
 from megamoe import reference
+from megamoe.autograd import fused_moe
+from megamoe.env import debug_checks_enabled, interpreting, warn_once
+from megamoe.parallel.all_to_all import moe_all_to_all
+from megamoe.parallel.fused import comm_sms_ok, comm_sms_pair, moe_fused_ep
 
 PRECISIONS = ("bf16", "fp8")
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_warned: set[str] = set()
-
-
-def warn_once(msg: str) -> None:
-    """``warnings.warn`` once per distinct message per process."""
-    if msg not in _warned:
-        _warned.add(msg)
-        warnings.warn(msg, stacklevel=3)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def debug_checks_enabled() -> bool:
-    """``MEGAMOE_DEBUG=1`` turns on checks that read device data back to the host (slow, synchronising)."""
-    return os.environ.get("MEGAMOE_DEBUG", "0") == "1"
 
 
 def backend_for(x: torch.Tensor) -> str:
@@ -57,7 +43,7 @@ def backend_for(x: torch.Tensor) -> str:
             return "triton"
         warn_once("megamoe: GPU older than Hopper (sm90); running the (slow) reference implementation")
         return "reference"
-    return "triton" if _interpreting() else "reference"
+    return "triton" if interpreting() else "reference"
 
 
 def fused_supports(x: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -67,46 +53,6 @@ def fused_supports(x: torch.Tensor, w2: torch.Tensor) -> bool:
     start 16-byte aligned are handled inside the op: see ``kernels.expert_fwd.descriptor``)."""
     size = x.dtype.itemsize
     return x.shape[1] * size % 16 == 0 and w2.shape[2] * size % 16 == 0
-
-
-# Programs of the expert kernels' launches that send the rows on the fused EP path (``comm_sms``). Measured on
-# two H200s (benchmarks/results/*-per-rank-*-ep2.json, docs/NOTES.md §15): against 0 (a dispatch kernel of its
-# own) 32 shortens forward+backward by 4-9% on the 30B and 235B layers, random and skewed routing; 16 is
-# slower than 0. On one GPU (loopback, R=1) 32 and 0 tie.
-DEFAULT_COMM_SMS = 32
-
-
-@functools.cache
-def sm_count(device_index: int) -> int:
-    """SMs of CUDA device ``device_index`` (cached: the launchers ask on every call)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
-def device_capability(device_index: int) -> tuple[int, int]:
-    """Compute capability of CUDA device ``device_index`` (cached: the backward's launchers ask several times a
-    step, and the query costs host time). Not for code that ``torch.compile`` traces (see :func:`backend_for`)."""
-    return torch.cuda.get_device_capability(device_index)
-
-
-def _comm_sms_ok(comm_sms) -> bool:
-    """An int >= 0 (not a bool), or a pair (forward, backward) of them."""
-    def count(n):
-        return isinstance(n, int) and not isinstance(n, bool) and n >= 0
-
-    return count(comm_sms) or (isinstance(comm_sms, tuple) and len(comm_sms) == 2 and all(map(count, comm_sms)))
-
-
-def comm_sms_pair(comm_sms: int | tuple[int, int]) -> tuple[int, int]:
-    """``comm_sms`` (already checked) as its (forward, backward) counts: an int serves both directions."""
-    return (comm_sms, comm_sms) if isinstance(comm_sms, int) else tuple(comm_sms)
-
-
-def default_comm_sms(device_index: int) -> int:
-    """``comm_sms`` when the caller passes ``None``: :data:`DEFAULT_COMM_SMS`, or 0 (the rows sent by a kernel
-    of their own) on a GPU with no more than twice as many SMs (a MIG slice, say), where that many senders
-    would leave the GEMMs too few SMs. Not measured on such GPUs."""
-    return DEFAULT_COMM_SMS if sm_count(device_index) > 2 * DEFAULT_COMM_SMS else 0
 
 
 def ep_path(x: torch.Tensor, w2: torch.Tensor) -> str:
@@ -149,9 +95,9 @@ def validate(x, topk_idx, topk_weights, w13, w2, num_ranks: int = 1) -> None:
     parallelism) the weights hold this rank's E/R experts and expert ids range over all E. Host-side only: no device sync,
     except that expert ids are range-checked eagerly on CPU or with ``MEGAMOE_DEBUG=1``; on a GPU they
     are checked asynchronously (``torch._assert_async``: a bad id fails the stream, never a wrong answer)."""
-    _check_tensor("x", x, 2, _FLOAT_DTYPES)
+    _check_tensor("x", x, 2, FLOAT_DTYPES)
     _check_tensor("topk_idx", topk_idx, 2, _INDEX_DTYPES)
-    _check_tensor("topk_weights", topk_weights, 2, _FLOAT_DTYPES)
+    _check_tensor("topk_weights", topk_weights, 2, FLOAT_DTYPES)
     _check_tensor("w13", w13, 3, (x.dtype,))
     _check_tensor("w2", w2, 3, (x.dtype,))
     num_tokens, dim = x.shape
@@ -233,8 +179,8 @@ def moe(
             (backward) while their other programs compute on the rows already in — communication
             overlapping the GEMMs; fewer than the GPU's SMs. 0 sends them in a kernel of its own, on
             every SM, before the expert kernels. A pair ``(forward, backward)`` of such counts sets the
-            two directions apart. ``None`` (default): :data:`DEFAULT_COMM_SMS` (32, measured), or 0 on a
-            GPU with at most 64 SMs (:func:`default_comm_sms`).
+            two directions apart. ``None`` (default): ``parallel.fused.DEFAULT_COMM_SMS`` (32, measured), or 0
+            on a GPU with at most 64 SMs (``parallel.fused.default_comm_sms``).
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``
             (blockwise e4m3) is planned and raises ``NotImplementedError`` for now.
 
@@ -249,31 +195,27 @@ def moe(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8":
         raise NotImplementedError("precision='fp8' (blockwise e4m3) is not implemented yet; use 'bf16'")
-    if comm_sms is not None and not _comm_sms_ok(comm_sms):
+    if comm_sms is not None and not comm_sms_ok(comm_sms):
         raise ValueError(f"comm_sms must be None, an int >= 0 or a pair (forward, backward) of them, got {comm_sms!r}")
     if group is not None:
-        import torch.distributed as dist
-
-        from megamoe.parallel.all_to_all import moe_all_to_all
-
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
         validate(x, topk_idx, topk_weights, w13, w2, num_ranks=dist.get_world_size(group))
         if ep_path(x, w2) == "fused":
-            from megamoe.parallel.fused import moe_fused_ep
-
-            return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank,
-                                default_comm_sms(x.device.index) if comm_sms is None else comm_sms)
+            return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank, comm_sms)
     if comm_sms is not None and max(comm_sms_pair(comm_sms)):
         raise ValueError("comm_sms > 0 applies to the fused expert-parallel path only (group=..., where "
                          "megamoe.api.ep_path picks it)")
     if group is not None:
         return moe_all_to_all(x, topk_idx, topk_weights, w13, w2, group, experts=moe)
     validate(x, topk_idx, topk_weights, w13, w2)
-    if backend_for(x) == "triton":
+    backend = backend_for(x)
+    if backend == "triton" and not x.is_cuda and x.dtype == torch.bfloat16:
+        raise TypeError("x is bfloat16 on the CPU under TRITON_INTERPRET=1: Triton's interpreter computes bf16 "
+                        "products wrongly (off by orders of magnitude); use float32 or float16 there, or unset "
+                        "TRITON_INTERPRET to run the reference implementation")
+    if backend == "triton":
         if fused_supports(x, w2):
-            from megamoe.autograd import fused_moe
-
             return fused_moe(x, topk_idx, topk_weights, w13, w2)
         warn_once(f"megamoe: D={x.shape[1]} and I={w2.shape[2]} rows of {x.dtype} are not 16-byte multiples; "
                   "running the (slow) reference implementation")

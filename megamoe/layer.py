@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.api import PRECISIONS, moe
+from megamoe.api import FLOAT_DTYPES, PRECISIONS, moe
 from megamoe.routing import SCORE_FUNCS, route
 
 
@@ -70,6 +70,9 @@ class MegaMoE(nn.Module):
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be None or one of {FLOAT_DTYPES} (the dtypes megamoe.moe computes in), got "
+                            f"{dtype}")
         num_ranks = 1
         if ep_group is not None:
             import torch.distributed as dist
@@ -102,8 +105,13 @@ class MegaMoE(nn.Module):
         self.tokens_per_expert.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must have last dimension hidden_size={self.hidden_size}, got {tuple(x.shape)}")
+        if x.dtype != self.w13.dtype:
+            raise TypeError(f"x has dtype {x.dtype} but the layer's weights are {self.w13.dtype}: cast the input "
+                            "(or the layer: layer.to(x.dtype))")
         x_TD = x.reshape(-1, self.hidden_size)
         logits_TE = self.gate(x_TD)
         topk_idx, topk_weights = route(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megamoe import reference
-from megamoe.bench.layer import grads_of as run_with_grads
+from megamoe.bench.common import grads_of as run_with_grads
 
 # (T, D, I, E, K, routing) — one comment per case: what it guards.
 SHAPES = [

@@ -90,7 +90,8 @@ def test_default_comm_sms_leaves_small_gpus_their_sms(monkeypatch):
     the SMs or more (a MIG slice), instead of an error about an argument the caller never passed."""
     import types
 
-    from megamoe.api import DEFAULT_COMM_SMS, default_comm_sms, sm_count
+    from megamoe.env import sm_count
+    from megamoe.parallel.fused import DEFAULT_COMM_SMS, default_comm_sms
 
     for num_sms, expected in ((132, DEFAULT_COMM_SMS), (2 * DEFAULT_COMM_SMS, 0), (16, 0)):
         monkeypatch.setattr(torch.cuda, "get_device_properties",
@@ -130,14 +131,37 @@ def test_module_forward_backward_and_load_balancing():
     assert layer.tokens_per_expert.sum() == 0  # eval does not count
 
 
-@pytest.mark.parametrize("kwargs,exc", [
-    ({"top_k": 7}, ValueError), ({"score_func": "tanh"}, ValueError), ({"hidden_size": 0}, ValueError),
-    ({"precision": "fp4"}, ValueError), ({"ep_group": object()}, TypeError),
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"top_k": 7}, ValueError, "top_k"), ({"score_func": "tanh"}, ValueError, "score_func"),
+    ({"hidden_size": 0}, ValueError, "hidden_size"), ({"precision": "fp4"}, ValueError, "precision"),
+    ({"ep_group": object()}, TypeError, "ep_group"), ({"dtype": torch.float64}, TypeError, "dtype must be"),
+    ({"dtype": torch.int32}, TypeError, "dtype must be"),
 ])
-def test_module_rejects_bad_config(kwargs, exc):
+def test_module_rejects_bad_config(kwargs, exc, match):
     args = {"hidden_size": 32, "intermediate_size": 16, "num_experts": 6, "top_k": 2, **kwargs}
-    with pytest.raises(exc):
+    with pytest.raises(exc, match=match):
         megamoe.MegaMoE(**args)
+
+
+def test_module_names_an_input_of_another_dtype():
+    layer = megamoe.MegaMoE(32, 16, 6, 2)
+    with pytest.raises(TypeError, match="x has dtype torch.float16 but the layer's weights are torch.float32"):
+        layer(torch.randn(3, 32, dtype=torch.float16))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        layer([[0.0] * 32])
+
+
+def test_bf16_in_the_interpreter_is_refused_not_wrong(monkeypatch):
+    """Triton 3.6's interpreter computes bf16 dots wrongly (rel. error ~1e10): the fused path refuses bf16 CPU
+    tensors there with a clear error; without the interpreter the same call runs the reference and is right."""
+    x, idx, w, w13, w2, _ = make_problem(6, 32, 16, 4, 2, "random", dtype=torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(TypeError, match="bfloat16 on the CPU under TRITON_INTERPRET=1"):
+        megamoe.moe(x, idx, w, w13, w2)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    y = megamoe.moe(x, idx, w, w13, w2)
+    ref = reference.moe_loop(x, idx, w, w13, w2, fp32=True)
+    assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
 
 
 def test_module_rejects_wrong_width():
@@ -146,14 +170,17 @@ def test_module_rejects_wrong_width():
 
 
 def test_benchmark_cpu_path_checks_correctness(capsys):
-    from megamoe.bench.layer import main
+    from megamoe.bench.cli import main
 
     if torch.cuda.is_available():
         pytest.skip("the CPU path runs only without a GPU")
     main([])
     out = capsys.readouterr().out
-    assert "timings need a GPU" in out
+    assert "timings need a GPU" in out and "Ignored" not in out
     assert "OK" in out and "megamoe" in out
+    main(["--preset", "qwen3-235b-a22b", "--tokens", "64", "--routing", "skewed"])
+    out = capsys.readouterr().out  # the options the check cannot honour are named; the routing is honoured
+    assert "Ignored without a GPU: --preset, --tokens" in out and "skewed routing" in out and "OK" in out
 
 
 @pytest.mark.gpu
@@ -162,7 +189,8 @@ def test_benchmark_gpu_path_writes_results_and_profile(tmp_path):
     timing window (UTC, one impl after the other), and the per-kernel tables name every impl."""
     import json
 
-    from megamoe.bench.layer import main, utc_now
+    from megamoe.bench.cli import main
+    from megamoe.bench.common import utc_now
 
     before = utc_now()
     main(["--preset", "tiny", "--tokens", "64", "--impls", "grouped_mm,megamoe", "--profile", "--no-plot",
@@ -174,7 +202,7 @@ def test_benchmark_gpu_path_writes_results_and_profile(tmp_path):
     windows = [t for r in info["results"] for t in r["timed_utc"]]
     assert before <= windows[0] and windows == sorted(windows) and windows[-1] <= utc_now()
     tables = (tmp_path / "tiny-t64-random-ep1-profile.txt").read_text()
-    act = "_act_ws_kernel" if torch.cuda.get_device_capability()[0] == 9 else "_act_bwd_kernel"  # kernels/ws.py
+    act = "_act_ws_kernel" if torch.cuda.get_device_capability()[0] == 9 else "_act_bwd_kernel"  # gluon_sm90.py
     assert "===== grouped_mm" in tables and "===== megamoe" in tables and act in tables
     assert "ms wall per call" in tables and "----- megamoe: host side" in tables and "cudaLaunchKernel" in tables
 

@@ -1,16 +1,21 @@
 """The fused expert-parallel protocol on the loopback workspace (R virtual ranks on one device): exact
 data movement on index-derived payloads, forward results against the one-device reference, repeated
 calls (epochs, counter resets) and capacity overflow. On CPU in the Triton interpreter; the same tests
-run on a GPU (where the kernels really spin on their flags)."""
+run on a GPU (where the kernels really spin on their flags): ``-m loopback``, a part of the GPU checks of its own."""
 
 import pytest
 import torch
 
 from megamoe import reference
 from megamoe.kernels.plan import build_plan
-from megamoe.parallel import dispatch
+from megamoe.kernels.expert_bwd import DX
+from megamoe.kernels.expert_fwd import DOWN
+from megamoe.parallel import loopback, protocol, senders
+from megamoe.parallel.owner import DOWN_PEER, DX_PEER, rows_to_peer_slots
 from megamoe.parallel.workspace import loopback_workspaces
 from tests.helpers import make_problem, run_with_grads
+
+pytestmark = pytest.mark.loopback
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -25,7 +30,7 @@ CASES = [
 DIM, INTER = 80, 16
 # Enough slots for every sending program of the senders' tests to loop over several blocks, the last one
 # partial, with dropped slots among them (one rank: 660 slots, over 2 or 3 senders in blocks of 64 forward and
-# of 32 backward; dispatch.SEND_UP_ROWS / SEND_DH_ROWS).
+# of 32 backward; senders.SEND_UP_ROWS / SEND_DH_ROWS).
 SENDER_CASES = CASES + [("several blocks per sender", [220, 90, 70, 60], 2, 3, "dropped")]
 
 
@@ -77,9 +82,9 @@ def test_dispatch_and_write_back_move_rows_exactly(case, num_ranks):
     workspaces = workspaces_for(ranks, per_rank)
     plans = [build_plan(p[1], num_experts) for p in ranks]
     for ws, plan in zip(workspaces, plans):
-        dispatch.exchange_counts(ws, plan)
+        protocol.exchange_counts(ws, plan)
     for ws, plan, (x, idx, w, _, _) in zip(workspaces, plans, ranks):
-        dispatch.dispatch_rows(ws, x, idx, w, plan)
+        senders.dispatch_rows(ws, x, idx, w, plan)
 
     for owner, ws in enumerate(workspaces):
         # Expected layout: local expert l, then source rank s, then the source's slots in order; each
@@ -93,7 +98,7 @@ def test_dispatch_and_write_back_move_rows_exactly(case, num_ranks):
                 weights.append(w.reshape(-1)[slots].float())
         token_rows, meta, weights = torch.cat(token_rows), torch.cat(meta), torch.cat(weights)
         n = meta.shape[0]
-        assert int(dispatch.current_counts(ws).sum()) == n
+        assert int(protocol.current_counts(ws).sum()) == n
         assert torch.equal(ws.recv_token_row[:n], token_rows.to(torch.int32)), f"owner {owner}: token rows"
         assert torch.equal(ws.recv_meta[:n], meta.to(torch.int32)), f"owner {owner}: row metadata"
         assert torch.equal(ws.recv_weight[:n], weights), f"owner {owner}: routing weights"
@@ -110,12 +115,12 @@ def test_dispatch_and_write_back_move_rows_exactly(case, num_ranks):
     # and the source's wait sees every owner's signal.
     eye = torch.eye(DIM, device=DEVICE).expand(per_rank, DIM, DIM).contiguous()
     for ws in workspaces:
-        plan, counts = dispatch.received_plan(ws)
-        dispatch.reset_arrivals(ws, counts)
-        dispatch.rows_to_peer_slots(ws, dispatch.DX_PEER, ws.recv_tokens[ws.recv_token_row.long()], eye, plan, DIM,
+        plan, counts = protocol.received_plan(ws)
+        protocol.reset_arrivals(ws, counts)
+        rows_to_peer_slots(ws, DX_PEER, ws.recv_tokens[ws.recv_token_row.long()], eye, plan, DIM,
                                     scalar_C=ws.recv_meta.float())
     for ws, (x, idx, _, _, _) in zip(workspaces, ranks):
-        dispatch.combine_returned(ws, idx, x.dtype)  # returns only once every row is whole
+        protocol.combine_returned(ws, idx, x.dtype)  # returns only once every row is whole
         routed = (idx.reshape(-1) >= 0).nonzero().flatten()
         assert torch.equal(ws.y_slots[routed], x[routed // idx.shape[1]]), f"rank {ws.rank}: returned rows"
         assert torch.equal(ws.slot_scalar[routed], (ws.rank * ws.max_slots + routed).float()), "returned scalars"
@@ -129,7 +134,7 @@ def test_round_trip_returns_every_row_exactly(case, num_ranks):
     ranks = split_problem(case, num_ranks)[0]
     workspaces = workspaces_for(ranks, case[2])
     for _ in range(2):
-        for ws, slots, (x, idx, *_) in zip(workspaces, dispatch.loopback_round_trip(workspaces, ranks), ranks):
+        for ws, slots, (x, idx, *_) in zip(workspaces, loopback.loopback_round_trip(workspaces, ranks), ranks):
             routed = (idx.reshape(-1) >= 0).nonzero().flatten()
             assert torch.equal(slots[routed], x[routed // idx.shape[1]]), f"rank {ws.rank}: returned rows"
             assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0, "counters not reset"
@@ -145,7 +150,7 @@ def check_loopback_forward(case, num_ranks):
     """Each rank's y against the fp32 one-device layer; the overflow and arrival/return counters clear after."""
     ranks, (x, idx, w, w13, w2, _), bounds, _ = split_problem(case, num_ranks)
     workspaces = workspaces_for(ranks, case[2])
-    ys = dispatch.loopback_forward(workspaces, ranks)
+    ys = loopback.loopback_forward(workspaces, ranks)
     ref = reference.moe_loop(x, idx, w, w13, w2, fp32=True)
     for r, y in enumerate(ys):
         expected = ref[bounds[r]:bounds[r + 1]]
@@ -159,7 +164,7 @@ def check_loopback_forward(case, num_ranks):
 
 def assert_counters_after_forward(ws):
     """After a forward: the arrival and return counters reset, and the up tiles' shortcut
-    (``expert_fwd._wait_rows_upto``) at this call's base, epoch * (L + 1), plus one past my last local expert with
+    (``protocol.wait_rows_upto``) at this call's base, epoch * (L + 1), plus one past my last local expert with
     received rows (the first of its tiles always waits in full and records it); below the base if I received none."""
     assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0, "counters not reset"
     epoch, num_local = int(ws.epoch[0]), ws.num_local
@@ -181,7 +186,7 @@ def test_rows_sent_from_the_up_kernels_launch_match_the_reference(case, num_rank
     workspaces = workspaces_for(ranks, case[2])
     ref = reference.moe_loop(*problem[:5], fp32=True)
     for _ in range(2):
-        for r, y in enumerate(dispatch.loopback_forward(workspaces, ranks, comm_sms=comm_sms)):
+        for r, y in enumerate(loopback.loopback_forward(workspaces, ranks, comm_sms=comm_sms)):
             torch.testing.assert_close(y, ref[bounds[r]:bounds[r + 1]], rtol=1e-5, atol=1e-5)
         for ws in workspaces:
             assert_counters_after_forward(ws)
@@ -194,7 +199,7 @@ def test_output_gemms_take_their_twins_tile_and_launch_mode(persistent, monkeypa
     slot: forward and backward on three loopback ranks against the fp32 reference, at 16 output columns per
     block, so that the persistent programs (4 in the interpreter) stride over several busy tiles, with dropped
     slots and experts with no rows (idle tiles)."""
-    for twin, follower in ((dispatch.DOWN, dispatch.DOWN_PEER), (dispatch.DX, dispatch.DX_PEER)):
+    for twin, follower in ((DOWN, DOWN_PEER), (DX, DX_PEER)):
         chosen = {**twin.default, "BN": 128, "PERSISTENT": persistent}
         assert follower._own(chosen) == chosen
         assert follower.default == twin.default
@@ -208,7 +213,7 @@ def test_output_gemms_take_their_twins_tile_and_launch_mode(persistent, monkeypa
     ([[0, 5], [1, 2], [4, 3], [5, 0], [2, 3]], 3, 2),  # every expert has rows
     ([[0, 5], [1, 2], [1, 3], [5, 0], [2, 3]], 3, 2),  # expert 4 (owner 2's local expert 0) has none
     ([[0, -1], [-1, 2], [4, 3], [5, 0], [-1, -1]], 3, 2),  # dropped slots: after the routed rows, as none
-    ("5 000 rows per expert", 2, 1),  # more blocks than programs per expert (dispatch.SEND_LIST_SPLIT)
+    ("5 000 rows per expert", 2, 1),  # more blocks than programs per expert (senders.SEND_LIST_SPLIT)
     ("half of them dropped", 2, 1),  # as many dropped slots, expert 1 empty
 ])
 def test_send_list_is_local_expert_major(idx, num_ranks, num_local):
@@ -234,8 +239,8 @@ def test_send_list_is_local_expert_major(idx, num_ranks, num_local):
     carries = [int(slot >= 0 and not any(
         p >= 0 and p // num_local == e // num_local and (p % num_local, k) < (e % num_local, slot % top_k)
         for k, p in enumerate(picks[slot // top_k]))) for slot, e in zip(want[0], want[1])]
-    assert dispatch.send_list(plan, num_ranks, num_local).tolist() == [*want, [0] * len(carries)]
-    assert dispatch.send_list(plan, num_ranks, num_local, idx).tolist() == [*want, carries]
+    assert senders.send_list(plan, num_ranks, num_local).tolist() == [*want, [0] * len(carries)]
+    assert senders.send_list(plan, num_ranks, num_local, idx).tolist() == [*want, carries]
 
 
 @pytest.mark.parametrize("num_ranks, comm_sms", [(2, 0), (4, 0), (1, 2), (3, 2)])
@@ -251,7 +256,7 @@ def check_loopback_backward(case, num_ranks, comm_sms):
     rank), against the fp32 one-device layer; experts that receive no rows get exact zeros."""
     ranks, problem, bounds, dys = split_problem(case, num_ranks)
     workspaces = workspaces_for(ranks, case[2])
-    grads = dispatch.loopback_backward(workspaces, ranks, dys, comm_sms=comm_sms)
+    grads = loopback.loopback_backward(workspaces, ranks, dys, comm_sms=comm_sms)
     _, dx, dw, dw13, dw2 = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *problem)
     per_rank = case[2]
     for r, got in enumerate(grads):
@@ -273,7 +278,7 @@ def test_consecutive_calls_reuse_the_workspace():
     workspaces = workspaces_for(ranks0, case[2], capacity=4 * 64)
     for seed in range(3):
         ranks, (x, idx, w, w13, w2, _), bounds, _ = split_problem(case, 4, seed=seed)
-        ys = dispatch.loopback_forward(workspaces, ranks)
+        ys = loopback.loopback_forward(workspaces, ranks)
         ref = reference.moe_loop(x, idx, w, w13, w2, fp32=True)
         for r, y in enumerate(ys):
             torch.testing.assert_close(y, ref[bounds[r]:bounds[r + 1]], rtol=1e-5, atol=1e-5)
@@ -287,7 +292,7 @@ def test_capacity_overflow_is_reported_and_nothing_hangs():
     ranks, _, _, _ = split_problem(case, 4)
     capacity = 10
     workspaces = workspaces_for(ranks, case[2], capacity=capacity)
-    dispatch.loopback_forward(workspaces, ranks)  # returns: a lost row is counted, never waited for
+    loopback.loopback_forward(workspaces, ranks)  # returns: a lost row is counted, never waited for
     # Owner 0's layout: local expert, then source rank; rows from position `capacity` on are lost.
     sent = [[int((p[1] == l).sum()) for p in ranks] for l in range(case[2])]
     lost, position = [0] * 4, 0
@@ -343,7 +348,7 @@ def test_loopback_benchmark_timed_path_runs(monkeypatch):
 STEPS_SCRIPT = """
 import torch
 from megamoe import reference
-from megamoe.parallel import dispatch
+from megamoe.parallel import loopback
 from megamoe.parallel.workspace import loopback_workspaces
 from tests.helpers import make_problem
 
@@ -356,10 +361,10 @@ for step in range(200):
     ranks = [(x[r * T:(r + 1) * T], idx[r * T:(r + 1) * T], w[r * T:(r + 1) * T], w13[r * L:(r + 1) * L],
               w2[r * L:(r + 1) * L]) for r in range(R)]
     if step % 2:
-        dispatch.loopback_backward(workspaces, ranks, [dy[r * T:(r + 1) * T] for r in range(R)], comm_sms=COMM_SMS)
+        loopback.loopback_backward(workspaces, ranks, [dy[r * T:(r + 1) * T] for r in range(R)], comm_sms=COMM_SMS)
     else:
-        dispatch.loopback_forward(workspaces, ranks, comm_sms=COMM_SMS)
-ys = torch.cat(dispatch.loopback_forward(workspaces, ranks, comm_sms=COMM_SMS)).float()
+        loopback.loopback_forward(workspaces, ranks, comm_sms=COMM_SMS)
+ys = torch.cat(loopback.loopback_forward(workspaces, ranks, comm_sms=COMM_SMS)).float()
 ref32 = reference.moe_loop(x, idx, w, w13, w2, fp32=True)
 ref_lp = reference.moe_loop(x, idx, w, w13, w2).float()
 err, bound = (ys - ref32).abs().max().item(), 2 * (ref_lp - ref32).abs().max().item() + 1e-5 * ref32.abs().max().item()
@@ -394,11 +399,11 @@ def test_loopback_step_replays_in_a_cuda_graph_with_new_routing():
     ranks = split_problem(case, 4)[0]
     static = [tuple(t.clone() for t in p) for p in ranks]
     workspaces = workspaces_for(ranks, case[2], capacity=4 * 64)
-    dispatch.loopback_forward(workspaces, static)  # compile and load every kernel before capturing
+    loopback.loopback_forward(workspaces, static)  # compile and load every kernel before capturing
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ys = dispatch.loopback_forward(workspaces, static)
+        ys = loopback.loopback_forward(workspaces, static)
     for seed in (1, 2):
         ranks, (x, idx, w, w13, w2, _), bounds, _ = split_problem(case, 4, seed=seed)
         for dst, src in zip(static, ranks):

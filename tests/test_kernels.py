@@ -50,10 +50,10 @@ def misaligned(t: torch.Tensor) -> torch.Tensor:
 
 def test_rows_tma_cannot_take_warn_and_run_the_reference(monkeypatch):
     import megamoe.api
-    import megamoe.autograd
+    import megamoe.env
 
-    monkeypatch.setattr(megamoe.api, "_warned", set())
-    monkeypatch.setattr(megamoe.autograd, "fused_moe", lambda *a: pytest.fail("the fused path ran"))
+    monkeypatch.setattr(megamoe.env, "_warned", set())
+    monkeypatch.setattr(megamoe.api, "fused_moe", lambda *a: pytest.fail("the fused path ran"))
     problem = make_problem(20, 32, 20, 4, 2, "random", dtype=torch.float16, device=DEVICE)  # 40-byte I rows
     with pytest.warns(UserWarning, match="not 16-byte multiples"):
         out = run_with_grads(megamoe.moe, *problem)
@@ -62,9 +62,9 @@ def test_rows_tma_cannot_take_warn_and_run_the_reference(monkeypatch):
 
 def test_misaligned_weights_warn_and_still_run_fused(monkeypatch):
     """A weight starting off a 16-byte boundary (a view into a larger buffer) is copied for TMA."""
-    import megamoe.api
+    import megamoe.env
 
-    monkeypatch.setattr(megamoe.api, "_warned", set())
+    monkeypatch.setattr(megamoe.env, "_warned", set())
     x, idx, w, w13, w2, dy = make_problem(20, 32, 16, 4, 2, "random", device=DEVICE)
     problem = (x, idx, w, misaligned(w13), misaligned(w2), dy)
     assert problem[3].data_ptr() % 16 and torch.equal(problem[3], w13)
@@ -398,7 +398,7 @@ def test_every_weight_gradient_config_matches_a_per_expert_reference(monkeypatch
 def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, counts, poison_cuda):
     """The Gluon kernel on the GPU: each expert's sum of outer products, an empty expert exact zeros,
     and rows past the last expert (never written: NaN here) or of the next expert never leak in."""
-    from megamoe.kernels.ws import expert_wgrad_ws
+    from megamoe.kernels.gluon_sm90 import expert_wgrad_ws
 
     offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device="cuda")
     routed = int(offsets[-1])
@@ -438,7 +438,7 @@ def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, int
     """The Gluon dh' kernel on the GPU: every routed sorted row equals dy_row W2[e] in fp32, with an expert
     without rows, dropped slots, and NaN rows past the routed ones (read by the last tile, never stored)."""
     from megamoe.kernels import expert_bwd
-    from megamoe.kernels.ws import ws_supported
+    from megamoe.kernels.gluon_sm90 import ws_supported
 
     (_, _, _, _, w2, _), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
     dy_sorted = torch.randn(plan.row_slot_N.numel(), dim, device="cuda", dtype=torch.bfloat16)
@@ -516,7 +516,7 @@ def test_warp_specialized_up_kernel_matches_a_per_expert_reference(num_tokens, d
     sorted row equals silu(x W1[e]^T) * (x W3[e]^T) in fp32, with D and I past the tile, an expert without
     rows and dropped slots; and the same h as the Triton kernel."""
     from megamoe.kernels import expert_fwd
-    from megamoe.kernels.ws import ws_supported
+    from megamoe.kernels.gluon_sm90 import ws_supported
 
     (x, _, _, w13, _, _), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
     assert ws_supported(x)

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from megamoe.bench.sender_trace import PHASES, summarize
-from megamoe.parallel import dispatch
+from megamoe.parallel import trace
 
-HEAD, PER_BLOCK, PER_TILE = dispatch.TRACE_HEAD.value, dispatch.TRACE_PER_BLOCK.value, dispatch.TRACE_PER_TILE.value
-STRIDE = dispatch.TRACE_STRIDE.value
+HEAD, PER_BLOCK, PER_TILE = trace.TRACE_HEAD.value, trace.TRACE_PER_BLOCK.value, trace.TRACE_PER_TILE.value
+STRIDE = trace.TRACE_STRIDE.value
 
 
 def made_up_stamps():

@@ -1,3 +1,3 @@
-from megamoe.bench.layer import main
+from megamoe.bench.cli import main
 
 main()

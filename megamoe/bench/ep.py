@@ -23,7 +23,7 @@ its own count per rank, which would desynchronise the collectives).
 
 The overlap figure (with ``fused``): the fused forward against ``compute_only`` — the same rank's expert
 work with no communication, megamoe's one-device kernels on the rows its experts receive — and
-``comm_only`` — the fused protocol's rows out and back with no experts (:func:`dispatch.round_trip`),
+``comm_only`` — the fused protocol's rows out and back with no experts (:func:`round_trip`),
 both timed in the same run: per fused impl, ``overlap_fwd = fwd / max(compute_only fwd, comm_only fwd)``
 (1.0 is perfect overlap; compute + comm, no overlap at all, is up to 2.0).
 
@@ -47,7 +47,22 @@ import torch.distributed as dist
 
 import megamoe
 from megamoe import reference
+from megamoe.bench.common import (
+    PRESETS,
+    git_commit,
+    grads_of,
+    kernel_tables,
+    make_problem,
+    source_digest,
+    training_step,
+    utc_now,
+)
+from megamoe.env import interpreting
+from megamoe.kernels.plan import build_plan
 from megamoe.parallel.all_to_all import AllToAll, exchange_splits, moe_all_to_all
+from megamoe.parallel.fused import moe_fused_ep, workspace_for
+from megamoe.parallel.loopback import loopback_backward, loopback_forward, round_trip
+from megamoe.parallel.workspace import loopback_workspaces
 
 EP_IMPLS = ("a2a_grouped_mm", "a2a_grouped_mm_compiled", "a2a_megamoe", "fused")
 ERROR_TOKENS_PER_RANK = 64  # each rank's tokens in the small problem every impl is checked on
@@ -94,16 +109,12 @@ def ep_impls(names, group, max_tokens_per_rank: int, comm_sms=()) -> dict:
         elif name == "a2a_grouped_mm_compiled":
             experts = torch.compile(reference.moe_grouped_mm, fullgraph=True)
         elif name == "fused":
-            from megamoe.parallel.fused import moe_fused_ep
-
             impls[name] = functools.partial(moe_fused_ep, group=group, max_tokens_per_rank=max_tokens_per_rank)
             continue
         else:
             experts = megamoe.moe
         impls[name] = functools.partial(_with_group, group=group, experts=experts)
     if comm_sms:
-        from megamoe.parallel.fused import moe_fused_ep
-
         for n in comm_sms:  # an int, or a pair (forward, backward)
             name = f"fused_sms{n}" if isinstance(n, int) else "fused_sms{}_{}".format(*n)
             impls[name] = functools.partial(moe_fused_ep, group=group, comm_sms=n,
@@ -147,8 +158,6 @@ def max_over_ranks(value: float, device) -> float:
 def reference_share(problem, rank: int, num_ranks: int) -> list[torch.Tensor]:
     """(y, dx, d weights) of this rank's tokens and (dw13, dw2) of its experts, from the one-device fp32
     layer on the whole problem."""
-    from megamoe.bench.layer import grads_of
-
     ref = grads_of(lambda *a: reference.moe_loop(*a, fp32=True),
                    *[t.float() if t.is_floating_point() else t for t in problem])
     tok, exp = rank_share(problem, rank, num_ranks)
@@ -157,8 +166,6 @@ def reference_share(problem, rank: int, num_ranks: int) -> list[torch.Tensor]:
 
 def gathered_error(fn, problem, ref_share, rank: int, num_ranks: int) -> float:
     """max over (y, dx, d weights, dw13, dw2) of max|out - ref| / max|ref| for this rank's share."""
-    from megamoe.bench.layer import grads_of
-
     out = grads_of(fn, *local_problem(problem, rank, num_ranks))
     return max(((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for o, r in zip(out, ref_share))
 
@@ -198,8 +205,6 @@ def main(args) -> None:
 
 
 def run(args, cuda: bool) -> None:
-    from megamoe.bench.layer import PRESETS, make_problem
-
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
@@ -260,8 +265,6 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
     forward and forward+backward and of the halves of the overlap figure (compute only: forward and
     forward+backward; comm only: forward): where the fused forward's time goes beyond max(compute only,
     comm only), and the backward's beyond the compute-only backward."""
-    from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest, training_step, utc_now
-
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     dim, inter, num_experts, top_k = PRESETS[preset]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -306,14 +309,9 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
 def compute_and_comm_only(problem, local, group, device, iters: int, fused_comm: bool) -> tuple[dict, dict]:
     """The two halves of the overlap figure, as the maximum over ranks of each rank's median: this rank's
     expert work alone (one-device megamoe on :func:`received_problem`, forward and forward+backward) and,
-    if ``fused_comm``, the fused protocol's forward communication alone (:func:`dispatch.round_trip`).
+    if ``fused_comm``, the fused protocol's forward communication alone (:func:`round_trip`).
     Also the calls timed (name → function: compute only forward and forward+backward, comm only forward),
     for a profile."""
-    from megamoe.bench.layer import training_step
-    from megamoe.kernels.plan import build_plan
-    from megamoe.parallel import dispatch
-    from megamoe.parallel.fused import workspace_for
-
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     received = received_problem(problem, rank, num_ranks)
     fwd, fwd_bwd = training_step(megamoe.moe, received)
@@ -324,7 +322,7 @@ def compute_and_comm_only(problem, local, group, device, iters: int, fused_comm:
         x, idx, w, w13, *_ = local
         ws = workspace_for(group, w13.shape[0], x.shape[0], idx.shape[1], x.shape[1], x.dtype)
         plan = build_plan(idx, w13.shape[0] * num_ranks)
-        halves["comm only forward"] = functools.partial(dispatch.round_trip, ws, x, idx, w, plan)
+        halves["comm only forward"] = functools.partial(round_trip, ws, x, idx, w, plan)
         out["comm_only_fwd_ms"] = max_over_ranks(timed(halves["comm only forward"], iters, 3, device), device)
     return out, halves
 
@@ -338,7 +336,7 @@ def run_loopback(args, cuda: bool) -> None:
     if not cuda:
         print(f"No CUDA GPU: timings need a GPU. Checking the loopback protocol ({num_ranks} virtual ranks) on "
               "a tiny problem instead.")
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        if not interpreting():
             raise SystemExit("set TRITON_INTERPRET=1: the protocol's kernels are Triton kernels")
         info = loopback_case("tiny", 8, args.routing[0], num_ranks, args.seed, timed=False, comm_sms=args.comm_sms)
         err = max(v for k, v in info.items() if k.startswith("loopback_fwd_max_rel_err"))
@@ -377,10 +375,6 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     times against the plain layer; the same with the rows sent from N programs of the expert kernels'
     launches for each N of ``comm_sms`` (the error: forward).
     ``profile``: also ``"_profile"``, per-kernel CUDA time tables of every variant (text)."""
-    from megamoe.bench.layer import PRESETS, git_commit, make_problem, source_digest, training_step, utc_now
-    from megamoe.parallel import dispatch
-    from megamoe.parallel.workspace import loopback_workspaces
-
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -402,7 +396,7 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
 
     info["plain_fwd_max_rel_err"] = rel_err(megamoe.moe(*problem[:5]))
     for n, suffix in [(0, ""), *((n, f"_sms{n}") for n in comm_sms)]:
-        info[f"loopback_fwd_max_rel_err{suffix}"] = rel_err(torch.cat(dispatch.loopback_forward(workspaces, ranks,
+        info[f"loopback_fwd_max_rel_err{suffix}"] = rel_err(torch.cat(loopback_forward(workspaces, ranks,
                                                                                                comm_sms=n)))
     if not timed:
         return info
@@ -412,10 +406,10 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     _, plain_fwd_bwd = training_step(megamoe.moe, problem)
 
     def fwd(n=0):
-        return dispatch.loopback_forward(workspaces, ranks, comm_sms=n)
+        return loopback_forward(workspaces, ranks, comm_sms=n)
 
     def bwd(n=0):
-        return dispatch.loopback_backward(workspaces, ranks, dys, comm_sms=n)
+        return loopback_backward(workspaces, ranks, dys, comm_sms=n)
 
     variants = {"loopback forward": fwd, "loopback backward": bwd,
                 "plain forward": lambda: megamoe.moe(x, idx, w, w13, w2), "plain forward+backward": plain_fwd_bwd}
@@ -448,34 +442,3 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     }
 
 
-def kernel_tables(variants: dict, calls: int = 5) -> str:
-    """Per-kernel CUDA time of each variant (name → function), ``calls`` calls after three warm-up calls,
-    as torch.profiler tables: where a variant's time goes, kernel by kernel (CPU time without a GPU). On
-    a GPU each variant also gets its host-side table (CUDA runtime calls: a synchronising call or a
-    cudaMalloc shows there) and the wall time of the back-to-back calls: the GPU idled at most the wall
-    time less the kernels' total (which also holds the first launch's latency and the profiler's own
-    host work)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    out = []
-    for name, fn in variants.items():
-        for _ in range(3):
-            fn()
-        sync()
-        with profile(activities=activities) as prof:
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            sync()
-            wall_ms = (time.perf_counter() - start) * 1e3 / calls
-        averages = prof.key_averages()
-        out.append(f"===== {name} ({calls} calls, {wall_ms:.3f} ms wall per call under the profiler)\n"
-                   + averages.table(sort_by="self_cuda_time_total" if cuda else "cpu_time_total", row_limit=15,
-                                    max_name_column_width=50))
-        if cuda:
-            out.append(f"----- {name}: host side\n"
-                       + averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
-    return "\n".join(out) + "\n"

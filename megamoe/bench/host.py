@@ -29,7 +29,7 @@ import triton
 
 
 def step_time_us(fn, problem, steps: int) -> float:
-    from megamoe.bench.layer import training_step
+    from megamoe.bench.common import training_step
 
     _, step = training_step(fn, problem)
     sync = torch.cuda.synchronize if problem[0].is_cuda else (lambda: None)
@@ -49,7 +49,7 @@ def cprofile_table(fn, problem, steps: int, top: int) -> str:
     import io
     import pstats
 
-    from megamoe.bench.layer import training_step
+    from megamoe.bench.common import training_step
 
     _, step = training_step(fn, problem)
     profiler = cProfile.Profile()
@@ -107,7 +107,7 @@ def main(argv=None) -> None:
 
     import megamoe
     from megamoe import autograd
-    from megamoe.bench.layer import make_problem
+    from megamoe.bench.common import make_problem
 
     if args.gpu:  # the 30B layer, bf16; its first step autotunes
         problem = make_problem(args.tokens, 2048, 768, 128, 8, "random", torch.bfloat16, "cuda", 0)

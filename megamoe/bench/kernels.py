@@ -24,12 +24,12 @@ import torch
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from megamoe.bench.layer import PRESETS, ROUTINGS, git_commit, make_problem, source_digest, utc_now
+from megamoe.bench.common import PRESETS, ROUTINGS, git_commit, make_problem, source_digest, utc_now
 from megamoe.kernels import expert_bwd, expert_fwd
 from megamoe.kernels.combine import combine
+from megamoe.kernels.gluon_sm90 import ACT_CONFIG, UP_CONFIG, WS_CONFIG, ws_supported
 from megamoe.kernels.plan import build_plan
 from megamoe.kernels.tuning import TunedKernel
-from megamoe.kernels.ws import ACT_CONFIG, UP_CONFIG, WS_CONFIG, ws_supported
 
 
 def grid_of(**axes):

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.bench.layer import git_commit, source_digest, utc_now
+from megamoe.bench.common import git_commit, source_digest, utc_now
 
 ROWS, COLS = 128, 64  # one block: 16 KB of bf16, a GEMM operand tile's size
 

@@ -17,14 +17,9 @@ training FLOPs 18·N·D·I for every impl (comparable across impls, like MFU).
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import hashlib
 import itertools
 import json
-import os
 import shlex
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,44 +30,25 @@ import torch
 import megamoe
 from megamoe import reference
 from megamoe.api import backend_for
-from megamoe.bench.ep import EP_IMPLS, kernel_tables
+from megamoe.bench.common import (
+    PRESETS,
+    dense_matmul_tflops,
+    git_commit,
+    kernel_tables,
+    make_problem,
+    max_rel_err,
+    source_digest,
+    training_step,
+    utc_now,
+)
+from megamoe.env import interpreting
 from megamoe.kernels.tuning import autotune_enabled
-from megamoe.routing import route
 
-PRESETS = {
-    # name: (D hidden, I expert intermediate, E experts, K top-k)
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "qwen3-235b-a22b": (4096, 1536, 128, 8),
-    "tiny": (64, 32, 8, 2),
-}
-ROUTINGS = ("random", "balanced", "skewed")
 IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "megamoe", "megamoe_cudagraph")
+DEFAULT_IMPLS = "grouped_mm,grouped_mm_compiled,megamoe"
 BASELINES = ("grouped_mm", "grouped_mm_compiled")
-
-
-def make_routing(kind: str, num_tokens: int, num_experts: int, top_k: int, device, generator) -> tuple:
-    """(topk_idx int64, topk_weights fp32). ``random``: softmax router over N(0,1) logits, top-k,
-    renormalised. ``balanced``: every expert gets the same number of rows (±1). ``skewed``: the same
-    router with Zipf-like expert popularity (logit bias -1.2·ln(rank+1) over a random permutation)."""
-    logits = torch.randn(num_tokens, num_experts, device=device, generator=generator)
-    if kind == "skewed":
-        rank = torch.randperm(num_experts, device=device, generator=generator).float()
-        logits = logits - 1.2 * torch.log1p(rank)
-    topk_idx, topk_weights = route(logits, top_k, score_func="softmax", norm_topk_prob=True)
-    if kind == "balanced":
-        slot = torch.arange(num_tokens * top_k, device=device).view(num_tokens, top_k)
-        topk_idx = slot % num_experts
-    return topk_idx, topk_weights
-
-
-def make_problem(num_tokens, dim, inter, num_experts, top_k, routing, dtype, device, seed):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(num_tokens, dim, device=device, dtype=dtype, generator=gen)
-    w13 = torch.randn(num_experts, 2 * inter, dim, device=device, dtype=dtype, generator=gen) / dim**0.5
-    w2 = torch.randn(num_experts, dim, inter, device=device, dtype=dtype, generator=gen) / inter**0.5
-    topk_idx, topk_weights = make_routing(routing, num_tokens, num_experts, top_k, device, gen)
-    dy = torch.randn(num_tokens, dim, device=device, dtype=dtype, generator=gen)
-    return x, topk_idx, topk_weights, w13, w2, dy
+# The CPU check: a tiny problem through what runs on a CPU.
+CPU_TOKENS, CPU_IMPLS = 48, ("loop", "grouped_mm", "megamoe")
 
 
 @dataclass
@@ -114,51 +90,6 @@ def make_impls(names, device) -> list[Impl]:
         else:
             raise ValueError(f"unknown impl {name!r}; choose from {IMPLS}")
     return impls
-
-
-def grads_of(fn, x, topk_idx, topk_weights, w13, w2, dy):
-    """[y, dx, d topk_weights, dw13, dw2] of ``fn`` for the output gradient ``dy`` (fresh leaves)."""
-    leaves = [t.detach().requires_grad_() for t in (x, topk_weights, w13, w2)]
-    xl, wl, w13l, w2l = leaves
-    y = fn(xl, topk_idx, wl, w13l, w2l)
-    grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
-    return [y.detach(), *grads]
-
-
-def max_rel_err(fn, problem) -> float:
-    """max over (y, dx, d topk_weights, dw13, dw2) of max|out - ref| / max|ref|, ref = fp32 loop."""
-    x, topk_idx, topk_weights, w13, w2, dy = problem
-    ref = grads_of(lambda *a: reference.moe_loop(*a, fp32=True), x, topk_idx, topk_weights, w13, w2, dy)
-    out = grads_of(fn, x, topk_idx, topk_weights, w13, w2, dy)
-    return max(((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for o, r in zip(out, ref))
-
-
-def dense_matmul_tflops(device) -> float:
-    from triton.testing import do_bench
-
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
-    return 2 * n**3 / ms / 1e9
-
-
-def training_step(fn: Callable, problem) -> tuple[Callable, Callable]:
-    """``(fwd, fwd_bwd)`` over fresh leaf copies of ``problem``'s x, routing weights, w13 and w2: ``fwd()``
-    runs ``fn`` on them; ``fwd_bwd()`` also runs the backward with the problem's dy and then drops the
-    gradients, so that no step accumulates into the last one's."""
-    x, topk_idx, topk_weights, w13, w2, dy = problem
-    leaves = [t.detach().clone().requires_grad_() for t in (x, topk_weights, w13, w2)]
-
-    def fwd():
-        return fn(leaves[0], topk_idx, *leaves[1:])
-
-    def fwd_bwd():
-        fwd().backward(dy)
-        for t in leaves:
-            t.grad = None
-
-    return fwd, fwd_bwd
 
 
 def time_impl(impl: Impl, problem, rep_ms: int) -> dict:
@@ -225,107 +156,27 @@ def cuda_graphed(fn: Callable) -> tuple[Callable, object]:
     return graph.replay, out
 
 
-def csv_of(allowed):
-    """argparse type: a comma-separated list, each item in ``allowed`` (or converted by it)."""
-    def parse(text: str) -> list:
-        items = [item.strip() for item in text.split(",") if item.strip()]
-        if callable(allowed):
-            return [allowed(item) for item in items]
-        bad = [item for item in items if item not in allowed]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"{bad or text!r} not in {sorted(allowed)}")
-        return items
-    return parse
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m megamoe.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", type=csv_of(PRESETS), default="qwen3-30b-a3b",
-                   help=f"one or more (comma-separated) of {sorted(PRESETS)}")
-    p.add_argument("--tokens", type=csv_of(int), default="16384", help="tokens per step (T), comma-separated")
-    p.add_argument("--routing", type=csv_of(ROUTINGS), default="random", help=f"comma-separated, from {ROUTINGS}")
-    p.add_argument("--impls", default=None,
-                   help=f"comma-separated, from {IMPLS} (default: grouped_mm,grouped_mm_compiled,megamoe; 'loop' "
-                        f"is slow: opt in; 'liger' needs liger-kernel); with --ep from {EP_IMPLS} (default: all)")
-    p.add_argument("--ep", action="store_true",
-                   help="expert-parallel benchmark over the torchrun ranks (see megamoe/bench/ep.py); --tokens is "
-                        "per rank")
-    p.add_argument("--ep-iters", type=int, default=20, help="timed iterations per measurement with --ep")
-    p.add_argument("--loopback", type=int, default=0, metavar="R",
-                   help="with --ep: R virtual ranks on one device (no torchrun): the fused protocol against the "
-                        "plain one-device layer")
-    p.add_argument("--comm-sms", type=lambda v: [int(n) for n in v.split(",")], default=[], metavar="N[,N...]",
-                   help="with --ep: also the fused protocol sending rows from N programs of the expert kernels' "
-                        "launches (impl fused_smsN; with --loopback R > 1 each rank's senders run before every GEMM, so "
-                        "only R = 1 overlaps)")
-    p.add_argument("--comm-sms-split", type=lambda v: [tuple(int(n) for n in pair.split(":")) for pair in v.split(",")],
-                   default=[], metavar="F:B[,F:B...]",
-                   help="with --ep on real ranks: also the fused protocol with F sending programs in the forward and "
-                        "B in the backward (impl fused_smsF_B; 0: a dispatch kernel of its own)")
-    p.add_argument("--profile", action="store_true",
-                   help="also write each impl's (with --ep --loopback: each variant's) per-kernel CUDA times of "
-                        "forward+backward (torch.profiler) next to the JSON: where a step's time goes beyond the "
-                        "expert kernels (python -m megamoe.bench.kernels); CUDA-graph impls share their eager "
-                        "twin's table. With --ep on real ranks: each fused impl's forward and the overlap figure's "
-                        "two halves (compute only, comm only), one file per rank")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition budget per measurement")
-    p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
-    p.add_argument("--no-plot", action="store_true")
-    return p.parse_args(argv)  # argparse applies ``type`` to string defaults too
-
-
 def run_cpu(args) -> None:
     dim, inter, num_experts, top_k = PRESETS["tiny"]
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    names = ["loop", "grouped_mm", "megamoe"]
+    interp = interpreting()
     print("No CUDA GPU: timings need a GPU. Checking correctness on a tiny problem instead")
-    print(f"(T=48, D={dim}, I={inter}, E={num_experts}, K={top_k}, fp32; megamoe runs "
-          f"{'the Triton kernels in the interpreter' if interp else 'the reference'}"
+    print(f"(T={CPU_TOKENS}, D={dim}, I={inter}, E={num_experts}, K={top_k}, fp32, {args.routing[0]} routing; megamoe "
+          f"runs {'the Triton kernels in the interpreter' if interp else 'the reference'}"
           f"{'' if interp else ' — set TRITON_INTERPRET=1 to run its Triton kernels'}).")
-    problem = make_problem(48, dim, inter, num_experts, top_k, args.routing[0], torch.float32, "cpu", args.seed)
+    ignored = sorted(args.explicit & {"preset", "tokens", "impls", "rep_ms", "out", "profile", "no_plot"})
+    if ignored:
+        print(f"Ignored without a GPU: {', '.join('--' + name.replace('_', '-') for name in ignored)} (the check "
+              f"always runs the tiny preset through {', '.join(CPU_IMPLS)} and writes nothing).")
+    problem = make_problem(CPU_TOKENS, dim, inter, num_experts, top_k, args.routing[0], torch.float32, "cpu",
+                           args.seed)
     worst = 0.0
-    for impl in make_impls(names, "cpu"):
+    for impl in make_impls(CPU_IMPLS, "cpu"):
         err = max_rel_err(impl.fn, problem)
         worst = max(worst, err)
         print(f"  {impl.name:24s} max rel err vs fp32 reference (y and all grads): {err:.2e}")
     if worst > 1e-4:
         sys.exit(f"FAILED: an implementation disagrees with the fp32 reference ({worst:.2e} > 1e-4)")
     print("OK. Run on a CUDA GPU for timings.")
-
-
-def source_digest() -> str:
-    """sha256 over the megamoe package's sources (paths and bytes): identifies the code that ran even
-    where the checkout's git metadata is stale (the lent GPU machine gets a copy of the working tree
-    whose .git can lag behind). Recompute on any commit with the same function to match a result."""
-    root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
-
-
-def utc_now(timespec: str = "milliseconds") -> str:
-    """The time in UTC, ISO 8601: a result's ``date`` (seconds) and its timing windows (milliseconds)."""
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec=timespec)
-
-
-def git_commit() -> str | None:
-    """HEAD of the checkout the running megamoe package belongs to ("-dirty" with uncommitted changes), or
-    None when the package is not that checkout's own: a copied working tree, or a copy of another branch
-    inside this checkout (``device-check.sh compare``'s ``_exp/B``), whose enclosing repository's HEAD
-    would name code that did not run."""
-    root = Path(__file__).resolve().parents[2]
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=root).stdout.strip()
-
-    try:
-        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
-            return None
-        return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None  # not a git checkout
 
 
 def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) -> dict:
@@ -415,14 +266,9 @@ def plot(info: dict, path: Path, keys=PLOT_KEYS, problem: str | None = None) -> 
     plt.close(fig)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    if args.ep:
-        from megamoe.bench.ep import main as ep_main
-
-        ep_main(args)
-        return
-    args.impls = args.impls or "grouped_mm,grouped_mm_compiled,megamoe"
+def main(args) -> None:
+    """The layer benchmark for parsed arguments (``megamoe.bench.cli``)."""
+    args.impls = args.impls or DEFAULT_IMPLS
     if not torch.cuda.is_available():
         run_cpu(args)
         return

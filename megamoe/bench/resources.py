@@ -2,7 +2,7 @@
 spills and shared memory from ``ptxas -v``: the first things to check before spending device time.
 
 ``python -m megamoe.bench.resources [--candidates]``; with 16-bit operands also the Gluon kernels
-(``kernels.ws``), whose pointer-store epilogues must emit 16-byte stores. Pointers and the D / I / P / Q sizes are
+(``kernels.gluon_sm90``), whose pointer-store epilogues must emit 16-byte stores. Pointers and the D / I / P / Q sizes are
 specialised as 16-divisible, as Triton does at run time for such values: without that Triton neither
 vectorises nor pipelines the loads, and the report would describe a kernel that never runs. TMA
 descriptor parameters (those the kernel's ``blocks`` names) get the block shape the config gives them.
@@ -25,29 +25,30 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megamoe.kernels import expert_bwd, expert_fwd, ws
+from megamoe.kernels import expert_bwd, expert_fwd
+from megamoe.kernels import gluon_sm90 as ws
 from megamoe.kernels.tuning import TunedKernel, fit_dtype
-from megamoe.parallel import dispatch
+from megamoe.parallel import loopback, owner, protocol, senders
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200 (sm_90)
 KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "dh": expert_bwd.DH, "act": expert_bwd.ACT_BWD,
-           "dx": expert_bwd.DX, "wgrad": expert_bwd.WGRAD, "down_peer": dispatch.DOWN_PEER, "dx_peer": dispatch.DX_PEER,
-           "send_up": dispatch.SEND_UP, "send_dh": dispatch.SEND_DH}
+           "dx": expert_bwd.DX, "wgrad": expert_bwd.WGRAD, "down_peer": owner.DOWN_PEER, "dx_peer": owner.DX_PEER,
+           "send_up": owner.SEND_UP, "send_dh": owner.SEND_DH}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
                   "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
                   "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32", "arrived_ptr": "*i32", "counts_ptr": "*i32",
                   "epoch_ptr": "*i32", "recv_row_slot_ptr": "*i32", "recv_offsets_ptr": "*i32",
                   "recv_weight_ptr": "*fp32", "send_list_ptr": "*i32", "slot_row_ptr": "*i32",
                   "topk_idx_ptr": "*i64", "recv_token_row_ptr": "*i32", "trace_ptr": "*i64",
-                  "ready_ptr": "*i64"}
+                  "ready_ptr": "*i64", "peers_ptr": "*i64"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
-_EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "WAIT_ROWS": False, "TRACE": False,
+_EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "TRACE": False,
                      # the EP sending programs: 16 of them, 128 experts (64 per rank), top-8, D = 2048
                      "SENDERS": 16, "LB": 64, "EB": 128, "CB": 128}
 # ... and their blocks, as the launchers pass them (at D = 2048 BD is the launcher's cap)
-_SENDER_BLOCKS = {dispatch.SEND_UP: {"RB": dispatch.SEND_UP_ROWS, "BD": dispatch.SEND_UP_COLS},
-                  dispatch.SEND_DH: {"RB": dispatch.SEND_DH_ROWS, "BD": dispatch.SEND_DH_COLS}}
+_SENDER_BLOCKS = {owner.SEND_UP: {"RB": senders.SEND_UP_ROWS, "BD": senders.SEND_UP_COLS},
+                  owner.SEND_DH: {"RB": senders.SEND_DH_ROWS, "BD": senders.SEND_DH_COLS}}
 
 
 def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
@@ -68,10 +69,6 @@ def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
         if name in blocks:  # a TMA descriptor
             block = ", ".join(map(str, blocks[name]))
             signature[name] = f"tensordesc<{dtype}[{block}]>"
-            continue
-        if name.endswith("_tab"):  # a table of every rank's buffer addresses (expert parallelism)
-            signature[name] = "*i64"
-            attrs[(i,)] = [["tt.divisibility", 16]]
             continue
         is_ptr = name.endswith(("_ptr", "_src"))  # *_src: a pointer where the config gives it no TMA block
         signature[name] = _POINTER_TYPES.get(name, "*" + dtype) if is_ptr else "i32"
@@ -104,7 +101,7 @@ def ptxas_report(compiled) -> dict:
             "wide_stores": "st.global.v4" in compiled.asm["ptx"]}
 
 
-# The Gluon kernels (``kernels.ws``) by report name, each with the Triton kernel (``KERNELS``) it replaces, its
+# The Gluon kernels (``kernels.gluon_sm90``) by report name, each with the Triton kernel (``KERNELS``) it replaces, its
 # tile and its launch's register cap; the weight-gradient kernel twice, as the layer runs it: for dW2 (no tokens
 # to combine, one slot: the combine partition idles) and for dW13 (the dx combine beside its MMAs, top-8).
 WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
@@ -130,18 +127,18 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
 
     constexprs = {"STAGES": stages, "num_warps": ws.WS_NUM_WARPS}
     if name in ("wgrad_ws", "wgrad_combine_ws"):
-        fn, blocks = ws._wgrad_ws_kernel, {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
+        fn, blocks = ws.KERNELS["wgrad"], {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
         combine = name == "wgrad_combine_ws"
         constexprs.update(TOP_K=top_k if combine else 1)
     elif name == "dh_ws":  # the x copy beside the MMAs, of top_k slots per token
-        fn, blocks = ws._dh_ws_kernel, {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
+        fn, blocks = ws.KERNELS["dh"], {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
         constexprs.update(EB=128, TILE_M=bm, TOP_K=top_k)
     elif name == "act_ws":
-        fn, blocks = ws._act_ws_kernel, {"x_desc": [bm, bk], "w13_desc": [1, 1, bn, bk]}
+        fn, blocks = ws.KERNELS["act"], {"x_desc": [bm, bk], "w13_desc": [1, 1, bn, bk]}
         constexprs.update(EB=128, TILE_M=bm, PART_COLS=expert_bwd.PART_COLS, EPILOGUE_WARPS=ws.ACT_EPILOGUE_WARPS,
                           EPILOGUE_REGS=ws.ACT_EPILOGUE_REGS)
     else:
-        fn, blocks = ws._up_ws_kernel, {"w13_desc": [1, 1, bn, bk]}
+        fn, blocks = ws.KERNELS["up"], {"w13_desc": [1, 1, bn, bk]}
         constexprs.update(EB=128, TILE_M=bm, BK=bk, LOADER_WARPS=ws.UP_LOADER_WARPS)
 
     def arg_type(arg):  # the rest typed as for the Triton kernels (compile_for_hopper): pointers by name, else i32
@@ -208,7 +205,7 @@ def main(argv=None) -> None:
         compile_ws(name, args.dtype, sizes_divisible=False)
         print(f"{name} with sizes not 16-divisible: compiles", flush=True)
     for name, top_k in itertools.product(("dh_ws", "wgrad_combine_ws") if args.dtype != "fp32" else (), (1, 2)):
-        # a side copy moves more items per pass at small top_k (ws._items_per_pass): within its registers
+        # a side copy moves more items per pass at small top_k (gluon_sm90._items_per_pass): within its registers
         if spill := ptxas_report(compile_ws(name, args.dtype, top_k=top_k))["spill_bytes"]:
             raise SystemExit(f"{name} at top_k={top_k} spills {spill} bytes")
         print(f"{name} at top_k={top_k}: compiles without spills", flush=True)
@@ -219,10 +216,7 @@ def main(argv=None) -> None:
 
 # The kernels without a tile config: the backward's row copies and the expert-parallel protocol's
 # kernels, checked to compile for sm_90a.
-OTHER_KERNELS = (expert_bwd._invert_rows_kernel, expert_bwd._scatter_rows_kernel,
-                 dispatch._exchange_counts_kernel, dispatch._dispatch_rows_kernel, dispatch._wait_epoch_kernel,
-                 dispatch._wait_and_reset_kernel, dispatch._return_rows_kernel, dispatch._signal_returned_kernel,
-                 dispatch._send_list_kernel)
+OTHER_KERNELS = (*expert_bwd.KERNELS, *protocol.KERNELS, *senders.KERNELS, *loopback.KERNELS)
 _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "KB": 8, "EB": 128, "CB": 128, "BD": 256,
                      "LB": 16, "NB": 8, "TB": 16,
                      "BLOCK": 1024}
@@ -238,15 +232,13 @@ def compile_other_kernel(fn):
         if param.is_constexpr:
             signature[name], constexprs[name] = "constexpr", _OTHER_CONSTEXPRS[name]
             continue
-        if name.endswith("_tab"):
-            signature[name] = "*i64"
-        elif name.endswith("_ptr"):
+        if name.endswith("_ptr"):
             signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_tokens_ptr": "*bf16", "a_ptr": "*bf16",
                                "b_ptr": "*bf16", "a_out_ptr": "*bf16", "b_out_ptr": "*bf16", "counter_ptr": "*i64",
                                "expected_ptr": "*i64"}.get(name, _POINTER_TYPES.get(name, "*i32"))
         else:
             signature[name] = "i32"
-        if name.endswith(("_tab", "_ptr")) or name == "D":
+        if name.endswith("_ptr") or name == "D":
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs), target=HOPPER,
                           options={"num_warps": 4})

@@ -5,7 +5,7 @@
                                                             [--comm-sms S] [--out DIR]
 
 Runs the fused forward and backward (``comm_sms`` senders each way) a few times, then three times more with
-the kernels' stamps on (``dispatch.SENDER_TRACE``: the GPU's global timer at fixed points of every sending program
+the kernels' stamps on (``parallel.trace.recording``: the GPU's global timer at fixed points of every sending program
 and of every GEMM tile program), and reports per rank and kernel, for the third traced step, from the
 kernel's first stamp: when the senders have the counts and when they finish, what a block costs in each phase
 (:data:`PHASES`) and their first rounds one by one (:data:`ROUNDS`), and the GEMM tiles: when the first starts
@@ -29,7 +29,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# A block's phases, between its stamps (dispatch._sender, _send_rows): the destination rows, the routing weights'
+from megamoe.bench.common import PRESETS, make_problem, source_digest, training_step, utc_now
+from megamoe.bench.ep import local_problem
+from megamoe.parallel import trace
+from megamoe.parallel.fused import moe_fused_ep
+
+# A block's phases, between its stamps (parallel.senders.sender, send_rows): the destination rows, the routing weights'
 # load and the row copies (loads, then stores into the owner); the slot ids and weights stored into the owner;
 # the block barrier and the system-scope release of its arrival counts; from there to the next block's start.
 PHASES = ("rows and copies", "store metadata", "barrier + release", "overflow + next entries")
@@ -38,7 +43,7 @@ ROUNDS = 8  # the senders' first rounds reported one by one (a round: every send
 
 def summarize(stamps: torch.Tensor, senders: int, stride: int, head: int, per_block: int, per_tile: int) -> dict:
     """Figures (µs from the kernel's first stamp, and per-phase block costs) from one traced call's stamps
-    (``dispatch.SENDER_TRACE``: -1 where none was taken)."""
+    (``parallel.trace``: -1 where none was taken)."""
     s = stamps.cpu()
     t0 = int(s[s >= 0].min())
 
@@ -88,11 +93,6 @@ def summarize(stamps: torch.Tensor, senders: int, stride: int, head: int, per_bl
 
 
 def main(argv=None) -> None:
-    from megamoe.bench.ep import local_problem
-    from megamoe.bench.layer import PRESETS, make_problem, source_digest, training_step, utc_now
-    from megamoe.parallel import dispatch
-    from megamoe.parallel.fused import moe_fused_ep
-
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m megamoe.bench.sender_trace",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
@@ -121,20 +121,20 @@ def main(argv=None) -> None:
                                     local_problem(problem, rank, num_ranks))
             for _ in range(3):
                 call()
-            dispatch.SENDER_TRACE = {}
-            try:  # the first traced call compiles the traced kernels, which one rank may take much longer to do
-                call()  # than the other (run 90); the kept call, the third, is queued behind the second, so that
-                torch.cuda.synchronize(device)  # the hosts' launch times cannot skew the ranks (runs 92-93: kept
-                dist.barrier()  # right after the barrier, 3 of 16 launches had one rank's first rows ~1 ms late)
+            with trace.recording() as recorded:
+                # The first traced call compiles the traced kernels, which one rank may take much longer to do
+                # than the other; the kept call, the third, is queued behind the second, so that the hosts'
+                # launch times cannot skew the ranks (kept right after the barrier, 3 of 16 launches had one
+                # rank's first rows ~1 ms late).
+                call()
+                torch.cuda.synchronize(device)
+                dist.barrier()
                 for _ in range(2):
                     call()
                 torch.cuda.synchronize(device)
-                trace = dispatch.SENDER_TRACE
-            finally:
-                dispatch.SENDER_TRACE = None
-            mine = {kernel: summarize(t["stamps"], t["senders"], t["stride"], dispatch.TRACE_HEAD.value,
-                                      dispatch.TRACE_PER_BLOCK.value, dispatch.TRACE_PER_TILE.value)
-                    for kernel, t in trace.items()}
+            mine = {kernel: summarize(t["stamps"], t["senders"], t["stride"], trace.TRACE_HEAD.value,
+                                      trace.TRACE_PER_BLOCK.value, trace.TRACE_PER_TILE.value)
+                    for kernel, t in recorded.items()}
             every = [None] * num_ranks
             dist.all_gather_object(every, mine)
             if rank == 0:

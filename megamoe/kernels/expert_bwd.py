@@ -5,26 +5,26 @@ Shape legend as in expert_fwd.py; NI = ceil(I / BN_ACT) intermediate blocks.
 One device:
 
 1. ``_scatter_rows_kernel`` — x and dy rows copied into sorted order (for every later step), token-major.
-2. dh' = dy W2[e] (N, I), sorted rows: a grouped GEMM through TMA (``expert_fwd._sorted_rows_gemm_kernel``,
+2. dh' = dy W2[e] (N, I), sorted rows: a grouped GEMM through TMA (``expert_fwd.sorted_rows_gemm_kernel``,
    the down projection's kernel, its output rows left in sorted order).
 3. ``_act_bwd_kernel`` — per tile × I-block, one loop over D recomputes g and u from the
    sorted x rows (TMA); epilogue, with dh' read back: h, a partial d(routing weight) = sum_i dh'·h per
    I-block, dz = [dg | du] (scaled by the routing weight) and h·w (for dW2). Computing dh' in the same
    K-loop instead (three 128×128 fp32 accumulators: 255 registers, spills) measured 8–11% slower for
    the two steps together (docs/NOTES.md §17).
-4. dx — dz W13 → unweighted dx slot rows (``expert_fwd._sorted_rows_gemm_kernel`` again); combine.py
+4. dx — dz W13 → unweighted dx slot rows (``expert_fwd.sorted_rows_gemm_kernel`` again); combine.py
    reduces them per token.
 5. ``_expert_wgrad_kernel`` — per expert, K-grouped GEMMs over that expert's sorted rows:
    dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w). An expert with no rows gets exact zeros.
 
-On sm90 with 16-bit operands, steps 2, 3 and 5 run warp-specialized Gluon twins instead (``ws.py``:
+On sm90 with 16-bit operands, steps 2, 3 and 5 run warp-specialized Gluon twins instead (``gluon_sm90.py``:
 ``_dh_ws_kernel``, ``_act_ws_kernel``, ``_wgrad_ws_kernel``; same operands and outputs), and two copies move
 into them, run by a partition of their own beside the MMAs: step 1 copies only dy ahead, x's rows are copied
 inside the dh' kernel (``sorted_rows_and_dh``); step 4's combine runs inside the dW13 kernel
 (``expert_wgrad_and_combine``).
 
 Expert parallelism runs steps 3–5 on its receive buffers, which are already in expert order; its dh' GEMM
-waits for the rows as they arrive (``parallel.dispatch._send_and_dh_kernel``).
+waits for the rows as they arrive (``parallel.owner.send_and_dh``).
 """
 
 from __future__ import annotations
@@ -34,17 +34,11 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.combine import combine
-from megamoe.kernels.expert_fwd import (
-    _sorted_rows_gemm_kernel,
-    _tile_rows,
-    descriptor,
-    dot_precision,
-    sorted_rows_gemm,
-    tile_grid,
-)
+from megamoe.kernels.common import descriptor, dot_precision, tile_grid, tile_rows
+from megamoe.kernels.expert_fwd import sorted_rows_gemm, sorted_rows_gemm_kernel
+from megamoe.kernels.gluon_sm90 import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.tuning import TunedKernel, configs
-from megamoe.kernels.ws import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
 
 
 @triton.jit
@@ -65,7 +59,7 @@ def _act_bwd_kernel(
     those are the next expert's rows (or rows nobody wrote, after the last routed one, or TMA's zeros past
     N); each output row depends only on its own x row, and every store and d(weight) partial is masked to
     the expert's rows, so those rows change nothing."""
-    e, row0, rows, rmask, pid_n = _tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
+    e, row0, rows, rmask, pid_n = tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                              tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
         return
@@ -202,16 +196,16 @@ ACT_BWD = TunedKernel(
     blocks=lambda c: {"x_desc": [c["BM"], c["BK"]], "w13_desc": [1, 1, c["BN"], c["BK"]]},
 )
 # dh', down and dx: PERSISTENT or not per config (docs/NOTES.md §20: it wins on some shapes, not all).
-DH = TunedKernel(
-    _sorted_rows_gemm_kernel, default=configs((128, 256, 64, 8, 3), PERSISTENT=True)[0],
+DH = sorted_rows_gemm_kernel(
+    default=configs((128, 256, 64, 8, 3), PERSISTENT=True)[0],
     candidates=configs((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), PERSISTENT=True)
     + configs((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), PERSISTENT=False),
     key=["N_OUT", "K"], even_k=None,  # the descriptors zero-fill the K tail
     blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BK"], c["BN"]]},
     constants={"W_K_LAST": False, "WEIGHTED": False, "TO_SLOTS": False},
 )
-DX = TunedKernel(
-    _sorted_rows_gemm_kernel, default=configs((128, 256, 64, 8, 4), PERSISTENT=False)[0],
+DX = sorted_rows_gemm_kernel(
+    default=configs((128, 256, 64, 8, 4), PERSISTENT=False)[0],
     candidates=configs((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3), PERSISTENT=False)
     + configs((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), PERSISTENT=True),
     key=["N_OUT", "K"], even_k=None,  # the descriptors zero-fill the K tail
@@ -228,6 +222,10 @@ WGRAD = TunedKernel(
     key=["P", "Q"], even_k=None,
     blocks=lambda c: {"a_desc": [c["BK"], c["BM"]], "b_desc": [c["BK"], c["BN"]], "dw_desc": [1, c["BM"], c["BN"]]},
 )
+
+
+# The kernels without a tile config, for the ahead-of-time compile check (``megamoe.bench.resources``).
+KERNELS = (_invert_rows_kernel, _scatter_rows_kernel)
 
 
 def act_bwd(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int):
@@ -252,7 +250,7 @@ def act_bwd_outputs(num_slots: int, two_i: int, like: torch.Tensor):
 def act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int, dz_NH, hw_NI, dweight_part,
                  gluon: bool = True) -> None:
     """Launch the act kernel (``ACT_BWD`` — on sm90 with 16-bit operands its warp-specialized Gluon twin
-    ``ws._act_ws_kernel`` instead, unless ``gluon=False``; operands as for ``act_bwd``) into given buffers;
+    ``gluon_sm90._act_ws_kernel`` instead, unless ``gluon=False``; operands as for ``act_bwd``) into given buffers;
     ``dweight_part`` is (ceil(I / PART_COLS), N) fp32."""
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
@@ -263,10 +261,10 @@ def act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k
                    BLOCK_M, PART_COLS)
         return
     ACT_BWD[tile_grid(plan, inter)](
-        descriptor(x_sorted_ND), dh_NI, descriptor(w13_EHD.view(num_experts, 2, inter, dim)),
-        topk_weights_TK.reshape(-1), dz_NH, hw_NI, dweight_part,
-        plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT,
-        plan.row_slot_N.numel(), dim, inter, num_experts,
+        x_desc=descriptor(x_sorted_ND), dh_ptr=dh_NI, w13_desc=descriptor(w13_EHD.view(num_experts, 2, inter, dim)),
+        weights_ptr=topk_weights_TK.reshape(-1), dz_ptr=dz_NH, hw_ptr=hw_NI, dweight_part_ptr=dweight_part,
+        row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
+        tile_row_ptr=plan.tile_row_NT, N=plan.row_slot_N.numel(), D=dim, I=inter, E=num_experts,
         PREC=dot_precision(dz_NH.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=dz_NH.dtype,
     )
 
@@ -274,7 +272,7 @@ def act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k
 def dh_sorted(dy_sorted_ND, w2_EDI, plan: Plan) -> torch.Tensor:
     """dh' = dy W2[e] (N, I) in dy's dtype, sorted rows, from the sorted dy rows (``gather_rows``); rows
     past the routed count are not written. On sm90 with 16-bit operands through the warp-specialized Gluon
-    kernel ``ws._dh_ws_kernel``, elsewhere ``DH``."""
+    kernel ``gluon_sm90._dh_ws_kernel``, elsewhere ``DH``."""
     num_slots = dy_sorted_ND.shape[0]
     if not (num_slots and ws_supported(dy_sorted_ND)):
         return sorted_rows_gemm(DH, dy_sorted_ND, w2_EDI, None, plan, w2_EDI.shape[2])
@@ -292,7 +290,8 @@ def _slot_rows(plan: Plan) -> torch.Tensor:
     """Each slot's sorted row (the inverse of the plan's row -> slot map)."""
     num_slots = plan.row_slot_N.numel()
     slot_row = torch.empty_like(plan.row_slot_N)
-    _invert_rows_kernel[(triton.cdiv(num_slots, 1024),)](plan.row_slot_N, slot_row, num_slots, BLOCK=1024)
+    _invert_rows_kernel[(triton.cdiv(num_slots, 1024),)](row_slot_ptr=plan.row_slot_N, slot_row_ptr=slot_row,
+                                                         N=num_slots, BLOCK=1024)
     return slot_row
 
 
@@ -303,8 +302,9 @@ def _scatter_rows(a_TD, b_TD, slot_row, plan: Plan, top_k: int) -> list[torch.Te
     outs = [torch.empty(num_slots, dim, device=a_TD.device, dtype=a_TD.dtype) for _ in range(1 if b_TD is None else 2)]
     tb, bd = 16, min(512, triton.next_power_of_2(dim))
     _scatter_rows_kernel[(triton.cdiv(num_tokens, tb), triton.cdiv(dim, bd))](
-        a_TD, a_TD if b_TD is None else b_TD, outs[0], outs[-1], slot_row, plan.offsets_E1, num_tokens, dim,
-        plan.offsets_E1.numel() - 1, top_k, HAS_B=b_TD is not None, TB=tb, BD=bd, num_warps=4,
+        a_ptr=a_TD, b_ptr=b_TD, a_out_ptr=outs[0], b_out_ptr=outs[1] if b_TD is not None else None,
+        slot_row_ptr=slot_row, offsets_ptr=plan.offsets_E1, T=num_tokens, D=dim, E=plan.offsets_E1.numel() - 1,
+        top_k=top_k, HAS_B=b_TD is not None, TB=tb, BD=bd, num_warps=4,
     )
     return outs
 
@@ -320,7 +320,7 @@ def gather_rows(x_TD, dy_TD, plan: Plan, top_k: int):
 
 def sorted_rows_and_dh(x_TD, dy_TD, w2_EDI, plan: Plan, top_k: int):
     """(x_sorted, dy_sorted, dh'): ``gather_rows`` and ``dh_sorted`` together. On sm90 with 16-bit operands only
-    dy is copied ahead; x's copy runs inside the dh' kernel, beside its MMAs (``ws._dh_ws_kernel``)."""
+    dy is copied ahead; x's copy runs inside the dh' kernel, beside its MMAs (``gluon_sm90._dh_ws_kernel``)."""
     if not (plan.row_slot_N.numel() and ws_supported(dy_TD)):
         x_sorted, dy_sorted = gather_rows(x_TD, dy_TD, plan, top_k)
         return x_sorted, dy_sorted, dh_sorted(dy_sorted, w2_EDI, plan)
@@ -343,8 +343,8 @@ def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor
         expert_wgrad_ws(a_NP, b_NQ, plan.offsets_E1, dw)
         return dw
     WGRAD[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
-        descriptor(a_NP), descriptor(b_NQ), a_NP, b_NQ, descriptor(dw), plan.offsets_E1, p, q, PREC=dot_precision(a_NP.dtype),
-        dtype=a_NP.dtype,
+        a_desc=descriptor(a_NP), b_desc=descriptor(b_NQ), a_ptr=a_NP, b_ptr=b_NQ, dw_desc=descriptor(dw),
+        offsets_ptr=plan.offsets_E1, P=p, Q=q, PREC=dot_precision(a_NP.dtype), dtype=a_NP.dtype,
     )
     return dw
 
@@ -352,7 +352,7 @@ def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor
 def expert_wgrad_and_combine(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, slots_ND, topk_idx_TK,
                              combine_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(``expert_wgrad(a, b)``, ``combine(slots, topk_idx)``). On sm90 with 16-bit operands the combine runs
-    inside the weight-gradient kernel, beside its MMAs (``ws._wgrad_ws_kernel``), with the same sums."""
+    inside the weight-gradient kernel, beside its MMAs (``gluon_sm90._wgrad_ws_kernel``), with the same sums."""
     if not (a_NP.shape[0] and ws_supported(a_NP) and out_dtype == a_NP.dtype):
         return expert_wgrad(a_NP, b_NQ, plan, out_dtype), combine(slots_ND, topk_idx_TK, combine_dtype)
     dw = torch.empty(plan.offsets_E1.numel() - 1, a_NP.shape[1], b_NQ.shape[1], device=a_NP.device, dtype=out_dtype)

@@ -1,5 +1,5 @@
-"""The fused expert-parallel layer for real ranks (one GPU each): the phases of dispatch.py in order on
-this rank's stream, over a symmetric-memory workspace, wired into autograd. Saved for the backward: the
+"""The fused expert-parallel layer for real ranks (one GPU each): the protocol's phases (protocol.py,
+senders.py, owner.py) in order on this rank's stream, over a symmetric-memory workspace, wired into autograd. Saved for the backward: the
 inputs and the routing plan; the backward sends x and dy rows again and recomputes on the owners.
 
 What ``megamoe.moe(group=...)`` runs wherever it can (CUDA tensors, sm90+, 16-byte rows; see
@@ -11,13 +11,41 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megamoe.api import comm_sms_pair, debug_checks_enabled, sm_count
+from megamoe.env import debug_checks_enabled, sm_count
 from megamoe.kernels.plan import Plan, build_plan
-from megamoe.parallel import dispatch
+from megamoe.parallel.owner import owner_experts, owner_experts_backward
+from megamoe.parallel.protocol import combine_returned, combine_returned_backward, exchange_counts
+from megamoe.parallel.senders import dispatch_rows
 from megamoe.parallel.workspace import Workspace, symmetric_workspace
+
+# Programs of the expert kernels' launches that send the rows (``comm_sms``). Measured on two H200s
+# (benchmarks/results/*-per-rank-*-ep2.json, docs/PERFORMANCE.md): against 0 (a dispatch kernel of its own) 32
+# shortens forward+backward by 4-9% on the 30B and 235B layers, random and skewed routing; 16 is slower than 0.
+# On one GPU (loopback, R=1) 32 and 0 tie.
+DEFAULT_COMM_SMS = 32
 
 _WORKSPACES: dict[tuple, Workspace] = {}
 _AGREED_MAX_TOKENS: dict[tuple, int] = {}
+
+
+def comm_sms_ok(comm_sms) -> bool:
+    """Whether ``comm_sms`` is valid: an int >= 0 (not a bool), or a pair (forward, backward) of them."""
+    def count(n):
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+    return count(comm_sms) or (isinstance(comm_sms, tuple) and len(comm_sms) == 2 and all(map(count, comm_sms)))
+
+
+def comm_sms_pair(comm_sms: int | tuple[int, int]) -> tuple[int, int]:
+    """``comm_sms`` (already checked) as its (forward, backward) counts: an int serves both directions."""
+    return (comm_sms, comm_sms) if isinstance(comm_sms, int) else tuple(comm_sms)
+
+
+def default_comm_sms(device_index: int) -> int:
+    """``comm_sms`` when the caller passes ``None``: :data:`DEFAULT_COMM_SMS`, or 0 (the rows sent by a kernel
+    of their own) on a GPU with no more than twice as many SMs (a MIG slice, say), where that many senders
+    would leave the GEMMs too few SMs. Not measured on such GPUs."""
+    return DEFAULT_COMM_SMS if sm_count(device_index) > 2 * DEFAULT_COMM_SMS else 0
 
 
 def workspace_for(group, num_local: int, max_tokens_per_rank: int, top_k: int, dim: int,
@@ -38,13 +66,13 @@ class FusedEP(torch.autograd.Function):
     def forward(ctx, x, topk_idx, topk_weights, w13, w2, ws: Workspace, comm_sms: tuple[int, int]):
         plan = build_plan(topk_idx, ws.num_ranks * ws.num_local)
         ws.check_overflow()
-        dispatch.exchange_counts(ws, plan)
+        exchange_counts(ws, plan)
         if comm_sms[0]:
-            dispatch.owner_experts(ws, w13, w2, send=(x, topk_idx, topk_weights, plan, comm_sms[0]))
+            owner_experts(ws, w13, w2, send=(x, topk_idx, topk_weights, plan, comm_sms[0]))
         else:
-            dispatch.dispatch_rows(ws, x, topk_idx, topk_weights, plan)
-            dispatch.owner_experts(ws, w13, w2)
-        y = dispatch.combine_returned(ws, topk_idx, x.dtype)
+            dispatch_rows(ws, x, topk_idx, topk_weights, plan)
+            owner_experts(ws, w13, w2)
+        y = combine_returned(ws, topk_idx, x.dtype)
         if debug_checks_enabled():
             ws.check_overflow(now=True)
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan.tensors())
@@ -55,28 +83,27 @@ class FusedEP(torch.autograd.Function):
     def backward(ctx, dy):
         x, topk_idx, topk_weights, w13, w2, *plan_tensors = ctx.saved_tensors
         ws, plan = ctx.ws, Plan(*plan_tensors)
-        dispatch.exchange_counts(ws, plan)
+        exchange_counts(ws, plan)
         if ctx.comm_sms:
-            dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2,
-                                                        send=(x, dy.contiguous(), topk_weights, plan, ctx.comm_sms))
+            dw13, dw2 = owner_experts_backward(ws, w13, w2, send=(x, dy.contiguous(), topk_weights, plan, ctx.comm_sms))
         else:
-            dispatch.dispatch_rows(ws, x, topk_idx, topk_weights, plan, dy_TD=dy.contiguous())
-            dw13, dw2 = dispatch.owner_experts_backward(ws, w13, w2)
-        dx, dweight = dispatch.combine_returned_backward(ws, topk_idx, x.dtype)
+            dispatch_rows(ws, x, topk_idx, topk_weights, plan, dy_TD=dy.contiguous())
+            dw13, dw2 = owner_experts_backward(ws, w13, w2)
+        dx, dweight = combine_returned_backward(ws, topk_idx, x.dtype)
         if debug_checks_enabled():
             ws.check_overflow(now=True)
         return dx, None, dweight.to(topk_weights.dtype), dw13, dw2, None, None
 
 
 def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank: int | None = None,
-                 comm_sms: int | tuple[int, int] = 0):
+                 comm_sms: int | tuple[int, int] | None = 0):
     """The MoE layer over the experts of ``group`` with the fused protocol (arguments as for
     :func:`megamoe.parallel.all_to_all.moe_all_to_all`). ``max_tokens_per_rank`` sizes the workspace
     and must be the same on every rank; ``None`` agrees on the largest T of any rank at the first call
     (one collective and host sync, then never again for these sizes). ``comm_sms``: 0 sends the rows
     in a kernel of their own before the expert kernels; N > 0 sends them from N programs of the up
     (forward) and dh' (backward) kernels' launches, overlapping their GEMMs; a pair (forward,
-    backward) sets the two directions apart (see :func:`megamoe.moe`)."""
+    backward) sets the two directions apart; ``None``: :func:`default_comm_sms` (see :func:`megamoe.moe`)."""
     num_tokens, top_k = topk_idx.shape
     if max_tokens_per_rank is None:
         key = (group.group_name, w13.shape[0], top_k, x.shape[1], x.dtype)
@@ -88,7 +115,7 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
     if num_tokens > max_tokens_per_rank:
         raise ValueError(f"{num_tokens} tokens on this rank exceed max_tokens_per_rank={max_tokens_per_rank} "
                          "(pass a larger max_tokens_per_rank to megamoe.moe / MegaMoE)")
-    comm_sms = comm_sms_pair(comm_sms)
+    comm_sms = comm_sms_pair(default_comm_sms(x.device.index) if comm_sms is None else comm_sms)
     if max(comm_sms) and max(comm_sms) >= (num_sms := sm_count(x.device.index)):
         raise ValueError(f"comm_sms={max(comm_sms)} leaves none of this GPU's {num_sms} SMs to the expert GEMMs")
     ws = workspace_for(group, w13.shape[0], max_tokens_per_rank, top_k, x.shape[1], x.dtype)

@@ -1,12 +1,13 @@
-"""Buffers of the fused expert-parallel protocol, and the tables of every rank's base addresses that the
-kernels in dispatch.py read and write through.
+"""Buffers of the fused expert-parallel protocol, and the table of every rank's base addresses that the
+protocol's kernels (protocol.py, senders.py, owner.py) read and write through.
 
 Shape legend: R ranks, L local experts per rank, C receive capacity (rows one rank can receive per call,
 from all sources), T token capacity (tokens one rank can send per call), S slot capacity (T*K slots one
 rank can send per call), D hidden size.
 
-Each rank owns one set of buffers; a peer's buffer is reached through ``tables[name][peer]`` (an int64
-address the kernels cast to a pointer). Two ways to build them, with the same kernels:
+Each rank owns one set of buffers; a peer's buffer is reached through ``peers[BUFFER_INDEX[name], peer]`` (an
+int64 address the kernels cast to a pointer: one (len(BUFFERS), R) table, which every kernel takes as one
+argument). Two ways to build them, with the same kernels:
 
 * :func:`loopback_workspaces` — R virtual ranks on one device (ordinary tensors): the protocol (counts,
   flags, peer writes, returns) is tested and profiled on one GPU, or on CPU in the Triton interpreter;
@@ -19,14 +20,20 @@ increments), ``arrived`` counts rows and ``returned`` counts owners that have wr
 reset by its only reader once it has seen them all. ``counts`` and ``counts_flag`` come in two copies, picked by the epoch's parity: a rank
 that has finished a call may write the next call's counts while a slower rank still reads this call's
 (it cannot get two calls ahead: the next dispatch waits for every rank's next counts). See
-docs/DESIGN_NOTES.md for why no wait can hang.
+docs/DESIGN.md ("Expert parallelism") for why no wait can hang.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+
+# Most expert-parallel ranks the kernels' wait loops handle (one node).
+MAX_EP_RANKS = 16
 
 # name: (shape from (R, L, C, T, S, D), dtype; None = the activation dtype)
 BUFFERS = {
@@ -34,7 +41,7 @@ BUFFERS = {
     "counts": (lambda R, L, C, T, S, D: (2, R, L), torch.int32),
     "counts_flag": (lambda R, L, C, T, S, D: (2, R), torch.int32),  # [epoch % 2, src]: epoch once src's counts are in
     "arrived": (lambda R, L, C, T, S, D: (R, L), torch.int32),  # [src, l]: rows of (src, l) written so far
-    # epoch * (L + 1) + n once one of my up tiles has seen experts 0..n-1 arrived (expert_fwd._wait_rows_upto)
+    # epoch * (L + 1) + n once one of my up tiles has seen experts 0..n-1 arrived (protocol.wait_rows_upto)
     "ready": (lambda R, L, C, T, S, D: (1,), torch.int64),
     # Forward: each source's token rows, src * T + token, written once per (token, owner) however many of
     # the owner's experts the token picked.
@@ -49,6 +56,8 @@ BUFFERS = {
     "returned": (lambda R, L, C, T, S, D: (R,), torch.int64),  # [owner]: 1 once owner has written back my rows
     "overflow": (lambda R, L, C, T, S, D: (1,), torch.int32),  # rows that did not fit (sticky)
 }
+# Row of each buffer in the peer table (``Workspace.peers``); the kernels name them by these indices.
+BUFFER_INDEX = {name: i for i, name in enumerate(BUFFERS)}
 
 
 @dataclass
@@ -62,8 +71,8 @@ class Workspace:
     max_tokens: int
     max_slots: int
     buffers: dict[str, torch.Tensor]
-    tables: dict[str, torch.Tensor]
-    """name → (R,) int64 base address of that buffer on every rank."""
+    peers: torch.Tensor
+    """(len(BUFFERS), R) int64: row ``BUFFER_INDEX[name]`` holds that buffer's base address on every rank."""
     epoch: torch.Tensor
     """(1,) int32 on the device: incremented at the start of every call (no host sync)."""
     handle: object = None
@@ -94,10 +103,8 @@ class Workspace:
 
 
 def _check_ranks(num_ranks: int) -> None:
-    from megamoe.kernels.expert_fwd import MAX_EP_RANKS
-
-    if not 1 <= num_ranks <= MAX_EP_RANKS.value:
-        raise ValueError(f"expert parallelism over {num_ranks} ranks: 1 to {MAX_EP_RANKS.value} are supported")
+    if not 1 <= num_ranks <= MAX_EP_RANKS:
+        raise ValueError(f"expert parallelism over {num_ranks} ranks: 1 to {MAX_EP_RANKS} are supported")
 
 
 def loopback_workspaces(num_ranks: int, num_local: int, capacity: int, max_tokens: int, max_slots: int, dim: int,
@@ -110,9 +117,9 @@ def loopback_workspaces(num_ranks: int, num_local: int, capacity: int, max_token
          for name, (shape, kind) in BUFFERS.items()}
         for _ in range(num_ranks)
     ]
-    tables = {name: torch.tensor([bufs[name].data_ptr() for bufs in per_rank], dtype=torch.int64, device=device)
-              for name in BUFFERS}
-    return [Workspace(r, num_ranks, num_local, capacity, max_tokens, max_slots, per_rank[r], tables,
+    peers = torch.tensor([[bufs[name].data_ptr() for bufs in per_rank] for name in BUFFERS], dtype=torch.int64,
+                         device=device)
+    return [Workspace(r, num_ranks, num_local, capacity, max_tokens, max_slots, per_rank[r], peers,
                       torch.zeros(1, dtype=torch.int32, device=device))
             for r in range(num_ranks)]
 
@@ -125,11 +132,6 @@ def symmetric_workspace(group, num_local: int, capacity: int, max_tokens: int, m
     """This rank's workspace in symmetric memory over ``group`` (a collective: every rank calls it with
     the same sizes). Allocate it once per (group, sizes) and reuse it across layers and steps. Sets
     ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` unless already set: nothing here uses NVLink multicast."""
-    import os
-
-    import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
-
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     _check_ranks(num_ranks)
@@ -146,9 +148,9 @@ def symmetric_workspace(group, num_local: int, capacity: int, max_tokens: int, m
     buffers = {name: raw[offset:offset + torch.Size(shp).numel() * kind.itemsize].view(kind).view(shp)
                for name, (offset, shp, kind) in layout.items()}
     bases = handle.buffer_ptrs
-    tables = {name: torch.tensor([base + offset for base in bases], dtype=torch.int64, device=device)
-              for name, (offset, _, _) in layout.items()}
+    peers = torch.tensor([[base + offset for base in bases] for offset, _, _ in layout.values()], dtype=torch.int64,
+                         device=device)
     torch.cuda.synchronize(device)
     dist.barrier(group)  # every rank's buffers are zeroed before any peer writes into them
-    return Workspace(rank, num_ranks, num_local, capacity, max_tokens, max_slots, buffers, tables,
+    return Workspace(rank, num_ranks, num_local, capacity, max_tokens, max_slots, buffers, peers,
                      torch.zeros(1, dtype=torch.int32, device=device), handle)

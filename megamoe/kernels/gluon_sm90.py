@@ -1,4 +1,4 @@
-"""Persistent, warp-specialized Gluon GEMM kernels (Hopper, 16-bit operands), used on sm90 in place of
+"""Persistent, warp-specialized Gluon GEMM kernels for Hopper (sm90, 16-bit operands), used there in place of
 their Triton twins (which stay for fp32, other GPUs, the interpreter — the CPU tests run those — and the
 expert-parallel kernels).
 
@@ -53,7 +53,41 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megamoe.api import device_capability, sm_count
+from megamoe.env import device_capability, sm_count
+
+# (BM, BN, BK, STAGES) of the GEMM kernels: 128x256 blocks, as the Triton kernels' usual pick at 16k tokens;
+# 3 stages of 48 KB (and the weight gradients' 64 KB output block) fit the 227 KB of shared memory.
+WS_TILE = (128, 256, 64, 3)
+WS_NUM_WARPS = 8
+WS_MAXNREG = 168  # 12 warps (8 + the loader's warpgroup) x 32 x 168 <= 64 K registers
+# The same as a config dict, for the benchmarks' records.
+WS_CONFIG = {"BM": WS_TILE[0], "BN": WS_TILE[1], "BK": WS_TILE[2], "num_warps": WS_NUM_WARPS,
+             "num_stages": WS_TILE[3], "WARP_SPECIALIZED": True}
+
+
+# Warps of the side copy that the dh' and weight-gradient kernels run beside their MMAs (the x rows into sorted
+# order; the dx combine). Two share the loader's warpgroup, so a kernel stays at 12 warps and 168 registers;
+# a warpgroup of its own would make 16 warps, a cap of 128 registers, and the 64x256 MMA needs more.
+COPY_WARPS = gl.constexpr(2)
+# Registers per thread of the loader's warpgroup, which the side copy shares (the loader's and the copy's): a
+# pass's eight row chunks of 16-byte vectors; the MMA warps keep (64 K - 128 x 128) / 256 = 192 >= 168.
+SIDE_REGS = gl.constexpr(128)
+
+
+# (BM, BN, BK, STAGES) of the act kernel: 128 rows x 128 columns of gate and of up (the Triton kernel's
+# pick), 3 stages of 48 KB and the 64 KB g/u hand-off block (208 KB).
+ACT_TILE = (128, 128, 64, 3)
+ACT_CONFIG = {**WS_CONFIG, "BN": ACT_TILE[1], "num_stages": ACT_TILE[3], "EPILOGUE_WARPS": 4}
+ACT_EPILOGUE_WARPS = ACT_CONFIG["EPILOGUE_WARPS"]
+ACT_MAXNREG = 128  # 16 warps (8 MMA, the loader's warpgroup, 4 epilogue) x 32 x 128 = 64 K registers
+# Per epilogue thread; the loader keeps 24 and the MMA warps get the rest: (64 K - 128 x 24 - 128 x 152) / 256 = 168.
+ACT_EPILOGUE_REGS = 152
+
+
+UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.async arrival each per stage
+# The act kernel's block with four stages: 4 x 48 KB and the 32 KB conversion scratch (224 KB).
+UP_TILE = (*ACT_TILE[:3], 4)
+UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
 
 
 @gluon.jit
@@ -329,7 +363,7 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
                   T, N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr, TOP_K: gl.constexpr, STAGES: gl.constexpr,
                   num_warps: gl.constexpr):
     """a_desc: (N, K) sorted dy rows, block (TILE_M, BK); w_desc: W2 (E, K, N_OUT), block (1, BK, BN); out (N, N_OUT)
-    in sorted rows; other arguments as for ``expert_fwd._sorted_rows_gemm_kernel``. Blocks: the busy tiles
+    in sorted rows; other arguments as for ``expert_fwd.sorted_rows_gemm_kernel``. Blocks: the busy tiles
     (counted from the offsets; EB a power of two >= E) times the N-blocks. A third partition (``COPY_WARPS`` warps)
     copies x (T, K) into sorted rows (``x_sorted``, through each slot's sorted row ``slot_row``) for the kernels
     after this one; with T = 0 it has nothing to do and returns."""
@@ -533,7 +567,7 @@ def _up_mma_partition(h_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, 
 def _up_ws_kernel(x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, D, I, E, top_k,
                   EB: gl.constexpr, TILE_M: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                   LOADER_WARPS: gl.constexpr, num_warps: gl.constexpr):
-    """The one-device up kernel (``expert_fwd._up_swiglu_fwd_kernel`` without ``WAIT_ROWS``): x (T, D)
+    """The one-device up kernel (``expert_fwd._up_swiglu_fwd_kernel``): x (T, D)
     gathered by token, w13_desc (E, 2, I, D), block (1, 1, BN, BK); h (N, I) out in sorted rows. Blocks:
     the busy tiles times the I-blocks. Each ready barrier counts the loader's TMA arrival and one
     ``cp.async`` arrival per loader thread."""
@@ -554,16 +588,6 @@ def _up_ws_kernel(x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert
     ], [LOADER_WARPS], [80])
 
 
-# (BM, BN, BK, STAGES) of the GEMM kernels: 128x256 blocks, as the Triton kernels' usual pick at 16k tokens;
-# 3 stages of 48 KB (and the weight gradients' 64 KB output block) fit the 227 KB of shared memory.
-WS_TILE = (128, 256, 64, 3)
-WS_NUM_WARPS = 8
-WS_MAXNREG = 168  # 12 warps (8 + the loader's warpgroup) x 32 x 168 <= 64 K registers
-# The same as a config dict, for the benchmarks' records.
-WS_CONFIG = {"BM": WS_TILE[0], "BN": WS_TILE[1], "BK": WS_TILE[2], "num_warps": WS_NUM_WARPS,
-             "num_stages": WS_TILE[3], "WARP_SPECIALIZED": True}
-
-
 def ws_supported(a: torch.Tensor) -> bool:
     """Whether the warp-specialized kernels take this operand: 16-bit, on an sm90 GPU."""
     return a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and device_capability(a.device.index)[0] == 9
@@ -580,18 +604,8 @@ def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), t.dtype))
 
 
-def _launch_ws(kernel, programs: int, *args, stages: int = WS_TILE[3], maxnreg: int = WS_MAXNREG,
-               **constexprs) -> None:
-    kernel[(programs,)](*args, STAGES=stages, num_warps=WS_NUM_WARPS, maxnreg=maxnreg, **constexprs)
-
-
-# Warps of the side copy that the dh' and weight-gradient kernels run beside their MMAs (the x rows into sorted
-# order; the dx combine). Two share the loader's warpgroup, so a kernel stays at 12 warps and 168 registers;
-# a warpgroup of its own would make 16 warps, a cap of 128 registers, and the 64x256 MMA needs more.
-COPY_WARPS = gl.constexpr(2)
-# Registers per thread of the loader's warpgroup, which the side copy shares (the loader's and the copy's): a
-# pass's eight row chunks of 16-byte vectors; the MMA warps keep (64 K - 128 x 128) / 256 = 192 >= 168.
-SIDE_REGS = gl.constexpr(128)
+def _launch_ws(kernel, programs: int, stages: int = WS_TILE[3], maxnreg: int = WS_MAXNREG, **kwargs) -> None:
+    kernel[(programs,)](**kwargs, STAGES=stages, num_warps=WS_NUM_WARPS, maxnreg=maxnreg)
 
 
 def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor,
@@ -608,9 +622,10 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
         rows, topk_idx, out, num_tokens, top_k = a_NP, offsets_E1, a_NP, 0, 1
     else:
         (rows, topk_idx, out), (num_tokens, top_k) = combine, combine[1].shape
-    _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), _desc(a_NP, [bk, bm]), _desc(b_NQ, [bk, bn]),
-               _desc(dw, [1, bm, bn]), offsets_E1, num_p, num_q, tiles, rows, topk_idx, out, num_tokens, out.shape[1],
-               TOP_K=top_k)
+    _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), a_desc=_desc(a_NP, [bk, bm]),
+               b_desc=_desc(b_NQ, [bk, bn]), dw_desc=_desc(dw, [1, bm, bn]), offsets_ptr=offsets_E1, num_p=num_p,
+               num_q=num_q, tiles=tiles, rows_ptr=rows, topk_idx_ptr=topk_idx, out_ptr=out, T=num_tokens,
+               D=out.shape[1], TOP_K=top_k)
 
 
 def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,
@@ -626,20 +641,11 @@ def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor
         x, x_sorted, slot_row, top_k = dy_sorted_ND[:0], dy_sorted_ND, plan.offsets_E1, 1
     else:
         x, x_sorted, slot_row, top_k = copy_x
-    _launch_ws(_dh_ws_kernel, sm_count(dy_sorted_ND.device.index), _desc(dy_sorted_ND, [bm, bk]),
-               _desc(w2_EDI, [1, bk, bn]), out_NI, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT, x, x_sorted,
-               slot_row, x.shape[0], out_NI.shape[1], dy_sorted_ND.shape[1], num_experts,
+    _launch_ws(_dh_ws_kernel, sm_count(dy_sorted_ND.device.index), a_desc=_desc(dy_sorted_ND, [bm, bk]),
+               w_desc=_desc(w2_EDI, [1, bk, bn]), out_ptr=out_NI, offsets_ptr=plan.offsets_E1,
+               tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, x_ptr=x, x_sorted_ptr=x_sorted,
+               slot_row_ptr=slot_row, T=x.shape[0], N_OUT=out_NI.shape[1], K=dy_sorted_ND.shape[1], E=num_experts,
                EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, TOP_K=top_k)
-
-
-# (BM, BN, BK, STAGES) of the act kernel: 128 rows x 128 columns of gate and of up (the Triton kernel's
-# pick), 3 stages of 48 KB and the 64 KB g/u hand-off block (208 KB).
-ACT_TILE = (128, 128, 64, 3)
-ACT_CONFIG = {**WS_CONFIG, "BN": ACT_TILE[1], "num_stages": ACT_TILE[3], "EPILOGUE_WARPS": 4}
-ACT_EPILOGUE_WARPS = ACT_CONFIG["EPILOGUE_WARPS"]
-ACT_MAXNREG = 128  # 16 warps (8 MMA, the loader's warpgroup, 4 epilogue) x 32 x 128 = 64 K registers
-# Per epilogue thread; the loader keeps 24 and the MMA warps get the rest: (64 K - 128 x 24 - 128 x 152) / 256 = 168.
-ACT_EPILOGUE_REGS = 152
 
 
 def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tensor, weights_N: torch.Tensor, plan,
@@ -651,17 +657,13 @@ def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tenso
     assert bm == tile_m and bn % part_cols == 0
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
-    _launch_ws(_act_ws_kernel, sm_count(x_sorted.device.index), _desc(x_sorted, [bm, bk]),
-               _desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), dh_NI, weights_N, dz_NH, hw_NI,
-               dweight_part, plan.row_slot_N, plan.offsets_E1, plan.tile_expert_NT, plan.tile_row_NT, dz_NH.shape[0],
-               dim, inter, num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, PART_COLS=part_cols,
-               EPILOGUE_WARPS=ACT_EPILOGUE_WARPS, EPILOGUE_REGS=ACT_EPILOGUE_REGS, stages=stages, maxnreg=ACT_MAXNREG)
-
-
-UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.async arrival each per stage
-# The act kernel's block with four stages: 4 x 48 KB and the 32 KB conversion scratch (224 KB).
-UP_TILE = (*ACT_TILE[:3], 4)
-UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
+    _launch_ws(_act_ws_kernel, sm_count(x_sorted.device.index), stages=stages, maxnreg=ACT_MAXNREG,
+               x_desc=_desc(x_sorted, [bm, bk]), w13_desc=_desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]),
+               dh_ptr=dh_NI, weights_ptr=weights_N, dz_ptr=dz_NH, hw_ptr=hw_NI, dweight_part_ptr=dweight_part,
+               row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
+               tile_row_ptr=plan.tile_row_NT, N=dz_NH.shape[0], D=dim, I=inter, E=num_experts,
+               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, PART_COLS=part_cols,
+               EPILOGUE_WARPS=ACT_EPILOGUE_WARPS, EPILOGUE_REGS=ACT_EPILOGUE_REGS)
 
 
 def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, plan, top_k: int, tile_m: int) -> None:
@@ -672,7 +674,12 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
     assert bm == tile_m, "a block is one plan tile"
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
-    _launch_ws(_up_ws_kernel, sm_count(x_TD.device.index), x_TD,
-               _desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), h_NI, plan.row_slot_N, plan.offsets_E1,
-               plan.tile_expert_NT, plan.tile_row_NT, dim, inter, num_experts, top_k,
-               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, LOADER_WARPS=UP_LOADER_WARPS, stages=stages)
+    _launch_ws(_up_ws_kernel, sm_count(x_TD.device.index), stages=stages, x_ptr=x_TD,
+               w13_desc=_desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), h_ptr=h_NI,
+               row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
+               tile_row_ptr=plan.tile_row_NT, D=dim, I=inter, E=num_experts, top_k=top_k,
+               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, LOADER_WARPS=UP_LOADER_WARPS)
+
+
+# The Gluon kernels by name, for the ahead-of-time compile check (``megamoe.bench.resources``).
+KERNELS = {"wgrad": _wgrad_ws_kernel, "dh": _dh_ws_kernel, "act": _act_ws_kernel, "up": _up_ws_kernel}

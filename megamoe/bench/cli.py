@@ -1,0 +1,63 @@
+"""``python -m megamoe.bench``: the layer benchmark (:mod:`megamoe.bench.layer`) and, with ``--ep``, the
+expert-parallel benchmark (:mod:`megamoe.bench.ep`). Without a GPU both run a small correctness check instead
+and say that timings need a GPU."""
+
+from __future__ import annotations
+
+import argparse
+
+from megamoe.bench import ep, layer
+from megamoe.bench.common import PRESETS, ROUTINGS, csv_of
+
+# Where results go unless --out says otherwise: an ignored folder, so that a run never overwrites the
+# committed results behind the README's tables (benchmarks/results/).
+DEFAULT_OUT = "benchmarks/out"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", type=csv_of(PRESETS), default="qwen3-30b-a3b",
+                   help=f"one or more (comma-separated) of {sorted(PRESETS)}")
+    p.add_argument("--tokens", type=csv_of(int), default="16384", help="tokens per step (T), comma-separated")
+    p.add_argument("--routing", type=csv_of(ROUTINGS), default="random", help=f"comma-separated, from {ROUTINGS}")
+    p.add_argument("--impls", default=None,
+                   help=f"comma-separated, from {layer.IMPLS} (default: {layer.DEFAULT_IMPLS}; 'loop' is slow: opt "
+                        f"in; 'liger' needs liger-kernel); with --ep from {ep.EP_IMPLS} (default: all)")
+    p.add_argument("--ep", action="store_true",
+                   help="expert-parallel benchmark over the torchrun ranks (see megamoe/bench/ep.py); --tokens is "
+                        "per rank")
+    p.add_argument("--ep-iters", type=int, default=20, help="timed iterations per measurement with --ep")
+    p.add_argument("--loopback", type=int, default=0, metavar="R",
+                   help="with --ep: R virtual ranks on one device (no torchrun): the fused protocol against the "
+                        "plain one-device layer")
+    p.add_argument("--comm-sms", type=lambda v: [int(n) for n in v.split(",")], default=[], metavar="N[,N...]",
+                   help="with --ep: also the fused protocol sending rows from N programs of the expert kernels' "
+                        "launches (impl fused_smsN; with --loopback R > 1 each rank's senders run before every GEMM, so "
+                        "only R = 1 overlaps)")
+    p.add_argument("--comm-sms-split", type=lambda v: [tuple(int(n) for n in pair.split(":")) for pair in v.split(",")],
+                   default=[], metavar="F:B[,F:B...]",
+                   help="with --ep on real ranks: also the fused protocol with F sending programs in the forward and "
+                        "B in the backward (impl fused_smsF_B; 0: a dispatch kernel of its own)")
+    p.add_argument("--profile", action="store_true",
+                   help="also write each impl's (with --ep --loopback: each variant's) per-kernel CUDA times of "
+                        "forward+backward (torch.profiler) next to the JSON; CUDA-graph impls share their eager "
+                        "twin's table. With --ep on real ranks: each fused impl's forward and the overlap figure's "
+                        "two halves (compute only, comm only), one file per rank")
+    p.add_argument("--seed", type=int, default=0, help="seed of the problem's inputs and routing")
+    p.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition budget per measurement (ms)")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help="folder for the JSON and PNG (benchmarks/results holds the committed ones)")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
+    args = p.parse_args(argv)  # argparse applies ``type`` to string defaults too
+    defaults = vars(p.parse_args([]))
+    args.explicit = {name for name, value in vars(args).items() if value != defaults[name]}  # what the caller set
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.ep:
+        ep.main(args)
+    else:
+        layer.main(args)

@@ -1,0 +1,52 @@
+"""Device queries and environment switches that every layer of the package reads: the bottom of the import
+graph (it imports nothing from megamoe), so that kernels and the public API can share them without a cycle.
+
+Environment variables (documented in the README):
+
+* ``MEGAMOE_BACKEND`` — ``auto`` or ``reference`` (read by :func:`megamoe.api.backend_for`);
+* ``MEGAMOE_EP`` — ``auto``, ``fused`` or ``all_to_all`` (:func:`megamoe.api.ep_path`);
+* ``MEGAMOE_DEBUG=1`` — checks that read device data back to the host (:func:`debug_checks_enabled`);
+* ``MEGAMOE_AUTOTUNE=0`` — fixed tile configs (:func:`megamoe.kernels.tuning.autotune_enabled`);
+* ``TRITON_INTERPRET=1`` — Triton's interpreter runs the kernels on CPU tensors (:func:`interpreting`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+_warned: set[str] = set()
+
+
+def warn_once(msg: str) -> None:
+    """``warnings.warn`` once per distinct message per process."""
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def debug_checks_enabled() -> bool:
+    """``MEGAMOE_DEBUG=1`` turns on checks that read device data back to the host (slow, synchronising)."""
+    return os.environ.get("MEGAMOE_DEBUG", "0") == "1"
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """SMs of CUDA device ``device_index`` (cached: the launchers ask on every call)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def device_capability(device_index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``device_index`` (cached: the backward's launchers ask several times a
+    step, and the query costs host time). Not for code that ``torch.compile`` traces: Dynamo warns on every
+    ``functools.cache``-wrapped call it traces (:func:`megamoe.api.backend_for` asks torch directly)."""
+    return torch.cuda.get_device_capability(device_index)

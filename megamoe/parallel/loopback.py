@@ -1,0 +1,147 @@
+"""The fused expert-parallel protocol as a harness: R virtual ranks on one device (their workspaces from
+``workspace.loopback_workspaces``), run phase by phase so that every wait's producer has already run — the
+protocol's tests and the EP machinery's one-GPU benchmark — and the forward's communication alone, rows out
+and back with no experts (:func:`round_trip`, the communication-only half of the EP benchmark's overlap figure).
+
+Problems are ``(x, topk_idx, topk_weights, w13, w2)`` per rank, with global expert ids and that rank's experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.kernels.plan import Plan, build_plan
+from megamoe.parallel.owner import owner_experts, owner_experts_backward, send_and_dh, send_and_up
+from megamoe.parallel.protocol import (
+    Y_SLOTS,
+    combine_returned,
+    combine_returned_backward,
+    exchange_counts,
+    peer,
+    received_plan,
+    reset_arrivals,
+    signal_returned,
+    wait_returned,
+)
+from megamoe.parallel.senders import ROWS_PER_PROGRAM, dispatch_rows, send_blocks
+from megamoe.parallel.workspace import Workspace
+
+
+@triton.jit
+def _return_rows_kernel(recv_tokens_ptr, recv_token_row_ptr, recv_meta_ptr, offsets_ptr, peers_ptr, R, L, D,
+                        max_slots, RB: tl.constexpr, BD: tl.constexpr):
+    """Communication only (no experts): every row I received (its token's row), unchanged, into its
+    source's slot."""
+    rows = tl.program_id(0) * RB + tl.arange(0, RB)
+    rmask = rows < tl.load(offsets_ptr + L)
+    token_rows = tl.load(recv_token_row_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    meta = tl.load(recv_meta_ptr + rows, mask=rmask, other=0)
+    out_rows = tl.multiple_of(peer(peers_ptr, Y_SLOTS, meta // max_slots, R, recv_tokens_ptr.dtype.element_ty)
+                              + (meta % max_slots).to(tl.int64) * D, 16)
+    for d0 in range(0, D, BD):
+        ds = d0 + tl.arange(0, BD)
+        m = rmask[:, None] & (ds < D)[None, :]
+        tl.store(out_rows[:, None] + ds[None, :], tl.load(recv_tokens_ptr + token_rows[:, None] * D + ds[None, :],
+                                                           mask=m), mask=m)
+
+
+# The kernels without a tile config, for the ahead-of-time compile check (``megamoe.bench.resources``).
+KERNELS = (_return_rows_kernel,)
+
+
+def return_rows(ws: Workspace) -> None:
+    """Phases 3 and 4 with no experts: wait for my rows, then send each back, unchanged, into its source's
+    ``y_slots`` and signal."""
+    plan, counts = received_plan(ws)
+    reset_arrivals(ws, counts)  # returns once every row is in
+    dim = ws.recv_x.shape[1]
+    _return_rows_kernel[(triton.cdiv(ws.capacity, ROWS_PER_PROGRAM),)](
+        recv_tokens_ptr=ws.recv_tokens, recv_token_row_ptr=ws.recv_token_row, recv_meta_ptr=ws.recv_meta,
+        offsets_ptr=plan.offsets_E1, peers_ptr=ws.peers, R=ws.num_ranks, L=ws.num_local, D=dim,
+        max_slots=ws.max_slots, RB=ROWS_PER_PROGRAM, BD=send_blocks(ws, dim)["BD"])
+    signal_returned(ws)
+
+
+def round_trip(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+               plan: Plan) -> torch.Tensor:
+    """The forward's communication alone, on one rank: counts, my rows out, every owner's rows back
+    (:func:`return_rows`), my wait for them; returns ``y_slots`` (N, D): slot t*K + k holds x[t] again.
+    Timed against the fused forward (the overlap figure); on a real group every rank must call it."""
+    exchange_counts(ws, plan)
+    dispatch_rows(ws, x_TD, topk_idx_TK, topk_weights_TK, plan)
+    return_rows(ws)
+    wait_returned(ws)
+    return ws.y_slots[: topk_idx_TK.numel()]
+
+
+def _start(workspaces: list[Workspace], problems: list[tuple]) -> list[Plan]:
+    """Plans and phase 1 of a loopback call."""
+    num_experts = workspaces[0].num_ranks * workspaces[0].num_local
+    for ws, (_, topk_idx, *_rest) in zip(workspaces, problems):
+        if topk_idx.numel() > ws.max_slots:
+            raise ValueError(f"rank {ws.rank}: {topk_idx.numel()} slots exceed the workspace's {ws.max_slots}")
+    plans = [build_plan(p[1], num_experts) for p in problems]
+    for ws, plan in zip(workspaces, plans):
+        exchange_counts(ws, plan)
+    return plans
+
+
+def loopback_forward(workspaces: list[Workspace], problems: list[tuple], comm_sms: int = 0) -> list[torch.Tensor]:
+    """The forward of R virtual ranks on one device. Each phase runs for every rank before the next,
+    so every wait's producer has already run (one device executes the launches in order).
+    ``comm_sms > 0``: the rows are sent by ``comm_sms`` programs of the up kernel's launch (``owner.send_and_up``)
+    — with one virtual rank in the same launch as its GEMM tiles; with more, each rank's senders run in a
+    launch of their own first (a rank's tiles would otherwise wait for rows that a later launch sends)."""
+    plans = _start(workspaces, problems)
+    if comm_sms and len(workspaces) == 1:
+        (ws,), (plan,), ((x, idx, weights, w13, w2),) = workspaces, plans, problems
+        owner_experts(ws, w13, w2, send=(x, idx, weights, plan, comm_sms))
+    elif comm_sms:
+        for ws, plan, (x, idx, weights, w13, _) in zip(workspaces, plans, problems):
+            send_and_up(ws, w13, *received_plan(ws), send=(x, idx, weights, plan, comm_sms), compute=False)
+        for ws, p in zip(workspaces, problems):
+            owner_experts(ws, p[3], p[4])
+    else:
+        for ws, plan, (x, idx, weights, _, _) in zip(workspaces, plans, problems):
+            dispatch_rows(ws, x, idx, weights, plan)
+        for ws, p in zip(workspaces, problems):
+            owner_experts(ws, p[3], p[4])
+    return [combine_returned(ws, p[1], p[0].dtype) for ws, p in zip(workspaces, problems)]
+
+
+def loopback_round_trip(workspaces: list[Workspace], problems: list[tuple]) -> list[torch.Tensor]:
+    """:func:`round_trip` for R virtual ranks on one device, phase by phase; per rank its ``y_slots``."""
+    plans = _start(workspaces, problems)
+    for ws, plan, (x, idx, weights, _, _) in zip(workspaces, plans, problems):
+        dispatch_rows(ws, x, idx, weights, plan)
+    for ws in workspaces:
+        return_rows(ws)
+    for ws in workspaces:
+        wait_returned(ws)
+    return [ws.y_slots[: p[1].numel()] for ws, p in zip(workspaces, problems)]
+
+
+def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: list[torch.Tensor],
+                      comm_sms: int = 0) -> list[tuple]:
+    """The backward of :func:`loopback_forward` for output gradients ``dys``: per rank (dx, d topk_weights
+    (fp32), dw13, dw2). Nothing from the forward is used: x and dy rows travel again (the workspace is
+    shared by every layer, so the forward's received rows are gone by then). ``comm_sms``: as for
+    :func:`loopback_forward`."""
+    plans = _start(workspaces, problems)
+    if comm_sms and len(workspaces) == 1:
+        (ws,), (plan,), ((x, _, weights, w13, w2),), (dy,) = workspaces, plans, problems, dys
+        weight_grads = [owner_experts_backward(ws, w13, w2, send=(x, dy, weights, plan, comm_sms))]
+    elif comm_sms:
+        for ws, plan, (x, _, weights, w13, w2), dy in zip(workspaces, plans, problems, dys):
+            send_and_dh(ws, w2, *received_plan(ws), send=(x, dy, weights, plan, comm_sms), compute=False)
+        weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
+    else:
+        for ws, plan, (x, idx, weights, _, _), dy in zip(workspaces, plans, problems, dys):
+            dispatch_rows(ws, x, idx, weights, plan, dy_TD=dy)
+        weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
+    results = []
+    for ws, (x, topk_idx, _, _, _), (dw13, dw2) in zip(workspaces, problems, weight_grads):
+        results.append((*combine_returned_backward(ws, topk_idx, x.dtype), dw13, dw2))
+    return results

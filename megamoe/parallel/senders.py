@@ -1,0 +1,292 @@
+"""The fused expert-parallel protocol's senders (phase 2, see protocol.py): my routed rows into their owners'
+receive buffers, either from a kernel of their own (:func:`dispatch_rows`) or from the first programs of the
+owner's expert kernel's launch (:func:`sender`, run by ``owner.send_and_up`` / ``owner.send_and_dh``).
+
+Shape legend as in workspace.py; E = R*L global experts; T, K this rank's tokens and slots; N = T*K.
+
+Forward: each token's row once per owner, into ``recv_tokens`` at row ``src * T + token``, carried by the
+token's first slot at that owner (:func:`carries_row`); every slot's id (``recv_meta``), routing weight and
+``recv_token_row`` at its place in the owner's expert-major order. Backward: x and dy once per slot, into
+``recv_x`` / ``recv_dy`` at that place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.kernels.plan import Plan
+from megamoe.parallel.protocol import (
+    ARRIVED,
+    OVERFLOW,
+    RECV_DY,
+    RECV_META,
+    RECV_TOKEN_ROW,
+    RECV_TOKENS,
+    RECV_WEIGHT,
+    RECV_X,
+    dest_bases,
+    peer,
+    wait_all_counts,
+)
+from megamoe.parallel.trace import TRACE_BLOCKS, TRACE_HEAD, TRACE_PER_BLOCK, TRACE_STRIDE, stamp
+from megamoe.parallel.workspace import Workspace
+
+# Rows (slots) per program of the dispatch kernel of its own.
+ROWS_PER_PROGRAM = 16
+# Rows (slots) per block and columns per copy step of the in-kernel sending programs. The forward's carry each
+# token's row once per owner, about a quarter of a block's slots at top-8 over two ranks, so their blocks are
+# wider in slots and narrower per step than the backward's, which copy x and dy for every slot: forward 64 x 128
+# (sm_90a send_up: 16 B of spills; 30B EP=2 forward 2.65-2.75 -> 2.58 ms, docs/PERFORMANCE.md; 64 x 256 spills
+# 124 B and gained less), backward 32 x 256 (send_dh: no spills; 64 rows: 264 B).
+SEND_UP_ROWS, SEND_UP_COLS = 64, 128
+SEND_DH_ROWS, SEND_DH_COLS = 32, 256
+# send_list's kernel: rows per block, and programs per segment (global expert) at most. An expert holds at most
+# one row per token, so at 16k tokens a program loops over at most 4 blocks (with one program per expert the
+# list took 0.29 ms of the 30B EP=2 forward on skewed routing).
+SEND_LIST_BLOCK, SEND_LIST_SPLIT = 256, 16
+
+
+@triton.jit
+def carries_row(slot, e, topk_idx_ptr, L, top_k, KB: tl.constexpr):
+    """1 where slot ``slot`` (-1: none) of global expert ``e`` is its token's first slot at that expert's
+    owner in the senders' order (lowest local expert, then slot; KB >= top_k), else 0: the one slot that
+    carries the token's row there in the forward. Dropped slots (expert -1) have no owner."""
+    rmask = slot >= 0
+    owner = e // L
+    local = e % L
+    ks = tl.arange(0, KB)
+    picks = tl.load(topk_idx_ptr + (slot // top_k).to(tl.int64)[:, None] * top_k + ks[None, :],
+                    mask=rmask[:, None] & (ks < top_k)[None, :], other=-1)
+    pick_local = picks % L
+    before = (picks >= 0) & (picks // L == owner[:, None]) & (
+        (pick_local < local[:, None]) | ((pick_local == local[:, None]) & (ks[None, :] < (slot % top_k)[:, None])))
+    return (rmask & (tl.sum(before.to(tl.int32), axis=1) == 0)).to(tl.int32)
+
+
+@triton.jit
+def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
+              max_tokens, max_slots, HAS_DY: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr,
+              trace_ptr=None, trace_at=-1, TRACE: tl.constexpr = False):
+    """My rows of slots ``slot`` (RB of them; -1: none) of global experts ``e`` into their owners' receive
+    buffers at rows ``dst`` (the caller waited for the counts: ``protocol.wait_all_counts``): each row's slot id
+    and routing weight, and its token's row of x —
+    - forward (not HAS_DY): into the owner's ``recv_tokens`` at row ``rank * max_tokens + token``, by the
+      slots where ``carries`` is 1 (:func:`carries_row`), whatever the slot's ``dst``; the owner's up kernel
+      reads it through ``recv_token_row``. A token that picked several of an owner's experts crosses NVLink
+      once;
+    - backward (HAS_DY): x and dy rows into ``recv_x`` / ``recv_dy`` at ``dst``, one per slot (the weight
+      gradients read them there as expert-sorted rows); ``carries`` is not read.
+    The validity travels as -1 rather than as a mask argument: Triton 3.6 fails to compile a boolean tensor
+    passed to a called function (sm_90a: "failed to legalize unresolved materialization ...
+    tensor<64xi1>"). TRACE: stamps ``trace_at + 1..3`` (see trace.py)."""
+    rmask = slot >= 0  # every access below is masked by it (an early return here fails to compile too)
+    owner = e // L
+    local = e % L
+    fits = rmask & (dst < capacity)
+    weight = tl.load(weights_ptr + slot, mask=fits, other=0.0)  # issued before the copy, which hides its latency
+    tok = (slot // top_k).to(tl.int64)
+    dst64 = dst.to(tl.int64)
+    if HAS_DY:
+        copies = fits
+        # Each destination row's start in the owner's buffers, 16-byte aligned (see owner.py's output kernel).
+        x_rows = tl.multiple_of(peer(peers_ptr, RECV_X, owner, R, x_ptr.dtype.element_ty) + dst64 * D, 16)
+        dy_rows = tl.multiple_of(peer(peers_ptr, RECV_DY, owner, R, x_ptr.dtype.element_ty) + dst64 * D, 16)
+    else:
+        copies = rmask & (carries != 0)
+        token_row = rank * max_tokens + tok
+        x_rows = tl.multiple_of(peer(peers_ptr, RECV_TOKENS, owner, R, x_ptr.dtype.element_ty) + token_row * D, 16)
+        tl.store(peer(peers_ptr, RECV_TOKEN_ROW, owner, R, tl.int32) + dst64, token_row.to(tl.int32), mask=fits)
+    # Pipelined (cp.async through shared memory): a sending program is one block on its SM, so its loads
+    # must overlap one another to move more than one chunk per memory latency.
+    for d0 in tl.range(0, D, BD, num_stages=4):
+        ds = d0 + tl.arange(0, BD)
+        m = copies[:, None] & (ds < D)[None, :]
+        src = tok[:, None] * D + ds[None, :]
+        tl.store(x_rows[:, None] + ds[None, :], tl.load(x_ptr + src, mask=m), mask=m)
+        if HAS_DY:
+            tl.store(dy_rows[:, None] + ds[None, :], tl.load(dy_ptr + src, mask=m), mask=m)
+    stamp(trace_ptr, trace_at, 1, TRACE)
+    tl.store(peer(peers_ptr, RECV_META, owner, R, tl.int32) + dst64, rank * max_slots + slot, mask=fits)
+    tl.store(peer(peers_ptr, RECV_WEIGHT, owner, R, tl.float32) + dst64, weight.to(tl.float32), mask=fits)
+    stamp(trace_ptr, trace_at, 2, TRACE)
+    # Count the rows into their owners' arrivals: one release per expert among them, by one thread, after
+    # a barrier of the whole block — the barrier orders every thread's row stores before that thread's
+    # release, and a release at system scope is cumulative, so the owner that acquires the count sees
+    # the rows. A row that did not fit is counted too, so that no wait hangs on it, and in the owner's
+    # and my ``overflow``.
+    idx = tl.arange(0, RB)
+    same = (e[:, None] == e[None, :]) & rmask[None, :]
+    first = rmask & (tl.min(tl.where(same, idx[None, :], RB), axis=1) == idx)
+    tl.debug_barrier()
+    tl.atomic_add(peer(peers_ptr, ARRIVED, owner, R, tl.int32) + rank * L + local, tl.sum(same.to(tl.int32), axis=1),
+                  mask=first, sem="release", scope="sys")
+    stamp(trace_ptr, trace_at, 3, TRACE)
+    lost = rmask & (dst >= capacity)
+    tl.atomic_add(peer(peers_ptr, OVERFLOW, owner, R, tl.int32), 1, mask=lost, sem="relaxed", scope="sys")
+    tl.atomic_add(peer(peers_ptr, OVERFLOW, rank, R, tl.int32), tl.sum(lost.to(tl.int32), axis=0), sem="relaxed",
+                  scope="sys")
+
+
+@triton.jit
+def _dispatch_rows_kernel(
+    x_ptr,  # (T, D) my tokens
+    dy_ptr,  # (T, D) their output gradient (backward; read only if HAS_DY)
+    weights_ptr,  # (N,) my routing weights, flat slots
+    row_slot_ptr, offsets_ptr,  # my plan over the E global experts
+    topk_idx_ptr,  # (T, K) my routing (forward: which of a token's slots carries its row to an owner)
+    peers_ptr,  # (buffers, R) int64: every rank's buffers (workspace.BUFFER_INDEX)
+    epoch_ptr,
+    rank, R, L, D, top_k, capacity, max_tokens, max_slots,
+    HAS_DY: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """Phase 2 as its own kernel: program i sends my sorted rows [i*RB, (i+1)*RB)."""
+    wait_all_counts(peers_ptr, epoch_ptr, R, CB)
+    rows = tl.program_id(0) * RB + tl.arange(0, RB)
+    rows = tl.where(rows < tl.load(offsets_ptr + R * L), rows, -1)
+    e = _experts_of_rows(rows, offsets_ptr, R * L, EB)
+    dst = dest_bases(e, peers_ptr, epoch_ptr, rank, R, L, CB) + rows - tl.load(offsets_ptr + e)
+    slots = tl.where(rows >= 0, tl.load(row_slot_ptr + rows, mask=rows >= 0, other=0), -1)
+    carries = slots * 0
+    if not HAS_DY:
+        carries = carries_row(slots, e, topk_idx_ptr, L, top_k, KB)
+    send_rows(slots, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
+              max_tokens, max_slots, HAS_DY, RB, BD)
+
+
+@triton.jit
+def _experts_of_rows(rows, offsets_ptr, E, EB: tl.constexpr):
+    """Global expert of each of my sorted ``rows`` (-1: none; its expert is any valid one): the number of
+    experts whose rows end at or before it."""
+    es = tl.arange(0, EB)
+    ends = tl.load(offsets_ptr + es + 1, mask=es < E, other=2147483647)
+    return tl.minimum(tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1), E - 1)
+
+
+@triton.jit
+def _send_list_block(block, send_list_ptr, num_rows, RB: tl.constexpr):
+    """Entries [block*RB, (block+1)*RB) of :func:`send_list` (slot -1, expert 0 past its end)."""
+    pos = block * RB + tl.arange(0, RB)
+    m = pos < num_rows
+    return (tl.load(send_list_ptr + pos, mask=m, other=-1), tl.load(send_list_ptr + num_rows + pos, mask=m, other=0),
+            tl.load(send_list_ptr + 2 * num_rows + pos, mask=m, other=0),
+            tl.load(send_list_ptr + 3 * num_rows + pos, mask=m, other=0))
+
+
+@triton.jit
+def sender(pid, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, peers_ptr, epoch_ptr, rank, R, L, D, top_k,
+           capacity, max_tokens, max_slots, HAS_DY: tl.constexpr, SENDERS: tl.constexpr, RB: tl.constexpr,
+           EB: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr, trace_ptr=None, TRACE: tl.constexpr = False):
+    """Sending program ``pid`` of SENDERS in an expert kernel's launch: once the counts are in, blocks pid,
+    pid + SENDERS, ... (RB rows each) of my ``num_rows`` rows in the order of :func:`send_list` — local expert
+    first, then owner — so that every owner receives its first experts' rows from every source first and its
+    tiles can start while later experts' rows travel. TRACE: its stamps (see trace.py)."""
+    head = pid * TRACE_STRIDE
+    stamp(trace_ptr, head, 0, TRACE)
+    wait_all_counts(peers_ptr, epoch_ptr, R, CB)
+    os_ = tl.arange(0, EB)
+    # Once per program rather than per block: every expert's start at its owner (from the owners' counts,
+    # across NVLink with real ranks), indexed by global expert.
+    bases = dest_bases(os_, peers_ptr, epoch_ptr, rank, R, L, CB)
+    slot, e, index, carries = _send_list_block(pid, send_list_ptr, num_rows, RB)
+    stamp(trace_ptr, head, 1, TRACE)
+    for block in range(pid, tl.cdiv(num_rows, RB), SENDERS):
+        j = (block - pid) // SENDERS
+        trace_at = tl.where(j < TRACE_BLOCKS, head + TRACE_HEAD + j * TRACE_PER_BLOCK, -1)
+        stamp(trace_ptr, trace_at, 0, TRACE)
+        # The next block's entries load while this block's rows are copied: a sender's time is a chain of
+        # memory latencies per block (docs/DESIGN.md, "Senders"), and this takes one out of it.
+        next_slot, next_e, next_index, next_carries = _send_list_block(block + SENDERS, send_list_ptr, num_rows, RB)
+        dst = tl.sum(tl.where(e[:, None] == os_[None, :], bases[None, :], 0), axis=1) + index
+        send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
+                  max_tokens, max_slots, HAS_DY, RB, BD, trace_ptr, trace_at, TRACE)
+        slot, e, index, carries = next_slot, next_e, next_index, next_carries
+    stamp(trace_ptr, head, 2, TRACE)
+
+
+@triton.jit
+def _send_list_kernel(row_slot_ptr, offsets_ptr, topk_idx_ptr, send_list_ptr, num_rows, R, L, top_k,
+                      CARRIES: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, BLOCK: tl.constexpr):
+    """Programs (e, c), e < E, write my rows of global expert e into :func:`send_list`, after the segments that
+    precede its own: those of every lower local expert, then those of its local expert at lower owners;
+    with CARRIES, which of them carry their token's row (:func:`carries_row`), else 0. Programs (E, c) mark
+    the entries of the dropped slots, past the routed rows, as none (slot -1). Program c of a segment's C
+    takes its blocks c, c + C, ... of BLOCK rows: a popular expert's rows are not one program's serial loop."""
+    e = tl.program_id(0)
+    c = tl.program_id(1)
+    C = tl.num_programs(1)
+    E = R * L
+    es = tl.arange(0, EB)
+    em = es < E
+    sizes = tl.load(offsets_ptr + es + 1, mask=em, other=0) - tl.load(offsets_ptr + es, mask=em, other=0)
+    before = ((es % L) < e % L) | (((es % L) == e % L) & (es // L < e // L))
+    start = tl.where(e < E, tl.sum(tl.where(before & em, sizes, 0), axis=0), tl.load(offsets_ptr + E))
+    row0 = tl.load(offsets_ptr + e)
+    n = tl.where(e < E, tl.load(offsets_ptr + e + 1, mask=e < E, other=0), num_rows) - row0
+    for i0 in range(c * BLOCK, n, C * BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < n
+        pos = send_list_ptr + start + i
+        slot = tl.load(row_slot_ptr + row0 + i, mask=m & (e < E), other=-1)
+        expert = tl.where(e < E, e, 0) + tl.zeros([BLOCK], tl.int32)
+        tl.store(pos, slot, mask=m)
+        tl.store(pos + num_rows, expert, mask=m)
+        tl.store(pos + 2 * num_rows, i, mask=m)
+        carries = tl.zeros([BLOCK], tl.int32)
+        if CARRIES:
+            carries = carries_row(slot, expert, topk_idx_ptr, L, top_k, KB)
+        tl.store(pos + 3 * num_rows, carries, mask=m)
+
+
+# The kernels without a tile config, for the ahead-of-time compile check (``megamoe.bench.resources``).
+KERNELS = (_dispatch_rows_kernel, _send_list_kernel)
+
+
+def send_blocks(ws: Workspace, dim: int, max_cols: int = 256) -> dict:
+    """Block sizes of the row-sending code (:func:`send_rows`): all global experts (EB), all (source, local
+    expert) counts or ranks (CB), and the columns copied per step (BD, at most ``max_cols``)."""
+    num_experts = ws.num_ranks * ws.num_local
+    return {"EB": triton.next_power_of_2(num_experts), "CB": triton.next_power_of_2(max(num_experts, ws.num_ranks)),
+            "BD": min(max_cols, triton.next_power_of_2(dim))}
+
+
+def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                  plan: Plan, dy_TD: torch.Tensor | None = None) -> None:
+    """Phase 2 in a kernel of its own: my routed rows into their owners' receive buffers: in the forward each
+    token's row once per owner (``recv_tokens``), in the backward (``dy_TD``) its x and dy rows once per slot
+    (``recv_x``, ``recv_dy``); each slot's id and routing weight."""
+    num_slots = plan.row_slot_N.numel()
+    dim = x_TD.shape[1]
+    if num_slots == 0:
+        return
+    _dispatch_rows_kernel[(triton.cdiv(num_slots, ROWS_PER_PROGRAM),)](
+        x_ptr=x_TD, dy_ptr=dy_TD, weights_ptr=topk_weights_TK.reshape(-1), row_slot_ptr=plan.row_slot_N,
+        offsets_ptr=plan.offsets_E1, topk_idx_ptr=topk_idx_TK, peers_ptr=ws.peers, epoch_ptr=ws.epoch,
+        rank=ws.rank, R=ws.num_ranks, L=ws.num_local, D=dim, top_k=topk_weights_TK.shape[1], capacity=ws.capacity,
+        max_tokens=ws.max_tokens, max_slots=ws.max_slots, HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM,
+        KB=triton.next_power_of_2(topk_idx_TK.shape[1]), **send_blocks(ws, dim),
+    )
+
+
+def send_list(plan: Plan, num_ranks: int, num_local: int, topk_idx_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """(4, N) int32: my N slots' rows in the senders' order, as (slot, global expert, index among my rows
+    of that expert, carries: 1 if the slot carries its token's row to the owner in the forward, given my
+    routing ``topk_idx_TK``; 0 without it); the dropped slots' entries last, with slot -1. Local expert l
+    major, owner k minor:
+    segment l * R + k holds my rows of global expert k * L + l, in sorted order. Sorted by global expert,
+    every source would send to owner 0 first and owner R-1's tiles could not start before the whole
+    exchange ended; in this order every owner has its expert-0 rows from every source after about 1/L of
+    it. One launch, on the device, no sync."""
+    num_rows = plan.row_slot_N.numel()
+    out = torch.empty(4, num_rows, device=plan.row_slot_N.device, dtype=torch.int32)
+    if num_rows:
+        top_k = 1 if topk_idx_TK is None else topk_idx_TK.shape[1]
+        split = min(SEND_LIST_SPLIT, triton.cdiv(num_rows, SEND_LIST_BLOCK))
+        _send_list_kernel[(num_ranks * num_local + 1, split)](
+            row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, topk_idx_ptr=topk_idx_TK, send_list_ptr=out,
+            num_rows=num_rows, R=num_ranks, L=num_local, top_k=top_k, CARRIES=topk_idx_TK is not None,
+            KB=triton.next_power_of_2(top_k), EB=triton.next_power_of_2(num_ranks * num_local),
+            BLOCK=SEND_LIST_BLOCK)
+    return out

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks, on this machine (run from anywhere; each part fits in 10 minutes on one H200):
+#   bash scripts/gpu-check.sh tests        pytest -m "gpu and not loopback": kernels, API, compile, benchmarks' GPU paths
+#   bash scripts/gpu-check.sh loopback     pytest -m loopback: the fused EP protocol on virtual ranks of this GPU
+#   bash scripts/gpu-check.sh layer [P..]  the layer benchmark on the README's problems P: 30b, 235b (16k tokens,
+#                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
+#   bash scripts/gpu-check.sh ep           on 2+ GPUs: the fused EP tests on real ranks, then the EP benchmark
+# Logs (and the benchmark JSON/PNG) go to $GPU_CHECK_OUT (default benchmarks/out/gpu-check); copy the JSON you
+# mean to publish into benchmarks/results/ and run `python -m megamoe.bench.report`. Optional baselines install
+# from wheels in .whl/ without the network (Liger-Kernel: `pip download liger-kernel==0.8.5 --no-deps -d .whl`).
+# Every GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv beside the logs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|ep}
+shift
+out=${GPU_CHECK_OUT:-benchmarks/out/gpu-check}
+mkdir -p "$out"
+PY=$(bash scripts/setup.sh)
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/megamoe-baselines .whl/*.whl \
+        && export PYTHONPATH=/tmp/megamoe-baselines${PYTHONPATH:+:$PYTHONPATH}
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+py=("$PY" -u -X faulthandler)
+gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+if [ "$gpus" -gt 0 ]; then
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 250 \
+        > "$out/clocks.csv" 2>&1 &
+    sampler=$!
+    trap 'kill "$sampler" 2> /dev/null' EXIT
+fi
+
+step() {  # step NAME SECONDS COMMAND...: run it under a time limit (a hang dumps the host's stacks), log it
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at most $limit s), started $(date -u +%FT%T)"
+    timeout -s ABRT "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -n 25
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: exit status $rc at $(date -u +%FT%T)"
+    return "$rc"
+}
+
+case $stage in
+tests)
+    step gpu-tests 580 "${py[@]}" -m pytest -m "gpu and not loopback" -q -p no:cacheprovider --durations=15
+    ;;
+loopback)
+    step loopback-tests 580 "${py[@]}" -m pytest -m loopback -q -p no:cacheprovider --durations=15
+    ;;
+layer)
+    liger=
+    "$PY" -c "import liger_kernel" 2> /dev/null && liger=liger,  # on the 30B layer only: its autotuning outlasts the 235B
+    rc=0
+    problems=("$@")
+    [ "$#" -eq 0 ] && problems=(30b 235b)
+    for problem in "${problems[@]}"; do
+        case $problem in
+        30b) args=(--preset qwen3-30b-a3b --routing random,skewed
+                   --impls "grouped_mm,grouped_mm_compiled,${liger}megamoe,megamoe_cudagraph") ;;
+        235b) args=(--preset qwen3-235b-a22b --routing random,skewed
+                    --impls grouped_mm,grouped_mm_compiled,megamoe,megamoe_cudagraph) ;;
+        1k) args=(--preset qwen3-30b-a3b --tokens 1024 --impls grouped_mm,grouped_mm_compiled,megamoe,megamoe_cudagraph) ;;
+        65k) args=(--preset qwen3-30b-a3b --tokens 65536 --impls grouped_mm,grouped_mm_compiled,megamoe,megamoe_cudagraph) ;;
+        *) echo "unknown problem $problem: 30b, 235b, 1k or 65k" >&2; exit 2 ;;
+        esac
+        step "layer-$problem" 590 "${py[@]}" -m megamoe.bench "${args[@]}" --out "$out/results" || rc=$?
+    done
+    exit "$rc"
+    ;;
+ep)
+    [ "$gpus" -ge 2 ] || { echo "stage ep needs 2+ GPUs; this machine has $gpus" >&2; exit 2; }
+    step ep-tests 420 "${py[@]}" -m pytest -q -p no:cacheprovider tests/test_parallel.py -m gpu || exit $?
+    step ep-bench 590 "${py[@]}" -m torch.distributed.run --nproc-per-node "$gpus" -m megamoe.bench --ep \
+        --preset qwen3-30b-a3b,qwen3-235b-a22b --tokens 16384 --routing random,skewed --comm-sms 32 --out "$out/results"
+    ;;
+*)
+    echo "unknown stage $stage: tests, loopback, layer or ep" >&2
+    exit 2
+    ;;
+esac
