@@ -2,7 +2,8 @@
 ``torch.library`` custom ops, which the compiler sees as opaque ops with fake implementations (their
 shapes depend only on T, K, E, D, I, never on the routing). Both run the same two bodies
 (:func:`experts_forward`, :func:`experts_backward`); the custom ops' dispatch layers cost the host about
-as much as the rest of the step's Python (docs/NOTES.md §13), which small batches cannot hide.
+as much as the rest of the step's Python (docs/DESIGN.md, "Autograd and torch.compile"), which small
+batches cannot hide.
 
 Saved for backward: the inputs and the routing plan (a few int32 vectors) — no activations.
 """

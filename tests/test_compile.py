@@ -20,7 +20,12 @@ def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
                          capture_output=True, text=True, env=env, timeout=600, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line.split() for line in out.stdout.splitlines()[1:] if line.strip()]
-    from megamoe.bench.resources import KERNELS, OTHER_KERNELS, WS_KERNELS, configs_to_check
+    from megamoe.bench.resources import (
+        KERNELS,
+        OTHER_KERNELS,
+        WS_KERNELS,
+        configs_to_check,
+    )
 
     gluon_kernels = len(WS_KERNELS) if dtype == "bf16" else 0  # 16-bit only
     triton_configs = sum(len(configs_to_check(kernel, candidates=False)) for kernel in KERNELS.values())

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megamoe import reference
-from megamoe.kernels.plan import build_plan
 from megamoe.kernels.expert_bwd import DX
 from megamoe.kernels.expert_fwd import DOWN
+from megamoe.kernels.plan import build_plan
 from megamoe.parallel import loopback, protocol, senders
 from megamoe.parallel.owner import DOWN_PEER, DX_PEER, rows_to_peer_slots
 from megamoe.parallel.workspace import loopback_workspaces

@@ -15,7 +15,13 @@ from megamoe.api import backend_for
 from megamoe.bench.layer import cuda_graphed
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import BLOCK_M, build_plan
-from tests.helpers import NAMES, SHAPES, assert_close_to_reference, make_problem, run_with_grads
+from tests.helpers import (
+    NAMES,
+    SHAPES,
+    assert_close_to_reference,
+    make_problem,
+    run_with_grads,
+)
 
 # The shape matrix plus cases that exercise several tiles per expert, several K-loop iterations with a
 # remainder, and several I-blocks in the backward.

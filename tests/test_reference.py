@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from megamoe import reference
-from tests.helpers import SHAPES, assert_close_to_reference, make_problem, run_with_grads
+from tests.helpers import (
+    SHAPES,
+    assert_close_to_reference,
+    make_problem,
+    run_with_grads,
+)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"T{s[0]}-D{s[1]}-I{s[2]}-E{s[3]}-K{s[4]}-{s[5]}" for s in SHAPES])
@@ -54,7 +59,7 @@ def test_grouped_mm_bf16_gpu_matches_fp32(poison_cuda):
 
 @pytest.mark.gpu
 def test_grouped_mm_gpu_handles_tiny_and_empty_groups(poison_cuda):
-    """Group sizes like [3, 17, 0, 45] (FACTS.md saw `_grouped_mm` fail on these)."""
+    """Group sizes like [3, 17, 0, 45] (docs/FACTS.md: `_grouped_mm` was seen failing on these)."""
     gen = torch.Generator().manual_seed(0)
     sizes = [3, 17, 0, 45]
     idx = torch.cat([torch.full((n,), e) for e, n in enumerate(sizes)])[torch.randperm(65, generator=gen)]

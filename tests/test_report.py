@@ -1,5 +1,6 @@
-"""The results tables in the README are the report's output on the committed JSON files (no number typed
-in by hand), the report draws a plot for each file, and a result names the commit of the code that ran."""
+"""The results tables in the README and the results page are the report's output on the committed JSON files
+(no number typed in by hand), the report draws a plot for each file, and a result names the commit of the
+code that ran."""
 
 import os
 import shutil
@@ -7,43 +8,56 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megamoe.bench import report
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_readme_tables_are_the_reports_output_and_every_result_is_plotted(tmp_path, capsys):
+def copy_results(tmp_path):
     for path in (ROOT / "benchmarks" / "results").glob("*.json"):
         shutil.copy(path, tmp_path)  # the report redraws PNGs next to the JSONs: not in the checkout
-    report.main([str(tmp_path)])
+    return tmp_path
+
+
+def test_readme_and_results_page_are_the_reports_output_and_every_result_is_plotted(tmp_path, capsys):
+    folder = copy_results(tmp_path)
+    report.main([str(folder)])
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     readme = (ROOT / "README.md").read_text().splitlines()
-    assert len(printed) > 4 and any("virtual ranks" in line for line in printed)
+    assert len(printed) > 8 and any("EP=2" in line for line in printed)
     missing = [line for line in printed if line not in readme]
     assert not missing, f"README rows out of date with benchmarks/results (python -m megamoe.bench.report): {missing}"
-    results = {p.stem for pattern in ("*-ep*.json", "*-loopback*.json") for p in tmp_path.glob(pattern)}
-    assert results and results == {p.stem for p in tmp_path.glob("*.png")}
+    page = report.page(report.load(folder))
+    assert (ROOT / "benchmarks" / "README.md").read_text() == page, \
+        "benchmarks/README.md out of date (python -m megamoe.bench.report --page benchmarks/README.md)"
+    assert "| `qwen3-30b-a3b-t16384-random-ep1.json` |" in page and "virtual ranks" in page
+    results = {p.stem for pattern in ("*-ep*.json", "*-loopback*.json") for p in folder.glob(pattern)}
+    assert results and results | {"summary"} == {p.stem for p in folder.glob("*.png")}
 
 
-def test_readme_option_rewrites_stale_tables_and_footer(tmp_path):
-    """``--readme`` puts the report's tables (and the layer table's footer line) in place of stale ones:
-    a README with one row and the footer changed comes back equal to the committed README."""
-    for path in (ROOT / "benchmarks" / "results").glob("*.json"):
-        shutil.copy(path, tmp_path)
+def test_readme_option_rewrites_stale_sections(tmp_path):
+    """``--readme`` puts the report's tables in place of stale ones between the markers, and nothing else
+    changes: a README with one row and a footer changed comes back equal to the committed README."""
+    folder = copy_results(tmp_path)
     readme = (ROOT / "README.md").read_text()
-    row = next(line for line in readme.splitlines() if line.startswith("| qwen3-30b-a3b T=16384 random | megamoe |"))
-    footer = next(line for line in readme.splitlines() if "dense bf16 matmul" in line)
-    stale = readme.replace(row, row.replace("| megamoe |", "| megamoe | 0.01 |", 1)).replace(footer, "old footer")
+    row = next(line for line in readme.splitlines() if line.startswith("| qwen3-30b-a3b T=16384 random |"))
+    footer = next(line for line in readme.splitlines() if line.startswith("Training-step ms (AC step), "))
+    stale = readme.replace(row, row.replace("|", "| 0.01 |", 2)).replace(footer, "old footer")
     assert stale != readme
     target = tmp_path / "README.md"
     target.write_text(stale)
-    report.main([str(tmp_path), "--readme", str(target)])
+    report.main([str(folder), "--readme", str(target)])
     assert target.read_text() == readme
+    target.write_text(stale.replace("<!-- report:end -->", "", 1))
+    with pytest.raises(ValueError, match="no <!-- report:end -->"):
+        report.main([str(folder), "--readme", str(target)])
 
 
 def test_results_name_a_commit_only_for_the_checkouts_own_package(tmp_path):
     """A result's ``commit`` is the HEAD of the checkout whose megamoe package ran; a copy of another
-    branch inside that checkout (``device-check.sh compare``'s ``_exp/B``) gets None, not the enclosing
+    branch inside that checkout (an ``_exp/B`` folder) gets None, not the enclosing
     HEAD, which names code that did not run."""
     def git(*args, cwd=tmp_path):
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,

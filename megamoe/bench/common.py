@@ -110,7 +110,7 @@ def csv_of(allowed):
 
 def source_digest() -> str:
     """sha256 over the megamoe package's sources (paths and bytes): identifies the code that ran even
-    where the checkout's git metadata is stale (the lent GPU machine gets a copy of the working tree
+    where the checkout's git metadata is stale (a copy of the working tree run on another machine
     whose .git can lag behind). Recompute on any commit with the same function to match a result."""
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
@@ -127,7 +127,7 @@ def utc_now(timespec: str = "milliseconds") -> str:
 def git_commit() -> str | None:
     """HEAD of the checkout the running megamoe package belongs to ("-dirty" with uncommitted changes), or
     None when the package is not that checkout's own: a copied working tree, or a copy of another branch
-    inside this checkout (``device-check.sh compare``'s ``_exp/B``), whose enclosing repository's HEAD
+    inside this checkout (an ``_exp/B`` folder, say), whose enclosing repository's HEAD
     would name code that did not run."""
     root = Path(__file__).resolve().parents[2]
 

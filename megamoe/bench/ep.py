@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import triton
 
 import megamoe
 from megamoe import reference
@@ -296,7 +297,8 @@ def measure(impls: dict, group, preset: str, tokens: int, routing: str, device, 
         overlap["_profile"] = kernel_tables({**profiled, **halves})
     return {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "ranks": num_ranks, "commit": git_commit(), "source_sha256": source_digest(),
+        "torch": torch.__version__, "triton": triton.__version__, "ranks": num_ranks, "commit": git_commit(),
+        "source_sha256": source_digest(),
         "date": utc_now("seconds"),
         "command": f"torchrun --nproc-per-node {num_ranks} -m megamoe.bench " + " ".join(sys.argv[1:]),
         "preset": preset, "tokens_per_rank": tokens, "routing": routing, "ep": num_ranks, "dtype": str(dtype),
@@ -400,7 +402,6 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
                                                                                                comm_sms=n)))
     if not timed:
         return info
-    import triton
     from triton.testing import do_bench
 
     _, plain_fwd_bwd = training_step(megamoe.moe, problem)

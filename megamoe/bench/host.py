@@ -1,6 +1,6 @@
 """Host time of one forward+backward step: what the Python around the kernels costs (validation,
-plan, autograd, launch preparation, allocations), which bounds small batches on the GPU (docs/NOTES.md
-§7, §13). Two modes:
+plan, autograd, launch preparation, allocations), which bounds small batches on the GPU (docs/FACTS.md,
+docs/PERFORMANCE.md). Two modes:
 
     TRITON_INTERPRET=1 python -m megamoe.bench.host [--tokens 1024] [--reps 5]   # any machine, no GPU
     python -m megamoe.bench.host --gpu [--tokens 1024] [--cprofile 30] [--stages]  # a CUDA GPU

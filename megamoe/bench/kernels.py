@@ -24,7 +24,14 @@ import torch
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from megamoe.bench.common import PRESETS, ROUTINGS, git_commit, make_problem, source_digest, utc_now
+from megamoe.bench.common import (
+    PRESETS,
+    ROUTINGS,
+    git_commit,
+    make_problem,
+    source_digest,
+    utc_now,
+)
 from megamoe.kernels import expert_bwd, expert_fwd
 from megamoe.kernels.combine import combine
 from megamoe.kernels.gluon_sm90 import ACT_CONFIG, UP_CONFIG, WS_CONFIG, ws_supported
@@ -109,7 +116,7 @@ def main(argv=None) -> None:
     problem = make_problem(args.tokens, dim, inter, num_experts, top_k, args.routing, torch.bfloat16, "cuda", 0)
     rows = []
     for name, (fn, flops, key) in stages(problem, num_experts).items():
-        started = utc_now()  # the timing window, to read against device-check's clocks.csv
+        started = utc_now()  # the timing window, to read against gpu-check's clocks.csv
         ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
         row = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
                "config": None if key is None else key.last_config,  # autotuned or default

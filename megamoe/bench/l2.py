@@ -1,5 +1,5 @@
 """Read bandwidth of the GPU's L2 (and, past its size, of HBM): the rate at which the GEMM kernels could
-pull operand tiles into the SMs (docs/NOTES.md §24).
+pull operand tiles into the SMs (docs/FACTS.md).
 
 ``python -m megamoe.bench.l2 [--json PATH]`` on a GPU (with ``--json``, the plot goes next to it as PNG). A persistent kernel (``--per-sm`` programs per SM)
 reads 16 KB blocks of a bf16 buffer round-robin, many times over, and adds them up; the footprint sweeps

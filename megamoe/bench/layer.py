@@ -112,8 +112,8 @@ def time_impl(impl: Impl, problem, rep_ms: int) -> dict:
         timed_fwd_bwd, _ = cuda_graphed(lambda: torch.autograd.grad(fwd(), leaves, dy))
     else:
         timed_fwd, timed_fwd_bwd = fwd, fwd_bwd
-    # When each median was taken (UTC, as device-check's clocks.csv): the SM clock under the power limit
-    # moves the GEMMs' times (docs/FACTS.md, session 9), so a result can be read against the clock it met.
+    # When each median was taken (UTC, as scripts/gpu-check.sh's clocks.csv): the SM clock under the power limit
+    # moves the GEMMs' times (docs/FACTS.md), so a result can be read against the clock it met.
     started = utc_now()
     fwd_ms = do_bench(timed_fwd, warmup=100, rep=rep_ms, return_mode="median")
     fwd_bwd_ms = do_bench(timed_fwd_bwd, warmup=100, rep=rep_ms, grad_to_none=leaves, return_mode="median")

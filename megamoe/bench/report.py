@@ -1,11 +1,13 @@
-"""Markdown tables and PNG plots from committed benchmark JSON files.
+"""The results pages and plots, from the committed benchmark JSON files (every number comes from them; nothing
+is typed in):
 
-``python -m megamoe.bench.report [benchmarks/results] [--readme README.md]`` prints one table row per
-(problem, impl) of the layer benchmark, one per loopback run of the EP benchmark (``--ep --loopback R``)
-and one per (problem, impl) of the multi-GPU EP benchmark (``torchrun ... --ep``), and (re)draws each
-JSON file's PNG next to it. ``--readme`` also writes the tables into that file in place of the ones with
-the same header (and the layer table's footer line). Every number comes from the JSON files; nothing is
-typed in.
+    python -m megamoe.bench.report [benchmarks/results] [--readme README.md] [--page benchmarks/README.md]
+
+prints the README's two summary tables — one GPU (the training step of each impl per problem) and expert
+parallelism on real ranks — and (re)draws each JSON file's PNG next to it and the one-GPU summary plot
+(``summary.png``). ``--readme`` writes the two tables into that file between its ``<!-- report:... -->`` markers;
+``--page`` writes the full results page: every row of every result, the EP machinery on virtual ranks, and each
+result's provenance (GPU, versions, date, commit or source digest, command).
 """
 
 from __future__ import annotations
@@ -15,6 +17,14 @@ import json
 from pathlib import Path
 
 from megamoe.bench.layer import PLOT_KEYS, plot
+from megamoe.parallel.fused import DEFAULT_COMM_SMS
+
+# Impls of the README's one-GPU table, in column order, with their column names.
+SUMMARY_IMPLS = {"grouped_mm": "grouped_mm", "grouped_mm_compiled": "grouped_mm compiled", "liger": "Liger",
+                 "megamoe": "megamoe"}
+# ... and of its EP table: the all-to-all baselines and the fused protocol with its default senders.
+EP_SUMMARY_IMPLS = {"a2a_grouped_mm": "all-to-all + grouped_mm", "a2a_grouped_mm_compiled": "... compiled",
+                    f"fused_sms{DEFAULT_COMM_SMS}": "megamoe fused EP"}
 
 
 def load(folder: Path) -> dict[str, list[dict]]:
@@ -42,13 +52,10 @@ def table(runs: list[dict]) -> str:
             lines.append(f"| {problem} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
                          f"{r['ac_step_ms']:.2f} | {r['tflops']:.0f} | {r['tflops'] / info['matmul_tflops']:.0%} | "
                          f"{'' if sp is None else f'{sp:.2f}x'} |")
-    first = runs[0] if runs else {}
     ceilings = [info["matmul_tflops"] for info in runs] or [0]
-    dates = sorted(info.get("date", "?")[:10] for info in runs) or ["?"]
     lines.append("")
-    lines.append(f"{first.get('gpu', '?')}, torch {first.get('torch', '?')}, triton {first.get('triton', '?')}, "
-                 f"{dates[0]}{'' if dates[0] == dates[-1] else ' to ' + dates[-1]}; \"of dense\" is against the "
-                 f"dense bf16 matmul measured in the same run ({min(ceilings):.0f}-{max(ceilings):.0f} TFLOP/s).")
+    lines.append(f"{_versions(runs)}; \"of dense\" is against the dense bf16 matmul measured in the same run "
+                 f"({min(ceilings):.0f}-{max(ceilings):.0f} TFLOP/s).")
     return "\n".join(lines)
 
 
@@ -101,36 +108,149 @@ def plot_loopback(info: dict, path: Path) -> None:
          problem=f"{info['preset']} T={info['tokens_per_rank']}/rank x {ranks} {info['routing']} routing")
 
 
-def update_readme(text: str, tables: list[str]) -> str:
-    """``text`` with each of its tables (a run of lines starting with "|" whose header line is the first
-    line of one of ``tables``) replaced by that table's rows. A table's lines after its rows (the layer
-    table's footer, after a blank line) replace the first non-empty line after the old rows."""
-    by_header = {t.splitlines()[0]: t.splitlines() for t in tables}
-    lines, out, i = text.splitlines(), [], 0
-    while i < len(lines):
-        new = by_header.get(lines[i])
-        if new is None:
-            out.append(lines[i])
-            i += 1
+def _versions(runs: list[dict]) -> str:
+    """GPU, versions and dates of ``runs``, as one line."""
+    first = runs[0] if runs else {}
+    dates = sorted(info.get("date", "?")[:10] for info in runs) or ["?"]
+    versions = ", ".join(f"{lib} {first[lib]}" for lib in ("torch", "triton") if lib in first)
+    return f"{first.get('gpu', '?')}, {versions}, {dates[0]}{'' if dates[0] == dates[-1] else ' to ' + dates[-1]}"
+
+
+def summary_table(runs: list[dict]) -> str:
+    """One GPU: per problem, each impl's training step (AC step ms: forward + forward-and-backward for an impl
+    that keeps activations, forward+backward for megamoe, which keeps none) and megamoe's speed-up over the
+    compiled baseline."""
+    lines = ["| layer, tokens, routing | " + " | ".join(SUMMARY_IMPLS.values()) + " | megamoe vs compiled |",
+             "|---|" + "---|" * (len(SUMMARY_IMPLS) + 1)]
+    for info in runs:
+        step = {r["impl"]: r["ac_step_ms"] for r in info["results"]}
+        cells = [f"{step[name]:.2f}" if name in step else "" for name in SUMMARY_IMPLS]
+        speedup = (f"**{step['grouped_mm_compiled'] / step['megamoe']:.2f}x**"
+                   if {"megamoe", "grouped_mm_compiled"} <= step.keys() else "")
+        lines.append(f"| {info['preset']} T={info['tokens']} {info['routing']} | " + " | ".join(cells)
+                     + f" | {speedup} |")
+    lines += ["", f"Training-step ms (AC step), {_versions(runs)}; all impls in the same process per problem."]
+    return "\n".join(lines)
+
+
+def ep_summary_table(runs: list[dict]) -> str:
+    """Expert parallelism on real ranks: per problem, each impl's training step (AC step ms, the maximum over
+    ranks) and the fused protocol's speed-up over the compiled all-to-all baseline."""
+    lines = ["| layer, tokens per rank, routing, ranks | " + " | ".join(EP_SUMMARY_IMPLS.values())
+             + " | fused vs compiled |", "|---|" + "---|" * (len(EP_SUMMARY_IMPLS) + 1)]
+    fused = f"fused_sms{DEFAULT_COMM_SMS}"
+    for info in runs:
+        step = {r["impl"]: r["ac_step_ms"] for r in info["results"]}
+        cells = [f"{step[name]:.2f}" if name in step else "" for name in EP_SUMMARY_IMPLS]
+        speedup = (f"**{step['a2a_grouped_mm_compiled'] / step[fused]:.2f}x**"
+                   if {fused, "a2a_grouped_mm_compiled"} <= step.keys() else "")
+        lines.append(f"| {info['preset']} T={info['tokens_per_rank']} {info['routing']} EP={info['ep']} | "
+                     + " | ".join(cells) + f" | {speedup} |")
+    lines += ["", f"Training-step ms (AC step; the fused protocol keeps no activations), {_versions(runs)}."]
+    return "\n".join(lines)
+
+
+def plot_summary(runs: list[dict], path: Path) -> None:
+    """Bars of each impl's training-step speed-up over the compiled baseline, one group per problem."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(SUMMARY_IMPLS)
+    for i, (name, label) in enumerate(SUMMARY_IMPLS.items()):
+        xs, ys = [], []
+        for j, info in enumerate(runs):
+            step = {r["impl"]: r["ac_step_ms"] for r in info["results"]}
+            if name in step and "grouped_mm_compiled" in step:
+                xs.append(j + i * width)
+                ys.append(step["grouped_mm_compiled"] / step[name])
+        bars = ax.bar(xs, ys, width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks([j + width * (len(SUMMARY_IMPLS) - 1) / 2 for j in range(len(runs))],
+                  [f"{info['preset']}\nT={info['tokens']} {info['routing']}" for info in runs], fontsize=7)
+    ax.set_ylabel("training-step speed-up vs grouped_mm compiled")
+    ax.set_title(f"One MoE layer, training step — {_versions(runs)}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def provenance(runs: list[dict]) -> str:
+    """Per result file: what ran where, when, and how."""
+    lines = ["| file | GPU | torch, triton | date | code | command |", "|---|---|---|---|---|---|"]
+    for info in runs:
+        commit = info.get("commit") or ""
+        code = (f"commit {commit[:10]}" if commit and not commit.endswith("-dirty")
+                else f"source digest {info.get('source_sha256', '?')[:12]}"
+                + (f" (on {commit[:10]} with changes)" if commit else ""))
+        lines.append(f"| `{info['_path'].name}` | {info.get('gpu', '?')} | {info.get('torch', '?')}, "
+                     f"{info.get('triton', '?')} | {info.get('date', '?')} | {code} | `{info.get('command', '?')}` |")
+    return "\n".join(lines)
+
+
+PAGE_HEAD = """# Benchmark results
+
+Generated by `python -m megamoe.bench.report --page benchmarks/README.md` from the JSON files in
+`benchmarks/results/` (each written by the benchmark that measured it; nothing here is typed in). How to
+measure: `python -m megamoe.bench --help` (one GPU), `--ep` under torchrun (real ranks), `--ep --loopback R`
+(virtual ranks on one GPU); `bash scripts/gpu-check.sh layer` runs the README's problems.
+
+Columns: forward, forward+backward, and the training step under full activation checkpointing (AC step:
+forward + forward-and-backward for an impl that keeps activations; megamoe keeps none, so its step is its
+forward+backward). TFLOP/s counts the FLOPs each impl executes in that step (24·N·D·I checkpointed,
+22·N·D·I for megamoe, N routed rows); "of dense" is against the dense bf16 8192³ matmul measured in the
+same run. `source digest`: the sha256 of the megamoe sources that ran (`megamoe.bench.common.source_digest`),
+shown where the tree had uncommitted changes; recompute it on a checkout to find the commit that ran.
+"""
+
+
+def page(runs: dict[str, list[dict]]) -> str:
+    """The full results page (``benchmarks/README.md``)."""
+    parts = [PAGE_HEAD, "## One GPU\n", table(runs["layer"]), "\n![one GPU](results/summary.png)\n"]
+    if runs["ep"]:
+        parts += ["## Expert parallelism, real ranks\n", ep_table(runs["ep"]), ""]
+    if runs["loopback"]:
+        parts += ["## The EP machinery on virtual ranks of one GPU\n",
+                  ("The fused protocol on R virtual ranks of one GPU against the plain one-device layer on the same "
+                   "tokens: what the counts, waits, copies and signals cost without NVLink in the way (at R > 1 the "
+                   "owners' GEMMs run one after another on one device, so those rows check the protocol, not "
+                   "multi-GPU speed).\n"), loopback_table(runs["loopback"]), ""]
+    parts += ["## Provenance\n", provenance([*runs["layer"], *runs["ep"], *runs["loopback"]]), ""]
+    return "\n".join(parts)
+
+
+def update_readme(text: str, sections: dict[str, str]) -> str:
+    """``text`` with the lines between each ``<!-- report:NAME -->`` marker and the next ``<!-- report:end -->``
+    replaced by ``sections[NAME]``."""
+    out, skipping = [], False
+    for line in text.splitlines():
+        if skipping:
+            if line.strip() == "<!-- report:end -->":
+                out.append(line)
+                skipping = False
+            elif line.strip().startswith("<!-- report:"):
+                raise ValueError(f"{line.strip()} starts inside a section that has no <!-- report:end -->")
             continue
-        rows = [line for line in new if line.startswith("|")]
-        footer = [line for line in new[len(rows):] if line]
-        out += rows
-        while i < len(lines) and lines[i].startswith("|"):
-            i += 1
-        if footer:
-            while i < len(lines) and not lines[i]:
-                out.append(lines[i])
-                i += 1
-            out += footer
-            i += 1
+        out.append(line)
+        name = line.strip().removeprefix("<!-- report:").removesuffix(" -->")
+        if line.strip().startswith("<!-- report:") and name in sections:
+            out += sections[name].splitlines()
+            skipping = True
+    if skipping:
+        raise ValueError("the last <!-- report:... --> section has no <!-- report:end -->")
     return "\n".join(out) + "\n"
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m megamoe.bench.report", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench.report", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("folder", nargs="?", default="benchmarks/results", help="the benchmark JSON files")
-    p.add_argument("--readme", type=Path, help="also write the tables into this Markdown file")
+    p.add_argument("--readme", type=Path, help="write the summary tables into this Markdown file's report sections")
+    p.add_argument("--page", type=Path, help="write the full results page to this file")
     args = p.parse_args(argv)
     runs = load(Path(args.folder))
     for info in runs["layer"]:
@@ -140,15 +260,16 @@ def main(argv=None) -> None:
     for info in runs["ep"]:
         plot(info, info["_path"].with_suffix(".png"),
              problem=f"{info['preset']} T={info['tokens_per_rank']}/rank {info['routing']} routing, EP={info['ep']}")
-    tables = [table(runs["layer"])]
-    print(tables[0])
-    for title, kind, make in (("EP machinery, loopback", "loopback", loopback_table), ("EP, real ranks", "ep", ep_table)):
-        if runs[kind]:
-            tables.append(make(runs[kind]))
-            print(f"\n{title}:\n")
-            print(tables[-1])
+    if runs["layer"]:
+        plot_summary(runs["layer"], Path(args.folder) / "summary.png")
+    sections = {"one-gpu": summary_table(runs["layer"]), "ep": ep_summary_table(runs["ep"])}
+    print(sections["one-gpu"])
+    print()
+    print(sections["ep"])
     if args.readme:
-        args.readme.write_text(update_readme(args.readme.read_text(), tables))
+        args.readme.write_text(update_readme(args.readme.read_text(), sections))
+    if args.page:
+        args.page.write_text(page(runs))
 
 
 if __name__ == "__main__":

@@ -197,7 +197,7 @@ def main(argv=None) -> None:
                    f"maxnreg={maxnreg}", r, too_big)
         if name != "wgrad_ws" and not r["wide_stores"]:  # its epilogue stores through pointers: 16 bytes each
             narrow.append(name)
-    if narrow:  # 4-byte stores cost the first Gluon sorted-rows kernel 3-23% (docs/NOTES.md §24)
+    if narrow:  # 4-byte stores cost the first Gluon sorted-rows kernel 3-23% (docs/PERFORMANCE.md)
         raise SystemExit("Gluon kernels without 16-byte global stores: " + ", ".join(narrow))
     if too_big:
         raise SystemExit("over the shared-memory limit: " + "; ".join(too_big))

@@ -29,7 +29,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megamoe.bench.common import PRESETS, make_problem, source_digest, training_step, utc_now
+from megamoe.bench.common import (
+    PRESETS,
+    make_problem,
+    source_digest,
+    training_step,
+    utc_now,
+)
 from megamoe.bench.ep import local_problem
 from megamoe.parallel import trace
 from megamoe.parallel.fused import moe_fused_ep

@@ -34,6 +34,6 @@ def combine(rows_ND: torch.Tensor, topk_idx_TK: torch.Tensor, out_dtype: torch.d
     if num_tokens == 0:
         return out_TD
     bd = min(1024, triton.next_power_of_2(dim))
-    _combine_kernel[(num_tokens, triton.cdiv(dim, bd))](rows_ND, topk_idx_TK, out_TD, dim, K=top_k, BD=bd,
-                                                       num_warps=4)
+    _combine_kernel[(num_tokens, triton.cdiv(dim, bd))](rows_ptr=rows_ND, topk_idx_ptr=topk_idx_TK, out_ptr=out_TD,
+                                                       D=dim, K=top_k, BD=bd, num_warps=4)
     return out_TD

@@ -11,7 +11,7 @@ One device:
    sorted x rows (TMA); epilogue, with dh' read back: h, a partial d(routing weight) = sum_i dh'·h per
    I-block, dz = [dg | du] (scaled by the routing weight) and h·w (for dW2). Computing dh' in the same
    K-loop instead (three 128×128 fp32 accumulators: 255 registers, spills) measured 8–11% slower for
-   the two steps together (docs/NOTES.md §17).
+   the two steps together (docs/PERFORMANCE.md).
 4. dx — dz W13 → unweighted dx slot rows (``expert_fwd.sorted_rows_gemm_kernel`` again); combine.py
    reduces them per token.
 5. ``_expert_wgrad_kernel`` — per expert, K-grouped GEMMs over that expert's sorted rows:
@@ -186,7 +186,7 @@ def _expert_wgrad_kernel(
 # Columns per partial d(routing weight) in the act kernel; every config's BN is a multiple of it.
 PART_COLS = 64
 
-# Defaults and candidates of the next three: the sweep of docs/NOTES.md §17 (30B and 235B layers), in which
+# Defaults and candidates of the next three: a sweep on the 30B and 235B layers (docs/PERFORMANCE.md), in which
 # the then expert-parallel act kernel's default (set in §7) was still the fastest of its list.
 # Sorted x rows and dh' from ``DH``: two accumulators, as the up kernel.
 ACT_BWD = TunedKernel(
@@ -195,7 +195,7 @@ ACT_BWD = TunedKernel(
     key=["D", "I"], even_k=None,  # the descriptors zero-fill the K tail
     blocks=lambda c: {"x_desc": [c["BM"], c["BK"]], "w13_desc": [1, 1, c["BN"], c["BK"]]},
 )
-# dh', down and dx: PERSISTENT or not per config (docs/NOTES.md §20: it wins on some shapes, not all).
+# dh', down and dx: PERSISTENT or not per config (docs/DESIGN.md, "Tile configs": it wins on some shapes, not all).
 DH = sorted_rows_gemm_kernel(
     default=configs((128, 256, 64, 8, 3), PERSISTENT=True)[0],
     candidates=configs((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), PERSISTENT=True)
@@ -212,7 +212,7 @@ DX = sorted_rows_gemm_kernel(
     blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BK"], c["BN"]]},
     constants={"W_K_LAST": False, "WEIGHTED": False, "TO_SLOTS": True},
 )
-# Where the Gluon kernel (ws.py) does not run: fp32, GPUs other than sm90, the interpreter. The last
+# Where the Gluon kernel (gluon_sm90.py) does not run: fp32, GPUs other than sm90, the interpreter. The last
 # three candidates: one warp group per program and little shared memory, 3 to 5 programs per SM, for small
 # batches, where each expert has a K-step or two and the kernel is its stores and latencies.
 WGRAD = TunedKernel(

@@ -4,14 +4,14 @@ expert-parallel kernels).
 
 The Triton GEMMs run one output block per program. Each block's pipeline fill and epilogue (and, for
 the weight gradients, the last partial K-step through masked pointer loads) sit exposed between main
-loops (docs/NOTES.md §24). Here one program per SM walks the blocks, in two partitions:
+loops (docs/DESIGN.md, "Warp-specialized Gluon kernels"). Here one program per SM walks the blocks, in two partitions:
 
 - a loader warp streams the operands of every K-step of every block through TMA into a ring of
   ``STAGES`` buffers, running ahead into the next block while the current one finishes;
 - the default partition (8 warps, two warpgroups) issues the warpgroup MMAs, keeps one in flight, frees
   each buffer when its MMA is done, and runs the epilogue.
 
-Four kernels, each where it measured faster than its Triton twin (docs/NOTES.md §24-26; the down
+Four kernels, each where it measured faster than its Triton twin (docs/PERFORMANCE.md; the down
 projection and dx as Gluon kernels did not, and stay Triton):
 
 - ``_wgrad_ws_kernel``: dW[e] = sum over expert e's sorted rows r of outer(a[r], b[r]), as
@@ -32,7 +32,7 @@ projection and dx as Gluon kernels did not, and stay Triton):
   (one warpgroup) gathers the x rows from their tokens through ``cp.async`` beside the weights' TMA.
 
 The two side copies are memory-bound work that no MMA beside them waits for; run as kernels of their own
-they cost about 0.3 / 0.6 ms of a 30B / 235B step (docs/NOTES.md §28).
+they cost about 0.3 / 0.6 ms of a 30B / 235B step (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def _items_layout(per_thread, num_warps):
 def _items_per_pass(top_k):
     """How many (token, column chunk) items a side copy moves per pass: 8 // top_k, so that a pass moves about
     eight rows' chunks whatever top_k is. A pass costs about one load latency, whatever it moves: with one item
-    per pass, at top_k = 1 the copies took longer than the GEMMs beside them (docs/NOTES.md §31)."""
+    per pass, at top_k = 1 the copies took longer than the GEMMs beside them (docs/PERFORMANCE.md)."""
     return max(1, 8 // top_k)
 
 
@@ -350,7 +350,7 @@ def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
         # Through shared memory into a layout of 16-byte row segments: stores straight from the
-        # accumulator's layout are 4 bytes each (run 32: the kernel lost 3-23% to Triton's, which converts).
+        # accumulator's layout are 4 bytes each (the kernel lost 3-23% to Triton's, which converts).
         out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
         cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))

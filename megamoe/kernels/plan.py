@@ -141,6 +141,15 @@ def _plan_scatter_kernel(
     tl.store(row_slot_ptr + base + rank, offs, mask=valid)
 
 
+def _tile_table(total, offsets, tile_expert, tile_row, num_experts: int, nb: int) -> None:
+    """The expert offsets and the tile table from the per-key row totals (``_plan_tiles_kernel``)."""
+    nt = tile_expert.numel()
+    tb = max(16, 8192 // nb)
+    _plan_tiles_kernel[(triton.cdiv(nt, tb),)](total_ptr=total, offsets_ptr=offsets, tile_expert_ptr=tile_expert,
+                                               tile_row_ptr=tile_row, E=num_experts, NT=nt, NB=nb, TB=tb, BM=BLOCK_M,
+                                               num_warps=4)
+
+
 def build_plan(topk_idx_TK: torch.Tensor, num_experts: int) -> Plan:
     """Stable counting sort of the T*K slots by expert (dropped slots last) and the tile table.
     Deterministic (integer counts, fixed order); four launches; no host sync."""
@@ -158,13 +167,12 @@ def build_plan(topk_idx_TK: torch.Tensor, num_experts: int) -> Plan:
     row_slot = torch.empty(n, **i32)
     tile_expert = torch.empty(nt, **i32)
     tile_row = torch.empty(nt, **i32)
-    _plan_count_kernel[(chunks,)](idx_N, hist, n, num_experts, BLOCK=CHUNK, NB=nb, num_warps=4)
-    _plan_scan_kernel[(nb,)](hist, chunk_base, total, chunks, NB=nb, CB=SCAN_BLOCK, num_warps=4)
-    tb = max(16, 8192 // nb)
-    _plan_tiles_kernel[(triton.cdiv(nt, tb),)](total, offsets, tile_expert, tile_row, num_experts, nt,
-                                               NB=nb, TB=tb, BM=BLOCK_M, num_warps=4)
-    _plan_scatter_kernel[(chunks,)](idx_N, chunk_base, total, row_slot, n, num_experts,
-                                    BLOCK=CHUNK, NB=nb, num_warps=4)
+    _plan_count_kernel[(chunks,)](idx_ptr=idx_N, hist_ptr=hist, N=n, E=num_experts, BLOCK=CHUNK, NB=nb, num_warps=4)
+    _plan_scan_kernel[(nb,)](hist_ptr=hist, chunk_base_ptr=chunk_base, total_ptr=total, C=chunks, NB=nb,
+                             CB=SCAN_BLOCK, num_warps=4)
+    _tile_table(total, offsets, tile_expert, tile_row, num_experts, nb)
+    _plan_scatter_kernel[(chunks,)](idx_ptr=idx_N, chunk_base_ptr=chunk_base, total_ptr=total, row_slot_ptr=row_slot,
+                                    N=n, E=num_experts, BLOCK=CHUNK, NB=nb, num_warps=4)
     return Plan(offsets, row_slot, tile_expert, tile_row)
 
 
@@ -185,8 +193,6 @@ def plan_from_counts(rows_per_expert_E: torch.Tensor, num_rows: int) -> Plan:
     offsets = torch.empty(num_experts + 1, device=device, dtype=torch.int32)
     tile_expert = torch.empty(nt, device=device, dtype=torch.int32)
     tile_row = torch.empty(nt, device=device, dtype=torch.int32)
-    tb = max(16, 8192 // nb)
-    _plan_tiles_kernel[(triton.cdiv(nt, tb),)](total, offsets, tile_expert, tile_row, num_experts, nt,
-                                               NB=nb, TB=tb, BM=BLOCK_M, num_warps=4)
+    _tile_table(total, offsets, tile_expert, tile_row, num_experts, nb)
     row_slot = torch.arange(num_rows, device=device, dtype=torch.int32)
     return Plan(offsets, row_slot, tile_expert, tile_row)

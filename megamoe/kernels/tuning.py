@@ -2,7 +2,7 @@
 Triton's autotuner times once per static shape (D, I and the dtypes — never the token count) on first use.
 
 Autotuning is on by default for 16-bit operands on a GPU (measured 1.10x instead of 1.04x over the
-compiled baseline on the 235B layer; docs/NOTES.md §6). ``MEGAMOE_AUTOTUNE=0`` pins each kernel to its
+compiled baseline on the 235B layer; docs/PERFORMANCE.md). ``MEGAMOE_AUTOTUNE=0`` pins each kernel to its
 fixed default, as do the interpreter and fp32 operands. Autotuning synchronises the host once per new
 shape, on its first call (run one step before capturing a CUDA graph); later calls are sync-free.
 
@@ -105,7 +105,7 @@ class TunedKernel:
                 config = self._own(self.follows._chosen.get(key, self.default))
             elif key in self._chosen:
                 # Tuned: straight to the kernel; the autotuner's per-call work is host time that small
-                # batches pay (docs/NOTES.md §21).
+                # batches pay (docs/DESIGN.md, "Tile configs").
                 config = self._chosen[key]
             else:
                 self._tuned[grid](*args, **kwargs)

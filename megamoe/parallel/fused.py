@@ -14,7 +14,11 @@ import torch.distributed as dist
 from megamoe.env import debug_checks_enabled, sm_count
 from megamoe.kernels.plan import Plan, build_plan
 from megamoe.parallel.owner import owner_experts, owner_experts_backward
-from megamoe.parallel.protocol import combine_returned, combine_returned_backward, exchange_counts
+from megamoe.parallel.protocol import (
+    combine_returned,
+    combine_returned_backward,
+    exchange_counts,
+)
 from megamoe.parallel.senders import dispatch_rows
 from megamoe.parallel.workspace import Workspace, symmetric_workspace
 

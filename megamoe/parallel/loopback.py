@@ -13,7 +13,12 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.plan import Plan, build_plan
-from megamoe.parallel.owner import owner_experts, owner_experts_backward, send_and_dh, send_and_up
+from megamoe.parallel.owner import (
+    owner_experts,
+    owner_experts_backward,
+    send_and_dh,
+    send_and_up,
+)
 from megamoe.parallel.protocol import (
     Y_SLOTS,
     combine_returned,

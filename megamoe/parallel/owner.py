@@ -28,7 +28,13 @@ from megamoe.kernels.common import (
     tile_rows,
 )
 from megamoe.kernels.expert_bwd import DX, act_bwd, expert_wgrad
-from megamoe.kernels.expert_fwd import DOWN, UP, sorted_rows_gemm, up_swiglu_block, up_swiglu_fwd
+from megamoe.kernels.expert_fwd import (
+    DOWN,
+    UP,
+    sorted_rows_gemm,
+    up_swiglu_block,
+    up_swiglu_fwd,
+)
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.tuning import TunedKernel, configs
 from megamoe.parallel import trace

@@ -82,7 +82,7 @@ def wait_rows_upto(arrived_ptr, counts_ptr, ready_ptr, epoch_ptr, e, E, R, EB: t
     the call with that epoch has seen experts 0..n-1 in: only ever raised (atomic max), so it needs no reset,
     and an earlier call's value is below this call's base. Its release and acquire pass the senders'
     releases, which that tile acquired, on to this one. The full wait costs ~2 µs per tile whose rows are long
-    in (docs/DESIGN.md, "The ready mark"); this check, one atomic."""
+    in (docs/DESIGN.md, "Expert parallelism", the ready mark); this check, one atomic."""
     base = tl.load(epoch_ptr).to(tl.int64) * (E + 1)
     if tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") <= base + e:
         wait_rows(arrived_ptr, counts_ptr, 0, e, E, R, EB)

@@ -30,7 +30,13 @@ from megamoe.parallel.protocol import (
     peer,
     wait_all_counts,
 )
-from megamoe.parallel.trace import TRACE_BLOCKS, TRACE_HEAD, TRACE_PER_BLOCK, TRACE_STRIDE, stamp
+from megamoe.parallel.trace import (
+    TRACE_BLOCKS,
+    TRACE_HEAD,
+    TRACE_PER_BLOCK,
+    TRACE_STRIDE,
+    stamp,
+)
 from megamoe.parallel.workspace import Workspace
 
 # Rows (slots) per program of the dispatch kernel of its own.
@@ -197,7 +203,7 @@ def sender(pid, x_ptr, dy_ptr, weights_ptr, send_list_ptr, num_rows, peers_ptr, 
         trace_at = tl.where(j < TRACE_BLOCKS, head + TRACE_HEAD + j * TRACE_PER_BLOCK, -1)
         stamp(trace_ptr, trace_at, 0, TRACE)
         # The next block's entries load while this block's rows are copied: a sender's time is a chain of
-        # memory latencies per block (docs/DESIGN.md, "Senders"), and this takes one out of it.
+        # memory latencies per block (docs/DESIGN.md, "Expert parallelism"), and this takes one out of it.
         next_slot, next_e, next_index, next_carries = _send_list_block(block + SENDERS, send_list_ptr, num_rows, RB)
         dst = tl.sum(tl.where(e[:, None] == os_[None, :], bases[None, :], 0), axis=1) + index
         send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
