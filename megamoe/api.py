@@ -18,6 +18,7 @@ from megamoe.parallel.all_to_all import moe_all_to_all
 from megamoe.parallel.fused import comm_sms_ok, comm_sms_pair, moe_fused_ep
 
 PRECISIONS = ("bf16", "fp8")
+SAVE_MODES = ("none", "preact")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -147,6 +148,7 @@ def moe(
     precision: str = "bf16",
     max_tokens_per_rank: int | None = None,
     comm_sms: int | tuple[int, int] | None = None,
+    save_for_backward: str = "none",
 ) -> torch.Tensor:
     """Mixture-of-Experts SwiGLU experts with routing already done. Differentiable in ``x``,
     ``topk_weights``, ``w13`` and ``w2``; keeps no activations beyond its inputs on the fused path.
@@ -183,6 +185,15 @@ def moe(
             on a GPU with at most 64 SMs (``parallel.fused.default_comm_sms``).
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``
             (blockwise e4m3) is planned and raises ``NotImplementedError`` for now.
+        save_for_backward: what the fused path keeps between forward and backward. ``"none"`` (default):
+            only the inputs and the routing plan; the backward recomputes the gate/up GEMM — the mode for
+            activation-checkpointed training, where megamoe's forward need not run twice. ``"preact"``: also
+            the gate/up pre-activation, (T·K, 2I) in x's dtype — K·2I·2 bytes per token in bf16 (24 KiB for the
+            Qwen3-30B-A3B layer, 48 KiB for Qwen3-235B-A22B) — so the backward skips that GEMM (18 instead of
+            22·T·K·D·I FLOPs per step); for training without checkpointing when memory allows. On sm90 the
+            forward then runs the Triton up kernel (the Gluon one does not write the products yet). One GPU
+            only for now (``NotImplementedError`` with ``group``); the reference path keeps whatever autograd
+            keeps in either mode.
 
     Returns:
         y: (T, D) in the dtype of ``x``.
@@ -195,12 +206,17 @@ def moe(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8":
         raise NotImplementedError("precision='fp8' (blockwise e4m3) is not implemented yet; use 'bf16'")
+    if save_for_backward not in SAVE_MODES:
+        raise ValueError(f"save_for_backward must be one of {SAVE_MODES}, got {save_for_backward!r}")
     if comm_sms is not None and not comm_sms_ok(comm_sms):
         raise ValueError(f"comm_sms must be None, an int >= 0 or a pair (forward, backward) of them, got {comm_sms!r}")
     if group is not None:
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
         validate(x, topk_idx, topk_weights, w13, w2, num_ranks=dist.get_world_size(group))
+        if save_for_backward != "none":
+            raise NotImplementedError(f"save_for_backward={save_for_backward!r} with expert parallelism (group=...) "
+                                      "is not implemented yet; use 'none'")
         if ep_path(x, w2) == "fused":
             return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank, comm_sms)
     if comm_sms is not None and max(comm_sms_pair(comm_sms)):
@@ -216,7 +232,7 @@ def moe(
                         "TRITON_INTERPRET to run the reference implementation")
     if backend == "triton":
         if fused_supports(x, w2):
-            return fused_moe(x, topk_idx, topk_weights, w13, w2)
+            return fused_moe(x, topk_idx, topk_weights, w13, w2, save_preact=save_for_backward == "preact")
         warn_once(f"megamoe: D={x.shape[1]} and I={w2.shape[2]} rows of {x.dtype} are not 16-byte multiples; "
                   "running the (slow) reference implementation")
     if reference.grouped_mm_supports(x.shape[1], w2.shape[2], x.dtype):

@@ -5,7 +5,8 @@ shapes depend only on T, K, E, D, I, never on the routing). Both run the same tw
 as much as the rest of the step's Python (docs/DESIGN.md, "Autograd and torch.compile"), which small
 batches cannot hide.
 
-Saved for backward: the inputs and the routing plan (a few int32 vectors) — no activations.
+Saved for backward: the inputs and the routing plan (a few int32 vectors) — no activations — or, in the
+saved-activation mode, also the gate/up products (N, 2I in x's dtype), so the backward skips their GEMM.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor
 from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
     act_bwd,
+    act_bwd_from_preact,
     dx_slots,
     expert_wgrad,
     expert_wgrad_and_combine,
@@ -26,43 +28,60 @@ from megamoe.kernels.plan import Plan, build_plan, num_tiles
 
 
 def experts_forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                    offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor) -> Tensor:
-    """y (T, D) of the fused layer, given the routing plan's tensors."""
+                    offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor,
+                    preact: Tensor | None = None) -> Tensor:
+    """y (T, D) of the fused layer, given the routing plan's tensors. ``preact``: (N, 2I) in x's dtype, also
+    written with each sorted row's gate and up products (the saved-activation mode)."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
-    h_NI = up_swiglu_fwd(x, w13, plan, top_k)
+    h_NI = up_swiglu_fwd(x, w13, plan, top_k, preact_NH=preact)
     slots_ND = down_fwd(h_NI, w2, topk_weights.contiguous(), plan)
     return combine(slots_ND, topk_idx, x.dtype)
 
 
 def experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                     offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, d topk_weights, dw13, dw2), recomputing what the forward did not keep."""
+                     offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor,
+                     preact: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d topk_weights, dw13, dw2): from the forward's saved gate and up products ``preact`` if given, else
+    recomputing them (the gate/up GEMM) from x."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
     x_sorted, dy_sorted, dh_NI = sorted_rows_and_dh(x, dy, w2, plan, top_k)
-    dz_NH, hw_NI, dweight_TK = act_bwd(x_sorted, dh_NI, w13, topk_weights.contiguous(), plan, top_k)
+    if preact is None:
+        dz_NH, hw_NI, dweight_TK = act_bwd(x_sorted, dh_NI, w13, topk_weights.contiguous(), plan, top_k)
+    else:
+        dz_NH, hw_NI, dweight_TK = act_bwd_from_preact(preact, dh_NI, topk_weights.contiguous(), plan, top_k)
     dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots(dz_NH, w13, plan), topk_idx,
                                         x.dtype)
     dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
 
 
+def preact_buffer(x: Tensor, topk_idx: Tensor, w13: Tensor) -> Tensor:
+    """The saved-activation mode's (N, 2I) buffer of gate and up products, in x's dtype (rows past the routed
+    count are never written or read)."""
+    return x.new_empty(topk_idx.numel(), w13.shape[1])
+
+
 class _FusedMoE(torch.autograd.Function):
     """The eager path."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w13, w2):
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2, save_preact: bool):
         plan = build_plan(topk_idx, w13.shape[0]).tensors()
-        ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan)
-        return experts_forward(x, topk_idx, topk_weights, w13, w2, *plan)
+        preact = preact_buffer(x, topk_idx, w13) if save_preact else None
+        y = experts_forward(x, topk_idx, topk_weights, w13, w2, *plan, preact=preact)
+        ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan, *(() if preact is None else (preact,)))
+        ctx.save_preact = save_preact
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, topk_idx, topk_weights, w13, w2, *plan = ctx.saved_tensors
-        dx, dweight, dw13, dw2 = experts_backward(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan)
-        return dx, None, dweight, dw13, dw2
+        x, topk_idx, topk_weights, w13, w2, *rest = ctx.saved_tensors
+        plan, preact = (rest[:-1], rest[-1]) if ctx.save_preact else (rest, None)
+        dx, dweight, dw13, dw2 = experts_backward(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan,
+                                                  preact=preact)
+        return dx, None, dweight, dw13, dw2, None
 
 
 @torch.library.custom_op("megamoe::plan", mutates_args=())
@@ -90,15 +109,30 @@ def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_r
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("megamoe::experts_fwd_saved", mutates_args=())
+def _experts_fwd_saved(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                       offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor
+                       ) -> tuple[Tensor, Tensor]:
+    preact = preact_buffer(x, topk_idx, w13)
+    return experts_forward(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row,
+                           preact=preact), preact
+
+
+@_experts_fwd_saved.register_fake
+def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row):
+    return torch.empty_like(x), preact_buffer(x, topk_idx, w13)
+
+
 @torch.library.custom_op("megamoe::experts_bwd", mutates_args=())
 def _experts_bwd(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                 offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor
+                 offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, preact: Tensor | None
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return experts_backward(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row)
+    return experts_backward(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row,
+                            preact=preact)
 
 
 @_experts_bwd.register_fake
-def _(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row):
+def _(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, preact):
     return torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13), torch.empty_like(w2)
 
 
@@ -108,17 +142,33 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy):
     x, topk_idx, topk_weights, w13, w2, *plan = ctx.saved_tensors
-    dx, dweight, dw13, dw2 = _experts_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan)
+    dx, dweight, dw13, dw2 = _experts_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan, None)
+    return dx, None, dweight, dw13, dw2, None, None, None, None
+
+
+def _setup_context_saved(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward_saved(ctx, dy, _):
+    x, topk_idx, topk_weights, w13, w2, *plan, preact = ctx.saved_tensors
+    dx, dweight, dw13, dw2 = _experts_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan, preact)
     return dx, None, dweight, dw13, dw2, None, None, None, None
 
 
 _experts_fwd.register_autograd(_backward, setup_context=_setup_context)
+_experts_fwd_saved.register_autograd(_backward_saved, setup_context=_setup_context_saved)
 
 
-def fused_moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    """The fused path of :func:`megamoe.moe` (arguments already validated)."""
+def fused_moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+              save_preact: bool = False) -> Tensor:
+    """The fused path of :func:`megamoe.moe` (arguments already validated). ``save_preact``: keep the gate/up
+    products (N, 2I) for the backward instead of recomputing them there."""
     topk_idx = topk_idx.contiguous()
     if not torch.compiler.is_compiling():
-        return _FusedMoE.apply(x, topk_idx, topk_weights, w13, w2)
+        return _FusedMoE.apply(x, topk_idx, topk_weights, w13, w2, save_preact)
     plan = _plan_op(topk_idx, w13.shape[0])
+    if save_preact:
+        return _experts_fwd_saved(x, topk_idx, topk_weights, w13, w2, *plan)[0]
     return _experts_fwd(x, topk_idx, topk_weights, w13, w2, *plan)

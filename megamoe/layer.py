@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.api import FLOAT_DTYPES, PRECISIONS, moe
+from megamoe.api import FLOAT_DTYPES, PRECISIONS, SAVE_MODES, moe
 from megamoe.routing import SCORE_FUNCS, route
 
 
@@ -26,6 +26,9 @@ class MegaMoE(nn.Module):
         precision: ``"bf16"`` (see :func:`megamoe.moe`).
         max_tokens_per_rank: with ``ep_group``, on the fused path: see :func:`megamoe.moe`.
         comm_sms: with ``ep_group``, on the fused path: see :func:`megamoe.moe` (``None``: the measured default).
+        save_for_backward: ``"none"`` (keep no activations; the backward recomputes the gate/up GEMM) or
+            ``"preact"`` (keep the gate/up pre-activation, K·2I·2 bytes per token in bf16): see
+            :func:`megamoe.moe`.
         route_scale: multiplies the gating weights (DeepSeek-V3 ``routed_scaling_factor``).
         initializer_range: std of the normal init of every weight (HF ``initializer_range``).
         device, dtype: where and in which dtype to create the parameters (the router is kept in the
@@ -54,6 +57,7 @@ class MegaMoE(nn.Module):
         *,
         max_tokens_per_rank: int | None = None,
         comm_sms: int | tuple[int, int] | None = None,
+        save_for_backward: str = "none",
         route_scale: float = 1.0,
         initializer_range: float = 0.02,
         device=None,
@@ -70,6 +74,8 @@ class MegaMoE(nn.Module):
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if save_for_backward not in SAVE_MODES:
+            raise ValueError(f"save_for_backward must be one of {SAVE_MODES}, got {save_for_backward!r}")
         if dtype is not None and dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be None or one of {FLOAT_DTYPES} (the dtypes megamoe.moe computes in), got "
                             f"{dtype}")
@@ -88,6 +94,7 @@ class MegaMoE(nn.Module):
         self.score_func, self.norm_topk_prob, self.route_scale = score_func, norm_topk_prob, route_scale
         self.ep_group, self.precision, self.initializer_range = ep_group, precision, initializer_range
         self.max_tokens_per_rank, self.comm_sms = max_tokens_per_rank, comm_sms
+        self.save_for_backward = save_for_backward
         factory = {"device": device, "dtype": dtype}
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, **factory)
         num_local = num_experts // num_ranks
@@ -124,7 +131,8 @@ class MegaMoE(nn.Module):
                     0, topk_idx.reshape(-1), torch.ones_like(topk_idx.reshape(-1), dtype=torch.float32)
                 )
         y_TD = moe(x_TD, topk_idx, topk_weights, self.w13, self.w2, group=self.ep_group, precision=self.precision,
-                   max_tokens_per_rank=self.max_tokens_per_rank, comm_sms=self.comm_sms)
+                   max_tokens_per_rank=self.max_tokens_per_rank, comm_sms=self.comm_sms,
+                   save_for_backward=self.save_for_backward)
         return y_TD.reshape(x.shape)
 
     @torch.no_grad()
@@ -139,4 +147,4 @@ class MegaMoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, score_func={self.score_func!r}, "
-                f"precision={self.precision!r}")
+                f"precision={self.precision!r}, save_for_backward={self.save_for_backward!r}")

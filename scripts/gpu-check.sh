@@ -7,7 +7,8 @@
 #   bash scripts/gpu-check.sh ep           on 2+ GPUs: the fused EP tests on real ranks, then the EP benchmark
 # Logs (and the benchmark JSON/PNG) go to $GPU_CHECK_OUT (default benchmarks/out/gpu-check); copy the JSON you
 # mean to publish into benchmarks/results/ and run `python -m megamoe.bench.report`. Optional baselines install
-# from wheels in .whl/ without the network (Liger-Kernel: `pip download liger-kernel==0.8.5 --no-deps -d .whl`).
+# from wheels in .whl/ without the network (Liger-Kernel: `pip download liger-kernel==0.8.5 --no-deps -d .whl`);
+# SonicMoE runs beside megamoe wherever `import sonicmoe` works (its CUDA stack installed on PYTHONPATH).
 # Every GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv beside the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,17 +49,18 @@ loopback)
     step loopback-tests 580 "${py[@]}" -m pytest -m loopback -q -p no:cacheprovider --durations=15
     ;;
 layer)
-    liger=
+    liger= sonic=
     "$PY" -c "import liger_kernel" 2> /dev/null && liger=liger,  # on the 30B layer only: its autotuning outlasts the 235B
+    "$PY" -c "import sonicmoe" 2> /dev/null && sonic=sonicmoe,  # at its default GEMM config (--sonicmoe-autotune)
     rc=0
     problems=("$@")
     [ "$#" -eq 0 ] && problems=(30b 235b)
     for problem in "${problems[@]}"; do
         case $problem in
         30b) args=(--preset qwen3-30b-a3b --routing random,skewed
-                   --impls "grouped_mm,grouped_mm_compiled,${liger}megamoe,megamoe_cudagraph") ;;
+                   --impls "grouped_mm,grouped_mm_compiled,${liger}${sonic}megamoe,megamoe_cudagraph") ;;
         235b) args=(--preset qwen3-235b-a22b --routing random,skewed
-                    --impls grouped_mm,grouped_mm_compiled,megamoe,megamoe_cudagraph) ;;
+                    --impls "grouped_mm,grouped_mm_compiled,${sonic}megamoe,megamoe_cudagraph") ;;
         1k) args=(--preset qwen3-30b-a3b --tokens 1024 --impls grouped_mm,grouped_mm_compiled,megamoe,megamoe_cudagraph) ;;
         65k) args=(--preset qwen3-30b-a3b --tokens 65536 --impls grouped_mm,grouped_mm_compiled,megamoe,megamoe_cudagraph) ;;
         *) echo "unknown problem $problem: 30b, 235b, 1k or 65k" >&2; exit 2 ;;

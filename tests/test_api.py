@@ -207,11 +207,18 @@ def test_benchmark_gpu_path_writes_results_and_profile(tmp_path):
     assert "ms wall per call" in tables and "----- megamoe: host side" in tables and "cudaLaunchKernel" in tables
 
 
-def test_benchmark_impls():
-    """Every impl name the benchmark offers builds; the CUDA-graph variant times the same function."""
+def test_benchmark_impls(capsys):
+    """Every impl name the benchmark offers builds (an optional peer that is not installed is skipped, saying
+    so); the CUDA-graph variant times the same function."""
+    import importlib.util
+
     from megamoe.bench.layer import IMPLS, make_impls
 
     impls = {impl.name: impl for impl in make_impls([n for n in IMPLS if n != "liger"], "cpu")}
+    if importlib.util.find_spec("sonicmoe") is None:
+        assert "sonicmoe" not in impls and "sonicmoe: skipped, not importable" in capsys.readouterr().out
+    else:
+        assert impls["sonicmoe"].keeps_activations
     assert impls["megamoe_cudagraph"].cuda_graph and not impls["megamoe"].cuda_graph
     assert impls["megamoe_cudagraph"].fn is impls["megamoe"].fn is megamoe.moe
     with pytest.raises(ValueError, match="unknown impl"):

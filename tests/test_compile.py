@@ -23,12 +23,13 @@ def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
     from megamoe.bench.resources import (
         KERNELS,
         OTHER_KERNELS,
+        VARIANTS,
         WS_KERNELS,
         configs_to_check,
     )
 
     gluon_kernels = len(WS_KERNELS) if dtype == "bf16" else 0  # 16-bit only
-    triton_configs = sum(len(configs_to_check(kernel, candidates=False)) for kernel in KERNELS.values())
+    triton_configs = sum(len(configs_to_check(kernel, candidates=False)) for kernel in KERNELS.values()) + len(VARIANTS)
     gemms = triton_configs + gluon_kernels
     # and a line for each Gluon kernel compiled with sizes not 16-divisible, and for the two side-copy kernels
     # at top_k 1 and 2 (without spills)

@@ -5,6 +5,7 @@ interpreter); the GPU cases (bf16, real sizes, poisoned allocator, no host sync,
 torch.compile) are marked ``gpu``.
 """
 
+import functools
 import itertools
 
 import pytest
@@ -41,11 +42,47 @@ def _uses_kernels():
     assert backend_for(torch.empty(0, device=DEVICE)) == "triton", "these tests must run the Triton kernels"
 
 
+SAVE_MODES = ["none", "preact"]  # what the forward keeps for the backward (megamoe.moe's save_for_backward)
+
+
+def moe_in(mode: str):
+    return functools.partial(megamoe.moe, save_for_backward=mode)
+
+
+@pytest.mark.parametrize("mode", SAVE_MODES)
 @pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=[shape_id(s) for s in KERNEL_SHAPES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_matches_fp32_reference(shape, dtype):
+def test_fused_matches_fp32_reference(shape, dtype, mode):
     problem = make_problem(*shape, dtype=dtype, device=DEVICE)
-    assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
+    assert_close_to_reference(run_with_grads(moe_in(mode), *problem), problem)
+
+
+def test_saved_mode_keeps_the_preactivation_and_skips_the_recompute(monkeypatch):
+    """``save_for_backward="preact"``: the forward keeps the gate/up products, (T*K, 2I) in x's dtype and equal
+    to them (fp32 operands: exact to rounding), and the backward runs the act step on them instead of the
+    recompute GEMM; ``"none"`` keeps nothing of the kind and recomputes."""
+    import megamoe.autograd
+
+    x, idx, w, w13, w2, dy = make_problem(40, 48, 24, 6, 3, "dropped", device=DEVICE)
+    inter = w2.shape[2]
+    for mode, unused in (("preact", "act_bwd"), ("none", "act_bwd_from_preact")):
+        with monkeypatch.context() as m:
+            m.setattr(megamoe.autograd, unused,
+                      lambda *a, mode=mode, unused=unused: pytest.fail(f"{mode}: the backward ran {unused}"))
+            leaves = [t.detach().requires_grad_() for t in (x, w, w13, w2)]
+            y = megamoe.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], save_for_backward=mode)
+            kept = [t for t in y.grad_fn.saved_tensors if t.shape == (idx.numel(), 2 * inter)]
+            y.backward(dy)
+        if mode == "none":
+            assert kept == []
+            continue
+        (preact,) = kept
+        slot_rows = [(t, k) for e in range(w13.shape[0]) for t in range(x.shape[0]) for k in range(idx.shape[1])
+                     if idx[t, k] == e]  # the sorted order: by expert, then slot
+        for row, (t, k) in enumerate(slot_rows):
+            torch.testing.assert_close(preact[row], w13[idx[t, k]] @ x[t], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="save_for_backward must be one of"):
+        megamoe.moe(x, idx, w, w13, w2, save_for_backward="h")
 
 
 def misaligned(t: torch.Tensor) -> torch.Tensor:
@@ -89,7 +126,8 @@ def test_fused_path_check_traces_under_torch_compile():
     assert torch.equal(fn(x, w2), x * 2)
 
 
-def test_compiled_custom_ops_equal_the_eager_path(monkeypatch):
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_compiled_custom_ops_equal_the_eager_path(monkeypatch, mode):
     """Under ``torch.compile`` the layer runs as custom ops (eagerly, an autograd.Function, which skips
     their dispatch layers): the same kernels, so the same bits, outputs and every gradient. (On CPU the
     expert-id check reads the ids on the host, a graph break; on a GPU it is an asynchronous device
@@ -99,10 +137,10 @@ def test_compiled_custom_ops_equal_the_eager_path(monkeypatch):
     import megamoe.autograd
 
     problem = make_problem(40, 32, 16, 6, 3, "random", device=DEVICE)
-    expected = run_with_grads(megamoe.moe, *problem)
+    expected = run_with_grads(moe_in(mode), *problem)
     torch._dynamo.reset()
     monkeypatch.setattr(megamoe.autograd._FusedMoE, "apply", lambda *a: pytest.fail("the eager path was traced"))
-    out = run_with_grads(torch.compile(megamoe.moe, backend="aot_eager"), *problem)
+    out = run_with_grads(torch.compile(moe_in(mode), backend="aot_eager"), *problem)
     for name, a, b in zip(NAMES, out, expected):
         assert torch.equal(a, b), name
 
@@ -247,10 +285,11 @@ def test_dropped_slots_get_zero_weight_gradient():
     assert dropped.any() and torch.equal(dw[dropped], torch.zeros_like(dw[dropped]))
 
 
-def test_bitwise_deterministic():
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_bitwise_deterministic(mode):
     problem = make_problem(260, 136, 72, 3, 2, "random", dtype=torch.float16, device=DEVICE)
-    first = run_with_grads(megamoe.moe, *problem)
-    second = run_with_grads(megamoe.moe, *problem)
+    first = run_with_grads(moe_in(mode), *problem)
+    second = run_with_grads(moe_in(mode), *problem)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
@@ -282,6 +321,17 @@ def test_fused_bf16_gpu_matches_fp32_reference(shape, poison_cuda):
     assert_close_to_reference(run_with_grads(megamoe.moe, *problem), problem)
 
 
+# The saved-activation mode on the GPU: the real layers and the shapes off every block size.
+SAVED_GPU_SHAPES = [SHAPES[0], SHAPES[-1], *GPU_SHAPES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SAVED_GPU_SHAPES, ids=[shape_id(s) for s in SAVED_GPU_SHAPES])
+def test_saved_mode_bf16_gpu_matches_fp32_reference(shape, poison_cuda):
+    problem = gpu_problem(*shape)
+    assert_close_to_reference(run_with_grads(moe_in("preact"), *problem), problem)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(512, 2048, 768, 16, 4, "random"), (300, 520, 200, 13, 4, "dropped")],
                          ids=shape_id)
@@ -310,24 +360,26 @@ def test_other_launch_mode_bf16_gpu_matches_fp32_reference(monkeypatch, poison_c
 
 
 @pytest.mark.gpu
-def test_no_host_sync_in_forward_and_backward():
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_no_host_sync_in_forward_and_backward(mode):
     problem = gpu_problem(512, 256, 128, 16, 4, "random")
-    run_with_grads(megamoe.moe, *problem)  # compile outside the checked region
+    run_with_grads(moe_in(mode), *problem)  # compile outside the checked region
     torch.cuda.set_sync_debug_mode("error")
     try:
-        run_with_grads(megamoe.moe, *problem)
+        run_with_grads(moe_in(mode), *problem)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replays_with_new_routing():
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_cuda_graph_replays_with_new_routing(mode):
     x, idx, w, w13, w2, dy = gpu_problem(512, 256, 128, 16, 4, "random")
     leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
     static_idx = idx.clone()
 
     def step():
-        y = megamoe.moe(leaves[0], static_idx, leaves[1], leaves[2], leaves[3])
+        y = megamoe.moe(leaves[0], static_idx, leaves[1], leaves[2], leaves[3], save_for_backward=mode)
         return [y, *torch.autograd.grad(y, leaves, dy)]
 
     replay, outs = cuda_graphed(step)
@@ -335,23 +387,24 @@ def test_cuda_graph_replays_with_new_routing():
         new_idx = gpu_problem(512, 256, 128, 16, 4, "skewed", seed=seed)[1]
         static_idx.copy_(new_idx)
         replay()
-        expected = run_with_grads(megamoe.moe, x, new_idx, w, w13, w2, dy)
+        expected = run_with_grads(moe_in(mode), x, new_idx, w, w13, w2, dy)
         for a, b in zip(outs, expected):
             assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
-def test_torch_compile_fullgraph_without_recompiles():
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_torch_compile_fullgraph_without_recompiles(mode):
     import torch._dynamo
 
     torch._dynamo.reset()
-    compiled = torch.compile(megamoe.moe, fullgraph=True)
+    compiled = torch.compile(moe_in(mode), fullgraph=True)
     x, idx, w, w13, w2, dy = gpu_problem(512, 256, 128, 16, 4, "random")
     for seed in range(3):  # different per-expert counts each step
         idx = gpu_problem(512, 256, 128, 16, 4, "skewed" if seed else "random", seed=seed)[1]
         with torch._dynamo.config.patch(error_on_recompile=seed > 0):
             out = run_with_grads(compiled, x, idx, w, w13, w2, dy)
-        expected = run_with_grads(megamoe.moe, x, idx, w, w13, w2, dy)
+        expected = run_with_grads(moe_in(mode), x, idx, w, w13, w2, dy)
         for a, b in zip(out, expected):
             assert torch.equal(a, b)
 
@@ -364,7 +417,10 @@ def test_custom_ops_pass_opcheck():
     plan = ops._plan_op(idx, 8)
     torch.library.opcheck(ops._plan_op, (idx, 8))
     torch.library.opcheck(ops._experts_fwd, (x.requires_grad_(), idx, w.requires_grad_(), w13, w2, *plan))
-    torch.library.opcheck(ops._experts_bwd, (dy, x.detach(), idx, w.detach(), w13, w2, *plan))
+    torch.library.opcheck(ops._experts_bwd, (dy, x.detach(), idx, w.detach(), w13, w2, *plan, None))
+    torch.library.opcheck(ops._experts_fwd_saved, (x, idx, w, w13, w2, *plan))
+    _, preact = ops._experts_fwd_saved(x.detach(), idx, w.detach(), w13, w2, *plan)
+    torch.library.opcheck(ops._experts_bwd, (dy, x.detach(), idx, w.detach(), w13, w2, *plan, preact))
 
 
 @pytest.mark.gpu

@@ -23,7 +23,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--routing", type=csv_of(ROUTINGS), default="random", help=f"comma-separated, from {ROUTINGS}")
     p.add_argument("--impls", default=None,
                    help=f"comma-separated, from {layer.IMPLS} (default: {layer.DEFAULT_IMPLS}; 'loop' is slow: opt "
-                        f"in; 'liger' needs liger-kernel); with --ep from {ep.EP_IMPLS} (default: all)")
+                        f"in; 'liger' needs liger-kernel; 'sonicmoe' needs sonic-moe, and is skipped with a message "
+                        f"where it is not importable); with --ep from {ep.EP_IMPLS} (default: all)")
+    p.add_argument("--sonicmoe-autotune", action="store_true",
+                   help="let SonicMoE's QuACK GEMMs autotune (default: pinned to their default config; autotuning one "
+                        "layer shape took more than 9 minutes on an H200)")
     p.add_argument("--ep", action="store_true",
                    help="expert-parallel benchmark over the torchrun ranks (see megamoe/bench/ep.py); --tokens is "
                         "per rank")

@@ -17,6 +17,7 @@ training FLOPs 18·N·D·I for every impl (comparable across impls, like MFU).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import shlex
@@ -44,7 +45,8 @@ from megamoe.bench.common import (
 from megamoe.env import interpreting
 from megamoe.kernels.tuning import autotune_enabled
 
-IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "megamoe", "megamoe_cudagraph")
+IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "sonicmoe", "megamoe", "megamoe_saved",
+         "megamoe_cudagraph")
 DEFAULT_IMPLS = "grouped_mm,grouped_mm_compiled,megamoe"
 BASELINES = ("grouped_mm", "grouped_mm_compiled")
 # The CPU check: a tiny problem through what runs on a CPU.
@@ -73,7 +75,44 @@ def liger_moe() -> Callable:
     return fn
 
 
-def make_impls(names, device) -> list[Impl]:
+def sonicmoe_moe(autotune: bool) -> Callable | None:
+    """SonicMoE (``pip install sonic-moe``; CuTe DSL + QuACK GEMMs, keeps the gate/up pre-activation for its
+    backward) given the routing, on megamoe's own weight layout, behind our signature; None, with a message,
+    where it is not importable. ``autotune=False`` pins QuACK's GEMMs to their default config (its autotuning
+    of one layer shape outlasts a 10-minute run on the H200); the result records which ran."""
+    try:
+        import quack.gemm_interface as qgi
+        import sonicmoe.functional as f0
+        import sonicmoe.functional.backward as f2
+        import sonicmoe.functional.forward as f1
+        from sonicmoe import moe_general_routing_inputs
+        from sonicmoe.enums import ActivationType
+    except ImportError as exc:
+        print(f"  sonicmoe: skipped, not importable ({exc}); install sonic-moe and its pinned QuACK / CUTLASS DSL")
+        return None
+    if not autotune:
+        for module in (f0, f1, f2):
+            for name in ("gemm", "gemm_gated", "gemm_dgated"):
+                if hasattr(module, name):
+                    setattr(module, name, functools.partial(getattr(qgi, name), tuned=False))
+
+    def fn(x, topk_idx, topk_weights, w13, w2):
+        num_tokens, top_k = topk_idx.shape
+        # SonicMoE takes every routed (token, expert, score), sorted by token; it has no dropped slots.
+        torch._assert_async((topk_idx >= 0).all(), "impl sonicmoe: dropped slots (-1) are not supported")
+        token_idx = torch.arange(num_tokens, device=x.device, dtype=torch.int32).repeat_interleave(top_k)
+        y, _ = moe_general_routing_inputs(
+            x, topk_weights.reshape(-1).to(x.dtype), token_idx, topk_idx.reshape(-1).to(torch.int32),
+            w13.permute(1, 2, 0), None, w2.permute(1, 2, 0), None, w13.shape[0],
+            torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU, False, concat_layout=True)
+        return y
+
+    return fn
+
+
+def make_impls(names, device, sonicmoe_autotune: bool = False) -> list[Impl]:
+    """The impls of ``names`` (of :data:`IMPLS`); an optional peer that is not installed is skipped with a
+    message (``liger`` exits instead: it is pip-installable anywhere)."""
     impls = []
     for name in names:
         if name == "loop":
@@ -84,9 +123,15 @@ def make_impls(names, device) -> list[Impl]:
             impls.append(Impl(name, torch.compile(reference.moe_grouped_mm, fullgraph=True), True))
         elif name == "liger":
             impls.append(Impl(name, liger_moe(), True))
+        elif name == "sonicmoe":
+            fn = sonicmoe_moe(sonicmoe_autotune)
+            if fn is not None:
+                impls.append(Impl(name, fn, True))
         elif name in ("megamoe", "megamoe_cudagraph"):
             fused = backend_for(torch.empty(0, device=device)) == "triton"
             impls.append(Impl(name, megamoe.moe, not fused, cuda_graph=name == "megamoe_cudagraph"))
+        elif name == "megamoe_saved":  # keeps the gate/up pre-activation: checkpointing would rerun its forward
+            impls.append(Impl(name, functools.partial(megamoe.moe, save_for_backward="preact"), True))
         else:
             raise ValueError(f"unknown impl {name!r}; choose from {IMPLS}")
     return impls
@@ -185,7 +230,7 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
     device = torch.device("cuda")
     dim, inter, num_experts, top_k = PRESETS[preset]
     torch._dynamo.reset()  # a fresh, static-shape compile of the baseline for every problem
-    impls = make_impls([n.strip() for n in args.impls.split(",") if n.strip()], device)
+    impls = make_impls([n.strip() for n in args.impls.split(",") if n.strip()], device, args.sonicmoe_autotune)
     info = {
         "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
         "megamoe": megamoe.__version__, "commit": git_commit(), "source_sha256": source_digest(),
@@ -196,6 +241,8 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
         "megamoe_backend": backend_for(torch.empty(0, device=device)),
         "megamoe_autotune": autotune_enabled(torch.bfloat16),
     }
+    if any(impl.name == "sonicmoe" for impl in impls):
+        info["sonicmoe_gemms"] = "autotuned" if args.sonicmoe_autotune else "default config (pinned)"
     info["matmul_tflops"] = matmul_tflops
     problem = make_problem(tokens, dim, inter, num_experts, top_k, routing, torch.bfloat16, device, args.seed)
     rows = int((problem[1] >= 0).sum())

@@ -21,7 +21,7 @@ from megamoe.parallel.fused import DEFAULT_COMM_SMS
 
 # Impls of the README's one-GPU table, in column order, with their column names.
 SUMMARY_IMPLS = {"grouped_mm": "grouped_mm", "grouped_mm_compiled": "grouped_mm compiled", "liger": "Liger",
-                 "megamoe": "megamoe"}
+                 "sonicmoe": "SonicMoE", "megamoe": "megamoe", "megamoe_saved": "megamoe saved"}
 # ... and of its EP table: the all-to-all baselines and the fused protocol with its default senders.
 EP_SUMMARY_IMPLS = {"a2a_grouped_mm": "all-to-all + grouped_mm", "a2a_grouped_mm_compiled": "... compiled",
                     f"fused_sms{DEFAULT_COMM_SMS}": "megamoe fused EP"}
@@ -43,15 +43,15 @@ def load(folder: Path) -> dict[str, list[dict]]:
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| problem | impl | fwd ms | fwd+bwd ms | AC step ms | TFLOP/s | of dense | AC-step speed-up vs compiled |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| problem | impl | fwd ms | fwd+bwd ms | AC step ms | TFLOP/s | of dense | kept MiB | "
+             "AC-step speed-up vs compiled |", "|---|---|---|---|---|---|---|---|---|"]
     for info in runs:
         problem = f"{info['preset']} T={info['tokens']} {info['routing']}"
         for r in info["results"]:
             sp = r.get("speedup_vs_grouped_mm_compiled", {}).get("ac_step_ms")
             lines.append(f"| {problem} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
                          f"{r['ac_step_ms']:.2f} | {r['tflops']:.0f} | {r['tflops'] / info['matmul_tflops']:.0%} | "
-                         f"{'' if sp is None else f'{sp:.2f}x'} |")
+                         f"{r['saved_activation_bytes'] / 2**20:.0f} | {'' if sp is None else f'{sp:.2f}x'} |")
     ceilings = [info["matmul_tflops"] for info in runs] or [0]
     lines.append("")
     lines.append(f"{_versions(runs)}; \"of dense\" is against the dense bf16 matmul measured in the same run "
@@ -116,15 +116,22 @@ def _versions(runs: list[dict]) -> str:
     return f"{first.get('gpu', '?')}, {versions}, {dates[0]}{'' if dates[0] == dates[-1] else ' to ' + dates[-1]}"
 
 
+def _present(impls: dict[str, str], runs: list[dict]) -> dict[str, str]:
+    """The impls of ``impls`` (name → column) that some run measured, in order."""
+    measured = {r["impl"] for info in runs for r in info["results"]}
+    return {name: column for name, column in impls.items() if name in measured}
+
+
 def summary_table(runs: list[dict]) -> str:
     """One GPU: per problem, each impl's training step (AC step ms: forward + forward-and-backward for an impl
     that keeps activations, forward+backward for megamoe, which keeps none) and megamoe's speed-up over the
     compiled baseline."""
-    lines = ["| layer, tokens, routing | " + " | ".join(SUMMARY_IMPLS.values()) + " | megamoe vs compiled |",
-             "|---|" + "---|" * (len(SUMMARY_IMPLS) + 1)]
+    columns = _present(SUMMARY_IMPLS, runs)
+    lines = ["| layer, tokens, routing | " + " | ".join(columns.values()) + " | megamoe vs compiled |",
+             "|---|" + "---|" * (len(columns) + 1)]
     for info in runs:
         step = {r["impl"]: r["ac_step_ms"] for r in info["results"]}
-        cells = [f"{step[name]:.2f}" if name in step else "" for name in SUMMARY_IMPLS]
+        cells = [f"{step[name]:.2f}" if name in step else "" for name in columns]
         speedup = (f"**{step['grouped_mm_compiled'] / step['megamoe']:.2f}x**"
                    if {"megamoe", "grouped_mm_compiled"} <= step.keys() else "")
         lines.append(f"| {info['preset']} T={info['tokens']} {info['routing']} | " + " | ".join(cells)
@@ -157,9 +164,10 @@ def plot_summary(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    columns = _present(SUMMARY_IMPLS, runs)
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    width = 0.8 / len(SUMMARY_IMPLS)
-    for i, (name, label) in enumerate(SUMMARY_IMPLS.items()):
+    width = 0.8 / len(columns)
+    for i, (name, label) in enumerate(columns.items()):
         xs, ys = [], []
         for j, info in enumerate(runs):
             step = {r["impl"]: r["ac_step_ms"] for r in info["results"]}
@@ -169,7 +177,7 @@ def plot_summary(runs: list[dict], path: Path) -> None:
         bars = ax.bar(xs, ys, width, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks([j + width * (len(SUMMARY_IMPLS) - 1) / 2 for j in range(len(runs))],
+    ax.set_xticks([j + width * (len(columns) - 1) / 2 for j in range(len(runs))],
                   [f"{info['preset']}\nT={info['tokens']} {info['routing']}" for info in runs], fontsize=7)
     ax.set_ylabel("training-step speed-up vs grouped_mm compiled")
     ax.set_title(f"One MoE layer, training step — {_versions(runs)}", fontsize=9)
@@ -203,7 +211,7 @@ Columns: forward, forward+backward, and the training step under full activation 
 forward + forward-and-backward for an impl that keeps activations; megamoe keeps none, so its step is its
 forward+backward). TFLOP/s counts the FLOPs each impl executes in that step (24·N·D·I checkpointed,
 22·N·D·I for megamoe, N routed rows); "of dense" is against the dense bf16 8192³ matmul measured in the
-same run. `source digest`: the sha256 of the megamoe sources that ran (`megamoe.bench.common.source_digest`),
+same run; "kept MiB" is what an impl holds between its forward and its backward beyond its inputs and output. `source digest`: the sha256 of the megamoe sources that ran (`megamoe.bench.common.source_digest`),
 shown where the tree had uncommitted changes; recompute it on a checkout to find the commit that ran.
 """
 

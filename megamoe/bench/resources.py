@@ -35,6 +35,9 @@ SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200 (sm_90)
 KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "dh": expert_bwd.DH, "act": expert_bwd.ACT_BWD,
            "dx": expert_bwd.DX, "wgrad": expert_bwd.WGRAD, "down_peer": owner.DOWN_PEER, "dx_peer": owner.DX_PEER,
            "send_up": owner.SEND_UP, "send_dh": owner.SEND_DH}
+# Variants of a kernel above compiled at its default config with other constexpr knobs: the up kernel of the
+# saved-activation mode, which also stores the gate/up products.
+VARIANTS = {"up_saved": (expert_fwd.UP, {"SAVE_PREACT": True})}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
                   "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
                   "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32", "arrived_ptr": "*i32", "counts_ptr": "*i32",
@@ -43,7 +46,7 @@ _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot
                   "topk_idx_ptr": "*i64", "recv_token_row_ptr": "*i32", "trace_ptr": "*i64",
                   "ready_ptr": "*i64", "peers_ptr": "*i64"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
-_EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "TRACE": False,
+_EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "TRACE": False, "SAVE_PREACT": False,
                      # the EP sending programs: 16 of them, 128 experts (64 per rank), top-8, D = 2048
                      "SENDERS": 16, "LB": 64, "EB": 128, "CB": 128}
 # ... and their blocks, as the launchers pass them (at D = 2048 BD is the launcher's cap)
@@ -190,6 +193,10 @@ def main(argv=None) -> None:
             config = fit_dtype(config, torch_dtype)
             report_row(name, " ".join(f"{k}={v}" for k, v in config.items()), resources(kernel, config, args.dtype),
                        too_big)
+    for name, (kernel, knobs) in VARIANTS.items():
+        config = fit_dtype({**kernel.default, **knobs}, torch_dtype)
+        report_row(name, " ".join(f"{k}={v}" for k, v in config.items()), resources(kernel, config, args.dtype),
+                   too_big)
     narrow = []
     for name, (_, (bm, bn, bk, stages), maxnreg) in WS_KERNELS.items() if args.dtype != "fp32" else ():  # 16-bit only
         r = ptxas_report(compile_ws(name, args.dtype))
@@ -218,8 +225,10 @@ def main(argv=None) -> None:
 # kernels, checked to compile for sm_90a.
 OTHER_KERNELS = (*expert_bwd.KERNELS, *protocol.KERNELS, *senders.KERNELS, *loopback.KERNELS)
 _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "KB": 8, "EB": 128, "CB": 128, "BD": 256,
-                     "LB": 16, "NB": 8, "TB": 16,
-                     "BLOCK": 1024}
+                     "LB": 16, "NB": 8, "TB": 16, "BLOCK": 1024,
+                     # the act kernel on saved products, at its launcher's block
+                     "TILE_M": 128, "PART_COLS": expert_bwd.PART_COLS, "BM": expert_bwd.PREACT_BM,
+                     "BN": expert_bwd.PREACT_BN}
 
 
 def compile_other_kernel(fn):
@@ -235,7 +244,8 @@ def compile_other_kernel(fn):
         if name.endswith("_ptr"):
             signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_tokens_ptr": "*bf16", "a_ptr": "*bf16",
                                "b_ptr": "*bf16", "a_out_ptr": "*bf16", "b_out_ptr": "*bf16", "counter_ptr": "*i64",
-                               "expected_ptr": "*i64"}.get(name, _POINTER_TYPES.get(name, "*i32"))
+                               "expected_ptr": "*i64", "preact_ptr": "*bf16", "dh_ptr": "*bf16", "dz_ptr": "*bf16",
+                               "hw_ptr": "*bf16"}.get(name, _POINTER_TYPES.get(name, "*i32"))
         else:
             signature[name] = "i32"
         if name.endswith("_ptr") or name == "D":

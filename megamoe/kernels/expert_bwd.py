@@ -65,9 +65,6 @@ def _act_bwd_kernel(
         return
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
     n0 = pid_n * BN
-    cols = n0 + tl.arange(0, BN)
-    omask = rmask[:, None] & (cols < I)[None, :]
-    rows64 = rows[:, None].to(tl.int64)
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, D, BK):
@@ -77,6 +74,18 @@ def _act_bwd_kernel(
         bu = w13_desc.load([e, 1, n0, k0]).reshape(BN, BK)
         acc_g = tl.dot(a, bg.T, acc_g, input_precision=PREC)
         acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
+    _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
+                         N, I, PART_COLS, BN)
+
+
+@triton.jit
+def _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
+                         N, I, PART_COLS: tl.constexpr, BN: tl.constexpr):
+    """The SwiGLU backward of one (rows, N-block ``pid_n``) block from its gate and up products (fp32): h, the
+    d(routing weight) partials, dz = [dg | du] and h·w (arguments as for ``_act_bwd_kernel``)."""
+    cols = pid_n * BN + tl.arange(0, BN)
+    omask = rmask[:, None] & (cols < I)[None, :]
+    rows64 = rows[:, None].to(tl.int64)
     acc_d = tl.load(dh_ptr + rows64 * I + cols[None, :], mask=omask, other=0.0).to(tl.float32)
     wt = tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(acc_g)
@@ -99,6 +108,30 @@ def _act_bwd_kernel(
     tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=omask)
     tl.store(dz_ptrs + I, du.to(dz_ptr.dtype.element_ty), mask=omask)
     tl.store(hw_ptr + rows64 * I + cols[None, :], (h * wt[:, None]).to(hw_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _act_from_preact_kernel(
+    preact_ptr,  # (N, 2I) the forward's [g | u], sorted rows (the saved-activation mode)
+    dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,  # as for _act_bwd_kernel
+    row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+    N, I, E,
+    TILE_M: tl.constexpr, PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    """The act kernel's epilogue on the saved gate and up products instead of a recomputed GEMM: memory-bound,
+    one program per (sub-)tile x N-block."""
+    e, _, rows, rmask, pid_n = tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
+                                         tl.cdiv(I, BN), BM, TILE_M)
+    if e >= E:
+        return
+    slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    cols = pid_n * BN + tl.arange(0, BN)
+    omask = rmask[:, None] & (cols < I)[None, :]
+    g_ptrs = preact_ptr + rows[:, None].to(tl.int64) * 2 * I + cols[None, :]
+    acc_g = tl.load(g_ptrs, mask=omask, other=0.0).to(tl.float32)
+    acc_u = tl.load(g_ptrs + I, mask=omask, other=0.0).to(tl.float32)
+    _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
+                         N, I, PART_COLS, BN)
 
 
 @triton.jit
@@ -225,7 +258,10 @@ WGRAD = TunedKernel(
 
 
 # The kernels without a tile config, for the ahead-of-time compile check (``megamoe.bench.resources``).
-KERNELS = (_invert_rows_kernel, _scatter_rows_kernel)
+KERNELS = (_invert_rows_kernel, _scatter_rows_kernel, _act_from_preact_kernel)
+# Block of the act kernel on saved products (memory-bound: small row blocks, many programs per SM); BN a multiple
+# of PART_COLS.
+PREACT_BM, PREACT_BN = 32, 128
 
 
 def act_bwd(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int):
@@ -267,6 +303,21 @@ def act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k
         tile_row_ptr=plan.tile_row_NT, N=plan.row_slot_N.numel(), D=dim, I=inter, E=num_experts,
         PREC=dot_precision(dz_NH.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=dz_NH.dtype,
     )
+
+
+def act_bwd_from_preact(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: int):
+    """``act_bwd``'s outputs from the forward's saved gate and up products (N, 2I) instead of a recomputed GEMM."""
+    num_slots, two_i = preact_NH.shape
+    inter = two_i // 2
+    dz_NH, hw_NI, dweight_part = act_bwd_outputs(num_slots, two_i, preact_NH)
+    if num_slots:
+        _act_from_preact_kernel[tile_grid(plan, inter)({"BM": PREACT_BM, "BN": PREACT_BN})](
+            preact_ptr=preact_NH, dh_ptr=dh_NI, weights_ptr=topk_weights_TK.reshape(-1), dz_ptr=dz_NH, hw_ptr=hw_NI,
+            dweight_part_ptr=dweight_part, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1,
+            tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, N=num_slots, I=inter,
+            E=plan.offsets_E1.numel() - 1, TILE_M=BLOCK_M, PART_COLS=PART_COLS, BM=PREACT_BM, BN=PREACT_BN,
+            num_warps=4)
+    return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
 
 
 def dh_sorted(dy_sorted_ND, w2_EDI, plan: Plan) -> torch.Tensor:

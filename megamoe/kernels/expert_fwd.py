@@ -35,8 +35,9 @@ def _up_swiglu_fwd_kernel(
     offsets_ptr,  # (E+1,) int32
     tile_expert_ptr,  # (NT,) int32
     tile_row_ptr,  # (NT,) int32
+    preact_ptr,  # (N, 2I) out, if SAVE_PREACT: [x W1g^T | x W1u^T] (the gate/up pre-activation), sorted rows
     D, I, E, top_k,
-    PREC: tl.constexpr, TILE_M: tl.constexpr,
+    SAVE_PREACT: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     e, _, rows, rmask, pid_n = tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
@@ -44,15 +45,17 @@ def _up_swiglu_fwd_kernel(
     if e >= E:
         return
     up_swiglu_block(x_ptr, w13_desc, h_ptr, row_slot_ptr, e, rows, rmask, pid_n, D, I, top_k, PREC, BM, BN, BK,
-                    EVEN_K)
+                    EVEN_K, preact_ptr, SAVE_PREACT)
 
 
 @triton.jit
 def up_swiglu_block(x_ptr, w13_desc, h_ptr, row_slot_ptr, e, rows, rmask, pid_n, D, I, top_k, PREC: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, preact_ptr=None,
+                    SAVE_PREACT: tl.constexpr = False):
     """One BM x BN block of h for expert ``e``'s sorted ``rows`` (``rmask``: those of the expert) and N-block
     ``pid_n`` (arguments as for ``_up_swiglu_fwd_kernel``): x rows gathered through the row map, both GEMMs,
-    the SwiGLU. The expert-parallel owner's up tiles run it once their rows are in (``parallel.owner``)."""
+    the SwiGLU; with SAVE_PREACT also both products, rounded to h's dtype, into ``preact``. The
+    expert-parallel owner's up tiles run it once their rows are in (``parallel.owner``)."""
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
     tok = (slots // top_k).to(tl.int64)  # int64: T*D overflows int32 at real sizes
     n0 = pid_n * BN
@@ -70,8 +73,13 @@ def up_swiglu_block(x_ptr, w13_desc, h_ptr, row_slot_ptr, e, rows, rmask, pid_n,
         a_ptrs += BK
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     cols = n0 + tl.arange(0, BN)
+    omask = rmask[:, None] & (cols < I)[None, :]
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < I)[None, :])
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=omask)
+    if SAVE_PREACT:
+        preact_ptrs = preact_ptr + rows[:, None].to(tl.int64) * 2 * I + cols[None, :]
+        tl.store(preact_ptrs, acc_g.to(preact_ptr.dtype.element_ty), mask=omask)
+        tl.store(preact_ptrs + I, acc_u.to(preact_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -156,25 +164,28 @@ DOWN = sorted_rows_gemm_kernel(
 )
 
 
-def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, gluon: bool = True) -> torch.Tensor:
+def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, gluon: bool = True,
+                  preact_NH: torch.Tensor | None = None) -> torch.Tensor:
     """h (N, I) in x's dtype, rows in expert-sorted order (rows past the routed count are not written); on sm90
     with 16-bit operands (x 16-byte aligned) through the warp-specialized Gluon kernel (``gluon_sm90``).
     ``gluon=False``: the Triton kernel even where the Gluon one would run (to autotune it for the
-    expert-parallel kernel that follows its choice)."""
+    expert-parallel kernel that follows its choice). ``preact_NH``: (N, 2I) in x's dtype, also written: each
+    sorted row's gate and up products (the saved-activation mode; through the Triton kernel, which the Gluon
+    one does not yet match in this)."""
     num_slots = plan.row_slot_N.numel()
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
     h_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
     if num_slots == 0:  # an empty batch (a TMA descriptor cannot be empty)
         return h_NI
-    if gluon and ws_supported(x_TD) and x_TD.data_ptr() % 16 == 0:
+    if gluon and preact_NH is None and ws_supported(x_TD) and x_TD.data_ptr() % 16 == 0:
         up_swiglu_ws(x_TD, w13_EHD, h_NI, plan, top_k, BLOCK_M)
         return h_NI
     UP[tile_grid(plan, inter)](
         x_ptr=x_TD, w13_desc=descriptor(w13_EHD.view(num_experts, 2, inter, dim)), h_ptr=h_NI,
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
-        tile_row_ptr=plan.tile_row_NT, D=dim, I=inter, E=num_experts, top_k=top_k, PREC=dot_precision(x_TD.dtype),
-        TILE_M=BLOCK_M, dtype=x_TD.dtype,
+        tile_row_ptr=plan.tile_row_NT, preact_ptr=preact_NH, D=dim, I=inter, E=num_experts, top_k=top_k,
+        SAVE_PREACT=preact_NH is not None, PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
     )
     return h_NI
 
