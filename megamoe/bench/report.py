@@ -43,8 +43,8 @@ def load(folder: Path) -> dict[str, list[dict]]:
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| problem | impl | fwd ms | fwd+bwd ms | AC step ms | TFLOP/s | of dense | kept MiB | "
-             "AC-step speed-up vs compiled |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| problem | impl | fwd ms | fwd+bwd ms | AC step ms | TFLOP/s | of dense | kept MiB | "
+              "AC-step speed-up vs compiled |"), "|---|---|---|---|---|---|---|---|---|"]
     for info in runs:
         problem = f"{info['preset']} T={info['tokens']} {info['routing']}"
         for r in info["results"]:
