@@ -1,7 +1,8 @@
 """megamoe: fused Mixture-of-Experts training kernels for Hopper GPUs."""
 
 from megamoe.api import moe
+from megamoe.checkpoint import checkpoint_context
 from megamoe.layer import MegaMoE
 
 __version__ = "0.1.0"
-__all__ = ["MegaMoE", "__version__", "moe"]
+__all__ = ["MegaMoE", "__version__", "checkpoint_context", "moe"]

@@ -94,8 +94,9 @@ def _check_tensor(name: str, t, dim: int, dtypes) -> None:
 def validate(x, topk_idx, topk_weights, w13, w2, num_ranks: int = 1) -> None:
     """Raise ``TypeError``/``ValueError`` naming the bad argument. With ``num_ranks`` > 1 (expert
     parallelism) the weights hold this rank's E/R experts and expert ids range over all E. Host-side only: no device sync,
-    except that expert ids are range-checked eagerly on CPU or with ``MEGAMOE_DEBUG=1``; on a GPU they
-    are checked asynchronously (``torch._assert_async``: a bad id fails the stream, never a wrong answer)."""
+    except that expert ids are range-checked eagerly on CPU or with ``MEGAMOE_DEBUG=1``; on a GPU, and under
+    ``torch.compile``, they are checked by ``torch._assert_async`` (a bad id fails the computation, never a wrong
+    answer)."""
     _check_tensor("x", x, 2, FLOAT_DTYPES)
     _check_tensor("topk_idx", topk_idx, 2, _INDEX_DTYPES)
     _check_tensor("topk_weights", topk_weights, 2, FLOAT_DTYPES)
@@ -129,7 +130,9 @@ def validate(x, topk_idx, topk_weights, w13, w2, num_ranks: int = 1) -> None:
             raise ValueError(f"{name} must be contiguous (call .contiguous() once, outside the training step)")
     if topk_idx.numel():
         in_range = ((topk_idx >= -1) & (topk_idx < num_experts)).all()
-        if not x.is_cuda or debug_checks_enabled():
+        # Eagerly on CPU (or in debug mode) the ids are read on the host for a ValueError naming the bad one; a
+        # compiled graph cannot branch on them, so there (as on a GPU) an assert fails the computation instead.
+        if (not x.is_cuda or debug_checks_enabled()) and not torch.compiler.is_compiling():
             if not bool(in_range):
                 bad = topk_idx[(topk_idx < -1) | (topk_idx >= num_experts)][0].item()
                 raise ValueError(f"topk_idx holds expert id {bad}, outside [0, {num_experts}) (or -1 for a dropped slot)")

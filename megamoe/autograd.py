@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megamoe.env import custom_ops_forced
 from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
     act_bwd,
@@ -166,7 +167,7 @@ def fused_moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2
     """The fused path of :func:`megamoe.moe` (arguments already validated). ``save_preact``: keep the gate/up
     products (N, 2I) for the backward instead of recomputing them there."""
     topk_idx = topk_idx.contiguous()
-    if not torch.compiler.is_compiling():
+    if not (torch.compiler.is_compiling() or custom_ops_forced()):
         return _FusedMoE.apply(x, topk_idx, topk_weights, w13, w2, save_preact)
     plan = _plan_op(topk_idx, w13.shape[0])
     if save_preact:

@@ -12,13 +12,16 @@ Environment variables (documented in the README):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 import warnings
 
 import torch
 
 _warned: set[str] = set()
+_custom_ops = threading.local()  # depth of the active megamoe.checkpoint_context regions, per thread
 
 
 def warn_once(msg: str) -> None:
@@ -50,3 +53,21 @@ def device_capability(device_index: int) -> tuple[int, int]:
     step, and the query costs host time). Not for code that ``torch.compile`` traces: Dynamo warns on every
     ``functools.cache``-wrapped call it traces (:func:`megamoe.api.backend_for` asks torch directly)."""
     return torch.cuda.get_device_capability(device_index)
+
+
+def custom_ops_forced() -> bool:
+    """Whether megamoe must run as ``torch.library`` custom ops even eagerly: inside a
+    :func:`megamoe.checkpoint_context` region on this thread, whose selective-checkpoint policy sees ops, not
+    ``autograd.Function`` calls."""
+    return getattr(_custom_ops, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def forcing_custom_ops(context):
+    """``context`` entered with :func:`custom_ops_forced` true inside it."""
+    _custom_ops.depth = getattr(_custom_ops, "depth", 0) + 1
+    try:
+        with context:
+            yield
+    finally:
+        _custom_ops.depth -= 1

@@ -128,10 +128,9 @@ def test_fused_path_check_traces_under_torch_compile():
 
 @pytest.mark.parametrize("mode", SAVE_MODES)
 def test_compiled_custom_ops_equal_the_eager_path(monkeypatch, mode):
-    """Under ``torch.compile`` the layer runs as custom ops (eagerly, an autograd.Function, which skips
-    their dispatch layers): the same kernels, so the same bits, outputs and every gradient. (On CPU the
-    expert-id check reads the ids on the host, a graph break; on a GPU it is an asynchronous device
-    assert, and the GPU test compiles the layer with ``fullgraph=True``.)"""
+    """Under ``torch.compile(fullgraph=True)`` the layer runs as custom ops (eagerly, an autograd.Function, which
+    skips their dispatch layers): the same kernels, so the same bits, outputs and every gradient (the expert-id
+    check is an assert in the graph, not a host read)."""
     import torch._dynamo
 
     import megamoe.autograd
@@ -140,7 +139,7 @@ def test_compiled_custom_ops_equal_the_eager_path(monkeypatch, mode):
     expected = run_with_grads(moe_in(mode), *problem)
     torch._dynamo.reset()
     monkeypatch.setattr(megamoe.autograd._FusedMoE, "apply", lambda *a: pytest.fail("the eager path was traced"))
-    out = run_with_grads(torch.compile(moe_in(mode), backend="aot_eager"), *problem)
+    out = run_with_grads(torch.compile(moe_in(mode), backend="aot_eager", fullgraph=True), *problem)
     for name, a, b in zip(NAMES, out, expected):
         assert torch.equal(a, b), name
 

@@ -1,0 +1,43 @@
+"""Activation checkpointing that leaves megamoe alone: a ``context_fn`` for ``torch.utils.checkpoint`` under which a
+checkpointed block recomputes everything but megamoe's forward.
+
+megamoe keeps no activations (``save_for_backward="none"``), so under full checkpointing its forward need not run
+twice: saving its output, (T, D), is enough. :func:`checkpoint_context` is a selective-checkpoint policy that
+saves the outputs of megamoe's ops (the layer's output and the routing plan) and prefers recomputing every other
+op; while it is active, megamoe runs as ``torch.library`` custom ops, which the policy can see (eagerly it
+otherwise runs an ``autograd.Function``, which a dispatch-level policy cannot). The backward then runs megamoe's
+own backward on the recomputed input::
+
+    from torch.utils.checkpoint import checkpoint
+    y = checkpoint(block, x, use_reentrant=False, context_fn=megamoe.checkpoint_context)
+    # Hugging Face transformers:
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": megamoe.checkpoint_context})
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
+
+from megamoe import autograd  # noqa: F401  (registers the torch.ops.megamoe ops the policy names)
+from megamoe.env import forcing_custom_ops
+
+
+def _megamoe_ops() -> set:
+    ops = torch.ops.megamoe
+    return {ops.plan.default, ops.experts_fwd.default, ops.experts_fwd_saved.default}
+
+
+def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _megamoe_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_context() -> tuple:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: megamoe's outputs are
+    saved, everything else in the checkpointed region is recomputed (see the module docstring)."""
+    forward, recompute = create_selective_checkpoint_contexts(_policy)
+    return forcing_custom_ops(forward), forcing_custom_ops(recompute)

@@ -1,0 +1,1 @@
+"""Adapters for the frameworks users train with: argument mapping only, no kernels."""

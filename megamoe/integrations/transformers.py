@@ -1,0 +1,60 @@
+"""Hugging Face transformers (5.x): ``import megamoe.integrations.transformers`` registers ``"megamoe"`` in
+transformers' experts interface, so that a model whose experts use the 3-D ``gate_up_proj`` (E, 2I, D) /
+``down_proj`` (E, D, I) layout runs them through :func:`megamoe.moe`::
+
+    import megamoe.integrations.transformers  # noqa: F401
+    model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="megamoe")
+    # or, on a model already built: model.set_experts_implementation("megamoe")
+
+Qwen3-MoE, Qwen3-Next and DeepSeek-V3-style experts (gated SwiGLU, concatenated gate/up, no biases) are
+supported. Experts that megamoe does not compute are refused with a ``ValueError`` naming what differs, never
+run approximately: transposed weights, biases, interleaved gate/up rows, a gate other than silu(g)·u (gpt-oss's
+clamped activation), non-gated experts. transformers' expert-parallel sentinel ids (``>= num_experts``: "not
+on this rank") contribute nothing, as dropped slots. bf16, fp16 and fp32 models; under ``torch.no_grad`` it
+keeps nothing for a backward. Pair it with :func:`megamoe.checkpoint_context` for activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations import moe as hf_moe
+
+import megamoe
+
+NAME = "megamoe"
+
+
+def _refuse_what_megamoe_does_not_compute(experts: torch.nn.Module) -> None:
+    kind = type(experts).__name__
+    if not getattr(experts, "has_gate", True):
+        raise ValueError(f"experts_implementation='megamoe': {kind} has no gate (megamoe runs gated SwiGLU experts)")
+    if getattr(experts, "has_bias", False):
+        raise ValueError(f"experts_implementation='megamoe': {kind} has expert biases, which megamoe does not add")
+    if getattr(experts, "is_transposed", False):
+        raise ValueError(f"experts_implementation='megamoe': {kind} stores its weights transposed; megamoe takes "
+                         "gate_up_proj (E, 2I, D) and down_proj (E, D, I)")
+    if not getattr(experts, "is_concatenated", True):
+        raise ValueError(f"experts_implementation='megamoe': {kind} interleaves its gate and up rows; megamoe takes "
+                         "gate rows then up rows")
+    if getattr(type(experts), "_apply_gate", hf_moe._default_apply_gate) is not hf_moe._default_apply_gate:
+        raise ValueError(f"experts_implementation='megamoe': {kind} has its own gating function (a clamped or "
+                         "scaled activation?); megamoe computes silu(gate) * up")
+    act = getattr(getattr(experts, "config", None), "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"experts_implementation='megamoe': {kind} uses the {act!r} activation; megamoe computes "
+                         "silu(gate) * up")
+
+
+def megamoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward signature: ``hidden_states`` (T, D), ``top_k_index`` (T, K) expert ids
+    (``>= num_experts``: not on this rank), ``top_k_weights`` (T, K); returns (T, D) in ``hidden_states``'s
+    dtype."""
+    _refuse_what_megamoe_does_not_compute(self)
+    w13, w2 = self.gate_up_proj, self.down_proj
+    topk_idx = top_k_index.masked_fill(top_k_index >= self.num_experts, -1)  # sentinels: dropped slots
+    y = megamoe.moe(hidden_states.to(w13.dtype).contiguous(), topk_idx, top_k_weights, w13, w2)
+    return y.to(hidden_states.dtype)
+
+
+hf_moe.ExpertsInterface.register(NAME, megamoe_experts_forward)

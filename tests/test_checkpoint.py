@@ -1,0 +1,115 @@
+"""``megamoe.checkpoint_context``: under activation checkpointing a block recomputes everything but megamoe's
+forward, which runs once per training step (plain full checkpointing runs it twice), with the gradients of the
+un-checkpointed block, bitwise; through ``torch.utils.checkpoint`` directly and through transformers'
+``gradient_checkpointing_enable``."""
+
+import copy
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import megamoe
+import megamoe.autograd
+from tests.helpers import make_problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Calls of megamoe's forward and backward bodies (eager Function and custom ops alike)."""
+    calls = {"forward": 0, "backward": 0}
+    forward, backward = megamoe.autograd.experts_forward, megamoe.autograd.experts_backward
+
+    def counted_forward(*args, **kwargs):
+        calls["forward"] += 1
+        return forward(*args, **kwargs)
+
+    def counted_backward(*args, **kwargs):
+        calls["backward"] += 1
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(megamoe.autograd, "experts_forward", counted_forward)
+    monkeypatch.setattr(megamoe.autograd, "experts_backward", counted_backward)
+    return calls
+
+
+def block_problem(mode="none"):
+    x, idx, w, w13, w2, dy = make_problem(40, 32, 16, 6, 3, "random", device=DEVICE)
+    norm = torch.nn.LayerNorm(32, device=DEVICE)
+
+    def block(x, w, w13, w2):  # a residual block around the experts, with something to recompute before them
+        return x + megamoe.moe(norm(x), idx, w, w13, w2, save_for_backward=mode)
+
+    return block, (x, w, w13, w2), dy
+
+
+def grads(fn, leaves, dy):
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    y = fn(*leaves)
+    y.backward(dy)
+    return [y.detach(), *(t.grad for t in leaves)]
+
+
+@pytest.mark.parametrize("mode", ["none", "preact"])
+def test_checkpointed_block_runs_megamoe_forward_once_with_the_same_gradients(counted, mode):
+    block, leaves, dy = block_problem(mode)
+    plain = grads(block, leaves, dy)
+    assert counted == {"forward": 1, "backward": 1}
+    counted.update(forward=0, backward=0)
+    helped = grads(lambda *a: checkpoint(block, *a, use_reentrant=False, context_fn=megamoe.checkpoint_context),
+                   leaves, dy)
+    assert counted == {"forward": 1, "backward": 1}, "megamoe's forward ran again in the recompute"
+    assert all(torch.equal(a, b) for a, b in zip(plain, helped))
+    counted.update(forward=0, backward=0)
+    full = grads(lambda *a: checkpoint(block, *a, use_reentrant=False), leaves, dy)
+    assert counted == {"forward": 2, "backward": 1}  # what the helper saves: one forward per step
+    assert all(torch.equal(a, b) for a, b in zip(plain, full))
+
+
+def test_transformers_gradient_checkpointing_with_the_helper(counted):
+    from tests.test_integrations import step, tiny_model
+
+    model = tiny_model()
+    input_ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    layers = model.config.num_hidden_layers
+    _, plain_loss, plain_grads = step(model, "megamoe", input_ids)
+    assert counted["forward"] == layers
+    counted.update(forward=0, backward=0)
+    model = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                       "context_fn": megamoe.checkpoint_context})
+    model.train()
+    _, loss, grads_ = step(model, "megamoe", input_ids)
+    assert counted == {"forward": layers, "backward": layers}
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(grads_[n], plain_grads[n]) for n in plain_grads)
+
+
+@pytest.mark.gpu
+def test_checkpointed_block_holds_its_input_and_megamoe_output_only():
+    """Between forward and backward a block checkpointed with the helper holds megamoe's output (T, D) and its
+    routing plan (a few int32 vectors) beyond the block's input and output; nothing of its intermediates."""
+    x, idx, w, w13, w2, dy = make_problem(4096, 1024, 512, 32, 4, "random", dtype=torch.bfloat16, device="cuda")
+    norm = torch.nn.LayerNorm(1024, device="cuda", dtype=torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
+
+    def block(x, w, w13, w2):
+        return x + megamoe.moe(norm(x), idx, w, w13, w2)
+
+    def forward():
+        return checkpoint(block, *leaves, use_reentrant=False, context_fn=megamoe.checkpoint_context)
+
+    forward().backward(dy)  # compile and autotune outside the measurement
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = forward()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
+    num_slots, num_experts = idx.numel(), w13.shape[0]
+    plan = 4 * (num_experts + 1 + num_slots + 2 * (-(-num_slots // 128) + num_experts))
+    expected = x.numel() * x.element_size() + plan
+    assert expected <= held <= expected + 2**20, f"held {held} B, megamoe's output and plan {expected} B"

@@ -1,0 +1,153 @@
+"""megamoe inside Hugging Face transformers: a small random-initialised Qwen3-MoE model (no hub download) with
+``experts_implementation="megamoe"`` against transformers' own ``"eager"`` and ``"grouped_mm"`` experts — logits,
+loss and every parameter's gradient — and the refusals of expert layouts megamoe does not compute. On CPU the
+fused kernels run in the interpreter in fp32; on a GPU the model is bf16."""
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+import megamoe.integrations.transformers as hf_megamoe
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tiny_model(dtype=torch.float32, seed=0) -> Qwen3MoeForCausalLM:
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64,
+                            attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config).to(device=DEVICE, dtype=dtype)
+
+
+def step(model, implementation: str, input_ids):
+    """(logits, loss, {parameter name: gradient}) of one forward+backward with ``implementation``'s experts."""
+    model = copy.deepcopy(model)
+    model.set_experts_implementation(implementation)
+    out = model(input_ids=input_ids, labels=input_ids)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_registered_and_selectable():
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    assert ALL_EXPERTS_FUNCTIONS["megamoe"] is hf_megamoe.megamoe_experts_forward
+    model = tiny_model()
+    model.set_experts_implementation("megamoe")
+    assert model.config._experts_implementation == "megamoe"
+
+
+@pytest.mark.parametrize("baseline", ["eager", "grouped_mm"])
+def test_model_matches_transformers_experts_fp32(baseline):
+    """fp32 (CPU: the interpreter's exact fp32 products): the same logits, loss and gradients to rounding."""
+    model = tiny_model()
+    input_ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ref_logits, ref_loss, ref_grads = step(model, baseline, input_ids)
+    logits, loss, grads = step(model, "megamoe", input_ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        assert grad is not None and ref is not None, name
+        scale = ref.abs().max().item()
+        assert (grad - ref).abs().max().item() <= 1e-4 * max(scale, 1e-6), name
+
+
+def test_whole_model_compiles_fullgraph_without_recompiles():
+    """The model with megamoe experts under ``torch.compile(fullgraph=True)``: no graph break anywhere, no
+    recompile when the per-expert counts change between steps, and the eager model's loss and gradients
+    (aot_eager on CPU: the same kernels; the GPU test uses the default backend)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = tiny_model()
+    model.set_experts_implementation("megamoe")
+    compiled_model = copy.deepcopy(model)
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    for seed in range(3):  # a new batch, so new routing, every step
+        input_ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        with torch._dynamo.config.patch(error_on_recompile=seed > 0):
+            out = compiled(input_ids=input_ids, labels=input_ids)
+        out.loss.backward()
+        ref = model(input_ids=input_ids, labels=input_ids)
+        ref.loss.backward()
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(compiled_model.named_parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+            p.grad, q.grad = None, None
+
+
+def test_expert_parallel_sentinels_contribute_nothing():
+    """Ids >= num_experts (transformers' "not on this rank") are dropped slots: the output is that of the
+    remaining slots, and their routing weights get zero gradient."""
+    model = tiny_model()
+    experts = model.model.layers[0].mlp.experts
+    experts.config._experts_implementation = "megamoe"
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(10, 64, generator=gen).to(DEVICE)
+    idx = torch.randint(0, 8, (10, 2), generator=gen).to(DEVICE)
+    w = torch.rand(10, 2, generator=gen).to(DEVICE).requires_grad_()
+    sentinel = idx.clone()
+    sentinel[:, 1] = 8  # every token's second slot is another rank's
+    y = hf_megamoe.megamoe_experts_forward(experts, x, sentinel, w)
+    expected = hf_megamoe.megamoe_experts_forward(experts, x, idx[:, :1], w[:, :1])
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+    y.sum().backward()
+    assert torch.equal(w.grad[:, 1], torch.zeros_like(w.grad[:, 1]))
+
+
+def test_inference_without_grad_keeps_nothing():
+    model = tiny_model()
+    model.set_experts_implementation("megamoe")
+    input_ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits
+    assert not logits.requires_grad and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("attribute, value, match", [
+    ("has_bias", True, "biases"),
+    ("is_transposed", True, "transposed"),
+    ("is_concatenated", False, "interleaves"),
+    ("has_gate", False, "no gate"),
+])
+def test_layouts_megamoe_does_not_compute_are_refused(attribute, value, match):
+    experts = tiny_model().model.layers[0].mlp.experts
+    setattr(experts, attribute, value)
+    x, idx, w = torch.randn(4, 64).to(DEVICE), torch.zeros(4, 2, dtype=torch.long).to(DEVICE), torch.ones(4, 2).to(DEVICE)
+    with pytest.raises(ValueError, match=match):
+        hf_megamoe.megamoe_experts_forward(experts, x, idx, w)
+
+
+def test_other_activations_and_gates_are_refused(monkeypatch):
+    experts = tiny_model().model.layers[0].mlp.experts
+    x, idx, w = torch.randn(4, 64).to(DEVICE), torch.zeros(4, 2, dtype=torch.long).to(DEVICE), torch.ones(4, 2).to(DEVICE)
+    monkeypatch.setattr(experts.config, "hidden_act", "gelu")
+    with pytest.raises(ValueError, match="'gelu' activation"):
+        hf_megamoe.megamoe_experts_forward(experts, x, idx, w)
+    monkeypatch.setattr(experts.config, "hidden_act", "silu")
+    monkeypatch.setattr(type(experts), "_apply_gate", lambda self, gate_up: gate_up.chunk(2, dim=-1)[0].clamp(max=7))
+    with pytest.raises(ValueError, match="its own gating function"):
+        hf_megamoe.megamoe_experts_forward(experts, x, idx, w)
+
+
+@pytest.mark.gpu
+def test_model_matches_transformers_experts_bf16_gpu():
+    """bf16 on the GPU: megamoe's logits, loss and gradients against the fp32 model are within twice the error of
+    transformers' own bf16 grouped_mm experts (plus a small atol)."""
+    model32 = tiny_model(torch.float32)
+    input_ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ref_logits, ref_loss, ref_grads = step(model32, "eager", input_ids)
+    model16 = copy.deepcopy(model32).to(torch.bfloat16)
+    low_logits, low_loss, low_grads = step(model16, "grouped_mm", input_ids)
+    logits, loss, grads = step(model16, "megamoe", input_ids)
+    for name, out, low, ref in [("logits", logits, low_logits, ref_logits), ("loss", loss, low_loss, ref_loss),
+                                *((n, grads[n], low_grads[n], ref_grads[n]) for n in ref_grads)]:
+        err = (out.float() - ref).abs().max().item()
+        bound = 2 * (low.float() - ref).abs().max().item() + 1e-3 * max(ref.abs().max().item(), 1e-6)
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
