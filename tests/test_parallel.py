@@ -6,6 +6,7 @@ the interpreter (no GPU) ``megamoe.moe(group=...)`` runs the fused kernels for t
 those cases also check that the fused kernels compose with the exchange.
 """
 
+import copy
 import faulthandler
 import functools
 import os
@@ -103,6 +104,10 @@ def _worker(rank, num_ranks, init_file, test):
             check_layer(rank, num_ranks, group)
         elif test == "bench":
             check_bench(group, torch.device("cpu"))
+        elif test == "fsdp":
+            check_fsdp(rank, num_ranks)
+        elif test == "ep_fsdp":
+            check_ep_fsdp(rank, num_ranks)
         # No rank tears down while another still talks to it (without this barrier gloo aborted a rank at
         # exit about one run in five, with a TCP rendezvous).
         dist.barrier()
@@ -149,6 +154,76 @@ def check_ep_selection(group):
             del os.environ["MEGAMOE_EP"]
     with pytest.raises(ValueError, match="fused expert-parallel path only"):
         megamoe.moe(*local, group=group, comm_sms=4)  # the all-to-all path sends through NCCL
+
+
+def check_fsdp(rank, num_ranks):
+    """A transformers Qwen3-MoE model with megamoe experts under FSDP2 (each decoder layer and the root
+    ``fully_shard``-ed, so the expert weights are sharded over the ranks along the expert dimension), each rank on
+    its own batches: two SGD steps leave every parameter where one process's model gets on the mean loss of all
+    ranks' batches."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    import megamoe.integrations.transformers  # noqa: F401  (registers experts_implementation="megamoe")
+    from tests.test_integrations import tiny_model
+
+    ref = tiny_model()
+    ref.set_experts_implementation("megamoe")
+    model = copy.deepcopy(ref)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, DTensor) and experts.gate_up_proj.placements == (Shard(0),)
+    assert experts.gate_up_proj.to_local().shape[0] == ref.config.num_experts // num_ranks
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(2):
+        batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(100 * step + r))
+                   for r in range(num_ranks)]
+        model(input_ids=batches[rank], labels=batches[rank]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        (sum(ref(input_ids=b, labels=b).loss for b in batches) / num_ranks).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def check_ep_fsdp(rank, num_ranks):
+    """Expert parallelism composed with FSDP2, laid out as TorchTitan does: a (dp, ep) mesh; each rank holds the
+    experts of its ep index (``MegaMoE(ep_group=...)``, exchanged through the all-to-all path on CPU), sharded
+    over dp; the replicated router sharded over every rank. Outputs equal one process's layer holding every
+    expert, and so do the gradients: the router's as they are, the experts' up to the factor that a trainer
+    divides them by (each expert's gradient sums the ep ranks' tokens, and FSDP averages over dp only; on NCCL
+    ``set_gradient_divide_factor`` does it, gloo has no PREMUL_SUM)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dp_size = 2
+    ep_size = num_ranks // dp_size
+    mesh = init_device_mesh("cpu", (dp_size, ep_size), mesh_dim_names=("dp", "ep"))
+    dim, inter, num_experts, top_k = 32, 16, 4 * ep_size, 2
+    per_rank, r_ep = num_experts // ep_size, mesh["ep"].get_local_rank()
+    mine = slice(r_ep * per_rank, (r_ep + 1) * per_rank)
+    torch.manual_seed(0)
+    full = megamoe.MegaMoE(dim, inter, num_experts, top_k)
+    layer = megamoe.MegaMoE(dim, inter, num_experts, top_k, ep_group=mesh["ep"].get_group())
+    with torch.no_grad():
+        layer.gate.weight.copy_(full.gate.weight)
+        layer.w13.copy_(full.w13[mine])
+        layer.w2.copy_(full.w2[mine])
+    fully_shard(layer.gate, mesh=init_device_mesh("cpu", (num_ranks,)))
+    fully_shard(layer, mesh=mesh["dp"])
+    xs = [torch.randn(12, dim, generator=torch.Generator().manual_seed(r)) for r in range(num_ranks)]
+    y = layer(xs[rank])
+    y.square().mean().backward()
+    (sum(full(x).square().mean() for x in xs) / num_ranks).backward()
+    torch.testing.assert_close(y, full(xs[rank]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.gate.weight.grad.full_tensor(), full.gate.weight.grad, rtol=1e-4, atol=1e-6)
+    for name in ("w13", "w2"):
+        grad = getattr(layer, name).grad.full_tensor() / ep_size
+        torch.testing.assert_close(grad, getattr(full, name).grad[mine], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def check_layer(rank, num_ranks, group):
@@ -263,6 +338,14 @@ def test_moe_with_group_equals_one_device_reference(num_ranks):
 
 def test_layer_with_ep_group_equals_one_layer():
     spawn("layer", 2)
+
+
+def test_fsdp2_with_megamoe_experts_equals_one_process():
+    spawn("fsdp", 2)
+
+
+def test_expert_parallelism_composes_with_fsdp2():
+    spawn("ep_fsdp", 4)
 
 
 def test_ep_benchmark_measures_every_impl():
