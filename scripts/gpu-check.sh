@@ -4,6 +4,8 @@
 #   bash scripts/gpu-check.sh loopback     pytest -m loopback: the fused EP protocol on virtual ranks of this GPU
 #   bash scripts/gpu-check.sh layer [P..]  the layer benchmark on the README's problems P: 30b, 235b (16k tokens,
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
+#   bash scripts/gpu-check.sh model        a transformers Qwen3-MoE model's training step, megamoe against grouped_mm
+#                                          experts, checkpointed and compiled (python -m megamoe.bench.model)
 #   bash scripts/gpu-check.sh ep           on 2+ GPUs: the fused EP tests on real ranks, then the EP benchmark
 # Logs (and the benchmark JSON/PNG) go to $GPU_CHECK_OUT (default benchmarks/out/gpu-check); copy the JSON you
 # mean to publish into benchmarks/results/ and run `python -m megamoe.bench.report`. Optional baselines install
@@ -12,7 +14,7 @@
 # Every GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv beside the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|ep}
+stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|model|ep}
 shift
 out=${GPU_CHECK_OUT:-benchmarks/out/gpu-check}
 mkdir -p "$out"
@@ -69,6 +71,10 @@ layer)
     done
     exit "$rc"
     ;;
+model)
+    step model-30b 590 "${py[@]}" -m megamoe.bench.model --preset qwen3-30b-a3b --layers 2 --checkpoint --compile \
+        --out "$out/results"
+    ;;
 ep)
     [ "$gpus" -ge 2 ] || { echo "stage ep needs 2+ GPUs; this machine has $gpus" >&2; exit 2; }
     step ep-tests 420 "${py[@]}" -m pytest -q -p no:cacheprovider tests/test_parallel.py -m gpu || exit $?
@@ -76,7 +82,7 @@ ep)
         --preset qwen3-30b-a3b,qwen3-235b-a22b --tokens 16384 --routing random,skewed --comm-sms 32 --out "$out/results"
     ;;
 *)
-    echo "unknown stage $stage: tests, loopback, layer or ep" >&2
+    echo "unknown stage $stage: tests, loopback, layer, model or ep" >&2
     exit 2
     ;;
 esac

@@ -151,3 +151,16 @@ def test_model_matches_transformers_experts_bf16_gpu():
         err = (out.float() - ref).abs().max().item()
         bound = 2 * (low.float() - ref).abs().max().item() + 1e-3 * max(ref.abs().max().item(), 1e-6)
         assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
+
+
+def test_model_benchmark_checks_the_implementations_without_a_gpu(capsys):
+    """``python -m megamoe.bench.model`` on CPU: the tiny model's steps per implementation, losses compared (with
+    checkpointing: megamoe under its helper, the others plain)."""
+    from megamoe.bench.model import main
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path runs only without a GPU")
+    main(["--checkpoint", "--experts", "megamoe,grouped_mm,eager"])
+    out = capsys.readouterr().out
+    assert "timings need a GPU" in out and "OK" in out
+    assert all(f"  {name}" in out for name in ("megamoe", "grouped_mm", "eager"))

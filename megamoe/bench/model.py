@@ -1,0 +1,145 @@
+"""A transformers Qwen3-MoE model's training step with each experts implementation, side by side:
+
+    python -m megamoe.bench.model [--preset qwen3-30b-a3b] [--layers 2] [--tokens 16384] [--experts megamoe,grouped_mm]
+                                  [--checkpoint] [--compile]
+
+The model is built from a config at the preset's layer dimensions (hidden size, heads, experts, top-k, expert
+width) with ``--layers`` decoder layers and a small vocabulary, bf16, random weights (no download). A step is
+forward + backward of the causal-LM loss on ``--tokens`` tokens (one sequence), gradients dropped after it (no
+optimizer). ``--checkpoint``: full activation checkpointing of every decoder layer — with
+``megamoe.checkpoint_context`` for megamoe (its forward is not recomputed), plain for the others, as users run
+them. ``--compile``: ``torch.compile`` of every decoder layer. Medians of CUDA-event timings over ``--iters`` steps
+after warm-up; the JSON records the GPU, versions, date, commit and command. Without a GPU: the tiny preset for
+two steps per implementation, losses compared, and no timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+import megamoe
+import megamoe.integrations.transformers
+from megamoe.bench.common import PRESETS, csv_of, git_commit, source_digest, utc_now
+
+# Attention shapes of the presets' models (heads, KV heads, head dim), beside the MoE dims of PRESETS.
+ATTENTION = {"qwen3-30b-a3b": (32, 4, 128), "qwen3-235b-a22b": (64, 4, 128), "tiny": (4, 2, 16)}
+EXPERTS = ("megamoe", "grouped_mm", "eager")
+
+
+def build(preset: str, layers: int, vocab: int, dtype: torch.dtype, device):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    dim, inter, num_experts, top_k = PRESETS[preset]
+    heads, kv_heads, head_dim = ATTENTION[preset]
+    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, moe_intermediate_size=inter,
+                            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                            head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+                            max_position_embeddings=65536, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(config).to(device=device, dtype=dtype)
+
+
+def prepared(model, experts: str, checkpoint: bool, compile_layers: bool):
+    """A copy of ``model`` with ``experts``'s implementation, checkpointing and compilation as asked."""
+    model = copy.deepcopy(model)
+    model.set_experts_implementation(experts)
+    model.train()
+    if checkpoint:
+        kwargs = {"use_reentrant": False}
+        if experts == "megamoe":
+            kwargs["context_fn"] = megamoe.checkpoint_context
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if compile_layers:
+        for layer in model.model.layers:
+            layer.compile()
+    return model
+
+
+def step_fn(model, input_ids):
+    def step():
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        return loss.detach()
+
+    return step
+
+
+def timed(step, iters: int) -> float:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench.model", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=sorted(ATTENTION), default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (one sequence)")
+    p.add_argument("--vocab", type=int, default=32768, help="vocabulary size")
+    p.add_argument("--experts", type=csv_of(EXPERTS), default="megamoe,grouped_mm", help=f"from {EXPERTS}")
+    p.add_argument("--checkpoint", action="store_true", help="full activation checkpointing of every layer")
+    p.add_argument("--compile", action="store_true", help="torch.compile every decoder layer")
+    p.add_argument("--iters", type=int, default=10, help="timed steps per implementation")
+    p.add_argument("--out", default="benchmarks/out", help="folder for the JSON")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        print("No CUDA GPU: timings need a GPU. Two steps of the tiny preset's model per implementation instead "
+              "(fp32), losses compared.")
+        model = build("tiny", 2, 128, torch.float32, "cpu")
+        input_ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
+        losses = {e: [step_fn(prepared(model, e, args.checkpoint, False), input_ids)().item() for _ in range(2)]
+                  for e in args.experts}
+        for e, values in losses.items():
+            print(f"  {e:12s} losses {values}")
+        first = next(iter(losses.values()))
+        if any(abs(a - b) > 1e-4 * abs(b) for values in losses.values() for a, b in zip(values, first)):
+            sys.exit("FAILED: the implementations' losses disagree")
+        print("OK. Run on a CUDA GPU for timings.")
+        return
+    import triton
+
+    device = torch.device("cuda")
+    model = build(args.preset, args.layers, args.vocab, torch.bfloat16, device)
+    input_ids = torch.randint(0, args.vocab, (1, args.tokens), device=device,
+                              generator=torch.Generator(device=device).manual_seed(0))
+    results = []
+    for experts in args.experts:
+        ms = timed(step_fn(prepared(model, experts, args.checkpoint, args.compile), input_ids), args.iters)
+        results.append({"experts": experts, "step_ms": ms, "tokens_per_s": args.tokens / ms * 1e3})
+        print(f"  {experts:12s} step {ms:8.3f} ms  {args.tokens / ms * 1e3:10.0f} tokens/s", flush=True)
+    info = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"),
+            "command": "python -m megamoe.bench.model " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "preset": args.preset, "layers": args.layers, "tokens": args.tokens, "vocab": args.vocab,
+            "checkpoint": args.checkpoint, "compile": args.compile,
+            "parameters": sum(p.numel() for p in model.parameters()), "results": results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"model-{args.preset}-l{args.layers}-t{args.tokens}{'-ckpt' if args.checkpoint else ''}.json"
+    path.write_text(json.dumps(info, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
