@@ -6,7 +6,9 @@ twice: saving its output, (T, D), is enough. :func:`checkpoint_context` is a sel
 saves the outputs of megamoe's ops (the layer's output and the routing plan) and prefers recomputing every other
 op; while it is active, megamoe runs as ``torch.library`` custom ops, which the policy can see (eagerly it
 otherwise runs an ``autograd.Function``, which a dispatch-level policy cannot). The backward then runs megamoe's
-own backward on the recomputed input::
+own backward on the recomputed input. (With expert parallelism the fused EP layer is still an
+``autograd.Function``, so there its forward, communication included, is recomputed as under plain
+checkpointing: correct, every rank recomputes in the same order, but without the saving.)::
 
     from torch.utils.checkpoint import checkpoint
     y = checkpoint(block, x, use_reentrant=False, context_fn=megamoe.checkpoint_context)

@@ -92,7 +92,8 @@ def stage_table(problem) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m megamoe.bench.host", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench.host", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--steps", type=int, default=200, help="timed steps per repetition")
     p.add_argument("--reps", type=int, default=5, help="alternating repetitions of both paths")

@@ -99,7 +99,8 @@ def stages(problem, num_experts):
 def main(argv=None) -> None:
     from triton.testing import do_bench
 
-    p = argparse.ArgumentParser(prog="python -m megamoe.bench.kernels", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench.kernels", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--routing", choices=ROUTINGS, default="random")

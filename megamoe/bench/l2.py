@@ -81,7 +81,8 @@ def plot(info: dict, path: Path) -> None:
 def main(argv=None) -> None:
     from triton.testing import do_bench
 
-    p = argparse.ArgumentParser(prog="python -m megamoe.bench.l2", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench.l2", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--per-sm", default="1,2,4", help="programs per SM to try (comma-separated)")
     p.add_argument("--json", help="write the table as JSON to this path")
     args = p.parse_args(argv)

@@ -178,7 +178,8 @@ def configs_to_check(kernel: TunedKernel, candidates: bool) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m megamoe.bench.resources", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench.resources", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--candidates", action="store_true", help="also every autotuning candidate")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="operand type (fp32 applies the launchers' halved BK)")

@@ -100,7 +100,8 @@ def summarize(stamps: torch.Tensor, senders: int, stride: int, head: int, per_bl
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m megamoe.bench.sender_trace",
-                                description=__doc__.split("\n\n")[0])
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank")
     p.add_argument("--routing", default="random,skewed", help="comma-separated routings")
