@@ -12,9 +12,8 @@ checkpointing: correct, every rank recomputes in the same order, but without the
 
     from torch.utils.checkpoint import checkpoint
     y = checkpoint(block, x, use_reentrant=False, context_fn=megamoe.checkpoint_context)
-    # Hugging Face transformers:
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": megamoe.checkpoint_context})
+    # Hugging Face transformers (its activation_checkpointing_enable / gradient_checkpointing_enable):
+    megamoe.integrations.transformers.enable_activation_checkpointing(model)
 """
 
 from __future__ import annotations

@@ -69,6 +69,7 @@ def test_checkpointed_block_runs_megamoe_forward_once_with_the_same_gradients(co
 
 
 def test_transformers_gradient_checkpointing_with_the_helper(counted):
+    import megamoe.integrations.transformers as hf_megamoe
     from tests.test_integrations import step, tiny_model
 
     model = tiny_model()
@@ -78,8 +79,7 @@ def test_transformers_gradient_checkpointing_with_the_helper(counted):
     assert counted["forward"] == layers
     counted.update(forward=0, backward=0)
     model = copy.deepcopy(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-                                                                       "context_fn": megamoe.checkpoint_context})
+    hf_megamoe.enable_activation_checkpointing(model)
     model.train()
     _, loss, grads_ = step(model, "megamoe", input_ids)
     assert counted == {"forward": layers, "backward": layers}

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-import megamoe
-import megamoe.integrations.transformers
 from megamoe.bench.common import PRESETS, csv_of, git_commit, source_digest, utc_now
+from megamoe.integrations.transformers import (
+    enable_activation_checkpointing,  # registers "megamoe" too
+)
 
 # Attention shapes of the presets' models (heads, KV heads, head dim), beside the MoE dims of PRESETS.
 ATTENTION = {"qwen3-30b-a3b": (32, 4, 128), "qwen3-235b-a22b": (64, 4, 128), "tiny": (4, 2, 16)}
@@ -52,11 +53,13 @@ def prepared(model, experts: str, checkpoint: bool, compile_layers: bool):
     model = copy.deepcopy(model)
     model.set_experts_implementation(experts)
     model.train()
-    if checkpoint:
-        kwargs = {"use_reentrant": False}
-        if experts == "megamoe":
-            kwargs["context_fn"] = megamoe.checkpoint_context
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if checkpoint and experts == "megamoe":
+        enable_activation_checkpointing(model)
+    elif checkpoint:  # plain full checkpointing, as users run the other implementations
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compile_layers:
         for layer in model.model.layers:
             layer.compile()

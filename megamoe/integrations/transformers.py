@@ -11,7 +11,8 @@ supported. Experts that megamoe does not compute are refused with a ``ValueError
 run approximately: transposed weights, biases, interleaved gate/up rows, a gate other than silu(g)·u (gpt-oss's
 clamped activation), non-gated experts. transformers' expert-parallel sentinel ids (``>= num_experts``: "not
 on this rank") contribute nothing, as dropped slots. bf16, fp16 and fp32 models; under ``torch.no_grad`` it
-keeps nothing for a backward. Pair it with :func:`megamoe.checkpoint_context` for activation checkpointing.
+keeps nothing for a backward. For activation checkpointing, :func:`enable_activation_checkpointing` (or
+transformers' own switch with :func:`megamoe.checkpoint_context` as its ``context_fn``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ def _refuse_what_megamoe_does_not_compute(experts: torch.nn.Module) -> None:
     if act not in ("silu", "swish"):
         raise ValueError(f"experts_implementation='megamoe': {kind} uses the {act!r} activation; megamoe computes "
                          "silu(gate) * up")
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Full activation checkpointing of every decoder layer of a transformers ``model``, under which megamoe's
+    forward is not recomputed (:func:`megamoe.checkpoint_context`): transformers' own switch
+    (``activation_checkpointing_enable``, or ``gradient_checkpointing_enable`` before it was renamed) with
+    ``use_reentrant=False`` and megamoe's ``context_fn``."""
+    kwargs = {"use_reentrant": False, "context_fn": megamoe.checkpoint_context}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def megamoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
