@@ -27,14 +27,13 @@ from torch.utils.checkpoint import (
 from megamoe import autograd  # noqa: F401  (registers the torch.ops.megamoe ops the policy names)
 from megamoe.env import forcing_custom_ops
 
-
-def _megamoe_ops() -> set:
-    ops = torch.ops.megamoe
-    return {ops.plan.default, ops.experts_fwd.default, ops.experts_fwd_saved.default}
+# The ops whose outputs the policy saves (built once: the policy runs on every op of a checkpointed region).
+_MEGAMOE_OPS = frozenset({torch.ops.megamoe.plan.default, torch.ops.megamoe.experts_fwd.default,
+                          torch.ops.megamoe.experts_fwd_saved.default})
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _megamoe_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in _MEGAMOE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def checkpoint_context() -> tuple:

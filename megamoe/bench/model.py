@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+import megamoe
 from megamoe.bench.common import PRESETS, csv_of, git_commit, source_digest, utc_now
 from megamoe.integrations.transformers import (
     enable_activation_checkpointing,  # registers "megamoe" too
@@ -53,13 +54,8 @@ def prepared(model, experts: str, checkpoint: bool, compile_layers: bool):
     model = copy.deepcopy(model)
     model.set_experts_implementation(experts)
     model.train()
-    if checkpoint and experts == "megamoe":
-        enable_activation_checkpointing(model)
-    elif checkpoint:  # plain full checkpointing, as users run the other implementations
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpoint:  # megamoe under its own policy; the others plainly, as users run them
+        enable_activation_checkpointing(model, megamoe.checkpoint_context if experts == "megamoe" else None)
     if compile_layers:
         for layer in model.model.layers:
             layer.compile()

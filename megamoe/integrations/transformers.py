@@ -46,12 +46,13 @@ def _refuse_what_megamoe_does_not_compute(experts: torch.nn.Module) -> None:
                          "silu(gate) * up")
 
 
-def enable_activation_checkpointing(model) -> None:
+def enable_activation_checkpointing(model, context_fn=megamoe.checkpoint_context) -> None:
     """Full activation checkpointing of every decoder layer of a transformers ``model``, under which megamoe's
     forward is not recomputed (:func:`megamoe.checkpoint_context`): transformers' own switch
     (``activation_checkpointing_enable``, or ``gradient_checkpointing_enable`` before it was renamed) with
-    ``use_reentrant=False`` and megamoe's ``context_fn``."""
-    kwargs = {"use_reentrant": False, "context_fn": megamoe.checkpoint_context}
+    ``use_reentrant=False`` and megamoe's ``context_fn``. ``context_fn=None``: plain full checkpointing (what the
+    benchmark gives the other experts implementations)."""
+    kwargs = {"use_reentrant": False} if context_fn is None else {"use_reentrant": False, "context_fn": context_fn}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
