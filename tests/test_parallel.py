@@ -69,9 +69,10 @@ def _worker(rank, num_ranks, init_file, test):
     # A rank still running shortly before spawn() gives up prints where it is (the parent's own dump,
     # from a time limit around pytest, shows only the join).
     faulthandler.dump_traceback_later(TIMEOUT_S - 20, exit=False)
-    if test == "fused":  # one GPU per rank, symmetric memory
+    on_gpus = test in ("fused", "fsdp_gpu")
+    if on_gpus:  # one GPU per rank (symmetric memory for the fused path)
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if test == "fused" else "gloo", init_method=f"file://{init_file}",
+    dist.init_process_group("nccl" if on_gpus else "gloo", init_method=f"file://{init_file}",
                             rank=rank, world_size=num_ranks)
     try:
         group = dist.group.WORLD
@@ -105,7 +106,9 @@ def _worker(rank, num_ranks, init_file, test):
         elif test == "bench":
             check_bench(group, torch.device("cpu"))
         elif test == "fsdp":
-            check_fsdp(rank, num_ranks)
+            check_fsdp(rank, num_ranks, "cpu")
+        elif test == "fsdp_gpu":
+            check_fsdp(rank, num_ranks, f"cuda:{rank}")
         elif test == "ep_fsdp":
             check_ep_fsdp(rank, num_ranks)
         # No rank tears down while another still talks to it (without this barrier gloo aborted a rank at
@@ -156,18 +159,18 @@ def check_ep_selection(group):
         megamoe.moe(*local, group=group, comm_sms=4)  # the all-to-all path sends through NCCL
 
 
-def check_fsdp(rank, num_ranks):
+def check_fsdp(rank, num_ranks, device):
     """A transformers Qwen3-MoE model with megamoe experts under FSDP2 (each decoder layer and the root
     ``fully_shard``-ed, so the expert weights are sharded over the ranks along the expert dimension), each rank on
     its own batches: two SGD steps leave every parameter where one process's model gets on the mean loss of all
-    ranks' batches."""
+    ranks' batches. On ``device`` (gloo on CPU, NCCL on GPUs: the model's parameters are DTensors there too)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
     import megamoe.integrations.transformers  # noqa: F401  (registers experts_implementation="megamoe")
     from tests.test_integrations import tiny_model
 
-    ref = tiny_model()
+    ref = tiny_model(device=device)
     ref.set_experts_implementation("megamoe")
     model = copy.deepcopy(ref)
     for layer in model.model.layers:
@@ -178,7 +181,7 @@ def check_fsdp(rank, num_ranks):
     assert experts.gate_up_proj.to_local().shape[0] == ref.config.num_experts // num_ranks
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(2):
-        batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(100 * step + r))
+        batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(100 * step + r)).to(device)
                    for r in range(num_ranks)]
         model(input_ids=batches[rank], labels=batches[rank]).loss.backward()
         opt.step()
@@ -357,6 +360,12 @@ def test_ep_benchmark_measures_every_impl():
 def test_fused_ep_group_of_one_equals_one_device_reference():
     """The fused protocol over real symmetric memory with one rank (the issue's 'group of size 1')."""
     spawn("fused", 1)
+
+
+@pytest.mark.gpu
+def test_fsdp2_on_the_gpus_equals_one_process():
+    """FSDP2 over NCCL, one rank per GPU (one rank where the machine has one GPU: the sharded DTensor path)."""
+    spawn("fsdp_gpu", min(torch.cuda.device_count(), 2))
 
 
 @pytest.mark.gpu

@@ -75,3 +75,19 @@ def test_results_name_a_commit_only_for_the_checkouts_own_package(tmp_path):
     git("commit", "-qm", "copy")
     assert commit_seen_from(tmp_path) == git("rev-parse", "HEAD")
     assert commit_seen_from(tmp_path / "_exp" / "b") == "None"
+
+
+def test_sonicmoe_table_divides_sonicmoes_times_by_megamoes():
+    def row(impl, fwd, fwd_bwd, ac, kept):
+        return {"impl": impl, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "ac_step_ms": ac, "saved_activation_bytes": kept}
+
+    info = {"preset": "p", "tokens": 8, "routing": "random", "gpu": "G", "torch": "t", "triton": "3", "date": "d",
+            "sonicmoe_gemms": "default config (pinned)",
+            "results": [row("grouped_mm", 9, 9, 9, 0), row("sonicmoe", 2, 8, 10, 2**21),
+                        row("megamoe", 2, 5, 5, 0), row("megamoe_saved", 3, 4, 7, 2**21)]}
+    no_sonic = {**info, "preset": "q", "results": info["results"][2:]}
+    lines = report.sonicmoe_table([info, no_sonic]).splitlines()
+    assert lines[2:5] == ["| p T=8 random | sonicmoe | 2.00 | 8.00 | 10.00 | 2 |  |  |",
+                          "| p T=8 random | megamoe | 2.00 | 5.00 | 5.00 | 0 | 1.60x | **2.00x** |",
+                          "| p T=8 random | megamoe_saved | 3.00 | 4.00 | 7.00 | 2 | 2.00x | **1.43x** |"]
+    assert lines[5] == "" and "default config (pinned)" in lines[6]

@@ -3,9 +3,9 @@ is typed in):
 
     python -m megamoe.bench.report [benchmarks/results] [--readme README.md] [--page benchmarks/README.md]
 
-prints the README's two summary tables — one GPU (the training step of each impl per problem) and expert
-parallelism on real ranks — and (re)draws each JSON file's PNG next to it and the one-GPU summary plot
-(``summary.png``). ``--readme`` writes the two tables into that file between its ``<!-- report:... -->`` markers;
+prints the README's three summary tables — one GPU (the training step of each impl per problem), megamoe beside
+SonicMoE (both memory modes, with the bytes each keeps) and expert parallelism on real ranks — and (re)draws each JSON file's PNG next to it and the one-GPU summary plot
+(``summary.png``). ``--readme`` writes the three tables into that file between its ``<!-- report:... -->`` markers;
 ``--page`` writes the full results page: every row of every result, the EP machinery on virtual ranks, and each
 result's provenance (GPU, versions, date, commit or source digest, command).
 """
@@ -140,6 +140,33 @@ def summary_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+SONIC_IMPLS = ("sonicmoe", "megamoe", "megamoe_saved")
+
+
+def sonicmoe_table(runs: list[dict]) -> str:
+    """One GPU, the runs that measured SonicMoE: its forward, forward+backward and AC step beside megamoe's two
+    memory modes, what each keeps between forward and backward, and megamoe's speed-ups over SonicMoE."""
+    lines = [("| layer, tokens, routing | impl | fwd ms | fwd+bwd ms | AC step ms | kept MiB | fwd+bwd vs SonicMoE | "
+              "AC step vs SonicMoE |"), "|---|---|---|---|---|---|---|---|"]
+    measured = [info for info in runs if any(r["impl"] == "sonicmoe" for r in info["results"])]
+    for info in measured:
+        by_impl = {r["impl"]: r for r in info["results"]}
+        sonic = by_impl["sonicmoe"]
+        for name in SONIC_IMPLS:
+            if name not in by_impl:
+                continue
+            r = by_impl[name]
+            vs = ("", "") if name == "sonicmoe" else (f"{sonic['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x",
+                                                     f"**{sonic['ac_step_ms'] / r['ac_step_ms']:.2f}x**")
+            lines.append(f"| {info['preset']} T={info['tokens']} {info['routing']} | {name} | {r['fwd_ms']:.2f} | "
+                         f"{r['fwd_bwd_ms']:.2f} | {r['ac_step_ms']:.2f} | {r['saved_activation_bytes'] / 2**20:.0f} | "
+                         f"{vs[0]} | {vs[1]} |")
+    gemms = sorted({info.get("sonicmoe_gemms", "?") for info in measured})
+    lines += ["", (f"SonicMoE's GEMMs at: {', '.join(gemms)}; {_versions(measured)}; all impls in the same process "
+                   "per problem.")]
+    return "\n".join(lines)
+
+
 def ep_summary_table(runs: list[dict]) -> str:
     """Expert parallelism on real ranks: per problem, each impl's training step (AC step ms, the maximum over
     ranks) and the fused protocol's speed-up over the compiled all-to-all baseline."""
@@ -270,10 +297,9 @@ def main(argv=None) -> None:
              problem=f"{info['preset']} T={info['tokens_per_rank']}/rank {info['routing']} routing, EP={info['ep']}")
     if runs["layer"]:
         plot_summary(runs["layer"], Path(args.folder) / "summary.png")
-    sections = {"one-gpu": summary_table(runs["layer"]), "ep": ep_summary_table(runs["ep"])}
-    print(sections["one-gpu"])
-    print()
-    print(sections["ep"])
+    sections = {"one-gpu": summary_table(runs["layer"]), "sonicmoe": sonicmoe_table(runs["layer"]),
+                "ep": ep_summary_table(runs["ep"])}
+    print("\n\n".join(sections.values()))
     if args.readme:
         args.readme.write_text(update_readme(args.readme.read_text(), sections))
     if args.page:
