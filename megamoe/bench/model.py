@@ -36,7 +36,9 @@ ATTENTION = {"qwen3-30b-a3b": (32, 4, 128), "qwen3-235b-a22b": (64, 4, 128), "ti
 EXPERTS = ("megamoe", "grouped_mm", "eager")
 
 
-def build(preset: str, layers: int, vocab: int, dtype: torch.dtype, device):
+def build(preset: str, layers: int, vocab: int, dtype: torch.dtype, device, seed: int = 0, **config):
+    """transformers' ``Qwen3MoeForCausalLM`` at ``preset``'s layer dimensions with ``layers`` decoder layers and
+    ``vocab`` tokens, random weights from ``seed``; ``config``: further ``Qwen3MoeConfig`` fields."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     dim, inter, num_experts, top_k = PRESETS[preset]
@@ -44,8 +46,9 @@ def build(preset: str, layers: int, vocab: int, dtype: torch.dtype, device):
     config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, moe_intermediate_size=inter,
                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                             head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
-                            max_position_embeddings=65536, attn_implementation="sdpa")
-    torch.manual_seed(0)
+                            max_position_embeddings=65536, attn_implementation="sdpa",
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **config)
+    torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config).to(device=device, dtype=dtype)
 
 

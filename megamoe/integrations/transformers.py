@@ -12,7 +12,8 @@ run approximately: transposed weights, biases, interleaved gate/up rows, a gate 
 clamped activation), non-gated experts. transformers' expert-parallel sentinel ids (``>= num_experts``: "not
 on this rank") contribute nothing, as dropped slots. bf16, fp16 and fp32 models; under ``torch.no_grad`` it
 keeps nothing for a backward. For activation checkpointing, :func:`enable_activation_checkpointing` (or
-transformers' own switch with :func:`megamoe.checkpoint_context` as its ``context_fn``).
+transformers' own switch with :func:`megamoe.checkpoint_context` as its ``context_fn``). Expert parallelism:
+:func:`shard_experts`.
 """
 
 from __future__ import annotations
@@ -67,8 +68,44 @@ def megamoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     _refuse_what_megamoe_does_not_compute(self)
     w13, w2 = self.gate_up_proj, self.down_proj
     topk_idx = top_k_index.masked_fill(top_k_index >= self.num_experts, -1)  # sentinels: dropped slots
-    y = megamoe.moe(hidden_states.to(w13.dtype).contiguous(), topk_idx, top_k_weights, w13, w2)
+    group = getattr(self, EP_GROUP, None)  # set by shard_experts: this rank holds its E/R experts only
+    y = megamoe.moe(hidden_states.to(w13.dtype).contiguous(), topk_idx, top_k_weights, w13, w2, group=group)
     return y.to(hidden_states.dtype)
+
+
+EP_GROUP = "megamoe_ep_group"
+
+
+def shard_experts(model: torch.nn.Module, ep_group) -> list[torch.nn.Module]:
+    """Expert parallelism for a transformers model with ``experts_implementation="megamoe"``: every experts module
+    of ``model`` keeps only the experts of this rank of ``ep_group`` (rank r of R keeps experts [r*E/R,
+    (r+1)*E/R) of its ``gate_up_proj`` / ``down_proj``, which must be divisible by R) and exchanges tokens
+    with the other ranks through :func:`megamoe.moe`'s ``group`` (the router stays replicated and routes to global
+    expert ids; each rank runs its own tokens). Call it on every rank, after loading the full weights and before
+    wrapping the model (FSDP2: shard the experts over the data-parallel mesh only). Returns the experts modules.
+
+    Their gradients are summed over the ep ranks' tokens: a trainer that averages the loss over ``R`` ranks divides
+    them by ``R`` (FSDP2's average covers only its own mesh)."""
+    import torch.distributed as dist
+
+    ranks, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    sharded = []
+    for module in model.modules():
+        if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "num_experts")):
+            continue
+        _refuse_what_megamoe_does_not_compute(module)
+        num_experts = module.gate_up_proj.shape[0]
+        if num_experts % ranks:
+            raise ValueError(f"shard_experts: {num_experts} experts do not split over {ranks} ranks")
+        mine = slice(rank * num_experts // ranks, (rank + 1) * num_experts // ranks)
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(module, name)
+            setattr(module, name, torch.nn.Parameter(full.detach()[mine].clone(), requires_grad=full.requires_grad))
+        setattr(module, EP_GROUP, ep_group)
+        sharded.append(module)
+    if not sharded:
+        raise ValueError("shard_experts: the model has no experts module with gate_up_proj / down_proj")
+    return sharded
 
 
 hf_moe.ExpertsInterface.register(NAME, megamoe_experts_forward)

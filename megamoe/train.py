@@ -1,0 +1,551 @@
+"""Train transformers' Qwen3-MoE on real text, with megamoe's experts or transformers' own:
+
+    python -m megamoe.train [--preset qwen3-30b-a3b] [--layers 4] [--experts megamoe] [--steps 300] [--compile]
+    torchrun --nproc-per-node N -m megamoe.train ... [--ep N]        (FSDP2; --ep: expert parallelism)
+
+Also a template to copy. What it does, in order:
+
+- **Data**: the Python standard library's sources of the running interpreter (``--corpus`` for another folder),
+  every ``*.py`` file in sorted order, one document each; every 50th document is held out for eval. A byte-level
+  BPE tokenizer (``tokenizers``, ``--vocab-size`` 32 768) is trained on the training documents; documents are
+  tokenised, joined with an end-of-text token and cut into sequences of ``--seq-len`` tokens. Tokenizer and
+  tokens are cached in ``--out``/cache, keyed by the corpus's digest. Sequences are read in a random order per
+  epoch from ``--seed`` (rank r of R takes every R-th batch).
+- **Model**: ``Qwen3MoeForCausalLM`` built from a config at the preset's layer dimensions (hidden size, heads,
+  KV heads, head dim, 128 experts, top-8, expert width, ``norm_topk_prob``) and Qwen3's vocabulary (151 936)
+  with ``--layers`` decoder layers, random weights from ``--seed``, SDPA attention, bf16 weights and bf16 AdamW
+  states (no fp32 master copy; on CPU fp32). The model's router auxiliary loss (coefficient 0.001) is part of the
+  loss; the logged loss is the language-model loss alone.
+- **Step**: ``--seqs-per-step`` sequences; full activation checkpointing of every decoder layer (megamoe under
+  :func:`megamoe.checkpoint_context`, which does not rerun its forward; the others plainly), optionally
+  ``torch.compile`` of every decoder layer; gradient clipping at 1.0; AdamW (β 0.9/0.95, weight decay 0.1) with
+  linear warm-up and cosine decay to 10% of ``--lr``.
+- **Output** in ``--out``/``--name``: ``log.json`` (configuration, per-step losses, eval losses, tokens/s — the
+  median over the steps after the first 10 —, step and host times, MFU, peak memory; GPU, versions, date,
+  commit, command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's and the
+  optimizer's tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in ``state.json``;
+  ``--resume DIR`` continues from one bitwise as if never stopped (same world size and ``--ep``).
+
+MFU counts 6 FLOPs per token per active parameter of the attention projections, router, routed experts and LM
+head, plus causal attention's 6·S·H·hd per token per layer (S the sequence length), without the recompute of
+checkpointing, against 989 TFLOP/s (the H100/H200's dense bf16 peak). ``--moe-share-steps`` times extra
+forward+backward steps at the end with the experts and with the experts replaced by zeros (same routing):
+``moe_share`` is the fraction of the step that the experts take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import megamoe
+from megamoe.bench.common import git_commit, source_digest, utc_now
+from megamoe.bench.model import ATTENTION, build
+from megamoe.integrations.transformers import (
+    enable_activation_checkpointing,
+    shard_experts,
+)
+
+QWEN3_VOCAB = 151_936  # Qwen3's vocabulary size (the model's embedding and LM head; the tokenizer uses fewer ids)
+PEAK_TFLOPS = 989.0  # dense bf16, H100 / H200 SXM
+EVAL_EVERY_DOC = 50  # every 50th document is held out
+TIMING_SKIP = 10  # steps left out of the medians (compilation, autotuning, allocator warm-up)
+AUX_LOSS_COEF = 0.001
+EXPERTS = ("megamoe", "grouped_mm", "eager")
+NO_EXPERTS = "megamoe_train_no_experts"  # the ablation of --moe-share-steps
+
+
+# -- data --------------------------------------------------------------------------------------------------------
+
+def corpus_files(root: Path) -> list[Path]:
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no *.py files under {root}")
+    return files
+
+
+def load_corpus(root: Path, vocab_size: int, cache: Path, log=print) -> dict:
+    """{"train", "eval": int32 token ids (documents joined by the end-of-text id), "digest", "documents",
+    "vocab_size"}: the tokenizer trained on the training documents, both cached under ``cache``."""
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    files = corpus_files(root)
+    docs = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+    digest = hashlib.sha256()
+    for path, text in zip(files, docs):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + text.encode() + b"\0")
+    key = f"{digest.hexdigest()[:16]}-v{vocab_size}"
+    tokens_file, tokenizer_file = cache / f"tokens-{key}.safetensors", cache / f"tokenizer-{key}.json"
+    info = {"digest": digest.hexdigest(), "documents": len(docs), "characters": sum(map(len, docs))}
+    if tokens_file.exists() and tokenizer_file.exists():
+        tokens = load_file(tokens_file)
+        return {**info, **tokens, "vocab_size": Tokenizer.from_file(str(tokenizer_file)).get_vocab_size()}
+    held_out = [i % EVAL_EVERY_DOC == 0 for i in range(len(docs))]
+    log(f"training a {vocab_size}-token BPE tokenizer on {len(docs)} documents ({info['characters'] / 1e6:.1f} M "
+        f"characters) of {root}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([d for d, h in zip(docs, held_out) if not h], trainer)
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    split = {"train": [], "eval": []}
+    for doc, encoding in zip(held_out, tokenizer.encode_batch(docs)):
+        split["eval" if doc else "train"] += [*encoding.ids, eot]
+    tokens = {name: torch.tensor(ids, dtype=torch.int32) for name, ids in split.items()}
+    cache.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(tokenizer_file))
+    save_file(tokens, tokens_file)
+    return {**info, **tokens, "vocab_size": tokenizer.get_vocab_size()}
+
+
+class Sequences:
+    """Token ids cut into sequences of ``seq_len``; batch ``b`` of the run is sequences ``[b*n, (b+1)*n)`` of the
+    order, which is a fresh permutation of every sequence per epoch (from ``seed`` and the epoch)."""
+
+    def __init__(self, ids: torch.Tensor, seq_len: int, seed: int):
+        self.count = ids.numel() // seq_len
+        if self.count == 0:
+            raise ValueError(f"{ids.numel()} tokens make no sequence of {seq_len}")
+        self.rows = ids[: self.count * seq_len].view(self.count, seq_len).long()
+        self.seed, self._orders = seed, {}
+
+    def order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            self._orders = {epoch: torch.randperm(self.count, generator=torch.Generator().manual_seed(
+                self.seed * 1_000_003 + epoch))}
+        return self._orders[epoch]
+
+    def batch(self, index: int, size: int) -> torch.Tensor:
+        picks = [index * size + j for j in range(size)]
+        return self.rows[torch.stack([self.order(i // self.count)[i % self.count] for i in picks])]
+
+
+# -- model -------------------------------------------------------------------------------------------------------
+
+def _no_experts(self, hidden_states, top_k_index, top_k_weights):
+    return hidden_states * 0 + top_k_weights.sum() * 0  # the routing stays in the graph; the experts cost nothing
+
+
+def model_flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token (forward and backward, no recompute): 6 per active parameter of the attention
+    projections, router, routed experts and LM head, and 6·S·H·hd of causal attention per layer."""
+    d, h, kv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_layer = (2 * d * h * hd + 2 * d * kv * hd + d * config.num_experts
+                 + config.num_experts_per_tok * 3 * d * config.moe_intermediate_size)
+    params = config.num_hidden_layers * per_layer + d * config.vocab_size
+    return 6 * params + config.num_hidden_layers * 6 * seq_len * h * hd
+
+
+def prepare(model, experts: str, compile_layers: bool, mesh, ep_group):
+    """``model`` with ``experts``'s implementation, full activation checkpointing, (expert parallelism and FSDP2
+    when distributed) and compiled decoder layers. Returns the expert parameters (their gradients are divided by
+    the ep size)."""
+    model.set_experts_implementation(experts)
+    enable_activation_checkpointing(model, megamoe.checkpoint_context if experts == "megamoe" else None)
+    if ep_group is not None:
+        shard_experts(model, ep_group)
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            if ep_group is not None:  # each rank's own experts, sharded over the ranks that hold the same ones
+                fully_shard(layer.mlp.experts, mesh=mesh["dp"])
+            fully_shard(layer, mesh=mesh["world"])
+        fully_shard(model, mesh=mesh["world"])
+    expert_params = [p for layer in model.model.layers for p in layer.mlp.experts.parameters()] if ep_group else []
+    if compile_layers:
+        for layer in model.model.layers:
+            layer.compile()
+    return expert_params
+
+
+def lr_at(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def clip_gradients(params, expert_params, max_norm: float, ep_group) -> torch.Tensor:
+    """Scales every gradient so that their global norm is at most ``max_norm``; returns the norm before. Under
+    expert parallelism each rank's expert gradients are its own experts': their squares are summed over the ep
+    group; everything else is a DTensor (FSDP2) or the whole model."""
+    experts = {id(p) for p in expert_params}
+    groups = [[p.grad for p in params if p.grad is not None and id(p) not in experts],
+              [p.grad for p in expert_params if p.grad is not None]]
+    squares = []
+    for grads in groups:
+        if not grads:
+            continue
+        norm = torch.nn.utils.get_total_norm(grads)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares.append(norm.float().square())
+    total = torch.stack(squares).sum()
+    if ep_group is not None and len(squares) == 2:
+        expert_sq = squares[1].clone()
+        dist.all_reduce(expert_sq, group=ep_group)
+        total = squares[0] + expert_sq
+    total = total.sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_([_local(p.grad) for p in params if p.grad is not None], scale)  # shards of two meshes
+    return total
+
+
+# -- checkpoints -------------------------------------------------------------------------------------------------
+
+def _optimizer_params(model, opt) -> list[tuple[str, torch.Tensor]]:
+    """(name, the optimizer's parameter object) in the optimizer's order. By position, not by object: FSDP2 may
+    register new parameter objects (on the same storage) at its first forward, after the optimizer was made."""
+    held = [p for group in opt.param_groups for p in group["params"]]
+    names = [n for n, _ in model.named_parameters()]
+    if len(held) != len(names):
+        raise RuntimeError(f"the optimizer holds {len(held)} parameters, the model has {len(names)}")
+    return list(zip(names, held))
+
+
+def save_checkpoint(folder: Path, model, opt, step: int, rank: int, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {f"model/{n}": _local(p.detach()) for n, p in model.named_parameters()}
+    for name, p in _optimizer_params(model, opt):
+        for key, value in opt.state.get(p, {}).items():
+            tensors[f"optim/{name}/{key}"] = _local(value)
+    tensors["rng/cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, folder / f"rank{rank}.safetensors")
+    if rank == 0:
+        (folder / "state.json").write_text(json.dumps({**meta, "step": step}, indent=1) + "\n")
+
+
+def load_checkpoint(folder: Path, model, opt, rank: int, expect: dict) -> int:
+    """Loads what :func:`save_checkpoint` wrote into ``model`` and ``opt``; returns the next step."""
+    from safetensors.torch import load_file
+
+    state = json.loads((folder / "state.json").read_text())
+    for key, value in expect.items():
+        if state.get(key) != value:
+            raise ValueError(f"--resume {folder}: the checkpoint has {key}={state.get(key)!r}, this run {value!r}")
+    tensors = load_file(folder / f"rank{rank}.safetensors")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            _local(p).copy_(tensors[f"model/{name}"])
+        for name, p in _optimizer_params(model, opt):
+            keys = [k for k in tensors if k.startswith(f"optim/{name}/")]
+            entry = {}
+            for key in keys:
+                value, field = tensors[key], key.rsplit("/", 1)[1]
+                if value.dim() == 0:  # AdamW's step count: stays where the optimizer keeps it (CPU)
+                    entry[field] = value.clone()
+                else:
+                    entry[field] = torch.zeros_like(p)
+                    _local(entry[field]).copy_(value)
+            if entry:
+                opt.state[p] = entry
+    torch.set_rng_state(tensors["rng/cpu"])
+    if "rng/cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng/cuda"])
+    return state["step"]
+
+
+# -- the run -----------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m megamoe.train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=sorted(ATTENTION), default="qwen3-30b-a3b",
+                   help="layer dimensions (tiny: a test-sized model)")
+    p.add_argument("--layers", type=int, default=4,
+                   help="decoder layers (at the 30B dims ~0.63 G parameters each, 8 bytes each with bf16 AdamW)")
+    p.add_argument("--experts", choices=EXPERTS, default="megamoe", help="experts implementation")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--seq-len", type=int, default=16384, help="tokens per sequence")
+    p.add_argument("--seqs-per-step", type=int, default=1, help="sequences per step (per rank)")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=30, help="warm-up steps")
+    p.add_argument("--seed", type=int, default=0, help="weights and data order")
+    p.add_argument("--compile", action="store_true", help="torch.compile every decoder layer")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the world size; megamoe only)")
+    p.add_argument("--corpus", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
+                   help="folder whose *.py files are the text (default: this Python's standard library)")
+    p.add_argument("--vocab-size", type=int, default=32768, help="BPE tokenizer vocabulary")
+    p.add_argument("--eval-every", type=int, default=50, help="eval every N steps (and after the last)")
+    p.add_argument("--eval-seqs", type=int, default=8, help="held-out sequences per eval")
+    p.add_argument("--log-every", type=int, default=10, help="progress-bar update every N steps (syncs)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
+    p.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint")
+    p.add_argument("--resume", type=Path, help="a checkpoint folder to continue from")
+    p.add_argument("--stop-after", type=int, help="leave after this step (the schedule still spans --steps)")
+    p.add_argument("--moe-share-steps", type=int, default=0,
+                   help="after training: time this many steps with and without the experts (moe_share)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/out/train"), help="runs and the data cache")
+    p.add_argument("--name", help="run folder name (default: from preset, experts, seq-len, seed)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.preset == "tiny" and args.layers == p.get_default("layers"):
+        args.layers = 2
+    return args
+
+
+def setup_distributed(args):
+    """(rank, world, device, mesh, ep_group) from torchrun's environment; a single process without it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if world == 1:
+        if args.ep != 1:
+            raise ValueError("--ep needs several processes (torchrun --nproc-per-node N)")
+        return 0, 1, torch.device("cuda" if cuda else "cpu"), None, None
+    if world % args.ep:
+        raise ValueError(f"--ep {args.ep} does not divide the world size {world}")
+    if args.ep > 1 and args.experts != "megamoe":
+        raise ValueError("--ep runs the megamoe experts (transformers' own have no token exchange)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = int(os.environ["RANK"])
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    kind = "cuda" if cuda else "cpu"
+    mesh = {"world": init_device_mesh(kind, (world,))}
+    ep_group = None
+    if args.ep > 1:
+        grid = init_device_mesh(kind, (world // args.ep, args.ep), mesh_dim_names=("dp", "ep"))
+        mesh["dp"], ep_group = grid["dp"], grid["ep"].get_group()
+    return rank, world, torch.device(kind, torch.cuda.current_device()) if cuda else torch.device("cpu"), mesh, \
+        ep_group
+
+
+def all_mean(values: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        values = values.clone()
+        dist.all_reduce(values)
+        values /= world
+    return values
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    rank, world, device, mesh, ep_group = setup_distributed(args)
+    cuda = device.type == "cuda"
+    if args.moe_share_steps and not cuda:
+        raise ValueError("--moe-share-steps times CUDA steps; it needs a GPU")
+    say = print if rank == 0 else (lambda *a, **k: None)
+    name = args.name or f"{args.preset}-l{args.layers}-{args.experts}-s{args.seq_len}x{args.seqs_per_step}-seed{args.seed}"
+    run_dir = args.out / name
+    data = load_corpus(args.corpus, args.vocab_size, args.out / "cache", log=say)
+    train, held_out = Sequences(data["train"], args.seq_len, args.seed), Sequences(data["eval"], args.seq_len, 0)
+    if held_out.count < args.eval_seqs:
+        raise ValueError(f"the held-out split has {held_out.count} sequences of {args.seq_len}, --eval-seqs "
+                         f"{args.eval_seqs}")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    vocab = data["vocab_size"] if args.preset == "tiny" else QWEN3_VOCAB
+    model = build(args.preset, args.layers, vocab, dtype, device, seed=args.seed, output_router_logits=True,
+                  router_aux_loss_coef=AUX_LOSS_COEF)
+    params_total = sum(p.numel() for p in model.parameters())
+    flops_per_token = model_flops_per_token(model.config, args.seq_len)
+    model.train()
+    expert_params = prepare(model, args.experts, args.compile, mesh, ep_group)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    meta = {"preset": args.preset, "layers": args.layers, "experts": args.experts, "seq_len": args.seq_len,
+            "seqs_per_step": args.seqs_per_step, "world": world, "ep": args.ep, "seed": args.seed,
+            "steps": args.steps, "corpus_digest": data["digest"]}
+    start = 0
+    if args.resume:
+        start = load_checkpoint(args.resume, model, opt, rank, {k: meta[k] for k in meta if k != "experts"})
+        say(f"resumed from {args.resume} at step {start}")
+    say(f"{args.preset}, {args.layers} layers, {params_total / 1e9:.3f} G parameters, experts {args.experts}, "
+        f"{world} rank(s), ep {args.ep}; {train.count} training sequences of {args.seq_len} tokens "
+        f"({data['documents']} documents, tokenizer vocab {data['vocab_size']})")
+
+    def step_loss(ids):
+        out = model(input_ids=ids, labels=ids)
+        return out.loss, out.loss.detach() - AUX_LOSS_COEF * out.aux_loss.detach()
+
+    def evaluate() -> float:  # every rank runs every held-out sequence (FSDP2 and EP exchange in lockstep)
+        with torch.no_grad():
+            losses = [step_loss(held_out.batch(i, 1).to(device))[1] for i in range(args.eval_seqs)]
+        return torch.stack(losses).float().mean().item()
+
+    tokens_per_step = args.seq_len * args.seqs_per_step * world
+    stop = min(args.steps, args.stop_after if args.stop_after is not None else args.steps)
+    log = {"losses": [], "grad_norms": [], "eval": [], "step_ms": [], "host_ms": []}
+    pending = []
+    bar = None
+    if rank == 0 and not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=stop - start, desc=name, unit="step", dynamic_ncols=True, file=sys.stdout)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def flush():
+        if not pending:
+            return
+        if cuda:
+            pending[-1][4].synchronize()
+        losses = all_mean(torch.stack([p[1] for p in pending]).float(), world).tolist()
+        norms = torch.stack([p[2] for p in pending]).float().tolist()
+        for (s, _, _, begin, end, host), loss, norm in zip(pending, losses, norms):
+            log["losses"].append(loss)
+            log["grad_norms"].append(norm)
+            log["host_ms"].append(host)
+            log["step_ms"].append(begin.elapsed_time(end) if cuda else host)
+        if bar is not None:
+            ms = log["step_ms"][-1]
+            postfix = {"loss": f"{losses[-1]:.3f}", "tok/s": f"{tokens_per_step / ms * 1e3:,.0f}"}
+            if cuda:
+                postfix["MFU"] = f"{flops_per_token * tokens_per_step / ms / 1e9 / PEAK_TFLOPS:.1%}"
+                postfix["mem"] = f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}G"
+            bar.set_postfix(postfix)
+            bar.update(len(pending))
+        pending.clear()
+
+    for step in range(start, stop):
+        host_start = time.perf_counter()
+        begin = end = None
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        ids = train.batch(step * world + rank, args.seqs_per_step).to(device, non_blocking=True)
+        loss, lm_loss = step_loss(ids)
+        loss.backward()
+        for p in expert_params:  # summed over the ep ranks' tokens; the loss is their mean
+            if p.grad is not None:
+                p.grad.div_(args.ep)
+        norm = clip_gradients(params, expert_params, 1.0, ep_group)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            end.record()
+        pending.append((step, lm_loss, norm.detach(), begin, end, (time.perf_counter() - host_start) * 1e3))
+        last = step == stop - 1
+        if (step + 1) % args.log_every == 0 or last:
+            flush()
+        if (step + 1) % args.eval_every == 0 or last:
+            flush()
+            log["eval"].append({"step": step + 1, "loss": evaluate()})
+            if bar is not None:
+                bar.write(f"step {step + 1}: eval loss {log['eval'][-1]['loss']:.4f}")
+        if not args.no_checkpoint and (last or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+            save_checkpoint(run_dir / f"checkpoint-{step + 1}", model, opt, step + 1, rank, meta)
+    flush()
+    if bar is not None:
+        bar.close()
+    result = summary(args, meta, log, start, tokens_per_step, flops_per_token, params_total, device)
+    if args.moe_share_steps:
+        result.update(moe_share(model, train, args, device, world, rank))
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "log.json").write_text(json.dumps(result, indent=1) + "\n")
+        plot_runs([result], run_dir / "loss.png")
+        say(f"wrote {run_dir / 'log.json'}: tokens/s {result['tokens_per_s'] or 0:,.0f}, "
+            f"final eval loss {result['final_eval_loss']}")
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_total, device) -> dict:
+    import triton
+
+    cuda = device.type == "cuda"
+    timed = log["step_ms"][TIMING_SKIP:] or log["step_ms"]
+    step_ms = statistics.median(timed) if timed else None
+    host = log["host_ms"][TIMING_SKIP:] or log["host_ms"]
+    return {
+        "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+        "triton": triton.__version__, "megamoe": megamoe.__version__, "commit": git_commit(),
+        "source_sha256": source_digest(), "date": utc_now("seconds"),
+        "command": "python -m megamoe.train " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        **meta, "params": params_total, "precision": "bf16" if cuda else "fp32",
+        "optimizer": "AdamW, bf16 states" if cuda else "AdamW, fp32",
+        "first_step": start, "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_step / step_ms * 1e3 if step_ms else None, "step_ms_median": step_ms,
+        "host_ms_median": statistics.median(host) if host else None,
+        "mfu": (flops_per_token * tokens_per_step / step_ms / 1e9 / PEAK_TFLOPS) if cuda and step_ms else None,
+        "mfu_flops_per_token": flops_per_token, "mfu_peak_tflops": PEAK_TFLOPS,
+        "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "final_eval_loss": log["eval"][-1]["loss"] if log["eval"] else None,
+        "moe_share": None, **log,
+    }
+
+
+def moe_share(model, train, args, device, world, rank) -> dict:
+    """Times ``--moe-share-steps`` forward+backward steps (no optimizer step) with the run's experts, then with
+    the experts replaced by zeros: the experts' share of the step."""
+    from transformers.integrations import moe as hf_moe
+
+    hf_moe.ExpertsInterface.register(NO_EXPERTS, _no_experts)
+
+    def median_ms() -> float:
+        times = []
+        for i in range(args.moe_share_steps + 3):
+            ids = train.batch(i * world + rank, args.seqs_per_step).to(device)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            model(input_ids=ids, labels=ids).loss.backward()
+            end.record()
+            end.synchronize()
+            model.zero_grad(set_to_none=True)
+            times.append(begin.elapsed_time(end))
+        return statistics.median(times[3:])
+
+    with_experts = median_ms()
+    model.set_experts_implementation(NO_EXPERTS)
+    without = median_ms()
+    model.set_experts_implementation(args.experts)
+    return {"moe_share": 1 - without / with_experts, "moe_share_method":
+            f"ablation: fwd+bwd median of {args.moe_share_steps} steps with the experts ({with_experts:.2f} ms) and "
+            f"with the experts replaced by zeros ({without:.2f} ms)"}
+
+
+def plot_runs(runs: list[dict], path: Path, labels: list[str] | None = None) -> None:
+    """Training loss (and eval loss, dots) against step for each run, on one plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, run in enumerate(runs):
+        label = labels[i] if labels else f"{run['experts']} seed {run['seed']}"
+        steps = range(run["first_step"] + 1, run["first_step"] + len(run["losses"]) + 1)
+        (line,) = ax.plot(steps, run["losses"], lw=0.8, alpha=0.8, label=label)
+        ax.plot([e["step"] for e in run["eval"]], [e["loss"] for e in run["eval"]], "o", color=line.get_color(),
+                ms=4)
+    first = runs[0]
+    ax.set(xlabel="step", ylabel="loss (dots: held-out)", title=f"{first['preset']}, {first['layers']} layers, "
+           f"{first['seq_len']}x{first['seqs_per_step']} tokens per step, {first['gpu']}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""``python -m megamoe.train`` on CPU: a tiny Qwen3-MoE model on a few standard-library files learns with every
+experts implementation, megamoe's losses follow transformers' step by step, a resumed run continues bitwise, and
+the script runs under torchrun with FSDP2 and expert parallelism (gloo)."""
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from megamoe import train
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A few real text files (the interpreter's json package and argparse), copied so the digest is theirs."""
+    folder = tmp_path_factory.mktemp("corpus")
+    for path in [*sorted((STDLIB / "json").glob("*.py")), STDLIB / "argparse.py"]:
+        (folder / path.name).write_bytes(path.read_bytes())
+    return folder
+
+
+def args_for(corpus, out, experts, *extra):
+    return ["--preset", "tiny", "--corpus", str(corpus), "--vocab-size", "512", "--seq-len", "64",
+            "--seqs-per-step", "2", "--steps", "6", "--warmup", "2", "--lr", "3e-3", "--eval-every", "3",
+            "--eval-seqs", "2", "--log-every", "3", "--experts", experts, "--out", str(out), "--quiet", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    return out, {e: train.main(args_for(corpus, out, e, "--checkpoint-every", "3"))
+                 for e in ("megamoe", "grouped_mm", "eager")}
+
+
+def test_every_backend_learns_and_megamoe_follows_transformers_step_by_step(runs):
+    _, results = runs
+    for experts, run in results.items():
+        assert len(run["losses"]) == 6 and all(map(torch.isfinite, torch.tensor(run["losses"])))
+        assert run["losses"][-1] < run["losses"][0] - 0.1, f"{experts}: {run['losses']}"
+        assert run["eval"][-1]["loss"] < run["eval"][0]["loss"], f"{experts}: {run['eval']}"
+    for baseline in ("grouped_mm", "eager"):  # fp32 on CPU: the same model, weights and data
+        torch.testing.assert_close(torch.tensor(results["megamoe"]["losses"]), torch.tensor(results[baseline]["losses"]),
+                                   rtol=1e-4, atol=1e-5, msg=baseline)
+
+
+def test_log_has_the_documented_fields_and_a_plot(runs):
+    out, results = runs
+    run_dir = out / "tiny-l2-megamoe-s64x2-seed0"
+    log = json.loads((run_dir / "log.json").read_text())
+    for key in ("gpu", "torch", "date", "command", "preset", "layers", "params", "experts", "precision", "ep",
+                "seq_len", "steps", "tokens_per_s", "step_ms_median", "mfu", "moe_share", "peak_mem_bytes",
+                "final_eval_loss", "losses"):
+        assert key in log, key
+    assert log["params"] == results["megamoe"]["params"] > 0 and log["corpus_digest"]
+    assert (run_dir / "loss.png").stat().st_size > 0
+    assert {p.name for p in (run_dir / "checkpoint-3").iterdir()} == {"rank0.safetensors", "state.json"}
+
+
+def test_resumed_run_continues_bitwise(runs, corpus):
+    """From the checkpoint after step 3, steps 4-6 give the uninterrupted run's losses exactly."""
+    out, results = runs
+    for experts in ("megamoe", "grouped_mm"):
+        checkpoint = out / f"tiny-l2-{experts}-s64x2-seed0" / "checkpoint-3"
+        resumed = train.main(args_for(corpus, out, experts, "--resume", str(checkpoint), "--name", f"resumed-{experts}",
+                                      "--no-checkpoint"))
+        assert resumed["first_step"] == 3
+        assert resumed["losses"] == results[experts]["losses"][3:], experts
+        assert resumed["eval"][-1] == results[experts]["eval"][-1]
+
+
+def test_resume_refuses_another_configuration(runs, corpus):
+    out, _ = runs
+    checkpoint = out / "tiny-l2-megamoe-s64x2-seed0" / "checkpoint-3"
+    with pytest.raises(ValueError, match="seq_len"):
+        train.main([*args_for(corpus, out, "megamoe", "--resume", str(checkpoint)), "--seq-len", "32"])
+
+
+def test_under_torchrun_with_fsdp2_and_expert_parallelism(runs, corpus, tmp_path):
+    """Two gloo ranks, FSDP2, --ep 2 (each rank its 4 of 8 experts, tokens exchanged): rank r's batch is the
+    r-th half of the one-process run's batch of twice the sequences, so the first step's loss (the mean over the
+    ranks) is that run's; later steps differ only by the router's auxiliary loss, computed per rank."""
+    single = train.main(args_for(corpus, tmp_path, "megamoe", "--seqs-per-step", "4", "--steps", "2",
+                                 "--no-checkpoint", "--eval-every", "2"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "megamoe.train", *args_for(corpus, tmp_path, "megamoe", "--steps", "2", "--ep", "2", "--name", "ep2",
+                                       "--eval-every", "2")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = json.loads((tmp_path / "ep2" / "log.json").read_text())
+    assert log["world"] == 2 and log["ep"] == 2 and log["tokens_per_step"] == single["tokens_per_step"]
+    assert log["losses"][0] == pytest.approx(single["losses"][0], rel=1e-5)
+    assert log["losses"][1] == pytest.approx(single["losses"][1], rel=1e-3)
+    # the global gradient norm: the expert gradients divided by the ep size, their squares summed over the ranks
+    assert log["grad_norms"][0] == pytest.approx(single["grad_norms"][0], rel=1e-3)
+    assert {p.name for p in (tmp_path / "ep2" / "checkpoint-2").iterdir()} == \
+        {"rank0.safetensors", "rank1.safetensors", "state.json"}
