@@ -6,6 +6,7 @@
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
 #   bash scripts/gpu-check.sh model        a transformers Qwen3-MoE model's training step, megamoe against grouped_mm
 #                                          experts, checkpointed and compiled (python -m megamoe.bench.model)
+#   bash scripts/gpu-check.sh train        python -m megamoe.train: megamoe against grouped_mm experts, 300 steps each
 #   bash scripts/gpu-check.sh ep           on 2+ GPUs: the fused EP tests on real ranks, then the EP benchmark
 # Logs (and the benchmark JSON/PNG) go to $GPU_CHECK_OUT (default benchmarks/out/gpu-check); copy the JSON you
 # mean to publish into benchmarks/results/ and run `python -m megamoe.bench.report`. Optional baselines install
@@ -14,7 +15,7 @@
 # Every GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv beside the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|model|ep}
+stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|model|train|ep}
 shift
 out=${GPU_CHECK_OUT:-benchmarks/out/gpu-check}
 mkdir -p "$out"
@@ -75,6 +76,29 @@ model)
     step model-30b 590 "${py[@]}" -m megamoe.bench.model --preset qwen3-30b-a3b --layers 2 --checkpoint --compile \
         --out "$out/results"
     ;;
+train)
+    # The training runs of the README (python -m megamoe.train), within one 590 s budget: 300 steps of one 16 384-token
+    # sequence with megamoe and with grouped_mm (seed 0, each with its MoE share), grouped_mm from seed 1 (the
+    # baseline's run-to-run spread), then four 4 096-token sequences per step, timed only, while time is left.
+    # Checkpoints are left out (11 GB each at 2 layers); each run's log.json is copied to $out/train-NAME.json.
+    deadline=$(($(date +%s) + 590))
+    common=(--preset qwen3-30b-a3b --layers 2 --compile --no-checkpoint --quiet --out /tmp/megamoe-train)
+    runs=("megamoe-s0 220 --experts megamoe --moe-share-steps 5"
+          "grouped_mm-s0 220 --experts grouped_mm --moe-share-steps 5"
+          "grouped_mm-s1 140 --experts grouped_mm --seed 1"
+          "megamoe-4x4096 70 --experts megamoe --seq-len 4096 --seqs-per-step 4 --steps 40 --eval-every 40 --eval-seqs 2"
+          "grouped_mm-4x4096 70 --experts grouped_mm --seq-len 4096 --seqs-per-step 4 --steps 40 --eval-every 40 --eval-seqs 2")
+    rc=0
+    for run in "${runs[@]}"; do
+        read -r name limit rest <<< "$run"
+        left=$((deadline - $(date +%s)))
+        [ "$left" -lt "$limit" ] && { echo "== train-$name: skipped, $left s left of the stage's budget"; continue; }
+        # shellcheck disable=SC2086  # $rest is the run's own argument list
+        step "train-$name" "$limit" "${py[@]}" -m megamoe.train "${common[@]}" --name "$name" $rest || rc=$?
+        cp /tmp/megamoe-train/"$name"/log.json "$out/train-$name.json" 2> /dev/null
+    done
+    exit "$rc"
+    ;;
 ep)
     [ "$gpus" -ge 2 ] || { echo "stage ep needs 2+ GPUs; this machine has $gpus" >&2; exit 2; }
     step ep-tests 420 "${py[@]}" -m pytest -q -p no:cacheprovider tests/test_parallel.py -m gpu || exit $?
@@ -82,7 +106,7 @@ ep)
         --preset qwen3-30b-a3b,qwen3-235b-a22b --tokens 16384 --routing random,skewed --comm-sms 32 --out "$out/results"
     ;;
 *)
-    echo "unknown stage $stage: tests, loopback, layer, model or ep" >&2
+    echo "unknown stage $stage: tests, loopback, layer, model, train or ep" >&2
     exit 2
     ;;
 esac
