@@ -77,11 +77,11 @@ model)
         --out "$out/results"
     ;;
 train)
-    # The training runs of the README (python -m megamoe.train), within one 590 s budget: 300 steps of one 16 384-token
+    # The training runs of the README (python -m megamoe.train), within one budget (TRAIN_BUDGET_S, default 590 s): 300 steps of one 16 384-token
     # sequence with megamoe and with grouped_mm (seed 0, each with its MoE share), grouped_mm from seed 1 (the
     # baseline's run-to-run spread), then four 4 096-token sequences per step, timed only, while time is left.
     # Checkpoints are left out (11 GB each at 2 layers); each run's log.json is copied to $out/train-NAME.json.
-    deadline=$(($(date +%s) + 590))
+    deadline=$(($(date +%s) + ${TRAIN_BUDGET_S:-590}))
     common=(--preset qwen3-30b-a3b --layers 2 --compile --no-checkpoint --quiet --out /tmp/megamoe-train)
     runs=("megamoe-s0 220 --experts megamoe --moe-share-steps 5"
           "grouped_mm-s0 220 --experts grouped_mm --moe-share-steps 5"
