@@ -290,7 +290,7 @@ def parse_args(argv=None):
                    help="folder whose *.py files are the text (default: this Python's standard library)")
     p.add_argument("--vocab-size", type=int, default=32768, help="BPE tokenizer vocabulary")
     p.add_argument("--eval-every", type=int, default=50, help="eval every N steps (and after the last)")
-    p.add_argument("--eval-seqs", type=int, default=8, help="held-out sequences per eval")
+    p.add_argument("--eval-seqs", type=int, help="held-out sequences per eval (default: all of them, at most 8)")
     p.add_argument("--log-every", type=int, default=10, help="progress-bar update every N steps (syncs)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
     p.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint")
@@ -354,6 +354,8 @@ def main(argv=None) -> dict:
     run_dir = args.out / name
     data = load_corpus(args.corpus, args.vocab_size, args.out / "cache", log=say)
     train, held_out = Sequences(data["train"], args.seq_len, args.seed), Sequences(data["eval"], args.seq_len, 0)
+    if args.eval_seqs is None:
+        args.eval_seqs = min(8, held_out.count)
     if held_out.count < args.eval_seqs:
         raise ValueError(f"the held-out split has {held_out.count} sequences of {args.seq_len}, --eval-seqs "
                          f"{args.eval_seqs}")

@@ -82,13 +82,13 @@ train)
     # baseline's run-to-run spread), then four 4 096-token sequences per step, timed only, while time is left.
     # Checkpoints are left out (11 GB each at 2 layers); each run's log.json is copied to $out/train-NAME.json.
     deadline=$(($(date +%s) + ${TRAIN_BUDGET_S:-590}))
-    common=(--preset qwen3-30b-a3b --layers 2 --compile --no-checkpoint --quiet --eval-every 100 --eval-seqs 4
+    common=(--preset qwen3-30b-a3b --layers 2 --compile --no-checkpoint --quiet --eval-every 100
             --out /tmp/megamoe-train)
-    runs=("megamoe-s0 215 --experts megamoe --moe-share-steps 5"
-          "grouped_mm-s0 215 --experts grouped_mm --moe-share-steps 5"
-          "grouped_mm-s1 110 --experts grouped_mm --seed 1"
-          "megamoe-4x4096 70 --experts megamoe --seq-len 4096 --seqs-per-step 4 --steps 40 --eval-every 40 --eval-seqs 2"
-          "grouped_mm-4x4096 70 --experts grouped_mm --seq-len 4096 --seqs-per-step 4 --steps 40 --eval-every 40 --eval-seqs 2")
+    runs=("megamoe-s0 170 --experts megamoe --moe-share-steps 5"
+          "grouped_mm-s0 120 --experts grouped_mm --moe-share-steps 5"
+          "grouped_mm-s1 90 --experts grouped_mm --seed 1"
+          "megamoe-4x4096 110 --experts megamoe --seq-len 4096 --seqs-per-step 4 --steps 40 --eval-every 40"
+          "grouped_mm-4x4096 70 --experts grouped_mm --seq-len 4096 --seqs-per-step 4 --steps 40 --eval-every 40")
     rc=0
     for run in "${runs[@]}"; do
         read -r name limit rest <<< "$run"
