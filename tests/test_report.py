@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def copy_results(tmp_path):
     for path in (ROOT / "benchmarks" / "results").glob("*.json"):
         shutil.copy(path, tmp_path)  # the report redraws PNGs next to the JSONs: not in the checkout
+    shutil.copytree(ROOT / "benchmarks" / "results" / "train", tmp_path / "train")
     return tmp_path
 
 

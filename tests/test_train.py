@@ -93,7 +93,7 @@ def test_under_torchrun_with_fsdp2_and_expert_parallelism(runs, corpus, tmp_path
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "megamoe.train", *args_for(corpus, tmp_path, "megamoe", "--steps", "2", "--ep", "2", "--name", "ep2",
                                        "--eval-every", "2")]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = json.loads((tmp_path / "ep2" / "log.json").read_text())
     assert log["world"] == 2 and log["ep"] == 2 and log["tokens_per_step"] == single["tokens_per_step"]

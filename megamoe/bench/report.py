@@ -3,9 +3,10 @@ is typed in):
 
     python -m megamoe.bench.report [benchmarks/results] [--readme README.md] [--page benchmarks/README.md]
 
-prints the README's three summary tables — one GPU (the training step of each impl per problem), megamoe beside
-SonicMoE (both memory modes, with the bytes each keeps) and expert parallelism on real ranks — and (re)draws each JSON file's PNG next to it and the one-GPU summary plot
-(``summary.png``). ``--readme`` writes the three tables into that file between its ``<!-- report:... -->`` markers;
+prints the README's summary tables — one GPU (the training step of each impl per problem), megamoe beside
+SonicMoE (both memory modes, with the bytes each keeps), expert parallelism on real ranks, and the training runs
+(``train/``) — and (re)draws each JSON file's PNG next to it and the one-GPU summary plot
+(``summary.png``). ``--readme`` writes the tables into that file between its ``<!-- report:... -->`` markers;
 ``--page`` writes the full results page: every row of every result, the EP machinery on virtual ranks, and each
 result's provenance (GPU, versions, date, commit or source digest, command).
 """
@@ -167,6 +168,22 @@ def sonicmoe_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def train_table(folder: Path) -> str:
+    """``python -m megamoe.train`` runs (``folder``/train/*.json): per run its throughput, MFU, the experts' share of
+    the step and the final eval loss."""
+    runs = [json.loads(path.read_text()) for path in sorted((folder / "train").glob("*.json"))]
+    lines = ["| model | tokens per step | experts | seed | steps | tokens/s | step ms | MFU | MoE share | peak GiB | "
+             "eval loss |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (r["preset"], -r["seq_len"], r["experts"] != "megamoe", r["seed"])):
+        share = "" if r["moe_share"] is None else f"{r['moe_share']:.3f}"
+        lines.append(f"| {r['preset']}, {r['layers']} layers | {r['seqs_per_step']} x {r['seq_len']} | {r['experts']} | "
+                     f"{r['seed']} | {r['steps']} | {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.1f} | "
+                     f"{r['mfu']:.1%} | {share} | {r['peak_mem_bytes'] / 2**30:.1f} | {r['final_eval_loss']:.3f} |")
+    lines += ["", f"{_versions(runs)}; bf16, every decoder layer compiled and checkpointed; tokens/s: the median "
+              "step after the first 10; MFU against 989 TFLOP/s."]
+    return "\n".join(lines)
+
+
 def ep_summary_table(runs: list[dict]) -> str:
     """Expert parallelism on real ranks: per problem, each impl's training step (AC step ms, the maximum over
     ranks) and the fused protocol's speed-up over the compiled all-to-all baseline."""
@@ -298,7 +315,7 @@ def main(argv=None) -> None:
     if runs["layer"]:
         plot_summary(runs["layer"], Path(args.folder) / "summary.png")
     sections = {"one-gpu": summary_table(runs["layer"]), "sonicmoe": sonicmoe_table(runs["layer"]),
-                "ep": ep_summary_table(runs["ep"])}
+                "ep": ep_summary_table(runs["ep"]), "train": train_table(Path(args.folder))}
     print("\n\n".join(sections.values()))
     if args.readme:
         args.readme.write_text(update_readme(args.readme.read_text(), sections))
