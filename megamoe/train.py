@@ -14,8 +14,9 @@ Also a template to copy. What it does, in order:
 - **Model**: ``Qwen3MoeForCausalLM`` built from a config at the preset's layer dimensions (hidden size, heads,
   KV heads, head dim, 128 experts, top-8, expert width, ``norm_topk_prob``) and Qwen3's vocabulary (151 936)
   with ``--layers`` decoder layers, random weights from ``--seed``, SDPA attention, bf16 weights and bf16 AdamW
-  states (no fp32 master copy; on CPU fp32). The model's router auxiliary loss (coefficient 0.001) is part of the
-  loss; the logged loss is the language-model loss alone.
+  states (no fp32 master copy; on CPU fp32). The router's auxiliary load-balancing loss (transformers' Qwen3-MoE
+  formula, coefficient 0.001, counted without a host sync) is part of the loss; the logged loss is the
+  language-model loss alone.
 - **Step**: ``--seqs-per-step`` sequences; full activation checkpointing of every decoder layer (megamoe under
   :func:`megamoe.checkpoint_context`, which does not rerun its forward; the others plainly), optionally
   ``torch.compile`` of every decoder layer; gradient clipping at 1.0; AdamW (β 0.9/0.95, weight decay 0.1) with
@@ -140,6 +141,34 @@ class Sequences:
 
 
 # -- model -------------------------------------------------------------------------------------------------------
+
+def record_router_logits(model) -> list[torch.Tensor]:
+    """A list that every router of ``model`` appends its logits to, each forward (forward hooks)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    recorded = []
+    for module in model.modules():
+        if isinstance(module, Qwen3MoeTopKRouter):
+            module.register_forward_hook(lambda _module, _inputs, outputs: recorded.append(outputs[0]))
+    return recorded
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+    """The router's auxiliary load-balancing loss as transformers' Qwen3-MoE computes it (``E * sum_e f_e * P_e``
+    over every layer's rows: f the fraction of top-k assignments, P the mean router probability of expert e),
+    with the assignments counted by ``scatter_add_``: transformers' ``torch.bincount`` waits for the GPU (its
+    output size depends on the data), which would stall every step."""
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    probs = torch.zeros_like(counts)
+    rows = 0
+    for logits in router_logits:
+        weights = torch.softmax(logits, dim=-1)
+        chosen = torch.topk(weights, top_k, dim=-1).indices.reshape(-1)
+        counts = counts.scatter_add(0, chosen, torch.ones_like(chosen, dtype=counts.dtype))
+        probs = probs + weights.float().sum(dim=0)
+        rows += weights.shape[0]
+    return num_experts * torch.sum((counts / rows) * (probs / rows))
+
 
 def _no_experts(self, hidden_states, top_k_index, top_k_weights):
     return hidden_states * 0 + top_k_weights.sum() * 0  # the routing stays in the graph; the experts cost nothing
@@ -375,8 +404,8 @@ def main(argv=None) -> dict | None:
                          f"{args.eval_seqs}")
     dtype = torch.bfloat16 if cuda else torch.float32
     vocab = data["vocab_size"] if args.preset == "tiny" else QWEN3_VOCAB
-    model = build(args.preset, args.layers, vocab, dtype, device, seed=args.seed, output_router_logits=True,
-                  router_aux_loss_coef=AUX_LOSS_COEF)
+    model = build(args.preset, args.layers, vocab, dtype, device, seed=args.seed)
+    router_logits = record_router_logits(model)
     params_total = sum(p.numel() for p in model.parameters())
     flops_per_token = model_flops_per_token(model.config, args.seq_len)
     model.train()
@@ -394,9 +423,12 @@ def main(argv=None) -> dict | None:
         f"{world} rank(s), ep {args.ep}; {train.count} training sequences of {args.seq_len} tokens "
         f"({data['documents']} documents, tokenizer vocab {data['vocab_size']})")
 
-    def step_loss(ids):
-        out = model(input_ids=ids, labels=ids)
-        return out.loss, out.loss.detach() - AUX_LOSS_COEF * out.aux_loss.detach()
+    def step_loss(ids):  # (the loss to train on, the language-model loss alone)
+        router_logits.clear()
+        lm_loss = model(input_ids=ids, labels=ids).loss
+        aux = load_balancing_loss(router_logits, model.config.num_experts, model.config.num_experts_per_tok)
+        router_logits.clear()  # what the backward's recompute records is not used
+        return lm_loss + AUX_LOSS_COEF * aux, lm_loss.detach()
 
     def evaluate() -> float:  # every rank runs every held-out sequence (FSDP2 and EP exchange in lockstep)
         with torch.no_grad():

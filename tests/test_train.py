@@ -103,3 +103,14 @@ def test_under_torchrun_with_fsdp2_and_expert_parallelism(runs, corpus, tmp_path
     assert log["grad_norms"][0] == pytest.approx(single["grad_norms"][0], rel=1e-3)
     assert {p.name for p in (tmp_path / "ep2" / "checkpoint-2").iterdir()} == \
         {"rank0.safetensors", "rank1.safetensors", "state.json"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_balancing_loss_is_transformers(dtype):
+    """The training loop's sync-free auxiliary loss equals transformers' Qwen3-MoE ``load_balancing_loss_func``."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(40 + i, 8, generator=gen).to(dtype) for i in range(3)]
+    expected = load_balancing_loss_func(tuple(logits), 8, 2)
+    torch.testing.assert_close(train.load_balancing_loss(logits, 8, 2), expected, rtol=1e-6, atol=0)
