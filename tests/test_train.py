@@ -108,7 +108,9 @@ def test_under_torchrun_with_fsdp2_and_expert_parallelism(runs, corpus, tmp_path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_load_balancing_loss_is_transformers(dtype):
     """The training loop's sync-free auxiliary loss equals transformers' Qwen3-MoE ``load_balancing_loss_func``."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+        load_balancing_loss_func,
+    )
 
     gen = torch.Generator().manual_seed(0)
     logits = [torch.randn(40 + i, 8, generator=gen).to(dtype) for i in range(3)]
