@@ -70,6 +70,7 @@ class FusedEP(torch.autograd.Function):
     def forward(ctx, x, topk_idx, topk_weights, w13, w2, ws: Workspace, comm_sms: tuple[int, int]):
         plan = build_plan(topk_idx, ws.num_ranks * ws.num_local)
         ws.check_overflow()
+        ws.check_error(now=debug_checks_enabled())
         exchange_counts(ws, plan)
         if comm_sms[0]:
             owner_experts(ws, w13, w2, send=(x, topk_idx, topk_weights, plan, comm_sms[0]))
@@ -79,6 +80,7 @@ class FusedEP(torch.autograd.Function):
         y = combine_returned(ws, topk_idx, x.dtype)
         if debug_checks_enabled():
             ws.check_overflow(now=True)
+            ws.check_error(now=True)
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan.tensors())
         ctx.ws, ctx.comm_sms = ws, comm_sms[1]
         return y
@@ -87,6 +89,7 @@ class FusedEP(torch.autograd.Function):
     def backward(ctx, dy):
         x, topk_idx, topk_weights, w13, w2, *plan_tensors = ctx.saved_tensors
         ws, plan = ctx.ws, Plan(*plan_tensors)
+        ws.check_error(now=debug_checks_enabled())
         exchange_counts(ws, plan)
         if ctx.comm_sms:
             dw13, dw2 = owner_experts_backward(ws, w13, w2, send=(x, dy.contiguous(), topk_weights, plan, ctx.comm_sms))
@@ -96,7 +99,19 @@ class FusedEP(torch.autograd.Function):
         dx, dweight = combine_returned_backward(ws, topk_idx, x.dtype)
         if debug_checks_enabled():
             ws.check_overflow(now=True)
+            ws.check_error(now=True)
         return dx, None, dweight.to(topk_weights.dtype), dw13, dw2, None, None
+
+
+def reset_workspaces(group) -> None:
+    """After an expert-parallel wait gave up (the ``RuntimeError`` of ``Workspace.check_error``): every workspace of
+    ``group`` back to its first call's state. A collective: call it on every rank of the group (the ranks that
+    raised and the others alike), before the next step."""
+    for key, ws in _WORKSPACES.items():
+        if key[0] == group.group_name:
+            ws.reset()
+    torch.cuda.synchronize()
+    dist.barrier(group)
 
 
 def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank: int | None = None,

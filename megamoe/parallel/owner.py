@@ -114,7 +114,7 @@ def _send_and_up_kernel(
 
 @triton.jit
 def _dh_rows_tile(pid, dy_ptr, w2_desc, dh_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr,
-                  D, I, L, R, PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  epoch_ptr, D, I, L, R, PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, EVEN_K: tl.constexpr, trace_ptr, trace_at, TRACE: tl.constexpr):
     """One BM x BN block of dh' = dy W2[e] on my received dy rows (expert-major: each row its own slot),
     once every source's rows of its expert are in; rows past the expert's end are not written. dy is read
@@ -123,7 +123,7 @@ def _dh_rows_tile(pid, dy_ptr, w2_desc, dh_ptr, offsets_ptr, tile_expert_ptr, ti
     e, _, rows, rmask, pid_n = tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, tl.cdiv(I, BN), BM, TILE_M)
     if e >= L:
         return
-    wait_rows(arrived_ptr, counts_ptr, e, e, L, R, 1)
+    wait_rows(arrived_ptr, counts_ptr, epoch_ptr, e, e, L, R, 1)
     stamp(trace_ptr, trace_at, 1, TRACE)
     n0 = pid_n * BN
     ks = tl.arange(0, BK)
@@ -166,7 +166,8 @@ def _send_and_dh_kernel(
     tile_at = tile_trace_at(pid, SENDERS)
     stamp(trace_ptr, tile_at, 0, TRACE)
     _dh_rows_tile(pid - SENDERS, recv_dy_ptr, w2_desc, dh_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                  arrived_ptr, counts_ptr, D, I, L, R, PREC, TILE_M, BM, BN, BK, EVEN_K, trace_ptr, tile_at, TRACE)
+                  arrived_ptr, counts_ptr, epoch_ptr, D, I, L, R, PREC, TILE_M, BM, BN, BK, EVEN_K, trace_ptr, tile_at,
+                  TRACE)
     stamp(trace_ptr, tile_at, 2, TRACE)
 
 

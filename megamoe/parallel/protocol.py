@@ -28,11 +28,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
+from megamoe.env import interpreting
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import Plan, plan_from_counts
 from megamoe.parallel import workspace
-from megamoe.parallel.workspace import BUFFER_INDEX, Workspace
+from megamoe.parallel.workspace import BUFFER_INDEX, CONTROL, Workspace
 
 # Most ranks the wait loops handle, as a constant the kernels can read.
 MAX_EP_RANKS = tl.constexpr(workspace.MAX_EP_RANKS)
@@ -52,6 +54,78 @@ RETURNED = tl.constexpr(BUFFER_INDEX["returned"])
 OVERFLOW = tl.constexpr(BUFFER_INDEX["overflow"])
 
 
+# The control block's words (``epoch_ptr`` points at the block: its first word is the epoch).
+ERR_STAGE = tl.constexpr(CONTROL["err_stage"])
+ERR_PEER = tl.constexpr(CONTROL["err_peer"])
+ERR_INDEX = tl.constexpr(CONTROL["err_index"])
+ERR_EXPECTED = tl.constexpr(CONTROL["err_expected"])
+ERR_SEEN = tl.constexpr(CONTROL["err_seen"])
+ERR_EPOCH = tl.constexpr(CONTROL["err_epoch"])
+TIMEOUT_US = tl.constexpr(CONTROL["timeout_us"])
+POLL_LIMIT = tl.constexpr(CONTROL["poll_limit"])
+# Stages of the error record (workspace.STAGES says what each waits for).
+STAGE_COUNTS, STAGE_COUNTS_AT_OWNERS, STAGE_ROWS, STAGE_RESET, STAGE_RETURNED = (
+    tl.constexpr(1), tl.constexpr(2), tl.constexpr(3), tl.constexpr(4), tl.constexpr(5))
+# Bounded waits measure time with the GPU's global timer; Triton's interpreter has none, and counts polls.
+CLOCK = tl.constexpr(not interpreting())
+
+
+@triton.jit
+def wait_start():
+    """The start of a bounded wait (ns on the global timer; 0 in the interpreter)."""
+    if CLOCK:
+        return globaltimer()
+    else:
+        return tl.zeros((), dtype=tl.int64)
+
+
+@triton.jit
+def gave_up(ctl_ptr, start, polls):
+    """Whether a wait that started at ``start`` and has polled ``polls`` times stops: past the workspace's bound
+    (``MEGAMOE_EP_TIMEOUT_S``), or another wait of this rank has given up already (then every wait of the rank
+    returns at once, so one missing peer costs each rank one bound, not one per wait)."""
+    if CLOCK:
+        over = globaltimer() - start > tl.load(ctl_ptr + TIMEOUT_US).to(tl.int64) * 1000
+    else:
+        over = polls > tl.load(ctl_ptr + POLL_LIMIT)
+    return over | (tl.load(ctl_ptr + ERR_STAGE, volatile=True) != 0)
+
+
+@triton.jit
+def record_give_up(ctl_ptr, stage, peer_rank, index, expected, seen):
+    """The error record of this rank, if no wait has written one yet (the first one to give up wins)."""
+    if tl.atomic_cas(ctl_ptr + ERR_STAGE, 0, stage, sem="relaxed", scope="gpu") == 0:
+        tl.store(ctl_ptr + ERR_PEER, peer_rank)
+        tl.store(ctl_ptr + ERR_INDEX, index)
+        tl.store(ctl_ptr + ERR_EXPECTED, expected.to(tl.int32))
+        tl.store(ctl_ptr + ERR_SEEN, seen.to(tl.int32))
+        tl.store(ctl_ptr + ERR_EPOCH, tl.load(ctl_ptr))
+
+
+@triton.jit
+def wait_flags(flags, want, mask, ctl_ptr, stage, at_index, IDX, PER: tl.constexpr = 1):
+    """Spin until ``flags[i] == want[i]`` wherever ``mask`` (acquire), or give up (:func:`gave_up`) and record
+    the first flag that was not there: at position p of ``IDX`` (a vector of indices), peer p // PER and index
+    ``at_index`` (or p % PER where ``at_index`` < 0). Returns whether every flag was there."""
+    seen = tl.atomic_add(flags, 0, mask=mask, sem="acquire", scope="sys")
+    missing = (seen != want) & mask
+    start = wait_start()
+    polls = 0
+    go = tl.sum(missing.to(tl.int32), axis=0) > 0
+    while go:
+        seen = tl.atomic_add(flags, 0, mask=mask, sem="acquire", scope="sys")
+        missing = (seen != want) & mask
+        polls += 1
+        go = (tl.sum(missing.to(tl.int32), axis=0) > 0) & ~gave_up(ctl_ptr, start, polls)
+    first = tl.min(tl.where(missing, IDX, 2147483647), axis=0)
+    done = first == 2147483647
+    if not done:
+        at = IDX == first
+        record_give_up(ctl_ptr, stage, first // PER, tl.where(at_index >= 0, at_index, first % PER),
+                       tl.sum(tl.where(at, want, 0), axis=0), tl.sum(tl.where(at, seen, 0), axis=0))
+    return done
+
+
 @triton.jit
 def peer(peers_ptr, buf: tl.constexpr, rank, R, ty: tl.constexpr):
     """Base pointer of buffer ``buf`` (a row index of the peer table) on ``rank`` (a scalar or a tensor of ranks)."""
@@ -59,20 +133,37 @@ def peer(peers_ptr, buf: tl.constexpr, rank, R, ty: tl.constexpr):
 
 
 @triton.jit
-def wait_rows(arrived_ptr, counts_ptr, first, e, E, R, EB: tl.constexpr):
+def wait_rows(arrived_ptr, counts_ptr, ctl_ptr, first, e, E, R, EB: tl.constexpr):
     """Spin until every source's rows of my experts ``first`` to ``e`` (at most EB of them) are in my receive
     buffers (``arrived[s, l] == counts[s, l]`` for every source s; acquire). The backward's dh' tiles wait for
     their own expert (``first = e``, EB 1); the forward up tiles for every expert up to their own
     (:func:`wait_rows_upto`), since a token row they read was sent with the token's first slot at this owner,
     whose expert may be a lower one (``senders.send_rows``). The senders go expert by expert, so a tile whose
-    rows are here starts at once either way."""
+    rows are here starts at once either way. Bounded (:func:`gave_up`); the record names the source and the
+    first expert whose rows were missing. Returns whether they all arrived."""
     srcs = tl.arange(0, MAX_EP_RANKS)[:, None]
     ls = first + tl.arange(0, EB)[None, :]
     m = (srcs < R) & (ls <= e)
     want = tl.load(counts_ptr + srcs * E + ls, mask=m, other=0)
-    while tl.sum(tl.sum(((tl.atomic_add(arrived_ptr + srcs * E + ls, 0, mask=m, sem="acquire", scope="sys") != want)
-                         & m).to(tl.int32), axis=1), axis=0) > 0:
-        pass
+    flat = srcs * EB + (ls - first)  # the (source, expert) pairs as one index, source-major
+    seen = tl.atomic_add(arrived_ptr + srcs * E + ls, 0, mask=m, sem="acquire", scope="sys")
+    missing = (seen != want) & m
+    start = wait_start()
+    polls = 0
+    go = tl.sum(tl.sum(missing.to(tl.int32), axis=1), axis=0) > 0
+    while go:
+        seen = tl.atomic_add(arrived_ptr + srcs * E + ls, 0, mask=m, sem="acquire", scope="sys")
+        missing = (seen != want) & m
+        polls += 1
+        go = (tl.sum(tl.sum(missing.to(tl.int32), axis=1), axis=0) > 0) & ~gave_up(ctl_ptr, start, polls)
+    first_missing = tl.min(tl.min(tl.where(missing, flat, 2147483647), axis=1), axis=0)
+    done = first_missing == 2147483647
+    if not done:
+        at = flat == first_missing
+        record_give_up(ctl_ptr, STAGE_ROWS, first_missing // EB, first + first_missing % EB,
+                       tl.sum(tl.sum(tl.where(at, want, 0), axis=1), axis=0),
+                       tl.sum(tl.sum(tl.where(at, seen, 0), axis=1), axis=0))
+    return done
 
 
 @triton.jit
@@ -85,8 +176,8 @@ def wait_rows_upto(arrived_ptr, counts_ptr, ready_ptr, epoch_ptr, e, E, R, EB: t
     in (docs/DESIGN.md, "Expert parallelism", the ready mark); this check, one atomic."""
     base = tl.load(epoch_ptr).to(tl.int64) * (E + 1)
     if tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") <= base + e:
-        wait_rows(arrived_ptr, counts_ptr, 0, e, E, R, EB)
-        tl.atomic_max(ready_ptr, base + e + 1, sem="release", scope="gpu")
+        if wait_rows(arrived_ptr, counts_ptr, epoch_ptr, 0, e, E, R, EB):  # a wait that gave up marks nothing
+            tl.atomic_max(ready_ptr, base + e + 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -98,9 +189,7 @@ def wait_all_counts(peers_ptr, epoch_ptr, R, CB: tl.constexpr):
     srcs = tl.arange(0, CB)
     for owner in range(R):
         flags = peer(peers_ptr, COUNTS_FLAG, owner, R, tl.int32) + (epoch % 2) * R + srcs
-        while tl.sum((tl.atomic_add(flags, 0, mask=srcs < R, sem="acquire", scope="sys") != epoch)
-                     & (srcs < R), axis=0) > 0:
-            pass
+        wait_flags(flags, epoch + srcs * 0, srcs < R, epoch_ptr, STAGE_COUNTS_AT_OWNERS, owner, srcs)
 
 
 @triton.jit
@@ -137,23 +226,22 @@ def _exchange_counts_kernel(offsets_ptr, peers_ptr, epoch_ptr, rank, R, L, LB: t
 
 @triton.jit
 def _wait_epoch_kernel(counts_flag_ptr, epoch_ptr, R, RB: tl.constexpr):
-    """Spin until every source's counts of this call are in my ``counts`` (acquire)."""
+    """Spin until every source's counts of this call are in my ``counts`` (acquire; bounded)."""
     epoch = tl.load(epoch_ptr)
     srcs = tl.arange(0, RB)
     flags = counts_flag_ptr + (epoch % 2) * R + srcs
-    while tl.sum((tl.atomic_add(flags, 0, mask=srcs < R, sem="acquire", scope="sys") != epoch) & (srcs < R),
-                 axis=0) > 0:
-        pass
+    wait_flags(flags, epoch + srcs * 0, srcs < R, epoch_ptr, STAGE_COUNTS, -1, srcs)
 
 
 @triton.jit
-def _wait_and_reset_kernel(counter_ptr, expected_ptr, n, NB: tl.constexpr):
-    """Spin until ``counter[i] == expected[i]`` for every i < n (acquire), then zero the counters."""
+def _wait_and_reset_kernel(counter_ptr, expected_ptr, n, epoch_ptr, STAGE: tl.constexpr, PER: tl.constexpr,
+                           NB: tl.constexpr):
+    """Spin until ``counter[i] == expected[i]`` for every i < n (acquire; bounded: the record's peer is i // PER,
+    its index i % PER), then zero the counters."""
     i = tl.arange(0, NB)
     m = i < n
     want = tl.load(expected_ptr + i, mask=m, other=0)
-    while tl.sum((tl.atomic_add(counter_ptr + i, 0, mask=m, sem="acquire", scope="sys") != want) & m, axis=0) > 0:
-        pass
+    wait_flags(counter_ptr + i, want, m, epoch_ptr, STAGE, -1, i, PER)
     tl.store(counter_ptr + i, tl.zeros_like(want), mask=m)
 
 
@@ -196,8 +284,8 @@ def received_plan(ws: Workspace) -> tuple[Plan, torch.Tensor]:
 def reset_arrivals(ws: Workspace, counts: torch.Tensor) -> None:
     """Zero the arrival counters once every row has arrived (the expert kernel that waited for them has
     run, so this returns at once)."""
-    _wait_and_reset_kernel[(1,)](counter_ptr=ws.arrived, expected_ptr=counts, n=counts.numel(),
-                                 NB=triton.next_power_of_2(counts.numel()))
+    _wait_and_reset_kernel[(1,)](counter_ptr=ws.arrived, expected_ptr=counts, n=counts.numel(), epoch_ptr=ws.control,
+                                 STAGE=STAGE_RESET, PER=ws.num_local, NB=triton.next_power_of_2(counts.numel()))
 
 
 def signal_returned(ws: Workspace) -> None:
@@ -209,6 +297,7 @@ def signal_returned(ws: Workspace) -> None:
 def wait_returned(ws: Workspace) -> None:
     """Until every owner has signalled that my rows are back (acquire); then reset the signals."""
     _wait_and_reset_kernel[(1,)](counter_ptr=ws.returned, expected_ptr=ws.one_per_rank, n=ws.num_ranks,
+                                 epoch_ptr=ws.control, STAGE=STAGE_RETURNED, PER=1,
                                  NB=triton.next_power_of_2(ws.num_ranks))
 
 

@@ -59,6 +59,33 @@ BUFFERS = {
 # Row of each buffer in the peer table (``Workspace.peers``); the kernels name them by these indices.
 BUFFER_INDEX = {name: i for i, name in enumerate(BUFFERS)}
 
+# Words of a rank's control block (``Workspace.control``, int32, its own memory only): the call's epoch, the record
+# of the first wait of this rank that gave up (stage 0: none; see protocol.STAGES), and the bounds its waits read.
+CONTROL = {"epoch": 0, "err_stage": 1, "err_peer": 2, "err_index": 3, "err_expected": 4, "err_seen": 5,
+           "err_epoch": 6, "timeout_us": 7, "poll_limit": 8}
+CONTROL_WORDS = 16
+DEFAULT_TIMEOUT_S = 10.0
+# In Triton's CPU interpreter there is no global timer: a wait gives up after this many polls per second of the
+# timeout instead (a poll of the interpreter takes about a millisecond).
+INTERPRETER_POLLS_PER_S = 1000
+
+
+def ep_timeout_s() -> float:
+    """How long one wait of the fused protocol spins before it gives up: ``MEGAMOE_EP_TIMEOUT_S`` (default 10 s,
+    read when a workspace is made)."""
+    value = float(os.environ.get("MEGAMOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    if not 0 < value <= 2000:
+        raise ValueError(f"MEGAMOE_EP_TIMEOUT_S={value}: 0 < seconds <= 2000")
+    return value
+
+
+def new_control(device) -> torch.Tensor:
+    control = torch.zeros(CONTROL_WORDS, dtype=torch.int32, device=device)
+    timeout = ep_timeout_s()
+    control[CONTROL["timeout_us"]] = int(timeout * 1e6)
+    control[CONTROL["poll_limit"]] = max(1, int(timeout * INTERPRETER_POLLS_PER_S))
+    return control
+
 
 @dataclass
 class Workspace:
@@ -73,14 +100,59 @@ class Workspace:
     buffers: dict[str, torch.Tensor]
     peers: torch.Tensor
     """(len(BUFFERS), R) int64: row ``BUFFER_INDEX[name]`` holds that buffer's base address on every rank."""
-    epoch: torch.Tensor
-    """(1,) int32 on the device: incremented at the start of every call (no host sync)."""
+    control: torch.Tensor
+    """(CONTROL_WORDS,) int32 on the device: the epoch (incremented at the start of every call, no host sync),
+    the error record of a wait that gave up, and the waits' bound (see CONTROL)."""
     handle: object = None
     """The symmetric-memory rendezvous, kept alive with the workspace (None for loopback)."""
 
     def __post_init__(self):
-        self.one_per_rank = torch.ones(self.num_ranks, dtype=torch.int64, device=self.epoch.device)
+        self.one_per_rank = torch.ones(self.num_ranks, dtype=torch.int64, device=self.control.device)
         """What ``returned`` holds once every owner has written back."""
+        self.epoch = self.control[:1]
+        """(1,) int32: the call counter (the control block's first word; the kernels find the rest after it)."""
+        self._record_copy = None  # (pinned host copy of the error record, the event after its copy)
+
+    def error(self) -> str | None:
+        """The error record as a message, or None (reads it back: a host sync)."""
+        return describe_error(self.rank, self.control.cpu().tolist())
+
+    def check_error(self, now: bool = False) -> None:
+        """Raise ``RuntimeError`` naming the stage, the peer and what was missing if a wait of an earlier call
+        gave up (its results were wrong; every later call's waits return at once until :meth:`reset`). ``now``:
+        read the record back (a host sync; the debug mode, ``MEGAMOE_DEBUG=1``). Otherwise without a sync: the
+        record as it was when the previous check ran is copied to the host behind the work queued so far, and
+        read here once that copy has landed — so a failure surfaces within a call or two."""
+        if now:
+            message = self.error()
+            if message:
+                raise RuntimeError(message)
+            return
+        if self.control.device.type != "cuda":  # the host runs the kernels: the record is final already
+            message = self.error()
+            if message:
+                raise RuntimeError(message)
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return
+        if self._record_copy is not None and self._record_copy[1].query():
+            message = describe_error(self.rank, self._record_copy[0].tolist())
+            if message:
+                raise RuntimeError(message)
+        if self._record_copy is None:
+            self._record_copy = (torch.empty(CONTROL_WORDS, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+        if self._record_copy[1].query():
+            self._record_copy[0].copy_(self.control, non_blocking=True)
+            self._record_copy[1].record()
+
+    def reset(self) -> None:
+        """After an error: every flag, counter and the error record back to zero, the epoch to 0, on this rank. Call
+        it on every rank of the group, then synchronise the device and barrier (:func:`megamoe.parallel.fused.
+        reset_workspaces` does all three) before the next call."""
+        for name in ("counts", "counts_flag", "arrived", "ready", "returned", "overflow"):
+            self.buffers[name].zero_()
+        self.control[: CONTROL["timeout_us"]].zero_()
+        self._record_copy = None
 
     def __getattr__(self, name: str) -> torch.Tensor:
         buffers = self.__dict__.get("buffers", {})
@@ -102,6 +174,28 @@ class Workspace:
         torch._assert_async(self.overflow[0] == 0, message)
 
 
+# What each stage's wait waits for (the error record's "stage" word).
+STAGES = {1: "the counts of a source (owner, before its expert kernels)",
+          2: "every source's counts at an owner (sender, before sending)",
+          3: "a source's rows of one of my experts (owner's expert tile)",
+          4: "a source's rows, to reset the arrival counters (owner)",
+          5: "an owner writing back my rows (source, before the combine)"}
+
+
+def describe_error(rank: int, control: list[int]) -> str | None:
+    """The error record of ``control`` (the control block's words) as a message, or None if there is none."""
+    stage = control[CONTROL["err_stage"]]
+    if stage == 0:
+        return None
+    peer, index = control[CONTROL["err_peer"]], control[CONTROL["err_index"]]
+    return (f"megamoe: expert-parallel wait gave up on rank {rank} after {control[CONTROL['timeout_us']] / 1e6:g} s "
+            f"(MEGAMOE_EP_TIMEOUT_S) in call {control[CONTROL['err_epoch']]}, waiting for {STAGES.get(stage, stage)}: "
+            f"peer rank {peer}, index {index} (expert or rank), expected {control[CONTROL['err_expected']]}, "
+            f"seen {control[CONTROL['err_seen']]}. A peer is dead, hung, launched too late, or sent less than it "
+            "announced; this call's and later calls' results are wrong until every rank resets its workspace "
+            "(megamoe.parallel.fused.reset_workspaces).")
+
+
 def _check_ranks(num_ranks: int) -> None:
     if not 1 <= num_ranks <= MAX_EP_RANKS:
         raise ValueError(f"expert parallelism over {num_ranks} ranks: 1 to {MAX_EP_RANKS} are supported")
@@ -120,7 +214,7 @@ def loopback_workspaces(num_ranks: int, num_local: int, capacity: int, max_token
     peers = torch.tensor([[bufs[name].data_ptr() for bufs in per_rank] for name in BUFFERS], dtype=torch.int64,
                          device=device)
     return [Workspace(r, num_ranks, num_local, capacity, max_tokens, max_slots, per_rank[r], peers,
-                      torch.zeros(1, dtype=torch.int32, device=device))
+                      new_control(device))
             for r in range(num_ranks)]
 
 
@@ -153,4 +247,4 @@ def symmetric_workspace(group, num_local: int, capacity: int, max_tokens: int, m
     torch.cuda.synchronize(device)
     dist.barrier(group)  # every rank's buffers are zeroed before any peer writes into them
     return Workspace(rank, num_ranks, num_local, capacity, max_tokens, max_slots, buffers, peers,
-                     torch.zeros(1, dtype=torch.int32, device=device), handle)
+                     new_control(device), handle)

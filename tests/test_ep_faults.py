@@ -1,0 +1,123 @@
+"""The fused expert-parallel protocol when a peer misbehaves, on the loopback workspace (virtual ranks of one
+device; on CPU in the Triton interpreter, on a GPU with ``-m loopback``): every wait is bounded, so a rank that
+never sends its counts, sends fewer rows than it announced or never writes back ends each waiting rank's call
+within the bound, with a ``RuntimeError`` that names the stage and the peer; after a reset of every workspace the
+next call is exact again."""
+
+import time
+
+import pytest
+import torch
+
+from megamoe import reference
+from megamoe.kernels.plan import build_plan
+from megamoe.parallel import loopback
+from megamoe.parallel.owner import owner_experts
+from megamoe.parallel.protocol import combine_returned, exchange_counts
+from megamoe.parallel.senders import dispatch_rows
+from megamoe.parallel.workspace import CONTROL
+from tests.test_dispatch import CASES, assert_counters_after_forward, split_problem, workspaces_for
+
+pytestmark = pytest.mark.loopback
+
+TIMEOUT_S = "0.05"  # MEGAMOE_EP_TIMEOUT_S for these tests: no wait of a healthy loopback call waits at all
+CASE, NUM_RANKS = CASES[0], 4
+
+
+@pytest.fixture
+def problem(monkeypatch):
+    monkeypatch.setenv("MEGAMOE_EP_TIMEOUT_S", TIMEOUT_S)
+    ranks, full, bounds, _ = split_problem(CASE, NUM_RANKS)
+    return ranks, full, bounds, workspaces_for(ranks, CASE[2])
+
+
+def forward_with_fault(workspaces, ranks, skip_counts=(), skip_owner=(), before_dispatch=None):
+    """The loopback forward, phase by phase, with ranks ``skip_counts`` never sending their counts (nor anything
+    after: dead from the start) and ranks ``skip_owner`` never running their expert kernels (never writing
+    back); ``before_dispatch(plans)`` may tamper with the announced counts."""
+    num_experts = NUM_RANKS * CASE[2]
+    live = [r for r in range(NUM_RANKS) if r not in skip_counts]
+    plans = {r: build_plan(ranks[r][1], num_experts) for r in live}
+    for r in live:
+        exchange_counts(workspaces[r], plans[r])
+    if before_dispatch:
+        before_dispatch(plans)
+    for r in live:
+        x, idx, weights, _, _ = ranks[r]
+        dispatch_rows(workspaces[r], x, idx, weights, plans[r])
+    for r in live:
+        if r not in skip_owner:
+            owner_experts(workspaces[r], ranks[r][3], ranks[r][4])
+    return {r: combine_returned(workspaces[r], ranks[r][1], ranks[r][0].dtype) for r in live}
+
+
+def assert_recovers(workspaces, ranks, full, bounds):
+    """Reset every rank's workspace: the next call is exact again."""
+    for ws in workspaces:
+        ws.reset()
+        assert ws.error() is None
+    ys = loopback.loopback_forward(workspaces, ranks)
+    x, idx, w, w13, w2, _ = full
+    expected = reference.moe_loop(x, idx, w, w13, w2, fp32=True)
+    for r, y in enumerate(ys):
+        torch.testing.assert_close(y, expected[bounds[r]:bounds[r + 1]], rtol=1e-5, atol=1e-5)
+    for ws in workspaces:
+        assert ws.error() is None
+        assert_counters_after_forward(ws)
+
+
+def test_a_rank_that_never_sends_its_counts(problem):
+    ranks, full, bounds, workspaces = problem
+    forward_with_fault(workspaces, ranks, skip_counts=(1,))
+    for r in (0, 2, 3):
+        with pytest.raises(RuntimeError, match=r"on rank %d .*every source's counts at an owner.*peer rank 1\b" % r):
+            workspaces[r].check_error()
+    assert_recovers(workspaces, ranks, full, bounds)
+
+
+def test_a_rank_that_sends_fewer_rows_than_it_announced(problem):
+    """Source 3 announces one row more to owner 2's last expert than it sends: owner 2's tile of that expert
+    gives up (naming source 3 and the expert, expected against seen); the other ranks' calls complete."""
+    ranks, full, bounds, workspaces = problem
+    owner, source, last = 2, 3, CASE[2] - 1
+
+    def announce_one_more(_plans):
+        ws = workspaces[owner]
+        parity = int(ws.epoch[0]) % 2
+        ws.counts[parity, source, last] += 1
+
+    forward_with_fault(workspaces, ranks, before_dispatch=announce_one_more)
+    message = workspaces[owner].error()
+    assert message and "rows of one of my experts" in message and "peer rank 3, index 1" in message
+    expected, seen = int(workspaces[owner].counts[int(workspaces[owner].epoch[0]) % 2, source, last]), None
+    assert f"expected {expected}, seen {expected - 1}" in message, (message, seen)
+    for r in (0, 1, 3):
+        assert workspaces[r].error() is None
+    assert_recovers(workspaces, ranks, full, bounds)
+
+
+def test_an_owner_that_never_writes_back(problem):
+    ranks, full, bounds, workspaces = problem
+    forward_with_fault(workspaces, ranks, skip_owner=(2,))
+    for r in range(NUM_RANKS):
+        with pytest.raises(RuntimeError, match=r"an owner writing back my rows.*peer rank 2\b"):
+            workspaces[r].check_error(now=True)
+    assert_recovers(workspaces, ranks, full, bounds)
+
+
+def test_the_record_stops_every_later_wait_of_the_rank(problem):
+    """After one wait gave up, the rank's other waits return at once: a second call with the dead rank still away,
+    under a bound raised a thousandfold (which a wait that still spun would take minutes to reach here), ends at
+    once, and the record stays the first one."""
+    ranks, _, _, workspaces = problem
+    forward_with_fault(workspaces, ranks, skip_counts=(1,))
+    first = workspaces[0].error()
+    record = workspaces[0].control[CONTROL["err_stage"]:CONTROL["timeout_us"]].clone()
+    for ws in workspaces:
+        ws.control[CONTROL["poll_limit"]] *= 1000
+        ws.control[CONTROL["timeout_us"]] *= 1000
+    start = time.monotonic()
+    forward_with_fault(workspaces, ranks, skip_counts=(1,))
+    assert time.monotonic() - start < 20
+    assert torch.equal(workspaces[0].control[CONTROL["err_stage"]:CONTROL["timeout_us"]], record)
+    assert "in call 1," in first
