@@ -105,6 +105,7 @@ def test_an_owner_that_never_writes_back(problem):
     assert_recovers(workspaces, ranks, full, bounds)
 
 
+@pytest.mark.timeout(120)  # a rank whose waits still spun after the record would take many minutes here
 def test_the_record_stops_every_later_wait_of_the_rank(problem):
     """After one wait gave up, the rank's other waits return at once: a second call with the dead rank still away,
     under a bound raised a thousandfold (which a wait that still spun would take minutes to reach here), ends at

@@ -227,6 +227,8 @@ def main(argv=None) -> None:
 OTHER_KERNELS = (*expert_bwd.KERNELS, *protocol.KERNELS, *senders.KERNELS, *loopback.KERNELS)
 _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "KB": 8, "EB": 128, "CB": 128, "BD": 256,
                      "LB": 16, "NB": 8, "TB": 16, "BLOCK": 1024,
+                     # the bounded wait-and-reset of the write-backs (protocol.wait_returned)
+                     "STAGE": 5, "PER": 1,
                      # the act kernel on saved products, at its launcher's block
                      "TILE_M": 128, "PART_COLS": expert_bwd.PART_COLS, "BM": expert_bwd.PREACT_BM,
                      "BN": expert_bwd.PREACT_BN}
