@@ -16,7 +16,12 @@ from megamoe.parallel.owner import owner_experts
 from megamoe.parallel.protocol import combine_returned, exchange_counts
 from megamoe.parallel.senders import dispatch_rows
 from megamoe.parallel.workspace import CONTROL
-from tests.test_dispatch import CASES, assert_counters_after_forward, split_problem, workspaces_for
+from tests.test_dispatch import (
+    CASES,
+    assert_counters_after_forward,
+    split_problem,
+    workspaces_for,
+)
 
 pytestmark = pytest.mark.loopback
 
@@ -70,7 +75,7 @@ def test_a_rank_that_never_sends_its_counts(problem):
     ranks, full, bounds, workspaces = problem
     forward_with_fault(workspaces, ranks, skip_counts=(1,))
     for r in (0, 2, 3):
-        with pytest.raises(RuntimeError, match=r"on rank %d .*every source's counts at an owner.*peer rank 1\b" % r):
+        with pytest.raises(RuntimeError, match=rf"on rank {r} .*every source's counts at an owner.*peer rank 1\b"):
             workspaces[r].check_error()
     assert_recovers(workspaces, ranks, full, bounds)
 
@@ -89,8 +94,8 @@ def test_a_rank_that_sends_fewer_rows_than_it_announced(problem):
     forward_with_fault(workspaces, ranks, before_dispatch=announce_one_more)
     message = workspaces[owner].error()
     assert message and "rows of one of my experts" in message and "peer rank 3, index 1" in message
-    expected, seen = int(workspaces[owner].counts[int(workspaces[owner].epoch[0]) % 2, source, last]), None
-    assert f"expected {expected}, seen {expected - 1}" in message, (message, seen)
+    expected = int(workspaces[owner].counts[int(workspaces[owner].epoch[0]) % 2, source, last])
+    assert f"expected {expected}, seen {expected - 1}" in message, message
     for r in (0, 1, 3):
         assert workspaces[r].error() is None
     assert_recovers(workspaces, ranks, full, bounds)
@@ -122,3 +127,24 @@ def test_the_record_stops_every_later_wait_of_the_rank(problem):
     assert time.monotonic() - start < 20
     assert torch.equal(workspaces[0].control[CONTROL["err_stage"]:CONTROL["timeout_us"]], record)
     assert "in call 1," in first
+
+
+def test_a_nan_reaches_only_the_outputs_of_the_tokens_it_touches(problem):
+    """NaN in one token's x (rank 0) and in one expert's weights (expert 5, on rank 2): the forward's non-finite
+    output rows are exactly that token's and those of the tokens routed to that expert."""
+    ranks, full, bounds, workspaces = problem
+    poisoned_token, poisoned_expert = 3, 5
+    ranks = [list(p) for p in ranks]
+    ranks[0][0] = ranks[0][0].clone()
+    ranks[0][0][poisoned_token, 7] = float("nan")
+    owner, local = divmod(poisoned_expert, CASE[2])
+    ranks[owner][3] = ranks[owner][3].clone()
+    ranks[owner][3][local, 0, 0] = float("nan")
+    ys = loopback.loopback_forward(workspaces, [tuple(p) for p in ranks])
+    idx = full[1]
+    for r, y in enumerate(ys):
+        touched = (idx[bounds[r]:bounds[r + 1]] == poisoned_expert).any(dim=1)
+        if r == 0:
+            touched[poisoned_token] = True
+        assert torch.equal(~torch.isfinite(y).all(dim=1), touched), f"rank {r}"
+    assert any(bool((idx[bounds[r]:bounds[r + 1]] == poisoned_expert).any()) for r in range(1, NUM_RANKS))

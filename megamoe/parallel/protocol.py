@@ -175,7 +175,8 @@ def wait_rows_upto(arrived_ptr, counts_ptr, ready_ptr, epoch_ptr, e, E, R, EB: t
     releases, which that tile acquired, on to this one. The full wait costs ~2 µs per tile whose rows are long
     in (docs/DESIGN.md, "Expert parallelism", the ready mark); this check, one atomic."""
     base = tl.load(epoch_ptr).to(tl.int64) * (E + 1)
-    if tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") <= base + e:
+    # Nested: the wait must run only where the mark says so (a Triton condition does not short-circuit).
+    if tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") <= base + e:  # noqa: SIM102
         if wait_rows(arrived_ptr, counts_ptr, epoch_ptr, 0, e, E, R, EB):  # a wait that gave up marks nothing
             tl.atomic_max(ready_ptr, base + e + 1, sem="release", scope="gpu")
 
