@@ -13,7 +13,11 @@ from megamoe import reference
 from megamoe.kernels.plan import build_plan
 from megamoe.parallel import loopback
 from megamoe.parallel.owner import owner_experts
-from megamoe.parallel.protocol import combine_returned, exchange_counts
+from megamoe.parallel.protocol import (
+    combine_returned,
+    exchange_counts,
+    first_non_finite,
+)
 from megamoe.parallel.senders import dispatch_rows
 from megamoe.parallel.workspace import CONTROL
 from tests.test_dispatch import (
@@ -148,3 +152,13 @@ def test_a_nan_reaches_only_the_outputs_of_the_tokens_it_touches(problem):
             touched[poisoned_token] = True
         assert torch.equal(~torch.isfinite(y).all(dim=1), touched), f"rank {r}"
     assert any(bool((idx[bounds[r]:bounds[r + 1]] == poisoned_expert).any()) for r in range(1, NUM_RANKS))
+    # The debug mode's report names the first non-finite slot's expert and its owner.
+    for r in range(1, NUM_RANKS):
+        local_idx = idx[bounds[r]:bounds[r + 1]]
+        message = first_non_finite(workspaces[r], local_idx)
+        if bool((local_idx == poisoned_expert).any()):
+            token, slot = (local_idx == poisoned_expert).nonzero()[0].tolist()
+            assert message.endswith(f"token {token}, slot {slot}, from expert {poisoned_expert} on rank {owner} "
+                                    "(the first such slot)"), message
+        else:
+            assert message is None

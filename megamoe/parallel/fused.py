@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megamoe.env import debug_checks_enabled, sm_count
+from megamoe.env import debug_checks_enabled, sm_count, warn_once
 from megamoe.kernels.plan import Plan, build_plan
 from megamoe.parallel.owner import owner_experts, owner_experts_backward
 from megamoe.parallel.protocol import (
     combine_returned,
     combine_returned_backward,
     exchange_counts,
+    first_non_finite,
 )
 from megamoe.parallel.senders import dispatch_rows
 from megamoe.parallel.workspace import Workspace, symmetric_workspace
@@ -81,6 +82,8 @@ class FusedEP(torch.autograd.Function):
         if debug_checks_enabled():
             ws.check_overflow(now=True)
             ws.check_error(now=True)
+            if message := first_non_finite(ws, topk_idx):
+                warn_once(message)
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan.tensors())
         ctx.ws, ctx.comm_sms = ws, comm_sms[1]
         return y

@@ -309,6 +309,20 @@ def combine_returned(ws: Workspace, topk_idx_TK: torch.Tensor, out_dtype: torch.
     return combine(ws.y_slots[: topk_idx_TK.numel()], topk_idx_TK, out_dtype)
 
 
+def first_non_finite(ws: Workspace, topk_idx_TK: torch.Tensor) -> str | None:
+    """The first of my slots whose returned row (an expert's output, weighted; in the backward its dx part) holds
+    a NaN or an infinity, as a message naming the token, the slot and the expert's owner; None if there is none.
+    Reads back to the host (the debug mode, ``MEGAMOE_DEBUG=1``)."""
+    experts = topk_idx_TK.reshape(-1)
+    bad = ~torch.isfinite(ws.y_slots[: experts.numel()]).all(dim=1) & (experts >= 0)
+    if not bool(bad.any()):
+        return None
+    slot = int(bad.nonzero()[0, 0])
+    top_k, expert = topk_idx_TK.shape[1], int(experts[slot])
+    return (f"megamoe (MEGAMOE_DEBUG): a non-finite expert output on rank {ws.rank}: token {slot // top_k}, slot "
+            f"{slot % top_k}, from expert {expert} on rank {expert // ws.num_local} (the first such slot)")
+
+
 def combine_returned_backward(ws: Workspace, topk_idx_TK: torch.Tensor, out_dtype: torch.dtype):
     """Phase 5 of the backward: dx (T, D) from the returned rows, and d(routing weight) (T, K) fp32 from the
     returned scalars (exact zero for a dropped slot)."""
