@@ -1,6 +1,7 @@
 """The fused expert-parallel protocol when a peer misbehaves, on the loopback workspace (virtual ranks of one
 device; on CPU in the Triton interpreter, on a GPU with ``-m loopback``): every wait is bounded, so a rank that
-never sends its counts, sends fewer rows than it announced or never writes back ends each waiting rank's call
+never sends its counts, sends fewer rows than it announced, never writes back or starts the backward after the
+bound ends each waiting rank's call
 within the bound, with a ``RuntimeError`` that names the stage and the peer; after a reset of every workspace the
 next call is exact again."""
 
@@ -12,14 +13,16 @@ import torch
 from megamoe import reference
 from megamoe.kernels.plan import build_plan
 from megamoe.parallel import loopback
-from megamoe.parallel.owner import owner_experts
+from megamoe.parallel.owner import owner_experts, owner_experts_backward
 from megamoe.parallel.protocol import (
     combine_returned,
+    combine_returned_backward,
     exchange_counts,
     first_non_finite,
 )
 from megamoe.parallel.senders import dispatch_rows
 from megamoe.parallel.workspace import CONTROL
+from tests.helpers import run_with_grads
 from tests.test_dispatch import (
     CASES,
     assert_counters_after_forward,
@@ -162,3 +165,40 @@ def test_a_nan_reaches_only_the_outputs_of_the_tokens_it_touches(problem):
                                     "(the first such slot)"), message
         else:
             assert message is None
+
+
+def test_a_rank_that_starts_the_backward_after_the_others_gave_up(problem):
+    """Rank 1 reaches the backward only after the bound: the others' backward calls end with the error naming it
+    (each waited for its counts); rank 1's late call ends too (it may find rows that the others, having given up,
+    sent to the wrong places, so its record is not checked). After a reset every rank's backward is exact."""
+    ranks, full, bounds, workspaces = problem
+    dys = split_problem(CASE, NUM_RANKS)[3]
+    num_experts, late = NUM_RANKS * CASE[2], 1
+    plans = [build_plan(p[1], num_experts) for p in ranks]
+
+    def backward_of(group):
+        for r in group:
+            exchange_counts(workspaces[r], plans[r])
+        for r in group:
+            x, idx, weights, _, _ = ranks[r]
+            dispatch_rows(workspaces[r], x, idx, weights, plans[r], dy_TD=dys[r])
+        for r in group:
+            owner_experts_backward(workspaces[r], ranks[r][3], ranks[r][4])
+        for r in group:
+            combine_returned_backward(workspaces[r], ranks[r][1], ranks[r][0].dtype)
+
+    backward_of([r for r in range(NUM_RANKS) if r != late])
+    backward_of([late])
+    for r in range(NUM_RANKS):
+        if r != late:
+            with pytest.raises(RuntimeError, match=rf"on rank {r} .*peer rank {late}\b"):
+                workspaces[r].check_error()
+    for ws in workspaces:
+        ws.reset()
+    check = loopback.loopback_backward(workspaces, ranks, dys)
+    _, dx, dweights, _, _ = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *full)
+    for r, (got_dx, got_dweights, _, _) in enumerate(check):
+        tok = slice(bounds[r], bounds[r + 1])
+        torch.testing.assert_close(got_dx, dx[tok], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_dweights, dweights[tok], rtol=1e-5, atol=1e-5)
+    assert all(ws.error() is None for ws in workspaces)
