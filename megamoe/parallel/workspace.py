@@ -20,7 +20,9 @@ increments), ``arrived`` counts rows and ``returned`` counts owners that have wr
 reset by its only reader once it has seen them all. ``counts`` and ``counts_flag`` come in two copies, picked by the epoch's parity: a rank
 that has finished a call may write the next call's counts while a slower rank still reads this call's
 (it cannot get two calls ahead: the next dispatch waits for every rank's next counts). See
-docs/DESIGN.md ("Expert parallelism") for why no wait can hang.
+docs/DESIGN.md ("Expert parallelism") for why no wait deadlocks. Every wait is also bounded
+(``MEGAMOE_EP_TIMEOUT_S``): one that gives up writes the rank's error record into its control block
+(``CONTROL``: the epoch, then the record), which :meth:`Workspace.check_error` raises.
 """
 
 from __future__ import annotations
