@@ -105,6 +105,13 @@ def _worker(rank, num_ranks, init_file, test):
             check_layer(rank, num_ranks, group)
         elif test == "bench":
             check_bench(group, torch.device("cpu"))
+        elif test == "signature":
+            from megamoe.parallel.workspace import check_same_on_every_rank
+
+            check_same_on_every_rank(group, hidden_size=64, dtype=torch.bfloat16)
+            with pytest.raises(ValueError, match=r"different hidden_size: rank 0: hidden_size=64; rank 1: "
+                                                 r"hidden_size=65"):
+                check_same_on_every_rank(group, hidden_size=64 + rank, dtype=torch.bfloat16)
         elif test == "fsdp":
             check_fsdp(rank, num_ranks, "cpu")
         elif test == "fsdp_gpu":
@@ -341,6 +348,12 @@ def test_moe_with_group_equals_one_device_reference(num_ranks):
 
 def test_layer_with_ep_group_equals_one_layer():
     spawn("layer", 2)
+
+
+def test_ranks_that_disagree_on_the_layer_are_refused():
+    """The fused path's workspace is made only if every rank passed the same sizes and dtype (each rank raises
+    ValueError naming what differs, instead of exchanging mismatched rows)."""
+    spawn("signature", 2)
 
 
 def test_fsdp2_with_megamoe_experts_equals_one_process():

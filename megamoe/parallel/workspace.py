@@ -223,6 +223,21 @@ def loopback_workspaces(num_ranks: int, num_local: int, capacity: int, max_token
 _ALIGN = 128  # bytes between buffers inside the symmetric allocation
 
 
+def check_same_on_every_rank(group, **signature) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` unless every rank passed the same ``signature`` (a
+    collective: one all-gather of a few numbers, once per workspace). Ranks that called the fused layer with
+    different experts per rank, top-k, hidden size, dtype or token capacity would otherwise exchange rows of
+    mismatched sizes."""
+    mine = tuple(sorted((name, str(value)) for name, value in signature.items()))
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    if any(other != mine for other in every):
+        differing = sorted({name for other in every for (name, value) in other if (name, value) not in mine})
+        raise ValueError(f"expert parallelism: the ranks of the group called with different {', '.join(differing)}: "
+                         + "; ".join(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in other if k in differing)
+                                     for r, other in enumerate(every)))
+
+
 def symmetric_workspace(group, num_local: int, capacity: int, max_tokens: int, max_slots: int, dim: int,
                         dtype: torch.dtype) -> Workspace:
     """This rank's workspace in symmetric memory over ``group`` (a collective: every rank calls it with
@@ -231,6 +246,8 @@ def symmetric_workspace(group, num_local: int, capacity: int, max_tokens: int, m
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     _check_ranks(num_ranks)
+    check_same_on_every_rank(group, local_experts=num_local, capacity=capacity, max_tokens=max_tokens,
+                             max_slots=max_slots, hidden_size=dim, dtype=dtype)
     shape_args = (num_ranks, num_local, capacity, max_tokens, max_slots, dim)
     layout, size = {}, 0  # name → (byte offset, shape, dtype)
     for name, (shape, kind) in BUFFERS.items():
