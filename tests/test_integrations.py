@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+import megamoe
 import megamoe.integrations.transformers as hf_megamoe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,6 +100,25 @@ def test_expert_parallel_sentinels_contribute_nothing():
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
     y.sum().backward()
     assert torch.equal(w.grad[:, 1], torch.zeros_like(w.grad[:, 1]))
+
+
+def test_saved_mode_through_the_integration_gives_the_same_gradients(monkeypatch):
+    """``set_save_for_backward(model, "preact")``: every experts call asks megamoe to keep the gate/up products,
+    and the model's loss and every gradient equal the keep-nothing run's; a bad mode is refused."""
+    model = tiny_model()
+    input_ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    _, loss, grads = step(model, "megamoe", input_ids)
+    saved = copy.deepcopy(model)
+    hf_megamoe.set_save_for_backward(saved, "preact")
+    modes, moe = [], megamoe.moe
+    monkeypatch.setattr(megamoe, "moe", lambda *a, **k: modes.append(k["save_for_backward"]) or moe(*a, **k))
+    _, saved_loss, saved_grads = step(saved, "megamoe", input_ids)
+    assert modes == ["preact"] * saved.config.num_hidden_layers
+    assert torch.equal(saved_loss, loss)
+    for name, g in grads.items():
+        torch.testing.assert_close(saved_grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="save_for_backward must be one of"):
+        hf_megamoe.set_save_for_backward(saved, "everything")
 
 
 def test_inference_without_grad_keeps_nothing():

@@ -13,7 +13,7 @@ clamped activation), non-gated experts. transformers' expert-parallel sentinel i
 on this rank") contribute nothing, as dropped slots. bf16, fp16 and fp32 models; under ``torch.no_grad`` it
 keeps nothing for a backward. For activation checkpointing, :func:`enable_activation_checkpointing` (or
 transformers' own switch with :func:`megamoe.checkpoint_context` as its ``context_fn``). Expert parallelism:
-:func:`shard_experts`.
+:func:`shard_experts`. Keeping the gate/up pre-activation for the backward: :func:`set_save_for_backward`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from transformers.integrations import moe as hf_moe
 
 import megamoe
+from megamoe.api import SAVE_MODES
 
 NAME = "megamoe"
 
@@ -69,11 +70,27 @@ def megamoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     w13, w2 = self.gate_up_proj, self.down_proj
     topk_idx = top_k_index.masked_fill(top_k_index >= self.num_experts, -1)  # sentinels: dropped slots
     group = getattr(self, EP_GROUP, None)  # set by shard_experts: this rank holds its E/R experts only
-    y = megamoe.moe(hidden_states.to(w13.dtype).contiguous(), topk_idx, top_k_weights, w13, w2, group=group)
+    y = megamoe.moe(hidden_states.to(w13.dtype).contiguous(), topk_idx, top_k_weights, w13, w2, group=group,
+                    save_for_backward=getattr(self, SAVE_FOR_BACKWARD, "none"))
     return y.to(hidden_states.dtype)
 
 
 EP_GROUP = "megamoe_ep_group"
+SAVE_FOR_BACKWARD = "megamoe_save_for_backward"
+
+
+def set_save_for_backward(model: torch.nn.Module, mode: str) -> None:
+    """What every experts module of ``model`` keeps between forward and backward (:func:`megamoe.moe`'s
+    ``save_for_backward``): ``"none"`` (the default: nothing; what checkpointed training wants) or ``"preact"``
+    (the gate/up pre-activation, K·2I·2 bytes per token in bf16: the backward skips its recompute GEMM; one GPU,
+    not with :func:`shard_experts`)."""
+    if mode not in SAVE_MODES:
+        raise ValueError(f"save_for_backward must be one of {SAVE_MODES}, got {mode!r}")
+    found = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+    if not found:
+        raise ValueError("set_save_for_backward: the model has no experts module with gate_up_proj / down_proj")
+    for module in found:
+        setattr(module, SAVE_FOR_BACKWARD, mode)
 
 
 def shard_experts(model: torch.nn.Module, ep_group) -> list[torch.nn.Module]:
