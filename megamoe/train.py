@@ -184,6 +184,11 @@ def model_flops_per_token(config, seq_len: int) -> float:
     return 6 * params + config.num_hidden_layers * 6 * seq_len * h * hd
 
 
+def mfu(flops_per_step: float, step_ms: float) -> float:
+    """The fraction of PEAK_TFLOPS that ``flops_per_step`` in ``step_ms`` is."""
+    return flops_per_step / step_ms / 1e9 / PEAK_TFLOPS
+
+
 def prepare(model, experts: str, compile_layers: bool, mesh, ep_group):
     """``model`` with ``experts``'s implementation, full activation checkpointing, (expert parallelism and FSDP2
     when distributed) and compiled decoder layers. Returns the expert parameters (their gradients are divided by
@@ -431,8 +436,12 @@ def main(argv=None) -> dict | None:
         return lm_loss + AUX_LOSS_COEF * aux, lm_loss.detach()
 
     def evaluate() -> float:  # every rank runs every held-out sequence (FSDP2 and EP exchange in lockstep)
+        losses = []
         with torch.no_grad():
-            losses = [step_loss(held_out.batch(i, 1).to(device))[1] for i in range(args.eval_seqs)]
+            for i in range(args.eval_seqs):
+                ids = held_out.batch(i, 1).to(device)
+                losses.append(model(input_ids=ids, labels=ids).loss)  # the language-model loss alone
+                router_logits.clear()
         return torch.stack(losses).float().mean().item()
 
     tokens_per_step = args.seq_len * args.seqs_per_step * world
@@ -463,7 +472,7 @@ def main(argv=None) -> dict | None:
             ms = log["step_ms"][-1]
             postfix = {"loss": f"{losses[-1]:.3f}", "tok/s": f"{tokens_per_step / ms * 1e3:,.0f}"}
             if cuda:
-                postfix["MFU"] = f"{flops_per_token * tokens_per_step / ms / 1e9 / PEAK_TFLOPS:.1%}"
+                postfix["MFU"] = f"{mfu(flops_per_token * tokens_per_step, ms):.1%}"
                 postfix["mem"] = f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}G"
             bar.set_postfix(postfix)
             bar.update(len(pending))
@@ -534,7 +543,7 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
         "first_step": start, "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / step_ms * 1e3 if step_ms else None, "step_ms_median": step_ms,
         "host_ms_median": statistics.median(host) if host else None,
-        "mfu": (flops_per_token * tokens_per_step / step_ms / 1e9 / PEAK_TFLOPS) if cuda and step_ms else None,
+        "mfu": mfu(flops_per_token * tokens_per_step, step_ms) if cuda and step_ms else None,
         "mfu_flops_per_token": flops_per_token, "mfu_peak_tflops": PEAK_TFLOPS,
         "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
         "final_eval_loss": log["eval"][-1]["loss"] if log["eval"] else None,

@@ -36,9 +36,9 @@ ATTENTION = {"qwen3-30b-a3b": (32, 4, 128), "qwen3-235b-a22b": (64, 4, 128), "ti
 EXPERTS = ("megamoe", "grouped_mm", "eager")
 
 
-def build(preset: str, layers: int, vocab: int, dtype: torch.dtype, device, seed: int = 0, **config):
+def build(preset: str, layers: int, vocab: int, dtype: torch.dtype, device, seed: int = 0):
     """transformers' ``Qwen3MoeForCausalLM`` at ``preset``'s layer dimensions with ``layers`` decoder layers and
-    ``vocab`` tokens, random weights from ``seed``; ``config``: further ``Qwen3MoeConfig`` fields."""
+    ``vocab`` tokens, random weights from ``seed``."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     dim, inter, num_experts, top_k = PRESETS[preset]
@@ -47,7 +47,7 @@ def build(preset: str, layers: int, vocab: int, dtype: torch.dtype, device, seed
                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                             head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
                             max_position_embeddings=65536, attn_implementation="sdpa",
-                            rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **config)
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config).to(device=device, dtype=dtype)
 

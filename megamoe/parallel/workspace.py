@@ -125,12 +125,7 @@ class Workspace:
         read the record back (a host sync; the debug mode, ``MEGAMOE_DEBUG=1``). Otherwise without a sync: the
         record as it was when the previous check ran is copied to the host behind the work queued so far, and
         read here once that copy has landed — so a failure surfaces within a call or two."""
-        if now:
-            message = self.error()
-            if message:
-                raise RuntimeError(message)
-            return
-        if self.control.device.type != "cuda":  # the host runs the kernels: the record is final already
+        if now or self.control.device.type != "cuda":  # on CPU the host ran the kernels: the record is final
             message = self.error()
             if message:
                 raise RuntimeError(message)
