@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megamoe import reference
 from megamoe.autograd import fused_moe
 from megamoe.env import debug_checks_enabled, interpreting, warn_once
+from megamoe.kernels.quant import check_fp8_dims
 from megamoe.parallel.all_to_all import moe_all_to_all
 from megamoe.parallel.fused import comm_sms_ok, comm_sms_pair, moe_fused_ep
 
@@ -23,14 +24,15 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def backend_for(x: torch.Tensor) -> str:
+def backend_for(x: torch.Tensor, fp8: bool = False) -> str:
     """Which implementation :func:`moe` runs for an input on ``x``'s device: ``"triton"`` or ``"reference"``.
 
     ``MEGAMOE_BACKEND=reference`` forces the reference (for debugging). The fused Triton kernels run on
     Hopper (compute capability 9.0) or newer GPUs — they read the weights through TMA descriptors — and
     on CPU tensors under ``TRITON_INTERPRET=1`` (tests). Everything else runs
     :func:`megamoe.reference.moe_grouped_mm` — same numbers, slower. Shapes the kernels cannot take
-    are checked separately (:func:`fused_supports`).
+    are checked separately (:func:`fused_supports`). ``fp8``: the blockwise FP8 kernels, on Hopper; before
+    Hopper (no FP8 tensor cores) a one-time warning and the bf16 kernels' reference path.
     """
     forced = os.environ.get("MEGAMOE_BACKEND", "auto")
     if forced not in ("auto", "reference"):
@@ -42,7 +44,8 @@ def backend_for(x: torch.Tensor) -> str:
         # functools.cache-wrapped call it traces.
         if torch.cuda.get_device_capability(x.device) >= (9, 0):
             return "triton"
-        warn_once("megamoe: GPU older than Hopper (sm90); running the (slow) reference implementation")
+        warn_once("megamoe: GPU older than Hopper (sm90); running the (slow) reference implementation"
+                  + (" in bf16 (precision='fp8' needs Hopper's FP8 tensor cores)" if fp8 else ""))
         return "reference"
     return "triton" if interpreting() else "reference"
 
@@ -186,8 +189,14 @@ def moe(
             every SM, before the expert kernels. A pair ``(forward, backward)`` of such counts sets the
             two directions apart. ``None`` (default): ``parallel.fused.DEFAULT_COMM_SMS`` (32, measured), or 0
             on a GPU with at most 64 SMs (``parallel.fused.default_comm_sms``).
-        precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``
-            (blockwise e4m3) is planned and raises ``NotImplementedError`` for now.
+        precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``: blockwise e4m3
+            GEMMs, DeepSeek-V3's recipe (``megamoe.kernels.quant``): x, h, dy and dz scaled per row per 128
+            columns, the weights per 128x128 block (FP8 copies of both orientations made once and cached until
+            the weights change: ``kernels.quant.fp8_weight``), fp32 scales and accumulation, promoted every 128
+            of K; the routing weights, SwiGLU and combine in fp32; the weight gradients from the unquantised rows
+            in x's dtype. D and I must be multiples of 128 (``ValueError`` otherwise). One GPU for now
+            (``NotImplementedError`` with ``group``); on a GPU before Hopper a one-time warning and the bf16
+            reference.
         save_for_backward: what the fused path keeps between forward and backward. ``"none"`` (default):
             only the inputs and the routing plan; the backward recomputes the gate/up GEMM — the mode for
             activation-checkpointed training, where megamoe's forward need not run twice. ``"preact"``: also
@@ -207,8 +216,6 @@ def moe(
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "fp8":
-        raise NotImplementedError("precision='fp8' (blockwise e4m3) is not implemented yet; use 'bf16'")
     if save_for_backward not in SAVE_MODES:
         raise ValueError(f"save_for_backward must be one of {SAVE_MODES}, got {save_for_backward!r}")
     if comm_sms is not None and not comm_sms_ok(comm_sms):
@@ -220,6 +227,9 @@ def moe(
         if save_for_backward != "none":
             raise NotImplementedError(f"save_for_backward={save_for_backward!r} with expert parallelism (group=...) "
                                       "is not implemented yet; use 'none'")
+        if precision == "fp8":
+            raise NotImplementedError("precision='fp8' with expert parallelism (group=...) is not implemented yet; "
+                                      "use 'bf16'")
         if ep_path(x, w2) == "fused":
             return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank, comm_sms)
     if comm_sms is not None and max(comm_sms_pair(comm_sms)):
@@ -228,16 +238,21 @@ def moe(
     if group is not None:
         return moe_all_to_all(x, topk_idx, topk_weights, w13, w2, group, experts=moe)
     validate(x, topk_idx, topk_weights, w13, w2)
-    backend = backend_for(x)
+    fp8 = precision == "fp8"
+    if fp8:
+        check_fp8_dims(x.shape[1], w2.shape[2])
+    backend = backend_for(x, fp8)
     if backend == "triton" and not x.is_cuda and x.dtype == torch.bfloat16:
         raise TypeError("x is bfloat16 on the CPU under TRITON_INTERPRET=1: Triton's interpreter computes bf16 "
                         "products wrongly (off by orders of magnitude); use float32 or float16 there, or unset "
                         "TRITON_INTERPRET to run the reference implementation")
     if backend == "triton":
         if fused_supports(x, w2):
-            return fused_moe(x, topk_idx, topk_weights, w13, w2, save_preact=save_for_backward == "preact")
+            return fused_moe(x, topk_idx, topk_weights, w13, w2, save_preact=save_for_backward == "preact", fp8=fp8)
         warn_once(f"megamoe: D={x.shape[1]} and I={w2.shape[2]} rows of {x.dtype} are not 16-byte multiples; "
                   "running the (slow) reference implementation")
+    if fp8 and not (x.is_cuda and torch.cuda.get_device_capability(x.device) < (9, 0)):
+        return reference.moe_loop_fp8(x, topk_idx, topk_weights, w13, w2)  # the recipe in plain PyTorch (slow)
     if reference.grouped_mm_supports(x.shape[1], w2.shape[2], x.dtype):
         return reference.moe_grouped_mm(x, topk_idx, topk_weights, w13, w2)
     return reference.moe_loop(x, topk_idx, topk_weights, w13, w2)

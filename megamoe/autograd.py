@@ -7,6 +7,9 @@ batches cannot hide.
 
 Saved for backward: the inputs and the routing plan (a few int32 vectors) — no activations — or, in the
 saved-activation mode, also the gate/up products (N, 2I in x's dtype), so the backward skips their GEMM.
+
+The precision is chosen here, once: ``fp8`` runs the blockwise FP8 bodies (:func:`experts_forward_fp8`,
+:func:`experts_backward_fp8`) behind the same autograd function and custom ops.
 """
 
 from __future__ import annotations
@@ -18,14 +21,19 @@ from megamoe.env import custom_ops_forced
 from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
     act_bwd,
+    act_bwd_fp8,
     act_bwd_from_preact,
+    dh_fp8,
     dx_slots,
+    dx_slots_fp8,
     expert_wgrad,
     expert_wgrad_and_combine,
+    gather_rows,
     sorted_rows_and_dh,
 )
-from megamoe.kernels.expert_fwd import down_fwd, up_swiglu_fwd
+from megamoe.kernels.expert_fwd import down_fp8, down_fwd, up_swiglu_fp8, up_swiglu_fwd
 from megamoe.kernels.plan import Plan, build_plan, num_tiles
+from megamoe.kernels.quant import fp8_weight, quantize_rows
 
 
 def experts_forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
@@ -58,6 +66,51 @@ def experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tens
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
 
 
+def experts_forward_fp8(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                        offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor,
+                        preact: Tensor | None = None) -> Tensor:
+    """:func:`experts_forward` in blockwise FP8 (``kernels.quant``): x quantised 1x128, the weights' cached FP8
+    copies, h quantised 1x128 in the up kernel's epilogue; y in x's dtype, summed in fp32."""
+    plan = Plan(offsets, row_slot, tile_expert, tile_row)
+    w13q, w13s, _, _ = fp8_weight(w13)
+    w2q, w2s, _, _ = fp8_weight(w2)
+    hq, hs = up_swiglu_fp8(*quantize_rows(x), w13q, w13s, plan, topk_idx.shape[1], preact_NH=preact)
+    slots_ND = down_fp8(hq, hs, w2q, w2s, topk_weights.contiguous(), plan, x.dtype)
+    return combine(slots_ND, topk_idx, x.dtype)
+
+
+def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                         offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor,
+                         preact: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`experts_backward` in blockwise FP8: dy quantised 1x128; dh' and dx on the weights' transposed FP8
+    copies; g and u recomputed in FP8 (as the forward computed them) unless saved; the weight gradients from the
+    unquantised rows in x's dtype (exact products, fp32 accumulation)."""
+    plan = Plan(offsets, row_slot, tile_expert, tile_row)
+    top_k = topk_idx.shape[1]
+    weights = topk_weights.contiguous()
+    w13q, w13s, w13tq, w13ts = fp8_weight(w13)
+    _, _, w2tq, w2ts = fp8_weight(w2)
+    x_sorted, dy_sorted = gather_rows(x, dy, plan, top_k)
+    dh_NI = dh_fp8(*quantize_rows(dy_sorted), w2tq, w2ts, plan, x.dtype)
+    if preact is None:
+        dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_fp8(*quantize_rows(x_sorted), dh_NI, w13q, w13s, weights, plan,
+                                                         top_k)
+    else:
+        dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True)
+    dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan,
+                                                                                       x.dtype), topk_idx, x.dtype)
+    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
+    return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
+
+
+def _forward_body(fp8: bool):
+    return experts_forward_fp8 if fp8 else experts_forward
+
+
+def _backward_body(fp8: bool):
+    return experts_backward_fp8 if fp8 else experts_backward
+
+
 def preact_buffer(x: Tensor, topk_idx: Tensor, w13: Tensor) -> Tensor:
     """The saved-activation mode's (N, 2I) buffer of gate and up products, in x's dtype (rows past the routed
     count are never written or read)."""
@@ -68,21 +121,21 @@ class _FusedMoE(torch.autograd.Function):
     """The eager path."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w13, w2, save_preact: bool):
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2, save_preact: bool, fp8: bool):
         plan = build_plan(topk_idx, w13.shape[0]).tensors()
         preact = preact_buffer(x, topk_idx, w13) if save_preact else None
-        y = experts_forward(x, topk_idx, topk_weights, w13, w2, *plan, preact=preact)
+        y = _forward_body(fp8)(x, topk_idx, topk_weights, w13, w2, *plan, preact=preact)
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan, *(() if preact is None else (preact,)))
-        ctx.save_preact = save_preact
+        ctx.save_preact, ctx.fp8 = save_preact, fp8
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, topk_idx, topk_weights, w13, w2, *rest = ctx.saved_tensors
         plan, preact = (rest[:-1], rest[-1]) if ctx.save_preact else (rest, None)
-        dx, dweight, dw13, dw2 = experts_backward(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan,
-                                                  preact=preact)
-        return dx, None, dweight, dw13, dw2, None
+        dx, dweight, dw13, dw2 = _backward_body(ctx.fp8)(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan,
+                                                    preact=preact)
+        return dx, None, dweight, dw13, dw2, None, None
 
 
 @torch.library.custom_op("megamoe::plan", mutates_args=())
@@ -99,63 +152,69 @@ def _(topk_idx, num_experts):
             topk_idx.new_empty(nt, **i32), topk_idx.new_empty(nt, **i32))
 
 
+# ``fp8``: the blockwise FP8 bodies; a trailing argument with a default, so that bf16 callers name it nowhere.
 @torch.library.custom_op("megamoe::experts_fwd", mutates_args=())
 def _experts_fwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                 offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor) -> Tensor:
-    return experts_forward(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row)
+                 offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, fp8: bool = False) -> Tensor:
+    return _forward_body(fp8)(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row)
 
 
 @_experts_fwd.register_fake
-def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row):
+def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, fp8=False):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("megamoe::experts_fwd_saved", mutates_args=())
 def _experts_fwd_saved(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                       offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor
+                       offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, fp8: bool = False
                        ) -> tuple[Tensor, Tensor]:
     preact = preact_buffer(x, topk_idx, w13)
-    return experts_forward(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row,
-                           preact=preact), preact
+    return _forward_body(fp8)(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row,
+                         preact=preact), preact
 
 
 @_experts_fwd_saved.register_fake
-def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row):
+def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, fp8=False):
     return torch.empty_like(x), preact_buffer(x, topk_idx, w13)
 
 
 @torch.library.custom_op("megamoe::experts_bwd", mutates_args=())
 def _experts_bwd(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                 offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, preact: Tensor | None
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return experts_backward(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row,
-                            preact=preact)
+                 offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, preact: Tensor | None,
+                 fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _backward_body(fp8)(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row,
+                          preact=preact)
 
 
 @_experts_bwd.register_fake
-def _(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, preact):
+def _(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, preact, fp8=False):
     return torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13), torch.empty_like(w2)
 
 
+_NO_GRADS = (None,) * 5  # the plan's four tensors and ``fp8``
+
+
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:9])
+    ctx.fp8 = inputs[9]
 
 
 def _backward(ctx, dy):
     x, topk_idx, topk_weights, w13, w2, *plan = ctx.saved_tensors
-    dx, dweight, dw13, dw2 = _experts_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan, None)
-    return dx, None, dweight, dw13, dw2, None, None, None, None
+    dx, dweight, dw13, dw2 = _experts_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan, None, ctx.fp8)
+    return dx, None, dweight, dw13, dw2, *_NO_GRADS
 
 
 def _setup_context_saved(ctx, inputs, output):
-    ctx.save_for_backward(*inputs, output[1])
+    ctx.save_for_backward(*inputs[:9], output[1])
+    ctx.fp8 = inputs[9]
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward_saved(ctx, dy, _):
     x, topk_idx, topk_weights, w13, w2, *plan, preact = ctx.saved_tensors
-    dx, dweight, dw13, dw2 = _experts_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan, preact)
-    return dx, None, dweight, dw13, dw2, None, None, None, None
+    dx, dweight, dw13, dw2 = _experts_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan, preact, ctx.fp8)
+    return dx, None, dweight, dw13, dw2, *_NO_GRADS
 
 
 _experts_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -163,13 +222,14 @@ _experts_fwd_saved.register_autograd(_backward_saved, setup_context=_setup_conte
 
 
 def fused_moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-              save_preact: bool = False) -> Tensor:
+              save_preact: bool = False, fp8: bool = False) -> Tensor:
     """The fused path of :func:`megamoe.moe` (arguments already validated). ``save_preact``: keep the gate/up
-    products (N, 2I) for the backward instead of recomputing them there."""
+    products (N, 2I) for the backward instead of recomputing them there. ``fp8``: blockwise FP8 GEMMs (D and I
+    multiples of 128)."""
     topk_idx = topk_idx.contiguous()
     if not (torch.compiler.is_compiling() or custom_ops_forced()):
-        return _FusedMoE.apply(x, topk_idx, topk_weights, w13, w2, save_preact)
+        return _FusedMoE.apply(x, topk_idx, topk_weights, w13, w2, save_preact, fp8)
     plan = _plan_op(topk_idx, w13.shape[0])
     if save_preact:
-        return _experts_fwd_saved(x, topk_idx, topk_weights, w13, w2, *plan)[0]
-    return _experts_fwd(x, topk_idx, topk_weights, w13, w2, *plan)
+        return _experts_fwd_saved(x, topk_idx, topk_weights, w13, w2, *plan, fp8)[0]
+    return _experts_fwd(x, topk_idx, topk_weights, w13, w2, *plan, fp8)

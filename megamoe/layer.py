@@ -23,7 +23,7 @@ class MegaMoE(nn.Module):
         ep_group: process group for expert parallelism, or ``None``. With a group of R ranks this
             rank holds experts [r*E/R, (r+1)*E/R) (``w13``/``w2`` have E/R experts; R must divide E), the
             router stays replicated over all E, and :func:`megamoe.moe` exchanges the rows.
-        precision: ``"bf16"`` (see :func:`megamoe.moe`).
+        precision: ``"bf16"`` or ``"fp8"`` (blockwise FP8 GEMMs; D and I multiples of 128): see :func:`megamoe.moe`.
         max_tokens_per_rank: with ``ep_group``, on the fused path: see :func:`megamoe.moe`.
         comm_sms: with ``ep_group``, on the fused path: see :func:`megamoe.moe` (``None``: the measured default).
         save_for_backward: ``"none"`` (keep no activations; the backward recomputes the gate/up GEMM) or

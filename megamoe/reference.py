@@ -129,3 +129,101 @@ def moe_grouped_mm(
     slots_ND = torch.empty_like(routed_ND)
     slots_ND[order_N] = routed_ND
     return slots_ND.view(num_tokens, top_k, dim).sum(dim=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Blockwise FP8 (the recipe of ``megamoe.kernels.quant``), in plain PyTorch: the quantisers bit for bit, and the
+# layer computed the way the FP8 kernels compute it, with every product in fp32 on the dequantised operands.
+
+E4M3_MAX, FP8_GROUP, AMAX_FLOOR = 448.0, 128, 1e-12
+
+
+def _quantize_groups(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``v`` (..., G) fp32 -> (e4m3 (..., G), fp32 scales (...)): one group per last-dim row."""
+    amax = v.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
+    q = (v * (E4M3_MAX / amax)[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, amax / E4M3_MAX
+
+
+def quantize_rows(a_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q (M, K) e4m3, s (K/128, M) fp32), as ``kernels.quant.quantize_rows``."""
+    num_rows, k = a_MK.shape
+    q, s = _quantize_groups(a_MK.float().reshape(num_rows, k // FP8_GROUP, FP8_GROUP))
+    return q.reshape(num_rows, k), s.t().contiguous()
+
+
+def quantize_weight(w_ERC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, s, qt, st), as ``kernels.quant.quantize_weight``: 128x128 blocks of ``w`` (E, R, C) and of its transpose."""
+    num_experts, r, c = w_ERC.shape
+    g = FP8_GROUP
+    blocks = w_ERC.float().reshape(num_experts, r // g, g, c // g, g).transpose(2, 3)  # (E, R/g, C/g, g, g)
+    q, s = _quantize_groups(blocks.reshape(num_experts, r // g, c // g, g * g))
+    q = q.reshape(num_experts, r // g, c // g, g, g)
+    return (q.transpose(2, 3).reshape(num_experts, r, c), s,
+            q.permute(0, 2, 4, 1, 3).reshape(num_experts, c, r), s.transpose(1, 2).contiguous())
+
+
+def dequantize_rows(q_MK: torch.Tensor, s_KM: torch.Tensor) -> torch.Tensor:
+    return q_MK.float() * s_KM.t().repeat_interleave(FP8_GROUP, dim=1)
+
+
+def dequantize_weight(q_ERC: torch.Tensor, s_E: torch.Tensor) -> torch.Tensor:
+    return q_ERC.float() * s_E.repeat_interleave(FP8_GROUP, dim=1).repeat_interleave(FP8_GROUP, dim=2)
+
+
+def _fp8_rows(a: torch.Tensor) -> torch.Tensor:
+    """``a`` (M, K) through 1x128 quantisation and back, fp32."""
+    return dequantize_rows(*quantize_rows(a))
+
+
+class _MoeLoopFP8(torch.autograd.Function):
+    """The FP8 recipe of ``megamoe.moe(precision="fp8")``, per expert, in fp32 on dequantised operands.
+
+    Forward: x 1x128, w13 and w2 128x128; h = silu(g) * u quantised 1x128 before the down GEMM. Backward: dy
+    1x128; dh' = dy W2[e]; the SwiGLU backward from the recomputed g, u in fp32; dz = [dg | du] 1x128 for
+    dx = dz W13[e]; the weight gradients from the unquantised operands (dW13 = dz^T x, dW2 = dy^T (h w)), as the
+    kernels compute them (in the operands' dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2):
+        inter = w13.shape[1] // 2
+        xd = _fp8_rows(x)
+        w13d, w2d = (dequantize_weight(*quantize_weight(w)[:2]) for w in (w13, w2))
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in range(w13.shape[0]):
+            tok, slot = torch.where(topk_idx == e)
+            gu = xd[tok] @ w13d[e].t()
+            h = F.silu(gu[:, :inter]) * gu[:, inter:]
+            y.index_add_(0, tok, (_fp8_rows(h) @ w2d[e].t()) * topk_weights[tok, slot, None].float())
+        ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, topk_idx, topk_weights, w13, w2 = ctx.saved_tensors
+        inter = w13.shape[1] // 2
+        xd, dyd = _fp8_rows(x), _fp8_rows(dy)
+        w13d, w2d = (dequantize_weight(*quantize_weight(w)[:2]) for w in (w13, w2))
+        dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        dweight = torch.zeros(topk_weights.shape, dtype=torch.float32, device=x.device)
+        dw13, dw2 = torch.zeros_like(w13, dtype=torch.float32), torch.zeros_like(w2, dtype=torch.float32)
+        for e in range(w13.shape[0]):
+            tok, slot = torch.where(topk_idx == e)
+            gu = xd[tok] @ w13d[e].t()
+            g, u = gu[:, :inter], gu[:, inter:]
+            sig = torch.sigmoid(g)
+            h = g * sig * u
+            dh = dyd[tok] @ w2d[e]
+            wt = topk_weights[tok, slot, None].float()
+            dweight[tok, slot] = (dh * h).sum(dim=1)
+            dz = torch.cat([dh * wt * u * (sig + g * sig * (1 - sig)), dh * wt * g * sig], dim=1)
+            dx.index_add_(0, tok, _fp8_rows(dz) @ w13d[e])
+            dw13[e] = dz.t() @ x[tok].float()
+            dw2[e] = dy[tok].float().t() @ (h * wt)
+        return (dx.to(x.dtype), None, dweight.to(topk_weights.dtype), dw13.to(w13.dtype), dw2.to(w2.dtype))
+
+
+def moe_loop_fp8(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI) -> torch.Tensor:
+    """The layer in megamoe's blockwise FP8 recipe (``_MoeLoopFP8``): the tests' measure of what FP8 itself costs
+    against the fp32 reference, and the recipe the FP8 kernels must reproduce. D and I multiples of 128."""
+    return _MoeLoopFP8.apply(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI)

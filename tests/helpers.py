@@ -47,14 +47,26 @@ def make_problem(T, D, I, E, K, routing, dtype=torch.float32, device="cpu", seed
             cast(dy))
 
 
+def gpu_problem(T, D, I, E, K, routing, seed=0):
+    """A bf16 problem on the GPU; ``"skewed"`` routing: expert popularity falling with its index."""
+    if routing == "skewed":
+        gen = torch.Generator().manual_seed(seed)
+        logits = torch.randn(T, E, generator=gen) - 1.5 * torch.log1p(torch.arange(E, dtype=torch.float32))
+        problem = list(make_problem(T, D, I, E, K, "random", dtype=torch.bfloat16, device="cuda", seed=seed))
+        problem[1] = logits.topk(K, dim=1).indices.cuda()
+        return problem
+    return make_problem(T, D, I, E, K, routing, dtype=torch.bfloat16, device="cuda", seed=seed)
+
+
 NAMES = ["y", "dx", "dtopk_weights", "dw13", "dw2"]
 
 
-def assert_close_to_reference(out, problem, atol=1e-5):
+def assert_close_to_reference(out, problem, atol=1e-5, lowp=reference.moe_loop):
     """flash-attention's rule: |out - ref32| <= 2 * |ref_lowp - ref32| + atol, elementwise max, where
-    ref_lowp is the reference computed in the test dtype."""
+    ref_lowp is the reference computed in the test dtype (``lowp``: the reference function that computes in the
+    precision under test, e.g. ``reference.moe_loop_fp8`` for the FP8 recipe)."""
     ref32 = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *problem)
-    ref_lp = run_with_grads(reference.moe_loop, *problem)
+    ref_lp = run_with_grads(lowp, *problem)
     for name, o, r, rl in zip(NAMES, out, ref32, ref_lp):
         assert o.shape == r.shape, name
         assert torch.isfinite(o).all(), f"{name} has non-finite values"

@@ -20,6 +20,7 @@ from tests.helpers import (
     NAMES,
     SHAPES,
     assert_close_to_reference,
+    gpu_problem,
     make_problem,
     run_with_grads,
 )
@@ -301,16 +302,6 @@ GPU_SHAPES = [
     (3000, 1024, 512, 64, 8, "skewed"),
     (777, 520, 200, 13, 4, "dropped"),     # nothing a multiple of the tile
 ]
-
-
-def gpu_problem(T, D, I, E, K, routing, seed=0):
-    if routing == "skewed":
-        gen = torch.Generator().manual_seed(seed)
-        logits = torch.randn(T, E, generator=gen) - 1.5 * torch.log1p(torch.arange(E, dtype=torch.float32))
-        problem = list(make_problem(T, D, I, E, K, "random", dtype=torch.bfloat16, device="cuda", seed=seed))
-        problem[1] = logits.topk(K, dim=1).indices.cuda()
-        return problem
-    return make_problem(T, D, I, E, K, routing, dtype=torch.bfloat16, device="cuda", seed=seed)
 
 
 @pytest.mark.gpu

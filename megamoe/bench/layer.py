@@ -46,7 +46,7 @@ from megamoe.env import interpreting
 from megamoe.kernels.tuning import autotune_enabled
 
 IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "sonicmoe", "megamoe", "megamoe_saved",
-         "megamoe_cudagraph")
+         "megamoe_cudagraph", "megamoe_fp8", "megamoe_fp8_saved")
 DEFAULT_IMPLS = "grouped_mm,grouped_mm_compiled,megamoe"
 BASELINES = ("grouped_mm", "grouped_mm_compiled")
 # The CPU check: a tiny problem through what runs on a CPU.
@@ -132,6 +132,11 @@ def make_impls(names, device, sonicmoe_autotune: bool = False) -> list[Impl]:
             impls.append(Impl(name, megamoe.moe, not fused, cuda_graph=name == "megamoe_cudagraph"))
         elif name == "megamoe_saved":  # keeps the gate/up pre-activation: checkpointing would rerun its forward
             impls.append(Impl(name, functools.partial(megamoe.moe, save_for_backward="preact"), True))
+        elif name == "megamoe_fp8":
+            fused = backend_for(torch.empty(0, device=device), fp8=True) == "triton"
+            impls.append(Impl(name, functools.partial(megamoe.moe, precision="fp8"), not fused))
+        elif name == "megamoe_fp8_saved":
+            impls.append(Impl(name, functools.partial(megamoe.moe, precision="fp8", save_for_backward="preact"), True))
         else:
             raise ValueError(f"unknown impl {name!r}; choose from {IMPLS}")
     return impls

@@ -13,7 +13,8 @@ clamped activation), non-gated experts. transformers' expert-parallel sentinel i
 on this rank") contribute nothing, as dropped slots. bf16, fp16 and fp32 models; under ``torch.no_grad`` it
 keeps nothing for a backward. For activation checkpointing, :func:`enable_activation_checkpointing` (or
 transformers' own switch with :func:`megamoe.checkpoint_context` as its ``context_fn``). Expert parallelism:
-:func:`shard_experts`. Keeping the gate/up pre-activation for the backward: :func:`set_save_for_backward`.
+:func:`shard_experts`. Keeping the gate/up pre-activation for the backward: :func:`set_save_for_backward`. Blockwise
+FP8 GEMMs: :func:`set_precision`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from transformers.integrations import moe as hf_moe
 
 import megamoe
-from megamoe.api import SAVE_MODES
+from megamoe.api import PRECISIONS, SAVE_MODES
 
 NAME = "megamoe"
 
@@ -71,12 +72,22 @@ def megamoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     topk_idx = top_k_index.masked_fill(top_k_index >= self.num_experts, -1)  # sentinels: dropped slots
     group = getattr(self, EP_GROUP, None)  # set by shard_experts: this rank holds its E/R experts only
     y = megamoe.moe(hidden_states.to(w13.dtype).contiguous(), topk_idx, top_k_weights, w13, w2, group=group,
-                    save_for_backward=getattr(self, SAVE_FOR_BACKWARD, "none"))
+                    save_for_backward=getattr(self, SAVE_FOR_BACKWARD, "none"),
+                    precision=getattr(self, PRECISION, "bf16"))
     return y.to(hidden_states.dtype)
 
 
 EP_GROUP = "megamoe_ep_group"
 SAVE_FOR_BACKWARD = "megamoe_save_for_backward"
+PRECISION = "megamoe_precision"
+
+
+def _set_on_experts(model: torch.nn.Module, attr: str, value: str, caller: str) -> None:
+    found = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+    if not found:
+        raise ValueError(f"{caller}: the model has no experts module with gate_up_proj / down_proj")
+    for module in found:
+        setattr(module, attr, value)
 
 
 def set_save_for_backward(model: torch.nn.Module, mode: str) -> None:
@@ -86,11 +97,16 @@ def set_save_for_backward(model: torch.nn.Module, mode: str) -> None:
     not with :func:`shard_experts`)."""
     if mode not in SAVE_MODES:
         raise ValueError(f"save_for_backward must be one of {SAVE_MODES}, got {mode!r}")
-    found = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
-    if not found:
-        raise ValueError("set_save_for_backward: the model has no experts module with gate_up_proj / down_proj")
-    for module in found:
-        setattr(module, SAVE_FOR_BACKWARD, mode)
+    _set_on_experts(model, SAVE_FOR_BACKWARD, mode, "set_save_for_backward")
+
+
+def set_precision(model: torch.nn.Module, precision: str) -> None:
+    """The GEMM precision of every experts module of ``model`` (:func:`megamoe.moe`'s ``precision``): ``"bf16"``
+    (the default) or ``"fp8"`` (blockwise FP8, DeepSeek-V3's recipe; the expert weights stay the bf16 master copy
+    and their FP8 copies are cached until the optimizer changes them; one GPU, not with :func:`shard_experts`)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    _set_on_experts(model, PRECISION, precision, "set_precision")
 
 
 def shard_experts(model: torch.nn.Module, ep_group) -> list[torch.nn.Module]:

@@ -72,19 +72,33 @@ def rows_k_block(a_ptrs, rmask, ks, k0, D, EVEN_K: tl.constexpr):
 
 @triton.jit
 def sorted_rows_matmul(a_desc, w_desc, e, row0, n0, K, W_K_LAST: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                       a_scale_ptr=None, w_scale_ptr=None, M=0, N_W=0, SCALED: tl.constexpr = False):
     """fp32 (BM, BN) = A[row0 : row0+BM, :K] @ W[e][:K, n0 : n0+BN], both through TMA. A holds sorted rows
     (block (BM, BK)); rows past the expert's end belong to the next expert, and the caller masks them at
     the store. W is (E, N, K) when ``W_K_LAST`` (block (1, BN, BK)), else (E, K, N) (block (1, BK, BN)).
-    The descriptors zero-fill past K and past the expert's N, so the loop needs no masks."""
+    The descriptors zero-fill past K and past the expert's N, so the loop needs no masks.
+
+    SCALED: blockwise FP8 operands (``kernels.quant``'s formats; BK = 128, W_K_LAST): A's (K/128, M) row scales
+    at ``a_scale_ptr``, W's (E, N_W/128, K/128) block scales at ``w_scale_ptr``; each K-block's product is
+    promoted into the fp32 accumulator times its two scales."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SCALED:
+        rows = row0 + tl.arange(0, BM)
+        w_blocks = (e * (N_W // 128) + (n0 + tl.arange(0, BN)) // 128) * (K // 128)
+        col_ok = n0 + tl.arange(0, BN) < N_W
     for k0 in range(0, K, BK):
         a = a_desc.load([row0, k0])
         if W_K_LAST:
             b = w_desc.load([e, n0, k0]).reshape(BN, BK).T
         else:
             b = w_desc.load([e, k0, n0]).reshape(BK, BN)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
+        if SCALED:
+            sa = tl.load(a_scale_ptr + (k0 // 128) * M + rows, mask=rows < M, other=0.0)
+            sw = tl.load(w_scale_ptr + w_blocks + k0 // 128, mask=col_ok, other=0.0)
+            acc += tl.dot(a, b) * (sa[:, None] * sw[None, :])
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PREC)
     return acc
 
 

@@ -35,9 +35,15 @@ import triton.language as tl
 
 from megamoe.kernels.combine import combine
 from megamoe.kernels.common import descriptor, dot_precision, tile_grid, tile_rows
-from megamoe.kernels.expert_fwd import sorted_rows_gemm, sorted_rows_gemm_kernel
+from megamoe.kernels.expert_fwd import (
+    DOWN,
+    FP8_ROWS_CONFIG,
+    sorted_rows_gemm,
+    sorted_rows_gemm_kernel,
+)
 from megamoe.kernels.gluon_sm90 import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
 from megamoe.kernels.plan import BLOCK_M, Plan
+from megamoe.kernels.quant import FP8, quantize_groups
 from megamoe.kernels.tuning import TunedKernel, configs
 
 
@@ -51,14 +57,19 @@ def _act_bwd_kernel(
     hw_ptr,  # (N, I) out: h * weight, sorted rows
     dweight_part_ptr,  # (NI, N) fp32 out: partial d(routing weight) per PART_COLS columns, flat slots
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+    x_scale_ptr,  # (D/128, N) fp32, if SCALED: the sorted x rows' 1x128 scales (x and w13 then e4m3)
+    w_scale_ptr,  # (E, 2I/128, D/128) fp32, if SCALED: w13's 128x128 block scales
+    dzq_ptr,  # (N, 2I) e4m3 out, if SCALED: dz quantised 1x128, for the dx GEMM
+    dzs_ptr,  # (2I/128, N) fp32 out, if SCALED: its scales
     N, D, I, E,
-    PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr,
+    SCALED: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
 ):
     """The x operand comes in through TMA from row ``row0`` of the sorted rows. Past the expert's last row
     those are the next expert's rows (or rows nobody wrote, after the last routed one, or TMA's zeros past
     N); each output row depends only on its own x row, and every store and d(weight) partial is masked to
-    the expert's rows, so those rows change nothing."""
+    the expert's rows, so those rows change nothing. SCALED: blockwise FP8 operands (BK = BN = 128), each
+    K-block's products promoted with their scales, and dz also written quantised (``_swiglu_bwd_epilogue``)."""
     e, row0, rows, rmask, pid_n = tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                              tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
@@ -67,22 +78,33 @@ def _act_bwd_kernel(
     n0 = pid_n * BN
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    if SCALED:
+        w_gate = (e * (2 * I // 128) + pid_n) * (D // 128)  # this N-block's gate scales; its up ones I/128 later
+        w_up = w_gate + (I // 128) * (D // 128)
     for k0 in range(0, D, BK):
         # The descriptors zero-fill past D and past this expert's I columns.
         a = x_desc.load([row0, k0])
         bg = w13_desc.load([e, 0, n0, k0]).reshape(BN, BK)
         bu = w13_desc.load([e, 1, n0, k0]).reshape(BN, BK)
-        acc_g = tl.dot(a, bg.T, acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
+        if SCALED:
+            sa = tl.load(x_scale_ptr + (k0 // 128) * N + rows, mask=rmask, other=0.0)
+            acc_g += tl.dot(a, bg.T) * (sa * tl.load(w_scale_ptr + w_gate + k0 // 128))[:, None]
+            acc_u += tl.dot(a, bu.T) * (sa * tl.load(w_scale_ptr + w_up + k0 // 128))[:, None]
+        else:
+            acc_g = tl.dot(a, bg.T, acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
     _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
-                         N, I, PART_COLS, BN)
+                         N, I, PART_COLS, BN, dzq_ptr, dzs_ptr, SCALED)
 
 
 @triton.jit
 def _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
-                         N, I, PART_COLS: tl.constexpr, BN: tl.constexpr):
+                         N, I, PART_COLS: tl.constexpr, BN: tl.constexpr, dzq_ptr=None, dzs_ptr=None,
+                         QUANT_DZ: tl.constexpr = False):
     """The SwiGLU backward of one (rows, N-block ``pid_n``) block from its gate and up products (fp32): h, the
-    d(routing weight) partials, dz = [dg | du] and h·w (arguments as for ``_act_bwd_kernel``)."""
+    d(routing weight) partials, dz = [dg | du] and h·w (arguments as for ``_act_bwd_kernel``). QUANT_DZ (BN =
+    128): dz also 1x128-quantised into ``dzq`` (N, 2I) e4m3 and its scales ``dzs`` (2I/128, N): the block's dg
+    columns are group ``pid_n`` of a row, its du columns group I/128 + ``pid_n``."""
     cols = pid_n * BN + tl.arange(0, BN)
     omask = rmask[:, None] & (cols < I)[None, :]
     rows64 = rows[:, None].to(tl.int64)
@@ -108,6 +130,14 @@ def _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weight
     tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=omask)
     tl.store(dz_ptrs + I, du.to(dz_ptr.dtype.element_ty), mask=omask)
     tl.store(hw_ptr + rows64 * I + cols[None, :], (h * wt[:, None]).to(hw_ptr.dtype.element_ty), mask=omask)
+    if QUANT_DZ:
+        dzq_ptrs = dzq_ptr + rows64 * 2 * I + cols[None, :]
+        dg_q, dg_s = quantize_groups(dg)
+        du_q, du_s = quantize_groups(du)
+        tl.store(dzq_ptrs, dg_q, mask=omask)
+        tl.store(dzq_ptrs + I, du_q, mask=omask)
+        tl.store(dzs_ptr + pid_n * N + rows, dg_s, mask=rmask)
+        tl.store(dzs_ptr + (I // 128 + pid_n) * N + rows, du_s, mask=rmask)
 
 
 @triton.jit
@@ -115,11 +145,12 @@ def _act_from_preact_kernel(
     preact_ptr,  # (N, 2I) the forward's [g | u], sorted rows (the saved-activation mode)
     dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,  # as for _act_bwd_kernel
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+    dzq_ptr, dzs_ptr,  # as for _act_bwd_kernel, if QUANT_DZ
     N, I, E,
-    TILE_M: tl.constexpr, PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    QUANT_DZ: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
     """The act kernel's epilogue on the saved gate and up products instead of a recomputed GEMM: memory-bound,
-    one program per (sub-)tile x N-block."""
+    one program per (sub-)tile x N-block. QUANT_DZ: dz also quantised 1x128 (the FP8 path; BN = 128)."""
     e, _, rows, rmask, pid_n = tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                          tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
@@ -131,7 +162,7 @@ def _act_from_preact_kernel(
     acc_g = tl.load(g_ptrs, mask=omask, other=0.0).to(tl.float32)
     acc_u = tl.load(g_ptrs + I, mask=omask, other=0.0).to(tl.float32)
     _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
-                         N, I, PART_COLS, BN)
+                         N, I, PART_COLS, BN, dzq_ptr, dzs_ptr, QUANT_DZ)
 
 
 @triton.jit
@@ -226,7 +257,7 @@ ACT_BWD = TunedKernel(
     _act_bwd_kernel, default=configs((128, 128, 64, 8, 4))[0],
     candidates=configs((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 128, 8, 3)),
     key=["D", "I"], even_k=None,  # the descriptors zero-fill the K tail
-    blocks=lambda c: {"x_desc": [c["BM"], c["BK"]], "w13_desc": [1, 1, c["BN"], c["BK"]]},
+    blocks=lambda c: {"x_desc": [c["BM"], c["BK"]], "w13_desc": [1, 1, c["BN"], c["BK"]]}, constants={"SCALED": False},
 )
 # dh', down and dx: PERSISTENT or not per config (docs/DESIGN.md, "Tile configs": it wins on some shapes, not all).
 DH = sorted_rows_gemm_kernel(
@@ -235,7 +266,7 @@ DH = sorted_rows_gemm_kernel(
     + configs((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), PERSISTENT=False),
     key=["N_OUT", "K"], even_k=None,  # the descriptors zero-fill the K tail
     blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BK"], c["BN"]]},
-    constants={"W_K_LAST": False, "WEIGHTED": False, "TO_SLOTS": False},
+    constants={"W_K_LAST": False, "WEIGHTED": False, "TO_SLOTS": False, "SCALED": False},
 )
 DX = sorted_rows_gemm_kernel(
     default=configs((128, 256, 64, 8, 4), PERSISTENT=False)[0],
@@ -243,8 +274,16 @@ DX = sorted_rows_gemm_kernel(
     + configs((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), PERSISTENT=True),
     key=["N_OUT", "K"], even_k=None,  # the descriptors zero-fill the K tail
     blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BK"], c["BN"]]},
-    constants={"W_K_LAST": False, "WEIGHTED": False, "TO_SLOTS": True},
+    constants={"W_K_LAST": False, "WEIGHTED": False, "TO_SLOTS": True, "SCALED": False},
 )
+# Blockwise FP8 (kernels.quant), fixed configs as expert_fwd.UP_FP8 and DOWN_FP8: the act kernel with BN = 128 (dz's
+# 1x128 groups), dh' and dx on the weights' transposed copies (K-major, as FP8 MMAs need them).
+ACT_FP8 = TunedKernel(_act_bwd_kernel, default=configs((128, 128, 128, 8, 3))[0], candidates=[], key=ACT_BWD.key,
+                      even_k=None, blocks=ACT_BWD.blocks, constants={"SCALED": True})
+DH_FP8 = sorted_rows_gemm_kernel(default=FP8_ROWS_CONFIG, candidates=[], key=DH.key, even_k=None, blocks=DOWN.blocks,
+                                 constants={**DH.constants, "W_K_LAST": True, "SCALED": True})
+DX_FP8 = sorted_rows_gemm_kernel(default=FP8_ROWS_CONFIG, candidates=[], key=DX.key, even_k=None, blocks=DOWN.blocks,
+                                 constants={**DX.constants, "W_K_LAST": True, "SCALED": True})
 # Where the Gluon kernel (gluon_sm90.py) does not run: fp32, GPUs other than sm90, the interpreter. The last
 # three candidates: one warp group per program and little shared memory, 3 to 5 programs per SM, for small
 # batches, where each expert has a K-step or two and the kernel is its stores and latencies.
@@ -300,24 +339,54 @@ def act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k
         x_desc=descriptor(x_sorted_ND), dh_ptr=dh_NI, w13_desc=descriptor(w13_EHD.view(num_experts, 2, inter, dim)),
         weights_ptr=topk_weights_TK.reshape(-1), dz_ptr=dz_NH, hw_ptr=hw_NI, dweight_part_ptr=dweight_part,
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
-        tile_row_ptr=plan.tile_row_NT, N=plan.row_slot_N.numel(), D=dim, I=inter, E=num_experts,
-        PREC=dot_precision(dz_NH.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=dz_NH.dtype,
+        tile_row_ptr=plan.tile_row_NT, x_scale_ptr=None, w_scale_ptr=None, dzq_ptr=None, dzs_ptr=None,
+        N=plan.row_slot_N.numel(), D=dim, I=inter, E=num_experts, PREC=dot_precision(dz_NH.dtype), TILE_M=BLOCK_M,
+        PART_COLS=PART_COLS, dtype=dz_NH.dtype,
     )
 
 
-def act_bwd_from_preact(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: int):
-    """``act_bwd``'s outputs from the forward's saved gate and up products (N, 2I) instead of a recomputed GEMM."""
+def dz_fp8_outputs(num_slots: int, two_i: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """dz quantised 1x128 for the FP8 dx GEMM: (N, 2I) e4m3 and its (2I/128, N) fp32 scales."""
+    return (torch.empty(num_slots, two_i, device=device, dtype=FP8),
+            torch.empty(two_i // 128, num_slots, device=device, dtype=torch.float32))
+
+
+def act_bwd_fp8(xq_sorted_ND, xs_sorted, dh_NI, w13q_EHD, w13s, topk_weights_TK, plan: Plan, top_k: int):
+    """``act_bwd`` recomputing g and u from blockwise FP8 operands (the sorted x rows in e4m3 with their (D/128, N)
+    scales; w13 in e4m3 with its (E, 2I/128, D/128) block scales): dz (N, 2I) and h·w (N, I) in dh's dtype,
+    d(routing weight) (T, K) fp32, and dz quantised 1x128 (``dz_fp8_outputs``)."""
+    num_slots = plan.row_slot_N.numel()
+    num_experts, two_i, dim = w13q_EHD.shape
+    dz_NH, hw_NI, dweight_part = act_bwd_outputs(num_slots, two_i, dh_NI)
+    dzq, dzs = dz_fp8_outputs(num_slots, two_i, dh_NI.device)
+    if num_slots:
+        ACT_FP8[tile_grid(plan, two_i // 2)](
+            x_desc=descriptor(xq_sorted_ND), dh_ptr=dh_NI,
+            w13_desc=descriptor(w13q_EHD.view(num_experts, 2, two_i // 2, dim)), weights_ptr=topk_weights_TK.reshape(-1),
+            dz_ptr=dz_NH, hw_ptr=hw_NI, dweight_part_ptr=dweight_part, row_slot_ptr=plan.row_slot_N,
+            offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT,
+            x_scale_ptr=xs_sorted, w_scale_ptr=w13s, dzq_ptr=dzq, dzs_ptr=dzs, N=num_slots, D=dim, I=two_i // 2,
+            E=num_experts, PREC="tf32", TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=FP8,
+        )
+    return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k), dzq, dzs
+
+
+def act_bwd_from_preact(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: int, quant_dz: bool = False):
+    """``act_bwd``'s outputs from the forward's saved gate and up products (N, 2I) instead of a recomputed GEMM;
+    with ``quant_dz`` (the FP8 path) also dz quantised 1x128 (``dz_fp8_outputs``)."""
     num_slots, two_i = preact_NH.shape
     inter = two_i // 2
     dz_NH, hw_NI, dweight_part = act_bwd_outputs(num_slots, two_i, preact_NH)
+    dzq, dzs = dz_fp8_outputs(num_slots, two_i, preact_NH.device) if quant_dz else (None, None)
     if num_slots:
         _act_from_preact_kernel[tile_grid(plan, inter)({"BM": PREACT_BM, "BN": PREACT_BN})](
             preact_ptr=preact_NH, dh_ptr=dh_NI, weights_ptr=topk_weights_TK.reshape(-1), dz_ptr=dz_NH, hw_ptr=hw_NI,
             dweight_part_ptr=dweight_part, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1,
-            tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, N=num_slots, I=inter,
-            E=plan.offsets_E1.numel() - 1, TILE_M=BLOCK_M, PART_COLS=PART_COLS, BM=PREACT_BM, BN=PREACT_BN,
-            num_warps=4)
-    return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
+            tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, dzq_ptr=dzq, dzs_ptr=dzs, N=num_slots,
+            I=inter, E=plan.offsets_E1.numel() - 1, QUANT_DZ=quant_dz, TILE_M=BLOCK_M, PART_COLS=PART_COLS,
+            BM=PREACT_BM, BN=PREACT_BN, num_warps=4)
+    outputs = dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
+    return (*outputs, dzq, dzs) if quant_dz else outputs
 
 
 def dh_sorted(dy_sorted_ND, w2_EDI, plan: Plan) -> torch.Tensor:
@@ -335,6 +404,20 @@ def dh_sorted(dy_sorted_ND, w2_EDI, plan: Plan) -> torch.Tensor:
 def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
     """Unweighted dx slot rows (N, D), token-major; dropped slots' rows are not written."""
     return sorted_rows_gemm(DX, dz_NH, w13_EHD, None, plan, w13_EHD.shape[2])
+
+
+def dh_fp8(dyq_sorted_ND, dys_sorted, w2tq_EID, w2ts, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor:
+    """``dh_sorted`` on blockwise FP8 operands: the sorted dy rows in e4m3 with their (D/128, N) scales, and w2's
+    transposed copy (E, I, D) in e4m3 with its (E, I/128, D/128) block scales; dh' in ``out_dtype``."""
+    return sorted_rows_gemm(DH_FP8, dyq_sorted_ND, w2tq_EID, None, plan, w2tq_EID.shape[1], scales=(dys_sorted, w2ts),
+                            out_dtype=out_dtype)
+
+
+def dx_slots_fp8(dzq_NH, dzs, w13tq_EDH, w13ts, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor:
+    """``dx_slots`` on blockwise FP8 operands: dz in e4m3 with its (2I/128, N) scales, and w13's transposed copy
+    (E, D, 2I) in e4m3 with its (E, D/128, 2I/128) block scales; the rows in ``out_dtype``."""
+    return sorted_rows_gemm(DX_FP8, dzq_NH, w13tq_EDH, None, plan, w13tq_EDH.shape[1], scales=(dzs, w13ts),
+                            out_dtype=out_dtype)
 
 
 def _slot_rows(plan: Plan) -> torch.Tensor:

@@ -1,0 +1,175 @@
+"""Blockwise FP8 (e4m3) quantisation, the DeepSeek-V3 recipe: activations scaled per row per 128 columns of
+the GEMM's inner dimension (1x128), weights per 128x128 block, fp32 scales.
+
+Formats (every FP8 kernel of the package reads and writes these; ``reference.quantize_rows`` and
+``reference.quantize_weight`` compute them in plain PyTorch, bit for bit the same):
+
+* rows: ``q`` (M, K) ``float8_e4m3fn`` and ``s`` (K/128, M) fp32, k-block-major — the value of (m, k) is
+  ``q[m, k] * s[k // 128, m]``. Column-major in the row index, so one K-step's scales of a row tile are one
+  contiguous load, and an epilogue writing a tile's scales writes them contiguously.
+* weights: ``q`` (E, R, C) and ``s`` (E, R/128, C/128) — the value of (e, r, c) is ``q[e, r, c] * s[e, r//128,
+  c//128]``; with the transposed copy ``qt`` (E, C, R), ``st`` (E, C/128, R/128) made in the same pass (a 128x128
+  block transposes exactly: data and scale grid). Hopper's FP8 MMA takes both operands K-major, so the
+  backward's dgrad GEMMs (which reduce over the weight's rows) read the transposed copy.
+
+One group of 128 values v becomes: ``amax = max(max|v|, AMAX_FLOOR)``, ``inv = 448 / amax`` and ``s = amax /
+448`` (both IEEE-rounded divisions), ``q = e4m3(clamp(v * inv, -448, 448))`` rounded to nearest even. D and I
+must be multiples of 128 (``GROUP``), so no group is partial.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from megamoe.env import interpreting
+
+GROUP = 128  # values per scale along a GEMM's inner dimension (and the weights' block edge)
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-12  # an all-zero group gets this amax: its values quantise to exact zeros
+FP8 = torch.float8_e4m3fn
+
+# Triton 3.6's interpreter rounds fp32 -> e4m3 wrongly where the rounding carries into the exponent (125.3
+# became 64, not 128); the CPU tests then round in software, exactly as the GPU's cvt.rn.satfinite does.
+_SOFT_ROUND = tl.constexpr(interpreting())
+
+
+@triton.jit
+def to_e4m3(v):
+    """fp32 ``v`` (within +-448) to e4m3, round to nearest even."""
+    if _SOFT_ROUND:
+        # Normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the bit pattern to nearest even; below
+        # 2^-6 (e4m3's subnormals) the grid is 2^-9: round with the 1.5 * 2^23 trick, keeping the zero's sign.
+        bits = v.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        sub = ((v * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+        sub = tl.where(sub == 0.0, v * 0.0, sub)
+        v = tl.where(tl.abs(v) < 0.015625, sub, normal)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_groups(v):
+    """(R, 128) fp32 -> e4m3 (R, 128) and the (R,) fp32 scales, one group per row."""
+    amax = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR)
+    inv = tl.math.div_rn(tl.full(amax.shape, E4M3_MAX, tl.float32), amax)
+    q = to_e4m3(tl.clamp(v * inv[:, None], -E4M3_MAX, E4M3_MAX))
+    return q, tl.math.div_rn(amax, tl.full(amax.shape, E4M3_MAX, tl.float32))
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    a_ptr,  # (M, K) any float dtype
+    q_ptr,  # (M, K) e4m3 out
+    s_ptr,  # (K / 128, M) fp32 out
+    M, K,
+    BM: tl.constexpr,
+):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    kb = tl.program_id(1)
+    cols = kb * 128 + tl.arange(0, 128)
+    rmask = rows < M
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]  # int64: M*K overflows int32 at real sizes
+    q, s = quantize_groups(tl.load(a_ptr + offs, mask=rmask[:, None], other=0.0).to(tl.float32))
+    tl.store(q_ptr + offs, q, mask=rmask[:, None])
+    tl.store(s_ptr + kb.to(tl.int64) * M + rows, s, mask=rmask)
+
+
+@triton.jit
+def _quantize_weight_kernel(
+    w_ptr,  # (E, R, C) any float dtype
+    q_ptr,  # (E, R, C) e4m3 out
+    s_ptr,  # (E, R / 128, C / 128) fp32 out
+    qt_ptr,  # (E, C, R) e4m3 out: the transposed copy
+    st_ptr,  # (E, C / 128, R / 128) fp32 out
+    R, C,
+):
+    e = tl.program_id(0).to(tl.int64)
+    rb = tl.program_id(1)
+    cb = tl.program_id(2)
+    nrb = R // 128
+    ncb = C // 128
+    r = rb * 128 + tl.arange(0, 128)
+    c = cb * 128 + tl.arange(0, 128)
+    v = tl.load(w_ptr + e * R * C + r[:, None] * C + c[None, :]).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), AMAX_FLOOR)
+    inv = tl.math.div_rn(E4M3_MAX, amax)
+    q = to_e4m3(tl.clamp(v * inv, -E4M3_MAX, E4M3_MAX))
+    s = tl.math.div_rn(amax, E4M3_MAX)
+    tl.store(q_ptr + e * R * C + r[:, None] * C + c[None, :], q)
+    tl.store(qt_ptr + e * R * C + c[None, :] * R + r[:, None], q)
+    tl.store(s_ptr + (e * nrb + rb) * ncb + cb, s)
+    tl.store(st_ptr + (e * ncb + cb) * nrb + rb, s)
+
+
+def check_fp8_dims(dim: int, inter: int) -> None:
+    """``ValueError`` unless D and I are multiples of 128, which every FP8 group and block needs."""
+    if dim % GROUP or inter % GROUP:
+        raise ValueError(f"precision='fp8' needs D and I to be multiples of {GROUP} (1x128 / 128x128 scale blocks); "
+                         f"got D={dim}, I={inter}. Use precision='bf16' for this layer")
+
+
+def quantize_rows(a_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q (M, K) e4m3, s (K/128, M) fp32): ``a``'s rows in 1x128 groups; K a multiple of 128, ``a`` contiguous."""
+    num_rows, k = a_MK.shape
+    q = torch.empty(num_rows, k, device=a_MK.device, dtype=FP8)
+    s = torch.empty(k // GROUP, num_rows, device=a_MK.device, dtype=torch.float32)
+    if num_rows:
+        bm = 32
+        _quantize_rows_kernel[(triton.cdiv(num_rows, bm), k // GROUP)](a_ptr=a_MK, q_ptr=q, s_ptr=s, M=num_rows, K=k,
+                                                                      BM=bm, num_warps=4)
+    return q, s
+
+
+def quantize_weight(w_ERC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q (E, R, C), s (E, R/128, C/128), qt (E, C, R), st (E, C/128, R/128)): ``w`` in 128x128 blocks and its
+    transpose, from one read of ``w``; R and C multiples of 128, ``w`` contiguous."""
+    num_experts, r, c = w_ERC.shape
+    q = torch.empty(num_experts, r, c, device=w_ERC.device, dtype=FP8)
+    qt = torch.empty(num_experts, c, r, device=w_ERC.device, dtype=FP8)
+    s = torch.empty(num_experts, r // GROUP, c // GROUP, device=w_ERC.device, dtype=torch.float32)
+    st = torch.empty(num_experts, c // GROUP, r // GROUP, device=w_ERC.device, dtype=torch.float32)
+    _quantize_weight_kernel[(num_experts, r // GROUP, c // GROUP)](w_ptr=w_ERC, q_ptr=q, s_ptr=s, qt_ptr=qt, st_ptr=st,
+                                                                   R=r, C=c, num_warps=8)
+    return q, s, qt, st
+
+
+# The FP8 copies of the expert weights, per weight tensor: made once and reused for as long as the weights do not
+# change — every micro-batch's forward and backward of one optimizer step.
+_weight_cache: dict[int, tuple[weakref.ref, int, int, tuple[torch.Tensor, ...]]] = {}
+_optimizer_steps = 0  # any torch.optim optimizer's steps so far (the hook below)
+
+
+def _count_optimizer_step(*_) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+# After any optimizer's step every cached copy is stale: the version counter alone misses weights whose storage is
+# written behind it (FSDP2 all-gathers into the unsharded parameters and preserves their version counters).
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_weight(w)``, cached: a hit needs the same tensor object, at the same version (an in-place
+    update bumps it), with no optimizer step in between. Inside a CUDA-graph capture nothing is cached (a
+    replay after the weights changed would read stale copies): the quantisation is captured with the step.
+    Weights written behind autograd's back (through ``.data``) need :func:`clear_weight_cache`."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return quantize_weight(w)
+    key = id(w)
+    hit = _weight_cache.get(key)
+    if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == _optimizer_steps:
+        return hit[3]
+    copies = quantize_weight(w)
+    _weight_cache[key] = (weakref.ref(w, lambda _: _weight_cache.pop(key, None)), w._version, _optimizer_steps, copies)
+    return copies
+
+
+def clear_weight_cache() -> None:
+    """Drop every cached FP8 weight copy (they are remade at the next use)."""
+    _weight_cache.clear()

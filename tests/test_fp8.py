@@ -1,0 +1,276 @@
+"""Blockwise FP8 (``precision="fp8"``): the quantisers bit for bit against ``reference.quantize_rows`` /
+``quantize_weight``, the layer against the recipe computed in plain PyTorch (``reference.moe_loop_fp8``: tight,
+the kernels must compute exactly that) and against the fp32 reference (flash-attention's rule, with the recipe's
+own error as the measure), the weight cache, and the refusals.
+
+What FP8 costs on its own: e4m3 keeps 3 mantissa bits, so one 1x128 quantisation of Gaussian data is ~2.5%
+off in norm, and the layer's output and gradients ~5-7% (three chained quantised GEMMs); the tests bound the
+kernels by that measured error, not by a fixed number. On CPU the Triton kernels run in the interpreter.
+"""
+
+import pytest
+import torch
+
+import megamoe
+from megamoe import reference
+from megamoe.api import backend_for
+from megamoe.bench.layer import cuda_graphed
+from megamoe.kernels import quant
+from tests.helpers import (
+    NAMES,
+    assert_close_to_reference,
+    gpu_problem,
+    make_problem,
+    run_with_grads,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The shape matrix of tests/helpers.py with D and I multiples of 128 (FP8's group and block edge).
+FP8_SHAPES = [
+    (1, 128, 128, 4, 2, "random"),      # a single token
+    (5, 128, 128, 4, 2, "random"),      # T smaller than any tile
+    (40, 128, 256, 6, 3, "random"),     # E not a power of two; two I-blocks (two 1x128 groups of h)
+    (33, 256, 128, 8, 1, "random"),     # K = 1; two K-blocks (promotion across blocks)
+    (17, 128, 128, 4, 4, "random"),     # K = E: every token visits every expert
+    (29, 128, 128, 8, 2, "empty"),      # experts with no tokens
+    (37, 128, 128, 5, 1, "one"),        # every token to one expert
+    (31, 256, 256, 6, 3, "dropped"),    # dropped slots (-1)
+    (150, 128, 128, 2, 2, "dropped"),   # several tiles per expert, a partial last tile
+]
+SAVE_MODES = ["none", "preact"]
+
+
+def shape_id(s):
+    return f"T{s[0]}-D{s[1]}-I{s[2]}-E{s[3]}-K{s[4]}-{s[5]}"
+
+
+def fp8_moe(mode="none"):
+    return lambda *a: megamoe.moe(*a, precision="fp8", save_for_backward=mode)
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def bits(t):
+    return t.view(torch.uint8) if t.dtype == quant.FP8 else t
+
+
+def test_quantize_rows_matches_reference_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    # Rows over 12 decades (e4m3 normal and subnormal values), an all-zero row, exact ties of the rounding.
+    a = torch.randn(70, 384, generator=gen) * torch.logspace(-6, 6, 70)[:, None]
+    a[3] = 0.0
+    a[5, :128] = torch.tensor([1.0625, -1.1875, 3 * 2.0**-10, 448.0, -0.0] * 25 + [2.0, 4.0, 8.0])
+    q, s = quant.quantize_rows(a.to(DEVICE))
+    qr, sr = reference.quantize_rows(a)
+    assert q.shape == (70, 384) and s.shape == (3, 70)
+    assert torch.equal(bits(q).cpu(), bits(qr)) and torch.equal(s.cpu(), sr)
+    deq = reference.dequantize_rows(q.cpu(), s.cpu())
+    half_ulp = torch.maximum(a.abs() * 2.0**-4, s.cpu().t().repeat_interleave(128, 1) * 2.0**-10)
+    assert ((deq - a).abs() <= half_ulp).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quantize_weight_both_orientations_match_reference_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(3, 256, 384, generator=gen) * torch.logspace(-3, 1, 3)[:, None, None]).to(dtype)
+    w[1, :128, 128:256] = 0.0  # an all-zero block
+    out = quant.quantize_weight(w.to(DEVICE))
+    ref = reference.quantize_weight(w)
+    for name, o, r in zip(("q", "s", "qt", "st"), out, ref):
+        assert torch.equal(bits(o).cpu(), bits(r)), name
+    q, s, qt, st = (t.cpu() for t in out)
+    assert torch.equal(bits(qt), bits(q.transpose(1, 2).contiguous())) and torch.equal(st, s.transpose(1, 2))
+    assert rel_err(reference.dequantize_weight(q, s), w) < 0.03
+
+
+# Every shape keeping nothing; the saved mode (which shares all but the backward's act step) on three of them.
+FP8_CASES = [(s, "none") for s in FP8_SHAPES] + [(FP8_SHAPES[i], "preact") for i in (2, 5, 7)]
+
+
+@pytest.mark.parametrize("shape, mode", FP8_CASES, ids=[f"{shape_id(s)}-{m}" for s, m in FP8_CASES])
+def test_fp8_layer_computes_the_recipe(shape, mode):
+    """Output and every gradient: equal to the recipe in plain PyTorch up to the order of fp32 sums (a sum can
+    flip one FP8 rounding of h or dz: ~1e-4 in norm), and within twice the recipe's own error of fp32."""
+    assert backend_for(torch.empty(0, device=DEVICE), fp8=True) == "triton"
+    problem = make_problem(*shape, device=DEVICE)
+    quant.clear_weight_cache()
+    out = run_with_grads(fp8_moe(mode), *problem)
+    recipe = run_with_grads(reference.moe_loop_fp8, *problem)
+    for name, o, r in zip(NAMES, out, recipe):
+        assert rel_err(o, r) < 2e-3, f"{name}: {rel_err(o, r):.2e} from the recipe"
+    assert_close_to_reference(out, problem, lowp=reference.moe_loop_fp8)
+
+
+def test_fp8_layer_fp16_inputs():
+    problem = make_problem(40, 128, 256, 6, 3, "dropped", dtype=torch.float16, device=DEVICE)
+    assert_close_to_reference(run_with_grads(fp8_moe(), *problem), problem, lowp=reference.moe_loop_fp8)
+
+
+def test_fp8_is_not_the_bf16_path():
+    """The FP8 result carries FP8's error (a silent fall-back to the input dtype would not)."""
+    problem = make_problem(40, 128, 128, 6, 3, "random", device=DEVICE)
+    ref32 = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *problem)
+    out = run_with_grads(fp8_moe(), *problem)
+    for name, o, r in zip(NAMES, out, ref32):
+        assert 0.01 < rel_err(o, r) < 0.15, f"{name}: {rel_err(o, r):.2e}"
+
+
+@pytest.mark.parametrize("dim, inter", [(136, 128), (128, 72)])
+def test_fp8_refuses_dims_off_the_128_grid(dim, inter):
+    x, idx, w, w13, w2, _ = make_problem(8, dim, inter, 4, 2, "random", device=DEVICE)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        megamoe.moe(x, idx, w, w13, w2, precision="fp8")
+    with pytest.raises(ValueError, match="multiples of 128"):
+        megamoe.MegaMoE(dim, inter, 4, 2, precision="fp8", device=DEVICE)(x)
+
+
+def test_weight_cache_hit_miss_and_invalidation(monkeypatch):
+    """One quantisation per weight while it is unchanged (forward and backward, any number of micro-batches); a
+    new one after an in-place update, after an optimizer step, and for another tensor; the layer never computes
+    with stale copies."""
+    calls = []
+    real = quant.quantize_weight
+    monkeypatch.setattr(quant, "quantize_weight", lambda w: calls.append(w) or real(w))
+    quant.clear_weight_cache()
+    x, idx, w, w13, w2, dy = make_problem(33, 128, 128, 4, 2, "random", device=DEVICE)
+    w13, w2 = (torch.nn.Parameter(t) for t in (w13, w2))
+
+    def step():
+        y = megamoe.moe(x, idx, w, w13, w2, precision="fp8")
+        y.backward(dy)
+        return y.detach()
+
+    step()
+    step()
+    assert len(calls) == 2, "two micro-batches (forward and backward each) quantise each weight once"
+    with torch.no_grad():
+        w2.mul_(-1.0)  # an in-place update bumps the version: w2 is quantised again, w13 is not
+    y = step()
+    assert len(calls) == 3 and calls[-1] is w2
+    assert torch.equal(y, reference.moe_loop_fp8(x, idx, w, w13.detach(), w2.detach())) or \
+        rel_err(y, reference.moe_loop_fp8(x, idx, w, w13.detach(), w2.detach())) < 2e-3
+    torch.optim.SGD([w13, w2], lr=0.1).step()  # any optimizer step invalidates every copy
+    y = step()
+    assert len(calls) == 5
+    assert rel_err(y, reference.moe_loop_fp8(x, idx, w, w13.detach(), w2.detach())) < 2e-3
+    other = w13.detach().clone()
+    megamoe.moe(x, idx, w, other, w2, precision="fp8")
+    assert len(calls) == 6 and calls[-1] is other
+
+
+def test_fp8_in_the_layer_and_its_repr():
+    torch.manual_seed(0)
+    layer = megamoe.MegaMoE(128, 128, 4, 2, precision="fp8", device=DEVICE, dtype=torch.float32)
+    x = torch.randn(2, 9, 128, device=DEVICE)
+    y = layer(x)
+    assert "precision='fp8'" in repr(layer)
+    logits = x.reshape(-1, 128) @ layer.router.weight.t() if hasattr(layer, "router") else None
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    assert logits is None or logits.shape == (18, 4)
+
+
+# bf16 on the GPU: the real layers and routings off every tile size.
+FP8_GPU_SHAPES = [
+    (4096, 2048, 768, 128, 8, "random"),   # Qwen3-30B-A3B layer
+    (1024, 4096, 1536, 128, 8, "random"),  # Qwen3-235B-A22B layer
+    (3000, 1024, 512, 64, 8, "skewed"),
+    (777, 512, 256, 13, 4, "dropped"),     # nothing a multiple of the tile
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", SAVE_MODES)
+@pytest.mark.parametrize("shape", FP8_GPU_SHAPES, ids=[shape_id(s) for s in FP8_GPU_SHAPES])
+def test_fp8_bf16_gpu_computes_the_recipe(shape, mode, poison_cuda):
+    """bf16 inputs: the kernels round y, dh' and dz (for the weight gradients) to bf16 where the recipe in fp32 does
+    not, so they sit ~1e-3 from it; within twice the recipe's error of fp32."""
+    problem = gpu_problem(*shape)
+    out = run_with_grads(fp8_moe(mode), *problem)
+    recipe = run_with_grads(reference.moe_loop_fp8, *problem)
+    for name, o, r in zip(NAMES, out, recipe):
+        assert rel_err(o, r) < 1e-2, f"{name}: {rel_err(o, r):.2e} from the recipe"
+    assert_close_to_reference(out, problem, lowp=reference.moe_loop_fp8, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_fp8_quantisers_on_the_gpu_match_reference_bit_for_bit():
+    gen = torch.Generator().manual_seed(3)
+    a = (torch.randn(3000, 2048, generator=gen) * torch.logspace(-6, 4, 3000)[:, None]).to(torch.bfloat16)
+    q, s = quant.quantize_rows(a.cuda())
+    qr, sr = reference.quantize_rows(a)
+    assert torch.equal(bits(q).cpu(), bits(qr)) and torch.equal(s.cpu(), sr)
+    w = torch.randn(8, 1536, 2048, generator=gen).to(torch.bfloat16)
+    for name, o, r in zip(("q", "s", "qt", "st"), quant.quantize_weight(w.cuda()), reference.quantize_weight(w)):
+        assert torch.equal(bits(o).cpu(), bits(r)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_fp8_no_host_sync_and_bitwise_deterministic(mode):
+    problem = gpu_problem(2048, 1024, 512, 32, 8, "skewed")
+    first = run_with_grads(fp8_moe(mode), *problem)  # compiles and caches the weights outside the checked region
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runs = [run_with_grads(fp8_moe(mode), *problem) for _ in range(2)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for run in runs:
+        assert all(torch.equal(a, b) for a, b in zip(first, run))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_fp8_cuda_graph_replays_with_new_routing(mode):
+    x, idx, w, w13, w2, dy = gpu_problem(512, 256, 128, 16, 4, "random")
+    static_idx = idx.clone()
+    leaves = [t.detach().requires_grad_() for t in (x, w, w13, w2)]
+
+    def step():
+        y = megamoe.moe(leaves[0], static_idx, leaves[1], leaves[2], leaves[3], precision="fp8",
+                        save_for_backward=mode)
+        return [y, *torch.autograd.grad(y, leaves, dy)]
+
+    replay, outs = cuda_graphed(step)
+    for seed in (1, 2):
+        static_idx.copy_(gpu_problem(512, 256, 128, 16, 4, "skewed", seed=seed)[1])
+        replay()
+        expected = run_with_grads(fp8_moe(mode), x, static_idx, w, w13, w2, dy)
+        for a, b in zip(outs, expected):
+            assert torch.equal(a, b)
+    with torch.no_grad():  # the weights change: the graph quantises them inside, never from a stale copy
+        leaves[3].mul_(0.5)
+    replay()
+    expected = run_with_grads(fp8_moe(mode), x, static_idx, w, w13, leaves[3].detach(), dy)
+    assert all(torch.equal(a, b) for a, b in zip(outs, expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_fp8_torch_compile_fullgraph_without_recompiles(mode):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fp8_moe(mode), fullgraph=True)
+    x, idx, w, w13, w2, dy = gpu_problem(512, 256, 128, 16, 4, "random")
+    for seed in range(3):
+        idx = gpu_problem(512, 256, 128, 16, 4, "skewed" if seed else "random", seed=seed)[1]
+        with torch._dynamo.config.patch(error_on_recompile=seed > 0):
+            out = run_with_grads(compiled, x, idx, w, w13, w2, dy)
+        expected = run_with_grads(fp8_moe(mode), x, idx, w, w13, w2, dy)
+        for a, b in zip(out, expected):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_fp8_custom_ops_pass_opcheck():
+    from megamoe import autograd as ops
+
+    x, idx, w, w13, w2, dy = gpu_problem(300, 256, 128, 8, 2, "random")
+    plan = ops._plan_op(idx, 8)
+    torch.library.opcheck(ops._experts_fwd, (x.requires_grad_(), idx, w.requires_grad_(), w13, w2, *plan, True))
+    torch.library.opcheck(ops._experts_bwd, (dy, x.detach(), idx, w.detach(), w13, w2, *plan, None, True))
+    torch.library.opcheck(ops._experts_fwd_saved, (x, idx, w, w13, w2, *plan, True))
+    _, preact = ops._experts_fwd_saved(x.detach(), idx, w.detach(), w13, w2, *plan, True)
+    torch.library.opcheck(ops._experts_bwd, (dy, x.detach(), idx, w.detach(), w13, w2, *plan, preact, True))
