@@ -46,7 +46,7 @@ from megamoe.env import interpreting
 from megamoe.kernels.tuning import autotune_enabled
 
 IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "sonicmoe", "megamoe", "megamoe_saved",
-         "megamoe_cudagraph", "megamoe_fp8", "megamoe_fp8_saved")
+         "megamoe_cudagraph", "megamoe_fp8", "megamoe_fp8_saved", "grouped_mm_fp8", "grouped_mm_fp8_compiled")
 DEFAULT_IMPLS = "grouped_mm,grouped_mm_compiled,megamoe"
 BASELINES = ("grouped_mm", "grouped_mm_compiled")
 # The CPU check: a tiny problem through what runs on a CPU.
@@ -121,6 +121,10 @@ def make_impls(names, device, sonicmoe_autotune: bool = False) -> list[Impl]:
             impls.append(Impl(name, reference.moe_grouped_mm, True))
         elif name == "grouped_mm_compiled":
             impls.append(Impl(name, torch.compile(reference.moe_grouped_mm, fullgraph=True), True))
+        elif name == "grouped_mm_fp8":  # torchao's FP8 rowwise MoE recipe (reference.moe_grouped_mm_fp8)
+            impls.append(Impl(name, reference.moe_grouped_mm_fp8, True))
+        elif name == "grouped_mm_fp8_compiled":
+            impls.append(Impl(name, torch.compile(reference.moe_grouped_mm_fp8, fullgraph=True), True))
         elif name == "liger":
             impls.append(Impl(name, liger_moe(), True))
         elif name == "sonicmoe":
