@@ -39,6 +39,7 @@ from megamoe.kernels.expert_fwd import (
     DOWN,
     FP8_ROWS_CONFIG,
     sorted_rows_gemm,
+    sorted_rows_gemm_fp8,
     sorted_rows_gemm_kernel,
 )
 from megamoe.kernels.gluon_sm90 import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
@@ -409,15 +410,13 @@ def dx_slots(dz_NH, w13_EHD, plan: Plan) -> torch.Tensor:
 def dh_fp8(dyq_sorted_ND, dys_sorted, w2tq_EID, w2ts, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor:
     """``dh_sorted`` on blockwise FP8 operands: the sorted dy rows in e4m3 with their (D/128, N) scales, and w2's
     transposed copy (E, I, D) in e4m3 with its (E, I/128, D/128) block scales; dh' in ``out_dtype``."""
-    return sorted_rows_gemm(DH_FP8, dyq_sorted_ND, w2tq_EID, None, plan, w2tq_EID.shape[1], scales=(dys_sorted, w2ts),
-                            out_dtype=out_dtype)
+    return sorted_rows_gemm_fp8(DH_FP8, dyq_sorted_ND, dys_sorted, w2tq_EID, w2ts, None, plan, out_dtype)
 
 
 def dx_slots_fp8(dzq_NH, dzs, w13tq_EDH, w13ts, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor:
     """``dx_slots`` on blockwise FP8 operands: dz in e4m3 with its (2I/128, N) scales, and w13's transposed copy
     (E, D, 2I) in e4m3 with its (E, D/128, 2I/128) block scales; the rows in ``out_dtype``."""
-    return sorted_rows_gemm(DX_FP8, dzq_NH, w13tq_EDH, None, plan, w13tq_EDH.shape[1], scales=(dzs, w13ts),
-                            out_dtype=out_dtype)
+    return sorted_rows_gemm_fp8(DX_FP8, dzq_NH, dzs, w13tq_EDH, w13ts, None, plan, out_dtype)
 
 
 def _slot_rows(plan: Plan) -> torch.Tensor:

@@ -21,6 +21,11 @@ from megamoe.kernels.common import (
     tile_grid,
     tile_rows,
 )
+from megamoe.kernels.gluon_fp8_sm90 import (
+    fp8_rows_gemm_ws,
+    fp8_up_swiglu_ws,
+    fp8_ws_supported,
+)
 from megamoe.kernels.gluon_sm90 import up_swiglu_ws, ws_supported
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.quant import quantize_groups
@@ -242,7 +247,11 @@ def up_swiglu_fp8(xq_TD, xs, w13q_EHD, w13s, plan: Plan, top_k: int,
     num_slots, inter = plan.row_slot_N.numel(), w13q_EHD.shape[1] // 2
     h_NI = torch.empty(num_slots, inter, device=xq_TD.device, dtype=xq_TD.dtype)
     h_s = torch.empty(inter // 128, num_slots, device=xq_TD.device, dtype=torch.float32)
-    if num_slots:
+    if num_slots == 0:
+        return h_NI, h_s
+    if fp8_ws_supported(xq_TD, torch.bfloat16 if preact_NH is None else preact_NH.dtype):
+        fp8_up_swiglu_ws(xq_TD, xs, w13q_EHD, w13s, h_NI, h_s, plan, top_k, preact=preact_NH)
+    else:
         _launch_up(UP_FP8, xq_TD, w13q_EHD, h_NI, plan, top_k, preact_NH, xs, w13s, h_s)
     return h_NI, h_s
 
@@ -276,8 +285,22 @@ def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
     return sorted_rows_gemm(DOWN, h_NI, w2_EDI, topk_weights_TK.reshape(-1), plan, w2_EDI.shape[1])
 
 
+def sorted_rows_gemm_fp8(kernel: TunedKernel, a_NK, a_s, w_E, w_s, weights_N, plan: Plan,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """``sorted_rows_gemm`` of a SCALED ``kernel`` (DOWN_FP8, DH_FP8 or DX_FP8) on blockwise FP8 operands: a (N, K)
+    e4m3 sorted rows with their (K/128, N) scales, w (E, n_out, K) e4m3 with its (E, n_out/128, K/128) block scales;
+    the output in ``out_dtype``. On sm90 with a bf16 output through the warp-specialized Gluon kernel
+    (``gluon_fp8_sm90``), which ``kernel``'s constants configure (weighted, to slot rows)."""
+    num_slots, n_out = a_NK.shape[0], w_E.shape[1]
+    if not (num_slots and fp8_ws_supported(a_NK, out_dtype)):
+        return sorted_rows_gemm(kernel, a_NK, w_E, weights_N, plan, n_out, scales=(a_s, w_s), out_dtype=out_dtype)
+    out = torch.empty(num_slots, n_out, device=a_NK.device, dtype=out_dtype)
+    fp8_rows_gemm_ws(a_NK, a_s, w_E, w_s, out, plan, weights=None if weights_N is None else weights_N.float(),
+                     to_slots=kernel.constants["TO_SLOTS"])
+    return out
+
+
 def down_fp8(hq_NI, hs, w2q_EDI, w2s, topk_weights_TK, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor:
     """``down_fwd`` on blockwise FP8 operands (h (N, I) e4m3 with its (I/128, N) scales, w2 (E, D, I) e4m3 with
     its (E, D/128, I/128) block scales), the rows in ``out_dtype``."""
-    return sorted_rows_gemm(DOWN_FP8, hq_NI, w2q_EDI, topk_weights_TK.reshape(-1), plan, w2q_EDI.shape[1],
-                            scales=(hs, w2s), out_dtype=out_dtype)
+    return sorted_rows_gemm_fp8(DOWN_FP8, hq_NI, hs, w2q_EDI, w2s, topk_weights_TK.reshape(-1), plan, out_dtype)

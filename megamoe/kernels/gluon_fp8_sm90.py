@@ -1,0 +1,578 @@
+"""Persistent, warp-specialized Gluon FP8 GEMM kernels for Hopper (sm90) with blockwise scales: the FP8 path's
+sorted-rows GEMM (down projection, dh', dx) and its gate/up GEMM + SwiGLU + FP8 quantisation of h.
+
+Formats (shared with the rest of the FP8 path):
+
+- activations (A): ``a_q`` (M, K) ``float8_e4m3fn`` row-major, ``a_s`` (K // 128, M) fp32, k-block-major:
+  element (m, k) is ``a_q[m, k] * a_s[k // 128, m]``;
+- weights (B): ``w_q`` (E, N, K) ``float8_e4m3fn`` (K-major: Hopper's FP8 ``wgmma`` takes both operands
+  K-major only), ``w_s`` (E, N // 128, K // 128) fp32: ``w_q[e, n, k] * w_s[e, n // 128, k // 128]``;
+- K and N are multiples of 128; one K-step is one 128-wide scale block, and its product is promoted once:
+  ``acc += mma(a_blk, b_blkᵀ) * a_s[kb, rows][:, None] * w_s[e, nb, kb]``. The MMA of a block accumulates
+  at the tensor cores' reduced FP8 precision; each promotion brings it into the fp32 accumulator.
+
+Why this shape of kernel. A blockwise-scaled FP8 GEMM must leave the tensor cores after every K-step (the
+promotion is 64 FMAs per thread per 128x128 block). Plain Triton runs MMA and promotion back to back and
+reached only bf16 speed. Here, as in DeepGEMM's sm90 kernel, the two warpgroups of a 128-row tile are two
+partitions of their own (64 rows each), each with its own arrival on the ring's ``empty`` barrier: in one
+8-warp partition every barrier arrival brings a partition-wide ``bar.sync`` (Gluon's lowering), which would
+hold both warpgroups in phase, both promoting while the tensor cores idle. Split, each warpgroup runs
+MMA -> wait -> promote at its own pace; while one promotes, the other's MMA has the tensor cores, so the
+two settle out of phase and the promotion hides under the other warpgroup's MMA.
+
+Partitions of each kernel:
+
+- a loader (one warp for the sorted-rows kernel: TMA of both operands; one warpgroup for the up kernel,
+  which gathers x's rows by token through 16-byte ``cp.async`` copies beside the weights' TMA) that also
+  copies each K-step's scales into shared memory through 4-byte ``cp.async`` copies: the row scales of A
+  and the weight block's scale, the latter repeated across 64 entries so that the MMA warps read it with
+  the same per-row load as A's. The scales ride in the ring stage with their operands, so they arrive
+  ``STAGES`` steps ahead and the MMA warps read them from shared memory, not from global memory, on the
+  critical path. Each ready barrier counts the TMA bytes and one ``cp.async`` arrival per loader thread.
+- two MMA partitions (4 warps each, rows 0-63 and 64-127 of the tile), with the same code: per K-step
+  one asynchronous ``wgmma`` m64n128k32 chain (four of them over BK = 128) into a temporary, wait, free the
+  stage, promote. A warpgroup whose 64 rows all lie past its expert's end (the last tile of an expert)
+  skips its MMAs and epilogue.
+
+See ``fp8_rows_gemm_ws`` and ``fp8_up_swiglu_ws`` for the two launchers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from megamoe.env import device_capability, sm_count
+from megamoe.kernels.plan import BLOCK_M
+
+# Tile: one plan tile of 128 rows (two warpgroups of 64) x 128 output columns, K-steps of one 128-wide scale
+# block. 128 columns, not 256: a warpgroup holds its fp32 accumulator and the MMA's temporary, 2 x 64
+# registers per thread at 128 columns (the up kernel three, for gate and up); 256 would need 256.
+FP8_BM, FP8_BN, FP8_BK = BLOCK_M, 128, 128
+SCALE_BLOCK = 128  # elements per scale, along K and along N of the weights and per h group
+MATH_WARPS = 4  # per MMA partition: one warpgroup
+# Ring stages (ptxas / Triton's figures, of the 227 KB): sorted-rows kernel, 16 KB of A + 16 KB of B +
+# 0.75 KB of scales per stage and the epilogue's conversion scratch: 6 stages, 213 KB. Up kernel, 16 KB of x
+# + 2 x 16 KB of weights + 1 KB of scales per stage and the fp8 h conversion: 4 stages, 212 KB (the bf16
+# pre-activations are stored from the accumulator's layout, no scratch of their own).
+ROWS_STAGES = 6
+UP_STAGES = 4
+UP_STAGES_PREACT = 4
+ROWS_LOADER_WARPS = 1
+UP_LOADER_WARPS = 4  # one gathering thread per tile row: 128
+# Registers per thread (setmaxnreg) of the partitions. A kernel has three warpgroups (the loader's warp sits
+# in a warpgroup of its own), 64 K registers: 2 x 128 x 232 + 128 x 40 <= 65 536, the kernel-wide cap at
+# launch 65 536 / 384 = 170 -> 168 (Triton gives the first MMA partition what the workers leave). The MMA
+# warps of the up kernel hold 3 x 64 accumulator registers; its gathering loader spills below 72.
+FP8_MAXNREG = 168
+MATH_REGS = 232
+ROWS_LOADER_REGS = 40
+UP_MATH_REGS = 216
+UP_LOADER_REGS = 72  # 8 gathered 16-byte chunks per thread and step: pointers and masks
+FP8_MAX = gl.constexpr(448.0)  # largest finite float8_e4m3fn
+
+
+@gluon.constexpr_function
+def _acc_layout(rows, cols, num_warps):
+    """A warpgroup's ``wgmma`` accumulator layout: ``num_warps`` (4) warps down ``rows`` (64), m16 x ``cols``
+    x k32 FP8 instructions."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 32])
+
+
+@gluon.constexpr_function
+def _store_layout(cols, bytes_per_elem, num_warps):
+    """16 bytes of a row per thread (8 bf16 or 16 fp8), a warp across ``cols`` columns, warps down the rows:
+    the epilogue converts into it so that each global store is one 16-byte ``st.global.v4``."""
+    per_thread = 16 // bytes_per_elem
+    lanes = min(32, cols // per_thread)
+    return gl.BlockedLayout([1, per_thread], [32 // lanes, lanes], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _ring_barriers(count: gl.constexpr, arrivals: gl.constexpr):
+    """``count`` mbarriers, each completing on ``arrivals`` arrivals (and, for TMA, its expected bytes)."""
+    bars = gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(count):
+        mbarrier.init(bars.index(i), count=arrivals)
+    return bars
+
+
+@gluon.jit
+def _acquire_slot(empty, ready, step, nbytes: gl.constexpr):
+    """Loader side of the ring: wait until stage ``step % STAGES`` is free (both MMA warpgroups arrived),
+    announce the TMA bytes on its ready barrier (one arrival), return the stage."""
+    STAGES: gl.constexpr = empty.type.shape[0]
+    s = step % STAGES
+    mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), nbytes)
+    return s
+
+
+@gluon.jit
+def _busy_work(offsets_ptr, E, num_n, EB: gl.constexpr, TILE_M: gl.constexpr, num_warps: gl.constexpr):
+    """Blocks of the persistent loop: the plan's busy tiles (they come first in its tile table; per expert
+    ceil(rows / TILE_M)) times the ``num_n`` column blocks. EB: a power of two >= E."""
+    experts = gl.arange(0, EB, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    lo = gl.load(offsets_ptr + experts, mask=experts < E, other=0)
+    hi = gl.load(offsets_ptr + experts + 1, mask=experts < E, other=0)
+    return gl.sum((hi - lo + TILE_M - 1) // TILE_M, axis=0) * num_n
+
+
+@gluon.jit
+def _block_of(w, tile_expert_ptr, tile_row_ptr, num_n, BN: gl.constexpr):
+    """Block ``w`` of the busy tiles x column blocks order (column blocks of a tile side by side): its expert,
+    first sorted row and first column."""
+    return gl.load(tile_expert_ptr + w // num_n), gl.load(tile_row_ptr + w // num_n), (w % num_n) * BN
+
+
+@gluon.jit
+def _scales(as_bufs, bs_bufs, s, j: gl.constexpr, WG: gl.constexpr, layout: gl.constexpr):
+    """This warpgroup's combined scales of stage ``s`` for weight block ``j``: a_s of its 64 rows times the
+    weight block's scale (stored repeated), (64,) fp32 in ``layout`` (the accumulator's rows). as_bufs:
+    (STAGES * 2, 64), a stage's two row halves; bs_bufs: (STAGES * NB, 64), a stage's NB weight blocks."""
+    NB: gl.constexpr = bs_bufs.type.shape[0] // (as_bufs.type.shape[0] // 2)
+    return as_bufs.index(s * 2 + WG).load(layout) * bs_bufs.index(s * NB + j).load(layout)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sorted-rows GEMM: out[r] = [weight[slot(r)] *] sum_k A[r, k] W[e(r)][n, k], rows to slots or kept sorted.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
+                 as_bufs, bs_bufs, M, N_OUT, K, num_n, work, num_warps: gl.constexpr):
+    """Loader partition (one warp) of ``_fp8_rows_ws_kernel``: per K-step, A's rows (block (128, 128)) and the
+    expert's weight block (1, 128, 128) through TMA; A's 128 row scales and the weight block's scale (into 64
+    entries) through 4-byte ``cp.async``, each thread's copies arriving on the stage's ready barrier."""
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[1]
+    HALF: gl.constexpr = bs_bufs.type.shape[1]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    layout: gl.constexpr = gl.BlockedLayout([HALF // (32 * num_warps)], [32], [num_warps], [0])
+    lanes = gl.arange(0, HALF, layout=layout)
+    same = gl.zeros([HALF], gl.int32, layout)  # every entry: the one weight scale
+    kbs = K // BK
+    step = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        e, row0, n0 = _block_of(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        rows0 = row0 + lanes  # the first warpgroup's rows; rows0 + HALF the second's
+        rows1 = rows0 + HALF
+        w_scale = w_s_ptr + (e * (N_OUT // BN) + n0 // BN) * kbs + same
+        for kb in range(kbs):
+            s = _acquire_slot(empty, ready, step, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row0, kb * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [e, n0, kb * BK], ready.index(s), w_bufs.index(s))
+            # rows past M (the last tile): zero scales, as TMA zero-fills their A rows
+            async_copy.async_copy_global_to_shared(as_bufs.index(2 * s), a_s_ptr + kb * M + rows0, mask=rows0 < M)
+            async_copy.async_copy_global_to_shared(as_bufs.index(2 * s + 1), a_s_ptr + kb * M + rows1, mask=rows1 < M)
+            async_copy.async_copy_global_to_shared(bs_bufs.index(s), w_scale + kb)
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            step += 1
+
+
+@gluon.jit
+def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
+                        a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, WG: gl.constexpr,
+                        WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, num_warps: gl.constexpr):
+    """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``_fp8_rows_ws_kernel``: per K-step the
+    block's MMA into a temporary, then the promotion into the fp32 accumulator; then the weighted bf16
+    block, converted to 16-byte row segments and stored through masked pointer stores (a tile's rows past
+    its expert belong to the next tile) to sorted rows or to slots."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = w_bufs.type.shape[2]  # [STAGES, 1, BN, BK]
+    HALF: gl.constexpr = bs_bufs.type.shape[1]
+    acc_layout: gl.constexpr = _acc_layout(HALF, BN, num_warps)
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    out_layout: gl.constexpr = _store_layout(BN, 2, num_warps)
+    step = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        e, row0, n0 = _block_of(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        first = row0 + WG * HALF
+        end = gl.load(offsets_ptr + e + 1)
+        if first < end:
+            # The epilogue's row data, loaded now so that its latency hides under the main loop.
+            rows = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
+            rmask = rows < end
+            out_rows = rows.to(gl.int64)
+            if TO_SLOTS:
+                out_rows = gl.load(row_slot_ptr + rows, mask=rmask, other=0).to(gl.int64)
+            if WEIGHTED:
+                acc_rows = first + gl.arange(0, HALF, layout=row_layout)
+                acc_slots = gl.load(row_slot_ptr + acc_rows, mask=acc_rows < end, other=0)
+                wt = gl.load(weights_ptr + acc_slots, mask=acc_rows < end, other=0.0)
+            acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
+            tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # the MMA's destination registers, reused
+            for k in range(0, K, BK):
+                s = step % STAGES
+                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                # Scales first: shared-memory loads, under the MMA below.
+                scale = _scales(as_bufs, bs_bufs, s, 0, WG, row_layout)
+                tmp = warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF),
+                                    w_bufs.index(s).reshape([BN, BK]).permute((1, 0)), tmp, use_acc=False,
+                                    is_async=True)
+                tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = acc + tmp * scale[:, None]  # one FMA per element
+                step += 1
+            if WEIGHTED:
+                acc = acc * wt[:, None]
+            out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
+            cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+            gl.store(out_ptr + out_rows[:, None] * N_OUT + cols[None, :], out,
+                     mask=rmask[:, None] & (cols < N_OUT)[None, :])
+        else:  # all 64 rows past the expert: hand the stages back untouched
+            for k in range(0, K, BK):
+                s = step % STAGES
+                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                mbarrier.arrive(empty.index(s), count=1)
+                step += 1
+
+
+@gluon.jit
+def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr,
+                        tile_expert_ptr, tile_row_ptr, M, N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr,
+                        WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, STAGES: gl.constexpr,
+                        LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                        num_warps: gl.constexpr):
+    """a_desc: A (M, K) fp8 in sorted rows, block (TILE_M, BK); w_desc: W (E, N_OUT, K) fp8, block (1, BN, BK);
+    a_s (K // 128, M) and w_s (E, N_OUT // 128, K // 128) fp32; out (M, N_OUT) bf16: row r of the product
+    into row ``row_slot[r]`` (TO_SLOTS) or r, times ``weights[row_slot[r]]`` (WEIGHTED, fp32 by slot).
+    Blocks: the plan's busy tiles (EB: a power of two >= E) times the N-blocks, one program per SM walking
+    them. num_warps: one warpgroup (the first MMA partition); the kernel adds the second and the loader."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[1]
+    HALF: gl.constexpr = BM // 2
+    num_n = N_OUT // BN
+    work = _busy_work(offsets_ptr, E, num_n, EB, TILE_M, num_warps)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one indexed row
+    # Per stage: A's row scales (the two warpgroups' halves) and the weight block's scale, repeated across 64
+    as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
+    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, HALF], scale_layout)
+    ready = _ring_barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
+    empty = _ring_barriers(STAGES, 2)  # one arrival per MMA warpgroup
+    gl.warp_specialize([
+        (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
+                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 0, WEIGHTED, TO_SLOTS,
+                               num_warps)),
+        (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
+                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 1, WEIGHTED, TO_SLOTS,
+                               num_warps)),
+        (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
+                        as_bufs, bs_bufs, M, N_OUT, K, num_n, work, LOADER_WARPS)),
+    ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Up projection: h = silu(x W1gᵀ) * (x W1uᵀ) over gathered x rows, quantised to FP8 per row and 128 columns.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
+               empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, T, D, I, top_k, num_n, work,
+               num_warps: gl.constexpr):
+    """Loader partition (one warpgroup) of ``_fp8_up_ws_kernel``: per K-step, the gate and up weight blocks
+    through TMA; the tile's x rows gathered from their tokens (``row_slot[r] // top_k``) through 16-byte
+    ``cp.async`` copies and their scales ``x_s[kb, token]`` through 4-byte ones (rows past the expert
+    zero-filled); the gate and up blocks' scales, each repeated into 64 entries."""
+    BM: gl.constexpr = x_bufs.type.shape[1]
+    BK: gl.constexpr = x_bufs.type.shape[2]
+    BN: gl.constexpr = w13_desc.block_type.shape[2]
+    HALF: gl.constexpr = bs_bufs.type.shape[1]
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])  # 16 fp8 = 16 bytes
+    # 64 entries over the warpgroup: each thread copies one of x's row scales or one weight scale (some twice)
+    s_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    nbytes: gl.constexpr = 2 * w13_desc.block_type.nbytes
+    cols = gl.arange(0, BK, layout=gl.SliceLayout(0, x_layout))
+    lanes = gl.arange(0, HALF, layout=s_layout)
+    same = gl.zeros([HALF], gl.int32, s_layout)
+    kbs = D // BK
+    nbs = I // BN
+    step = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        e, row0, n0 = _block_of(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        end = gl.load(offsets_ptr + e + 1)
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))
+        rmask = rows < end
+        tok = (gl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k).to(gl.int64)
+        # D // 16 * 16 = D (a multiple of 128), written so that the compiler sees 16-byte rows even where Triton
+        # has not specialised D as 16-divisible: cp.async has no 1-byte form
+        x_ptrs = x_ptr + tok[:, None] * (D // 16 * 16) + cols[None, :]
+        x_mask = rmask[:, None] & (cols < BK)[None, :]
+        rows0 = row0 + lanes  # the first warpgroup's rows; rows0 + HALF the second's
+        rows1 = rows0 + HALF
+        tok0 = gl.load(row_slot_ptr + rows0, mask=rows0 < end, other=0) // top_k
+        tok1 = gl.load(row_slot_ptr + rows1, mask=rows1 < end, other=0) // top_k
+        # w13_s (E, 2I // 128, D // 128): gate block n0 // 128, up block I // 128 + n0 // 128
+        g_scale = w13_s_ptr + (e * 2 * nbs + n0 // BN) * kbs + same
+        u_scale = g_scale + nbs * kbs
+        for kb in range(kbs):
+            s = _acquire_slot(empty, ready, step, nbytes)
+            tma.async_copy_global_to_shared(w13_desc, [e, 0, n0, kb * BK], ready.index(s), g_bufs.index(s))
+            tma.async_copy_global_to_shared(w13_desc, [e, 1, n0, kb * BK], ready.index(s), u_bufs.index(s))
+            async_copy.async_copy_global_to_shared(x_bufs.index(s), x_ptrs + kb * BK, mask=x_mask)
+            async_copy.async_copy_global_to_shared(as_bufs.index(2 * s), x_s_ptr + kb * T + tok0, mask=rows0 < end)
+            async_copy.async_copy_global_to_shared(as_bufs.index(2 * s + 1), x_s_ptr + kb * T + tok1,
+                                                   mask=rows1 < end)
+            async_copy.async_copy_global_to_shared(bs_bufs.index(2 * s), g_scale + kb)
+            async_copy.async_copy_global_to_shared(bs_bufs.index(2 * s + 1), u_scale + kb)
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            step += 1
+
+
+@gluon.jit
+def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
+                      g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, WG: gl.constexpr,
+                      PREACT: gl.constexpr, num_warps: gl.constexpr):
+    """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``_fp8_up_ws_kernel``: per K-step the gate
+    block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion; then h =
+    silu(g) * u in fp32, quantised per row over the block's 128 columns into h_q / h_s, and with PREACT g and
+    u rounded to bf16 into ``preact``."""
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    BK: gl.constexpr = x_bufs.type.shape[2]
+    BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
+    HALF: gl.constexpr = bs_bufs.type.shape[1]
+    acc_layout: gl.constexpr = _acc_layout(HALF, BN, num_warps)
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    q_layout: gl.constexpr = _store_layout(BN, 1, num_warps)
+    step = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        e, row0, n0 = _block_of(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        first = row0 + WG * HALF
+        end = gl.load(offsets_ptr + e + 1)
+        if first < end:
+            acc_g = gl.zeros([HALF, BN], gl.float32, acc_layout)
+            acc_u = gl.zeros([HALF, BN], gl.float32, acc_layout)
+            tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # both MMAs' destination registers
+            for k in range(0, D, BK):
+                s = step % STAGES
+                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                fence_async_shared()  # x arrived through cp.async (generic proxy); the MMAs read it (async proxy)
+                x = x_bufs.index(s).slice(WG * HALF, HALF)
+                scale_g = _scales(as_bufs, bs_bufs, s, 0, WG, row_layout)
+                scale_u = _scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
+                tmp = warpgroup_mma(x, g_bufs.index(s).reshape([BN, BK]).permute((1, 0)), tmp, use_acc=False,
+                                    is_async=True)
+                tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+                acc_g = acc_g + tmp * scale_g[:, None]
+                tmp = warpgroup_mma(x, u_bufs.index(s).reshape([BN, BK]).permute((1, 0)), tmp, use_acc=False,
+                                    is_async=True)
+                tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc_u = acc_u + tmp * scale_u[:, None]
+                step += 1
+            _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT, q_layout,
+                         num_warps)
+        else:  # all 64 rows past the expert: hand the stages back untouched
+            for k in range(0, D, BK):
+                s = step % STAGES
+                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                mbarrier.arrive(empty.index(s), count=1)
+                step += 1
+
+
+@gluon.jit
+def _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT: gl.constexpr,
+                 q_layout: gl.constexpr, num_warps: gl.constexpr):
+    """One warpgroup's (64, 128) block of h = silu(g) * u, quantised as the FP8 path quantises everywhere:
+    amax = max(max|h|, 1e-12) over the row's 128 columns, q = fp8(clamp(h * (448 / amax), ±448)) (round to
+    nearest even), scale amax / 448 (both divisions IEEE); q into h_q (N, I) rows [first, end), the scale into
+    h_s (I // 128, N); with PREACT g and u (bf16) into preact (N, 2I) at columns n0 and I + n0."""
+    HALF: gl.constexpr = acc_g.type.shape[0]
+    BN: gl.constexpr = acc_g.type.shape[1]
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_g.type.layout)
+    if PREACT:
+        # Stored from the accumulator's layout (4-byte bf16 pairs): converting to 16-byte rows would need
+        # the registers of a third 64 x 128 block (ptxas spilled) and 16 KB more scratch per warpgroup.
+        p_local = gl.arange(0, HALF, layout=row_layout)
+        p_cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_g.type.layout))
+        p_mask = (first + p_local < end)[:, None] & (p_cols < I)[None, :]
+        p_ptrs = preact_ptr + (first + p_local).to(gl.int64)[:, None] * (2 * I) + p_cols[None, :]
+        gl.store(p_ptrs, acc_g.to(gl.bfloat16), mask=p_mask)
+        gl.store(p_ptrs + I, acc_u.to(gl.bfloat16), mask=p_mask)
+    h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
+    amax = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12)
+    inv = gl.div_rn(gl.full([HALF], FP8_MAX, gl.float32, row_layout), amax)
+    q = gl.minimum(gl.maximum(h * inv[:, None], -FP8_MAX), FP8_MAX).to(gl.float8e4nv)
+    s_rows = first + gl.arange(0, HALF, layout=row_layout)
+    gl.store(h_s_ptr + (n0 // BN) * N + s_rows, gl.div_rn(amax, gl.full([HALF], FP8_MAX, gl.float32, row_layout)),
+             mask=s_rows < end)
+    local = gl.arange(0, HALF, layout=gl.SliceLayout(1, q_layout))
+    cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, q_layout))
+    mask = (first + local < end)[:, None] & (cols < I)[None, :]
+    gl.store(h_q_ptr + first.to(gl.int64) * I + (local[:, None] * I + cols[None, :]), gl.convert_layout(q, q_layout),
+             mask=mask)
+
+
+@gluon.jit
+def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
+                      tile_expert_ptr, tile_row_ptr, T, N, D, I, E, top_k, EB: gl.constexpr, TILE_M: gl.constexpr,
+                      PREACT: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                      MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """x (T, D) fp8 gathered by token and x_s (D // 128, T) fp32; w13_desc: W13 (E, 2, I, D) fp8 (gate rows, then
+    up rows), block (1, 1, BN, BK); w13_s (E, 2I // 128, D // 128) fp32; h_q (N, I) fp8 and h_s (I // 128, N)
+    fp32 out in sorted rows (rows past the routed count not written); preact (N, 2I) bf16 out if PREACT.
+    Blocks: the busy tiles (EB: a power of two >= E) times the I-blocks of 128 (one h scale group each)."""
+    BN: gl.constexpr = w13_desc.block_type.shape[2]
+    BK: gl.constexpr = w13_desc.block_type.shape[3]
+    HALF: gl.constexpr = TILE_M // 2
+    num_n = I // BN
+    work = _busy_work(offsets_ptr, E, num_n, EB, TILE_M, num_warps)
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BK], gl.float8e4nv)
+    x_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE_M, BK], x_layout)
+    g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
+    u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
+    scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one indexed row
+    # Per stage: x's row scales (the two warpgroups' halves); the gate and up blocks' scales, each repeated
+    as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
+    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
+    ready = _ring_barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
+    empty = _ring_barriers(STAGES, 2)  # one arrival per MMA warpgroup
+    gl.warp_specialize([
+        (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 0, PREACT, num_warps)),
+        (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 1, PREACT, num_warps)),
+        (_up_loader, (x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+                      ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, T, D, I, top_k, num_n, work,
+                      LOADER_WARPS)),
+    ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _fp8_layout(block: tuple[int, ...]) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of an FP8 TMA block (128-byte swizzle for 128-wide K), built once per shape."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float8e4nv)
+
+
+def _fp8_desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(t, block, _fp8_layout(tuple(block)))
+
+
+def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether these kernels run for FP8 operands on ``t``'s device with outputs (and saved products) in
+    ``out_dtype``: an sm90 GPU and bf16."""
+    return t.is_cuda and out_dtype == torch.bfloat16 and device_capability(t.device.index)[0] == 9
+
+
+def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
+                     plan, *, weights: torch.Tensor | None = None, to_slots: bool = False) -> None:
+    """out (M, N) bf16 = the blockwise-dequantised a (M, K) in sorted rows times each row's expert weight
+    w[e] (E, N, K)ᵀ, through ``_fp8_rows_ws_kernel``; row r into row ``plan.row_slot_N[r]`` if ``to_slots``, else
+    r; times ``weights[row_slot[r]]`` (fp32, (M,) by slot) if given. Only the plan's routed rows are written.
+
+    a_q (M, K) float8_e4m3fn contiguous, a_s (K // 128, M) fp32 contiguous, w_q (E, N, K) float8_e4m3fn
+    contiguous, w_s (E, N // 128, K // 128) fp32 contiguous; K and N multiples of 128; M >= 1; an sm90 GPU;
+    ``plan`` built with BLOCK_M = 128 rows per tile."""
+    num_rows, k_dim = a_q.shape
+    num_experts, n_out, _ = w_q.shape
+    assert k_dim % FP8_BK == 0 and n_out % FP8_BN == 0 and w_q.shape[2] == k_dim
+    assert a_s.shape == (k_dim // SCALE_BLOCK, num_rows) and w_s.shape == (num_experts, n_out // SCALE_BLOCK,
+                                                                           k_dim // SCALE_BLOCK)
+    assert out.shape == (num_rows, n_out) and out.dtype == torch.bfloat16 and BLOCK_M == FP8_BM
+    _fp8_rows_ws_kernel[(sm_count(a_q.device.index),)](
+        a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), w_desc=_fp8_desc(w_q, [1, FP8_BN, FP8_BK]), a_s_ptr=a_s,
+        w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
+        offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, M=num_rows,
+        N_OUT=n_out, K=k_dim, E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
+        WEIGHTED=weights is not None, TO_SLOTS=to_slots, STAGES=ROWS_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
+        MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+
+
+def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
+                     h_q: torch.Tensor, h_s: torch.Tensor, plan, top_k: int, preact: torch.Tensor | None = None) -> None:
+    """h = silu(x W1gᵀ) * (x W1uᵀ) for the plan's sorted rows (row r: token ``row_slot[r] // top_k``), blockwise
+    dequantised operands, through ``_fp8_up_ws_kernel``; quantised per row and 128 columns into h_q (N, I)
+    float8_e4m3fn and h_s (I // 128, N) fp32; with ``preact`` (N, 2I) bf16 also g and u. Only the routed
+    rows are written.
+
+    x_q (T, D) float8_e4m3fn, x_s (D // 128, T) fp32, w13_q (E, 2I, D) float8_e4m3fn (gate rows then up
+    rows), w13_s (E, 2I // 128, D // 128) fp32, all contiguous; D and I multiples of 128; an sm90 GPU."""
+    num_tokens, dim = x_q.shape
+    num_experts, two_i, _ = w13_q.shape
+    inter = two_i // 2
+    num_rows = plan.row_slot_N.numel()
+    assert dim % FP8_BK == 0 and inter % FP8_BN == 0 and w13_q.shape[2] == dim
+    assert x_s.shape == (dim // SCALE_BLOCK, num_tokens) and w13_s.shape == (num_experts, two_i // SCALE_BLOCK,
+                                                                             dim // SCALE_BLOCK)
+    assert h_q.shape == (num_rows, inter) and h_s.shape == (inter // SCALE_BLOCK, num_rows) and BLOCK_M == FP8_BM
+    assert preact is None or (preact.shape == (num_rows, two_i) and preact.dtype == torch.bfloat16)
+    _fp8_up_ws_kernel[(sm_count(x_q.device.index),)](
+        x_ptr=x_q, x_s_ptr=x_s, w13_desc=_fp8_desc(w13_q.view(num_experts, 2, inter, dim), [1, 1, FP8_BN, FP8_BK]),
+        w13_s_ptr=w13_s, h_q_ptr=h_q, h_s_ptr=h_s, preact_ptr=preact if preact is not None else h_s,
+        row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
+        tile_row_ptr=plan.tile_row_NT, T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, top_k=top_k,
+        EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None,
+        STAGES=UP_STAGES_PREACT if preact is not None else UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS,
+        MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+
+
+# The kernels by name, for the ahead-of-time compile check.
+KERNELS = {"fp8_rows": _fp8_rows_ws_kernel, "fp8_up": _fp8_up_ws_kernel}
+
+
+def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
+                sizes_divisible: bool = True):
+    """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
+    configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
+    ``megamoe.bench.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
+    launchers' asserts make multiples of 128, are specialised as 16-divisible, as Triton does at run time.
+    ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
+    kernel's saved-activation variant."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(block):
+        return f"tensordesc<fp8e4nv[{', '.join(map(str, block))}],{_fp8_layout(tuple(block))}>"
+
+    common = {"EB": 128, "TILE_M": BLOCK_M, "num_warps": MATH_WARPS}
+    if name == "fp8_rows":
+        blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, FP8_BN, FP8_BK]}
+        constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "STAGES": ROWS_STAGES,
+                      "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
+        pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32"}
+        sizes = {"N_OUT", "K"}
+    else:
+        blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
+        constexprs = {**common, "PREACT": preact, "STAGES": UP_STAGES_PREACT if preact else UP_STAGES,
+                      "LOADER_WARPS": UP_LOADER_WARPS, "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
+        pointers = {"x_ptr": "*fp8e4nv", "x_s_ptr": "*fp32", "w13_s_ptr": "*fp32", "h_q_ptr": "*fp8e4nv",
+                    "h_s_ptr": "*fp32", "preact_ptr": "*bf16"}
+        sizes = {"D", "I"}
+    fn = KERNELS[name]
+
+    def arg_type(arg):
+        if arg in blocks:
+            return desc(blocks[arg])
+        if arg in constexprs:
+            return "constexpr"
+        return pointers.get(arg, "*i32") if arg.endswith("_ptr") else "i32"
+
+    signature = {arg: arg_type(arg) for arg in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+             if arg.endswith("_ptr") or (sizes_divisible and arg in sizes)}
+    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": MATH_WARPS, "maxnreg": FP8_MAXNREG})

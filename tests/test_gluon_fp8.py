@@ -1,0 +1,244 @@
+"""The FP8 blockwise Gluon kernels (``megamoe.kernels.gluon_fp8_sm90``): on an H200 against a float64 torch
+computation of the same blockwise-dequantised math (``-m gpu``), and on any machine that both compile for
+sm_90a without spills (ahead of time, in a subprocess: the CPU test session runs Triton's interpreter).
+
+Two kinds of data. "random": normal values, quantised by the FP8 path's formula (``quantize``); the
+tensor cores accumulate each 128-wide FP8 block at reduced precision, so results are compared norm-wise.
+"exact": values in {0, ±1, ±2} times a power of two per scale group, with every group's amax reached, so
+that quantisation gives the codes ±224 / ±448 exactly and every block's MMA is exact at any accumulator
+precision; the kernel then differs from the float64 reference only by fp32 rounding, and its FP8 h must
+match the reference's quantisation byte for byte (but for values within fp32 rounding of a tie).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+FP8_MAX = 448.0
+GROUP = 128
+
+
+def quantize(v: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 path's quantisation of fp32 ``v`` (..., n) in groups of ``group`` along the last dim: amax =
+    max(max|v|, 1e-12), q = fp8(clamp(v * (448 / amax), ±448)) (round to nearest even), scale = amax / 448
+    (IEEE fp32 divisions). Returns q (..., n) float8_e4m3fn and the scales (..., n // group) fp32."""
+    g = v.float().reshape(*v.shape[:-1], v.shape[-1] // group, group)
+    amax = g.abs().amax(-1).clamp_min(1e-12)
+    inv = torch.full_like(amax, FP8_MAX) / amax
+    q = (g * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(v.shape), amax / FP8_MAX
+
+
+def quantize_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations (M, K) -> a_q (M, K) fp8 and a_s (K // 128, M) fp32 (k-block-major)."""
+    q, s = quantize(a)
+    return q, s.t().contiguous()
+
+
+def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights (E, N, K) -> w_q (E, N, K) fp8 and w_s (E, N // 128, K // 128) fp32, one scale per 128 x 128
+    block (the group formula over the block's 16 384 values)."""
+    e, n, k = w.shape
+    blocks = w.float().reshape(e, n // GROUP, GROUP, k // GROUP, GROUP).permute(0, 1, 3, 2, 4)
+    q, s = quantize(blocks.reshape(e, n // GROUP, k // GROUP, GROUP * GROUP), GROUP * GROUP)
+    s = s.squeeze(-1)
+    q = q.reshape(e, n // GROUP, k // GROUP, GROUP, GROUP).permute(0, 1, 3, 2, 4).reshape(e, n, k)
+    return q.contiguous(), s.contiguous()
+
+
+def dequant_rows(a_q, a_s):
+    return a_q.double() * a_s.t().double().repeat_interleave(GROUP, dim=1)
+
+
+def dequant_weights(w_q, w_s):
+    return w_q.double() * w_s.double().repeat_interleave(GROUP, dim=1).repeat_interleave(GROUP, dim=2)
+
+
+def make_data(shape, kind: str, gen: torch.Generator, group_dims: int = 1) -> torch.Tensor:
+    """fp32 data of ``shape`` on the GPU. "random": normal. "exact": {0, ±1, ±2} times 2^j (j in [-3, 3])
+    per scale group, with one ±2 per group (the group: 128 along the last dim, ``group_dims`` = 2: 128 x 128
+    over the last two dims, the weights' blocks)."""
+    if kind == "random":
+        return torch.randn(shape, generator=gen).cuda()
+    v = torch.randint(-2, 3, shape, generator=gen).float()
+    if group_dims == 1:
+        v[..., ::GROUP] = 2.0
+        j = torch.randint(-3, 4, (*shape[:-1], shape[-1] // GROUP), generator=gen).float()
+        v = v * torch.exp2(j).repeat_interleave(GROUP, dim=-1)
+    else:
+        v[..., ::GROUP, ::GROUP] = 2.0
+        j = torch.randint(-3, 4, (*shape[:-2], shape[-2] // GROUP, shape[-1] // GROUP), generator=gen).float()
+        v = v * torch.exp2(j).repeat_interleave(GROUP, dim=-2).repeat_interleave(GROUP, dim=-1)
+    return v.cuda()
+
+
+def make_routing(num_tokens: int, num_experts: int, top_k: int, routing: str, gen: torch.Generator):
+    """topk_idx (T, top_k) int64 on the GPU: "random" (distinct experts per token), "empty" (experts 3.. get
+    no tokens), "one" (every slot to the last expert)."""
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    if routing == "empty":
+        scores[:, 3:] -= 2.0
+    topk_idx = scores.topk(top_k, dim=1).indices
+    if routing == "one":
+        topk_idx[:] = num_experts - 1
+    return topk_idx.cuda()
+
+
+def build(topk_idx, num_experts):
+    from megamoe.kernels.plan import build_plan
+
+    plan = build_plan(topk_idx, num_experts)
+    offsets = plan.offsets_E1.tolist()
+    return plan, offsets
+
+
+def rows_reference(a_q, a_s, w_q, w_s, offsets) -> torch.Tensor:
+    """(routed rows, N) float64: each sorted row's dequantised product with its expert's weight."""
+    a = dequant_rows(a_q, a_s)
+    w = dequant_weights(w_q, w_s)
+    return torch.cat([a[offsets[e]:offsets[e + 1]] @ w[e].t() for e in range(len(offsets) - 1)])
+
+
+def rel_err(x, ref) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+# (T, E, top_k, D, I, routing): a few thousand tokens; E a power of two and not; experts without tokens; one
+# expert taking every row (a long run of full tiles and one partial).
+GPU_CASES = [
+    (2048, 8, 2, 256, 256, "random"),
+    (3000, 5, 2, 512, 384, "random"),
+    (1500, 8, 8, 256, 384, "random"),
+    (2500, 8, 2, 512, 256, "empty"),
+    (2000, 5, 2, 256, 384, "one"),
+]
+# Bound on the bf16 output's rounding, relative and norm-wise (2^-9 per element at most): added to the 1e-3
+# allowed for the FP8 accumulation where the output is bf16.
+BF16_ROUNDING = 2.0 ** -9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "exact"])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
+def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind):
+    """The down projection (h (N, I) x W2 (E, D, I), weighted, to slots) and dh' (dy (N, D) x W2ᵀ as (E, I, D),
+    sorted rows, unweighted)."""
+    from megamoe.kernels.gluon_fp8_sm90 import fp8_rows_gemm_ws
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator().manual_seed(num_tokens + dim + inter)
+    topk_idx = make_routing(num_tokens, num_experts, top_k, routing, gen)
+    plan, offsets = build(topk_idx, num_experts)
+    rows = num_tokens * top_k
+    routed = offsets[-1]
+    row_slot = plan.row_slot_N[:routed].long()
+    weights = torch.rand(rows, generator=gen).cuda()
+    for k_dim, n_out, weighted, to_slots in ((inter, dim, True, True), (dim, inter, False, False)):
+        a_q, a_s = quantize_rows(make_data((rows, k_dim), kind, gen))
+        w_q, w_s = quantize_weights(make_data((num_experts, n_out, k_dim), kind, gen, group_dims=2) / 16)
+        out = torch.full((rows, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
+        fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, out, plan, weights=weights if weighted else None, to_slots=to_slots)
+        torch.cuda.synchronize()
+        ref = rows_reference(a_q, a_s, w_q, w_s, offsets)
+        if weighted:
+            ref = ref * weights[row_slot].double()[:, None]
+        got = out[row_slot] if to_slots else out[:routed]
+        assert torch.isfinite(got).all(), "a routed row was not written"
+        err = rel_err(got, ref)
+        assert err <= 1e-3 + BF16_ROUNDING, (k_dim, n_out, err)
+        if kind == "exact":  # exact MMAs: only fp32 promotion and the bf16 rounding
+            assert err <= BF16_ROUNDING, (k_dim, n_out, err)
+        if not to_slots:  # rows past the routed count are not written
+            assert torch.isnan(out[routed:].float()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "exact"])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
+@pytest.mark.parametrize("preact", [False, True])
+def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind, preact):
+    """h = silu(x W1gᵀ) * (x W1uᵀ) over the tokens' sorted rows, quantised per row and 128 columns."""
+    from megamoe.kernels.gluon_fp8_sm90 import fp8_up_swiglu_ws
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator().manual_seed(num_tokens * 3 + dim + inter)
+    topk_idx = make_routing(num_tokens, num_experts, top_k, routing, gen)
+    plan, offsets = build(topk_idx, num_experts)
+    rows = num_tokens * top_k
+    routed = offsets[-1]
+    x_q, x_s = quantize_rows(make_data((num_tokens, dim), kind, gen))
+    w13_q, w13_s = quantize_weights(make_data((num_experts, 2 * inter, dim), kind, gen, group_dims=2) / 16)
+    h_q = torch.full((rows, inter), float("nan"), device="cuda").to(torch.float8_e4m3fn)
+    h_s = torch.full((inter // GROUP, rows), float("nan"), device="cuda")
+    pre = torch.full((rows, 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16) if preact else None
+    fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k, preact=pre)
+    torch.cuda.synchronize()
+
+    tokens = plan.row_slot_N[:routed].long() // top_k
+    x_rows = dequant_rows(x_q, x_s)[tokens]
+    w13 = dequant_weights(w13_q, w13_s)
+    gu = torch.cat([x_rows[offsets[e]:offsets[e + 1]] @ w13[e].t() for e in range(num_experts)])
+    g, u = gu[:, :inter], gu[:, inter:]
+    h = torch.nn.functional.silu(g) * u
+    ref_q, ref_s = quantize(h.float())
+    got_q, got_s = h_q[:routed], h_s[:, :routed].t()
+    assert torch.isfinite(got_s).all(), "a routed row's scale was not written"
+
+    # Norm-wise: the scales to 1e-3, the dequantised h to the reference h within FP8's rounding (2^-4 per
+    # element at most, about 2.5% norm-wise) plus 1e-3.
+    assert rel_err(got_s, ref_s) <= 1e-3
+    deq = got_q.double() * got_s.double().repeat_interleave(GROUP, dim=1)
+    assert rel_err(deq, h) <= 0.04
+    same = (got_q.view(torch.uint8) == ref_q.view(torch.uint8)).double().mean().item()
+    # Bytes: the random data's blocks are accumulated at the tensor cores' reduced precision (relative ~1e-4),
+    # which moves values across FP8 rounding ties; the exact data's only by fp32 rounding.
+    assert same >= (0.999 if kind == "exact" else 0.99), same
+    if kind == "exact":
+        assert rel_err(got_s, ref_s) <= 1e-6
+        # every differing byte is one FP8 step from the reference's (a tie decided by fp32 rounding)
+        diff = (got_q.view(torch.uint8).int() - ref_q.view(torch.uint8).int()).abs()
+        assert int(diff.max()) <= 1
+    if preact:
+        assert rel_err(pre[:routed].float(), gu) <= 1e-3 + BF16_ROUNDING
+        assert torch.isnan(pre[routed:].float()).all()
+    assert torch.isnan(h_s[:, routed:]).all()  # rows past the routed count are not written
+
+
+# The AOT check runs in a subprocess: this test session runs Triton's interpreter (TRITON_INTERPRET=1 without a
+# GPU), under which the compile path is replaced.
+_AOT_SCRIPT = r"""
+import json
+from megamoe.bench.resources import ptxas_report
+from megamoe.kernels import gluon_fp8_sm90 as f
+variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
+            "rows_dh": ("fp8_rows", dict(weighted=False, to_slots=False)),
+            "up": ("fp8_up", dict(preact=False)), "up_preact": ("fp8_up", dict(preact=True)),
+            "rows_down_any_size": ("fp8_rows", dict(sizes_divisible=False)),
+            "up_any_size": ("fp8_up", dict(sizes_divisible=False))}
+print(json.dumps({name: ptxas_report(f.aot_compile(kernel, **kw)) for name, (kernel, kw) in variants.items()}))
+"""
+
+# Register spills allowed per variant (bytes): the up kernel's saved-activation variant keeps one register of its
+# epilogue in local memory (8 bytes, stored and loaded once per block; its MMA loop does not spill).
+_SPILLS_ALLOWED = {"up_preact": 8}
+SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200
+
+
+def test_fp8_kernels_compile_for_sm90a_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=600,
+                         check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    import json
+
+    reports = json.loads(out.stdout.strip().splitlines()[-1])
+    for name, r in reports.items():
+        assert r["wgmma"], name
+        if not name.endswith("any_size"):  # (the launchers' sizes are multiples of 128: Triton specialises them)
+            assert r["wide_stores"], name  # the epilogues convert to 16-byte row segments
+        assert r["spill_bytes"] <= _SPILLS_ALLOWED.get(name, 0), (name, r)
+        assert r["shared_bytes"] <= SHARED_MEMORY_LIMIT, (name, r)
