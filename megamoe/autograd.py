@@ -21,7 +21,6 @@ from megamoe.env import custom_ops_forced
 from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
     act_bwd,
-    act_bwd_fp8,
     act_bwd_from_preact,
     dh_fp8,
     dx_slots,
@@ -83,8 +82,9 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
                          offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor,
                          preact: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`experts_backward` in blockwise FP8: dy quantised 1x128; dh' and dx on the weights' transposed FP8
-    copies; g and u recomputed in FP8 (as the forward computed them) unless saved; the weight gradients from the
-    unquantised rows in x's dtype (exact products, fp32 accumulation)."""
+    copies; g and u, unless saved, recomputed by the forward's up kernel (the FP8 GEMM the forward ran, so both memory
+    modes compute the same gradients; its h output goes unused) and the act step run on them; the weight gradients
+    from the unquantised rows in x's dtype (exact products, fp32 accumulation)."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
     weights = topk_weights.contiguous()
@@ -93,10 +93,9 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     x_sorted, dy_sorted = gather_rows(x, dy, plan, top_k)
     dh_NI = dh_fp8(*quantize_rows(dy_sorted), w2tq, w2ts, plan, x.dtype)
     if preact is None:
-        dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_fp8(*quantize_rows(x_sorted), dh_NI, w13q, w13s, weights, plan,
-                                                         top_k)
-    else:
-        dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True)
+        preact = preact_buffer(x, topk_idx, w13)
+        up_swiglu_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact_NH=preact)
+    dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True)
     dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan,
                                                                                        x.dtype), topk_idx, x.dtype)
     dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)

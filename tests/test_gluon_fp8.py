@@ -193,14 +193,18 @@ def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind
     deq = got_q.double() * got_s.double().repeat_interleave(GROUP, dim=1)
     assert rel_err(deq, h) <= 0.04
     same = (got_q.view(torch.uint8) == ref_q.view(torch.uint8)).double().mean().item()
-    # Bytes: the random data's blocks are accumulated at the tensor cores' reduced precision (relative ~1e-4),
-    # which moves values across FP8 rounding ties; the exact data's only by fp32 rounding.
-    assert same >= (0.999 if kind == "exact" else 0.99), same
+    assert same >= 0.99, same
+    # Bytes: h on the kernel's own scales, t = h / s (float64 reference), rounds to the kernel's code except where
+    # t lies within the kernel's error of a rounding midpoint: its fp32 h (exp through ex2.approx) differs from
+    # float64 by ~1e-7 relative for the exact data (whose few distinct values repeat, so one tie decides many
+    # bytes: 0.4% of them in one case), and by the tensor cores' FP8 accumulation (~1e-4) for the random data.
+    t = (h / got_s.double().repeat_interleave(GROUP, dim=1)).clamp(-FP8_MAX, FP8_MAX)
+    near = t.float().to(torch.float8_e4m3fn).double()
+    off = got_q.double() != near
+    tie = (t - (got_q.double() + near) / 2).abs() <= FP8_MAX * (2.0**-20 if kind == "exact" else 2.0**-10)
+    assert bool((tie | ~off).all()), f"{int((off & ~tie).sum())} bytes off the reference away from a tie"
     if kind == "exact":
         assert rel_err(got_s, ref_s) <= 1e-6
-        # every differing byte is one FP8 step from the reference's (a tie decided by fp32 rounding)
-        diff = (got_q.view(torch.uint8).int() - ref_q.view(torch.uint8).int()).abs()
-        assert int(diff.max()) <= 1
     if preact:
         assert rel_err(pre[:routed].float(), gu) <= 1e-3 + BF16_ROUNDING
         assert torch.isnan(pre[routed:].float()).all()

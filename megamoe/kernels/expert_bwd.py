@@ -58,19 +58,14 @@ def _act_bwd_kernel(
     hw_ptr,  # (N, I) out: h * weight, sorted rows
     dweight_part_ptr,  # (NI, N) fp32 out: partial d(routing weight) per PART_COLS columns, flat slots
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-    x_scale_ptr,  # (D/128, N) fp32, if SCALED: the sorted x rows' 1x128 scales (x and w13 then e4m3)
-    w_scale_ptr,  # (E, 2I/128, D/128) fp32, if SCALED: w13's 128x128 block scales
-    dzq_ptr,  # (N, 2I) e4m3 out, if SCALED: dz quantised 1x128, for the dx GEMM
-    dzs_ptr,  # (2I/128, N) fp32 out, if SCALED: its scales
     N, D, I, E,
-    SCALED: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr,
+    PREC: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """The x operand comes in through TMA from row ``row0`` of the sorted rows. Past the expert's last row
     those are the next expert's rows (or rows nobody wrote, after the last routed one, or TMA's zeros past
     N); each output row depends only on its own x row, and every store and d(weight) partial is masked to
-    the expert's rows, so those rows change nothing. SCALED: blockwise FP8 operands (BK = BN = 128), each
-    K-block's products promoted with their scales, and dz also written quantised (``_swiglu_bwd_epilogue``)."""
+    the expert's rows, so those rows change nothing."""
     e, row0, rows, rmask, pid_n = tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                              tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
@@ -79,23 +74,15 @@ def _act_bwd_kernel(
     n0 = pid_n * BN
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    if SCALED:
-        w_gate = (e * (2 * I // 128) + pid_n) * (D // 128)  # this N-block's gate scales; its up ones I/128 later
-        w_up = w_gate + (I // 128) * (D // 128)
     for k0 in range(0, D, BK):
         # The descriptors zero-fill past D and past this expert's I columns.
         a = x_desc.load([row0, k0])
         bg = w13_desc.load([e, 0, n0, k0]).reshape(BN, BK)
         bu = w13_desc.load([e, 1, n0, k0]).reshape(BN, BK)
-        if SCALED:
-            sa = tl.load(x_scale_ptr + (k0 // 128) * N + rows, mask=rmask, other=0.0)
-            acc_g += tl.dot(a, bg.T) * (sa * tl.load(w_scale_ptr + w_gate + k0 // 128))[:, None]
-            acc_u += tl.dot(a, bu.T) * (sa * tl.load(w_scale_ptr + w_up + k0 // 128))[:, None]
-        else:
-            acc_g = tl.dot(a, bg.T, acc_g, input_precision=PREC)
-            acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
+        acc_g = tl.dot(a, bg.T, acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
     _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
-                         N, I, PART_COLS, BN, dzq_ptr, dzs_ptr, SCALED)
+                         N, I, PART_COLS, BN)
 
 
 @triton.jit
@@ -146,7 +133,8 @@ def _act_from_preact_kernel(
     preact_ptr,  # (N, 2I) the forward's [g | u], sorted rows (the saved-activation mode)
     dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,  # as for _act_bwd_kernel
     row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-    dzq_ptr, dzs_ptr,  # as for _act_bwd_kernel, if QUANT_DZ
+    dzq_ptr,  # (N, 2I) e4m3 out, if QUANT_DZ: dz quantised 1x128, the FP8 dx GEMM's operand
+    dzs_ptr,  # (2I/128, N) fp32 out, if QUANT_DZ: its scales
     N, I, E,
     QUANT_DZ: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
@@ -258,7 +246,7 @@ ACT_BWD = TunedKernel(
     _act_bwd_kernel, default=configs((128, 128, 64, 8, 4))[0],
     candidates=configs((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 128, 8, 3)),
     key=["D", "I"], even_k=None,  # the descriptors zero-fill the K tail
-    blocks=lambda c: {"x_desc": [c["BM"], c["BK"]], "w13_desc": [1, 1, c["BN"], c["BK"]]}, constants={"SCALED": False},
+    blocks=lambda c: {"x_desc": [c["BM"], c["BK"]], "w13_desc": [1, 1, c["BN"], c["BK"]]},
 )
 # dh', down and dx: PERSISTENT or not per config (docs/DESIGN.md, "Tile configs": it wins on some shapes, not all).
 DH = sorted_rows_gemm_kernel(
@@ -277,10 +265,9 @@ DX = sorted_rows_gemm_kernel(
     blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "w_desc": [1, c["BK"], c["BN"]]},
     constants={"W_K_LAST": False, "WEIGHTED": False, "TO_SLOTS": True, "SCALED": False},
 )
-# Blockwise FP8 (kernels.quant), fixed configs as expert_fwd.UP_FP8 and DOWN_FP8: the act kernel with BN = 128 (dz's
-# 1x128 groups), dh' and dx on the weights' transposed copies (K-major, as FP8 MMAs need them).
-ACT_FP8 = TunedKernel(_act_bwd_kernel, default=configs((128, 128, 128, 8, 3))[0], candidates=[], key=ACT_BWD.key,
-                      even_k=None, blocks=ACT_BWD.blocks, constants={"SCALED": True})
+# Blockwise FP8 (kernels.quant), fixed configs as expert_fwd.DOWN_FP8: dh' and dx on the weights' transposed copies
+# (K-major, as FP8 MMAs need them). The FP8 backward has no act GEMM of its own: it recomputes g and u with the
+# forward's up kernel (``expert_fwd.up_swiglu_fp8``) and runs the act step on them (``act_bwd_from_preact``).
 DH_FP8 = sorted_rows_gemm_kernel(default=FP8_ROWS_CONFIG, candidates=[], key=DH.key, even_k=None, blocks=DOWN.blocks,
                                  constants={**DH.constants, "W_K_LAST": True, "SCALED": True})
 DX_FP8 = sorted_rows_gemm_kernel(default=FP8_ROWS_CONFIG, candidates=[], key=DX.key, even_k=None, blocks=DOWN.blocks,
@@ -340,9 +327,8 @@ def act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k
         x_desc=descriptor(x_sorted_ND), dh_ptr=dh_NI, w13_desc=descriptor(w13_EHD.view(num_experts, 2, inter, dim)),
         weights_ptr=topk_weights_TK.reshape(-1), dz_ptr=dz_NH, hw_ptr=hw_NI, dweight_part_ptr=dweight_part,
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
-        tile_row_ptr=plan.tile_row_NT, x_scale_ptr=None, w_scale_ptr=None, dzq_ptr=None, dzs_ptr=None,
-        N=plan.row_slot_N.numel(), D=dim, I=inter, E=num_experts, PREC=dot_precision(dz_NH.dtype), TILE_M=BLOCK_M,
-        PART_COLS=PART_COLS, dtype=dz_NH.dtype,
+        tile_row_ptr=plan.tile_row_NT, N=plan.row_slot_N.numel(), D=dim, I=inter, E=num_experts,
+        PREC=dot_precision(dz_NH.dtype), TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=dz_NH.dtype,
     )
 
 
@@ -350,26 +336,6 @@ def dz_fp8_outputs(num_slots: int, two_i: int, device) -> tuple[torch.Tensor, to
     """dz quantised 1x128 for the FP8 dx GEMM: (N, 2I) e4m3 and its (2I/128, N) fp32 scales."""
     return (torch.empty(num_slots, two_i, device=device, dtype=FP8),
             torch.empty(two_i // 128, num_slots, device=device, dtype=torch.float32))
-
-
-def act_bwd_fp8(xq_sorted_ND, xs_sorted, dh_NI, w13q_EHD, w13s, topk_weights_TK, plan: Plan, top_k: int):
-    """``act_bwd`` recomputing g and u from blockwise FP8 operands (the sorted x rows in e4m3 with their (D/128, N)
-    scales; w13 in e4m3 with its (E, 2I/128, D/128) block scales): dz (N, 2I) and h·w (N, I) in dh's dtype,
-    d(routing weight) (T, K) fp32, and dz quantised 1x128 (``dz_fp8_outputs``)."""
-    num_slots = plan.row_slot_N.numel()
-    num_experts, two_i, dim = w13q_EHD.shape
-    dz_NH, hw_NI, dweight_part = act_bwd_outputs(num_slots, two_i, dh_NI)
-    dzq, dzs = dz_fp8_outputs(num_slots, two_i, dh_NI.device)
-    if num_slots:
-        ACT_FP8[tile_grid(plan, two_i // 2)](
-            x_desc=descriptor(xq_sorted_ND), dh_ptr=dh_NI,
-            w13_desc=descriptor(w13q_EHD.view(num_experts, 2, two_i // 2, dim)), weights_ptr=topk_weights_TK.reshape(-1),
-            dz_ptr=dz_NH, hw_ptr=hw_NI, dweight_part_ptr=dweight_part, row_slot_ptr=plan.row_slot_N,
-            offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT,
-            x_scale_ptr=xs_sorted, w_scale_ptr=w13s, dzq_ptr=dzq, dzs_ptr=dzs, N=num_slots, D=dim, I=two_i // 2,
-            E=num_experts, PREC="tf32", TILE_M=BLOCK_M, PART_COLS=PART_COLS, dtype=FP8,
-        )
-    return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k), dzq, dzs
 
 
 def act_bwd_from_preact(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: int, quant_dz: bool = False):

@@ -29,8 +29,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from megamoe.env import interpreting
 
 GROUP = 128  # values per scale along a GEMM's inner dimension (and the weights' block edge)
-E4M3_MAX = 448.0
-AMAX_FLOOR = 1e-12  # an all-zero group gets this amax: its values quantise to exact zeros
+E4M3_MAX = tl.constexpr(448.0)
+AMAX_FLOOR = tl.constexpr(1e-12)  # an all-zero group gets this amax: its values quantise to exact zeros
 FP8 = torch.float8_e4m3fn
 
 # Triton 3.6's interpreter rounds fp32 -> e4m3 wrongly where the rounding carries into the exponent (125.3
@@ -87,21 +87,28 @@ def _quantize_weight_kernel(
     qt_ptr,  # (E, C, R) e4m3 out: the transposed copy
     st_ptr,  # (E, C / 128, R / 128) fp32 out
     R, C,
+    SLICE: tl.constexpr,
 ):
+    """One 128x128 block per program, read in slices of SLICE rows twice (its amax, then its values): a whole
+    block in registers spilled."""
     e = tl.program_id(0).to(tl.int64)
     rb = tl.program_id(1)
     cb = tl.program_id(2)
     nrb = R // 128
     ncb = C // 128
-    r = rb * 128 + tl.arange(0, 128)
     c = cb * 128 + tl.arange(0, 128)
-    v = tl.load(w_ptr + e * R * C + r[:, None] * C + c[None, :]).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), AMAX_FLOOR)
+    block = w_ptr + e * R * C + rb * 128 * C + tl.arange(0, SLICE)[:, None] * C + c[None, :]
+    amax = 0.0
+    for i in tl.static_range(128 // SLICE):
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(tl.load(block + i * SLICE * C).to(tl.float32)), axis=1), axis=0))
+    amax = tl.maximum(amax, AMAX_FLOOR)
     inv = tl.math.div_rn(E4M3_MAX, amax)
-    q = to_e4m3(tl.clamp(v * inv, -E4M3_MAX, E4M3_MAX))
+    for i in tl.static_range(128 // SLICE):
+        q = to_e4m3(tl.clamp(tl.load(block + i * SLICE * C).to(tl.float32) * inv, -E4M3_MAX, E4M3_MAX))
+        r = rb * 128 + i * SLICE + tl.arange(0, SLICE)
+        tl.store(q_ptr + e * R * C + r[:, None] * C + c[None, :], q)
+        tl.store(qt_ptr + e * R * C + c[None, :] * R + r[:, None], q)
     s = tl.math.div_rn(amax, E4M3_MAX)
-    tl.store(q_ptr + e * R * C + r[:, None] * C + c[None, :], q)
-    tl.store(qt_ptr + e * R * C + c[None, :] * R + r[:, None], q)
     tl.store(s_ptr + (e * nrb + rb) * ncb + cb, s)
     tl.store(st_ptr + (e * ncb + cb) * nrb + rb, s)
 
@@ -134,7 +141,7 @@ def quantize_weight(w_ERC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     s = torch.empty(num_experts, r // GROUP, c // GROUP, device=w_ERC.device, dtype=torch.float32)
     st = torch.empty(num_experts, c // GROUP, r // GROUP, device=w_ERC.device, dtype=torch.float32)
     _quantize_weight_kernel[(num_experts, r // GROUP, c // GROUP)](w_ptr=w_ERC, q_ptr=q, s_ptr=s, qt_ptr=qt, st_ptr=st,
-                                                                   R=r, C=c, num_warps=8)
+                                                                   R=r, C=c, SLICE=32, num_warps=8)
     return q, s, qt, st
 
 
