@@ -389,6 +389,17 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
 
 
 @gluon.jit
+def _to_e4m3(v):
+    """fp32 ``v`` (within +-448) to e4m3, round to nearest even, as ``kernels.quant.to_e4m3`` does it (on the fp32
+    bits first, so that the conversion meets e4m3 values only)."""
+    bits = v.to(gl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(gl.float32, bitcast=True)
+    sub = ((v * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    sub = gl.where(sub == 0.0, v * 0.0, sub)
+    return gl.where(gl.abs(v) < 0.015625, sub, normal).to(gl.float8e4nv)
+
+
+@gluon.jit
 def _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT: gl.constexpr,
                  q_layout: gl.constexpr, num_warps: gl.constexpr):
     """One warpgroup's (64, 128) block of h = silu(g) * u, quantised as the FP8 path quantises everywhere:
@@ -410,7 +421,7 @@ def _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, 
     h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
     amax = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12)
     inv = gl.div_rn(gl.full([HALF], FP8_MAX, gl.float32, row_layout), amax)
-    q = gl.minimum(gl.maximum(h * inv[:, None], -FP8_MAX), FP8_MAX).to(gl.float8e4nv)
+    q = _to_e4m3(gl.minimum(gl.maximum(h * inv[:, None], -FP8_MAX), FP8_MAX))
     s_rows = first + gl.arange(0, HALF, layout=row_layout)
     gl.store(h_s_ptr + (n0 // BN) * N + s_rows, gl.div_rn(amax, gl.full([HALF], FP8_MAX, gl.float32, row_layout)),
              mask=s_rows < end)

@@ -26,30 +26,28 @@ import triton
 import triton.language as tl
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from megamoe.env import interpreting
 
 GROUP = 128  # values per scale along a GEMM's inner dimension (and the weights' block edge)
 E4M3_MAX = tl.constexpr(448.0)
 AMAX_FLOOR = tl.constexpr(1e-12)  # an all-zero group gets this amax: its values quantise to exact zeros
 FP8 = torch.float8_e4m3fn
 
-# Triton 3.6's interpreter rounds fp32 -> e4m3 wrongly where the rounding carries into the exponent (125.3
-# became 64, not 128); the CPU tests then round in software, exactly as the GPU's cvt.rn.satfinite does.
-_SOFT_ROUND = tl.constexpr(interpreting())
 
 
 @triton.jit
 def to_e4m3(v):
-    """fp32 ``v`` (within +-448) to e4m3, round to nearest even."""
-    if _SOFT_ROUND:
-        # Normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the bit pattern to nearest even; below
-        # 2^-6 (e4m3's subnormals) the grid is 2^-9: round with the 1.5 * 2^23 trick, keeping the zero's sign.
-        bits = v.to(tl.int32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-        sub = ((v * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-        sub = tl.where(sub == 0.0, v * 0.0, sub)
-        v = tl.where(tl.abs(v) < 0.015625, sub, normal)
-    return v.to(tl.float8e4nv)
+    """fp32 ``v`` (within +-448) to e4m3, round to nearest even, exactly as torch's conversion. The rounding is
+    done on the fp32 bits first, so the conversion itself only ever meets e4m3 values: a plain conversion did not
+    reproduce torch's bytes on the H200 (cvt.rn.satfinite.e4m3x2.f32; tests/test_fp8.py) nor in Triton 3.6's
+    interpreter (125.3 became 64, not 128)."""
+    # Normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the bit pattern to nearest even (a carry moves
+    # into the exponent); below 2^-6 (e4m3's subnormals) the grid is 2^-9: round with the 1.5 * 2^23 trick,
+    # keeping the zero's sign.
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    sub = ((v * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    sub = tl.where(sub == 0.0, v * 0.0, sub)
+    return tl.where(tl.abs(v) < 0.015625, sub, normal).to(tl.float8e4nv)
 
 
 @triton.jit
