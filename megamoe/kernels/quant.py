@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-
 GROUP = 128  # values per scale along a GEMM's inner dimension (and the weights' block edge)
 E4M3_MAX = tl.constexpr(448.0)
 AMAX_FLOOR = tl.constexpr(1e-12)  # an all-zero group gets this amax: its values quantise to exact zeros
