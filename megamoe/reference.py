@@ -375,8 +375,11 @@ E4M3_MAX, FP8_GROUP, AMAX_FLOOR = 448.0, 128, 1e-12
 def _quantize_groups(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``v`` (..., G) fp32 -> (e4m3 (..., G), fp32 scales (...)): one group per last-dim row."""
     amax = v.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
-    q = (v * (E4M3_MAX / amax)[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, amax / E4M3_MAX
+    # Tensor by tensor, both ways: ``448 / amax`` would be ``amax.reciprocal() * 448`` (torch's __rtruediv__), and
+    # ``amax / 448`` a multiplication by the reciprocal on CUDA; the kernels divide with IEEE rounding.
+    e4m3_max = torch.full_like(amax, E4M3_MAX)
+    q = (v * (e4m3_max / amax)[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, amax / e4m3_max
 
 
 def quantize_rows(a_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
