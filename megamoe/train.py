@@ -52,12 +52,12 @@ import torch
 import torch.distributed as dist
 
 import megamoe
-from megamoe.bench.common import git_commit, source_digest, utc_now
-from megamoe.bench.model import ATTENTION, build
 from megamoe.integrations.transformers import (
     enable_activation_checkpointing,
     shard_experts,
 )
+from megamoe.models import ATTENTION, build
+from megamoe.provenance import git_commit, source_digest, utc_now
 
 QWEN3_VOCAB = 151_936  # Qwen3's vocabulary size (the model's embedding and LM head; the tokenizer uses fewer ids)
 PEAK_TFLOPS = 989.0  # dense bf16, H100 / H200 SXM

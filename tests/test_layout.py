@@ -46,6 +46,16 @@ def test_kernels_never_import_parallel_or_bench():
                 f"{path.relative_to(PACKAGE)} imports {module}"
 
 
+def test_only_the_benchmarks_import_the_benchmarks():
+    """The training script and the library build their models and record provenance without ``megamoe.bench``
+    (which they share through ``megamoe.models`` and ``megamoe.provenance``)."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "bench":
+            continue
+        for module, _, _ in imports_of(path):
+            assert not module.startswith("megamoe.bench"), f"{path.relative_to(PACKAGE)} imports {module}"
+
+
 def test_env_imports_nothing_of_megamoe():
     assert list(imports_of(PACKAGE / "env.py")) == []
 

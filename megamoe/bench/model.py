@@ -26,30 +26,14 @@ from pathlib import Path
 import torch
 
 import megamoe
-from megamoe.bench.common import PRESETS, csv_of, git_commit, source_digest, utc_now
+from megamoe.bench.common import csv_of
 from megamoe.integrations.transformers import (
     enable_activation_checkpointing,  # registers "megamoe" too
 )
+from megamoe.models import ATTENTION, build
+from megamoe.provenance import git_commit, source_digest, utc_now
 
-# Attention shapes of the presets' models (heads, KV heads, head dim), beside the MoE dims of PRESETS.
-ATTENTION = {"qwen3-30b-a3b": (32, 4, 128), "qwen3-235b-a22b": (64, 4, 128), "tiny": (4, 2, 16)}
 EXPERTS = ("megamoe", "grouped_mm", "eager")
-
-
-def build(preset: str, layers: int, vocab: int, dtype: torch.dtype, device, seed: int = 0):
-    """transformers' ``Qwen3MoeForCausalLM`` at ``preset``'s layer dimensions with ``layers`` decoder layers and
-    ``vocab`` tokens, random weights from ``seed``."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    dim, inter, num_experts, top_k = PRESETS[preset]
-    heads, kv_heads, head_dim = ATTENTION[preset]
-    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, moe_intermediate_size=inter,
-                            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                            head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
-                            max_position_embeddings=65536, attn_implementation="sdpa",
-                            rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(config).to(device=device, dtype=dtype)
 
 
 def prepared(model, experts: str, checkpoint: bool, compile_layers: bool):
