@@ -226,12 +226,12 @@ def test_benchmark_impls(capsys):
 
 
 def test_host_time_probe_times_both_paths_and_restores_the_launcher(capsys):
-    """``python -m megamoe.bench.host`` (kernels stubbed out); afterwards the kernels run again."""
+    """``python -m tools.host`` (kernels stubbed out); afterwards the kernels run again."""
     import os
 
     import triton.runtime.interpreter
 
-    from megamoe.bench.host import main
+    from tools.host import main
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the probe stubs the interpreter's launches")
@@ -247,11 +247,11 @@ def test_host_time_probe_times_both_paths_and_restores_the_launcher(capsys):
 
 @pytest.mark.gpu
 def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
-    """``python -m megamoe.bench.kernels``: every stage timed, each GEMM's config recorded (on sm90 those of
+    """``python -m tools.kernels``: every stage timed, each GEMM's config recorded (on sm90 those of
     the up kernel, dh', the act kernel and the weight gradients are the warp-specialized kernels')."""
     import json
 
-    from megamoe.bench.kernels import main
+    from tools.kernels import main
 
     main(["--tokens", "256", "--json", str(tmp_path / "k.json")])
     rows = {r["stage"]: r for r in json.loads((tmp_path / "k.json").read_text())["stages"]}
@@ -267,9 +267,9 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
 
 @pytest.mark.gpu
 def test_host_time_probe_on_the_gpu(capsys):
-    """``python -m megamoe.bench.host --gpu``: the 30B layer's steps with real launches; the cProfile
+    """``python -m tools.host --gpu``: the 30B layer's steps with real launches; the cProfile
     listing shows Triton's launcher, which the stubbed mode leaves out."""
-    from megamoe.bench.host import main
+    from tools.host import main
 
     main(["--gpu", "--tokens", "64", "--steps", "10", "--reps", "1", "--cprofile", "20", "--stages"])
     out = capsys.readouterr().out

@@ -56,6 +56,17 @@ def test_only_the_benchmarks_import_the_benchmarks():
             assert not module.startswith("megamoe.bench"), f"{path.relative_to(PACKAGE)} imports {module}"
 
 
+def test_the_package_never_imports_the_tools():
+    """tools/ (instruments for kernel work, not installed) builds on the package, never the other way."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "tools" or n.startswith("tools.") for n in names), \
+                f"{path.relative_to(PACKAGE)} imports {names}"
+
+
 def test_env_imports_nothing_of_megamoe():
     assert list(imports_of(PACKAGE / "env.py")) == []
 
