@@ -100,9 +100,12 @@ def validate(x, topk_idx, topk_weights, w13, w2, num_ranks: int = 1) -> None:
     except that expert ids are range-checked eagerly on CPU or with ``MEGAMOE_DEBUG=1``; on a GPU, and under
     ``torch.compile``, they are checked by ``torch._assert_async`` (a bad id fails the computation, never a wrong
     answer)."""
-    _check_tensor("x", x, 2, FLOAT_DTYPES)
+    # fp64: CPU tensors only, where the reference implementation runs it (torch.autograd.gradcheck)
+    cpu = isinstance(x, torch.Tensor) and x.device.type == "cpu"
+    dtypes = (*FLOAT_DTYPES, torch.float64) if cpu else FLOAT_DTYPES
+    _check_tensor("x", x, 2, dtypes)
     _check_tensor("topk_idx", topk_idx, 2, _INDEX_DTYPES)
-    _check_tensor("topk_weights", topk_weights, 2, FLOAT_DTYPES)
+    _check_tensor("topk_weights", topk_weights, 2, dtypes)
     _check_tensor("w13", w13, 3, (x.dtype,))
     _check_tensor("w2", w2, 3, (x.dtype,))
     num_tokens, dim = x.shape
@@ -128,7 +131,7 @@ def validate(x, topk_idx, topk_weights, w13, w2, num_ranks: int = 1) -> None:
     for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must share a device")
-    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+    for name, t in (("w13", w13), ("w2", w2)):  # x may be a view: moe copies it
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (call .contiguous() once, outside the training step)")
     if topk_idx.numel():
@@ -162,7 +165,8 @@ def moe(
     ``y[t] = sum_k topk_weights[t,k] * w2[e] @ (silu(w13[e,:I] @ x[t]) * (w13[e,I:] @ x[t]))``, ``e = topk_idx[t,k]``.
 
     Args:
-        x: (T, D) activations, bf16 (fp16/fp32 accepted: computed in their own dtype).
+        x: (T, D) activations, bf16 (fp16/fp32 accepted: computed in their own dtype; fp64 on CPU tensors runs
+            the reference implementation, for ``torch.autograd.gradcheck``). Any strides: a view is copied.
         topk_idx: (T, K) int32/int64 expert ids in [0, E); -1 marks a dropped slot.
         topk_weights: (T, K) fp32/bf16/fp16 routing weights (gradient returned in this dtype).
         w13: (E, 2*I, D) gate rows [0, I) then up rows [I, 2I), dtype of ``x``, contiguous
@@ -220,6 +224,8 @@ def moe(
         raise ValueError(f"save_for_backward must be one of {SAVE_MODES}, got {save_for_backward!r}")
     if comm_sms is not None and not comm_sms_ok(comm_sms):
         raise ValueError(f"comm_sms must be None, an int >= 0 or a pair (forward, backward) of them, got {comm_sms!r}")
+    if isinstance(x, torch.Tensor):
+        x = x.contiguous()  # activations arrive as views (a slice of a wider tensor); the kernels read dense rows
     if group is not None:
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
@@ -241,7 +247,7 @@ def moe(
     fp8 = precision == "fp8"
     if fp8:
         check_fp8_dims(x.shape[1], w2.shape[2])
-    backend = backend_for(x, fp8)
+    backend = "reference" if x.dtype == torch.float64 else backend_for(x, fp8)
     if backend == "triton" and not x.is_cuda and x.dtype == torch.bfloat16:
         raise TypeError("x is bfloat16 on the CPU under TRITON_INTERPRET=1: Triton's interpreter computes bf16 "
                         "products wrongly (off by orders of magnitude); use float32 or float16 there, or unset "

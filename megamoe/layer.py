@@ -32,7 +32,7 @@ class MegaMoE(nn.Module):
         route_scale: multiplies the gating weights (DeepSeek-V3 ``routed_scaling_factor``).
         initializer_range: std of the normal init of every weight (HF ``initializer_range``).
         device, dtype: where and in which dtype to create the parameters (the router is kept in the
-            same dtype; its scores are computed in fp32).
+            same dtype; its scores are computed in fp32). fp64 on CPU only (the reference implementation).
 
     Parameters: ``gate.weight`` (E, D), ``w13`` (E/R, 2I, D) gate rows then up rows, ``w2`` (E/R, D, I)
     (R = 1 without ``ep_group``).
@@ -76,8 +76,10 @@ class MegaMoE(nn.Module):
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if save_for_backward not in SAVE_MODES:
             raise ValueError(f"save_for_backward must be one of {SAVE_MODES}, got {save_for_backward!r}")
-        if dtype is not None and dtype not in FLOAT_DTYPES:
-            raise TypeError(f"dtype must be None or one of {FLOAT_DTYPES} (the dtypes megamoe.moe computes in), got "
+        on_cpu = torch.device(device if device is not None else torch.get_default_device()).type == "cpu"
+        dtypes = (*FLOAT_DTYPES, torch.float64) if on_cpu else FLOAT_DTYPES  # fp64: the CPU reference (gradcheck)
+        if dtype is not None and dtype not in dtypes:
+            raise TypeError(f"dtype must be None or one of {dtypes} (the dtypes megamoe.moe computes in here), got "
                             f"{dtype}")
         num_ranks = 1
         if ep_group is not None:
@@ -145,6 +147,10 @@ class MegaMoE(nn.Module):
         self.tokens_per_expert.zero_()
 
     def extra_repr(self) -> str:
+        # precision="bf16" computes in the weights' dtype, whatever it is: the dtype says what runs, and the
+        # precision shows only where it changes that
+        precision = "" if self.precision == "bf16" else f"precision={self.precision!r}, "
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, score_func={self.score_func!r}, "
-                f"precision={self.precision!r}, save_for_backward={self.save_for_backward!r}")
+                f"dtype={str(self.w13.dtype).removeprefix('torch.')}, {precision}"
+                f"save_for_backward={self.save_for_backward!r}")

@@ -12,12 +12,16 @@ Slots with ``topk_idx == -1`` are dropped (contribute nothing, get zero weight g
 * :func:`moe_loop` — the per-expert loop of Hugging Face's ``Qwen3MoeSparseMoeBlock``: simplest truth.
 * :func:`moe_grouped_mm` — the TorchTitan path (stable sort by expert, per-expert groups padded to a
   multiple of 8 rows, gather, ``torch._grouped_mm`` for gate/up and down, scores applied after the
-  experts in fp32, deterministic un-permute). This is what users run today; it is kept faithful.
+  experts in fp32, deterministic un-permute). This is what users run today; it is kept faithful. On CPU
+  tensors its two grouped GEMMs are :func:`grouped_mm_per_group` (one matmul per group, any float dtype,
+  ``torch.compile``-able), since there ``torch._grouped_mm`` takes no fp64 and compiles for bf16 only.
 * :func:`moe_grouped_mm_fp8` — the same with torchao's FP8 rowwise MoE training recipe (what TorchTitan's
   float8 converter runs for MoE experts): every grouped GEMM of forward and backward in e4m3 through
   ``torch._scaled_grouped_mm``, groups padded to 16 rows. CUDA only; the GEMMs' outputs are bf16.
+* :func:`moe_loop_fp8` — megamoe's blockwise FP8 recipe (``precision="fp8"``) as a per-expert loop in fp32 on
+  the dequantised operands: what the FP8 kernels must compute.
 
-All three are differentiable in ``x``, ``topk_weights``, ``w13`` and ``w2``. ``fp32=True`` (of the first
+All four are differentiable in ``x``, ``topk_weights``, ``w13`` and ``w2``. ``fp32=True`` (of the first
 two) upcasts every input and returns fp32: that is the reference the tests compare against.
 """
 
@@ -39,6 +43,55 @@ def grouped_mm_supports(dim: int, inter: int, dtype: torch.dtype) -> bool:
     """``torch._grouped_mm`` needs every row stride to be a multiple of 16 bytes."""
     size = dtype.itemsize
     return (dim * size) % 16 == 0 and (inter * size) % 16 == 0
+
+
+@torch.library.custom_op("megamoe::grouped_mm_per_group", mutates_args=())
+def grouped_mm_per_group(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a_MK, b_EKN, offs=offs)`` as one matmul per group, for CPU tensors of any float
+    dtype: rows ``[offs[e-1], offs[e])`` times ``b_EKN[e]``; rows past ``offs[-1]`` are zero. A custom op,
+    so that ``torch.compile`` takes it whole (on CPU ``torch._grouped_mm`` compiles for bf16 only); the group
+    bounds are read on the host, which costs nothing on CPU tensors."""
+    out_MN = a_MK.new_zeros(a_MK.shape[0], b_EKN.shape[2])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out_MN[start:end] = a_MK[start:end] @ b_EKN[e]
+        start = end
+    return out_MN
+
+
+@torch.library.custom_op("megamoe::grouped_mm_per_group_wgrad", mutates_args=())
+def grouped_mm_per_group_wgrad(a_MK: torch.Tensor, grad_MN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`grouped_mm_per_group` in ``b``: (E, K, N), ``a[group e]ᵀ @ grad[group e]``."""
+    out_EKN = a_MK.new_zeros(offs.shape[0], a_MK.shape[1], grad_MN.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out_EKN[e] = a_MK[start:end].t() @ grad_MN[start:end]
+        start = end
+    return out_EKN
+
+
+@grouped_mm_per_group.register_fake
+def _(a_MK, b_EKN, offs):
+    return a_MK.new_empty(a_MK.shape[0], b_EKN.shape[2])
+
+
+@grouped_mm_per_group_wgrad.register_fake
+def _(a_MK, grad_MN, offs):
+    return a_MK.new_empty(offs.shape[0], a_MK.shape[1], grad_MN.shape[1])
+
+
+def _grouped_mm_per_group_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_per_group_backward(ctx, grad_MN):
+    a_MK, b_EKN, offs = ctx.saved_tensors
+    grad_a = grouped_mm_per_group(grad_MN, b_EKN.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+    grad_b = grouped_mm_per_group_wgrad(a_MK, grad_MN, offs) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
+
+
+grouped_mm_per_group.register_autograd(_grouped_mm_per_group_backward, setup_context=_grouped_mm_per_group_setup)
 
 
 def moe_loop(
@@ -124,12 +177,13 @@ def _unpermute_and_combine(
     placed by :func:`_permute_to_groups`) weighted by their scores and summed."""
     num_tokens, top_k = topk_weights_TK.shape
     m_rows, dim = out_MD.shape
-    # Scores are applied to the sorted rows in fp32 (TorchTitan, score_before_experts=False); then the
-    # rows are un-permuted (rows past the last group are never read) and each token's K slots summed.
-    score_N = topk_weights_TK.reshape(-1).float()[order_N]
+    # Scores are applied to the sorted rows in fp32 (TorchTitan, score_before_experts=False; fp64 stays fp64);
+    # then the rows are un-permuted (rows past the last group are never read) and each token's K slots summed.
+    score_dtype = torch.promote_types(dtype, torch.float32)
+    score_N = topk_weights_TK.reshape(-1).to(score_dtype)[order_N]
     # Dropped rows read an arbitrary (possibly unwritten) row: mask it before it meets the score.
     out_ND = torch.where((sorted_key_N < num_experts)[:, None], out_MD[dest_N.clamp_max(m_rows - 1)], 0)
-    routed_ND = (out_ND.float() * score_N[:, None]).to(dtype)
+    routed_ND = (out_ND.to(score_dtype) * score_N[:, None]).to(dtype)
     # Advanced indexing, not index_select/index_copy: under torch.compile the latter measured 40% slower
     # forward+backward (13.2 vs 9.3 ms, 30B layer); the baseline is kept at its strongest.
     slots_ND = torch.empty_like(routed_ND)
@@ -160,9 +214,10 @@ def moe_grouped_mm(
     x_rows_MD, offs_E, order_N, sorted_key_N, dest_N = _permute_to_groups(
         x_TD, topk_idx_TK, num_experts, GROUP_ALIGN_M, m_rows)
 
-    gate_up_MH = torch._grouped_mm(x_rows_MD, w13_EHD.transpose(-2, -1), offs=offs_E)
+    grouped_mm = torch._grouped_mm if x_TD.device.type != "cpu" else grouped_mm_per_group
+    gate_up_MH = grouped_mm(x_rows_MD, w13_EHD.transpose(-2, -1), offs=offs_E)
     h_MI = F.silu(gate_up_MH[:, :inter]) * gate_up_MH[:, inter:]
-    out_MD = torch._grouped_mm(h_MI, w2_EDI.transpose(-2, -1), offs=offs_E)
+    out_MD = grouped_mm(h_MI, w2_EDI.transpose(-2, -1), offs=offs_E)
     return _unpermute_and_combine(out_MD, topk_weights_TK, num_experts, order_N, sorted_key_N, dest_N, x_TD.dtype)
 
 
@@ -351,18 +406,6 @@ def moe_grouped_mm_fp8(
     h_MI = F.silu(gate_up_MH[:, :inter]) * gate_up_MH[:, inter:]
     out_MD = _Fp8RowwiseGroupedMM.apply(h_MI, w2_EDI.transpose(-2, -1), offs_E)
     return _unpermute_and_combine(out_MD, topk_weights_TK, num_experts, order_N, sorted_key_N, dest_N, x_TD.dtype)
-
-    # Scores are applied to the sorted rows in fp32 (TorchTitan, score_before_experts=False); then the
-    # rows are un-permuted (rows past the last group are never read) and each token's K slots summed.
-    score_N = topk_weights_TK.reshape(-1).float()[order_N]
-    # Dropped rows read an arbitrary (possibly unwritten) row: mask it before it meets the score.
-    out_ND = torch.where((sorted_key_N < num_experts)[:, None], out_MD[dest_N.clamp_max(m_rows - 1)], 0)
-    routed_ND = (out_ND.float() * score_N[:, None]).to(x_TD.dtype)
-    # Advanced indexing, not index_select/index_copy: under torch.compile the latter measured 40% slower
-    # forward+backward (13.2 vs 9.3 ms, 30B layer); the baseline is kept at its strongest.
-    slots_ND = torch.empty_like(routed_ND)
-    slots_ND[order_N] = routed_ND
-    return slots_ND.view(num_tokens, top_k, dim).sum(dim=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------

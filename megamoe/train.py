@@ -3,6 +3,9 @@
     python -m megamoe.train [--preset qwen3-30b-a3b] [--layers 4] [--experts megamoe] [--steps 300] [--compile]
     torchrun --nproc-per-node N -m megamoe.train ... [--ep N]        (FSDP2; --ep: expert parallelism)
 
+Without a GPU the defaults are a run of about a minute on 2 cores (``--preset tiny --steps 30 --seq-len 256
+--seqs-per-step 4``, fp32), and the script says so before the first step.
+
 Also a template to copy. What it does, in order:
 
 - **Data**: the Python standard library's sources of the running interpreter (``--corpus`` for another folder),
@@ -52,12 +55,12 @@ import torch
 import torch.distributed as dist
 
 import megamoe
-from megamoe.bench.common import git_commit, source_digest, utc_now
-from megamoe.bench.model import ATTENTION, build
 from megamoe.integrations.transformers import (
     enable_activation_checkpointing,
     shard_experts,
 )
+from megamoe.models import ATTENTION, build
+from megamoe.provenance import git_commit, source_digest, utc_now
 
 QWEN3_VOCAB = 151_936  # Qwen3's vocabulary size (the model's embedding and LM head; the tokenizer uses fewer ids)
 PEAK_TFLOPS = 989.0  # dense bf16, H100 / H200 SXM
@@ -69,6 +72,9 @@ EXPERTS = ("megamoe", "grouped_mm", "eager")
 # 30B-dims run peaked at 38.7 GiB (16 384 tokens, checkpointed); each further layer adds ~4.6 GiB (0.62 G
 # parameters) at the 30B dims and ~18 GiB (2.4 G) at the 235B dims. Estimates, with room to spare.
 DEFAULT_LAYERS = {"qwen3-30b-a3b": 16, "qwen3-235b-a22b": 4, "tiny": 2}
+# The defaults that differ by device: one H200's run, and a run of about a minute on a CPU (42 s on 2 cores).
+GPU_DEFAULTS = {"preset": "qwen3-30b-a3b", "steps": 300, "seq_len": 16384, "seqs_per_step": 1, "warmup": 30}
+CPU_DEFAULTS = {"preset": "tiny", "steps": 30, "seq_len": 256, "seqs_per_step": 4, "warmup": 3}
 NO_EXPERTS = "megamoe_train_no_experts"  # the ablation of --moe-share-steps
 
 
@@ -308,21 +314,41 @@ def load_checkpoint(folder: Path, model, opt, rank: int, expect: dict) -> int:
 
 # -- the run -----------------------------------------------------------------------------------------------------
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m megamoe.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", choices=sorted(ATTENTION), default="qwen3-30b-a3b",
-                   help="layer dimensions (tiny: a test-sized model)")
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and each argument's default once: appended where its help does not
+    already say it, left out for flags and arguments without one."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def parse_args(argv=None, cuda: bool | None = None):
+    """The parsed arguments, with the device's defaults filled in (``cuda``: whether a GPU runs this; default:
+    whether one is visible) and ``args.device_note``: what was chosen for the device, to print (or None).
+    Arguments that cannot run here end the program with one line (argparse's error)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    p = argparse.ArgumentParser(prog="python -m megamoe.train", description=__doc__, formatter_class=_HelpFormatter)
+    p.add_argument("--preset", choices=sorted(ATTENTION),
+                   help=f"layer dimensions (tiny: a test-sized model; default: {GPU_DEFAULTS['preset']}, "
+                        f"without a GPU {CPU_DEFAULTS['preset']})")
     p.add_argument("--layers", type=int,
                    help="decoder layers (default: what fits one 141 GB H200 with bf16 AdamW, estimated from the "
                         "measured peak of a 2-layer run: 16 at the 30B dims, 10.6 G parameters; 4 at the 235B "
                         "dims, 11.2 G; 2 for tiny)")
     p.add_argument("--experts", choices=EXPERTS, default="megamoe", help="experts implementation")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    p.add_argument("--seq-len", type=int, default=16384, help="tokens per sequence")
-    p.add_argument("--seqs-per-step", type=int, default=1, help="sequences per step (per rank)")
+    for name, what in (("steps", "optimizer steps"), ("seq_len", "tokens per sequence"),
+                       ("seqs_per_step", "sequences per step (per rank)")):
+        p.add_argument(_option(name), type=int,
+                       help=f"{what} (default: {GPU_DEFAULTS[name]}, without a GPU {CPU_DEFAULTS[name]})")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=30, help="warm-up steps")
+    p.add_argument("--warmup", type=int, help=f"warm-up steps (default: {GPU_DEFAULTS['warmup']}, without a GPU "
+                                              f"{CPU_DEFAULTS['warmup']})")
     p.add_argument("--seed", type=int, default=0, help="weights and data order")
     p.add_argument("--compile", action="store_true", help="torch.compile every decoder layer")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the world size; megamoe only)")
@@ -337,15 +363,42 @@ def parse_args(argv=None):
     p.add_argument("--resume", type=Path, help="a checkpoint folder to continue from")
     p.add_argument("--stop-after", type=int, help="leave after this step (the schedule still spans --steps)")
     p.add_argument("--moe-share-steps", type=int, default=0,
-                   help="after training: time this many steps with and without the experts (moe_share)")
+                   help="after training: time this many steps with and without the experts (moe_share; GPU only)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/train"), help="runs and the data cache")
     p.add_argument("--name", help="run folder name (default: from preset, experts, seq-len, seed)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--plot", nargs="+", type=Path, metavar="LOG_JSON",
                    help="train nothing: draw these runs' loss curves on one plot, into --out (a .png path)")
     args = p.parse_args(argv)
+    if args.plot:
+        return args
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.moe_share_steps and not cuda:
+        p.error("--moe-share-steps times the step on a GPU (CUDA events); this machine has none")
+    if world == 1 and args.ep != 1:
+        p.error("--ep needs several processes (torchrun --nproc-per-node N)")
+    if world % args.ep:
+        p.error(f"--ep {args.ep} does not divide the world size {world}")
+    if args.ep > 1 and args.experts != "megamoe":
+        p.error("--ep runs the megamoe experts (transformers' own have no token exchange)")
+    defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
+    taken = [name for name in defaults if getattr(args, name) is None]
+    for name in taken:
+        setattr(args, name, defaults[name])
     if args.layers is None:
         args.layers = DEFAULT_LAYERS[args.preset]
+    args.device_note = None
+    if not cuda:
+        note = "No CUDA GPU: training on the CPU in fp32"
+        if taken:
+            note += ", with the CPU's defaults " + " ".join(f"{_option(n)} {CPU_DEFAULTS[n]}" for n in taken)
+        tokens = args.steps * args.seq_len * args.seqs_per_step
+        if args.preset != "tiny" or tokens > math.prod(CPU_DEFAULTS[n] for n in ("steps", "seq_len", "seqs_per_step")):
+            suggestion = " ".join(f"{_option(n)} {v}" for n, v in CPU_DEFAULTS.items() if n != "warmup")
+            note += f". This setting will be slow on a CPU; `{suggestion}` takes about a minute on 2 cores."
+        else:
+            note += " (about a minute on 2 cores, and the first run trains the tokenizer)."
+        args.device_note = note
     return args
 
 
@@ -354,13 +407,7 @@ def setup_distributed(args):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
     if world == 1:
-        if args.ep != 1:
-            raise ValueError("--ep needs several processes (torchrun --nproc-per-node N)")
         return 0, 1, torch.device("cuda" if cuda else "cpu"), None, None
-    if world % args.ep:
-        raise ValueError(f"--ep {args.ep} does not divide the world size {world}")
-    if args.ep > 1 and args.experts != "megamoe":
-        raise ValueError("--ep runs the megamoe experts (transformers' own have no token exchange)")
     from torch.distributed.device_mesh import init_device_mesh
 
     rank = int(os.environ["RANK"])
@@ -395,9 +442,9 @@ def main(argv=None) -> dict | None:
         return None
     rank, world, device, mesh, ep_group = setup_distributed(args)
     cuda = device.type == "cuda"
-    if args.moe_share_steps and not cuda:
-        raise ValueError("--moe-share-steps times CUDA steps; it needs a GPU")
     say = print if rank == 0 else (lambda *a, **k: None)
+    if args.device_note:
+        say(args.device_note)
     name = args.name or f"{args.preset}-l{args.layers}-{args.experts}-s{args.seq_len}x{args.seqs_per_step}-seed{args.seed}"
     run_dir = args.out / name
     data = load_corpus(args.corpus, args.vocab_size, args.out / "cache", log=say)
@@ -518,8 +565,11 @@ def main(argv=None) -> dict | None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "log.json").write_text(json.dumps(result, indent=1) + "\n")
         plot_runs([result], run_dir / "loss.png")
-        say(f"wrote {run_dir / 'log.json'}: tokens/s {result['tokens_per_s'] or 0:,.0f}, "
-            f"final eval loss {result['final_eval_loss']}")
+        written = run_dir.resolve()
+        checkpoints = sorted(written.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+        say(f"done: final eval loss {result['final_eval_loss']:.4f}, {result['tokens_per_s'] or 0:,.0f} tokens/s\n"
+            f"  log:        {written / 'log.json'}\n  loss curve: {written / 'loss.png'}\n"
+            f"  checkpoint: {checkpoints[-1] if checkpoints and not args.no_checkpoint else 'none (--no-checkpoint)'}")
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, on this machine (run from anywhere; each part fits in 10 minutes on one H200):
-#   bash scripts/gpu-check.sh tests        pytest -m "gpu and not loopback": kernels, API, compile, benchmarks' GPU paths
+#   bash scripts/gpu-check.sh tests        pytest -m "gpu and not loopback": kernels, API, compile, the benchmarks' and tools' GPU paths
 #   bash scripts/gpu-check.sh loopback     pytest -m loopback: the fused EP protocol on virtual ranks of this GPU
 #   bash scripts/gpu-check.sh layer [P..]  the layer benchmark on the README's problems P: 30b, 235b (16k tokens,
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b

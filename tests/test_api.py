@@ -22,6 +22,7 @@ BAD_INPUTS = [
     ("x", lambda a: a["x"].numpy(), TypeError, "x must be a torch.Tensor"),
     ("x", lambda a: a["x"][None], ValueError, "x must have 2 dimensions"),
     ("x", lambda a: a["x"].long(), TypeError, "x must have dtype"),
+    ("x", lambda a: a["x"].double().to("meta"), TypeError, "x must have dtype"),  # fp64: CPU tensors only
     ("topk_idx", lambda a: a["topk_idx"].float(), TypeError, "topk_idx must have dtype"),
     ("topk_idx", lambda a: a["topk_idx"][:3], ValueError, "topk_idx must have T=6 rows"),
     ("topk_idx", lambda a: a["topk_idx"].clone().fill_(4), ValueError, "expert id 4"),
@@ -131,10 +132,70 @@ def test_module_forward_backward_and_load_balancing():
     assert layer.tokens_per_expert.sum() == 0  # eval does not count
 
 
+def test_a_view_of_x_gives_the_numbers_of_its_copy():
+    """Activations arrive as views (here a slice of a wider tensor): moe and MegaMoE take them and compute what
+    they compute on a contiguous copy, gradients included."""
+    x, idx, w, w13, w2, dy = make_problem(6, 32, 16, 4, 2, "random")
+    view = torch.cat([x, torch.randn(6, 8)], dim=1)[:, :32]
+    assert not view.is_contiguous()
+    for got, want in zip(run_with_grads(megamoe.moe, view, idx, w, w13, w2, dy),
+                         run_with_grads(megamoe.moe, x, idx, w, w13, w2, dy)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.manual_seed(0)
+    layer = megamoe.MegaMoE(32, 16, 4, 2)
+    wide = torch.randn(2, 3, 40)
+    torch.testing.assert_close(layer(wide[..., :32]), layer(wide[..., :32].contiguous()), rtol=0, atol=0)
+
+
+def test_fp64_on_cpu_passes_gradcheck():
+    """fp64 CPU tensors run the reference implementation, so torch.autograd.gradcheck can check every gradient
+    (x, routing weights, w13, w2; dropped slots included)."""
+    x, idx, w, w13, w2, _ = make_problem(5, 8, 4, 3, 2, "dropped", dtype=torch.float64)
+    inputs = [t.double().requires_grad_() for t in (x, w, w13, w2)]
+    assert torch.autograd.gradcheck(lambda *a: megamoe.moe(a[0], idx, *a[1:]), inputs)
+    torch.testing.assert_close(megamoe.moe(x, idx, w.double(), w13, w2),
+                               reference.moe_loop(x, idx, w.double(), w13, w2), rtol=1e-12, atol=1e-12)
+    torch.manual_seed(0)
+    layer = megamoe.MegaMoE(8, 4, 3, 2, dtype=torch.float64)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    y = layer(x)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, layer.float()(x.float()).double(), rtol=1e-5, atol=1e-6)
+
+
+def test_reference_path_compiles_on_cpu(monkeypatch):
+    """torch.compile(megamoe.moe, fullgraph=True) on fp32 CPU tensors: the reference path's grouped GEMMs compile
+    (torch._grouped_mm would not: bf16 only on CPU) and give the eager numbers and gradients."""
+    monkeypatch.undo()  # the real torch.empty_like: Dynamo does not trace the poisoning stand-in (conftest.py)
+    monkeypatch.setenv("MEGAMOE_BACKEND", "reference")
+    problem = make_problem(40, 48, 24, 6, 3, "dropped")
+    compiled = torch.compile(megamoe.moe, fullgraph=True, backend="aot_eager")
+    for got, want in zip(run_with_grads(compiled, *problem), run_with_grads(megamoe.moe, *problem)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
+
+
+def test_reference_grouped_mm_op_is_a_well_formed_custom_op():
+    """The CPU grouped GEMM (megamoe::grouped_mm_per_group): schema, fake tensor, autograd registration."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(20, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 8, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    offs = torch.tensor([8, 8, 16], dtype=torch.int32)  # an empty group; rows 16.. belong to none
+    torch.library.opcheck(reference.grouped_mm_per_group, (a, b, offs))
+    out = reference.grouped_mm_per_group(a, b, offs)
+    torch.testing.assert_close(out, torch.cat([a[:8] @ b[0], a[8:16] @ b[2], torch.zeros(4, 5, dtype=a.dtype)]))
+    assert torch.autograd.gradcheck(reference.grouped_mm_per_group, (a, b, offs))
+
+
+def test_repr_names_the_dtype_that_runs():
+    layer = megamoe.MegaMoE(32, 16, 4, 2, dtype=torch.float32)
+    assert "dtype=float32" in repr(layer) and "bf16" not in repr(layer)
+
+
 @pytest.mark.parametrize("kwargs,exc,match", [
     ({"top_k": 7}, ValueError, "top_k"), ({"score_func": "tanh"}, ValueError, "score_func"),
     ({"hidden_size": 0}, ValueError, "hidden_size"), ({"precision": "fp4"}, ValueError, "precision"),
-    ({"ep_group": object()}, TypeError, "ep_group"), ({"dtype": torch.float64}, TypeError, "dtype must be"),
+    ({"ep_group": object()}, TypeError, "ep_group"), ({"dtype": torch.float64, "device": "meta"}, TypeError, "dtype must be"),
     ({"dtype": torch.int32}, TypeError, "dtype must be"),
 ])
 def test_module_rejects_bad_config(kwargs, exc, match):
@@ -226,12 +287,12 @@ def test_benchmark_impls(capsys):
 
 
 def test_host_time_probe_times_both_paths_and_restores_the_launcher(capsys):
-    """``python -m megamoe.bench.host`` (kernels stubbed out); afterwards the kernels run again."""
+    """``python -m tools.host`` (kernels stubbed out); afterwards the kernels run again."""
     import os
 
     import triton.runtime.interpreter
 
-    from megamoe.bench.host import main
+    from tools.host import main
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the probe stubs the interpreter's launches")
@@ -247,11 +308,11 @@ def test_host_time_probe_times_both_paths_and_restores_the_launcher(capsys):
 
 @pytest.mark.gpu
 def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
-    """``python -m megamoe.bench.kernels``: every stage timed, each GEMM's config recorded (on sm90 those of
+    """``python -m tools.kernels``: every stage timed, each GEMM's config recorded (on sm90 those of
     the up kernel, dh', the act kernel and the weight gradients are the warp-specialized kernels')."""
     import json
 
-    from megamoe.bench.kernels import main
+    from tools.kernels import main
 
     main(["--tokens", "256", "--json", str(tmp_path / "k.json")])
     rows = {r["stage"]: r for r in json.loads((tmp_path / "k.json").read_text())["stages"]}
@@ -267,9 +328,9 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
 
 @pytest.mark.gpu
 def test_host_time_probe_on_the_gpu(capsys):
-    """``python -m megamoe.bench.host --gpu``: the 30B layer's steps with real launches; the cProfile
+    """``python -m tools.host --gpu``: the 30B layer's steps with real launches; the cProfile
     listing shows Triton's launcher, which the stubbed mode leaves out."""
-    from megamoe.bench.host import main
+    from tools.host import main
 
     main(["--gpu", "--tokens", "64", "--steps", "10", "--reps", "1", "--cprofile", "20", "--stages"])
     out = capsys.readouterr().out

@@ -8,19 +8,22 @@ interprets the kernels instead."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-m", "megamoe.bench.resources", "--dtype", dtype],
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-m", "tools.resources", "--dtype", dtype], cwd=ROOT,
                          capture_output=True, text=True, env=env, timeout=600, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line.split() for line in out.stdout.splitlines()[1:] if line.strip()]
-    from megamoe.bench.resources import (
+    from tools.resources import (
         KERNELS,
         OTHER_KERNELS,
         VARIANTS,

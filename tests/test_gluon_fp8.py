@@ -217,7 +217,7 @@ def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind
 # GPU), under which the compile path is replaced.
 _AOT_SCRIPT = r"""
 import json
-from megamoe.bench.resources import ptxas_report
+from tools.resources import ptxas_report
 from megamoe.kernels import gluon_fp8_sm90 as f
 variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "rows_dh": ("fp8_rows", dict(weighted=False, to_slots=False)),

@@ -173,14 +173,31 @@ def test_model_matches_transformers_experts_bf16_gpu():
         assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
 
 
-def test_model_benchmark_checks_the_implementations_without_a_gpu(capsys):
-    """``python -m megamoe.bench.model`` on CPU: the tiny model's steps per implementation, losses compared (with
-    checkpointing: megamoe under its helper, the others plain)."""
-    from megamoe.bench.model import main
+def test_model_benchmark_checks_the_implementations_without_a_gpu(capsys, monkeypatch):
+    """``python -m megamoe.bench.model`` on CPU: one step of the tiny model per implementation (with checkpointing:
+    megamoe under its helper, the others plain), each one's loss and gradients against megamoe's; a disagreement
+    fails."""
+    from megamoe.bench import model
 
     if torch.cuda.is_available():
         pytest.skip("the CPU path runs only without a GPU")
-    main(["--checkpoint", "--experts", "megamoe,grouped_mm,eager"])
+    model.main(["--checkpoint", "--experts", "megamoe,grouped_mm,eager"])
     out = capsys.readouterr().out
     assert "timings need a GPU" in out and "OK" in out
-    assert all(f"  {name}" in out for name in ("megamoe", "grouped_mm", "eager"))
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in out.splitlines()
+            if line.startswith("  ") and line.split()[0] in ("megamoe", "grouped_mm", "eager")}
+    assert len(rows["megamoe"]) == 1 and rows["megamoe"][0] > 0
+    for name in ("grouped_mm", "eager"):  # loss, |loss diff|, max grad diff
+        loss, loss_diff, grad_diff = rows[name]
+        assert loss == pytest.approx(rows["megamoe"][0], rel=1e-5) and loss_diff < 1e-4 and grad_diff < 1e-3
+    one_step = model.loss_and_grads
+
+    def eager_off_by_one_percent(m, ids):
+        loss, grads = one_step(m, ids)
+        scale = 1.01 if m.config._experts_implementation == "eager" else 1.0
+        return loss, {n: g * scale for n, g in grads.items()}
+
+    monkeypatch.setattr(model, "loss_and_grads", eager_off_by_one_percent)
+    with pytest.raises(SystemExit, match="1"):
+        model.main(["--experts", "megamoe,eager"])
+    assert "FAILED" in capsys.readouterr().out

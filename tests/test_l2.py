@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megamoe.bench import l2
+from tools import l2
 
 
 @pytest.mark.parametrize("tma", [True, False])

@@ -46,6 +46,27 @@ def test_kernels_never_import_parallel_or_bench():
                 f"{path.relative_to(PACKAGE)} imports {module}"
 
 
+def test_only_the_benchmarks_import_the_benchmarks():
+    """The training script and the library build their models and record provenance without ``megamoe.bench``
+    (which they share through ``megamoe.models`` and ``megamoe.provenance``)."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "bench":
+            continue
+        for module, _, _ in imports_of(path):
+            assert not module.startswith("megamoe.bench"), f"{path.relative_to(PACKAGE)} imports {module}"
+
+
+def test_the_package_never_imports_the_tools():
+    """tools/ (instruments for kernel work, not installed) builds on the package, never the other way."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "tools" or n.startswith("tools.") for n in names), \
+                f"{path.relative_to(PACKAGE)} imports {names}"
+
+
 def test_env_imports_nothing_of_megamoe():
     assert list(imports_of(PACKAGE / "env.py")) == []
 

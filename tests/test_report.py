@@ -65,7 +65,7 @@ def test_results_name_a_commit_only_for_the_checkouts_own_package(tmp_path):
                               capture_output=True, text=True).stdout.strip()
 
     def commit_seen_from(folder):
-        code = "from megamoe.bench.common import git_commit; print(git_commit())"
+        code = "from megamoe.provenance import git_commit; print(git_commit())"
         return subprocess.run([sys.executable, "-c", code], cwd=folder, check=True, capture_output=True,
                               text=True, env={**os.environ, "PYTHONPATH": str(folder)}).stdout.strip()
 

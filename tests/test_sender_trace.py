@@ -1,11 +1,11 @@
-"""The EP senders' trace tool (megamoe.bench.sender_trace): its summary of a call's stamps, on stamps made
+"""The EP senders' trace tool (tools.sender_trace): its summary of a call's stamps, on stamps made
 up here (the stamps themselves need GPUs)."""
 
 import pytest
 import torch
 
-from megamoe.bench.sender_trace import PHASES, summarize
 from megamoe.parallel import trace
+from tools.sender_trace import PHASES, summarize
 
 HEAD, PER_BLOCK, PER_TILE = trace.TRACE_HEAD.value, trace.TRACE_PER_BLOCK.value, trace.TRACE_PER_TILE.value
 STRIDE = trace.TRACE_STRIDE.value
@@ -53,7 +53,7 @@ def test_summary_of_made_up_stamps():
 
 
 def test_refuses_what_it_cannot_trace(capsys):
-    from megamoe.bench.sender_trace import main
+    from tools.sender_trace import main
 
     with pytest.raises(SystemExit):
         main(["--comm-sms", "0"])

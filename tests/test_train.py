@@ -2,6 +2,8 @@
 experts implementation, megamoe's losses follow transformers' step by step, a resumed run continues bitwise, and
 the script runs under torchrun with FSDP2 and expert parallelism (gloo)."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -35,13 +37,18 @@ def args_for(corpus, out, experts, *extra):
 
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
+    """(out folder, {experts: the run's result}, {experts: what the run printed})."""
     out = tmp_path_factory.mktemp("runs")
-    return out, {e: train.main(args_for(corpus, out, e, "--checkpoint-every", "3"))
-                 for e in ("megamoe", "grouped_mm", "eager")}
+    results, printed = {}, {}
+    for experts in ("megamoe", "grouped_mm", "eager"):
+        with contextlib.redirect_stdout(io.StringIO()) as stdout:
+            results[experts] = train.main(args_for(corpus, out, experts, "--checkpoint-every", "3"))
+        printed[experts] = stdout.getvalue()
+    return out, results, printed
 
 
 def test_every_backend_learns_and_megamoe_follows_transformers_step_by_step(runs):
-    _, results = runs
+    _, results, _ = runs
     for experts, run in results.items():
         assert len(run["losses"]) == 6 and all(map(torch.isfinite, torch.tensor(run["losses"])))
         assert run["losses"][-1] < run["losses"][0] - 0.1, f"{experts}: {run['losses']}"
@@ -52,7 +59,7 @@ def test_every_backend_learns_and_megamoe_follows_transformers_step_by_step(runs
 
 
 def test_log_has_the_documented_fields_and_a_plot(runs):
-    out, results = runs
+    out, results, _ = runs
     run_dir = out / "tiny-l2-megamoe-s64x2-seed0"
     log = json.loads((run_dir / "log.json").read_text())
     for key in ("gpu", "torch", "date", "command", "preset", "layers", "params", "experts", "precision", "ep",
@@ -66,7 +73,7 @@ def test_log_has_the_documented_fields_and_a_plot(runs):
 
 def test_resumed_run_continues_bitwise(runs, corpus):
     """From the checkpoint after step 3, steps 4-6 give the uninterrupted run's losses exactly."""
-    out, results = runs
+    out, results, _ = runs
     for experts in ("megamoe", "grouped_mm"):
         checkpoint = out / f"tiny-l2-{experts}-s64x2-seed0" / "checkpoint-3"
         resumed = train.main(args_for(corpus, out, experts, "--resume", str(checkpoint), "--name", f"resumed-{experts}",
@@ -77,7 +84,7 @@ def test_resumed_run_continues_bitwise(runs, corpus):
 
 
 def test_resume_refuses_another_configuration(runs, corpus):
-    out, _ = runs
+    out, _, _ = runs
     checkpoint = out / "tiny-l2-megamoe-s64x2-seed0" / "checkpoint-3"
     with pytest.raises(ValueError, match="seq_len"):
         train.main([*args_for(corpus, out, "megamoe", "--resume", str(checkpoint)), "--seq-len", "32"])
@@ -103,6 +110,68 @@ def test_under_torchrun_with_fsdp2_and_expert_parallelism(runs, corpus, tmp_path
     assert log["grad_norms"][0] == pytest.approx(single["grad_norms"][0], rel=1e-3)
     assert {p.name for p in (tmp_path / "ep2" / "checkpoint-2").iterdir()} == \
         {"rank0.safetensors", "rank1.safetensors", "state.json"}
+
+
+def test_a_run_says_it_has_no_gpu_first_and_where_it_wrote_last(runs):
+    """Without a GPU the first line says so (before the first step); the last lines give the eval loss rounded
+    and the absolute paths of the log, the plot and the last checkpoint."""
+    out, results, printed = runs
+    lines = printed["megamoe"].splitlines()
+    if not torch.cuda.is_available():
+        assert lines[0].startswith("No CUDA GPU: training on the CPU in fp32") and "slow" not in lines[0]
+    run_dir = (out / "tiny-l2-megamoe-s64x2-seed0").resolve()
+    assert lines[-4].startswith(f"done: final eval loss {results['megamoe']['final_eval_loss']:.4f}, ")
+    assert lines[-3:] == [f"  log:        {run_dir / 'log.json'}", f"  loss curve: {run_dir / 'loss.png'}",
+                          f"  checkpoint: {run_dir / 'checkpoint-6'}"]
+    assert all(Path(line.split(": ", 1)[1].strip()).is_absolute() and Path(line.split(": ", 1)[1].strip()).exists()
+               for line in lines[-3:])
+
+
+def test_without_a_gpu_the_defaults_run_about_a_minute():
+    args = train.parse_args([], cuda=False)
+    assert (args.preset, args.layers, args.steps, args.seq_len, args.seqs_per_step, args.warmup) == \
+        ("tiny", 2, 30, 256, 4, 3)
+    assert args.device_note == ("No CUDA GPU: training on the CPU in fp32, with the CPU's defaults --preset tiny "
+                                "--steps 30 --seq-len 256 --seqs-per-step 4 --warmup 3 (about a minute on 2 cores, and the first run "
+                                "trains the tokenizer).")
+    args = train.parse_args([], cuda=True)
+    assert (args.preset, args.layers, args.steps, args.seq_len, args.seqs_per_step, args.warmup) == \
+        ("qwen3-30b-a3b", 16, 300, 16384, 1, 30)
+    assert args.device_note is None
+    note = train.parse_args(["--preset", "qwen3-30b-a3b", "--layers", "2"], cuda=False).device_note
+    assert "will be slow on a CPU; `--preset tiny --steps 30 --seq-len 256 --seqs-per-step 4` takes about a " \
+           "minute" in note
+    assert "slow" in train.parse_args(["--steps", "300"], cuda=False).device_note
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--moe-share-steps", "3"], "--moe-share-steps times the step on a GPU"),
+    (["--ep", "2"], "--ep needs several processes"),
+])
+def test_arguments_that_cannot_run_here_end_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse_args(argv, cuda=False)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"python -m megamoe.train: error: {message}")
+    assert "Traceback" not in err
+
+
+def test_help_gives_the_whole_description_and_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "What it does, in order" in out and "- **Output**" in out and "``moe_share`` is the fraction" in out
+    options = out.split("\noptions:\n")[1]
+    blocks = {}
+    for line in options.splitlines():
+        if line.startswith("  -"):
+            name = line.split()[0].rstrip(",")
+            blocks[name] = ""
+        blocks[name] += " " + line.strip()
+    assert all(text.count("default") <= 1 for text in blocks.values()), blocks
+    assert "(default: this Python's standard library)" in " ".join(blocks["--corpus"].split())
+    assert blocks["--seed"].endswith("(default: 0)") and "(default: 300, without a GPU 30)" in blocks["--steps"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

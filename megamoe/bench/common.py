@@ -1,30 +1,28 @@
-"""What the benchmarks share, and the tests with them: the problem presets and how a problem is made, the
-gradients of an implementation and its error against the fp32 reference, a training step to time, per-kernel
-profiles, and the provenance every result records (GPU and versions are read where it is written; the code's
-commit and source digest, the date and the command here)."""
+"""What the benchmarks share, and the tests with them: the problem presets (:mod:`megamoe.models`) and how a
+problem is made, the gradients of an implementation and its error against the fp32 reference, a training step to
+time, per-kernel profiles, and the provenance every result records (:mod:`megamoe.provenance`)."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import hashlib
-import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from megamoe import reference
+from megamoe.models import PRESETS
+from megamoe.provenance import git_commit, source_digest, utc_now
 from megamoe.routing import route
 
-PRESETS = {
-    # name: (D hidden, I expert intermediate, E experts, K top-k)
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "qwen3-235b-a22b": (4096, 1536, 128, 8),
-    "tiny": (64, 32, 8, 2),
-}
+# PRESETS and the provenance helpers live in the package (the training script uses them too); the benchmarks
+# take them from here, with the rest of what they share.
+__all__ = ["PRESETS", "ROUTINGS", "csv_of", "dense_matmul_tflops", "git_commit", "grads_of", "kernel_tables",
+           "make_problem", "make_routing", "max_rel_err", "source_digest", "training_step", "utc_now"]
+
 ROUTINGS = ("random", "balanced", "skewed")
+
+
 def make_routing(kind: str, num_tokens: int, num_experts: int, top_k: int, device, generator) -> tuple:
     """(topk_idx int64, topk_weights fp32). ``random``: softmax router over N(0,1) logits, top-k,
     renormalised. ``balanced``: every expert gets the same number of rows (±1). ``skewed``: the same
@@ -106,40 +104,6 @@ def csv_of(allowed):
             raise argparse.ArgumentTypeError(f"{bad or text!r} not in {sorted(allowed)}")
         return items
     return parse
-
-
-def source_digest() -> str:
-    """sha256 over the megamoe package's sources (paths and bytes): identifies the code that ran even
-    where the checkout's git metadata is stale (a copy of the working tree run on another machine
-    whose .git can lag behind). Recompute on any commit with the same function to match a result."""
-    root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
-
-
-def utc_now(timespec: str = "milliseconds") -> str:
-    """The time in UTC, ISO 8601: a result's ``date`` (seconds) and its timing windows (milliseconds)."""
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec=timespec)
-
-
-def git_commit() -> str | None:
-    """HEAD of the checkout the running megamoe package belongs to ("-dirty" with uncommitted changes), or
-    None when the package is not that checkout's own: a copied working tree, or a copy of another branch
-    inside this checkout (an ``_exp/B`` folder, say), whose enclosing repository's HEAD
-    would name code that did not run."""
-    root = Path(__file__).resolve().parents[2]
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=root).stdout.strip()
-
-    try:
-        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
-            return None
-        return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None  # not a git checkout
 
 
 def kernel_tables(variants: dict, calls: int = 5) -> str:

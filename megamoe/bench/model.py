@@ -9,8 +9,8 @@ forward + backward of the causal-LM loss on ``--tokens`` tokens (one sequence), 
 optimizer). ``--checkpoint``: full activation checkpointing of every decoder layer — with
 ``megamoe.checkpoint_context`` for megamoe (its forward is not recomputed), plain for the others, as users run
 them. ``--compile``: ``torch.compile`` of every decoder layer. Medians of CUDA-event timings over ``--iters`` steps
-after warm-up; the JSON records the GPU, versions, date, commit and command. Without a GPU: the tiny preset for
-two steps per implementation, losses compared, and no timings.
+after warm-up; the JSON records the GPU, versions, date, commit and command. Without a GPU: one forward+backward
+of the tiny preset's model per implementation, its loss and gradients compared with the first's, and no timings.
 """
 
 from __future__ import annotations
@@ -26,30 +26,14 @@ from pathlib import Path
 import torch
 
 import megamoe
-from megamoe.bench.common import PRESETS, csv_of, git_commit, source_digest, utc_now
+from megamoe.bench.common import csv_of
 from megamoe.integrations.transformers import (
     enable_activation_checkpointing,  # registers "megamoe" too
 )
+from megamoe.models import ATTENTION, build
+from megamoe.provenance import git_commit, source_digest, utc_now
 
-# Attention shapes of the presets' models (heads, KV heads, head dim), beside the MoE dims of PRESETS.
-ATTENTION = {"qwen3-30b-a3b": (32, 4, 128), "qwen3-235b-a22b": (64, 4, 128), "tiny": (4, 2, 16)}
 EXPERTS = ("megamoe", "grouped_mm", "eager")
-
-
-def build(preset: str, layers: int, vocab: int, dtype: torch.dtype, device, seed: int = 0):
-    """transformers' ``Qwen3MoeForCausalLM`` at ``preset``'s layer dimensions with ``layers`` decoder layers and
-    ``vocab`` tokens, random weights from ``seed``."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    dim, inter, num_experts, top_k = PRESETS[preset]
-    heads, kv_heads, head_dim = ATTENTION[preset]
-    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, moe_intermediate_size=inter,
-                            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                            head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
-                            max_position_embeddings=65536, attn_implementation="sdpa",
-                            rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(config).to(device=device, dtype=dtype)
 
 
 def prepared(model, experts: str, checkpoint: bool, compile_layers: bool):
@@ -74,6 +58,44 @@ def step_fn(model, input_ids):
         return loss.detach()
 
     return step
+
+
+def loss_and_grads(model, input_ids) -> tuple[float, dict[str, torch.Tensor]]:
+    """One forward+backward of the causal-LM loss: the loss and every parameter's gradient."""
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def check_on_cpu(experts: list[str], checkpoint: bool) -> int:
+    """Without a GPU: one forward+backward of the tiny preset's model (fp32) per implementation, its loss and
+    gradients compared with the first implementation's. Returns the exit status (1 if they disagree)."""
+    print(f"No CUDA GPU: timings need a GPU. Instead, one forward+backward of the tiny preset's model (fp32, "
+          f"32 tokens{', checkpointed' if checkpoint else ''}) per implementation: its loss, and its loss and "
+          f"gradients against {experts[0]}'s.")
+    model = build("tiny", 2, 128, torch.float32, "cpu")
+    input_ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
+    runs = {e: loss_and_grads(prepared(model, e, checkpoint, False), input_ids) for e in experts}
+    first_loss, first_grads = runs[experts[0]]
+    print(f"  {'experts':12s} {'loss':>10s} {'|loss diff|':>12s} {'max grad diff':>14s}  (per parameter, relative to its "
+          "largest gradient)")
+    failed = False
+    for e, (loss, grads) in runs.items():
+        if e == experts[0]:
+            print(f"  {e:12s} {loss:10.6f}")
+            continue
+        loss_diff = abs(loss - first_loss)
+        grad_diff = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+                        for n, g in first_grads.items())
+        failed |= loss_diff > 1e-4 * abs(first_loss) or grad_diff > 1e-3 or grads.keys() != first_grads.keys()
+        print(f"  {e:12s} {loss:10.6f} {loss_diff:12.2e} {grad_diff:14.2e}")
+    if failed:
+        print("FAILED: the implementations disagree (tolerance: 1e-4 relative for the loss, 1e-3 for gradients)")
+        return 1
+    print("OK: the implementations agree. Run on a CUDA GPU for timings.")
+    return 0
 
 
 def timed(step, iters: int) -> float:
@@ -106,18 +128,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda:
-        print("No CUDA GPU: timings need a GPU. Two steps of the tiny preset's model per implementation instead "
-              "(fp32), losses compared.")
-        model = build("tiny", 2, 128, torch.float32, "cpu")
-        input_ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
-        losses = {e: [step_fn(prepared(model, e, args.checkpoint, False), input_ids)().item() for _ in range(2)]
-                  for e in args.experts}
-        for e, values in losses.items():
-            print(f"  {e:12s} losses {values}")
-        first = next(iter(losses.values()))
-        if any(abs(a - b) > 1e-4 * abs(b) for values in losses.values() for a, b in zip(values, first)):
-            sys.exit("FAILED: the implementations' losses disagree")
-        print("OK. Run on a CUDA GPU for timings.")
+        if check_on_cpu(args.experts, args.checkpoint):
+            sys.exit(1)
         return
     import triton
 

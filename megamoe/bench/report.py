@@ -255,7 +255,7 @@ Columns: forward, forward+backward, and the training step under full activation 
 forward + forward-and-backward for an impl that keeps activations; megamoe keeps none, so its step is its
 forward+backward). TFLOP/s counts the FLOPs each impl executes in that step (24·N·D·I checkpointed,
 22·N·D·I for megamoe, N routed rows); "of dense" is against the dense bf16 8192³ matmul measured in the
-same run; "kept MiB" is what an impl holds between its forward and its backward beyond its inputs and output. `source digest`: the sha256 of the megamoe sources that ran (`megamoe.bench.common.source_digest`),
+same run; "kept MiB" is what an impl holds between its forward and its backward beyond its inputs and output. `source digest`: the sha256 of the megamoe sources that ran (`megamoe.provenance.source_digest`),
 shown where the tree had uncommitted changes; recompute it on a checkout to find the commit that ran.
 """
 

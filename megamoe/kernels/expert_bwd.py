@@ -284,7 +284,7 @@ WGRAD = TunedKernel(
 )
 
 
-# The kernels without a tile config, for the ahead-of-time compile check (``megamoe.bench.resources``).
+# The kernels without a tile config, for the ahead-of-time compile check (``tools.resources``).
 KERNELS = (_invert_rows_kernel, _scatter_rows_kernel, _act_from_preact_kernel)
 # Block of the act kernel on saved products (memory-bound: small row blocks, many programs per SM); BN a multiple
 # of PART_COLS.

@@ -548,7 +548,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
                 sizes_divisible: bool = True):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
-    ``megamoe.bench.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
+    ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
     launchers' asserts make multiples of 128, are specialised as 16-divisible, as Triton does at run time.
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
     kernel's saved-activation variant."""

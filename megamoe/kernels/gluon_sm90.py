@@ -681,5 +681,5 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
                EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, LOADER_WARPS=UP_LOADER_WARPS)
 
 
-# The Gluon kernels by name, for the ahead-of-time compile check (``megamoe.bench.resources``).
+# The Gluon kernels by name, for the ahead-of-time compile check (``tools.resources``).
 KERNELS = {"wgrad": _wgrad_ws_kernel, "dh": _dh_ws_kernel, "act": _act_ws_kernel, "up": _up_ws_kernel}

@@ -52,7 +52,7 @@ def _return_rows_kernel(recv_tokens_ptr, recv_token_row_ptr, recv_meta_ptr, offs
                                                            mask=m), mask=m)
 
 
-# The kernels without a tile config, for the ahead-of-time compile check (``megamoe.bench.resources``).
+# The kernels without a tile config, for the ahead-of-time compile check (``tools.resources``).
 KERNELS = (_return_rows_kernel,)
 
 

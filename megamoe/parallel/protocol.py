@@ -254,7 +254,7 @@ def _signal_returned_kernel(peers_ptr, rank, R, RB: tl.constexpr):
     srcs = tl.arange(0, RB)
     tl.atomic_add(peer(peers_ptr, RETURNED, srcs, R, tl.int64) + rank, 1, mask=srcs < R, sem="release", scope="sys")
 
-# The kernels without a tile config, for the ahead-of-time compile check (``megamoe.bench.resources``).
+# The kernels without a tile config, for the ahead-of-time compile check (``tools.resources``).
 KERNELS = (_exchange_counts_kernel, _wait_epoch_kernel, _wait_and_reset_kernel, _signal_returned_kernel)
 
 

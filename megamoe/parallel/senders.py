@@ -246,7 +246,7 @@ def _send_list_kernel(row_slot_ptr, offsets_ptr, topk_idx_ptr, send_list_ptr, nu
         tl.store(pos + 3 * num_rows, carries, mask=m)
 
 
-# The kernels without a tile config, for the ahead-of-time compile check (``megamoe.bench.resources``).
+# The kernels without a tile config, for the ahead-of-time compile check (``tools.resources``).
 KERNELS = (_dispatch_rows_kernel, _send_list_kernel)
 
 

@@ -1,5 +1,5 @@
 """The sending kernels' trace: global-timer stamps at fixed points of the forward's send + up and the backward's
-send + dh' launches (``megamoe.bench.sender_trace`` reads them). Off unless a :func:`recording` is open; the
+send + dh' launches (``tools.sender_trace`` reads them). Off unless a :func:`recording` is open; the
 kernels take it as a constexpr ``TRACE`` flag, so an untraced launch compiles to the same code as if the stamps
 were not there.
 

@@ -1,7 +1,7 @@
 """Read bandwidth of the GPU's L2 (and, past its size, of HBM): the rate at which the GEMM kernels could
 pull operand tiles into the SMs (docs/FACTS.md).
 
-``python -m megamoe.bench.l2 [--json PATH]`` on a GPU (with ``--json``, the plot goes next to it as PNG). A persistent kernel (``--per-sm`` programs per SM)
+``python -m tools.l2 [--json PATH]`` on a GPU (with ``--json``, the plot goes next to it as PNG). A persistent kernel (``--per-sm`` programs per SM)
 reads 16 KB blocks of a bf16 buffer round-robin, many times over, and adds them up; the footprint sweeps
 from a few MB (L2-resident) to 1 GB (HBM). Two load paths, as the GEMMs use them: TMA into shared
 memory (the sorted-row and weight operands) and pointer loads into registers (the up kernel's gathered
@@ -81,7 +81,7 @@ def plot(info: dict, path: Path) -> None:
 def main(argv=None) -> None:
     from triton.testing import do_bench
 
-    p = argparse.ArgumentParser(prog="python -m megamoe.bench.l2", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tools.l2", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--per-sm", default="1,2,4", help="programs per SM to try (comma-separated)")
     p.add_argument("--json", help="write the table as JSON to this path")
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
         Path(args.json).write_text(json.dumps({
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"),
-            "command": "python -m megamoe.bench.l2 " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": "python -m tools.l2 " + " ".join(sys.argv[1:] if argv is None else argv),
             "block_bytes": block_bytes, "rows": rows}, indent=1) + "\n")
         plot(json.loads(Path(args.json).read_text()), Path(args.json).with_suffix(".png"))
 

@@ -1,7 +1,7 @@
 """Where the EP kernels that send rows spend their time — the forward's send + up and the backward's send + dh'
 — on real ranks (GPUs only):
 
-    torchrun --nproc-per-node N -m megamoe.bench.sender_trace [--preset P] [--tokens T] [--routing R,...]
+    torchrun --nproc-per-node N -m tools.sender_trace [--preset P] [--tokens T] [--routing R,...]
                                                             [--comm-sms S] [--out DIR]
 
 Runs the fused forward and backward (``comm_sms`` senders each way) a few times, then three times more with
@@ -99,7 +99,7 @@ def summarize(stamps: torch.Tensor, senders: int, stride: int, head: int, per_bl
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m megamoe.bench.sender_trace",
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m tools.sender_trace",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
@@ -147,7 +147,7 @@ def main(argv=None) -> None:
             if rank == 0:
                 info = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "ranks": num_ranks,
                         "source_sha256": source_digest(), "date": utc_now("seconds"),
-                        "command": f"torchrun --nproc-per-node {num_ranks} -m megamoe.bench.sender_trace "
+                        "command": f"torchrun --nproc-per-node {num_ranks} -m tools.sender_trace "
                                    + " ".join(argv if argv is not None else sys.argv[1:]),
                         "preset": args.preset, "tokens_per_rank": args.tokens, "routing": routing,
                         "comm_sms": args.comm_sms, "per_rank": every}

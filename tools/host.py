@@ -2,8 +2,8 @@
 plan, autograd, launch preparation, allocations), which bounds small batches on the GPU (docs/FACTS.md,
 docs/PERFORMANCE.md). Two modes:
 
-    TRITON_INTERPRET=1 python -m megamoe.bench.host [--tokens 1024] [--reps 5]   # any machine, no GPU
-    python -m megamoe.bench.host --gpu [--tokens 1024] [--cprofile 30] [--stages]  # a CUDA GPU
+    TRITON_INTERPRET=1 python -m tools.host [--tokens 1024] [--reps 5]   # any machine, no GPU
+    python -m tools.host --gpu [--tokens 1024] [--cprofile 30] [--stages]  # a CUDA GPU
 
 With the interpreter every kernel launch is stubbed out, so the figures are the part of the host time
 that megamoe's code controls (Triton's launcher is not included). With ``--gpu`` the 30B layer's
@@ -12,7 +12,7 @@ keeps up (so at small batches it is the step's wall time), Triton's launcher inc
 (``megamoe.moe``, an autograd.Function) and the custom ops that ``torch.compile`` sees are timed
 alternately in one process. ``--cprofile N`` also lists the N functions with the most own time over
 the eager path's steps (cProfile's overhead inflates them; compare them with each other). ``--stages``
-also lists the host time of each stage of ``megamoe.bench.kernels`` alone (the Python that enqueues its
+also lists the host time of each stage of ``tools.kernels`` alone (the Python that enqueues its
 kernels, no sync), beside that of a one-argument Triton kernel and of a ``torch.add``: which launches
 cost the host most.
 """
@@ -81,8 +81,8 @@ def enqueue_us(fn, calls: int = 200) -> float:
 
 
 def stage_table(problem) -> str:
-    """Host µs per call of every per-kernel stage (``megamoe.bench.kernels.stages``) and of two references."""
-    from megamoe.bench.kernels import stages
+    """Host µs per call of every per-kernel stage (``tools.kernels.stages``) and of two references."""
+    from tools.kernels import stages
 
     x = problem[0]
     one = torch.zeros(1, device=x.device)
@@ -92,7 +92,7 @@ def stage_table(problem) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m megamoe.bench.host", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tools.host", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--steps", type=int, default=200, help="timed steps per repetition")

@@ -1,6 +1,6 @@
 """Per-kernel times of the fused path (where the layer's time goes), optionally sweeping tile configs.
 
-``python -m megamoe.bench.kernels --preset qwen3-30b-a3b [--sweep]`` on a GPU. Each stage is timed alone
+``python -m tools.kernels --preset qwen3-30b-a3b [--sweep]`` on a GPU. Each stage is timed alone
 with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
 On an sm90 GPU the up kernel, dh', the act kernel and the weight gradients run their warp-specialized Gluon
 kernels (``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``).
@@ -99,7 +99,7 @@ def stages(problem, num_experts):
 def main(argv=None) -> None:
     from triton.testing import do_bench
 
-    p = argparse.ArgumentParser(prog="python -m megamoe.bench.kernels", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tools.kernels", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
             "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
             "source_sha256": source_digest(),
             "date": utc_now("seconds"),
-            "command": "python -m megamoe.bench.kernels " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": "python -m tools.kernels " + " ".join(sys.argv[1:] if argv is None else argv),
             "stages": rows}, indent=1) + "\n")
 
 

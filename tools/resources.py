@@ -1,7 +1,7 @@
 """Compile the GEMM kernels for Hopper (sm_90a) on any machine — no GPU needed — and report registers,
 spills and shared memory from ``ptxas -v``: the first things to check before spending device time.
 
-``python -m megamoe.bench.resources [--candidates]``; with 16-bit operands also the Gluon kernels
+``python -m tools.resources [--candidates]``; with 16-bit operands also the Gluon kernels
 (``kernels.gluon_sm90``), whose pointer-store epilogues must emit 16-byte stores. Pointers and the D / I / P / Q sizes are
 specialised as 16-divisible, as Triton does at run time for such values: without that Triton neither
 vectorises nor pipelines the loads, and the report would describe a kernel that never runs. TMA
@@ -178,7 +178,7 @@ def configs_to_check(kernel: TunedKernel, candidates: bool) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m megamoe.bench.resources", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tools.resources", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--candidates", action="store_true", help="also every autotuning candidate")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",

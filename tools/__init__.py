@@ -1,0 +1,10 @@
+"""Instruments for work on the kernels, run from the repository root (not installed with the package):
+
+    python -m tools.resources     compile every kernel for sm_90a on any machine: registers, spills, shared memory
+    python -m tools.kernels       per-kernel times of the fused path, optionally sweeping tile configs (GPU)
+    python -m tools.host          the host time of a step: the Python around the kernels
+    python -m tools.l2            the GPU's L2 and HBM read bandwidth
+    torchrun ... -m tools.sender_trace   where the expert-parallel sending kernels spend their time (GPUs)
+
+The user's benchmarks stay in the package: ``python -m megamoe.bench`` (layer, ep, model, report).
+"""
