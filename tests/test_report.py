@@ -92,3 +92,20 @@ def test_sonicmoe_table_divides_sonicmoes_times_by_megamoes():
                           "| p T=8 random | megamoe | 2.00 | 5.00 | 5.00 | 0 | 1.60x | **2.00x** |",
                           "| p T=8 random | megamoe_saved | 3.00 | 4.00 | 7.00 | 2 | 2.00x | **1.43x** |"]
     assert lines[5] == "" and "default config (pinned)" in lines[6]
+
+
+def test_fp8_table_divides_each_bf16_twins_and_the_fp8_baselines_times_by_megamoes_fp8():
+    def row(impl, fwd, fwd_bwd, ac, kept=0):
+        return {"impl": impl, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "ac_step_ms": ac, "saved_activation_bytes": kept}
+
+    info = {"preset": "p", "tokens": 8, "routing": "random", "gpu": "G", "torch": "t", "triton": "3", "date": "d",
+            "results": [row("megamoe", 2, 9, 9), row("megamoe_fp8", 1, 6, 6), row("megamoe_saved", 3, 8, 11, 2**21),
+                        row("megamoe_fp8_saved", 2, 5, 7, 2**21), row("grouped_mm_fp8_compiled", 5, 12, 18, 2**22)]}
+    no_fp8 = {**info, "preset": "q", "results": info["results"][:1]}
+    lines = report.fp8_table([info, no_fp8]).splitlines()
+    assert lines[2:7] == ["| p T=8 random | megamoe | 2.00 | 9.00 | 9.00 | 0 |  | 2.00x |",
+                          "| p T=8 random | megamoe_fp8 | 1.00 | 6.00 | 6.00 | 0 | **1.50x** | 3.00x |",
+                          "| p T=8 random | megamoe_saved | 3.00 | 8.00 | 11.00 | 2 |  | 1.64x |",
+                          "| p T=8 random | megamoe_fp8_saved | 2.00 | 5.00 | 7.00 | 2 | **1.60x** | 2.57x |",
+                          "| p T=8 random | grouped_mm_fp8_compiled | 5.00 | 12.00 | 18.00 | 4 |  |  |"]
+    assert lines[7] == ""

@@ -4,7 +4,8 @@ is typed in):
     python -m megamoe.bench.report [benchmarks/results] [--readme README.md] [--page benchmarks/README.md]
 
 prints the README's summary tables — one GPU (the training step of each impl per problem), megamoe beside
-SonicMoE (both memory modes, with the bytes each keeps), expert parallelism on real ranks, and the training runs
+SonicMoE (both memory modes, with the bytes each keeps), megamoe's blockwise FP8 beside its bf16 modes and the FP8
+baseline, expert parallelism on real ranks, and the training runs
 (``train/``) — and (re)draws each JSON file's PNG next to it and the one-GPU summary plot
 (``summary.png``). ``--readme`` writes the tables into that file between its ``<!-- report:... -->`` markers;
 ``--page`` writes the full results page: every row of every result, the EP machinery on virtual ranks, and each
@@ -168,6 +169,34 @@ def sonicmoe_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# megamoe's blockwise FP8 beside its bf16 modes and the FP8 baseline (torchao's rowwise recipe on grouped_mm), and
+# for each FP8 mode the bf16 one it replaces.
+FP8_IMPLS = {"megamoe": None, "megamoe_fp8": "megamoe", "megamoe_saved": None, "megamoe_fp8_saved": "megamoe_saved",
+             "grouped_mm_fp8_compiled": None}
+
+
+def fp8_table(runs: list[dict]) -> str:
+    """One GPU, the runs that measured megamoe's FP8: each mode's forward, forward+backward and AC step beside its
+    bf16 twin (speed-up of the forward+backward) and the AC step's speed-up over the compiled FP8 baseline."""
+    lines = [("| layer, tokens, routing | impl | fwd ms | fwd+bwd ms | AC step ms | kept MiB | fwd+bwd vs bf16 | "
+              "AC step vs grouped_mm FP8 compiled |"), "|---|---|---|---|---|---|---|---|"]
+    measured = [info for info in runs if any(r["impl"] == "megamoe_fp8" for r in info["results"])]
+    for info in measured:
+        by_impl = {r["impl"]: r for r in info["results"]}
+        base = by_impl.get("grouped_mm_fp8_compiled")
+        for name, twin in FP8_IMPLS.items():
+            if name not in by_impl:
+                continue
+            r = by_impl[name]
+            vs_bf16 = f"**{by_impl[twin]['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x**" if twin in by_impl else ""
+            vs_base = f"{base['ac_step_ms'] / r['ac_step_ms']:.2f}x" if base and name != "grouped_mm_fp8_compiled" else ""
+            lines.append(f"| {info['preset']} T={info['tokens']} {info['routing']} | {name} | {r['fwd_ms']:.2f} | "
+                         f"{r['fwd_bwd_ms']:.2f} | {r['ac_step_ms']:.2f} | {r['saved_activation_bytes'] / 2**20:.0f} | "
+                         f"{vs_bf16} | {vs_base} |")
+    lines += ["", f"{_versions(measured)}; all impls in the same process per problem."]
+    return "\n".join(lines)
+
+
 def train_table(folder: Path) -> str:
     """``python -m megamoe.train`` runs (``folder``/train/*.json): per run its throughput, MFU, the experts' share of
     the step and the final eval loss."""
@@ -315,6 +344,7 @@ def main(argv=None) -> None:
     if runs["layer"]:
         plot_summary(runs["layer"], Path(args.folder) / "summary.png")
     sections = {"one-gpu": summary_table(runs["layer"]), "sonicmoe": sonicmoe_table(runs["layer"]),
+                "fp8": fp8_table(runs["layer"]),
                 "ep": ep_summary_table(runs["ep"]), "train": train_table(Path(args.folder))}
     print("\n\n".join(sections.values()))
     if args.readme:
