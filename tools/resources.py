@@ -25,7 +25,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megamoe.kernels import expert_bwd, expert_fwd
+from megamoe.kernels import expert_bwd, expert_fwd, quant
+from megamoe.kernels import gluon_fp8_sm90 as ws8
 from megamoe.kernels import gluon_sm90 as ws
 from megamoe.kernels.tuning import TunedKernel, fit_dtype
 from megamoe.parallel import loopback, owner, protocol, senders
@@ -38,6 +39,12 @@ KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "dh": expert_bwd.DH, "a
 # Variants of a kernel above compiled at its default config with other constexpr knobs: the up kernel of the
 # saved-activation mode, which also stores the gate/up products.
 VARIANTS = {"up_saved": (expert_fwd.UP, {"SAVE_PREACT": True})}
+# The blockwise FP8 variants (the Triton path, where the Gluon FP8 kernels do not run): operands e4m3, scales fp32,
+# outputs and saved products bf16.
+FP8_KERNELS = {"up_fp8": expert_fwd.UP_FP8, "down_fp8": expert_fwd.DOWN_FP8, "dh_fp8": expert_bwd.DH_FP8,
+               "dx_fp8": expert_bwd.DX_FP8}
+_FP8_POINTER_TYPES = {"out_ptr": "*bf16", "preact_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
+                      "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32"}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
                   "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
                   "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32", "arrived_ptr": "*i32", "counts_ptr": "*i32",
@@ -54,8 +61,10 @@ _SENDER_BLOCKS = {owner.SEND_UP: {"RB": senders.SEND_UP_ROWS, "BD": senders.SEND
                   owner.SEND_DH: {"RB": senders.SEND_DH_ROWS, "BD": senders.SEND_DH_COLS}}
 
 
-def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
-    """``dtype``: Triton name of the activation/weight element type (bf16, fp16, fp32)."""
+def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16", pointer_types: dict | None = None):
+    """``dtype``: Triton name of the activation/weight element type (bf16, fp16, fp32, fp8e4nv); ``pointer_types``:
+    the types of the pointers that differ from it (beyond the index and fp32 ones every kernel shares)."""
+    pointer_types = {**_POINTER_TYPES, **(pointer_types or {})}
     fn = kernel.jit_fn
     blocks = kernel.blocks(config)
     extra = {**_EXTRA_CONSTEXPRS, **_SENDER_BLOCKS.get(kernel, {})}
@@ -74,7 +83,7 @@ def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16"):
             signature[name] = f"tensordesc<{dtype}[{block}]>"
             continue
         is_ptr = name.endswith(("_ptr", "_src"))  # *_src: a pointer where the config gives it no TMA block
-        signature[name] = _POINTER_TYPES.get(name, "*" + dtype) if is_ptr else "i32"
+        signature[name] = pointer_types.get(name, "*" + dtype) if is_ptr else "i32"
         if is_ptr or name in _DIVISIBLE_INTS:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs)
@@ -205,6 +214,17 @@ def main(argv=None) -> None:
                    f"maxnreg={maxnreg}", r, too_big)
         if name != "wgrad_ws" and not r["wide_stores"]:  # its epilogue stores through pointers: 16 bytes each
             narrow.append(name)
+    for name, kernel in FP8_KERNELS.items() if args.dtype == "bf16" else ():  # FP8 with bf16 outputs
+        config = kernel.default
+        report_row(name, " ".join(f"{k}={v}" for k, v in config.items()),
+                   ptxas_report(compile_for_hopper(kernel, config, "fp8e4nv", _FP8_POINTER_TYPES)), too_big)
+    for name, kernel, variant in (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}),
+                                  ("fp8_up_ws", "fp8_up", {"preact": True})) if args.dtype == "bf16" else ():
+        r = ptxas_report(ws8.aot_compile(kernel, **variant))
+        report_row(name, f"BM={ws8.FP8_BM} BN={ws8.FP8_BN} BK={ws8.FP8_BK} maxnreg={ws8.FP8_MAXNREG} "
+                   + " ".join(f"{k}={v}" for k, v in variant.items()), r, too_big)
+        if not r["wide_stores"]:
+            narrow.append(name)
     if narrow:  # 4-byte stores cost the first Gluon sorted-rows kernel 3-23% (docs/PERFORMANCE.md)
         raise SystemExit("Gluon kernels without 16-byte global stores: " + ", ".join(narrow))
     if too_big:
@@ -224,14 +244,16 @@ def main(argv=None) -> None:
 
 # The kernels without a tile config: the backward's row copies and the expert-parallel protocol's
 # kernels, checked to compile for sm_90a.
-OTHER_KERNELS = (*expert_bwd.KERNELS, *protocol.KERNELS, *senders.KERNELS, *loopback.KERNELS)
+OTHER_KERNELS = (*expert_bwd.KERNELS, *protocol.KERNELS, *senders.KERNELS, *loopback.KERNELS, *quant.KERNELS)
 _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "KB": 8, "EB": 128, "CB": 128, "BD": 256,
                      "LB": 16, "NB": 8, "TB": 16, "BLOCK": 1024,
                      # the bounded wait-and-reset of the write-backs (protocol.wait_returned)
                      "STAGE": 5, "PER": 1,
                      # the act kernel on saved products, at its launcher's block
                      "TILE_M": 128, "PART_COLS": expert_bwd.PART_COLS, "BM": expert_bwd.PREACT_BM,
-                     "BN": expert_bwd.PREACT_BN}
+                     "BN": expert_bwd.PREACT_BN, "QUANT_DZ": True,
+                     # the quantisers, at their launchers' blocks
+                     "SLICE": quant.WEIGHT_SLICE}
 
 
 def compile_other_kernel(fn):
@@ -248,7 +270,9 @@ def compile_other_kernel(fn):
             signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_tokens_ptr": "*bf16", "a_ptr": "*bf16",
                                "b_ptr": "*bf16", "a_out_ptr": "*bf16", "b_out_ptr": "*bf16", "counter_ptr": "*i64",
                                "expected_ptr": "*i64", "preact_ptr": "*bf16", "dh_ptr": "*bf16", "dz_ptr": "*bf16",
-                               "hw_ptr": "*bf16"}.get(name, _POINTER_TYPES.get(name, "*i32"))
+                               "hw_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv",
+                               "dzq_ptr": "*fp8e4nv", "s_ptr": "*fp32", "st_ptr": "*fp32",
+                               "dzs_ptr": "*fp32"}.get(name, _POINTER_TYPES.get(name, "*i32"))
         else:
             signature[name] = "i32"
         if name.endswith("_ptr") or name == "D":

@@ -110,6 +110,12 @@ def _quantize_weight_kernel(
     tl.store(st_ptr + (e * ncb + cb) * nrb + rb, s)
 
 
+# Rows of a weight block in registers at once (the whole 128 x 128 block spilled), and the row quantiser's rows per
+# program (its launcher's block; both also for the ahead-of-time compile check, ``tools.resources``).
+WEIGHT_SLICE, ROWS_BM = 32, 32
+KERNELS = (_quantize_rows_kernel, _quantize_weight_kernel)
+
+
 def check_fp8_dims(dim: int, inter: int) -> None:
     """``ValueError`` unless D and I are multiples of 128, which every FP8 group and block needs."""
     if dim % GROUP or inter % GROUP:
@@ -123,9 +129,8 @@ def quantize_rows(a_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(num_rows, k, device=a_MK.device, dtype=FP8)
     s = torch.empty(k // GROUP, num_rows, device=a_MK.device, dtype=torch.float32)
     if num_rows:
-        bm = 32
-        _quantize_rows_kernel[(triton.cdiv(num_rows, bm), k // GROUP)](a_ptr=a_MK, q_ptr=q, s_ptr=s, M=num_rows, K=k,
-                                                                      BM=bm, num_warps=4)
+        _quantize_rows_kernel[(triton.cdiv(num_rows, ROWS_BM), k // GROUP)](a_ptr=a_MK, q_ptr=q, s_ptr=s, M=num_rows,
+                                                                           K=k, BM=ROWS_BM, num_warps=4)
     return q, s
 
 
@@ -138,7 +143,7 @@ def quantize_weight(w_ERC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     s = torch.empty(num_experts, r // GROUP, c // GROUP, device=w_ERC.device, dtype=torch.float32)
     st = torch.empty(num_experts, c // GROUP, r // GROUP, device=w_ERC.device, dtype=torch.float32)
     _quantize_weight_kernel[(num_experts, r // GROUP, c // GROUP)](w_ptr=w_ERC, q_ptr=q, s_ptr=s, qt_ptr=qt, st_ptr=st,
-                                                                   R=r, C=c, SLICE=32, num_warps=8)
+                                                                   R=r, C=c, SLICE=WEIGHT_SLICE, num_warps=8)
     return q, s, qt, st
 
 
