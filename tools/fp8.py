@@ -1,0 +1,115 @@
+"""The FP8 path's kernels one by one against the same process's dense FP8 matmul: each FP8 GEMM's time and TFLOP/s,
+and each quantiser's GB/s.
+
+``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--out DIR]`` on an sm90 GPU. Stages (bf16 inputs,
+the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N, D); the weights'
+quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and without the
+products' store; down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``). The ceiling beside them:
+``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
+device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and writes them once.
+Prints a table and writes JSON (GPU, versions, date, commit, command) if ``--out`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from megamoe.bench.common import PRESETS, make_problem
+from megamoe.kernels import expert_bwd, expert_fwd, quant
+from megamoe.kernels.plan import build_plan
+from megamoe.provenance import git_commit, source_digest, utc_now
+
+
+def scaled_mm_tflops(m: int, n: int, k: int) -> float:
+    """Dense e4m3 (m, k) x (k, n) through ``torch._scaled_mm`` with per-tensor scales, bf16 out."""
+    from triton.testing import do_bench
+
+    a = torch.randn(m, k, device="cuda").to(quant.FP8)
+    b = torch.randn(n, k, device="cuda").to(quant.FP8).t()
+    one = torch.ones((), device="cuda")
+    ms = do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), warmup=25, rep=200)
+    return 2 * m * n * k / ms / 1e9
+
+
+def main(argv=None) -> None:
+    from triton.testing import do_bench
+
+    p = argparse.ArgumentParser(prog="python -m tools.fp8", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--out", type=Path, help="folder for the JSON record")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tools.fp8 times GPU kernels: it needs a CUDA GPU")
+    dim, inter, num_experts, top_k = PRESETS[args.preset]
+    x, idx, weights, w13, w2, dy = make_problem(args.tokens, dim, inter, num_experts, top_k, "random",
+                                                torch.bfloat16, torch.device("cuda"), 0)
+    plan = build_plan(idx, num_experts)
+    num_slots = idx.numel()
+    rows = int((idx >= 0).sum())
+    xq, xs = quant.quantize_rows(x)
+    w13q, w13s, w13tq, w13ts = quant.quantize_weight(w13)
+    w2q, w2s, w2tq, w2ts = quant.quantize_weight(w2)
+    _, dy_sorted = expert_bwd.gather_rows(x, dy, plan, top_k)
+    dyq, dys = quant.quantize_rows(dy_sorted)
+    hq, hs = expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k)
+    preact = torch.empty(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    dzq, dzs = quant.quantize_rows(torch.randn(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16))
+    flat_weights = weights.reshape(-1)
+
+    def rows_gemm(kernel, a, a_s, w, w_s, wts):
+        return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16)
+
+    up_flops, down_flops = 2 * rows * dim * 2 * inter, 2 * rows * dim * inter
+    # (name, function, FLOPs or None, bytes moved or None, the dense FP8 GEMM of the same size (m, n, k) or None)
+    stages = [
+        ("quantize x (T, D)", lambda: quant.quantize_rows(x), None, x.numel() * 3 + xs.numel() * 4, None),
+        ("quantize dy rows (N, D)", lambda: quant.quantize_rows(dy_sorted), None,
+         dy_sorted.numel() * 3 + dys.numel() * 4, None),
+        ("quantize w13 + w2 (both ways)", lambda: (quant.quantize_weight(w13), quant.quantize_weight(w2)), None,
+         (w13.numel() + w2.numel()) * 4 + (w13s.numel() + w2s.numel()) * 8, None),
+        ("up (+ SwiGLU, h quantised)", lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k), up_flops,
+         None, (rows, 2 * inter, dim)),
+        ("up, products stored", lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k, preact_NH=preact),
+         up_flops, None, (rows, 2 * inter, dim)),
+        ("down", rows_gemm(expert_fwd.DOWN_FP8, hq, hs, w2q, w2s, flat_weights), down_flops, None, (rows, dim, inter)),
+        ("dh'", rows_gemm(expert_bwd.DH_FP8, dyq, dys, w2tq, w2ts, None), down_flops, None, (rows, inter, dim)),
+        ("dx", rows_gemm(expert_bwd.DX_FP8, dzq, dzs, w13tq, w13ts, None), up_flops, None, (rows, dim, 2 * inter)),
+    ]
+    src = torch.empty(256 * 2**20, device="cuda", dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() / do_bench(lambda: dst.copy_(src), warmup=25, rep=200) / 1e6
+    ceilings = {}
+    results = []
+    print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (device copy {copy_gbs:.0f} GB/s)")
+    print(f"{'stage':32s} {'ms':>8s} {'TF/s':>7s} {'dense FP8 TF/s':>15s} {'GB/s':>7s}")
+    for name, fn, flops, nbytes, dense in stages:
+        ms = do_bench(fn, warmup=25, rep=200)
+        if dense is not None and dense not in ceilings:
+            ceilings[dense] = scaled_mm_tflops(*dense)
+        r = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
+             "dense_fp8_tflops": ceilings.get(dense), "gbs": nbytes / ms / 1e6 if nbytes else None}
+        results.append(r)
+        print(f"{name:32s} {ms:8.3f} {r['tflops'] or 0:7.0f} {r['dense_fp8_tflops'] or 0:15.0f} {r['gbs'] or 0:7.0f}")
+    if args.out:
+        import triton
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"),
+                "command": "python -m tools.fp8 " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                "preset": args.preset, "tokens": args.tokens, "device_copy_gbs": copy_gbs, "stages": results}
+        path = args.out / f"fp8-kernels-{args.preset}-t{args.tokens}.json"
+        path.write_text(json.dumps(info, indent=1))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
