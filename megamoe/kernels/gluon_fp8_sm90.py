@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.env import device_capability, sm_count
+from megamoe.kernels.gluon_sm90 import barriers, count_busy_tiles, next_slot, tile_block
 from megamoe.kernels.plan import BLOCK_M
 
 # Tile: one plan tile of 128 rows (two warpgroups of 64) x 128 output columns, K-steps of one 128-wide scale
@@ -102,43 +103,6 @@ def _store_layout(cols, bytes_per_elem, num_warps):
 
 
 @gluon.jit
-def _ring_barriers(count: gl.constexpr, arrivals: gl.constexpr):
-    """``count`` mbarriers, each completing on ``arrivals`` arrivals (and, for TMA, its expected bytes)."""
-    bars = gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(count):
-        mbarrier.init(bars.index(i), count=arrivals)
-    return bars
-
-
-@gluon.jit
-def _acquire_slot(empty, ready, step, nbytes: gl.constexpr):
-    """Loader side of the ring: wait until stage ``step % STAGES`` is free (both MMA warpgroups arrived),
-    announce the TMA bytes on its ready barrier (one arrival), return the stage."""
-    STAGES: gl.constexpr = empty.type.shape[0]
-    s = step % STAGES
-    mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
-    mbarrier.expect(ready.index(s), nbytes)
-    return s
-
-
-@gluon.jit
-def _busy_work(offsets_ptr, E, num_n, EB: gl.constexpr, TILE_M: gl.constexpr, num_warps: gl.constexpr):
-    """Blocks of the persistent loop: the plan's busy tiles (they come first in its tile table; per expert
-    ceil(rows / TILE_M)) times the ``num_n`` column blocks. EB: a power of two >= E."""
-    experts = gl.arange(0, EB, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-    lo = gl.load(offsets_ptr + experts, mask=experts < E, other=0)
-    hi = gl.load(offsets_ptr + experts + 1, mask=experts < E, other=0)
-    return gl.sum((hi - lo + TILE_M - 1) // TILE_M, axis=0) * num_n
-
-
-@gluon.jit
-def _block_of(w, tile_expert_ptr, tile_row_ptr, num_n, BN: gl.constexpr):
-    """Block ``w`` of the busy tiles x column blocks order (column blocks of a tile side by side): its expert,
-    first sorted row and first column."""
-    return gl.load(tile_expert_ptr + w // num_n), gl.load(tile_row_ptr + w // num_n), (w % num_n) * BN
-
-
-@gluon.jit
 def _scales(as_bufs, bs_bufs, s, j: gl.constexpr, WG: gl.constexpr, layout: gl.constexpr):
     """This warpgroup's combined scales of stage ``s`` for weight block ``j``: a_s of its 64 rows times the
     weight block's scale (stored repeated), (64,) fp32 in ``layout`` (the accumulator's rows). as_bufs:
@@ -168,12 +132,12 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr
     kbs = K // BK
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        e, row0, n0 = _block_of(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         rows0 = row0 + lanes  # the first warpgroup's rows; rows0 + HALF the second's
         rows1 = rows0 + HALF
         w_scale = w_s_ptr + (e * (N_OUT // BN) + n0 // BN) * kbs + same
         for kb in range(kbs):
-            s = _acquire_slot(empty, ready, step, nbytes)
+            s = next_slot(empty, ready, step, nbytes)
             tma.async_copy_global_to_shared(a_desc, [row0, kb * BK], ready.index(s), a_bufs.index(s))
             tma.async_copy_global_to_shared(w_desc, [e, n0, kb * BK], ready.index(s), w_bufs.index(s))
             # rows past M (the last tile): zero scales, as TMA zero-fills their A rows
@@ -201,7 +165,7 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
     out_layout: gl.constexpr = _store_layout(BN, 2, num_warps)
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        e, row0, n0 = _block_of(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         first = row0 + WG * HALF
         end = gl.load(offsets_ptr + e + 1)
         if first < end:
@@ -258,15 +222,15 @@ def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, 
     BN: gl.constexpr = w_desc.block_type.shape[1]
     HALF: gl.constexpr = BM // 2
     num_n = N_OUT // BN
-    work = _busy_work(offsets_ptr, E, num_n, EB, TILE_M, num_warps)
+    work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one indexed row
     # Per stage: A's row scales (the two warpgroups' halves) and the weight block's scale, repeated across 64
     as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
     bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, HALF], scale_layout)
-    ready = _ring_barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
-    empty = _ring_barriers(STAGES, 2)  # one arrival per MMA warpgroup
+    ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
+    empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
     gl.warp_specialize([
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
                                empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 0, WEIGHTED, TO_SLOTS,
@@ -307,7 +271,7 @@ def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, t
     nbs = I // BN
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        e, row0, n0 = _block_of(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         end = gl.load(offsets_ptr + e + 1)
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))
         rmask = rows < end
@@ -324,7 +288,7 @@ def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, t
         g_scale = w13_s_ptr + (e * 2 * nbs + n0 // BN) * kbs + same
         u_scale = g_scale + nbs * kbs
         for kb in range(kbs):
-            s = _acquire_slot(empty, ready, step, nbytes)
+            s = next_slot(empty, ready, step, nbytes)
             tma.async_copy_global_to_shared(w13_desc, [e, 0, n0, kb * BK], ready.index(s), g_bufs.index(s))
             tma.async_copy_global_to_shared(w13_desc, [e, 1, n0, kb * BK], ready.index(s), u_bufs.index(s))
             async_copy.async_copy_global_to_shared(x_bufs.index(s), x_ptrs + kb * BK, mask=x_mask)
@@ -354,7 +318,7 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
     q_layout: gl.constexpr = _store_layout(BN, 1, num_warps)
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        e, row0, n0 = _block_of(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         first = row0 + WG * HALF
         end = gl.load(offsets_ptr + e + 1)
         if first < end:
@@ -445,7 +409,7 @@ def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, pre
     BK: gl.constexpr = w13_desc.block_type.shape[3]
     HALF: gl.constexpr = TILE_M // 2
     num_n = I // BN
-    work = _busy_work(offsets_ptr, E, num_n, EB, TILE_M, num_warps)
+    work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BK], gl.float8e4nv)
     x_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE_M, BK], x_layout)
     g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
@@ -454,8 +418,8 @@ def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, pre
     # Per stage: x's row scales (the two warpgroups' halves); the gate and up blocks' scales, each repeated
     as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
     bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
-    ready = _ring_barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
-    empty = _ring_barriers(STAGES, 2)  # one arrival per MMA warpgroup
+    ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
+    empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
     gl.warp_specialize([
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
                              x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 0, PREACT, num_warps)),

@@ -91,7 +91,7 @@ UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
 
 
 @gluon.jit
-def _next_slot(empty, ready, step, nbytes: gl.constexpr):
+def next_slot(empty, ready, step, nbytes: gl.constexpr):
     """Loader side of the ring: wait until slot ``step % STAGES`` is free, announce ``nbytes`` on its ready
     barrier, and return the slot."""
     STAGES: gl.constexpr = empty.type.shape[0]
@@ -102,7 +102,7 @@ def _next_slot(empty, ready, step, nbytes: gl.constexpr):
 
 
 @gluon.jit
-def _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN: gl.constexpr):
+def tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN: gl.constexpr):
     """Block ``w`` of the busy tiles × N-blocks order: its expert, first sorted row and first column."""
     return gl.load(tile_expert_ptr + w // num_n), gl.load(tile_row_ptr + w // num_n), (w % num_n) * BN
 
@@ -127,7 +127,7 @@ def _loader(a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, nu
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         _, p0, q0, start, end = _wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
         for r0 in range(start, end, BK):
-            s = _next_slot(empty, ready, step, nbytes)
+            s = next_slot(empty, ready, step, nbytes)
             tma.async_copy_global_to_shared(a_desc, [r0, p0], ready.index(s), a_bufs.index(s))
             tma.async_copy_global_to_shared(b_desc, [r0, q0], ready.index(s), b_bufs.index(s))
             step += 1
@@ -203,8 +203,8 @@ def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
-    ready = _barriers(STAGES)
-    empty = _barriers(STAGES)
+    ready = barriers(STAGES)
+    empty = barriers(STAGES)
     gl.warp_specialize([
         (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles, num_warps)),
         (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
@@ -213,7 +213,7 @@ def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, 
 
 
 @gluon.jit
-def _busy_tiles(offsets_ptr, E, EB: gl.constexpr, TILE_M: gl.constexpr, num_warps: gl.constexpr):
+def count_busy_tiles(offsets_ptr, E, EB: gl.constexpr, TILE_M: gl.constexpr, num_warps: gl.constexpr):
     """How many plan tiles hold rows (they come first in the tile table): the sum over experts of
     ceil(rows / TILE_M). EB: a power of two >= E."""
     experts = gl.arange(0, EB, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
@@ -223,7 +223,7 @@ def _busy_tiles(offsets_ptr, E, EB: gl.constexpr, TILE_M: gl.constexpr, num_warp
 
 
 @gluon.jit
-def _barriers(count: gl.constexpr, arrivals: gl.constexpr = 1):
+def barriers(count: gl.constexpr, arrivals: gl.constexpr = 1):
     """``count`` mbarriers, each completing on ``arrivals`` arrivals (plus, for TMA, its expected bytes): one,
     or for a ring that a gathering loader fills, one plus a cp.async arrival per loader thread."""
     bars = gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
@@ -244,9 +244,9 @@ def _tiles_loader(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a
     nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATE_UP else 1) * w_desc.block_type.nbytes
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         for k in range(0, K, BK):
-            s = _next_slot(empty, ready, step, nbytes)
+            s = next_slot(empty, ready, step, nbytes)
             tma.async_copy_global_to_shared(a_desc, [row0, k], ready.index(s), a_bufs.index(s))
             if GATE_UP:
                 tma.async_copy_global_to_shared(w_desc, [e, 0, n0, k], ready.index(s), w_bufs.index(s))
@@ -337,7 +337,7 @@ def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready
     out_layout: gl.constexpr = _row_block_layout(BN, num_warps)
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         for k in range(0, K, BK):
             s = step % STAGES
@@ -369,11 +369,11 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
     after this one; with T = 0 it has nothing to do and returns."""
     BN: gl.constexpr = w_desc.block_type.shape[2]
     num_n = gl.cdiv(N_OUT, BN)
-    work = _busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
+    work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready = _barriers(STAGES)
-    empty = _barriers(STAGES)
+    ready = barriers(STAGES)
+    empty = barriers(STAGES)
     gl.warp_specialize([
         (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT,
                              K, num_n, work, num_warps)),
@@ -444,7 +444,7 @@ def _act_epilogue_partition(weights_ptr, dh_ptr, dz_ptr, hw_ptr, dweight_part_pt
     dtype: gl.constexpr = dz_ptr.dtype.element_ty
     local = gl.arange(0, BN, layout=gl.SliceLayout(0, layout)) // PART_COLS
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         pid_n = w % num_n
         end = gl.load(offsets_ptr + e + 1)
         cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
@@ -489,16 +489,16 @@ def _act_ws_kernel(x_desc, w13_desc, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweigh
     g and u through shared memory (rounded to the operands' dtype) while the MMAs run the next block."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     num_n = gl.cdiv(I, BN)
-    work = _busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
+    work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
     u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
     gu_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BN], w13_desc.dtype)
     gu_smem = gl.allocate_shared_memory(w13_desc.dtype, [2, TILE_M, BN], gu_layout)
-    ready = _barriers(STAGES)
-    empty = _barriers(STAGES)
-    gu_ready = _barriers(1)
-    gu_empty = _barriers(1)
+    ready = barriers(STAGES)
+    empty = barriers(STAGES)
+    gu_ready = barriers(1)
+    gu_empty = barriers(1)
     gl.warp_specialize([
         (_act_mma_partition, (tile_expert_ptr, tile_row_ptr, ready, empty, gu_ready, gu_empty, x_bufs, g_bufs, u_bufs,
                               gu_smem, D, num_n, work, num_warps)),
@@ -527,14 +527,14 @@ def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile
     D8 = D // 8 * 8
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
         rmask = rows < gl.load(offsets_ptr + e + 1)
         tok = (gl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k).to(gl.int64)
         cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
         ptrs = x_ptr + tok[:, None] * D8 + cols[None, :]
         for k in range(0, D, BK):
-            s = _next_slot(empty, ready, step, 2 * w13_desc.block_type.nbytes)
+            s = next_slot(empty, ready, step, 2 * w13_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(w13_desc, [e, 0, n0, k], ready.index(s), g_bufs.index(s))
             tma.async_copy_global_to_shared(w13_desc, [e, 1, n0, k], ready.index(s), u_bufs.index(s))
             # Whole 16-byte chunks in or out: rows are 16-byte multiples (api.fused_supports).
@@ -554,7 +554,7 @@ def _up_mma_partition(h_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, 
     out_layout: gl.constexpr = _row_block_layout(BN, num_warps)
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        e, row0, n0 = _tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout, True)
         h = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
@@ -573,13 +573,13 @@ def _up_ws_kernel(x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert
     ``cp.async`` arrival per loader thread."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     num_n = gl.cdiv(I, BN)
-    work = _busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
+    work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BK], x_ptr.dtype.element_ty)
     x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, TILE_M, BK], x_layout)
     g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
     u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
-    ready = _barriers(STAGES, 1 + 32 * LOADER_WARPS)
-    empty = _barriers(STAGES)
+    ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)
+    empty = barriers(STAGES)
     gl.warp_specialize([
         (_up_mma_partition, (h_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs, u_bufs,
                              D, I, num_n, work, num_warps)),
