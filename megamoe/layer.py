@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.api import FLOAT_DTYPES, PRECISIONS, SAVE_MODES, moe
+from megamoe.api import FLOAT_DTYPES, PRECISIONS, SAVE_MODES, check_fp8_dims, moe
 from megamoe.routing import SCORE_FUNCS, route
 
 
@@ -74,6 +74,8 @@ class MegaMoE(nn.Module):
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if precision == "fp8":
+            check_fp8_dims(hidden_size, intermediate_size)
         if save_for_backward not in SAVE_MODES:
             raise ValueError(f"save_for_backward must be one of {SAVE_MODES}, got {save_for_backward!r}")
         on_cpu = torch.device(device if device is not None else torch.get_default_device()).type == "cpu"
