@@ -20,27 +20,27 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def counted(monkeypatch):
     """Calls of megamoe's forward and backward bodies (eager Function and custom ops alike)."""
     calls = {"forward": 0, "backward": 0}
-    forward, backward = megamoe.autograd.experts_forward, megamoe.autograd.experts_backward
 
-    def counted_forward(*args, **kwargs):
-        calls["forward"] += 1
-        return forward(*args, **kwargs)
+    def counting(kind, body):
+        def counted_body(*args, **kwargs):
+            calls[kind] += 1
+            return body(*args, **kwargs)
 
-    def counted_backward(*args, **kwargs):
-        calls["backward"] += 1
-        return backward(*args, **kwargs)
+        return counted_body
 
-    monkeypatch.setattr(megamoe.autograd, "experts_forward", counted_forward)
-    monkeypatch.setattr(megamoe.autograd, "experts_backward", counted_backward)
+    for name in ("experts_forward", "experts_forward_fp8", "experts_backward", "experts_backward_fp8"):
+        body = getattr(megamoe.autograd, name)
+        monkeypatch.setattr(megamoe.autograd, name, counting(name.split("_")[1], body))
     return calls
 
 
-def block_problem(mode="none"):
-    x, idx, w, w13, w2, dy = make_problem(40, 32, 16, 6, 3, "random", device=DEVICE)
-    norm = torch.nn.LayerNorm(32, device=DEVICE)
+def block_problem(mode="none", precision="bf16"):
+    dim, inter = (128, 128) if precision == "fp8" else (32, 16)  # FP8's 128-column groups
+    x, idx, w, w13, w2, dy = make_problem(40, dim, inter, 6, 3, "random", device=DEVICE)
+    norm = torch.nn.LayerNorm(dim, device=DEVICE)
 
     def block(x, w, w13, w2):  # a residual block around the experts, with something to recompute before them
-        return x + megamoe.moe(norm(x), idx, w, w13, w2, save_for_backward=mode)
+        return x + megamoe.moe(norm(x), idx, w, w13, w2, save_for_backward=mode, precision=precision)
 
     return block, (x, w, w13, w2), dy
 
@@ -52,9 +52,9 @@ def grads(fn, leaves, dy):
     return [y.detach(), *(t.grad for t in leaves)]
 
 
-@pytest.mark.parametrize("mode", ["none", "preact"])
-def test_checkpointed_block_runs_megamoe_forward_once_with_the_same_gradients(counted, mode):
-    block, leaves, dy = block_problem(mode)
+@pytest.mark.parametrize("mode, precision", [("none", "bf16"), ("preact", "bf16"), ("none", "fp8")])
+def test_checkpointed_block_runs_megamoe_forward_once_with_the_same_gradients(counted, mode, precision):
+    block, leaves, dy = block_problem(mode, precision)
     plain = grads(block, leaves, dy)
     assert counted == {"forward": 1, "backward": 1}
     counted.update(forward=0, backward=0)
