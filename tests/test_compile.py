@@ -24,6 +24,8 @@ def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line.split() for line in out.stdout.splitlines()[1:] if line.strip()]
     from tools.resources import (
+        FP8_KERNELS,
+        FP8_WS_VARIANTS,
         KERNELS,
         OTHER_KERNELS,
         VARIANTS,
@@ -32,14 +34,15 @@ def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
     )
 
     gluon_kernels = len(WS_KERNELS) if dtype == "bf16" else 0  # 16-bit only
+    fp8_gemms = len(FP8_KERNELS) + len(FP8_WS_VARIANTS) if dtype == "bf16" else 0  # FP8 operands, bf16 outputs
     triton_configs = sum(len(configs_to_check(kernel, candidates=False)) for kernel in KERNELS.values()) + len(VARIANTS)
-    gemms = triton_configs + gluon_kernels
+    gemms = triton_configs + gluon_kernels + fp8_gemms
     # and a line for each Gluon kernel compiled with sizes not 16-divisible, and for the two side-copy kernels
     # at top_k 1 and 2 (without spills)
     side_copies = 4 if dtype == "bf16" else 0
     assert len(rows) == gemms + len(OTHER_KERNELS) + gluon_kernels + side_copies, out.stdout
     if dtype == "bf16":
-        gluon = rows[triton_configs:gemms]
+        gluon = rows[triton_configs:triton_configs + gluon_kernels]
         assert [row[0] for row in gluon] == list(WS_KERNELS), out.stdout
         spills = {row[0]: int(row[-3]) for row in rows[:gemms]}
         for name, (twin, *_) in WS_KERNELS.items():  # a Gluon kernel spills no more than the Triton kernel it replaces

@@ -43,6 +43,8 @@ VARIANTS = {"up_saved": (expert_fwd.UP, {"SAVE_PREACT": True})}
 # outputs and saved products bf16.
 FP8_KERNELS = {"up_fp8": expert_fwd.UP_FP8, "down_fp8": expert_fwd.DOWN_FP8, "dh_fp8": expert_bwd.DH_FP8,
                "dx_fp8": expert_bwd.DX_FP8}
+# The Gluon FP8 kernels as their launchers compile them: (report name, ``gluon_fp8_sm90.KERNELS`` name, variant).
+FP8_WS_VARIANTS = (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}), ("fp8_up_ws", "fp8_up", {"preact": True}))
 _FP8_POINTER_TYPES = {"out_ptr": "*bf16", "preact_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
                       "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32"}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
@@ -218,8 +220,7 @@ def main(argv=None) -> None:
         config = kernel.default
         report_row(name, " ".join(f"{k}={v}" for k, v in config.items()),
                    ptxas_report(compile_for_hopper(kernel, config, "fp8e4nv", _FP8_POINTER_TYPES)), too_big)
-    for name, kernel, variant in (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}),
-                                  ("fp8_up_ws", "fp8_up", {"preact": True})) if args.dtype == "bf16" else ():
+    for name, kernel, variant in FP8_WS_VARIANTS if args.dtype == "bf16" else ():
         r = ptxas_report(ws8.aot_compile(kernel, **variant))
         report_row(name, f"BM={ws8.FP8_BM} BN={ws8.FP8_BN} BK={ws8.FP8_BK} maxnreg={ws8.FP8_MAXNREG} "
                    + " ".join(f"{k}={v}" for k, v in variant.items()), r, too_big)
