@@ -36,8 +36,19 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _MEGAMOE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _tracing() -> bool:
+    """Whether the checkpointed region is being traced for torch.compile (AOTAutograd's proxy mode is active), as
+    ``torch.utils.checkpoint`` itself tells (its ``_is_compiling``)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
 def checkpoint_context() -> tuple:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: megamoe's outputs are
-    saved, everything else in the checkpointed region is recomputed (see the module docstring)."""
+    saved, everything else in the checkpointed region is recomputed (see the module docstring). Eagerly, megamoe
+    runs as custom ops inside the region; under torch.compile (a compiled region traced with its checkpoint inside,
+    whatever the order of wrapping and compiling) it already does, and torch wants the policy's two dispatch modes
+    as they are."""
     forward, recompute = create_selective_checkpoint_contexts(_policy)
+    if _tracing():
+        return forward, recompute
     return forcing_custom_ops(forward), forcing_custom_ops(recompute)

@@ -7,6 +7,9 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+)
 from torch.utils.checkpoint import checkpoint
 
 import megamoe
@@ -83,6 +86,78 @@ def test_transformers_gradient_checkpointing_with_the_helper(counted):
     model.train()
     _, loss, grads_ = step(model, "megamoe", input_ids)
     assert counted == {"forward": layers, "backward": layers}
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(grads_[n], plain_grads[n]) for n in plain_grads)
+
+
+def _compiled(fn):
+    # aot_eager: AOTAutograd traces the checkpointed region (as inductor's would) without inductor's codegen, so the
+    # gradients stay bitwise those of eager.
+    return torch.compile(fn, backend="aot_eager" if DEVICE == "cpu" else "inductor", fullgraph=True)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return self.block(*args)
+
+
+# How training stacks put the checkpoint and the compiler together: the checkpoint inside a compiled function (each
+# block compiled, prime-rl's whole-model compile), and TorchTitan's order (the checkpoint wrapper, then the block
+# compiled).
+ORDERS = {
+    "compiled around the checkpoint": lambda block: _compiled(
+        lambda *a: checkpoint(block, *a, use_reentrant=False, context_fn=megamoe.checkpoint_context)),
+    "checkpoint wrapper, then compiled": lambda block: _compiled(
+        checkpoint_wrapper(_Block(block), context_fn=megamoe.checkpoint_context)),
+}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_compiled_checkpointed_block_runs_megamoe_forward_once_with_the_same_gradients(counted, order):
+    """Under torch.compile the helper hands torch its two dispatch modes (it refused wrapped ones in a compiled
+    region); megamoe's forward still runs once per step, with the un-checkpointed, uncompiled gradients."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    block, leaves, dy = block_problem()
+    plain = grads(block, leaves, dy)
+    counted.update(forward=0, backward=0)
+    compiled = grads(ORDERS[order](block), leaves, dy)
+    assert counted == {"forward": 1, "backward": 1}, "megamoe's forward ran again in the recompute"
+    assert all(torch.equal(a, b) for a, b in zip(plain, compiled))
+
+
+def test_whole_transformers_model_compiled_fullgraph_with_the_helper(counted):
+    """A transformers Qwen3-MoE checkpointed with the helper, then compiled whole with fullgraph: megamoe's forward
+    once per layer and step, the loss and every gradient of the plain eager model."""
+    import torch._dynamo
+
+    import megamoe.integrations.transformers as hf_megamoe
+    from tests.test_integrations import tiny_model
+
+    torch._dynamo.reset()
+    model = tiny_model()
+    model.set_experts_implementation("megamoe")
+    input_ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    layers = model.config.num_hidden_layers
+
+    def loss_and_grads(m, run=None):
+        m.zero_grad()
+        loss = (m if run is None else run)(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    plain_loss, plain_grads = loss_and_grads(model)
+    counted.update(forward=0, backward=0)
+    checkpointed = copy.deepcopy(model)
+    hf_megamoe.enable_activation_checkpointing(checkpointed)
+    checkpointed.train()
+    loss, grads_ = loss_and_grads(checkpointed, run=_compiled(checkpointed))
+    assert counted == {"forward": layers, "backward": layers}, "megamoe's forward ran again in the recompute"
     assert torch.equal(loss, plain_loss)
     assert all(torch.equal(grads_[n], plain_grads[n]) for n in plain_grads)
 
