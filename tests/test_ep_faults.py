@@ -60,7 +60,18 @@ def forward_with_fault(workspaces, ranks, skip_counts=(), skip_owner=(), before_
     for r in live:
         if r not in skip_owner:
             owner_experts(workspaces[r], ranks[r][3], ranks[r][4])
-    return {r: combine_returned(workspaces[r], ranks[r][1], ranks[r][0].dtype) for r in live}
+    ys = {r: combine_returned(workspaces[r], ranks[r][1], ranks[r][0].dtype) for r in live}
+    end_of_call(workspaces)
+    return ys
+
+
+def end_of_call(workspaces):
+    """What the fused layer does at the end of a call (``Workspace.snapshot_error``), and a host that then waits for
+    the device (a loss read back): the next call's ``check_error`` sees this call's record."""
+    for ws in workspaces:
+        ws.snapshot_error()
+    if workspaces[0].control.is_cuda:
+        torch.cuda.synchronize()
 
 
 def assert_recovers(workspaces, ranks, full, bounds):
@@ -189,6 +200,7 @@ def test_a_rank_that_starts_the_backward_after_the_others_gave_up(problem):
 
     backward_of([r for r in range(NUM_RANKS) if r != late])
     backward_of([late])
+    end_of_call(workspaces)
     for r in range(NUM_RANKS):
         if r != late:
             with pytest.raises(RuntimeError, match=rf"on rank {r} .*peer rank {late}\b"):

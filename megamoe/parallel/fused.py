@@ -79,6 +79,7 @@ class FusedEP(torch.autograd.Function):
             dispatch_rows(ws, x, topk_idx, topk_weights, plan)
             owner_experts(ws, w13, w2)
         y = combine_returned(ws, topk_idx, x.dtype)
+        ws.snapshot_error()
         if debug_checks_enabled():
             ws.check_overflow(now=True)
             ws.check_error(now=True)
@@ -100,6 +101,7 @@ class FusedEP(torch.autograd.Function):
             dispatch_rows(ws, x, topk_idx, topk_weights, plan, dy_TD=dy.contiguous())
             dw13, dw2 = owner_experts_backward(ws, w13, w2)
         dx, dweight = combine_returned_backward(ws, topk_idx, x.dtype)
+        ws.snapshot_error()
         if debug_checks_enabled():
             ws.check_overflow(now=True)
             ws.check_error(now=True)

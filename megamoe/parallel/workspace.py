@@ -123,8 +123,9 @@ class Workspace:
         """Raise ``RuntimeError`` naming the stage, the peer and what was missing if a wait of an earlier call
         gave up (its results were wrong; every later call's waits return at once until :meth:`reset`). ``now``:
         read the record back (a host sync; the debug mode, ``MEGAMOE_DEBUG=1``). Otherwise without a sync: the
-        record as it was when the previous check ran is copied to the host behind the work queued so far, and
-        read here once that copy has landed — so a failure surfaces within a call or two."""
+        record as :meth:`snapshot_error` copied it to the host behind the previous call's work, read here once that
+        copy has landed — so the next call raises if the host has waited for the failed one in between (a loss
+        read back, an optimizer step's sync), else the call after."""
         if now or self.control.device.type != "cuda":  # on CPU the host ran the kernels: the record is final
             message = self.error()
             if message:
@@ -136,6 +137,14 @@ class Workspace:
             message = describe_error(self.rank, self._record_copy[0].tolist())
             if message:
                 raise RuntimeError(message)
+
+    def snapshot_error(self) -> None:
+        """At the end of a call, behind its work: copy the error record to pinned host memory (no sync) for the next
+        :meth:`check_error`. Skipped while an earlier copy is still in flight (its buffer is being written), and on
+        CPU, in a CUDA graph or a compiled graph."""
+        if self.control.device.type != "cuda" or torch.cuda.is_current_stream_capturing() or \
+                torch.compiler.is_compiling():
+            return
         if self._record_copy is None:
             self._record_copy = (torch.empty(CONTROL_WORDS, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
         if self._record_copy[1].query():
