@@ -85,6 +85,55 @@ def test_quantize_weight_both_orientations_match_reference_bit_for_bit(dtype):
     assert rel_err(reference.dequantize_weight(q, s), w) < 0.03
 
 
+# Rows per expert of the weight gradients' tile-column tests: none, one, a partial tile, one full tile, a full tile
+# and a one-row tile, several tiles with a partial last one.
+WGRAD_COUNTS = [0, 1, 127, 128, 129, 300]
+WGRAD_UNROUTED = 15  # rows past the routed ones (dropped slots' rows, never written): NaN, and never read
+
+
+def wgrad_rows(cols: int, gen: torch.Generator, decades: float = 0.0) -> torch.Tensor:
+    """(routed + unrouted rows, cols) of normal values, scaled over ``decades`` down the rows (within a 128x1 group
+    the largest rows set the scale and the smallest go subnormal or to zero); the unrouted rows NaN."""
+    n = sum(WGRAD_COUNTS) + WGRAD_UNROUTED
+    a = torch.randn(n, cols, generator=gen) * torch.logspace(-decades / 2, decades / 2, n)[:, None]
+    a[sum(WGRAD_COUNTS):] = float("nan")
+    return a
+
+
+def wgrad_plan():
+    from megamoe.kernels.plan import plan_from_counts
+
+    return plan_from_counts(torch.tensor(WGRAD_COUNTS, dtype=torch.int32, device=DEVICE),
+                            sum(WGRAD_COUNTS) + WGRAD_UNROUTED)
+
+
+def test_quantize_tile_cols_matches_reference_bit_for_bit():
+    """128x1 groups along the tokens, one per plan tile (never across two experts) and column: the kernel's bytes
+    and scales equal the reference's; the dequantised values are the rows' within e4m3's half step, and the
+    columns of a tile past its expert's end are zeros."""
+    gen = torch.Generator().manual_seed(4)
+    a = wgrad_rows(256, gen, decades=12.0)
+    a[128:256, 7] = 0.0  # an all-zero group (expert 3's one tile)
+    a[256:384, 9] = torch.tensor([1.0625, -1.1875, 3 * 2.0**-10, 448.0, -0.0] * 25 + [2.0, 4.0, 8.0])  # ties
+    plan = wgrad_plan()
+    q, s = quant.quantize_tile_cols(a.to(DEVICE), plan)
+    offsets = plan.offsets_E1.cpu()
+    qr, sr = reference.quantize_tile_cols(a, offsets)
+    busy = sr.shape[0]
+    assert busy == sum(-(-c // 128) for c in WGRAD_COUNTS)
+    assert q.shape == (256, plan.tile_expert_NT.numel() * 128) and s.shape == (plan.tile_expert_NT.numel(), 256)
+    assert torch.equal(bits(q[:, :busy * 128]).cpu(), bits(qr)) and torch.equal(s[:busy].cpu(), sr)
+    # The format: column 128 t + i of q is sorted row tile_row[t] + i of the tile's expert, zero past its end.
+    tile_row, tile_expert = plan.tile_row_NT[:busy].cpu().long(), plan.tile_expert_NT[:busy].cpu().long()
+    rows = tile_row[:, None] + torch.arange(128)  # (busy, 128)
+    inside = rows < offsets[tile_expert + 1].long()[:, None]
+    expect = torch.where(inside[None], a[rows.clamp_max(a.shape[0] - 1)].permute(2, 0, 1), 0.0)  # (C, busy, 128)
+    deq = qr.float().reshape(256, busy, 128) * sr.t()[:, :, None]
+    half_step = torch.maximum(expect.abs() * 2.0**-4, sr.t()[:, :, None] * 2.0**-10)
+    assert ((deq - expect).abs() <= half_step).all()
+    assert (bits(qr).reshape(256, busy, 128)[:, ~inside] == 0).all()
+
+
 # Every shape keeping nothing; the saved mode (which shares all but the backward's act step) on three of them.
 FP8_CASES = [(s, "none") for s in FP8_SHAPES] + [(FP8_SHAPES[i], "preact") for i in (2, 5, 7)]
 

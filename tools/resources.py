@@ -254,7 +254,7 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      "TILE_M": 128, "PART_COLS": expert_bwd.PART_COLS, "BM": expert_bwd.PREACT_BM,
                      "BN": expert_bwd.PREACT_BN, "QUANT_DZ": True,
                      # the quantisers, at their launchers' blocks
-                     "SLICE": quant.WEIGHT_SLICE}
+                     "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC}
 
 
 def compile_other_kernel(fn):
