@@ -466,6 +466,16 @@ def quantize_tile_cols(a_NC: torch.Tensor, offsets_E1: torch.Tensor) -> tuple[to
     return q, torch.cat([p[1] for p in parts])
 
 
+def dequantize_tile_cols(q_CL: torch.Tensor, s_TC: torch.Tensor, offsets_E1: torch.Tensor) -> list[torch.Tensor]:
+    """Per expert, its rows of a tile-column operand (``quantize_tile_cols``'s format, the kernel's or this file's)
+    dequantised in float64 (exact): (C, 128 * its tiles), zeros past its last row."""
+    bounds = offsets_E1.tolist()
+    tiles = [-(-(hi - lo) // FP8_GROUP) for lo, hi in itertools.pairwise(bounds)]
+    busy = sum(tiles)
+    deq = q_CL[:, :busy * FP8_GROUP].double().reshape(q_CL.shape[0], busy, FP8_GROUP) * s_TC[:busy].t().double()[..., None]
+    return [part.reshape(q_CL.shape[0], -1) for part in deq.split(tiles, dim=1)]
+
+
 def dequantize_rows(q_MK: torch.Tensor, s_KM: torch.Tensor) -> torch.Tensor:
     return q_MK.float() * s_KM.t().repeat_interleave(FP8_GROUP, dim=1)
 

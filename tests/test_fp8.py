@@ -134,6 +134,25 @@ def test_quantize_tile_cols_matches_reference_bit_for_bit():
     assert (bits(qr).reshape(256, busy, 128)[:, ~inside] == 0).all()
 
 
+def test_fp8_wgrad_gemm_computes_the_dequantised_products():
+    """dW[e] = sum over expert e's tiles of deq(a)ᵀ deq(b) (the Triton kernel: exact products, fp32 sums and
+    promotion); an expert without rows gets exact zeros, and the NaN rows past the routed ones reach nothing."""
+    from megamoe.kernels import expert_bwd
+
+    gen = torch.Generator().manual_seed(5)
+    plan = wgrad_plan()
+    a, b = wgrad_rows(256, gen, decades=4.0).to(DEVICE), wgrad_rows(128, gen).to(DEVICE)
+    (aq, a_s), (bq, b_s) = quant.quantize_tile_cols(a, plan), quant.quantize_tile_cols(b, plan)
+    dw = expert_bwd.wgrad_fp8(aq, a_s, bq, b_s, plan, torch.float32)
+    assert torch.equal(dw, expert_bwd.expert_wgrad_fp8(a, b, plan, torch.float32))
+    offsets = plan.offsets_E1.cpu()
+    ref = [ae @ be.t() for ae, be in zip(reference.dequantize_tile_cols(aq.cpu(), a_s.cpu(), offsets),
+                                         reference.dequantize_tile_cols(bq.cpu(), b_s.cpu(), offsets))]
+    assert torch.equal(dw[0].cpu(), torch.zeros(256, 128))
+    for e in range(1, len(WGRAD_COUNTS)):
+        assert rel_err(dw[e].cpu(), ref[e]) < 1e-6, (e, rel_err(dw[e].cpu(), ref[e]))
+
+
 # Every shape keeping nothing; the saved mode (which shares all but the backward's act step) on three of them.
 FP8_CASES = [(s, "none") for s in FP8_SHAPES] + [(FP8_SHAPES[i], "preact") for i in (2, 5, 7)]
 
