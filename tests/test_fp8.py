@@ -171,6 +171,35 @@ def test_fp8_layer_computes_the_recipe(shape, mode):
     assert_close_to_reference(out, problem, lowp=reference.moe_loop_fp8)
 
 
+def fp8_wgrad_recipe(*problem):
+    return reference.moe_loop_fp8(*problem, fp8_wgrad=True)
+
+
+# FP8 weight gradients (autograd.FP8_WGRAD): experts with several tiles and a partial last one, experts without rows,
+# dropped slots, two I-blocks; the saved mode once.
+FP8_WGRAD_CASES = [(FP8_SHAPES[2], "none"), (FP8_SHAPES[5], "preact"), (FP8_SHAPES[8], "none")]
+
+
+@pytest.mark.parametrize("shape, mode", FP8_WGRAD_CASES, ids=[f"{shape_id(s)}-{m}" for s, m in FP8_WGRAD_CASES])
+def test_fp8_wgrad_layer_computes_the_recipe(shape, mode, monkeypatch):
+    """With FP8 weight gradients: output and every gradient equal to the recipe with FP8 weight gradients up to the
+    order of fp32 sums, within twice its error of fp32, and the weight gradients carry the 128x1 quantisations'
+    error (not the bf16 weight gradients')."""
+    from megamoe import autograd as ops
+
+    monkeypatch.setattr(ops, "FP8_WGRAD", True)
+    problem = make_problem(*shape, device=DEVICE)
+    quant.clear_weight_cache()
+    out = run_with_grads(fp8_moe(mode), *problem)
+    recipe = run_with_grads(fp8_wgrad_recipe, *problem)
+    for name, o, r in zip(NAMES, out, recipe):
+        assert rel_err(o, r) < 2e-3, f"{name}: {rel_err(o, r):.2e} from the recipe"
+    assert_close_to_reference(out, problem, lowp=fp8_wgrad_recipe)
+    bf16_wgrad = run_with_grads(reference.moe_loop_fp8, *problem)
+    for name, o, r in list(zip(NAMES, out, bf16_wgrad))[3:]:
+        assert rel_err(o, r) > 5e-3, f"{name}: {rel_err(o, r):.2e} from the bf16 weight gradients"
+
+
 def test_fp8_layer_fp16_inputs():
     problem = make_problem(40, 128, 256, 6, 3, "dropped", dtype=torch.float16, device=DEVICE)
     assert_close_to_reference(run_with_grads(fp8_moe(), *problem), problem, lowp=reference.moe_loop_fp8)
@@ -269,6 +298,23 @@ def test_fp8_bf16_gpu_computes_the_recipe(shape, mode, poison_cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", FP8_GPU_SHAPES, ids=[shape_id(s) for s in FP8_GPU_SHAPES])
+def test_fp8_wgrad_bf16_gpu_computes_the_recipe(shape, poison_cuda, monkeypatch):
+    """As ``test_fp8_bf16_gpu_computes_the_recipe``, with FP8 weight gradients (the Gluon k-grouped GEMM on
+    tile-column operands) against the recipe with FP8 weight gradients."""
+    from megamoe import autograd as ops
+
+    monkeypatch.setattr(ops, "FP8_WGRAD", True)
+    problem = gpu_problem(*shape)
+    out = run_with_grads(fp8_moe(), *problem)
+    recipe = run_with_grads(fp8_wgrad_recipe, *problem)
+    ref32 = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *problem)
+    for name, o, r, r32 in zip(NAMES, out, recipe, ref32):
+        assert rel_err(o, r) < 0.5 * rel_err(r, r32), f"{name}: {rel_err(o, r):.2e} from the recipe"
+    assert_close_to_reference(out, problem, lowp=fp8_wgrad_recipe, atol=1e-3)
+
+
+@pytest.mark.gpu
 def test_fp8_quantisers_on_the_gpu_match_reference_bit_for_bit():
     gen = torch.Generator().manual_seed(3)
     a = (torch.randn(3000, 2048, generator=gen) * torch.logspace(-6, 4, 3000)[:, None]).to(torch.bfloat16)
@@ -278,6 +324,13 @@ def test_fp8_quantisers_on_the_gpu_match_reference_bit_for_bit():
     w = torch.randn(8, 1536, 2048, generator=gen).to(torch.bfloat16)
     for name, o, r in zip(("q", "s", "qt", "st"), quant.quantize_weight(w.cuda()), reference.quantize_weight(w)):
         assert torch.equal(bits(o).cpu(), bits(r)), name
+    from megamoe.kernels.plan import build_plan
+
+    plan = build_plan(gpu_problem(3000, 128, 128, 64, 1, "skewed")[1], 64)  # 3000 rows: a[:3000] routed
+    busy = plan.tile_expert_NT.lt(64).sum().item()
+    q, s = quant.quantize_tile_cols(a[:, :1024].cuda(), plan)
+    qr, sr = reference.quantize_tile_cols(a[:, :1024], plan.offsets_E1.cpu())
+    assert torch.equal(bits(q[:, :busy * 128]).cpu(), bits(qr)) and torch.equal(s[:busy].cpu(), sr)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,9 @@ One device:
 4. dx — dz W13 → unweighted dx slot rows (``expert_fwd.sorted_rows_gemm_kernel`` again); combine.py
    reduces them per token.
 5. ``_expert_wgrad_kernel`` — per expert, K-grouped GEMMs over that expert's sorted rows:
-   dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w). An expert with no rows gets exact zeros.
+   dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w). An expert with no rows gets exact zeros. The FP8 path may
+   run them in FP8 instead (``expert_wgrad_fp8``: both operands quantised 128x1 per plan tile, then
+   ``_expert_wgrad_fp8_kernel`` or, on sm90, ``gluon_fp8_sm90._fp8_wgrad_ws_kernel``).
 
 On sm90 with 16-bit operands, steps 2, 3 and 5 run warp-specialized Gluon twins instead (``gluon_sm90.py``:
 ``_dh_ws_kernel``, ``_act_ws_kernel``, ``_wgrad_ws_kernel``; same operands and outputs), and two copies move

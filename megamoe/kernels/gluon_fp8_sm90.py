@@ -1,5 +1,6 @@
 """Persistent, warp-specialized Gluon FP8 GEMM kernels for Hopper (sm90) with blockwise scales: the FP8 path's
-sorted-rows GEMM (down projection, dh', dx) and its gate/up GEMM + SwiGLU + FP8 quantisation of h.
+sorted-rows GEMM (down projection, dh', dx), its gate/up GEMM + SwiGLU + FP8 quantisation of h, and the optional
+FP8 weight gradients (a k-grouped GEMM on operands quantised 128x1 along the tokens: ``fp8_wgrad_ws``).
 
 Formats (shared with the rest of the FP8 path):
 
@@ -34,7 +35,11 @@ Partitions of each kernel:
   stage, promote. A warpgroup whose 64 rows all lie past its expert's end (the last tile of an expert)
   skips its MMAs and epilogue.
 
-See ``fp8_rows_gemm_ws`` and ``fp8_up_swiglu_ws`` for the two launchers.
+The weight-gradient kernel has the sorted-rows kernel's partitions, with both operands K-major along the tokens
+(``quant.quantize_tile_cols``): a K-step is one plan tile of the block's expert, and its promotion multiplies by the
+outer product of A's scales of the block's rows and B's of its columns (both copied into the stage).
+
+See ``fp8_rows_gemm_ws``, ``fp8_up_swiglu_ws`` and ``fp8_wgrad_ws`` for the three launchers.
 """
 
 from __future__ import annotations
