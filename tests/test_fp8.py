@@ -328,7 +328,7 @@ def test_fp8_quantisers_on_the_gpu_match_reference_bit_for_bit():
 
     plan = build_plan(gpu_problem(3000, 128, 128, 64, 1, "skewed")[1], 64)  # 3000 rows: a[:3000] routed
     busy = plan.tile_expert_NT.lt(64).sum().item()
-    q, s = quant.quantize_tile_cols(a[:, :1024].cuda(), plan)
+    q, s = quant.quantize_tile_cols(a[:, :1024].contiguous().cuda(), plan)
     qr, sr = reference.quantize_tile_cols(a[:, :1024], plan.offsets_E1.cpu())
     assert torch.equal(bits(q[:, :busy * 128]).cpu(), bits(qr)) and torch.equal(s[:busy].cpu(), sr)
 
