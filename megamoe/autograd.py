@@ -9,7 +9,8 @@ Saved for backward: the inputs and the routing plan (a few int32 vectors) — no
 saved-activation mode, also the gate/up products (N, 2I in x's dtype), so the backward skips their GEMM.
 
 The precision is chosen here, once: ``fp8`` runs the blockwise FP8 bodies (:func:`experts_forward_fp8`,
-:func:`experts_backward_fp8`) behind the same autograd function and custom ops.
+:func:`experts_backward_fp8`) behind the same autograd function and custom ops. Their weight gradients are bf16
+GEMMs on the unquantised rows unless :data:`FP8_WGRAD` is set.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megamoe.env import custom_ops_forced
+from megamoe.env import custom_ops_forced, fp8_wgrad_requested
 from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
     act_bwd,
@@ -27,12 +28,19 @@ from megamoe.kernels.expert_bwd import (
     dx_slots_fp8,
     expert_wgrad,
     expert_wgrad_and_combine,
+    expert_wgrad_fp8,
     gather_rows,
     sorted_rows_and_dh,
 )
 from megamoe.kernels.expert_fwd import down_fp8, down_fwd, up_swiglu_fp8, up_swiglu_fwd
 from megamoe.kernels.plan import Plan, build_plan, num_tiles
 from megamoe.kernels.quant import fp8_weight, quantize_rows
+
+# The FP8 path's weight gradients in FP8 too (DeepSeek-V3's recipe: both operands re-quantised 128x1 along the
+# tokens from their rows in x's dtype, ``expert_bwd.expert_wgrad_fp8``) instead of bf16 GEMMs on those rows. Off
+# until it measures faster on the H200 (``python -m tools.fp8`` times both); ``MEGAMOE_FP8_WGRAD=1`` sets it at
+# import, and the backward reads it at every call.
+FP8_WGRAD = fp8_wgrad_requested()
 
 
 def experts_forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
@@ -84,7 +92,8 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     """:func:`experts_backward` in blockwise FP8: dy quantised 1x128; dh' and dx on the weights' transposed FP8
     copies; g and u, unless saved, recomputed by the forward's up kernel (the FP8 GEMM the forward ran, so both memory
     modes compute the same gradients; its h output goes unused) and the act step run on them; the weight gradients
-    from the unquantised rows in x's dtype (exact products, fp32 accumulation)."""
+    from the unquantised rows in x's dtype (exact products, fp32 accumulation), or with :data:`FP8_WGRAD` from
+    those rows quantised 128x1 (then the dx combine runs on its own, not inside the dW13 kernel)."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
     weights = topk_weights.contiguous()
@@ -96,9 +105,13 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
         preact = preact_buffer(x, topk_idx, w13)
         up_swiglu_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact_NH=preact)
     dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True)
-    dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan,
-                                                                                       x.dtype), topk_idx, x.dtype)
-    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
+    dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype)
+    if FP8_WGRAD:
+        dw13, dx = expert_wgrad_fp8(dz_NH, x_sorted, plan, w13.dtype), combine(dx_slots_ND, topk_idx, x.dtype)
+        dw2 = expert_wgrad_fp8(dy_sorted, hw_NI, plan, w2.dtype)
+    else:
+        dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots_ND, topk_idx, x.dtype)
+        dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
 
 

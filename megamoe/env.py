@@ -7,6 +7,7 @@ Environment variables (documented in the README):
 * ``MEGAMOE_EP`` — ``auto``, ``fused`` or ``all_to_all`` (:func:`megamoe.api.ep_path`);
 * ``MEGAMOE_DEBUG=1`` — checks that read device data back to the host (:func:`debug_checks_enabled`);
 * ``MEGAMOE_AUTOTUNE=0`` — fixed tile configs (:func:`megamoe.kernels.tuning.autotune_enabled`);
+* ``MEGAMOE_FP8_WGRAD=1`` — FP8 weight gradients in ``precision="fp8"`` (:func:`fp8_wgrad_requested`);
 * ``TRITON_INTERPRET=1`` — Triton's interpreter runs the kernels on CPU tensors (:func:`interpreting`).
 """
 
@@ -34,6 +35,12 @@ def warn_once(msg: str) -> None:
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def fp8_wgrad_requested() -> bool:
+    """``MEGAMOE_FP8_WGRAD=1``: the default of ``megamoe.autograd.FP8_WGRAD`` (FP8 weight gradients, not yet the
+    default: they are to be measured against the bf16 ones first)."""
+    return os.environ.get("MEGAMOE_FP8_WGRAD", "0") == "1"
 
 
 def debug_checks_enabled() -> bool:

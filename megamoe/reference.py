@@ -27,6 +27,8 @@ two) upcasts every input and returns fp32: that is the reference the tests compa
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -443,6 +445,37 @@ def quantize_weight(w_ERC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
             q.permute(0, 2, 4, 1, 3).reshape(num_experts, c, r), s.transpose(1, 2).contiguous())
 
 
+def _quantize_cols(a_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's rows (R, C) in 128x1 groups from its first row: (q (C, G*128) e4m3, zeros past R; s (G, C) fp32),
+    G = ceil(R / 128)."""
+    num_rows, c = a_RC.shape
+    groups = -(-num_rows // FP8_GROUP)
+    padded = a_RC.float().new_zeros(groups * FP8_GROUP, c)
+    padded[:num_rows] = a_RC.float()
+    q, s = _quantize_groups(padded.reshape(groups, FP8_GROUP, c).transpose(1, 2))  # (G, C, 128), (G, C)
+    return q.transpose(0, 1).reshape(c, groups * FP8_GROUP), s
+
+
+def quantize_tile_cols(a_NC: torch.Tensor, offsets_E1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q (C, G*128) e4m3, s (G, C) fp32), as ``kernels.quant.quantize_tile_cols`` for its busy tiles (G of them,
+    expert by expert): each expert's sorted rows [offsets[e], offsets[e+1]) of ``a`` (N, C) in 128x1 groups."""
+    bounds = offsets_E1.tolist()
+    parts = [_quantize_cols(a_NC[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+    # float8 tensors have no cat on CPU: their bytes do
+    q = torch.cat([p[0].view(torch.uint8) for p in parts], dim=1).view(torch.float8_e4m3fn)
+    return q, torch.cat([p[1] for p in parts])
+
+
+def dequantize_tile_cols(q_CL: torch.Tensor, s_TC: torch.Tensor, offsets_E1: torch.Tensor) -> list[torch.Tensor]:
+    """Per expert, its rows of a tile-column operand (``quantize_tile_cols``'s format, the kernel's or this file's)
+    dequantised in float64 (exact): (C, 128 * its tiles), zeros past its last row."""
+    bounds = offsets_E1.tolist()
+    tiles = [-(-(hi - lo) // FP8_GROUP) for lo, hi in itertools.pairwise(bounds)]
+    busy = sum(tiles)
+    deq = q_CL[:, :busy * FP8_GROUP].double().reshape(q_CL.shape[0], busy, FP8_GROUP) * s_TC[:busy].t().double()[..., None]
+    return [part.reshape(q_CL.shape[0], -1) for part in deq.split(tiles, dim=1)]
+
+
 def dequantize_rows(q_MK: torch.Tensor, s_KM: torch.Tensor) -> torch.Tensor:
     return q_MK.float() * s_KM.t().repeat_interleave(FP8_GROUP, dim=1)
 
@@ -456,16 +489,24 @@ def _fp8_rows(a: torch.Tensor) -> torch.Tensor:
     return dequantize_rows(*quantize_rows(a))
 
 
+def _fp8_cols(a_RC: torch.Tensor) -> torch.Tensor:
+    """One expert's rows (R, C) through 128x1 quantisation (groups from its first row) and back, fp32."""
+    q, s = _quantize_cols(a_RC)
+    return (q.float() * s.repeat_interleave(FP8_GROUP, dim=0).t()).t()[:a_RC.shape[0]]
+
+
 class _MoeLoopFP8(torch.autograd.Function):
     """The FP8 recipe of ``megamoe.moe(precision="fp8")``, per expert, in fp32 on dequantised operands.
 
     Forward: x 1x128, w13 and w2 128x128; h = silu(g) * u quantised 1x128 before the down GEMM. Backward: dy
     1x128; dh' = dy W2[e]; the SwiGLU backward from the recomputed g, u in fp32; dz = [dg | du] 1x128 for
     dx = dz W13[e]; the weight gradients from the unquantised operands (dW13 = dz^T x, dW2 = dy^T (h w)), as the
-    kernels compute them (in the operands' dtype)."""
+    kernels compute them (in the operands' dtype). ``fp8_wgrad``: the weight gradients in FP8 instead (DeepSeek-V3's
+    recipe, ``autograd.FP8_WGRAD``): each operand's rows of an expert, as the kernels hold them (x's dtype), in 128x1
+    groups from the expert's first row (sorted by slot: the plan's order)."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w13, w2):
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2, fp8_wgrad=False):
         inter = w13.shape[1] // 2
         xd = _fp8_rows(x)
         w13d, w2d = (dequantize_weight(*quantize_weight(w)[:2]) for w in (w13, w2))
@@ -476,6 +517,7 @@ class _MoeLoopFP8(torch.autograd.Function):
             h = F.silu(gu[:, :inter]) * gu[:, inter:]
             y.index_add_(0, tok, (_fp8_rows(h) @ w2d[e].t()) * topk_weights[tok, slot, None].float())
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2)
+        ctx.fp8_wgrad = fp8_wgrad
         return y.to(x.dtype)
 
     @staticmethod
@@ -498,12 +540,18 @@ class _MoeLoopFP8(torch.autograd.Function):
             dweight[tok, slot] = (dh * h).sum(dim=1)
             dz = torch.cat([dh * wt * u * (sig + g * sig * (1 - sig)), dh * wt * g * sig], dim=1)
             dx.index_add_(0, tok, _fp8_rows(dz) @ w13d[e])
-            dw13[e] = dz.t() @ x[tok].float()
-            dw2[e] = dy[tok].float().t() @ (h * wt)
-        return (dx.to(x.dtype), None, dweight.to(topk_weights.dtype), dw13.to(w13.dtype), dw2.to(w2.dtype))
+            if ctx.fp8_wgrad:
+                dw13[e] = _fp8_cols(dz.to(x.dtype)).t() @ _fp8_cols(x[tok])
+                dw2[e] = _fp8_cols(dy[tok]).t() @ _fp8_cols((h * wt).to(x.dtype))
+            else:
+                dw13[e] = dz.t() @ x[tok].float()
+                dw2[e] = dy[tok].float().t() @ (h * wt)
+        return (dx.to(x.dtype), None, dweight.to(topk_weights.dtype), dw13.to(w13.dtype), dw2.to(w2.dtype), None)
 
 
-def moe_loop_fp8(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI) -> torch.Tensor:
+def moe_loop_fp8(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI, fp8_wgrad: bool = False) -> torch.Tensor:
     """The layer in megamoe's blockwise FP8 recipe (``_MoeLoopFP8``): the tests' measure of what FP8 itself costs
-    against the fp32 reference, and the recipe the FP8 kernels must reproduce. D and I multiples of 128."""
-    return _MoeLoopFP8.apply(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI)
+    against the fp32 reference, and the recipe the FP8 kernels must reproduce. D and I multiples of 128.
+    ``fp8_wgrad``: with FP8 weight gradients (128x1 operands), as the kernels compute them with
+    ``autograd.FP8_WGRAD``."""
+    return _MoeLoopFP8.apply(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI, fp8_wgrad)

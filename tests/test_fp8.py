@@ -85,6 +85,74 @@ def test_quantize_weight_both_orientations_match_reference_bit_for_bit(dtype):
     assert rel_err(reference.dequantize_weight(q, s), w) < 0.03
 
 
+# Rows per expert of the weight gradients' tile-column tests: none, one, a partial tile, one full tile, a full tile
+# and a one-row tile, several tiles with a partial last one.
+WGRAD_COUNTS = [0, 1, 127, 128, 129, 300]
+WGRAD_UNROUTED = 15  # rows past the routed ones (dropped slots' rows, never written): NaN, and never read
+
+
+def wgrad_rows(cols: int, gen: torch.Generator, decades: float = 0.0) -> torch.Tensor:
+    """(routed + unrouted rows, cols) of normal values, scaled over ``decades`` down the rows (within a 128x1 group
+    the largest rows set the scale and the smallest go subnormal or to zero); the unrouted rows NaN."""
+    n = sum(WGRAD_COUNTS) + WGRAD_UNROUTED
+    a = torch.randn(n, cols, generator=gen) * torch.logspace(-decades / 2, decades / 2, n)[:, None]
+    a[sum(WGRAD_COUNTS):] = float("nan")
+    return a
+
+
+def wgrad_plan():
+    from megamoe.kernels.plan import plan_from_counts
+
+    return plan_from_counts(torch.tensor(WGRAD_COUNTS, dtype=torch.int32, device=DEVICE),
+                            sum(WGRAD_COUNTS) + WGRAD_UNROUTED)
+
+
+def test_quantize_tile_cols_matches_reference_bit_for_bit():
+    """128x1 groups along the tokens, one per plan tile (never across two experts) and column: the kernel's bytes
+    and scales equal the reference's; the dequantised values are the rows' within e4m3's half step, and the
+    columns of a tile past its expert's end are zeros."""
+    gen = torch.Generator().manual_seed(4)
+    a = wgrad_rows(256, gen, decades=12.0)
+    a[128:256, 7] = 0.0  # an all-zero group (expert 3's one tile)
+    a[256:384, 9] = torch.tensor([1.0625, -1.1875, 3 * 2.0**-10, 448.0, -0.0] * 25 + [2.0, 4.0, 8.0])  # ties
+    plan = wgrad_plan()
+    q, s = quant.quantize_tile_cols(a.to(DEVICE), plan)
+    offsets = plan.offsets_E1.cpu()
+    qr, sr = reference.quantize_tile_cols(a, offsets)
+    busy = sr.shape[0]
+    assert busy == sum(-(-c // 128) for c in WGRAD_COUNTS)
+    assert q.shape == (256, plan.tile_expert_NT.numel() * 128) and s.shape == (plan.tile_expert_NT.numel(), 256)
+    assert torch.equal(bits(q[:, :busy * 128]).cpu(), bits(qr)) and torch.equal(s[:busy].cpu(), sr)
+    # The format: column 128 t + i of q is sorted row tile_row[t] + i of the tile's expert, zero past its end.
+    tile_row, tile_expert = plan.tile_row_NT[:busy].cpu().long(), plan.tile_expert_NT[:busy].cpu().long()
+    rows = tile_row[:, None] + torch.arange(128)  # (busy, 128)
+    inside = rows < offsets[tile_expert + 1].long()[:, None]
+    expect = torch.where(inside[None], a[rows.clamp_max(a.shape[0] - 1)].permute(2, 0, 1), 0.0)  # (C, busy, 128)
+    deq = qr.float().reshape(256, busy, 128) * sr.t()[:, :, None]
+    half_step = torch.maximum(expect.abs() * 2.0**-4, sr.t()[:, :, None] * 2.0**-10)
+    assert ((deq - expect).abs() <= half_step).all()
+    assert (bits(qr).reshape(256, busy, 128)[:, ~inside] == 0).all()
+
+
+def test_fp8_wgrad_gemm_computes_the_dequantised_products():
+    """dW[e] = sum over expert e's tiles of deq(a)ᵀ deq(b) (the Triton kernel: exact products, fp32 sums and
+    promotion); an expert without rows gets exact zeros, and the NaN rows past the routed ones reach nothing."""
+    from megamoe.kernels import expert_bwd
+
+    gen = torch.Generator().manual_seed(5)
+    plan = wgrad_plan()
+    a, b = wgrad_rows(256, gen, decades=4.0).to(DEVICE), wgrad_rows(128, gen).to(DEVICE)
+    (aq, a_s), (bq, b_s) = quant.quantize_tile_cols(a, plan), quant.quantize_tile_cols(b, plan)
+    dw = expert_bwd.wgrad_fp8(aq, a_s, bq, b_s, plan, torch.float32)
+    assert torch.equal(dw, expert_bwd.expert_wgrad_fp8(a, b, plan, torch.float32))
+    offsets = plan.offsets_E1.cpu()
+    ref = [ae @ be.t() for ae, be in zip(reference.dequantize_tile_cols(aq.cpu(), a_s.cpu(), offsets),
+                                         reference.dequantize_tile_cols(bq.cpu(), b_s.cpu(), offsets))]
+    assert torch.equal(dw[0].cpu(), torch.zeros(256, 128))
+    for e in range(1, len(WGRAD_COUNTS)):
+        assert rel_err(dw[e].cpu(), ref[e]) < 1e-6, (e, rel_err(dw[e].cpu(), ref[e]))
+
+
 # Every shape keeping nothing; the saved mode (which shares all but the backward's act step) on three of them.
 FP8_CASES = [(s, "none") for s in FP8_SHAPES] + [(FP8_SHAPES[i], "preact") for i in (2, 5, 7)]
 
@@ -101,6 +169,35 @@ def test_fp8_layer_computes_the_recipe(shape, mode):
     for name, o, r in zip(NAMES, out, recipe):
         assert rel_err(o, r) < 2e-3, f"{name}: {rel_err(o, r):.2e} from the recipe"
     assert_close_to_reference(out, problem, lowp=reference.moe_loop_fp8)
+
+
+def fp8_wgrad_recipe(*problem):
+    return reference.moe_loop_fp8(*problem, fp8_wgrad=True)
+
+
+# FP8 weight gradients (autograd.FP8_WGRAD): experts with several tiles and a partial last one, experts without rows,
+# dropped slots, two I-blocks; the saved mode once.
+FP8_WGRAD_CASES = [(FP8_SHAPES[2], "none"), (FP8_SHAPES[5], "preact"), (FP8_SHAPES[8], "none")]
+
+
+@pytest.mark.parametrize("shape, mode", FP8_WGRAD_CASES, ids=[f"{shape_id(s)}-{m}" for s, m in FP8_WGRAD_CASES])
+def test_fp8_wgrad_layer_computes_the_recipe(shape, mode, monkeypatch):
+    """With FP8 weight gradients: output and every gradient equal to the recipe with FP8 weight gradients up to the
+    order of fp32 sums, within twice its error of fp32, and the weight gradients carry the 128x1 quantisations'
+    error (not the bf16 weight gradients')."""
+    from megamoe import autograd as ops
+
+    monkeypatch.setattr(ops, "FP8_WGRAD", True)
+    problem = make_problem(*shape, device=DEVICE)
+    quant.clear_weight_cache()
+    out = run_with_grads(fp8_moe(mode), *problem)
+    recipe = run_with_grads(fp8_wgrad_recipe, *problem)
+    for name, o, r in zip(NAMES, out, recipe):
+        assert rel_err(o, r) < 2e-3, f"{name}: {rel_err(o, r):.2e} from the recipe"
+    assert_close_to_reference(out, problem, lowp=fp8_wgrad_recipe)
+    bf16_wgrad = run_with_grads(reference.moe_loop_fp8, *problem)
+    for name, o, r in list(zip(NAMES, out, bf16_wgrad))[3:]:
+        assert rel_err(o, r) > 5e-3, f"{name}: {rel_err(o, r):.2e} from the bf16 weight gradients"
 
 
 def test_fp8_layer_fp16_inputs():
@@ -201,6 +298,23 @@ def test_fp8_bf16_gpu_computes_the_recipe(shape, mode, poison_cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", FP8_GPU_SHAPES, ids=[shape_id(s) for s in FP8_GPU_SHAPES])
+def test_fp8_wgrad_bf16_gpu_computes_the_recipe(shape, poison_cuda, monkeypatch):
+    """As ``test_fp8_bf16_gpu_computes_the_recipe``, with FP8 weight gradients (the Gluon k-grouped GEMM on
+    tile-column operands) against the recipe with FP8 weight gradients."""
+    from megamoe import autograd as ops
+
+    monkeypatch.setattr(ops, "FP8_WGRAD", True)
+    problem = gpu_problem(*shape)
+    out = run_with_grads(fp8_moe(), *problem)
+    recipe = run_with_grads(fp8_wgrad_recipe, *problem)
+    ref32 = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *problem)
+    for name, o, r, r32 in zip(NAMES, out, recipe, ref32):
+        assert rel_err(o, r) < 0.5 * rel_err(r, r32), f"{name}: {rel_err(o, r):.2e} from the recipe"
+    assert_close_to_reference(out, problem, lowp=fp8_wgrad_recipe, atol=1e-3)
+
+
+@pytest.mark.gpu
 def test_fp8_quantisers_on_the_gpu_match_reference_bit_for_bit():
     gen = torch.Generator().manual_seed(3)
     a = (torch.randn(3000, 2048, generator=gen) * torch.logspace(-6, 4, 3000)[:, None]).to(torch.bfloat16)
@@ -210,6 +324,13 @@ def test_fp8_quantisers_on_the_gpu_match_reference_bit_for_bit():
     w = torch.randn(8, 1536, 2048, generator=gen).to(torch.bfloat16)
     for name, o, r in zip(("q", "s", "qt", "st"), quant.quantize_weight(w.cuda()), reference.quantize_weight(w)):
         assert torch.equal(bits(o).cpu(), bits(r)), name
+    from megamoe.kernels.plan import build_plan
+
+    plan = build_plan(gpu_problem(3000, 128, 128, 64, 1, "skewed")[1], 64)  # 3000 rows: a[:3000] routed
+    busy = plan.tile_expert_NT.lt(64).sum().item()
+    q, s = quant.quantize_tile_cols(a[:, :1024].contiguous().cuda(), plan)
+    qr, sr = reference.quantize_tile_cols(a[:, :1024], plan.offsets_E1.cpu())
+    assert torch.equal(bits(q[:, :busy * 128]).cpu(), bits(qr)) and torch.equal(s[:busy].cpu(), sr)
 
 
 @pytest.mark.gpu

@@ -213,6 +213,38 @@ def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind
     assert torch.isnan(h_s[:, routed:]).all()  # rows past the routed count are not written
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
+def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing):
+    """The FP8 weight gradients: dW13 = dzᵀ x and dW2 = dyᵀ (h·w) shapes, (N, P) and (N, Q) sorted bf16 rows
+    quantised 128x1 per plan tile (``quant.quantize_tile_cols``, bit for bit the reference's on CPU), against the
+    float64 per-expert products of the dequantised operands; experts without rows get zeros."""
+    from megamoe import reference
+    from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws
+    from megamoe.kernels.quant import quantize_tile_cols
+
+    gen = torch.Generator().manual_seed(num_tokens * 5 + dim + inter)
+    topk_idx = make_routing(num_tokens, num_experts, top_k, routing, gen)
+    plan, offsets = build(topk_idx, num_experts)
+    rows = num_tokens * top_k
+    for p, q in ((2 * inter, dim), (dim, inter)):
+        a = make_data((rows, p), "random", gen).to(torch.bfloat16)
+        b = make_data((rows, q), "random", gen).to(torch.bfloat16)
+        a[offsets[-1]:] = float("nan")  # dropped slots' rows: never read
+        (aq, a_s), (bq, b_s) = quantize_tile_cols(a, plan), quantize_tile_cols(b, plan)
+        out = torch.full((num_experts, p, q), float("nan"), device="cuda", dtype=torch.bfloat16)
+        fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1)
+        torch.cuda.synchronize()
+        cpu_offsets = plan.offsets_E1.cpu()
+        ref = torch.stack([ae @ be.t() for ae, be in zip(reference.dequantize_tile_cols(aq.cpu(), a_s.cpu(), cpu_offsets),
+                                                         reference.dequantize_tile_cols(bq.cpu(), b_s.cpu(), cpu_offsets))])
+        assert torch.isfinite(out).all(), "a block was not written"
+        err = rel_err(out.cpu(), ref)
+        assert err <= 1e-3 + BF16_ROUNDING, (p, q, err)
+        empty = [e for e in range(num_experts) if offsets[e] == offsets[e + 1]]
+        assert (out[empty] == 0).all()
+
+
 # The AOT check runs in a subprocess: this test session runs Triton's interpreter (TRITON_INTERPRET=1 without a
 # GPU), under which the compile path is replaced.
 _AOT_SCRIPT = r"""
@@ -223,7 +255,8 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "rows_dh": ("fp8_rows", dict(weighted=False, to_slots=False)),
             "up": ("fp8_up", dict(preact=False)), "up_preact": ("fp8_up", dict(preact=True)),
             "rows_down_any_size": ("fp8_rows", dict(sizes_divisible=False)),
-            "up_any_size": ("fp8_up", dict(sizes_divisible=False))}
+            "up_any_size": ("fp8_up", dict(sizes_divisible=False)), "wgrad": ("fp8_wgrad", {}),
+            "wgrad_any_size": ("fp8_wgrad", dict(sizes_divisible=False))}
 print(json.dumps({name: ptxas_report(f.aot_compile(kernel, **kw)) for name, (kernel, kw) in variants.items()}))
 """
 

@@ -4,7 +4,11 @@ and each quantiser's GB/s.
 ``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--out DIR]`` on an sm90 GPU. Stages (bf16 inputs,
 the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N, D); the weights'
 quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and without the
-products' store; down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``). The ceiling beside them:
+products' store; down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``). Then the weight gradients both ways, to
+choose ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
+(``quant.quantize_tile_cols``), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the
+FP8 path runs by default (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and
+both whole (four quantisations and two FP8 GEMMs against two bf16 GEMMs). The ceiling beside them:
 ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
 device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and writes them once.
 Prints a table and writes JSON (GPU, versions, date, commit, command) if ``--out`` is given.
@@ -63,6 +67,23 @@ def main(argv=None) -> None:
     preact = torch.empty(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16)
     dzq, dzs = quant.quantize_rows(torch.randn(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16))
     flat_weights = weights.reshape(-1)
+    # The weight gradients' operands: sorted rows in bf16 (dz and h·w random: only their shapes matter here).
+    x_sorted = expert_bwd.gather_rows(x, dy, plan, top_k)[0]
+    dz = torch.randn(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    hw = torch.randn(num_slots, inter, device="cuda", dtype=torch.bfloat16)
+    dzt, xt, dyt, hwt = (quant.quantize_tile_cols(t, plan) for t in (dz, x_sorted, dy_sorted, hw))
+    num_tiles = plan.tile_expert_NT.numel()
+
+    def tile_cols_bytes(cols):  # bf16 rows read; e4m3 tile columns and fp32 scales written
+        return num_slots * cols * 2 + cols * num_tiles * 128 + num_tiles * cols * 4
+
+    def fp8_wgrads():
+        expert_bwd.expert_wgrad_fp8(dz, x_sorted, plan, torch.bfloat16)
+        expert_bwd.expert_wgrad_fp8(dy_sorted, hw, plan, torch.bfloat16)
+
+    def bf16_wgrads():
+        expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16)
+        expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16)
 
     def rows_gemm(kernel, a, a_s, w, w_s, wts):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16)
@@ -82,6 +103,20 @@ def main(argv=None) -> None:
         ("down", rows_gemm(expert_fwd.DOWN_FP8, hq, hs, w2q, w2s, flat_weights), down_flops, None, (rows, dim, inter)),
         ("dh'", rows_gemm(expert_bwd.DH_FP8, dyq, dys, w2tq, w2ts, None), down_flops, None, (rows, inter, dim)),
         ("dx", rows_gemm(expert_bwd.DX_FP8, dzq, dzs, w13tq, w13ts, None), up_flops, None, (rows, dim, 2 * inter)),
+        ("wgrad: quantize 128x1 (N, D)", lambda: quant.quantize_tile_cols(x_sorted, plan), None, tile_cols_bytes(dim),
+         None),
+        ("wgrad: quantize 128x1 (N, 2I)", lambda: quant.quantize_tile_cols(dz, plan), None, tile_cols_bytes(2 * inter),
+         None),
+        ("wgrad: quantize 128x1 (N, I)", lambda: quant.quantize_tile_cols(hw, plan), None, tile_cols_bytes(inter),
+         None),
+        ("dW13 FP8", lambda: expert_bwd.wgrad_fp8(*dzt, *xt, plan, torch.bfloat16), up_flops, None,
+         (2 * inter, dim, rows)),
+        ("dW2 FP8", lambda: expert_bwd.wgrad_fp8(*dyt, *hwt, plan, torch.bfloat16), down_flops, None,
+         (dim, inter, rows)),
+        ("dW13 bf16", lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16), up_flops, None, None),
+        ("dW2 bf16", lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16), down_flops, None, None),
+        ("dW13 + dW2 FP8, quantisers in", fp8_wgrads, up_flops + down_flops, None, None),
+        ("dW13 + dW2 bf16", bf16_wgrads, up_flops + down_flops, None, None),
     ]
     src = torch.empty(256 * 2**20, device="cuda", dtype=torch.uint8)
     dst = torch.empty_like(src)

@@ -42,11 +42,12 @@ VARIANTS = {"up_saved": (expert_fwd.UP, {"SAVE_PREACT": True})}
 # The blockwise FP8 variants (the Triton path, where the Gluon FP8 kernels do not run): operands e4m3, scales fp32,
 # outputs and saved products bf16.
 FP8_KERNELS = {"up_fp8": expert_fwd.UP_FP8, "down_fp8": expert_fwd.DOWN_FP8, "dh_fp8": expert_bwd.DH_FP8,
-               "dx_fp8": expert_bwd.DX_FP8}
+               "dx_fp8": expert_bwd.DX_FP8, "wgrad_fp8": expert_bwd.WGRAD_FP8}
 # The Gluon FP8 kernels as their launchers compile them: (report name, ``gluon_fp8_sm90.KERNELS`` name, variant).
-FP8_WS_VARIANTS = (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}), ("fp8_up_ws", "fp8_up", {"preact": True}))
+FP8_WS_VARIANTS = (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}), ("fp8_up_ws", "fp8_up", {"preact": True}),
+                   ("fp8_wgrad_ws", "fp8_wgrad", {}))
 _FP8_POINTER_TYPES = {"out_ptr": "*bf16", "preact_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
-                      "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32"}
+                      "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32", "b_scale_ptr": "*fp32"}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
                   "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
                   "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32", "arrived_ptr": "*i32", "counts_ptr": "*i32",
@@ -254,7 +255,7 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      "TILE_M": 128, "PART_COLS": expert_bwd.PART_COLS, "BM": expert_bwd.PREACT_BM,
                      "BN": expert_bwd.PREACT_BN, "QUANT_DZ": True,
                      # the quantisers, at their launchers' blocks
-                     "SLICE": quant.WEIGHT_SLICE}
+                     "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC}
 
 
 def compile_other_kernel(fn):

@@ -15,7 +15,9 @@ One device:
 4. dx — dz W13 → unweighted dx slot rows (``expert_fwd.sorted_rows_gemm_kernel`` again); combine.py
    reduces them per token.
 5. ``_expert_wgrad_kernel`` — per expert, K-grouped GEMMs over that expert's sorted rows:
-   dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w). An expert with no rows gets exact zeros.
+   dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w). An expert with no rows gets exact zeros. The FP8 path may
+   run them in FP8 instead (``expert_wgrad_fp8``: both operands quantised 128x1 per plan tile, then
+   ``_expert_wgrad_fp8_kernel`` or, on sm90, ``gluon_fp8_sm90._fp8_wgrad_ws_kernel``).
 
 On sm90 with 16-bit operands, steps 2, 3 and 5 run warp-specialized Gluon twins instead (``gluon_sm90.py``:
 ``_dh_ws_kernel``, ``_act_ws_kernel``, ``_wgrad_ws_kernel``; same operands and outputs), and two copies move
@@ -34,7 +36,13 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.combine import combine
-from megamoe.kernels.common import descriptor, dot_precision, tile_grid, tile_rows
+from megamoe.kernels.common import (
+    busy_tiles,
+    descriptor,
+    dot_precision,
+    tile_grid,
+    tile_rows,
+)
 from megamoe.kernels.expert_fwd import (
     DOWN,
     FP8_ROWS_CONFIG,
@@ -42,9 +50,10 @@ from megamoe.kernels.expert_fwd import (
     sorted_rows_gemm_fp8,
     sorted_rows_gemm_kernel,
 )
+from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws, fp8_ws_supported
 from megamoe.kernels.gluon_sm90 import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
 from megamoe.kernels.plan import BLOCK_M, Plan
-from megamoe.kernels.quant import FP8, quantize_groups
+from megamoe.kernels.quant import FP8, quantize_groups, quantize_tile_cols
 from megamoe.kernels.tuning import TunedKernel, configs
 
 
@@ -194,6 +203,17 @@ def _scatter_rows_kernel(
 
 
 @triton.jit
+def _wgrad_block(pid, offsets_ptr, P, Q, BM: tl.constexpr, BN: tl.constexpr):
+    """Block ``pid`` of the weight gradients' expert-major grid: its expert, first P and Q, and the expert's
+    sorted rows [start, end)."""
+    num_p = tl.cdiv(P, BM)
+    num_q = tl.cdiv(Q, BN)
+    e = pid // (num_p * num_q)
+    pq = pid % (num_p * num_q)
+    return e, (pq // num_q) * BM, (pq % num_q) * BN, tl.load(offsets_ptr + e), tl.load(offsets_ptr + e + 1)
+
+
+@triton.jit
 def _expert_wgrad_kernel(
     a_desc,  # (N, P) sorted rows; block (BK, BM)
     b_desc,  # (N, Q) sorted rows; block (BK, BN)
@@ -212,17 +232,9 @@ def _expert_wgrad_kernel(
     partial step reads both operands through masked pointer loads instead. The 1-D grid is
     expert-major, so the programs running at once share one expert's rows in L2 (expert-minor order
     re-reads them from DRAM once per output block)."""
-    num_p = tl.cdiv(P, BM)
-    num_q = tl.cdiv(Q, BN)
-    pid = tl.program_id(0)
-    e = pid // (num_p * num_q)
-    pq = pid % (num_p * num_q)
-    p0 = (pq // num_q) * BM
-    q0 = (pq % num_q) * BN
+    e, p0, q0, start, end = _wgrad_block(tl.program_id(0), offsets_ptr, P, Q, BM, BN)
     ps = p0 + tl.arange(0, BM)
     qs = q0 + tl.arange(0, BN)
-    start = tl.load(offsets_ptr + e)
-    end = tl.load(offsets_ptr + e + 1)
     full_end = start + (end - start) // BK * BK
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for r0 in range(start, full_end, BK):
@@ -234,6 +246,33 @@ def _expert_wgrad_kernel(
         acc = tl.dot(a, b, acc, input_precision=PREC)
     # A TMA store: the block is this program's alone, and the copy engine clips it at P and Q.
     dw_desc.store([e, p0, q0], acc.to(dw_desc.dtype).reshape(1, BM, BN))
+
+
+@triton.jit
+def _expert_wgrad_fp8_kernel(
+    a_desc,  # (P, NT * 128) e4m3: a's sorted rows in tile columns (quant.quantize_tile_cols); block (BM, BK)
+    b_desc,  # (Q, NT * 128) e4m3: b's, the same; block (BN, BK)
+    a_scale_ptr,  # (NT, P) fp32
+    b_scale_ptr,  # (NT, Q) fp32
+    out_ptr,  # (E, P, Q) out: dW[e] = sum over the expert's tiles t of deq(a)[tile t]^T deq(b)[tile t]
+    offsets_ptr,
+    P, Q, E,
+    EB: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """``_expert_wgrad_kernel`` on FP8 operands quantised 128x1 along the tokens: one K-step per plan tile of the
+    expert (BK = TILE_M), whose product is promoted with the outer product of the two operands' scales of that
+    tile. Tiles hold zeros past their expert's end, so no step needs a mask. P and Q multiples of 128."""
+    tl.static_assert(BK == TILE_M, "a K-step is one plan tile: one scale per column and operand")
+    e, p0, q0, start, end = _wgrad_block(tl.program_id(0), offsets_ptr, P, Q, BM, BN)
+    ps = p0 + tl.arange(0, BM)
+    qs = q0 + tl.arange(0, BN)
+    first = busy_tiles(offsets_ptr, e, EB, TILE_M)  # the tiles of the experts before e
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for t in range(first, first + tl.cdiv(end - start, BK)):
+        sa = tl.load(a_scale_ptr + t * P + ps)
+        sb = tl.load(b_scale_ptr + t * Q + qs)
+        acc += tl.dot(a_desc.load([p0, t * BK]), b_desc.load([q0, t * BK]).T) * (sa[:, None] * sb[None, :])
+    tl.store(out_ptr + e.to(tl.int64) * P * Q + ps[:, None] * Q + qs[None, :], acc.to(out_ptr.dtype.element_ty))
 
 
 # Columns per partial d(routing weight) in the act kernel; every config's BN is a multiple of it.
@@ -281,6 +320,13 @@ WGRAD = TunedKernel(
                        (128, 128, 32, 4, 3), (64, 128, 64, 4, 2), (64, 128, 32, 4, 3)),
     key=["P", "Q"], even_k=None,
     blocks=lambda c: {"a_desc": [c["BK"], c["BM"]], "b_desc": [c["BK"], c["BN"]], "dw_desc": [1, c["BM"], c["BN"]]},
+)
+
+# FP8 weight gradients (``autograd.FP8_WGRAD``), where the Gluon kernel (gluon_fp8_sm90.py) does not run: a fixed
+# config as the other FP8 kernels; BK is one plan tile.
+WGRAD_FP8 = TunedKernel(
+    _expert_wgrad_fp8_kernel, default=configs((128, 128, 128, 8, 3))[0], candidates=[], key=["P", "Q"], even_k=None,
+    blocks=lambda c: {"a_desc": [c["BM"], c["BK"]], "b_desc": [c["BN"], c["BK"]]},
 )
 
 
@@ -446,6 +492,34 @@ def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor
         offsets_ptr=plan.offsets_E1, P=p, Q=q, PREC=dot_precision(a_NP.dtype), dtype=a_NP.dtype,
     )
     return dw
+
+
+def wgrad_fp8(aq_PL, as_TP, bq_QL, bs_TQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor:
+    """``expert_wgrad`` on FP8 operands in tile columns (``quant.quantize_tile_cols``: a's (P, NT*128) e4m3 and
+    (NT, P) fp32 scales, b's the same with Q): (E, P, Q) in ``out_dtype``, an expert without rows exact zeros. On
+    sm90 with a bf16 output through the warp-specialized Gluon kernel (``gluon_fp8_sm90._fp8_wgrad_ws_kernel``),
+    elsewhere ``WGRAD_FP8``. P and Q multiples of 128."""
+    p, q = aq_PL.shape[0], bq_QL.shape[0]
+    num_experts = plan.offsets_E1.numel() - 1
+    dw = torch.empty(num_experts, p, q, device=aq_PL.device, dtype=out_dtype)
+    if fp8_ws_supported(aq_PL, out_dtype):
+        fp8_wgrad_ws(aq_PL, as_TP, bq_QL, bs_TQ, dw, plan.offsets_E1)
+        return dw
+    WGRAD_FP8[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
+        a_desc=descriptor(aq_PL), b_desc=descriptor(bq_QL), a_scale_ptr=as_TP, b_scale_ptr=bs_TQ, out_ptr=dw,
+        offsets_ptr=plan.offsets_E1, P=p, Q=q, E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
+        dtype=FP8,
+    )
+    return dw
+
+
+def expert_wgrad_fp8(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor:
+    """``expert_wgrad`` in FP8, DeepSeek-V3's recipe: both operands' sorted rows (x's dtype) quantised 128x1 along
+    the tokens per plan tile (``quant.quantize_tile_cols``), then ``wgrad_fp8``. P and Q multiples of 128."""
+    if a_NP.shape[0] == 0:  # no rows at all
+        return torch.zeros(plan.offsets_E1.numel() - 1, a_NP.shape[1], b_NQ.shape[1], device=a_NP.device,
+                           dtype=out_dtype)
+    return wgrad_fp8(*quantize_tile_cols(a_NP, plan), *quantize_tile_cols(b_NQ, plan), plan, out_dtype)
 
 
 def expert_wgrad_and_combine(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, slots_ND, topk_idx_TK,

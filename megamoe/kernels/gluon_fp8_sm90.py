@@ -1,5 +1,6 @@
 """Persistent, warp-specialized Gluon FP8 GEMM kernels for Hopper (sm90) with blockwise scales: the FP8 path's
-sorted-rows GEMM (down projection, dh', dx) and its gate/up GEMM + SwiGLU + FP8 quantisation of h.
+sorted-rows GEMM (down projection, dh', dx), its gate/up GEMM + SwiGLU + FP8 quantisation of h, and the optional
+FP8 weight gradients (a k-grouped GEMM on operands quantised 128x1 along the tokens: ``fp8_wgrad_ws``).
 
 Formats (shared with the rest of the FP8 path):
 
@@ -34,7 +35,11 @@ Partitions of each kernel:
   stage, promote. A warpgroup whose 64 rows all lie past its expert's end (the last tile of an expert)
   skips its MMAs and epilogue.
 
-See ``fp8_rows_gemm_ws`` and ``fp8_up_swiglu_ws`` for the two launchers.
+The weight-gradient kernel has the sorted-rows kernel's partitions, with both operands K-major along the tokens
+(``quant.quantize_tile_cols``): a K-step is one plan tile of the block's expert, and its promotion multiplies by the
+outer product of A's scales of the block's rows and B's of its columns (both copied into the stage).
+
+See ``fp8_rows_gemm_ws``, ``fp8_up_swiglu_ws`` and ``fp8_wgrad_ws`` for the three launchers.
 """
 
 from __future__ import annotations
@@ -56,7 +61,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.env import device_capability, sm_count
-from megamoe.kernels.gluon_sm90 import barriers, count_busy_tiles, next_slot, tile_block
+from megamoe.kernels.gluon_sm90 import (
+    barriers,
+    count_busy_tiles,
+    next_slot,
+    tile_block,
+    wgrad_block,
+)
 from megamoe.kernels.plan import BLOCK_M
 
 # Tile: one plan tile of 128 rows (two warpgroups of 64) x 128 output columns, K-steps of one 128-wide scale
@@ -432,6 +443,109 @@ def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, pre
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Weight gradients: dW[e] = sum over expert e's plan tiles t of deq(A)[tile t]ᵀ deq(B)[tile t], 128x1 operands.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q,
+                  num_p, num_q, tiles, EB: gl.constexpr, num_warps: gl.constexpr):
+    """Loader partition (one warp) of ``_fp8_wgrad_ws_kernel``: per K-step (one plan tile t of the block's
+    expert), the (128, 128) blocks of A at [p0, 128 t] and of B at [q0, 128 t] through TMA (zeros past the expert's
+    rows are in the tensors), and the tile's scales of the block's 128 P-columns (two warpgroup halves) and 128
+    Q-columns through ``cp.async``, each thread's copies arriving on the stage's ready barrier."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    HALF: gl.constexpr = as_bufs.type.shape[1]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    lanes_a = gl.arange(0, HALF, layout=gl.BlockedLayout([HALF // (32 * num_warps)], [32], [num_warps], [0]))
+    lanes_b = gl.arange(0, BN, layout=gl.BlockedLayout([BN // (32 * num_warps)], [32], [num_warps], [0]))
+    step = 0
+    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        first = count_busy_tiles(offsets_ptr, e, EB, BK, num_warps)  # the tiles of the experts before e
+        for t in range(first, first + (end - start + BK - 1) // BK):
+            s = next_slot(empty, ready, step, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [p0, t * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [q0, t * BK], ready.index(s), b_bufs.index(s))
+            async_copy.async_copy_global_to_shared(as_bufs.index(2 * s), a_s_ptr + t * P + p0 + lanes_a)
+            async_copy.async_copy_global_to_shared(as_bufs.index(2 * s + 1), a_s_ptr + t * P + p0 + HALF + lanes_a)
+            async_copy.async_copy_global_to_shared(bs_bufs.index(s), b_s_ptr + t * Q + q0 + lanes_b)
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            step += 1
+
+
+@gluon.jit
+def _wgrad_mma_partition(out_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q, num_p, num_q,
+                         tiles, WG: gl.constexpr, num_warps: gl.constexpr):
+    """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``_fp8_wgrad_ws_kernel``: per K-step the
+    block's MMA into a temporary, then its promotion with the outer product of the tile's scales (A's of the 64
+    rows, B's of the 128 columns); then the bf16 block through 16-byte pointer stores. An expert without rows gets
+    zeros."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    HALF: gl.constexpr = as_bufs.type.shape[1]
+    acc_layout: gl.constexpr = _acc_layout(HALF, BN, num_warps)
+    out_layout: gl.constexpr = _store_layout(BN, 2, num_warps)
+    step = 0
+    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
+        tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # the MMA's destination registers, reused
+        for r0 in range(start, end, BK):
+            s = step % STAGES
+            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+            # Scales first: shared-memory loads, under the MMA below.
+            sa = as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, acc_layout))
+            sb = bs_bufs.index(s).load(gl.SliceLayout(0, acc_layout))
+            tmp = warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), b_bufs.index(s).permute((1, 0)), tmp,
+                                use_acc=False, is_async=True)
+            tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc = acc + tmp * (sa[:, None] * sb[None, :])
+            step += 1
+        out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
+        rows = p0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
+        cols = q0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+        # int64: E * P * Q overflows int32 at real sizes
+        gl.store(out_ptr + e.to(gl.int64) * P * Q + (rows[:, None] * Q + cols[None, :]), out)
+
+
+@gluon.jit
+def _fp8_wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_ptr, offsets_ptr, P, Q, tiles, EB: gl.constexpr,
+                         STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
+                         LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B
+    (Q, NT * 128) fp8, block (BN, BK); a_s (NT, P) and b_s (NT, Q) fp32; out (E, P, Q) bf16. Blocks: ``tiles`` = E
+    * P/BM * Q/BN output blocks, expert-major (the programs at work share one expert's operands in L2), one program
+    per SM walking them. P and Q multiples of 128; EB a power of two >= E."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    HALF: gl.constexpr = BM // 2
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one indexed row
+    # Per stage: A's scales of the block's P-rows (the two warpgroups' halves) and B's of its Q-columns
+    as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
+    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BN], scale_layout)
+    ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
+    empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
+    num_p = P // BM
+    num_q = Q // BN
+    gl.warp_specialize([
+        (_wgrad_mma_partition, (out_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q, num_p,
+                                num_q, tiles, 0, num_warps)),
+        (_wgrad_mma_partition, (out_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q, num_p,
+                                num_q, tiles, 1, num_warps)),
+        (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
+                         P, Q, num_p, num_q, tiles, EB, LOADER_WARPS)),
+    ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -504,8 +618,29 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
         MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
+def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
+                 offsets: torch.Tensor) -> None:
+    """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
+    a[r]ᵀ b[r], through ``_fp8_wgrad_ws_kernel``; an expert without rows gets zeros.
+
+    a_q (P, NT * 128) and b_q (Q, NT * 128) float8_e4m3fn, a_s (NT, P) and b_s (NT, Q) fp32: the sorted rows in tile
+    columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
+    multiples of 128; q's and s's rows contiguous; an sm90 GPU."""
+    num_experts, p, q = out.shape
+    num_tiles = a_s.shape[0]
+    assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16
+    assert a_q.shape == (p, num_tiles * FP8_BK) and b_q.shape == (q, num_tiles * FP8_BK)
+    assert a_s.shape == (num_tiles, p) and b_s.shape == (num_tiles, q) and offsets.numel() == num_experts + 1
+    tiles = num_experts * (p // FP8_BM) * (q // FP8_BN)
+    _fp8_wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
+        a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [FP8_BN, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
+        out_ptr=out, offsets_ptr=offsets, P=p, Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
+        STAGES=ROWS_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS, MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS,
+        num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+
+
 # The kernels by name, for the ahead-of-time compile check.
-KERNELS = {"fp8_rows": _fp8_rows_ws_kernel, "fp8_up": _fp8_up_ws_kernel}
+KERNELS = {"fp8_rows": _fp8_rows_ws_kernel, "fp8_up": _fp8_up_ws_kernel, "fp8_wgrad": _fp8_wgrad_ws_kernel}
 
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
@@ -529,6 +664,12 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
                       "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32"}
         sizes = {"N_OUT", "K"}
+    elif name == "fp8_wgrad":
+        blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [FP8_BN, FP8_BK]}
+        constexprs = {"EB": 128, "num_warps": MATH_WARPS, "STAGES": ROWS_STAGES, "LOADER_WARPS": ROWS_LOADER_WARPS,
+                      "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
+        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "out_ptr": "*bf16"}
+        sizes = {"P", "Q"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
         constexprs = {**common, "PREACT": preact, "STAGES": UP_STAGES_PREACT if preact else UP_STAGES,

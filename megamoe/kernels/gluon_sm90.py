@@ -108,7 +108,7 @@ def tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN: gl.constexpr):
 
 
 @gluon.jit
-def _wgrad_block(tile, offsets_ptr, num_p, num_q, BM: gl.constexpr, BN: gl.constexpr):
+def wgrad_block(tile, offsets_ptr, num_p, num_q, BM: gl.constexpr, BN: gl.constexpr):
     """Block ``tile`` of the expert-major order: its expert, first P and Q, and the expert's sorted rows
     [start, end)."""
     e = tile // (num_p * num_q)
@@ -125,7 +125,7 @@ def _loader(a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, nu
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        _, p0, q0, start, end = _wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        _, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
         for r0 in range(start, end, BK):
             s = next_slot(empty, ready, step, nbytes)
             tma.async_copy_global_to_shared(a_desc, [r0, p0], ready.index(s), a_bufs.index(s))
@@ -169,7 +169,7 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
     acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        e, p0, q0, start, end = _wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         for r0 in range(start, end, BK):
             s = step % STAGES

@@ -11,6 +11,16 @@ Formats (every FP8 kernel of the package reads and writes these; ``reference.qua
   c//128]``; with the transposed copy ``qt`` (E, C, R), ``st`` (E, C/128, R/128) made in the same pass (a 128x128
   block transposes exactly: data and scale grid). Hopper's FP8 MMA takes both operands K-major, so the
   backward's dgrad GEMMs (which reduce over the weight's rows) read the transposed copy.
+* tile columns (128x1, the FP8 weight gradients' operands): sorted rows ``a`` (N, C) quantised along the token
+  axis in the routing plan's tiles — tile t of expert e covers sorted rows [tile_row[t], min(tile_row[t] + 128,
+  offsets[e + 1])), so no group straddles two experts — into ``q`` (C, NT * 128) and ``s`` (NT, C) fp32 (NT: the
+  plan's tile count): the value of sorted row tile_row[t] + i, column c is ``q[c, 128 t + i] * s[t, c]``; the
+  columns of a tile past its expert's end hold zeros, those of idle tiles are not written. Transposed, so that
+  the token axis (the weight-gradient GEMM's K) is contiguous: Hopper's FP8 MMA takes both operands K-major.
+  Padded to 128 columns per tile, so that a K-step of 128 is one tile of one expert: its operand blocks come
+  whole through TMA with zeros past the expert (no masked step, no shared-memory zeroing), and its scales are
+  one row ``s[t]`` per operand. The busy tiles of expert e are t0(e) .. t0(e) + ceil(rows_e / 128) - 1 with
+  t0(e) = sum over e' < e of ceil(rows_e' / 128) (``common.busy_tiles`` of e).
 
 One group of 128 values v becomes: ``amax = max(max|v|, AMAX_FLOOR)``, ``inv = 448 / amax`` and ``s = amax /
 448`` (both IEEE-rounded divisions), ``q = e4m3(clamp(v * inv, -448, 448))`` rounded to nearest even. D and I
@@ -26,11 +36,12 @@ import triton
 import triton.language as tl
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from megamoe.kernels.plan import BLOCK_M, Plan
+
 GROUP = 128  # values per scale along a GEMM's inner dimension (and the weights' block edge)
 E4M3_MAX = tl.constexpr(448.0)
 AMAX_FLOOR = tl.constexpr(1e-12)  # an all-zero group gets this amax: its values quantise to exact zeros
 FP8 = torch.float8_e4m3fn
-
 
 
 @triton.jit
@@ -110,10 +121,39 @@ def _quantize_weight_kernel(
     tl.store(st_ptr + (e * ncb + cb) * nrb + rb, s)
 
 
+@triton.jit
+def _quantize_tile_cols_kernel(
+    a_ptr,  # (N, C) sorted rows, any float dtype
+    q_ptr,  # (C, NT * 128) e4m3 out: column c of tile t's rows at [c, 128 t : 128 t + 128]
+    s_ptr,  # (NT, C) fp32 out
+    offsets_ptr, tile_expert_ptr, tile_row_ptr,
+    C, E,
+    TILE_M: tl.constexpr, BC: tl.constexpr,
+):
+    """One (plan tile, BC columns) per program: the tile's rows read as a (BC, TILE_M) block (rows past its
+    expert's end as zeros: they count in no amax and quantise to zeros), so that each column's group is a row of
+    the block (``quantize_groups``) and the block is stored as it lies in the transposed ``q``."""
+    t = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + t)
+    if e >= E:  # an idle tile: never read
+        return
+    rows = tl.load(tile_row_ptr + t) + tl.arange(0, TILE_M)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    # int64: N * C and C * NT * 128 overflow int32 at real sizes
+    a = tl.load(a_ptr + rows.to(tl.int64)[None, :] * C + cols[:, None],
+                mask=(rows < tl.load(offsets_ptr + e + 1))[None, :], other=0.0)
+    q, s = quantize_groups(a.to(tl.float32))
+    ld = tl.num_programs(0).to(tl.int64) * TILE_M  # q's row: TILE_M columns per plan tile, one program row each
+    tl.store(q_ptr + cols.to(tl.int64)[:, None] * ld + t * TILE_M + tl.arange(0, TILE_M)[None, :], q)
+    tl.store(s_ptr + t.to(tl.int64) * C + cols, s)
+
+
 # Rows of a weight block in registers at once (the whole 128 x 128 block spilled), and the row quantiser's rows per
 # program (its launcher's block; both also for the ahead-of-time compile check, ``tools.resources``).
 WEIGHT_SLICE, ROWS_BM = 32, 32
-KERNELS = (_quantize_rows_kernel, _quantize_weight_kernel)
+# Columns per program of the tile-column quantiser: a (64, 128) fp32 block is 64 registers per thread at 4 warps.
+TILE_COLS_BC = 64
+KERNELS = (_quantize_rows_kernel, _quantize_weight_kernel, _quantize_tile_cols_kernel)
 
 
 def check_fp8_dims(dim: int, inter: int) -> None:
@@ -131,6 +171,21 @@ def quantize_rows(a_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if num_rows:
         _quantize_rows_kernel[(triton.cdiv(num_rows, ROWS_BM), k // GROUP)](a_ptr=a_MK, q_ptr=q, s_ptr=s, M=num_rows,
                                                                            K=k, BM=ROWS_BM, num_warps=4)
+    return q, s
+
+
+def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q (C, NT * 128) e4m3, s (NT, C) fp32): ``a``'s sorted rows in 128x1 groups, one per plan tile and column
+    (the tile-column format above; NT = the plan's tile count, a static bound, so no host sync). C a multiple of
+    ``TILE_COLS_BC``, ``a`` contiguous; rows past the routed count are not read."""
+    num_tiles = plan.tile_expert_NT.numel()
+    cols = a_NC.shape[1]
+    q = torch.empty(cols, num_tiles * BLOCK_M, device=a_NC.device, dtype=FP8)
+    s = torch.empty(num_tiles, cols, device=a_NC.device, dtype=torch.float32)
+    _quantize_tile_cols_kernel[(num_tiles, cols // TILE_COLS_BC)](
+        a_ptr=a_NC, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
+        tile_row_ptr=plan.tile_row_NT, C=cols, E=plan.offsets_E1.numel() - 1, TILE_M=BLOCK_M, BC=TILE_COLS_BC,
+        num_warps=4)
     return q, s
 
 
