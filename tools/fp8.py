@@ -4,7 +4,8 @@ and each quantiser's GB/s.
 ``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--out DIR]`` on an sm90 GPU. Stages (bf16 inputs,
 the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N, D); the weights'
 quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and without the
-products' store; down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``). The ceiling beside them:
+products' store; down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM also in the issue-ahead
+pattern (``gluon_fp8_sm90.ISSUE_AHEAD``; "(issue-ahead)" stages), beside today's. The ceiling beside them:
 ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
 device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and writes them once.
 Prints a table and writes JSON (GPU, versions, date, commit, command) if ``--out`` is given.
@@ -64,8 +65,13 @@ def main(argv=None) -> None:
     dzq, dzs = quant.quantize_rows(torch.randn(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16))
     flat_weights = weights.reshape(-1)
 
-    def rows_gemm(kernel, a, a_s, w, w_s, wts):
-        return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16)
+    def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead=False):
+        return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
+                                                       issue_ahead=issue_ahead)
+
+    def up(issue_ahead, preact_NH=None):
+        return lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k, preact_NH=preact_NH,
+                                                issue_ahead=issue_ahead)
 
     up_flops, down_flops = 2 * rows * dim * 2 * inter, 2 * rows * dim * inter
     # (name, function, FLOPs or None, bytes moved or None, the dense FP8 GEMM of the same size (m, n, k) or None)
@@ -75,21 +81,24 @@ def main(argv=None) -> None:
          dy_sorted.numel() * 3 + dys.numel() * 4, None),
         ("quantize w13 + w2 (both ways)", lambda: (quant.quantize_weight(w13), quant.quantize_weight(w2)), None,
          (w13.numel() + w2.numel()) * 4 + (w13s.numel() + w2s.numel()) * 8, None),
-        ("up (+ SwiGLU, h quantised)", lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k), up_flops,
-         None, (rows, 2 * inter, dim)),
-        ("up, products stored", lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k, preact_NH=preact),
-         up_flops, None, (rows, 2 * inter, dim)),
-        ("down", rows_gemm(expert_fwd.DOWN_FP8, hq, hs, w2q, w2s, flat_weights), down_flops, None, (rows, dim, inter)),
-        ("dh'", rows_gemm(expert_bwd.DH_FP8, dyq, dys, w2tq, w2ts, None), down_flops, None, (rows, inter, dim)),
-        ("dx", rows_gemm(expert_bwd.DX_FP8, dzq, dzs, w13tq, w13ts, None), up_flops, None, (rows, dim, 2 * inter)),
+        ("up (+ SwiGLU, h quantised)", up(False), up_flops, None, (rows, 2 * inter, dim)),
+        ("up (issue-ahead)", up(True), up_flops, None, (rows, 2 * inter, dim)),
+        ("up, products stored", up(False, preact), up_flops, None, (rows, 2 * inter, dim)),
+        ("up, products stored (issue-ahead)", up(True, preact), up_flops, None, (rows, 2 * inter, dim)),
     ]
+    rows_gemms = (("down", (expert_fwd.DOWN_FP8, hq, hs, w2q, w2s, flat_weights), down_flops, (rows, dim, inter)),
+                  ("dh'", (expert_bwd.DH_FP8, dyq, dys, w2tq, w2ts, None), down_flops, (rows, inter, dim)),
+                  ("dx", (expert_bwd.DX_FP8, dzq, dzs, w13tq, w13ts, None), up_flops, (rows, dim, 2 * inter)))
+    for name, args, flops, dense in rows_gemms:
+        stages += [(name, rows_gemm(*args), flops, None, dense),
+                   (name + " (issue-ahead)", rows_gemm(*args, issue_ahead=True), flops, None, dense)]
     src = torch.empty(256 * 2**20, device="cuda", dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy_gbs = 2 * src.numel() / do_bench(lambda: dst.copy_(src), warmup=25, rep=200) / 1e6
     ceilings = {}
     results = []
     print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (device copy {copy_gbs:.0f} GB/s)")
-    print(f"{'stage':32s} {'ms':>8s} {'TF/s':>7s} {'dense FP8 TF/s':>15s} {'GB/s':>7s}")
+    print(f"{'stage':36s} {'ms':>8s} {'TF/s':>7s} {'dense FP8 TF/s':>15s} {'GB/s':>7s}")
     for name, fn, flops, nbytes, dense in stages:
         ms = do_bench(fn, warmup=25, rep=200)
         if dense is not None and dense not in ceilings:
@@ -97,7 +106,7 @@ def main(argv=None) -> None:
         r = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
              "dense_fp8_tflops": ceilings.get(dense), "gbs": nbytes / ms / 1e6 if nbytes else None}
         results.append(r)
-        print(f"{name:32s} {ms:8.3f} {r['tflops'] or 0:7.0f} {r['dense_fp8_tflops'] or 0:15.0f} {r['gbs'] or 0:7.0f}")
+        print(f"{name:36s} {ms:8.3f} {r['tflops'] or 0:7.0f} {r['dense_fp8_tflops'] or 0:15.0f} {r['gbs'] or 0:7.0f}")
     if args.out:
         import triton
 
