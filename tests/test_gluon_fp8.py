@@ -107,8 +107,10 @@ def rel_err(x, ref) -> float:
 
 
 # (T, E, top_k, D, I, routing): a few thousand tokens; E a power of two and not; experts without tokens; one
-# expert taking every row (a long run of full tiles and one partial).
+# expert taking every row (a long run of full tiles and one partial); one K-block (D = 128) and five (I = 640: the
+# issue-ahead loop's odd block, then its two-block body once and its last pair).
 GPU_CASES = [
+    (1024, 4, 2, 128, 640, "random"),
     (2048, 8, 2, 256, 256, "random"),
     (3000, 5, 2, 512, 384, "random"),
     (1500, 8, 8, 256, 384, "random"),
@@ -121,9 +123,10 @@ BF16_ROUNDING = 2.0 ** -9
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("issue_ahead", [False, True])
 @pytest.mark.parametrize("kind", ["random", "exact"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
-def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind):
+def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind, issue_ahead):
     """The down projection (h (N, I) x W2 (E, D, I), weighted, to slots) and dh' (dy (N, D) x W2ᵀ as (E, I, D),
     sorted rows, unweighted)."""
     from megamoe.kernels.gluon_fp8_sm90 import fp8_rows_gemm_ws
@@ -140,7 +143,8 @@ def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind
         a_q, a_s = quantize_rows(make_data((rows, k_dim), kind, gen))
         w_q, w_s = quantize_weights(make_data((num_experts, n_out, k_dim), kind, gen, group_dims=2) / 16)
         out = torch.full((rows, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
-        fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, out, plan, weights=weights if weighted else None, to_slots=to_slots)
+        fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, out, plan, weights=weights if weighted else None, to_slots=to_slots,
+                         issue_ahead=issue_ahead)
         torch.cuda.synchronize()
         ref = rows_reference(a_q, a_s, w_q, w_s, offsets)
         if weighted:
@@ -159,7 +163,8 @@ def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind
 @pytest.mark.parametrize("kind", ["random", "exact"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
 @pytest.mark.parametrize("preact", [False, True])
-def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind, preact):
+@pytest.mark.parametrize("issue_ahead", [False, True])
+def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind, preact, issue_ahead):
     """h = silu(x W1gᵀ) * (x W1uᵀ) over the tokens' sorted rows, quantised per row and 128 columns."""
     from megamoe.kernels.gluon_fp8_sm90 import fp8_up_swiglu_ws
 
@@ -174,7 +179,7 @@ def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind
     h_q = torch.full((rows, inter), float("nan"), device="cuda").to(torch.float8_e4m3fn)
     h_s = torch.full((inter // GROUP, rows), float("nan"), device="cuda")
     pre = torch.full((rows, 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16) if preact else None
-    fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k, preact=pre)
+    fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k, preact=pre, issue_ahead=issue_ahead)
     torch.cuda.synchronize()
 
     tokens = plan.row_slot_N[:routed].long() // top_k
@@ -257,6 +262,8 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "rows_down_any_size": ("fp8_rows", dict(sizes_divisible=False)),
             "up_any_size": ("fp8_up", dict(sizes_divisible=False)), "wgrad": ("fp8_wgrad", {}),
             "wgrad_any_size": ("fp8_wgrad", dict(sizes_divisible=False))}
+variants.update({f"issue_ahead_{name}": (kernel, {**kw, "issue_ahead": True}) for name, (kernel, kw) in variants.items()
+                 if kernel != "fp8_wgrad"})
 print(json.dumps({name: ptxas_report(f.aot_compile(kernel, **kw)) for name, (kernel, kw) in variants.items()}))
 """
 
@@ -277,6 +284,7 @@ def test_fp8_kernels_compile_for_sm90a_without_spills():
     reports = json.loads(out.stdout.strip().splitlines()[-1])
     for name, r in reports.items():
         assert r["wgmma"], name
+        assert not r["wgmma_serialized"], name  # the issue-ahead pattern is lost if ptxas waits out each MMA
         if not name.endswith("any_size"):  # (the launchers' sizes are multiples of 128: Triton specialises them)
             assert r["wide_stores"], name  # the epilogues convert to 16-byte row segments
         assert r["spill_bytes"] <= _SPILLS_ALLOWED.get(name, 0), (name, r)

@@ -4,8 +4,9 @@ and each quantiser's GB/s.
 ``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--out DIR]`` on an sm90 GPU. Stages (bf16 inputs,
 the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N, D); the weights'
 quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and without the
-products' store; down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``). Then the weight gradients both ways, to
-choose ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
+products' store; down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM also in the issue-ahead
+pattern (``gluon_fp8_sm90.ISSUE_AHEAD``; "(issue-ahead)" stages), beside today's. Then the weight gradients both
+ways, to choose ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
 (``quant.quantize_tile_cols``), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the
 FP8 path runs by default (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and
 both whole (four quantisations and two FP8 GEMMs against two bf16 GEMMs). The ceiling beside them:
@@ -85,8 +86,13 @@ def main(argv=None) -> None:
         expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16)
         expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16)
 
-    def rows_gemm(kernel, a, a_s, w, w_s, wts):
-        return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16)
+    def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead=False):
+        return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
+                                                       issue_ahead=issue_ahead)
+
+    def up(issue_ahead, preact_NH=None):
+        return lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k, preact_NH=preact_NH,
+                                                issue_ahead=issue_ahead)
 
     up_flops, down_flops = 2 * rows * dim * 2 * inter, 2 * rows * dim * inter
     # (name, function, FLOPs or None, bytes moved or None, the dense FP8 GEMM of the same size (m, n, k) or None)
@@ -96,13 +102,18 @@ def main(argv=None) -> None:
          dy_sorted.numel() * 3 + dys.numel() * 4, None),
         ("quantize w13 + w2 (both ways)", lambda: (quant.quantize_weight(w13), quant.quantize_weight(w2)), None,
          (w13.numel() + w2.numel()) * 4 + (w13s.numel() + w2s.numel()) * 8, None),
-        ("up (+ SwiGLU, h quantised)", lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k), up_flops,
-         None, (rows, 2 * inter, dim)),
-        ("up, products stored", lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k, preact_NH=preact),
-         up_flops, None, (rows, 2 * inter, dim)),
-        ("down", rows_gemm(expert_fwd.DOWN_FP8, hq, hs, w2q, w2s, flat_weights), down_flops, None, (rows, dim, inter)),
-        ("dh'", rows_gemm(expert_bwd.DH_FP8, dyq, dys, w2tq, w2ts, None), down_flops, None, (rows, inter, dim)),
-        ("dx", rows_gemm(expert_bwd.DX_FP8, dzq, dzs, w13tq, w13ts, None), up_flops, None, (rows, dim, 2 * inter)),
+        ("up (+ SwiGLU, h quantised)", up(False), up_flops, None, (rows, 2 * inter, dim)),
+        ("up (issue-ahead)", up(True), up_flops, None, (rows, 2 * inter, dim)),
+        ("up, products stored", up(False, preact), up_flops, None, (rows, 2 * inter, dim)),
+        ("up, products stored (issue-ahead)", up(True, preact), up_flops, None, (rows, 2 * inter, dim)),
+    ]
+    rows_gemms = (("down", (expert_fwd.DOWN_FP8, hq, hs, w2q, w2s, flat_weights), down_flops, (rows, dim, inter)),
+                  ("dh'", (expert_bwd.DH_FP8, dyq, dys, w2tq, w2ts, None), down_flops, (rows, inter, dim)),
+                  ("dx", (expert_bwd.DX_FP8, dzq, dzs, w13tq, w13ts, None), up_flops, (rows, dim, 2 * inter)))
+    for name, args, flops, dense in rows_gemms:
+        stages += [(name, rows_gemm(*args), flops, None, dense),
+                   (name + " (issue-ahead)", rows_gemm(*args, issue_ahead=True), flops, None, dense)]
+    stages += [
         ("wgrad: quantize 128x1 (N, D)", lambda: quant.quantize_tile_cols(x_sorted, plan), None, tile_cols_bytes(dim),
          None),
         ("wgrad: quantize 128x1 (N, 2I)", lambda: quant.quantize_tile_cols(dz, plan), None, tile_cols_bytes(2 * inter),
@@ -124,7 +135,7 @@ def main(argv=None) -> None:
     ceilings = {}
     results = []
     print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (device copy {copy_gbs:.0f} GB/s)")
-    print(f"{'stage':32s} {'ms':>8s} {'TF/s':>7s} {'dense FP8 TF/s':>15s} {'GB/s':>7s}")
+    print(f"{'stage':36s} {'ms':>8s} {'TF/s':>7s} {'dense FP8 TF/s':>15s} {'GB/s':>7s}")
     for name, fn, flops, nbytes, dense in stages:
         ms = do_bench(fn, warmup=25, rep=200)
         if dense is not None and dense not in ceilings:
@@ -132,7 +143,7 @@ def main(argv=None) -> None:
         r = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
              "dense_fp8_tflops": ceilings.get(dense), "gbs": nbytes / ms / 1e6 if nbytes else None}
         results.append(r)
-        print(f"{name:32s} {ms:8.3f} {r['tflops'] or 0:7.0f} {r['dense_fp8_tflops'] or 0:15.0f} {r['gbs'] or 0:7.0f}")
+        print(f"{name:36s} {ms:8.3f} {r['tflops'] or 0:7.0f} {r['dense_fp8_tflops'] or 0:15.0f} {r['gbs'] or 0:7.0f}")
     if args.out:
         import triton
 

@@ -45,7 +45,10 @@ FP8_KERNELS = {"up_fp8": expert_fwd.UP_FP8, "down_fp8": expert_fwd.DOWN_FP8, "dh
                "dx_fp8": expert_bwd.DX_FP8, "wgrad_fp8": expert_bwd.WGRAD_FP8}
 # The Gluon FP8 kernels as their launchers compile them: (report name, ``gluon_fp8_sm90.KERNELS`` name, variant).
 FP8_WS_VARIANTS = (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}), ("fp8_up_ws", "fp8_up", {"preact": True}),
-                   ("fp8_wgrad_ws", "fp8_wgrad", {}))
+                   ("fp8_wgrad_ws", "fp8_wgrad", {}),
+                   # the issue-ahead pattern (gluon_fp8_sm90.ISSUE_AHEAD), beside today's until the GPU has timed both
+                   ("fp8_rows_ws", "fp8_rows", {"issue_ahead": True}), ("fp8_up_ws", "fp8_up", {"issue_ahead": True}),
+                   ("fp8_up_ws", "fp8_up", {"preact": True, "issue_ahead": True}))
 _FP8_POINTER_TYPES = {"out_ptr": "*bf16", "preact_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
                       "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32", "b_scale_ptr": "*fp32"}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
@@ -101,7 +104,8 @@ def resources(kernel: TunedKernel, config: dict, dtype: str = "bf16") -> dict:
 
 
 def ptxas_report(compiled) -> dict:
-    """``resources``' figures of one compiled kernel."""
+    """``resources``' figures of one compiled kernel; ``wgmma_serialized``: ptxas made every warpgroup MMA wait for
+    the one before (C7514 and kin: a kernel that keeps MMAs in flight while it reads registers loses that)."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
@@ -113,7 +117,8 @@ def ptxas_report(compiled) -> dict:
     spills = re.search(r"(\d+) bytes spill stores", report)
     return {"registers": registers, "spill_bytes": int(spills.group(1)) if spills else 0,
             "shared_bytes": compiled.metadata.shared, "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
-            "wide_stores": "st.global.v4" in compiled.asm["ptx"]}
+            "wide_stores": "st.global.v4" in compiled.asm["ptx"],
+            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in report}
 
 
 # The Gluon kernels (``kernels.gluon_sm90``) by report name, each with the Triton kernel (``KERNELS``) it replaces, its
@@ -227,6 +232,8 @@ def main(argv=None) -> None:
                    + " ".join(f"{k}={v}" for k, v in variant.items()), r, too_big)
         if not r["wide_stores"]:
             narrow.append(name)
+        if r["wgmma_serialized"]:
+            raise SystemExit(f"{name} {variant}: ptxas serialises its warpgroup MMAs")
     if narrow:  # 4-byte stores cost the first Gluon sorted-rows kernel 3-23% (docs/PERFORMANCE.md)
         raise SystemExit("Gluon kernels without 16-byte global stores: " + ", ".join(narrow))
     if too_big:

@@ -95,6 +95,12 @@ ROWS_LOADER_REGS = 40
 UP_MATH_REGS = 216
 UP_LOADER_REGS = 72  # 8 gathered 16-byte chunks per thread and step: pointers and masks
 FP8_MAX = gl.constexpr(448.0)  # largest finite float8_e4m3fn
+# The MMA warpgroups' issue pattern, both kernels. False: per K-block MMA, wait, free the stage, promote; a
+# warpgroup's promotion overlaps only the other warpgroup's MMA. True: the next block's MMA is issued before this
+# block's is waited on (two temporaries in flight per warpgroup; the up kernel, without the registers for two
+# 64 x 128 temporaries, runs its MMAs as 64-column chains instead), so each warpgroup keeps the tensor cores busy
+# through its own promotions. The default stays False until the GPU has timed both (docs/PERFORMANCE.md).
+ISSUE_AHEAD = False
 
 
 @gluon.constexpr_function
@@ -120,6 +126,16 @@ def _scales(as_bufs, bs_bufs, s, j: gl.constexpr, WG: gl.constexpr, layout: gl.c
     (STAGES * 2, 64), a stage's two row halves; bs_bufs: (STAGES * NB, 64), a stage's NB weight blocks."""
     NB: gl.constexpr = bs_bufs.type.shape[0] // (as_bufs.type.shape[0] // 2)
     return as_bufs.index(s * 2 + WG).load(layout) * bs_bufs.index(s * NB + j).load(layout)
+
+
+@gluon.jit
+def _promote(acc, tmp, scale):
+    """``acc + tmp * scale[row]`` (one FMA per element), pinned by an empty side-effecting asm per register
+    (CUTLASS's ``warpgroup_fence_operand``) before the wgmma issued next. Left free, LLVM sinks a promotion past
+    the next chain into the temporary it reads, copies that temporary aside and then copies a chain's registers
+    while in flight, for which ptxas serialises every wgmma of the kernel (C7514)."""
+    return gl.inline_asm_elementwise("", "=r,0", [acc + tmp * scale[:, None]], dtype=gl.float32, is_pure=False,
+                                     pack=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -160,11 +176,32 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr
 
 
 @gluon.jit
+def _rows_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.constexpr, row_layout: gl.constexpr):
+    """Wait for ring step ``step``'s stage and read this warpgroup's scales of it: (the stage, the scales)."""
+    s = step % STAGES
+    mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+    return s, _scales(as_bufs, bs_bufs, s, 0, WG, row_layout)
+
+
+@gluon.jit
+def _rows_mma(a_bufs, w_bufs, s, tmp, WG: gl.constexpr):
+    """Issue stage ``s``'s MMA chain for this warpgroup's 64 rows (asynchronous: four wgmma m64n128k32 over
+    BK = 128) into ``tmp``; returns its pending result."""
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = w_bufs.type.shape[2]  # [STAGES, 1, BN, BK]
+    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
+    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), w_bufs.index(s).reshape([BN, BK]).permute((1, 0)),
+                         tmp, use_acc=False, is_async=True)
+
+
+@gluon.jit
 def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
                         a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, WG: gl.constexpr,
-                        WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, num_warps: gl.constexpr):
+                        WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
+                        num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``_fp8_rows_ws_kernel``: per K-step the
-    block's MMA into a temporary, then the promotion into the fp32 accumulator; then the weighted bf16
+    block's MMA into a temporary, then the promotion into the fp32 accumulator (with ISSUE_AHEAD, under the
+    next block's MMA into a second temporary); then the weighted bf16
     block, converted to 16-byte row segments and stored through masked pointer stores (a tile's rows past
     its expert belong to the next tile) to sorted rows or to slots."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -191,19 +228,55 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                 acc_slots = gl.load(row_slot_ptr + acc_rows, mask=acc_rows < end, other=0)
                 wt = gl.load(weights_ptr + acc_slots, mask=acc_rows < end, other=0.0)
             acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
-            tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # the MMA's destination registers, reused
-            for k in range(0, K, BK):
-                s = step % STAGES
-                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-                # Scales first: shared-memory loads, under the MMA below.
-                scale = _scales(as_bufs, bs_bufs, s, 0, WG, row_layout)
-                tmp = warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF),
-                                    w_bufs.index(s).reshape([BN, BK]).permute((1, 0)), tmp, use_acc=False,
-                                    is_async=True)
-                tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc = acc + tmp * scale[:, None]  # one FMA per element
-                step += 1
+            tmp0 = gl.zeros([HALF, BN], gl.float32, acc_layout)  # the MMAs' destination registers, reused
+            if not ISSUE_AHEAD:
+                for k in range(0, K, BK):
+                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+                    tmp0 = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s0, tmp0, WG), ))
+                    mbarrier.arrive(empty.index(s0), count=1)
+                    acc = acc + tmp0 * scale0[:, None]  # one FMA per element
+                    step += 1
+            else:
+                # Two temporaries: once block k's chain is done, block k+1's is issued before k's promotion,
+                # which then runs under it, so that each warpgroup keeps the tensor cores busy through its own
+                # promotions. Done means waited to zero chains in flight: a chain carried in flight across the
+                # loop's back edge, retired by a wait(1) and then read, makes ptxas serialise every wgmma of the
+                # kernel (C7514), so the next chain goes in just after the wait (the scales and its stage's
+                # ready wait come first, under the running chain). The body is two blocks long (tmp0 and
+                # tmp1 swap roles: registers cannot be indexed); an odd count of blocks first runs one the
+                # plain way. A stage is freed once the chain reading it is done; a warpgroup holds two at most.
+                tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
+                kbs = K // BK
+                if kbs % 2 == 1:
+                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+                    tmp0 = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s0, tmp0, WG), ))
+                    mbarrier.arrive(empty.index(s0), count=1)
+                    acc = _promote(acc, tmp0, scale0)
+                    step += 1
+                if kbs > 1:
+                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+                    tmp0 = _rows_mma(a_bufs, w_bufs, s0, tmp0, WG)
+                    for _ in range(kbs // 2 - 1):  # [block `step` in flight in tmp0]
+                        s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
+                        tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+                        tmp1 = _rows_mma(a_bufs, w_bufs, s1, tmp1, WG)
+                        mbarrier.arrive(empty.index(s0), count=1)
+                        acc = _promote(acc, tmp0, scale0)
+                        s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step + 2, STAGES, WG, row_layout)
+                        tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
+                        tmp0 = _rows_mma(a_bufs, w_bufs, s0, tmp0, WG)
+                        mbarrier.arrive(empty.index(s1), count=1)
+                        acc = _promote(acc, tmp1, scale1)
+                        step += 2
+                    s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
+                    tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+                    tmp1 = _rows_mma(a_bufs, w_bufs, s1, tmp1, WG)
+                    mbarrier.arrive(empty.index(s0), count=1)
+                    acc = _promote(acc, tmp0, scale0)
+                    tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
+                    mbarrier.arrive(empty.index(s1), count=1)
+                    acc = _promote(acc, tmp1, scale1)
+                    step += 2
             if WEIGHTED:
                 acc = acc * wt[:, None]
             out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
@@ -221,14 +294,15 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
 @gluon.jit
 def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr,
                         tile_expert_ptr, tile_row_ptr, M, N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr,
-                        WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, STAGES: gl.constexpr,
-                        LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                        WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
+                        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                         num_warps: gl.constexpr):
     """a_desc: A (M, K) fp8 in sorted rows, block (TILE_M, BK); w_desc: W (E, N_OUT, K) fp8, block (1, BN, BK);
     a_s (K // 128, M) and w_s (E, N_OUT // 128, K // 128) fp32; out (M, N_OUT) bf16: row r of the product
     into row ``row_slot[r]`` (TO_SLOTS) or r, times ``weights[row_slot[r]]`` (WEIGHTED, fp32 by slot).
     Blocks: the plan's busy tiles (EB: a power of two >= E) times the N-blocks, one program per SM walking
-    them. num_warps: one warpgroup (the first MMA partition); the kernel adds the second and the loader."""
+    them. num_warps: one warpgroup (the first MMA partition); the kernel adds the second and the loader.
+    ISSUE_AHEAD: the MMA warpgroups' issue pattern (``_rows_mma_partition``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[1]
     HALF: gl.constexpr = BM // 2
@@ -245,10 +319,10 @@ def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, 
     gl.warp_specialize([
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
                                empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 0, WEIGHTED, TO_SLOTS,
-                               num_warps)),
+                               ISSUE_AHEAD, num_warps)),
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
                                empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 1, WEIGHTED, TO_SLOTS,
-                               num_warps)),
+                               ISSUE_AHEAD, num_warps)),
         (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
                         as_bufs, bs_bufs, M, N_OUT, K, num_n, work, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
@@ -313,48 +387,120 @@ def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, t
 
 
 @gluon.jit
+def _up_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.constexpr, row_layout: gl.constexpr):
+    """Wait for ring step ``step``'s stage and read this warpgroup's scales of it: (the stage, the gate block's
+    scales, the up block's)."""
+    s = step % STAGES
+    mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+    fence_async_shared()  # x arrived through cp.async (generic proxy); the MMAs read it (async proxy)
+    return s, _scales(as_bufs, bs_bufs, s, 0, WG, row_layout), _scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
+
+
+@gluon.jit
+def _up_mma(x_bufs, w_bufs, s, c0: gl.constexpr, tmp, WG: gl.constexpr):
+    """Issue stage ``s``'s MMA chain (asynchronous, over BK = 128) of this warpgroup's 64 x rows and columns
+    ``c0`` .. ``c0`` + tmp's width of weight block ``w_bufs[s]`` (gate or up) into ``tmp``; returns its pending
+    result."""
+    BK: gl.constexpr = x_bufs.type.shape[2]
+    BN: gl.constexpr = w_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
+    HALF: gl.constexpr = x_bufs.type.shape[1] // 2
+    w = w_bufs.index(s).reshape([BN, BK]).slice(c0, tmp.type.shape[1])
+    return warpgroup_mma(x_bufs.index(s).slice(WG * HALF, HALF), w.permute((1, 0)), tmp, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl, acc_gh, acc_ul, scale_g, scale_u,
+                           WG: gl.constexpr):
+    """The issue-ahead up kernel's block of stage ``s`` after its first chain (the gate's left 64 columns, in
+    flight in ``ta``): each chain done, the next issued, then the done one promoted under it; returns with the
+    last chain (the up block's right 64 columns) in flight in ``tb``."""
+    HB: gl.constexpr = tb.type.shape[1]  # (ta: pending, no shape of its own)
+    ta = warpgroup_mma_wait(0, deps=(ta, ))
+    tb = _up_mma(x_bufs, g_bufs, s, HB, tb, WG)
+    acc_gl = _promote(acc_gl, ta, scale_g)
+    tb = warpgroup_mma_wait(0, deps=(tb, ))
+    ta = _up_mma(x_bufs, u_bufs, s, 0, ta, WG)
+    acc_gh = _promote(acc_gh, tb, scale_g)
+    ta = warpgroup_mma_wait(0, deps=(ta, ))
+    tb = _up_mma(x_bufs, u_bufs, s, HB, tb, WG)
+    acc_ul = _promote(acc_ul, ta, scale_u)
+    return ta, tb, acc_gl, acc_gh, acc_ul
+
+
+@gluon.jit
 def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
                       g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, WG: gl.constexpr,
-                      PREACT: gl.constexpr, num_warps: gl.constexpr):
+                      PREACT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``_fp8_up_ws_kernel``: per K-step the gate
-    block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion; then h =
-    silu(g) * u in fp32, quantised per row over the block's 128 columns into h_q / h_s, and with PREACT g and
-    u rounded to bf16 into ``preact``."""
+    block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion (with
+    ISSUE_AHEAD, 64-column chains, each promoted under the next); then h = silu(g) * u in fp32, quantised per
+    row over the block's 128 columns into h_q / h_s, and with PREACT g and u rounded to bf16 into ``preact``."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
     HALF: gl.constexpr = bs_bufs.type.shape[1]
+    HB: gl.constexpr = BN // 2
     acc_layout: gl.constexpr = _acc_layout(HALF, BN, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    q_layout: gl.constexpr = _store_layout(BN, 1, num_warps)
+    half_layout: gl.constexpr = _acc_layout(HALF, HB, num_warps)
+    half_rows: gl.constexpr = gl.SliceLayout(1, half_layout)
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         first = row0 + WG * HALF
         end = gl.load(offsets_ptr + e + 1)
         if first < end:
-            acc_g = gl.zeros([HALF, BN], gl.float32, acc_layout)
-            acc_u = gl.zeros([HALF, BN], gl.float32, acc_layout)
-            tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # both MMAs' destination registers
-            for k in range(0, D, BK):
-                s = step % STAGES
-                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-                fence_async_shared()  # x arrived through cp.async (generic proxy); the MMAs read it (async proxy)
-                x = x_bufs.index(s).slice(WG * HALF, HALF)
-                scale_g = _scales(as_bufs, bs_bufs, s, 0, WG, row_layout)
-                scale_u = _scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
-                tmp = warpgroup_mma(x, g_bufs.index(s).reshape([BN, BK]).permute((1, 0)), tmp, use_acc=False,
-                                    is_async=True)
-                tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-                acc_g = acc_g + tmp * scale_g[:, None]
-                tmp = warpgroup_mma(x, u_bufs.index(s).reshape([BN, BK]).permute((1, 0)), tmp, use_acc=False,
-                                    is_async=True)
-                tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+            if not ISSUE_AHEAD:
+                acc_g = gl.zeros([HALF, BN], gl.float32, acc_layout)
+                acc_u = gl.zeros([HALF, BN], gl.float32, acc_layout)
+                tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # both MMAs' destination registers
+                for k in range(0, D, BK):
+                    s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+                    tmp = warpgroup_mma_wait(0, deps=(_up_mma(x_bufs, g_bufs, s, 0, tmp, WG), ))
+                    acc_g = acc_g + tmp * scale_g[:, None]
+                    tmp = warpgroup_mma_wait(0, deps=(_up_mma(x_bufs, u_bufs, s, 0, tmp, WG), ))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc_u = acc_u + tmp * scale_u[:, None]
+                    step += 1
+                _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT, num_warps)
+            else:
+                # Two 64 x 128 temporaries beside the two accumulators do not fit (4 x 64 registers per
+                # thread, of the 216 the gathering loader leaves), so each product runs as two 64-column
+                # chains into two 64 x 64 temporaries (ta, tb: 2 x 32 registers): the four chains of a block
+                # alternate between them, each done chain's promotion runs under the next chain, and the
+                # last chain of a block overlaps the first of the next, so that the warpgroup keeps the tensor
+                # cores busy through its promotions. (A chain is read only after a wait to zero in flight:
+                # ptxas serialises every wgmma if a chain carried across the loop's back edge is retired by a
+                # wait(1) and read, C7514.) The stage is freed when the block's last chain is done: a
+                # warpgroup holds two stages at most (of four). The cost: x's 64 rows are read from shared
+                # memory four times per block instead of twice.
+                acc_gl = gl.zeros([HALF, HB], gl.float32, half_layout)
+                acc_gh = gl.zeros([HALF, HB], gl.float32, half_layout)
+                acc_ul = gl.zeros([HALF, HB], gl.float32, half_layout)
+                acc_uh = gl.zeros([HALF, HB], gl.float32, half_layout)
+                ta = gl.zeros([HALF, HB], gl.float32, half_layout)
+                tb = gl.zeros([HALF, HB], gl.float32, half_layout)
+                s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, half_rows)
+                ta = _up_mma(x_bufs, g_bufs, s, 0, ta, WG)
+                for k in range(BK, D, BK):  # [block `step`'s first chain in flight in ta]
+                    ta, tb, acc_gl, acc_gh, acc_ul = _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl,
+                                                                            acc_gh, acc_ul, scale_g, scale_u, WG)
+                    s1, scale_g1, scale_u1 = _up_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, half_rows)
+                    tb = warpgroup_mma_wait(0, deps=(tb, ))
+                    ta = _up_mma(x_bufs, g_bufs, s1, 0, ta, WG)
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc_uh = _promote(acc_uh, tb, scale_u)
+                    s, scale_g, scale_u = s1, scale_g1, scale_u1
+                    step += 1
+                ta, tb, acc_gl, acc_gh, acc_ul = _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl,
+                                                                        acc_gh, acc_ul, scale_g, scale_u, WG)
+                tb = warpgroup_mma_wait(0, deps=(tb, ))
                 mbarrier.arrive(empty.index(s), count=1)
-                acc_u = acc_u + tmp * scale_u[:, None]
+                acc_uh = _promote(acc_uh, tb, scale_u)
                 step += 1
-            _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT, q_layout,
-                         num_warps)
+                _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N,
+                                    I, PREACT, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
             for k in range(0, D, BK):
                 s = step % STAGES
@@ -375,43 +521,90 @@ def _to_e4m3(v):
 
 
 @gluon.jit
-def _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT: gl.constexpr,
-                 q_layout: gl.constexpr, num_warps: gl.constexpr):
-    """One warpgroup's (64, 128) block of h = silu(g) * u, quantised as the FP8 path quantises everywhere:
-    amax = max(max|h|, 1e-12) over the row's 128 columns, q = fp8(clamp(h * (448 / amax), ±448)) (round to
-    nearest even), scale amax / 448 (both divisions IEEE); q into h_q (N, I) rows [first, end), the scale into
-    h_s (I // 128, N); with PREACT g and u (bf16) into preact (N, 2I) at columns n0 and I + n0."""
+def _up_h(acc_g, acc_u, preact_ptr, first, end, c0, I, PREACT: gl.constexpr):
+    """h = silu(g) * u (fp32) of one warpgroup's 64 rows and the columns c0 .. of g and u; with PREACT g and u
+    (bf16) into preact (N, 2I) at columns c0 and I + c0 (rows [first, end))."""
     HALF: gl.constexpr = acc_g.type.shape[0]
-    BN: gl.constexpr = acc_g.type.shape[1]
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc_g.type.layout)
     if PREACT:
         # Stored from the accumulator's layout (4-byte bf16 pairs): converting to 16-byte rows would need
         # the registers of a third 64 x 128 block (ptxas spilled) and 16 KB more scratch per warpgroup.
-        p_local = gl.arange(0, HALF, layout=row_layout)
-        p_cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_g.type.layout))
+        p_local = gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_g.type.layout))
+        p_cols = c0 + gl.arange(0, acc_g.type.shape[1], layout=gl.SliceLayout(0, acc_g.type.layout))
         p_mask = (first + p_local < end)[:, None] & (p_cols < I)[None, :]
         p_ptrs = preact_ptr + (first + p_local).to(gl.int64)[:, None] * (2 * I) + p_cols[None, :]
         gl.store(p_ptrs, acc_g.to(gl.bfloat16), mask=p_mask)
         gl.store(p_ptrs + I, acc_u.to(gl.bfloat16), mask=p_mask)
-    h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
-    amax = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12)
-    inv = gl.div_rn(gl.full([HALF], FP8_MAX, gl.float32, row_layout), amax)
-    q = _to_e4m3(gl.minimum(gl.maximum(h * inv[:, None], -FP8_MAX), FP8_MAX))
+    return acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
+
+
+@gluon.jit
+def _quantize_h(h, amax):
+    """fp8(clamp(h * (448 / amax[row]), ±448)) (round to nearest even; the division IEEE)."""
+    inv = gl.div_rn(gl.full(amax.type.shape, FP8_MAX, gl.float32, amax.type.layout), amax)
+    return _to_e4m3(gl.minimum(gl.maximum(h * inv[:, None], -FP8_MAX), FP8_MAX))
+
+
+@gluon.jit
+def _store_h_s(amax, h_s_ptr, first, end, group, N):
+    """The rows' h scales amax / 448 (IEEE) into h_s (I // 128, N) at ``group``, rows [first, end)."""
+    row_layout: gl.constexpr = amax.type.layout
+    HALF: gl.constexpr = amax.type.shape[0]
     s_rows = first + gl.arange(0, HALF, layout=row_layout)
-    gl.store(h_s_ptr + (n0 // BN) * N + s_rows, gl.div_rn(amax, gl.full([HALF], FP8_MAX, gl.float32, row_layout)),
+    gl.store(h_s_ptr + group * N + s_rows, gl.div_rn(amax, gl.full([HALF], FP8_MAX, gl.float32, row_layout)),
              mask=s_rows < end)
+
+
+@gluon.jit
+def _store_h_q(q, h_q_ptr, first, end, c0, I, num_warps: gl.constexpr):
+    """fp8 ``q`` (64 rows) into h_q (N, I) at columns c0 .., rows [first, end), converted to 16-byte row
+    segments."""
+    HALF: gl.constexpr = q.type.shape[0]
+    COLS: gl.constexpr = q.type.shape[1]
+    q_layout: gl.constexpr = _store_layout(COLS, 1, num_warps)
     local = gl.arange(0, HALF, layout=gl.SliceLayout(1, q_layout))
-    cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, q_layout))
+    cols = c0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, q_layout))
     mask = (first + local < end)[:, None] & (cols < I)[None, :]
     gl.store(h_q_ptr + first.to(gl.int64) * I + (local[:, None] * I + cols[None, :]), gl.convert_layout(q, q_layout),
              mask=mask)
 
 
 @gluon.jit
+def _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """One warpgroup's (64, 128) block of h = silu(g) * u, quantised as the FP8 path quantises everywhere:
+    amax = max(max|h|, 1e-12) over the row's 128 columns, q = fp8(clamp(h * (448 / amax), ±448)) (round to
+    nearest even), scale amax / 448 (both divisions IEEE); q into h_q (N, I) rows [first, end), the scale into
+    h_s (I // 128, N); with PREACT g and u (bf16) into preact (N, 2I) at columns n0 and I + n0."""
+    BN: gl.constexpr = acc_g.type.shape[1]
+    h = _up_h(acc_g, acc_u, preact_ptr, first, end, n0, I, PREACT)
+    amax = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12)
+    q = _quantize_h(h, amax)
+    _store_h_s(amax, h_s_ptr, first, end, n0 // BN, N)
+    _store_h_q(q, h_q_ptr, first, end, n0, I, num_warps)
+
+
+@gluon.jit
+def _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I,
+                        PREACT: gl.constexpr, num_warps: gl.constexpr):
+    """``_up_epilogue`` of a block held as its left and right 64 columns (the issue-ahead up kernel's): the
+    same h, row amax (the larger of the halves') and bytes."""
+    HB: gl.constexpr = acc_gl.type.shape[1]
+    h_lo = _up_h(acc_gl, acc_ul, preact_ptr, first, end, n0, I, PREACT)
+    h_hi = _up_h(acc_gh, acc_uh, preact_ptr, first, end, n0 + HB, I, PREACT)
+    amax = gl.maximum(gl.maximum(gl.max(gl.abs(h_lo), axis=1), gl.max(gl.abs(h_hi), axis=1)), 1e-12)
+    q_lo = _quantize_h(h_lo, amax)
+    q_hi = _quantize_h(h_hi, amax)
+    _store_h_s(amax, h_s_ptr, first, end, n0 // (2 * HB), N)
+    _store_h_q(q_lo, h_q_ptr, first, end, n0, I, num_warps)
+    _store_h_q(q_hi, h_q_ptr, first, end, n0 + HB, I, num_warps)
+
+
+@gluon.jit
 def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
                       tile_expert_ptr, tile_row_ptr, T, N, D, I, E, top_k, EB: gl.constexpr, TILE_M: gl.constexpr,
-                      PREACT: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                      MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                      PREACT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, STAGES: gl.constexpr,
+                      LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                      num_warps: gl.constexpr):
     """x (T, D) fp8 gathered by token and x_s (D // 128, T) fp32; w13_desc: W13 (E, 2, I, D) fp8 (gate rows, then
     up rows), block (1, 1, BN, BK); w13_s (E, 2I // 128, D // 128) fp32; h_q (N, I) fp8 and h_s (I // 128, N)
     fp32 out in sorted rows (rows past the routed count not written); preact (N, 2I) bf16 out if PREACT.
@@ -433,9 +626,11 @@ def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, pre
     empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
     gl.warp_specialize([
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 0, PREACT, num_warps)),
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 0, PREACT, ISSUE_AHEAD,
+                             num_warps)),
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 1, PREACT, num_warps)),
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 1, PREACT, ISSUE_AHEAD,
+                             num_warps)),
         (_up_loader, (x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                       ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, T, D, I, top_k, num_n, work,
                       LOADER_WARPS)),
@@ -567,10 +762,12 @@ def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
 
 
 def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
-                     plan, *, weights: torch.Tensor | None = None, to_slots: bool = False) -> None:
+                     plan, *, weights: torch.Tensor | None = None, to_slots: bool = False,
+                     issue_ahead: bool = ISSUE_AHEAD) -> None:
     """out (M, N) bf16 = the blockwise-dequantised a (M, K) in sorted rows times each row's expert weight
     w[e] (E, N, K)ᵀ, through ``_fp8_rows_ws_kernel``; row r into row ``plan.row_slot_N[r]`` if ``to_slots``, else
     r; times ``weights[row_slot[r]]`` (fp32, (M,) by slot) if given. Only the plan's routed rows are written.
+    ``issue_ahead``: each warpgroup issues the next K-block's MMA before promoting the last (see ``ISSUE_AHEAD``).
 
     a_q (M, K) float8_e4m3fn contiguous, a_s (K // 128, M) fp32 contiguous, w_q (E, N, K) float8_e4m3fn
     contiguous, w_s (E, N // 128, K // 128) fp32 contiguous; K and N multiples of 128; M >= 1; an sm90 GPU;
@@ -586,16 +783,17 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
         offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, M=num_rows,
         N_OUT=n_out, K=k_dim, E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
-        WEIGHTED=weights is not None, TO_SLOTS=to_slots, STAGES=ROWS_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
+        WEIGHTED=weights is not None, TO_SLOTS=to_slots, ISSUE_AHEAD=issue_ahead, STAGES=ROWS_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
 def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
-                     h_q: torch.Tensor, h_s: torch.Tensor, plan, top_k: int, preact: torch.Tensor | None = None) -> None:
+                     h_q: torch.Tensor, h_s: torch.Tensor, plan, top_k: int, preact: torch.Tensor | None = None, *,
+                     issue_ahead: bool = ISSUE_AHEAD) -> None:
     """h = silu(x W1gᵀ) * (x W1uᵀ) for the plan's sorted rows (row r: token ``row_slot[r] // top_k``), blockwise
     dequantised operands, through ``_fp8_up_ws_kernel``; quantised per row and 128 columns into h_q (N, I)
     float8_e4m3fn and h_s (I // 128, N) fp32; with ``preact`` (N, 2I) bf16 also g and u. Only the routed
-    rows are written.
+    rows are written. ``issue_ahead``: the MMA warpgroups' issue pattern (see ``ISSUE_AHEAD``).
 
     x_q (T, D) float8_e4m3fn, x_s (D // 128, T) fp32, w13_q (E, 2I, D) float8_e4m3fn (gate rows then up
     rows), w13_s (E, 2I // 128, D // 128) fp32, all contiguous; D and I multiples of 128; an sm90 GPU."""
@@ -613,7 +811,7 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
         w13_s_ptr=w13_s, h_q_ptr=h_q, h_s_ptr=h_s, preact_ptr=preact if preact is not None else h_s,
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, top_k=top_k,
-        EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None,
+        EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None, ISSUE_AHEAD=issue_ahead,
         STAGES=UP_STAGES_PREACT if preact is not None else UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS,
         MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
@@ -644,20 +842,20 @@ KERNELS = {"fp8_rows": _fp8_rows_ws_kernel, "fp8_up": _fp8_up_ws_kernel, "fp8_wg
 
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
-                sizes_divisible: bool = True):
+                sizes_divisible: bool = True, issue_ahead: bool = ISSUE_AHEAD):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
     launchers' asserts make multiples of 128, are specialised as 16-divisible, as Triton does at run time.
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
-    kernel's saved-activation variant."""
+    kernel's saved-activation variant; ``issue_ahead``: either kernel's issue pattern (``ISSUE_AHEAD``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(block):
         return f"tensordesc<fp8e4nv[{', '.join(map(str, block))}],{_fp8_layout(tuple(block))}>"
 
-    common = {"EB": 128, "TILE_M": BLOCK_M, "num_warps": MATH_WARPS}
+    common = {"EB": 128, "TILE_M": BLOCK_M, "ISSUE_AHEAD": issue_ahead, "num_warps": MATH_WARPS}
     if name == "fp8_rows":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, FP8_BN, FP8_BK]}
         constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "STAGES": ROWS_STAGES,
