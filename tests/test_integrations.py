@@ -266,3 +266,58 @@ def test_sonicmoe_experts_run_the_installed_package(monkeypatch):
     assert experts_problem(["sonicmoe"], cuda=False) == \
         "--experts sonicmoe needs a CUDA GPU (SonicMoE's kernels are CUDA only)"
 
+
+def test_model_benchmark_matrix_records_every_cell(tmp_path, monkeypatch, capsys):
+    """``--matrix``: every cell of {no checkpointing, full} x {layers, model} x experts, each compiled as its cell
+    says and compared with the eager un-checkpointed reference (same loss and gradients), in the JSON in order; a
+    cell that raises is recorded with its error in one line and the run goes on."""
+    import json
+
+    from megamoe.bench import model
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path runs only without a GPU")
+    compiled, compile_model = [], model.compile_model
+
+    def compile_or_fail(m, mode):
+        if mode == "model" and m.config._experts_implementation == "eager":
+            raise RuntimeError("no graph for you\nsecond line")
+        compiled.append((m.config._experts_implementation, mode))
+        compile_model(m, mode)
+
+    monkeypatch.setattr(model, "compile_model", compile_or_fail)
+    model.main(["--matrix", "--experts", "grouped_mm,eager", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    info = json.loads((tmp_path / "model-tiny-l2-t32-matrix-grouped_mm-eager.json").read_text())
+    cells = [(r["checkpoint"], r["compile_mode"], r["experts"]) for r in info["results"]]
+    assert cells == [(c, m, e) for c in (False, True) for m in ("layers", "model") for e in ("grouped_mm", "eager")]
+    assert compiled == [(e, m) for _ in range(2) for m in ("layers", "model") for e in ("grouped_mm", "eager")
+                        if (e, m) != ("eager", "model")]
+    for r in info["results"]:
+        if (r["experts"], r["compile_mode"]) == ("eager", "model"):
+            assert r["error"] == "RuntimeError: no graph for you" and "loss" not in r
+        else:
+            assert "error" not in r and r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-4, r
+    assert info["matrix"] and info["command"].startswith("python -m megamoe.bench.model --matrix")
+    assert "| full | model | loss " in out and "| failed |" in out
+
+
+def test_model_benchmark_keeps_megamoe_activations_only_without_checkpointing():
+    from megamoe.bench import model
+
+    for checkpoint, mode in ((False, "preact"), (True, None)):
+        m = model.prepared(tiny_model(device="cpu"), "megamoe", checkpoint, None)
+        assert {getattr(e, hf_megamoe.SAVE_FOR_BACKWARD, None) for e in m.modules() if hasattr(e, "gate_up_proj")} \
+            == {mode}
+
+
+def test_model_benchmark_arguments(capsys):
+    from megamoe.bench import model
+
+    assert model.parse_args(["--compile"], cuda=True).compile_mode == "layers"
+    assert model.parse_args(["--compile-mode", "model"], cuda=True).compile_mode == "model"
+    with pytest.raises(SystemExit):
+        model.parse_args(["--matrix", "--checkpoint"], cuda=True)
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "python -m megamoe.bench.model: error: --matrix runs every checkpointing and compile mode: leave out "
+        "--checkpoint, --compile and --compile-mode")
