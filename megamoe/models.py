@@ -1,8 +1,11 @@
-"""The models megamoe is trained and measured on: the presets' layer dimensions, and transformers'
+"""The models megamoe is trained and measured on: the presets' layer dimensions, transformers'
 ``Qwen3MoeForCausalLM`` built at them (``python -m megamoe.train``, and the model step of
-``python -m megamoe.bench.model``)."""
+``python -m megamoe.bench.model``), and what both tools offer on it: the experts implementations (SonicMoE's
+wired to its installed package) and the compile modes."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -18,7 +21,9 @@ ATTENTION = {"qwen3-30b-a3b": (32, 4, 128), "qwen3-235b-a22b": (64, 4, 128), "ti
 
 def build(preset: str, layers: int, vocab: int, dtype: torch.dtype, device, seed: int = 0):
     """transformers' ``Qwen3MoeForCausalLM`` at ``preset``'s layer dimensions with ``layers`` decoder layers and
-    ``vocab`` tokens, random weights from ``seed``."""
+    ``vocab`` tokens, random weights from ``seed``. A model to train: no KV cache (``use_cache=False``; with it,
+    transformers warns under activation checkpointing from inside the forward, which a fullgraph compile cannot
+    trace)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     dim, inter, num_experts, top_k = PRESETS[preset]
@@ -26,7 +31,97 @@ def build(preset: str, layers: int, vocab: int, dtype: torch.dtype, device, seed
     config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, moe_intermediate_size=inter,
                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                             head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
-                            max_position_embeddings=65536, attn_implementation="sdpa",
+                            max_position_embeddings=65536, attn_implementation="sdpa", use_cache=False,
                             rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config).to(device=device, dtype=dtype)
+
+
+# -- the experts and compilation both tools offer ------------------------------------------------------------------
+
+# transformers' experts implementations the tools run: megamoe's (registered by megamoe.integrations.transformers)
+# and transformers' own; "sonicmoe" is transformers' SonicMoE integration running the installed package.
+EXPERTS = ("megamoe", "grouped_mm", "eager", "sonicmoe")
+# "layers": each decoder layer compiled on its own (graph breaks allowed); "model": the whole model in one graph,
+# fullgraph=True (a graph break is an error).
+COMPILE_MODES = ("layers", "model")
+SONICMOE_INSTALL = "install sonic-moe (0.1.2.post1 was measured) with the QuACK and CUTLASS DSL versions it pins"
+
+
+def experts_problem(experts, cuda: bool) -> str | None:
+    """Why ``experts`` (names of :data:`EXPERTS`) cannot run here, in one line, or None: SonicMoE needs its
+    package (importing it also wires it into transformers, :func:`use_installed_sonicmoe`) and a CUDA GPU."""
+    if "sonicmoe" not in experts:
+        return None
+    try:
+        use_installed_sonicmoe()
+    except ImportError as exc:
+        return str(exc)
+    if not cuda:
+        return "--experts sonicmoe needs a CUDA GPU (SonicMoE's kernels are CUDA only)"
+    return None
+
+
+def _not_importable(exc: ImportError) -> str:
+    first = (str(exc).splitlines() or [type(exc).__name__])[0]  # the CUDA stack's errors can run long
+    return f"--experts sonicmoe: SonicMoE is not importable ({first}); {SONICMOE_INSTALL}"
+
+
+def use_installed_sonicmoe() -> None:
+    """Makes transformers' ``experts_implementation="sonicmoe"`` run the installed ``sonicmoe`` package (at QuACK's
+    default GEMM config) instead of the build transformers fetches from the hub, which needs the network and a
+    ``kernels`` install the GPU machines do not have. Raises ``ImportError`` (one line) where ``import sonicmoe``
+    fails. A kernel transformers has already loaded is kept."""
+    from transformers.integrations import sonicmoe as hf_sonicmoe
+
+    if hf_sonicmoe._SONICMOE is not None:
+        return
+    try:  # sonicmoe on its own first: where it is missing, its ImportError is the one to report
+        import sonicmoe
+    except ImportError as exc:
+        raise ImportError(_not_importable(exc)) from None
+    try:
+        import quack.gemm_interface as qgi
+        import sonicmoe.functional as f0
+        import sonicmoe.functional.backward as f2
+        import sonicmoe.functional.forward as f1
+        from sonicmoe.enums import ActivationType
+    except ImportError as exc:
+        raise ImportError(_not_importable(exc)) from None
+    # QuACK autotunes every GEMM shape on first use, which took longer than 9 minutes for one layer shape on the
+    # H200: pin its default config, as the layer benchmark does.
+    for module in (f0, f1, f2):
+        for name in ("gemm", "gemm_gated", "gemm_dgated"):
+            if hasattr(module, name):
+                setattr(module, name, functools.partial(getattr(qgi, name), tuned=False))
+    run = sonicmoe.moe_general_routing_inputs
+
+    # dynamo cannot trace SonicMoE's CuTe DSL launches: the call runs eagerly (a graph break under per-layer
+    # compilation; under fullgraph compilation an error that names this function).
+    @torch._dynamo.disable
+    def moe_general_routing_inputs(x, router_scores, token_indices, expert_indices, w1, b1, w2, b2, E,
+                                   activation_type, is_inference_mode_enabled=False, concat_layout=False,
+                                   stream_id=None):
+        # transformers passes stream_id=None (its hub build picks the stream itself); the installed package
+        # launches on the stream it is given, which must be the caller's current one.
+        if stream_id is None:
+            stream_id = torch.cuda.current_stream(x.device).cuda_stream
+        return run(x, router_scores, token_indices, expert_indices, w1, b1, w2, b2, E, stream_id, activation_type,
+                   is_inference_mode_enabled, concat_layout=concat_layout)
+
+    hf_sonicmoe._SONICMOE = hf_sonicmoe.SonicMoE(activation_type_enum=ActivationType,
+                                                 moe_general_routing_inputs=moe_general_routing_inputs)
+
+
+def compile_model(model, mode: str) -> None:
+    """Compiles ``model`` (a transformers causal LM) in place, as :data:`COMPILE_MODES` says. Without a GPU the
+    backend is ``aot_eager`` (graph capture and AOT autograd without code generation): inductor's CPU code is
+    minutes of C++ compilation for a test-sized model and measures nothing."""
+    backend = "inductor" if next(model.parameters()).is_cuda else "aot_eager"
+    if mode == "layers":
+        for layer in model.model.layers:
+            layer.compile(backend=backend)
+    elif mode == "model":
+        model.compile(backend=backend, fullgraph=True)  # in place: parameter names stay the model's own
+    else:
+        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")

@@ -1,6 +1,7 @@
 """Train transformers' Qwen3-MoE on real text, with megamoe's experts or transformers' own:
 
-    python -m megamoe.train [--preset qwen3-30b-a3b] [--layers 4] [--experts megamoe] [--steps 300] [--compile]
+    python -m megamoe.train [--preset qwen3-30b-a3b] [--layers 4] [--experts megamoe] [--steps 300]
+                            [--compile-mode layers|model]
     torchrun --nproc-per-node N -m megamoe.train ... [--ep N]        (FSDP2; --ep: expert parallelism)
 
 Without a GPU the defaults are a run of about a minute on 2 cores (``--preset tiny --steps 30 --seq-len 256
@@ -22,7 +23,9 @@ Also a template to copy. What it does, in order:
   language-model loss alone.
 - **Step**: ``--seqs-per-step`` sequences; full activation checkpointing of every decoder layer (megamoe under
   :func:`megamoe.checkpoint_context`, which does not rerun its forward; the others plainly), optionally
-  ``torch.compile`` of every decoder layer; gradient clipping at 1.0; AdamW (β 0.9/0.95, weight decay 0.1) with
+  ``torch.compile`` of every decoder layer (``--compile-mode layers``, or ``--compile``) or of the whole model in
+  one graph (``--compile-mode model``, ``fullgraph=True``; without a GPU the ``aot_eager`` backend); gradient
+  clipping at 1.0; AdamW (β 0.9/0.95, weight decay 0.1) with
   linear warm-up and cosine decay to 10% of ``--lr``.
 - **Output** in ``--out``/``--name``: ``log.json`` (configuration, per-step losses, eval losses, tokens/s — the
   median over the steps after the first 10 —, step and host times, MFU, peak memory; GPU, versions, date,
@@ -59,7 +62,14 @@ from megamoe.integrations.transformers import (
     enable_activation_checkpointing,
     shard_experts,
 )
-from megamoe.models import ATTENTION, build
+from megamoe.models import (
+    ATTENTION,
+    COMPILE_MODES,
+    EXPERTS,
+    build,
+    compile_model,
+    experts_problem,
+)
 from megamoe.provenance import git_commit, source_digest, utc_now
 
 QWEN3_VOCAB = 151_936  # Qwen3's vocabulary size (the model's embedding and LM head; the tokenizer uses fewer ids)
@@ -67,7 +77,6 @@ PEAK_TFLOPS = 989.0  # dense bf16, H100 / H200 SXM
 EVAL_EVERY_DOC = 50  # every 50th document is held out
 TIMING_SKIP = 10  # steps left out of the medians (compilation, autotuning, allocator warm-up)
 AUX_LOSS_COEF = 0.001
-EXPERTS = ("megamoe", "grouped_mm", "eager")
 # What fits one H200 (141 GB) with bf16 weights, gradients and AdamW states (8 bytes per parameter): the 2-layer
 # 30B-dims run peaked at 38.7 GiB (16 384 tokens, checkpointed); each further layer adds ~4.6 GiB (0.62 G
 # parameters) at the 30B dims and ~18 GiB (2.4 G) at the 235B dims. Estimates, with room to spare.
@@ -195,9 +204,10 @@ def mfu(flops_per_step: float, step_ms: float) -> float:
     return flops_per_step / step_ms / 1e9 / PEAK_TFLOPS
 
 
-def prepare(model, experts: str, compile_layers: bool, mesh, ep_group):
+def prepare(model, experts: str, compile_mode: str | None, mesh, ep_group):
     """``model`` with ``experts``'s implementation, full activation checkpointing, (expert parallelism and FSDP2
-    when distributed) and compiled decoder layers. Returns the expert parameters (their gradients are divided by
+    when distributed) and compiled as ``compile_mode`` says (:data:`megamoe.models.COMPILE_MODES`, or None).
+    Returns the expert parameters (their gradients are divided by
     the ep size)."""
     model.set_experts_implementation(experts)
     enable_activation_checkpointing(model, megamoe.checkpoint_context if experts == "megamoe" else None)
@@ -212,9 +222,12 @@ def prepare(model, experts: str, compile_layers: bool, mesh, ep_group):
             fully_shard(layer, mesh=mesh["world"])
         fully_shard(model, mesh=mesh["world"])
     expert_params = [p for layer in model.model.layers for p in layer.mlp.experts.parameters()] if ep_group else []
-    if compile_layers:
-        for layer in model.model.layers:
-            layer.compile()
+    if compile_mode is not None:
+        # The routers' hooks (record_router_logits) append to a list inside checkpointed layers, a side effect
+        # dynamo refuses in a compiled checkpoint unless it may leave it out of the backward's recompute, which
+        # the loop wants anyway (it discards what the recompute records).
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        compile_model(model, compile_mode)
     return expert_params
 
 
@@ -341,7 +354,8 @@ def parse_args(argv=None, cuda: bool | None = None):
                    help="decoder layers (default: what fits one 141 GB H200 with bf16 AdamW, estimated from the "
                         "measured peak of a 2-layer run: 16 at the 30B dims, 10.6 G parameters; 4 at the 235B "
                         "dims, 11.2 G; 2 for tiny)")
-    p.add_argument("--experts", choices=EXPERTS, default="megamoe", help="experts implementation")
+    p.add_argument("--experts", choices=EXPERTS, default="megamoe",
+                   help="experts implementation (sonicmoe: the installed package, on a GPU)")
     for name, what in (("steps", "optimizer steps"), ("seq_len", "tokens per sequence"),
                        ("seqs_per_step", "sequences per step (per rank)")):
         p.add_argument(_option(name), type=int,
@@ -350,7 +364,10 @@ def parse_args(argv=None, cuda: bool | None = None):
     p.add_argument("--warmup", type=int, help=f"warm-up steps (default: {GPU_DEFAULTS['warmup']}, without a GPU "
                                               f"{CPU_DEFAULTS['warmup']})")
     p.add_argument("--seed", type=int, default=0, help="weights and data order")
-    p.add_argument("--compile", action="store_true", help="torch.compile every decoder layer")
+    p.add_argument("--compile-mode", choices=COMPILE_MODES,
+                   help="torch.compile each decoder layer (layers) or the whole model, fullgraph (model)")
+    p.add_argument("--compile", dest="compile_mode", action="store_const", const="layers",
+                   help="the same as --compile-mode layers")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the world size; megamoe only)")
     p.add_argument("--corpus", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                    help="folder whose *.py files are the text (default: this Python's standard library)")
@@ -381,6 +398,9 @@ def parse_args(argv=None, cuda: bool | None = None):
         p.error(f"--ep {args.ep} does not divide the world size {world}")
     if args.ep > 1 and args.experts != "megamoe":
         p.error("--ep runs the megamoe experts (transformers' own have no token exchange)")
+    problem = experts_problem([args.experts], cuda)
+    if problem:
+        p.error(problem)
     defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
     taken = [name for name in defaults if getattr(args, name) is None]
     for name in taken:
@@ -461,7 +481,7 @@ def main(argv=None) -> dict | None:
     params_total = sum(p.numel() for p in model.parameters())
     flops_per_token = model_flops_per_token(model.config, args.seq_len)
     model.train()
-    expert_params = prepare(model, args.experts, args.compile, mesh, ep_group)
+    expert_params = prepare(model, args.experts, args.compile_mode, mesh, ep_group)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
     meta = {"preset": args.preset, "layers": args.layers, "experts": args.experts, "seq_len": args.seq_len,
@@ -588,7 +608,7 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
         "triton": triton.__version__, "megamoe": megamoe.__version__, "commit": git_commit(),
         "source_sha256": source_digest(), "date": utc_now("seconds"),
         "command": "python -m megamoe.train " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        **meta, "params": params_total, "precision": "bf16" if cuda else "fp32",
+        **meta, "compile_mode": args.compile_mode, "params": params_total, "precision": "bf16" if cuda else "fp32",
         "optimizer": "AdamW, bf16 states" if cuda else "AdamW, fp32",
         "first_step": start, "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / step_ms * 1e3 if step_ms else None, "step_ms_median": step_ms,

@@ -4,8 +4,10 @@
 #   bash scripts/gpu-check.sh loopback     pytest -m loopback: the fused EP protocol on virtual ranks of this GPU
 #   bash scripts/gpu-check.sh layer [P..]  the layer benchmark on the README's problems P: 30b, 235b (16k tokens,
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
-#   bash scripts/gpu-check.sh model        a transformers Qwen3-MoE model's training step, megamoe against grouped_mm
-#                                          experts, checkpointed and compiled (python -m megamoe.bench.model)
+#   bash scripts/gpu-check.sh model [E..]  a transformers Qwen3-MoE model's training step (python -m megamoe.bench.model
+#                                          --matrix): {no checkpointing, full} x {each layer compiled, whole model} x
+#                                          experts E (default megamoe,grouped_mm and sonicmoe where it imports, one
+#                                          run; several E: one run each, e.g. `model megamoe,grouped_mm sonicmoe`)
 #   bash scripts/gpu-check.sh train        python -m megamoe.train: megamoe against grouped_mm experts, 300 steps each
 #   bash scripts/gpu-check.sh ep           on 2+ GPUs: the fused EP tests on real ranks, then the EP benchmark
 # Logs (and the benchmark JSON/PNG) go to $GPU_CHECK_OUT (default benchmarks/out/gpu-check); copy the JSON you
@@ -15,7 +17,7 @@
 # Every GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv beside the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|model|train|ep}
+stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|model [EXPERTS ...]|train|ep}
 shift
 out=${GPU_CHECK_OUT:-benchmarks/out/gpu-check}
 mkdir -p "$out"
@@ -73,8 +75,16 @@ layer)
     exit "$rc"
     ;;
 model)
-    step model-30b 590 "${py[@]}" -m megamoe.bench.model --preset qwen3-30b-a3b --layers 2 --checkpoint --compile \
-        --out "$out/results"
+    sonic=
+    "$PY" -c "import sonicmoe" 2> /dev/null && sonic=,sonicmoe  # at QuACK's default GEMM config
+    runs=("$@")
+    [ "$#" -eq 0 ] && runs=("megamoe,grouped_mm$sonic")
+    rc=0
+    for experts in "${runs[@]}"; do  # each run writes its JSON after every cell: a run cut short keeps its cells
+        step "model-30b-${experts//,/-}" 590 "${py[@]}" -m megamoe.bench.model --preset qwen3-30b-a3b --layers 2 \
+            --tokens 16384 --matrix --experts "$experts" --out "$out/results" || rc=$?
+    done
+    exit "$rc"
     ;;
 train)
     # The training runs of the README (python -m megamoe.train), within one budget (TRAIN_BUDGET_S, default 590 s): 300 steps of one 16 384-token

@@ -4,6 +4,7 @@ loss and every parameter's gradient — and the refusals of expert layouts megam
 fused kernels run in the interpreter in fp32; on a GPU the model is bf16."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -201,3 +202,122 @@ def test_model_benchmark_checks_the_implementations_without_a_gpu(capsys, monkey
     with pytest.raises(SystemExit, match="1"):
         model.main(["--experts", "megamoe,eager"])
     assert "FAILED" in capsys.readouterr().out
+
+
+def fake_sonicmoe(monkeypatch, calls: list) -> None:
+    """An installed ``sonicmoe`` (and QuACK) stand-in whose ``moe_general_routing_inputs`` computes the experts in
+    plain PyTorch from what it is given (SonicMoE's layout: w1 (2I, D, E) gate rows then up rows, w2 (D, I, E)),
+    recording each call's stream and layout."""
+    import enum
+    import types
+
+    from transformers.integrations import sonicmoe as hf_sonicmoe
+
+    def moe_general_routing_inputs(x, scores, token_idx, expert_idx, w1, b1, w2, b2, E, stream_id, activation_type,
+                                   is_inference_mode_enabled=False, concat_layout=False):
+        calls.append({"stream_id": stream_id, "concat_layout": concat_layout, "E": E, "act": activation_type})
+        inter = w2.shape[1]
+        out = torch.zeros_like(x)
+        for slot in range(token_idx.numel()):
+            t, e = token_idx[slot], expert_idx[slot]
+            gate_up = w1[:, :, e] @ x[t]
+            h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            out = out.index_add(0, t.view(1), (scores[slot] * (w2[:, :, e] @ h)).view(1, -1))
+        return out, None
+
+    gemms = {name: (lambda *a, tuned=True, **k: tuned) for name in ("gemm", "gemm_gated", "gemm_dgated")}
+    modules = {"sonicmoe": types.SimpleNamespace(moe_general_routing_inputs=moe_general_routing_inputs),
+               "sonicmoe.enums": types.SimpleNamespace(ActivationType=enum.Enum("ActivationType", "SWIGLU GEGLU")),
+               "sonicmoe.functional": types.SimpleNamespace(**gemms),
+               "sonicmoe.functional.forward": types.SimpleNamespace(gemm=gemms["gemm"]),
+               "sonicmoe.functional.backward": types.SimpleNamespace(gemm_dgated=gemms["gemm_dgated"]),
+               "quack": types.SimpleNamespace(), "quack.gemm_interface": types.SimpleNamespace(**gemms)}
+    modules["sonicmoe"].functional = modules["sonicmoe.functional"]
+    modules["sonicmoe.functional"].forward = modules["sonicmoe.functional.forward"]
+    modules["sonicmoe.functional"].backward = modules["sonicmoe.functional.backward"]
+    modules["quack"].gemm_interface = modules["quack.gemm_interface"]
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(hf_sonicmoe, "_SONICMOE", None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=1234))
+
+
+def test_sonicmoe_experts_run_the_installed_package(monkeypatch):
+    """``--experts sonicmoe``: transformers' own SonicMoE experts call the installed package (no hub download),
+    on the current stream, at QuACK's pinned default GEMM config; the model's loss and gradients are
+    grouped_mm's."""
+    from megamoe.models import experts_problem
+
+    calls = []
+    fake_sonicmoe(monkeypatch, calls)
+    assert experts_problem(["megamoe", "sonicmoe"], cuda=True) is None
+    assert sys.modules["sonicmoe.functional"].gemm_gated() is False  # pinned: tuned=False
+    assert sys.modules["sonicmoe.functional.forward"].gemm() is False
+    model = tiny_model(device="cpu")
+    input_ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(5))
+    _, ref_loss, ref_grads = step(model, "grouped_mm", input_ids)
+    _, loss, grads = step(model, "sonicmoe", input_ids)
+    assert len(calls) == model.config.num_hidden_layers
+    assert all(c["stream_id"] == 1234 and c["concat_layout"] and c["E"] == 8 and c["act"].name == "SWIGLU"
+               for c in calls)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    assert experts_problem(["sonicmoe"], cuda=False) == \
+        "--experts sonicmoe needs a CUDA GPU (SonicMoE's kernels are CUDA only)"
+
+
+def test_model_benchmark_matrix_records_every_cell(tmp_path, monkeypatch, capsys):
+    """``--matrix``: every cell of {no checkpointing, full} x {layers, model} x experts, each compiled as its cell
+    says and compared with the eager un-checkpointed reference (same loss and gradients), in the JSON in order; a
+    cell that raises is recorded with its error in one line and the run goes on."""
+    import json
+
+    from megamoe.bench import model
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path runs only without a GPU")
+    compiled, compile_model = [], model.compile_model
+
+    def compile_or_fail(m, mode):
+        if mode == "model" and m.config._experts_implementation == "eager":
+            raise RuntimeError("no graph for you\nsecond line")
+        compiled.append((m.config._experts_implementation, mode))
+        compile_model(m, mode)
+
+    monkeypatch.setattr(model, "compile_model", compile_or_fail)
+    model.main(["--matrix", "--experts", "grouped_mm,eager", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    info = json.loads((tmp_path / "model-tiny-l2-t32-matrix-grouped_mm-eager.json").read_text())
+    cells = [(r["checkpoint"], r["compile_mode"], r["experts"]) for r in info["results"]]
+    assert cells == [(c, m, e) for c in (False, True) for m in ("layers", "model") for e in ("grouped_mm", "eager")]
+    assert compiled == [(e, m) for _ in range(2) for m in ("layers", "model") for e in ("grouped_mm", "eager")
+                        if (e, m) != ("eager", "model")]
+    for r in info["results"]:
+        if (r["experts"], r["compile_mode"]) == ("eager", "model"):
+            assert r["error"] == "RuntimeError: no graph for you" and "loss" not in r
+        else:
+            assert "error" not in r and r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-4, r
+    assert info["matrix"] and info["command"].startswith("python -m megamoe.bench.model --matrix")
+    assert "| full | model | loss " in out and "| failed |" in out
+
+
+def test_model_benchmark_keeps_megamoe_activations_only_without_checkpointing():
+    from megamoe.bench import model
+
+    for checkpoint, mode in ((False, "preact"), (True, None)):
+        m = model.prepared(tiny_model(device="cpu"), "megamoe", checkpoint, None)
+        assert {getattr(e, hf_megamoe.SAVE_FOR_BACKWARD, None) for e in m.modules() if hasattr(e, "gate_up_proj")} \
+            == {mode}
+
+
+def test_model_benchmark_arguments(capsys):
+    from megamoe.bench import model
+
+    assert model.parse_args(["--compile"], cuda=True).compile_mode == "layers"
+    assert model.parse_args(["--compile-mode", "model"], cuda=True).compile_mode == "model"
+    with pytest.raises(SystemExit):
+        model.parse_args(["--matrix", "--checkpoint"], cuda=True)
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "python -m megamoe.bench.model: error: --matrix runs every checkpointing and compile mode: leave out "
+        "--checkpoint, --compile and --compile-mode")

@@ -1,51 +1,76 @@
 """A transformers Qwen3-MoE model's training step with each experts implementation, side by side:
 
     python -m megamoe.bench.model [--preset qwen3-30b-a3b] [--layers 2] [--tokens 16384] [--experts megamoe,grouped_mm]
-                                  [--checkpoint] [--compile]
+                                  [--checkpoint] [--compile-mode layers|model] [--matrix]
 
 The model is built from a config at the preset's layer dimensions (hidden size, heads, experts, top-k, expert
 width) with ``--layers`` decoder layers and a small vocabulary, bf16, random weights (no download). A step is
 forward + backward of the causal-LM loss on ``--tokens`` tokens (one sequence), gradients dropped after it (no
 optimizer). ``--checkpoint``: full activation checkpointing of every decoder layer — with
 ``megamoe.checkpoint_context`` for megamoe (its forward is not recomputed), plain for the others, as users run
-them. ``--compile``: ``torch.compile`` of every decoder layer. Medians of CUDA-event timings over ``--iters`` steps
-after warm-up; the JSON records the GPU, versions, date, commit and command. Without a GPU: one forward+backward
-of the tiny preset's model per implementation, its loss and gradients compared with the first's, and no timings.
+them; without it megamoe runs its saved-activation mode (``set_save_for_backward(model, "preact")``: the mode
+made for training without checkpointing). ``--compile-mode layers`` (or ``--compile``): ``torch.compile`` of every
+decoder layer; ``model``: of the whole model, ``fullgraph=True``. ``--matrix``: every cell of {no checkpointing,
+full checkpointing} x {layers, model} x ``--experts`` in one run; a cell that fails is recorded with its error and
+the run goes on. ``--experts sonicmoe``: transformers' own SonicMoE experts on the installed ``sonicmoe`` package
+(at QuACK's default GEMM config), where it imports.
+
+Each cell runs on a fresh copy of the model: medians of CUDA-event timings over ``--iters`` steps after 3 warm-up
+steps, the peak of allocated memory over all of them (the bf16 weights and gradients included, no optimizer state),
+the loss, and the seconds of the warm-up (compilation). The JSON (written after every cell, so that a run cut
+short keeps what it measured) records the GPU, versions, date, commit and command. Without a GPU:
+one forward+backward of the tiny preset's model (fp32; compiled with ``aot_eager``) per implementation, or per
+cell with ``--matrix``, its loss and gradients compared with the eager un-checkpointed first implementation's,
+and no timings.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 import megamoe
 from megamoe.bench.common import csv_of
-from megamoe.integrations.transformers import (
-    enable_activation_checkpointing,  # registers "megamoe" too
+from megamoe.integrations.transformers import (  # importing it registers "megamoe"
+    enable_activation_checkpointing,
+    set_save_for_backward,
 )
-from megamoe.models import ATTENTION, build
+from megamoe.models import (
+    ATTENTION,
+    COMPILE_MODES,
+    EXPERTS,
+    build,
+    compile_model,
+    experts_problem,
+)
 from megamoe.provenance import git_commit, source_digest, utc_now
 
-EXPERTS = ("megamoe", "grouped_mm", "eager")
+CHECKPOINTING = (False, True)  # the matrix's rows: no checkpointing, full checkpointing
 
 
-def prepared(model, experts: str, checkpoint: bool, compile_layers: bool):
-    """A copy of ``model`` with ``experts``'s implementation, checkpointing and compilation as asked."""
+def prepared(model, experts: str, checkpoint: bool, compile_mode: str | None, device=None):
+    """A copy of ``model`` (on ``device``) with ``experts``'s implementation, checkpointing and compilation as
+    asked; megamoe keeps its gate/up pre-activation where nothing is checkpointed."""
     model = copy.deepcopy(model)
+    if device is not None:
+        model = model.to(device)
     model.set_experts_implementation(experts)
     model.train()
     if checkpoint:  # megamoe under its own policy; the others plainly, as users run them
         enable_activation_checkpointing(model, megamoe.checkpoint_context if experts == "megamoe" else None)
-    if compile_layers:
-        for layer in model.model.layers:
-            layer.compile()
+    elif experts == "megamoe":
+        set_save_for_backward(model, "preact")
+    if compile_mode is not None:
+        compile_model(model, compile_mode)
     return model
 
 
@@ -69,15 +94,36 @@ def loss_and_grads(model, input_ids) -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), grads
 
 
-def check_on_cpu(experts: list[str], checkpoint: bool) -> int:
+def grad_diff(grads: dict, ref: dict) -> float:
+    """The largest difference of any parameter's gradient from ``ref``'s, relative to that parameter's largest
+    reference gradient (inf where a parameter is missing)."""
+    if grads.keys() != ref.keys():
+        return float("inf")
+    return max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for n, g in ref.items())
+
+
+def error_line(exc: BaseException) -> str:
+    """``exc`` in one line: its type and first line, and the next line where the first only introduces it
+    (``BackendCompilerFailed``: "backend='inductor' raised:")."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else "")
+    return f"{type(exc).__name__}: {text}"[:500]
+
+
+def cell_name(checkpoint: bool, compile_mode: str | None, experts: str) -> str:
+    saved = " (saved)" if experts == "megamoe" and not checkpoint else ""
+    return f"{'checkpointed' if checkpoint else 'no checkpointing'}, {compile_mode or 'eager'}, {experts}{saved}"
+
+
+def check_on_cpu(experts: list[str], checkpoint: bool, compile_mode: str | None = None) -> int:
     """Without a GPU: one forward+backward of the tiny preset's model (fp32) per implementation, its loss and
     gradients compared with the first implementation's. Returns the exit status (1 if they disagree)."""
     print(f"No CUDA GPU: timings need a GPU. Instead, one forward+backward of the tiny preset's model (fp32, "
-          f"32 tokens{', checkpointed' if checkpoint else ''}) per implementation: its loss, and its loss and "
-          f"gradients against {experts[0]}'s.")
+          f"32 tokens{', checkpointed' if checkpoint else ''}{f', compiled: {compile_mode}' if compile_mode else ''}"
+          f") per implementation: its loss, and its loss and gradients against {experts[0]}'s.")
     model = build("tiny", 2, 128, torch.float32, "cpu")
     input_ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
-    runs = {e: loss_and_grads(prepared(model, e, checkpoint, False), input_ids) for e in experts}
+    runs = {e: loss_and_grads(prepared(model, e, checkpoint, compile_mode), input_ids) for e in experts}
     first_loss, first_grads = runs[experts[0]]
     print(f"  {'experts':12s} {'loss':>10s} {'|loss diff|':>12s} {'max grad diff':>14s}  (per parameter, relative to its "
           "largest gradient)")
@@ -86,11 +132,9 @@ def check_on_cpu(experts: list[str], checkpoint: bool) -> int:
         if e == experts[0]:
             print(f"  {e:12s} {loss:10.6f}")
             continue
-        loss_diff = abs(loss - first_loss)
-        grad_diff = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
-                        for n, g in first_grads.items())
-        failed |= loss_diff > 1e-4 * abs(first_loss) or grad_diff > 1e-3 or grads.keys() != first_grads.keys()
-        print(f"  {e:12s} {loss:10.6f} {loss_diff:12.2e} {grad_diff:14.2e}")
+        loss_diff, diff = abs(loss - first_loss), grad_diff(grads, first_grads)
+        failed |= loss_diff > 1e-4 * abs(first_loss) or diff > 1e-3
+        print(f"  {e:12s} {loss:10.6f} {loss_diff:12.2e} {diff:14.2e}")
     if failed:
         print("FAILED: the implementations disagree (tolerance: 1e-4 relative for the loss, 1e-3 for gradients)")
         return 1
@@ -98,10 +142,14 @@ def check_on_cpu(experts: list[str], checkpoint: bool) -> int:
     return 0
 
 
-def timed(step, iters: int) -> float:
+def timed(step, iters: int) -> tuple[float, float]:
+    """(the median ms of ``iters`` steps, the seconds of the 3 warm-up steps before them: compilation, autotuning
+    and JIT builds)."""
+    begin = time.perf_counter()
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - begin
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -110,49 +158,185 @@ def timed(step, iters: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(times), warmup_s
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m megamoe.bench.model", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", choices=sorted(ATTENTION), default="qwen3-30b-a3b")
+def run_cell(base, experts: str, checkpoint: bool, compile_mode: str | None, input_ids, iters: int,
+             reference=None) -> dict:
+    """One cell on a fresh copy of ``base``: on a GPU its step time, peak memory and loss; on the CPU
+    (``reference``: the (loss, gradients) to compare with) its loss and its differences from the reference."""
+    # Each cell compiles its own copy: without a reset dynamo counts the copies' layers as recompiles of one
+    # frame, and past its recompile limit it runs the rest eagerly, with only a warning.
+    torch._dynamo.reset()
+    result = {"experts": experts, "checkpoint": checkpoint, "compile_mode": compile_mode}
+    if experts == "megamoe":
+        result["megamoe_save_for_backward"] = "none" if checkpoint else "preact"
+    model = prepared(base, experts, checkpoint, compile_mode, input_ids.device)
+    if input_ids.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        ms, warmup_s = timed(step_fn(model, input_ids), iters)
+        result.update(step_ms=ms, tokens_per_s=input_ids.numel() / ms * 1e3, warmup_s=warmup_s,
+                      peak_mem_bytes=torch.cuda.max_memory_allocated(),
+                      loss=step_fn(model, input_ids)().item())
+    else:
+        loss, grads = loss_and_grads(model, input_ids)
+        result.update(loss=loss, loss_diff=abs(loss - reference[0]), grad_diff=grad_diff(grads, reference[1]))
+    return result
+
+
+def run_cells(base, cells, input_ids, iters: int, write, reference=None) -> list[dict]:
+    """Every cell of ``cells`` ((checkpoint, compile mode, experts)) with :func:`run_cell`; a cell that raises is
+    recorded with its error (one line) and the next one runs. ``write(results)`` after every cell."""
+    results = []
+    for checkpoint, compile_mode, experts in cells:
+        name = cell_name(checkpoint, compile_mode, experts)
+        try:
+            result = run_cell(base, experts, checkpoint, compile_mode, input_ids, iters, reference)
+        except Exception as exc:  # noqa: BLE001 -- a cell's failure is a result of the matrix
+            result = {"experts": experts, "checkpoint": checkpoint, "compile_mode": compile_mode,
+                      "error": error_line(exc)}
+            print(f"  {name:48s} FAILED: {result['error']}", flush=True)
+        else:
+            if "step_ms" in result:
+                print(f"  {name:48s} step {result['step_ms']:8.3f} ms  {result['tokens_per_s']:10.0f} tokens/s  "
+                      f"peak {result['peak_mem_bytes'] / 2**30:6.2f} GiB  loss {result['loss']:.4f}", flush=True)
+            else:
+                print(f"  {name:48s} loss {result['loss']:.6f}  |loss diff| {result['loss_diff']:.2e}  max grad "
+                      f"diff {result['grad_diff']:.2e}", flush=True)
+        results.append(result)
+        gc.collect()  # the cell's model and compiled graphs, before the next cell measures its peak
+        if input_ids.is_cuda:
+            torch.cuda.empty_cache()
+        write(results)
+    return results
+
+
+def table(results: list[dict], experts: list[str]) -> str:
+    """The results as a markdown table: a row per (checkpointing, compile mode), a column per implementation,
+    each cell "step ms, peak GiB" (GPU), "loss" (CPU) or "failed"."""
+    rows = {}
+    for r in results:
+        row = rows.setdefault((r["checkpoint"], r["compile_mode"]), {})
+        if "error" in r:
+            row[r["experts"]] = "failed"
+        elif r.get("step_ms") is not None:
+            row[r["experts"]] = f"{r['step_ms']:.1f} ms, {r['peak_mem_bytes'] / 2**30:.1f} GiB"
+        else:
+            row[r["experts"]] = f"loss {r['loss']:.4f}"
+    heads = [f"{e} (saved / helper)" if e == "megamoe" else e for e in experts]
+    lines = ["| checkpointing | compiled | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(experts)]
+    for (checkpoint, compile_mode), row in rows.items():
+        lines.append(f"| {'full' if checkpoint else 'none'} | {compile_mode or 'no'} | "
+                     + " | ".join(row.get(e, "") for e in experts) + " |")
+    return "\n".join(lines)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and each argument's default where it has one (not for flags)."""
+
+    def _get_help_string(self, action):
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parse_args(argv=None, cuda: bool | None = None):
+    """The parsed arguments; those that cannot run here (``cuda``: whether a GPU runs this; default: whether one
+    is visible) end the program with one line, before any model is built."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench.model", description=__doc__,
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--preset", choices=sorted(ATTENTION), default="qwen3-30b-a3b", help="layer dimensions")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per step (one sequence)")
     p.add_argument("--vocab", type=int, default=32768, help="vocabulary size")
-    p.add_argument("--experts", type=csv_of(EXPERTS), default="megamoe,grouped_mm", help=f"from {EXPERTS}")
-    p.add_argument("--checkpoint", action="store_true", help="full activation checkpointing of every layer")
-    p.add_argument("--compile", action="store_true", help="torch.compile every decoder layer")
-    p.add_argument("--iters", type=int, default=10, help="timed steps per implementation")
+    p.add_argument("--experts", type=csv_of(EXPERTS), default="megamoe,grouped_mm",
+                   help=f"from {EXPERTS} (sonicmoe: where `import sonicmoe` works, on a GPU)")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="full activation checkpointing of every layer (without it megamoe keeps its gate/up "
+                        "pre-activation, save_for_backward='preact')")
+    p.add_argument("--compile-mode", choices=COMPILE_MODES,
+                   help="torch.compile each decoder layer (layers) or the whole model, fullgraph (model)")
+    p.add_argument("--compile", dest="compile_mode", action="store_const", const="layers",
+                   help="the same as --compile-mode layers")
+    p.add_argument("--matrix", action="store_true",
+                   help="every cell of {no checkpointing, full} x {layers, model} x --experts (failed cells are "
+                        "recorded with their error)")
+    p.add_argument("--iters", type=int, default=10, help="timed steps per cell")
     p.add_argument("--out", default="benchmarks/out", help="folder for the JSON")
     args = p.parse_args(argv)
+    if args.matrix and (args.checkpoint or args.compile_mode):
+        p.error("--matrix runs every checkpointing and compile mode: leave out --checkpoint, --compile and "
+                "--compile-mode")
+    problem = experts_problem(args.experts, cuda)
+    if problem:
+        p.error(problem)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     cuda = torch.cuda.is_available()
-    if not cuda:
-        if check_on_cpu(args.experts, args.checkpoint):
+    if args.matrix:
+        cells = [(c, m, e) for c in CHECKPOINTING for m in COMPILE_MODES for e in args.experts]
+    else:
+        cells = [(args.checkpoint, args.compile_mode, e) for e in args.experts]
+    if not cuda and not args.matrix:
+        if check_on_cpu(args.experts, args.checkpoint, args.compile_mode):
             sys.exit(1)
         return
-    import triton
+    if cuda:
+        import triton
 
-    device = torch.device("cuda")
-    model = build(args.preset, args.layers, args.vocab, torch.bfloat16, device)
-    input_ids = torch.randint(0, args.vocab, (1, args.tokens), device=device,
-                              generator=torch.Generator(device=device).manual_seed(0))
-    results = []
-    for experts in args.experts:
-        ms = timed(step_fn(prepared(model, experts, args.checkpoint, args.compile), input_ids), args.iters)
-        results.append({"experts": experts, "step_ms": ms, "tokens_per_s": args.tokens / ms * 1e3})
-        print(f"  {experts:12s} step {ms:8.3f} ms  {args.tokens / ms * 1e3:10.0f} tokens/s", flush=True)
-    info = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"),
-            "command": "python -m megamoe.bench.model " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-            "preset": args.preset, "layers": args.layers, "tokens": args.tokens, "vocab": args.vocab,
-            "checkpoint": args.checkpoint, "compile": args.compile,
-            "parameters": sum(p.numel() for p in model.parameters()), "results": results}
+        device, dtype, preset, layers, vocab, tokens = torch.device("cuda"), torch.bfloat16, args.preset, \
+            args.layers, args.vocab, args.tokens
+        versions = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                    "triton": triton.__version__}
+    else:
+        print(f"No CUDA GPU: timings need a GPU. Instead, every cell's forward+backward of the tiny preset's model "
+              f"(fp32, 32 tokens; compiled with aot_eager), its loss and gradients against {args.experts[0]}'s "
+              f"eager, un-checkpointed run.")
+        device, dtype, preset, layers, vocab, tokens = torch.device("cpu"), torch.float32, "tiny", 2, 128, 32
+        versions = {"gpu": None, "torch": torch.__version__}
+    # The model stays on the CPU; each cell moves its own copy to the device, so that a cell's peak memory is
+    # its own model's.
+    base = build(preset, layers, vocab, dtype, "cpu")
+    input_ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    reference = None if cuda else loss_and_grads(prepared(base, args.experts[0], False, None), input_ids)
+    info = {**versions, "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"),
+            "command": "python -m megamoe.bench.model " + " ".join(shlex.quote(a) for a in
+                                                                  (sys.argv[1:] if argv is None else argv)),
+            "preset": preset, "layers": layers, "tokens": tokens, "vocab": vocab, "dtype": str(dtype),
+            "matrix": args.matrix, "iters": args.iters if cuda else None,
+            "parameters": sum(p.numel() for p in base.parameters()),
+            "peak_mem": "the most memory allocated during a cell's timed steps: its model's weights and gradients "
+                        "included, no optimizer state",
+            "sonicmoe_gemm_config": "QuACK default (pinned)" if "sonicmoe" in args.experts else None}
+    if not args.matrix:
+        info.update(checkpoint=args.checkpoint, compile_mode=args.compile_mode)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"model-{args.preset}-l{args.layers}-t{args.tokens}{'-ckpt' if args.checkpoint else ''}.json"
-    path.write_text(json.dumps(info, indent=1) + "\n")
+    if args.matrix:
+        path = out / f"model-{preset}-l{layers}-t{tokens}-matrix-{'-'.join(args.experts)}.json"
+    else:
+        path = out / (f"model-{preset}-l{layers}-t{tokens}{'-ckpt' if args.checkpoint else ''}"
+                      f"{'-wholemodel' if args.compile_mode == 'model' else ''}.json")
+
+    def write(results):
+        path.write_text(json.dumps({**info, "results": results}, indent=1) + "\n")
+
+    results = run_cells(base, cells, input_ids, args.iters, write, reference)
+    print(table(results, args.experts))
     print(f"wrote {path}")
+    if not cuda:
+        bad = [r for r in results if "error" not in r and (r["loss_diff"] > 1e-4 * abs(reference[0])
+                                                            or r["grad_diff"] > 1e-3)]
+        if bad:
+            print("FAILED: these cells disagree with the reference (tolerance: 1e-4 relative for the loss, 1e-3 "
+                  "for gradients): " + "; ".join(cell_name(r["checkpoint"], r["compile_mode"], r["experts"])
+                                                  for r in bad))
+            sys.exit(1)
 
 
 if __name__ == "__main__":
