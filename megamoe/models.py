@@ -67,6 +67,20 @@ def _not_importable(exc: ImportError) -> str:
     return f"--experts sonicmoe: SonicMoE is not importable ({first}); {SONICMOE_INSTALL}"
 
 
+def pin_quack_default_configs() -> None:
+    """SonicMoE's GEMMs at QuACK's default config: QuACK autotunes every GEMM shape on first use, which took longer
+    than 9 minutes for one layer shape on the H200. ``ImportError`` where SonicMoE or QuACK is not importable."""
+    import quack.gemm_interface as qgi
+    import sonicmoe.functional as f0
+    import sonicmoe.functional.backward as f2
+    import sonicmoe.functional.forward as f1
+
+    for module in (f0, f1, f2):
+        for name in ("gemm", "gemm_gated", "gemm_dgated"):
+            if hasattr(module, name):
+                setattr(module, name, functools.partial(getattr(qgi, name), tuned=False))
+
+
 def use_installed_sonicmoe() -> None:
     """Makes transformers' ``experts_implementation="sonicmoe"`` run the installed ``sonicmoe`` package (at QuACK's
     default GEMM config) instead of the build transformers fetches from the hub, which needs the network and a
@@ -81,19 +95,11 @@ def use_installed_sonicmoe() -> None:
     except ImportError as exc:
         raise ImportError(_not_importable(exc)) from None
     try:
-        import quack.gemm_interface as qgi
-        import sonicmoe.functional as f0
-        import sonicmoe.functional.backward as f2
-        import sonicmoe.functional.forward as f1
         from sonicmoe.enums import ActivationType
+
+        pin_quack_default_configs()
     except ImportError as exc:
         raise ImportError(_not_importable(exc)) from None
-    # QuACK autotunes every GEMM shape on first use, which took longer than 9 minutes for one layer shape on the
-    # H200: pin its default config, as the layer benchmark does.
-    for module in (f0, f1, f2):
-        for name in ("gemm", "gemm_gated", "gemm_dgated"):
-            if hasattr(module, name):
-                setattr(module, name, functools.partial(getattr(qgi, name), tuned=False))
     run = sonicmoe.moe_general_routing_inputs
 
     # dynamo cannot trace SonicMoE's CuTe DSL launches: the call runs eagerly (a graph break under per-layer

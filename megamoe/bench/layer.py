@@ -44,6 +44,7 @@ from megamoe.bench.common import (
 )
 from megamoe.env import interpreting
 from megamoe.kernels.tuning import autotune_enabled
+from megamoe.models import pin_quack_default_configs
 
 IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "sonicmoe", "megamoe", "megamoe_saved",
          "megamoe_cudagraph", "megamoe_fp8", "megamoe_fp8_saved", "grouped_mm_fp8", "grouped_mm_fp8_compiled")
@@ -81,20 +82,14 @@ def sonicmoe_moe(autotune: bool) -> Callable | None:
     where it is not importable. ``autotune=False`` pins QuACK's GEMMs to their default config (its autotuning
     of one layer shape outlasts a 10-minute run on the H200); the result records which ran."""
     try:
-        import quack.gemm_interface as qgi
-        import sonicmoe.functional as f0
-        import sonicmoe.functional.backward as f2
-        import sonicmoe.functional.forward as f1
         from sonicmoe import moe_general_routing_inputs
         from sonicmoe.enums import ActivationType
+
+        if not autotune:
+            pin_quack_default_configs()
     except ImportError as exc:
         print(f"  sonicmoe: skipped, not importable ({exc}); install sonic-moe and its pinned QuACK / CUTLASS DSL")
         return None
-    if not autotune:
-        for module in (f0, f1, f2):
-            for name in ("gemm", "gemm_gated", "gemm_dgated"):
-                if hasattr(module, name):
-                    setattr(module, name, functools.partial(getattr(qgi, name), tuned=False))
 
     def fn(x, topk_idx, topk_weights, w13, w2):
         num_tokens, top_k = topk_idx.shape
