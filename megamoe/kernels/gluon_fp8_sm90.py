@@ -284,11 +284,7 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
             gl.store(out_ptr + out_rows[:, None] * N_OUT + cols[None, :], out,
                      mask=rmask[:, None] & (cols < N_OUT)[None, :])
         else:  # all 64 rows past the expert: hand the stages back untouched
-            for k in range(0, K, BK):
-                s = step % STAGES
-                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-                mbarrier.arrive(empty.index(s), count=1)
-                step += 1
+            step = _pass_stages(ready, empty, step, K, BK)
 
 
 @gluon.jit
@@ -502,11 +498,20 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                 _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N,
                                     I, PREACT, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
-            for k in range(0, D, BK):
-                s = step % STAGES
-                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-                mbarrier.arrive(empty.index(s), count=1)
-                step += 1
+            step = _pass_stages(ready, empty, step, D, BK)
+
+
+@gluon.jit
+def _pass_stages(ready, empty, step, K, BK: gl.constexpr):
+    """A warpgroup with no rows in a block: wait for each of the block's K-steps and hand its stage back unread (the
+    loader filled it for both warpgroups); returns the next ring step."""
+    STAGES: gl.constexpr = empty.type.shape[0]
+    for _ in range(0, K, BK):
+        s = step % STAGES
+        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+        mbarrier.arrive(empty.index(s), count=1)
+        step += 1
+    return step
 
 
 @gluon.jit
