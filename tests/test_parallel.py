@@ -114,6 +114,8 @@ def _worker(rank, num_ranks, init_file, test):
                 check_same_on_every_rank(group, hidden_size=64 + rank, dtype=torch.bfloat16)
         elif test == "fsdp":
             check_fsdp(rank, num_ranks, "cpu")
+        elif test == "fsdp_fp8":
+            check_fsdp(rank, num_ranks, "cpu", precision="fp8")
         elif test == "fsdp_gpu":
             check_fsdp(rank, num_ranks, f"cuda:{rank}")
         elif test == "ep_fsdp":
@@ -166,19 +168,24 @@ def check_ep_selection(group):
         megamoe.moe(*local, group=group, comm_sms=4)  # the all-to-all path sends through NCCL
 
 
-def check_fsdp(rank, num_ranks, device):
+def check_fsdp(rank, num_ranks, device, precision="bf16"):
     """A transformers Qwen3-MoE model with megamoe experts under FSDP2 (each decoder layer and the root
     ``fully_shard``-ed, so the expert weights are sharded over the ranks along the expert dimension), each rank on
     its own batches: two SGD steps leave every parameter where one process's model gets on the mean loss of all
-    ranks' batches. On ``device`` (gloo on CPU, NCCL on GPUs: the model's parameters are DTensors there too)."""
+    ranks' batches. On ``device`` (gloo on CPU, NCCL on GPUs: the model's parameters are DTensors there too).
+    ``precision="fp8"``: the experts' FP8 weight copies are remade after the first step (FSDP2 all-gathers the
+    updated weights into the same unsharded parameters, behind their version counters: a stale copy would run the
+    second step on the first step's weights)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
-    import megamoe.integrations.transformers  # noqa: F401  (registers experts_implementation="megamoe")
+    import megamoe.integrations.transformers as hf_megamoe
     from tests.test_integrations import tiny_model
 
-    ref = tiny_model(device=device)
+    sizes = {"hidden_size": 128, "moe_intermediate_size": 128} if precision == "fp8" else {}
+    ref = tiny_model(device=device, **sizes)
     ref.set_experts_implementation("megamoe")
+    hf_megamoe.set_precision(ref, precision)
     model = copy.deepcopy(ref)
     for layer in model.model.layers:
         fully_shard(layer)
@@ -358,6 +365,10 @@ def test_ranks_that_disagree_on_the_layer_are_refused():
 
 def test_fsdp2_with_megamoe_experts_equals_one_process():
     spawn("fsdp", 2)
+
+
+def test_fsdp2_with_megamoe_fp8_experts_equals_one_process():
+    spawn("fsdp_fp8", 2)
 
 
 def test_expert_parallelism_composes_with_fsdp2():
