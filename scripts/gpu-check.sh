@@ -4,6 +4,8 @@
 #   bash scripts/gpu-check.sh loopback     pytest -m loopback: the fused EP protocol on virtual ranks of this GPU
 #   bash scripts/gpu-check.sh layer [P..]  the layer benchmark on the README's problems P: 30b, 235b (16k tokens,
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
+#   bash scripts/gpu-check.sh fp8          blockwise FP8: its GPU tests, each kernel (python -m tools.fp8), the 30B and
+#                                          235B layers beside bf16, the FP8 baseline and SonicMoE (each its own limit)
 #   bash scripts/gpu-check.sh model [E..]  a transformers Qwen3-MoE model's training step (python -m megamoe.bench.model
 #                                          --matrix): {no checkpointing, full} x {each layer compiled, whole model} x
 #                                          experts E (default megamoe,grouped_mm and sonicmoe where it imports, one
@@ -17,7 +19,7 @@
 # Every GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv beside the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|model [EXPERTS ...]|train|ep}
+stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|fp8|model [EXPERTS ...]|train|ep}
 shift
 out=${GPU_CHECK_OUT:-benchmarks/out/gpu-check}
 mkdir -p "$out"
@@ -74,6 +76,23 @@ layer)
     done
     exit "$rc"
     ;;
+fp8)
+    # Blockwise FP8: its GPU tests, then each kernel against the dense FP8 matmul (both issue patterns, both weight
+    # gradients: what decides gluon_fp8_sm90.ISSUE_AHEAD and autograd.FP8_WGRAD), then the layer beside bf16, the FP8
+    # baseline and SonicMoE where it imports.
+    sonic=
+    "$PY" -c "import sonicmoe" 2> /dev/null && sonic=sonicmoe,
+    step fp8-tests 580 "${py[@]}" -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8.py tests/test_gluon_fp8.py \
+        tests/test_reference_fp8.py || exit $?
+    step fp8-kernels 300 "${py[@]}" -m tools.fp8 --preset qwen3-30b-a3b --out "$out/results" || exit $?
+    rc=0
+    for preset in qwen3-30b-a3b qwen3-235b-a22b; do
+        step "fp8-layer-$preset" 590 "${py[@]}" -m megamoe.bench --preset "$preset" --routing random,skewed \
+            --impls "grouped_mm_fp8_compiled,${sonic}megamoe,megamoe_saved,megamoe_fp8,megamoe_fp8_saved" \
+            --out "$out/results" || rc=$?
+    done
+    exit "$rc"
+    ;;
 model)
     sonic=
     "$PY" -c "import sonicmoe" 2> /dev/null && sonic=,sonicmoe  # at QuACK's default GEMM config
@@ -117,7 +136,7 @@ ep)
         --preset qwen3-30b-a3b,qwen3-235b-a22b --tokens 16384 --routing random,skewed --comm-sms 32 --out "$out/results"
     ;;
 *)
-    echo "unknown stage $stage: tests, loopback, layer, model, train or ep" >&2
+    echo "unknown stage $stage: tests, loopback, layer, fp8, model, train or ep" >&2
     exit 2
     ;;
 esac
