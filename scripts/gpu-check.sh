@@ -4,8 +4,8 @@
 #   bash scripts/gpu-check.sh loopback     pytest -m loopback: the fused EP protocol on virtual ranks of this GPU
 #   bash scripts/gpu-check.sh layer [P..]  the layer benchmark on the README's problems P: 30b, 235b (16k tokens,
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
-#   bash scripts/gpu-check.sh fp8          blockwise FP8: its GPU tests, each kernel (python -m tools.fp8), the 30B and
-#                                          235B layers beside bf16, the FP8 baseline and SonicMoE (each its own limit)
+#   bash scripts/gpu-check.sh fp8 [P..]    blockwise FP8 in parts P: tests, kernels (python -m tools.fp8), 30b, 235b
+#                                          (the layer beside bf16, the FP8 baseline and SonicMoE); default all four
 #   bash scripts/gpu-check.sh model [E..]  a transformers Qwen3-MoE model's training step (python -m megamoe.bench.model
 #                                          --matrix): {no checkpointing, full} x {each layer compiled, whole model} x
 #                                          experts E (default megamoe,grouped_mm and sonicmoe where it imports, one
@@ -19,7 +19,7 @@
 # Every GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv beside the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|fp8|model [EXPERTS ...]|train|ep}
+stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|ep}
 shift
 out=${GPU_CHECK_OUT:-benchmarks/out/gpu-check}
 mkdir -p "$out"
@@ -77,19 +77,25 @@ layer)
     exit "$rc"
     ;;
 fp8)
-    # Blockwise FP8: its GPU tests, then each kernel against the dense FP8 matmul (both issue patterns, both weight
-    # gradients: what decides gluon_fp8_sm90.ISSUE_AHEAD and autograd.FP8_WGRAD), then the layer beside bf16, the FP8
-    # baseline and SonicMoE where it imports.
+    # Blockwise FP8, in parts P (default all four, in order): tests (its GPU tests), kernels (each kernel against the
+    # dense FP8 matmul, both issue patterns and both weight gradients: what decides gluon_fp8_sm90.ISSUE_AHEAD and
+    # autograd.FP8_WGRAD), 30b and 235b (the layer beside bf16, the FP8 baseline and SonicMoE where it imports).
     sonic=
     "$PY" -c "import sonicmoe" 2> /dev/null && sonic=sonicmoe,
-    step fp8-tests 580 "${py[@]}" -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8.py tests/test_gluon_fp8.py \
-        tests/test_reference_fp8.py || exit $?
-    step fp8-kernels 300 "${py[@]}" -m tools.fp8 --preset qwen3-30b-a3b --out "$out/results" || exit $?
+    parts=("$@")
+    [ "$#" -eq 0 ] && parts=(tests kernels 30b 235b)
     rc=0
-    for preset in qwen3-30b-a3b qwen3-235b-a22b; do
-        step "fp8-layer-$preset" 590 "${py[@]}" -m megamoe.bench --preset "$preset" --routing random,skewed \
-            --impls "grouped_mm_fp8_compiled,${sonic}megamoe,megamoe_saved,megamoe_fp8,megamoe_fp8_saved" \
-            --out "$out/results" || rc=$?
+    for part in "${parts[@]}"; do
+        case $part in
+        tests) step fp8-tests 580 "${py[@]}" -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8.py \
+                   tests/test_gluon_fp8.py tests/test_reference_fp8.py || rc=$? ;;
+        kernels) step fp8-kernels 300 "${py[@]}" -m tools.fp8 --preset qwen3-30b-a3b --out "$out/results" || rc=$? ;;
+        30b|235b) preset=$([ "$part" = 30b ] && echo qwen3-30b-a3b || echo qwen3-235b-a22b)
+            step "fp8-layer-$part" 590 "${py[@]}" -m megamoe.bench --preset "$preset" --routing random,skewed \
+                --impls "grouped_mm_fp8_compiled,${sonic}megamoe,megamoe_saved,megamoe_fp8,megamoe_fp8_saved" \
+                --out "$out/results" || rc=$? ;;
+        *) echo "unknown fp8 part $part: tests, kernels, 30b or 235b" >&2; exit 2 ;;
+        esac
     done
     exit "$rc"
     ;;
