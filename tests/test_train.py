@@ -187,15 +187,15 @@ def test_load_balancing_loss_is_transformers(dtype):
     torch.testing.assert_close(train.load_balancing_loss(logits, 8, 2), expected, rtol=1e-6, atol=0)
 
 
-def test_whole_model_compiled_trains_as_eager(runs, corpus):
-    """``--compile-mode model`` (the whole model in one graph, fullgraph; ``aot_eager`` on CPU), checkpointed,
-    with the routers' auxiliary loss: the same losses as the eager run, step by step. grouped_mm experts: megamoe's
-    checkpoint helper does not compile yet."""
+@pytest.mark.parametrize("experts", ["megamoe", "grouped_mm"])
+def test_whole_model_compiled_trains_as_eager(runs, corpus, experts):
+    """``--compile-mode model`` (the whole model in one graph, fullgraph; ``aot_eager`` on CPU), checkpointed (megamoe
+    under its helper), with the routers' auxiliary loss: the same losses as the eager run, step by step."""
     out, results, _ = runs
-    run = train.main(args_for(corpus, out, "grouped_mm", "--compile-mode", "model", "--stop-after", "2",
-                              "--no-checkpoint", "--name", "grouped_mm-whole-model"))
+    run = train.main(args_for(corpus, out, experts, "--compile-mode", "model", "--stop-after", "2",
+                              "--no-checkpoint", "--name", f"{experts}-whole-model"))
     assert run["compile_mode"] == "model" and len(run["losses"]) == 2
-    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(results["grouped_mm"]["losses"][:2]),
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(results[experts]["losses"][:2]),
                                rtol=1e-5, atol=1e-6)
 
 
