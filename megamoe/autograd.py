@@ -146,7 +146,7 @@ class _FusedMoE(torch.autograd.Function):
         x, topk_idx, topk_weights, w13, w2, *rest = ctx.saved_tensors
         plan, preact = (rest[:-1], rest[-1]) if ctx.save_preact else (rest, None)
         dx, dweight, dw13, dw2 = _backward_body(ctx.fp8)(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan,
-                                                    preact=preact)
+                                                         preact=preact)
         return dx, None, dweight, dw13, dw2, None, None
 
 
@@ -182,7 +182,7 @@ def _experts_fwd_saved(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: T
                        ) -> tuple[Tensor, Tensor]:
     preact = preact_buffer(x, topk_idx, w13)
     return _forward_body(fp8)(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row,
-                         preact=preact), preact
+                              preact=preact), preact
 
 
 @_experts_fwd_saved.register_fake
@@ -195,7 +195,7 @@ def _experts_bwd(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, 
                  offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, preact: Tensor | None,
                  fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _backward_body(fp8)(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row,
-                          preact=preact)
+                               preact=preact)
 
 
 @_experts_bwd.register_fake
