@@ -110,9 +110,9 @@ def main(argv=None) -> None:
     rows_gemms = (("down", (expert_fwd.DOWN_FP8, hq, hs, w2q, w2s, flat_weights), down_flops, (rows, dim, inter)),
                   ("dh'", (expert_bwd.DH_FP8, dyq, dys, w2tq, w2ts, None), down_flops, (rows, inter, dim)),
                   ("dx", (expert_bwd.DX_FP8, dzq, dzs, w13tq, w13ts, None), up_flops, (rows, dim, 2 * inter)))
-    for name, args, flops, dense in rows_gemms:
-        stages += [(name, rows_gemm(*args), flops, None, dense),
-                   (name + " (issue-ahead)", rows_gemm(*args, issue_ahead=True), flops, None, dense)]
+    for name, operands, flops, dense in rows_gemms:
+        stages += [(name, rows_gemm(*operands), flops, None, dense),
+                   (name + " (issue-ahead)", rows_gemm(*operands, issue_ahead=True), flops, None, dense)]
     stages += [
         ("wgrad: quantize 128x1 (N, D)", lambda: quant.quantize_tile_cols(x_sorted, plan), None, tile_cols_bytes(dim),
          None),
