@@ -37,9 +37,9 @@ from megamoe.kernels.plan import Plan, build_plan, num_tiles
 from megamoe.kernels.quant import fp8_weight, quantize_rows
 
 # The FP8 path's weight gradients in FP8 too (DeepSeek-V3's recipe: both operands re-quantised 128x1 along the
-# tokens from their rows in x's dtype, ``expert_bwd.expert_wgrad_fp8``) instead of bf16 GEMMs on those rows. Off
-# until it measures faster on the H200 (``python -m tools.fp8`` times both); ``MEGAMOE_FP8_WGRAD=1`` sets it at
-# import, and the backward reads it at every call.
+# tokens from their rows in x's dtype, ``expert_bwd.expert_wgrad_fp8``) instead of bf16 GEMMs on those rows. Off:
+# on the H200 it is slower (``python -m tools.fp8``: the four quantisations cost more than the FP8 GEMMs save;
+# docs/PERFORMANCE.md). ``MEGAMOE_FP8_WGRAD=1`` sets it at import, and the backward reads it at every call.
 FP8_WGRAD = fp8_wgrad_requested()
 
 

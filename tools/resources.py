@@ -46,7 +46,7 @@ FP8_KERNELS = {"up_fp8": expert_fwd.UP_FP8, "down_fp8": expert_fwd.DOWN_FP8, "dh
 # The Gluon FP8 kernels as their launchers compile them: (report name, ``gluon_fp8_sm90.KERNELS`` name, variant).
 FP8_WS_VARIANTS = (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}), ("fp8_up_ws", "fp8_up", {"preact": True}),
                    ("fp8_wgrad_ws", "fp8_wgrad", {}),
-                   # the issue-ahead pattern (gluon_fp8_sm90.ISSUE_AHEAD), beside today's until the GPU has timed both
+                   # the other issue pattern of each (gluon_fp8_sm90.ROWS_ISSUE_AHEAD, UP_ISSUE_AHEAD)
                    ("fp8_rows_ws", "fp8_rows", {"issue_ahead": True}), ("fp8_up_ws", "fp8_up", {"issue_ahead": True}),
                    ("fp8_up_ws", "fp8_up", {"preact": True, "issue_ahead": True}))
 _FP8_POINTER_TYPES = {"out_ptr": "*bf16", "preact_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",

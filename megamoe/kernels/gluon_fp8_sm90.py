@@ -95,12 +95,14 @@ ROWS_LOADER_REGS = 40
 UP_MATH_REGS = 216
 UP_LOADER_REGS = 72  # 8 gathered 16-byte chunks per thread and step: pointers and masks
 FP8_MAX = gl.constexpr(448.0)  # largest finite float8_e4m3fn
-# The MMA warpgroups' issue pattern, both kernels. False: per K-block MMA, wait, free the stage, promote; a
+# The MMA warpgroups' issue pattern, per kernel. False: per K-block MMA, wait, free the stage, promote; a
 # warpgroup's promotion overlaps only the other warpgroup's MMA. True: the next block's MMA is issued before this
 # block's is waited on (two temporaries in flight per warpgroup; the up kernel, without the registers for two
 # 64 x 128 temporaries, runs its MMAs as 64-column chains instead), so each warpgroup keeps the tensor cores busy
-# through its own promotions. The default stays False until the GPU has timed both (docs/PERFORMANCE.md).
-ISSUE_AHEAD = False
+# through its own promotions. Measured on the H200 (``python -m tools.fp8``, docs/PERFORMANCE.md): issue-ahead makes
+# the sorted-rows GEMMs 3-5% faster and the up kernel 2-5% slower (its 64-column chains read x's rows twice as often).
+ROWS_ISSUE_AHEAD = True
+UP_ISSUE_AHEAD = False
 
 
 @gluon.constexpr_function
@@ -768,11 +770,12 @@ def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
 
 def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                      plan, *, weights: torch.Tensor | None = None, to_slots: bool = False,
-                     issue_ahead: bool = ISSUE_AHEAD) -> None:
+                     issue_ahead: bool = ROWS_ISSUE_AHEAD) -> None:
     """out (M, N) bf16 = the blockwise-dequantised a (M, K) in sorted rows times each row's expert weight
     w[e] (E, N, K)ᵀ, through ``_fp8_rows_ws_kernel``; row r into row ``plan.row_slot_N[r]`` if ``to_slots``, else
     r; times ``weights[row_slot[r]]`` (fp32, (M,) by slot) if given. Only the plan's routed rows are written.
-    ``issue_ahead``: each warpgroup issues the next K-block's MMA before promoting the last (see ``ISSUE_AHEAD``).
+    ``issue_ahead``: each warpgroup issues the next K-block's MMA before promoting the last (see
+    ``ROWS_ISSUE_AHEAD``).
 
     a_q (M, K) float8_e4m3fn contiguous, a_s (K // 128, M) fp32 contiguous, w_q (E, N, K) float8_e4m3fn
     contiguous, w_s (E, N // 128, K // 128) fp32 contiguous; K and N multiples of 128; M >= 1; an sm90 GPU;
@@ -788,17 +791,18 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
         offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, M=num_rows,
         N_OUT=n_out, K=k_dim, E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
-        WEIGHTED=weights is not None, TO_SLOTS=to_slots, ISSUE_AHEAD=issue_ahead, STAGES=ROWS_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
+        WEIGHTED=weights is not None, TO_SLOTS=to_slots, ISSUE_AHEAD=issue_ahead, STAGES=ROWS_STAGES,
+        LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
 def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
                      h_q: torch.Tensor, h_s: torch.Tensor, plan, top_k: int, preact: torch.Tensor | None = None, *,
-                     issue_ahead: bool = ISSUE_AHEAD) -> None:
+                     issue_ahead: bool = UP_ISSUE_AHEAD) -> None:
     """h = silu(x W1gᵀ) * (x W1uᵀ) for the plan's sorted rows (row r: token ``row_slot[r] // top_k``), blockwise
     dequantised operands, through ``_fp8_up_ws_kernel``; quantised per row and 128 columns into h_q (N, I)
     float8_e4m3fn and h_s (I // 128, N) fp32; with ``preact`` (N, 2I) bf16 also g and u. Only the routed
-    rows are written. ``issue_ahead``: the MMA warpgroups' issue pattern (see ``ISSUE_AHEAD``).
+    rows are written. ``issue_ahead``: the MMA warpgroups' issue pattern (see ``UP_ISSUE_AHEAD``).
 
     x_q (T, D) float8_e4m3fn, x_s (D // 128, T) fp32, w13_q (E, 2I, D) float8_e4m3fn (gate rows then up
     rows), w13_s (E, 2I // 128, D // 128) fp32, all contiguous; D and I multiples of 128; an sm90 GPU."""
@@ -847,19 +851,22 @@ KERNELS = {"fp8_rows": _fp8_rows_ws_kernel, "fp8_up": _fp8_up_ws_kernel, "fp8_wg
 
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
-                sizes_divisible: bool = True, issue_ahead: bool = ISSUE_AHEAD):
+                sizes_divisible: bool = True, issue_ahead: bool | None = None):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
     launchers' asserts make multiples of 128, are specialised as 16-divisible, as Triton does at run time.
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
-    kernel's saved-activation variant; ``issue_ahead``: either kernel's issue pattern (``ISSUE_AHEAD``)."""
+    kernel's saved-activation variant; ``issue_ahead``: either kernel's issue pattern (``None``: its default,
+    ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(block):
         return f"tensordesc<fp8e4nv[{', '.join(map(str, block))}],{_fp8_layout(tuple(block))}>"
 
+    if issue_ahead is None:
+        issue_ahead = ROWS_ISSUE_AHEAD if name == "fp8_rows" else UP_ISSUE_AHEAD
     common = {"EB": 128, "TILE_M": BLOCK_M, "ISSUE_AHEAD": issue_ahead, "num_warps": MATH_WARPS}
     if name == "fp8_rows":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, FP8_BN, FP8_BK]}
