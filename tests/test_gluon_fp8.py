@@ -120,16 +120,13 @@ GPU_CASES = [
 # Bound on the bf16 output's rounding, relative and norm-wise (2^-9 per element at most): added to the 1e-3
 # allowed for the FP8 accumulation where the output is bf16.
 BF16_ROUNDING = 2.0 ** -9
-# The MMA warpgroups' schedules, (issue_ahead, lag): in phase the plain way, issued ahead, and with the second
-# warpgroup trailing (``gluon_fp8_sm90._stagger``; the "one" and "empty" cases make it pass whole blocks).
-SCHEDULES = [(False, 0), (True, 0), (True, 2)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("issue_ahead,lag", SCHEDULES)
+@pytest.mark.parametrize("issue_ahead", [False, True])
 @pytest.mark.parametrize("kind", ["random", "exact"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
-def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind, issue_ahead, lag):
+def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind, issue_ahead):
     """The down projection (h (N, I) x W2 (E, D, I), weighted, to slots) and dh' (dy (N, D) x W2ᵀ as (E, I, D),
     sorted rows, unweighted)."""
     from megamoe.kernels.gluon_fp8_sm90 import fp8_rows_gemm_ws
@@ -147,7 +144,7 @@ def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind
         w_q, w_s = quantize_weights(make_data((num_experts, n_out, k_dim), kind, gen, group_dims=2) / 16)
         out = torch.full((rows, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
         fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, out, plan, weights=weights if weighted else None, to_slots=to_slots,
-                         issue_ahead=issue_ahead, lag=lag)
+                         issue_ahead=issue_ahead)
         torch.cuda.synchronize()
         ref = rows_reference(a_q, a_s, w_q, w_s, offsets)
         if weighted:
@@ -166,8 +163,8 @@ def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind
 @pytest.mark.parametrize("kind", ["random", "exact"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
 @pytest.mark.parametrize("preact", [False, True])
-@pytest.mark.parametrize("issue_ahead,lag", [(False, 0), (True, 0), (False, 2)])
-def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind, preact, issue_ahead, lag):
+@pytest.mark.parametrize("issue_ahead", [False, True])
+def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind, preact, issue_ahead):
     """h = silu(x W1gᵀ) * (x W1uᵀ) over the tokens' sorted rows, quantised per row and 128 columns."""
     from megamoe.kernels.gluon_fp8_sm90 import fp8_up_swiglu_ws
 
@@ -182,8 +179,7 @@ def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind
     h_q = torch.full((rows, inter), float("nan"), device="cuda").to(torch.float8_e4m3fn)
     h_s = torch.full((inter // GROUP, rows), float("nan"), device="cuda")
     pre = torch.full((rows, 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16) if preact else None
-    fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k, preact=pre, issue_ahead=issue_ahead,
-                     lag=lag)
+    fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k, preact=pre, issue_ahead=issue_ahead)
     torch.cuda.synchronize()
 
     tokens = plan.row_slot_N[:routed].long() // top_k
@@ -266,17 +262,14 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "rows_down_any_size": ("fp8_rows", dict(sizes_divisible=False)),
             "up_any_size": ("fp8_up", dict(sizes_divisible=False)), "wgrad": ("fp8_wgrad", {}),
             "wgrad_any_size": ("fp8_wgrad", dict(sizes_divisible=False))}
-# each kernel also on the schedules its default is not: issued ahead or not, the second warpgroup trailing
-scheduled = {name: v for name, v in variants.items() if v[0] != "fp8_wgrad"}
-variants.update({f"{pattern}_{name}": (kernel, {**kw, "issue_ahead": ahead})
-                 for name, (kernel, kw) in scheduled.items() for pattern, ahead in (("plain", False), ("ahead", True))})
-variants.update({f"lag2_{name}": (kernel, {**kw, "lag": 2}) for name, (kernel, kw) in scheduled.items()})
+variants.update({f"issue_ahead_{name}": (kernel, {**kw, "issue_ahead": True}) for name, (kernel, kw) in variants.items()
+                 if kernel != "fp8_wgrad"})
 print(json.dumps({name: ptxas_report(f.aot_compile(kernel, **kw)) for name, (kernel, kw) in variants.items()}))
 """
 
 # Register spills allowed per variant (bytes): the up kernel's saved-activation variant keeps one register of its
 # epilogue in local memory (8 bytes, stored and loaded once per block; its MMA loop does not spill).
-_SPILLS_ALLOWED = {name: 8 for name in ("up_preact", "plain_up_preact", "ahead_up_preact", "lag2_up_preact")}
+_SPILLS_ALLOWED = {"up_preact": 8}
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200
 
 

@@ -4,10 +4,9 @@ and each quantiser's GB/s.
 ``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--out DIR]`` on an sm90 GPU. Stages (bf16 inputs,
 the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N, D); the weights'
 quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and without the
-products' store; down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM on several schedules of its
-MMA warpgroups (``ROWS_SCHEDULES``, ``UP_SCHEDULES``: "[plain]" or "[ahead]", ``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``;
-"lag n", the second warpgroup n ring steps behind, ``ROWS_LAG``). Then the weight gradients both ways, to choose
-``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
+products' store; down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM in both issue patterns
+(``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``, ``UP_ISSUE_AHEAD``: the "(issue-ahead)" stages beside the others). Then the
+weight gradients both ways, to choose ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
 (``quant.quantize_tile_cols``), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the
 FP8 path runs by default (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and
 both whole (four quantisations and two FP8 GEMMs against two bf16 GEMMs). The ceiling beside them:
@@ -30,10 +29,6 @@ from megamoe.bench.common import PRESETS, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd, quant
 from megamoe.kernels.plan import build_plan
 from megamoe.provenance import git_commit, source_digest, utc_now
-
-# The MMA warpgroups' schedules timed, (issue_ahead, lag): gluon_fp8_sm90's ROWS_/UP_ISSUE_AHEAD and ROWS_/UP_LAG.
-ROWS_SCHEDULES = [(False, 0), (True, 0), (True, 1), (True, 2), (True, 3)]
-UP_SCHEDULES = [(False, 0), (True, 0), (False, 1), (False, 2)]
 
 
 def scaled_mm_tflops(m: int, n: int, k: int) -> float:
@@ -91,16 +86,13 @@ def main(argv=None) -> None:
         expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16)
         expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16)
 
-    def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead, lag):
+    def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead=False):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
-                                                       issue_ahead=issue_ahead, lag=lag)
+                                                       issue_ahead=issue_ahead)
 
-    def up(issue_ahead, lag, preact_NH=None):
+    def up(issue_ahead, preact_NH=None):
         return lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k, preact_NH=preact_NH,
-                                                issue_ahead=issue_ahead, lag=lag)
-
-    def schedule(issue_ahead, lag):  # a stage name's suffix
-        return " [" + ", ".join(["ahead" if issue_ahead else "plain"] + ([f"lag {lag}"] if lag else [])) + "]"
+                                                issue_ahead=issue_ahead)
 
     up_flops, down_flops = 2 * rows * dim * 2 * inter, 2 * rows * dim * inter
     # (name, function, FLOPs or None, bytes moved or None, the dense FP8 GEMM of the same size (m, n, k) or None)
@@ -110,16 +102,17 @@ def main(argv=None) -> None:
          dy_sorted.numel() * 3 + dys.numel() * 4, None),
         ("quantize w13 + w2 (both ways)", lambda: (quant.quantize_weight(w13), quant.quantize_weight(w2)), None,
          (w13.numel() + w2.numel()) * 4 + (w13s.numel() + w2s.numel()) * 8, None),
+        ("up (+ SwiGLU, h quantised)", up(False), up_flops, None, (rows, 2 * inter, dim)),
+        ("up (issue-ahead)", up(True), up_flops, None, (rows, 2 * inter, dim)),
+        ("up, products stored", up(False, preact), up_flops, None, (rows, 2 * inter, dim)),
+        ("up, products stored (issue-ahead)", up(True, preact), up_flops, None, (rows, 2 * inter, dim)),
     ]
-    for name, preact_NH in (("up (+ SwiGLU, h quantised)", None), ("up, products stored", preact)):
-        stages += [(name + schedule(*sched), up(*sched, preact_NH), up_flops, None, (rows, 2 * inter, dim))
-                   for sched in UP_SCHEDULES]
     rows_gemms = (("down", (expert_fwd.DOWN_FP8, hq, hs, w2q, w2s, flat_weights), down_flops, (rows, dim, inter)),
                   ("dh'", (expert_bwd.DH_FP8, dyq, dys, w2tq, w2ts, None), down_flops, (rows, inter, dim)),
                   ("dx", (expert_bwd.DX_FP8, dzq, dzs, w13tq, w13ts, None), up_flops, (rows, dim, 2 * inter)))
     for name, operands, flops, dense in rows_gemms:
-        stages += [(name + schedule(*sched), rows_gemm(*operands, *sched), flops, None, dense)
-                   for sched in ROWS_SCHEDULES]
+        stages += [(name, rows_gemm(*operands), flops, None, dense),
+                   (name + " (issue-ahead)", rows_gemm(*operands, issue_ahead=True), flops, None, dense)]
     stages += [
         ("wgrad: quantize 128x1 (N, D)", lambda: quant.quantize_tile_cols(x_sorted, plan), None, tile_cols_bytes(dim),
          None),

@@ -23,9 +23,7 @@ from megamoe.kernels.common import (
 )
 from megamoe.kernels.gluon_fp8_sm90 import (
     ROWS_ISSUE_AHEAD,
-    ROWS_LAG,
     UP_ISSUE_AHEAD,
-    UP_LAG,
     fp8_rows_gemm_ws,
     fp8_up_swiglu_ws,
     fp8_ws_supported,
@@ -244,19 +242,18 @@ def _launch_up(kernel: TunedKernel, x_TD, w13_EHD, h_NI, plan: Plan, top_k: int,
 
 
 def up_swiglu_fp8(xq_TD, xs, w13q_EHD, w13s, plan: Plan, top_k: int, preact_NH: torch.Tensor | None = None, *,
-                  issue_ahead: bool = UP_ISSUE_AHEAD, lag: int = UP_LAG) -> tuple[torch.Tensor, torch.Tensor]:
+                  issue_ahead: bool = UP_ISSUE_AHEAD) -> tuple[torch.Tensor, torch.Tensor]:
     """The up kernel on blockwise FP8 operands (``kernels.quant``: x (T, D) e4m3 with its (D/128, T) scales, w13
     (E, 2I, D) e4m3 with its (E, 2I/128, D/128) block scales): (h (N, I) e4m3, its (I/128, N) scales), sorted rows
-    (rows past the routed count are not written). ``preact_NH``: as for ``up_swiglu_fwd``; ``issue_ahead``, ``lag``:
-    the Gluon kernel's schedule (``gluon_fp8_sm90.UP_ISSUE_AHEAD``, ``UP_LAG``)."""
+    (rows past the routed count are not written). ``preact_NH``: as for ``up_swiglu_fwd``; ``issue_ahead``: the
+    Gluon kernel's issue pattern (``gluon_fp8_sm90.UP_ISSUE_AHEAD``)."""
     num_slots, inter = plan.row_slot_N.numel(), w13q_EHD.shape[1] // 2
     h_NI = torch.empty(num_slots, inter, device=xq_TD.device, dtype=xq_TD.dtype)
     h_s = torch.empty(inter // 128, num_slots, device=xq_TD.device, dtype=torch.float32)
     if num_slots == 0:
         return h_NI, h_s
     if fp8_ws_supported(xq_TD, torch.bfloat16 if preact_NH is None else preact_NH.dtype):
-        fp8_up_swiglu_ws(xq_TD, xs, w13q_EHD, w13s, h_NI, h_s, plan, top_k, preact=preact_NH, issue_ahead=issue_ahead,
-                         lag=lag)
+        fp8_up_swiglu_ws(xq_TD, xs, w13q_EHD, w13s, h_NI, h_s, plan, top_k, preact=preact_NH, issue_ahead=issue_ahead)
     else:
         _launch_up(UP_FP8, xq_TD, w13q_EHD, h_NI, plan, top_k, preact_NH, xs, w13s, h_s)
     return h_NI, h_s
@@ -292,18 +289,18 @@ def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
 
 
 def sorted_rows_gemm_fp8(kernel: TunedKernel, a_NK, a_s, w_E, w_s, weights_N, plan: Plan, out_dtype: torch.dtype, *,
-                         issue_ahead: bool = ROWS_ISSUE_AHEAD, lag: int = ROWS_LAG) -> torch.Tensor:
+                         issue_ahead: bool = ROWS_ISSUE_AHEAD) -> torch.Tensor:
     """``sorted_rows_gemm`` of a SCALED ``kernel`` (DOWN_FP8, DH_FP8 or DX_FP8) on blockwise FP8 operands: a (N, K)
     e4m3 sorted rows with their (K/128, N) scales, w (E, n_out, K) e4m3 with its (E, n_out/128, K/128) block scales;
     the output in ``out_dtype``. On sm90 with a bf16 output through the warp-specialized Gluon kernel
-    (``gluon_fp8_sm90``), which ``kernel``'s constants configure (weighted, to slot rows), on the schedule
-    ``issue_ahead``, ``lag`` (``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``, ``ROWS_LAG``)."""
+    (``gluon_fp8_sm90``), which ``kernel``'s constants configure (weighted, to slot rows), in the issue pattern
+    ``issue_ahead`` (``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``)."""
     num_slots, n_out = a_NK.shape[0], w_E.shape[1]
     if not (num_slots and fp8_ws_supported(a_NK, out_dtype)):
         return sorted_rows_gemm(kernel, a_NK, w_E, weights_N, plan, n_out, scales=(a_s, w_s), out_dtype=out_dtype)
     out = torch.empty(num_slots, n_out, device=a_NK.device, dtype=out_dtype)
     fp8_rows_gemm_ws(a_NK, a_s, w_E, w_s, out, plan, weights=None if weights_N is None else weights_N.float(),
-                     to_slots=kernel.constants["TO_SLOTS"], issue_ahead=issue_ahead, lag=lag)
+                     to_slots=kernel.constants["TO_SLOTS"], issue_ahead=issue_ahead)
     return out
 
 

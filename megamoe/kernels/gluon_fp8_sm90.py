@@ -103,10 +103,6 @@ FP8_MAX = gl.constexpr(448.0)  # largest finite float8_e4m3fn
 # the sorted-rows GEMMs 3-5% faster and the up kernel 2-5% slower (its 64-column chains read x's rows twice as often).
 ROWS_ISSUE_AHEAD = True
 UP_ISSUE_AHEAD = False
-# Ring steps by which the second MMA warpgroup trails the first (``_stagger``; 0: in phase, both store their tile's
-# epilogue at once while the tensor cores idle), per kernel; below the kernel's STAGES.
-ROWS_LAG = 0
-UP_LAG = 0
 
 
 @gluon.constexpr_function
@@ -142,32 +138,6 @@ def _promote(acc, tmp, scale):
     while in flight, for which ptxas serialises every wgmma of the kernel (C7514)."""
     return gl.inline_asm_elementwise("", "=r,0", [acc + tmp * scale[:, None]], dtype=gl.float32, is_pure=False,
                                      pack=1)
-
-
-@gluon.jit
-def _stagger(seen, step, WG: gl.constexpr, LAG: gl.constexpr):
-    """With LAG > 0, holds the second MMA warpgroup LAG ring steps behind the first, so that one warpgroup's
-    epilogue runs while the other still issues MMAs (in phase, both store while the tensor cores idle): the
-    first announces on ``seen`` (one mbarrier per ring stage) each step it reaches, the second waits before step
-    j until the first has reached step j + LAG; after its last step the first announces LAG more
-    (``_stagger_flush``). Called once per ring step, in order, before the step's ready wait. With LAG < STAGES
-    neither can deadlock (the first reaches step j + LAG once the second has released step j + LAG - STAGES) nor
-    can the first get a whole ring of announcements ahead of the second's waits (no phase aliasing)."""
-    if LAG > 0:
-        STAGES: gl.constexpr = seen.type.shape[0]
-        if WG == 0:
-            mbarrier.arrive(seen.index(step % STAGES), count=1)
-        else:
-            ahead = step + LAG
-            mbarrier.wait(seen.index(ahead % STAGES), (ahead // STAGES) & 1)
-
-
-@gluon.jit
-def _stagger_flush(seen, step, WG: gl.constexpr, LAG: gl.constexpr):
-    """The first warpgroup's last LAG announcements (``_stagger``), after its last ring step ``step`` - 1."""
-    if WG == 0:
-        for i in gl.static_range(LAG):
-            _stagger(seen, step + i, WG, LAG)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -208,11 +178,8 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr
 
 
 @gluon.jit
-def _rows_stage(as_bufs, bs_bufs, ready, seen, step, STAGES: gl.constexpr, WG: gl.constexpr, LAG: gl.constexpr,
-                row_layout: gl.constexpr):
-    """Wait for ring step ``step``'s stage (and the stagger, ``_stagger``) and read this warpgroup's scales of it:
-    (the stage, the scales)."""
-    _stagger(seen, step, WG, LAG)
+def _rows_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.constexpr, row_layout: gl.constexpr):
+    """Wait for ring step ``step``'s stage and read this warpgroup's scales of it: (the stage, the scales)."""
     s = step % STAGES
     mbarrier.wait(ready.index(s), (step // STAGES) & 1)
     return s, _scales(as_bufs, bs_bufs, s, 0, WG, row_layout)
@@ -231,8 +198,8 @@ def _rows_mma(a_bufs, w_bufs, s, tmp, WG: gl.constexpr):
 
 @gluon.jit
 def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                        seen, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, WG: gl.constexpr,
-                        WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr, LAG: gl.constexpr,
+                        a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, WG: gl.constexpr,
+                        WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
                         num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``_fp8_rows_ws_kernel``: per K-step the
     block's MMA into a temporary, then the promotion into the fp32 accumulator (with ISSUE_AHEAD, under the
@@ -266,7 +233,7 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
             tmp0 = gl.zeros([HALF, BN], gl.float32, acc_layout)  # the MMAs' destination registers, reused
             if not ISSUE_AHEAD:
                 for k in range(0, K, BK):
-                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, seen, step, STAGES, WG, LAG, row_layout)
+                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
                     tmp0 = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s0, tmp0, WG), ))
                     mbarrier.arrive(empty.index(s0), count=1)
                     acc = acc + tmp0 * scale0[:, None]  # one FMA per element
@@ -283,27 +250,27 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                 tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
                 kbs = K // BK
                 if kbs % 2 == 1:
-                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, seen, step, STAGES, WG, LAG, row_layout)
+                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
                     tmp0 = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s0, tmp0, WG), ))
                     mbarrier.arrive(empty.index(s0), count=1)
                     acc = _promote(acc, tmp0, scale0)
                     step += 1
                 if kbs > 1:
-                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, seen, step, STAGES, WG, LAG, row_layout)
+                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
                     tmp0 = _rows_mma(a_bufs, w_bufs, s0, tmp0, WG)
                     for _ in range(kbs // 2 - 1):  # [block `step` in flight in tmp0]
-                        s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, seen, step + 1, STAGES, WG, LAG, row_layout)
+                        s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
                         tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
                         tmp1 = _rows_mma(a_bufs, w_bufs, s1, tmp1, WG)
                         mbarrier.arrive(empty.index(s0), count=1)
                         acc = _promote(acc, tmp0, scale0)
-                        s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, seen, step + 2, STAGES, WG, LAG, row_layout)
+                        s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step + 2, STAGES, WG, row_layout)
                         tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
                         tmp0 = _rows_mma(a_bufs, w_bufs, s0, tmp0, WG)
                         mbarrier.arrive(empty.index(s1), count=1)
                         acc = _promote(acc, tmp1, scale1)
                         step += 2
-                    s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, seen, step + 1, STAGES, WG, LAG, row_layout)
+                    s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
                     tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
                     tmp1 = _rows_mma(a_bufs, w_bufs, s1, tmp1, WG)
                     mbarrier.arrive(empty.index(s0), count=1)
@@ -319,14 +286,13 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
             gl.store(out_ptr + out_rows[:, None] * N_OUT + cols[None, :], out,
                      mask=rmask[:, None] & (cols < N_OUT)[None, :])
         else:  # all 64 rows past the expert: hand the stages back untouched
-            step = _pass_stages(ready, empty, seen, step, K, BK, WG, LAG)
-    _stagger_flush(seen, step, WG, LAG)
+            step = _pass_stages(ready, empty, step, K, BK)
 
 
 @gluon.jit
 def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr,
                         tile_expert_ptr, tile_row_ptr, M, N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr,
-                        WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr, LAG: gl.constexpr,
+                        WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
                         STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                         num_warps: gl.constexpr):
     """a_desc: A (M, K) fp8 in sorted rows, block (TILE_M, BK); w_desc: W (E, N_OUT, K) fp8, block (1, BN, BK);
@@ -334,7 +300,7 @@ def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, 
     into row ``row_slot[r]`` (TO_SLOTS) or r, times ``weights[row_slot[r]]`` (WEIGHTED, fp32 by slot).
     Blocks: the plan's busy tiles (EB: a power of two >= E) times the N-blocks, one program per SM walking
     them. num_warps: one warpgroup (the first MMA partition); the kernel adds the second and the loader.
-    ISSUE_AHEAD: the MMA warpgroups' issue pattern (``_rows_mma_partition``); LAG: the second's lag (``_stagger``)."""
+    ISSUE_AHEAD: the MMA warpgroups' issue pattern (``_rows_mma_partition``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[1]
     HALF: gl.constexpr = BM // 2
@@ -348,14 +314,13 @@ def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, 
     bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, HALF], scale_layout)
     ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
     empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
-    seen = barriers(STAGES)  # the first MMA warpgroup's progress, for the second's lag
     gl.warp_specialize([
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
-                               empty, seen, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 0, WEIGHTED,
-                               TO_SLOTS, ISSUE_AHEAD, LAG, num_warps)),
+                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 0, WEIGHTED, TO_SLOTS,
+                               ISSUE_AHEAD, num_warps)),
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
-                               empty, seen, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 1, WEIGHTED,
-                               TO_SLOTS, ISSUE_AHEAD, LAG, num_warps)),
+                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 1, WEIGHTED, TO_SLOTS,
+                               ISSUE_AHEAD, num_warps)),
         (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
                         as_bufs, bs_bufs, M, N_OUT, K, num_n, work, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
@@ -420,11 +385,9 @@ def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, t
 
 
 @gluon.jit
-def _up_stage(as_bufs, bs_bufs, ready, seen, step, STAGES: gl.constexpr, WG: gl.constexpr, LAG: gl.constexpr,
-              row_layout: gl.constexpr):
-    """Wait for ring step ``step``'s stage (and the stagger, ``_stagger``) and read this warpgroup's scales of it:
-    (the stage, the gate block's scales, the up block's)."""
-    _stagger(seen, step, WG, LAG)
+def _up_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.constexpr, row_layout: gl.constexpr):
+    """Wait for ring step ``step``'s stage and read this warpgroup's scales of it: (the stage, the gate block's
+    scales, the up block's)."""
     s = step % STAGES
     mbarrier.wait(ready.index(s), (step // STAGES) & 1)
     fence_async_shared()  # x arrived through cp.async (generic proxy); the MMAs read it (async proxy)
@@ -464,9 +427,9 @@ def _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl, acc_gh, ac
 
 
 @gluon.jit
-def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, seen,
-                      x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, WG: gl.constexpr,
-                      PREACT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, LAG: gl.constexpr, num_warps: gl.constexpr):
+def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
+                      g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, WG: gl.constexpr,
+                      PREACT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``_fp8_up_ws_kernel``: per K-step the gate
     block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion (with
     ISSUE_AHEAD, 64-column chains, each promoted under the next); then h = silu(g) * u in fp32, quantised per
@@ -491,7 +454,7 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                 acc_u = gl.zeros([HALF, BN], gl.float32, acc_layout)
                 tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # both MMAs' destination registers
                 for k in range(0, D, BK):
-                    s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, seen, step, STAGES, WG, LAG, row_layout)
+                    s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
                     tmp = warpgroup_mma_wait(0, deps=(_up_mma(x_bufs, g_bufs, s, 0, tmp, WG), ))
                     acc_g = acc_g + tmp * scale_g[:, None]
                     tmp = warpgroup_mma_wait(0, deps=(_up_mma(x_bufs, u_bufs, s, 0, tmp, WG), ))
@@ -516,12 +479,12 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                 acc_uh = gl.zeros([HALF, HB], gl.float32, half_layout)
                 ta = gl.zeros([HALF, HB], gl.float32, half_layout)
                 tb = gl.zeros([HALF, HB], gl.float32, half_layout)
-                s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, seen, step, STAGES, WG, LAG, half_rows)
+                s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, half_rows)
                 ta = _up_mma(x_bufs, g_bufs, s, 0, ta, WG)
                 for k in range(BK, D, BK):  # [block `step`'s first chain in flight in ta]
                     ta, tb, acc_gl, acc_gh, acc_ul = _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl,
                                                                             acc_gh, acc_ul, scale_g, scale_u, WG)
-                    s1, scale_g1, scale_u1 = _up_stage(as_bufs, bs_bufs, ready, seen, step + 1, STAGES, WG, LAG, half_rows)
+                    s1, scale_g1, scale_u1 = _up_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, half_rows)
                     tb = warpgroup_mma_wait(0, deps=(tb, ))
                     ta = _up_mma(x_bufs, g_bufs, s1, 0, ta, WG)
                     mbarrier.arrive(empty.index(s), count=1)
@@ -537,17 +500,15 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                 _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N,
                                     I, PREACT, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
-            step = _pass_stages(ready, empty, seen, step, D, BK, WG, LAG)
-    _stagger_flush(seen, step, WG, LAG)
+            step = _pass_stages(ready, empty, step, D, BK)
 
 
 @gluon.jit
-def _pass_stages(ready, empty, seen, step, K, BK: gl.constexpr, WG: gl.constexpr, LAG: gl.constexpr):
-    """A warpgroup with no rows in a block: wait for each of the block's K-steps (and the stagger) and hand its stage
-    back unread (the loader filled it for both warpgroups); returns the next ring step."""
+def _pass_stages(ready, empty, step, K, BK: gl.constexpr):
+    """A warpgroup with no rows in a block: wait for each of the block's K-steps and hand its stage back unread (the
+    loader filled it for both warpgroups); returns the next ring step."""
     STAGES: gl.constexpr = empty.type.shape[0]
     for _ in range(0, K, BK):
-        _stagger(seen, step, WG, LAG)
         s = step % STAGES
         mbarrier.wait(ready.index(s), (step // STAGES) & 1)
         mbarrier.arrive(empty.index(s), count=1)
@@ -648,7 +609,7 @@ def _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, h_q_ptr, h_s_ptr, preact
 @gluon.jit
 def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
                       tile_expert_ptr, tile_row_ptr, T, N, D, I, E, top_k, EB: gl.constexpr, TILE_M: gl.constexpr,
-                      PREACT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, LAG: gl.constexpr, STAGES: gl.constexpr,
+                      PREACT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, STAGES: gl.constexpr,
                       LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                       num_warps: gl.constexpr):
     """x (T, D) fp8 gathered by token and x_s (D // 128, T) fp32; w13_desc: W13 (E, 2, I, D) fp8 (gate rows, then
@@ -670,14 +631,13 @@ def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, pre
     bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
     ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
     empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
-    seen = barriers(STAGES)  # the first MMA warpgroup's progress, for the second's lag
     gl.warp_specialize([
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                             seen, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 0, PREACT,
-                             ISSUE_AHEAD, LAG, num_warps)),
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 0, PREACT, ISSUE_AHEAD,
+                             num_warps)),
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                             seen, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 1, PREACT,
-                             ISSUE_AHEAD, LAG, num_warps)),
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 1, PREACT, ISSUE_AHEAD,
+                             num_warps)),
         (_up_loader, (x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                       ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, T, D, I, top_k, num_n, work,
                       LOADER_WARPS)),
@@ -810,12 +770,12 @@ def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
 
 def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                      plan, *, weights: torch.Tensor | None = None, to_slots: bool = False,
-                     issue_ahead: bool = ROWS_ISSUE_AHEAD, lag: int = ROWS_LAG) -> None:
+                     issue_ahead: bool = ROWS_ISSUE_AHEAD) -> None:
     """out (M, N) bf16 = the blockwise-dequantised a (M, K) in sorted rows times each row's expert weight
     w[e] (E, N, K)ᵀ, through ``_fp8_rows_ws_kernel``; row r into row ``plan.row_slot_N[r]`` if ``to_slots``, else
     r; times ``weights[row_slot[r]]`` (fp32, (M,) by slot) if given. Only the plan's routed rows are written.
     ``issue_ahead``: each warpgroup issues the next K-block's MMA before promoting the last (see
-    ``ROWS_ISSUE_AHEAD``); ``lag``: ring steps by which the second MMA warpgroup trails the first (see ``ROWS_LAG``).
+    ``ROWS_ISSUE_AHEAD``).
 
     a_q (M, K) float8_e4m3fn contiguous, a_s (K // 128, M) fp32 contiguous, w_q (E, N, K) float8_e4m3fn
     contiguous, w_s (E, N // 128, K // 128) fp32 contiguous; K and N multiples of 128; M >= 1; an sm90 GPU;
@@ -826,25 +786,23 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     assert a_s.shape == (k_dim // SCALE_BLOCK, num_rows) and w_s.shape == (num_experts, n_out // SCALE_BLOCK,
                                                                            k_dim // SCALE_BLOCK)
     assert out.shape == (num_rows, n_out) and out.dtype == torch.bfloat16 and BLOCK_M == FP8_BM
-    assert 0 <= lag < ROWS_STAGES, f"lag {lag} must be in [0, {ROWS_STAGES})"
     _fp8_rows_ws_kernel[(sm_count(a_q.device.index),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), w_desc=_fp8_desc(w_q, [1, FP8_BN, FP8_BK]), a_s_ptr=a_s,
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
         offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, M=num_rows,
         N_OUT=n_out, K=k_dim, E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
-        WEIGHTED=weights is not None, TO_SLOTS=to_slots, ISSUE_AHEAD=issue_ahead, LAG=lag, STAGES=ROWS_STAGES,
+        WEIGHTED=weights is not None, TO_SLOTS=to_slots, ISSUE_AHEAD=issue_ahead, STAGES=ROWS_STAGES,
         LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
 def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
                      h_q: torch.Tensor, h_s: torch.Tensor, plan, top_k: int, preact: torch.Tensor | None = None, *,
-                     issue_ahead: bool = UP_ISSUE_AHEAD, lag: int = UP_LAG) -> None:
+                     issue_ahead: bool = UP_ISSUE_AHEAD) -> None:
     """h = silu(x W1gᵀ) * (x W1uᵀ) for the plan's sorted rows (row r: token ``row_slot[r] // top_k``), blockwise
     dequantised operands, through ``_fp8_up_ws_kernel``; quantised per row and 128 columns into h_q (N, I)
     float8_e4m3fn and h_s (I // 128, N) fp32; with ``preact`` (N, 2I) bf16 also g and u. Only the routed
-    rows are written. ``issue_ahead``: the MMA warpgroups' issue pattern (see ``UP_ISSUE_AHEAD``); ``lag``: ring
-    steps by which the second MMA warpgroup trails the first (see ``UP_LAG``).
+    rows are written. ``issue_ahead``: the MMA warpgroups' issue pattern (see ``UP_ISSUE_AHEAD``).
 
     x_q (T, D) float8_e4m3fn, x_s (D // 128, T) fp32, w13_q (E, 2I, D) float8_e4m3fn (gate rows then up
     rows), w13_s (E, 2I // 128, D // 128) fp32, all contiguous; D and I multiples of 128; an sm90 GPU."""
@@ -857,15 +815,13 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
                                                                              dim // SCALE_BLOCK)
     assert h_q.shape == (num_rows, inter) and h_s.shape == (inter // SCALE_BLOCK, num_rows) and BLOCK_M == FP8_BM
     assert preact is None or (preact.shape == (num_rows, two_i) and preact.dtype == torch.bfloat16)
-    stages = UP_STAGES_PREACT if preact is not None else UP_STAGES
-    assert 0 <= lag < stages, f"lag {lag} must be in [0, {stages})"
     _fp8_up_ws_kernel[(sm_count(x_q.device.index),)](
         x_ptr=x_q, x_s_ptr=x_s, w13_desc=_fp8_desc(w13_q.view(num_experts, 2, inter, dim), [1, 1, FP8_BN, FP8_BK]),
         w13_s_ptr=w13_s, h_q_ptr=h_q, h_s_ptr=h_s, preact_ptr=preact if preact is not None else h_s,
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, top_k=top_k,
         EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None, ISSUE_AHEAD=issue_ahead,
-        LAG=lag, STAGES=stages, LOADER_WARPS=UP_LOADER_WARPS,
+        STAGES=UP_STAGES_PREACT if preact is not None else UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS,
         MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
@@ -895,14 +851,14 @@ KERNELS = {"fp8_rows": _fp8_rows_ws_kernel, "fp8_up": _fp8_up_ws_kernel, "fp8_wg
 
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
-                sizes_divisible: bool = True, issue_ahead: bool | None = None, lag: int | None = None):
+                sizes_divisible: bool = True, issue_ahead: bool | None = None):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
     launchers' asserts make multiples of 128, are specialised as 16-divisible, as Triton does at run time.
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
     kernel's saved-activation variant; ``issue_ahead``: either kernel's issue pattern (``None``: its default,
-    ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``lag``: likewise (``ROWS_LAG``, ``UP_LAG``)."""
+    ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -911,9 +867,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
 
     if issue_ahead is None:
         issue_ahead = ROWS_ISSUE_AHEAD if name == "fp8_rows" else UP_ISSUE_AHEAD
-    if lag is None:
-        lag = ROWS_LAG if name == "fp8_rows" else UP_LAG
-    common = {"EB": 128, "TILE_M": BLOCK_M, "ISSUE_AHEAD": issue_ahead, "LAG": lag, "num_warps": MATH_WARPS}
+    common = {"EB": 128, "TILE_M": BLOCK_M, "ISSUE_AHEAD": issue_ahead, "num_warps": MATH_WARPS}
     if name == "fp8_rows":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, FP8_BN, FP8_BK]}
         constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "STAGES": ROWS_STAGES,
