@@ -96,6 +96,14 @@ def _compiled(fn):
     return torch.compile(fn, backend="aot_eager" if DEVICE == "cpu" else "inductor", fullgraph=True)
 
 
+# Under inductor (on a GPU) the reference is the same function compiled without checkpointing: inductor's kernels
+# round differently from eager's (~1e-6 here), and its backward fuses the recomputed ops differently from the saved
+# ones, so the gradients that flow through them (the block's input gradient, through the recomputed norm) may move
+# by fp32 rounding (measured on the H200: 4.8e-7 at most, in x's gradient only). megamoe's output and the gradients
+# of its weights stay bitwise.
+INDUCTOR = DEVICE != "cpu"
+
+
 class _Block(torch.nn.Module):
     def __init__(self, block):
         super().__init__()
@@ -124,11 +132,18 @@ def test_compiled_checkpointed_block_runs_megamoe_forward_once_with_the_same_gra
 
     torch._dynamo.reset()
     block, leaves, dy = block_problem()
-    plain = grads(block, leaves, dy)
+    plain = grads(_compiled(block) if INDUCTOR else block, leaves, dy)
     counted.update(forward=0, backward=0)
     compiled = grads(ORDERS[order](block), leaves, dy)
     assert counted == {"forward": 1, "backward": 1}, "megamoe's forward ran again in the recompute"
-    assert all(torch.equal(a, b) for a, b in zip(plain, compiled))
+    y, dx, *weight_grads = compiled
+    y_ref, dx_ref, *weight_grads_ref = plain
+    assert torch.equal(y, y_ref)
+    assert all(torch.equal(a, b) for a, b in zip(weight_grads, weight_grads_ref))
+    if INDUCTOR:
+        torch.testing.assert_close(dx, dx_ref, rtol=1.3e-6, atol=1e-5)  # fp32's defaults
+    else:
+        assert torch.equal(dx, dx_ref)
 
 
 def test_whole_transformers_model_compiled_fullgraph_with_the_helper(counted):
@@ -151,15 +166,20 @@ def test_whole_transformers_model_compiled_fullgraph_with_the_helper(counted):
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
 
-    plain_loss, plain_grads = loss_and_grads(model)
+    plain_loss, plain_grads = loss_and_grads(model, run=_compiled(model) if INDUCTOR else None)
     counted.update(forward=0, backward=0)
     checkpointed = copy.deepcopy(model)
     hf_megamoe.enable_activation_checkpointing(checkpointed)
     checkpointed.train()
     loss, grads_ = loss_and_grads(checkpointed, run=_compiled(checkpointed))
     assert counted == {"forward": layers, "backward": layers}, "megamoe's forward ran again in the recompute"
-    assert torch.equal(loss, plain_loss)
-    assert all(torch.equal(grads_[n], plain_grads[n]) for n in plain_grads)
+    if INDUCTOR:  # the recomputed ops fused differently (see INDUCTOR): fp32 rounding
+        torch.testing.assert_close(loss, plain_loss, rtol=1.3e-6, atol=1e-5)
+        for n in plain_grads:
+            torch.testing.assert_close(grads_[n], plain_grads[n], rtol=1.3e-6, atol=1e-5, msg=n)
+    else:
+        assert torch.equal(loss, plain_loss)
+        assert all(torch.equal(grads_[n], plain_grads[n]) for n in plain_grads)
 
 
 @pytest.mark.gpu

@@ -127,7 +127,8 @@ def _present(impls: dict[str, str], runs: list[dict]) -> dict[str, str]:
 def summary_table(runs: list[dict]) -> str:
     """One GPU: per problem, each impl's training step (AC step ms: forward + forward-and-backward for an impl
     that keeps activations, forward+backward for megamoe, which keeps none) and megamoe's speed-up over the
-    compiled baseline."""
+    compiled baseline. Only the runs that measured a grouped_mm baseline (not, say, the FP8 runs)."""
+    runs = [info for info in runs if {r["impl"] for r in info["results"]} & {"grouped_mm", "grouped_mm_compiled"}]
     columns = _present(SUMMARY_IMPLS, runs)
     lines = ["| layer, tokens, routing | " + " | ".join(columns.values()) + " | megamoe vs compiled |",
              "|---|" + "---|" * (len(columns) + 1)]
@@ -142,12 +143,12 @@ def summary_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-SONIC_IMPLS = ("sonicmoe", "megamoe", "megamoe_saved")
+SONIC_IMPLS = ("sonicmoe", "megamoe", "megamoe_saved", "megamoe_fp8", "megamoe_fp8_saved")
 
 
 def sonicmoe_table(runs: list[dict]) -> str:
     """One GPU, the runs that measured SonicMoE: its forward, forward+backward and AC step beside megamoe's two
-    memory modes, what each keeps between forward and backward, and megamoe's speed-ups over SonicMoE."""
+    memory modes (and their FP8 twins where the run measured them), what each keeps between forward and backward, and megamoe's speed-ups over SonicMoE."""
     lines = [("| layer, tokens, routing | impl | fwd ms | fwd+bwd ms | AC step ms | kept MiB | fwd+bwd vs SonicMoE | "
               "AC step vs SonicMoE |"), "|---|---|---|---|---|---|---|---|"]
     measured = [info for info in runs if any(r["impl"] == "sonicmoe" for r in info["results"])]
