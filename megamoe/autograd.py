@@ -33,7 +33,7 @@ from megamoe.kernels.expert_bwd import (
     sorted_rows_and_dh,
 )
 from megamoe.kernels.expert_fwd import down_fp8, down_fwd, up_swiglu_fp8, up_swiglu_fwd
-from megamoe.kernels.plan import Plan, build_plan, num_tiles
+from megamoe.kernels.plan import Plan, build_plan, plan_op
 from megamoe.kernels.quant import fp8_weight, quantize_rows
 
 # The FP8 path's weight gradients in FP8 too (DeepSeek-V3's recipe: both operands re-quantised 128x1 along the
@@ -67,9 +67,13 @@ def experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tens
         dz_NH, hw_NI, dweight_TK = act_bwd(x_sorted, dh_NI, w13, topk_weights.contiguous(), plan, top_k)
     else:
         dz_NH, hw_NI, dweight_TK = act_bwd_from_preact(preact, dh_NI, topk_weights.contiguous(), plan, top_k)
+    del dh_NI
+    # dW2 first, so that dy's rows and h·w are freed before dx's slot rows and dW13 take their memory (the
+    # backward's peak: docs/PERFORMANCE.md).
+    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
+    del dy_sorted, hw_NI
     dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots(dz_NH, w13, plan), topk_idx,
                                         x.dtype)
-    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
 
 
@@ -105,13 +109,16 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
         preact = preact_buffer(x, topk_idx, w13)
         up_swiglu_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact_NH=preact)
     dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True)
+    del dh_NI, preact  # (the saved products stay alive in the autograd context)
+    # dW2 first, as in :func:`experts_backward` (the backward's peak memory).
+    dw2 = (expert_wgrad_fp8 if FP8_WGRAD else expert_wgrad)(dy_sorted, hw_NI, plan, w2.dtype)
+    del dy_sorted, hw_NI
     dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype)
+    del dzq, dzs
     if FP8_WGRAD:
         dw13, dx = expert_wgrad_fp8(dz_NH, x_sorted, plan, w13.dtype), combine(dx_slots_ND, topk_idx, x.dtype)
-        dw2 = expert_wgrad_fp8(dy_sorted, hw_NI, plan, w2.dtype)
     else:
         dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots_ND, topk_idx, x.dtype)
-        dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
 
 
@@ -148,20 +155,6 @@ class _FusedMoE(torch.autograd.Function):
         dx, dweight, dw13, dw2 = _backward_body(ctx.fp8)(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan,
                                                          preact=preact)
         return dx, None, dweight, dw13, dw2, None, None
-
-
-@torch.library.custom_op("megamoe::plan", mutates_args=())
-def _plan_op(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return build_plan(topk_idx, num_experts).tensors()
-
-
-@_plan_op.register_fake
-def _(topk_idx, num_experts):
-    n = topk_idx.numel()
-    nt = num_tiles(n, num_experts)
-    i32 = {"dtype": torch.int32}
-    return (topk_idx.new_empty(num_experts + 1, **i32), topk_idx.new_empty(n, **i32),
-            topk_idx.new_empty(nt, **i32), topk_idx.new_empty(nt, **i32))
 
 
 # ``fp8``: the blockwise FP8 bodies; a trailing argument with a default, so that bf16 callers name it nowhere.
@@ -241,7 +234,7 @@ def fused_moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2
     topk_idx = topk_idx.contiguous()
     if not (torch.compiler.is_compiling() or custom_ops_forced()):
         return _FusedMoE.apply(x, topk_idx, topk_weights, w13, w2, save_preact, fp8)
-    plan = _plan_op(topk_idx, w13.shape[0])
+    plan = plan_op(topk_idx, w13.shape[0])
     if save_preact:
         return _experts_fwd_saved(x, topk_idx, topk_weights, w13, w2, *plan, fp8)[0]
     return _experts_fwd(x, topk_idx, topk_weights, w13, w2, *plan, fp8)

@@ -6,9 +6,9 @@ twice: saving its output, (T, D), is enough. :func:`checkpoint_context` is a sel
 saves the outputs of megamoe's ops (the layer's output and the routing plan) and prefers recomputing every other
 op; while it is active, megamoe runs as ``torch.library`` custom ops, which the policy can see (eagerly it
 otherwise runs an ``autograd.Function``, which a dispatch-level policy cannot). The backward then runs megamoe's
-own backward on the recomputed input. (With expert parallelism the fused EP layer is still an
-``autograd.Function``, so there its forward, communication included, is recomputed as under plain
-checkpointing: correct, every rank recomputes in the same order, but without the saving.)::
+own backward on the recomputed input. With expert parallelism likewise: the fused EP layer runs as custom ops
+(``megamoe.parallel.fused``), so its forward, communication included, runs once per step too, and every rank's
+backward sends its rows again in the same order.::
 
     from torch.utils.checkpoint import checkpoint
     y = checkpoint(block, x, use_reentrant=False, context_fn=megamoe.checkpoint_context)
@@ -26,10 +26,11 @@ from torch.utils.checkpoint import (
 
 from megamoe import autograd  # noqa: F401  (registers the torch.ops.megamoe ops the policy names)
 from megamoe.env import forcing_custom_ops
+from megamoe.parallel import fused  # noqa: F401  (likewise, the expert-parallel layer's)
 
 # The ops whose outputs the policy saves (built once: the policy runs on every op of a checkpointed region).
 _MEGAMOE_OPS = frozenset({torch.ops.megamoe.plan.default, torch.ops.megamoe.experts_fwd.default,
-                          torch.ops.megamoe.experts_fwd_saved.default})
+                          torch.ops.megamoe.experts_fwd_saved.default, torch.ops.megamoe.ep_fwd.default})
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

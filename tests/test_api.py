@@ -167,6 +167,9 @@ def test_reference_path_compiles_on_cpu(monkeypatch):
     """torch.compile(megamoe.moe, fullgraph=True) on fp32 CPU tensors: the reference path's grouped GEMMs compile
     (torch._grouped_mm would not: bf16 only on CPU) and give the eager numbers and gradients."""
     monkeypatch.undo()  # the real torch.empty_like: Dynamo does not trace the poisoning stand-in (conftest.py)
+    # ... and forgets the map of torch functions it may have built while the stand-in was installed (an earlier
+    # test's first trace), in which the real torch.empty_like is missing, "marked as skipped".
+    torch._dynamo.trace_rules.clear_lru_cache()
     monkeypatch.setenv("MEGAMOE_BACKEND", "reference")
     problem = make_problem(40, 48, 24, 6, 3, "dropped")
     compiled = torch.compile(megamoe.moe, fullgraph=True, backend="aot_eager")

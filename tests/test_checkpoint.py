@@ -104,6 +104,20 @@ def _compiled(fn):
 INDUCTOR = DEVICE != "cpu"
 
 
+def assert_same_block_grads(got, ref, compiled: bool):
+    """(y, dx, *weight gradients) of a checkpointed block against its reference: y and the weight gradients
+    bitwise; dx bitwise too unless inductor compiled the block (its recomputed norm fused differently: fp32's
+    default tolerances, see INDUCTOR)."""
+    y, dx, *weight_grads = got
+    y_ref, dx_ref, *weight_grads_ref = ref
+    assert torch.equal(y, y_ref)
+    assert all(torch.equal(a, b) for a, b in zip(weight_grads, weight_grads_ref))
+    if INDUCTOR and compiled:
+        torch.testing.assert_close(dx, dx_ref, rtol=1.3e-6, atol=1e-5)
+    else:
+        assert torch.equal(dx, dx_ref)
+
+
 class _Block(torch.nn.Module):
     def __init__(self, block):
         super().__init__()
@@ -136,14 +150,7 @@ def test_compiled_checkpointed_block_runs_megamoe_forward_once_with_the_same_gra
     counted.update(forward=0, backward=0)
     compiled = grads(ORDERS[order](block), leaves, dy)
     assert counted == {"forward": 1, "backward": 1}, "megamoe's forward ran again in the recompute"
-    y, dx, *weight_grads = compiled
-    y_ref, dx_ref, *weight_grads_ref = plain
-    assert torch.equal(y, y_ref)
-    assert all(torch.equal(a, b) for a, b in zip(weight_grads, weight_grads_ref))
-    if INDUCTOR:
-        torch.testing.assert_close(dx, dx_ref, rtol=1.3e-6, atol=1e-5)  # fp32's defaults
-    else:
-        assert torch.equal(dx, dx_ref)
+    assert_same_block_grads(compiled, plain, compiled=True)
 
 
 def test_whole_transformers_model_compiled_fullgraph_with_the_helper(counted):
@@ -208,3 +215,81 @@ def test_checkpointed_block_holds_its_input_and_megamoe_output_only():
     plan = 4 * (num_experts + 1 + num_slots + 2 * (-(-num_slots // 128) + num_experts))
     expected = x.numel() * x.element_size() + plan
     assert expected <= held <= expected + 2**20, f"held {held} B, megamoe's output and plan {expected} B"
+
+
+def ep_block_problem(comm_sms):
+    """A residual block around the fused expert-parallel layer on one virtual rank (the loopback workspace: the
+    protocol's kernels, its exchange to itself included), with its counted forward bodies."""
+    from megamoe.parallel import fused
+    from megamoe.parallel.workspace import loopback_workspaces
+
+    dim, inter, experts, top_k, tokens = 32, 16, 4, 2, 24
+    x, idx, w, w13, w2, dy = make_problem(tokens, dim, inter, experts, top_k, "random", device=DEVICE)
+    (ws,) = loopback_workspaces(1, experts, tokens * top_k, tokens, tokens * top_k, dim, x.dtype, DEVICE)
+    norm = torch.nn.LayerNorm(dim, device=DEVICE)
+
+    def block(x, w, w13, w2):
+        return x + fused.fused_ep(norm(x), idx, w, w13, w2, ws, (comm_sms, comm_sms))
+
+    return block, (x, w, w13, w2), dy
+
+
+@pytest.fixture
+def counted_ep(monkeypatch):
+    """Calls of the fused EP layer's forward and backward bodies (eager Function and custom ops alike)."""
+    from megamoe.parallel import fused
+
+    calls = {"forward": 0, "backward": 0}
+    for kind in calls:
+        body = getattr(fused, f"ep_{kind}")
+
+        def counted_body(*args, _kind=kind, _body=body, **kwargs):
+            calls[_kind] += 1
+            return _body(*args, **kwargs)
+
+        monkeypatch.setattr(fused, f"ep_{kind}", counted_body)
+    return calls
+
+
+EP_WIRINGS = {
+    "eager": lambda block: lambda *a: checkpoint(block, *a, use_reentrant=False,
+                                                 context_fn=megamoe.checkpoint_context),
+    **ORDERS,
+}
+
+
+@pytest.mark.loopback
+@pytest.mark.parametrize("comm_sms", [0, 2])
+@pytest.mark.parametrize("wiring", EP_WIRINGS)
+def test_checkpointed_expert_parallel_block_runs_its_exchange_once(counted_ep, wiring, comm_sms):
+    """The fused EP layer under the helper, eagerly and compiled in either order: its forward, the exchange with
+    the peers included, runs once per step (plain checkpointing runs it twice: the count sees a recompute), and the
+    gradients are those of the un-checkpointed block."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    block, leaves, dy = ep_block_problem(comm_sms)
+    plain = grads(_compiled(block) if INDUCTOR and wiring != "eager" else block, leaves, dy)
+    counted_ep.update(forward=0, backward=0)
+    grads(lambda *a: checkpoint(block, *a, use_reentrant=False), leaves, dy)
+    assert counted_ep == {"forward": 2, "backward": 1}
+    counted_ep.update(forward=0, backward=0)
+    got = grads(EP_WIRINGS[wiring](block), leaves, dy)
+    assert counted_ep == {"forward": 1, "backward": 1}, "the EP layer's forward ran again in the recompute"
+    assert_same_block_grads(got, plain, compiled=wiring != "eager")
+
+
+@pytest.mark.loopback
+def test_expert_parallel_custom_ops_pass_opcheck():
+    from megamoe.kernels.plan import plan_op
+    from megamoe.parallel import fused
+    from megamoe.parallel.workspace import loopback_workspaces
+
+    x, idx, w, w13, w2, dy = make_problem(12, 32, 16, 4, 2, "random", device=DEVICE)
+    (ws,) = loopback_workspaces(1, 4, 24, 12, 24, 32, x.dtype, DEVICE)
+    number = ws.number
+    plan = plan_op(idx, 4)
+    torch.library.opcheck(fused._ep_fwd, (x.requires_grad_(), idx, w.requires_grad_(), w13.requires_grad_(),
+                                         w2.requires_grad_(), *plan, number, 0, 0))
+    torch.library.opcheck(fused._ep_bwd, (dy, x.detach(), idx, w.detach(), w13.detach(), w2.detach(), *plan, number,
+                                         0))

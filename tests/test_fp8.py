@@ -16,6 +16,7 @@ from megamoe import reference
 from megamoe.api import backend_for
 from megamoe.bench.layer import cuda_graphed
 from megamoe.kernels import quant
+from megamoe.kernels.plan import plan_op
 from tests.helpers import (
     NAMES,
     assert_close_to_reference,
@@ -395,7 +396,7 @@ def test_fp8_custom_ops_pass_opcheck():
     from megamoe import autograd as ops
 
     x, idx, w, w13, w2, dy = gpu_problem(300, 256, 128, 8, 2, "random")
-    plan = ops._plan_op(idx, 8)
+    plan = plan_op(idx, 8)
     torch.library.opcheck(ops._experts_fwd, (x.requires_grad_(), idx, w.requires_grad_(), w13, w2, *plan, True))
     torch.library.opcheck(ops._experts_bwd, (dy, x.detach(), idx, w.detach(), w13, w2, *plan, None, True))
     torch.library.opcheck(ops._experts_fwd_saved, (x, idx, w, w13, w2, *plan, True))

@@ -15,7 +15,7 @@ import megamoe
 from megamoe.api import backend_for
 from megamoe.bench.layer import cuda_graphed
 from megamoe.kernels.combine import combine
-from megamoe.kernels.plan import BLOCK_M, build_plan
+from megamoe.kernels.plan import BLOCK_M, build_plan, plan_op
 from tests.helpers import (
     NAMES,
     SHAPES,
@@ -400,12 +400,35 @@ def test_torch_compile_fullgraph_without_recompiles(mode):
 
 
 @pytest.mark.gpu
+def test_backward_peak_memory_frees_dy_rows_before_the_dx_rows_and_dw13():
+    """The keep-nothing backward's peak (bf16) over what it starts with: the larger of its two busiest moments, the
+    act step (x and dy sorted rows, dh', dz, h·w) and dW13 with the dx combine (x rows, dz, dx slot rows, and the
+    gradients: dw2, dw13, dx), within 5% -- so dy's rows and h·w must be freed before dx's rows and dW13 are
+    allocated (held until the end, they add N·(D + I) elements to the second moment)."""
+    T, D, I, E, K = 4096, 256, 128, 8, 4
+    x, idx, w, w13, w2, dy = gpu_problem(T, D, I, E, K, "random")
+    leaves = [t.requires_grad_() for t in (x, w, w13, w2)]
+    y = megamoe.moe(x, idx, w, w13, w2)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y.backward(dy)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    n = T * K
+    act_step = 2 * (2 * n * D + 4 * n * I)
+    grads = sum(t.numel() * t.element_size() for t in leaves)
+    dw13_step = 2 * (2 * n * D + 2 * n * I) + grads
+    assert peak <= 1.05 * max(act_step, dw13_step), (peak, act_step, dw13_step)
+
+
+@pytest.mark.gpu
 def test_custom_ops_pass_opcheck():
     from megamoe import autograd as ops
 
     x, idx, w, w13, w2, dy = gpu_problem(300, 128, 64, 8, 2, "random")
-    plan = ops._plan_op(idx, 8)
-    torch.library.opcheck(ops._plan_op, (idx, 8))
+    plan = plan_op(idx, 8)
+    torch.library.opcheck(plan_op, (idx, 8))
     torch.library.opcheck(ops._experts_fwd, (x.requires_grad_(), idx, w.requires_grad_(), w13, w2, *plan))
     torch.library.opcheck(ops._experts_bwd, (dy, x.detach(), idx, w.detach(), w13, w2, *plan, None))
     torch.library.opcheck(ops._experts_fwd_saved, (x, idx, w, w13, w2, *plan))

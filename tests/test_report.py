@@ -84,13 +84,13 @@ def test_sonicmoe_table_divides_sonicmoes_times_by_megamoes():
 
     info = {"preset": "p", "tokens": 8, "routing": "random", "gpu": "G", "torch": "t", "triton": "3", "date": "d",
             "sonicmoe_gemms": "default config (pinned)",
-            "results": [row("grouped_mm", 9, 9, 9, 0), row("sonicmoe", 2, 8, 10, 2**21),
+            "results": [row("grouped_mm", 9, 9, 9, 0), {**row("sonicmoe", 2, 8, 10, 2**21), "peak_extra_bytes": 3 * 2**20},
                         row("megamoe", 2, 5, 5, 0), row("megamoe_saved", 3, 4, 7, 2**21)]}
     no_sonic = {**info, "preset": "q", "results": info["results"][2:]}
     lines = report.sonicmoe_table([info, no_sonic]).splitlines()
-    assert lines[2:5] == ["| p T=8 random | sonicmoe | 2.00 | 8.00 | 10.00 | 2 |  |  |",
-                          "| p T=8 random | megamoe | 2.00 | 5.00 | 5.00 | 0 | 1.60x | **2.00x** |",
-                          "| p T=8 random | megamoe_saved | 3.00 | 4.00 | 7.00 | 2 | 2.00x | **1.43x** |"]
+    assert lines[2:5] == ["| p T=8 random | sonicmoe | 2.00 | 8.00 | 10.00 | 2 | 3 |  |  |",
+                          "| p T=8 random | megamoe | 2.00 | 5.00 | 5.00 | 0 |  | 1.60x | **2.00x** |",
+                          "| p T=8 random | megamoe_saved | 3.00 | 4.00 | 7.00 | 2 |  | 2.00x | **1.43x** |"]
     assert lines[5] == "" and "default config (pinned)" in lines[6]
 
 

@@ -109,6 +109,7 @@ def main(argv=None) -> None:
     import megamoe
     from megamoe import autograd
     from megamoe.bench.common import make_problem
+    from megamoe.kernels.plan import plan_op
 
     if args.gpu:  # the 30B layer, bf16; its first step autotunes
         problem = make_problem(args.tokens, 2048, 768, 128, 8, "random", torch.bfloat16, "cuda", 0)
@@ -116,7 +117,7 @@ def main(argv=None) -> None:
         problem = make_problem(args.tokens, 256, 128, 128, 8, "random", torch.float32, "cpu", 0)
 
     def custom_ops(x, idx, w, w13, w2):
-        return autograd._experts_fwd(x, idx, w, w13, w2, *autograd._plan_op(idx, w13.shape[0]))
+        return autograd._experts_fwd(x, idx, w, w13, w2, *plan_op(idx, w13.shape[0]))
 
     paths = {"eager (megamoe.moe)": megamoe.moe, "custom ops (torch.compile's)": custom_ops}
     times = {name: [] for name in paths}

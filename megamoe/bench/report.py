@@ -148,9 +148,10 @@ SONIC_IMPLS = ("sonicmoe", "megamoe", "megamoe_saved", "megamoe_fp8", "megamoe_f
 
 def sonicmoe_table(runs: list[dict]) -> str:
     """One GPU, the runs that measured SonicMoE: its forward, forward+backward and AC step beside megamoe's two
-    memory modes (and their FP8 twins where the run measured them), what each keeps between forward and backward, and megamoe's speed-ups over SonicMoE."""
-    lines = [("| layer, tokens, routing | impl | fwd ms | fwd+bwd ms | AC step ms | kept MiB | fwd+bwd vs SonicMoE | "
-              "AC step vs SonicMoE |"), "|---|---|---|---|---|---|---|---|"]
+    memory modes (and their FP8 twins where the run measured them), its peak memory over the inputs during
+    forward+backward (where the run recorded it), what each keeps between forward and backward, and megamoe's speed-ups over SonicMoE."""
+    lines = [("| layer, tokens, routing | impl | fwd ms | fwd+bwd ms | AC step ms | kept MiB | peak MiB | "
+              "fwd+bwd vs SonicMoE | AC step vs SonicMoE |"), "|---|---|---|---|---|---|---|---|---|"]
     measured = [info for info in runs if any(r["impl"] == "sonicmoe" for r in info["results"])]
     for info in measured:
         by_impl = {r["impl"]: r for r in info["results"]}
@@ -161,9 +162,10 @@ def sonicmoe_table(runs: list[dict]) -> str:
             r = by_impl[name]
             vs = ("", "") if name == "sonicmoe" else (f"{sonic['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x",
                                                      f"**{sonic['ac_step_ms'] / r['ac_step_ms']:.2f}x**")
+            peak = f"{r['peak_extra_bytes'] / 2**20:.0f}" if "peak_extra_bytes" in r else ""
             lines.append(f"| {info['preset']} T={info['tokens']} {info['routing']} | {name} | {r['fwd_ms']:.2f} | "
                          f"{r['fwd_bwd_ms']:.2f} | {r['ac_step_ms']:.2f} | {r['saved_activation_bytes'] / 2**20:.0f} | "
-                         f"{vs[0]} | {vs[1]} |")
+                         f"{peak} | {vs[0]} | {vs[1]} |")
     gemms = sorted({info.get("sonicmoe_gemms", "?") for info in measured})
     lines += ["", (f"SonicMoE's GEMMs at: {', '.join(gemms)}; {_versions(measured)}; all impls in the same process "
                    "per problem.")]

@@ -176,6 +176,24 @@ def build_plan(topk_idx_TK: torch.Tensor, num_experts: int) -> Plan:
     return Plan(offsets, row_slot, tile_expert, tile_row)
 
 
+@torch.library.custom_op("megamoe::plan", mutates_args=())
+def plan_op(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                torch.Tensor]:
+    """:func:`build_plan` as a ``torch.library`` custom op (its four tensors, in ``Plan``'s order): what the custom-op
+    wirings of the layer (one GPU and expert-parallel) build their plan with, so that torch.compile sees one opaque
+    op and a checkpoint policy can save its outputs."""
+    return build_plan(topk_idx_TK, num_experts).tensors()
+
+
+@plan_op.register_fake
+def _(topk_idx_TK, num_experts):
+    n = topk_idx_TK.numel()
+    nt = num_tiles(n, num_experts)
+    i32 = {"dtype": torch.int32}
+    return (topk_idx_TK.new_empty(num_experts + 1, **i32), topk_idx_TK.new_empty(n, **i32),
+            topk_idx_TK.new_empty(nt, **i32), topk_idx_TK.new_empty(nt, **i32))
+
+
 def plan_from_counts(rows_per_expert_E: torch.Tensor, num_rows: int) -> Plan:
     """The plan of ``num_rows`` rows that are already sorted by expert, expert e owning the next
     ``rows_per_expert_E[e]`` rows (clipped at ``num_rows``; rows past the last expert are unused): the

@@ -1,6 +1,14 @@
 """The fused expert-parallel layer for real ranks (one GPU each): the protocol's phases (protocol.py,
-senders.py, owner.py) in order on this rank's stream, over a symmetric-memory workspace, wired into autograd. Saved for the backward: the
-inputs and the routing plan; the backward sends x and dy rows again and recomputes on the owners.
+senders.py, owner.py) in order on this rank's stream, over a symmetric-memory workspace, wired into autograd. Saved
+for the backward: the inputs and the routing plan; the backward sends x and dy rows again and recomputes on the
+owners.
+
+Two wirings of the same bodies (:func:`ep_forward`, :func:`ep_backward`), as on one GPU (``megamoe.autograd``):
+eagerly an ``autograd.Function``; under torch.compile, or inside a ``megamoe.checkpoint_context`` region, the
+``torch.library`` custom ops ``megamoe::plan`` and ``megamoe::ep_fwd`` (its backward ``megamoe::ep_bwd``), which
+the compiler sees as opaque and the checkpoint policy can save, so that under full activation checkpointing the
+layer's forward, its exchange included, runs once per step. A custom op cannot take the workspace object: the ops
+take its number (``Workspace.number``, ``workspace.by_number``).
 
 What ``megamoe.moe(group=...)`` runs wherever it can (CUDA tensors, sm90+, 16-byte rows; see
 :func:`megamoe.api.ep_path`); ``MEGAMOE_EP=all_to_all`` selects the all-to-all baseline instead.
@@ -11,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megamoe.env import debug_checks_enabled, sm_count, warn_once
-from megamoe.kernels.plan import Plan, build_plan
+from megamoe.env import custom_ops_forced, debug_checks_enabled, sm_count, warn_once
+from megamoe.kernels.plan import Plan, build_plan, plan_op
 from megamoe.parallel.owner import owner_experts, owner_experts_backward
 from megamoe.parallel.protocol import (
     combine_returned,
@@ -21,7 +29,7 @@ from megamoe.parallel.protocol import (
     first_non_finite,
 )
 from megamoe.parallel.senders import dispatch_rows
-from megamoe.parallel.workspace import Workspace, symmetric_workspace
+from megamoe.parallel.workspace import Workspace, by_number, symmetric_workspace
 
 # Programs of the expert kernels' launches that send the rows (``comm_sms``). Measured on two H200s
 # (benchmarks/results/*-per-rank-*-ep2.json, docs/PERFORMANCE.md): against 0 (a dispatch kernel of its own) 32
@@ -66,25 +74,54 @@ def workspace_for(group, num_local: int, max_tokens_per_rank: int, top_k: int, d
     return _WORKSPACES[key]
 
 
+def ep_forward(ws: Workspace, x, topk_idx, topk_weights, w13, w2, plan: Plan, comm_sms: int) -> torch.Tensor:
+    """The fused layer's forward on this rank: counts, rows out (from ``comm_sms`` programs of the up kernel's
+    launch, or with 0 a dispatch kernel of their own), this rank's experts on the rows it received, rows back, the
+    combine; y (T, D). ``plan``: of ``topk_idx`` over all R * L experts."""
+    ws.check_overflow()
+    ws.check_error(now=debug_checks_enabled())
+    exchange_counts(ws, plan)
+    if comm_sms:
+        owner_experts(ws, w13, w2, send=(x, topk_idx, topk_weights, plan, comm_sms))
+    else:
+        dispatch_rows(ws, x, topk_idx, topk_weights, plan)
+        owner_experts(ws, w13, w2)
+    y = combine_returned(ws, topk_idx, x.dtype)
+    ws.snapshot_error()
+    if debug_checks_enabled():
+        ws.check_overflow(now=True)
+        ws.check_error(now=True)
+        if message := first_non_finite(ws, topk_idx):
+            warn_once(message)
+    return y
+
+
+def ep_backward(ws: Workspace, dy, x, topk_idx, topk_weights, w13, w2, plan: Plan, comm_sms: int) -> tuple:
+    """The fused layer's backward on this rank for the output gradient ``dy`` (contiguous): x and dy rows out
+    again, the owners' recompute and gradients, dx rows and routing-weight gradients back; (dx, d topk_weights in
+    their dtype, dw13, dw2)."""
+    ws.check_error(now=debug_checks_enabled())
+    exchange_counts(ws, plan)
+    if comm_sms:
+        dw13, dw2 = owner_experts_backward(ws, w13, w2, send=(x, dy, topk_weights, plan, comm_sms))
+    else:
+        dispatch_rows(ws, x, topk_idx, topk_weights, plan, dy_TD=dy)
+        dw13, dw2 = owner_experts_backward(ws, w13, w2)
+    dx, dweight = combine_returned_backward(ws, topk_idx, x.dtype)
+    ws.snapshot_error()
+    if debug_checks_enabled():
+        ws.check_overflow(now=True)
+        ws.check_error(now=True)
+    return dx, dweight.to(topk_weights.dtype), dw13, dw2
+
+
 class FusedEP(torch.autograd.Function):
+    """The eager wiring."""
+
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, w13, w2, ws: Workspace, comm_sms: tuple[int, int]):
         plan = build_plan(topk_idx, ws.num_ranks * ws.num_local)
-        ws.check_overflow()
-        ws.check_error(now=debug_checks_enabled())
-        exchange_counts(ws, plan)
-        if comm_sms[0]:
-            owner_experts(ws, w13, w2, send=(x, topk_idx, topk_weights, plan, comm_sms[0]))
-        else:
-            dispatch_rows(ws, x, topk_idx, topk_weights, plan)
-            owner_experts(ws, w13, w2)
-        y = combine_returned(ws, topk_idx, x.dtype)
-        ws.snapshot_error()
-        if debug_checks_enabled():
-            ws.check_overflow(now=True)
-            ws.check_error(now=True)
-            if message := first_non_finite(ws, topk_idx):
-                warn_once(message)
+        y = ep_forward(ws, x, topk_idx, topk_weights, w13, w2, plan, comm_sms[0])
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan.tensors())
         ctx.ws, ctx.comm_sms = ws, comm_sms[1]
         return y
@@ -92,20 +129,62 @@ class FusedEP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, topk_idx, topk_weights, w13, w2, *plan_tensors = ctx.saved_tensors
-        ws, plan = ctx.ws, Plan(*plan_tensors)
-        ws.check_error(now=debug_checks_enabled())
-        exchange_counts(ws, plan)
-        if ctx.comm_sms:
-            dw13, dw2 = owner_experts_backward(ws, w13, w2, send=(x, dy.contiguous(), topk_weights, plan, ctx.comm_sms))
-        else:
-            dispatch_rows(ws, x, topk_idx, topk_weights, plan, dy_TD=dy.contiguous())
-            dw13, dw2 = owner_experts_backward(ws, w13, w2)
-        dx, dweight = combine_returned_backward(ws, topk_idx, x.dtype)
-        ws.snapshot_error()
-        if debug_checks_enabled():
-            ws.check_overflow(now=True)
-            ws.check_error(now=True)
-        return dx, None, dweight.to(topk_weights.dtype), dw13, dw2, None, None
+        dx, dweight, dw13, dw2 = ep_backward(ctx.ws, dy.contiguous(), x, topk_idx, topk_weights, w13, w2,
+                                             Plan(*plan_tensors), ctx.comm_sms)
+        return dx, None, dweight, dw13, dw2, None, None
+
+
+@torch.library.custom_op("megamoe::ep_fwd", mutates_args=())
+def _ep_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            offsets: torch.Tensor, row_slot: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor,
+            workspace: int, comm_sms_fwd: int, comm_sms_bwd: int) -> torch.Tensor:
+    return ep_forward(by_number(workspace), x, topk_idx, topk_weights, w13, w2,
+                      Plan(offsets, row_slot, tile_expert, tile_row), comm_sms_fwd)
+
+
+@_ep_fwd.register_fake
+def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, workspace, comm_sms_fwd,
+      comm_sms_bwd):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("megamoe::ep_bwd", mutates_args=())
+def _ep_bwd(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+            w2: torch.Tensor, offsets: torch.Tensor, row_slot: torch.Tensor, tile_expert: torch.Tensor,
+            tile_row: torch.Tensor, workspace: int, comm_sms: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return ep_backward(by_number(workspace), dy, x, topk_idx, topk_weights, w13, w2,
+                       Plan(offsets, row_slot, tile_expert, tile_row), comm_sms)
+
+
+@_ep_bwd.register_fake
+def _(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, workspace, comm_sms):
+    return torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13), torch.empty_like(w2)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:9])
+    ctx.workspace, ctx.comm_sms = inputs[9], inputs[11]
+
+
+def _backward(ctx, dy):
+    x, topk_idx, topk_weights, w13, w2, *plan = ctx.saved_tensors
+    dx, dweight, dw13, dw2 = _ep_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan, ctx.workspace,
+                                     ctx.comm_sms)
+    return dx, None, dweight, dw13, dw2, *(None,) * 7  # the plan's four tensors, the workspace, comm_sms
+
+
+_ep_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_ep(x, topk_idx, topk_weights, w13, w2, ws: Workspace, comm_sms: tuple[int, int]) -> torch.Tensor:
+    """The fused layer over workspace ``ws`` (its checks done): eagerly through :class:`FusedEP`, under torch.compile
+    or a checkpoint policy through the custom ops (see the module docstring). ``comm_sms``: (forward, backward)."""
+    topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+    if not (torch.compiler.is_compiling() or custom_ops_forced()):
+        return FusedEP.apply(x, topk_idx, topk_weights, w13, w2, ws, comm_sms)
+    plan = plan_op(topk_idx, ws.num_ranks * ws.num_local)
+    return _ep_fwd(x, topk_idx, topk_weights, w13, w2, *plan, ws.number, *comm_sms)
 
 
 def reset_workspaces(group) -> None:
@@ -143,4 +222,4 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
     if max(comm_sms) and max(comm_sms) >= (num_sms := sm_count(x.device.index)):
         raise ValueError(f"comm_sms={max(comm_sms)} leaves none of this GPU's {num_sms} SMs to the expert GEMMs")
     ws = workspace_for(group, w13.shape[0], max_tokens_per_rank, top_k, x.shape[1], x.dtype)
-    return FusedEP.apply(x, topk_idx.contiguous(), topk_weights.contiguous(), w13, w2, ws, comm_sms)
+    return fused_ep(x, topk_idx, topk_weights, w13, w2, ws, comm_sms)

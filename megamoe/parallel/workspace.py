@@ -27,7 +27,9 @@ docs/DESIGN.md ("Expert parallelism") for why no wait deadlocks. Every wait is a
 
 from __future__ import annotations
 
+import itertools
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +91,21 @@ def new_control(device) -> torch.Tensor:
     return control
 
 
+# Every live workspace of the process by its number (``Workspace.number``), by which the fused layer's custom ops
+# name it (a custom op cannot take the object). Weak: a workspace lives as long as the layers (or tests) that hold it.
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count()
+
+
+def by_number(number: int) -> Workspace:
+    """The live workspace numbered ``number`` (``Workspace.number``)."""
+    ws = _LIVE.get(number)
+    if ws is None:
+        raise RuntimeError(f"expert-parallel workspace {number} no longer exists (a layer's backward ran after its "
+                           "workspace was dropped)")
+    return ws
+
+
 @dataclass
 class Workspace:
     """One rank's view: its own buffers, every rank's addresses, and its call counter."""
@@ -114,6 +131,9 @@ class Workspace:
         self.epoch = self.control[:1]
         """(1,) int32: the call counter (the control block's first word; the kernels find the rest after it)."""
         self._record_copy = None  # (pinned host copy of the error record, the event after its copy)
+        self.number = next(_NUMBERS)
+        """This workspace's number in the process, by which the custom ops name it (:func:`by_number`)."""
+        _LIVE[self.number] = self
 
     def error(self) -> str | None:
         """The error record as a message, or None (reads it back: a host sync)."""
