@@ -93,7 +93,8 @@ def experts_forward_fp8(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: 
 def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                          offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor,
                          preact: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`experts_backward` in blockwise FP8: dy quantised 1x128; dh' and dx on the weights' transposed FP8
+    """:func:`experts_backward` in blockwise FP8: dy quantised 1x128 (once per token, in the pass that sorts its
+    rows); dh' and dx on the weights' transposed FP8
     copies; g and u, unless saved, recomputed by the forward's up kernel (the FP8 GEMM the forward ran, so both memory
     modes compute the same gradients; its h output goes unused) and the act step run on them; the weight gradients
     from the unquantised rows in x's dtype (exact products, fp32 accumulation), or with :data:`FP8_WGRAD` from
@@ -103,8 +104,9 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     weights = topk_weights.contiguous()
     w13q, w13s, w13tq, w13ts = fp8_weight(w13)
     _, _, w2tq, w2ts = fp8_weight(w2)
-    x_sorted, dy_sorted = gather_rows(x, dy, plan, top_k)
-    dh_NI = dh_fp8(*quantize_rows(dy_sorted), w2tq, w2ts, plan, x.dtype)
+    x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
+    dh_NI = dh_fp8(dyq, dys, w2tq, w2ts, plan, x.dtype)
+    del dyq, dys
     if preact is None:
         preact = preact_buffer(x, topk_idx, w13)
         up_swiglu_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact_NH=preact)

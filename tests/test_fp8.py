@@ -72,6 +72,26 @@ def test_quantize_rows_matches_reference_bit_for_bit():
     assert ((deq - a).abs() <= half_ulp).all()
 
 
+@pytest.mark.parametrize("dim", [128, 384, 640])  # one column block; one with a masked group; a second block
+def test_sorting_dy_quantises_its_rows_as_quantize_rows_does(dim):
+    """The backward's gather quantises dy once per token beside its sorted bf16 copy: the e4m3 rows and scales are
+    bit for bit ``quantize_rows`` of the sorted copy (dropped slots: unwritten, as there), the copies unchanged."""
+    from megamoe.kernels.expert_bwd import gather_rows
+    from megamoe.kernels.plan import build_plan
+
+    x, idx, _, _, _, dy = make_problem(37, dim, 128, 6, 3, "dropped", dtype=torch.bfloat16, device=DEVICE)
+    dy = dy * torch.logspace(-6, 6, 37, device=DEVICE)[:, None].to(dy.dtype)  # e4m3 normal and subnormal values
+    dy[4] = 0.0
+    plan = build_plan(idx, 6)
+    routed = int(plan.offsets_E1[-1])
+    x_sorted, dy_sorted = gather_rows(x, dy, plan, 3)
+    x_q_pass, dy_q_pass, dyq, dys = gather_rows(x, dy, plan, 3, quantize_dy=True)
+    assert torch.equal(x_q_pass[:routed], x_sorted[:routed]) and torch.equal(dy_q_pass[:routed], dy_sorted[:routed])
+    q_ref, s_ref = quant.quantize_rows(dy_sorted[:routed])
+    assert dyq.shape == (idx.numel(), dim) and dys.shape == (dim // 128, idx.numel())
+    assert torch.equal(bits(dyq[:routed]), bits(q_ref)) and torch.equal(dys[:, :routed], s_ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_quantize_weight_both_orientations_match_reference_bit_for_bit(dtype):
     gen = torch.Generator().manual_seed(1)

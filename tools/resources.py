@@ -261,6 +261,8 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      # the act kernel on saved products, at its launcher's block
                      "TILE_M": 128, "PART_COLS": expert_bwd.PART_COLS, "BM": expert_bwd.PREACT_BM,
                      "BN": expert_bwd.PREACT_BN, "QUANT_DZ": True,
+                     # the backward's row copy with dy's quantisation (the FP8 path's)
+                     "QUANT_B": True,
                      # the quantisers, at their launchers' blocks
                      "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC}
 
@@ -281,7 +283,7 @@ def compile_other_kernel(fn):
                                "expected_ptr": "*i64", "preact_ptr": "*bf16", "dh_ptr": "*bf16", "dz_ptr": "*bf16",
                                "hw_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv",
                                "dzq_ptr": "*fp8e4nv", "s_ptr": "*fp32", "st_ptr": "*fp32",
-                               "dzs_ptr": "*fp32"}.get(name, _POINTER_TYPES.get(name, "*i32"))
+                               "dzs_ptr": "*fp32", "bq_ptr": "*fp8e4nv", "bs_ptr": "*fp32"}.get(name, _POINTER_TYPES.get(name, "*i32"))
         else:
             signature[name] = "i32"
         if name.endswith("_ptr") or name == "D":

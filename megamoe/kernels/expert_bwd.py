@@ -177,13 +177,16 @@ def _scatter_rows_kernel(
     b_ptr,  # (T, D), with HAS_B
     a_out_ptr,  # (N, D) out: a's rows in sorted order (rows past the routed count not written)
     b_out_ptr,  # (N, D) out: b's rows in sorted order, with HAS_B
+    bq_ptr,  # (N, D) e4m3 out, with QUANT_B: b's sorted rows quantised 1x128 (``quant.quantize_rows``' format)
+    bs_ptr,  # (D / 128, N) fp32 out, with QUANT_B: their scales
     slot_row_ptr, offsets_ptr,
-    T, D, E, top_k,
-    HAS_B: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr,
+    T, D, E, top_k, N,
+    HAS_B: tl.constexpr, QUANT_B: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr,
 ):
     """Token-major: each program reads TB tokens' columns once and writes them to each of their top_k sorted
     rows. (Row-major, gathering each sorted row from its token, re-reads a token's row once per slot, from
-    DRAM once the rows outgrow L2.)"""
+    DRAM once the rows outgrow L2.) QUANT_B (BD a multiple of 128): b's rows also quantised, once per token, and
+    written beside it (a row's quantisation depends on the row alone, so it is that of its sorted copy)."""
     toks = tl.program_id(0) * TB + tl.arange(0, TB)
     tmask = toks < T
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -191,15 +194,26 @@ def _scatter_rows_kernel(
     src = toks[:, None].to(tl.int64) * D + cols[None, :]
     a = tl.load(a_ptr + src, mask=tmask[:, None] & cmask)
     if HAS_B:
-        b = tl.load(b_ptr + src, mask=tmask[:, None] & cmask)
+        b = tl.load(b_ptr + src, mask=tmask[:, None] & cmask, other=0.0)
+        if QUANT_B:
+            G: tl.constexpr = BD // 128
+            bq, bs = quantize_groups(tl.reshape(b.to(tl.float32), (TB * G, 128)))
+            bq = tl.reshape(bq, (TB, BD))
+            bs = tl.reshape(bs, (TB, G))
+            groups = tl.program_id(1) * G + tl.arange(0, G)
     routed = tl.load(offsets_ptr + E)
     for k in range(top_k):
         rows = tl.load(slot_row_ptr + toks * top_k + k, mask=tmask, other=0)
-        mask = (tmask & (rows < routed))[:, None] & cmask
+        written = tmask & (rows < routed)
+        mask = written[:, None] & cmask
         dst = rows[:, None].to(tl.int64) * D + cols[None, :]
         tl.store(a_out_ptr + dst, a, mask=mask)
         if HAS_B:
             tl.store(b_out_ptr + dst, b, mask=mask)
+            if QUANT_B:
+                tl.store(bq_ptr + dst, bq, mask=mask)
+                tl.store(bs_ptr + groups[None, :].to(tl.int64) * N + rows[:, None], bs,
+                         mask=written[:, None] & (groups < D // 128)[None, :])
 
 
 @triton.jit
@@ -440,27 +454,40 @@ def _slot_rows(plan: Plan) -> torch.Tensor:
     return slot_row
 
 
-def _scatter_rows(a_TD, b_TD, slot_row, plan: Plan, top_k: int) -> list[torch.Tensor]:
+def _scatter_rows(a_TD, b_TD, slot_row, plan: Plan, top_k: int, quantize_b: bool = False) -> list[torch.Tensor]:
     """The rows of a (and of b, unless None) copied into sorted order, (N, D) each; rows past the routed ones
-    (dropped slots) are not written."""
+    (dropped slots) are not written. ``quantize_b`` (D a multiple of 128): also b's sorted rows quantised 1x128,
+    (N, D) e4m3 and their (D / 128, N) fp32 scales, as ``quant.quantize_rows`` of b's sorted copy."""
     num_slots, (num_tokens, dim) = slot_row.numel(), a_TD.shape
     outs = [torch.empty(num_slots, dim, device=a_TD.device, dtype=a_TD.dtype) for _ in range(1 if b_TD is None else 2)]
-    tb, bd = 16, min(512, triton.next_power_of_2(dim))
+    if quantize_b:
+        assert dim % 128 == 0, dim
+        outs += [torch.empty(num_slots, dim, device=a_TD.device, dtype=FP8),
+                 torch.empty(dim // 128, num_slots, device=a_TD.device, dtype=torch.float32)]
+    # Tokens per program: 16, or 8 with the quantisation (its fp32 copy of the block: 108 registers at D = 2048
+    # against 255 with 16; the plain copy takes 144).
+    tb, bd = 8 if quantize_b else 16, min(512, triton.next_power_of_2(dim))
     _scatter_rows_kernel[(triton.cdiv(num_tokens, tb), triton.cdiv(dim, bd))](
         a_ptr=a_TD, b_ptr=b_TD, a_out_ptr=outs[0], b_out_ptr=outs[1] if b_TD is not None else None,
-        slot_row_ptr=slot_row, offsets_ptr=plan.offsets_E1, T=num_tokens, D=dim, E=plan.offsets_E1.numel() - 1,
-        top_k=top_k, HAS_B=b_TD is not None, TB=tb, BD=bd, num_warps=4,
+        bq_ptr=outs[2] if quantize_b else None, bs_ptr=outs[3] if quantize_b else None, slot_row_ptr=slot_row,
+        offsets_ptr=plan.offsets_E1, T=num_tokens, D=dim, E=plan.offsets_E1.numel() - 1, top_k=top_k, N=num_slots,
+        HAS_B=b_TD is not None, QUANT_B=quantize_b, TB=tb, BD=bd, num_warps=4,
     )
     return outs
 
 
-def gather_rows(x_TD, dy_TD, plan: Plan, top_k: int):
+def gather_rows(x_TD, dy_TD, plan: Plan, top_k: int, quantize_dy: bool = False):
     """x and dy rows in expert-sorted order, (N, D) each, for dh', the act kernel and the weight gradients;
-    rows past the routed ones (dropped slots) are not written."""
+    rows past the routed ones (dropped slots) are not written. ``quantize_dy`` (D a multiple of 128): also dy's
+    sorted rows in blockwise FP8, (N, D) e4m3 and (D / 128, N) fp32 scales (``quant.quantize_rows``' format and
+    bits), quantised once per token in the same pass: (x rows, dy rows, dy e4m3, dy scales)."""
     num_slots, dim = plan.row_slot_N.numel(), x_TD.shape[1]
     if num_slots == 0:
-        return (torch.empty(0, dim, device=x_TD.device, dtype=x_TD.dtype),) * 2
-    return tuple(_scatter_rows(x_TD, dy_TD, _slot_rows(plan), plan, top_k))
+        empty = torch.empty(0, dim, device=x_TD.device, dtype=x_TD.dtype)
+        if quantize_dy:
+            return empty, empty, empty.to(FP8), torch.empty(dim // 128, 0, device=x_TD.device)
+        return empty, empty
+    return tuple(_scatter_rows(x_TD, dy_TD, _slot_rows(plan), plan, top_k, quantize_b=quantize_dy))
 
 
 def sorted_rows_and_dh(x_TD, dy_TD, w2_EDI, plan: Plan, top_k: int):
