@@ -60,12 +60,14 @@ import torch.distributed as dist
 import megamoe
 from megamoe.integrations.transformers import (
     enable_activation_checkpointing,
+    set_precision,
     shard_experts,
 )
 from megamoe.models import (
     ATTENTION,
     COMPILE_MODES,
     EXPERTS,
+    PRESETS,
     build,
     compile_model,
     experts_problem,
@@ -204,12 +206,14 @@ def mfu(flops_per_step: float, step_ms: float) -> float:
     return flops_per_step / step_ms / 1e9 / PEAK_TFLOPS
 
 
-def prepare(model, experts: str, compile_mode: str | None, mesh, ep_group):
-    """``model`` with ``experts``'s implementation, full activation checkpointing, (expert parallelism and FSDP2
-    when distributed) and compiled as ``compile_mode`` says (:data:`megamoe.models.COMPILE_MODES`, or None).
-    Returns the expert parameters (their gradients are divided by
+def prepare(model, experts: str, compile_mode: str | None, mesh, ep_group, precision: str = "bf16"):
+    """``model`` with ``experts``'s implementation (megamoe's GEMMs in ``precision``), full activation
+    checkpointing, (expert parallelism and FSDP2 when distributed) and compiled as ``compile_mode`` says
+    (:data:`megamoe.models.COMPILE_MODES`, or None). Returns the expert parameters (their gradients are divided by
     the ep size)."""
     model.set_experts_implementation(experts)
+    if experts == "megamoe":
+        set_precision(model, precision)
     enable_activation_checkpointing(model, megamoe.checkpoint_context if experts == "megamoe" else None)
     if ep_group is not None:
         shard_experts(model, ep_group)
@@ -360,6 +364,9 @@ def parse_args(argv=None, cuda: bool | None = None):
                        ("seqs_per_step", "sequences per step (per rank)")):
         p.add_argument(_option(name), type=int,
                        help=f"{what} (default: {GPU_DEFAULTS[name]}, without a GPU {CPU_DEFAULTS[name]})")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                   help="megamoe's expert GEMMs: bf16, or fp8 (blockwise FP8, DeepSeek-V3's recipe; the weights' bf16 "
+                        "master copy kept; --experts megamoe on one GPU, layer dims multiples of 128)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     p.add_argument("--warmup", type=int, help=f"warm-up steps (default: {GPU_DEFAULTS['warmup']}, without a GPU "
                                               f"{CPU_DEFAULTS['warmup']})")
@@ -398,6 +405,15 @@ def parse_args(argv=None, cuda: bool | None = None):
         p.error(f"--ep {args.ep} does not divide the world size {world}")
     if args.ep > 1 and args.experts != "megamoe":
         p.error("--ep runs the megamoe experts (transformers' own have no token exchange)")
+    if args.precision == "fp8":
+        dim, inter = PRESETS[args.preset or (GPU_DEFAULTS if cuda else CPU_DEFAULTS)["preset"]][:2]
+        if args.experts != "megamoe":
+            p.error("--precision fp8 runs megamoe's experts (--experts megamoe)")
+        if args.ep > 1:
+            p.error("--precision fp8 runs on one GPU: FP8 with expert parallelism is not built yet")
+        if dim % 128 or inter % 128:
+            p.error(f"--precision fp8 needs the layer's hidden and expert sizes to be multiples of 128 (FP8's "
+                    f"scale groups); this preset's are {dim} and {inter}")
     problem = experts_problem([args.experts], cuda)
     if problem:
         p.error(problem)
@@ -465,7 +481,8 @@ def main(argv=None) -> dict | None:
     say = print if rank == 0 else (lambda *a, **k: None)
     if args.device_note:
         say(args.device_note)
-    name = args.name or f"{args.preset}-l{args.layers}-{args.experts}-s{args.seq_len}x{args.seqs_per_step}-seed{args.seed}"
+    name = args.name or (f"{args.preset}-l{args.layers}-{args.experts}{'-fp8' if args.precision == 'fp8' else ''}"
+                         f"-s{args.seq_len}x{args.seqs_per_step}-seed{args.seed}")
     run_dir = args.out / name
     data = load_corpus(args.corpus, args.vocab_size, args.out / "cache", log=say)
     train, held_out = Sequences(data["train"], args.seq_len, args.seed), Sequences(data["eval"], args.seq_len, 0)
@@ -481,10 +498,11 @@ def main(argv=None) -> dict | None:
     params_total = sum(p.numel() for p in model.parameters())
     flops_per_token = model_flops_per_token(model.config, args.seq_len)
     model.train()
-    expert_params = prepare(model, args.experts, args.compile_mode, mesh, ep_group)
+    expert_params = prepare(model, args.experts, args.compile_mode, mesh, ep_group, args.precision)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
-    meta = {"preset": args.preset, "layers": args.layers, "experts": args.experts, "seq_len": args.seq_len,
+    meta = {"preset": args.preset, "layers": args.layers, "experts": args.experts,
+            "expert_precision": args.precision, "seq_len": args.seq_len,
             "seqs_per_step": args.seqs_per_step, "world": world, "ep": args.ep, "seed": args.seed,
             "steps": args.steps, "corpus_digest": data["digest"]}
     start = 0

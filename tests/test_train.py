@@ -147,6 +147,8 @@ def test_without_a_gpu_the_defaults_run_about_a_minute():
 @pytest.mark.parametrize("argv,message", [
     (["--moe-share-steps", "3"], "--moe-share-steps times the step on a GPU"),
     (["--ep", "2"], "--ep needs several processes"),
+    (["--precision", "fp8"], "--precision fp8 needs the layer's hidden and expert sizes to be multiples of 128"),
+    (["--precision", "fp8", "--experts", "grouped_mm"], "--precision fp8 runs megamoe's experts"),
 ])
 def test_arguments_that_cannot_run_here_end_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -155,6 +157,17 @@ def test_arguments_that_cannot_run_here_end_in_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith(f"python -m megamoe.train: error: {message}")
     assert "Traceback" not in err
+
+
+def test_precision_fp8_switches_every_megamoe_experts_module():
+    from megamoe.integrations.transformers import PRECISION
+    from megamoe.models import build
+
+    model = build("tiny", 2, 128, torch.float32, "cpu")
+    train.prepare(model, "megamoe", None, None, None, precision="fp8")
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    assert len(experts) == 2 and all(getattr(m, PRECISION) == "fp8" for m in experts)
+    assert train.parse_args(["--preset", "qwen3-30b-a3b", "--precision", "fp8"], cuda=True).precision == "fp8"
 
 
 def test_help_gives_the_whole_description_and_each_default_once(capsys):
