@@ -8,6 +8,7 @@ Environment variables (documented in the README):
 * ``MEGAMOE_DEBUG=1`` — checks that read device data back to the host (:func:`debug_checks_enabled`);
 * ``MEGAMOE_AUTOTUNE=0`` — fixed tile configs (:func:`megamoe.kernels.tuning.autotune_enabled`);
 * ``MEGAMOE_FP8_WGRAD=1`` — FP8 weight gradients in ``precision="fp8"`` (:func:`fp8_wgrad_requested`);
+* ``MEGAMOE_FP8_SCALES`` — ``fp32`` or ``pow2``: the FP8 recipe's scales (:func:`fp8_pow2_scales`);
 * ``TRITON_INTERPRET=1`` — Triton's interpreter runs the kernels on CPU tensors (:func:`interpreting`).
 """
 
@@ -38,9 +39,33 @@ def interpreting() -> bool:
 
 
 def fp8_wgrad_requested() -> bool:
-    """``MEGAMOE_FP8_WGRAD=1``: the default of ``megamoe.autograd.FP8_WGRAD`` (FP8 weight gradients, not yet the
-    default: they are to be measured against the bf16 ones first)."""
+    """``MEGAMOE_FP8_WGRAD=1``: the default of ``megamoe.autograd.FP8_WGRAD`` (FP8 weight gradients; off by default:
+    slower than the bf16 ones on the H200, docs/PERFORMANCE.md)."""
     return os.environ.get("MEGAMOE_FP8_WGRAD", "0") == "1"
+
+
+FP8_SCALES = ("fp32", "pow2")
+_fp8_scales = "fp32"
+
+
+def set_fp8_scales(kind: str) -> None:
+    """The blockwise FP8 recipe's scales from now on, for every quantiser (activations, weights, h, dz):
+    ``"fp32"`` (the default: amax / 448) or ``"pow2"`` (amax / 448 rounded up to a power of two, so that scaling
+    and unscaling are exact; DeepSeek-V3's option). Also set at import by ``MEGAMOE_FP8_SCALES``. The cached FP8
+    weight copies follow (``kernels.quant.fp8_weight`` keys them on it)."""
+    global _fp8_scales
+    if kind not in FP8_SCALES:
+        raise ValueError(f"FP8 scales must be one of {FP8_SCALES}, got {kind!r} (MEGAMOE_FP8_SCALES or set_fp8_scales)")
+    _fp8_scales = kind
+
+
+def fp8_pow2_scales() -> bool:
+    """Whether the FP8 recipe's scales are powers of two (:func:`set_fp8_scales`); read by every FP8 quantiser at
+    each call."""
+    return _fp8_scales == "pow2"
+
+
+set_fp8_scales(os.environ.get("MEGAMOE_FP8_SCALES", "fp32"))
 
 
 def debug_checks_enabled() -> bool:

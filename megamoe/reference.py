@@ -32,6 +32,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from megamoe.env import fp8_pow2_scales
+
 # TorchTitan pads each expert's group of rows to this multiple for bf16 grouped GEMMs (the weight
 # gradient is grouped along the row dimension, which needs 16-byte aligned group boundaries).
 GROUP_ALIGN_M = 8
@@ -418,13 +420,20 @@ E4M3_MAX, FP8_GROUP, AMAX_FLOOR = 448.0, 128, 1e-12
 
 
 def _quantize_groups(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``v`` (..., G) fp32 -> (e4m3 (..., G), fp32 scales (...)): one group per last-dim row."""
+    """``v`` (..., G) fp32 -> (e4m3 (..., G), fp32 scales (...)): one group per last-dim row; with power-of-two
+    scales (``env.set_fp8_scales``) amax / 448 rounded up to a power of two, and v times its exact inverse."""
     amax = v.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
     # Tensor by tensor, both ways: ``448 / amax`` would be ``amax.reciprocal() * 448`` (torch's __rtruediv__), and
     # ``amax / 448`` a multiplication by the reciprocal on CUDA; the kernels divide with IEEE rounding.
     e4m3_max = torch.full_like(amax, E4M3_MAX)
-    q = (v * (e4m3_max / amax)[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, amax / e4m3_max
+    scale = amax / e4m3_max
+    if fp8_pow2_scales():
+        mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2^exponent, mantissa in [0.5, 1)
+        scale = torch.ldexp(torch.ones_like(scale), torch.where(mantissa == 0.5, exponent - 1, exponent))
+        inv = torch.ones_like(scale) / scale
+    else:
+        inv = e4m3_max / amax
+    return (v * inv[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
 def quantize_rows(a_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import megamoe
-from megamoe import reference
+from megamoe import env, reference
 from megamoe.api import backend_for
 from megamoe.bench.layer import cuda_graphed
 from megamoe.kernels import quant
@@ -57,7 +57,21 @@ def bits(t):
     return t.view(torch.uint8) if t.dtype == quant.FP8 else t
 
 
-def test_quantize_rows_matches_reference_bit_for_bit():
+@pytest.fixture(params=["fp32", "pow2"])
+def scales(request):
+    """Each kind of FP8 scale in turn (``env.set_fp8_scales``), back to the default afterwards."""
+    env.set_fp8_scales(request.param)
+    yield request.param
+    env.set_fp8_scales("fp32")
+
+
+def assert_scale_kind(s: torch.Tensor, kind: str) -> None:
+    """With power-of-two scales every scale is one (frexp's mantissa 0.5); with fp32 ones some are not."""
+    pow2 = torch.frexp(s.float().cpu()).mantissa == 0.5
+    assert pow2.all() if kind == "pow2" else not pow2.all()
+
+
+def test_quantize_rows_matches_reference_bit_for_bit(scales):
     gen = torch.Generator().manual_seed(0)
     # Rows over 12 decades (e4m3 normal and subnormal values), an all-zero row, exact ties of the rounding.
     a = torch.randn(70, 384, generator=gen) * torch.logspace(-6, 6, 70)[:, None]
@@ -67,13 +81,14 @@ def test_quantize_rows_matches_reference_bit_for_bit():
     qr, sr = reference.quantize_rows(a)
     assert q.shape == (70, 384) and s.shape == (3, 70)
     assert torch.equal(bits(q).cpu(), bits(qr)) and torch.equal(s.cpu(), sr)
+    assert_scale_kind(s, scales)
     deq = reference.dequantize_rows(q.cpu(), s.cpu())
     half_ulp = torch.maximum(a.abs() * 2.0**-4, s.cpu().t().repeat_interleave(128, 1) * 2.0**-10)
     assert ((deq - a).abs() <= half_ulp).all()
 
 
 @pytest.mark.parametrize("dim", [128, 384, 640])  # one column block; one with a masked group; a second block
-def test_sorting_dy_quantises_its_rows_as_quantize_rows_does(dim):
+def test_sorting_dy_quantises_its_rows_as_quantize_rows_does(dim, scales):
     """The backward's gather quantises dy once per token beside its sorted bf16 copy: the e4m3 rows and scales are
     bit for bit ``quantize_rows`` of the sorted copy (dropped slots: unwritten, as there), the copies unchanged."""
     from megamoe.kernels.expert_bwd import gather_rows
@@ -90,10 +105,11 @@ def test_sorting_dy_quantises_its_rows_as_quantize_rows_does(dim):
     q_ref, s_ref = quant.quantize_rows(dy_sorted[:routed])
     assert dyq.shape == (idx.numel(), dim) and dys.shape == (dim // 128, idx.numel())
     assert torch.equal(bits(dyq[:routed]), bits(q_ref)) and torch.equal(dys[:, :routed], s_ref)
+    assert_scale_kind(dys[:, :routed], scales)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_quantize_weight_both_orientations_match_reference_bit_for_bit(dtype):
+def test_quantize_weight_both_orientations_match_reference_bit_for_bit(dtype, scales):
     gen = torch.Generator().manual_seed(1)
     w = (torch.randn(3, 256, 384, generator=gen) * torch.logspace(-3, 1, 3)[:, None, None]).to(dtype)
     w[1, :128, 128:256] = 0.0  # an all-zero block
@@ -103,6 +119,7 @@ def test_quantize_weight_both_orientations_match_reference_bit_for_bit(dtype):
         assert torch.equal(bits(o).cpu(), bits(r)), name
     q, s, qt, st = (t.cpu() for t in out)
     assert torch.equal(bits(qt), bits(q.transpose(1, 2).contiguous())) and torch.equal(st, s.transpose(1, 2))
+    assert_scale_kind(s, scales)
     assert rel_err(reference.dequantize_weight(q, s), w) < 0.03
 
 
@@ -128,7 +145,7 @@ def wgrad_plan():
                             sum(WGRAD_COUNTS) + WGRAD_UNROUTED)
 
 
-def test_quantize_tile_cols_matches_reference_bit_for_bit():
+def test_quantize_tile_cols_matches_reference_bit_for_bit(scales):
     """128x1 groups along the tokens, one per plan tile (never across two experts) and column: the kernel's bytes
     and scales equal the reference's; the dequantised values are the rows' within e4m3's half step, and the
     columns of a tile past its expert's end are zeros."""
@@ -144,6 +161,7 @@ def test_quantize_tile_cols_matches_reference_bit_for_bit():
     assert busy == sum(-(-c // 128) for c in WGRAD_COUNTS)
     assert q.shape == (256, plan.tile_expert_NT.numel() * 128) and s.shape == (plan.tile_expert_NT.numel(), 256)
     assert torch.equal(bits(q[:, :busy * 128]).cpu(), bits(qr)) and torch.equal(s[:busy].cpu(), sr)
+    assert_scale_kind(s[:busy], scales)
     # The format: column 128 t + i of q is sorted row tile_row[t] + i of the tile's expert, zero past its end.
     tile_row, tile_expert = plan.tile_row_NT[:busy].cpu().long(), plan.tile_expert_NT[:busy].cpu().long()
     rows = tile_row[:, None] + torch.arange(128)  # (busy, 128)
@@ -189,6 +207,27 @@ def test_fp8_layer_computes_the_recipe(shape, mode):
     recipe = run_with_grads(reference.moe_loop_fp8, *problem)
     for name, o, r in zip(NAMES, out, recipe):
         assert rel_err(o, r) < 2e-3, f"{name}: {rel_err(o, r):.2e} from the recipe"
+    assert_close_to_reference(out, problem, lowp=reference.moe_loop_fp8)
+
+
+@pytest.mark.parametrize("shape, mode", [(FP8_SHAPES[2], "none"), (FP8_SHAPES[7], "preact")],
+                         ids=lambda v: shape_id(v) if isinstance(v, tuple) else v)
+def test_fp8_layer_with_power_of_two_scales_computes_its_recipe(shape, mode):
+    """``env.set_fp8_scales("pow2")``: every quantiser of the layer (x, the weights, h, dy, dz) rounds its scales up
+    to powers of two; output and gradients equal the recipe with those scales, and stay within twice the recipe's
+    error of fp32 -- and differ from the fp32-scale layer's."""
+    problem = make_problem(*shape, device=DEVICE)
+    quant.clear_weight_cache()
+    fp32_scales = run_with_grads(fp8_moe(mode), *problem)
+    env.set_fp8_scales("pow2")
+    try:
+        out = run_with_grads(fp8_moe(mode), *problem)
+        recipe = run_with_grads(reference.moe_loop_fp8, *problem)
+    finally:
+        env.set_fp8_scales("fp32")
+    for name, o, r, f in zip(NAMES, out, recipe, fp32_scales):
+        assert rel_err(o, r) < 2e-3, f"{name}: {rel_err(o, r):.2e} from the recipe"
+        assert not torch.equal(o, f), f"{name}: the same as with fp32 scales"
     assert_close_to_reference(out, problem, lowp=reference.moe_loop_fp8)
 
 
@@ -276,6 +315,12 @@ def test_weight_cache_hit_miss_and_invalidation(monkeypatch):
     other = w13.detach().clone()
     megamoe.moe(x, idx, w, other, w2, precision="fp8")
     assert len(calls) == 6 and calls[-1] is other
+    env.set_fp8_scales("pow2")  # another kind of scales: new copies
+    try:
+        step()
+    finally:
+        env.set_fp8_scales("fp32")
+    assert len(calls) == 8
 
 
 def test_fp8_in_the_layer_is_the_functional_fp8_path():
@@ -336,7 +381,7 @@ def test_fp8_wgrad_bf16_gpu_computes_the_recipe(shape, poison_cuda, monkeypatch)
 
 
 @pytest.mark.gpu
-def test_fp8_quantisers_on_the_gpu_match_reference_bit_for_bit():
+def test_fp8_quantisers_on_the_gpu_match_reference_bit_for_bit(scales):
     gen = torch.Generator().manual_seed(3)
     a = (torch.randn(3000, 2048, generator=gen) * torch.logspace(-6, 4, 3000)[:, None]).to(torch.bfloat16)
     q, s = quant.quantize_rows(a.cuda())

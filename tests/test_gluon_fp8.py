@@ -250,6 +250,39 @@ def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing):
         assert (out[empty] == 0).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("issue_ahead", [False, True])
+def test_fp8_up_swiglu_power_of_two_scales(issue_ahead):
+    """With ``env.set_fp8_scales("pow2")`` the kernel's h scales are its fp32-scale run's rounded up to a power of
+    two (the same products and amax), and its bytes h times their exact inverse, rounded (within the ties that
+    differ between the two scalings)."""
+    from megamoe import env
+    from megamoe.kernels.gluon_fp8_sm90 import fp8_up_swiglu_ws
+
+    gen = torch.Generator().manual_seed(11)
+    num_tokens, num_experts, top_k, dim, inter = 1500, 8, 4, 256, 384
+    plan, offsets = build(make_routing(num_tokens, num_experts, top_k, "random", gen), num_experts)
+    routed = offsets[-1]
+    x_q, x_s = quantize_rows(make_data((num_tokens, dim), "random", gen))
+    w13_q, w13_s = quantize_weights(make_data((num_experts, 2 * inter, dim), "random", gen, group_dims=2) / 16)
+    runs = []
+    for kind in ("fp32", "pow2"):
+        h_q = torch.empty(num_tokens * top_k, inter, device="cuda", dtype=torch.float8_e4m3fn)
+        h_s = torch.empty(inter // GROUP, num_tokens * top_k, device="cuda")
+        env.set_fp8_scales(kind)
+        try:
+            fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k, issue_ahead=issue_ahead)
+        finally:
+            env.set_fp8_scales("fp32")
+        runs.append((h_q[:routed].float().cpu().double(), h_s[:, :routed].t().cpu()))
+    (q32, s32), (q2, s2) = runs
+    mantissa, exponent = torch.frexp(s32)
+    assert torch.equal(s2, torch.ldexp(torch.ones_like(s32), torch.where(mantissa == 0.5, exponent - 1, exponent)))
+    h = q32 * s32.double().repeat_interleave(GROUP, dim=1)  # h as the fp32-scale run holds it (within its rounding)
+    deq = q2 * s2.double().repeat_interleave(GROUP, dim=1)
+    assert rel_err(deq, h) <= 0.04
+
+
 # The AOT check runs in a subprocess: this test session runs Triton's interpreter (TRITON_INTERPRET=1 without a
 # GPU), under which the compile path is replaced.
 _AOT_SCRIPT = r"""
@@ -261,7 +294,8 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "up": ("fp8_up", dict(preact=False)), "up_preact": ("fp8_up", dict(preact=True)),
             "rows_down_any_size": ("fp8_rows", dict(sizes_divisible=False)),
             "up_any_size": ("fp8_up", dict(sizes_divisible=False)), "wgrad": ("fp8_wgrad", {}),
-            "wgrad_any_size": ("fp8_wgrad", dict(sizes_divisible=False))}
+            "wgrad_any_size": ("fp8_wgrad", dict(sizes_divisible=False)),
+            "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True))}
 variants.update({f"issue_ahead_{name}": (kernel, {**kw, "issue_ahead": True}) for name, (kernel, kw) in variants.items()
                  if kernel != "fp8_wgrad"})
 print(json.dumps({name: ptxas_report(f.aot_compile(kernel, **kw)) for name, (kernel, kw) in variants.items()}))
@@ -269,7 +303,7 @@ print(json.dumps({name: ptxas_report(f.aot_compile(kernel, **kw)) for name, (ker
 
 # Register spills allowed per variant (bytes): the up kernel's saved-activation variant keeps one register of its
 # epilogue in local memory (8 bytes, stored and loaded once per block; its MMA loop does not spill).
-_SPILLS_ALLOWED = {"up_preact": 8}
+_SPILLS_ALLOWED = {"up_preact": 8, "up_preact_pow2": 8}
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200
 
 

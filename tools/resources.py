@@ -263,6 +263,8 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      "BN": expert_bwd.PREACT_BN, "QUANT_DZ": True,
                      # the backward's row copy with dy's quantisation (the FP8 path's)
                      "QUANT_B": True,
+                     # the FP8 quantisers' power-of-two scales (env.set_fp8_scales)
+                     "POW2": True,
                      # the quantisers, at their launchers' blocks
                      "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC}
 

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megamoe.env import fp8_pow2_scales
 from megamoe.kernels.combine import combine
 from megamoe.kernels.common import (
     busy_tiles,
@@ -97,11 +98,12 @@ def _act_bwd_kernel(
 @triton.jit
 def _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
                          N, I, PART_COLS: tl.constexpr, BN: tl.constexpr, dzq_ptr=None, dzs_ptr=None,
-                         QUANT_DZ: tl.constexpr = False):
+                         QUANT_DZ: tl.constexpr = False, POW2: tl.constexpr = False):
     """The SwiGLU backward of one (rows, N-block ``pid_n``) block from its gate and up products (fp32): h, the
     d(routing weight) partials, dz = [dg | du] and h·w (arguments as for ``_act_bwd_kernel``). QUANT_DZ (BN =
     128): dz also 1x128-quantised into ``dzq`` (N, 2I) e4m3 and its scales ``dzs`` (2I/128, N): the block's dg
-    columns are group ``pid_n`` of a row, its du columns group I/128 + ``pid_n``."""
+    columns are group ``pid_n`` of a row, its du columns group I/128 + ``pid_n`` (POW2: power-of-two scales,
+    ``quant.scale_and_inverse``)."""
     cols = pid_n * BN + tl.arange(0, BN)
     omask = rmask[:, None] & (cols < I)[None, :]
     rows64 = rows[:, None].to(tl.int64)
@@ -129,8 +131,8 @@ def _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weight
     tl.store(hw_ptr + rows64 * I + cols[None, :], (h * wt[:, None]).to(hw_ptr.dtype.element_ty), mask=omask)
     if QUANT_DZ:
         dzq_ptrs = dzq_ptr + rows64 * 2 * I + cols[None, :]
-        dg_q, dg_s = quantize_groups(dg)
-        du_q, du_s = quantize_groups(du)
+        dg_q, dg_s = quantize_groups(dg, POW2)
+        du_q, du_s = quantize_groups(du, POW2)
         tl.store(dzq_ptrs, dg_q, mask=omask)
         tl.store(dzq_ptrs + I, du_q, mask=omask)
         tl.store(dzs_ptr + pid_n * N + rows, dg_s, mask=rmask)
@@ -146,9 +148,11 @@ def _act_from_preact_kernel(
     dzs_ptr,  # (2I/128, N) fp32 out, if QUANT_DZ: its scales
     N, I, E,
     QUANT_DZ: tl.constexpr, TILE_M: tl.constexpr, PART_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    POW2: tl.constexpr,
 ):
     """The act kernel's epilogue on the saved gate and up products instead of a recomputed GEMM: memory-bound,
-    one program per (sub-)tile x N-block. QUANT_DZ: dz also quantised 1x128 (the FP8 path; BN = 128)."""
+    one program per (sub-)tile x N-block. QUANT_DZ: dz also quantised 1x128 (the FP8 path; BN = 128; POW2: with
+    power-of-two scales)."""
     e, _, rows, rmask, pid_n = tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                          tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
@@ -160,7 +164,7 @@ def _act_from_preact_kernel(
     acc_g = tl.load(g_ptrs, mask=omask, other=0.0).to(tl.float32)
     acc_u = tl.load(g_ptrs + I, mask=omask, other=0.0).to(tl.float32)
     _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
-                         N, I, PART_COLS, BN, dzq_ptr, dzs_ptr, QUANT_DZ)
+                         N, I, PART_COLS, BN, dzq_ptr, dzs_ptr, QUANT_DZ, POW2)
 
 
 @triton.jit
@@ -181,7 +185,7 @@ def _scatter_rows_kernel(
     bs_ptr,  # (D / 128, N) fp32 out, with QUANT_B: their scales
     slot_row_ptr, offsets_ptr,
     T, D, E, top_k, N,
-    HAS_B: tl.constexpr, QUANT_B: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr,
+    HAS_B: tl.constexpr, QUANT_B: tl.constexpr, POW2: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr,
 ):
     """Token-major: each program reads TB tokens' columns once and writes them to each of their top_k sorted
     rows. (Row-major, gathering each sorted row from its token, re-reads a token's row once per slot, from
@@ -197,7 +201,7 @@ def _scatter_rows_kernel(
         b = tl.load(b_ptr + src, mask=tmask[:, None] & cmask, other=0.0)
         if QUANT_B:
             G: tl.constexpr = BD // 128
-            bq, bs = quantize_groups(tl.reshape(b.to(tl.float32), (TB * G, 128)))
+            bq, bs = quantize_groups(tl.reshape(b.to(tl.float32), (TB * G, 128)), POW2)
             bq = tl.reshape(bq, (TB, BD))
             bs = tl.reshape(bs, (TB, G))
             groups = tl.program_id(1) * G + tl.arange(0, G)
@@ -411,7 +415,7 @@ def act_bwd_from_preact(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: in
             dweight_part_ptr=dweight_part, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1,
             tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, dzq_ptr=dzq, dzs_ptr=dzs, N=num_slots,
             I=inter, E=plan.offsets_E1.numel() - 1, QUANT_DZ=quant_dz, TILE_M=BLOCK_M, PART_COLS=PART_COLS,
-            BM=PREACT_BM, BN=PREACT_BN, num_warps=4)
+            BM=PREACT_BM, BN=PREACT_BN, POW2=fp8_pow2_scales(), num_warps=4)
     outputs = dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
     return (*outputs, dzq, dzs) if quant_dz else outputs
 
@@ -471,7 +475,8 @@ def _scatter_rows(a_TD, b_TD, slot_row, plan: Plan, top_k: int, quantize_b: bool
         a_ptr=a_TD, b_ptr=b_TD, a_out_ptr=outs[0], b_out_ptr=outs[1] if b_TD is not None else None,
         bq_ptr=outs[2] if quantize_b else None, bs_ptr=outs[3] if quantize_b else None, slot_row_ptr=slot_row,
         offsets_ptr=plan.offsets_E1, T=num_tokens, D=dim, E=plan.offsets_E1.numel() - 1, top_k=top_k, N=num_slots,
-        HAS_B=b_TD is not None, QUANT_B=quantize_b, TB=tb, BD=bd, num_warps=4,
+        HAS_B=b_TD is not None, QUANT_B=quantize_b, POW2=quantize_b and fp8_pow2_scales(), TB=tb, BD=bd,
+        num_warps=4,
     )
     return outs
 

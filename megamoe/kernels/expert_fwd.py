@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megamoe.env import fp8_pow2_scales
 from megamoe.kernels.common import (
     busy_tiles,
     descriptor,
@@ -49,27 +50,27 @@ def _up_swiglu_fwd_kernel(
     h_scale_ptr,  # (I/128, N) fp32 out, if SCALED: h's 1x128 scales (h then written as e4m3)
     T, N, D, I, E, top_k,
     SAVE_PREACT: tl.constexpr, SCALED: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, POW2: tl.constexpr = False,
 ):
     e, _, rows, rmask, pid_n = tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                          tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
         return
     up_swiglu_block(x_ptr, w13_desc, h_ptr, row_slot_ptr, e, rows, rmask, pid_n, D, I, top_k, PREC, BM, BN, BK,
-                    EVEN_K, preact_ptr, SAVE_PREACT, x_scale_ptr, w_scale_ptr, h_scale_ptr, T, N, SCALED)
+                    EVEN_K, preact_ptr, SAVE_PREACT, x_scale_ptr, w_scale_ptr, h_scale_ptr, T, N, SCALED, POW2)
 
 
 @triton.jit
 def up_swiglu_block(x_ptr, w13_desc, h_ptr, row_slot_ptr, e, rows, rmask, pid_n, D, I, top_k, PREC: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, preact_ptr=None,
                     SAVE_PREACT: tl.constexpr = False, x_scale_ptr=None, w_scale_ptr=None, h_scale_ptr=None, T=0, N=0,
-                    SCALED: tl.constexpr = False):
+                    SCALED: tl.constexpr = False, POW2: tl.constexpr = False):
     """One BM x BN block of h for expert ``e``'s sorted ``rows`` (``rmask``: those of the expert) and N-block
     ``pid_n`` (arguments as for ``_up_swiglu_fwd_kernel``): x rows gathered through the row map, both GEMMs,
     the SwiGLU; with SAVE_PREACT also both products, rounded to h's dtype, into ``preact``. SCALED: x and w13
     in blockwise FP8 (BK = BN = 128), each K-block's products promoted with their scales, and h quantised
-    1x128 (the block's columns are one group) with its scales. The expert-parallel owner's up tiles run it
-    once their rows are in (``parallel.owner``)."""
+    1x128 (the block's columns are one group) with its scales (POW2: power-of-two ones). The expert-parallel
+    owner's up tiles run it once their rows are in (``parallel.owner``)."""
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
     tok = (slots // top_k).to(tl.int64)  # int64: T*D overflows int32 at real sizes
     n0 = pid_n * BN
@@ -98,7 +99,7 @@ def up_swiglu_block(x_ptr, w13_desc, h_ptr, row_slot_ptr, e, rows, rmask, pid_n,
     omask = rmask[:, None] & (cols < I)[None, :]
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
     if SCALED:
-        h_q, h_s = quantize_groups(h)
+        h_q, h_s = quantize_groups(h, POW2)
         tl.store(h_ptrs, h_q, mask=omask)
         tl.store(h_scale_ptr + pid_n * N + rows, h_s, mask=rmask)
     else:
@@ -237,7 +238,8 @@ def _launch_up(kernel: TunedKernel, x_TD, w13_EHD, h_NI, plan: Plan, top_k: int,
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, preact_ptr=preact_NH, x_scale_ptr=x_scale, w_scale_ptr=w13_scale,
         h_scale_ptr=h_scale, T=x_TD.shape[0], N=h_NI.shape[0], D=dim, I=two_i // 2, E=num_experts, top_k=top_k,
-        SAVE_PREACT=preact_NH is not None, PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M, dtype=x_TD.dtype,
+        SAVE_PREACT=preact_NH is not None, PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M,
+        POW2=x_scale is not None and fp8_pow2_scales(), dtype=x_TD.dtype,
     )
 
 

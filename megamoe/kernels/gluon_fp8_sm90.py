@@ -60,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megamoe.env import device_capability, sm_count
+from megamoe.env import device_capability, fp8_pow2_scales, sm_count
 from megamoe.kernels.gluon_sm90 import (
     barriers,
     count_busy_tiles,
@@ -429,11 +429,12 @@ def _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl, acc_gh, ac
 @gluon.jit
 def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
                       g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, WG: gl.constexpr,
-                      PREACT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, num_warps: gl.constexpr):
+                      PREACT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``_fp8_up_ws_kernel``: per K-step the gate
     block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion (with
     ISSUE_AHEAD, 64-column chains, each promoted under the next); then h = silu(g) * u in fp32, quantised per
-    row over the block's 128 columns into h_q / h_s, and with PREACT g and u rounded to bf16 into ``preact``."""
+    row over the block's 128 columns into h_q / h_s (POW2: power-of-two scales), and with PREACT g and u rounded
+    to bf16 into ``preact``."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
@@ -461,7 +462,8 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                     mbarrier.arrive(empty.index(s), count=1)
                     acc_u = acc_u + tmp * scale_u[:, None]
                     step += 1
-                _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT, num_warps)
+                _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT, POW2,
+                             num_warps)
             else:
                 # Two 64 x 128 temporaries beside the two accumulators do not fit (4 x 64 registers per
                 # thread, of the 216 the gathering loader leaves), so each product runs as two 64-column
@@ -498,7 +500,7 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                 acc_uh = _promote(acc_uh, tb, scale_u)
                 step += 1
                 _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N,
-                                    I, PREACT, num_warps)
+                                    I, PREACT, POW2, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
             step = _pass_stages(ready, empty, step, D, BK)
 
@@ -545,20 +547,29 @@ def _up_h(acc_g, acc_u, preact_ptr, first, end, c0, I, PREACT: gl.constexpr):
 
 
 @gluon.jit
-def _quantize_h(h, amax):
-    """fp8(clamp(h * (448 / amax[row]), ±448)) (round to nearest even; the division IEEE)."""
-    inv = gl.div_rn(gl.full(amax.type.shape, FP8_MAX, gl.float32, amax.type.layout), amax)
+def _h_scales(amax, POW2: gl.constexpr):
+    """The rows' h scales and the factors h is multiplied by, as ``quant.scale_and_inverse``: amax / 448 and
+    448 / amax (IEEE), or with POW2 amax / 448 rounded up to a power of two and its exact inverse."""
+    s = gl.div_rn(amax, gl.full(amax.type.shape, FP8_MAX, gl.float32, amax.type.layout))
+    if POW2:
+        bits = s.to(gl.int32, bitcast=True)
+        exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(gl.int32)
+        return (exponent << 23).to(gl.float32, bitcast=True), ((254 - exponent) << 23).to(gl.float32, bitcast=True)
+    return s, gl.div_rn(gl.full(amax.type.shape, FP8_MAX, gl.float32, amax.type.layout), amax)
+
+
+@gluon.jit
+def _quantize_h(h, inv):
+    """fp8(clamp(h * inv[row], ±448)) (round to nearest even)."""
     return _to_e4m3(gl.minimum(gl.maximum(h * inv[:, None], -FP8_MAX), FP8_MAX))
 
 
 @gluon.jit
-def _store_h_s(amax, h_s_ptr, first, end, group, N):
-    """The rows' h scales amax / 448 (IEEE) into h_s (I // 128, N) at ``group``, rows [first, end)."""
-    row_layout: gl.constexpr = amax.type.layout
-    HALF: gl.constexpr = amax.type.shape[0]
-    s_rows = first + gl.arange(0, HALF, layout=row_layout)
-    gl.store(h_s_ptr + group * N + s_rows, gl.div_rn(amax, gl.full([HALF], FP8_MAX, gl.float32, row_layout)),
-             mask=s_rows < end)
+def _store_h_s(scale, h_s_ptr, first, end, group, N):
+    """The rows' h scales into h_s (I // 128, N) at ``group``, rows [first, end)."""
+    HALF: gl.constexpr = scale.type.shape[0]
+    s_rows = first + gl.arange(0, HALF, layout=scale.type.layout)
+    gl.store(h_s_ptr + group * N + s_rows, scale, mask=s_rows < end)
 
 
 @gluon.jit
@@ -577,31 +588,33 @@ def _store_h_q(q, h_q_ptr, first, end, c0, I, num_warps: gl.constexpr):
 
 @gluon.jit
 def _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT: gl.constexpr,
-                 num_warps: gl.constexpr):
+                 POW2: gl.constexpr, num_warps: gl.constexpr):
     """One warpgroup's (64, 128) block of h = silu(g) * u, quantised as the FP8 path quantises everywhere:
     amax = max(max|h|, 1e-12) over the row's 128 columns, q = fp8(clamp(h * (448 / amax), ±448)) (round to
-    nearest even), scale amax / 448 (both divisions IEEE); q into h_q (N, I) rows [first, end), the scale into
-    h_s (I // 128, N); with PREACT g and u (bf16) into preact (N, 2I) at columns n0 and I + n0."""
+    nearest even), scale amax / 448 (both divisions IEEE; POW2: ``_h_scales``); q into h_q (N, I) rows [first,
+    end), the scale into h_s (I // 128, N); with PREACT g and u (bf16) into preact (N, 2I) at columns n0 and
+    I + n0."""
     BN: gl.constexpr = acc_g.type.shape[1]
     h = _up_h(acc_g, acc_u, preact_ptr, first, end, n0, I, PREACT)
-    amax = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12)
-    q = _quantize_h(h, amax)
-    _store_h_s(amax, h_s_ptr, first, end, n0 // BN, N)
+    scale, inv = _h_scales(gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12), POW2)
+    q = _quantize_h(h, inv)
+    _store_h_s(scale, h_s_ptr, first, end, n0 // BN, N)
     _store_h_q(q, h_q_ptr, first, end, n0, I, num_warps)
 
 
 @gluon.jit
 def _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I,
-                        PREACT: gl.constexpr, num_warps: gl.constexpr):
+                        PREACT: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
     """``_up_epilogue`` of a block held as its left and right 64 columns (the issue-ahead up kernel's): the
     same h, row amax (the larger of the halves') and bytes."""
     HB: gl.constexpr = acc_gl.type.shape[1]
     h_lo = _up_h(acc_gl, acc_ul, preact_ptr, first, end, n0, I, PREACT)
     h_hi = _up_h(acc_gh, acc_uh, preact_ptr, first, end, n0 + HB, I, PREACT)
     amax = gl.maximum(gl.maximum(gl.max(gl.abs(h_lo), axis=1), gl.max(gl.abs(h_hi), axis=1)), 1e-12)
-    q_lo = _quantize_h(h_lo, amax)
-    q_hi = _quantize_h(h_hi, amax)
-    _store_h_s(amax, h_s_ptr, first, end, n0 // (2 * HB), N)
+    scale, inv = _h_scales(amax, POW2)
+    q_lo = _quantize_h(h_lo, inv)
+    q_hi = _quantize_h(h_hi, inv)
+    _store_h_s(scale, h_s_ptr, first, end, n0 // (2 * HB), N)
     _store_h_q(q_lo, h_q_ptr, first, end, n0, I, num_warps)
     _store_h_q(q_hi, h_q_ptr, first, end, n0 + HB, I, num_warps)
 
@@ -609,7 +622,7 @@ def _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, h_q_ptr, h_s_ptr, preact
 @gluon.jit
 def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
                       tile_expert_ptr, tile_row_ptr, T, N, D, I, E, top_k, EB: gl.constexpr, TILE_M: gl.constexpr,
-                      PREACT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, STAGES: gl.constexpr,
+                      PREACT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, POW2: gl.constexpr, STAGES: gl.constexpr,
                       LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                       num_warps: gl.constexpr):
     """x (T, D) fp8 gathered by token and x_s (D // 128, T) fp32; w13_desc: W13 (E, 2, I, D) fp8 (gate rows, then
@@ -634,10 +647,10 @@ def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, pre
     gl.warp_specialize([
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
                              x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 0, PREACT, ISSUE_AHEAD,
-                             num_warps)),
+                             POW2, num_warps)),
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
                              x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 1, PREACT, ISSUE_AHEAD,
-                             num_warps)),
+                             POW2, num_warps)),
         (_up_loader, (x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                       ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, T, D, I, top_k, num_n, work,
                       LOADER_WARPS)),
@@ -821,6 +834,7 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, top_k=top_k,
         EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None, ISSUE_AHEAD=issue_ahead,
+        POW2=fp8_pow2_scales(),
         STAGES=UP_STAGES_PREACT if preact is not None else UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS,
         MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
@@ -851,14 +865,14 @@ KERNELS = {"fp8_rows": _fp8_rows_ws_kernel, "fp8_up": _fp8_up_ws_kernel, "fp8_wg
 
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
-                sizes_divisible: bool = True, issue_ahead: bool | None = None):
+                sizes_divisible: bool = True, issue_ahead: bool | None = None, pow2: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
     launchers' asserts make multiples of 128, are specialised as 16-divisible, as Triton does at run time.
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
     kernel's saved-activation variant; ``issue_ahead``: either kernel's issue pattern (``None``: its default,
-    ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``)."""
+    ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the up kernel's power-of-two h scales."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -882,7 +896,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
         sizes = {"P", "Q"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
-        constexprs = {**common, "PREACT": preact, "STAGES": UP_STAGES_PREACT if preact else UP_STAGES,
+        constexprs = {**common, "PREACT": preact, "POW2": pow2, "STAGES": UP_STAGES_PREACT if preact else UP_STAGES,
                       "LOADER_WARPS": UP_LOADER_WARPS, "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
         pointers = {"x_ptr": "*fp8e4nv", "x_s_ptr": "*fp32", "w13_s_ptr": "*fp32", "h_q_ptr": "*fp8e4nv",
                     "h_s_ptr": "*fp32", "preact_ptr": "*bf16"}

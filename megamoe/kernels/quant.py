@@ -23,7 +23,9 @@ Formats (every FP8 kernel of the package reads and writes these; ``reference.qua
   t0(e) = sum over e' < e of ceil(rows_e' / 128) (``common.busy_tiles`` of e).
 
 One group of 128 values v becomes: ``amax = max(max|v|, AMAX_FLOOR)``, ``inv = 448 / amax`` and ``s = amax /
-448`` (both IEEE-rounded divisions), ``q = e4m3(clamp(v * inv, -448, 448))`` rounded to nearest even. D and I
+448`` (both IEEE-rounded divisions), ``q = e4m3(clamp(v * inv, -448, 448))`` rounded to nearest even. With
+power-of-two scales (``env.set_fp8_scales("pow2")``, ``MEGAMOE_FP8_SCALES=pow2``) ``s`` is ``amax / 448`` rounded up
+to a power of two and ``inv = 1 / s``, both exact (``scale_and_inverse``). D and I
 must be multiples of 128 (``GROUP``), so no group is partial.
 """
 
@@ -36,6 +38,7 @@ import triton
 import triton.language as tl
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from megamoe.env import fp8_pow2_scales
 from megamoe.kernels.plan import BLOCK_M, Plan
 
 GROUP = 128  # values per scale along a GEMM's inner dimension (and the weights' block edge)
@@ -62,12 +65,24 @@ def to_e4m3(v):
 
 
 @triton.jit
-def quantize_groups(v):
-    """(R, 128) fp32 -> e4m3 (R, 128) and the (R,) fp32 scales, one group per row."""
+def scale_and_inverse(amax, POW2: tl.constexpr):
+    """A group's scale s and the factor inv its values are multiplied by, from its amax (fp32, any shape): s =
+    amax / 448 and inv = 448 / amax (IEEE divisions); with POW2, s = amax / 448 rounded up to a power of two (its
+    exponent, plus one unless the mantissa is zero) and inv = 1 / s, both exact."""
+    s = tl.math.div_rn(amax, tl.full(amax.shape, E4M3_MAX, tl.float32))
+    if POW2:
+        bits = s.to(tl.int32, bitcast=True)
+        exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        return (exponent << 23).to(tl.float32, bitcast=True), ((254 - exponent) << 23).to(tl.float32, bitcast=True)
+    return s, tl.math.div_rn(tl.full(amax.shape, E4M3_MAX, tl.float32), amax)
+
+
+@triton.jit
+def quantize_groups(v, POW2: tl.constexpr):
+    """(R, 128) fp32 -> e4m3 (R, 128) and the (R,) fp32 scales, one group per row (POW2: ``scale_and_inverse``)."""
     amax = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR)
-    inv = tl.math.div_rn(tl.full(amax.shape, E4M3_MAX, tl.float32), amax)
-    q = to_e4m3(tl.clamp(v * inv[:, None], -E4M3_MAX, E4M3_MAX))
-    return q, tl.math.div_rn(amax, tl.full(amax.shape, E4M3_MAX, tl.float32))
+    s, inv = scale_and_inverse(amax, POW2)
+    return to_e4m3(tl.clamp(v * inv[:, None], -E4M3_MAX, E4M3_MAX)), s
 
 
 @triton.jit
@@ -76,14 +91,14 @@ def _quantize_rows_kernel(
     q_ptr,  # (M, K) e4m3 out
     s_ptr,  # (K / 128, M) fp32 out
     M, K,
-    BM: tl.constexpr,
+    BM: tl.constexpr, POW2: tl.constexpr,
 ):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     kb = tl.program_id(1)
     cols = kb * 128 + tl.arange(0, 128)
     rmask = rows < M
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]  # int64: M*K overflows int32 at real sizes
-    q, s = quantize_groups(tl.load(a_ptr + offs, mask=rmask[:, None], other=0.0).to(tl.float32))
+    q, s = quantize_groups(tl.load(a_ptr + offs, mask=rmask[:, None], other=0.0).to(tl.float32), POW2)
     tl.store(q_ptr + offs, q, mask=rmask[:, None])
     tl.store(s_ptr + kb.to(tl.int64) * M + rows, s, mask=rmask)
 
@@ -96,7 +111,7 @@ def _quantize_weight_kernel(
     qt_ptr,  # (E, C, R) e4m3 out: the transposed copy
     st_ptr,  # (E, C / 128, R / 128) fp32 out
     R, C,
-    SLICE: tl.constexpr,
+    SLICE: tl.constexpr, POW2: tl.constexpr,
 ):
     """One 128x128 block per program, read in slices of SLICE rows twice (its amax, then its values): a whole
     block in registers spilled."""
@@ -110,14 +125,12 @@ def _quantize_weight_kernel(
     amax = 0.0
     for i in tl.static_range(128 // SLICE):
         amax = tl.maximum(amax, tl.max(tl.max(tl.abs(tl.load(block + i * SLICE * C).to(tl.float32)), axis=1), axis=0))
-    amax = tl.maximum(amax, AMAX_FLOOR)
-    inv = tl.math.div_rn(E4M3_MAX, amax)
+    s, inv = scale_and_inverse(tl.maximum(amax, AMAX_FLOOR), POW2)
     for i in tl.static_range(128 // SLICE):
         q = to_e4m3(tl.clamp(tl.load(block + i * SLICE * C).to(tl.float32) * inv, -E4M3_MAX, E4M3_MAX))
         r = rb * 128 + i * SLICE + tl.arange(0, SLICE)
         tl.store(q_ptr + e * R * C + r[:, None] * C + c[None, :], q)
         tl.store(qt_ptr + e * R * C + c[None, :] * R + r[:, None], q)
-    s = tl.math.div_rn(amax, E4M3_MAX)
     tl.store(s_ptr + (e * nrb + rb) * ncb + cb, s)
     tl.store(st_ptr + (e * ncb + cb) * nrb + rb, s)
 
@@ -129,7 +142,7 @@ def _quantize_tile_cols_kernel(
     s_ptr,  # (NT, C) fp32 out
     offsets_ptr, tile_expert_ptr, tile_row_ptr,
     C, E,
-    TILE_M: tl.constexpr, BC: tl.constexpr,
+    TILE_M: tl.constexpr, BC: tl.constexpr, POW2: tl.constexpr,
 ):
     """One (plan tile, BC columns) per program: the tile's rows read as a (BC, TILE_M) block (rows past its
     expert's end as zeros: they count in no amax and quantise to zeros), so that each column's group is a row of
@@ -143,7 +156,7 @@ def _quantize_tile_cols_kernel(
     # int64: N * C and C * NT * 128 overflow int32 at real sizes
     a = tl.load(a_ptr + rows.to(tl.int64)[None, :] * C + cols[:, None],
                 mask=(rows < tl.load(offsets_ptr + e + 1))[None, :], other=0.0)
-    q, s = quantize_groups(a.to(tl.float32))
+    q, s = quantize_groups(a.to(tl.float32), POW2)
     ld = tl.num_programs(0).to(tl.int64) * TILE_M  # q's row: TILE_M columns per plan tile, one program row each
     tl.store(q_ptr + cols.to(tl.int64)[:, None] * ld + t * TILE_M + tl.arange(0, TILE_M)[None, :], q)
     tl.store(s_ptr + t.to(tl.int64) * C + cols, s)
@@ -170,8 +183,8 @@ def quantize_rows(a_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(num_rows, k, device=a_MK.device, dtype=FP8)
     s = torch.empty(k // GROUP, num_rows, device=a_MK.device, dtype=torch.float32)
     if num_rows:
-        _quantize_rows_kernel[(triton.cdiv(num_rows, ROWS_BM), k // GROUP)](a_ptr=a_MK, q_ptr=q, s_ptr=s, M=num_rows,
-                                                                           K=k, BM=ROWS_BM, num_warps=4)
+        _quantize_rows_kernel[(triton.cdiv(num_rows, ROWS_BM), k // GROUP)](
+            a_ptr=a_MK, q_ptr=q, s_ptr=s, M=num_rows, K=k, BM=ROWS_BM, POW2=fp8_pow2_scales(), num_warps=4)
     return q, s
 
 
@@ -186,7 +199,7 @@ def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, to
     _quantize_tile_cols_kernel[(num_tiles, cols // TILE_COLS_BC)](
         a_ptr=a_NC, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, C=cols, E=plan.offsets_E1.numel() - 1, TILE_M=BLOCK_M, BC=TILE_COLS_BC,
-        num_warps=4)
+        POW2=fp8_pow2_scales(), num_warps=4)
     return q, s
 
 
@@ -199,13 +212,14 @@ def quantize_weight(w_ERC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     s = torch.empty(num_experts, r // GROUP, c // GROUP, device=w_ERC.device, dtype=torch.float32)
     st = torch.empty(num_experts, c // GROUP, r // GROUP, device=w_ERC.device, dtype=torch.float32)
     _quantize_weight_kernel[(num_experts, r // GROUP, c // GROUP)](w_ptr=w_ERC, q_ptr=q, s_ptr=s, qt_ptr=qt, st_ptr=st,
-                                                                   R=r, C=c, SLICE=WEIGHT_SLICE, num_warps=8)
+                                                                   R=r, C=c, SLICE=WEIGHT_SLICE,
+                                                                   POW2=fp8_pow2_scales(), num_warps=8)
     return q, s, qt, st
 
 
 # The FP8 copies of the expert weights, per weight tensor: made once and reused for as long as the weights do not
 # change — every micro-batch's forward and backward of one optimizer step.
-_weight_cache: dict[int, tuple[weakref.ref, int, int, tuple[torch.Tensor, ...]]] = {}
+_weight_cache: dict[int, tuple[weakref.ref, tuple[int, int, bool], tuple[torch.Tensor, ...]]] = {}
 _optimizer_steps = 0  # any torch.optim optimizer's steps so far (the hook below)
 
 
@@ -221,17 +235,18 @@ register_optimizer_step_post_hook(_count_optimizer_step)
 
 def fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_weight(w)``, cached: a hit needs the same tensor object, at the same version (an in-place
-    update bumps it), with no optimizer step in between. Inside a CUDA-graph capture nothing is cached (a
+    update bumps it), with no optimizer step in between and the same kind of scales (``env.set_fp8_scales``). Inside a CUDA-graph capture nothing is cached (a
     replay after the weights changed would read stale copies): the quantisation is captured with the step.
     Weights written behind autograd's back (through ``.data``) need :func:`clear_weight_cache`."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return quantize_weight(w)
     key = id(w)
     hit = _weight_cache.get(key)
-    if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == _optimizer_steps:
-        return hit[3]
+    state = (w._version, _optimizer_steps, fp8_pow2_scales())
+    if hit is not None and hit[0]() is w and hit[1] == state:
+        return hit[2]
     copies = quantize_weight(w)
-    _weight_cache[key] = (weakref.ref(w, lambda _: _weight_cache.pop(key, None)), w._version, _optimizer_steps, copies)
+    _weight_cache[key] = (weakref.ref(w, lambda _: _weight_cache.pop(key, None)), state, copies)
     return copies
 
 
