@@ -6,6 +6,7 @@ I expert intermediate size.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -207,8 +208,10 @@ def moe(
             the gate/up pre-activation, (T·K, 2I) in x's dtype — K·2I·2 bytes per token in bf16 (24 KiB for the
             Qwen3-30B-A3B layer, 48 KiB for Qwen3-235B-A22B) — so the backward skips that GEMM (18 instead of
             22·T·K·D·I FLOPs per step); for training without checkpointing when memory allows. On sm90 the
-            forward then runs the Triton up kernel (the Gluon one does not write the products yet). One GPU
-            only for now (``NotImplementedError`` with ``group``); the reference path keeps whatever autograd
+            forward then runs the Triton up kernel (the Gluon one does not write the products yet). With
+            ``group`` the fused path keeps, per rank, the products of the rows it receives in a buffer sized for
+            the most it can receive (``parallel.fused.preact_buffer``: (R·T_max·K, 2I), R times the one-GPU bytes);
+            the all-to-all path keeps its local experts' products. The reference path keeps whatever autograd
             keeps in either mode.
 
     Returns:
@@ -230,19 +233,18 @@ def moe(
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
         validate(x, topk_idx, topk_weights, w13, w2, num_ranks=dist.get_world_size(group))
-        if save_for_backward != "none":
-            raise NotImplementedError(f"save_for_backward={save_for_backward!r} with expert parallelism (group=...) "
-                                      "is not implemented yet; use 'none'")
         if precision == "fp8":
             raise NotImplementedError("precision='fp8' with expert parallelism (group=...) is not implemented yet; "
                                       "use 'bf16'")
         if ep_path(x, w2) == "fused":
-            return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank, comm_sms)
+            return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank, comm_sms,
+                                save_preact=save_for_backward == "preact")
     if comm_sms is not None and max(comm_sms_pair(comm_sms)):
         raise ValueError("comm_sms > 0 applies to the fused expert-parallel path only (group=..., where "
                          "megamoe.api.ep_path picks it)")
     if group is not None:
-        return moe_all_to_all(x, topk_idx, topk_weights, w13, w2, group, experts=moe)
+        return moe_all_to_all(x, topk_idx, topk_weights, w13, w2, group,
+                              experts=functools.partial(moe, save_for_backward=save_for_backward))
     validate(x, topk_idx, topk_weights, w13, w2)
     fp8 = precision == "fp8"
     if fp8:

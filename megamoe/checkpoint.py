@@ -30,7 +30,8 @@ from megamoe.parallel import fused  # noqa: F401  (likewise, the expert-parallel
 
 # The ops whose outputs the policy saves (built once: the policy runs on every op of a checkpointed region).
 _MEGAMOE_OPS = frozenset({torch.ops.megamoe.plan.default, torch.ops.megamoe.experts_fwd.default,
-                          torch.ops.megamoe.experts_fwd_saved.default, torch.ops.megamoe.ep_fwd.default})
+                          torch.ops.megamoe.experts_fwd_saved.default, torch.ops.megamoe.ep_fwd.default,
+                          torch.ops.megamoe.ep_fwd_saved.default})
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -217,7 +217,7 @@ def test_checkpointed_block_holds_its_input_and_megamoe_output_only():
     assert expected <= held <= expected + 2**20, f"held {held} B, megamoe's output and plan {expected} B"
 
 
-def ep_block_problem(comm_sms):
+def ep_block_problem(comm_sms, save_preact=False):
     """A residual block around the fused expert-parallel layer on one virtual rank (the loopback workspace: the
     protocol's kernels, its exchange to itself included), with its counted forward bodies."""
     from megamoe.parallel import fused
@@ -229,7 +229,7 @@ def ep_block_problem(comm_sms):
     norm = torch.nn.LayerNorm(dim, device=DEVICE)
 
     def block(x, w, w13, w2):
-        return x + fused.fused_ep(norm(x), idx, w, w13, w2, ws, (comm_sms, comm_sms))
+        return x + fused.fused_ep(norm(x), idx, w, w13, w2, ws, (comm_sms, comm_sms), save_preact)
 
     return block, (x, w, w13, w2), dy
 
@@ -259,16 +259,16 @@ EP_WIRINGS = {
 
 
 @pytest.mark.loopback
-@pytest.mark.parametrize("comm_sms", [0, 2])
+@pytest.mark.parametrize("comm_sms, save_preact", [(0, False), (2, False), (0, True)])
 @pytest.mark.parametrize("wiring", EP_WIRINGS)
-def test_checkpointed_expert_parallel_block_runs_its_exchange_once(counted_ep, wiring, comm_sms):
+def test_checkpointed_expert_parallel_block_runs_its_exchange_once(counted_ep, wiring, comm_sms, save_preact):
     """The fused EP layer under the helper, eagerly and compiled in either order: its forward, the exchange with
     the peers included, runs once per step (plain checkpointing runs it twice: the count sees a recompute), and the
     gradients are those of the un-checkpointed block."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    block, leaves, dy = ep_block_problem(comm_sms)
+    block, leaves, dy = ep_block_problem(comm_sms, save_preact)
     plain = grads(_compiled(block) if INDUCTOR and wiring != "eager" else block, leaves, dy)
     counted_ep.update(forward=0, backward=0)
     grads(lambda *a: checkpoint(block, *a, use_reentrant=False), leaves, dy)
@@ -293,3 +293,7 @@ def test_expert_parallel_custom_ops_pass_opcheck():
                                          w2.requires_grad_(), *plan, number, 0, 0))
     torch.library.opcheck(fused._ep_bwd, (dy, x.detach(), idx, w.detach(), w13.detach(), w2.detach(), *plan, number,
                                          0))
+    torch.library.opcheck(fused._ep_fwd_saved, (x, idx, w, w13, w2, *plan, number, 0, 0))
+    _, preact = fused._ep_fwd_saved(x.detach(), idx, w.detach(), w13.detach(), w2.detach(), *plan, number, 0, 0)
+    torch.library.opcheck(fused._ep_bwd, (dy, x.detach(), idx, w.detach(), w13.detach(), w2.detach(), *plan, number,
+                                         0, preact))

@@ -251,12 +251,32 @@ def test_loopback_backward_matches_one_device_reference(case, num_ranks, comm_sm
     check_loopback_backward(case, num_ranks, comm_sms)
 
 
-def check_loopback_backward(case, num_ranks, comm_sms):
+@pytest.mark.parametrize("num_ranks, comm_sms", [(2, 0), (4, 0), (1, 2), (3, 2)])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_saved_products_backward_matches_one_device_reference(case, num_ranks, comm_sms):
+    """The saved-activation mode: the forward keeps each owner's received rows' gate and up products, and the
+    backward's act step reads them, in the same received-row order, instead of recomputing them; the forward's
+    outputs and every gradient as without it."""
+    check_loopback_backward(case, num_ranks, comm_sms, saved=True)
+
+
+def check_loopback_backward(case, num_ranks, comm_sms, saved=False):
     """dx and d(routing weight) of each rank's tokens, dw13/dw2 of each rank's experts (rows of every
-    rank), against the fp32 one-device layer; experts that receive no rows get exact zeros."""
+    rank), against the fp32 one-device layer; experts that receive no rows get exact zeros. ``saved``: after a
+    forward that saved the gate and up products (checked too), the backward on them."""
     ranks, problem, bounds, dys = split_problem(case, num_ranks)
     workspaces = workspaces_for(ranks, case[2])
-    grads = loopback.loopback_backward(workspaces, ranks, dys, comm_sms=comm_sms)
+    preacts = None
+    if saved:
+        preacts = [torch.full((ws.capacity, 2 * INTER), float("nan"), device=DEVICE) for ws in workspaces]
+        ys = loopback.loopback_forward(workspaces, ranks, comm_sms=comm_sms, preacts=preacts)
+        ref = reference.moe_loop(*problem[:5], fp32=True)
+        for r, y in enumerate(ys):
+            torch.testing.assert_close(y, ref[bounds[r]:bounds[r + 1]], rtol=1e-5, atol=1e-5)
+        for ws, preact in zip(workspaces, preacts):  # every received row's products written, no other row's
+            received = int(protocol.current_counts(ws).sum())
+            assert torch.isfinite(preact[:received]).all() and torch.isnan(preact[received:]).all()
+    grads = loopback.loopback_backward(workspaces, ranks, dys, comm_sms=comm_sms, preacts=preacts)
     _, dx, dw, dw13, dw2 = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *problem)
     per_rank = case[2]
     for r, got in enumerate(grads):

@@ -83,6 +83,11 @@ def _worker(rank, num_ranks, init_file, test):
                 for case in CASES:
                     check_rank(case, rank, num_ranks, group,
                                lambda *a, c=comm_sms: megamoe.moe(*a, group=group, comm_sms=c), device=f"cuda:{rank}")
+            for comm_sms in (0, 2):  # the saved-activation mode: each owner keeps its received rows' products
+                for case in CASES:
+                    check_rank(case, rank, num_ranks, group,
+                               lambda *a, c=comm_sms: megamoe.moe(*a, group=group, comm_sms=c,
+                                                                  save_for_backward="preact"), device=f"cuda:{rank}")
             check_steps(rank, num_ranks, group, f"cuda:{rank}", steps=200)
             check_bench(group, torch.device("cuda", rank))
             x, idx, w, w13, w2, _ = make_problem(8, 32, 16, 2 * num_ranks, 2, "random", device=f"cuda:{rank}")
@@ -98,8 +103,10 @@ def _worker(rank, num_ranks, init_file, test):
             # The workers inherit TRITON_INTERPRET from conftest: the local experts run the fused kernels.
             assert backend_for(torch.empty(0)) == "triton"
             check_ep_selection(group)
-            for case in CASES:
-                check_rank(case, rank, num_ranks, group, lambda *a: megamoe.moe(*a, group=group))
+            for mode in ("none", "preact"):  # the all-to-all path's local experts in either memory mode
+                for case in CASES:
+                    check_rank(case, rank, num_ranks, group,
+                               lambda *a, m=mode: megamoe.moe(*a, group=group, save_for_backward=m))
             check_steps(rank, num_ranks, group, "cpu", steps=3)  # the GPU test's 200-step check, checked itself
         elif test == "layer":
             check_layer(rank, num_ranks, group)

@@ -93,8 +93,9 @@ def _set_on_experts(model: torch.nn.Module, attr: str, value: str, caller: str) 
 def set_save_for_backward(model: torch.nn.Module, mode: str) -> None:
     """What every experts module of ``model`` keeps between forward and backward (:func:`megamoe.moe`'s
     ``save_for_backward``): ``"none"`` (the default: nothing; what checkpointed training wants) or ``"preact"``
-    (the gate/up pre-activation, K·2I·2 bytes per token in bf16: the backward skips its recompute GEMM; one GPU,
-    not with :func:`shard_experts`)."""
+    (the gate/up pre-activation, K·2I·2 bytes per token in bf16: the backward skips its recompute GEMM; with
+    :func:`shard_experts` each rank keeps a buffer sized for the most rows it can receive, see
+    :func:`megamoe.moe`)."""
     if mode not in SAVE_MODES:
         raise ValueError(f"save_for_backward must be one of {SAVE_MODES}, got {mode!r}")
     _set_on_experts(model, SAVE_FOR_BACKWARD, mode, "set_save_for_backward")

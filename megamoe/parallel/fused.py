@@ -74,18 +74,20 @@ def workspace_for(group, num_local: int, max_tokens_per_rank: int, top_k: int, d
     return _WORKSPACES[key]
 
 
-def ep_forward(ws: Workspace, x, topk_idx, topk_weights, w13, w2, plan: Plan, comm_sms: int) -> torch.Tensor:
+def ep_forward(ws: Workspace, x, topk_idx, topk_weights, w13, w2, plan: Plan, comm_sms: int,
+               preact: torch.Tensor | None = None) -> torch.Tensor:
     """The fused layer's forward on this rank: counts, rows out (from ``comm_sms`` programs of the up kernel's
     launch, or with 0 a dispatch kernel of their own), this rank's experts on the rows it received, rows back, the
-    combine; y (T, D). ``plan``: of ``topk_idx`` over all R * L experts."""
+    combine; y (T, D). ``plan``: of ``topk_idx`` over all R * L experts. ``preact`` (capacity, 2I): also the gate
+    and up products of the rows this rank received (the saved-activation mode, :func:`preact_buffer`)."""
     ws.check_overflow()
     ws.check_error(now=debug_checks_enabled())
     exchange_counts(ws, plan)
     if comm_sms:
-        owner_experts(ws, w13, w2, send=(x, topk_idx, topk_weights, plan, comm_sms))
+        owner_experts(ws, w13, w2, send=(x, topk_idx, topk_weights, plan, comm_sms), preact_C2I=preact)
     else:
         dispatch_rows(ws, x, topk_idx, topk_weights, plan)
-        owner_experts(ws, w13, w2)
+        owner_experts(ws, w13, w2, preact_C2I=preact)
     y = combine_returned(ws, topk_idx, x.dtype)
     ws.snapshot_error()
     if debug_checks_enabled():
@@ -96,17 +98,18 @@ def ep_forward(ws: Workspace, x, topk_idx, topk_weights, w13, w2, plan: Plan, co
     return y
 
 
-def ep_backward(ws: Workspace, dy, x, topk_idx, topk_weights, w13, w2, plan: Plan, comm_sms: int) -> tuple:
+def ep_backward(ws: Workspace, dy, x, topk_idx, topk_weights, w13, w2, plan: Plan, comm_sms: int,
+                preact: torch.Tensor | None = None) -> tuple:
     """The fused layer's backward on this rank for the output gradient ``dy`` (contiguous): x and dy rows out
-    again, the owners' recompute and gradients, dx rows and routing-weight gradients back; (dx, d topk_weights in
-    their dtype, dw13, dw2)."""
+    again, the owners' recompute (or, given the forward's ``preact``, none) and gradients, dx rows and
+    routing-weight gradients back; (dx, d topk_weights in their dtype, dw13, dw2)."""
     ws.check_error(now=debug_checks_enabled())
     exchange_counts(ws, plan)
     if comm_sms:
-        dw13, dw2 = owner_experts_backward(ws, w13, w2, send=(x, dy, topk_weights, plan, comm_sms))
+        dw13, dw2 = owner_experts_backward(ws, w13, w2, send=(x, dy, topk_weights, plan, comm_sms), preact_C2I=preact)
     else:
         dispatch_rows(ws, x, topk_idx, topk_weights, plan, dy_TD=dy)
-        dw13, dw2 = owner_experts_backward(ws, w13, w2)
+        dw13, dw2 = owner_experts_backward(ws, w13, w2, preact_C2I=preact)
     dx, dweight = combine_returned_backward(ws, topk_idx, x.dtype)
     ws.snapshot_error()
     if debug_checks_enabled():
@@ -115,23 +118,32 @@ def ep_backward(ws: Workspace, dy, x, topk_idx, topk_weights, w13, w2, plan: Pla
     return dx, dweight.to(topk_weights.dtype), dw13, dw2
 
 
+def preact_buffer(ws: Workspace, w13: torch.Tensor) -> torch.Tensor:
+    """The saved-activation mode's buffer of one layer on this rank: the gate and up products of every row it may
+    receive, (capacity, 2I) in w13's dtype. The rows one rank receives are known only on the device, so it is sized
+    for the most (every rank's rows to this one: R times what the one-GPU layer keeps, on average)."""
+    return w13.new_empty(ws.capacity, w13.shape[1])
+
+
 class FusedEP(torch.autograd.Function):
     """The eager wiring."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w13, w2, ws: Workspace, comm_sms: tuple[int, int]):
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2, ws: Workspace, comm_sms: tuple[int, int], save_preact: bool):
         plan = build_plan(topk_idx, ws.num_ranks * ws.num_local)
-        y = ep_forward(ws, x, topk_idx, topk_weights, w13, w2, plan, comm_sms[0])
-        ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan.tensors())
-        ctx.ws, ctx.comm_sms = ws, comm_sms[1]
+        preact = preact_buffer(ws, w13) if save_preact else None
+        y = ep_forward(ws, x, topk_idx, topk_weights, w13, w2, plan, comm_sms[0], preact)
+        ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan.tensors(), *(() if preact is None else (preact,)))
+        ctx.ws, ctx.comm_sms, ctx.save_preact = ws, comm_sms[1], save_preact
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, topk_idx, topk_weights, w13, w2, *plan_tensors = ctx.saved_tensors
+        x, topk_idx, topk_weights, w13, w2, *rest = ctx.saved_tensors
+        plan_tensors, preact = (rest[:-1], rest[-1]) if ctx.save_preact else (rest, None)
         dx, dweight, dw13, dw2 = ep_backward(ctx.ws, dy.contiguous(), x, topk_idx, topk_weights, w13, w2,
-                                             Plan(*plan_tensors), ctx.comm_sms)
-        return dx, None, dweight, dw13, dw2, None, None
+                                             Plan(*plan_tensors), ctx.comm_sms, preact)
+        return dx, None, dweight, dw13, dw2, None, None, None
 
 
 @torch.library.custom_op("megamoe::ep_fwd", mutates_args=())
@@ -148,18 +160,39 @@ def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_r
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("megamoe::ep_fwd_saved", mutates_args=())
+def _ep_fwd_saved(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, offsets: torch.Tensor, row_slot: torch.Tensor, tile_expert: torch.Tensor,
+                  tile_row: torch.Tensor, workspace: int, comm_sms_fwd: int, comm_sms_bwd: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    ws = by_number(workspace)
+    preact = preact_buffer(ws, w13)
+    return ep_forward(ws, x, topk_idx, topk_weights, w13, w2, Plan(offsets, row_slot, tile_expert, tile_row),
+                      comm_sms_fwd, preact), preact
+
+
+@_ep_fwd_saved.register_fake
+def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, workspace, comm_sms_fwd,
+      comm_sms_bwd):
+    return torch.empty_like(x), preact_buffer(by_number(workspace), w13)
+
+
 @torch.library.custom_op("megamoe::ep_bwd", mutates_args=())
 def _ep_bwd(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
             w2: torch.Tensor, offsets: torch.Tensor, row_slot: torch.Tensor, tile_expert: torch.Tensor,
-            tile_row: torch.Tensor, workspace: int, comm_sms: int
+            tile_row: torch.Tensor, workspace: int, comm_sms: int, preact: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return ep_backward(by_number(workspace), dy, x, topk_idx, topk_weights, w13, w2,
-                       Plan(offsets, row_slot, tile_expert, tile_row), comm_sms)
+                       Plan(offsets, row_slot, tile_expert, tile_row), comm_sms, preact)
 
 
 @_ep_bwd.register_fake
-def _(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, workspace, comm_sms):
+def _(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, workspace, comm_sms,
+      preact=None):
     return torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13), torch.empty_like(w2)
+
+
+_NO_GRADS = (None,) * 7  # the plan's four tensors, the workspace, the two comm_sms
 
 
 def _setup_context(ctx, inputs, output):
@@ -171,19 +204,38 @@ def _backward(ctx, dy):
     x, topk_idx, topk_weights, w13, w2, *plan = ctx.saved_tensors
     dx, dweight, dw13, dw2 = _ep_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan, ctx.workspace,
                                      ctx.comm_sms)
-    return dx, None, dweight, dw13, dw2, *(None,) * 7  # the plan's four tensors, the workspace, comm_sms
+    return dx, None, dweight, dw13, dw2, *_NO_GRADS
+
+
+def _setup_context_saved(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:9], output[1])
+    ctx.workspace, ctx.comm_sms = inputs[9], inputs[11]
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward_saved(ctx, dy, _):
+    x, topk_idx, topk_weights, w13, w2, *plan, preact = ctx.saved_tensors
+    dx, dweight, dw13, dw2 = _ep_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan, ctx.workspace,
+                                     ctx.comm_sms, preact)
+    return dx, None, dweight, dw13, dw2, *_NO_GRADS
 
 
 _ep_fwd.register_autograd(_backward, setup_context=_setup_context)
+_ep_fwd_saved.register_autograd(_backward_saved, setup_context=_setup_context_saved)
 
 
-def fused_ep(x, topk_idx, topk_weights, w13, w2, ws: Workspace, comm_sms: tuple[int, int]) -> torch.Tensor:
+def fused_ep(x, topk_idx, topk_weights, w13, w2, ws: Workspace, comm_sms: tuple[int, int],
+             save_preact: bool = False) -> torch.Tensor:
     """The fused layer over workspace ``ws`` (its checks done): eagerly through :class:`FusedEP`, under torch.compile
-    or a checkpoint policy through the custom ops (see the module docstring). ``comm_sms``: (forward, backward)."""
+    or a checkpoint policy through the custom ops (see the module docstring). ``comm_sms``: (forward, backward).
+    ``save_preact``: keep the gate and up products of the rows this rank receives (:func:`preact_buffer`) for the
+    backward, instead of recomputing them there."""
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
     if not (torch.compiler.is_compiling() or custom_ops_forced()):
-        return FusedEP.apply(x, topk_idx, topk_weights, w13, w2, ws, comm_sms)
+        return FusedEP.apply(x, topk_idx, topk_weights, w13, w2, ws, comm_sms, save_preact)
     plan = plan_op(topk_idx, ws.num_ranks * ws.num_local)
+    if save_preact:
+        return _ep_fwd_saved(x, topk_idx, topk_weights, w13, w2, *plan, ws.number, *comm_sms)[0]
     return _ep_fwd(x, topk_idx, topk_weights, w13, w2, *plan, ws.number, *comm_sms)
 
 
@@ -199,14 +251,15 @@ def reset_workspaces(group) -> None:
 
 
 def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank: int | None = None,
-                 comm_sms: int | tuple[int, int] | None = 0):
+                 comm_sms: int | tuple[int, int] | None = 0, save_preact: bool = False):
     """The MoE layer over the experts of ``group`` with the fused protocol (arguments as for
     :func:`megamoe.parallel.all_to_all.moe_all_to_all`). ``max_tokens_per_rank`` sizes the workspace
     and must be the same on every rank; ``None`` agrees on the largest T of any rank at the first call
     (one collective and host sync, then never again for these sizes). ``comm_sms``: 0 sends the rows
     in a kernel of their own before the expert kernels; N > 0 sends them from N programs of the up
     (forward) and dh' (backward) kernels' launches, overlapping their GEMMs; a pair (forward,
-    backward) sets the two directions apart; ``None``: :func:`default_comm_sms` (see :func:`megamoe.moe`)."""
+    backward) sets the two directions apart; ``None``: :func:`default_comm_sms` (see :func:`megamoe.moe`).
+    ``save_preact``: the saved-activation mode (:func:`fused_ep`)."""
     num_tokens, top_k = topk_idx.shape
     if max_tokens_per_rank is None:
         key = (group.group_name, w13.shape[0], top_k, x.shape[1], x.dtype)
@@ -222,4 +275,4 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
     if max(comm_sms) and max(comm_sms) >= (num_sms := sm_count(x.device.index)):
         raise ValueError(f"comm_sms={max(comm_sms)} leaves none of this GPU's {num_sms} SMs to the expert GEMMs")
     ws = workspace_for(group, w13.shape[0], max_tokens_per_rank, top_k, x.shape[1], x.dtype)
-    return fused_ep(x, topk_idx, topk_weights, w13, w2, ws, comm_sms)
+    return fused_ep(x, topk_idx, topk_weights, w13, w2, ws, comm_sms, save_preact)

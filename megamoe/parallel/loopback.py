@@ -93,26 +93,30 @@ def _start(workspaces: list[Workspace], problems: list[tuple]) -> list[Plan]:
     return plans
 
 
-def loopback_forward(workspaces: list[Workspace], problems: list[tuple], comm_sms: int = 0) -> list[torch.Tensor]:
+def loopback_forward(workspaces: list[Workspace], problems: list[tuple], comm_sms: int = 0,
+                     preacts: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The forward of R virtual ranks on one device. Each phase runs for every rank before the next,
     so every wait's producer has already run (one device executes the launches in order).
     ``comm_sms > 0``: the rows are sent by ``comm_sms`` programs of the up kernel's launch (``owner.send_and_up``)
     — with one virtual rank in the same launch as its GEMM tiles; with more, each rank's senders run in a
-    launch of their own first (a rank's tiles would otherwise wait for rows that a later launch sends)."""
+    launch of their own first (a rank's tiles would otherwise wait for rows that a later launch sends).
+    ``preacts``: per rank a (capacity, 2I) buffer for its received rows' gate and up products (the saved-activation
+    mode; :func:`loopback_backward` takes them back)."""
     plans = _start(workspaces, problems)
+    preacts = preacts or [None] * len(workspaces)
     if comm_sms and len(workspaces) == 1:
         (ws,), (plan,), ((x, idx, weights, w13, w2),) = workspaces, plans, problems
-        owner_experts(ws, w13, w2, send=(x, idx, weights, plan, comm_sms))
+        owner_experts(ws, w13, w2, send=(x, idx, weights, plan, comm_sms), preact_C2I=preacts[0])
     elif comm_sms:
         for ws, plan, (x, idx, weights, w13, _) in zip(workspaces, plans, problems):
             send_and_up(ws, w13, *received_plan(ws), send=(x, idx, weights, plan, comm_sms), compute=False)
-        for ws, p in zip(workspaces, problems):
-            owner_experts(ws, p[3], p[4])
+        for ws, p, preact in zip(workspaces, problems, preacts):
+            owner_experts(ws, p[3], p[4], preact_C2I=preact)
     else:
         for ws, plan, (x, idx, weights, _, _) in zip(workspaces, plans, problems):
             dispatch_rows(ws, x, idx, weights, plan)
-        for ws, p in zip(workspaces, problems):
-            owner_experts(ws, p[3], p[4])
+        for ws, p, preact in zip(workspaces, problems, preacts):
+            owner_experts(ws, p[3], p[4], preact_C2I=preact)
     return [combine_returned(ws, p[1], p[0].dtype) for ws, p in zip(workspaces, problems)]
 
 
@@ -129,23 +133,28 @@ def loopback_round_trip(workspaces: list[Workspace], problems: list[tuple]) -> l
 
 
 def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: list[torch.Tensor],
-                      comm_sms: int = 0) -> list[tuple]:
+                      comm_sms: int = 0, preacts: list[torch.Tensor] | None = None) -> list[tuple]:
     """The backward of :func:`loopback_forward` for output gradients ``dys``: per rank (dx, d topk_weights
     (fp32), dw13, dw2). Nothing from the forward is used: x and dy rows travel again (the workspace is
     shared by every layer, so the forward's received rows are gone by then). ``comm_sms``: as for
-    :func:`loopback_forward`."""
+    :func:`loopback_forward`; ``preacts``: the gate and up products :func:`loopback_forward` saved, per rank, for
+    the act step instead of its GEMM."""
     plans = _start(workspaces, problems)
+    preacts = preacts or [None] * len(workspaces)
     if comm_sms and len(workspaces) == 1:
         (ws,), (plan,), ((x, _, weights, w13, w2),), (dy,) = workspaces, plans, problems, dys
-        weight_grads = [owner_experts_backward(ws, w13, w2, send=(x, dy, weights, plan, comm_sms))]
+        weight_grads = [owner_experts_backward(ws, w13, w2, send=(x, dy, weights, plan, comm_sms),
+                                               preact_C2I=preacts[0])]
     elif comm_sms:
         for ws, plan, (x, _, weights, w13, w2), dy in zip(workspaces, plans, problems, dys):
             send_and_dh(ws, w2, *received_plan(ws), send=(x, dy, weights, plan, comm_sms), compute=False)
-        weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
+        weight_grads = [owner_experts_backward(ws, p[3], p[4], preact_C2I=preact)
+                        for ws, p, preact in zip(workspaces, problems, preacts)]
     else:
         for ws, plan, (x, idx, weights, _, _), dy in zip(workspaces, plans, problems, dys):
             dispatch_rows(ws, x, idx, weights, plan, dy_TD=dy)
-        weight_grads = [owner_experts_backward(ws, p[3], p[4]) for ws, p in zip(workspaces, problems)]
+        weight_grads = [owner_experts_backward(ws, p[3], p[4], preact_C2I=preact)
+                        for ws, p, preact in zip(workspaces, problems, preacts)]
     results = []
     for ws, (x, topk_idx, _, _, _), (dw13, dw2) in zip(workspaces, problems, weight_grads):
         results.append((*combine_returned_backward(ws, topk_idx, x.dtype), dw13, dw2))

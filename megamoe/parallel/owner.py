@@ -27,7 +27,7 @@ from megamoe.kernels.common import (
     tile_grid,
     tile_rows,
 )
-from megamoe.kernels.expert_bwd import DX, act_bwd, expert_wgrad
+from megamoe.kernels.expert_bwd import DX, act_bwd, act_bwd_from_preact, expert_wgrad
 from megamoe.kernels.expert_fwd import (
     DOWN,
     UP,
@@ -65,10 +65,12 @@ from megamoe.parallel.workspace import Workspace
 def _up_rows_tile(pid, recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, recv_offsets_ptr, tile_expert_ptr,
                   tile_row_ptr, arrived_ptr, counts_ptr, ready_ptr, epoch_ptr, D, I, L, R, LB: tl.constexpr,
                   PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  EVEN_K: tl.constexpr, trace_ptr, trace_at, TRACE: tl.constexpr):
+                  EVEN_K: tl.constexpr, trace_ptr, trace_at, TRACE: tl.constexpr, preact_ptr,
+                  SAVE_PREACT: tl.constexpr):
     """One BM x BN block of the up + SwiGLU GEMM on my received token rows (each received row its own slot, its
     token row through ``recv_token_row``), once the rows of its expert and the lower ones are in
-    (``protocol.wait_rows_upto``). TRACE: stamps ``trace_at + 1`` once the rows are in."""
+    (``protocol.wait_rows_upto``). TRACE: stamps ``trace_at + 1`` once the rows are in. SAVE_PREACT: also the
+    gate and up products into ``preact`` (C, 2I), received-row order (the saved-activation mode)."""
     e, _, rows, rmask, pid_n = tile_rows(pid, tile_expert_ptr, tile_row_ptr, recv_offsets_ptr, tl.cdiv(I, BN), BM,
                                          TILE_M)
     if e >= L:
@@ -76,7 +78,7 @@ def _up_rows_tile(pid, recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, rec
     wait_rows_upto(arrived_ptr, counts_ptr, ready_ptr, epoch_ptr, e, L, R, LB)
     stamp(trace_ptr, trace_at, 1, TRACE)
     up_swiglu_block(recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, e, rows, rmask, pid_n, D, I, 1, PREC, BM,
-                    BN, BK, EVEN_K)
+                    BN, BK, EVEN_K, preact_ptr, SAVE_PREACT)
 
 
 @triton.jit
@@ -90,9 +92,10 @@ def _send_and_up_kernel(
     recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, recv_offsets_ptr, tile_expert_ptr, tile_row_ptr,
     arrived_ptr, counts_ptr, ready_ptr, D, I,
     trace_ptr,  # read if TRACE (see trace.py)
+    preact_ptr,  # (C, 2I) out, if SAVE_PREACT: the gate and up products, received-row order
     SENDERS: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr,
     CB: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, TRACE: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, TRACE: tl.constexpr, SAVE_PREACT: tl.constexpr,
 ):
     """Phases 2 and 3 in one launch: the first SENDERS programs send my rows while the others compute on
     the rows that have arrived. SENDERS = 0: the GEMM alone, on rows another launch sends."""
@@ -108,7 +111,7 @@ def _send_and_up_kernel(
     stamp(trace_ptr, tile_at, 0, TRACE)
     _up_rows_tile(pid - SENDERS, recv_tokens_ptr, w13_desc, h_ptr, recv_token_row_ptr, recv_offsets_ptr,
                   tile_expert_ptr, tile_row_ptr, arrived_ptr, counts_ptr, ready_ptr, epoch_ptr, D, I, L, R, LB, PREC,
-                  TILE_M, BM, BN, BK, EVEN_K, trace_ptr, tile_at, TRACE)
+                  TILE_M, BM, BN, BK, EVEN_K, trace_ptr, tile_at, TRACE, preact_ptr, SAVE_PREACT)
     stamp(trace_ptr, tile_at, 2, TRACE)
 
 
@@ -254,13 +257,14 @@ SEND_DH = TunedKernel(_send_and_dh_kernel, default=configs((128, 256, 64, 8, 3))
 
 
 def send_and_up(ws: Workspace, w13_LHD: torch.Tensor, recv_plan: Plan, counts: torch.Tensor, send: tuple | None = None,
-                compute: bool = True) -> torch.Tensor:
+                compute: bool = True, preact_C2I: torch.Tensor | None = None) -> torch.Tensor:
     """Phase 3's up + SwiGLU GEMM on my received token rows (``recv_plan``), each tile once the rows of its expert
     and the lower ones are in (``_send_and_up_kernel``). Returns h (C, I) in received-row order. With
     ``send = (x_TD, topk_idx_TK, topk_weights_TK, plan, comm_sms)``, phase 2 in the same launch: ``comm_sms``
     programs send my rows (``plan``; each token's row once per owner); without it, another launch sent them.
     ``compute=False``: the senders alone (the loopback's way to run them for several virtual ranks on one
-    stream; h is not written)."""
+    stream; h is not written). ``preact_C2I`` (capacity, 2I) in w13's dtype: also the gate and up products of
+    each received row (the saved-activation mode)."""
     num_local, two_i, dim = w13_LHD.shape
     inter = two_i // 2
     if not UP.has_tuned(w13_LHD.dtype, D=dim, I=inter):  # choose the tiles on the plain kernel (rows: any)
@@ -278,8 +282,8 @@ def send_and_up(ws: Workspace, w13_LHD: torch.Tensor, recv_plan: Plan, counts: t
         recv_tokens_ptr=ws.recv_tokens, w13_desc=descriptor(w13_LHD.view(num_local, 2, inter, dim)), h_ptr=h_CI,
         recv_token_row_ptr=ws.recv_token_row, recv_offsets_ptr=recv_plan.offsets_E1,
         tile_expert_ptr=recv_plan.tile_expert_NT, tile_row_ptr=recv_plan.tile_row_NT, arrived_ptr=ws.arrived,
-        counts_ptr=counts, ready_ptr=ws.ready, D=dim, I=inter, trace_ptr=stamps,
-        SENDERS=comm_sms, RB=SEND_UP_ROWS, LB=triton.next_power_of_2(num_local), **send_blocks(ws, dim, SEND_UP_COLS),
+        counts_ptr=counts, ready_ptr=ws.ready, D=dim, I=inter, trace_ptr=stamps, preact_ptr=preact_C2I,
+        SAVE_PREACT=preact_C2I is not None, SENDERS=comm_sms, RB=SEND_UP_ROWS, LB=triton.next_power_of_2(num_local), **send_blocks(ws, dim, SEND_UP_COLS),
         PREC=dot_precision(w13_LHD.dtype), TILE_M=BLOCK_M, TRACE=stamps is not None, dtype=w13_LHD.dtype,
     )
     return h_CI
@@ -330,28 +334,37 @@ def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w
     signal_returned(ws)
 
 
-def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, send: tuple | None = None) -> None:
+def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, send: tuple | None = None,
+                  preact_C2I: torch.Tensor | None = None) -> None:
     """Phases 3 and 4, forward: my experts on the rows I receive; the down GEMM writes each weighted
     row straight into its source's ``y_slots``. ``send = (x_TD, topk_idx_TK, topk_weights_TK, plan,
     comm_sms)``: phase 2 runs in the up kernel's launch, on ``comm_sms`` of its programs (:func:`send_and_up`);
-    without it, the caller has run ``senders.dispatch_rows``."""
+    without it, the caller has run ``senders.dispatch_rows``. ``preact_C2I``: also the received rows' gate and up
+    products (the saved-activation mode; the backward receives its rows in the same order)."""
     plan, counts = received_plan(ws)
-    h = send_and_up(ws, w13_LHD, plan, counts, send)
+    h = send_and_up(ws, w13_LHD, plan, counts, send, preact_C2I=preact_C2I)
     reset_arrivals(ws, counts)
     rows_to_peer_slots(ws, DOWN_PEER, h, w2_LDI, plan, w2_LDI.shape[1], weights_C=ws.recv_weight)
 
 
-def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, send: tuple | None = None):
+def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, send: tuple | None = None,
+                           preact_C2I: torch.Tensor | None = None):
     """Phases 3 and 4, backward: dh' on the received dy rows as they arrive (:func:`send_and_dh`), then the
     one-GPU backward's act kernel (the gate/up GEMM recomputed; on sm90 the warp-specialized one) on the received
     x rows and dh' — the rows are already in expert order, so nothing is gathered; the dx GEMM writes each row,
     and its d(routing weight), straight into the source's slots. Returns dw13 and dw2 of my experts.
     ``send = (x_TD, dy_TD, topk_weights_TK, plan, comm_sms)``: phase 2 runs in the dh' kernel's launch;
-    without it, the caller ran ``senders.dispatch_rows`` (or the senders' launch)."""
+    without it, the caller ran ``senders.dispatch_rows`` (or the senders' launch). ``preact_C2I``: the forward's
+    gate and up products of the same received rows (:func:`owner_experts`), for the act step instead of its GEMM:
+    a row lands at the same place in both directions (its source's base for the expert, plus its index among the
+    source's rows of that expert)."""
     plan, counts = received_plan(ws)
     dh = send_and_dh(ws, w2_LDI, plan, counts, send)
     # Every expert's rows are in: each expert with rows had a dh' tile wait for them.
     reset_arrivals(ws, counts)
-    dz, hw, dweight = act_bwd(ws.recv_x, dh, w13_LHD, ws.recv_weight[:, None], plan, top_k=1)
+    if preact_C2I is None:
+        dz, hw, dweight = act_bwd(ws.recv_x, dh, w13_LHD, ws.recv_weight[:, None], plan, top_k=1)
+    else:
+        dz, hw, dweight = act_bwd_from_preact(preact_C2I, dh, ws.recv_weight[:, None], plan, top_k=1)
     rows_to_peer_slots(ws, DX_PEER, dz, w13_LHD, plan, w13_LHD.shape[2], scalar_C=dweight.view(-1))
     return expert_wgrad(dz, ws.recv_x, plan, w13_LHD.dtype), expert_wgrad(ws.recv_dy, hw, plan, w2_LDI.dtype)
