@@ -36,9 +36,9 @@ SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200 (sm_90)
 KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "dh": expert_bwd.DH, "act": expert_bwd.ACT_BWD,
            "dx": expert_bwd.DX, "wgrad": expert_bwd.WGRAD, "down_peer": owner.DOWN_PEER, "dx_peer": owner.DX_PEER,
            "send_up": owner.SEND_UP, "send_dh": owner.SEND_DH}
-# Variants of a kernel above compiled at its default config with other constexpr knobs: the up kernel of the
-# saved-activation mode, which also stores the gate/up products.
-VARIANTS = {"up_saved": (expert_fwd.UP, {"SAVE_PREACT": True})}
+# Variants of a kernel above compiled at its default config with other constexpr knobs: the up kernels of the
+# saved-activation mode (one GPU, and the expert-parallel owner's), which also store the gate/up products.
+VARIANTS = {"up_saved": (expert_fwd.UP, {"SAVE_PREACT": True}), "send_up_saved": (owner.SEND_UP, {"SAVE_PREACT": True})}
 # The blockwise FP8 variants (the Triton path, where the Gluon FP8 kernels do not run): operands e4m3, scales fp32,
 # outputs and saved products bf16.
 FP8_KERNELS = {"up_fp8": expert_fwd.UP_FP8, "down_fp8": expert_fwd.DOWN_FP8, "dh_fp8": expert_bwd.DH_FP8,
