@@ -249,6 +249,13 @@ def main(argv=None) -> None:
     for fn in OTHER_KERNELS:
         compile_other_kernel(fn)
         print(f"{fn.__name__}: compiles", flush=True)
+    act = expert_bwd.ACT_FROM_PREACT.default
+    for quant_dz in (False, True):  # the act step on saved products at its default config, bf16 and FP8 paths
+        compiled = compile_other_kernel(expert_bwd._act_from_preact_kernel, num_warps=act["num_warps"],
+                                        BM=act["BM"], BN=act["BN"], QUANT_DZ=quant_dz, POW2=quant_dz)
+        if spill := ptxas_report(compiled)["spill_bytes"]:  # (BM = 32 at 4 warps spilled 0.7-0.9 KB)
+            raise SystemExit(f"the act step on saved products (QUANT_DZ={quant_dz}) spills {spill} bytes")
+        print(f"act_from_preact with QUANT_DZ={quant_dz}: compiles without spills", flush=True)
 
 
 # The kernels without a tile config: the backward's row copies and the expert-parallel protocol's
@@ -259,8 +266,8 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      # the bounded wait-and-reset of the write-backs (protocol.wait_returned)
                      "STAGE": 5, "PER": 1,
                      # the act kernel on saved products, at its launcher's block
-                     "TILE_M": 128, "PART_COLS": expert_bwd.PART_COLS, "BM": expert_bwd.PREACT_BM,
-                     "BN": expert_bwd.PREACT_BN, "QUANT_DZ": True,
+                     "TILE_M": 128, "PART_COLS": expert_bwd.PART_COLS, "BM": expert_bwd.ACT_FROM_PREACT.default["BM"],
+                     "BN": expert_bwd.ACT_FROM_PREACT.default["BN"], "QUANT_DZ": True,
                      # the backward's row copy with dy's quantisation (the FP8 path's)
                      "QUANT_B": True,
                      # the FP8 quantisers' power-of-two scales (env.set_fp8_scales)
@@ -269,15 +276,15 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC}
 
 
-def compile_other_kernel(fn):
-    """``fn`` (one of ``OTHER_KERNELS``) for sm_90a with bf16 rows, 128 experts and D = 2048's block sizes;
-    pointers and D specialised as 16-divisible, as at run time (without it the row copies compile to
-    2-byte loads that never run)."""
+def compile_other_kernel(fn, num_warps: int = 4, **constexprs_over):
+    """``fn`` (one of ``OTHER_KERNELS``) for sm_90a with bf16 rows, 128 experts and D = 2048's block sizes (or the
+    constexprs given); pointers and D specialised as 16-divisible, as at run time (without it the row copies
+    compile to 2-byte loads that never run)."""
     signature, attrs, constexprs = {}, {}, {}
     for i, param in enumerate(fn.params):
         name = param.name
         if param.is_constexpr:
-            signature[name], constexprs[name] = "constexpr", _OTHER_CONSTEXPRS[name]
+            signature[name], constexprs[name] = "constexpr", constexprs_over.get(name, _OTHER_CONSTEXPRS[name])
             continue
         if name.endswith("_ptr"):
             signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_tokens_ptr": "*bf16", "a_ptr": "*bf16",
@@ -291,7 +298,7 @@ def compile_other_kernel(fn):
         if name.endswith("_ptr") or name == "D":
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs), target=HOPPER,
-                          options={"num_warps": 4})
+                          options={"num_warps": num_warps})
 
 
 if __name__ == "__main__":

@@ -352,7 +352,16 @@ WGRAD_FP8 = TunedKernel(
 KERNELS = (_invert_rows_kernel, _scatter_rows_kernel, _act_from_preact_kernel)
 # Block of the act kernel on saved products (memory-bound: small row blocks, many programs per SM); BN a multiple
 # of PART_COLS.
-PREACT_BM, PREACT_BN = 32, 128
+# The act step on saved products: memory-bound, one program per (rows, 128 columns) block (BN = 128: a block's dz
+# columns are one 1x128 group of the FP8 path's quantisation). Its one config was 32 rows at 4 warps, which spills
+# 0.7 KB per thread (0.9 with dz's quantisation) on sm_90a; the FP8 backward measured the step at 0.54 ms on the 30B
+# layer, ~68% of HBM (docs/PERFORMANCE.md). 16 rows at 8 warps: 95 / 128 registers, no spills (``tools.resources``).
+# The candidates: the old config, and other rows per program and warps.
+ACT_FROM_PREACT = TunedKernel(
+    _act_from_preact_kernel, default=configs((16, 128, 64, 8, 1))[0],
+    candidates=configs((32, 128, 64, 4, 1), (16, 128, 64, 4, 1), (32, 128, 64, 8, 1), (8, 128, 64, 4, 1)),
+    key=["I", "QUANT_DZ"], even_k=None, blocks=lambda c: {},
+)
 
 
 def act_bwd(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int):
@@ -410,12 +419,12 @@ def act_bwd_from_preact(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: in
     dz_NH, hw_NI, dweight_part = act_bwd_outputs(num_slots, two_i, preact_NH)
     dzq, dzs = dz_fp8_outputs(num_slots, two_i, preact_NH.device) if quant_dz else (None, None)
     if num_slots:
-        _act_from_preact_kernel[tile_grid(plan, inter)({"BM": PREACT_BM, "BN": PREACT_BN})](
+        ACT_FROM_PREACT[tile_grid(plan, inter)](
             preact_ptr=preact_NH, dh_ptr=dh_NI, weights_ptr=topk_weights_TK.reshape(-1), dz_ptr=dz_NH, hw_ptr=hw_NI,
             dweight_part_ptr=dweight_part, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1,
             tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, dzq_ptr=dzq, dzs_ptr=dzs, N=num_slots,
             I=inter, E=plan.offsets_E1.numel() - 1, QUANT_DZ=quant_dz, TILE_M=BLOCK_M, PART_COLS=PART_COLS,
-            BM=PREACT_BM, BN=PREACT_BN, POW2=fp8_pow2_scales(), num_warps=4)
+            POW2=quant_dz and fp8_pow2_scales(), dtype=preact_NH.dtype)
     outputs = dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
     return (*outputs, dzq, dzs) if quant_dz else outputs
 

@@ -36,8 +36,8 @@ def autotune_enabled(dtype: torch.dtype) -> bool:
 
 def fit_dtype(config: dict, dtype: torch.dtype) -> dict:
     """Configs are tuned for 16-bit operands; fp32 tiles are twice the bytes, so halve BK to stay inside
-    shared memory (the 30B down config needs 288 KB in fp32 against 227 KB)."""
-    if dtype.itemsize > 2:
+    shared memory (the 30B down config needs 288 KB in fp32 against 227 KB). A kernel without a K loop has no BK."""
+    if dtype.itemsize > 2 and "BK" in config:
         return {**config, "BK": config["BK"] // 2}
     return config
 
