@@ -94,11 +94,11 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
                          offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor,
                          preact: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`experts_backward` in blockwise FP8: dy quantised 1x128 (once per token, in the pass that sorts its
-    rows); dh' and dx on the weights' transposed FP8
-    copies; g and u, unless saved, recomputed by the forward's up kernel (the FP8 GEMM the forward ran, so both memory
-    modes compute the same gradients; its h output goes unused) and the act step run on them; the weight gradients
-    from the unquantised rows in x's dtype (exact products, fp32 accumulation), or with :data:`FP8_WGRAD` from
-    those rows quantised 128x1 (then the dx combine runs on its own, not inside the dW13 kernel)."""
+    rows); dh' and dx on the weights' transposed FP8 copies; g and u, unless saved, recomputed by the forward's up
+    kernel (the FP8 GEMM the forward ran, so both memory modes compute the same gradients; its h output goes unused)
+    and the act step run on them; the weight gradients from the unquantised rows in x's dtype (exact products, fp32
+    accumulation), or with :data:`FP8_WGRAD` from those rows quantised 128x1 (then the dx combine runs on its own,
+    not inside the dW13 kernel)."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
     weights = topk_weights.contiguous()

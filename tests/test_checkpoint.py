@@ -19,9 +19,9 @@ from tests.helpers import make_problem
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """Calls of megamoe's forward and backward bodies (eager Function and custom ops alike)."""
+def count_calls(monkeypatch, module, kinds: dict[str, str]) -> dict[str, int]:
+    """Calls of ``module``'s functions, counted per kind: ``kinds`` maps each function's name to its kind
+    ("forward" or "backward"); the functions are replaced for the test (every caller looks them up in ``module``)."""
     calls = {"forward": 0, "backward": 0}
 
     def counting(kind, body):
@@ -31,10 +31,17 @@ def counted(monkeypatch):
 
         return counted_body
 
-    for name in ("experts_forward", "experts_forward_fp8", "experts_backward", "experts_backward_fp8"):
-        body = getattr(megamoe.autograd, name)
-        monkeypatch.setattr(megamoe.autograd, name, counting(name.split("_")[1], body))
+    for name, kind in kinds.items():
+        monkeypatch.setattr(module, name, counting(kind, getattr(module, name)))
     return calls
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Calls of megamoe's forward and backward bodies (eager Function and custom ops alike)."""
+    return count_calls(monkeypatch, megamoe.autograd,
+                       {name: name.split("_")[1] for name in ("experts_forward", "experts_forward_fp8",
+                                                              "experts_backward", "experts_backward_fp8")})
 
 
 def block_problem(mode="none", precision="bf16"):
@@ -239,16 +246,7 @@ def counted_ep(monkeypatch):
     """Calls of the fused EP layer's forward and backward bodies (eager Function and custom ops alike)."""
     from megamoe.parallel import fused
 
-    calls = {"forward": 0, "backward": 0}
-    for kind in calls:
-        body = getattr(fused, f"ep_{kind}")
-
-        def counted_body(*args, _kind=kind, _body=body, **kwargs):
-            calls[_kind] += 1
-            return _body(*args, **kwargs)
-
-        monkeypatch.setattr(fused, f"ep_{kind}", counted_body)
-    return calls
+    return count_calls(monkeypatch, fused, {"ep_forward": "forward", "ep_backward": "backward"})
 
 
 EP_WIRINGS = {

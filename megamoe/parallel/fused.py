@@ -89,12 +89,7 @@ def ep_forward(ws: Workspace, x, topk_idx, topk_weights, w13, w2, plan: Plan, co
         dispatch_rows(ws, x, topk_idx, topk_weights, plan)
         owner_experts(ws, w13, w2, preact_C2I=preact)
     y = combine_returned(ws, topk_idx, x.dtype)
-    ws.snapshot_error()
-    if debug_checks_enabled():
-        ws.check_overflow(now=True)
-        ws.check_error(now=True)
-        if message := first_non_finite(ws, topk_idx):
-            warn_once(message)
+    _end_of_call(ws, topk_idx)
     return y
 
 
@@ -111,11 +106,19 @@ def ep_backward(ws: Workspace, dy, x, topk_idx, topk_weights, w13, w2, plan: Pla
         dispatch_rows(ws, x, topk_idx, topk_weights, plan, dy_TD=dy)
         dw13, dw2 = owner_experts_backward(ws, w13, w2, preact_C2I=preact)
     dx, dweight = combine_returned_backward(ws, topk_idx, x.dtype)
+    _end_of_call(ws)
+    return dx, dweight.to(topk_weights.dtype), dw13, dw2
+
+
+def _end_of_call(ws: Workspace, topk_idx=None) -> None:
+    """After a call's work: the error record's copy for the next call's check; in the debug mode the overflow and
+    error checks now, and (given the forward's ``topk_idx``) a warning naming the first non-finite output row."""
     ws.snapshot_error()
     if debug_checks_enabled():
         ws.check_overflow(now=True)
         ws.check_error(now=True)
-    return dx, dweight.to(topk_weights.dtype), dw13, dw2
+        if topk_idx is not None and (message := first_non_finite(ws, topk_idx)):
+            warn_once(message)
 
 
 def preact_buffer(ws: Workspace, w13: torch.Tensor) -> torch.Tensor:
