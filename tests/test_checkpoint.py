@@ -137,11 +137,18 @@ class _Block(torch.nn.Module):
 # How training stacks put the checkpoint and the compiler together: the checkpoint inside a compiled function (each
 # block compiled, prime-rl's whole-model compile), and TorchTitan's order (the checkpoint wrapper, then the block
 # compiled).
+def _context(helper: bool) -> dict:
+    """The checkpoint's context_fn: megamoe's helper, or none (torch's plain checkpointing; dynamo refuses torch's
+    default passed by name)."""
+    return {"context_fn": megamoe.checkpoint_context} if helper else {}
+
+
+# Each takes helper=False for plain checkpointing wired the same way.
 ORDERS = {
-    "compiled around the checkpoint": lambda block: _compiled(
-        lambda *a: checkpoint(block, *a, use_reentrant=False, context_fn=megamoe.checkpoint_context)),
-    "checkpoint wrapper, then compiled": lambda block: _compiled(
-        checkpoint_wrapper(_Block(block), context_fn=megamoe.checkpoint_context)),
+    "compiled around the checkpoint": lambda block, helper=True: _compiled(
+        lambda *a: checkpoint(block, *a, use_reentrant=False, **_context(helper))),
+    "checkpoint wrapper, then compiled": lambda block, helper=True: _compiled(
+        checkpoint_wrapper(_Block(block), **_context(helper))),
 }
 
 
@@ -250,8 +257,7 @@ def counted_ep(monkeypatch):
 
 
 EP_WIRINGS = {
-    "eager": lambda block: lambda *a: checkpoint(block, *a, use_reentrant=False,
-                                                 context_fn=megamoe.checkpoint_context),
+    "eager": lambda block, helper=True: lambda *a: checkpoint(block, *a, use_reentrant=False, **_context(helper)),
     **ORDERS,
 }
 
@@ -262,19 +268,23 @@ EP_WIRINGS = {
 def test_checkpointed_expert_parallel_block_runs_its_exchange_once(counted_ep, wiring, comm_sms, save_preact):
     """The fused EP layer under the helper, eagerly and compiled in either order: its forward, the exchange with
     the peers included, runs once per step (plain checkpointing runs it twice: the count sees a recompute), and the
-    gradients are those of the un-checkpointed block."""
+    gradients are those of the un-checkpointed block; under inductor, bitwise those of plain checkpointing wired
+    the same way (the block's graph compiled without checkpointing fuses the norm with the statistics it saves,
+    which moved y by one fp32 ulp on the H200: the norm's rounding, upstream of the EP layer)."""
     import torch._dynamo
 
     torch._dynamo.reset()
     block, leaves, dy = ep_block_problem(comm_sms, save_preact)
-    plain = grads(_compiled(block) if INDUCTOR and wiring != "eager" else block, leaves, dy)
+    plain = grads(block, leaves, dy)
     counted_ep.update(forward=0, backward=0)
-    grads(lambda *a: checkpoint(block, *a, use_reentrant=False), leaves, dy)
+    grads(EP_WIRINGS["eager"](block, helper=False), leaves, dy)
     assert counted_ep == {"forward": 2, "backward": 1}
+    if INDUCTOR and wiring != "eager":
+        plain = grads(EP_WIRINGS[wiring](block, helper=False), leaves, dy)
     counted_ep.update(forward=0, backward=0)
     got = grads(EP_WIRINGS[wiring](block), leaves, dy)
     assert counted_ep == {"forward": 1, "backward": 1}, "the EP layer's forward ran again in the recompute"
-    assert_same_block_grads(got, plain, compiled=wiring != "eager")
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))
 
 
 @pytest.mark.loopback

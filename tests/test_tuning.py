@@ -55,3 +55,24 @@ def test_autotunes_once_per_key_then_launches_the_choice(monkeypatch):
     kernel[grid](out, 24, dtype=torch.bfloat16)  # a new key tunes again
     kernel[grid](out, 40, dtype=torch.float16)  # so does a new dtype
     assert autotuner.launches == 3
+
+
+def test_every_tuned_kernels_configs_name_only_its_own_parameters():
+    """Each config the autotuner may launch (the default and every candidate) passes only arguments its kernel
+    takes: Triton rejects an unknown keyword at launch, and the candidates launch only when autotuning is on (on a
+    GPU, never in the interpreter)."""
+    import importlib
+    import pkgutil
+
+    import megamoe.kernels
+
+    kernels = []
+    for info in pkgutil.iter_modules(megamoe.kernels.__path__):
+        module = importlib.import_module(f"megamoe.kernels.{info.name}")
+        kernels += [(f"{info.name}.{name}", obj) for name, obj in vars(module).items()
+                    if isinstance(obj, tuning.TunedKernel)]
+    assert len(kernels) > 5
+    for name, kernel in kernels:
+        params = set(kernel.jit_fn.arg_names)
+        for config in kernel._tuned.configs:
+            assert set(config.kwargs) <= params, (name, set(config.kwargs) - params)

@@ -57,7 +57,8 @@ class TunedKernel:
     that must not be autotuned (non-idempotent effects), the kernel whose tiles it shares and whose
     choice it takes, per key; it launches with ``default`` until ``follows`` has tuned that key. A config
     is the tile shape, ``num_warps``, ``num_stages`` and any other constexpr knob of the kernel (e.g.
-    ``PERSISTENT``); a follower keeps only the knobs its own kernel has."""
+    ``PERSISTENT``); each config keeps only the knobs its own kernel has (a ``configs`` row's BK where the
+    kernel has no K loop, a followed twin's extra knobs)."""
 
     def __init__(self, kernel, default: dict, candidates: list[dict], key: list[str],
                  even_k: Callable[[dict], bool] | None, blocks: Callable[[dict], dict[str, list[int]]],
@@ -65,7 +66,7 @@ class TunedKernel:
         self._kernel = triton.heuristics({"EVEN_K": even_k})(kernel) if even_k else kernel
         self._arg_names = self.jit_fn.arg_names
         self.default = self._own(default)
-        self.candidates = candidates
+        self.candidates = [self._own(c) for c in candidates]
         self.key = key
         self.even_k = even_k
         self.blocks = blocks
@@ -73,8 +74,8 @@ class TunedKernel:
         self.follows = follows
         self._chosen: dict[tuple, dict] = {}  # (key values..., dtype) -> the config autotuning picked
         self.last_config: dict | None = None  # the config of the latest launch (for the benchmarks' records)
-        self._tuned = triton.autotune([_triton_config(c, self._set_blocks) for c in [self.default, *candidates]],
-                                      key=key)(self._kernel)
+        tuned_configs = [_triton_config(c, self._set_blocks) for c in [self.default, *self.candidates]]
+        self._tuned = triton.autotune(tuned_configs, key=key)(self._kernel)
 
     def _own(self, config: dict) -> dict:
         """``config`` without the knobs this kernel lacks (a follower's twin may have more)."""
