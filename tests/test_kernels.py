@@ -323,6 +323,31 @@ def test_saved_mode_bf16_gpu_matches_fp32_reference(shape, poison_cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [GPU_SHAPES[0], GPU_SHAPES[-1]], ids=shape_id)
+def test_saved_mode_gluon_up_kernel_keeps_the_products_of_the_keep_nothing_forward(shape, monkeypatch, poison_cuda):
+    """On sm90 the saved mode's forward runs the Gluon up kernel (never the Triton one): y bitwise the keep-nothing
+    forward's, and each kept row the fp32 gate/up products of its token, rounded to bf16 once."""
+    from megamoe.kernels import expert_fwd
+
+    x, idx, w, w13, w2, _ = gpu_problem(*shape)
+    y_none = megamoe.moe(x, idx, w, w13, w2)
+    monkeypatch.setattr(expert_fwd, "_launch_up", lambda *a, **k: pytest.fail("the Triton up kernel ran"))
+    leaves = [t.detach().requires_grad_() for t in (w, w13)]
+    y = megamoe.moe(x, idx, leaves[0], leaves[1], w2, save_for_backward="preact")
+    assert torch.equal(y, y_none)
+    (preact,) = [t for t in y.grad_fn.saved_tensors if t.shape == (idx.numel(), w13.shape[1])]
+    flat = idx.reshape(-1).to(torch.int64)
+    routed = int((flat >= 0).sum())  # dropped slots (-1) have no row: rows past the routed count are not written
+    order = torch.sort(torch.where(flat < 0, w13.shape[0], flat), stable=True).indices[:routed]  # by expert, slot
+    token, expert = order // idx.shape[1], flat[order]
+    want = torch.empty(routed, preact.shape[1], device=preact.device)
+    for e in range(w13.shape[0]):  # the reference, one matmul per expert (a test, not the hot path)
+        rows = (expert == e).nonzero().squeeze(1)
+        want[rows] = x[token[rows]].float() @ w13[e].float().T
+    torch.testing.assert_close(preact[:routed], want.to(preact.dtype), rtol=1.6e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(512, 2048, 768, 16, 4, "random"), (300, 520, 200, 13, 4, "dropped")],
                          ids=shape_id)
 def test_fused_fp32_gpu_matches_fp32_reference(shape, poison_cuda):

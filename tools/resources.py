@@ -127,7 +127,7 @@ def ptxas_report(compiled) -> dict:
 WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "wgrad_combine_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
-              "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG)}
+              "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG)}
 
 
 def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8):
@@ -159,7 +159,7 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
                           EPILOGUE_REGS=ws.ACT_EPILOGUE_REGS)
     else:
         fn, blocks = ws.KERNELS["up"], {"w13_desc": [1, 1, bn, bk]}
-        constexprs.update(EB=128, TILE_M=bm, BK=bk, LOADER_WARPS=ws.UP_LOADER_WARPS)
+        constexprs.update(EB=128, TILE_M=bm, BK=bk, LOADER_WARPS=ws.UP_LOADER_WARPS, SAVE_PREACT=name == "up_saved_ws")
 
     def arg_type(arg):  # the rest typed as for the Triton kernels (compile_for_hopper): pointers by name, else i32
         if arg in blocks:

@@ -217,14 +217,13 @@ def up_swiglu_fwd(x_TD, w13_EHD, plan: Plan, top_k: int, gluon: bool = True,
     with 16-bit operands (x 16-byte aligned) through the warp-specialized Gluon kernel (``gluon_sm90``).
     ``gluon=False``: the Triton kernel even where the Gluon one would run (to autotune it for the
     expert-parallel kernel that follows its choice). ``preact_NH``: (N, 2I) in x's dtype, also written: each
-    sorted row's gate and up products (the saved-activation mode; through the Triton kernel, which the Gluon
-    one does not yet match in this)."""
+    sorted row's gate and up products (the saved-activation mode)."""
     num_slots, inter = plan.row_slot_N.numel(), w13_EHD.shape[1] // 2
     h_NI = torch.empty(num_slots, inter, device=x_TD.device, dtype=x_TD.dtype)
     if num_slots == 0:  # an empty batch (a TMA descriptor cannot be empty)
         return h_NI
-    if gluon and preact_NH is None and ws_supported(x_TD) and x_TD.data_ptr() % 16 == 0:
-        up_swiglu_ws(x_TD, w13_EHD, h_NI, plan, top_k, BLOCK_M)
+    if gluon and ws_supported(x_TD) and x_TD.data_ptr() % 16 == 0:
+        up_swiglu_ws(x_TD, w13_EHD, h_NI, plan, top_k, BLOCK_M, preact_NH)
         return h_NI
     _launch_up(UP, x_TD, w13_EHD, h_NI, plan, top_k, preact_NH)
     return h_NI

@@ -544,31 +544,44 @@ def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile
 
 
 @gluon.jit
-def _up_mma_partition(h_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs, u_bufs, D, I,
-                      num_n, work, num_warps: gl.constexpr):
+def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs,
+                      u_bufs, D, I, num_n, work, SAVE_PREACT: gl.constexpr, num_warps: gl.constexpr):
     """Default partition of ``_up_ws_kernel``: both GEMMs of each block, then h = silu(g) * u, stored in
-    16-byte row segments, masked to the expert's rows and to I."""
+    16-byte row segments, masked to the expert's rows and to I; with SAVE_PREACT also g and u, rounded to h's
+    dtype, into preact (N, 2I) at columns n0 and I + n0."""
     BM: gl.constexpr = x_bufs.type.shape[1]
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
     acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
     out_layout: gl.constexpr = _row_block_layout(BN, num_warps)
+    dtype: gl.constexpr = h_ptr.dtype.element_ty
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout, True)
-        h = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
+        end = gl.load(offsets_ptr + e + 1)
+        if SAVE_PREACT:
+            # Stored from the accumulator's layout (4-byte pairs), as the FP8 up kernel's: converting g and u to
+            # 16-byte rows would hold a third block of registers and its own conversion scratch.
+            p_rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+            p_cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+            p_mask = (p_rows < end)[:, None] & (p_cols < I)[None, :]
+            p_ptrs = preact_ptr + p_rows.to(gl.int64)[:, None] * (2 * I) + p_cols[None, :]
+            gl.store(p_ptrs, acc_g.to(dtype), mask=p_mask)
+            gl.store(p_ptrs + I, acc_u.to(dtype), mask=p_mask)
+        h = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(dtype)
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
         cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-        mask = (rows < gl.load(offsets_ptr + e + 1))[:, None] & (cols < I)[None, :]
+        mask = (rows < end)[:, None] & (cols < I)[None, :]
         gl.store(h_ptr + rows.to(gl.int64)[:, None] * I + cols[None, :], gl.convert_layout(h, out_layout), mask=mask)
 
 
 @gluon.jit
-def _up_ws_kernel(x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, D, I, E, top_k,
-                  EB: gl.constexpr, TILE_M: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                  LOADER_WARPS: gl.constexpr, num_warps: gl.constexpr):
+def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, D, I,
+                  E, top_k, EB: gl.constexpr, TILE_M: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                  LOADER_WARPS: gl.constexpr, SAVE_PREACT: gl.constexpr, num_warps: gl.constexpr):
     """The one-device up kernel (``expert_fwd._up_swiglu_fwd_kernel``): x (T, D)
-    gathered by token, w13_desc (E, 2, I, D), block (1, 1, BN, BK); h (N, I) out in sorted rows. Blocks:
+    gathered by token, w13_desc (E, 2, I, D), block (1, 1, BN, BK); h (N, I) out in sorted rows, and with
+    SAVE_PREACT the gate/up products (N, 2I) into preact (the saved-activation mode). Blocks:
     the busy tiles times the I-blocks. Each ready barrier counts the loader's TMA arrival and one
     ``cp.async`` arrival per loader thread."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
@@ -581,8 +594,8 @@ def _up_ws_kernel(x_ptr, w13_desc, h_ptr, row_slot_ptr, offsets_ptr, tile_expert
     ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)
     empty = barriers(STAGES)
     gl.warp_specialize([
-        (_up_mma_partition, (h_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs, u_bufs,
-                             D, I, num_n, work, num_warps)),
+        (_up_mma_partition, (h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
+                             g_bufs, u_bufs, D, I, num_n, work, SAVE_PREACT, num_warps)),
         (_up_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
                       g_bufs, u_bufs, D, top_k, num_n, work, LOADER_WARPS)),
     ], [LOADER_WARPS], [80])
@@ -666,19 +679,22 @@ def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tenso
                EPILOGUE_WARPS=ACT_EPILOGUE_WARPS, EPILOGUE_REGS=ACT_EPILOGUE_REGS)
 
 
-def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, plan, top_k: int, tile_m: int) -> None:
-    """``expert_fwd.up_swiglu_fwd``'s one-device kernel through ``_up_ws_kernel`` into ``h_NI``; 16-bit operands
-    on an sm90 GPU (``ws_supported``), x contiguous with 16-byte aligned rows, at least one row; ``tile_m`` the
-    plan's tile height."""
+def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, plan, top_k: int, tile_m: int,
+                 preact_NH: torch.Tensor | None = None) -> None:
+    """``expert_fwd.up_swiglu_fwd``'s one-device kernel through ``_up_ws_kernel`` into ``h_NI`` (and the gate/up
+    products into ``preact_NH``, (N, 2I) in x's dtype, if given); 16-bit operands on an sm90 GPU
+    (``ws_supported``), x contiguous with 16-byte aligned rows, at least one row; ``tile_m`` the plan's tile
+    height."""
     bm, bn, bk, stages = UP_TILE
     assert bm == tile_m, "a block is one plan tile"
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
     _launch_ws(_up_ws_kernel, sm_count(x_TD.device.index), stages=stages, x_ptr=x_TD,
                w13_desc=_desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), h_ptr=h_NI,
-               row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
+               preact_ptr=h_NI if preact_NH is None else preact_NH, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
                tile_row_ptr=plan.tile_row_NT, D=dim, I=inter, E=num_experts, top_k=top_k,
-               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, LOADER_WARPS=UP_LOADER_WARPS)
+               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, LOADER_WARPS=UP_LOADER_WARPS,
+               SAVE_PREACT=preact_NH is not None)
 
 
 # The Gluon kernels by name, for the ahead-of-time compile check (``tools.resources``).
