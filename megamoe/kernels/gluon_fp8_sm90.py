@@ -290,6 +290,20 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
 
 
 @gluon.jit
+def _ring(a_desc, b_desc, B_SCALES: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr):
+    """The shared memory and barriers of an FP8 GEMM's ring of ``STAGES`` K-steps, for two MMA warpgroups and a
+    loader of ``LOADER_WARPS``: the A and B blocks, A's row scales per stage (the two warpgroups' halves,
+    [STAGES * 2, BM / 2]), ``B_SCALES`` fp32 of B's scales per stage, and the ready (the TMA bytes' arrival and
+    each loader thread's ``cp.async``) and empty (one arrival per MMA warpgroup) barriers."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one indexed row
+    as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, a_desc.block_type.shape[0] // 2], scale_layout)
+    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, B_SCALES], scale_layout)
+    return a_bufs, b_bufs, as_bufs, bs_bufs, barriers(STAGES, 1 + 32 * LOADER_WARPS), barriers(STAGES, 2)
+
+
+@gluon.jit
 def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr,
                         tile_expert_ptr, tile_row_ptr, M, N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr,
                         WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
@@ -301,19 +315,12 @@ def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, 
     Blocks: the plan's busy tiles (EB: a power of two >= E) times the N-blocks, one program per SM walking
     them. num_warps: one warpgroup (the first MMA partition); the kernel adds the second and the loader.
     ISSUE_AHEAD: the MMA warpgroups' issue pattern (``_rows_mma_partition``)."""
-    BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[1]
-    HALF: gl.constexpr = BM // 2
     num_n = N_OUT // BN
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one indexed row
-    # Per stage: A's row scales (the two warpgroups' halves) and the weight block's scale, repeated across 64
-    as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
-    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, HALF], scale_layout)
-    ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
-    empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
+    # The weight block's scale per stage, repeated across 64
+    a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty = _ring(a_desc, w_desc, a_desc.block_type.shape[0] // 2, STAGES,
+                                                           LOADER_WARPS)
     gl.warp_specialize([
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
                                empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 0, WEIGHTED, TO_SLOTS,
@@ -739,15 +746,8 @@ def _fp8_wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_ptr, offsets_ptr,
     per SM walking them. P and Q multiples of 128; EB a power of two >= E."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
-    HALF: gl.constexpr = BM // 2
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one indexed row
-    # Per stage: A's scales of the block's P-rows (the two warpgroups' halves) and B's of its Q-columns
-    as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
-    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BN], scale_layout)
-    ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
-    empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
+    # B's scales of the block's Q-columns per stage
+    a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = _ring(a_desc, b_desc, BN, STAGES, LOADER_WARPS)
     num_p = P // BM
     num_q = Q // BN
     gl.warp_specialize([
