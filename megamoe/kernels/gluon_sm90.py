@@ -559,20 +559,21 @@ def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout, True)
         end = gl.load(offsets_ptr + e + 1)
+        h = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(dtype)
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+        mask = (rows < end)[:, None] & (cols < I)[None, :]
+        gl.store(h_ptr + rows.to(gl.int64)[:, None] * I + cols[None, :], gl.convert_layout(h, out_layout), mask=mask)
         if SAVE_PREACT:
-            # Stored from the accumulator's layout (4-byte pairs), as the FP8 up kernel's: converting g and u to
-            # 16-byte rows would hold a third block of registers and its own conversion scratch.
+            # After h's store (ptxas: no spills; 8 bytes per thread with g and u stored first). Stored from the
+            # accumulator's layout (4-byte pairs), as the FP8 up kernel's: converting g and u to 16-byte rows
+            # would hold a third block of registers and its own conversion scratch.
             p_rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
             p_cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
             p_mask = (p_rows < end)[:, None] & (p_cols < I)[None, :]
             p_ptrs = preact_ptr + p_rows.to(gl.int64)[:, None] * (2 * I) + p_cols[None, :]
             gl.store(p_ptrs, acc_g.to(dtype), mask=p_mask)
             gl.store(p_ptrs + I, acc_u.to(dtype), mask=p_mask)
-        h = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(dtype)
-        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-        mask = (rows < end)[:, None] & (cols < I)[None, :]
-        gl.store(h_ptr + rows.to(gl.int64)[:, None] * I + cols[None, :], gl.convert_layout(h, out_layout), mask=mask)
 
 
 @gluon.jit
