@@ -403,3 +403,48 @@ def test_fsdp2_on_the_gpus_equals_one_process():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
 def test_fused_ep_on_every_gpu_equals_one_device_reference():
     spawn("fused", min(torch.cuda.device_count(), 8))
+
+
+@pytest.mark.loopback
+def test_fused_ep_compiles_fullgraph_from_its_first_call(monkeypatch, tmp_path):
+    """The fused layer compiled with fullgraph before any eager call: its set-up (the ranks' token-count agreement,
+    the workspace's allocation; collectives, not traceable) runs once, while the compiler traces, and the compiled
+    layer's output and gradients are the eager layer's, bit for bit. One gloo rank in this process, over the
+    loopback workspace (symmetric memory needs GPUs; the GPU tests run the real one)."""
+    from megamoe.parallel import fused
+    from megamoe.parallel.workspace import loopback_workspaces
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    set_up = {"workspaces": 0, "all_reduce": 0}
+
+    def loopback_workspace(group, num_local, capacity, max_tokens, max_slots, dim, dtype):
+        set_up["workspaces"] += 1
+        return loopback_workspaces(1, num_local, capacity, max_tokens, max_slots, dim, dtype, device)[0]
+
+    def counted_all_reduce(*args, _all_reduce=dist.all_reduce, **kwargs):
+        set_up["all_reduce"] += 1
+        return _all_reduce(*args, **kwargs)
+
+    monkeypatch.setattr(fused, "symmetric_workspace", loopback_workspace)
+    monkeypatch.setattr(fused, "_WORKSPACES", {})
+    monkeypatch.setattr(fused, "_AGREED_MAX_TOKENS", {})
+    monkeypatch.setattr(dist, "all_reduce", counted_all_reduce)
+    torch._dynamo.reset()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        x, idx, w, w13, w2, dy = make_problem(24, 32, 16, 4, 2, "random", device=device)
+
+        def layer(x, w, w13, w2):
+            return fused.moe_fused_ep(x, idx, w, w13, w2, group, None, 0)
+
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+        got = run_with_grads(lambda x, _, w, w13, w2: compiled(x, w, w13, w2), x, idx, w, w13, w2, dy)
+        assert set_up == {"workspaces": 1, "all_reduce": 1}
+        eager = run_with_grads(lambda x, _, w, w13, w2: layer(x, w, w13, w2), x, idx, w, w13, w2, dy)
+        again = run_with_grads(lambda x, _, w, w13, w2: compiled(x, w, w13, w2), x, idx, w, w13, w2, dy)
+        assert set_up == {"workspaces": 1, "all_reduce": 1}, "the set-up ran again"
+        for name, a, b, c in zip(["y", "dx", "dtopk_weights", "dw13", "dw2"], got, eager, again):
+            assert torch.equal(a, b) and torch.equal(c, b), name
+    finally:
+        dist.destroy_process_group()

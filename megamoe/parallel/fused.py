@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from megamoe.env import custom_ops_forced, debug_checks_enabled, sm_count, warn_once
 from megamoe.kernels.plan import Plan, build_plan, plan_op
@@ -59,6 +60,32 @@ def default_comm_sms(device_index: int) -> int:
     of their own) on a GPU with no more than twice as many SMs (a MIG slice, say), where that many senders
     would leave the GEMMs too few SMs. Not measured on such GPUs."""
     return DEFAULT_COMM_SMS if sm_count(device_index) > 2 * DEFAULT_COMM_SMS else 0
+
+
+@torch._dynamo.assume_constant_result
+def _workspace_number(group_name: str, num_local: int, max_tokens_per_rank: int, top_k: int, dim: int,
+                      dtype: torch.dtype) -> int:
+    """:func:`workspace_for`'s workspace number, the group by name. Under torch.compile the compiler calls it while
+    tracing and keeps the number as a constant of the graph: the first call's allocation (symmetric memory, a
+    collective) is not traceable. Every rank traces the same layer at the same point of its first step, so the
+    collective still pairs up across ranks. By name: the compiler hands a traced function a stand-in for a process
+    group, which cannot communicate."""
+    group = _resolve_process_group(group_name)
+    return workspace_for(group, num_local, max_tokens_per_rank, top_k, dim, dtype).number
+
+
+@torch._dynamo.assume_constant_result
+def _agreed_max_tokens(group_name: str, num_local: int, top_k: int, dim: int, dtype: torch.dtype, num_tokens: int,
+                       device: torch.device) -> int:
+    """The largest token count of any rank of the group at the first call with these sizes (one all-reduce on
+    ``device`` and a host sync, then never again); under torch.compile called while tracing, as
+    :func:`_workspace_number`."""
+    key = (group_name, num_local, top_k, dim, dtype)
+    if key not in _AGREED_MAX_TOKENS:
+        largest = torch.tensor([num_tokens], device=device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=_resolve_process_group(group_name))
+        _AGREED_MAX_TOKENS[key] = int(largest.item())
+    return _AGREED_MAX_TOKENS[key]
 
 
 def workspace_for(group, num_local: int, max_tokens_per_rank: int, top_k: int, dim: int,
@@ -233,13 +260,21 @@ def fused_ep(x, topk_idx, topk_weights, w13, w2, ws: Workspace, comm_sms: tuple[
     or a checkpoint policy through the custom ops (see the module docstring). ``comm_sms``: (forward, backward).
     ``save_preact``: keep the gate and up products of the rows this rank receives (:func:`preact_buffer`) for the
     backward, instead of recomputing them there."""
+    return _fused_ep_by_number(x, topk_idx, topk_weights, w13, w2, ws.number, ws.num_ranks * ws.num_local, comm_sms,
+                               save_preact)
+
+
+def _fused_ep_by_number(x, topk_idx, topk_weights, w13, w2, number: int, num_experts: int,
+                        comm_sms: tuple[int, int], save_preact: bool) -> torch.Tensor:
+    """:func:`fused_ep` over the workspace numbered ``number`` (``Workspace.number``), of ``num_experts`` experts
+    over all ranks: what a compiled region can trace (the object itself is looked up only in the eager wiring)."""
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
     if not (torch.compiler.is_compiling() or custom_ops_forced()):
-        return FusedEP.apply(x, topk_idx, topk_weights, w13, w2, ws, comm_sms, save_preact)
-    plan = plan_op(topk_idx, ws.num_ranks * ws.num_local)
+        return FusedEP.apply(x, topk_idx, topk_weights, w13, w2, by_number(number), comm_sms, save_preact)
+    plan = plan_op(topk_idx, num_experts)
     if save_preact:
-        return _ep_fwd_saved(x, topk_idx, topk_weights, w13, w2, *plan, ws.number, *comm_sms)[0]
-    return _ep_fwd(x, topk_idx, topk_weights, w13, w2, *plan, ws.number, *comm_sms)
+        return _ep_fwd_saved(x, topk_idx, topk_weights, w13, w2, *plan, number, *comm_sms)[0]
+    return _ep_fwd(x, topk_idx, topk_weights, w13, w2, *plan, number, *comm_sms)
 
 
 def reset_workspaces(group) -> None:
@@ -265,17 +300,17 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
     ``save_preact``: the saved-activation mode (:func:`fused_ep`)."""
     num_tokens, top_k = topk_idx.shape
     if max_tokens_per_rank is None:
-        key = (group.group_name, w13.shape[0], top_k, x.shape[1], x.dtype)
-        if key not in _AGREED_MAX_TOKENS:
-            largest = torch.tensor([num_tokens], device=x.device)
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
-            _AGREED_MAX_TOKENS[key] = int(largest.item())
-        max_tokens_per_rank = _AGREED_MAX_TOKENS[key]
+        if isinstance(num_tokens, torch.SymInt):  # traced with a dynamic token count: no number to agree on
+            raise ValueError("megamoe: under torch.compile with a dynamic token count, pass max_tokens_per_rank "
+                             "(the same on every rank) to megamoe.moe / MegaMoE")
+        max_tokens_per_rank = _agreed_max_tokens(group.group_name, w13.shape[0], top_k, x.shape[1], x.dtype,
+                                                 num_tokens, x.device)
     if num_tokens > max_tokens_per_rank:
         raise ValueError(f"{num_tokens} tokens on this rank exceed max_tokens_per_rank={max_tokens_per_rank} "
                          "(pass a larger max_tokens_per_rank to megamoe.moe / MegaMoE)")
     comm_sms = comm_sms_pair(default_comm_sms(x.device.index) if comm_sms is None else comm_sms)
     if max(comm_sms) and max(comm_sms) >= (num_sms := sm_count(x.device.index)):
         raise ValueError(f"comm_sms={max(comm_sms)} leaves none of this GPU's {num_sms} SMs to the expert GEMMs")
-    ws = workspace_for(group, w13.shape[0], max_tokens_per_rank, top_k, x.shape[1], x.dtype)
-    return fused_ep(x, topk_idx, topk_weights, w13, w2, ws, comm_sms, save_preact)
+    number = _workspace_number(group.group_name, w13.shape[0], max_tokens_per_rank, top_k, x.shape[1], x.dtype)
+    return _fused_ep_by_number(x, topk_idx, topk_weights, w13, w2, number, dist.get_world_size(group) * w13.shape[0],
+                               comm_sms, save_preact)
