@@ -435,16 +435,36 @@ def test_fused_ep_compiles_fullgraph_from_its_first_call(monkeypatch, tmp_path):
         group = dist.new_group([0])
         x, idx, w, w13, w2, dy = make_problem(24, 32, 16, 4, 2, "random", device=device)
 
-        def layer(x, w, w13, w2):
+        def layer(x, idx, w, w13, w2):
             return fused.moe_fused_ep(x, idx, w, w13, w2, group, None, 0)
 
         compiled = torch.compile(layer, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-        got = run_with_grads(lambda x, _, w, w13, w2: compiled(x, w, w13, w2), x, idx, w, w13, w2, dy)
+        got = run_with_grads(compiled, x, idx, w, w13, w2, dy)
         assert set_up == {"workspaces": 1, "all_reduce": 1}
-        eager = run_with_grads(lambda x, _, w, w13, w2: layer(x, w, w13, w2), x, idx, w, w13, w2, dy)
-        again = run_with_grads(lambda x, _, w, w13, w2: compiled(x, w, w13, w2), x, idx, w, w13, w2, dy)
+        eager = run_with_grads(layer, x, idx, w, w13, w2, dy)
+        again = run_with_grads(compiled, x, idx, w, w13, w2, dy)
         assert set_up == {"workspaces": 1, "all_reduce": 1}, "the set-up ran again"
         for name, a, b, c in zip(["y", "dx", "dtopk_weights", "dw13", "dw2"], got, eager, again):
             assert torch.equal(a, b) and torch.equal(c, b), name
+        # A new token count: a recompile with it dynamic (torch.compile's automatic dynamic shapes), on the count
+        # agreed at the first call.
+        fewer = (x[:20], idx[:20], w[:20], w13, w2, dy[:20])
+        assert all(torch.equal(a, b) for a, b in zip(run_with_grads(compiled, *fewer), run_with_grads(layer, *fewer)))
+        assert set_up == {"workspaces": 1, "all_reduce": 1}
+        # A dynamic token count at the first call has no count to agree on, and dynamic sizes of the layer itself
+        # (dynamic=True) no workspace: clear errors (dynamo's, quoting them).
+        fused._AGREED_MAX_TOKENS.clear()
+        torch._dynamo.reset()
+        marked = [x.detach().clone(), idx.clone()]
+        for t in marked:
+            torch._dynamo.mark_dynamic(t, 0)
+        with pytest.raises(RuntimeError, match="pass max_tokens_per_rank"):
+            torch.compile(layer, fullgraph=True, backend="aot_eager")(marked[0], marked[1], w, w13, w2)
+        with pytest.raises(RuntimeError, match="compile without dynamic=True"):
+            torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")(x, idx, w, w13, w2)
+        sized = torch.compile(lambda x, idx, w, w13, w2: fused.moe_fused_ep(x, idx, w, w13, w2, group, 24, 0),
+                              fullgraph=True, backend="aot_eager")
+        assert torch.equal(sized(marked[0], marked[1], w, w13, w2), eager[0])
+        assert set_up == {"workspaces": 1, "all_reduce": 1}
     finally:
         dist.destroy_process_group()

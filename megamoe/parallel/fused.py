@@ -75,17 +75,22 @@ def _workspace_number(group_name: str, num_local: int, max_tokens_per_rank: int,
 
 
 @torch._dynamo.assume_constant_result
+def _agreed_so_far(group_name: str, num_local: int, top_k: int, dim: int, dtype: torch.dtype) -> int:
+    """The token capacity the ranks agreed on at the first call with these sizes, or 0 before it (a constant of a
+    compiled graph: a guard on the dictionary would fail on the trace that fills it)."""
+    return _AGREED_MAX_TOKENS.get((group_name, num_local, top_k, dim, dtype), 0)
+
+
+@torch._dynamo.assume_constant_result
 def _agreed_max_tokens(group_name: str, num_local: int, top_k: int, dim: int, dtype: torch.dtype, num_tokens: int,
                        device: torch.device) -> int:
     """The largest token count of any rank of the group at the first call with these sizes (one all-reduce on
-    ``device`` and a host sync, then never again); under torch.compile called while tracing, as
-    :func:`_workspace_number`."""
-    key = (group_name, num_local, top_k, dim, dtype)
-    if key not in _AGREED_MAX_TOKENS:
-        largest = torch.tensor([num_tokens], device=device)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=_resolve_process_group(group_name))
-        _AGREED_MAX_TOKENS[key] = int(largest.item())
-    return _AGREED_MAX_TOKENS[key]
+    ``device`` and a host sync), kept in ``_AGREED_MAX_TOKENS`` for every later call; under torch.compile called
+    while tracing, as :func:`_workspace_number`."""
+    largest = torch.tensor([num_tokens], device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=_resolve_process_group(group_name))
+    agreed = _AGREED_MAX_TOKENS[(group_name, num_local, top_k, dim, dtype)] = int(largest.item())
+    return agreed
 
 
 def workspace_for(group, num_local: int, max_tokens_per_rank: int, top_k: int, dim: int,
@@ -299,12 +304,18 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
     backward) sets the two directions apart; ``None``: :func:`default_comm_sms` (see :func:`megamoe.moe`).
     ``save_preact``: the saved-activation mode (:func:`fused_ep`)."""
     num_tokens, top_k = topk_idx.shape
+    # Traced by torch.compile, a dynamic size is a SymInt (whose class is not int; isinstance is not told apart).
+    if any(size.__class__ is not int for size in (w13.shape[0], top_k, x.shape[1])):
+        raise ValueError("megamoe: the fused expert-parallel layer needs static experts per rank, top-k and hidden "
+                         "size under torch.compile (traced with them dynamic: compile without dynamic=True)")
     if max_tokens_per_rank is None:
-        if isinstance(num_tokens, torch.SymInt):  # traced with a dynamic token count: no number to agree on
-            raise ValueError("megamoe: under torch.compile with a dynamic token count, pass max_tokens_per_rank "
-                             "(the same on every rank) to megamoe.moe / MegaMoE")
-        max_tokens_per_rank = _agreed_max_tokens(group.group_name, w13.shape[0], top_k, x.shape[1], x.dtype,
-                                                 num_tokens, x.device)
+        key = (group.group_name, w13.shape[0], top_k, x.shape[1], x.dtype)
+        max_tokens_per_rank = _agreed_so_far(*key)
+        if not max_tokens_per_rank:
+            if num_tokens.__class__ is not int:  # a dynamic token count at the first call: no number to agree on
+                raise ValueError("megamoe: under torch.compile with a dynamic token count, pass max_tokens_per_rank "
+                                 "(the same on every rank) to megamoe.moe / MegaMoE")
+            max_tokens_per_rank = _agreed_max_tokens(*key, num_tokens, x.device)
     if num_tokens > max_tokens_per_rank:
         raise ValueError(f"{num_tokens} tokens on this rank exceed max_tokens_per_rank={max_tokens_per_rank} "
                          "(pass a larger max_tokens_per_rank to megamoe.moe / MegaMoE)")
