@@ -78,6 +78,9 @@ def _worker(rank, num_ranks, init_file, test):
         group = dist.group.WORLD
         if test == "fused":
             assert ep_path(torch.empty(1, 32, device="cuda"), torch.empty(1, 32, 16, device="cuda")) == "fused"
+            # compiled with fullgraph before any eager call: the workspace is set up while the compiler traces
+            compiled = torch.compile(lambda *a: megamoe.moe(*a, group=group, comm_sms=0), fullgraph=True)
+            check_rank(CASES[0], rank, num_ranks, group, compiled, device=f"cuda:{rank}")
             # the default, the workspace reused across calls in both modes, and each direction in its own mode
             for comm_sms in (None, 0, 2, 0, None, (0, 2), (2, 0)):
                 for case in CASES:
