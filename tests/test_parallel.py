@@ -98,6 +98,8 @@ def _worker(rank, num_ranks, init_file, test):
                 with pytest.raises(ValueError, match="leaves none of this GPU's"):
                     megamoe.moe(x, idx, w, w13[:2].contiguous(), w2[:2].contiguous(), group=group, comm_sms=too_many,
                                 max_tokens_per_rank=8)
+        elif test == "compiled_first_call":
+            check_compiled_first_call(group)
         elif test == "baseline":
             for case in CASES:
                 check_rank(case, rank, num_ranks, group,
@@ -409,11 +411,18 @@ def test_fused_ep_on_every_gpu_equals_one_device_reference():
 
 
 @pytest.mark.loopback
-def test_fused_ep_compiles_fullgraph_from_its_first_call(monkeypatch, tmp_path):
+def test_fused_ep_compiles_fullgraph_from_its_first_call():
+    """The fused layer compiled with fullgraph before any eager call (``check_compiled_first_call``), in a process
+    of its own: what the compiler caches there stays there."""
+    spawn("compiled_first_call", 1)
+
+
+def check_compiled_first_call(group) -> None:
     """The fused layer compiled with fullgraph before any eager call: its set-up (the ranks' token-count agreement,
     the workspace's allocation; collectives, not traceable) runs once, while the compiler traces, and the compiled
-    layer's output and gradients are the eager layer's, bit for bit. One gloo rank in this process, over the
-    loopback workspace (symmetric memory needs GPUs; the GPU tests run the real one)."""
+    layer's output and gradients are the eager layer's, bit for bit. One gloo rank, over the loopback workspace
+    (symmetric memory needs GPUs; the GPU tests run the real one). Patches the fused module: a worker's process
+    ends with the check."""
     from megamoe.parallel import fused
     from megamoe.parallel.workspace import loopback_workspaces
 
@@ -428,46 +437,38 @@ def test_fused_ep_compiles_fullgraph_from_its_first_call(monkeypatch, tmp_path):
         set_up["all_reduce"] += 1
         return _all_reduce(*args, **kwargs)
 
-    monkeypatch.setattr(fused, "symmetric_workspace", loopback_workspace)
-    monkeypatch.setattr(fused, "_WORKSPACES", {})
-    monkeypatch.setattr(fused, "_AGREED_MAX_TOKENS", {})
-    monkeypatch.setattr(dist, "all_reduce", counted_all_reduce)
+    fused.symmetric_workspace = loopback_workspace
+    dist.all_reduce = counted_all_reduce
+    x, idx, w, w13, w2, dy = make_problem(24, 32, 16, 4, 2, "random", device=device)
+
+    def layer(x, idx, w, w13, w2):
+        return fused.moe_fused_ep(x, idx, w, w13, w2, group, None, 0)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    got = run_with_grads(compiled, x, idx, w, w13, w2, dy)
+    assert set_up == {"workspaces": 1, "all_reduce": 1}
+    eager = run_with_grads(layer, x, idx, w, w13, w2, dy)
+    again = run_with_grads(compiled, x, idx, w, w13, w2, dy)
+    assert set_up == {"workspaces": 1, "all_reduce": 1}, "the set-up ran again"
+    for name, a, b, c in zip(["y", "dx", "dtopk_weights", "dw13", "dw2"], got, eager, again):
+        assert torch.equal(a, b) and torch.equal(c, b), name
+    # A new token count: a recompile with it dynamic (torch.compile's automatic dynamic shapes), on the count
+    # agreed at the first call.
+    fewer = (x[:20], idx[:20], w[:20], w13, w2, dy[:20])
+    assert all(torch.equal(a, b) for a, b in zip(run_with_grads(compiled, *fewer), run_with_grads(layer, *fewer)))
+    assert set_up == {"workspaces": 1, "all_reduce": 1}
+    # A dynamic token count at the first call has no count to agree on, and dynamic sizes of the layer itself
+    # (dynamic=True) no workspace: clear errors (dynamo's, quoting them).
+    fused._AGREED_MAX_TOKENS.clear()
     torch._dynamo.reset()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        group = dist.new_group([0])
-        x, idx, w, w13, w2, dy = make_problem(24, 32, 16, 4, 2, "random", device=device)
-
-        def layer(x, idx, w, w13, w2):
-            return fused.moe_fused_ep(x, idx, w, w13, w2, group, None, 0)
-
-        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-        got = run_with_grads(compiled, x, idx, w, w13, w2, dy)
-        assert set_up == {"workspaces": 1, "all_reduce": 1}
-        eager = run_with_grads(layer, x, idx, w, w13, w2, dy)
-        again = run_with_grads(compiled, x, idx, w, w13, w2, dy)
-        assert set_up == {"workspaces": 1, "all_reduce": 1}, "the set-up ran again"
-        for name, a, b, c in zip(["y", "dx", "dtopk_weights", "dw13", "dw2"], got, eager, again):
-            assert torch.equal(a, b) and torch.equal(c, b), name
-        # A new token count: a recompile with it dynamic (torch.compile's automatic dynamic shapes), on the count
-        # agreed at the first call.
-        fewer = (x[:20], idx[:20], w[:20], w13, w2, dy[:20])
-        assert all(torch.equal(a, b) for a, b in zip(run_with_grads(compiled, *fewer), run_with_grads(layer, *fewer)))
-        assert set_up == {"workspaces": 1, "all_reduce": 1}
-        # A dynamic token count at the first call has no count to agree on, and dynamic sizes of the layer itself
-        # (dynamic=True) no workspace: clear errors (dynamo's, quoting them).
-        fused._AGREED_MAX_TOKENS.clear()
-        torch._dynamo.reset()
-        marked = [x.detach().clone(), idx.clone()]
-        for t in marked:
-            torch._dynamo.mark_dynamic(t, 0)
-        with pytest.raises(RuntimeError, match="pass max_tokens_per_rank"):
-            torch.compile(layer, fullgraph=True, backend="aot_eager")(marked[0], marked[1], w, w13, w2)
-        with pytest.raises(RuntimeError, match="compile without dynamic=True"):
-            torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")(x, idx, w, w13, w2)
-        sized = torch.compile(lambda x, idx, w, w13, w2: fused.moe_fused_ep(x, idx, w, w13, w2, group, 24, 0),
-                              fullgraph=True, backend="aot_eager")
-        assert torch.equal(sized(marked[0], marked[1], w, w13, w2), eager[0])
-        assert set_up == {"workspaces": 1, "all_reduce": 1}
-    finally:
-        dist.destroy_process_group()
+    marked = [x.detach().clone(), idx.clone()]
+    for t in marked:
+        torch._dynamo.mark_dynamic(t, 0)
+    with pytest.raises(RuntimeError, match="pass max_tokens_per_rank"):
+        torch.compile(layer, fullgraph=True, backend="aot_eager")(marked[0], marked[1], w, w13, w2)
+    with pytest.raises(RuntimeError, match="compile without dynamic=True"):
+        torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")(x, idx, w, w13, w2)
+    sized = torch.compile(lambda x, idx, w, w13, w2: fused.moe_fused_ep(x, idx, w, w13, w2, group, 24, 0),
+                          fullgraph=True, backend="aot_eager")
+    assert torch.equal(sized(marked[0], marked[1], w, w13, w2), eager[0])
+    assert set_up == {"workspaces": 1, "all_reduce": 1}
