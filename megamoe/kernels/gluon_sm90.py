@@ -120,30 +120,43 @@ def wgrad_block(tile, offsets_ptr, num_p, num_q, BM: gl.constexpr, BN: gl.conste
 
 
 @gluon.jit
+def _step_tokens(row_slot_ptr, r0, end, top_k, BK: gl.constexpr, layout: gl.constexpr):
+    """The tokens of sorted rows r0 .. r0 + BK and which of them are the expert's (< end)."""
+    rows = r0 + gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
+    rmask = rows < end
+    return gl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k, rmask
+
+
+@gluon.jit
 def _loader(a_desc, b_desc, b_ptr, row_slot_ptr, top_k, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles,
             GATHER_B: gl.constexpr, num_warps: gl.constexpr):
     """Producer partition: every K-step's operand blocks, in the MMA partition's order. a through TMA; b too
     (one warp), or with GATHER_B gathered from its token rows b (T, Q): sorted row r is token row_slot[r] //
     top_k, copied through 16-byte ``cp.async`` copies (rows past the expert's end zero-filled) that each
-    producer thread announces on the stage's ready barrier, as ``_up_loader`` does."""
+    producer thread announces on the stage's ready barrier, as ``_up_loader`` does. A K-step's rows are new
+    rows, so each step needs its tokens first: they are loaded a step ahead, while the step before waits for
+    its slot and issues its copies (loaded as each step starts, that load's latency paced the loader)."""
     BK: gl.constexpr = a_desc.block_type.shape[0]
     BM: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
-    layout: gl.constexpr = _row_block_layout(BN, num_warps)
+    # A warp across 4 rows of 64 columns, so that a thread holds few rows' tokens (BK / 4 / num_warps; 8 here)
+    # and uses each for BN / 64 copies.
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     # Q itself, written so that the compiler knows it is a multiple of 8 elements (see ``_up_loader``).
     Q = b_desc.shape[1] // 8 * 8
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         _, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-        cols = q0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+        if GATHER_B:
+            cols = q0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+            tok_next, rmask_next = _step_tokens(row_slot_ptr, start, end, top_k, BK, layout)
         for r0 in range(start, end, BK):
             if GATHER_B:
+                tok, rmask = tok_next, rmask_next
+                tok_next, rmask_next = _step_tokens(row_slot_ptr, r0 + BK, end, top_k, BK, layout)
                 s = next_slot(empty, ready, step, a_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(a_desc, [r0, p0], ready.index(s), a_bufs.index(s))
-                rows = r0 + gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
-                rmask = rows < end
-                tok = (gl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k).to(gl.int64)
-                async_copy.async_copy_global_to_shared(b_bufs.index(s), b_ptr + tok[:, None] * Q + cols[None, :],
+                async_copy.async_copy_global_to_shared(b_bufs.index(s), b_ptr + tok.to(gl.int64)[:, None] * Q + cols[None, :],
                                                        mask=rmask[:, None] & (cols < Q)[None, :])
                 async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             else:
