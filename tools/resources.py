@@ -127,7 +127,7 @@ def ptxas_report(compiled) -> dict:
 # (top-8; expert parallelism's receive buffers), and for dW13 gathering x's rows from their tokens (one device).
 WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "wgrad_combine_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
-              "wgrad_gather_combine_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
+              "wgrad_gather_combine_ws": ("wgrad", ws.GATHER_TILE, ws.WS_MAXNREG),
               "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
               "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG)}
 WGRAD_WS = ("wgrad_ws", "wgrad_combine_ws", "wgrad_gather_combine_ws")

@@ -72,8 +72,12 @@ COPY_WARPS = gl.constexpr(2)
 # Registers per thread of the loader's warpgroup, which the side copy shares (the loader's and the copy's): a
 # pass's eight row chunks of 16-byte vectors; the MMA warps keep (64 K - 128 x 128) / 256 = 192 >= 168.
 SIDE_REGS = gl.constexpr(128)
-# Warps of the weight-gradient kernel's loader when it gathers b's rows from their tokens: two, beside the
-# combine's two in the loader's warpgroup, each thread with 32 of a (64, 256) block's 16-byte copies per step.
+# The weight-gradient kernel when its loader gathers b's rows from their tokens: blocks 256 x 128, so that the
+# gathered operand is the narrow one (b's rows are read once per 256 columns of a, half as often as at 128 x 256:
+# with the wide block gathered, cp.async did not keep up with the MMAs, 1.39x the TMA kernel's time at 30B), and
+# two loader warps beside the combine's two in the loader's warpgroup, each thread with 16 of a step's 16-byte
+# copies.
+GATHER_TILE = (256, 128, 64, 3)
 GATHER_LOADER_WARPS = 2
 
 
@@ -674,7 +678,7 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
     topk_idx (T, K), out (T, D)), all contiguous, to reduce into ``out`` beside the MMAs, with the sums of
     ``combine.combine``. ``gather``: (row_slot (N,), top_k): b is then (T, Q) token rows with 16-byte aligned rows,
     sorted row r being token row_slot[r] // top_k, gathered by the kernel's loader."""
-    bm, bn, bk, _ = WS_TILE
+    bm, bn, bk, _ = WS_TILE if gather is None else GATHER_TILE
     num_experts, p, q = dw.shape
     num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
     tiles = num_experts * num_p * num_q
