@@ -21,7 +21,6 @@ from torch import Tensor
 from megamoe.env import custom_ops_forced, fp8_wgrad_requested
 from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
-    TokenRows,
     act_bwd,
     act_bwd_from_preact,
     dh_fp8,
@@ -32,7 +31,6 @@ from megamoe.kernels.expert_bwd import (
     expert_wgrad_fp8,
     gather_rows,
     sorted_rows_and_dh,
-    wgrad_gathers,
 )
 from megamoe.kernels.expert_fwd import down_fp8, down_fwd, up_swiglu_fp8, up_swiglu_fwd
 from megamoe.kernels.plan import Plan, build_plan, plan_op
@@ -64,22 +62,17 @@ def experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tens
     recomputing them (the gate/up GEMM) from x."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
-    # dW13 reads x's rows from their tokens where its kernel gathers them: then x's sorted copy is made only for
-    # the act kernel, and freed after it.
-    gathers = wgrad_gathers(x, w13.dtype)
-    x_sorted, dy_sorted, dh_NI = sorted_rows_and_dh(x, dy, w2, plan, top_k, sort_x=preact is None or not gathers)
+    x_sorted, dy_sorted, dh_NI = sorted_rows_and_dh(x, dy, w2, plan, top_k)
     if preact is None:
         dz_NH, hw_NI, dweight_TK = act_bwd(x_sorted, dh_NI, w13, topk_weights.contiguous(), plan, top_k)
     else:
         dz_NH, hw_NI, dweight_TK = act_bwd_from_preact(preact, dh_NI, topk_weights.contiguous(), plan, top_k)
     del dh_NI
-    x_rows = TokenRows(x, top_k) if gathers else x_sorted
-    del x_sorted
     # dW2 first, so that dy's rows and h·w are freed before dx's slot rows and dW13 take their memory (the
     # backward's peak: docs/PERFORMANCE.md).
     dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
     del dy_sorted, hw_NI
-    dw13, dx = expert_wgrad_and_combine(dz_NH, x_rows, plan, w13.dtype, dx_slots(dz_NH, w13, plan), topk_idx,
+    dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots(dz_NH, w13, plan), topk_idx,
                                         x.dtype)
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
 
@@ -111,9 +104,7 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     weights = topk_weights.contiguous()
     w13q, w13s, w13tq, w13ts = fp8_weight(w13)
     _, _, w2tq, w2ts = fp8_weight(w2)
-    # x's sorted rows only for the FP8 weight gradients or where dW13 cannot gather them from their tokens.
-    gathers = wgrad_gathers(x, w13.dtype) and not FP8_WGRAD
-    x_sorted, dy_sorted, dyq, dys = gather_rows(None if gathers else x, dy, plan, top_k, quantize_dy=True)
+    x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
     dh_NI = dh_fp8(dyq, dys, w2tq, w2ts, plan, x.dtype)
     del dyq, dys
     if preact is None:
@@ -129,8 +120,7 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     if FP8_WGRAD:
         dw13, dx = expert_wgrad_fp8(dz_NH, x_sorted, plan, w13.dtype), combine(dx_slots_ND, topk_idx, x.dtype)
     else:
-        dw13, dx = expert_wgrad_and_combine(dz_NH, TokenRows(x, top_k) if gathers else x_sorted, plan, w13.dtype,
-                                            dx_slots_ND, topk_idx, x.dtype)
+        dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots_ND, topk_idx, x.dtype)
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
 
 

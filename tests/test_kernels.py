@@ -425,13 +425,12 @@ def test_torch_compile_fullgraph_without_recompiles(mode):
 
 
 @pytest.mark.gpu
-def test_backward_peak_memory_frees_sorted_rows_before_the_dx_rows_and_dw13():
+def test_backward_peak_memory_frees_dy_rows_before_the_dx_rows_and_dw13():
     """The keep-nothing backward's peak (bf16) over what it starts with: the larger of its two busiest moments, the
-    act step (x and dy sorted rows, dh', dz, h·w) and dW13 with the dx combine (dz, dx slot rows, and the
-    gradients: dw2, dw13, dx), within 5%: dy's rows and h·w must be freed before dx's rows and dW13 are allocated,
-    and x's sorted rows too (dW13's kernel gathers x's rows from their tokens). At this shape the dW13 moment is
-    the larger, and either set held to the end would add N·D elements or more to it."""
-    T, D, I, E, K = 1024, 512, 256, 16, 4
+    act step (x and dy sorted rows, dh', dz, h·w) and dW13 with the dx combine (x rows, dz, dx slot rows, and the
+    gradients: dw2, dw13, dx), within 5% -- so dy's rows and h·w must be freed before dx's rows and dW13 are
+    allocated (held until the end, they add N·(D + I) elements to the second moment)."""
+    T, D, I, E, K = 4096, 256, 128, 8, 4
     x, idx, w, w13, w2, dy = gpu_problem(T, D, I, E, K, "random")
     leaves = [t.requires_grad_() for t in (x, w, w13, w2)]
     y = megamoe.moe(x, idx, w, w13, w2)
@@ -444,9 +443,8 @@ def test_backward_peak_memory_frees_sorted_rows_before_the_dx_rows_and_dw13():
     n = T * K
     act_step = 2 * (2 * n * D + 4 * n * I)
     grads = sum(t.numel() * t.element_size() for t in leaves)
-    dw13_step = 2 * (n * D + 2 * n * I) + grads
-    assert act_step < dw13_step  # the moment this bounds is the larger one
-    assert peak <= 1.05 * dw13_step, (peak, act_step, dw13_step)
+    dw13_step = 2 * (2 * n * D + 2 * n * I) + grads
+    assert peak <= 1.05 * max(act_step, dw13_step), (peak, act_step, dw13_step)
 
 
 @pytest.mark.gpu
@@ -472,26 +470,6 @@ def test_recomputed_forward_is_bitwise_equal_under_checkpointing():
     ckpt = run_with_grads(lambda *a: checkpoint(megamoe.moe, *a, use_reentrant=False), *problem)
     for a, b in zip(plain, ckpt):
         assert torch.equal(a, b)
-
-
-def test_weight_gradients_from_token_rows_equal_those_from_sorted_rows():
-    """``TokenRows``: where the weight-gradient kernel does not gather (here: the CPU), the rows are sorted first;
-    dW and the combine equal those from the sorted copy, and ``gather_rows`` of one tensor gives its rows alone."""
-    from megamoe.kernels import expert_bwd
-
-    x, idx, _, _, _, dy = make_problem(150, 136, 72, 5, 2, "skewed", device=DEVICE)
-    idx[::7, 0] = -1  # dropped slots
-    plan = build_plan(idx, 5)
-    x_sorted, dy_sorted = expert_bwd.gather_rows(x, dy, plan, 2)
-    none, dy_alone = expert_bwd.gather_rows(None, dy, plan, 2)
-    routed = int(plan.offsets_E1[-1])
-    assert none is None and torch.equal(dy_alone[:routed], dy_sorted[:routed])
-    slots = torch.randn(idx.numel(), 136, device=DEVICE)
-    want = expert_bwd.expert_wgrad_and_combine(dy_sorted, x_sorted, plan, x.dtype, slots, idx, x.dtype)
-    got = expert_bwd.expert_wgrad_and_combine(dy_sorted, expert_bwd.TokenRows(x, 2), plan, x.dtype, slots, idx,
-                                              x.dtype)
-    assert want[0].abs().sum() > 0
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_every_weight_gradient_config_matches_a_per_expert_reference(monkeypatch):
@@ -606,29 +584,6 @@ def test_weight_gradient_kernel_combines_dx_beside_its_mmas(num_tokens, dim, int
     want = combine(slots, idx, x.dtype)
     assert not want.isnan().any()
     assert torch.equal(combined, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", SIDE_COPY_SHAPES)
-def test_weight_gradient_kernel_gathers_x_rows_from_their_tokens(num_tokens, dim, inter, num_experts, top_k,
-                                                                 poison_cuda):
-    """dW13 as the one-device backward runs it on the GPU: the kernel's loader gathers x's rows from their tokens
-    (``TokenRows``, cp.async) instead of reading a sorted copy through TMA. dW13 and the combined dx equal the
-    sorted copy's bit for bit, with an expert without rows, dropped slots, dz rows past the routed ones NaN,
-    and D past the tile and over several of its blocks."""
-    from megamoe.kernels import expert_bwd
-
-    (x, idx, _, _, _, _), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
-    assert expert_bwd.wgrad_gathers(x, x.dtype)
-    dz = torch.randn(idx.numel(), 2 * inter, device="cuda", dtype=torch.bfloat16)
-    dz[routed:] = float("nan")
-    slots = torch.randn(idx.numel(), dim, device="cuda", dtype=torch.bfloat16)
-    x_sorted, _ = expert_bwd.gather_rows(x, None, plan, top_k)
-    want = expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, x.dtype, slots, idx, x.dtype)
-    got = expert_bwd.expert_wgrad_and_combine(dz, expert_bwd.TokenRows(x, top_k), plan, x.dtype, slots, idx, x.dtype)
-    assert not want[0].isnan().any()
-    assert torch.equal(got[0], want[0])
-    assert torch.equal(got[1], want[1])
 
 
 @pytest.mark.gpu

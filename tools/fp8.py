@@ -3,15 +3,13 @@ and each quantiser's GB/s.
 
 ``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--out DIR]`` on an sm90 GPU. Stages (bf16 inputs,
 the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N, D), and the
-backward's sort of the x and dy rows with and without dy's quantisation fused in, and of dy's rows alone with it
-(the FP8 path's: its dW13 gathers x's rows from their tokens); the weights'
+backward's sort of the x and dy rows with and without dy's quantisation fused in (the FP8 path's); the weights'
 quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and without the
 products' store; down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM in both issue patterns
 (``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``, ``UP_ISSUE_AHEAD``: the "(issue-ahead)" stages beside the others). Then the
 weight gradients both ways, to choose ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I)
 and (N, I) sorted rows (``quant.quantize_tile_cols``), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the
-FP8 path runs by default (``expert_bwd.expert_wgrad``; dW13 on sorted x rows without the dx combine, and as the layer
-runs it: x's rows gathered, the combine in), and
+FP8 path runs by default (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and
 both whole (four quantisations and two FP8 GEMMs against two bf16 GEMMs). The ceiling beside them:
 ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
 device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and writes them once.
@@ -75,7 +73,6 @@ def main(argv=None) -> None:
     x_sorted = expert_bwd.gather_rows(x, dy, plan, top_k)[0]
     dz = torch.randn(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16)
     hw = torch.randn(num_slots, inter, device="cuda", dtype=torch.bfloat16)
-    dx_slots = torch.randn(num_slots, dim, device="cuda", dtype=torch.bfloat16)
     dzt, xt, dyt, hwt = (quant.quantize_tile_cols(t, plan) for t in (dz, x_sorted, dy_sorted, hw))
     num_tiles = plan.tile_expert_NT.numel()
 
@@ -108,8 +105,6 @@ def main(argv=None) -> None:
          x.numel() * 4 + num_slots * dim * 4, None),
         ("sort x, dy rows, dy quantised beside", lambda: expert_bwd.gather_rows(x, dy, plan, top_k, quantize_dy=True),
          None, x.numel() * 4 + num_slots * dim * 5 + dys.numel() * 4, None),
-        ("sort dy rows, quantised beside", lambda: expert_bwd.gather_rows(None, dy, plan, top_k, quantize_dy=True),
-         None, dy.numel() * 2 + num_slots * dim * 3 + dys.numel() * 4, None),
         ("quantize w13 + w2 (both ways)", lambda: (quant.quantize_weight(w13), quant.quantize_weight(w2)), None,
          (w13.numel() + w2.numel()) * 4 + (w13s.numel() + w2s.numel()) * 8, None),
         ("up (+ SwiGLU, h quantised)", up(False), up_flops, None, (rows, 2 * inter, dim)),
@@ -135,9 +130,6 @@ def main(argv=None) -> None:
         ("dW2 FP8", lambda: expert_bwd.wgrad_fp8(*dyt, *hwt, plan, torch.bfloat16), down_flops, None,
          (dim, inter, rows)),
         ("dW13 bf16", lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16), up_flops, None, None),
-        ("dW13 bf16, x rows gathered, dx combine in", lambda: expert_bwd.expert_wgrad_and_combine(
-            dz, expert_bwd.TokenRows(x, top_k), plan, torch.bfloat16, dx_slots, idx, torch.bfloat16), up_flops, None,
-         None),
         ("dW2 bf16", lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16), down_flops, None, None),
         ("dW13 + dW2 FP8, quantisers in", fp8_wgrads, up_flops + down_flops, None, None),
         ("dW13 + dW2 bf16", bf16_wgrads, up_flops + down_flops, None, None),

@@ -92,10 +92,6 @@ def stages(problem, num_experts):
         "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, expert_bwd.DX),
         "bwd dw13, combine": (lambda: expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, w13.dtype, dx, topk_idx,
                                                                           x.dtype), 4 * unit, tuned(expert_bwd.WGRAD)),
-        # As the one-device backward runs it: x's rows gathered from their tokens (the same kernel elsewhere).
-        "bwd dw13 (x rows gathered), combine": (
-            lambda: expert_bwd.expert_wgrad_and_combine(dz, expert_bwd.TokenRows(x, top_k), plan, w13.dtype, dx,
-                                                        topk_idx, x.dtype), 4 * unit, tuned(expert_bwd.WGRAD)),
         "bwd dw2": (lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, w2.dtype), 2 * unit, tuned(expert_bwd.WGRAD)),
     }
 

@@ -122,22 +122,19 @@ def ptxas_report(compiled) -> dict:
 
 
 # The Gluon kernels (``kernels.gluon_sm90``) by report name, each with the Triton kernel (``KERNELS``) it replaces, its
-# tile and its launch's register cap; the weight-gradient kernel three times, as the layers run it: for dW2 (no tokens
-# to combine, one slot: the combine partition idles), for dW13 on sorted x rows with the dx combine beside its MMAs
-# (top-8; expert parallelism's receive buffers), and for dW13 gathering x's rows from their tokens (one device).
+# tile and its launch's register cap; the weight-gradient kernel twice, as the layer runs it: for dW2 (no tokens
+# to combine, one slot: the combine partition idles) and for dW13 (the dx combine beside its MMAs, top-8).
 WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "wgrad_combine_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
-              "wgrad_gather_combine_ws": ("wgrad", ws.GATHER_TILE, ws.WS_MAXNREG),
               "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
               "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG)}
-WGRAD_WS = ("wgrad_ws", "wgrad_combine_ws", "wgrad_gather_combine_ws")
 
 
 def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8):
     """The Gluon kernel ``name`` of ``WS_KERNELS`` for sm_90a at its tile, with 16-bit operands (``dtype`` bf16
     or fp16), pointers and the D / I / P / Q sizes specialised as 16-divisible as at run time, 128 experts.
     ``sizes_divisible=False``: the sizes not so specialised, as at run time for sizes such as D = 520.
-    ``top_k``: the slots per token of the side copies (``dh_ws``, ``wgrad_*combine_ws``)."""
+    ``top_k``: the slots per token of the side copies (``dh_ws``, ``wgrad_combine_ws``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -149,11 +146,10 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
     constexprs = {"STAGES": stages, "num_warps": ws.WS_NUM_WARPS}
-    if name in WGRAD_WS:
+    if name in ("wgrad_ws", "wgrad_combine_ws"):
         fn, blocks = ws.KERNELS["wgrad"], {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
-        gather = name == "wgrad_gather_combine_ws"
-        constexprs.update(TOP_K=1 if name == "wgrad_ws" else top_k, GATHER_B=gather,
-                          LOADER_WARPS=ws.GATHER_LOADER_WARPS if gather else 1)
+        combine = name == "wgrad_combine_ws"
+        constexprs.update(TOP_K=top_k if combine else 1)
     elif name == "dh_ws":  # the x copy beside the MMAs, of top_k slots per token
         fn, blocks = ws.KERNELS["dh"], {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
         constexprs.update(EB=128, TILE_M=bm, TOP_K=top_k)
@@ -245,8 +241,7 @@ def main(argv=None) -> None:
     for name in WS_KERNELS if args.dtype != "fp32" else ():  # the shapes api.fused_supports admits, D = 520 say
         compile_ws(name, args.dtype, sizes_divisible=False)
         print(f"{name} with sizes not 16-divisible: compiles", flush=True)
-    side_copies = ("dh_ws", "wgrad_combine_ws", "wgrad_gather_combine_ws")
-    for name, top_k in itertools.product(side_copies if args.dtype != "fp32" else (), (1, 2)):
+    for name, top_k in itertools.product(("dh_ws", "wgrad_combine_ws") if args.dtype != "fp32" else (), (1, 2)):
         # a side copy moves more items per pass at small top_k (gluon_sm90._items_per_pass): within its registers
         if spill := ptxas_report(compile_ws(name, args.dtype, top_k=top_k))["spill_bytes"]:
             raise SystemExit(f"{name} at top_k={top_k} spills {spill} bytes")

@@ -22,18 +22,14 @@ One device:
 On sm90 with 16-bit operands, steps 2, 3 and 5 run warp-specialized Gluon twins instead (``gluon_sm90.py``:
 ``_dh_ws_kernel``, ``_act_ws_kernel``, ``_wgrad_ws_kernel``; same operands and outputs), and two copies move
 into them, run by a partition of their own beside the MMAs: step 1 copies only dy ahead, x's rows are copied
-inside the dh' kernel (``sorted_rows_and_dh``) for the act kernel alone; step 4's combine runs inside the dW13
-kernel (``expert_wgrad_and_combine``), whose loader gathers x's rows from their tokens, so that no sorted copy
-of x is alive beside dx's slot rows and dW13 (the backward's peak memory; with the saved products no sorted copy
-of x is made at all).
+inside the dh' kernel (``sorted_rows_and_dh``); step 4's combine runs inside the dW13 kernel
+(``expert_wgrad_and_combine``).
 
 Expert parallelism runs steps 3–5 on its receive buffers, which are already in expert order; its dh' GEMM
 waits for the rows as they arrive (``parallel.owner.send_and_dh``).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -181,16 +177,15 @@ def _invert_rows_kernel(row_slot_ptr, slot_row_ptr, N, BLOCK: tl.constexpr):
 
 @triton.jit
 def _scatter_rows_kernel(
-    a_ptr,  # (T, D), with HAS_A
+    a_ptr,  # (T, D)
     b_ptr,  # (T, D), with HAS_B
-    a_out_ptr,  # (N, D) out, with HAS_A: a's rows in sorted order (rows past the routed count not written)
+    a_out_ptr,  # (N, D) out: a's rows in sorted order (rows past the routed count not written)
     b_out_ptr,  # (N, D) out: b's rows in sorted order, with HAS_B
     bq_ptr,  # (N, D) e4m3 out, with QUANT_B: b's sorted rows quantised 1x128 (``quant.quantize_rows``' format)
     bs_ptr,  # (D / 128, N) fp32 out, with QUANT_B: their scales
     slot_row_ptr, offsets_ptr,
     T, D, E, top_k, N,
-    HAS_A: tl.constexpr, HAS_B: tl.constexpr, QUANT_B: tl.constexpr, POW2: tl.constexpr, TB: tl.constexpr,
-    BD: tl.constexpr,
+    HAS_B: tl.constexpr, QUANT_B: tl.constexpr, POW2: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr,
 ):
     """Token-major: each program reads TB tokens' columns once and writes them to each of their top_k sorted
     rows. (Row-major, gathering each sorted row from its token, re-reads a token's row once per slot, from
@@ -201,8 +196,7 @@ def _scatter_rows_kernel(
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cmask = (cols < D)[None, :]
     src = toks[:, None].to(tl.int64) * D + cols[None, :]
-    if HAS_A:
-        a = tl.load(a_ptr + src, mask=tmask[:, None] & cmask)
+    a = tl.load(a_ptr + src, mask=tmask[:, None] & cmask)
     if HAS_B:
         b = tl.load(b_ptr + src, mask=tmask[:, None] & cmask, other=0.0)
         if QUANT_B:
@@ -217,8 +211,7 @@ def _scatter_rows_kernel(
         written = tmask & (rows < routed)
         mask = written[:, None] & cmask
         dst = rows[:, None].to(tl.int64) * D + cols[None, :]
-        if HAS_A:
-            tl.store(a_out_ptr + dst, a, mask=mask)
+        tl.store(a_out_ptr + dst, a, mask=mask)
         if HAS_B:
             tl.store(b_out_ptr + dst, b, mask=mask)
             if QUANT_B:
@@ -474,59 +467,54 @@ def _slot_rows(plan: Plan) -> torch.Tensor:
     return slot_row
 
 
-def _scatter_rows(a_TD, b_TD, slot_row, plan: Plan, top_k: int, quantize_b: bool = False) -> list:
-    """The rows of a and of b (either may be None) copied into sorted order, (N, D) each (None for a missing
-    one); rows past the routed ones (dropped slots) are not written. ``quantize_b`` (D a multiple of 128): also
-    b's sorted rows quantised 1x128, (N, D) e4m3 and their (D / 128, N) fp32 scales, as ``quant.quantize_rows``
-    of b's sorted copy."""
-    given = a_TD if a_TD is not None else b_TD
-    num_slots, (num_tokens, dim) = slot_row.numel(), given.shape
-    outs = [None if t is None else torch.empty(num_slots, dim, device=t.device, dtype=t.dtype) for t in (a_TD, b_TD)]
+def _scatter_rows(a_TD, b_TD, slot_row, plan: Plan, top_k: int, quantize_b: bool = False) -> list[torch.Tensor]:
+    """The rows of a (and of b, unless None) copied into sorted order, (N, D) each; rows past the routed ones
+    (dropped slots) are not written. ``quantize_b`` (D a multiple of 128): also b's sorted rows quantised 1x128,
+    (N, D) e4m3 and their (D / 128, N) fp32 scales, as ``quant.quantize_rows`` of b's sorted copy."""
+    num_slots, (num_tokens, dim) = slot_row.numel(), a_TD.shape
+    outs = [torch.empty(num_slots, dim, device=a_TD.device, dtype=a_TD.dtype) for _ in range(1 if b_TD is None else 2)]
     if quantize_b:
-        assert dim % 128 == 0 and b_TD is not None, dim
-        outs += [torch.empty(num_slots, dim, device=b_TD.device, dtype=FP8),
-                 torch.empty(dim // 128, num_slots, device=b_TD.device, dtype=torch.float32)]
+        assert dim % 128 == 0, dim
+        outs += [torch.empty(num_slots, dim, device=a_TD.device, dtype=FP8),
+                 torch.empty(dim // 128, num_slots, device=a_TD.device, dtype=torch.float32)]
     # Tokens per program: 16, or 8 with the quantisation (its fp32 copy of the block: 108 registers at D = 2048
     # against 255 with 16; the plain copy takes 144).
     tb, bd = 8 if quantize_b else 16, min(512, triton.next_power_of_2(dim))
     _scatter_rows_kernel[(triton.cdiv(num_tokens, tb), triton.cdiv(dim, bd))](
-        a_ptr=a_TD, b_ptr=b_TD, a_out_ptr=outs[0], b_out_ptr=outs[1], bq_ptr=outs[2] if quantize_b else None,
-        bs_ptr=outs[3] if quantize_b else None, slot_row_ptr=slot_row, offsets_ptr=plan.offsets_E1, T=num_tokens,
-        D=dim, E=plan.offsets_E1.numel() - 1, top_k=top_k, N=num_slots, HAS_A=a_TD is not None,
+        a_ptr=a_TD, b_ptr=b_TD, a_out_ptr=outs[0], b_out_ptr=outs[1] if b_TD is not None else None,
+        bq_ptr=outs[2] if quantize_b else None, bs_ptr=outs[3] if quantize_b else None, slot_row_ptr=slot_row,
+        offsets_ptr=plan.offsets_E1, T=num_tokens, D=dim, E=plan.offsets_E1.numel() - 1, top_k=top_k, N=num_slots,
         HAS_B=b_TD is not None, QUANT_B=quantize_b, POW2=quantize_b and fp8_pow2_scales(), TB=tb, BD=bd,
         num_warps=4,
     )
     return outs
 
 
-def gather_rows(x_TD, dy_TD, plan: Plan, top_k: int, quantize_dy: bool = False) -> tuple:
+def gather_rows(x_TD, dy_TD, plan: Plan, top_k: int, quantize_dy: bool = False):
     """x and dy rows in expert-sorted order, (N, D) each, for dh', the act kernel and the weight gradients;
-    rows past the routed ones (dropped slots) are not written; either may be None (its sorted rows then None).
-    ``quantize_dy`` (D a multiple of 128): also dy's sorted rows in blockwise FP8, (N, D) e4m3 and (D / 128, N)
-    fp32 scales (``quant.quantize_rows``' format and bits), quantised once per token in the same pass: (x rows,
-    dy rows, dy e4m3, dy scales)."""
-    num_slots = plan.row_slot_N.numel()
+    rows past the routed ones (dropped slots) are not written. ``quantize_dy`` (D a multiple of 128): also dy's
+    sorted rows in blockwise FP8, (N, D) e4m3 and (D / 128, N) fp32 scales (``quant.quantize_rows``' format and
+    bits), quantised once per token in the same pass: (x rows, dy rows, dy e4m3, dy scales)."""
+    num_slots, dim = plan.row_slot_N.numel(), x_TD.shape[1]
     if num_slots == 0:
-        outs = [None if t is None else t.new_empty(0, t.shape[1]) for t in (x_TD, dy_TD)]
+        empty = torch.empty(0, dim, device=x_TD.device, dtype=x_TD.dtype)
         if quantize_dy:
-            outs += [dy_TD.new_empty(0, dy_TD.shape[1], dtype=FP8), dy_TD.new_empty(dy_TD.shape[1] // 128, 0,
-                                                                                   dtype=torch.float32)]
-        return tuple(outs)
+            return empty, empty, empty.to(FP8), torch.empty(dim // 128, 0, device=x_TD.device)
+        return empty, empty
     return tuple(_scatter_rows(x_TD, dy_TD, _slot_rows(plan), plan, top_k, quantize_b=quantize_dy))
 
 
-def sorted_rows_and_dh(x_TD, dy_TD, w2_EDI, plan: Plan, top_k: int, sort_x: bool = True):
-    """(x_sorted, dy_sorted, dh'): ``gather_rows`` and ``dh_sorted`` together (x_sorted None without ``sort_x``).
-    On sm90 with 16-bit operands only dy is copied ahead; x's copy runs inside the dh' kernel, beside its MMAs
-    (``gluon_sm90._dh_ws_kernel``)."""
+def sorted_rows_and_dh(x_TD, dy_TD, w2_EDI, plan: Plan, top_k: int):
+    """(x_sorted, dy_sorted, dh'): ``gather_rows`` and ``dh_sorted`` together. On sm90 with 16-bit operands only
+    dy is copied ahead; x's copy runs inside the dh' kernel, beside its MMAs (``gluon_sm90._dh_ws_kernel``)."""
     if not (plan.row_slot_N.numel() and ws_supported(dy_TD)):
-        x_sorted, dy_sorted = gather_rows(x_TD if sort_x else None, dy_TD, plan, top_k)
+        x_sorted, dy_sorted = gather_rows(x_TD, dy_TD, plan, top_k)
         return x_sorted, dy_sorted, dh_sorted(dy_sorted, w2_EDI, plan)
     slot_row = _slot_rows(plan)
-    _, dy_sorted = _scatter_rows(None, dy_TD, slot_row, plan, top_k)
-    x_sorted = torch.empty_like(dy_sorted) if sort_x else None
+    (dy_sorted,) = _scatter_rows(dy_TD, None, slot_row, plan, top_k)
+    x_sorted = torch.empty_like(dy_sorted)
     dh = torch.empty(dy_sorted.shape[0], w2_EDI.shape[2], device=dy_TD.device, dtype=dy_TD.dtype)
-    dh_ws(dy_sorted, w2_EDI, dh, plan, BLOCK_M, copy_x=(x_TD, x_sorted, slot_row, top_k) if sort_x else None)
+    dh_ws(dy_sorted, w2_EDI, dh, plan, BLOCK_M, copy_x=(x_TD, x_sorted, slot_row, top_k))
     return x_sorted, dy_sorted, dh
 
 
@@ -575,34 +563,13 @@ def expert_wgrad_fp8(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Te
     return wgrad_fp8(*quantize_tile_cols(a_NP, plan), *quantize_tile_cols(b_NQ, plan), plan, out_dtype)
 
 
-class TokenRows(NamedTuple):
-    """An operand's rows given by token, (T, Q): sorted row r is row row_slot[r] // top_k, for the weight-gradient
-    kernel that gathers them itself (``expert_wgrad_and_combine``) instead of reading a sorted copy."""
-    rows_TQ: torch.Tensor
-    top_k: int
-
-
-def wgrad_gathers(x_TD: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """Whether ``expert_wgrad_and_combine`` reads ``TokenRows`` of x by gathering them inside its kernel (sm90,
-    16-bit, dW in x's dtype): then no sorted copy of x is needed, and the caller can free its own before the
-    call. Elsewhere it sorts them first."""
-    return ws_supported(x_TD) and out_dtype == x_TD.dtype
-
-
-def expert_wgrad_and_combine(a_NP, b, plan: Plan, out_dtype: torch.dtype, slots_ND, topk_idx_TK,
+def expert_wgrad_and_combine(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, slots_ND, topk_idx_TK,
                              combine_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``expert_wgrad(a, b)``, ``combine(slots, topk_idx)``); ``b`` the (N, Q) sorted rows or their ``TokenRows``.
-    On sm90 with 16-bit operands the combine runs inside the weight-gradient kernel, beside its MMAs
-    (``gluon_sm90._wgrad_ws_kernel``), with the same sums, and its loader gathers ``TokenRows`` from their tokens
-    (the same operand values, so the same dW bit for bit); elsewhere ``TokenRows`` are sorted first."""
-    tokens = isinstance(b, TokenRows)
+    """(``expert_wgrad(a, b)``, ``combine(slots, topk_idx)``). On sm90 with 16-bit operands the combine runs
+    inside the weight-gradient kernel, beside its MMAs (``gluon_sm90._wgrad_ws_kernel``), with the same sums."""
     if not (a_NP.shape[0] and ws_supported(a_NP) and out_dtype == a_NP.dtype):
-        if tokens:
-            _, b = gather_rows(None, b.rows_TQ, plan, b.top_k)
-        return expert_wgrad(a_NP, b, plan, out_dtype), combine(slots_ND, topk_idx_TK, combine_dtype)
-    dw = torch.empty(plan.offsets_E1.numel() - 1, a_NP.shape[1], (b.rows_TQ if tokens else b).shape[1],
-                     device=a_NP.device, dtype=out_dtype)
+        return expert_wgrad(a_NP, b_NQ, plan, out_dtype), combine(slots_ND, topk_idx_TK, combine_dtype)
+    dw = torch.empty(plan.offsets_E1.numel() - 1, a_NP.shape[1], b_NQ.shape[1], device=a_NP.device, dtype=out_dtype)
     out = torch.empty(topk_idx_TK.shape[0], slots_ND.shape[1], device=slots_ND.device, dtype=combine_dtype)
-    expert_wgrad_ws(a_NP, b.rows_TQ if tokens else b, plan.offsets_E1, dw, combine=(slots_ND, topk_idx_TK, out),
-                    gather=(plan.row_slot_N, b.top_k) if tokens else None)
+    expert_wgrad_ws(a_NP, b_NQ, plan.offsets_E1, dw, combine=(slots_ND, topk_idx_TK, out))
     return dw, out

@@ -72,13 +72,6 @@ COPY_WARPS = gl.constexpr(2)
 # Registers per thread of the loader's warpgroup, which the side copy shares (the loader's and the copy's): a
 # pass's eight row chunks of 16-byte vectors; the MMA warps keep (64 K - 128 x 128) / 256 = 192 >= 168.
 SIDE_REGS = gl.constexpr(128)
-# The weight-gradient kernel when its loader gathers b's rows from their tokens: blocks 256 x 128, so that the
-# gathered operand is the narrow one (b's rows are read once per 256 columns of a, half as often as at 128 x 256:
-# with the wide block gathered, cp.async did not keep up with the MMAs, 1.39x the TMA kernel's time at 30B), and
-# two loader warps beside the combine's two in the loader's warpgroup, each thread with 16 of a step's 16-byte
-# copies.
-GATHER_TILE = (256, 128, 64, 3)
-GATHER_LOADER_WARPS = 2
 
 
 # (BM, BN, BK, STAGES) of the act kernel: 128 rows x 128 columns of gate and of up (the Triton kernel's
@@ -124,49 +117,19 @@ def wgrad_block(tile, offsets_ptr, num_p, num_q, BM: gl.constexpr, BN: gl.conste
 
 
 @gluon.jit
-def _step_tokens(row_slot_ptr, r0, end, top_k, BK: gl.constexpr, layout: gl.constexpr):
-    """The tokens of sorted rows r0 .. r0 + BK and which of them are the expert's (< end)."""
-    rows = r0 + gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
-    rmask = rows < end
-    return gl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k, rmask
-
-
-@gluon.jit
-def _loader(a_desc, b_desc, b_ptr, row_slot_ptr, top_k, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles,
-            GATHER_B: gl.constexpr, num_warps: gl.constexpr):
-    """Producer partition: every K-step's operand blocks, in the MMA partition's order. a through TMA; b too
-    (one warp), or with GATHER_B gathered from its token rows b (T, Q): sorted row r is token row_slot[r] //
-    top_k, copied through 16-byte ``cp.async`` copies (rows past the expert's end zero-filled) that each
-    producer thread announces on the stage's ready barrier, as ``_up_loader`` does. A K-step's rows are new
-    rows, so each step needs its tokens first: they are loaded a step ahead, while the step before waits for
-    its slot and issues its copies (loaded as each step starts, that load's latency paced the loader)."""
+def _loader(a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles):
+    """Producer partition (one warp): every K-step's operand blocks, in the MMA partition's order."""
     BK: gl.constexpr = a_desc.block_type.shape[0]
     BM: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
-    # A warp across 4 rows of 64 columns, so that a thread holds few rows' tokens (BK / 4 / num_warps; 8 here)
-    # and uses each for BN / 64 copies.
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    # Q itself, written so that the compiler knows it is a multiple of 8 elements (see ``_up_loader``).
-    Q = b_desc.shape[1] // 8 * 8
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         _, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-        if GATHER_B:
-            cols = q0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-            tok_next, rmask_next = _step_tokens(row_slot_ptr, start, end, top_k, BK, layout)
         for r0 in range(start, end, BK):
-            if GATHER_B:
-                tok, rmask = tok_next, rmask_next
-                tok_next, rmask_next = _step_tokens(row_slot_ptr, r0 + BK, end, top_k, BK, layout)
-                s = next_slot(empty, ready, step, a_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [r0, p0], ready.index(s), a_bufs.index(s))
-                async_copy.async_copy_global_to_shared(b_bufs.index(s), b_ptr + tok.to(gl.int64)[:, None] * Q + cols[None, :],
-                                                       mask=rmask[:, None] & (cols < Q)[None, :])
-                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
-            else:
-                s = next_slot(empty, ready, step, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [r0, p0], ready.index(s), a_bufs.index(s))
-                tma.async_copy_global_to_shared(b_desc, [r0, q0], ready.index(s), b_bufs.index(s))
+            s = next_slot(empty, ready, step, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [r0, p0], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [r0, q0], ready.index(s), b_bufs.index(s))
             step += 1
 
 
@@ -197,9 +160,8 @@ def _zero_rows_past(buf, r0, end, num_warps: gl.constexpr):
 
 @gluon.jit
 def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
-                   GATHER_B: gl.constexpr, num_warps: gl.constexpr):
-    """Default partition: the MMAs of each block, its tail rows zeroed (b's, with GATHER_B, came zero-filled
-    through generic-proxy copies, fenced before the MMAs read them), and its TMA store."""
+                   num_warps: gl.constexpr):
+    """Default partition: the MMAs of each block, its tail rows zeroed, and its TMA store."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[1]
     BM: gl.constexpr = a_bufs.type.shape[2]
@@ -214,10 +176,7 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
             mbarrier.wait(ready.index(s), (step // STAGES) & 1)
             if r0 + BK > end:  # the expert's last, partial step
                 _zero_rows_past(a_bufs.index(s), r0, end, num_warps)
-                if not GATHER_B:
-                    _zero_rows_past(b_bufs.index(s), r0, end, num_warps)
-                fence_async_shared()
-            elif GATHER_B:
+                _zero_rows_past(b_bufs.index(s), r0, end, num_warps)
                 fence_async_shared()
             acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))
@@ -235,29 +194,22 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
 
 
 @gluon.jit
-def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, b_ptr, row_slot_ptr, top_k, rows_ptr,
-                     topk_idx_ptr, out_ptr, T, D, TOP_K: gl.constexpr, GATHER_B: gl.constexpr,
-                     LOADER_WARPS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """a_desc: (N, P) sorted rows, block (BK, BM); b_desc: (N, Q), block (BK, BN), or with GATHER_B the token
-    rows b (T, Q) (b_ptr; sorted row r is token row_slot[r] // top_k, ``_loader``); dw_desc: (E, P, Q), block
-    (1, BM, BN). Tiles: E * num_p * num_q output blocks, expert-major. A third partition (``COPY_WARPS`` warps)
-    combines slot rows (T * TOP_K, D) into out (T, D) beside them (``_combine_partition``; ``topk_idx`` marks the
-    dropped slots); with T = 0 it has nothing to do and returns."""
+def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, rows_ptr, topk_idx_ptr, out_ptr, T, D,
+                     TOP_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """a_desc: (N, P) sorted rows, block (BK, BM); b_desc: (N, Q), block (BK, BN); dw_desc: (E, P, Q),
+    block (1, BM, BN). Tiles: E * num_p * num_q output blocks, expert-major. A third partition (``COPY_WARPS``
+    warps) combines slot rows (T * TOP_K, D) into out (T, D) beside them (``_combine_partition``; ``topk_idx``
+    marks the dropped slots); with T = 0 it has nothing to do and returns."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
-    if GATHER_B:  # the TMA bytes and one cp.async arrival per loader thread
-        ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)
-    else:
-        ready = barriers(STAGES)
+    ready = barriers(STAGES)
     empty = barriers(STAGES)
     gl.warp_specialize([
-        (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles, GATHER_B,
-                          num_warps)),
-        (_loader, (a_desc, b_desc, b_ptr, row_slot_ptr, top_k, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q,
-                   tiles, GATHER_B, LOADER_WARPS)),
+        (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles, num_warps)),
+        (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
         (_combine_partition, (rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K, COPY_WARPS)),
-    ], [LOADER_WARPS, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
+    ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
 
 
 @gluon.jit
@@ -671,14 +623,12 @@ def _launch_ws(kernel, programs: int, stages: int = WS_TILE[3], maxnreg: int = W
 
 
 def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor,
-                    combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    gather: tuple[torch.Tensor, int] | None = None) -> None:
+                    combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """dw (E, P, Q) = per expert, the sum over its sorted rows r of outer(a[r], b[r]); a, b, dw 16-bit,
     contiguous, on an sm90 GPU (``ws_supported``), with at least one row. ``combine``: (slot rows (T*K, D),
     topk_idx (T, K), out (T, D)), all contiguous, to reduce into ``out`` beside the MMAs, with the sums of
-    ``combine.combine``. ``gather``: (row_slot (N,), top_k): b is then (T, Q) token rows with 16-byte aligned rows,
-    sorted row r being token row_slot[r] // top_k, gathered by the kernel's loader."""
-    bm, bn, bk, _ = WS_TILE if gather is None else GATHER_TILE
+    ``combine.combine``."""
+    bm, bn, bk, _ = WS_TILE
     num_experts, p, q = dw.shape
     num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
     tiles = num_experts * num_p * num_q
@@ -686,12 +636,10 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
         rows, topk_idx, out, num_tokens, top_k = a_NP, offsets_E1, a_NP, 0, 1
     else:
         (rows, topk_idx, out), (num_tokens, top_k) = combine, combine[1].shape
-    row_slot, gather_k = (offsets_E1, 1) if gather is None else gather  # (unread without a gather)
     _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), a_desc=_desc(a_NP, [bk, bm]),
                b_desc=_desc(b_NQ, [bk, bn]), dw_desc=_desc(dw, [1, bm, bn]), offsets_ptr=offsets_E1, num_p=num_p,
-               num_q=num_q, tiles=tiles, b_ptr=b_NQ, row_slot_ptr=row_slot, top_k=gather_k, rows_ptr=rows,
-               topk_idx_ptr=topk_idx, out_ptr=out, T=num_tokens, D=out.shape[1], TOP_K=top_k,
-               GATHER_B=gather is not None, LOADER_WARPS=1 if gather is None else GATHER_LOADER_WARPS)
+               num_q=num_q, tiles=tiles, rows_ptr=rows, topk_idx_ptr=topk_idx, out_ptr=out, T=num_tokens,
+               D=out.shape[1], TOP_K=top_k)
 
 
 def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,
