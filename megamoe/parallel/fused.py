@@ -303,18 +303,16 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
     (forward) and dh' (backward) kernels' launches, overlapping their GEMMs; a pair (forward,
     backward) sets the two directions apart; ``None``: :func:`default_comm_sms` (see :func:`megamoe.moe`).
     ``save_preact``: the saved-activation mode (:func:`fused_ep`)."""
+    # Under torch.compile the set-up below reads these sizes through constant functions, which dynamo refuses a
+    # dynamic size ("assume_constant_result argument conversion failed"): the layer's sizes must be static
+    # (compile without dynamic=True), and so must the first call's token count unless max_tokens_per_rank is
+    # given. (No check of our own: no test tells a traced SymInt from an int under both torch 2.11 and 2.13.)
     num_tokens, top_k = topk_idx.shape
-    # Traced by torch.compile, a dynamic size is a SymInt (whose class is not int; isinstance is not told apart).
-    if any(size.__class__ is not int for size in (w13.shape[0], top_k, x.shape[1])):
-        raise ValueError("megamoe: the fused expert-parallel layer needs static experts per rank, top-k and hidden "
-                         "size under torch.compile (traced with them dynamic: compile without dynamic=True)")
+    num_local, dim = w13.shape[0], x.shape[1]
     if max_tokens_per_rank is None:
-        key = (group.group_name, w13.shape[0], top_k, x.shape[1], x.dtype)
+        key = (group.group_name, num_local, top_k, dim, x.dtype)
         max_tokens_per_rank = _agreed_so_far(*key)
-        if not max_tokens_per_rank:
-            if num_tokens.__class__ is not int:  # a dynamic token count at the first call: no number to agree on
-                raise ValueError("megamoe: under torch.compile with a dynamic token count, pass max_tokens_per_rank "
-                                 "(the same on every rank) to megamoe.moe / MegaMoE")
+        if not max_tokens_per_rank:  # the first call agrees on its token count
             max_tokens_per_rank = _agreed_max_tokens(*key, num_tokens, x.device)
     if num_tokens > max_tokens_per_rank:
         raise ValueError(f"{num_tokens} tokens on this rank exceed max_tokens_per_rank={max_tokens_per_rank} "
@@ -322,6 +320,6 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
     comm_sms = comm_sms_pair(default_comm_sms(x.device.index) if comm_sms is None else comm_sms)
     if max(comm_sms) and max(comm_sms) >= (num_sms := sm_count(x.device.index)):
         raise ValueError(f"comm_sms={max(comm_sms)} leaves none of this GPU's {num_sms} SMs to the expert GEMMs")
-    number = _workspace_number(group.group_name, w13.shape[0], max_tokens_per_rank, top_k, x.shape[1], x.dtype)
-    return _fused_ep_by_number(x, topk_idx, topk_weights, w13, w2, number, dist.get_world_size(group) * w13.shape[0],
+    number = _workspace_number(group.group_name, num_local, max_tokens_per_rank, top_k, dim, x.dtype)
+    return _fused_ep_by_number(x, topk_idx, topk_weights, w13, w2, number, dist.get_world_size(group) * num_local,
                                comm_sms, save_preact)
