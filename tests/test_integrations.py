@@ -16,12 +16,13 @@ import megamoe.integrations.transformers as hf_megamoe
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def tiny_model(dtype=torch.float32, seed=0, device=DEVICE, hidden_size=64, moe_intermediate_size=32
+def tiny_model(dtype=torch.float32, seed=0, device=DEVICE, hidden_size=64, moe_intermediate_size=32, layers=2
                ) -> Qwen3MoeForCausalLM:
-    """A two-layer Qwen3-MoE of 8 experts, top-2 (``hidden_size`` / ``moe_intermediate_size``: 128 for FP8's groups)."""
+    """A Qwen3-MoE of ``layers`` decoder layers, 8 experts, top-2 (``hidden_size`` / ``moe_intermediate_size``: 128
+    for FP8's groups)."""
     config = Qwen3MoeConfig(vocab_size=128, hidden_size=hidden_size, intermediate_size=96,
                             moe_intermediate_size=moe_intermediate_size,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64,
                             attn_implementation="sdpa")
     torch.manual_seed(seed)

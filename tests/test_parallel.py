@@ -194,8 +194,9 @@ def check_fsdp(rank, num_ranks, device, precision="bf16"):
     import megamoe.integrations.transformers as hf_megamoe
     from tests.test_integrations import tiny_model
 
+    # One decoder layer: the layer and the root sharded apart, at half the interpreter's time of two.
     sizes = {"hidden_size": 128, "moe_intermediate_size": 128} if precision == "fp8" else {}
-    ref = tiny_model(device=device, **sizes)
+    ref = tiny_model(device=device, layers=1, **sizes)
     ref.set_experts_implementation("megamoe")
     hf_megamoe.set_precision(ref, precision)
     model = copy.deepcopy(ref)

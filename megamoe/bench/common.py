@@ -112,15 +112,17 @@ def kernel_tables(variants: dict, calls: int = 5) -> str:
     a GPU each variant also gets its host-side table (CUDA runtime calls: a synchronising call or a
     cudaMalloc shows there) and the wall time of the back-to-back calls: the GPU idled at most the wall
     time less the kernels' total (which also holds the first launch's latency and the profiler's own
-    host work)."""
+    host work). Without a GPU (kernels in Triton's interpreter: which kernels run, not how fast) one call each,
+    without warm-up."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    calls = calls if cuda else 1
     out = []
     for name, fn in variants.items():
-        for _ in range(3):
+        for _ in range(3 if cuda else 0):
             fn()
         sync()
         with profile(activities=activities) as prof:
