@@ -19,19 +19,32 @@ PRESETS = {
 ATTENTION = {"qwen3-30b-a3b": (32, 4, 128), "qwen3-235b-a22b": (64, 4, 128), "tiny": (4, 2, 16)}
 
 
-def build(preset: str, layers: int, vocab: int, dtype: torch.dtype, device, seed: int = 0):
-    """transformers' ``Qwen3MoeForCausalLM`` at ``preset``'s layer dimensions with ``layers`` decoder layers and
-    ``vocab`` tokens, random weights from ``seed``. A model to train: no KV cache (``use_cache=False``; with it,
-    transformers warns under activation checkpointing from inside the forward, which a fullgraph compile cannot
-    trace)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+# The models' attention: transformers' SDPA ("sdpa"), or the same SDPA call registered under a name of its own,
+# "sdpa_causal", for which transformers builds no mask: for one unpadded sequence per row (what the tools feed) the
+# same attention, always through SDPA's is_causal=True and so its flash kernel. Compiling the whole model, transformers
+# (5.24, with torch < 2.14) builds the full causal mask under "sdpa" instead, and SDPA runs without flash
+# (docs/PERFORMANCE.md, "Inside a transformers model").
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "sdpa_causal")
 
+
+def build(preset: str, layers: int, vocab: int, dtype: torch.dtype, device, seed: int = 0, attention: str = "sdpa"):
+    """transformers' ``Qwen3MoeForCausalLM`` at ``preset``'s layer dimensions with ``layers`` decoder layers and
+    ``vocab`` tokens, random weights from ``seed``, ``attention`` one of :data:`ATTENTION_IMPLEMENTATIONS` (no
+    padding: "sdpa_causal" holds for unpadded sequences only). A model to train: no KV cache (``use_cache=False``;
+    with it, transformers warns under activation checkpointing from inside the forward, which a fullgraph compile
+    cannot trace)."""
+    from transformers import AttentionInterface, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {attention!r}")
+    AttentionInterface.register("sdpa_causal", sdpa_attention_forward)  # no mask function under this name
     dim, inter, num_experts, top_k = PRESETS[preset]
     heads, kv_heads, head_dim = ATTENTION[preset]
     config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, moe_intermediate_size=inter,
                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                             head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
-                            max_position_embeddings=65536, attn_implementation="sdpa", use_cache=False,
+                            max_position_embeddings=65536, attn_implementation=attention, use_cache=False,
                             rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config).to(device=device, dtype=dtype)

@@ -325,3 +325,32 @@ def test_model_benchmark_arguments(capsys):
     assert capsys.readouterr().err.splitlines()[-1] == (
         "python -m megamoe.bench.model: error: --matrix runs every checkpointing and compile mode: leave out "
         "--checkpoint, --compile and --compile-mode")
+
+
+def test_causal_attention_needs_no_mask_and_gives_sdpas_loss_and_gradients():
+    """``build(attention="sdpa_causal")``: transformers builds no mask for it, so that the whole model compiled calls
+    SDPA with ``is_causal=True`` and no mask (``"sdpa"`` gets a materialised mask there: the cause of the whole-model
+    cells' slow attention), with the loss and gradients of ``"sdpa"`` on an unpadded sequence."""
+    from megamoe.bench import model as bench_model
+    from megamoe.models import build
+
+    input_ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
+    runs, calls = {}, {}
+    for attention in ("sdpa", "sdpa_causal"):
+        m = build("tiny", 2, 128, torch.float32, "cpu", attention=attention)
+        runs[attention] = bench_model.loss_and_grads(m, input_ids)
+        seen = []
+
+        def backend(gm, example_inputs, seen=seen):
+            seen += [(n.kwargs.get("attn_mask") is None, n.kwargs.get("is_causal")) for n in gm.graph.nodes
+                     if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target)]
+            return gm.forward
+
+        torch.compile(m, backend=backend, fullgraph=True)(input_ids=input_ids, labels=input_ids)
+        calls[attention] = seen
+    assert calls == {"sdpa": [(False, False)] * 2, "sdpa_causal": [(True, True)] * 2}
+    (loss, grads), (causal_loss, causal_grads) = runs["sdpa"], runs["sdpa_causal"]
+    assert abs(loss - causal_loss) < 1e-5 and bench_model.grad_diff(causal_grads, grads) < 1e-4
+    assert bench_model.parse_args(["--attention", "sdpa_causal"], cuda=True).attention == "sdpa_causal"
+    with pytest.raises(ValueError, match="attention must be one of"):
+        build("tiny", 1, 128, torch.float32, "cpu", attention="flash")

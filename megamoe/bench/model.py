@@ -46,6 +46,7 @@ from megamoe.integrations.transformers import (  # importing it registers "megam
 )
 from megamoe.models import (
     ATTENTION,
+    ATTENTION_IMPLEMENTATIONS,
     COMPILE_MODES,
     EXPERTS,
     build,
@@ -115,13 +116,14 @@ def cell_name(checkpoint: bool, compile_mode: str | None, experts: str) -> str:
     return f"{'checkpointed' if checkpoint else 'no checkpointing'}, {compile_mode or 'eager'}, {experts}{saved}"
 
 
-def check_on_cpu(experts: list[str], checkpoint: bool, compile_mode: str | None = None) -> int:
+def check_on_cpu(experts: list[str], checkpoint: bool, compile_mode: str | None = None, attention: str = "sdpa"
+                 ) -> int:
     """Without a GPU: one forward+backward of the tiny preset's model (fp32) per implementation, its loss and
     gradients compared with the first implementation's. Returns the exit status (1 if they disagree)."""
     print(f"No CUDA GPU: timings need a GPU. Instead, one forward+backward of the tiny preset's model (fp32, "
           f"32 tokens{', checkpointed' if checkpoint else ''}{f', compiled: {compile_mode}' if compile_mode else ''}"
           f") per implementation: its loss, and its loss and gradients against {experts[0]}'s.")
-    model = build("tiny", 2, 128, torch.float32, "cpu")
+    model = build("tiny", 2, 128, torch.float32, "cpu", attention=attention)
     input_ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
     runs = {e: loss_and_grads(prepared(model, e, checkpoint, compile_mode), input_ids) for e in experts}
     first_loss, first_grads = runs[experts[0]]
@@ -263,6 +265,10 @@ def parse_args(argv=None, cuda: bool | None = None):
     p.add_argument("--matrix", action="store_true",
                    help="every cell of {no checkpointing, full} x {layers, model} x --experts (failed cells are "
                         "recorded with their error)")
+    p.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS, default="sdpa",
+                   help="transformers' SDPA, or sdpa_causal: the same call without a mask, is_causal=True (one "
+                        "unpadded sequence); the whole model compiled, sdpa builds the full causal mask and loses "
+                        "SDPA's flash kernel under torch < 2.14")
     p.add_argument("--iters", type=int, default=10, help="timed steps per cell")
     p.add_argument("--out", default="benchmarks/out", help="folder for the JSON")
     args = p.parse_args(argv)
@@ -283,7 +289,7 @@ def main(argv=None) -> None:
     else:
         cells = [(args.checkpoint, args.compile_mode, e) for e in args.experts]
     if not cuda and not args.matrix:
-        if check_on_cpu(args.experts, args.checkpoint, args.compile_mode):
+        if check_on_cpu(args.experts, args.checkpoint, args.compile_mode, args.attention):
             sys.exit(1)
         return
     if cuda:
@@ -301,13 +307,14 @@ def main(argv=None) -> None:
         versions = {"gpu": None, "torch": torch.__version__}
     # The model stays on the CPU; each cell moves its own copy to the device, so that a cell's peak memory is
     # its own model's.
-    base = build(preset, layers, vocab, dtype, "cpu")
+    base = build(preset, layers, vocab, dtype, "cpu", attention=args.attention)
     input_ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
     reference = None if cuda else loss_and_grads(prepared(base, args.experts[0], False, None), input_ids)
     info = {**versions, "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"),
             "command": "python -m megamoe.bench.model " + " ".join(shlex.quote(a) for a in
                                                                   (sys.argv[1:] if argv is None else argv)),
             "preset": preset, "layers": layers, "tokens": tokens, "vocab": vocab, "dtype": str(dtype),
+            "attention": args.attention,
             "matrix": args.matrix, "iters": args.iters if cuda else None,
             "parameters": sum(p.numel() for p in base.parameters()),
             "peak_mem": "the most memory allocated during a cell's timed steps: its model's weights and gradients "
@@ -317,11 +324,12 @@ def main(argv=None) -> None:
         info.update(checkpoint=args.checkpoint, compile_mode=args.compile_mode)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    attention = "" if args.attention == "sdpa" else f"-{args.attention}"
     if args.matrix:
-        path = out / f"model-{preset}-l{layers}-t{tokens}-matrix-{'-'.join(args.experts)}.json"
+        path = out / f"model-{preset}-l{layers}-t{tokens}-matrix-{'-'.join(args.experts)}{attention}.json"
     else:
         path = out / (f"model-{preset}-l{layers}-t{tokens}{'-ckpt' if args.checkpoint else ''}"
-                      f"{'-wholemodel' if args.compile_mode == 'model' else ''}.json")
+                      f"{'-wholemodel' if args.compile_mode == 'model' else ''}{attention}.json")
 
     def write(results):
         path.write_text(json.dumps({**info, "results": results}, indent=1) + "\n")
