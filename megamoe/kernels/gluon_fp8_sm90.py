@@ -78,8 +78,8 @@ SCALE_BLOCK = 128  # elements per scale, along K and along N of the weights and 
 MATH_WARPS = 4  # per MMA partition: one warpgroup
 # Ring stages (ptxas / Triton's figures, of the 227 KB): sorted-rows kernel, 16 KB of A + 16 KB of B +
 # 0.75 KB of scales per stage and the epilogue's conversion scratch: 6 stages, 213 KB. Up kernel, 16 KB of x
-# + 2 x 16 KB of weights + 1 KB of scales per stage and the fp8 h conversion: 4 stages, 212 KB (the bf16
-# pre-activations are stored from the accumulator's layout, no scratch of their own).
+# + 2 x 16 KB of weights + 1 KB of scales per stage and each MMA warpgroup's 8 KB staging buffer, through which
+# its epilogue stores h and the bf16 pre-activations (``_store_staged``): 4 stages, 212 KB.
 ROWS_STAGES = 6
 UP_STAGES = 4
 UP_STAGES_PREACT = 4
@@ -435,7 +435,7 @@ def _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl, acc_gh, ac
 
 @gluon.jit
 def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
-                      g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, WG: gl.constexpr,
+                      g_bufs, u_bufs, as_bufs, bs_bufs, staging, N, D, I, num_n, work, WG: gl.constexpr,
                       PREACT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``_fp8_up_ws_kernel``: per K-step the gate
     block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion (with
@@ -469,8 +469,8 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                     mbarrier.arrive(empty.index(s), count=1)
                     acc_u = acc_u + tmp * scale_u[:, None]
                     step += 1
-                _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT, POW2,
-                             num_warps)
+                _up_epilogue(acc_g, acc_u, staging.index(WG), h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I,
+                             PREACT, POW2, num_warps)
             else:
                 # Two 64 x 128 temporaries beside the two accumulators do not fit (4 x 64 registers per
                 # thread, of the 216 the gathering loader leaves), so each product runs as two 64-column
@@ -506,8 +506,8 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                 mbarrier.arrive(empty.index(s), count=1)
                 acc_uh = _promote(acc_uh, tb, scale_u)
                 step += 1
-                _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N,
-                                    I, PREACT, POW2, num_warps)
+                _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, staging.index(WG), h_q_ptr, h_s_ptr, preact_ptr,
+                                    first, end, n0, N, I, PREACT, POW2, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
             step = _pass_stages(ready, empty, step, D, BK)
 
@@ -537,20 +537,56 @@ def _to_e4m3(v):
 
 
 @gluon.jit
-def _up_h(acc_g, acc_u, preact_ptr, first, end, c0, I, PREACT: gl.constexpr):
+def _up_h(acc_g, acc_u, stage, preact_ptr, first, end, c0, I, PREACT: gl.constexpr, num_warps: gl.constexpr):
     """h = silu(g) * u (fp32) of one warpgroup's 64 rows and the columns c0 .. of g and u; with PREACT g and u
-    (bf16) into preact (N, 2I) at columns c0 and I + c0 (rows [first, end))."""
-    HALF: gl.constexpr = acc_g.type.shape[0]
+    (bf16) into preact (N, 2I) at columns c0 and I + c0 (rows [first, end)), through the warpgroup's staging
+    buffer ``stage`` (``_store_staged``)."""
     if PREACT:
-        # Stored from the accumulator's layout (4-byte bf16 pairs): converting to 16-byte rows would need
-        # the registers of a third 64 x 128 block (ptxas spilled) and 16 KB more scratch per warpgroup.
-        p_local = gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_g.type.layout))
-        p_cols = c0 + gl.arange(0, acc_g.type.shape[1], layout=gl.SliceLayout(0, acc_g.type.layout))
-        p_mask = (first + p_local < end)[:, None] & (p_cols < I)[None, :]
-        p_ptrs = preact_ptr + (first + p_local).to(gl.int64)[:, None] * (2 * I) + p_cols[None, :]
-        gl.store(p_ptrs, acc_g.to(gl.bfloat16), mask=p_mask)
-        gl.store(p_ptrs + I, acc_u.to(gl.bfloat16), mask=p_mask)
+        _store_staged(acc_g.to(gl.bfloat16), stage, preact_ptr, first, end, c0, 2 * I, I, num_warps)
+        _store_staged(acc_u.to(gl.bfloat16), stage, preact_ptr + I, first, end, c0, 2 * I, I, num_warps)
     return acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
+
+
+@gluon.constexpr_function
+def _staged_layout(shape, dtype):
+    """The staging buffer's layout for a block of ``shape`` and ``dtype``: the MMA layouts' 128-byte swizzle, so
+    that both the accumulator-layout writes and the 16-byte row reads meet few bank conflicts."""
+    return gl.NVMMASharedLayout.get_default_for(list(shape), dtype)
+
+
+@gluon.jit
+def _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr):
+    """``val`` (64 rows, any distributed layout), no larger than ``stage``, into rows [first, end) of the row-major
+    ``out_ptr`` (``stride`` elements per row) at columns c0 .. (those < ``limit``): written into ``stage`` from
+    val's layout, read back as 16-byte row segments and stored from those, a warp's store covering whole 128-byte
+    lines. (From the accumulator's layout a warp's 4-byte stores touch 8 rows x 16 bytes each: at the products'
+    64 KB per block the SM's store path, not HBM, set the pace, with the tensor cores idle.)"""
+    HALF: gl.constexpr = val.type.shape[0]
+    COLS: gl.constexpr = val.type.shape[1]
+    layout: gl.constexpr = _store_layout(COLS, val.dtype.primitive_bitwidth // 8, num_warps)
+    buf = stage._reinterpret(val.dtype, [HALF, COLS], _staged_layout([HALF, COLS], val.dtype))
+    buf.store(val)
+    gl.thread_barrier()  # the warpgroup's writes before its reads
+    seg = buf.load(layout)
+    gl.thread_barrier()  # and its reads before the next block's writes
+    local = gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
+    cols = c0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    mask = (first + local < end)[:, None] & (cols < limit)[None, :]
+    gl.store(out_ptr + first.to(gl.int64) * stride + (local[:, None] * stride + cols[None, :]), seg, mask=mask)
+
+
+@gluon.jit
+def _store_staged(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr):
+    """``_store_rows_of`` for a block of any width: one larger than the staging buffer (the (64, 128) bf16 products,
+    16 KB, through 8 KB) leaves as its left and right column halves, split in registers (each thread holds both)."""
+    HALF: gl.constexpr = val.type.shape[0]
+    COLS: gl.constexpr = val.type.shape[1]
+    if HALF * COLS * (val.dtype.primitive_bitwidth // 8) > stage.type.shape[0] * stage.type.shape[1] * 2:
+        lo, hi = gl.split(gl.permute(gl.reshape(val, [HALF, 2, COLS // 2]), [0, 2, 1]))
+        _store_rows_of(lo, stage, out_ptr, first, end, c0, stride, limit, num_warps)
+        _store_rows_of(hi, stage, out_ptr, first, end, c0 + COLS // 2, stride, limit, num_warps)
+    else:
+        _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps)
 
 
 @gluon.jit
@@ -580,21 +616,7 @@ def _store_h_s(scale, h_s_ptr, first, end, group, N):
 
 
 @gluon.jit
-def _store_h_q(q, h_q_ptr, first, end, c0, I, num_warps: gl.constexpr):
-    """fp8 ``q`` (64 rows) into h_q (N, I) at columns c0 .., rows [first, end), converted to 16-byte row
-    segments."""
-    HALF: gl.constexpr = q.type.shape[0]
-    COLS: gl.constexpr = q.type.shape[1]
-    q_layout: gl.constexpr = _store_layout(COLS, 1, num_warps)
-    local = gl.arange(0, HALF, layout=gl.SliceLayout(1, q_layout))
-    cols = c0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, q_layout))
-    mask = (first + local < end)[:, None] & (cols < I)[None, :]
-    gl.store(h_q_ptr + first.to(gl.int64) * I + (local[:, None] * I + cols[None, :]), gl.convert_layout(q, q_layout),
-             mask=mask)
-
-
-@gluon.jit
-def _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT: gl.constexpr,
+def _up_epilogue(acc_g, acc_u, stage, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT: gl.constexpr,
                  POW2: gl.constexpr, num_warps: gl.constexpr):
     """One warpgroup's (64, 128) block of h = silu(g) * u, quantised as the FP8 path quantises everywhere:
     amax = max(max|h|, 1e-12) over the row's 128 columns, q = fp8(clamp(h * (448 / amax), ±448)) (round to
@@ -602,28 +624,28 @@ def _up_epilogue(acc_g, acc_u, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, 
     end), the scale into h_s (I // 128, N); with PREACT g and u (bf16) into preact (N, 2I) at columns n0 and
     I + n0."""
     BN: gl.constexpr = acc_g.type.shape[1]
-    h = _up_h(acc_g, acc_u, preact_ptr, first, end, n0, I, PREACT)
+    h = _up_h(acc_g, acc_u, stage, preact_ptr, first, end, n0, I, PREACT, num_warps)
     scale, inv = _h_scales(gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12), POW2)
     q = _quantize_h(h, inv)
     _store_h_s(scale, h_s_ptr, first, end, n0 // BN, N)
-    _store_h_q(q, h_q_ptr, first, end, n0, I, num_warps)
+    _store_staged(q, stage, h_q_ptr, first, end, n0, I, I, num_warps)
 
 
 @gluon.jit
-def _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I,
+def _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, stage, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I,
                         PREACT: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
     """``_up_epilogue`` of a block held as its left and right 64 columns (the issue-ahead up kernel's): the
     same h, row amax (the larger of the halves') and bytes."""
     HB: gl.constexpr = acc_gl.type.shape[1]
-    h_lo = _up_h(acc_gl, acc_ul, preact_ptr, first, end, n0, I, PREACT)
-    h_hi = _up_h(acc_gh, acc_uh, preact_ptr, first, end, n0 + HB, I, PREACT)
+    h_lo = _up_h(acc_gl, acc_ul, stage, preact_ptr, first, end, n0, I, PREACT, num_warps)
+    h_hi = _up_h(acc_gh, acc_uh, stage, preact_ptr, first, end, n0 + HB, I, PREACT, num_warps)
     amax = gl.maximum(gl.maximum(gl.max(gl.abs(h_lo), axis=1), gl.max(gl.abs(h_hi), axis=1)), 1e-12)
     scale, inv = _h_scales(amax, POW2)
     q_lo = _quantize_h(h_lo, inv)
     q_hi = _quantize_h(h_hi, inv)
     _store_h_s(scale, h_s_ptr, first, end, n0 // (2 * HB), N)
-    _store_h_q(q_lo, h_q_ptr, first, end, n0, I, num_warps)
-    _store_h_q(q_hi, h_q_ptr, first, end, n0 + HB, I, num_warps)
+    _store_staged(q_lo, stage, h_q_ptr, first, end, n0, I, I, num_warps)
+    _store_staged(q_hi, stage, h_q_ptr, first, end, n0 + HB, I, I, num_warps)
 
 
 @gluon.jit
@@ -649,15 +671,17 @@ def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, pre
     # Per stage: x's row scales (the two warpgroups' halves); the gate and up blocks' scales, each repeated
     as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
     bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
+    # Each MMA warpgroup's staging buffer for its epilogue's stores (8 KB: h's fp8 block, or half of g's or u's)
+    staging = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, BN // 2], _staged_layout([HALF, BN // 2], gl.bfloat16))
     ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
     empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
     gl.warp_specialize([
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 0, PREACT, ISSUE_AHEAD,
-                             POW2, num_warps)),
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, N, D, I, num_n, work, 0, PREACT,
+                             ISSUE_AHEAD, POW2, num_warps)),
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, N, D, I, num_n, work, 1, PREACT, ISSUE_AHEAD,
-                             POW2, num_warps)),
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, N, D, I, num_n, work, 1, PREACT,
+                             ISSUE_AHEAD, POW2, num_warps)),
         (_up_loader, (x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                       ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, T, D, I, top_k, num_n, work,
                       LOADER_WARPS)),
