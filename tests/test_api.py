@@ -319,11 +319,13 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
 
     main(["--tokens", "256", "--json", str(tmp_path / "k.json")])
     rows = {r["stage"]: r for r in json.loads((tmp_path / "k.json").read_text())["stages"]}
-    assert {"plan", "fwd up+swiglu", "bwd gather, dh'", "bwd recompute+act", "bwd dw13, combine", "bwd dw2"} <= set(rows)
+    assert {"plan", "fwd up+swiglu", "fwd up+swiglu, products stored", "bwd gather, dh'", "bwd recompute+act",
+            "bwd dw13, combine", "bwd dw2"} <= set(rows)
     assert all(r["ms"] > 0 and len(r["timed_utc"]) == 2 for r in rows.values())
     assert rows["fwd up+swiglu"]["config"]["BM"] in (64, 128)
     if torch.cuda.get_device_capability()[0] == 9:
-        for stage in ("fwd up+swiglu", "bwd gather, dh'", "bwd recompute+act", "bwd dw13, combine", "bwd dw2"):
+        for stage in ("fwd up+swiglu", "fwd up+swiglu, products stored", "bwd gather, dh'", "bwd recompute+act",
+                      "bwd dw13, combine", "bwd dw2"):
             assert rows[stage]["config"]["WARP_SPECIALIZED"], stage
         for stage in ("fwd down", "bwd dx"):
             assert not rows[stage]["config"].get("WARP_SPECIALIZED"), stage

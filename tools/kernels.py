@@ -71,6 +71,7 @@ def stages(problem, num_experts):
     plan = build_plan(topk_idx, num_experts)
     h = expert_fwd.up_swiglu_fwd(x, w13, plan, top_k)
     slots = expert_fwd.down_fwd(h, w2, topk_weights, plan)
+    preact = torch.empty(plan.row_slot_N.numel(), 2 * inter, device=x.device, dtype=x.dtype)  # the saved mode's
     x_sorted, dy_sorted, dh = expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k)
     dz, hw, _ = expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k)
     dx = expert_bwd.dx_slots(dz, w13, plan)
@@ -82,6 +83,8 @@ def stages(problem, num_experts):
         "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),
         "fwd up+swiglu": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k), 4 * unit,
                           tuned(expert_fwd.UP, UP_CONFIG)),
+        "fwd up+swiglu, products stored": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, preact_NH=preact),
+                                           4 * unit, tuned(expert_fwd.UP, UP_CONFIG)),
         "fwd down": (lambda: expert_fwd.down_fwd(h, w2, topk_weights, plan), 2 * unit, expert_fwd.DOWN),
         "combine": (lambda: combine(slots, topk_idx, x.dtype), 0, None),
         # On sm90 the x copy runs inside the dh' kernel and the dx combine inside the dW13 kernel: timed with them.

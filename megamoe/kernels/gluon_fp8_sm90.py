@@ -65,6 +65,9 @@ from megamoe.kernels.gluon_sm90 import (
     barriers,
     count_busy_tiles,
     next_slot,
+    row_segments,
+    staged_layout,
+    store_staged,
     tile_block,
     wgrad_block,
 )
@@ -79,7 +82,7 @@ MATH_WARPS = 4  # per MMA partition: one warpgroup
 # Ring stages (ptxas / Triton's figures, of the 227 KB): sorted-rows kernel, 16 KB of A + 16 KB of B +
 # 0.75 KB of scales per stage and the epilogue's conversion scratch: 6 stages, 213 KB. Up kernel, 16 KB of x
 # + 2 x 16 KB of weights + 1 KB of scales per stage and each MMA warpgroup's 8 KB staging buffer, through which
-# its epilogue stores h and the bf16 pre-activations (``_store_staged``): 4 stages, 212 KB.
+# its epilogue stores h and the bf16 pre-activations (``gluon_sm90.store_staged``): 4 stages, 212 KB.
 ROWS_STAGES = 6
 UP_STAGES = 4
 UP_STAGES_PREACT = 4
@@ -110,15 +113,6 @@ def _acc_layout(rows, cols, num_warps):
     """A warpgroup's ``wgmma`` accumulator layout: ``num_warps`` (4) warps down ``rows`` (64), m16 x ``cols``
     x k32 FP8 instructions."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 32])
-
-
-@gluon.constexpr_function
-def _store_layout(cols, bytes_per_elem, num_warps):
-    """16 bytes of a row per thread (8 bf16 or 16 fp8), a warp across ``cols`` columns, warps down the rows:
-    the epilogue converts into it so that each global store is one 16-byte ``st.global.v4``."""
-    per_thread = 16 // bytes_per_elem
-    lanes = min(32, cols // per_thread)
-    return gl.BlockedLayout([1, per_thread], [32 // lanes, lanes], [num_warps, 1], [1, 0])
 
 
 @gluon.jit
@@ -212,7 +206,7 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
     HALF: gl.constexpr = bs_bufs.type.shape[1]
     acc_layout: gl.constexpr = _acc_layout(HALF, BN, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    out_layout: gl.constexpr = _store_layout(BN, 2, num_warps)
+    out_layout: gl.constexpr = row_segments(BN, 2, num_warps)
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
@@ -540,53 +534,11 @@ def _to_e4m3(v):
 def _up_h(acc_g, acc_u, stage, preact_ptr, first, end, c0, I, PREACT: gl.constexpr, num_warps: gl.constexpr):
     """h = silu(g) * u (fp32) of one warpgroup's 64 rows and the columns c0 .. of g and u; with PREACT g and u
     (bf16) into preact (N, 2I) at columns c0 and I + c0 (rows [first, end)), through the warpgroup's staging
-    buffer ``stage`` (``_store_staged``)."""
+    buffer ``stage`` (``gluon_sm90.store_staged``)."""
     if PREACT:
-        _store_staged(acc_g.to(gl.bfloat16), stage, preact_ptr, first, end, c0, 2 * I, I, num_warps)
-        _store_staged(acc_u.to(gl.bfloat16), stage, preact_ptr + I, first, end, c0, 2 * I, I, num_warps)
+        store_staged(acc_g.to(gl.bfloat16), stage, preact_ptr, first, end, c0, 2 * I, I, num_warps)
+        store_staged(acc_u.to(gl.bfloat16), stage, preact_ptr + I, first, end, c0, 2 * I, I, num_warps)
     return acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
-
-
-@gluon.constexpr_function
-def _staged_layout(shape, dtype):
-    """The staging buffer's layout for a block of ``shape`` and ``dtype``: the MMA layouts' 128-byte swizzle, so
-    that both the accumulator-layout writes and the 16-byte row reads meet few bank conflicts."""
-    return gl.NVMMASharedLayout.get_default_for(list(shape), dtype)
-
-
-@gluon.jit
-def _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr):
-    """``val`` (64 rows, any distributed layout), no larger than ``stage``, into rows [first, end) of the row-major
-    ``out_ptr`` (``stride`` elements per row) at columns c0 .. (those < ``limit``): written into ``stage`` from
-    val's layout, read back as 16-byte row segments and stored from those, a warp's store covering whole 128-byte
-    lines. (From the accumulator's layout a warp's 4-byte stores touch 8 rows x 16 bytes each: at the products'
-    64 KB per block the SM's store path, not HBM, set the pace, with the tensor cores idle.)"""
-    HALF: gl.constexpr = val.type.shape[0]
-    COLS: gl.constexpr = val.type.shape[1]
-    layout: gl.constexpr = _store_layout(COLS, val.dtype.primitive_bitwidth // 8, num_warps)
-    buf = stage._reinterpret(val.dtype, [HALF, COLS], _staged_layout([HALF, COLS], val.dtype))
-    buf.store(val)
-    gl.thread_barrier()  # the warpgroup's writes before its reads
-    seg = buf.load(layout)
-    gl.thread_barrier()  # and its reads before the next block's writes
-    local = gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
-    cols = c0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    mask = (first + local < end)[:, None] & (cols < limit)[None, :]
-    gl.store(out_ptr + first.to(gl.int64) * stride + (local[:, None] * stride + cols[None, :]), seg, mask=mask)
-
-
-@gluon.jit
-def _store_staged(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr):
-    """``_store_rows_of`` for a block of any width: one larger than the staging buffer (the (64, 128) bf16 products,
-    16 KB, through 8 KB) leaves as its left and right column halves, split in registers (each thread holds both)."""
-    HALF: gl.constexpr = val.type.shape[0]
-    COLS: gl.constexpr = val.type.shape[1]
-    if HALF * COLS * (val.dtype.primitive_bitwidth // 8) > stage.type.shape[0] * stage.type.shape[1] * 2:
-        lo, hi = gl.split(gl.permute(gl.reshape(val, [HALF, 2, COLS // 2]), [0, 2, 1]))
-        _store_rows_of(lo, stage, out_ptr, first, end, c0, stride, limit, num_warps)
-        _store_rows_of(hi, stage, out_ptr, first, end, c0 + COLS // 2, stride, limit, num_warps)
-    else:
-        _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps)
 
 
 @gluon.jit
@@ -628,7 +580,7 @@ def _up_epilogue(acc_g, acc_u, stage, h_q_ptr, h_s_ptr, preact_ptr, first, end, 
     scale, inv = _h_scales(gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12), POW2)
     q = _quantize_h(h, inv)
     _store_h_s(scale, h_s_ptr, first, end, n0 // BN, N)
-    _store_staged(q, stage, h_q_ptr, first, end, n0, I, I, num_warps)
+    store_staged(q, stage, h_q_ptr, first, end, n0, I, I, num_warps)
 
 
 @gluon.jit
@@ -644,8 +596,8 @@ def _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, stage, h_q_ptr, h_s_ptr,
     q_lo = _quantize_h(h_lo, inv)
     q_hi = _quantize_h(h_hi, inv)
     _store_h_s(scale, h_s_ptr, first, end, n0 // (2 * HB), N)
-    _store_staged(q_lo, stage, h_q_ptr, first, end, n0, I, I, num_warps)
-    _store_staged(q_hi, stage, h_q_ptr, first, end, n0 + HB, I, I, num_warps)
+    store_staged(q_lo, stage, h_q_ptr, first, end, n0, I, I, num_warps)
+    store_staged(q_hi, stage, h_q_ptr, first, end, n0 + HB, I, I, num_warps)
 
 
 @gluon.jit
@@ -672,7 +624,7 @@ def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, pre
     as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
     bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
     # Each MMA warpgroup's staging buffer for its epilogue's stores (8 KB: h's fp8 block, or half of g's or u's)
-    staging = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, BN // 2], _staged_layout([HALF, BN // 2], gl.bfloat16))
+    staging = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, BN // 2], staged_layout([HALF, BN // 2], gl.bfloat16))
     ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
     empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
     gl.warp_specialize([
@@ -735,7 +687,7 @@ def _wgrad_mma_partition(out_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_
     BN: gl.constexpr = b_bufs.type.shape[1]
     HALF: gl.constexpr = as_bufs.type.shape[1]
     acc_layout: gl.constexpr = _acc_layout(HALF, BN, num_warps)
-    out_layout: gl.constexpr = _store_layout(BN, 2, num_warps)
+    out_layout: gl.constexpr = row_segments(BN, 2, num_warps)
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)

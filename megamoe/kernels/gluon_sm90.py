@@ -85,7 +85,7 @@ ACT_EPILOGUE_REGS = 152
 
 
 UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.async arrival each per stage
-# The act kernel's block with four stages: 4 x 48 KB and the 32 KB conversion scratch (224 KB).
+# The act kernel's block with four stages: 4 x 48 KB and the epilogue's 16 KB staging buffer (208 KB).
 UP_TILE = (*ACT_TILE[:3], 4)
 UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
 
@@ -141,10 +141,57 @@ def _mma_layout(cols, num_warps):
 
 
 @gluon.constexpr_function
-def _row_block_layout(cols, num_warps):
-    """8 contiguous elements per thread, a warp across min(cols, 256) columns, warps down the rows."""
-    lanes = min(32, cols // 8)
-    return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [num_warps, 1], [1, 0])
+def row_segments(cols, bytes_per_elem, num_warps):
+    """16 contiguous bytes of a row per thread (8 bf16, 16 e4m3), a warp across up to 32 of them, warps down the
+    rows: each global load or store of a block in it is one 16-byte ``ld``/``st.global.v4`` per thread."""
+    per_thread = 16 // bytes_per_elem
+    lanes = min(32, cols // per_thread)
+    return gl.BlockedLayout([1, per_thread], [32 // lanes, lanes], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def staged_layout(shape, dtype):
+    """A staging buffer's layout for a block of ``shape`` and ``dtype`` (``store_staged``): the MMA operands'
+    128-byte swizzle, so that both the accumulator-layout writes and the 16-byte row reads meet few bank
+    conflicts."""
+    return gl.NVMMASharedLayout.get_default_for(list(shape), dtype)
+
+
+@gluon.jit
+def _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr):
+    """``store_staged`` of a block no larger than ``stage``."""
+    ROWS: gl.constexpr = val.type.shape[0]
+    COLS: gl.constexpr = val.type.shape[1]
+    layout: gl.constexpr = row_segments(COLS, val.dtype.primitive_bitwidth // 8, num_warps)
+    buf = stage._reinterpret(val.dtype, [ROWS, COLS], staged_layout([ROWS, COLS], val.dtype))
+    buf.store(val)
+    gl.thread_barrier()  # the partition's writes before its reads
+    seg = buf.load(layout)
+    gl.thread_barrier()  # and its reads before the next writes
+    local = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = c0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    mask = (first + local < end)[:, None] & (cols < limit)[None, :]
+    gl.store(out_ptr + first.to(gl.int64) * stride + (local[:, None] * stride + cols[None, :]), seg, mask=mask)
+
+
+@gluon.jit
+def store_staged(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr):
+    """An epilogue's block ``val`` (any distributed layout, e.g. the MMA accumulator's) into rows [first, end) of
+    the row-major ``out_ptr`` (``stride`` elements per row) at columns c0 .. (those < ``limit``), through the
+    partition's shared staging buffer ``stage`` (any 2-D shape and dtype; ``staged_layout``): written from val's
+    layout, read back in ``row_segments`` and stored from those, so that a warp's store covers whole 128-byte lines.
+    (From the accumulator's layout a warp's 4-byte stores touch 8 rows x 16 bytes each, and a ``convert_layout``
+    takes compiler scratch of the whole block.) A block larger than the buffer leaves as its left and right column
+    halves, split in registers (each thread holds both)."""
+    ROWS: gl.constexpr = val.type.shape[0]
+    COLS: gl.constexpr = val.type.shape[1]
+    STAGE_BYTES: gl.constexpr = stage.type.shape[0] * stage.type.shape[1] * (stage.dtype.primitive_bitwidth // 8)
+    if ROWS * COLS * (val.dtype.primitive_bitwidth // 8) > STAGE_BYTES:
+        lo, hi = gl.split(gl.permute(gl.reshape(val, [ROWS, 2, COLS // 2]), [0, 2, 1]))
+        _store_rows_of(lo, stage, out_ptr, first, end, c0, stride, limit, num_warps)
+        _store_rows_of(hi, stage, out_ptr, first, end, c0 + COLS // 2, stride, limit, num_warps)
+    else:
+        _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps)
 
 
 @gluon.jit
@@ -152,7 +199,7 @@ def _zero_rows_past(buf, r0, end, num_warps: gl.constexpr):
     """Zero the rows of a (BK, X) operand block in shared memory whose sorted row r0 + i is >= end."""
     BK: gl.constexpr = buf.type.shape[0]
     X: gl.constexpr = buf.type.shape[1]
-    layout: gl.constexpr = _row_block_layout(X, num_warps)
+    layout: gl.constexpr = row_segments(X, 2, num_warps)
     rows = r0 + gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
     block = buf.load(layout)
     buf.store(gl.where((rows < end)[:, None], block, gl.zeros([BK, X], block.dtype, layout)))
@@ -334,7 +381,7 @@ def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = w_bufs.type.shape[3]  # [STAGES, 1, BK, BN]
     acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
-    out_layout: gl.constexpr = _row_block_layout(BN, num_warps)
+    out_layout: gl.constexpr = row_segments(BN, 2, num_warps)
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
@@ -440,7 +487,7 @@ def _act_epilogue_partition(weights_ptr, dh_ptr, dz_ptr, hw_ptr, dweight_part_pt
     BM: gl.constexpr = gu_smem.type.shape[1]
     BN: gl.constexpr = gu_smem.type.shape[2]
     CHUNK: gl.constexpr = 16
-    layout: gl.constexpr = _row_block_layout(BN, num_warps)
+    layout: gl.constexpr = row_segments(BN, 2, num_warps)
     dtype: gl.constexpr = dz_ptr.dtype.element_ty
     local = gl.arange(0, BN, layout=gl.SliceLayout(0, layout)) // PART_COLS
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
@@ -545,14 +592,12 @@ def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile
 
 @gluon.jit
 def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs,
-                      u_bufs, D, I, num_n, work, SAVE_PREACT: gl.constexpr, num_warps: gl.constexpr):
-    """Default partition of ``_up_ws_kernel``: both GEMMs of each block, then h = silu(g) * u, stored in
-    16-byte row segments, masked to the expert's rows and to I; with SAVE_PREACT also g and u, rounded to h's
-    dtype, into preact (N, 2I) at columns n0 and I + n0."""
-    BM: gl.constexpr = x_bufs.type.shape[1]
+                      u_bufs, staging, D, I, num_n, work, SAVE_PREACT: gl.constexpr, num_warps: gl.constexpr):
+    """Default partition of ``_up_ws_kernel``: both GEMMs of each block, then h = silu(g) * u, masked to the expert's
+    rows and to I; with SAVE_PREACT also g and u, rounded to h's dtype, into preact (N, 2I) at columns n0 and
+    I + n0; each through the staging buffer (``store_staged``)."""
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
     acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
-    out_layout: gl.constexpr = _row_block_layout(BN, num_warps)
     dtype: gl.constexpr = h_ptr.dtype.element_ty
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
@@ -560,20 +605,10 @@ def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_
         acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout, True)
         end = gl.load(offsets_ptr + e + 1)
         h = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(dtype)
-        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-        mask = (rows < end)[:, None] & (cols < I)[None, :]
-        gl.store(h_ptr + rows.to(gl.int64)[:, None] * I + cols[None, :], gl.convert_layout(h, out_layout), mask=mask)
+        store_staged(h, staging, h_ptr, row0, end, n0, I, I, num_warps)
         if SAVE_PREACT:
-            # After h's store (ptxas: no spills; 8 bytes per thread with g and u stored first). Stored from the
-            # accumulator's layout (4-byte pairs), as the FP8 up kernel's: converting g and u to 16-byte rows
-            # would hold a third block of registers and its own conversion scratch.
-            p_rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
-            p_cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
-            p_mask = (p_rows < end)[:, None] & (p_cols < I)[None, :]
-            p_ptrs = preact_ptr + p_rows.to(gl.int64)[:, None] * (2 * I) + p_cols[None, :]
-            gl.store(p_ptrs, acc_g.to(dtype), mask=p_mask)
-            gl.store(p_ptrs + I, acc_u.to(dtype), mask=p_mask)
+            store_staged(acc_g.to(dtype), staging, preact_ptr, row0, end, n0, 2 * I, I, num_warps)
+            store_staged(acc_u.to(dtype), staging, preact_ptr + I, row0, end, n0, 2 * I, I, num_warps)
 
 
 @gluon.jit
@@ -584,7 +619,7 @@ def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
     gathered by token, w13_desc (E, 2, I, D), block (1, 1, BN, BK); h (N, I) out in sorted rows, and with
     SAVE_PREACT the gate/up products (N, 2I) into preact (the saved-activation mode). Blocks:
     the busy tiles times the I-blocks. Each ready barrier counts the loader's TMA arrival and one
-    ``cp.async`` arrival per loader thread."""
+    ``cp.async`` arrival per loader thread. The epilogue's stores go through a staging buffer of half a block."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     num_n = gl.cdiv(I, BN)
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -592,11 +627,13 @@ def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
     x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, TILE_M, BK], x_layout)
     g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
     u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
+    staging = gl.allocate_shared_memory(w13_desc.dtype, [TILE_M, BN // 2],
+                                        staged_layout([TILE_M, BN // 2], w13_desc.dtype))
     ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)
     empty = barriers(STAGES)
     gl.warp_specialize([
         (_up_mma_partition, (h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
-                             g_bufs, u_bufs, D, I, num_n, work, SAVE_PREACT, num_warps)),
+                             g_bufs, u_bufs, staging, D, I, num_n, work, SAVE_PREACT, num_warps)),
         (_up_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
                       g_bufs, u_bufs, D, top_k, num_n, work, LOADER_WARPS)),
     ], [LOADER_WARPS], [80])
