@@ -304,7 +304,8 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
     backward) sets the two directions apart; ``None``: :func:`default_comm_sms` (see :func:`megamoe.moe`).
     ``save_preact``: the saved-activation mode (:func:`fused_ep`)."""
     # Under torch.compile the set-up below reads these sizes through constant functions, which dynamo refuses a
-    # dynamic size ("assume_constant_result argument conversion failed"): the layer's sizes must be static
+    # dynamic size ("assume_constant_result argument conversion failed" in torch 2.13, "SymNodeVariable() is not a
+    # constant" in 2.11): the layer's sizes must be static
     # (compile without dynamic=True), and so must the first call's token count unless max_tokens_per_rank is
     # given. No check of our own: none found tells a traced SymInt from an int under both torch 2.13 (isinstance and
     # type() read a SymInt as int) and 2.11 (a static size's __class__ reads as neither int nor SymInt).
