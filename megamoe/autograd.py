@@ -32,7 +32,7 @@ from megamoe.kernels.expert_bwd import (
     gather_rows,
     sorted_rows_and_dh,
 )
-from megamoe.kernels.expert_fwd import down_fp8, down_fwd, up_swiglu_fp8, up_swiglu_fwd
+from megamoe.kernels.expert_fwd import down_fp8, down_fwd, up_products_fp8, up_swiglu_fp8, up_swiglu_fwd
 from megamoe.kernels.plan import Plan, build_plan, plan_op
 from megamoe.kernels.quant import fp8_weight, quantize_rows
 
@@ -95,7 +95,7 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
                          preact: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`experts_backward` in blockwise FP8: dy quantised 1x128 (once per token, in the pass that sorts its
     rows); dh' and dx on the weights' transposed FP8 copies; g and u, unless saved, recomputed by the forward's up
-    kernel (the FP8 GEMM the forward ran, so both memory modes compute the same gradients; its h output goes unused)
+    kernel (the FP8 GEMM the forward ran, so both memory modes compute the same gradients; without its h output)
     and the act step run on them; the weight gradients from the unquantised rows in x's dtype (exact products, fp32
     accumulation), or with :data:`FP8_WGRAD` from those rows quantised 128x1 (then the dx combine runs on its own,
     not inside the dW13 kernel)."""
@@ -109,7 +109,7 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     del dyq, dys
     if preact is None:
         preact = preact_buffer(x, topk_idx, w13)
-        up_swiglu_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact_NH=preact)
+        up_products_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact)
     dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True)
     del dh_NI, preact  # (the saved products stay alive in the autograd context)
     # dW2 first, as in :func:`experts_backward` (the backward's peak memory).

@@ -5,9 +5,9 @@ and each quantiser's GB/s.
 the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N, D), and the
 backward's sort of the x and dy rows with and without dy's quantisation fused in (the FP8 path's); the weights'
 quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and without the
-products' store; down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM in both issue patterns
-(``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``, ``UP_ISSUE_AHEAD``: the "(issue-ahead)" stages beside the others). Then the
-weight gradients both ways, to choose ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I)
+products' store, and the products alone (the backward's recompute); down, dh' and dx
+(``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM in both issue patterns (``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``,
+``UP_ISSUE_AHEAD``: the "(issue-ahead)" stages beside the others). Then the weight gradients both ways, to choose ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I)
 and (N, I) sorted rows (``quant.quantize_tile_cols``), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the
 FP8 path runs by default (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and
 both whole (four quantisations and two FP8 GEMMs against two bf16 GEMMs). The ceiling beside them:
@@ -111,6 +111,9 @@ def main(argv=None) -> None:
         ("up (issue-ahead)", up(True), up_flops, None, (rows, 2 * inter, dim)),
         ("up, products stored", up(False, preact), up_flops, None, (rows, 2 * inter, dim)),
         ("up, products stored (issue-ahead)", up(True, preact), up_flops, None, (rows, 2 * inter, dim)),
+        ("up, products only (the backward's recompute)",
+         lambda: expert_fwd.up_products_fp8(xq, xs, w13q, w13s, plan, top_k, preact), up_flops, None,
+         (rows, 2 * inter, dim)),
     ]
     rows_gemms = (("down", (expert_fwd.DOWN_FP8, hq, hs, w2q, w2s, flat_weights), down_flops, (rows, dim, inter)),
                   ("dh'", (expert_bwd.DH_FP8, dyq, dys, w2tq, w2ts, None), down_flops, (rows, inter, dim)),

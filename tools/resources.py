@@ -48,7 +48,8 @@ FP8_WS_VARIANTS = (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}),
                    ("fp8_wgrad_ws", "fp8_wgrad", {}),
                    # the other issue pattern of each (gluon_fp8_sm90.ROWS_ISSUE_AHEAD, UP_ISSUE_AHEAD)
                    ("fp8_rows_ws", "fp8_rows", {"issue_ahead": True}), ("fp8_up_ws", "fp8_up", {"issue_ahead": True}),
-                   ("fp8_up_ws", "fp8_up", {"preact": True, "issue_ahead": True}))
+                   ("fp8_up_ws", "fp8_up", {"preact": True, "issue_ahead": True}),
+                   ("fp8_up_ws", "fp8_up", {"preact": True, "h_out": False}))
 _FP8_POINTER_TYPES = {"out_ptr": "*bf16", "preact_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
                       "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32", "b_scale_ptr": "*fp32"}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
@@ -79,8 +80,8 @@ def compile_for_hopper(kernel: TunedKernel, config: dict, dtype: str = "bf16", p
         name = param.name
         if param.is_constexpr:
             signature[name] = "constexpr"
-            constexprs[name] = (config[name] if name in config else
-                                kernel.constants.get(name, extra.get(name)))
+            constexprs[name] = (config[name] if name in config else kernel.constants.get(
+                name, extra.get(name, param.default if param.has_default else None)))
             if name == "PREC" and dtype == "fp32":
                 constexprs[name] = "ieee"
             continue

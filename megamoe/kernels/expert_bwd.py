@@ -324,7 +324,7 @@ DX = sorted_rows_gemm_kernel(
 )
 # Blockwise FP8 (kernels.quant), fixed configs as expert_fwd.DOWN_FP8: dh' and dx on the weights' transposed copies
 # (K-major, as FP8 MMAs need them). The FP8 backward has no act GEMM of its own: it recomputes g and u with the
-# forward's up kernel (``expert_fwd.up_swiglu_fp8``) and runs the act step on them (``act_bwd_from_preact``).
+# forward's up kernel (``expert_fwd.up_products_fp8``) and runs the act step on them (``act_bwd_from_preact``).
 DH_FP8 = sorted_rows_gemm_kernel(default=FP8_ROWS_CONFIG, candidates=[], key=DH.key, even_k=None, blocks=DOWN.blocks,
                                  constants={**DH.constants, "W_K_LAST": True, "SCALED": True})
 DX_FP8 = sorted_rows_gemm_kernel(default=FP8_ROWS_CONFIG, candidates=[], key=DX.key, even_k=None, blocks=DOWN.blocks,

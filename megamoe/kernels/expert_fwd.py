@@ -51,25 +51,28 @@ def _up_swiglu_fwd_kernel(
     T, N, D, I, E, top_k,
     SAVE_PREACT: tl.constexpr, SCALED: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, POW2: tl.constexpr = False,
+    STORE_H: tl.constexpr = True,  # False (with SAVE_PREACT): the products only
 ):
     e, _, rows, rmask, pid_n = tile_rows(tl.program_id(0), tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                          tl.cdiv(I, BN), BM, TILE_M)
     if e >= E:
         return
     up_swiglu_block(x_ptr, w13_desc, h_ptr, row_slot_ptr, e, rows, rmask, pid_n, D, I, top_k, PREC, BM, BN, BK,
-                    EVEN_K, preact_ptr, SAVE_PREACT, x_scale_ptr, w_scale_ptr, h_scale_ptr, T, N, SCALED, POW2)
+                    EVEN_K, preact_ptr, SAVE_PREACT, x_scale_ptr, w_scale_ptr, h_scale_ptr, T, N, SCALED, POW2,
+                    STORE_H)
 
 
 @triton.jit
 def up_swiglu_block(x_ptr, w13_desc, h_ptr, row_slot_ptr, e, rows, rmask, pid_n, D, I, top_k, PREC: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, preact_ptr=None,
                     SAVE_PREACT: tl.constexpr = False, x_scale_ptr=None, w_scale_ptr=None, h_scale_ptr=None, T=0, N=0,
-                    SCALED: tl.constexpr = False, POW2: tl.constexpr = False):
+                    SCALED: tl.constexpr = False, POW2: tl.constexpr = False, STORE_H: tl.constexpr = True):
     """One BM x BN block of h for expert ``e``'s sorted ``rows`` (``rmask``: those of the expert) and N-block
     ``pid_n`` (arguments as for ``_up_swiglu_fwd_kernel``): x rows gathered through the row map, both GEMMs,
     the SwiGLU; with SAVE_PREACT also both products, rounded to h's dtype, into ``preact``. SCALED: x and w13
     in blockwise FP8 (BK = BN = 128), each K-block's products promoted with their scales, and h quantised
-    1x128 (the block's columns are one group) with its scales (POW2: power-of-two ones). The expert-parallel
+    1x128 (the block's columns are one group) with its scales (POW2: power-of-two ones). Without STORE_H only the
+    products are written (h_ptr and h_scale_ptr unread). The expert-parallel
     owner's up tiles run it once their rows are in (``parallel.owner``)."""
     slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0)
     tok = (slots // top_k).to(tl.int64)  # int64: T*D overflows int32 at real sizes
@@ -94,16 +97,17 @@ def up_swiglu_block(x_ptr, w13_desc, h_ptr, row_slot_ptr, e, rows, rmask, pid_n,
             acc_g = tl.dot(a, bg.T, acc_g, input_precision=PREC)
             acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
         a_ptrs += BK
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
     cols = n0 + tl.arange(0, BN)
     omask = rmask[:, None] & (cols < I)[None, :]
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
-    if SCALED:
-        h_q, h_s = quantize_groups(h, POW2)
-        tl.store(h_ptrs, h_q, mask=omask)
-        tl.store(h_scale_ptr + pid_n * N + rows, h_s, mask=rmask)
-    else:
-        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=omask)
+    if STORE_H:
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
+        if SCALED:
+            h_q, h_s = quantize_groups(h, POW2)
+            tl.store(h_ptrs, h_q, mask=omask)
+            tl.store(h_scale_ptr + pid_n * N + rows, h_s, mask=rmask)
+        else:
+            tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=omask)
     if SAVE_PREACT:
         preact_ptrs = preact_ptr + rows[:, None].to(tl.int64) * 2 * I + cols[None, :]
         tl.store(preact_ptrs, acc_g.to(preact_ptr.dtype.element_ty), mask=omask)
@@ -236,9 +240,9 @@ def _launch_up(kernel: TunedKernel, x_TD, w13_EHD, h_NI, plan: Plan, top_k: int,
         x_ptr=x_TD, w13_desc=descriptor(w13_EHD.view(num_experts, 2, two_i // 2, dim)), h_ptr=h_NI,
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, preact_ptr=preact_NH, x_scale_ptr=x_scale, w_scale_ptr=w13_scale,
-        h_scale_ptr=h_scale, T=x_TD.shape[0], N=h_NI.shape[0], D=dim, I=two_i // 2, E=num_experts, top_k=top_k,
-        SAVE_PREACT=preact_NH is not None, PREC=dot_precision(x_TD.dtype), TILE_M=BLOCK_M,
-        POW2=x_scale is not None and fp8_pow2_scales(), dtype=x_TD.dtype,
+        h_scale_ptr=h_scale, T=x_TD.shape[0], N=plan.row_slot_N.numel(), D=dim, I=two_i // 2, E=num_experts,
+        top_k=top_k, SAVE_PREACT=preact_NH is not None, STORE_H=h_NI is not None, PREC=dot_precision(x_TD.dtype),
+        TILE_M=BLOCK_M, POW2=x_scale is not None and fp8_pow2_scales(), dtype=x_TD.dtype,
     )
 
 
@@ -258,6 +262,17 @@ def up_swiglu_fp8(xq_TD, xs, w13q_EHD, w13s, plan: Plan, top_k: int, preact_NH: 
     else:
         _launch_up(UP_FP8, xq_TD, w13q_EHD, h_NI, plan, top_k, preact_NH, xs, w13s, h_s)
     return h_NI, h_s
+
+
+def up_products_fp8(xq_TD, xs, w13q_EHD, w13s, plan: Plan, top_k: int, preact_NH: torch.Tensor) -> None:
+    """:func:`up_swiglu_fp8` writing only the gate and up products into ``preact_NH`` (N, 2I): the FP8 backward's
+    recompute, which has no use for h."""
+    if plan.row_slot_N.numel() == 0:
+        return
+    if fp8_ws_supported(xq_TD, preact_NH.dtype):
+        fp8_up_swiglu_ws(xq_TD, xs, w13q_EHD, w13s, None, None, plan, top_k, preact=preact_NH)
+    else:
+        _launch_up(UP_FP8, xq_TD, w13q_EHD, None, plan, top_k, preact_NH, xs, w13s)
 
 
 def sorted_rows_gemm(kernel: TunedKernel, a_NK, w_E, weights_N, plan: Plan, n_out: int,

@@ -430,7 +430,8 @@ def _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl, acc_gh, ac
 @gluon.jit
 def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
                       g_bufs, u_bufs, as_bufs, bs_bufs, staging, N, D, I, num_n, work, WG: gl.constexpr,
-                      PREACT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
+                      PREACT: gl.constexpr, H_OUT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, POW2: gl.constexpr,
+                      num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``_fp8_up_ws_kernel``: per K-step the gate
     block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion (with
     ISSUE_AHEAD, 64-column chains, each promoted under the next); then h = silu(g) * u in fp32, quantised per
@@ -464,7 +465,7 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                     acc_u = acc_u + tmp * scale_u[:, None]
                     step += 1
                 _up_epilogue(acc_g, acc_u, staging.index(WG), h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I,
-                             PREACT, POW2, num_warps)
+                             PREACT, H_OUT, POW2, num_warps)
             else:
                 # Two 64 x 128 temporaries beside the two accumulators do not fit (4 x 64 registers per
                 # thread, of the 216 the gathering loader leaves), so each product runs as two 64-column
@@ -501,7 +502,7 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                 acc_uh = _promote(acc_uh, tb, scale_u)
                 step += 1
                 _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, staging.index(WG), h_q_ptr, h_s_ptr, preact_ptr,
-                                    first, end, n0, N, I, PREACT, POW2, num_warps)
+                                    first, end, n0, N, I, PREACT, H_OUT, POW2, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
             step = _pass_stages(ready, empty, step, D, BK)
 
@@ -569,46 +570,48 @@ def _store_h_s(scale, h_s_ptr, first, end, group, N):
 
 @gluon.jit
 def _up_epilogue(acc_g, acc_u, stage, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT: gl.constexpr,
-                 POW2: gl.constexpr, num_warps: gl.constexpr):
+                 H_OUT: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
     """One warpgroup's (64, 128) block of h = silu(g) * u, quantised as the FP8 path quantises everywhere:
     amax = max(max|h|, 1e-12) over the row's 128 columns, q = fp8(clamp(h * (448 / amax), ±448)) (round to
     nearest even), scale amax / 448 (both divisions IEEE; POW2: ``_h_scales``); q into h_q (N, I) rows [first,
     end), the scale into h_s (I // 128, N); with PREACT g and u (bf16) into preact (N, 2I) at columns n0 and
-    I + n0."""
+    I + n0. Without H_OUT only the latter (the FP8 backward's recompute)."""
     BN: gl.constexpr = acc_g.type.shape[1]
     h = _up_h(acc_g, acc_u, stage, preact_ptr, first, end, n0, I, PREACT, num_warps)
-    scale, inv = _h_scales(gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12), POW2)
-    q = _quantize_h(h, inv)
-    _store_h_s(scale, h_s_ptr, first, end, n0 // BN, N)
-    store_staged(q, stage, h_q_ptr, first, end, n0, I, I, num_warps)
+    if H_OUT:
+        scale, inv = _h_scales(gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12), POW2)
+        q = _quantize_h(h, inv)
+        _store_h_s(scale, h_s_ptr, first, end, n0 // BN, N)
+        store_staged(q, stage, h_q_ptr, first, end, n0, I, I, num_warps)
 
 
 @gluon.jit
 def _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, stage, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I,
-                        PREACT: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
+                        PREACT: gl.constexpr, H_OUT: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
     """``_up_epilogue`` of a block held as its left and right 64 columns (the issue-ahead up kernel's): the
     same h, row amax (the larger of the halves') and bytes."""
     HB: gl.constexpr = acc_gl.type.shape[1]
     h_lo = _up_h(acc_gl, acc_ul, stage, preact_ptr, first, end, n0, I, PREACT, num_warps)
     h_hi = _up_h(acc_gh, acc_uh, stage, preact_ptr, first, end, n0 + HB, I, PREACT, num_warps)
-    amax = gl.maximum(gl.maximum(gl.max(gl.abs(h_lo), axis=1), gl.max(gl.abs(h_hi), axis=1)), 1e-12)
-    scale, inv = _h_scales(amax, POW2)
-    q_lo = _quantize_h(h_lo, inv)
-    q_hi = _quantize_h(h_hi, inv)
-    _store_h_s(scale, h_s_ptr, first, end, n0 // (2 * HB), N)
-    store_staged(q_lo, stage, h_q_ptr, first, end, n0, I, I, num_warps)
-    store_staged(q_hi, stage, h_q_ptr, first, end, n0 + HB, I, I, num_warps)
+    if H_OUT:
+        amax = gl.maximum(gl.maximum(gl.max(gl.abs(h_lo), axis=1), gl.max(gl.abs(h_hi), axis=1)), 1e-12)
+        scale, inv = _h_scales(amax, POW2)
+        q_lo = _quantize_h(h_lo, inv)
+        q_hi = _quantize_h(h_hi, inv)
+        _store_h_s(scale, h_s_ptr, first, end, n0 // (2 * HB), N)
+        store_staged(q_lo, stage, h_q_ptr, first, end, n0, I, I, num_warps)
+        store_staged(q_hi, stage, h_q_ptr, first, end, n0 + HB, I, I, num_warps)
 
 
 @gluon.jit
 def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
                       tile_expert_ptr, tile_row_ptr, T, N, D, I, E, top_k, EB: gl.constexpr, TILE_M: gl.constexpr,
-                      PREACT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, POW2: gl.constexpr, STAGES: gl.constexpr,
-                      LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      PREACT: gl.constexpr, H_OUT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, POW2: gl.constexpr,
+                      STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
+                      LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """x (T, D) fp8 gathered by token and x_s (D // 128, T) fp32; w13_desc: W13 (E, 2, I, D) fp8 (gate rows, then
     up rows), block (1, 1, BN, BK); w13_s (E, 2I // 128, D // 128) fp32; h_q (N, I) fp8 and h_s (I // 128, N)
-    fp32 out in sorted rows (rows past the routed count not written); preact (N, 2I) bf16 out if PREACT.
+    fp32 out in sorted rows if H_OUT (rows past the routed count not written); preact (N, 2I) bf16 out if PREACT.
     Blocks: the busy tiles (EB: a power of two >= E) times the I-blocks of 128 (one h scale group each)."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     BK: gl.constexpr = w13_desc.block_type.shape[3]
@@ -630,10 +633,10 @@ def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, pre
     gl.warp_specialize([
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
                              x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, N, D, I, num_n, work, 0, PREACT,
-                             ISSUE_AHEAD, POW2, num_warps)),
+                             H_OUT, ISSUE_AHEAD, POW2, num_warps)),
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
                              x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, N, D, I, num_n, work, 1, PREACT,
-                             ISSUE_AHEAD, POW2, num_warps)),
+                             H_OUT, ISSUE_AHEAD, POW2, num_warps)),
         (_up_loader, (x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                       ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, T, D, I, top_k, num_n, work,
                       LOADER_WARPS)),
@@ -786,12 +789,13 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
 
 
 def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
-                     h_q: torch.Tensor, h_s: torch.Tensor, plan, top_k: int, preact: torch.Tensor | None = None, *,
-                     issue_ahead: bool = UP_ISSUE_AHEAD) -> None:
+                     h_q: torch.Tensor | None, h_s: torch.Tensor | None, plan, top_k: int,
+                     preact: torch.Tensor | None = None, *, issue_ahead: bool = UP_ISSUE_AHEAD) -> None:
     """h = silu(x W1gᵀ) * (x W1uᵀ) for the plan's sorted rows (row r: token ``row_slot[r] // top_k``), blockwise
     dequantised operands, through ``_fp8_up_ws_kernel``; quantised per row and 128 columns into h_q (N, I)
-    float8_e4m3fn and h_s (I // 128, N) fp32; with ``preact`` (N, 2I) bf16 also g and u. Only the routed
-    rows are written. ``issue_ahead``: the MMA warpgroups' issue pattern (see ``UP_ISSUE_AHEAD``).
+    float8_e4m3fn and h_s (I // 128, N) fp32; with ``preact`` (N, 2I) bf16 also g and u (h_q and h_s None:
+    only those). Only the routed rows are written. ``issue_ahead``: the MMA warpgroups' issue pattern (see
+    ``UP_ISSUE_AHEAD``).
 
     x_q (T, D) float8_e4m3fn, x_s (D // 128, T) fp32, w13_q (E, 2I, D) float8_e4m3fn (gate rows then up
     rows), w13_s (E, 2I // 128, D // 128) fp32, all contiguous; D and I multiples of 128; an sm90 GPU."""
@@ -802,15 +806,18 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
     assert dim % FP8_BK == 0 and inter % FP8_BN == 0 and w13_q.shape[2] == dim
     assert x_s.shape == (dim // SCALE_BLOCK, num_tokens) and w13_s.shape == (num_experts, two_i // SCALE_BLOCK,
                                                                              dim // SCALE_BLOCK)
-    assert h_q.shape == (num_rows, inter) and h_s.shape == (inter // SCALE_BLOCK, num_rows) and BLOCK_M == FP8_BM
+    h_out = h_q is not None
+    assert h_out == (h_s is not None) and (h_out or preact is not None) and BLOCK_M == FP8_BM
+    assert not h_out or (h_q.shape == (num_rows, inter) and h_s.shape == (inter // SCALE_BLOCK, num_rows))
     assert preact is None or (preact.shape == (num_rows, two_i) and preact.dtype == torch.bfloat16)
     _fp8_up_ws_kernel[(sm_count(x_q.device.index),)](
         x_ptr=x_q, x_s_ptr=x_s, w13_desc=_fp8_desc(w13_q.view(num_experts, 2, inter, dim), [1, 1, FP8_BN, FP8_BK]),
-        w13_s_ptr=w13_s, h_q_ptr=h_q, h_s_ptr=h_s, preact_ptr=preact if preact is not None else h_s,
+        w13_s_ptr=w13_s, h_q_ptr=h_q if h_out else x_q, h_s_ptr=h_s if h_out else x_s,
+        preact_ptr=preact if preact is not None else h_s,
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, top_k=top_k,
-        EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None, ISSUE_AHEAD=issue_ahead,
-        POW2=fp8_pow2_scales(),
+        EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None, H_OUT=h_out,
+        ISSUE_AHEAD=issue_ahead, POW2=fp8_pow2_scales(),
         STAGES=UP_STAGES_PREACT if preact is not None else UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS,
         MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
@@ -841,13 +848,13 @@ KERNELS = {"fp8_rows": _fp8_rows_ws_kernel, "fp8_up": _fp8_up_ws_kernel, "fp8_wg
 
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
-                sizes_divisible: bool = True, issue_ahead: bool | None = None, pow2: bool = False):
+                h_out: bool = True, sizes_divisible: bool = True, issue_ahead: bool | None = None, pow2: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
     launchers' asserts make multiples of 128, are specialised as 16-divisible, as Triton does at run time.
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
-    kernel's saved-activation variant; ``issue_ahead``: either kernel's issue pattern (``None``: its default,
+    kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``: either kernel's issue pattern (``None``: its default,
     ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the up kernel's power-of-two h scales."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -872,8 +879,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
         sizes = {"P", "Q"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
-        constexprs = {**common, "PREACT": preact, "POW2": pow2, "STAGES": UP_STAGES_PREACT if preact else UP_STAGES,
-                      "LOADER_WARPS": UP_LOADER_WARPS, "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
+        constexprs = {**common, "PREACT": preact, "H_OUT": h_out, "POW2": pow2,
+                      "STAGES": UP_STAGES_PREACT if preact else UP_STAGES, "LOADER_WARPS": UP_LOADER_WARPS, "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
         pointers = {"x_ptr": "*fp8e4nv", "x_s_ptr": "*fp32", "w13_s_ptr": "*fp32", "h_q_ptr": "*fp8e4nv",
                     "h_s_ptr": "*fp32", "preact_ptr": "*bf16"}
         sizes = {"D", "I"}
