@@ -11,6 +11,8 @@
 #                                          experts E (default megamoe,grouped_mm and sonicmoe where it imports, one
 #                                          run; several E: one run each, e.g. `model megamoe,grouped_mm sonicmoe`)
 #   bash scripts/gpu-check.sh train        python -m megamoe.train: megamoe against grouped_mm experts, 300 steps each
+#   bash scripts/gpu-check.sh train-fp8    python -m megamoe.train: megamoe's FP8 experts against its bf16 ones (seeds 0
+#                                          and 1: the run-to-run spread), 300 steps each
 #   bash scripts/gpu-check.sh ep           on 2+ GPUs: the fused EP tests on real ranks, then the EP benchmark
 # Logs (and the benchmark JSON/PNG) go to $GPU_CHECK_OUT (default benchmarks/out/gpu-check); copy the JSON you
 # mean to publish into benchmarks/results/ and run `python -m megamoe.bench.report`. Optional baselines install
@@ -19,7 +21,7 @@
 # Every GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv beside the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|ep}
+stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|train-fp8|ep}
 shift
 out=${GPU_CHECK_OUT:-benchmarks/out/gpu-check}
 mkdir -p "$out"
@@ -46,6 +48,23 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit (a hang dump
     local rc=${PIPESTATUS[0]}
     echo "== $name: exit status $rc at $(date -u +%FT%T)"
     return "$rc"
+}
+
+train_runs() {  # train_runs "NAME SECONDS ARGS..." ...: megamoe.train runs within one budget (TRAIN_BUDGET_S, default
+    # 590 s), each skipped when less than its SECONDS are left; checkpoints left out (11 GB each at 2 layers); each
+    # run's log.json copied to $out/train-NAME.json
+    local deadline=$(($(date +%s) + ${TRAIN_BUDGET_S:-590})) rc=0 run name limit rest left
+    local common=(--preset qwen3-30b-a3b --layers 2 --compile --no-checkpoint --quiet --eval-every 100
+                  --out /tmp/megamoe-train)
+    for run in "$@"; do
+        read -r name limit rest <<< "$run"
+        left=$((deadline - $(date +%s)))
+        [ "$left" -lt "$limit" ] && { echo "== train-$name: skipped, $left s left of the stage's budget"; continue; }
+        # shellcheck disable=SC2086  # $rest is the run's own argument list
+        step "train-$name" "$limit" "${py[@]}" -m megamoe.train "${common[@]}" --name "$name" $rest || rc=$?
+        cp /tmp/megamoe-train/"$name"/log.json "$out/train-$name.json" 2> /dev/null
+    done
+    exit "$rc"
 }
 
 case $stage in
@@ -112,28 +131,22 @@ model)
     exit "$rc"
     ;;
 train)
-    # The training runs of the README (python -m megamoe.train), within one budget (TRAIN_BUDGET_S, default 590 s): 300 steps of one 16 384-token
-    # sequence with megamoe and with grouped_mm (seed 0, each with its MoE share), grouped_mm from seed 1 (the
-    # baseline's run-to-run spread), then four 4 096-token sequences per step, timed only, while time is left.
-    # Checkpoints are left out (11 GB each at 2 layers); each run's log.json is copied to $out/train-NAME.json.
-    deadline=$(($(date +%s) + ${TRAIN_BUDGET_S:-590}))
-    common=(--preset qwen3-30b-a3b --layers 2 --compile --no-checkpoint --quiet --eval-every 100
-            --out /tmp/megamoe-train)
-    runs=("megamoe-s0 170 --experts megamoe --moe-share-steps 5"
-          "grouped_mm-s0 120 --experts grouped_mm --moe-share-steps 5"
-          "grouped_mm-s1 90 --experts grouped_mm --seed 1"
-          "megamoe-4x4096 110 --experts megamoe --seq-len 4096 --seqs-per-step 4 --steps 40 --eval-every 40"
-          "grouped_mm-4x4096 70 --experts grouped_mm --seq-len 4096 --seqs-per-step 4 --steps 40 --eval-every 40")
-    rc=0
-    for run in "${runs[@]}"; do
-        read -r name limit rest <<< "$run"
-        left=$((deadline - $(date +%s)))
-        [ "$left" -lt "$limit" ] && { echo "== train-$name: skipped, $left s left of the stage's budget"; continue; }
-        # shellcheck disable=SC2086  # $rest is the run's own argument list
-        step "train-$name" "$limit" "${py[@]}" -m megamoe.train "${common[@]}" --name "$name" $rest || rc=$?
-        cp /tmp/megamoe-train/"$name"/log.json "$out/train-$name.json" 2> /dev/null
-    done
-    exit "$rc"
+    # The training runs of the README (python -m megamoe.train): 300 steps of one 16 384-token sequence with megamoe
+    # and with grouped_mm (seed 0, each with its MoE share), grouped_mm from seed 1 (the baseline's run-to-run spread),
+    # then four 4 096-token sequences per step, timed only, while time is left.
+    train_runs "megamoe-s0 170 --experts megamoe --moe-share-steps 5" \
+        "grouped_mm-s0 120 --experts grouped_mm --moe-share-steps 5" \
+        "grouped_mm-s1 90 --experts grouped_mm --seed 1" \
+        "megamoe-4x4096 110 --experts megamoe --seq-len 4096 --seqs-per-step 4 --steps 40 --eval-every 40" \
+        "grouped_mm-4x4096 70 --experts grouped_mm --seq-len 4096 --seqs-per-step 4 --steps 40 --eval-every 40"
+    ;;
+train-fp8)
+    # FP8 training against bf16: 300 steps of one 16 384-token sequence with megamoe's experts in FP8 and in bf16 from
+    # seed 0 (each with its MoE share, for the tokens/s that the layer benchmark predicts), and in bf16 from seed 1
+    # (the spread that FP8's eval loss is judged against).
+    train_runs "megamoe-fp8-s0 190 --experts megamoe --precision fp8 --moe-share-steps 5" \
+        "megamoe-s0 190 --experts megamoe --moe-share-steps 5" \
+        "megamoe-s1 170 --experts megamoe --seed 1"
     ;;
 ep)
     [ "$gpus" -ge 2 ] || { echo "stage ep needs 2+ GPUs; this machine has $gpus" >&2; exit 2; }
@@ -142,7 +155,7 @@ ep)
         --preset qwen3-30b-a3b,qwen3-235b-a22b --tokens 16384 --routing random,skewed --comm-sms 32 --out "$out/results"
     ;;
 *)
-    echo "unknown stage $stage: tests, loopback, layer, fp8, model, train or ep" >&2
+    echo "unknown stage $stage: tests, loopback, layer, fp8, model, train, train-fp8 or ep" >&2
     exit 2
     ;;
 esac
