@@ -132,15 +132,16 @@ def use_installed_sonicmoe() -> None:
                                                  moe_general_routing_inputs=moe_general_routing_inputs)
 
 
-def compile_model(model, mode: str) -> None:
-    """Compiles ``model`` (a transformers causal LM) in place, as :data:`COMPILE_MODES` says. Without a GPU the
-    backend is ``aot_eager`` (graph capture and AOT autograd without code generation): inductor's CPU code is
-    minutes of C++ compilation for a test-sized model and measures nothing."""
+def compile_model(model, mode: str, fullgraph: bool = True) -> None:
+    """Compiles ``model`` (a transformers causal LM) in place, as :data:`COMPILE_MODES` says; ``fullgraph=False``
+    lets the whole model (``mode="model"``) break into several graphs where dynamo cannot trace a call. Without a
+    GPU the backend is ``aot_eager`` (graph capture and AOT autograd without code generation): inductor's CPU code
+    is minutes of C++ compilation for a test-sized model and measures nothing."""
     backend = "inductor" if next(model.parameters()).is_cuda else "aot_eager"
     if mode == "layers":
         for layer in model.model.layers:
             layer.compile(backend=backend)
     elif mode == "model":
-        model.compile(backend=backend, fullgraph=True)  # in place: parameter names stay the model's own
+        model.compile(backend=backend, fullgraph=fullgraph)  # in place: parameter names stay the model's own
     else:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")

@@ -283,11 +283,11 @@ def test_model_benchmark_matrix_records_every_cell(tmp_path, monkeypatch, capsys
         pytest.skip("the CPU path runs only without a GPU")
     compiled, compile_model = [], model.compile_model
 
-    def compile_or_fail(m, mode):
+    def compile_or_fail(m, mode, fullgraph=True):
         if mode == "model" and m.config._experts_implementation == "eager":
             raise RuntimeError("no graph for you\nsecond line")
         compiled.append((m.config._experts_implementation, mode))
-        compile_model(m, mode)
+        compile_model(m, mode, fullgraph)
 
     monkeypatch.setattr(model, "compile_model", compile_or_fail)
     model.main(["--matrix", "--experts", "grouped_mm,eager", "--out", str(tmp_path)])
@@ -304,6 +304,40 @@ def test_model_benchmark_matrix_records_every_cell(tmp_path, monkeypatch, capsys
             assert "error" not in r and r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-4, r
     assert info["matrix"] and info["command"].startswith("python -m megamoe.bench.model --matrix")
     assert "| full | model | loss " in out and "| failed |" in out
+
+
+def test_model_benchmark_compiles_with_graph_breaks_what_dynamo_cannot_trace_whole(tmp_path, monkeypatch, capsys):
+    """A whole-model cell whose experts dynamo cannot trace (here, as in SonicMoE's transformers integration, their
+    forward behind ``torch.compiler.disable``) runs again with graph breaks allowed, gives the reference's loss and
+    gradients, and says so in its record, its line and the table."""
+    import json
+
+    from megamoe.bench import model
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path runs only without a GPU")
+    compile_model = model.compile_model
+    fullgraphs = []
+
+    def compile_untraceable(m, mode, fullgraph=True):
+        for module in m.modules():
+            if hasattr(module, "gate_up_proj"):
+                module.forward = torch.compiler.disable(module.forward)
+        fullgraphs.append(fullgraph)
+        compile_model(m, mode, fullgraph)
+
+    monkeypatch.setattr(model, "compile_model", compile_untraceable)
+    model.main(["--matrix", "--experts", "eager", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    (path,) = tmp_path.glob("*.json")
+    results = json.loads(path.read_text())["results"]
+    assert [(r["compile_mode"], r.get("fullgraph")) for r in results] == [("layers", None), ("model", False)] * 2
+    assert fullgraphs == [True, True, False] * 2  # each whole-model cell tried in one graph first
+    for r in results:
+        assert "error" not in r and r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-4, r
+        if r["compile_mode"] == "model":
+            assert r["fullgraph_error"].startswith("Unsupported: "), r
+    assert "again with graph breaks" in out and "| full | model | loss " in out and "(graph breaks) |" in out
 
 
 def test_model_benchmark_keeps_megamoe_activations_only_without_checkpointing():

@@ -12,7 +12,8 @@ them; without it megamoe runs its saved-activation mode (``set_save_for_backward
 made for training without checkpointing). ``--compile-mode layers`` (or ``--compile``): ``torch.compile`` of every
 decoder layer; ``model``: of the whole model, ``fullgraph=True``. ``--matrix``: every cell of {no checkpointing,
 full checkpointing} x {layers, model} x ``--experts`` in one run; a cell that fails is recorded with its error and
-the run goes on. ``--experts sonicmoe``: transformers' own SonicMoE experts on the installed ``sonicmoe`` package
+the run goes on, and a whole-model cell that dynamo cannot trace as one graph runs again with graph breaks allowed,
+marked as such (``run_cells``). ``--experts sonicmoe``: transformers' own SonicMoE experts on the installed ``sonicmoe`` package
 (at QuACK's default GEMM config), where it imports.
 
 Each cell runs on a fresh copy of the model: medians of CUDA-event timings over ``--iters`` steps after 3 warm-up
@@ -58,9 +59,10 @@ from megamoe.provenance import git_commit, source_digest, utc_now
 CHECKPOINTING = (False, True)  # the matrix's rows: no checkpointing, full checkpointing
 
 
-def prepared(model, experts: str, checkpoint: bool, compile_mode: str | None, device=None):
+def prepared(model, experts: str, checkpoint: bool, compile_mode: str | None, device=None, fullgraph: bool = True):
     """A copy of ``model`` (on ``device``) with ``experts``'s implementation, checkpointing and compilation as
-    asked; megamoe keeps its gate/up pre-activation where nothing is checkpointed."""
+    asked (``fullgraph``: :func:`~megamoe.models.compile_model`'s); megamoe keeps its gate/up pre-activation where
+    nothing is checkpointed."""
     model = copy.deepcopy(model)
     if device is not None:
         model = model.to(device)
@@ -71,7 +73,7 @@ def prepared(model, experts: str, checkpoint: bool, compile_mode: str | None, de
     elif experts == "megamoe":
         set_save_for_backward(model, "preact")
     if compile_mode is not None:
-        compile_model(model, compile_mode)
+        compile_model(model, compile_mode, fullgraph)
     return model
 
 
@@ -164,16 +166,19 @@ def timed(step, iters: int) -> tuple[float, float]:
 
 
 def run_cell(base, experts: str, checkpoint: bool, compile_mode: str | None, input_ids, iters: int,
-             reference=None) -> dict:
+             reference=None, fullgraph: bool = True) -> dict:
     """One cell on a fresh copy of ``base``: on a GPU its step time, peak memory and loss; on the CPU
-    (``reference``: the (loss, gradients) to compare with) its loss and its differences from the reference."""
+    (``reference``: the (loss, gradients) to compare with) its loss and its differences from the reference.
+    ``fullgraph=False``: the whole model compiled with graph breaks allowed (recorded as ``"fullgraph": false``)."""
     # Each cell compiles its own copy: without a reset dynamo counts the copies' layers as recompiles of one
     # frame, and past its recompile limit it runs the rest eagerly, with only a warning.
     torch._dynamo.reset()
     result = {"experts": experts, "checkpoint": checkpoint, "compile_mode": compile_mode}
+    if compile_mode == "model":
+        result["fullgraph"] = fullgraph
     if experts == "megamoe":
         result["megamoe_save_for_backward"] = "none" if checkpoint else "preact"
-    model = prepared(base, experts, checkpoint, compile_mode, input_ids.device)
+    model = prepared(base, experts, checkpoint, compile_mode, input_ids.device, fullgraph)
     if input_ids.is_cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -189,12 +194,25 @@ def run_cell(base, experts: str, checkpoint: bool, compile_mode: str | None, inp
 
 def run_cells(base, cells, input_ids, iters: int, write, reference=None) -> list[dict]:
     """Every cell of ``cells`` ((checkpoint, compile mode, experts)) with :func:`run_cell`; a cell that raises is
-    recorded with its error (one line) and the next one runs. ``write(results)`` after every cell."""
+    recorded with its error (one line) and the next one runs. A whole-model cell that dynamo cannot trace in one
+    graph (``Unsupported``: SonicMoE's transformers experts call their kernel through ``torch.compiler.disable``)
+    runs again with graph breaks allowed, as a user of that implementation compiles the whole model, and says so:
+    ``"fullgraph": false`` and ``"fullgraph_error"`` in its record, "graph breaks" in its line and the table's cell.
+    ``write(results)`` after every cell."""
     results = []
     for checkpoint, compile_mode, experts in cells:
         name = cell_name(checkpoint, compile_mode, experts)
         try:
-            result = run_cell(base, experts, checkpoint, compile_mode, input_ids, iters, reference)
+            try:
+                result = run_cell(base, experts, checkpoint, compile_mode, input_ids, iters, reference)
+            except torch._dynamo.exc.Unsupported as exc:
+                if compile_mode != "model":
+                    raise
+                print(f"  {name:48s} not one graph ({error_line(exc)}): again with graph breaks", flush=True)
+                name += " (graph breaks)"
+                result = run_cell(base, experts, checkpoint, compile_mode, input_ids, iters, reference,
+                                  fullgraph=False)
+                result["fullgraph_error"] = error_line(exc)
         except Exception as exc:  # noqa: BLE001 -- a cell's failure is a result of the matrix
             result = {"experts": experts, "checkpoint": checkpoint, "compile_mode": compile_mode,
                       "error": error_line(exc)}
@@ -220,12 +238,13 @@ def table(results: list[dict], experts: list[str]) -> str:
     rows = {}
     for r in results:
         row = rows.setdefault((r["checkpoint"], r["compile_mode"]), {})
+        breaks = " (graph breaks)" if r.get("fullgraph") is False else ""
         if "error" in r:
             row[r["experts"]] = "failed"
         elif r.get("step_ms") is not None:
-            row[r["experts"]] = f"{r['step_ms']:.1f} ms, {r['peak_mem_bytes'] / 2**30:.1f} GiB"
+            row[r["experts"]] = f"{r['step_ms']:.1f} ms, {r['peak_mem_bytes'] / 2**30:.1f} GiB{breaks}"
         else:
-            row[r["experts"]] = f"loss {r['loss']:.4f}"
+            row[r["experts"]] = f"loss {r['loss']:.4f}{breaks}"
     heads = [f"{e} (saved / helper)" if e == "megamoe" else e for e in experts]
     lines = ["| checkpointing | compiled | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(experts)]
     for (checkpoint, compile_mode), row in rows.items():
