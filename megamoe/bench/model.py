@@ -13,8 +13,8 @@ made for training without checkpointing). ``--compile-mode layers`` (or ``--comp
 decoder layer; ``model``: of the whole model, ``fullgraph=True``. ``--matrix``: every cell of {no checkpointing,
 full checkpointing} x {layers, model} x ``--experts`` in one run; a cell that fails is recorded with its error and
 the run goes on, and a whole-model cell that dynamo cannot trace as one graph runs again with graph breaks allowed,
-marked as such (``run_cells``). ``--experts sonicmoe``: transformers' own SonicMoE experts on the installed ``sonicmoe`` package
-(at QuACK's default GEMM config), where it imports.
+marked as such (``run_cells``). ``--experts sonicmoe``: transformers' own SonicMoE experts on the installed
+``sonicmoe`` package (at QuACK's default GEMM config), where it imports.
 
 Each cell runs on a fresh copy of the model: medians of CUDA-event timings over ``--iters`` steps after 3 warm-up
 steps, the peak of allocated memory over all of them (the bf16 weights and gradients included, no optimizer state),

@@ -854,8 +854,9 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
     launchers' asserts make multiples of 128, are specialised as 16-divisible, as Triton does at run time.
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
-    kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``: either kernel's issue pattern (``None``: its default,
-    ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the up kernel's power-of-two h scales."""
+    kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``:
+    either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
+    up kernel's power-of-two h scales."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -880,7 +881,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
         constexprs = {**common, "PREACT": preact, "H_OUT": h_out, "POW2": pow2,
-                      "STAGES": UP_STAGES_PREACT if preact else UP_STAGES, "LOADER_WARPS": UP_LOADER_WARPS, "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
+                      "STAGES": UP_STAGES_PREACT if preact else UP_STAGES, "LOADER_WARPS": UP_LOADER_WARPS,
+                      "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
         pointers = {"x_ptr": "*fp8e4nv", "x_s_ptr": "*fp32", "w13_s_ptr": "*fp32", "h_q_ptr": "*fp8e4nv",
                     "h_s_ptr": "*fp32", "preact_ptr": "*bf16"}
         sizes = {"D", "I"}
