@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megamoe.env import custom_ops_forced, fp8_wgrad_requested
+from megamoe.env import custom_ops_forced, fp8_wgrad_requested, low_peak_backward_requested
 from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
     act_bwd,
@@ -41,6 +41,12 @@ from megamoe.kernels.quant import fp8_weight, quantize_rows
 # on the H200 it is slower (``python -m tools.fp8``: the four quantisations cost more than the FP8 GEMMs save;
 # docs/PERFORMANCE.md). ``MEGAMOE_FP8_WGRAD=1`` sets it at import, and the backward reads it at every call.
 FP8_WGRAD = fp8_wgrad_requested()
+# The one-GPU backward's order. False (default): dx's slot rows are computed before dW13, whose kernel sums them into
+# dx beside its MMAs, so that the combine costs nothing; its peak holds x's sorted rows, dz, dx's slot rows and both
+# weight gradients at once. True: dW13 first (x's sorted rows freed after it), then dx's slot rows and their combine on
+# its own: x's sorted rows (N x D) off the peak, the combine's time on the step (docs/PERFORMANCE.md). Read when a
+# forward runs (its backward follows that choice); ``MEGAMOE_LOW_PEAK_BACKWARD=1`` sets it at import.
+LOW_PEAK_BACKWARD = low_peak_backward_requested()
 
 
 def experts_forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
@@ -57,9 +63,9 @@ def experts_forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tens
 
 def experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                      offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor,
-                     preact: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     preact: Tensor | None = None, low_peak: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d topk_weights, dw13, dw2): from the forward's saved gate and up products ``preact`` if given, else
-    recomputing them (the gate/up GEMM) from x."""
+    recomputing them (the gate/up GEMM) from x; ``low_peak``: the order of :data:`LOW_PEAK_BACKWARD`."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
     x_sorted, dy_sorted, dh_NI = sorted_rows_and_dh(x, dy, w2, plan, top_k)
@@ -72,8 +78,13 @@ def experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tens
     # backward's peak: docs/PERFORMANCE.md).
     dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
     del dy_sorted, hw_NI
-    dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots(dz_NH, w13, plan), topk_idx,
-                                        x.dtype)
+    if low_peak:
+        dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype)
+        del x_sorted
+        dx = combine(dx_slots(dz_NH, w13, plan), topk_idx, x.dtype)
+    else:
+        dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots(dz_NH, w13, plan), topk_idx,
+                                            x.dtype)
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
 
 
@@ -92,7 +103,7 @@ def experts_forward_fp8(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: 
 
 def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                          offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor,
-                         preact: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         preact: Tensor | None = None, low_peak: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`experts_backward` in blockwise FP8: dy quantised 1x128 (once per token, in the pass that sorts its
     rows); dh' and dx on the weights' transposed FP8 copies; g and u, unless saved, recomputed by the forward's up
     kernel (the FP8 GEMM the forward ran, so both memory modes compute the same gradients; without its h output)
@@ -115,6 +126,11 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     # dW2 first, as in :func:`experts_backward` (the backward's peak memory).
     dw2 = (expert_wgrad_fp8 if FP8_WGRAD else expert_wgrad)(dy_sorted, hw_NI, plan, w2.dtype)
     del dy_sorted, hw_NI
+    if low_peak:  # dW13 before dx's slot rows exist (:data:`LOW_PEAK_BACKWARD`)
+        dw13 = (expert_wgrad_fp8 if FP8_WGRAD else expert_wgrad)(dz_NH, x_sorted, plan, w13.dtype)
+        del x_sorted, dz_NH
+        return (combine(dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype), topk_idx, x.dtype),
+                dweight_TK.to(topk_weights.dtype), dw13, dw2)
     dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype)
     del dzq, dzs
     if FP8_WGRAD:
@@ -142,12 +158,12 @@ class _FusedMoE(torch.autograd.Function):
     """The eager path."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w13, w2, save_preact: bool, fp8: bool):
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2, save_preact: bool, fp8: bool, low_peak: bool):
         plan = build_plan(topk_idx, w13.shape[0]).tensors()
         preact = preact_buffer(x, topk_idx, w13) if save_preact else None
         y = _forward_body(fp8)(x, topk_idx, topk_weights, w13, w2, *plan, preact=preact)
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan, *(() if preact is None else (preact,)))
-        ctx.save_preact, ctx.fp8 = save_preact, fp8
+        ctx.save_preact, ctx.fp8, ctx.low_peak = save_preact, fp8, low_peak
         return y
 
     @staticmethod
@@ -155,72 +171,77 @@ class _FusedMoE(torch.autograd.Function):
         x, topk_idx, topk_weights, w13, w2, *rest = ctx.saved_tensors
         plan, preact = (rest[:-1], rest[-1]) if ctx.save_preact else (rest, None)
         dx, dweight, dw13, dw2 = _backward_body(ctx.fp8)(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan,
-                                                         preact=preact)
-        return dx, None, dweight, dw13, dw2, None, None
+                                                         preact=preact, low_peak=ctx.low_peak)
+        return dx, None, dweight, dw13, dw2, None, None, None
 
 
-# ``fp8``: the blockwise FP8 bodies; a trailing argument with a default, so that bf16 callers name it nowhere.
+# ``fp8``: the blockwise FP8 bodies; ``low_peak``: the backward's order (:data:`LOW_PEAK_BACKWARD`), carried by the
+# forward ops to their autograd context; trailing arguments with defaults, so that other callers name them nowhere.
 @torch.library.custom_op("megamoe::experts_fwd", mutates_args=())
 def _experts_fwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                 offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, fp8: bool = False) -> Tensor:
+                 offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, fp8: bool = False,
+                 low_peak: bool = False) -> Tensor:
     return _forward_body(fp8)(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row)
 
 
 @_experts_fwd.register_fake
-def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, fp8=False):
+def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, fp8=False, low_peak=False):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("megamoe::experts_fwd_saved", mutates_args=())
 def _experts_fwd_saved(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                       offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, fp8: bool = False
-                       ) -> tuple[Tensor, Tensor]:
+                       offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, fp8: bool = False,
+                       low_peak: bool = False) -> tuple[Tensor, Tensor]:
     preact = preact_buffer(x, topk_idx, w13)
     return _forward_body(fp8)(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row,
                               preact=preact), preact
 
 
 @_experts_fwd_saved.register_fake
-def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, fp8=False):
+def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, fp8=False, low_peak=False):
     return torch.empty_like(x), preact_buffer(x, topk_idx, w13)
 
 
 @torch.library.custom_op("megamoe::experts_bwd", mutates_args=())
 def _experts_bwd(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                  offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, preact: Tensor | None,
-                 fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 fp8: bool = False, low_peak: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _backward_body(fp8)(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row,
-                               preact=preact)
+                               preact=preact, low_peak=low_peak)
 
 
 @_experts_bwd.register_fake
-def _(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, preact, fp8=False):
+def _(dy, x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, preact, fp8=False,
+      low_peak=False):
     return torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13), torch.empty_like(w2)
 
 
-_NO_GRADS = (None,) * 5  # the plan's four tensors and ``fp8``
+_NO_GRADS = (None,) * 6  # the plan's four tensors, ``fp8`` and ``low_peak``
 
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:9])
-    ctx.fp8 = inputs[9]
+    ctx.fp8, ctx.low_peak = inputs[9], inputs[10]
 
 
 def _backward(ctx, dy):
     x, topk_idx, topk_weights, w13, w2, *plan = ctx.saved_tensors
-    dx, dweight, dw13, dw2 = _experts_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan, None, ctx.fp8)
+    dx, dweight, dw13, dw2 = _experts_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan, None, ctx.fp8,
+                                          ctx.low_peak)
     return dx, None, dweight, dw13, dw2, *_NO_GRADS
 
 
 def _setup_context_saved(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:9], output[1])
-    ctx.fp8 = inputs[9]
+    ctx.fp8, ctx.low_peak = inputs[9], inputs[10]
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward_saved(ctx, dy, _):
     x, topk_idx, topk_weights, w13, w2, *plan, preact = ctx.saved_tensors
-    dx, dweight, dw13, dw2 = _experts_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan, preact, ctx.fp8)
+    dx, dweight, dw13, dw2 = _experts_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan, preact, ctx.fp8,
+                                          ctx.low_peak)
     return dx, None, dweight, dw13, dw2, *_NO_GRADS
 
 
@@ -234,9 +255,10 @@ def fused_moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2
     products (N, 2I) for the backward instead of recomputing them there. ``fp8``: blockwise FP8 GEMMs (D and I
     multiples of 128)."""
     topk_idx = topk_idx.contiguous()
+    low_peak = LOW_PEAK_BACKWARD
     if not (torch.compiler.is_compiling() or custom_ops_forced()):
-        return _FusedMoE.apply(x, topk_idx, topk_weights, w13, w2, save_preact, fp8)
+        return _FusedMoE.apply(x, topk_idx, topk_weights, w13, w2, save_preact, fp8, low_peak)
     plan = plan_op(topk_idx, w13.shape[0])
     if save_preact:
-        return _experts_fwd_saved(x, topk_idx, topk_weights, w13, w2, *plan, fp8)[0]
-    return _experts_fwd(x, topk_idx, topk_weights, w13, w2, *plan, fp8)
+        return _experts_fwd_saved(x, topk_idx, topk_weights, w13, w2, *plan, fp8, low_peak)[0]
+    return _experts_fwd(x, topk_idx, topk_weights, w13, w2, *plan, fp8, low_peak)

@@ -58,6 +58,51 @@ def test_fused_matches_fp32_reference(shape, dtype, mode):
     assert_close_to_reference(run_with_grads(moe_in(mode), *problem), problem)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_low_peak_backward_gives_the_default_orders_gradients(monkeypatch, mode, fp8):
+    """``autograd.LOW_PEAK_BACKWARD`` (dW13 before dx's slot rows, the dx combine on its own): bit for bit the default
+    order's gradients, eagerly and through the custom ops (a checkpointed region's path), in both memory modes and
+    both precisions; the order is the one set when the forward ran."""
+    import contextlib
+
+    import megamoe.autograd
+    from megamoe.env import forcing_custom_ops
+
+    x, idx, w, w13, w2, dy = make_problem(40, 128, 128, 4, 2, "dropped", device=DEVICE)
+    layer = functools.partial(megamoe.moe, save_for_backward=mode, precision="fp8" if fp8 else "bf16")
+    expected = run_with_grads(layer, x, idx, w, w13, w2, dy)
+    for ops in (contextlib.nullcontext(), forcing_custom_ops(contextlib.nullcontext())):
+        with monkeypatch.context() as m:
+            m.setattr(megamoe.autograd, "expert_wgrad_and_combine",
+                      lambda *a: pytest.fail("the low-peak order ran dW13 with the combine"))
+            leaves = [t.detach().requires_grad_() for t in (x, w, w13, w2)]
+            with ops:
+                m.setattr(megamoe.autograd, "LOW_PEAK_BACKWARD", True)
+                y = layer(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+                m.setattr(megamoe.autograd, "LOW_PEAK_BACKWARD", False)  # the forward's choice holds
+                y.backward(dy)
+        for name, a, b in zip(NAMES, [y, *(t.grad for t in leaves)], expected):
+            assert torch.equal(a, b), name
+
+
+def test_low_peak_benchmark_impls_run_that_order_and_restore_the_setting(monkeypatch):
+    """The layer benchmark's ``megamoe_low_peak`` and ``megamoe_saved_low_peak``: the low-peak order in the backward
+    of their own calls, the process's setting as it was afterwards."""
+    import megamoe.autograd
+    from megamoe.bench.layer import make_impls
+
+    problem = make_problem(40, 48, 24, 6, 3, "dropped", device=DEVICE)
+    monkeypatch.setattr(megamoe.autograd, "expert_wgrad_and_combine",
+                        lambda *a: pytest.fail("the low-peak order ran dW13 with the combine"))
+    impls = make_impls(["megamoe_low_peak", "megamoe_saved_low_peak"], DEVICE)
+    assert [impl.keeps_activations for impl in impls] == [backend_for(torch.empty(0, device=DEVICE)) != "triton",
+                                                           True]
+    for impl in impls:
+        assert_close_to_reference(run_with_grads(impl.fn, *problem), problem)
+        assert megamoe.autograd.LOW_PEAK_BACKWARD is False
+
+
 def test_saved_mode_keeps_the_preactivation_and_skips_the_recompute(monkeypatch):
     """``save_for_backward="preact"``: the forward keeps the gate/up products, (T*K, 2I) in x's dtype and equal
     to them (fp32 operands: exact to rounding), and the backward runs the act step on them instead of the
@@ -444,6 +489,31 @@ def test_backward_peak_memory_frees_dy_rows_before_the_dx_rows_and_dw13():
     act_step = 2 * (2 * n * D + 4 * n * I)
     grads = sum(t.numel() * t.element_size() for t in leaves)
     dw13_step = 2 * (2 * n * D + 2 * n * I) + grads
+    assert peak <= 1.05 * max(act_step, dw13_step), (peak, act_step, dw13_step)
+
+
+@pytest.mark.gpu
+def test_low_peak_backward_leaves_x_rows_off_the_peak(monkeypatch):
+    """``autograd.LOW_PEAK_BACKWARD``: dW13 before dx's slot rows, so that the keep-nothing backward's busiest moments
+    are the act step and dW13 / the dx GEMM, each with one N x D block (x's rows, or dx's slot rows) beside dz and the
+    gradients, within 5%; the default order's dW13 holds both blocks."""
+    import megamoe.autograd
+
+    monkeypatch.setattr(megamoe.autograd, "LOW_PEAK_BACKWARD", True)
+    T, D, I, E, K = 4096, 256, 128, 8, 4
+    x, idx, w, w13, w2, dy = gpu_problem(T, D, I, E, K, "random")
+    leaves = [t.requires_grad_() for t in (x, w, w13, w2)]
+    y = megamoe.moe(x, idx, w, w13, w2)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y.backward(dy)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    n = T * K
+    act_step = 2 * (2 * n * D + 4 * n * I)
+    grads = sum(t.numel() * t.element_size() for t in leaves)
+    dw13_step = 2 * (n * D + 2 * n * I) + grads
     assert peak <= 1.05 * max(act_step, dw13_step), (peak, act_step, dw13_step)
 
 
