@@ -123,18 +123,19 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
         up_products_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact)
     dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True)
     del dh_NI, preact  # (the saved products stay alive in the autograd context)
+    wgrad = expert_wgrad_fp8 if FP8_WGRAD else expert_wgrad
     # dW2 first, as in :func:`experts_backward` (the backward's peak memory).
-    dw2 = (expert_wgrad_fp8 if FP8_WGRAD else expert_wgrad)(dy_sorted, hw_NI, plan, w2.dtype)
+    dw2 = wgrad(dy_sorted, hw_NI, plan, w2.dtype)
     del dy_sorted, hw_NI
     if low_peak:  # dW13 before dx's slot rows exist (:data:`LOW_PEAK_BACKWARD`)
-        dw13 = (expert_wgrad_fp8 if FP8_WGRAD else expert_wgrad)(dz_NH, x_sorted, plan, w13.dtype)
+        dw13 = wgrad(dz_NH, x_sorted, plan, w13.dtype)
         del x_sorted, dz_NH
-        return (combine(dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype), topk_idx, x.dtype),
-                dweight_TK.to(topk_weights.dtype), dw13, dw2)
     dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype)
     del dzq, dzs
-    if FP8_WGRAD:
-        dw13, dx = expert_wgrad_fp8(dz_NH, x_sorted, plan, w13.dtype), combine(dx_slots_ND, topk_idx, x.dtype)
+    if low_peak:
+        dx = combine(dx_slots_ND, topk_idx, x.dtype)
+    elif FP8_WGRAD:
+        dw13, dx = wgrad(dz_NH, x_sorted, plan, w13.dtype), combine(dx_slots_ND, topk_idx, x.dtype)
     else:
         dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots_ND, topk_idx, x.dtype)
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
