@@ -41,11 +41,14 @@ from megamoe.kernels.quant import fp8_weight, quantize_rows
 # on the H200 it is slower (``python -m tools.fp8``: the four quantisations cost more than the FP8 GEMMs save;
 # docs/PERFORMANCE.md). ``MEGAMOE_FP8_WGRAD=1`` sets it at import, and the backward reads it at every call.
 FP8_WGRAD = fp8_wgrad_requested()
-# The one-GPU backward's order. False (default): dx's slot rows are computed before dW13, whose kernel sums them into
-# dx beside its MMAs, so that the combine costs nothing; its peak holds x's sorted rows, dz, dx's slot rows and both
-# weight gradients at once. True: dW13 first (x's sorted rows freed after it), then dx's slot rows and their combine on
-# its own: x's sorted rows (N x D) off the peak, the combine's time on the step (docs/PERFORMANCE.md). Read when a
-# forward runs (its backward follows that choice); ``MEGAMOE_LOW_PEAK_BACKWARD=1`` sets it at import.
+# The one-GPU backward's order. False: dx's slot rows are computed before dW13, whose kernel sums them into dx beside
+# its MMAs, so that the combine costs nothing; its peak holds x's sorted rows, dz, dx's slot rows and both weight
+# gradients at once. True (low peak): dW13 first (x's sorted rows freed after it), then dx's slot rows and their
+# combine on its own: x's sorted rows (N x D) off the peak, the combine's time on the step. None (default): by the
+# memory mode, low peak when keeping nothing (the mode chosen for memory) and not in the saved mode (chosen for
+# speed): on the H200 at the 30B layer the low-peak order took the keep-nothing backward's peak from 2 689 to 2 177
+# MiB for +0.8% of its step, the saved mode's from 3 073 to 2 561 MiB for +1.3% (docs/PERFORMANCE.md). Read when a
+# forward runs (its backward follows that choice); ``MEGAMOE_LOW_PEAK_BACKWARD`` (0 or 1) sets it at import.
 LOW_PEAK_BACKWARD = low_peak_backward_requested()
 
 
@@ -256,7 +259,7 @@ def fused_moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2
     products (N, 2I) for the backward instead of recomputing them there. ``fp8``: blockwise FP8 GEMMs (D and I
     multiples of 128)."""
     topk_idx = topk_idx.contiguous()
-    low_peak = LOW_PEAK_BACKWARD
+    low_peak = not save_preact if LOW_PEAK_BACKWARD is None else LOW_PEAK_BACKWARD
     if not (torch.compiler.is_compiling() or custom_ops_forced()):
         return _FusedMoE.apply(x, topk_idx, topk_weights, w13, w2, save_preact, fp8, low_peak)
     plan = plan_op(topk_idx, w13.shape[0])

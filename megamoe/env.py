@@ -8,7 +8,7 @@ Environment variables (documented in the README):
 * ``MEGAMOE_DEBUG=1`` — checks that read device data back to the host (:func:`debug_checks_enabled`);
 * ``MEGAMOE_AUTOTUNE=0`` — fixed tile configs (:func:`megamoe.kernels.tuning.autotune_enabled`);
 * ``MEGAMOE_FP8_WGRAD=1`` — FP8 weight gradients in ``precision="fp8"`` (:func:`fp8_wgrad_requested`);
-* ``MEGAMOE_LOW_PEAK_BACKWARD=1`` — the one-GPU backward's low-peak order (:func:`low_peak_backward_requested`);
+* ``MEGAMOE_LOW_PEAK_BACKWARD`` — ``0`` or ``1``: the one-GPU backward's order (:func:`low_peak_backward_requested`);
 * ``MEGAMOE_FP8_SCALES`` — ``fp32`` or ``pow2``: the FP8 recipe's scales (:func:`fp8_pow2_scales`);
 * ``TRITON_INTERPRET=1`` — Triton's interpreter runs the kernels on CPU tensors (:func:`interpreting`).
 """
@@ -39,10 +39,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def low_peak_backward_requested() -> bool:
-    """``MEGAMOE_LOW_PEAK_BACKWARD=1``: the default of ``megamoe.autograd.LOW_PEAK_BACKWARD`` (the backward's weight
-    gradient of w13 before dx's slot rows exist, the dx combine on its own: less memory, a little slower)."""
-    return os.environ.get("MEGAMOE_LOW_PEAK_BACKWARD", "0") == "1"
+def low_peak_backward_requested() -> bool | None:
+    """``MEGAMOE_LOW_PEAK_BACKWARD``: the default of ``megamoe.autograd.LOW_PEAK_BACKWARD`` (the backward's weight
+    gradient of w13 before dx's slot rows exist, the dx combine on its own: less memory, a little slower). ``1``:
+    in both memory modes, ``0``: in neither, unset or empty: by the mode (None: keeping nothing, yes; saved, no)."""
+    value = os.environ.get("MEGAMOE_LOW_PEAK_BACKWARD", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"MEGAMOE_LOW_PEAK_BACKWARD must be 0, 1 or unset, not {value!r}")
+    return None if value == "" else value == "1"
 
 
 def fp8_wgrad_requested() -> bool:

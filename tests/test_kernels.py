@@ -86,6 +86,31 @@ def test_low_peak_backward_gives_the_default_orders_gradients(monkeypatch, mode,
             assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_backward_order_by_default_is_low_peak_only_when_keeping_nothing(monkeypatch, mode, fp8):
+    """``autograd.LOW_PEAK_BACKWARD`` unset (None, the default): the keep-nothing backward runs the low-peak order
+    (dW13 without the dx combine in its launch), the saved mode the other (dW13 with it); 0 and 1 in the environment
+    choose one order for both, anything else is refused."""
+    import megamoe.autograd
+    from megamoe.env import low_peak_backward_requested
+
+    calls = []
+    combined = megamoe.autograd.expert_wgrad_and_combine
+    monkeypatch.setattr(megamoe.autograd, "expert_wgrad_and_combine", lambda *a: calls.append(1) or combined(*a))
+    monkeypatch.setattr(megamoe.autograd, "LOW_PEAK_BACKWARD", None)
+    x, idx, w, w13, w2, dy = make_problem(40, 128, 128, 4, 2, "dropped", device=DEVICE)
+    run_with_grads(functools.partial(megamoe.moe, save_for_backward=mode, precision="fp8" if fp8 else "bf16"),
+                   x, idx, w, w13, w2, dy)
+    assert calls == ([] if mode == "none" else [1])
+    for value, expected in (("", None), ("0", False), ("1", True)):
+        monkeypatch.setenv("MEGAMOE_LOW_PEAK_BACKWARD", value)
+        assert low_peak_backward_requested() is expected
+    monkeypatch.setenv("MEGAMOE_LOW_PEAK_BACKWARD", "yes")
+    with pytest.raises(ValueError, match="MEGAMOE_LOW_PEAK_BACKWARD must be 0, 1 or unset"):
+        low_peak_backward_requested()
+
+
 def test_low_peak_benchmark_impls_run_that_order_and_restore_the_setting(monkeypatch):
     """The layer benchmark's ``megamoe_low_peak`` and ``megamoe_saved_low_peak``: the low-peak order in the backward
     of their own calls, the process's setting as it was afterwards."""
@@ -95,12 +120,13 @@ def test_low_peak_benchmark_impls_run_that_order_and_restore_the_setting(monkeyp
     problem = make_problem(40, 48, 24, 6, 3, "dropped", device=DEVICE)
     monkeypatch.setattr(megamoe.autograd, "expert_wgrad_and_combine",
                         lambda *a: pytest.fail("the low-peak order ran dW13 with the combine"))
+    before = megamoe.autograd.LOW_PEAK_BACKWARD
     impls = make_impls(["megamoe_low_peak", "megamoe_saved_low_peak"], DEVICE)
     assert [impl.keeps_activations for impl in impls] == [backend_for(torch.empty(0, device=DEVICE)) != "triton",
                                                            True]
     for impl in impls:
         assert_close_to_reference(run_with_grads(impl.fn, *problem), problem)
-        assert megamoe.autograd.LOW_PEAK_BACKWARD is False
+        assert megamoe.autograd.LOW_PEAK_BACKWARD is before
 
 
 def test_saved_mode_keeps_the_preactivation_and_skips_the_recompute(monkeypatch):

@@ -63,7 +63,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from megamoe.env import device_capability, fp8_pow2_scales, sm_count
 from megamoe.kernels.gluon_sm90 import (
     barriers,
+    block_rows,
     count_busy_tiles,
+    expert_end,
+    expert_rows_ahead,
     next_slot,
     row_segments,
     staged_layout,
@@ -140,6 +143,18 @@ def _promote(acc, tmp, scale):
 
 
 @gluon.jit
+def _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
+    """An MMA partition's view of its first two blocks, before its loop: the first one's first row and expert end,
+    the second one's expert and first row. The loop then reads each block's expert and first row two blocks ahead
+    and its expert's end one block ahead (``block_rows``, ``expert_end``), so that no load's latency stands between
+    a block's last MMA and the next one's first. (Read at the block's start, the two dependent loads held both
+    warpgroups there: the half-tile test ``first < end`` needs the end before the first MMA is issued.)"""
+    e, row0 = block_rows(gl.program_id(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+    e_next, row0_next = block_rows(gl.program_id(0) + gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+    return row0, expert_end(offsets_ptr, e, work), e_next, row0_next
+
+
+@gluon.jit
 def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
                  as_bufs, bs_bufs, M, N_OUT, K, num_n, work, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``_fp8_rows_ws_kernel``: per K-step, A's rows (block (128, 128)) and the
@@ -208,10 +223,12 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     out_layout: gl.constexpr = row_segments(BN, 2, num_warps)
     step = 0
+    row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        end_next = expert_end(offsets_ptr, e_next, work)  # read here, used a block later
+        e_after, row0_after = block_rows(w + 2 * gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+        n0 = (w % num_n) * BN
         first = row0 + WG * HALF
-        end = gl.load(offsets_ptr + e + 1)
         if first < end:
             # The epilogue's row data, loaded now so that its latency hides under the main loop.
             rows = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
@@ -281,6 +298,7 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                      mask=rmask[:, None] & (cols < N_OUT)[None, :])
         else:  # all 64 rows past the expert: hand the stages back untouched
             step = _pass_stages(ready, empty, step, K, BK)
+        row0, end, e_next, row0_next = row0_next, end_next, e_after, row0_after
 
 
 @gluon.jit
@@ -447,10 +465,12 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
     half_layout: gl.constexpr = _acc_layout(HALF, HB, num_warps)
     half_rows: gl.constexpr = gl.SliceLayout(1, half_layout)
     step = 0
+    row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        end_next = expert_end(offsets_ptr, e_next, work)  # read here, used a block later
+        e_after, row0_after = block_rows(w + 2 * gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+        n0 = (w % num_n) * BN
         first = row0 + WG * HALF
-        end = gl.load(offsets_ptr + e + 1)
         if first < end:
             if not ISSUE_AHEAD:
                 acc_g = gl.zeros([HALF, BN], gl.float32, acc_layout)
@@ -505,6 +525,7 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                                     first, end, n0, N, I, PREACT, H_OUT, POW2, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
             step = _pass_stages(ready, empty, step, D, BK)
+        row0, end, e_next, row0_next = row0_next, end_next, e_after, row0_after
 
 
 @gluon.jit
@@ -692,8 +713,10 @@ def _wgrad_mma_partition(out_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_
     acc_layout: gl.constexpr = _acc_layout(HALF, BN, num_warps)
     out_layout: gl.constexpr = row_segments(BN, 2, num_warps)
     step = 0
+    start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, num_p, num_q)
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        e, p0, q0, _, _ = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        start_next, end_next = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, num_p, num_q)
         acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
         tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # the MMA's destination registers, reused
         for r0 in range(start, end, BK):
@@ -713,6 +736,7 @@ def _wgrad_mma_partition(out_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_
         cols = q0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
         # int64: E * P * Q overflows int32 at real sizes
         gl.store(out_ptr + e.to(gl.int64) * P * Q + (rows[:, None] * Q + cols[None, :]), out)
+        start, end = start_next, end_next
 
 
 @gluon.jit

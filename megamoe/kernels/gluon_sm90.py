@@ -108,12 +108,37 @@ def tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN: gl.constexpr):
 
 
 @gluon.jit
+def block_rows(w, work, tile_expert_ptr, tile_row_ptr, num_n):
+    """Expert and first sorted row of block ``w`` of the busy tiles × N-blocks order, for loading blocks ahead of
+    their turn: ``w`` is clamped into the ``work`` blocks (a look-ahead past the last one reads it again, in
+    bounds)."""
+    t = gl.maximum(gl.minimum(w, work - 1), 0) // num_n
+    return gl.load(tile_expert_ptr + t), gl.load(tile_row_ptr + t)
+
+
+@gluon.jit
+def expert_end(offsets_ptr, e, work):
+    """Expert ``e``'s end row (its last sorted row + 1), read only if there is ``work`` (with none, ``e`` may be the
+    idle marker E, past the offsets)."""
+    return gl.load(offsets_ptr + e + 1, mask=work > 0, other=0)
+
+
+@gluon.jit
 def wgrad_block(tile, offsets_ptr, num_p, num_q, BM: gl.constexpr, BN: gl.constexpr):
     """Block ``tile`` of the expert-major order: its expert, first P and Q, and the expert's sorted rows
     [start, end)."""
     e = tile // (num_p * num_q)
     pq = tile % (num_p * num_q)
     return e, (pq // num_q) * BM, (pq % num_q) * BN, gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
+
+
+@gluon.jit
+def expert_rows_ahead(tile, tiles, offsets_ptr, num_p, num_q):
+    """The sorted rows [start, end) of block ``tile``'s expert in the expert-major order of ``wgrad_block``, for
+    loading them a block ahead of its turn (``tile`` clamped into the ``tiles`` blocks, in bounds): read at the
+    block's start, their latency stood between the previous block's last MMA and this one's first."""
+    e = gl.minimum(tile, tiles - 1) // (num_p * num_q)
+    return gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
 
 
 @gluon.jit
@@ -215,8 +240,10 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
     BN: gl.constexpr = b_bufs.type.shape[2]
     acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
     step = 0
+    start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, num_p, num_q)
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        e, p0, q0, _, _ = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        start_next, end_next = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, num_p, num_q)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         for r0 in range(start, end, BK):
             s = step % STAGES
@@ -237,6 +264,7 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
         c_smem.reshape([BM, BN]).store(acc.to(dw_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(dw_desc, [e, p0, q0], c_smem)
+        start, end = start_next, end_next
     tma.store_wait(0)
 
 
