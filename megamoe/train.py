@@ -598,7 +598,7 @@ def main(argv=None) -> dict | None:
         bar.close()
     result = summary(args, meta, log, start, tokens_per_step, flops_per_token, params_total, device)
     if args.moe_share_steps:
-        result.update(moe_share(model, train, args, device, world, rank))
+        result.update(moe_share(model, train, args, device, world, rank, step_loss))
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "log.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -639,9 +639,11 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
     }
 
 
-def moe_share(model, train, args, device, world, rank) -> dict:
-    """Times ``--moe-share-steps`` forward+backward steps (no optimizer step) with the run's experts, then with
-    the experts replaced by zeros: the experts' share of the step."""
+def moe_share(model, train, args, device, world, rank, step_loss) -> dict:
+    """Times ``--moe-share-steps`` forward+backward steps (no optimizer step) of the training loss ``step_loss`` with
+    the run's experts, then with the experts replaced by zeros: the experts' share of the step. (The training loss,
+    not a bare forward: it empties the routers' recorded logits, whose growing count a compiled model would
+    otherwise recompile on every step, up to dynamo's limit and on into eager frames.)"""
     from transformers.integrations import moe as hf_moe
 
     hf_moe.ExpertsInterface.register(NO_EXPERTS, _no_experts)
@@ -652,7 +654,7 @@ def moe_share(model, train, args, device, world, rank) -> dict:
             ids = train.batch(i * world + rank, args.seqs_per_step).to(device)
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            model(input_ids=ids, labels=ids).loss.backward()
+            step_loss(ids)[0].backward()
             end.record()
             end.synchronize()
             model.zero_grad(set_to_none=True)
