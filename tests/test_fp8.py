@@ -323,6 +323,33 @@ def test_weight_cache_hit_miss_and_invalidation(monkeypatch):
     assert len(calls) == 8
 
 
+def test_weight_cache_hits_for_the_checkpointed_backward(monkeypatch):
+    """Under ``megamoe.checkpoint_context`` the backward meets aliases of the weights (the region's saved tensors
+    unpack as new tensor objects on the same storage): they hit the forward's copies, so that a checkpointed step
+    quantises each weight once, not once more in every backward. A tensor on another storage with the same
+    contents, shape and version does not hit."""
+    from torch.utils.checkpoint import checkpoint
+
+    calls = []
+    real = quant.quantize_weight
+    monkeypatch.setattr(quant, "quantize_weight", lambda w: calls.append(w) or real(w))
+    quant.clear_weight_cache()
+    x, idx, w, w13, w2, dy = make_problem(33, 128, 128, 4, 2, "random", device=DEVICE)
+    w13, w2 = (torch.nn.Parameter(t) for t in (w13, w2))
+    x.requires_grad_()
+
+    def layer(x):
+        return megamoe.moe(x, idx, w, w13, w2, precision="fp8")
+
+    for _ in range(2):
+        checkpoint(layer, x, use_reentrant=False, context_fn=megamoe.checkpoint_context).backward(dy)
+    assert len(calls) == 2, "two checkpointed micro-batches quantise each weight once"
+    twin = w13.detach().clone()
+    assert twin._version == w13._version
+    megamoe.moe(x, idx, w, twin, w2, precision="fp8")
+    assert len(calls) == 3 and calls[-1] is twin
+
+
 def test_fp8_in_the_layer_is_the_functional_fp8_path():
     """``MegaMoE(precision="fp8")`` runs the FP8 experts: with the same weights its output differs from its bf16
     twin's by FP8's error (not by nothing, not by more)."""

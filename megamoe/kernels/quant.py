@@ -217,9 +217,11 @@ def quantize_weight(w_ERC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return q, s, qt, st
 
 
-# The FP8 copies of the expert weights, per weight tensor: made once and reused for as long as the weights do not
-# change — every micro-batch's forward and backward of one optimizer step.
-_weight_cache: dict[int, tuple[weakref.ref, tuple[int, int, bool], tuple[torch.Tensor, ...]]] = {}
+# The FP8 copies of the expert weights, per weight: made once and reused for as long as the weights do not change —
+# every micro-batch's forward and backward of one optimizer step. Keyed on the weight's storage and geometry, not on
+# the tensor object: the backward may meet an alias of the parameter (a checkpointed region's saved tensors unpack
+# as new tensor objects on the same storage and version counter), which must hit the forward's copies.
+_weight_cache: dict[tuple, tuple[weakref.ref, tuple[int, int, bool], tuple[torch.Tensor, ...]]] = {}
 _optimizer_steps = 0  # any torch.optim optimizer's steps so far (the hook below)
 
 
@@ -234,19 +236,30 @@ register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_weight(w)``, cached: a hit needs the same tensor object, at the same version (an in-place
-    update bumps it), with no optimizer step in between and the same kind of scales (``env.set_fp8_scales``). Inside a CUDA-graph capture nothing is cached (a
-    replay after the weights changed would read stale copies): the quantisation is captured with the step.
+    """``quantize_weight(w)``, cached: a hit needs the tensor the copies were made from, or an alias of it (the same
+    storage, offset, shape and strides), at the same version (an in-place update bumps it; aliases share the
+    counter), with no optimizer step in between and the same kind of scales (``env.set_fp8_scales``). The entry
+    lives as long as the tensor it was made from; a storage address is trusted only while that tensor still holds
+    the storage (so a new storage at a freed one's address never hits). Inside a CUDA-graph capture nothing is
+    cached (a replay after the weights changed would read stale copies): the quantisation is captured with the step.
     Weights written behind autograd's back (through ``.data``) need :func:`clear_weight_cache`."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return quantize_weight(w)
-    key = id(w)
+    storage = w.untyped_storage()._cdata
+    key = (storage, w.storage_offset(), tuple(w.shape), w.stride(), w.dtype, w.device)
     hit = _weight_cache.get(key)
     state = (w._version, _optimizer_steps, fp8_pow2_scales())
-    if hit is not None and hit[0]() is w and hit[1] == state:
-        return hit[2]
+    if hit is not None and hit[1] == state:
+        owner = hit[0]()
+        if owner is not None and owner.untyped_storage()._cdata == storage:
+            return hit[2]
     copies = quantize_weight(w)
-    _weight_cache[key] = (weakref.ref(w, lambda _: _weight_cache.pop(key, None)), state, copies)
+
+    def drop(ref):  # when ``w`` dies, its entry goes (unless a later tensor's entry has taken the key)
+        if key in _weight_cache and _weight_cache[key][0] is ref:
+            del _weight_cache[key]
+
+    _weight_cache[key] = (weakref.ref(w, drop), state, copies)
     return copies
 
 
