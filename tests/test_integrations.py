@@ -355,6 +355,25 @@ def test_model_benchmark_keeps_megamoe_activations_only_without_checkpointing():
             == {mode}
 
 
+def test_model_benchmark_runs_megamoe_fp8_as_megamoe_with_fp8_gemms(capsys):
+    """``--experts megamoe_fp8``: megamoe's implementation with ``set_precision(model, "fp8")``, in megamoe's memory
+    modes; refused without a GPU (the CPU check's tiny preset is not FP8-shaped), with one line."""
+    from megamoe.bench import model
+
+    for checkpoint, mode in ((False, "preact"), (True, None)):
+        m = model.prepared(tiny_model(device="cpu"), "megamoe_fp8", checkpoint, None)
+        experts = [e for e in m.modules() if hasattr(e, "gate_up_proj")]
+        assert {getattr(e, hf_megamoe.PRECISION, None) for e in experts} == {"fp8"}
+        assert {getattr(e, hf_megamoe.SAVE_FOR_BACKWARD, None) for e in experts} == {mode}
+        assert m.config._experts_implementation == "megamoe"
+    assert model.cell_name(True, "layers", "megamoe_fp8") == "checkpointed, layers, megamoe_fp8"
+    assert model.parse_args(["--experts", "megamoe,megamoe_fp8"], cuda=True).experts == ["megamoe", "megamoe_fp8"]
+    with pytest.raises(SystemExit):
+        model.parse_args(["--experts", "megamoe_fp8"], cuda=False)
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        "python -m megamoe.bench.model: error: --experts megamoe_fp8 needs a CUDA GPU")
+
+
 def test_model_benchmark_arguments(capsys):
     from megamoe.bench import model
 

@@ -14,7 +14,9 @@ decoder layer; ``model``: of the whole model, ``fullgraph=True``. ``--matrix``: 
 full checkpointing} x {layers, model} x ``--experts`` in one run; a cell that fails is recorded with its error and
 the run goes on, and a whole-model cell that dynamo cannot trace as one graph runs again with graph breaks allowed,
 marked as such (``run_cells``). ``--experts sonicmoe``: transformers' own SonicMoE experts on the installed
-``sonicmoe`` package (at QuACK's default GEMM config), where it imports.
+``sonicmoe`` package (at QuACK's default GEMM config), where it imports. ``megamoe_fp8``: megamoe with its blockwise
+FP8 GEMMs (``set_precision(model, "fp8")``); with no optimizer step its FP8 weight copies, made at the first step,
+are reused by every step after it, whereas a training step makes them again after each optimizer step.
 
 Each cell runs on a fresh copy of the model: medians of CUDA-event timings over ``--iters`` steps after 3 warm-up
 steps, the peak of allocated memory over all of them (the bf16 weights and gradients included, no optimizer state),
@@ -43,6 +45,7 @@ import megamoe
 from megamoe.bench.common import csv_of
 from megamoe.integrations.transformers import (  # importing it registers "megamoe"
     enable_activation_checkpointing,
+    set_precision,
     set_save_for_backward,
 )
 from megamoe.models import (
@@ -57,6 +60,13 @@ from megamoe.models import (
 from megamoe.provenance import git_commit, source_digest, utc_now
 
 CHECKPOINTING = (False, True)  # the matrix's rows: no checkpointing, full checkpointing
+# The implementations a cell can run: transformers' experts interfaces (models.EXPERTS), and megamoe with its
+# blockwise FP8 GEMMs (D and the expert width multiples of 128: the real presets, not the tiny one).
+MODEL_EXPERTS = (*EXPERTS, "megamoe_fp8")
+
+
+def is_megamoe(experts: str) -> bool:
+    return experts in ("megamoe", "megamoe_fp8")
 
 
 def prepared(model, experts: str, checkpoint: bool, compile_mode: str | None, device=None, fullgraph: bool = True):
@@ -66,11 +76,13 @@ def prepared(model, experts: str, checkpoint: bool, compile_mode: str | None, de
     model = copy.deepcopy(model)
     if device is not None:
         model = model.to(device)
-    model.set_experts_implementation(experts)
+    model.set_experts_implementation("megamoe" if is_megamoe(experts) else experts)
+    if experts == "megamoe_fp8":
+        set_precision(model, "fp8")
     model.train()
     if checkpoint:  # megamoe under its own policy; the others plainly, as users run them
-        enable_activation_checkpointing(model, megamoe.checkpoint_context if experts == "megamoe" else None)
-    elif experts == "megamoe":
+        enable_activation_checkpointing(model, megamoe.checkpoint_context if is_megamoe(experts) else None)
+    elif is_megamoe(experts):
         set_save_for_backward(model, "preact")
     if compile_mode is not None:
         compile_model(model, compile_mode, fullgraph)
@@ -114,7 +126,7 @@ def error_line(exc: BaseException) -> str:
 
 
 def cell_name(checkpoint: bool, compile_mode: str | None, experts: str) -> str:
-    saved = " (saved)" if experts == "megamoe" and not checkpoint else ""
+    saved = " (saved)" if is_megamoe(experts) and not checkpoint else ""
     return f"{'checkpointed' if checkpoint else 'no checkpointing'}, {compile_mode or 'eager'}, {experts}{saved}"
 
 
@@ -176,7 +188,7 @@ def run_cell(base, experts: str, checkpoint: bool, compile_mode: str | None, inp
     result = {"experts": experts, "checkpoint": checkpoint, "compile_mode": compile_mode}
     if compile_mode == "model":
         result["fullgraph"] = fullgraph
-    if experts == "megamoe":
+    if is_megamoe(experts):
         result["megamoe_save_for_backward"] = "none" if checkpoint else "preact"
     model = prepared(base, experts, checkpoint, compile_mode, input_ids.device, fullgraph)
     if input_ids.is_cuda:
@@ -207,7 +219,7 @@ def run_cells(base, cells, input_ids, iters: int, write, reference=None) -> list
             try:
                 result = run_cell(base, experts, checkpoint, compile_mode, input_ids, iters, reference)
             except torch._dynamo.exc.Unsupported as exc:
-                if compile_mode != "model" or experts == "megamoe":
+                if compile_mode != "model" or is_megamoe(experts):
                     raise
                 print(f"  {name:48s} not one graph ({error_line(exc)}): again with graph breaks", flush=True)
                 name += " (graph breaks)"
@@ -246,7 +258,7 @@ def table(results: list[dict], experts: list[str]) -> str:
             row[r["experts"]] = f"{r['step_ms']:.1f} ms, {r['peak_mem_bytes'] / 2**30:.1f} GiB{breaks}"
         else:
             row[r["experts"]] = f"loss {r['loss']:.4f}{breaks}"
-    heads = [f"{e} (saved / helper)" if e == "megamoe" else e for e in experts]
+    heads = [f"{e} (saved / helper)" if is_megamoe(e) else e for e in experts]
     lines = ["| checkpointing | compiled | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(experts)]
     for (checkpoint, compile_mode), row in rows.items():
         lines.append(f"| {'full' if checkpoint else 'none'} | {compile_mode or 'no'} | "
@@ -273,8 +285,9 @@ def parse_args(argv=None, cuda: bool | None = None):
     p.add_argument("--layers", type=int, default=2, help="decoder layers")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per step (one sequence)")
     p.add_argument("--vocab", type=int, default=32768, help="vocabulary size")
-    p.add_argument("--experts", type=csv_of(EXPERTS), default="megamoe,grouped_mm",
-                   help=f"from {EXPERTS} (sonicmoe: where `import sonicmoe` works, on a GPU)")
+    p.add_argument("--experts", type=csv_of(MODEL_EXPERTS), default="megamoe,grouped_mm",
+                   help=f"from {MODEL_EXPERTS} (sonicmoe: where `import sonicmoe` works, on a GPU; megamoe_fp8: on a "
+                        "GPU)")
     p.add_argument("--checkpoint", action="store_true",
                    help="full activation checkpointing of every layer (without it megamoe keeps its gate/up "
                         "pre-activation, save_for_backward='preact')")
@@ -298,6 +311,9 @@ def parse_args(argv=None, cuda: bool | None = None):
     problem = experts_problem(args.experts, cuda)
     if problem:
         p.error(problem)
+    if "megamoe_fp8" in args.experts and not cuda:
+        p.error("--experts megamoe_fp8 needs a CUDA GPU: without one the check runs the tiny preset, whose widths "
+                "are not multiples of 128 (FP8's scale blocks)")
     return args
 
 
