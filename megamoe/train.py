@@ -472,8 +472,8 @@ def main(argv=None) -> dict | None:
     args = parse_args(argv)
     if args.plot:
         runs = [json.loads(path.read_text()) for path in args.plot]
-        plot_runs(runs, args.out, labels=[f"{r['experts']}, seed {r['seed']}: eval {r['final_eval_loss']:.3f}"
-                                          for r in runs])
+        plot_runs(runs, args.out, labels=[f"{r['experts']}{' (FP8)' if r.get('expert_precision') == 'fp8' else ''}, "
+                                          f"seed {r['seed']}: eval {r['final_eval_loss']:.3f}" for r in runs])
         print(f"wrote {args.out}")
         return None
     rank, world, device, mesh, ep_group = setup_distributed(args)
