@@ -49,7 +49,9 @@ FP8_WS_VARIANTS = (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}),
                    # the other issue pattern of each (gluon_fp8_sm90.ROWS_ISSUE_AHEAD, UP_ISSUE_AHEAD)
                    ("fp8_rows_ws", "fp8_rows", {"issue_ahead": True}), ("fp8_up_ws", "fp8_up", {"issue_ahead": True}),
                    ("fp8_up_ws", "fp8_up", {"preact": True, "issue_ahead": True}),
-                   ("fp8_up_ws", "fp8_up", {"preact": True, "h_out": False}))
+                   ("fp8_up_ws", "fp8_up", {"preact": True, "h_out": False}),
+                   # the sorted-rows kernel's stores deferred under the next block's MMA (ROWS_DEFER_EPILOGUE)
+                   ("fp8_rows_ws", "fp8_rows", {"defer_epilogue": True}))
 _FP8_POINTER_TYPES = {"out_ptr": "*bf16", "preact_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
                       "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32", "b_scale_ptr": "*fp32"}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",

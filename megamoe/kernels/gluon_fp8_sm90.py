@@ -109,6 +109,9 @@ FP8_MAX = gl.constexpr(448.0)  # largest finite float8_e4m3fn
 # the sorted-rows GEMMs 3-5% faster and the up kernel 2-5% slower (its 64-column chains read x's rows twice as often).
 ROWS_ISSUE_AHEAD = True
 UP_ISSUE_AHEAD = False
+# Whether the sorted-rows kernel's warpgroups defer a block's stores until their next block's first MMA is issued
+# (``_rows_mma_partition``); not yet measured on the H200, so off by default.
+ROWS_DEFER_EPILOGUE = False
 
 
 @gluon.constexpr_function
@@ -206,23 +209,45 @@ def _rows_mma(a_bufs, w_bufs, s, tmp, WG: gl.constexpr):
 
 
 @gluon.jit
+def _rows_store(out, out_rows, first, end, n0, out_ptr, N_OUT, num_warps: gl.constexpr):
+    """The epilogue's stores of one warpgroup's bf16 block ``out`` (in the accumulator's layout): converted to 16-byte
+    row segments and stored through masked pointer stores (rows [first, end): a tile's rows past its expert belong to
+    the next tile) into rows ``out_rows`` (int32, in the row segments' row layout), columns n0 .."""
+    BN: gl.constexpr = out.type.shape[1]
+    out_layout: gl.constexpr = row_segments(BN, 2, num_warps)
+    local = first + gl.arange(0, out.type.shape[0], layout=gl.SliceLayout(1, out_layout))
+    cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+    gl.store(out_ptr + out_rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], gl.convert_layout(out, out_layout),
+             mask=(local < end)[:, None] & (cols < N_OUT)[None, :])
+
+
+@gluon.jit
 def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
                         a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, WG: gl.constexpr,
                         WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        DEFER_EPILOGUE: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``_fp8_rows_ws_kernel``: per K-step the
     block's MMA into a temporary, then the promotion into the fp32 accumulator (with ISSUE_AHEAD, under the
-    next block's MMA into a second temporary); then the weighted bf16
-    block, converted to 16-byte row segments and stored through masked pointer stores (a tile's rows past
-    its expert belong to the next tile) to sorted rows or to slots."""
+    next block's MMA into a second temporary); then the weighted bf16 block's stores (``_rows_store``) to sorted
+    rows or to slots. DEFER_EPILOGUE: a block's stores wait until the warpgroup's next block has issued its first
+    MMA, and run under it (the last block's after the loop); else they run at once, with the tensor cores idle
+    unless the other warpgroup's MMAs have them."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = w_bufs.type.shape[2]  # [STAGES, 1, BN, BK]
     HALF: gl.constexpr = bs_bufs.type.shape[1]
     acc_layout: gl.constexpr = _acc_layout(HALF, BN, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    out_layout: gl.constexpr = row_segments(BN, 2, num_warps)
+    seg_rows: gl.constexpr = gl.SliceLayout(1, row_segments(BN, 2, num_warps))
+    kbs = K // BK
     step = 0
+    # The stores a block has left to do (DEFER_EPILOGUE): its bf16 block, output rows, row range and first column
+    pend = 0
+    pend_out = gl.zeros([HALF, BN], out_ptr.dtype.element_ty, acc_layout)
+    pend_rows = gl.zeros([HALF], gl.int32, seg_rows)
+    pend_first = 0
+    pend_end = 0
+    pend_n0 = 0
     row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         end_next = expert_end(offsets_ptr, e_next, work)  # read here, used a block later
@@ -231,23 +256,30 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
         first = row0 + WG * HALF
         if first < end:
             # The epilogue's row data, loaded now so that its latency hides under the main loop.
-            rows = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
-            rmask = rows < end
-            out_rows = rows.to(gl.int64)
+            out_rows = first + gl.arange(0, HALF, layout=seg_rows)
             if TO_SLOTS:
-                out_rows = gl.load(row_slot_ptr + rows, mask=rmask, other=0).to(gl.int64)
+                out_rows = gl.load(row_slot_ptr + out_rows, mask=out_rows < end, other=0)
             if WEIGHTED:
                 acc_rows = first + gl.arange(0, HALF, layout=row_layout)
                 acc_slots = gl.load(row_slot_ptr + acc_rows, mask=acc_rows < end, other=0)
                 wt = gl.load(weights_ptr + acc_slots, mask=acc_rows < end, other=0.0)
+            s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+            # the MMAs' destination registers, reused
+            tmp0 = _rows_mma(a_bufs, w_bufs, s0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
+            if DEFER_EPILOGUE:
+                if pend != 0:  # the previous block's stores, under this block's first MMA
+                    _rows_store(pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
             acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
-            tmp0 = gl.zeros([HALF, BN], gl.float32, acc_layout)  # the MMAs' destination registers, reused
             if not ISSUE_AHEAD:
-                for k in range(0, K, BK):
+                tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+                mbarrier.arrive(empty.index(s0), count=1)
+                acc = acc + tmp0 * scale0[:, None]  # one FMA per element
+                step += 1
+                for k in range(BK, K, BK):
                     s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
                     tmp0 = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s0, tmp0, WG), ))
                     mbarrier.arrive(empty.index(s0), count=1)
-                    acc = acc + tmp0 * scale0[:, None]  # one FMA per element
+                    acc = acc + tmp0 * scale0[:, None]
                     step += 1
             else:
                 # Two temporaries: once block k's chain is done, block k+1's is issued before k's promotion,
@@ -256,49 +288,60 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                 # loop's back edge, retired by a wait(1) and then read, makes ptxas serialise every wgmma of the
                 # kernel (C7514), so the next chain goes in just after the wait (the scales and its stage's
                 # ready wait come first, under the running chain). The body is two blocks long (tmp0 and
-                # tmp1 swap roles: registers cannot be indexed); an odd count of blocks first runs one the
-                # plain way. A stage is freed once the chain reading it is done; a warpgroup holds two at most.
+                # tmp1 swap roles: registers cannot be indexed); the last one or two blocks run after it. A stage
+                # is freed once the chain reading it is done; a warpgroup holds two at most. (A chain in flight
+                # cannot be carried into a branch that waits on it under the same name: the waited results are
+                # named apart.)
                 tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
-                kbs = K // BK
-                if kbs % 2 == 1:
-                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
-                    tmp0 = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s0, tmp0, WG), ))
-                    mbarrier.arrive(empty.index(s0), count=1)
-                    acc = _promote(acc, tmp0, scale0)
-                    step += 1
-                if kbs > 1:
-                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
-                    tmp0 = _rows_mma(a_bufs, w_bufs, s0, tmp0, WG)
-                    for _ in range(kbs // 2 - 1):  # [block `step` in flight in tmp0]
-                        s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
-                        tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-                        tmp1 = _rows_mma(a_bufs, w_bufs, s1, tmp1, WG)
-                        mbarrier.arrive(empty.index(s0), count=1)
-                        acc = _promote(acc, tmp0, scale0)
-                        s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step + 2, STAGES, WG, row_layout)
-                        tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
-                        tmp0 = _rows_mma(a_bufs, w_bufs, s0, tmp0, WG)
-                        mbarrier.arrive(empty.index(s1), count=1)
-                        acc = _promote(acc, tmp1, scale1)
-                        step += 2
+                for _ in range((kbs - 1) // 2):  # [block `step` in flight in tmp0]
                     s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
                     tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
                     tmp1 = _rows_mma(a_bufs, w_bufs, s1, tmp1, WG)
                     mbarrier.arrive(empty.index(s0), count=1)
                     acc = _promote(acc, tmp0, scale0)
+                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step + 2, STAGES, WG, row_layout)
+                    tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
+                    tmp0 = _rows_mma(a_bufs, w_bufs, s0, tmp0, WG)
+                    mbarrier.arrive(empty.index(s1), count=1)
+                    acc = _promote(acc, tmp1, scale1)
+                    step += 2
+                if kbs % 2 == 0:  # two blocks left: `step` in flight, and the next
+                    s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
+                    done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+                    tmp1 = _rows_mma(a_bufs, w_bufs, s1, tmp1, WG)
+                    mbarrier.arrive(empty.index(s0), count=1)
+                    acc = _promote(acc, done0, scale0)
                     tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
                     mbarrier.arrive(empty.index(s1), count=1)
                     acc = _promote(acc, tmp1, scale1)
                     step += 2
+                else:  # one block left, in flight
+                    done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+                    mbarrier.arrive(empty.index(s0), count=1)
+                    acc = _promote(acc, done0, scale0)
+                    step += 1
             if WEIGHTED:
                 acc = acc * wt[:, None]
-            out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
-            cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-            gl.store(out_ptr + out_rows[:, None] * N_OUT + cols[None, :], out,
-                     mask=rmask[:, None] & (cols < N_OUT)[None, :])
+            out = acc.to(out_ptr.dtype.element_ty)
+            if DEFER_EPILOGUE:
+                pend = 1
+                pend_out = out
+                pend_rows = out_rows
+                pend_first = first
+                pend_end = end
+                pend_n0 = n0
+            else:
+                _rows_store(out, out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
+            if DEFER_EPILOGUE:
+                if pend != 0:
+                    _rows_store(pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
+                pend = 0
             step = _pass_stages(ready, empty, step, K, BK)
         row0, end, e_next, row0_next = row0_next, end_next, e_after, row0_after
+    if DEFER_EPILOGUE:
+        if pend != 0:
+            _rows_store(pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
 
 
 @gluon.jit
@@ -319,14 +362,15 @@ def _ring(a_desc, b_desc, B_SCALES: gl.constexpr, STAGES: gl.constexpr, LOADER_W
 def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr,
                         tile_expert_ptr, tile_row_ptr, M, N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr,
                         WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
-                        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        DEFER_EPILOGUE: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                        MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (M, K) fp8 in sorted rows, block (TILE_M, BK); w_desc: W (E, N_OUT, K) fp8, block (1, BN, BK);
     a_s (K // 128, M) and w_s (E, N_OUT // 128, K // 128) fp32; out (M, N_OUT) bf16: row r of the product
     into row ``row_slot[r]`` (TO_SLOTS) or r, times ``weights[row_slot[r]]`` (WEIGHTED, fp32 by slot).
     Blocks: the plan's busy tiles (EB: a power of two >= E) times the N-blocks, one program per SM walking
     them. num_warps: one warpgroup (the first MMA partition); the kernel adds the second and the loader.
-    ISSUE_AHEAD: the MMA warpgroups' issue pattern (``_rows_mma_partition``)."""
+    ISSUE_AHEAD, DEFER_EPILOGUE: the MMA warpgroups' issue pattern and when their stores run
+    (``_rows_mma_partition``)."""
     BN: gl.constexpr = w_desc.block_type.shape[1]
     num_n = N_OUT // BN
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -336,10 +380,10 @@ def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, 
     gl.warp_specialize([
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
                                empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 0, WEIGHTED, TO_SLOTS,
-                               ISSUE_AHEAD, num_warps)),
+                               ISSUE_AHEAD, DEFER_EPILOGUE, num_warps)),
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
                                empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 1, WEIGHTED, TO_SLOTS,
-                               ISSUE_AHEAD, num_warps)),
+                               ISSUE_AHEAD, DEFER_EPILOGUE, num_warps)),
         (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
                         as_bufs, bs_bufs, M, N_OUT, K, num_n, work, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
@@ -786,12 +830,13 @@ def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
 
 def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                      plan, *, weights: torch.Tensor | None = None, to_slots: bool = False,
-                     issue_ahead: bool = ROWS_ISSUE_AHEAD) -> None:
+                     issue_ahead: bool = ROWS_ISSUE_AHEAD, defer_epilogue: bool = ROWS_DEFER_EPILOGUE) -> None:
     """out (M, N) bf16 = the blockwise-dequantised a (M, K) in sorted rows times each row's expert weight
     w[e] (E, N, K)ᵀ, through ``_fp8_rows_ws_kernel``; row r into row ``plan.row_slot_N[r]`` if ``to_slots``, else
     r; times ``weights[row_slot[r]]`` (fp32, (M,) by slot) if given. Only the plan's routed rows are written.
     ``issue_ahead``: each warpgroup issues the next K-block's MMA before promoting the last (see
-    ``ROWS_ISSUE_AHEAD``).
+    ``ROWS_ISSUE_AHEAD``); ``defer_epilogue``: a block's stores run under the warpgroup's next block's first MMA (see
+    ``ROWS_DEFER_EPILOGUE``).
 
     a_q (M, K) float8_e4m3fn contiguous, a_s (K // 128, M) fp32 contiguous, w_q (E, N, K) float8_e4m3fn
     contiguous, w_s (E, N // 128, K // 128) fp32 contiguous; K and N multiples of 128; M >= 1; an sm90 GPU;
@@ -807,7 +852,8 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
         offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, M=num_rows,
         N_OUT=n_out, K=k_dim, E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
-        WEIGHTED=weights is not None, TO_SLOTS=to_slots, ISSUE_AHEAD=issue_ahead, STAGES=ROWS_STAGES,
+        WEIGHTED=weights is not None, TO_SLOTS=to_slots, ISSUE_AHEAD=issue_ahead, DEFER_EPILOGUE=defer_epilogue,
+        STAGES=ROWS_STAGES,
         LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
@@ -872,7 +918,8 @@ KERNELS = {"fp8_rows": _fp8_rows_ws_kernel, "fp8_up": _fp8_up_ws_kernel, "fp8_wg
 
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
-                h_out: bool = True, sizes_divisible: bool = True, issue_ahead: bool | None = None, pow2: bool = False):
+                h_out: bool = True, sizes_divisible: bool = True, issue_ahead: bool | None = None, pow2: bool = False,
+                defer_epilogue: bool = ROWS_DEFER_EPILOGUE):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
@@ -880,7 +927,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
     kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``:
     either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
-    up kernel's power-of-two h scales."""
+    up kernel's power-of-two h scales; ``defer_epilogue``: the sorted-rows kernel's (``ROWS_DEFER_EPILOGUE``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -892,7 +939,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     common = {"EB": 128, "TILE_M": BLOCK_M, "ISSUE_AHEAD": issue_ahead, "num_warps": MATH_WARPS}
     if name == "fp8_rows":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, FP8_BN, FP8_BK]}
-        constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "STAGES": ROWS_STAGES,
+        constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "DEFER_EPILOGUE": defer_epilogue,
+                      "STAGES": ROWS_STAGES,
                       "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32"}
         sizes = {"N_OUT", "K"}
