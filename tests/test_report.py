@@ -83,14 +83,14 @@ def test_sonicmoe_table_divides_sonicmoes_times_by_megamoes():
         return {"impl": impl, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "ac_step_ms": ac, "saved_activation_bytes": kept}
 
     info = {"preset": "p", "tokens": 8, "routing": "random", "gpu": "G", "torch": "t", "triton": "3", "date": "d",
-            "sonicmoe_gemms": "default config (pinned)",
+            "commit": "0123abcdef", "sonicmoe_gemms": "default config (pinned)",
             "results": [row("grouped_mm", 9, 9, 9, 0), {**row("sonicmoe", 2, 8, 10, 2**21), "peak_extra_bytes": 3 * 2**20},
                         row("megamoe", 2, 5, 5, 0), row("megamoe_saved", 3, 4, 7, 2**21)]}
     no_sonic = {**info, "preset": "q", "results": info["results"][2:]}
     lines = report.sonicmoe_table([info, no_sonic]).splitlines()
-    assert lines[2:5] == ["| p T=8 random | sonicmoe | 2.00 | 8.00 | 10.00 | 2 | 3 |  |  |",
-                          "| p T=8 random | megamoe | 2.00 | 5.00 | 5.00 | 0 |  | 1.60x | **2.00x** |",
-                          "| p T=8 random | megamoe_saved | 3.00 | 4.00 | 7.00 | 2 |  | 2.00x | **1.43x** |"]
+    assert lines[2:5] == ["| p T=8 random (d, 0123abc) | sonicmoe | 2.00 | 8.00 | 10.00 | 2 | 3 |  |  |",
+                          "| p T=8 random (d, 0123abc) | megamoe | 2.00 | 5.00 | 5.00 | 0 |  | 1.60x | **2.00x** |",
+                          "| p T=8 random (d, 0123abc) | megamoe_saved | 3.00 | 4.00 | 7.00 | 2 |  | 2.00x | **1.43x** |"]
     assert lines[5] == "" and "default config (pinned)" in lines[6]
 
 
@@ -99,13 +99,30 @@ def test_fp8_table_divides_each_bf16_twins_and_the_fp8_baselines_times_by_megamo
         return {"impl": impl, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "ac_step_ms": ac, "saved_activation_bytes": kept}
 
     info = {"preset": "p", "tokens": 8, "routing": "random", "gpu": "G", "torch": "t", "triton": "3", "date": "d",
+            "commit": "0123abcdef-dirty", "source_sha256": "feedbeefcafe",
             "results": [row("megamoe", 2, 9, 9), row("megamoe_fp8", 1, 6, 6), row("megamoe_saved", 3, 8, 11, 2**21),
                         row("megamoe_fp8_saved", 2, 5, 7, 2**21), row("grouped_mm_fp8_compiled", 5, 12, 18, 2**22)]}
     no_fp8 = {**info, "preset": "q", "results": info["results"][:1]}
     lines = report.fp8_table([info, no_fp8]).splitlines()
-    assert lines[2:7] == ["| p T=8 random | megamoe | 2.00 | 9.00 | 9.00 | 0 |  | 2.00x |",
-                          "| p T=8 random | megamoe_fp8 | 1.00 | 6.00 | 6.00 | 0 | **1.50x** | 3.00x |",
-                          "| p T=8 random | megamoe_saved | 3.00 | 8.00 | 11.00 | 2 |  | 1.64x |",
-                          "| p T=8 random | megamoe_fp8_saved | 2.00 | 5.00 | 7.00 | 2 | **1.60x** | 2.57x |",
-                          "| p T=8 random | grouped_mm_fp8_compiled | 5.00 | 12.00 | 18.00 | 4 |  |  |"]
+    problem = "p T=8 random (d, digest feedbee)"  # a run on uncommitted code is named by its source digest
+    assert lines[2:7] == [f"| {problem} | megamoe | 2.00 | 9.00 | 9.00 | 0 |  | 2.00x |",
+                          f"| {problem} | megamoe_fp8 | 1.00 | 6.00 | 6.00 | 0 | **1.50x** | 3.00x |",
+                          f"| {problem} | megamoe_saved | 3.00 | 8.00 | 11.00 | 2 |  | 1.64x |",
+                          f"| {problem} | megamoe_fp8_saved | 2.00 | 5.00 | 7.00 | 2 | **1.60x** | 2.57x |",
+                          f"| {problem} | grouped_mm_fp8_compiled | 5.00 | 12.00 | 18.00 | 4 |  |  |"]
     assert lines[7] == ""
+
+
+def test_readme_tables_put_each_problems_newest_run_first():
+    def run(preset, date):
+        return {"preset": preset, "tokens": 8, "routing": "random", "gpu": "G", "torch": "t", "triton": "3",
+                "date": date, "commit": "0123abcdef", "sonicmoe_gemms": "c",
+                "results": [{"impl": impl, "fwd_ms": 1, "fwd_bwd_ms": 2, "ac_step_ms": 2, "saved_activation_bytes": 0}
+                            for impl in ("sonicmoe", "megamoe", "megamoe_fp8")]}
+
+    runs = [run("b", "2026-01-01"), run("a", "2026-01-01"), run("b", "2026-03-01"), run("a", "2026-02-01")]
+    for table in (report.sonicmoe_table(runs), report.fp8_table(runs)):
+        firsts = [line.split(" | ")[0] for line in table.splitlines()[2:] if line.startswith("| ")]
+        order = list(dict.fromkeys(firsts))
+        assert order == ["| a T=8 random (2026-02-01, 0123abc)", "| a T=8 random (2026-01-01, 0123abc)",
+                         "| b T=8 random (2026-03-01, 0123abc)", "| b T=8 random (2026-01-01, 0123abc)"]

@@ -146,13 +146,27 @@ def summary_table(runs: list[dict]) -> str:
 SONIC_IMPLS = ("sonicmoe", "megamoe", "megamoe_saved", "megamoe_fp8", "megamoe_fp8_saved")
 
 
+def _newest_first(runs: list[dict]) -> list[dict]:
+    """``runs`` grouped by problem (preset, tokens, routing), each problem's newest run first: the current numbers
+    lead, the older runs below them are the history (docs/PERFORMANCE.md says what changed between them)."""
+    by_date = sorted(runs, key=lambda info: info.get("date", ""), reverse=True)
+    return sorted(by_date, key=lambda info: (info["preset"], info["tokens"], info["routing"]))
+
+
+def _problem(info: dict) -> str:
+    """A run's problem and when and on what code it ran: "30b T=16384 random (2026-12-03, bddbc03)"."""
+    commit = info.get("commit") or ""
+    code = commit[:7] if commit and not commit.endswith("-dirty") else f"digest {info.get('source_sha256', '?')[:7]}"
+    return f"{info['preset']} T={info['tokens']} {info['routing']} ({info.get('date', '?')[:10]}, {code})"
+
+
 def sonicmoe_table(runs: list[dict]) -> str:
     """One GPU, the runs that measured SonicMoE: its forward, forward+backward and AC step beside megamoe's two
     memory modes (and their FP8 twins where the run measured them), its peak memory over the inputs during
     forward+backward (where the run recorded it), what each keeps between forward and backward, and megamoe's speed-ups over SonicMoE."""
     lines = [("| layer, tokens, routing | impl | fwd ms | fwd+bwd ms | AC step ms | kept MiB | peak MiB | "
               "fwd+bwd vs SonicMoE | AC step vs SonicMoE |"), "|---|---|---|---|---|---|---|---|---|"]
-    measured = [info for info in runs if any(r["impl"] == "sonicmoe" for r in info["results"])]
+    measured = _newest_first([info for info in runs if any(r["impl"] == "sonicmoe" for r in info["results"])])
     for info in measured:
         by_impl = {r["impl"]: r for r in info["results"]}
         sonic = by_impl["sonicmoe"]
@@ -163,12 +177,12 @@ def sonicmoe_table(runs: list[dict]) -> str:
             vs = ("", "") if name == "sonicmoe" else (f"{sonic['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x",
                                                      f"**{sonic['ac_step_ms'] / r['ac_step_ms']:.2f}x**")
             peak = f"{r['peak_extra_bytes'] / 2**20:.0f}" if "peak_extra_bytes" in r else ""
-            lines.append(f"| {info['preset']} T={info['tokens']} {info['routing']} | {name} | {r['fwd_ms']:.2f} | "
+            lines.append(f"| {_problem(info)} | {name} | {r['fwd_ms']:.2f} | "
                          f"{r['fwd_bwd_ms']:.2f} | {r['ac_step_ms']:.2f} | {r['saved_activation_bytes'] / 2**20:.0f} | "
                          f"{peak} | {vs[0]} | {vs[1]} |")
     gemms = sorted({info.get("sonicmoe_gemms", "?") for info in measured})
     lines += ["", (f"SonicMoE's GEMMs at: {', '.join(gemms)}; {_versions(measured)}; all impls in the same process "
-                   "per problem.")]
+                   "per run; each problem's newest run first.")]
     return "\n".join(lines)
 
 
@@ -183,7 +197,7 @@ def fp8_table(runs: list[dict]) -> str:
     bf16 twin (speed-up of the forward+backward) and the AC step's speed-up over the compiled FP8 baseline."""
     lines = [("| layer, tokens, routing | impl | fwd ms | fwd+bwd ms | AC step ms | kept MiB | fwd+bwd vs bf16 | "
               "AC step vs grouped_mm FP8 compiled |"), "|---|---|---|---|---|---|---|---|"]
-    measured = [info for info in runs if any(r["impl"] == "megamoe_fp8" for r in info["results"])]
+    measured = _newest_first([info for info in runs if any(r["impl"] == "megamoe_fp8" for r in info["results"])])
     for info in measured:
         by_impl = {r["impl"]: r for r in info["results"]}
         base = by_impl.get("grouped_mm_fp8_compiled")
@@ -193,10 +207,10 @@ def fp8_table(runs: list[dict]) -> str:
             r = by_impl[name]
             vs_bf16 = f"**{by_impl[twin]['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x**" if twin in by_impl else ""
             vs_base = f"{base['ac_step_ms'] / r['ac_step_ms']:.2f}x" if base and name != "grouped_mm_fp8_compiled" else ""
-            lines.append(f"| {info['preset']} T={info['tokens']} {info['routing']} | {name} | {r['fwd_ms']:.2f} | "
+            lines.append(f"| {_problem(info)} | {name} | {r['fwd_ms']:.2f} | "
                          f"{r['fwd_bwd_ms']:.2f} | {r['ac_step_ms']:.2f} | {r['saved_activation_bytes'] / 2**20:.0f} | "
                          f"{vs_bf16} | {vs_base} |")
-    lines += ["", f"{_versions(measured)}; all impls in the same process per problem."]
+    lines += ["", f"{_versions(measured)}; all impls in the same process per run; each problem's newest run first."]
     return "\n".join(lines)
 
 
