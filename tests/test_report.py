@@ -43,7 +43,7 @@ def test_readme_option_rewrites_stale_sections(tmp_path):
     changes: a README with one row and a footer changed comes back equal to the committed README."""
     folder = copy_results(tmp_path)
     readme = (ROOT / "README.md").read_text()
-    row = next(line for line in readme.splitlines() if line.startswith("| qwen3-30b-a3b T=16384 random |"))
+    row = next(line for line in readme.splitlines() if line.startswith("| qwen3-30b-a3b T=16384 random ("))
     footer = next(line for line in readme.splitlines() if line.startswith("Training-step ms (AC step), "))
     stale = readme.replace(row, row.replace("|", "| 0.01 |", 2)).replace(footer, "old footer")
     assert stale != readme

@@ -128,7 +128,8 @@ def summary_table(runs: list[dict]) -> str:
     """One GPU: per problem, each impl's training step (AC step ms: forward + forward-and-backward for an impl
     that keeps activations, forward+backward for megamoe, which keeps none) and megamoe's speed-up over the
     compiled baseline. Only the runs that measured a grouped_mm baseline (not, say, the FP8 runs)."""
-    runs = [info for info in runs if {r["impl"] for r in info["results"]} & {"grouped_mm", "grouped_mm_compiled"}]
+    runs = _newest_first([info for info in runs
+                          if {r["impl"] for r in info["results"]} & {"grouped_mm", "grouped_mm_compiled"}])
     columns = _present(SUMMARY_IMPLS, runs)
     lines = ["| layer, tokens, routing | " + " | ".join(columns.values()) + " | megamoe vs compiled |",
              "|---|" + "---|" * (len(columns) + 1)]
@@ -137,9 +138,9 @@ def summary_table(runs: list[dict]) -> str:
         cells = [f"{step[name]:.2f}" if name in step else "" for name in columns]
         speedup = (f"**{step['grouped_mm_compiled'] / step['megamoe']:.2f}x**"
                    if {"megamoe", "grouped_mm_compiled"} <= step.keys() else "")
-        lines.append(f"| {info['preset']} T={info['tokens']} {info['routing']} | " + " | ".join(cells)
-                     + f" | {speedup} |")
-    lines += ["", f"Training-step ms (AC step), {_versions(runs)}; all impls in the same process per problem."]
+        lines.append(f"| {_problem(info)} | " + " | ".join(cells) + f" | {speedup} |")
+    lines += ["", (f"Training-step ms (AC step), {_versions(runs)}; all impls in the same process per run; each "
+                   "problem's newest run first.")]
     return "\n".join(lines)
 
 
