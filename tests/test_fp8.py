@@ -283,16 +283,22 @@ def test_fp8_refuses_dims_off_the_128_grid(dim, inter):
         megamoe.MegaMoE(dim, inter, 4, 2, precision="fp8", device=DEVICE)
 
 
-def test_weight_cache_hit_miss_and_invalidation(monkeypatch):
-    """One quantisation per weight while it is unchanged (forward and backward, any number of micro-batches); a
-    new one after an in-place update, after an optimizer step, and for another tensor; the layer never computes
-    with stale copies."""
+def _counting_weight_quantisations(monkeypatch):
+    """(the list every ``quant.quantize_weight`` call appends its weight to, an FP8-shaped problem whose weights are
+    parameters), the weight cache emptied."""
     calls = []
     real = quant.quantize_weight
     monkeypatch.setattr(quant, "quantize_weight", lambda w: calls.append(w) or real(w))
     quant.clear_weight_cache()
     x, idx, w, w13, w2, dy = make_problem(33, 128, 128, 4, 2, "random", device=DEVICE)
-    w13, w2 = (torch.nn.Parameter(t) for t in (w13, w2))
+    return calls, (x, idx, w, torch.nn.Parameter(w13), torch.nn.Parameter(w2), dy)
+
+
+def test_weight_cache_hit_miss_and_invalidation(monkeypatch):
+    """One quantisation per weight while it is unchanged (forward and backward, any number of micro-batches); a
+    new one after an in-place update, after an optimizer step, and for another tensor; the layer never computes
+    with stale copies."""
+    calls, (x, idx, w, w13, w2, dy) = _counting_weight_quantisations(monkeypatch)
 
     def step():
         y = megamoe.moe(x, idx, w, w13, w2, precision="fp8")
@@ -330,12 +336,7 @@ def test_weight_cache_hits_for_the_checkpointed_backward(monkeypatch):
     contents, shape and version does not hit."""
     from torch.utils.checkpoint import checkpoint
 
-    calls = []
-    real = quant.quantize_weight
-    monkeypatch.setattr(quant, "quantize_weight", lambda w: calls.append(w) or real(w))
-    quant.clear_weight_cache()
-    x, idx, w, w13, w2, dy = make_problem(33, 128, 128, 4, 2, "random", device=DEVICE)
-    w13, w2 = (torch.nn.Parameter(t) for t in (w13, w2))
+    calls, (x, idx, w, w13, w2, dy) = _counting_weight_quantisations(monkeypatch)
     x.requires_grad_()
 
     def layer(x):
