@@ -21,7 +21,10 @@ Also a template to copy. What it does, in order:
   states (no fp32 master copy; on CPU fp32). The router's auxiliary load-balancing loss (transformers' Qwen3-MoE
   formula, coefficient 0.001, counted without a host sync) is part of the loss; the logged loss is the
   language-model loss alone.
-- **Step**: ``--seqs-per-step`` sequences; full activation checkpointing of every decoder layer (megamoe under
+- **Step**: ``--micro-batches`` forward+backward passes (default 1; more: gradient accumulation, the loss and
+  gradients their mean, FSDP2's reduction after the last; FP8 experts quantise their weights once per step, so
+  more micro-batches share it) of ``--seqs-per-step`` sequences each; full activation checkpointing of every
+  decoder layer (megamoe under
   :func:`megamoe.checkpoint_context`, which does not rerun its forward; the others plainly), optionally
   ``torch.compile`` of every decoder layer (``--compile-mode layers``, or ``--compile``) or of the whole model in
   one graph (``--compile-mode model``, ``fullgraph=True``; without a GPU the ``aot_eager`` backend); gradient
@@ -305,7 +308,8 @@ def load_checkpoint(folder: Path, model, opt, rank: int, expect: dict) -> int:
 
     state = json.loads((folder / "state.json").read_text())
     for key, value in expect.items():
-        if state.get(key) != value:
+        # (checkpoints written before --micro-batches existed ran one micro-batch per step)
+        if state.get(key, 1 if key == "micro_batches" else None) != value:
             raise ValueError(f"--resume {folder}: the checkpoint has {key}={state.get(key)!r}, this run {value!r}")
     tensors = load_file(folder / f"rank{rank}.safetensors")
     with torch.no_grad():
@@ -364,6 +368,9 @@ def parse_args(argv=None, cuda: bool | None = None):
                        ("seqs_per_step", "sequences per step (per rank)")):
         p.add_argument(_option(name), type=int,
                        help=f"{what} (default: {GPU_DEFAULTS[name]}, without a GPU {CPU_DEFAULTS[name]})")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="forward+backward passes per optimizer step (gradient accumulation), each on --seqs-per-step "
+                        "sequences: the step's loss and gradients are their mean")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                    help="megamoe's expert GEMMs: bf16, or fp8 (blockwise FP8, DeepSeek-V3's recipe; the weights' bf16 "
                         "master copy kept; --experts megamoe on one GPU, layer dims multiples of 128)")
@@ -399,6 +406,8 @@ def parse_args(argv=None, cuda: bool | None = None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.moe_share_steps and not cuda:
         p.error("--moe-share-steps times the step on a GPU (CUDA events); this machine has none")
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches must be at least 1, not {args.micro_batches}")
     if world == 1 and args.ep != 1:
         p.error("--ep needs several processes (torchrun --nproc-per-node N)")
     if world % args.ep:
@@ -481,8 +490,9 @@ def main(argv=None) -> dict | None:
     say = print if rank == 0 else (lambda *a, **k: None)
     if args.device_note:
         say(args.device_note)
+    accumulated = f"x{args.micro_batches}" if args.micro_batches > 1 else ""
     name = args.name or (f"{args.preset}-l{args.layers}-{args.experts}{'-fp8' if args.precision == 'fp8' else ''}"
-                         f"-s{args.seq_len}x{args.seqs_per_step}-seed{args.seed}")
+                         f"-s{args.seq_len}x{args.seqs_per_step}{accumulated}-seed{args.seed}")
     run_dir = args.out / name
     data = load_corpus(args.corpus, args.vocab_size, args.out / "cache", log=say)
     train, held_out = Sequences(data["train"], args.seq_len, args.seed), Sequences(data["eval"], args.seq_len, 0)
@@ -503,7 +513,8 @@ def main(argv=None) -> dict | None:
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
     meta = {"preset": args.preset, "layers": args.layers, "experts": args.experts,
             "expert_precision": args.precision, "seq_len": args.seq_len,
-            "seqs_per_step": args.seqs_per_step, "world": world, "ep": args.ep, "seed": args.seed,
+            "seqs_per_step": args.seqs_per_step, "micro_batches": args.micro_batches, "world": world, "ep": args.ep,
+            "seed": args.seed,
             "steps": args.steps, "corpus_digest": data["digest"]}
     start = 0
     if args.resume:
@@ -529,7 +540,7 @@ def main(argv=None) -> dict | None:
                 router_logits.clear()
         return torch.stack(losses).float().mean().item()
 
-    tokens_per_step = args.seq_len * args.seqs_per_step * world
+    tokens_per_step = args.seq_len * args.seqs_per_step * args.micro_batches * world
     stop = min(args.steps, args.stop_after if args.stop_after is not None else args.steps)
     log = {"losses": [], "grad_norms": [], "eval": [], "step_ms": [], "host_ms": []}
     pending = []
@@ -569,9 +580,15 @@ def main(argv=None) -> dict | None:
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-        ids = train.batch(step * world + rank, args.seqs_per_step).to(device, non_blocking=True)
-        loss, lm_loss = step_loss(ids)
-        loss.backward()
+        lm_loss = 0.0
+        for micro in range(args.micro_batches):  # the step's gradient: the mean over its micro-batches
+            if mesh is not None:  # FSDP2 reduces the gradients after the last micro-batch only
+                model.set_requires_gradient_sync(micro == args.micro_batches - 1)
+            index = (step * args.micro_batches + micro) * world + rank
+            ids = train.batch(index, args.seqs_per_step).to(device, non_blocking=True)
+            loss, micro_lm_loss = step_loss(ids)
+            (loss / args.micro_batches).backward()
+            lm_loss = lm_loss + micro_lm_loss / args.micro_batches
         for p in expert_params:  # summed over the ep ranks' tokens; the loss is their mean
             if p.grad is not None:
                 p.grad.div_(args.ep)
