@@ -13,6 +13,8 @@
 #   bash scripts/gpu-check.sh train        python -m megamoe.train: megamoe against grouped_mm experts, 300 steps each
 #   bash scripts/gpu-check.sh train-fp8    python -m megamoe.train: megamoe's FP8 experts against its bf16 ones (seeds 0
 #                                          and 1: the run-to-run spread), 300 steps each
+#   bash scripts/gpu-check.sh train-fp8-more  FP8 from seed 1 (FP8's own spread), then FP8 and bf16 with 4 micro-batches
+#                                          per optimizer step (40 steps, timed: the weights' quantisation shared)
 #   bash scripts/gpu-check.sh ep           on 2+ GPUs: the fused EP tests on real ranks, then the EP benchmark
 # Logs (and the benchmark JSON/PNG) go to $GPU_CHECK_OUT (default benchmarks/out/gpu-check); copy the JSON you
 # mean to publish into benchmarks/results/ and run `python -m megamoe.bench.report`. Optional baselines install
@@ -21,7 +23,7 @@
 # Every GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv beside the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|train-fp8|ep}
+stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|train-fp8|train-fp8-more|ep}
 shift
 out=${GPU_CHECK_OUT:-benchmarks/out/gpu-check}
 mkdir -p "$out"
@@ -148,6 +150,11 @@ train-fp8)
         "megamoe-s0 190 --experts megamoe --moe-share-steps 5" \
         "megamoe-s1 170 --experts megamoe --seed 1"
     ;;
+train-fp8-more)
+    train_runs "megamoe-fp8-s1 170 --experts megamoe --precision fp8 --seed 1" \
+        "megamoe-fp8-mb4 150 --experts megamoe --precision fp8 --micro-batches 4 --steps 40 --eval-every 40" \
+        "megamoe-mb4 150 --experts megamoe --micro-batches 4 --steps 40 --eval-every 40"
+    ;;
 ep)
     [ "$gpus" -ge 2 ] || { echo "stage ep needs 2+ GPUs; this machine has $gpus" >&2; exit 2; }
     step ep-tests 420 "${py[@]}" -m pytest -q -p no:cacheprovider tests/test_parallel.py -m gpu || exit $?
@@ -155,7 +162,7 @@ ep)
         --preset qwen3-30b-a3b,qwen3-235b-a22b --tokens 16384 --routing random,skewed --comm-sms 32 --out "$out/results"
     ;;
 *)
-    echo "unknown stage $stage: tests, loopback, layer, fp8, model, train, train-fp8 or ep" >&2
+    echo "unknown stage $stage: tests, loopback, layer, fp8, model, train, train-fp8, train-fp8-more or ep" >&2
     exit 2
     ;;
 esac
