@@ -112,21 +112,23 @@ def test_under_torchrun_with_fsdp2_and_expert_parallelism(runs, corpus, tmp_path
         {"rank0.safetensors", "rank1.safetensors", "state.json"}
 
 
-def test_micro_batches_accumulate_the_steps_gradient(corpus, tmp_path):
+def test_micro_batches_accumulate_the_steps_gradient(runs, corpus):
     """--micro-batches 2 of one sequence each: the same sequences per step as one micro-batch of two (the step's
     loss their mean, so the first step's loss is the same; the gradient likewise but for the router's auxiliary
     loss, computed per micro-batch); the run's name, tokens per step and resume check count the micro-batches."""
-    single = train.main(args_for(corpus, tmp_path, "megamoe", "--steps", "2", "--no-checkpoint", "--eval-every", "2"))
-    accumulated = train.main(args_for(corpus, tmp_path, "megamoe", "--seqs-per-step", "1", "--micro-batches", "2",
+    out = runs[0]  # (its tokenizer cache)
+    single = train.main(args_for(corpus, out, "megamoe", "--steps", "2", "--no-checkpoint", "--eval-every", "2",
+                                 "--name", "one-micro-batch"))
+    accumulated = train.main(args_for(corpus, out, "megamoe", "--seqs-per-step", "1", "--micro-batches", "2",
                                       "--steps", "2", "--eval-every", "2"))
     assert accumulated["micro_batches"] == 2 and accumulated["tokens_per_step"] == single["tokens_per_step"]
     assert accumulated["losses"][0] == pytest.approx(single["losses"][0], rel=1e-5)
     assert accumulated["grad_norms"][0] == pytest.approx(single["grad_norms"][0], rel=1e-2)
     assert accumulated["losses"][1] == pytest.approx(single["losses"][1], rel=1e-3)
-    checkpoint = tmp_path / "tiny-l2-megamoe-s64x1x2-seed0" / "checkpoint-2"
+    checkpoint = out / "tiny-l2-megamoe-s64x1x2-seed0" / "checkpoint-2"
     assert checkpoint.is_dir()
     with pytest.raises(ValueError, match="micro_batches"):
-        train.main(args_for(corpus, tmp_path, "megamoe", "--seqs-per-step", "1", "--steps", "3", "--resume",
+        train.main(args_for(corpus, out, "megamoe", "--seqs-per-step", "1", "--steps", "3", "--resume",
                             str(checkpoint)))
 
 
