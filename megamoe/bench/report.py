@@ -154,10 +154,15 @@ def _newest_first(runs: list[dict]) -> list[dict]:
     return sorted(by_date, key=lambda info: (info["preset"], info["tokens"], info["routing"]))
 
 
+def _committed(info: dict) -> bool:
+    """Whether a run ran a commit as committed (else its record names its source digest)."""
+    commit = info.get("commit") or ""
+    return bool(commit) and not commit.endswith("-dirty")
+
+
 def _problem(info: dict) -> str:
     """A run's problem and when and on what code it ran: "30b T=16384 random (2026-12-03, bddbc03)"."""
-    commit = info.get("commit") or ""
-    code = commit[:7] if commit and not commit.endswith("-dirty") else f"digest {info.get('source_sha256', '?')[:7]}"
+    code = info["commit"][:7] if _committed(info) else f"digest {info.get('source_sha256', '?')[:7]}"
     return f"{info['preset']} T={info['tokens']} {info['routing']} ({info.get('date', '?')[:10]}, {code})"
 
 
@@ -288,7 +293,7 @@ def provenance(runs: list[dict]) -> str:
     lines = ["| file | GPU | torch, triton | date | code | command |", "|---|---|---|---|---|---|"]
     for info in runs:
         commit = info.get("commit") or ""
-        code = (f"commit {commit[:10]}" if commit and not commit.endswith("-dirty")
+        code = (f"commit {commit[:10]}" if _committed(info)
                 else f"source digest {info.get('source_sha256', '?')[:12]}"
                 + (f" (on {commit[:10]} with changes)" if commit else ""))
         lines.append(f"| `{info['_path'].name}` | {info.get('gpu', '?')} | {info.get('torch', '?')}, "

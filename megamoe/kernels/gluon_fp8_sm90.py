@@ -158,6 +158,15 @@ def _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
 
 
 @gluon.jit
+def _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
+    """At block ``w``'s start, the reads ``_blocks_ahead`` describes: the next block's expert end (its expert
+    ``e_next`` read a block ago; the end is used a block later) and the expert and first row of the block after it."""
+    end_next = expert_end(offsets_ptr, e_next, work)
+    e_after, row0_after = block_rows(w + 2 * gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+    return end_next, e_after, row0_after
+
+
+@gluon.jit
 def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
                  as_bufs, bs_bufs, M, N_OUT, K, num_n, work, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``_fp8_rows_ws_kernel``: per K-step, A's rows (block (128, 128)) and the
@@ -222,6 +231,13 @@ def _rows_store(out, out_rows, first, end, n0, out_ptr, N_OUT, num_warps: gl.con
 
 
 @gluon.jit
+def _rows_store_pending(pend, out, out_rows, first, end, n0, out_ptr, N_OUT, num_warps: gl.constexpr):
+    """``_rows_store`` of the block a deferring warpgroup holds, if it holds one (``pend`` nonzero)."""
+    if pend != 0:
+        _rows_store(out, out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
+
+
+@gluon.jit
 def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
                         a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, WG: gl.constexpr,
                         WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
@@ -250,8 +266,8 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
     pend_n0 = 0
     row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        end_next = expert_end(offsets_ptr, e_next, work)  # read here, used a block later
-        e_after, row0_after = block_rows(w + 2 * gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+        end_next, e_after, row0_after = _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
+                                                         work)
         n0 = (w % num_n) * BN
         first = row0 + WG * HALF
         if first < end:
@@ -266,9 +282,8 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
             s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
             # the MMAs' destination registers, reused
             tmp0 = _rows_mma(a_bufs, w_bufs, s0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
-            if DEFER_EPILOGUE:
-                if pend != 0:  # the previous block's stores, under this block's first MMA
-                    _rows_store(pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
+            if DEFER_EPILOGUE:  # the previous block's stores, under this block's first MMA
+                _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
             acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
             if not ISSUE_AHEAD:
                 tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
@@ -334,14 +349,12 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                 _rows_store(out, out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
             if DEFER_EPILOGUE:
-                if pend != 0:
-                    _rows_store(pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
+                _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
                 pend = 0
             step = _pass_stages(ready, empty, step, K, BK)
         row0, end, e_next, row0_next = row0_next, end_next, e_after, row0_after
     if DEFER_EPILOGUE:
-        if pend != 0:
-            _rows_store(pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
+        _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
 
 
 @gluon.jit
@@ -511,8 +524,8 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
     step = 0
     row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        end_next = expert_end(offsets_ptr, e_next, work)  # read here, used a block later
-        e_after, row0_after = block_rows(w + 2 * gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+        end_next, e_after, row0_after = _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
+                                                         work)
         n0 = (w % num_n) * BN
         first = row0 + WG * HALF
         if first < end:
