@@ -2,6 +2,7 @@
 (no number typed in by hand), the report draws a plot for each file, and a result names the commit of the
 code that ran."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -126,3 +127,17 @@ def test_readme_tables_put_each_problems_newest_run_first():
         order = list(dict.fromkeys(firsts))
         assert order == ["| a T=8 random (2026-02-01, 0123abc)", "| a T=8 random (2026-01-01, 0123abc)",
                          "| b T=8 random (2026-03-01, 0123abc)", "| b T=8 random (2026-01-01, 0123abc)"]
+
+
+def test_train_table_names_micro_batches(tmp_path):
+    """A run that accumulates gradients over micro-batches says so in its tokens per step; one without the key
+    (written before the option existed) counts as one micro-batch."""
+    (tmp_path / "train").mkdir()
+    run = json.loads((ROOT / "benchmarks" / "results" / "train" / "qwen3-30b-a3b-l2-megamoe-s0.json").read_text())
+    run.pop("micro_batches", None)
+    (tmp_path / "train" / "one.json").write_text(json.dumps(run))
+    (tmp_path / "train" / "four.json").write_text(json.dumps({**run, "micro_batches": 4, "seed": 7}))
+    rows = [line for line in report.train_table(tmp_path).splitlines() if line.startswith("| qwen3")]
+    assert len(rows) == 2
+    assert f"| 1 x {run['seq_len']} | megamoe | {run['seed']} |" in rows[0]
+    assert f"| 4 micro-batches of 1 x {run['seq_len']} | megamoe | 7 |" in rows[1]

@@ -229,10 +229,17 @@ def train_table(folder: Path) -> str:
     def fp8(r):
         return r.get("expert_precision") == "fp8"
 
-    for r in sorted(runs, key=lambda r: (r["preset"], -r["seq_len"], r["experts"] != "megamoe", fp8(r), r["seed"])):
+    def micro_batches(r):
+        return r.get("micro_batches", 1)
+
+    for r in sorted(runs, key=lambda r: (r["preset"], micro_batches(r), -r["seq_len"], r["experts"] != "megamoe",
+                                         fp8(r), r["seed"])):
         share = "" if r["moe_share"] is None else f"{r['moe_share']:.3f}"
         experts = f"{r['experts']} (FP8)" if fp8(r) else r["experts"]
-        lines.append(f"| {r['preset']}, {r['layers']} layers | {r['seqs_per_step']} x {r['seq_len']} | {experts} | "
+        per_step = f"{r['seqs_per_step']} x {r['seq_len']}"
+        if micro_batches(r) > 1:
+            per_step = f"{micro_batches(r)} micro-batches of {per_step}"
+        lines.append(f"| {r['preset']}, {r['layers']} layers | {per_step} | {experts} | "
                      f"{r['seed']} | {r['steps']} | {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.1f} | "
                      f"{r['mfu']:.1%} | {share} | {r['peak_mem_bytes'] / 2**30:.1f} | {r['final_eval_loss']:.3f} |")
     lines += ["", (f"{_versions(runs)}; bf16 (the experts' GEMMs too, but where marked FP8: blockwise), every decoder "
