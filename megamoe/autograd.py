@@ -66,16 +66,20 @@ def experts_forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tens
 
 def experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                      offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor,
-                     preact: Tensor | None = None, low_peak: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     preact: Tensor | None = None, low_peak: bool = False,
+                     reuse_preact: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d topk_weights, dw13, dw2): from the forward's saved gate and up products ``preact`` if given, else
-    recomputing them (the gate/up GEMM) from x; ``low_peak``: the order of :data:`LOW_PEAK_BACKWARD`."""
+    recomputing them (the gate/up GEMM) from x; ``low_peak``: the order of :data:`LOW_PEAK_BACKWARD`;
+    ``reuse_preact``: the caller hands ``preact`` over, and dz is written over it (one (N, 2I) block less at the
+    backward's peak; the caller must not read it again)."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
     x_sorted, dy_sorted, dh_NI = sorted_rows_and_dh(x, dy, w2, plan, top_k)
     if preact is None:
         dz_NH, hw_NI, dweight_TK = act_bwd(x_sorted, dh_NI, w13, topk_weights.contiguous(), plan, top_k)
     else:
-        dz_NH, hw_NI, dweight_TK = act_bwd_from_preact(preact, dh_NI, topk_weights.contiguous(), plan, top_k)
+        dz_NH, hw_NI, dweight_TK = act_bwd_from_preact(preact, dh_NI, topk_weights.contiguous(), plan, top_k,
+                                                       dz_over_preact=reuse_preact)
     del dh_NI
     # dW2 first, so that dy's rows and h·w are freed before dx's slot rows and dW13 take their memory (the
     # backward's peak: docs/PERFORMANCE.md).
@@ -106,7 +110,8 @@ def experts_forward_fp8(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: 
 
 def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                          offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor,
-                         preact: Tensor | None = None, low_peak: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         preact: Tensor | None = None, low_peak: bool = False,
+                         reuse_preact: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`experts_backward` in blockwise FP8: dy quantised 1x128 (once per token, in the pass that sorts its
     rows); dh' and dx on the weights' transposed FP8 copies; g and u, unless saved, recomputed by the forward's up
     kernel (the FP8 GEMM the forward ran, so both memory modes compute the same gradients; without its h output)
@@ -121,11 +126,13 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
     dh_NI = dh_fp8(dyq, dys, w2tq, w2ts, plan, x.dtype)
     del dyq, dys
-    if preact is None:
+    if preact is None:  # recomputed into a buffer of its own, which dz then takes over
         preact = preact_buffer(x, topk_idx, w13)
         up_products_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact)
-    dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True)
-    del dh_NI, preact  # (the saved products stay alive in the autograd context)
+        reuse_preact = True
+    dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True,
+                                                             dz_over_preact=reuse_preact)
+    del dh_NI, preact  # (saved products not handed over stay alive in the autograd context)
     wgrad = expert_wgrad_fp8 if FP8_WGRAD else expert_wgrad
     # dW2 first, as in :func:`experts_backward` (the backward's peak memory).
     dw2 = wgrad(dy_sorted, hw_NI, plan, w2.dtype)
@@ -174,8 +181,13 @@ class _FusedMoE(torch.autograd.Function):
     def backward(ctx, dy):
         x, topk_idx, topk_weights, w13, w2, *rest = ctx.saved_tensors
         plan, preact = (rest[:-1], rest[-1]) if ctx.save_preact else (rest, None)
+        if preact is not None:
+            # The saved products are this layer's own: dz takes their memory. Marked as modified, so that a second
+            # backward through a retained graph fails at unpacking them instead of reading dz as g and u.
+            torch.autograd.graph.increment_version(preact)
         dx, dweight, dw13, dw2 = _backward_body(ctx.fp8)(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan,
-                                                         preact=preact, low_peak=ctx.low_peak)
+                                                         preact=preact, low_peak=ctx.low_peak,
+                                                         reuse_preact=preact is not None)
         return dx, None, dweight, dw13, dw2, None, None, None
 
 
@@ -207,6 +219,7 @@ def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_r
     return torch.empty_like(x), preact_buffer(x, topk_idx, w13)
 
 
+# The op mutates nothing: unlike the eager path, it leaves saved products as they were (dz gets a block of its own).
 @torch.library.custom_op("megamoe::experts_bwd", mutates_args=())
 def _experts_bwd(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                  offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, preact: Tensor | None,

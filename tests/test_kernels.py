@@ -86,6 +86,48 @@ def test_low_peak_backward_gives_the_default_orders_gradients(monkeypatch, mode,
             assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_saved_products_become_dz_in_the_eager_backward(monkeypatch, fp8):
+    """The eager saved mode's backward writes dz over its saved gate and up products (no (N, 2I) block of its own),
+    with the gradients bit for bit those of the custom ops, which give dz a block of its own; the FP8 keep-nothing
+    backward does the same with the products it recomputes. A second backward through the retained graph of the
+    saved mode fails instead of reading dz as g and u."""
+    import contextlib
+
+    import megamoe.autograd
+    from megamoe.env import forcing_custom_ops
+
+    x, idx, w, w13, w2, dy = make_problem(40, 128, 128, 4, 2, "dropped", device=DEVICE)
+    original = megamoe.autograd.act_bwd_from_preact
+    for mode in SAVE_MODES:
+        if mode == "none" and not fp8:
+            continue  # the bf16 keep-nothing backward runs the act step on a recomputed GEMM, with no products
+        layer = functools.partial(megamoe.moe, save_for_backward=mode, precision="fp8" if fp8 else "bf16")
+        results = []
+        for ops in (contextlib.nullcontext(), forcing_custom_ops(contextlib.nullcontext())):
+            shared = []
+
+            def spy(preact, *args, **kwargs):
+                out = original(preact, *args, **kwargs)
+                shared.append(out[0].data_ptr() == preact.data_ptr())
+                return out
+
+            monkeypatch.setattr(megamoe.autograd, "act_bwd_from_preact", spy)
+            with ops:
+                results.append(run_with_grads(layer, x, idx, w, w13, w2, dy))
+            # eager: dz over the products; the custom op: over its own recomputed ones only
+            assert shared == [mode == "none" or isinstance(ops, contextlib.nullcontext)], (mode, shared)
+        for name, a, b in zip(NAMES, *results):
+            assert torch.equal(a, b), (mode, name)
+    monkeypatch.setattr(megamoe.autograd, "act_bwd_from_preact", original)
+    leaves = [t.detach().requires_grad_() for t in (x, w, w13, w2)]
+    y = megamoe.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], save_for_backward="preact",
+                    precision="fp8" if fp8 else "bf16")
+    y.backward(dy, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy)
+
+
 @pytest.mark.parametrize("mode", SAVE_MODES)
 def test_backward_order_by_default_is_low_peak_only_when_keeping_nothing(monkeypatch, mode):
     """``autograd.LOW_PEAK_BACKWARD`` unset (None, the default): the keep-nothing backward runs the low-peak order
@@ -494,14 +536,15 @@ def test_torch_compile_fullgraph_without_recompiles(mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", SAVE_MODES)
 @pytest.mark.parametrize("low_peak", [False, True])
-def test_backward_peak_memory_frees_dy_rows_before_the_dx_rows_and_dw13(monkeypatch, low_peak):
-    """The keep-nothing backward's peak (bf16) over what it starts with: the larger of its two busiest moments, the
-    act step (x and dy sorted rows, dh', dz, h·w) and dW13 with the dx combine (x rows, dz, dx slot rows, and the
-    gradients: dw2, dw13, dx), within 5% -- so dy's rows and h·w must be freed before dx's rows and dW13 are
-    allocated (held until the end, they add N·(D + I) elements to the second moment). In the low-peak order
+def test_backward_peak_memory_frees_dy_rows_before_the_dx_rows_and_dw13(monkeypatch, low_peak, mode):
+    """The backward's peak (bf16) over what it starts with: the larger of its two busiest moments, the act step (x
+    and dy sorted rows, dh', dz, h·w) and dW13 with the dx combine (x rows, dz, dx slot rows, and the gradients:
+    dw2, dw13, dx), within 5% -- so dy's rows and h·w must be freed before dx's rows and dW13 are allocated (held
+    until the end, they add N·(D + I) elements to the second moment). In the low-peak order
     (``autograd.LOW_PEAK_BACKWARD``) dW13 and the dx GEMM each hold one N x D block (x's rows, then dx's slot rows)
-    beside dz and the gradients."""
+    beside dz and the gradients. In the saved mode dz takes the saved products' memory (counted in the start)."""
     import megamoe.autograd
 
     monkeypatch.setattr(megamoe.autograd, "LOW_PEAK_BACKWARD", low_peak)
@@ -510,7 +553,7 @@ def test_backward_peak_memory_frees_dy_rows_before_the_dx_rows_and_dw13(monkeypa
     T, D, I, E, K = 4096, 512, 256, 64, 4
     x, idx, w, w13, w2, dy = gpu_problem(T, D, I, E, K, "random")
     leaves = [t.requires_grad_() for t in (x, w, w13, w2)]
-    y = megamoe.moe(x, idx, w, w13, w2)
+    y = megamoe.moe(x, idx, w, w13, w2, save_for_backward=mode)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -518,9 +561,10 @@ def test_backward_peak_memory_frees_dy_rows_before_the_dx_rows_and_dw13(monkeypa
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     n = T * K
-    act_step = 2 * (2 * n * D + 4 * n * I)
+    dz = 0 if mode == "preact" else 2 * 2 * n * I
+    act_step = 2 * (2 * n * D + 2 * n * I) + dz
     grads = sum(t.numel() * t.element_size() for t in leaves)
-    dw13_step = 2 * ((1 if low_peak else 2) * n * D + 2 * n * I) + grads
+    dw13_step = 2 * (1 if low_peak else 2) * n * D + dz + grads
     assert peak <= 1.05 * max(act_step, dw13_step), (peak, act_step, dw13_step)
 
 

@@ -373,11 +373,11 @@ def act_bwd(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int
     return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
 
 
-def act_bwd_outputs(num_slots: int, two_i: int, like: torch.Tensor):
-    """The act kernel's outputs: dz (N, 2I) and h·w (N, I) in ``like``'s dtype, and the partial
-    d(routing weight) (ceil(I / PART_COLS), N) fp32, zeroed: dropped slots are never written, so their
-    d(weight) is exactly zero."""
-    dz_NH = torch.empty(num_slots, two_i, device=like.device, dtype=like.dtype)
+def act_bwd_outputs(num_slots: int, two_i: int, like: torch.Tensor, dz: bool = True):
+    """The act kernel's outputs: dz (N, 2I) (None without ``dz``: the caller has its place) and h·w (N, I) in
+    ``like``'s dtype, and the partial d(routing weight) (ceil(I / PART_COLS), N) fp32, zeroed: dropped slots are
+    never written, so their d(weight) is exactly zero."""
+    dz_NH = torch.empty(num_slots, two_i, device=like.device, dtype=like.dtype) if dz else None
     hw_NI = torch.empty(num_slots, two_i // 2, device=like.device, dtype=like.dtype)
     dweight_part = torch.zeros(triton.cdiv(two_i // 2, PART_COLS), num_slots, device=like.device, dtype=torch.float32)
     return dz_NH, hw_NI, dweight_part
@@ -411,12 +411,17 @@ def dz_fp8_outputs(num_slots: int, two_i: int, device) -> tuple[torch.Tensor, to
             torch.empty(two_i // 128, num_slots, device=device, dtype=torch.float32))
 
 
-def act_bwd_from_preact(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: int, quant_dz: bool = False):
+def act_bwd_from_preact(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: int, quant_dz: bool = False,
+                        dz_over_preact: bool = False):
     """``act_bwd``'s outputs from the forward's saved gate and up products (N, 2I) instead of a recomputed GEMM;
-    with ``quant_dz`` (the FP8 path) also dz quantised 1x128 (``dz_fp8_outputs``)."""
+    with ``quant_dz`` (the FP8 path) also dz quantised 1x128 (``dz_fp8_outputs``). ``dz_over_preact``: dz is
+    written over ``preact_NH`` (each program reads its g and u before it writes their dz to the same places), so
+    that the step allocates no (N, 2I) block; for a caller that will not read the products again."""
     num_slots, two_i = preact_NH.shape
     inter = two_i // 2
-    dz_NH, hw_NI, dweight_part = act_bwd_outputs(num_slots, two_i, preact_NH)
+    dz_NH, hw_NI, dweight_part = act_bwd_outputs(num_slots, two_i, preact_NH, dz=not dz_over_preact)
+    if dz_over_preact:
+        dz_NH = preact_NH
     dzq, dzs = dz_fp8_outputs(num_slots, two_i, preact_NH.device) if quant_dz else (None, None)
     if num_slots:
         ACT_FROM_PREACT[tile_grid(plan, inter)](
