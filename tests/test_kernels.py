@@ -172,11 +172,13 @@ def test_low_peak_benchmark_impls_run_that_order_and_restore_the_setting(monkeyp
 def test_saved_mode_keeps_the_preactivation_and_skips_the_recompute(monkeypatch):
     """``save_for_backward="preact"``: the forward keeps the gate/up products, (T*K, 2I) in x's dtype and equal
     to them (fp32 operands: exact to rounding), and the backward runs the act step on them instead of the
-    recompute GEMM; ``"none"`` keeps nothing of the kind and recomputes."""
+    recompute GEMM (writing dz over them); ``"none"`` keeps nothing of the kind and recomputes."""
     import megamoe.autograd
 
     x, idx, w, w13, w2, dy = make_problem(40, 48, 24, 6, 3, "dropped", device=DEVICE)
     inter = w2.shape[2]
+    slot_rows = [(t, k) for e in range(w13.shape[0]) for t in range(x.shape[0]) for k in range(idx.shape[1])
+                 if idx[t, k] == e]  # the sorted order: by expert, then slot
     for mode, unused in (("preact", "act_bwd"), ("none", "act_bwd_from_preact")):
         with monkeypatch.context() as m:
             m.setattr(megamoe.autograd, unused,
@@ -184,15 +186,13 @@ def test_saved_mode_keeps_the_preactivation_and_skips_the_recompute(monkeypatch)
             leaves = [t.detach().requires_grad_() for t in (x, w, w13, w2)]
             y = megamoe.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], save_for_backward=mode)
             kept = [t for t in y.grad_fn.saved_tensors if t.shape == (idx.numel(), 2 * inter)]
+            if mode == "preact":
+                (preact,) = kept
+                for row, (t, k) in enumerate(slot_rows):
+                    torch.testing.assert_close(preact[row], w13[idx[t, k]] @ x[t], rtol=1e-5, atol=1e-5)
+            else:
+                assert kept == []
             y.backward(dy)
-        if mode == "none":
-            assert kept == []
-            continue
-        (preact,) = kept
-        slot_rows = [(t, k) for e in range(w13.shape[0]) for t in range(x.shape[0]) for k in range(idx.shape[1])
-                     if idx[t, k] == e]  # the sorted order: by expert, then slot
-        for row, (t, k) in enumerate(slot_rows):
-            torch.testing.assert_close(preact[row], w13[idx[t, k]] @ x[t], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="save_for_backward must be one of"):
         megamoe.moe(x, idx, w, w13, w2, save_for_backward="h")
 
@@ -468,14 +468,21 @@ def test_fused_fp32_gpu_matches_fp32_reference(shape, poison_cuda):
 
 
 @pytest.mark.gpu
-def test_autotuned_configs_match_fp32_reference(monkeypatch, poison_cuda):
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_autotuned_configs_match_fp32_reference(monkeypatch, poison_cuda, mode):
     """The layer's default mode: Triton's autotuner picks each kernel's config on first use; later calls
-    launch that config directly (bitwise the first call's results, which the chosen config computed)."""
+    launch that config directly (bitwise the first call's results, which the chosen config computed). In the saved
+    mode the act step writes dz over the products it reads, so its autotuning (from a fresh state here) must put
+    them back after each trial."""
+    from megamoe.kernels.expert_bwd import ACT_FROM_PREACT
+
     monkeypatch.setenv("MEGAMOE_AUTOTUNE", "1")
+    monkeypatch.setattr(ACT_FROM_PREACT, "_chosen", {})
+    monkeypatch.setattr(ACT_FROM_PREACT._tuned, "cache", {})
     problem = gpu_problem(2048, 1024, 512, 32, 4, "skewed")
-    first = run_with_grads(megamoe.moe, *problem)
+    first = run_with_grads(moe_in(mode), *problem)
     assert_close_to_reference(first, problem)
-    assert all(torch.equal(a, b) for a, b in zip(first, run_with_grads(megamoe.moe, *problem)))
+    assert all(torch.equal(a, b) for a, b in zip(first, run_with_grads(moe_in(mode), *problem)))
 
 
 @pytest.mark.gpu

@@ -76,3 +76,13 @@ def test_every_tuned_kernels_configs_name_only_its_own_parameters():
         params = set(kernel.jit_fn.arg_names)
         for config in kernel._tuned.configs:
             assert set(config.kwargs) <= params, (name, set(config.kwargs) - params)
+
+
+def test_a_kernel_writing_over_its_input_has_autotuning_put_it_back():
+    """The act step from saved products may write dz over them (``expert_bwd.act_bwd_from_preact``): its autotuner
+    restores them after every trial, else the trials after the first, and the final launch, would read dz as the
+    products (tests/test_kernels.py::test_autotuned_configs_match_fp32_reference runs it on the GPU)."""
+    from megamoe.kernels.expert_bwd import ACT_FROM_PREACT
+
+    assert ACT_FROM_PREACT._tuned.restore_value == ["preact_ptr"]
+    assert "preact_ptr" in ACT_FROM_PREACT.jit_fn.arg_names

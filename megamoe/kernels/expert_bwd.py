@@ -361,6 +361,7 @@ ACT_FROM_PREACT = TunedKernel(
     _act_from_preact_kernel, default=configs((16, 128, 64, 8, 1))[0],
     candidates=configs((32, 128, 64, 4, 1), (16, 128, 64, 4, 1), (32, 128, 64, 8, 1), (8, 128, 64, 4, 1)),
     key=["I", "QUANT_DZ"], even_k=None, blocks=lambda c: {},
+    restore=("preact_ptr",),  # dz may be written over the products (``act_bwd_from_preact``)
 )
 
 

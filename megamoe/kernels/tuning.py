@@ -55,14 +55,16 @@ class TunedKernel:
     ``*_desc`` parameter to its TMA block shape under that config. ``constants``: constexpr arguments
     this instance always passes (one Triton kernel can serve several GEMMs). ``follows``: for a kernel
     that must not be autotuned (non-idempotent effects), the kernel whose tiles it shares and whose
-    choice it takes, per key; it launches with ``default`` until ``follows`` has tuned that key. A config
-    is the tile shape, ``num_warps``, ``num_stages`` and any other constexpr knob of the kernel (e.g.
+    choice it takes, per key; it launches with ``default`` until ``follows`` has tuned that key. ``restore``: the
+    arguments a launch may write over (a kernel writing its output in place of an input), which autotuning copies
+    before each config's trial and puts back after it, so that every trial and the final launch read the caller's
+    values. A config is the tile shape, ``num_warps``, ``num_stages`` and any other constexpr knob of the kernel (e.g.
     ``PERSISTENT``); each config keeps only the knobs its own kernel has (a ``configs`` row's BK where the
     kernel has no K loop, a followed twin's extra knobs)."""
 
     def __init__(self, kernel, default: dict, candidates: list[dict], key: list[str],
                  even_k: Callable[[dict], bool] | None, blocks: Callable[[dict], dict[str, list[int]]],
-                 constants: dict | None = None, follows: TunedKernel | None = None):
+                 constants: dict | None = None, follows: TunedKernel | None = None, restore: tuple[str, ...] = ()):
         self._kernel = triton.heuristics({"EVEN_K": even_k})(kernel) if even_k else kernel
         self._arg_names = self.jit_fn.arg_names
         self.default = self._own(default)
@@ -75,7 +77,7 @@ class TunedKernel:
         self._chosen: dict[tuple, dict] = {}  # (key values..., dtype) -> the config autotuning picked
         self.last_config: dict | None = None  # the config of the latest launch (for the benchmarks' records)
         tuned_configs = [_triton_config(c, self._set_blocks) for c in [self.default, *self.candidates]]
-        self._tuned = triton.autotune(tuned_configs, key=key)(self._kernel)
+        self._tuned = triton.autotune(tuned_configs, key=key, restore_value=list(restore))(self._kernel)
 
     def _own(self, config: dict) -> dict:
         """``config`` without the knobs this kernel lacks (a follower's twin may have more)."""
