@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Set up (see setup.sh) and run the test suite. Without a GPU the Triton kernels run in the interpreter
-# and GPU-marked tests are skipped (about 25-30 minutes on 2 cores from a fresh clone, install included). Extra arguments go to pytest (e.g. -m gpu).
+# Set up (see setup.sh) and run the test suite. Extra arguments go to pytest (e.g. -m gpu). Without a GPU the
+# Triton kernels run in the interpreter and GPU-marked tests are skipped; the files run two at a time, one per
+# process (pytest-xdist; `-n 0` after the command: one process). With a GPU, one process: its tests measure
+# memory and time on the one device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/setup.sh)
+workers=()
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    workers=(-n 2 --dist loadfile)
+fi
 set +e
-"$PY" -m pytest -q "$@"
+"$PY" -m pytest -q "${workers[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
