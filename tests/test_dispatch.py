@@ -263,7 +263,8 @@ def test_saved_products_backward_matches_one_device_reference(case, num_ranks, c
 def check_loopback_backward(case, num_ranks, comm_sms, saved=False):
     """dx and d(routing weight) of each rank's tokens, dw13/dw2 of each rank's experts (rows of every
     rank), against the fp32 one-device layer; experts that receive no rows get exact zeros. ``saved``: after a
-    forward that saved the gate and up products (checked too), the backward on them."""
+    forward that saved the gate and up products (checked too), the backward on them, which writes dz over the
+    received rows' products and nothing past them."""
     ranks, problem, bounds, dys = split_problem(case, num_ranks)
     workspaces = workspaces_for(ranks, case[2])
     preacts = None
@@ -273,10 +274,14 @@ def check_loopback_backward(case, num_ranks, comm_sms, saved=False):
         ref = reference.moe_loop(*problem[:5], fp32=True)
         for r, y in enumerate(ys):
             torch.testing.assert_close(y, ref[bounds[r]:bounds[r + 1]], rtol=1e-5, atol=1e-5)
-        for ws, preact in zip(workspaces, preacts):  # every received row's products written, no other row's
-            received = int(protocol.current_counts(ws).sum())
-            assert torch.isfinite(preact[:received]).all() and torch.isnan(preact[received:]).all()
+        received = [int(protocol.current_counts(ws).sum()) for ws in workspaces]
+        for preact, n in zip(preacts, received):  # every received row's products written, no other row's
+            assert torch.isfinite(preact[:n]).all() and torch.isnan(preact[n:]).all()
+        products = [preact.clone() for preact in preacts]
     grads = loopback.loopback_backward(workspaces, ranks, dys, comm_sms=comm_sms, preacts=preacts)
+    if saved:
+        for preact, before, n in zip(preacts, products, received):
+            assert torch.isnan(preact[n:]).all() and (n == 0 or not torch.equal(preact[:n], before[:n]))
     _, dx, dw, dw13, dw2 = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *problem)
     per_rank = case[2]
     for r, got in enumerate(grads):

@@ -126,17 +126,19 @@ def ep_forward(ws: Workspace, x, topk_idx, topk_weights, w13, w2, plan: Plan, co
 
 
 def ep_backward(ws: Workspace, dy, x, topk_idx, topk_weights, w13, w2, plan: Plan, comm_sms: int,
-                preact: torch.Tensor | None = None) -> tuple:
+                preact: torch.Tensor | None = None, reuse_preact: bool = False) -> tuple:
     """The fused layer's backward on this rank for the output gradient ``dy`` (contiguous): x and dy rows out
     again, the owners' recompute (or, given the forward's ``preact``, none) and gradients, dx rows and
-    routing-weight gradients back; (dx, d topk_weights in their dtype, dw13, dw2)."""
+    routing-weight gradients back; (dx, d topk_weights in their dtype, dw13, dw2). ``reuse_preact``: dz is written
+    over ``preact`` (the caller will not read it again)."""
     ws.check_error(now=debug_checks_enabled())
     exchange_counts(ws, plan)
     if comm_sms:
-        dw13, dw2 = owner_experts_backward(ws, w13, w2, send=(x, dy, topk_weights, plan, comm_sms), preact_C2I=preact)
+        dw13, dw2 = owner_experts_backward(ws, w13, w2, send=(x, dy, topk_weights, plan, comm_sms), preact_C2I=preact,
+                                           reuse_preact=reuse_preact)
     else:
         dispatch_rows(ws, x, topk_idx, topk_weights, plan, dy_TD=dy)
-        dw13, dw2 = owner_experts_backward(ws, w13, w2, preact_C2I=preact)
+        dw13, dw2 = owner_experts_backward(ws, w13, w2, preact_C2I=preact, reuse_preact=reuse_preact)
     dx, dweight = combine_returned_backward(ws, topk_idx, x.dtype)
     _end_of_call(ws)
     return dx, dweight.to(topk_weights.dtype), dw13, dw2
@@ -176,8 +178,10 @@ class FusedEP(torch.autograd.Function):
     def backward(ctx, dy):
         x, topk_idx, topk_weights, w13, w2, *rest = ctx.saved_tensors
         plan_tensors, preact = (rest[:-1], rest[-1]) if ctx.save_preact else (rest, None)
+        if preact is not None:  # dz takes the saved products' memory, as on one GPU (megamoe.autograd._FusedMoE)
+            torch.autograd.graph.increment_version(preact)
         dx, dweight, dw13, dw2 = ep_backward(ctx.ws, dy.contiguous(), x, topk_idx, topk_weights, w13, w2,
-                                             Plan(*plan_tensors), ctx.comm_sms, preact)
+                                             Plan(*plan_tensors), ctx.comm_sms, preact, reuse_preact=preact is not None)
         return dx, None, dweight, dw13, dw2, None, None, None
 
 

@@ -138,22 +138,22 @@ def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: l
     (fp32), dw13, dw2). Nothing from the forward is used: x and dy rows travel again (the workspace is
     shared by every layer, so the forward's received rows are gone by then). ``comm_sms``: as for
     :func:`loopback_forward`; ``preacts``: the gate and up products :func:`loopback_forward` saved, per rank, for
-    the act step instead of its GEMM."""
+    the act step instead of its GEMM, which writes dz over them (as the eager layer's backward does)."""
     plans = _start(workspaces, problems)
     preacts = preacts or [None] * len(workspaces)
     if comm_sms and len(workspaces) == 1:
         (ws,), (plan,), ((x, _, weights, w13, w2),), (dy,) = workspaces, plans, problems, dys
         weight_grads = [owner_experts_backward(ws, w13, w2, send=(x, dy, weights, plan, comm_sms),
-                                               preact_C2I=preacts[0])]
+                                               preact_C2I=preacts[0], reuse_preact=True)]
     elif comm_sms:
         for ws, plan, (x, _, weights, w13, w2), dy in zip(workspaces, plans, problems, dys):
             send_and_dh(ws, w2, *received_plan(ws), send=(x, dy, weights, plan, comm_sms), compute=False)
-        weight_grads = [owner_experts_backward(ws, p[3], p[4], preact_C2I=preact)
+        weight_grads = [owner_experts_backward(ws, p[3], p[4], preact_C2I=preact, reuse_preact=True)
                         for ws, p, preact in zip(workspaces, problems, preacts)]
     else:
         for ws, plan, (x, idx, weights, _, _), dy in zip(workspaces, plans, problems, dys):
             dispatch_rows(ws, x, idx, weights, plan, dy_TD=dy)
-        weight_grads = [owner_experts_backward(ws, p[3], p[4], preact_C2I=preact)
+        weight_grads = [owner_experts_backward(ws, p[3], p[4], preact_C2I=preact, reuse_preact=True)
                         for ws, p, preact in zip(workspaces, problems, preacts)]
     results = []
     for ws, (x, topk_idx, _, _, _), (dw13, dw2) in zip(workspaces, problems, weight_grads):

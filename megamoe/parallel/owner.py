@@ -348,7 +348,7 @@ def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, se
 
 
 def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, send: tuple | None = None,
-                           preact_C2I: torch.Tensor | None = None):
+                           preact_C2I: torch.Tensor | None = None, reuse_preact: bool = False):
     """Phases 3 and 4, backward: dh' on the received dy rows as they arrive (:func:`send_and_dh`), then the
     one-GPU backward's act kernel (the gate/up GEMM recomputed; on sm90 the warp-specialized one) on the received
     x rows and dh' — the rows are already in expert order, so nothing is gathered; the dx GEMM writes each row,
@@ -357,7 +357,7 @@ def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.T
     without it, the caller ran ``senders.dispatch_rows`` (or the senders' launch). ``preact_C2I``: the forward's
     gate and up products of the same received rows (:func:`owner_experts`), for the act step instead of its GEMM:
     a row lands at the same place in both directions (its source's base for the expert, plus its index among the
-    source's rows of that expert)."""
+    source's rows of that expert); ``reuse_preact``: dz is written over it (the caller will not read it again)."""
     plan, counts = received_plan(ws)
     dh = send_and_dh(ws, w2_LDI, plan, counts, send)
     # Every expert's rows are in: each expert with rows had a dh' tile wait for them.
@@ -365,6 +365,7 @@ def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.T
     if preact_C2I is None:
         dz, hw, dweight = act_bwd(ws.recv_x, dh, w13_LHD, ws.recv_weight[:, None], plan, top_k=1)
     else:
-        dz, hw, dweight = act_bwd_from_preact(preact_C2I, dh, ws.recv_weight[:, None], plan, top_k=1)
+        dz, hw, dweight = act_bwd_from_preact(preact_C2I, dh, ws.recv_weight[:, None], plan, top_k=1,
+                                              dz_over_preact=reuse_preact)
     rows_to_peer_slots(ws, DX_PEER, dz, w13_LHD, plan, w13_LHD.shape[2], scalar_C=dweight.view(-1))
     return expert_wgrad(dz, ws.recv_x, plan, w13_LHD.dtype), expert_wgrad(ws.recv_dy, hw, plan, w2_LDI.dtype)
