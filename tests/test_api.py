@@ -346,3 +346,15 @@ def test_host_time_probe_on_the_gpu(capsys):
         assert float(stages.split(name)[1].split()[0]) > 0
     with pytest.raises(SystemExit, match="either --gpu"):
         main([])  # neither mode chosen: no TRITON_INTERPRET on a GPU machine
+
+
+def test_fp8_tool_times_the_stages_asked_for_and_refuses_a_name_it_lacks():
+    """``python -m tools.fp8 --stages``: the stages whose names contain a given part, in the table's order; a part
+    that names no stage stops the tool before any timing."""
+    from tools.fp8 import select_stages
+
+    stages = [("down", 1), ("down (issue-ahead)", 2), ("dh'", 3), ("dx", 4), ("dW13 FP8", 5)]
+    assert select_stages(stages, None) == stages
+    assert select_stages(stages, ["DX", "down"]) == [("down", 1), ("down (issue-ahead)", 2), ("dx", 4)]
+    with pytest.raises(SystemExit, match="no stage's name contains"):
+        select_stages(stages, ["dx", "dW3"])

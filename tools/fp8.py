@@ -15,7 +15,9 @@ FP8 path runs by default (``expert_bwd.expert_wgrad``; dW13 without the dx combi
 both whole (four quantisations and two FP8 GEMMs against two bf16 GEMMs). The ceiling beside them:
 ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
 device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and writes them once.
-Prints a table and writes JSON (GPU, versions, date, commit, command) if ``--out`` is given.
+``--stages down,dx``: only the stages whose names contain one of these (each first call compiles its kernel: the
+whole table takes minutes on a fresh machine). Prints a table and writes JSON (GPU, versions, date, commit, command)
+if ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ def scaled_mm_tflops(m: int, n: int, k: int) -> float:
     return 2 * m * n * k / ms / 1e9
 
 
+def select_stages(stages: list[tuple], patterns: list[str] | None) -> list[tuple]:
+    """The stages (name first) whose names contain any of ``patterns`` (case-insensitive), in their order; all of them
+    without patterns. A pattern that names no stage is an error, not an empty table."""
+    if not patterns:
+        return stages
+    unmatched = [p for p in patterns if not any(p.lower() in stage[0].lower() for stage in stages)]
+    if unmatched:
+        raise SystemExit(f"--stages: no stage's name contains {unmatched}; the stages: {[s[0] for s in stages]}")
+    return [stage for stage in stages if any(p.lower() in stage[0].lower() for p in patterns)]
+
+
 def main(argv=None) -> None:
     from triton.testing import do_bench
 
@@ -53,6 +66,8 @@ def main(argv=None) -> None:
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--out", type=Path, help="folder for the JSON record")
+    p.add_argument("--stages", type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
+                   help="comma-separated parts of stage names: time only those stages")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tools.fp8 times GPU kernels: it needs a CUDA GPU")
@@ -141,6 +156,7 @@ def main(argv=None) -> None:
         ("dW13 + dW2 FP8, quantisers in", fp8_wgrads, up_flops + down_flops, None, None),
         ("dW13 + dW2 bf16", bf16_wgrads, up_flops + down_flops, None, None),
     ]
+    stages = select_stages(stages, args.stages)
     src = torch.empty(256 * 2**20, device="cuda", dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy_gbs = 2 * src.numel() / do_bench(lambda: dst.copy_(src), warmup=25, rep=200) / 1e6
@@ -164,7 +180,8 @@ def main(argv=None) -> None:
                 "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"),
                 "command": "python -m tools.fp8 " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                 "preset": args.preset, "tokens": args.tokens, "device_copy_gbs": copy_gbs, "stages": results}
-        path = args.out / f"fp8-kernels-{args.preset}-t{args.tokens}.json"
+        subset = "-some-stages" if args.stages else ""  # never in place of a whole table's record
+        path = args.out / f"fp8-kernels-{args.preset}-t{args.tokens}{subset}.json"
         path.write_text(json.dumps(info, indent=1))
         print(f"wrote {path}")
 
