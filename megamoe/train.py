@@ -302,14 +302,17 @@ def save_checkpoint(folder: Path, model, opt, step: int, rank: int, meta: dict) 
         (folder / "state.json").write_text(json.dumps({**meta, "step": step}, indent=1) + "\n")
 
 
+# What a checkpoint written before a run setting was recorded ran with (--micro-batches: one per step).
+_BEFORE_THE_KEY = {"micro_batches": 1}
+
+
 def load_checkpoint(folder: Path, model, opt, rank: int, expect: dict) -> int:
     """Loads what :func:`save_checkpoint` wrote into ``model`` and ``opt``; returns the next step."""
     from safetensors.torch import load_file
 
-    state = json.loads((folder / "state.json").read_text())
+    state = {**_BEFORE_THE_KEY, **json.loads((folder / "state.json").read_text())}
     for key, value in expect.items():
-        # (checkpoints written before --micro-batches existed ran one micro-batch per step)
-        if state.get(key, 1 if key == "micro_batches" else None) != value:
+        if state.get(key) != value:
             raise ValueError(f"--resume {folder}: the checkpoint has {key}={state.get(key)!r}, this run {value!r}")
     tensors = load_file(folder / f"rank{rank}.safetensors")
     with torch.no_grad():

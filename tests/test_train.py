@@ -258,3 +258,13 @@ def test_sonicmoe_that_does_not_import_ends_in_one_line(monkeypatch, capsys):
         assert line.startswith(f"{prog}: error: --experts sonicmoe: SonicMoE is not importable (import of sonicmoe "
                                "halted") and "); install sonic-moe" in line
         assert "Traceback" not in err
+
+
+def test_a_checkpoint_written_before_micro_batches_were_recorded_ran_one_per_step(tmp_path):
+    """A checkpoint whose state.json lacks ``micro_batches`` resumes only a run of one micro-batch per step (the
+    check passes, and the loading goes on to the missing weights here), and refuses any other."""
+    (tmp_path / "state.json").write_text(json.dumps({"step": 3}))
+    with pytest.raises(ValueError, match="micro_batches=1, this run 2"):
+        train.load_checkpoint(tmp_path, None, None, 0, {"micro_batches": 2})
+    with pytest.raises(FileNotFoundError, match="rank0.safetensors"):
+        train.load_checkpoint(tmp_path, None, None, 0, {"micro_batches": 1})
