@@ -220,6 +220,7 @@ def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_r
 
 
 # The op mutates nothing: unlike the eager path, it leaves saved products as they were (dz gets a block of its own).
+# Declaring that it writes over them fails opcheck of ``_experts_fwd_saved``, whose output they are.
 @torch.library.custom_op("megamoe::experts_bwd", mutates_args=())
 def _experts_bwd(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                  offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, preact: Tensor | None,
