@@ -52,10 +52,14 @@ def select_stages(stages: list[tuple], patterns: list[str] | None) -> list[tuple
     without patterns. A pattern that names no stage is an error, not an empty table."""
     if not patterns:
         return stages
-    unmatched = [p for p in patterns if not any(p.lower() in stage[0].lower() for stage in stages)]
+
+    def named(stage, pattern):
+        return pattern.lower() in stage[0].lower()
+
+    unmatched = [p for p in patterns if not any(named(stage, p) for stage in stages)]
     if unmatched:
         raise SystemExit(f"--stages: no stage's name contains {unmatched}; the stages: {[s[0] for s in stages]}")
-    return [stage for stage in stages if any(p.lower() in stage[0].lower() for p in patterns)]
+    return [stage for stage in stages if any(named(stage, p) for p in patterns)]
 
 
 def main(argv=None) -> None:

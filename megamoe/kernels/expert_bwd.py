@@ -374,11 +374,12 @@ def act_bwd(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int
     return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
 
 
-def act_bwd_outputs(num_slots: int, two_i: int, like: torch.Tensor, dz: bool = True):
-    """The act kernel's outputs: dz (N, 2I) (None without ``dz``: the caller has its place) and h·w (N, I) in
+def act_bwd_outputs(num_slots: int, two_i: int, like: torch.Tensor, dz_NH: torch.Tensor | None = None):
+    """The act kernel's outputs: dz (N, 2I) (``dz_NH`` where the caller gives its place) and h·w (N, I) in
     ``like``'s dtype, and the partial d(routing weight) (ceil(I / PART_COLS), N) fp32, zeroed: dropped slots are
     never written, so their d(weight) is exactly zero."""
-    dz_NH = torch.empty(num_slots, two_i, device=like.device, dtype=like.dtype) if dz else None
+    if dz_NH is None:
+        dz_NH = torch.empty(num_slots, two_i, device=like.device, dtype=like.dtype)
     hw_NI = torch.empty(num_slots, two_i // 2, device=like.device, dtype=like.dtype)
     dweight_part = torch.zeros(triton.cdiv(two_i // 2, PART_COLS), num_slots, device=like.device, dtype=torch.float32)
     return dz_NH, hw_NI, dweight_part
@@ -420,9 +421,8 @@ def act_bwd_from_preact(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: in
     that the step allocates no (N, 2I) block; for a caller that will not read the products again."""
     num_slots, two_i = preact_NH.shape
     inter = two_i // 2
-    dz_NH, hw_NI, dweight_part = act_bwd_outputs(num_slots, two_i, preact_NH, dz=not dz_over_preact)
-    if dz_over_preact:
-        dz_NH = preact_NH
+    dz_NH, hw_NI, dweight_part = act_bwd_outputs(num_slots, two_i, preact_NH,
+                                                 dz_NH=preact_NH if dz_over_preact else None)
     dzq, dzs = dz_fp8_outputs(num_slots, two_i, preact_NH.device) if quant_dz else (None, None)
     if num_slots:
         ACT_FROM_PREACT[tile_grid(plan, inter)](
