@@ -99,20 +99,21 @@ def test_saved_products_become_dz_in_the_eager_backward(monkeypatch, fp8):
 
     x, idx, w, w13, w2, dy = make_problem(40, 128, 128, 4, 2, "dropped", device=DEVICE)
     original = megamoe.autograd.act_bwd_from_preact
+    shared = []  # per act step of a backward: whether dz is in the products' memory
+
+    def spy(preact, *args, **kwargs):
+        out = original(preact, *args, **kwargs)
+        shared.append(out[0].data_ptr() == preact.data_ptr())
+        return out
+
+    monkeypatch.setattr(megamoe.autograd, "act_bwd_from_preact", spy)
     for mode in SAVE_MODES:
         if mode == "none" and not fp8:
             continue  # the bf16 keep-nothing backward runs the act step on a recomputed GEMM, with no products
         layer = functools.partial(megamoe.moe, save_for_backward=mode, precision="fp8" if fp8 else "bf16")
         results = []
         for ops in (contextlib.nullcontext(), forcing_custom_ops(contextlib.nullcontext())):
-            shared = []
-
-            def spy(preact, *args, **kwargs):
-                out = original(preact, *args, **kwargs)
-                shared.append(out[0].data_ptr() == preact.data_ptr())
-                return out
-
-            monkeypatch.setattr(megamoe.autograd, "act_bwd_from_preact", spy)
+            shared.clear()
             with ops:
                 results.append(run_with_grads(layer, x, idx, w, w13, w2, dy))
             # eager: dz over the products; the custom op: over its own recomputed ones only
