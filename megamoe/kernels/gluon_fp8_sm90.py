@@ -64,8 +64,9 @@ from megamoe.env import device_capability, fp8_pow2_scales, sm_count
 from megamoe.kernels.gluon_sm90 import (
     barriers,
     block_rows,
+    blocks_ahead,
+    blocks_ahead_of,
     count_busy_tiles,
-    expert_end,
     expert_rows_ahead,
     next_slot,
     row_segments,
@@ -146,31 +147,8 @@ def _promote(acc, tmp, scale):
 
 
 @gluon.jit
-def _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
-    """A partition's view of its first two blocks, before its loop: the first one's expert, first row and expert
-    end, the second one's expert and first row. The loop then reads each block's expert and first row two blocks
-    ahead and its expert's end one block ahead (``_blocks_ahead_of``), so that no load's latency stands at a block's
-    start: in an MMA partition between a block's last MMA and the next one's first (the half-tile test
-    ``first < end`` needs the end before the first MMA is issued), in a loader before the block's first copies
-    (their coordinates need the expert and row; read there, they held the loader a round trip per block, and the
-    MMA warpgroups then waited for their first stage: docs/PERFORMANCE.md)."""
-    e, row0 = block_rows(gl.program_id(0), work, tile_expert_ptr, tile_row_ptr, num_n)
-    e_next, row0_next = block_rows(gl.program_id(0) + gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
-    return e, row0, expert_end(offsets_ptr, e, work), e_next, row0_next
-
-
-@gluon.jit
-def _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
-    """At block ``w``'s start, the reads ``_blocks_ahead`` describes: the next block's expert end (its expert
-    ``e_next`` read a block ago; the end is used a block later) and the expert and first row of the block after it."""
-    end_next = expert_end(offsets_ptr, e_next, work)
-    e_after, row0_after = block_rows(w + 2 * gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
-    return end_next, e_after, row0_after
-
-
-@gluon.jit
-def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs,
-                 w_bufs, as_bufs, bs_bufs, M, N_OUT, K, num_n, work, num_warps: gl.constexpr):
+def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
+                 as_bufs, bs_bufs, M, N_OUT, K, num_n, work, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``_fp8_rows_ws_kernel``: per K-step, A's rows (block (128, 128)) and the
     expert's weight block (1, 128, 128) through TMA; A's 128 row scales and the weight block's scale (into 64
     entries) through 4-byte ``cp.async``, each thread's copies arriving on the stage's ready barrier."""
@@ -183,9 +161,10 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, offsets_ptr, tile_expert_ptr,
     same = gl.zeros([HALF], gl.int32, layout)  # every entry: the one weight scale
     kbs = K // BK
     step = 0
-    e, row0, _, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
+    e, row0 = block_rows(gl.program_id(0), work, tile_expert_ptr, tile_row_ptr, num_n)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        _, e_after, row0_after = _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
+        # the next block's expert and first row, a block ahead (``blocks_ahead``)
+        e_next, row0_next = block_rows(w + gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
         n0 = (w % num_n) * BN
         rows0 = row0 + lanes  # the first warpgroup's rows; rows0 + HALF the second's
         rows1 = rows0 + HALF
@@ -200,7 +179,7 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, offsets_ptr, tile_expert_ptr,
             async_copy.async_copy_global_to_shared(bs_bufs.index(s), w_scale + kb)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
-        e, row0, e_next, row0_next = e_next, row0_next, e_after, row0_after
+        e, row0 = e_next, row0_next
 
 
 @gluon.jit
@@ -277,11 +256,11 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
     pend_first = 0
     pend_end = 0
     pend_n0 = 0
-    _, row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
+    _, row0, end, e_next, row0_next = blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     if WEIGHTED:  # the slots of the block's rows, whose weights it reads, loaded a block ahead (below)
         acc_slots = _slots_of(row_slot_ptr, row0 + WG * HALF, M, HALF, row_layout)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        end_next, e_after, row0_after = _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
+        end_next, e_after, row0_after = blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
                                                          work)
         n0 = (w % num_n) * BN
         first = row0 + WG * HALF
@@ -415,8 +394,8 @@ def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, 
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
                                empty, a_bufs, w_bufs, as_bufs, bs_bufs, M, N_OUT, K, num_n, work, 1, WEIGHTED, TO_SLOTS,
                                ISSUE_AHEAD, DEFER_EPILOGUE, num_warps)),
-        (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                        a_bufs, w_bufs, as_bufs, bs_bufs, M, N_OUT, K, num_n, work, LOADER_WARPS)),
+        (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
+                        as_bufs, bs_bufs, M, N_OUT, K, num_n, work, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
 
@@ -447,9 +426,9 @@ def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, t
     kbs = D // BK
     nbs = I // BN
     step = 0
-    e, row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
+    e, row0, end, e_next, row0_next = blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        end_next, e_after, row0_after = _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
+        end_next, e_after, row0_after = blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
                                                          work)
         n0 = (w % num_n) * BN
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))
@@ -543,9 +522,9 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
     half_layout: gl.constexpr = _acc_layout(HALF, HB, num_warps)
     half_rows: gl.constexpr = gl.SliceLayout(1, half_layout)
     step = 0
-    _, row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
+    _, row0, end, e_next, row0_next = blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        end_next, e_after, row0_after = _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
+        end_next, e_after, row0_after = blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
                                                          work)
         n0 = (w % num_n) * BN
         first = row0 + WG * HALF
