@@ -64,14 +64,14 @@ from megamoe.env import device_capability, fp8_pow2_scales, sm_count
 from megamoe.kernels.gluon_sm90 import (
     barriers,
     block_rows,
-    blocks_ahead,
-    blocks_ahead_of,
     count_busy_tiles,
+    expert_end,
     expert_rows_ahead,
     next_slot,
     row_segments,
     staged_layout,
     store_staged,
+    tile_block,
     wgrad_block,
 )
 from megamoe.kernels.plan import BLOCK_M
@@ -147,6 +147,27 @@ def _promote(acc, tmp, scale):
 
 
 @gluon.jit
+def _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
+    """An MMA partition's view of its first two blocks, before its loop: the first one's first row and expert end,
+    the second one's expert and first row. The loop then reads each block's expert and first row two blocks ahead
+    and its expert's end one block ahead (``block_rows``, ``expert_end``), so that no load's latency stands between
+    a block's last MMA and the next one's first. (Read at the block's start, the two dependent loads held both
+    warpgroups there: the half-tile test ``first < end`` needs the end before the first MMA is issued.)"""
+    e, row0 = block_rows(gl.program_id(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+    e_next, row0_next = block_rows(gl.program_id(0) + gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+    return row0, expert_end(offsets_ptr, e, work), e_next, row0_next
+
+
+@gluon.jit
+def _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
+    """At block ``w``'s start, the reads ``_blocks_ahead`` describes: the next block's expert end (its expert
+    ``e_next`` read a block ago; the end is used a block later) and the expert and first row of the block after it."""
+    end_next = expert_end(offsets_ptr, e_next, work)
+    e_after, row0_after = block_rows(w + 2 * gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+    return end_next, e_after, row0_after
+
+
+@gluon.jit
 def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
                  as_bufs, bs_bufs, M, N_OUT, K, num_n, work, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``_fp8_rows_ws_kernel``: per K-step, A's rows (block (128, 128)) and the
@@ -161,11 +182,8 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr
     same = gl.zeros([HALF], gl.int32, layout)  # every entry: the one weight scale
     kbs = K // BK
     step = 0
-    e, row0 = block_rows(gl.program_id(0), work, tile_expert_ptr, tile_row_ptr, num_n)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        # the next block's expert and first row, a block ahead (``blocks_ahead``)
-        e_next, row0_next = block_rows(w + gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
-        n0 = (w % num_n) * BN
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         rows0 = row0 + lanes  # the first warpgroup's rows; rows0 + HALF the second's
         rows1 = rows0 + HALF
         w_scale = w_s_ptr + (e * (N_OUT // BN) + n0 // BN) * kbs + same
@@ -179,7 +197,6 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr
             async_copy.async_copy_global_to_shared(bs_bufs.index(s), w_scale + kb)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
-        e, row0 = e_next, row0_next
 
 
 @gluon.jit
@@ -199,14 +216,6 @@ def _rows_mma(a_bufs, w_bufs, s, tmp, WG: gl.constexpr):
     HALF: gl.constexpr = a_bufs.type.shape[1] // 2
     return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), w_bufs.index(s).reshape([BN, BK]).permute((1, 0)),
                          tmp, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _slots_of(row_slot_ptr, first, M, HALF: gl.constexpr, layout: gl.constexpr):
-    """The slots of a warpgroup's ``HALF`` sorted rows from ``first``, in ``layout`` (0 past the M rows; rows past
-    the block's expert are the next expert's, read harmlessly and masked where used)."""
-    rows = first + gl.arange(0, HALF, layout=layout)
-    return gl.load(row_slot_ptr + rows, mask=rows < M, other=0)
 
 
 @gluon.jit
@@ -231,7 +240,7 @@ def _rows_store_pending(pend, out, out_rows, first, end, n0, out_ptr, N_OUT, num
 
 @gluon.jit
 def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                        a_bufs, w_bufs, as_bufs, bs_bufs, M, N_OUT, K, num_n, work, WG: gl.constexpr,
+                        a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, WG: gl.constexpr,
                         WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
                         DEFER_EPILOGUE: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``_fp8_rows_ws_kernel``: per K-step the
@@ -256,26 +265,21 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
     pend_first = 0
     pend_end = 0
     pend_n0 = 0
-    _, row0, end, e_next, row0_next = blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
-    if WEIGHTED:  # the slots of the block's rows, whose weights it reads, loaded a block ahead (below)
-        acc_slots = _slots_of(row_slot_ptr, row0 + WG * HALF, M, HALF, row_layout)
+    row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        end_next, e_after, row0_after = blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
+        end_next, e_after, row0_after = _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
                                                          work)
         n0 = (w % num_n) * BN
         first = row0 + WG * HALF
-        if WEIGHTED:
-            # This block's weights: their slots were loaded a block ago, so the load goes out at once and its latency
-            # hides under the main loop (with the slots loaded here, the dependent load held the warpgroup ~0.5 us
-            # before its first MMA: docs/PERFORMANCE.md). Then the next block's slots.
-            acc_rows = first + gl.arange(0, HALF, layout=row_layout)
-            wt = gl.load(weights_ptr + acc_slots, mask=acc_rows < end, other=0.0)
-            acc_slots = _slots_of(row_slot_ptr, row0_next + WG * HALF, M, HALF, row_layout)
         if first < end:
             # The epilogue's row data, loaded now so that its latency hides under the main loop.
             out_rows = first + gl.arange(0, HALF, layout=seg_rows)
             if TO_SLOTS:
                 out_rows = gl.load(row_slot_ptr + out_rows, mask=out_rows < end, other=0)
+            if WEIGHTED:
+                acc_rows = first + gl.arange(0, HALF, layout=row_layout)
+                acc_slots = gl.load(row_slot_ptr + acc_rows, mask=acc_rows < end, other=0)
+                wt = gl.load(weights_ptr + acc_slots, mask=acc_rows < end, other=0.0)
             s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
             # the MMAs' destination registers, reused
             tmp0 = _rows_mma(a_bufs, w_bufs, s0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
@@ -389,10 +393,10 @@ def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, 
                                                            LOADER_WARPS)
     gl.warp_specialize([
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
-                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, M, N_OUT, K, num_n, work, 0, WEIGHTED, TO_SLOTS,
+                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 0, WEIGHTED, TO_SLOTS,
                                ISSUE_AHEAD, DEFER_EPILOGUE, num_warps)),
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
-                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, M, N_OUT, K, num_n, work, 1, WEIGHTED, TO_SLOTS,
+                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 1, WEIGHTED, TO_SLOTS,
                                ISSUE_AHEAD, DEFER_EPILOGUE, num_warps)),
         (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
                         as_bufs, bs_bufs, M, N_OUT, K, num_n, work, LOADER_WARPS)),
@@ -426,11 +430,9 @@ def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, t
     kbs = D // BK
     nbs = I // BN
     step = 0
-    e, row0, end, e_next, row0_next = blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        end_next, e_after, row0_after = blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
-                                                         work)
-        n0 = (w % num_n) * BN
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        end = gl.load(offsets_ptr + e + 1)
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))
         rmask = rows < end
         tok = (gl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k).to(gl.int64)
@@ -457,7 +459,6 @@ def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, t
             async_copy.async_copy_global_to_shared(bs_bufs.index(2 * s + 1), u_scale + kb)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
-        e, row0, end, e_next, row0_next = e_next, row0_next, end_next, e_after, row0_after
 
 
 @gluon.jit
@@ -522,9 +523,9 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
     half_layout: gl.constexpr = _acc_layout(HALF, HB, num_warps)
     half_rows: gl.constexpr = gl.SliceLayout(1, half_layout)
     step = 0
-    _, row0, end, e_next, row0_next = blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
+    row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        end_next, e_after, row0_after = blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
+        end_next, e_after, row0_after = _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
                                                          work)
         n0 = (w % num_n) * BN
         first = row0 + WG * HALF

@@ -124,29 +124,6 @@ def expert_end(offsets_ptr, e, work):
 
 
 @gluon.jit
-def blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
-    """A partition's view of its first two blocks, before its loop: the first one's expert, first row and expert
-    end, the second one's expert and first row. The loop then reads each block's expert and first row two blocks
-    ahead and its expert's end one block ahead (``blocks_ahead_of``), so that no load's latency stands at a block's
-    start: in an MMA partition between a block's last MMA and the next one's first (the half-tile test
-    ``first < end`` needs the end before the first MMA is issued), in a loader before the block's first copies
-    (their coordinates need the expert and row; read there, they held the loader a round trip per block, and the
-    MMA warpgroups then waited for their first stage: docs/PERFORMANCE.md)."""
-    e, row0 = block_rows(gl.program_id(0), work, tile_expert_ptr, tile_row_ptr, num_n)
-    e_next, row0_next = block_rows(gl.program_id(0) + gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
-    return e, row0, expert_end(offsets_ptr, e, work), e_next, row0_next
-
-
-@gluon.jit
-def blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
-    """At block ``w``'s start, the reads ``blocks_ahead`` describes: the next block's expert end (its expert
-    ``e_next`` read a block ago; the end is used a block later) and the expert and first row of the block after it."""
-    end_next = expert_end(offsets_ptr, e_next, work)
-    e_after, row0_after = block_rows(w + 2 * gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
-    return end_next, e_after, row0_after
-
-
-@gluon.jit
 def wgrad_block(tile, offsets_ptr, num_p, num_q, BM: gl.constexpr, BN: gl.constexpr):
     """Block ``tile`` of the expert-major order: its expert, first P and Q, and the expert's sorted rows
     [start, end)."""
@@ -172,18 +149,13 @@ def _loader(a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, nu
     BN: gl.constexpr = b_desc.block_type.shape[1]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     step = 0
-    start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, num_p, num_q)
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        _, p0, q0, _, _ = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-        # the next block's rows, a block ahead (as the MMA partition reads them): read here at the block's start,
-        # their round trip stood before the block's first copy
-        start_next, end_next = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, num_p, num_q)
+        _, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
         for r0 in range(start, end, BK):
             s = next_slot(empty, ready, step, nbytes)
             tma.async_copy_global_to_shared(a_desc, [r0, p0], ready.index(s), a_bufs.index(s))
             tma.async_copy_global_to_shared(b_desc, [r0, q0], ready.index(s), b_bufs.index(s))
             step += 1
-        start, end = start_next, end_next
 
 
 @gluon.constexpr_function
@@ -346,12 +318,8 @@ def _tiles_loader(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a
     BN: gl.constexpr = w_desc.block_type.shape[2]  # (1, BK, BN) or (1, 1, BN, BK)
     nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATE_UP else 1) * w_desc.block_type.nbytes
     step = 0
-    e, row0 = block_rows(gl.program_id(0), work, tile_expert_ptr, tile_row_ptr, num_n)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        # the next block's expert and first row, a block ahead: read at the block's start, their round trip stood
-        # before the block's first copy, and the MMA warps waited for its stage (docs/PERFORMANCE.md)
-        e_next, row0_next = block_rows(w + gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
-        n0 = (w % num_n) * BN
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         for k in range(0, K, BK):
             s = next_slot(empty, ready, step, nbytes)
             tma.async_copy_global_to_shared(a_desc, [row0, k], ready.index(s), a_bufs.index(s))
@@ -361,7 +329,6 @@ def _tiles_loader(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a
             else:
                 tma.async_copy_global_to_shared(w_desc, [e, k, n0], ready.index(s), w_bufs.index(s))
             step += 1
-        e, row0 = e_next, row0_next
 
 
 @gluon.constexpr_function
@@ -634,13 +601,10 @@ def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile
     # 16-byte copy, and cp.async has no 2-byte form (the kernel would not compile for D = 40, 136, 520).
     D8 = D // 8 * 8
     step = 0
-    e, row0, end, e_next, row0_next = blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        end_next, e_after, row0_after = blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
-                                                        work)
-        n0 = (w % num_n) * BN
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-        rmask = rows < end
+        rmask = rows < gl.load(offsets_ptr + e + 1)
         tok = (gl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k).to(gl.int64)
         cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
         ptrs = x_ptr + tok[:, None] * D8 + cols[None, :]
@@ -652,7 +616,6 @@ def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile
             async_copy.async_copy_global_to_shared(x_bufs.index(s), ptrs + k, mask=rmask[:, None] & (cols + k < D8)[None, :])
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
-        e, row0, end, e_next, row0_next = e_next, row0_next, end_next, e_after, row0_after
 
 
 @gluon.jit
