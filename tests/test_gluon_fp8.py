@@ -10,6 +10,7 @@ precision; the kernel then differs from the float64 reference only by fp32 round
 match the reference's quantisation byte for byte (but for values within fp32 rounding of a tie).
 """
 
+import itertools
 import os
 import subprocess
 import sys
@@ -306,6 +307,66 @@ def test_fp8_up_swiglu_power_of_two_scales(issue_ahead):
     assert rel_err(deq, h) <= 0.04
 
 
+@pytest.mark.gpu
+def test_fp8_rows_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block():
+    """The block trace (``trace=``) changes no output bit, and every program's partitions stamp each of their blocks
+    in time order, which ``tools.fp8_trace.block_phases`` reads."""
+    from megamoe.kernels import gluon_fp8_sm90 as f
+    from tools.fp8_trace import block_phases
+
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, num_experts, top_k, dim, inter = 2048, 16, 4, 512, 256
+    plan, offsets = build(make_routing(num_tokens, num_experts, top_k, "random", gen), num_experts)
+    rows = num_tokens * top_k
+    a_q, a_s = quantize_rows(make_data((rows, inter), "random", gen))
+    w_q, w_s = quantize_weights(make_data((num_experts, dim, inter), "random", gen, group_dims=2) / 16)
+    weights = torch.rand(rows, generator=gen).cuda()
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    trace = torch.full((f.trace_size(programs),), -1, device="cuda", dtype=torch.int64)
+    outs = []
+    for tr in (None, trace):
+        outs.append(torch.zeros(rows, dim, device="cuda", dtype=torch.bfloat16))
+        f.fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, outs[-1], plan, weights=weights, to_slots=True, trace=tr)
+    assert torch.equal(outs[0], outs[1])
+    stamps = trace.view(programs, f.TRACE_PARTS.value, f.TRACE_BLOCKS.value, 2, f.TRACE_POINTS.value).cpu()
+    blocks = (stamps[:, 2, :, 0, 0] >= 0).sum(1)  # the loader's blocks per program
+    busy_tiles = sum(-(-(hi - lo) // 128) for lo, hi in itertools.pairwise(offsets))
+    assert int(blocks.sum()) == busy_tiles * (dim // 128)  # every block of the launch, once
+    for wg in (0, 1):
+        assert torch.equal((stamps[:, wg, :, 0, 0] >= 0).sum(1), blocks)  # each warpgroup stamps the loader's blocks
+        cyc = stamps[:, wg, :, 0]
+        taken = cyc[..., 0] >= 0
+        assert bool((cyc[..., 3][taken] >= cyc[..., 0][taken]).all())
+        busy = taken & (cyc[..., 1] >= 0)  # a warpgroup whose 64 rows lie past the expert stamps only 0 and 3
+        assert bool(busy.any())
+        assert bool(((cyc[..., 1] >= cyc[..., 0]) & (cyc[..., 2] >= cyc[..., 1]) & (cyc[..., 3] >= cyc[..., 2]))[busy].all())
+    phases = block_phases(trace.cpu(), programs)
+    for wg in ("wg0", "wg1"):
+        assert phases[wg]["main"] > 0 and phases[wg]["wait"] >= 0 and phases[wg]["block"] >= phases[wg]["main"]
+
+
+def test_block_phases_reads_a_known_trace():
+    """``tools.fp8_trace.block_phases`` on stamps written by hand: one program, two blocks, the cycle counter at 2
+    per ns; warpgroup 1 a block starting 1 us after warpgroup 0's."""
+    from megamoe.kernels import gluon_fp8_sm90 as f
+    from tools.fp8_trace import block_phases
+
+    t = torch.full((1, f.TRACE_PARTS.value, f.TRACE_BLOCKS.value, 2, f.TRACE_POINTS.value), -1, dtype=torch.int64)
+    for wg, shift in ((0, 0), (1, 1000)):  # ns
+        for b, start in enumerate((0, 10_000)):
+            ns = [start + shift + d for d in (0, 600, 9_000, 9_200)]  # wait 0.6 us, main 8.4, end 0.2 after it
+            t[0, wg, b, 1] = torch.tensor(ns)
+            t[0, wg, b, 0] = 2 * torch.tensor(ns)
+    for b, start in enumerate((0, 10_000)):  # the loader's first copy 500 ns before warpgroup 0's block start
+        t[0, 2, b, 1, :3] = torch.tensor([start - 700, start - 500, start + 2_000])
+        t[0, 2, b, 0, :3] = 2 * t[0, 2, b, 1, :3]
+    ph = block_phases(t.flatten(), 1)
+    assert ph["wg0"]["wait"] == pytest.approx(0.6) and ph["wg0"]["main"] == pytest.approx(8.4)
+    assert ph["wg0"]["block"] == pytest.approx(10.0) and ph["wg0"]["rest"] == pytest.approx(1.0)
+    assert ph["wg0"]["lead"] == pytest.approx(0.5) and ph["wg1"]["lead"] == pytest.approx(1.5)
+    assert ph["wg0"]["latency"] == pytest.approx(1.1) and ph["wg1"]["drift"] == pytest.approx(1.0)
+
+
 # The AOT check runs in a subprocess: this test session runs Triton's interpreter (TRITON_INTERPRET=1 without a
 # GPU), under which the compile path is replaced.
 _AOT_SCRIPT = r"""
@@ -321,7 +382,8 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "up_any_size": ("fp8_up", dict(sizes_divisible=False)), "wgrad": ("fp8_wgrad", {}),
             "wgrad_any_size": ("fp8_wgrad", dict(sizes_divisible=False)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
-            "up_products_only": ("fp8_up", dict(preact=True, h_out=False))}
+            "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
+            "rows_down_traced": ("fp8_rows", dict(trace=True))}
 variants.update({f"issue_ahead_{name}": (kernel, {**kw, "issue_ahead": True}) for name, (kernel, kw) in variants.items()
                  if kernel != "fp8_wgrad"})
 other_epilogue = not f.ROWS_DEFER_EPILOGUE  # the sorted-rows kernel's stores timed the way the default does not

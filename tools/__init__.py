@@ -2,6 +2,8 @@
 
     python -m tools.resources     compile every kernel for sm_90a on any machine: registers, spills, shared memory
     python -m tools.kernels       per-kernel times of the fused path, optionally sweeping tile configs (GPU)
+    python -m tools.fp8           the FP8 path's kernels against the dense FP8 matmul and the copy rate (GPU)
+    python -m tools.fp8_trace     where the FP8 sorted-rows GEMM's blocks spend their time (Hopper)
     python -m tools.host          the host time of a step: the Python around the kernels
     python -m tools.l2            the GPU's L2 and HBM read bandwidth
     torchrun ... -m tools.sender_trace   where the expert-parallel sending kernels spend their time (GPUs)

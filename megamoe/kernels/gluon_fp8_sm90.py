@@ -113,6 +113,14 @@ UP_ISSUE_AHEAD = False
 # (``_rows_mma_partition``). Measured on the H200 with issue-ahead (``python -m tools.fp8``, docs/PERFORMANCE.md):
 # dx 3%, dh' 1% faster, down level.
 ROWS_DEFER_EPILOGUE = True
+# The sorted-rows kernel's block trace (``fp8_rows_gemm_ws(trace=...)``, read by ``tools.fp8_trace``): per program,
+# per partition (the two MMA warpgroups, then the loader) and per block of its first TRACE_BLOCKS, TRACE_POINTS
+# stamps of the SM's cycle counter, then the same points on the global timer (ns). An MMA warpgroup's points: the
+# block's start, its first stage ready, its main loop done, its end; the loader's: the block's start, its first
+# K-step's copies issued, all of them issued (the fourth unused). Compiled out unless traced (constexpr TRACE).
+TRACE_BLOCKS = gl.constexpr(512)
+TRACE_POINTS = gl.constexpr(4)
+TRACE_PARTS = gl.constexpr(3)
 
 
 @gluon.constexpr_function
@@ -168,8 +176,25 @@ def _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_
 
 
 @gluon.jit
+def _clock(asm: gl.constexpr, like):
+    return gl.inline_asm_elementwise(asm, "=l,r", [like], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _stamp(trace_ptr, part: gl.constexpr, block, point: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """With TRACE, point ``point`` of partition ``part``'s block ``block`` (counted from 0 in this program) into the
+    block trace (``TRACE_BLOCKS``): the cycle counter and the global timer, stored by one lane."""
+    if TRACE:
+        one = gl.arange(0, 1, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        at = ((gl.program_id(0) * TRACE_PARTS + part) * TRACE_BLOCKS + block) * (2 * TRACE_POINTS) + point + one
+        keep = (block < TRACE_BLOCKS) & (one == 0)
+        gl.store(trace_ptr + at, _clock("mov.u64 $0, %clock64;", one), mask=keep)
+        gl.store(trace_ptr + at + TRACE_POINTS, _clock("mov.u64 $0, %globaltimer;", one), mask=keep)
+
+
+@gluon.jit
 def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
-                 as_bufs, bs_bufs, M, N_OUT, K, num_n, work, num_warps: gl.constexpr):
+                 as_bufs, bs_bufs, trace_ptr, M, N_OUT, K, num_n, work, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``_fp8_rows_ws_kernel``: per K-step, A's rows (block (128, 128)) and the
     expert's weight block (1, 128, 128) through TMA; A's 128 row scales and the weight block's scale (into 64
     entries) through 4-byte ``cp.async``, each thread's copies arriving on the stage's ready barrier."""
@@ -183,6 +208,8 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr
     kbs = K // BK
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        block = (w - gl.program_id(0)) // gl.num_programs(0)  # this program's count of blocks (the trace's index)
+        _stamp(trace_ptr, 2, block, 0, TRACE, num_warps)
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         rows0 = row0 + lanes  # the first warpgroup's rows; rows0 + HALF the second's
         rows1 = rows0 + HALF
@@ -197,6 +224,10 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr
             async_copy.async_copy_global_to_shared(bs_bufs.index(s), w_scale + kb)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
+            if TRACE:  # noqa: SIM102 (compiled out unless traced; a Triton condition does not short-circuit)
+                if kb == 0:
+                    _stamp(trace_ptr, 2, block, 1, TRACE, num_warps)
+        _stamp(trace_ptr, 2, block, 2, TRACE, num_warps)
 
 
 @gluon.jit
@@ -240,9 +271,9 @@ def _rows_store_pending(pend, out, out_rows, first, end, n0, out_ptr, N_OUT, num
 
 @gluon.jit
 def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                        a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, WG: gl.constexpr,
+                        a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K, num_n, work, WG: gl.constexpr,
                         WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
-                        DEFER_EPILOGUE: gl.constexpr, num_warps: gl.constexpr):
+                        DEFER_EPILOGUE: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``_fp8_rows_ws_kernel``: per K-step the
     block's MMA into a temporary, then the promotion into the fp32 accumulator (with ISSUE_AHEAD, under the
     next block's MMA into a second temporary); then the weighted bf16 block's stores (``_rows_store``) to sorted
@@ -267,6 +298,8 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
     pend_n0 = 0
     row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        block = (w - gl.program_id(0)) // gl.num_programs(0)  # this program's count of blocks (the trace's index)
+        _stamp(trace_ptr, WG, block, 0, TRACE, num_warps)
         end_next, e_after, row0_after = _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
                                                          work)
         n0 = (w % num_n) * BN
@@ -281,6 +314,7 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                 acc_slots = gl.load(row_slot_ptr + acc_rows, mask=acc_rows < end, other=0)
                 wt = gl.load(weights_ptr + acc_slots, mask=acc_rows < end, other=0.0)
             s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+            _stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
             # the MMAs' destination registers, reused
             tmp0 = _rows_mma(a_bufs, w_bufs, s0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
             if DEFER_EPILOGUE:  # the previous block's stores, under this block's first MMA
@@ -336,6 +370,7 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                     mbarrier.arrive(empty.index(s0), count=1)
                     acc = _promote(acc, done0, scale0)
                     step += 1
+            _stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
             if WEIGHTED:
                 acc = acc * wt[:, None]
             out = acc.to(out_ptr.dtype.element_ty)
@@ -353,6 +388,7 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                 _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
                 pend = 0
             step = _pass_stages(ready, empty, step, K, BK)
+        _stamp(trace_ptr, WG, block, 3, TRACE, num_warps)
         row0, end, e_next, row0_next = row0_next, end_next, e_after, row0_after
     if DEFER_EPILOGUE:
         _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
@@ -374,9 +410,10 @@ def _ring(a_desc, b_desc, B_SCALES: gl.constexpr, STAGES: gl.constexpr, LOADER_W
 
 @gluon.jit
 def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr,
-                        tile_expert_ptr, tile_row_ptr, M, N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr,
-                        WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
-                        DEFER_EPILOGUE: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                        tile_expert_ptr, tile_row_ptr, trace_ptr, M, N_OUT, K, E, EB: gl.constexpr,
+                        TILE_M: gl.constexpr, WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
+                        DEFER_EPILOGUE: gl.constexpr, TRACE: gl.constexpr, STAGES: gl.constexpr,
+                        LOADER_WARPS: gl.constexpr,
                         MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (M, K) fp8 in sorted rows, block (TILE_M, BK); w_desc: W (E, N_OUT, K) fp8, block (1, BN, BK);
     a_s (K // 128, M) and w_s (E, N_OUT // 128, K // 128) fp32; out (M, N_OUT) bf16: row r of the product
@@ -384,7 +421,7 @@ def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, 
     Blocks: the plan's busy tiles (EB: a power of two >= E) times the N-blocks, one program per SM walking
     them. num_warps: one warpgroup (the first MMA partition); the kernel adds the second and the loader.
     ISSUE_AHEAD, DEFER_EPILOGUE: the MMA warpgroups' issue pattern and when their stores run
-    (``_rows_mma_partition``)."""
+    (``_rows_mma_partition``); TRACE: stamps into trace_ptr (int64, see ``TRACE_BLOCKS``)."""
     BN: gl.constexpr = w_desc.block_type.shape[1]
     num_n = N_OUT // BN
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -393,13 +430,13 @@ def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, 
                                                            LOADER_WARPS)
     gl.warp_specialize([
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
-                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 0, WEIGHTED, TO_SLOTS,
-                               ISSUE_AHEAD, DEFER_EPILOGUE, num_warps)),
+                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K, num_n, work, 0, WEIGHTED,
+                               TO_SLOTS, ISSUE_AHEAD, DEFER_EPILOGUE, TRACE, num_warps)),
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
-                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, N_OUT, K, num_n, work, 1, WEIGHTED, TO_SLOTS,
-                               ISSUE_AHEAD, DEFER_EPILOGUE, num_warps)),
+                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K, num_n, work, 1, WEIGHTED,
+                               TO_SLOTS, ISSUE_AHEAD, DEFER_EPILOGUE, TRACE, num_warps)),
         (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
-                        as_bufs, bs_bufs, M, N_OUT, K, num_n, work, LOADER_WARPS)),
+                        as_bufs, bs_bufs, trace_ptr, M, N_OUT, K, num_n, work, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
 
@@ -844,13 +881,15 @@ def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
 
 def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                      plan, *, weights: torch.Tensor | None = None, to_slots: bool = False,
-                     issue_ahead: bool = ROWS_ISSUE_AHEAD, defer_epilogue: bool = ROWS_DEFER_EPILOGUE) -> None:
+                     issue_ahead: bool = ROWS_ISSUE_AHEAD, defer_epilogue: bool = ROWS_DEFER_EPILOGUE,
+                     trace: torch.Tensor | None = None) -> None:
     """out (M, N) bf16 = the blockwise-dequantised a (M, K) in sorted rows times each row's expert weight
     w[e] (E, N, K)ᵀ, through ``_fp8_rows_ws_kernel``; row r into row ``plan.row_slot_N[r]`` if ``to_slots``, else
     r; times ``weights[row_slot[r]]`` (fp32, (M,) by slot) if given. Only the plan's routed rows are written.
     ``issue_ahead``: each warpgroup issues the next K-block's MMA before promoting the last (see
     ``ROWS_ISSUE_AHEAD``); ``defer_epilogue``: a block's stores run under the warpgroup's next block's first MMA (see
-    ``ROWS_DEFER_EPILOGUE``).
+    ``ROWS_DEFER_EPILOGUE``); ``trace``: int64, at least ``trace_size(sm_count)`` elements: the block trace
+    (``TRACE_BLOCKS``; untraced launches compile without its stamps).
 
     a_q (M, K) float8_e4m3fn contiguous, a_s (K // 128, M) fp32 contiguous, w_q (E, N, K) float8_e4m3fn
     contiguous, w_s (E, N // 128, K // 128) fp32 contiguous; K and N multiples of 128; M >= 1; an sm90 GPU;
@@ -861,15 +900,22 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     assert a_s.shape == (k_dim // SCALE_BLOCK, num_rows) and w_s.shape == (num_experts, n_out // SCALE_BLOCK,
                                                                            k_dim // SCALE_BLOCK)
     assert out.shape == (num_rows, n_out) and out.dtype == torch.bfloat16 and BLOCK_M == FP8_BM
+    assert trace is None or (trace.dtype == torch.int64 and trace.numel() >= trace_size(sm_count(a_q.device.index)))
     _fp8_rows_ws_kernel[(sm_count(a_q.device.index),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), w_desc=_fp8_desc(w_q, [1, FP8_BN, FP8_BK]), a_s_ptr=a_s,
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
-        offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, M=num_rows,
-        N_OUT=n_out, K=k_dim, E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
-        WEIGHTED=weights is not None, TO_SLOTS=to_slots, ISSUE_AHEAD=issue_ahead, DEFER_EPILOGUE=defer_epilogue,
+        offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT,
+        trace_ptr=trace if trace is not None else out, M=num_rows, N_OUT=n_out, K=k_dim, E=num_experts,
+        EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, WEIGHTED=weights is not None, TO_SLOTS=to_slots,
+        ISSUE_AHEAD=issue_ahead, DEFER_EPILOGUE=defer_epilogue, TRACE=trace is not None,
         STAGES=ROWS_STAGES,
         LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+
+
+def trace_size(programs: int) -> int:
+    """The block trace's length (int64 elements) for a launch of ``programs`` programs."""
+    return programs * TRACE_PARTS.value * TRACE_BLOCKS.value * 2 * TRACE_POINTS.value
 
 
 def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
@@ -933,7 +979,7 @@ KERNELS = {"fp8_rows": _fp8_rows_ws_kernel, "fp8_up": _fp8_up_ws_kernel, "fp8_wg
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
                 h_out: bool = True, sizes_divisible: bool = True, issue_ahead: bool | None = None, pow2: bool = False,
-                defer_epilogue: bool = ROWS_DEFER_EPILOGUE):
+                defer_epilogue: bool = ROWS_DEFER_EPILOGUE, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
@@ -941,7 +987,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
     kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``:
     either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
-    up kernel's power-of-two h scales; ``defer_epilogue``: the sorted-rows kernel's (``ROWS_DEFER_EPILOGUE``)."""
+    up kernel's power-of-two h scales; ``defer_epilogue``: the sorted-rows kernel's (``ROWS_DEFER_EPILOGUE``);
+    ``trace``: its block-traced variant (``TRACE_BLOCKS``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -953,10 +1000,11 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     common = {"EB": 128, "TILE_M": BLOCK_M, "ISSUE_AHEAD": issue_ahead, "num_warps": MATH_WARPS}
     if name == "fp8_rows":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, FP8_BN, FP8_BK]}
-        constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "DEFER_EPILOGUE": defer_epilogue,
+        constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "DEFER_EPILOGUE": defer_epilogue, "TRACE": trace,
                       "STAGES": ROWS_STAGES,
                       "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
-        pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32"}
+        pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32",
+                    "trace_ptr": "*i64"}
         sizes = {"N_OUT", "K"}
     elif name == "fp8_wgrad":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [FP8_BN, FP8_BK]}

@@ -1,0 +1,161 @@
+"""Where the FP8 sorted-rows GEMM's blocks spend their time (an sm90 GPU):
+
+    python -m tools.fp8_trace [--preset P] [--tokens T] [--gemms down,dh,dx] [--plain] [--out DIR]
+
+Runs each GEMM of the FP8 path's sorted-rows kernel (``gluon_fp8_sm90.fp8_rows_gemm_ws``: down, dh', dx) on the layer
+benchmark's problem, untraced and then traced (``trace=``: the cycle counter and the global timer at fixed points of
+every block in each partition, ``gluon_fp8_sm90.TRACE_BLOCKS``), checks that the traced output is bitwise the
+untraced one, and reports per MMA warpgroup the medians per block (us) of :data:`PHASES`. ``--plain`` also runs each
+GEMM in the other issue pattern, stores not deferred. The stamps cost a few percent of the kernel's time: the
+phases say where the time goes, not the exact time. Prints a table and, with ``--out``, writes JSON (GPU, versions,
+date, commit, command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from megamoe.bench.common import PRESETS, make_problem
+from megamoe.kernels import expert_fwd, gluon_fp8_sm90, quant
+from megamoe.kernels.plan import build_plan
+from megamoe.provenance import git_commit, source_digest, utc_now
+
+# What one block of an MMA warpgroup is made of, from its stamps (gluon_fp8_sm90.TRACE_BLOCKS): points 0-3 are the
+# block's start, its first stage ready, its main loop done, its end; the loader's 0-2 its start, its first K-step's
+# copies issued, all of them issued.
+PHASES = {
+    "wait": "start -> first stage ready: the wait for the block's first operands",
+    "main": "first stage ready -> main loop done (MMAs and promotions)",
+    "rest": "main loop done -> next block's start (epilogue, loop overhead)",
+    "block": "start -> next block's start",
+    "lead": "the loader's first copy of the block issued -> the warpgroup's block start",
+    "latency": "the loader's first copy of the block issued -> the warpgroup's first stage ready",
+    "drift": "warpgroup 1's block start - warpgroup 0's (the same block)",
+}
+
+
+def block_phases(trace: torch.Tensor, programs: int) -> dict[str, dict[str, float]]:
+    """Medians (us) of :data:`PHASES` per MMA warpgroup ("wg0", "wg1"; "drift" under "wg1") from a traced launch's
+    stamps (int64, -1 where none was taken) of ``programs`` programs. Cycles become time at each partition's own
+    rate (its cycle and global-timer spans over its blocks): the SM clock moves with power."""
+    pts = gluon_fp8_sm90.TRACE_POINTS.value
+    t = trace[: gluon_fp8_sm90.trace_size(programs)].view(programs, gluon_fp8_sm90.TRACE_PARTS.value,
+                                                           gluon_fp8_sm90.TRACE_BLOCKS.value, 2, pts).tolist()
+    samples: dict[str, dict[str, list[float]]] = {"wg0": {k: [] for k in PHASES}, "wg1": {k: [] for k in PHASES}}
+    for prog in t:
+        loader = prog[2]
+        starts = []
+        for wg in (0, 1):
+            blocks = [b for b in prog[wg] if b[0][0] >= 0]
+            starts.append(blocks)
+            if len(blocks) < 2:
+                continue
+            cycles = blocks[-1][0][3] - blocks[0][0][0]
+            ns = blocks[-1][1][3] - blocks[0][1][0]
+            per_us = cycles / ns * 1e3 if ns > 0 else float("nan")  # cycles per us
+            out = samples[f"wg{wg}"]
+            for i, (cyc, _) in enumerate(blocks):
+                busy = cyc[1] >= 0 and cyc[2] >= 0  # a warpgroup whose rows all lie past the expert stamps 0 and 3
+                nxt = blocks[i + 1][0][0] if i + 1 < len(blocks) else None
+                if busy:
+                    out["wait"].append((cyc[1] - cyc[0]) / per_us)
+                    out["main"].append((cyc[2] - cyc[1]) / per_us)
+                    if loader[i][0][1] >= 0:
+                        out["latency"].append((cyc[1] - loader[i][0][1]) / per_us)
+                    if nxt is not None:
+                        out["rest"].append((nxt - cyc[2]) / per_us)
+                if nxt is not None:
+                    out["block"].append((nxt - cyc[0]) / per_us)
+                if loader[i][0][1] >= 0:
+                    out["lead"].append((cyc[0] - loader[i][0][1]) / per_us)
+            if wg == 1:
+                n = min(len(starts[0]), len(blocks))
+                out["drift"].extend((blocks[i][0][0] - starts[0][i][0][0]) / per_us for i in range(n))
+    return {wg: {k: statistics.median(v) if v else float("nan") for k, v in phases.items()}
+            for wg, phases in samples.items()}
+
+
+def main(argv=None) -> None:
+    import triton
+    from triton.testing import do_bench
+
+    p = argparse.ArgumentParser(prog="python -m tools.fp8_trace", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--gemms", type=lambda s: s.split(","), default=["down", "dh", "dx"],
+                   help="comma-separated, from down, dh (dh'), dx")
+    p.add_argument("--plain", action="store_true",
+                   help="also the other issue pattern, stores not deferred (ROWS_ISSUE_AHEAD, ROWS_DEFER_EPILOGUE off)")
+    p.add_argument("--out", type=Path, help="folder for the JSON record")
+    args = p.parse_args(argv)
+    if unknown := set(args.gemms) - {"down", "dh", "dx"}:
+        raise SystemExit(f"--gemms: unknown {sorted(unknown)}; choose from down, dh, dx")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        raise SystemExit("tools.fp8_trace traces the sm90 Gluon FP8 kernel: it needs a Hopper GPU")
+    dim, inter, num_experts, top_k = PRESETS[args.preset]
+    x, idx, weights, w13, w2, _ = make_problem(args.tokens, dim, inter, num_experts, top_k, "random", torch.bfloat16,
+                                               torch.device("cuda"), 0)
+    plan = build_plan(idx, num_experts)
+    rows = idx.numel()
+    xq, xs = quant.quantize_rows(x)
+    w13q, w13s, w13tq, w13ts = quant.quantize_weight(w13)
+    _, _, w2tq, w2ts = w2_fp8 = quant.quantize_weight(w2)
+    hq, hs = expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k)
+    dyq, dys = quant.quantize_rows(torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16))
+    dzq, dzs = quant.quantize_rows(torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16))
+    gemms = {  # a, its scales, w, its scales, routing weights, to slots, flops
+        "down": (hq, hs, w2_fp8[0], w2_fp8[1], weights.reshape(-1).float(), True, 2 * rows * dim * inter),
+        "dh": (dyq, dys, w2tq, w2ts, None, False, 2 * rows * dim * inter),
+        "dx": (dzq, dzs, w13tq, w13ts, None, True, 4 * rows * dim * inter),
+    }
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    trace = torch.empty(gluon_fp8_sm90.trace_size(programs), device="cuda", dtype=torch.int64)
+    patterns = [(gluon_fp8_sm90.ROWS_ISSUE_AHEAD, gluon_fp8_sm90.ROWS_DEFER_EPILOGUE)]
+    if args.plain:
+        patterns.append((not patterns[0][0], False))
+    results = []
+    print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (medians per block, us)")
+    print(f"{'GEMM':5s} {'issue-ahead':>11s} {'deferred':>8s} {'us':>7s} {'traced':>7s} {'TF/s':>5s}  wg "
+          + " ".join(f"{k:>7s}" for k in PHASES))
+    for name in args.gemms:
+        a, a_s, w, w_s, wts, to_slots, flops = gemms[name]
+        for issue_ahead, defer in patterns:
+            def run(traced, a=a, a_s=a_s, w=w, w_s=w_s, wts=wts, to_slots=to_slots, issue_ahead=issue_ahead,
+                    defer=defer):
+                out = torch.empty(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
+                gluon_fp8_sm90.fp8_rows_gemm_ws(a, a_s, w, w_s, out, plan, weights=wts, to_slots=to_slots,
+                                                issue_ahead=issue_ahead, defer_epilogue=defer,
+                                                trace=trace if traced else None)
+                return out
+            plain_ms = do_bench(lambda: run(False), warmup=25, rep=300)
+            traced_ms = do_bench(lambda: run(True), warmup=25, rep=300)
+            trace.fill_(-1)
+            if not torch.equal(run(True), run(False)):
+                raise SystemExit(f"{name}: the traced kernel's output differs from the untraced one's")
+            phases = block_phases(trace.cpu(), programs)
+            results.append({"gemm": name, "issue_ahead": issue_ahead, "defer_epilogue": defer, "ms": plain_ms,
+                            "traced_ms": traced_ms, "tflops": flops / plain_ms / 1e9, "phases_us": phases})
+            for wg, ph in phases.items():
+                print(f"{name:5s} {issue_ahead!s:>11s} {defer!s:>8s} {plain_ms * 1e3:7.1f} {traced_ms * 1e3:7.1f} "
+                      f"{flops / plain_ms / 1e9:5.0f}  {wg[-1]}  " + " ".join(f"{ph[k]:7.2f}" for k in PHASES))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"),
+                "command": "python -m tools.fp8_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                "preset": args.preset, "tokens": args.tokens, "phases": PHASES, "results": results}
+        path = args.out / f"fp8-block-trace-{args.preset}-t{args.tokens}.json"
+        path.write_text(json.dumps(info, indent=1))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
