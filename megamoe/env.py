@@ -10,6 +10,8 @@ Environment variables (documented in the README):
 * ``MEGAMOE_FP8_WGRAD=1`` — FP8 weight gradients in ``precision="fp8"`` (:func:`fp8_wgrad_requested`);
 * ``MEGAMOE_LOW_PEAK_BACKWARD`` — ``0`` or ``1``: the one-GPU backward's order (:func:`low_peak_backward_requested`);
 * ``MEGAMOE_FP8_SCALES`` — ``fp32`` or ``pow2``: the FP8 recipe's scales (:func:`fp8_pow2_scales`);
+* ``MEGAMOE_EP_UNBOUNDED_WAITS=1`` — the fused EP protocol's waits without their bound, only to measure what the
+  bound costs (:func:`ep_unbounded_waits`);
 * ``TRITON_INTERPRET=1`` — Triton's interpreter runs the kernels on CPU tensors (:func:`interpreting`).
 """
 
@@ -47,6 +49,16 @@ def low_peak_backward_requested() -> bool | None:
     if value not in ("", "0", "1"):
         raise ValueError(f"MEGAMOE_LOW_PEAK_BACKWARD must be 0, 1 or unset, not {value!r}")
     return None if value == "" else value == "1"
+
+
+def ep_unbounded_waits() -> bool:
+    """``MEGAMOE_EP_UNBOUNDED_WAITS=1``: the fused expert-parallel protocol's waits compiled without their time bound
+    (``MEGAMOE_EP_TIMEOUT_S``): no wait gives up and none writes the error record, so a missing peer hangs its ranks.
+    Only for measuring what the bound costs (``bash scripts/gpu-check.sh ep-waits``); read once, at import."""
+    value = os.environ.get("MEGAMOE_EP_UNBOUNDED_WAITS", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"MEGAMOE_EP_UNBOUNDED_WAITS must be 0 or 1, not {value!r}")
+    return value == "1"
 
 
 def fp8_wgrad_requested() -> bool:

@@ -2,6 +2,9 @@
 # The GPU checks and benchmarks, on this machine (run from anywhere; each part fits in 10 minutes on one H200):
 #   bash scripts/gpu-check.sh tests        pytest -m "gpu and not loopback": kernels, API, compile, the benchmarks' and tools' GPU paths
 #   bash scripts/gpu-check.sh loopback     pytest -m loopback: the fused EP protocol on virtual ranks of this GPU
+#   bash scripts/gpu-check.sh ep-waits     what the EP waits' time bound costs: the loopback step (2 virtual ranks)
+#                                          with the bound and compiled without it (MEGAMOE_EP_UNBOUNDED_WAITS=1),
+#                                          three rounds alternating, each process's cost over the plain layer
 #   bash scripts/gpu-check.sh layer [P..]  the layer benchmark on the README's problems P: 30b, 235b (16k tokens,
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
 #   bash scripts/gpu-check.sh fp8 [P..]    blockwise FP8 in parts P: tests, kernels (python -m tools.fp8), 30b, 235b
@@ -23,7 +26,7 @@
 # Every GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv beside the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu-check.sh tests|loopback|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|train-fp8|train-fp8-more|ep}
+stage=${1:?usage: gpu-check.sh tests|loopback|ep-waits|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|train-fp8|train-fp8-more|ep}
 shift
 out=${GPU_CHECK_OUT:-benchmarks/out/gpu-check}
 mkdir -p "$out"
@@ -75,6 +78,25 @@ tests)
     ;;
 loopback)
     step loopback-tests 580 "${py[@]}" -m pytest -m loopback -q -p no:cacheprovider --durations=15
+    ;;
+ep-waits)
+    # One process per run (the bound is compiled in or out at import); each measures the loopback step against the
+    # plain one-device layer in the same process, so the runs compare by that ratio, not by raw times.
+    for round in 1 2 3; do
+        for unbounded in 0 1; do
+            step "ep-waits-$round-$unbounded" 200 env MEGAMOE_EP_UNBOUNDED_WAITS=$unbounded "${py[@]}" -m megamoe.bench \
+                --ep --loopback 2 --no-plot --out "$out/ep-waits/$round" || exit $?
+        done
+    done
+    "$PY" - "$out/ep-waits" <<'PYEOF'
+import json, statistics, sys
+from pathlib import Path
+runs = [json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("*/*.json"))]
+for bounded in (True, False):
+    costs = [r["machinery_cost_fwd_bwd"] for r in runs if r["bounded_waits"] is bounded]
+    print(f"waits {'bounded' if bounded else 'unbounded'}: loopback fwd+bwd over the plain layer "
+          + ", ".join(f"{100 * c:+.2f}%" for c in costs) + f" (median {100 * statistics.median(costs):+.2f}%)")
+PYEOF
     ;;
 layer)
     liger= sonic=
@@ -162,7 +184,7 @@ ep)
         --preset qwen3-30b-a3b,qwen3-235b-a22b --tokens 16384 --routing random,skewed --comm-sms 32 --out "$out/results"
     ;;
 *)
-    echo "unknown stage $stage: tests, loopback, layer, fp8, model, train, train-fp8, train-fp8-more or ep" >&2
+    echo "unknown stage $stage: tests, loopback, ep-waits, layer, fp8, model, train, train-fp8, train-fp8-more or ep" >&2
     exit 2
     ;;
 esac

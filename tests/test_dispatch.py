@@ -347,6 +347,29 @@ def test_loopback_benchmark_checks_the_protocol():
     assert info["loopback_fwd_max_rel_err"] <= 2 * info["plain_fwd_max_rel_err"] + 1e-4  # fp32 on CPU, bf16 on GPUs
 
 
+def test_unbounded_waits_compile_the_bound_out_and_keep_the_protocol_exact(monkeypatch):
+    """``MEGAMOE_EP_UNBOUNDED_WAITS=1`` (measuring the bound's cost: ``gpu-check.sh ep-waits``) is read at import; the
+    protocol's kernels compiled without the bound still compute the layer; a bad value is refused."""
+    import os
+    import subprocess
+    import sys
+
+    from megamoe.env import ep_unbounded_waits
+
+    script = ("from megamoe.parallel import protocol; from megamoe.bench.ep import loopback_case; "
+              "info = loopback_case('tiny', 8, 'skewed', 2, seed=0, timed=False); "
+              "print(protocol.BOUNDED.value, info['bounded_waits'], "
+              "info['loopback_fwd_max_rel_err'] <= 2 * info['plain_fwd_max_rel_err'] + 1e-4)")
+    env = {**os.environ, "MEGAMOE_EP_UNBOUNDED_WAITS": "1"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-3:] == ["False", "False", "True"], out.stdout
+    monkeypatch.setenv("MEGAMOE_EP_UNBOUNDED_WAITS", "yes")
+    with pytest.raises(ValueError, match="MEGAMOE_EP_UNBOUNDED_WAITS"):
+        ep_unbounded_waits()
+
+
 def test_loopback_benchmark_timed_path_runs(monkeypatch):
     """The GPU-only part of ``--ep --loopback 1 --comm-sms 2 --profile`` (timings, costs, per-kernel tables)
     on CPU, with the timer and the CUDA queries stubbed: what it records, not how fast."""

@@ -60,6 +60,7 @@ from megamoe.bench.common import (
 )
 from megamoe.env import interpreting
 from megamoe.kernels.plan import build_plan
+from megamoe.parallel import protocol
 from megamoe.parallel.all_to_all import AllToAll, exchange_splits, moe_all_to_all
 from megamoe.parallel.fused import moe_fused_ep, workspace_for
 from megamoe.parallel.loopback import loopback_backward, loopback_forward, round_trip
@@ -362,7 +363,7 @@ def run_loopback(args, cuda: bool) -> None:
                   f"({100 * info[f'machinery_cost_fwd_sms{n}']:+.1f}%), fwd+bwd "
                   f"{info[f'loopback_fwd_bwd_ms_sms{n}']:.3f} ms ({100 * info[f'machinery_cost_fwd_bwd_sms{n}']:+.1f}%), "
                   f"rel err {info[f'loopback_fwd_max_rel_err_sms{n}']:.1e}")
-        stem = f"{preset}-t{tokens}-{routing}-loopback{num_ranks}"
+        stem = f"{preset}-t{tokens}-{routing}-loopback{num_ranks}" + ("" if protocol.BOUNDED else "-unbounded-waits")
         (out / f"{stem}.json").write_text(json.dumps(info, indent=1) + "\n")
         print(f"wrote {out / stem}.json")
         if tables:
@@ -391,7 +392,8 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
                                      tokens, tokens * top_k, dim, dtype, device)
     ref = reference.moe_loop(*[t.float() if t.is_floating_point() else t for t in problem[:5]], fp32=True)
     info = {"preset": preset, "tokens_per_rank": tokens, "routing": routing, "loopback_ranks": num_ranks,
-            "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k}
+            "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k,
+            "bounded_waits": bool(protocol.BOUNDED)}  # False only under MEGAMOE_EP_UNBOUNDED_WAITS=1
 
     def rel_err(y):
         return ((y.float() - ref).abs().max() / ref.abs().max()).item()

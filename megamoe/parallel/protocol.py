@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from megamoe.env import interpreting
+from megamoe.env import ep_unbounded_waits, interpreting
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import Plan, plan_from_counts
 from megamoe.parallel import workspace
@@ -68,6 +68,9 @@ STAGE_COUNTS, STAGE_COUNTS_AT_OWNERS, STAGE_ROWS, STAGE_RESET, STAGE_RETURNED = 
     tl.constexpr(1), tl.constexpr(2), tl.constexpr(3), tl.constexpr(4), tl.constexpr(5))
 # Bounded waits measure time with the GPU's global timer; Triton's interpreter has none, and counts polls.
 CLOCK = tl.constexpr(not interpreting())
+# Whether the waits are bounded at all: only MEGAMOE_EP_UNBOUNDED_WAITS=1 (measuring the bound's cost) compiles the
+# bound out (part of every kernel's cache key, as a global constexpr).
+BOUNDED = tl.constexpr(not ep_unbounded_waits())
 
 
 @triton.jit
@@ -116,7 +119,9 @@ def wait_flags(flags, want, mask, ctl_ptr, stage, at_index, IDX, PER: tl.constex
         seen = tl.atomic_add(flags, 0, mask=mask, sem="acquire", scope="sys")
         missing = (seen != want) & mask
         polls += 1
-        go = (tl.sum(missing.to(tl.int32), axis=0) > 0) & ~gave_up(ctl_ptr, start, polls)
+        go = tl.sum(missing.to(tl.int32), axis=0) > 0
+        if BOUNDED:
+            go = go & ~gave_up(ctl_ptr, start, polls)
     first = tl.min(tl.where(missing, IDX, 2147483647), axis=0)
     done = first == 2147483647
     if not done:
@@ -155,7 +160,9 @@ def wait_rows(arrived_ptr, counts_ptr, ctl_ptr, first, e, E, R, EB: tl.constexpr
         seen = tl.atomic_add(arrived_ptr + srcs * E + ls, 0, mask=m, sem="acquire", scope="sys")
         missing = (seen != want) & m
         polls += 1
-        go = (tl.sum(tl.sum(missing.to(tl.int32), axis=1), axis=0) > 0) & ~gave_up(ctl_ptr, start, polls)
+        go = tl.sum(tl.sum(missing.to(tl.int32), axis=1), axis=0) > 0
+        if BOUNDED:
+            go = go & ~gave_up(ctl_ptr, start, polls)
     first_missing = tl.min(tl.min(tl.where(missing, flat, 2147483647), axis=1), axis=0)
     done = first_missing == 2147483647
     if not done:
