@@ -384,12 +384,14 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
             "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
             "rows_down_traced": ("fp8_rows", dict(trace=True))}
-variants.update({f"issue_ahead_{name}": (kernel, {**kw, "issue_ahead": True}) for name, (kernel, kw) in variants.items()
-                 if kernel != "fp8_wgrad"})
+# each kernel also in the issue pattern it does not run by default (the traced variant only in its default)
+ahead = {"fp8_rows": f.ROWS_ISSUE_AHEAD, "fp8_up": f.UP_ISSUE_AHEAD}
+variants.update({f"{'plain' if ahead[kernel] else 'issue_ahead'}_{name}": (kernel, {**kw, "issue_ahead": not ahead[kernel]})
+                 for name, (kernel, kw) in variants.items() if kernel in ahead and not kw.get("trace")})
 other_epilogue = not f.ROWS_DEFER_EPILOGUE  # the sorted-rows kernel's stores timed the way the default does not
 prefix = "deferred" if other_epilogue else "stores_at_once"
 variants.update({f"{prefix}_{name}": (kernel, {**kw, "defer_epilogue": other_epilogue})
-                 for name, (kernel, kw) in variants.items() if kernel == "fp8_rows"})
+                 for name, (kernel, kw) in variants.items() if kernel == "fp8_rows" and not kw.get("trace")})
 def report(item):
     kernel, kw = item
     return ptxas_report(f.aot_compile(kernel, **kw))
