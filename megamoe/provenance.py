@@ -42,3 +42,13 @@ def git_commit() -> str | None:
         return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return None  # not a git checkout
+
+
+def gpu_record(command: str) -> dict:
+    """What a result measured on the GPU records first: the GPU, the torch and Triton versions, the commit, the
+    source digest, the date (UTC, seconds) and ``command``, the command line that made it."""
+    import torch
+    import triton
+
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"), "command": command}

@@ -33,7 +33,7 @@ import torch
 from megamoe.bench.common import PRESETS, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd, quant
 from megamoe.kernels.plan import build_plan
-from megamoe.provenance import git_commit, source_digest, utc_now
+from megamoe.provenance import gpu_record
 
 
 def scaled_mm_tflops(m: int, n: int, k: int) -> float:
@@ -177,12 +177,8 @@ def main(argv=None) -> None:
         results.append(r)
         print(f"{name:36s} {ms:8.3f} {r['tflops'] or 0:7.0f} {r['dense_fp8_tflops'] or 0:15.0f} {r['gbs'] or 0:7.0f}")
     if args.out:
-        import triton
-
         args.out.mkdir(parents=True, exist_ok=True)
-        info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"),
-                "command": "python -m tools.fp8 " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        info = {**gpu_record("python -m tools.fp8 " + " ".join(shlex.quote(a) for a in sys.argv[1:])),
                 "preset": args.preset, "tokens": args.tokens, "device_copy_gbs": copy_gbs, "stages": results}
         subset = "-some-stages" if args.stages else ""  # never in place of a whole table's record
         path = args.out / f"fp8-kernels-{args.preset}-t{args.tokens}{subset}.json"

@@ -25,7 +25,7 @@ import torch
 from megamoe.bench.common import PRESETS, make_problem
 from megamoe.kernels import expert_fwd, gluon_fp8_sm90, quant
 from megamoe.kernels.plan import build_plan
-from megamoe.provenance import git_commit, source_digest, utc_now
+from megamoe.provenance import gpu_record
 
 # What one block of an MMA warpgroup is made of, from its stamps (gluon_fp8_sm90.TRACE_BLOCKS): points 0-3 are the
 # block's start, its first stage ready, its main loop done, its end; the loader's 0-2 its start, its first K-step's
@@ -83,7 +83,6 @@ def block_phases(trace: torch.Tensor, programs: int) -> dict[str, dict[str, floa
 
 
 def main(argv=None) -> None:
-    import triton
     from triton.testing import do_bench
 
     p = argparse.ArgumentParser(prog="python -m tools.fp8_trace", description=__doc__.split("\n\n")[0],
@@ -148,9 +147,7 @@ def main(argv=None) -> None:
                       f"{flops / plain_ms / 1e9:5.0f}  {wg[-1]}  " + " ".join(f"{ph[k]:7.2f}" for k in PHASES))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"),
-                "command": "python -m tools.fp8_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        info = {**gpu_record("python -m tools.fp8_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:])),
                 "preset": args.preset, "tokens": args.tokens, "phases": PHASES, "results": results}
         path = args.out / f"fp8-block-trace-{args.preset}-t{args.tokens}.json"
         path.write_text(json.dumps(info, indent=1))

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.bench.common import git_commit, source_digest, utc_now
+from megamoe.provenance import gpu_record, utc_now
 
 ROWS, COLS = 128, 64  # one block: 16 KB of bf16, a GEMM operand tile's size
 
@@ -107,9 +107,7 @@ def main(argv=None) -> None:
                       flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"),
-            "command": "python -m tools.l2 " + " ".join(sys.argv[1:] if argv is None else argv),
+            **gpu_record("python -m tools.l2 " + " ".join(sys.argv[1:] if argv is None else argv)),
             "block_bytes": block_bytes, "rows": rows}, indent=1) + "\n")
         plot(json.loads(Path(args.json).read_text()), Path(args.json).with_suffix(".png"))
 
