@@ -86,6 +86,7 @@ def test_dispatch_and_write_back_move_rows_exactly(case, num_ranks):
     for ws, plan, (x, idx, w, _, _) in zip(workspaces, plans, ranks):
         senders.dispatch_rows(ws, x, idx, w, plan)
 
+    received = [0] * num_ranks  # bytes each source sent to the other ranks' receive buffers
     for owner, ws in enumerate(workspaces):
         # Expected layout: local expert l, then source rank s, then the source's slots in order; each
         # received row points at its token's row, which arrived once per (source, token) with a slot here.
@@ -109,6 +110,14 @@ def test_dispatch_and_write_back_move_rows_exactly(case, num_ranks):
         assert torch.equal(ws.recv_tokens.nan_to_num(-1.0), expected.nan_to_num(-1.0)), \
             f"owner {owner}: token rows received (each once, none for a token without a slot here)"
         assert int(ws.overflow[0]) == 0
+        # What came from the other ranks, as protocol.bytes_between_ranks counts it
+        for s, (_, idx, *_) in enumerate(ranks):
+            if s != owner:
+                rows_in = int((~ws.recv_tokens[s * ws.max_tokens:(s + 1) * ws.max_tokens].isnan()).all(dim=1).sum())
+                slots_in = int(((idx >= owner * per_rank) & (idx < (owner + 1) * per_rank)).sum())
+                received[s] += rows_in * DIM * 4 + slots_in * protocol.FWD_SLOT_FIELD_BYTES
+    for s, (_, idx, *_) in enumerate(ranks):
+        assert protocol.bytes_between_ranks(idx, s, per_rank, DIM, 4)["fwd_out"] == received[s], f"rank {s}: bytes"
 
     # Write the received rows back through the owners' output GEMM with identity experts (exact in fp32:
     # every product is x * 1 or x * 0) and a per-row scalar: every routed slot gets its own token's row,
@@ -345,6 +354,8 @@ def test_loopback_benchmark_checks_the_protocol():
 
     info = loopback_case("tiny", 8, "skewed", 4, seed=0, timed=False)
     assert info["loopback_fwd_max_rel_err"] <= 2 * info["plain_fwd_max_rel_err"] + 1e-4  # fp32 on CPU, bf16 on GPUs
+    moved = info["bytes_between_ranks"]  # 4 ranks of skewed routing: rows cross both ways
+    assert moved["fwd_out"] > 0 and moved["bwd_back"] > moved["fwd_back"] > 0
 
 
 def test_unbounded_waits_compile_the_bound_out_and_keep_the_protocol_exact(monkeypatch):
@@ -383,7 +394,8 @@ def test_loopback_benchmark_timed_path_runs(monkeypatch):
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     info = loopback_case("tiny", 8, "random", 1, seed=0, timed=True, comm_sms=(2,), profile=True)
     for key in ("loopback_fwd_ms", "loopback_fwd_bwd_ms", "plain_fwd_bwd_ms", "machinery_cost_fwd_bwd",
-                "loopback_fwd_ms_sms2", "machinery_cost_fwd_bwd_sms2", "loopback_fwd_max_rel_err_sms2"):
+                "loopback_fwd_ms_sms2", "machinery_cost_fwd_bwd_sms2", "loopback_fwd_max_rel_err_sms2",
+                "bytes_between_ranks"):
         assert key in info, key
     assert info["loopback_fwd_max_rel_err_sms2"] <= 2 * info["plain_fwd_max_rel_err"] + 1e-4
     assert "===== loopback backward, comm_sms=2" in info["_profile"]

@@ -357,7 +357,9 @@ def run_loopback(args, cuda: bool) -> None:
         print(f"{preset} T={tokens}/rank {routing} loopback R={num_ranks}: fwd {info['loopback_fwd_ms']:.3f} ms "
               f"(plain {info['plain_fwd_ms']:.3f}, {100 * info['machinery_cost_fwd']:+.1f}%), fwd+bwd "
               f"{info['loopback_fwd_bwd_ms']:.3f} ms (plain {info['plain_fwd_bwd_ms']:.3f}, "
-              f"{100 * info['machinery_cost_fwd_bwd']:+.1f}%), rel err {info['loopback_fwd_max_rel_err']:.1e}")
+              f"{100 * info['machinery_cost_fwd_bwd']:+.1f}%), rel err {info['loopback_fwd_max_rel_err']:.1e}; "
+              f"between ranks {sum(info['bytes_between_ranks'].values()) / 1e6:.1f} MB per fwd+bwd "
+              f"({info['bytes_between_ranks']['fwd_out'] / 1e6:.1f} MB of rows out in the forward)")
         for n in args.comm_sms:
             print(f"  rows sent from {n} programs of the expert kernels: fwd {info[f'loopback_fwd_ms_sms{n}']:.3f} ms "
                   f"({100 * info[f'machinery_cost_fwd_sms{n}']:+.1f}%), fwd+bwd "
@@ -394,6 +396,10 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     info = {"preset": preset, "tokens_per_rank": tokens, "routing": routing, "loopback_ranks": num_ranks,
             "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k,
             "bounded_waits": bool(protocol.BOUNDED)}  # False only under MEGAMOE_EP_UNBOUNDED_WAITS=1
+    # What crosses between the virtual ranks (each rank's rows for its own experts stay), all ranks together
+    moved = [protocol.bytes_between_ranks(idx_r, r, num_experts // num_ranks, dim, x.element_size())
+             for r, (_, idx_r, *_) in enumerate(ranks)]
+    info["bytes_between_ranks"] = {k: sum(m[k] for m in moved) for k in moved[0]}
 
     def rel_err(y):
         return ((y.float() - ref).abs().max() / ref.abs().max()).item()

@@ -336,3 +336,28 @@ def combine_returned_backward(ws: Workspace, topk_idx_TK: torch.Tensor, out_dtyp
     dx = combine_returned(ws, topk_idx_TK, out_dtype)
     returned = ws.slot_scalar[: topk_idx_TK.numel()].view(topk_idx_TK.shape)
     return dx, torch.where(topk_idx_TK >= 0, returned, 0.0)
+
+
+# Bytes of the fixed-size fields a slot carries to its owner (senders.send_rows): forward its token's row index, slot
+# id and routing weight (int32, int32, fp32); backward the slot id and weight; and back from the owner in the
+# backward, d(routing weight) (fp32, ``slot_scalar``).
+FWD_SLOT_FIELD_BYTES, BWD_SLOT_FIELD_BYTES, BWD_RETURN_FIELD_BYTES = 12, 8, 4
+
+
+def bytes_between_ranks(topk_idx_TK: torch.Tensor, rank: int, experts_per_rank: int, dim: int,
+                        itemsize: int) -> dict[str, int]:
+    """What one call of the fused protocol moves between rank ``rank`` and the other ranks, in bytes, by the rules of
+    ``senders.send_rows`` and the owners' output GEMMs (a rank's rows for its own experts stay on it and are not
+    counted; nor are the counts and arrival counters, a few bytes per expert): ``fwd_out``, each token's row once
+    per other rank whose experts it picked, and each such slot's fields; ``fwd_back``, each such slot's output row;
+    ``bwd_out``, each such slot's x and dy rows and fields; ``bwd_back``, its dx row and d(routing weight).
+    ``topk_idx_TK``: the rank's routing (-1: dropped); rows of ``dim`` elements of ``itemsize`` bytes. Reads the
+    routing on the host: for benchmarks and tests."""
+    owner = torch.div(topk_idx_TK, experts_per_rank, rounding_mode="floor")
+    owner = torch.where((topk_idx_TK >= 0) & (owner != rank), owner, -1).sort(dim=1).values
+    slots = int((owner >= 0).sum())
+    token_rows = int(((owner[:, 1:] != owner[:, :-1]) & (owner[:, 1:] >= 0)).sum() + (owner[:, 0] >= 0).sum()) \
+        if owner.numel() else 0
+    row = dim * itemsize
+    return {"fwd_out": token_rows * row + slots * FWD_SLOT_FIELD_BYTES, "fwd_back": slots * row,
+            "bwd_out": slots * (2 * row + BWD_SLOT_FIELD_BYTES), "bwd_back": slots * (row + BWD_RETURN_FIELD_BYTES)}
