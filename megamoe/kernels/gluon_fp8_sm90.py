@@ -177,6 +177,7 @@ def _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_
 
 @gluon.jit
 def _clock(asm: gl.constexpr, like):
+    """A clock register read by ``asm`` (the cycle counter or the global timer), one per element of ``like``."""
     return gl.inline_asm_elementwise(asm, "=l,r", [like], dtype=gl.int64, is_pure=False, pack=1)
 
 

@@ -352,7 +352,8 @@ def bytes_between_ranks(topk_idx_TK: torch.Tensor, rank: int, experts_per_rank: 
     per other rank whose experts it picked, and each such slot's fields; ``fwd_back``, each such slot's output row;
     ``bwd_out``, each such slot's x and dy rows and fields; ``bwd_back``, its dx row and d(routing weight).
     ``topk_idx_TK``: the rank's routing (-1: dropped); rows of ``dim`` elements of ``itemsize`` bytes. Reads the
-    routing on the host: for benchmarks and tests."""
+    routing on the host: for benchmarks and tests (tests/test_dispatch.py checks ``fwd_out`` against what the owners
+    received; the other three are one row per slot each way, as the senders and output GEMMs write them)."""
     owner = torch.div(topk_idx_TK, experts_per_rank, rounding_mode="floor")
     owner = torch.where((topk_idx_TK >= 0) & (owner != rank), owner, -1).sort(dim=1).values
     slots = int((owner >= 0).sum())
