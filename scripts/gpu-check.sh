@@ -8,7 +8,8 @@
 #   bash scripts/gpu-check.sh layer [P..]  the layer benchmark on the README's problems P: 30b, 235b (16k tokens,
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
 #   bash scripts/gpu-check.sh fp8 [P..]    blockwise FP8 in parts P: tests, kernels (python -m tools.fp8), 30b, 235b
-#                                          (the layer beside bf16, the FP8 baseline and SonicMoE); default all four
+#                                          (the layer beside bf16, the FP8 baseline and SonicMoE): default those four;
+#                                          trace (python -m tools.fp8_trace at both layers: where a GEMM block's time goes)
 #   bash scripts/gpu-check.sh model [E..]  a transformers Qwen3-MoE model's training step (python -m megamoe.bench.model
 #                                          --matrix): {no checkpointing, full} x {each layer compiled, whole model} x
 #                                          experts E (default megamoe,grouped_mm and sonicmoe where it imports, one
@@ -122,7 +123,8 @@ layer)
 fp8)
     # Blockwise FP8, in parts P (default all four, in order): tests (its GPU tests), kernels (each kernel against the
     # dense FP8 matmul, both issue patterns and both weight gradients: what decides gluon_fp8_sm90.ISSUE_AHEAD and
-    # autograd.FP8_WGRAD), 30b and 235b (the layer beside bf16, the FP8 baseline and SonicMoE where it imports).
+    # autograd.FP8_WGRAD), 30b and 235b (the layer beside bf16, the FP8 baseline and SonicMoE where it imports); and, not
+    # in the default, trace (where the sorted-rows GEMM's blocks spend their time, per warpgroup: tools.fp8_trace).
     sonic=
     "$PY" -c "import sonicmoe" 2> /dev/null && sonic=sonicmoe,
     parts=("$@")
@@ -133,11 +135,15 @@ fp8)
         tests) step fp8-tests 580 "${py[@]}" -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8.py \
                    tests/test_gluon_fp8.py tests/test_reference_fp8.py || rc=$? ;;
         kernels) step fp8-kernels 300 "${py[@]}" -m tools.fp8 --preset qwen3-30b-a3b --out "$out/results" || rc=$? ;;
+        trace) for preset in qwen3-30b-a3b qwen3-235b-a22b; do
+                   step "fp8-trace-$preset" 200 "${py[@]}" -m tools.fp8_trace --preset "$preset" --plain \
+                       --out "$out/results" || rc=$?
+               done ;;
         30b|235b) preset=$([ "$part" = 30b ] && echo qwen3-30b-a3b || echo qwen3-235b-a22b)
             step "fp8-layer-$part" 590 "${py[@]}" -m megamoe.bench --preset "$preset" --routing random,skewed \
                 --impls "grouped_mm_fp8_compiled,${sonic}megamoe,megamoe_saved,megamoe_fp8,megamoe_fp8_saved" \
                 --out "$out/results" || rc=$? ;;
-        *) echo "unknown fp8 part $part: tests, kernels, 30b or 235b" >&2; exit 2 ;;
+        *) echo "unknown fp8 part $part: tests, kernels, trace, 30b or 235b" >&2; exit 2 ;;
         esac
     done
     exit "$rc"
