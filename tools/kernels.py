@@ -24,19 +24,13 @@ import torch
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from megamoe.bench.common import (
-    PRESETS,
-    ROUTINGS,
-    git_commit,
-    make_problem,
-    source_digest,
-    utc_now,
-)
+from megamoe.bench.common import PRESETS, ROUTINGS, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd
 from megamoe.kernels.combine import combine
 from megamoe.kernels.gluon_sm90 import ACT_CONFIG, UP_CONFIG, WS_CONFIG, ws_supported
 from megamoe.kernels.plan import build_plan
 from megamoe.kernels.tuning import TunedKernel
+from megamoe.provenance import gpu_record, utc_now
 
 
 def grid_of(**axes):
@@ -148,14 +142,9 @@ def main(argv=None) -> None:
         print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{ran}{extra}", flush=True)
     print(f"{'total':20s} {sum(r['ms'] for r in rows):8.3f} ms")
     if args.json:
-        import triton
-
         Path(args.json).write_text(json.dumps({
-            "preset": args.preset, "tokens": args.tokens, "top_k": top_k, "routing": args.routing, "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
-            "source_sha256": source_digest(),
-            "date": utc_now("seconds"),
-            "command": "python -m tools.kernels " + " ".join(sys.argv[1:] if argv is None else argv),
+            "preset": args.preset, "tokens": args.tokens, "top_k": top_k, "routing": args.routing,
+            **gpu_record("python -m tools.kernels " + " ".join(sys.argv[1:] if argv is None else argv)),
             "stages": rows}, indent=1) + "\n")
 
 

@@ -65,6 +65,7 @@ from megamoe.parallel.all_to_all import AllToAll, exchange_splits, moe_all_to_al
 from megamoe.parallel.fused import moe_fused_ep, workspace_for
 from megamoe.parallel.loopback import loopback_backward, loopback_forward, round_trip
 from megamoe.parallel.workspace import loopback_workspaces
+from megamoe.provenance import gpu_record
 
 EP_IMPLS = ("a2a_grouped_mm", "a2a_grouped_mm_compiled", "a2a_megamoe", "fused")
 ERROR_TOKENS_PER_RANK = 64  # each rank's tokens in the small problem every impl is checked on
@@ -441,11 +442,7 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     if profile:
         times["_profile"] = kernel_tables(variants)
     return {
-        "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
-        "commit": git_commit(),
-        "source_sha256": source_digest(),
-        "date": utc_now("seconds"),
-        "command": "python -m megamoe.bench " + " ".join(sys.argv[1:]), **info, **times,
+        **gpu_record("python -m megamoe.bench " + " ".join(sys.argv[1:])), **info, **times,
         "machinery_cost_fwd": times["loopback_fwd_ms"] / times["plain_fwd_ms"] - 1,
         "machinery_cost_fwd_bwd": times["loopback_fwd_bwd_ms"] / times["plain_fwd_bwd_ms"] - 1,
     }
