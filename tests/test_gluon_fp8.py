@@ -124,12 +124,16 @@ BF16_ROUNDING = 2.0 ** -9
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("issue_ahead,defer_epilogue", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("block_n,issue_ahead,defer_epilogue",
+                         [(128, False, False), (128, True, False), (128, False, True), (128, True, True),
+                          (256, False, False)])
 @pytest.mark.parametrize("kind", ["random", "exact"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
-def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind, issue_ahead, defer_epilogue):
+def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind, block_n, issue_ahead,
+                       defer_epilogue):
     """The down projection (h (N, I) x W2 (E, D, I), weighted, to slots) and dh' (dy (N, D) x W2ᵀ as (E, I, D),
-    sorted rows, unweighted), in each issue pattern, the stores at once or deferred."""
+    sorted rows, unweighted), in blocks of 128 columns in each issue pattern, the stores at once or deferred, and
+    in blocks of 256 (the GEMMs whose N is a multiple of 256)."""
     from megamoe.kernels.gluon_fp8_sm90 import fp8_rows_gemm_ws
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -140,12 +144,17 @@ def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind
     routed = offsets[-1]
     row_slot = plan.row_slot_N[:routed].long()
     weights = torch.rand(rows, generator=gen).cuda()
-    for k_dim, n_out, weighted, to_slots in ((inter, dim, True, True), (dim, inter, False, False)):
+    gemms = [(k, n, weighted, to_slots) for k, n, weighted, to_slots in ((inter, dim, True, True),
+                                                                           (dim, inter, False, False))
+             if n % block_n == 0]
+    if not gemms:
+        pytest.skip(f"neither N ({dim}, {inter}) is a multiple of {block_n}")
+    for k_dim, n_out, weighted, to_slots in gemms:
         a_q, a_s = quantize_rows(make_data((rows, k_dim), kind, gen))
         w_q, w_s = quantize_weights(make_data((num_experts, n_out, k_dim), kind, gen, group_dims=2) / 16)
         out = torch.full((rows, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
         fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, out, plan, weights=weights if weighted else None, to_slots=to_slots,
-                         issue_ahead=issue_ahead, defer_epilogue=defer_epilogue)
+                         issue_ahead=issue_ahead, defer_epilogue=defer_epilogue, block_n=block_n)
         torch.cuda.synchronize()
         ref = rows_reference(a_q, a_s, w_q, w_s, offsets)
         if weighted:
@@ -308,9 +317,10 @@ def test_fp8_up_swiglu_power_of_two_scales(issue_ahead):
 
 
 @pytest.mark.gpu
-def test_fp8_rows_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block():
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_fp8_rows_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(block_n):
     """The block trace (``trace=``) changes no output bit, and every program's partitions stamp each of their blocks
-    in time order, which ``tools.fp8_trace.block_phases`` reads."""
+    in time order, which ``tools.fp8_trace.block_phases`` reads; blocks of 128 and 256 columns."""
     from megamoe.kernels import gluon_fp8_sm90 as f
     from tools.fp8_trace import block_phases
 
@@ -326,12 +336,13 @@ def test_fp8_rows_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block():
     outs = []
     for tr in (None, trace):
         outs.append(torch.zeros(rows, dim, device="cuda", dtype=torch.bfloat16))
-        f.fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, outs[-1], plan, weights=weights, to_slots=True, trace=tr)
+        f.fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, outs[-1], plan, weights=weights, to_slots=True, block_n=block_n,
+                           trace=tr)
     assert torch.equal(outs[0], outs[1])
     stamps = trace.view(programs, f.TRACE_PARTS.value, f.TRACE_BLOCKS.value, 2, f.TRACE_POINTS.value).cpu()
     blocks = (stamps[:, 2, :, 0, 0] >= 0).sum(1)  # the loader's blocks per program
     busy_tiles = sum(-(-(hi - lo) // 128) for lo, hi in itertools.pairwise(offsets))
-    assert int(blocks.sum()) == busy_tiles * (dim // 128)  # every block of the launch, once
+    assert int(blocks.sum()) == busy_tiles * (dim // block_n)  # every block of the launch, once
     for wg in (0, 1):
         assert torch.equal((stamps[:, wg, :, 0, 0] >= 0).sum(1), blocks)  # each warpgroup stamps the loader's blocks
         cyc = stamps[:, wg, :, 0]
@@ -383,15 +394,19 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "wgrad_any_size": ("fp8_wgrad", dict(sizes_divisible=False)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
             "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
-            "rows_down_traced": ("fp8_rows", dict(trace=True))}
+            "rows_down_traced": ("fp8_rows", dict(trace=True)),
+            "wide_rows_down": ("fp8_rows", dict(block_n=256)),
+            "wide_rows_dh": ("fp8_rows", dict(block_n=256, weighted=False, to_slots=False))}
 # each kernel also in the issue pattern it does not run by default (the traced variant only in its default)
 ahead = {"fp8_rows": f.ROWS_ISSUE_AHEAD, "fp8_up": f.UP_ISSUE_AHEAD}
 variants.update({f"{'plain' if ahead[kernel] else 'issue_ahead'}_{name}": (kernel, {**kw, "issue_ahead": not ahead[kernel]})
-                 for name, (kernel, kw) in variants.items() if kernel in ahead and not kw.get("trace")})
+                 for name, (kernel, kw) in variants.items() if kernel in ahead and not kw.get("trace")
+                 and not kw.get("block_n")})
 other_epilogue = not f.ROWS_DEFER_EPILOGUE  # the sorted-rows kernel's stores timed the way the default does not
 prefix = "deferred" if other_epilogue else "stores_at_once"
 variants.update({f"{prefix}_{name}": (kernel, {**kw, "defer_epilogue": other_epilogue})
-                 for name, (kernel, kw) in variants.items() if kernel == "fp8_rows" and not kw.get("trace")})
+                 for name, (kernel, kw) in variants.items() if kernel == "fp8_rows" and not kw.get("trace")
+                 and not kw.get("block_n")})
 def report(item):
     kernel, kw = item
     return ptxas_report(f.aot_compile(kernel, **kw))
@@ -402,8 +417,11 @@ with ProcessPoolExecutor(os.cpu_count()) as pool:  # compiles side by side, one 
 # Register spills allowed per variant (bytes): the issue-ahead up kernel's saved-activation variant (not the default
 # pattern) keeps one register of its epilogue in local memory (4 bytes, stored and loaded once per block; its MMA loop
 # does not spill); the same pattern compiled without the sizes specialised as 16-divisible (which no launch does: the
-# launchers assert multiples of 128) keeps two (since each block's expert and rows are read ahead, in registers).
-_SPILLS_ALLOWED = {"issue_ahead_up_preact": 4, "issue_ahead_up_preact_pow2": 4, "issue_ahead_up_any_size": 8}
+# launchers assert multiples of 128) keeps two (since each block's expert and rows are read ahead, in registers); the
+# sorted-rows kernel's 256-column variant of dh' and dx (unweighted, sorted rows) one (ptxas keeps it there at every
+# register split of its partitions tried: loader 40 or 48).
+_SPILLS_ALLOWED = {"issue_ahead_up_preact": 4, "issue_ahead_up_preact_pow2": 4, "issue_ahead_up_any_size": 8,
+                   "wide_rows_dh": 4}
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200
 
 

@@ -1,12 +1,13 @@
 """Where the FP8 sorted-rows GEMM's blocks spend their time (an sm90 GPU):
 
-    python -m tools.fp8_trace [--preset P] [--tokens T] [--gemms down,dh,dx] [--plain] [--out DIR]
+    python -m tools.fp8_trace [--preset P] [--tokens T] [--gemms down,dh,dx] [--plain] [--wide] [--out DIR]
 
 Runs each GEMM of the FP8 path's sorted-rows kernel (``gluon_fp8_sm90.fp8_rows_gemm_ws``: down, dh', dx) on the layer
 benchmark's problem, untraced and then traced (``trace=``: the cycle counter and the global timer at fixed points of
 every block in each partition, ``gluon_fp8_sm90.TRACE_BLOCKS``), checks that the traced output is bitwise the
 untraced one, and reports per MMA warpgroup the medians per block (us) of :data:`PHASES`. ``--plain`` also runs each
-GEMM in the other issue pattern, stores not deferred. The stamps cost a few percent of the kernel's time: the
+GEMM in the other issue pattern, stores not deferred; ``--wide`` also in blocks of 256 columns (``block_n``, where N is
+a multiple of 256). The stamps cost a few percent of the kernel's time: the
 phases say where the time goes, not the exact time. Prints a table and, with ``--out``, writes JSON (GPU, versions,
 date, commit, command).
 """
@@ -93,6 +94,7 @@ def main(argv=None) -> None:
                    help="comma-separated, from down, dh (dh'), dx")
     p.add_argument("--plain", action="store_true",
                    help="also the other issue pattern, stores not deferred (ROWS_ISSUE_AHEAD, ROWS_DEFER_EPILOGUE off)")
+    p.add_argument("--wide", action="store_true", help="also blocks of 256 columns (fp8_rows_gemm_ws's block_n)")
     p.add_argument("--out", type=Path, help="folder for the JSON record")
     args = p.parse_args(argv)
     if unknown := set(args.gemms) - {"down", "dh", "dx"}:
@@ -117,21 +119,26 @@ def main(argv=None) -> None:
     }
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     trace = torch.empty(gluon_fp8_sm90.trace_size(programs), device="cuda", dtype=torch.int64)
-    patterns = [(gluon_fp8_sm90.ROWS_ISSUE_AHEAD, gluon_fp8_sm90.ROWS_DEFER_EPILOGUE)]
+    patterns = [(128, gluon_fp8_sm90.ROWS_ISSUE_AHEAD, gluon_fp8_sm90.ROWS_DEFER_EPILOGUE)]
     if args.plain:
-        patterns.append((not patterns[0][0], False))
+        patterns.append((128, not patterns[0][1], False))
+    if args.wide:
+        patterns.append((256, False, False))
     results = []
     print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (medians per block, us)")
-    print(f"{'GEMM':5s} {'issue-ahead':>11s} {'deferred':>8s} {'us':>7s} {'traced':>7s} {'TF/s':>5s}  wg "
+    print(f"{'GEMM':5s} {'cols':>4s} {'issue-ahead':>11s} {'deferred':>8s} {'us':>7s} {'traced':>7s} {'TF/s':>5s}  wg "
           + " ".join(f"{k:>7s}" for k in PHASES))
     for name in args.gemms:
         a, a_s, w, w_s, wts, to_slots, flops = gemms[name]
-        for issue_ahead, defer in patterns:
+        for block_n, issue_ahead, defer in patterns:
+            if w.shape[1] % block_n:
+                continue
+
             def run(traced, a=a, a_s=a_s, w=w, w_s=w_s, wts=wts, to_slots=to_slots, issue_ahead=issue_ahead,
-                    defer=defer):
+                    defer=defer, block_n=block_n):
                 out = torch.empty(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
                 gluon_fp8_sm90.fp8_rows_gemm_ws(a, a_s, w, w_s, out, plan, weights=wts, to_slots=to_slots,
-                                                issue_ahead=issue_ahead, defer_epilogue=defer,
+                                                issue_ahead=issue_ahead, defer_epilogue=defer, block_n=block_n,
                                                 trace=trace if traced else None)
                 return out
             plain_ms = do_bench(lambda: run(False), warmup=25, rep=300)
@@ -140,10 +147,10 @@ def main(argv=None) -> None:
             if not torch.equal(run(True), run(False)):
                 raise SystemExit(f"{name}: the traced kernel's output differs from the untraced one's")
             phases = block_phases(trace.cpu(), programs)
-            results.append({"gemm": name, "issue_ahead": issue_ahead, "defer_epilogue": defer, "ms": plain_ms,
+            results.append({"gemm": name, "block_n": block_n, "issue_ahead": issue_ahead, "defer_epilogue": defer, "ms": plain_ms,
                             "traced_ms": traced_ms, "tflops": flops / plain_ms / 1e9, "phases_us": phases})
             for wg, ph in phases.items():
-                print(f"{name:5s} {issue_ahead!s:>11s} {defer!s:>8s} {plain_ms * 1e3:7.1f} {traced_ms * 1e3:7.1f} "
+                print(f"{name:5s} {block_n:4d} {issue_ahead!s:>11s} {defer!s:>8s} {plain_ms * 1e3:7.1f} {traced_ms * 1e3:7.1f} "
                       f"{flops / plain_ms / 1e9:5.0f}  {wg[-1]}  " + " ".join(f"{ph[k]:7.2f}" for k in PHASES))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

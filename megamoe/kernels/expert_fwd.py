@@ -23,8 +23,6 @@ from megamoe.kernels.common import (
     tile_rows,
 )
 from megamoe.kernels.gluon_fp8_sm90 import (
-    ROWS_DEFER_EPILOGUE,
-    ROWS_ISSUE_AHEAD,
     UP_ISSUE_AHEAD,
     fp8_rows_gemm_ws,
     fp8_up_swiglu_ws,
@@ -306,20 +304,21 @@ def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
 
 
 def sorted_rows_gemm_fp8(kernel: TunedKernel, a_NK, a_s, w_E, w_s, weights_N, plan: Plan, out_dtype: torch.dtype, *,
-                         issue_ahead: bool = ROWS_ISSUE_AHEAD,
-                         defer_epilogue: bool = ROWS_DEFER_EPILOGUE) -> torch.Tensor:
+                         issue_ahead: bool | None = None, defer_epilogue: bool | None = None,
+                         block_n: int | None = None) -> torch.Tensor:
     """``sorted_rows_gemm`` of a SCALED ``kernel`` (DOWN_FP8, DH_FP8 or DX_FP8) on blockwise FP8 operands: a (N, K)
     e4m3 sorted rows with their (K/128, N) scales, w (E, n_out, K) e4m3 with its (E, n_out/128, K/128) block scales;
     the output in ``out_dtype``. On sm90 with a bf16 output through the warp-specialized Gluon kernel
-    (``gluon_fp8_sm90``), which ``kernel``'s constants configure (weighted, to slot rows), in the issue pattern
-    ``issue_ahead`` (``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``), its stores deferred or not (``defer_epilogue``,
-    ``gluon_fp8_sm90.ROWS_DEFER_EPILOGUE``)."""
+    (``gluon_fp8_sm90``), which ``kernel``'s constants configure (weighted, to slot rows), in blocks of ``block_n``
+    columns, the issue pattern ``issue_ahead``, its stores deferred or not (``defer_epilogue``; each None: the
+    kernel's default, ``gluon_fp8_sm90.fp8_rows_gemm_ws``)."""
     num_slots, n_out = a_NK.shape[0], w_E.shape[1]
     if not (num_slots and fp8_ws_supported(a_NK, out_dtype)):
         return sorted_rows_gemm(kernel, a_NK, w_E, weights_N, plan, n_out, scales=(a_s, w_s), out_dtype=out_dtype)
     out = torch.empty(num_slots, n_out, device=a_NK.device, dtype=out_dtype)
     fp8_rows_gemm_ws(a_NK, a_s, w_E, w_s, out, plan, weights=None if weights_N is None else weights_N.float(),
-                     to_slots=kernel.constants["TO_SLOTS"], issue_ahead=issue_ahead, defer_epilogue=defer_epilogue)
+                     to_slots=kernel.constants["TO_SLOTS"], issue_ahead=issue_ahead, defer_epilogue=defer_epilogue,
+                     block_n=block_n)
     return out
 
 

@@ -113,6 +113,12 @@ UP_ISSUE_AHEAD = False
 # (``_rows_mma_partition``). Measured on the H200 with issue-ahead (``python -m tools.fp8``, docs/PERFORMANCE.md):
 # dx 3%, dh' 1% faster, down level.
 ROWS_DEFER_EPILOGUE = True
+# The sorted-rows kernel's block width where N is a multiple of it (else 128): 256 runs a block as two column
+# halves of 128 (``_rows_main_wide``), in one issue pattern of its own (a temporary beside the two accumulators, no
+# issue-ahead, stores at once) and ROWS_WIDE_STAGES ring stages of 48 KB (A 16 KB, the weight block 32 KB): each
+# byte that crosses from L2 feeds 171 FLOPs, against 128 at 128 columns.
+ROWS_BLOCK_N = 128
+ROWS_WIDE_STAGES = 4
 # The sorted-rows kernel's block trace (``fp8_rows_gemm_ws(trace=...)``, read by ``tools.fp8_trace``): per program,
 # per partition (the two MMA warpgroups, then the loader) and per block of its first TRACE_BLOCKS, TRACE_POINTS
 # stamps of the SM's cycle counter, then the same points on the global timer (ns). An MMA warpgroup's points: the
@@ -197,11 +203,12 @@ def _stamp(trace_ptr, part: gl.constexpr, block, point: gl.constexpr, TRACE: gl.
 def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
                  as_bufs, bs_bufs, trace_ptr, M, N_OUT, K, num_n, work, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``_fp8_rows_ws_kernel``: per K-step, A's rows (block (128, 128)) and the
-    expert's weight block (1, 128, 128) through TMA; A's 128 row scales and the weight block's scale (into 64
-    entries) through 4-byte ``cp.async``, each thread's copies arriving on the stage's ready barrier."""
+    expert's weight block (1, BN, 128) through TMA; A's 128 row scales and the weight block's BN / 128 scales (each
+    into 64 entries) through 4-byte ``cp.async``, each thread's copies arriving on the stage's ready barrier."""
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[1]
     HALF: gl.constexpr = bs_bufs.type.shape[1]
+    NB: gl.constexpr = bs_bufs.type.shape[0] // a_bufs.type.shape[0]  # weight scale blocks per stage
     nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
     layout: gl.constexpr = gl.BlockedLayout([HALF // (32 * num_warps)], [32], [num_warps], [0])
     lanes = gl.arange(0, HALF, layout=layout)
@@ -214,7 +221,7 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         rows0 = row0 + lanes  # the first warpgroup's rows; rows0 + HALF the second's
         rows1 = rows0 + HALF
-        w_scale = w_s_ptr + (e * (N_OUT // BN) + n0 // BN) * kbs + same
+        w_scale = w_s_ptr + (e * (N_OUT // (BN // NB)) + n0 // (BN // NB)) * kbs + same
         for kb in range(kbs):
             s = next_slot(empty, ready, step, nbytes)
             tma.async_copy_global_to_shared(a_desc, [row0, kb * BK], ready.index(s), a_bufs.index(s))
@@ -222,7 +229,8 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr
             # rows past M (the last tile): zero scales, as TMA zero-fills their A rows
             async_copy.async_copy_global_to_shared(as_bufs.index(2 * s), a_s_ptr + kb * M + rows0, mask=rows0 < M)
             async_copy.async_copy_global_to_shared(as_bufs.index(2 * s + 1), a_s_ptr + kb * M + rows1, mask=rows1 < M)
-            async_copy.async_copy_global_to_shared(bs_bufs.index(s), w_scale + kb)
+            for j in gl.static_range(NB):
+                async_copy.async_copy_global_to_shared(bs_bufs.index(NB * s + j), w_scale + j * kbs + kb)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
             if TRACE:  # noqa: SIM102 (compiled out unless traced; a Triton condition does not short-circuit)
@@ -240,14 +248,15 @@ def _rows_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.cons
 
 
 @gluon.jit
-def _rows_mma(a_bufs, w_bufs, s, tmp, WG: gl.constexpr):
-    """Issue stage ``s``'s MMA chain for this warpgroup's 64 rows (asynchronous: four wgmma m64n128k32 over
-    BK = 128) into ``tmp``; returns its pending result."""
+def _rows_mma(a_bufs, w_bufs, s, c0: gl.constexpr, tmp, WG: gl.constexpr):
+    """Issue stage ``s``'s MMA chain for this warpgroup's 64 rows and the weight block's columns ``c0`` .. ``c0`` +
+    128 (asynchronous: four wgmma m64n128k32 over BK = 128) into ``tmp``; returns its pending result."""
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = w_bufs.type.shape[2]  # [STAGES, 1, BN, BK]
     HALF: gl.constexpr = a_bufs.type.shape[1] // 2
-    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), w_bufs.index(s).reshape([BN, BK]).permute((1, 0)),
-                         tmp, use_acc=False, is_async=True)
+    w = w_bufs.index(s).reshape([BN, BK]).slice(c0, tmp.type.shape[1])
+    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), w.permute((1, 0)), tmp, use_acc=False,
+                         is_async=True)
 
 
 @gluon.jit
@@ -271,6 +280,35 @@ def _rows_store_pending(pend, out, out_rows, first, end, n0, out_ptr, N_OUT, num
 
 
 @gluon.jit
+def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, trace_ptr, step, kbs, block, WG: gl.constexpr,
+                    TRACE: gl.constexpr, row_layout: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
+    """The main loop of a 256-column block for one warpgroup: per K-step the MMA chain of the weight block's left
+    128 columns into the temporary, wait, its promotion into the left accumulator, then the right half's likewise,
+    and the stage freed. One temporary beside two accumulators (3 x 64 registers per thread): no second temporary
+    fits for the next chain to be issued before a promotion, so the promotions run under the other warpgroup's
+    MMAs. Returns (left, right, the next ring step); stamps the block's first stage ready (point 1)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    HALF: gl.constexpr = as_bufs.type.shape[1]
+    HB: gl.constexpr = w_bufs.type.shape[2] // 2
+    acc0 = gl.zeros([HALF, HB], gl.float32, acc_layout)
+    acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
+    tmp = gl.zeros([HALF, HB], gl.float32, acc_layout)  # both chains' destination registers
+    for kb in range(kbs):
+        s, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+        if TRACE:  # noqa: SIM102 (compiled out unless traced)
+            if kb == 0:
+                _stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
+        scale1 = _scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
+        tmp = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s, 0, tmp, WG), ))
+        acc0 = acc0 + tmp * scale0[:, None]
+        tmp = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s, HB, tmp, WG), ))
+        mbarrier.arrive(empty.index(s), count=1)
+        acc1 = acc1 + tmp * scale1[:, None]
+        step += 1
+    return acc0, acc1, step
+
+
+@gluon.jit
 def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
                         a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K, num_n, work, WG: gl.constexpr,
                         WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
@@ -280,10 +318,12 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
     next block's MMA into a second temporary); then the weighted bf16 block's stores (``_rows_store``) to sorted
     rows or to slots. DEFER_EPILOGUE: a block's stores wait until the warpgroup's next block has issued its first
     MMA, and run under it (the last block's after the loop); else they run at once, with the tensor cores idle
-    unless the other warpgroup's MMAs have them."""
+    unless the other warpgroup's MMAs have them. A block of 256 columns (``ROWS_BLOCK_N``) runs as two column
+    halves of 128, each with its own accumulator, in one issue pattern (``_rows_main_wide``), its stores at once."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[2]
-    BN: gl.constexpr = w_bufs.type.shape[2]  # [STAGES, 1, BN, BK]
+    NH: gl.constexpr = bs_bufs.type.shape[0] // STAGES  # column halves of the block: its weight scale blocks
+    BN: gl.constexpr = w_bufs.type.shape[2] // NH  # [STAGES, 1, NH * BN, BK]: BN columns per accumulator
     HALF: gl.constexpr = bs_bufs.type.shape[1]
     acc_layout: gl.constexpr = _acc_layout(HALF, BN, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -303,7 +343,7 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
         _stamp(trace_ptr, WG, block, 0, TRACE, num_warps)
         end_next, e_after, row0_after = _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
                                                          work)
-        n0 = (w % num_n) * BN
+        n0 = (w % num_n) * (NH * BN)
         first = row0 + WG * HALF
         if first < end:
             # The epilogue's row data, loaded now so that its latency hides under the main loop.
@@ -314,76 +354,87 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                 acc_rows = first + gl.arange(0, HALF, layout=row_layout)
                 acc_slots = gl.load(row_slot_ptr + acc_rows, mask=acc_rows < end, other=0)
                 wt = gl.load(weights_ptr + acc_slots, mask=acc_rows < end, other=0.0)
-            s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
-            _stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
-            # the MMAs' destination registers, reused
-            tmp0 = _rows_mma(a_bufs, w_bufs, s0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
-            if DEFER_EPILOGUE:  # the previous block's stores, under this block's first MMA
-                _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
-            acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
-            if not ISSUE_AHEAD:
-                tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-                mbarrier.arrive(empty.index(s0), count=1)
-                acc = acc + tmp0 * scale0[:, None]  # one FMA per element
-                step += 1
-                for k in range(BK, K, BK):
-                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
-                    tmp0 = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s0, tmp0, WG), ))
-                    mbarrier.arrive(empty.index(s0), count=1)
-                    acc = acc + tmp0 * scale0[:, None]
-                    step += 1
+            if NH == 2:
+                acc, acc1, step = _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, trace_ptr, step, kbs,
+                                                  block, WG, TRACE, row_layout, acc_layout, num_warps)
+                _stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
+                if WEIGHTED:
+                    acc = acc * wt[:, None]
+                    acc1 = acc1 * wt[:, None]
+                _rows_store(acc.to(out_ptr.dtype.element_ty), out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
+                _rows_store(acc1.to(out_ptr.dtype.element_ty), out_rows, first, end, n0 + BN, out_ptr, N_OUT,
+                            num_warps)
             else:
-                # Two temporaries: once block k's chain is done, block k+1's is issued before k's promotion,
-                # which then runs under it, so that each warpgroup keeps the tensor cores busy through its own
-                # promotions. Done means waited to zero chains in flight: a chain carried in flight across the
-                # loop's back edge, retired by a wait(1) and then read, makes ptxas serialise every wgmma of the
-                # kernel (C7514), so the next chain goes in just after the wait (the scales and its stage's
-                # ready wait come first, under the running chain). The body is two blocks long (tmp0 and
-                # tmp1 swap roles: registers cannot be indexed); the last one or two blocks run after it. A stage
-                # is freed once the chain reading it is done; a warpgroup holds two at most. (A chain in flight
-                # cannot be carried into a branch that waits on it under the same name: the waited results are
-                # named apart.)
-                tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
-                for _ in range((kbs - 1) // 2):  # [block `step` in flight in tmp0]
-                    s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
+                s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+                _stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
+                # the MMAs' destination registers, reused
+                tmp0 = _rows_mma(a_bufs, w_bufs, s0, 0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
+                if DEFER_EPILOGUE:  # the previous block's stores, under this block's first MMA
+                    _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
+                acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
+                if not ISSUE_AHEAD:
                     tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-                    tmp1 = _rows_mma(a_bufs, w_bufs, s1, tmp1, WG)
                     mbarrier.arrive(empty.index(s0), count=1)
-                    acc = _promote(acc, tmp0, scale0)
-                    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step + 2, STAGES, WG, row_layout)
-                    tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
-                    tmp0 = _rows_mma(a_bufs, w_bufs, s0, tmp0, WG)
-                    mbarrier.arrive(empty.index(s1), count=1)
-                    acc = _promote(acc, tmp1, scale1)
-                    step += 2
-                if kbs % 2 == 0:  # two blocks left: `step` in flight, and the next
-                    s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
-                    done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-                    tmp1 = _rows_mma(a_bufs, w_bufs, s1, tmp1, WG)
-                    mbarrier.arrive(empty.index(s0), count=1)
-                    acc = _promote(acc, done0, scale0)
-                    tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
-                    mbarrier.arrive(empty.index(s1), count=1)
-                    acc = _promote(acc, tmp1, scale1)
-                    step += 2
-                else:  # one block left, in flight
-                    done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-                    mbarrier.arrive(empty.index(s0), count=1)
-                    acc = _promote(acc, done0, scale0)
+                    acc = acc + tmp0 * scale0[:, None]  # one FMA per element
                     step += 1
-            _stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
-            if WEIGHTED:
-                acc = acc * wt[:, None]
-            out = acc.to(out_ptr.dtype.element_ty)
-            if DEFER_EPILOGUE:
-                pend = 1
-                pend_out = out
-                pend_rows = out_rows
-                pend_first = first
-                pend_end = end
-                pend_n0 = n0
-            else:
-                _rows_store(out, out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
+                    for k in range(BK, K, BK):
+                        s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+                        tmp0 = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s0, 0, tmp0, WG), ))
+                        mbarrier.arrive(empty.index(s0), count=1)
+                        acc = acc + tmp0 * scale0[:, None]
+                        step += 1
+                else:
+                    # Two temporaries: once block k's chain is done, block k+1's is issued before k's promotion,
+                    # which then runs under it, so that each warpgroup keeps the tensor cores busy through its own
+                    # promotions. Done means waited to zero chains in flight: a chain carried in flight across the
+                    # loop's back edge, retired by a wait(1) and then read, makes ptxas serialise every wgmma of the
+                    # kernel (C7514), so the next chain goes in just after the wait (the scales and its stage's
+                    # ready wait come first, under the running chain). The body is two blocks long (tmp0 and
+                    # tmp1 swap roles: registers cannot be indexed); the last one or two blocks run after it. A stage
+                    # is freed once the chain reading it is done; a warpgroup holds two at most. (A chain in flight
+                    # cannot be carried into a branch that waits on it under the same name: the waited results are
+                    # named apart.)
+                    tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
+                    for _ in range((kbs - 1) // 2):  # [block `step` in flight in tmp0]
+                        s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
+                        tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+                        tmp1 = _rows_mma(a_bufs, w_bufs, s1, 0, tmp1, WG)
+                        mbarrier.arrive(empty.index(s0), count=1)
+                        acc = _promote(acc, tmp0, scale0)
+                        s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step + 2, STAGES, WG, row_layout)
+                        tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
+                        tmp0 = _rows_mma(a_bufs, w_bufs, s0, 0, tmp0, WG)
+                        mbarrier.arrive(empty.index(s1), count=1)
+                        acc = _promote(acc, tmp1, scale1)
+                        step += 2
+                    if kbs % 2 == 0:  # two blocks left: `step` in flight, and the next
+                        s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
+                        done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+                        tmp1 = _rows_mma(a_bufs, w_bufs, s1, 0, tmp1, WG)
+                        mbarrier.arrive(empty.index(s0), count=1)
+                        acc = _promote(acc, done0, scale0)
+                        tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
+                        mbarrier.arrive(empty.index(s1), count=1)
+                        acc = _promote(acc, tmp1, scale1)
+                        step += 2
+                    else:  # one block left, in flight
+                        done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+                        mbarrier.arrive(empty.index(s0), count=1)
+                        acc = _promote(acc, done0, scale0)
+                        step += 1
+                _stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
+                if WEIGHTED:
+                    acc = acc * wt[:, None]
+                out = acc.to(out_ptr.dtype.element_ty)
+                if DEFER_EPILOGUE:
+                    pend = 1
+                    pend_out = out
+                    pend_rows = out_rows
+                    pend_first = first
+                    pend_end = end
+                    pend_n0 = n0
+                else:
+                    _rows_store(out, out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
             if DEFER_EPILOGUE:
                 _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
@@ -396,16 +447,18 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
 
 
 @gluon.jit
-def _ring(a_desc, b_desc, B_SCALES: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr):
+def _ring(a_desc, b_desc, B_SCALE_ROWS: gl.constexpr, B_SCALES: gl.constexpr, STAGES: gl.constexpr,
+          LOADER_WARPS: gl.constexpr):
     """The shared memory and barriers of an FP8 GEMM's ring of ``STAGES`` K-steps, for two MMA warpgroups and a
     loader of ``LOADER_WARPS``: the A and B blocks, A's row scales per stage (the two warpgroups' halves,
-    [STAGES * 2, BM / 2]), ``B_SCALES`` fp32 of B's scales per stage, and the ready (the TMA bytes' arrival and
-    each loader thread's ``cp.async``) and empty (one arrival per MMA warpgroup) barriers."""
+    [STAGES * 2, BM / 2]), ``B_SCALE_ROWS`` rows of ``B_SCALES`` fp32 of B's scales per stage ([STAGES *
+    B_SCALE_ROWS, B_SCALES]), and the ready (the TMA bytes' arrival and each loader thread's ``cp.async``) and empty
+    (one arrival per MMA warpgroup) barriers."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one indexed row
     as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, a_desc.block_type.shape[0] // 2], scale_layout)
-    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, B_SCALES], scale_layout)
+    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * B_SCALE_ROWS, B_SCALES], scale_layout)
     return a_bufs, b_bufs, as_bufs, bs_bufs, barriers(STAGES, 1 + 32 * LOADER_WARPS), barriers(STAGES, 2)
 
 
@@ -426,9 +479,9 @@ def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, 
     BN: gl.constexpr = w_desc.block_type.shape[1]
     num_n = N_OUT // BN
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
-    # The weight block's scale per stage, repeated across 64
-    a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty = _ring(a_desc, w_desc, a_desc.block_type.shape[0] // 2, STAGES,
-                                                           LOADER_WARPS)
+    # The weight block's scales per stage (one per 128 of its columns), each repeated across 64
+    a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty = _ring(a_desc, w_desc, BN // 128, a_desc.block_type.shape[0] // 2,
+                                                           STAGES, LOADER_WARPS)
     gl.warp_specialize([
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
                                empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K, num_n, work, 0, WEIGHTED,
@@ -846,7 +899,7 @@ def _fp8_wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_ptr, offsets_ptr,
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
-    a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = _ring(a_desc, b_desc, BN, STAGES, LOADER_WARPS)
+    a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = _ring(a_desc, b_desc, 1, BN, STAGES, LOADER_WARPS)
     num_p = P // BM
     num_q = Q // BN
     gl.warp_specialize([
@@ -882,15 +935,17 @@ def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
 
 def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                      plan, *, weights: torch.Tensor | None = None, to_slots: bool = False,
-                     issue_ahead: bool = ROWS_ISSUE_AHEAD, defer_epilogue: bool = ROWS_DEFER_EPILOGUE,
-                     trace: torch.Tensor | None = None) -> None:
+                     issue_ahead: bool | None = None, defer_epilogue: bool | None = None,
+                     block_n: int | None = None, trace: torch.Tensor | None = None) -> None:
     """out (M, N) bf16 = the blockwise-dequantised a (M, K) in sorted rows times each row's expert weight
     w[e] (E, N, K)ᵀ, through ``_fp8_rows_ws_kernel``; row r into row ``plan.row_slot_N[r]`` if ``to_slots``, else
     r; times ``weights[row_slot[r]]`` (fp32, (M,) by slot) if given. Only the plan's routed rows are written.
-    ``issue_ahead``: each warpgroup issues the next K-block's MMA before promoting the last (see
-    ``ROWS_ISSUE_AHEAD``); ``defer_epilogue``: a block's stores run under the warpgroup's next block's first MMA (see
-    ``ROWS_DEFER_EPILOGUE``); ``trace``: int64, at least ``trace_size(sm_count)`` elements: the block trace
-    (``TRACE_BLOCKS``; untraced launches compile without its stamps).
+    ``block_n``: the block's columns, 128 or 256 (N a multiple of it; None: ``ROWS_BLOCK_N`` where N is a multiple
+    of it, else 128). At 128 columns, ``issue_ahead``: each warpgroup issues the next K-block's MMA before promoting
+    the last (None: ``ROWS_ISSUE_AHEAD``); ``defer_epilogue``: a block's stores run under the warpgroup's next
+    block's first MMA (None: ``ROWS_DEFER_EPILOGUE``); 256 columns have one pattern, neither (``_rows_main_wide``).
+    ``trace``: int64, at least ``trace_size(sm_count)`` elements: the block trace (``TRACE_BLOCKS``; untraced
+    launches compile without its stamps).
 
     a_q (M, K) float8_e4m3fn contiguous, a_s (K // 128, M) fp32 contiguous, w_q (E, N, K) float8_e4m3fn
     contiguous, w_s (E, N // 128, K // 128) fp32 contiguous; K and N multiples of 128; M >= 1; an sm90 GPU;
@@ -902,16 +957,33 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
                                                                            k_dim // SCALE_BLOCK)
     assert out.shape == (num_rows, n_out) and out.dtype == torch.bfloat16 and BLOCK_M == FP8_BM
     assert trace is None or (trace.dtype == torch.int64 and trace.numel() >= trace_size(sm_count(a_q.device.index)))
+    block_n, issue_ahead, defer_epilogue = rows_pattern(n_out, block_n, issue_ahead, defer_epilogue)
     _fp8_rows_ws_kernel[(sm_count(a_q.device.index),)](
-        a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), w_desc=_fp8_desc(w_q, [1, FP8_BN, FP8_BK]), a_s_ptr=a_s,
+        a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), w_desc=_fp8_desc(w_q, [1, block_n, FP8_BK]), a_s_ptr=a_s,
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
         offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT,
         trace_ptr=trace if trace is not None else out, M=num_rows, N_OUT=n_out, K=k_dim, E=num_experts,
         EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, WEIGHTED=weights is not None, TO_SLOTS=to_slots,
         ISSUE_AHEAD=issue_ahead, DEFER_EPILOGUE=defer_epilogue, TRACE=trace is not None,
-        STAGES=ROWS_STAGES,
-        LOADER_WARPS=ROWS_LOADER_WARPS,
+        STAGES=ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+
+
+def rows_pattern(n_out: int, block_n: int | None = None, issue_ahead: bool | None = None,
+                 defer_epilogue: bool | None = None) -> tuple[int, bool, bool]:
+    """The sorted-rows kernel's (block_n, issue_ahead, defer_epilogue) for N = ``n_out``, the Nones resolved as
+    ``fp8_rows_gemm_ws`` says; raises ValueError for a width N is not a multiple of, or a pattern 256 columns lack."""
+    if block_n is None:
+        block_n = ROWS_BLOCK_N if n_out % ROWS_BLOCK_N == 0 else FP8_BN
+    if block_n not in (FP8_BN, 2 * FP8_BN) or n_out % block_n:
+        raise ValueError(f"block_n={block_n}: the FP8 sorted-rows kernel's blocks are 128 or 256 columns, and N "
+                         f"({n_out}) must be a multiple of it")
+    if block_n == FP8_BN:
+        return (block_n, ROWS_ISSUE_AHEAD if issue_ahead is None else issue_ahead,
+                ROWS_DEFER_EPILOGUE if defer_epilogue is None else defer_epilogue)
+    if issue_ahead or defer_epilogue:
+        raise ValueError("block_n=256 has one issue pattern: no issue-ahead, stores at once")
+    return block_n, False, False
 
 
 def trace_size(programs: int) -> int:
@@ -980,7 +1052,7 @@ KERNELS = {"fp8_rows": _fp8_rows_ws_kernel, "fp8_up": _fp8_up_ws_kernel, "fp8_wg
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
                 h_out: bool = True, sizes_divisible: bool = True, issue_ahead: bool | None = None, pow2: bool = False,
-                defer_epilogue: bool = ROWS_DEFER_EPILOGUE, trace: bool = False):
+                defer_epilogue: bool | None = None, block_n: int = FP8_BN, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
@@ -988,21 +1060,23 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
     kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``:
     either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
-    up kernel's power-of-two h scales; ``defer_epilogue``: the sorted-rows kernel's (``ROWS_DEFER_EPILOGUE``);
-    ``trace``: its block-traced variant (``TRACE_BLOCKS``)."""
+    up kernel's power-of-two h scales; ``defer_epilogue`` (None: ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the
+    sorted-rows kernel's (``rows_pattern``); ``trace``: its block-traced variant (``TRACE_BLOCKS``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(block):
         return f"tensordesc<fp8e4nv[{', '.join(map(str, block))}],{_fp8_layout(tuple(block))}>"
 
-    if issue_ahead is None:
-        issue_ahead = ROWS_ISSUE_AHEAD if name == "fp8_rows" else UP_ISSUE_AHEAD
+    if name == "fp8_rows":
+        _, issue_ahead, defer_epilogue = rows_pattern(block_n, block_n, issue_ahead, defer_epilogue)
+    elif issue_ahead is None:
+        issue_ahead = UP_ISSUE_AHEAD
     common = {"EB": 128, "TILE_M": BLOCK_M, "ISSUE_AHEAD": issue_ahead, "num_warps": MATH_WARPS}
     if name == "fp8_rows":
-        blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, FP8_BN, FP8_BK]}
+        blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, block_n, FP8_BK]}
         constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "DEFER_EPILOGUE": defer_epilogue, "TRACE": trace,
-                      "STAGES": ROWS_STAGES,
+                      "STAGES": ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES,
                       "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32",
                     "trace_ptr": "*i64"}
