@@ -8,7 +8,8 @@ quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's
 products' store, and the products alone (the backward's recompute); down, dh' and dx
 (``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM in both issue patterns (``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``,
 ``UP_ISSUE_AHEAD``: the "(issue-ahead)" stages beside the others), the sorted-rows ones also with their stores deferred
-under the next block's first MMA (``ROWS_DEFER_EPILOGUE``). Then the weight gradients both ways, to choose
+under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256 columns where N allows
+(``ROWS_BLOCK_N``: the "(256 columns)" stages). Then the weight gradients both ways, to choose
 ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
 (``quant.quantize_tile_cols``), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the
 FP8 path runs by default (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and
@@ -108,9 +109,10 @@ def main(argv=None) -> None:
         expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16)
         expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16)
 
-    def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead=False, defer_epilogue=False):
+    def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead=False, defer_epilogue=False, block_n=128):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
-                                                       issue_ahead=issue_ahead, defer_epilogue=defer_epilogue)
+                                                       issue_ahead=issue_ahead, defer_epilogue=defer_epilogue,
+                                                       block_n=block_n)
 
     def up(issue_ahead, preact_NH=None):
         return lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k, preact_NH=preact_NH,
@@ -144,6 +146,8 @@ def main(argv=None) -> None:
                    (name + " (issue-ahead)", rows_gemm(*operands, issue_ahead=True), flops, None, dense),
                    (name + " (issue-ahead, stores deferred)",
                     rows_gemm(*operands, issue_ahead=True, defer_epilogue=True), flops, None, dense)]
+        if operands[3].shape[1] % 256 == 0:
+            stages.append((name + " (256 columns)", rows_gemm(*operands, block_n=256), flops, None, dense))
     stages += [
         ("wgrad: quantize 128x1 (N, D)", lambda: quant.quantize_tile_cols(x_sorted, plan), None, tile_cols_bytes(dim),
          None),
