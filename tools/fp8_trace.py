@@ -7,7 +7,7 @@ benchmark's problem, untraced and then traced (``trace=``: the cycle counter and
 every block in each partition, ``gluon_fp8_sm90.TRACE_BLOCKS``), checks that the traced output is bitwise the
 untraced one, and reports per MMA warpgroup the medians per block (us) of :data:`PHASES`. ``--plain`` also runs each
 GEMM in the other issue pattern, stores not deferred; ``--wide`` also in blocks of 256 columns (``block_n``, where N is
-a multiple of 256). The stamps cost a few percent of the kernel's time: the
+a multiple of 256), stores at once and deferred. The stamps cost a few percent of the kernel's time: the
 phases say where the time goes, not the exact time. Prints a table and, with ``--out``, writes JSON (GPU, versions,
 date, commit, command).
 """
@@ -119,11 +119,11 @@ def main(argv=None) -> None:
     }
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     trace = torch.empty(gluon_fp8_sm90.trace_size(programs), device="cuda", dtype=torch.int64)
-    patterns = [(128, gluon_fp8_sm90.ROWS_ISSUE_AHEAD, gluon_fp8_sm90.ROWS_DEFER_EPILOGUE)]
+    patterns = [(128, gluon_fp8_sm90.ROWS_ISSUE_AHEAD, gluon_fp8_sm90.ROWS_DEFER_EPILOGUE)]  # the 128-column default
     if args.plain:
         patterns.append((128, not patterns[0][1], False))
     if args.wide:
-        patterns.append((256, False, False))
+        patterns += [(256, False, False), (256, False, True)]
     results = []
     print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (medians per block, us)")
     print(f"{'GEMM':5s} {'cols':>4s} {'issue-ahead':>11s} {'deferred':>8s} {'us':>7s} {'traced':>7s} {'TF/s':>5s}  wg "

@@ -114,10 +114,10 @@ UP_ISSUE_AHEAD = False
 # dx 3%, dh' 1% faster, down level.
 ROWS_DEFER_EPILOGUE = True
 # The sorted-rows kernel's block width where N is a multiple of it (else 128): 256 runs a block as two column
-# halves of 128 (``_rows_main_wide``), in one issue pattern of its own (a temporary beside the two accumulators, no
-# issue-ahead, stores at once) and ROWS_WIDE_STAGES ring stages of 48 KB (A 16 KB, the weight block 32 KB): each
-# byte that crosses from L2 feeds 171 FLOPs, against 128 at 128 columns.
-ROWS_BLOCK_N = 128
+# halves of 128 (``_rows_main_wide``: a temporary beside the two accumulators, so no issue-ahead; its stores deferred
+# under its own chains or not, ROWS_DEFER_EPILOGUE) in ROWS_WIDE_STAGES ring stages of 48 KB (A 16 KB, the weight
+# block 32 KB): each byte that crosses from L2 feeds 171 FLOPs, against 128 at 128 columns.
+ROWS_BLOCK_N = 256
 ROWS_WIDE_STAGES = 4
 # The sorted-rows kernel's block trace (``fp8_rows_gemm_ws(trace=...)``, read by ``tools.fp8_trace``): per program,
 # per partition (the two MMA warpgroups, then the loader) and per block of its first TRACE_BLOCKS, TRACE_POINTS
@@ -280,32 +280,92 @@ def _rows_store_pending(pend, out, out_rows, first, end, n0, out_ptr, N_OUT, num
 
 
 @gluon.jit
-def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, trace_ptr, step, kbs, block, WG: gl.constexpr,
-                    TRACE: gl.constexpr, row_layout: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
+def _rows_left_out(acc0, wt, out_ptr, WEIGHTED: gl.constexpr):
+    """A 256-column block's left half as stored: weighted (WEIGHTED), in the output's type."""
+    if WEIGHTED:
+        acc0 = acc0 * wt[:, None]
+    return acc0.to(out_ptr.dtype.element_ty)
+
+
+@gluon.jit
+def _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, wt, out_rows, first, end,
+                    n0, out_ptr, N_OUT, WG: gl.constexpr, STORE_LEFT: gl.constexpr, WEIGHTED: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """One K-step of a 256-column block for one warpgroup (``_rows_main_wide``): the left chain, its promotion into
+    ``acc0``, the right chain, its promotion into ``acc1``, the stage freed; with STORE_LEFT (the block's last
+    K-step) the left half converted before the right chain is issued and stored under it. Returns (acc0, acc1,
+    tmp)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    HB: gl.constexpr = tmp.type.shape[1]
+    row_layout: gl.constexpr = gl.SliceLayout(1, tmp.type.layout)
+    s, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+    scale1 = _scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
+    tmp = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s, 0, tmp, WG), ))
+    acc0 = acc0 + tmp * scale0[:, None]
+    if STORE_LEFT:
+        out0 = _rows_left_out(acc0, wt, out_ptr, WEIGHTED)
+        tmp = _rows_mma(a_bufs, w_bufs, s, HB, tmp, WG)
+        _rows_store(out0, out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
+    else:
+        tmp = _rows_mma(a_bufs, w_bufs, s, HB, tmp, WG)
+    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+    mbarrier.arrive(empty.index(s), count=1)
+    acc1 = acc1 + tmp * scale1[:, None]
+    return acc0, acc1, tmp
+
+
+@gluon.jit
+def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, kbs, block, trace_ptr, wt, out_rows, first,
+                    end, n0, out_ptr, N_OUT, pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, WG: gl.constexpr,
+                    DEFER: gl.constexpr, WEIGHTED: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr,
+                    num_warps: gl.constexpr):
     """The main loop of a 256-column block for one warpgroup: per K-step the MMA chain of the weight block's left
-    128 columns into the temporary, wait, its promotion into the left accumulator, then the right half's likewise,
-    and the stage freed. One temporary beside two accumulators (3 x 64 registers per thread): no second temporary
-    fits for the next chain to be issued before a promotion, so the promotions run under the other warpgroup's
-    MMAs. Returns (left, right, the next ring step); stamps the block's first stage ready (point 1)."""
+    128 columns into the temporary, wait, its promotion into the left accumulator; the right half's likewise; the
+    stage freed (``_rows_wide_step``). Two accumulators and one temporary (3 x 64 registers per thread): no second
+    temporary fits for a chain to be issued ahead of a promotion, so the promotions run under the other warpgroup's
+    MMAs. With DEFER the stores run under this warpgroup's chains: the previous block's right half (``pend_*``)
+    under the first K-step's left chain, this block's left half under the last K-step's right chain (the first and
+    last K-steps peeled off the loop, so that neither store's registers are held through it). Returns (left,
+    right)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HALF: gl.constexpr = as_bufs.type.shape[1]
     HB: gl.constexpr = w_bufs.type.shape[2] // 2
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     acc0 = gl.zeros([HALF, HB], gl.float32, acc_layout)
     acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
     tmp = gl.zeros([HALF, HB], gl.float32, acc_layout)  # both chains' destination registers
-    for kb in range(kbs):
+    if DEFER:
         s, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
-        if TRACE:  # noqa: SIM102 (compiled out unless traced)
-            if kb == 0:
-                _stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
+        _stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
         scale1 = _scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
-        tmp = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s, 0, tmp, WG), ))
-        acc0 = acc0 + tmp * scale0[:, None]
-        tmp = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s, HB, tmp, WG), ))
+        tmp = _rows_mma(a_bufs, w_bufs, s, 0, tmp, WG)
+        _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
+        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+        acc0 = tmp * scale0[:, None]
+        out0 = _rows_left_out(acc0, wt, out_ptr, WEIGHTED)  # (stored here only if this is the last K-step)
+        tmp = _rows_mma(a_bufs, w_bufs, s, HB, tmp, WG)
+        if kbs == 1:
+            _rows_store(out0, out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
+        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
         mbarrier.arrive(empty.index(s), count=1)
-        acc1 = acc1 + tmp * scale1[:, None]
-        step += 1
-    return acc0, acc1, step
+        acc1 = tmp * scale1[:, None]
+        for kb in range(1, kbs - 1):
+            acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step + kb, acc0, acc1,
+                                              tmp, wt, out_rows, first, end, n0, out_ptr, N_OUT, WG, False, WEIGHTED,
+                                              num_warps)
+        if kbs > 1:
+            acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step + kbs - 1, acc0,
+                                              acc1, tmp, wt, out_rows, first, end, n0, out_ptr, N_OUT, WG, True,
+                                              WEIGHTED, num_warps)
+    else:
+        for kb in range(kbs):
+            if TRACE:  # noqa: SIM102 (compiled out unless traced)
+                if kb == 0:  # (before the stage's wait, where the deferred pattern stamps after it)
+                    _stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
+            acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step + kb, acc0, acc1,
+                                              tmp, wt, out_rows, first, end, n0, out_ptr, N_OUT, WG, False, WEIGHTED,
+                                              num_warps)
+    return acc0, acc1
 
 
 @gluon.jit
@@ -319,7 +379,8 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
     rows or to slots. DEFER_EPILOGUE: a block's stores wait until the warpgroup's next block has issued its first
     MMA, and run under it (the last block's after the loop); else they run at once, with the tensor cores idle
     unless the other warpgroup's MMAs have them. A block of 256 columns (``ROWS_BLOCK_N``) runs as two column
-    halves of 128, each with its own accumulator, in one issue pattern (``_rows_main_wide``), its stores at once."""
+    halves of 128, each with its own accumulator, without issue-ahead (``_rows_main_wide``); DEFER_EPILOGUE: its
+    left half stored under its last chain, its right half under the next block's first."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[2]
     NH: gl.constexpr = bs_bufs.type.shape[0] // STAGES  # column halves of the block: its weight scale blocks
@@ -354,16 +415,30 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                 acc_rows = first + gl.arange(0, HALF, layout=row_layout)
                 acc_slots = gl.load(row_slot_ptr + acc_rows, mask=acc_rows < end, other=0)
                 wt = gl.load(weights_ptr + acc_slots, mask=acc_rows < end, other=0.0)
+            else:
+                wt = 0.0  # (unused)
             if NH == 2:
-                acc, acc1, step = _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, trace_ptr, step, kbs,
-                                                  block, WG, TRACE, row_layout, acc_layout, num_warps)
+                acc, acc1 = _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, kbs, block,
+                                            trace_ptr, wt, out_rows, first, end, n0, out_ptr, N_OUT, pend, pend_out,
+                                            pend_rows, pend_first, pend_end, pend_n0, WG, DEFER_EPILOGUE, WEIGHTED,
+                                            TRACE, acc_layout, num_warps)
+                step += kbs
                 _stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
                 if WEIGHTED:
-                    acc = acc * wt[:, None]
                     acc1 = acc1 * wt[:, None]
-                _rows_store(acc.to(out_ptr.dtype.element_ty), out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
-                _rows_store(acc1.to(out_ptr.dtype.element_ty), out_rows, first, end, n0 + BN, out_ptr, N_OUT,
-                            num_warps)
+                if DEFER_EPILOGUE:  # the left half is stored; the right one under the next block's first chain
+                    pend = 1
+                    pend_out = acc1.to(out_ptr.dtype.element_ty)
+                    pend_rows = out_rows
+                    pend_first = first
+                    pend_end = end
+                    pend_n0 = n0 + BN
+                else:
+                    if WEIGHTED:
+                        acc = acc * wt[:, None]
+                    _rows_store(acc.to(out_ptr.dtype.element_ty), out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
+                    _rows_store(acc1.to(out_ptr.dtype.element_ty), out_rows, first, end, n0 + BN, out_ptr, N_OUT,
+                                num_warps)
             else:
                 s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
                 _stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
@@ -943,7 +1018,8 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     ``block_n``: the block's columns, 128 or 256 (N a multiple of it; None: ``ROWS_BLOCK_N`` where N is a multiple
     of it, else 128). At 128 columns, ``issue_ahead``: each warpgroup issues the next K-block's MMA before promoting
     the last (None: ``ROWS_ISSUE_AHEAD``); ``defer_epilogue``: a block's stores run under the warpgroup's next
-    block's first MMA (None: ``ROWS_DEFER_EPILOGUE``); 256 columns have one pattern, neither (``_rows_main_wide``).
+    block's first MMA (None: ``ROWS_DEFER_EPILOGUE``). 256 columns run without issue-ahead, their stores deferred
+    (None: ``ROWS_DEFER_EPILOGUE``) under the block's own chains (``_rows_main_wide``).
     ``trace``: int64, at least ``trace_size(sm_count)`` elements: the block trace (``TRACE_BLOCKS``; untraced
     launches compile without its stamps).
 
@@ -978,12 +1054,12 @@ def rows_pattern(n_out: int, block_n: int | None = None, issue_ahead: bool | Non
     if block_n not in (FP8_BN, 2 * FP8_BN) or n_out % block_n:
         raise ValueError(f"block_n={block_n}: the FP8 sorted-rows kernel's blocks are 128 or 256 columns, and N "
                          f"({n_out}) must be a multiple of it")
+    defer_epilogue = ROWS_DEFER_EPILOGUE if defer_epilogue is None else defer_epilogue
     if block_n == FP8_BN:
-        return (block_n, ROWS_ISSUE_AHEAD if issue_ahead is None else issue_ahead,
-                ROWS_DEFER_EPILOGUE if defer_epilogue is None else defer_epilogue)
-    if issue_ahead or defer_epilogue:
-        raise ValueError("block_n=256 has one issue pattern: no issue-ahead, stores at once")
-    return block_n, False, False
+        return block_n, ROWS_ISSUE_AHEAD if issue_ahead is None else issue_ahead, defer_epilogue
+    if issue_ahead:
+        raise ValueError("block_n=256 runs without issue-ahead (no registers for a second temporary)")
+    return block_n, False, defer_epilogue
 
 
 def trace_size(programs: int) -> int:
