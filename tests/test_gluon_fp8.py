@@ -128,7 +128,8 @@ BF16_ROUNDING = 2.0 ** -9
                          [(128, False, False), (128, True, False), (128, False, True), (128, True, True),
                           (256, False, False), (256, False, True)])
 @pytest.mark.parametrize("kind", ["random", "exact"])
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing",
+                         GPU_CASES + [(1024, 4, 2, 128, 256, "random")])  # (dh' of one K-step in 256 columns)
 def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind, block_n, issue_ahead,
                        defer_epilogue):
     """The down projection (h (N, I) x W2 (E, D, I), weighted, to slots) and dh' (dy (N, D) x W2ᵀ as (E, I, D),
