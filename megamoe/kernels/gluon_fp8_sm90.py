@@ -281,6 +281,81 @@ def _rows_store_pending(pend, out, out_rows, first, end, n0, out_ptr, N_OUT, num
 
 
 @gluon.jit
+def _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, kbs, block, trace_ptr, out_ptr, N_OUT, pend,
+                      pend_out, pend_rows, pend_first, pend_end, pend_n0, WG: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
+                      DEFER_EPILOGUE: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr,
+                      num_warps: gl.constexpr):
+    """The main loop of a 128-column block for one warpgroup: per K-step the block's MMA chain into a temporary, then
+    its promotion into the accumulator (with ISSUE_AHEAD under the next K-step's chain, into a second temporary);
+    with DEFER_EPILOGUE the previous block's stores (``pend_*``) under the first chain. Returns (the accumulator,
+    the next ring step)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    HALF: gl.constexpr = as_bufs.type.shape[1]
+    BN: gl.constexpr = w_bufs.type.shape[2]  # [STAGES, 1, BN, BK]
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+    _stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
+    # the MMAs' destination registers, reused
+    tmp0 = _rows_mma(a_bufs, w_bufs, s0, 0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
+    if DEFER_EPILOGUE:  # the previous block's stores, under this block's first MMA
+        _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT,
+                            num_warps)
+    acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
+    if not ISSUE_AHEAD:
+        tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+        mbarrier.arrive(empty.index(s0), count=1)
+        acc = acc + tmp0 * scale0[:, None]  # one FMA per element
+        step += 1
+        for k in range(BK, K, BK):
+            s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+            tmp0 = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s0, 0, tmp0, WG), ))
+            mbarrier.arrive(empty.index(s0), count=1)
+            acc = acc + tmp0 * scale0[:, None]
+            step += 1
+    else:
+        # Two temporaries: once block k's chain is done, block k+1's is issued before k's promotion,
+        # which then runs under it, so that each warpgroup keeps the tensor cores busy through its own
+        # promotions. Done means waited to zero chains in flight: a chain carried in flight across the
+        # loop's back edge, retired by a wait(1) and then read, makes ptxas serialise every wgmma of the
+        # kernel (C7514), so the next chain goes in just after the wait (the scales and its stage's
+        # ready wait come first, under the running chain). The body is two blocks long (tmp0 and
+        # tmp1 swap roles: registers cannot be indexed); the last one or two blocks run after it. A stage
+        # is freed once the chain reading it is done; a warpgroup holds two at most. (A chain in flight
+        # cannot be carried into a branch that waits on it under the same name: the waited results are
+        # named apart.)
+        tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
+        for _ in range((kbs - 1) // 2):  # [block `step` in flight in tmp0]
+            s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
+            tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+            tmp1 = _rows_mma(a_bufs, w_bufs, s1, 0, tmp1, WG)
+            mbarrier.arrive(empty.index(s0), count=1)
+            acc = _promote(acc, tmp0, scale0)
+            s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step + 2, STAGES, WG, row_layout)
+            tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
+            tmp0 = _rows_mma(a_bufs, w_bufs, s0, 0, tmp0, WG)
+            mbarrier.arrive(empty.index(s1), count=1)
+            acc = _promote(acc, tmp1, scale1)
+            step += 2
+        if kbs % 2 == 0:  # two blocks left: `step` in flight, and the next
+            s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
+            done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+            tmp1 = _rows_mma(a_bufs, w_bufs, s1, 0, tmp1, WG)
+            mbarrier.arrive(empty.index(s0), count=1)
+            acc = _promote(acc, done0, scale0)
+            tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
+            mbarrier.arrive(empty.index(s1), count=1)
+            acc = _promote(acc, tmp1, scale1)
+            step += 2
+        else:  # one block left, in flight
+            done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+            mbarrier.arrive(empty.index(s0), count=1)
+            acc = _promote(acc, done0, scale0)
+            step += 1
+    return acc, step
+
+
+@gluon.jit
 def _rows_left_out(acc0, wt, out_ptr, WEIGHTED: gl.constexpr):
     """A 256-column block's left half as stored: weighted (WEIGHTED), in the output's type."""
     if WEIGHTED:
@@ -441,63 +516,10 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                     _rows_store(acc1.to(out_ptr.dtype.element_ty), out_rows, first, end, n0 + BN, out_ptr, N_OUT,
                                 num_warps)
             else:
-                s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
-                _stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
-                # the MMAs' destination registers, reused
-                tmp0 = _rows_mma(a_bufs, w_bufs, s0, 0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
-                if DEFER_EPILOGUE:  # the previous block's stores, under this block's first MMA
-                    _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
-                acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
-                if not ISSUE_AHEAD:
-                    tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-                    mbarrier.arrive(empty.index(s0), count=1)
-                    acc = acc + tmp0 * scale0[:, None]  # one FMA per element
-                    step += 1
-                    for k in range(BK, K, BK):
-                        s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
-                        tmp0 = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s0, 0, tmp0, WG), ))
-                        mbarrier.arrive(empty.index(s0), count=1)
-                        acc = acc + tmp0 * scale0[:, None]
-                        step += 1
-                else:
-                    # Two temporaries: once block k's chain is done, block k+1's is issued before k's promotion,
-                    # which then runs under it, so that each warpgroup keeps the tensor cores busy through its own
-                    # promotions. Done means waited to zero chains in flight: a chain carried in flight across the
-                    # loop's back edge, retired by a wait(1) and then read, makes ptxas serialise every wgmma of the
-                    # kernel (C7514), so the next chain goes in just after the wait (the scales and its stage's
-                    # ready wait come first, under the running chain). The body is two blocks long (tmp0 and
-                    # tmp1 swap roles: registers cannot be indexed); the last one or two blocks run after it. A stage
-                    # is freed once the chain reading it is done; a warpgroup holds two at most. (A chain in flight
-                    # cannot be carried into a branch that waits on it under the same name: the waited results are
-                    # named apart.)
-                    tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
-                    for _ in range((kbs - 1) // 2):  # [block `step` in flight in tmp0]
-                        s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
-                        tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-                        tmp1 = _rows_mma(a_bufs, w_bufs, s1, 0, tmp1, WG)
-                        mbarrier.arrive(empty.index(s0), count=1)
-                        acc = _promote(acc, tmp0, scale0)
-                        s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step + 2, STAGES, WG, row_layout)
-                        tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
-                        tmp0 = _rows_mma(a_bufs, w_bufs, s0, 0, tmp0, WG)
-                        mbarrier.arrive(empty.index(s1), count=1)
-                        acc = _promote(acc, tmp1, scale1)
-                        step += 2
-                    if kbs % 2 == 0:  # two blocks left: `step` in flight, and the next
-                        s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
-                        done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-                        tmp1 = _rows_mma(a_bufs, w_bufs, s1, 0, tmp1, WG)
-                        mbarrier.arrive(empty.index(s0), count=1)
-                        acc = _promote(acc, done0, scale0)
-                        tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
-                        mbarrier.arrive(empty.index(s1), count=1)
-                        acc = _promote(acc, tmp1, scale1)
-                        step += 2
-                    else:  # one block left, in flight
-                        done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-                        mbarrier.arrive(empty.index(s0), count=1)
-                        acc = _promote(acc, done0, scale0)
-                        step += 1
+                acc, step = _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, kbs, block,
+                                              trace_ptr, out_ptr, N_OUT, pend, pend_out, pend_rows, pend_first,
+                                              pend_end, pend_n0, WG, ISSUE_AHEAD, DEFER_EPILOGUE, TRACE, acc_layout,
+                                              num_warps)
                 _stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
                 if WEIGHTED:
                     acc = acc * wt[:, None]
