@@ -9,7 +9,8 @@
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
 #   bash scripts/gpu-check.sh fp8 [P..]    blockwise FP8 in parts P: tests, kernels (python -m tools.fp8), 30b, 235b
 #                                          (the layer beside bf16, the FP8 baseline and SonicMoE): default those four;
-#                                          trace (python -m tools.fp8_trace at both layers: where a GEMM block's time goes)
+#                                          trace (python -m tools.fp8_trace at both layers, every pattern of the sorted-rows
+#                                          and up kernels: where a GEMM block's time goes)
 #   bash scripts/gpu-check.sh model [E..]  a transformers Qwen3-MoE model's training step (python -m megamoe.bench.model
 #                                          --matrix): {no checkpointing, full} x {each layer compiled, whole model} x
 #                                          experts E (default megamoe,grouped_mm and sonicmoe where it imports, one
@@ -124,7 +125,7 @@ fp8)
     # Blockwise FP8, in parts P (default all four, in order): tests (its GPU tests), kernels (each kernel against the
     # dense FP8 matmul, both issue patterns and both weight gradients: what decides gluon_fp8_sm90.ISSUE_AHEAD and
     # autograd.FP8_WGRAD), 30b and 235b (the layer beside bf16, the FP8 baseline and SonicMoE where it imports); and, not
-    # in the default, trace (where the sorted-rows GEMM's blocks spend their time, per warpgroup: tools.fp8_trace).
+    # in the default, trace (where the FP8 GEMMs' blocks spend their time, per warpgroup: tools.fp8_trace).
     sonic=
     "$PY" -c "import sonicmoe" 2> /dev/null && sonic=sonicmoe,
     parts=("$@")
@@ -136,8 +137,8 @@ fp8)
                    tests/test_gluon_fp8.py tests/test_reference_fp8.py || rc=$? ;;
         kernels) step fp8-kernels 300 "${py[@]}" -m tools.fp8 --preset qwen3-30b-a3b --out "$out/results" || rc=$? ;;
         trace) for preset in qwen3-30b-a3b qwen3-235b-a22b; do
-                   step "fp8-trace-$preset" 200 "${py[@]}" -m tools.fp8_trace --preset "$preset" --plain \
-                       --out "$out/results" || rc=$?
+                   step "fp8-trace-$preset" 280 "${py[@]}" -m tools.fp8_trace --preset "$preset" --plain --wide \
+                       --gemms down,dh,dx,up --out "$out/results" || rc=$?
                done ;;
         30b|235b) preset=$([ "$part" = 30b ] && echo qwen3-30b-a3b || echo qwen3-235b-a22b)
             step "fp8-layer-$part" 590 "${py[@]}" -m megamoe.bench --preset "$preset" --routing random,skewed \

@@ -317,33 +317,15 @@ def test_fp8_up_swiglu_power_of_two_scales(issue_ahead):
     assert rel_err(deq, h) <= 0.04
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("block_n", [128, 256])
-def test_fp8_rows_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(block_n):
-    """The block trace (``trace=``) changes no output bit, and every program's partitions stamp each of their blocks
-    in time order, which ``tools.fp8_trace.block_phases`` reads; blocks of 128 and 256 columns."""
+def check_block_trace(trace: torch.Tensor, programs: int, num_blocks: int) -> None:
+    """A traced launch's stamps: the loader's blocks are ``num_blocks`` in all, each MMA warpgroup stamps the loader's
+    blocks, a busy warpgroup's four points are in time order, and ``tools.fp8_trace.block_phases`` reads them."""
     from megamoe.kernels import gluon_fp8_sm90 as f
     from tools.fp8_trace import block_phases
 
-    gen = torch.Generator().manual_seed(3)
-    num_tokens, num_experts, top_k, dim, inter = 2048, 16, 4, 512, 256
-    plan, offsets = build(make_routing(num_tokens, num_experts, top_k, "random", gen), num_experts)
-    rows = num_tokens * top_k
-    a_q, a_s = quantize_rows(make_data((rows, inter), "random", gen))
-    w_q, w_s = quantize_weights(make_data((num_experts, dim, inter), "random", gen, group_dims=2) / 16)
-    weights = torch.rand(rows, generator=gen).cuda()
-    programs = torch.cuda.get_device_properties(0).multi_processor_count
-    trace = torch.full((f.trace_size(programs),), -1, device="cuda", dtype=torch.int64)
-    outs = []
-    for tr in (None, trace):
-        outs.append(torch.zeros(rows, dim, device="cuda", dtype=torch.bfloat16))
-        f.fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, outs[-1], plan, weights=weights, to_slots=True, block_n=block_n,
-                           trace=tr)
-    assert torch.equal(outs[0], outs[1])
     stamps = trace.view(programs, f.TRACE_PARTS.value, f.TRACE_BLOCKS.value, 2, f.TRACE_POINTS.value).cpu()
     blocks = (stamps[:, 2, :, 0, 0] >= 0).sum(1)  # the loader's blocks per program
-    busy_tiles = sum(-(-(hi - lo) // 128) for lo, hi in itertools.pairwise(offsets))
-    assert int(blocks.sum()) == busy_tiles * (dim // block_n)  # every block of the launch, once
+    assert int(blocks.sum()) == num_blocks  # every block of the launch, once
     for wg in (0, 1):
         assert torch.equal((stamps[:, wg, :, 0, 0] >= 0).sum(1), blocks)  # each warpgroup stamps the loader's blocks
         cyc = stamps[:, wg, :, 0]
@@ -355,6 +337,46 @@ def test_fp8_rows_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(blo
     phases = block_phases(trace.cpu(), programs)
     for wg in ("wg0", "wg1"):
         assert phases[wg]["main"] > 0 and phases[wg]["wait"] >= 0 and phases[wg]["block"] >= phases[wg]["main"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["rows128", "rows256", "up", "up_issue_ahead"])
+def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
+    """The block trace (``trace=``) changes no output bit, and every program's partitions stamp each of their blocks
+    in time order: the sorted-rows kernel in blocks of 128 and 256 columns, the up kernel in both issue patterns."""
+    from megamoe.kernels import gluon_fp8_sm90 as f
+
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, num_experts, top_k, dim, inter = 2048, 16, 4, 512, 256
+    topk_idx = make_routing(num_tokens, num_experts, top_k, "random", gen)
+    plan, offsets = build(topk_idx, num_experts)
+    rows = num_tokens * top_k
+    busy_tiles = sum(-(-(hi - lo) // 128) for lo, hi in itertools.pairwise(offsets))
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    trace = torch.full((f.trace_size(programs),), -1, device="cuda", dtype=torch.int64)
+    outs = []
+    if kernel.startswith("rows"):
+        block_n = int(kernel[4:])
+        a_q, a_s = quantize_rows(make_data((rows, inter), "random", gen))
+        w_q, w_s = quantize_weights(make_data((num_experts, dim, inter), "random", gen, group_dims=2) / 16)
+        weights = torch.rand(rows, generator=gen).cuda()
+        for tr in (None, trace):
+            outs.append((torch.zeros(rows, dim, device="cuda", dtype=torch.bfloat16), ))
+            f.fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, outs[-1][0], plan, weights=weights, to_slots=True, block_n=block_n,
+                               trace=tr)
+        num_blocks = busy_tiles * (dim // block_n)
+    else:
+        x_q, x_s = quantize_rows(make_data((num_tokens, dim), "random", gen))
+        w13_q, w13_s = quantize_weights(make_data((num_experts, 2 * inter, dim), "random", gen, group_dims=2) / 16)
+        for tr in (None, trace):
+            outs.append((torch.zeros(rows, inter, device="cuda", dtype=torch.float8_e4m3fn),
+                         torch.zeros(inter // 128, rows, device="cuda", dtype=torch.float32)))
+            f.fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, *outs[-1], plan, top_k, issue_ahead=kernel == "up_issue_ahead",
+                               trace=tr)
+        outs = [(h_q.view(torch.uint8), h_s) for h_q, h_s in outs]
+        num_blocks = busy_tiles * (inter // 128)
+    assert all(map(torch.equal, *outs))
+    check_block_trace(trace, programs, num_blocks)
 
 
 def test_block_phases_reads_a_known_trace():
@@ -395,7 +417,7 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "wgrad_any_size": ("fp8_wgrad", dict(sizes_divisible=False)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
             "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
-            "rows_down_traced": ("fp8_rows", dict(trace=True)),
+            "rows_down_traced": ("fp8_rows", dict(trace=True)), "up_traced": ("fp8_up", dict(trace=True)),
             "wide_rows_down": ("fp8_rows", dict(block_n=256)),
             "wide_rows_dh": ("fp8_rows", dict(block_n=256, weighted=False, to_slots=False)),
             "wide_rows_down_stores_at_once": ("fp8_rows", dict(block_n=256, defer_epilogue=False))}
@@ -421,9 +443,10 @@ with ProcessPoolExecutor(os.cpu_count()) as pool:  # compiles side by side, one 
 # does not spill); the same pattern compiled without the sizes specialised as 16-divisible (which no launch does: the
 # launchers assert multiples of 128) keeps two (since each block's expert and rows are read ahead, in registers); the
 # sorted-rows kernel's 256-column blocks with their stores deferred under their own chains (two accumulators, the
-# temporary in flight and a half block being stored) ten and four.
+# temporary in flight and a half block being stored) ten and four; the up kernel's traced variant (the stamps'
+# registers; no layer launches it) three.
 _SPILLS_ALLOWED = {"issue_ahead_up_preact": 4, "issue_ahead_up_preact_pow2": 4, "issue_ahead_up_any_size": 8,
-                   "wide_rows_down": 40, "wide_rows_dh": 16}
+                   "wide_rows_down": 40, "wide_rows_dh": 16, "up_traced": 12}
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200
 
 

@@ -1,13 +1,14 @@
-"""Where the FP8 sorted-rows GEMM's blocks spend their time (an sm90 GPU):
+"""Where the FP8 GEMMs' blocks spend their time (an sm90 GPU):
 
-    python -m tools.fp8_trace [--preset P] [--tokens T] [--gemms down,dh,dx] [--plain] [--wide] [--out DIR]
+    python -m tools.fp8_trace [--preset P] [--tokens T] [--gemms down,dh,dx,up] [--plain] [--wide] [--out DIR]
 
-Runs each GEMM of the FP8 path's sorted-rows kernel (``gluon_fp8_sm90.fp8_rows_gemm_ws``: down, dh', dx) on the layer
-benchmark's problem, untraced and then traced (``trace=``: the cycle counter and the global timer at fixed points of
+Runs each GEMM of the FP8 path's sorted-rows kernel (``gluon_fp8_sm90.fp8_rows_gemm_ws``: down, dh', dx) and, with
+``up`` in ``--gemms``, its gate/up kernel (``fp8_up_swiglu_ws``, h quantised; its epilogue between the main loop's end
+and the block's) on the layer benchmark's problem, untraced and then traced (``trace=``: the cycle counter and the global timer at fixed points of
 every block in each partition, ``gluon_fp8_sm90.TRACE_BLOCKS``), checks that the traced output is bitwise the
 untraced one, and reports per MMA warpgroup the medians per block (us) of :data:`PHASES`. ``--plain`` also runs each
-GEMM in the other issue pattern, stores not deferred; ``--wide`` also in blocks of 256 columns (``block_n``, where N is
-a multiple of 256), stores at once and deferred. The stamps cost a few percent of the kernel's time: the
+GEMM in the other issue pattern (the sorted-rows ones with stores not deferred); ``--wide`` the sorted-rows GEMMs also
+in blocks of 256 columns (``block_n``, where N is a multiple of 256), stores at once and deferred. The stamps cost a few percent of the kernel's time: the
 phases say where the time goes, not the exact time. Prints a table and, with ``--out``, writes JSON (GPU, versions,
 date, commit, command).
 """
@@ -91,14 +92,14 @@ def main(argv=None) -> None:
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--gemms", type=lambda s: s.split(","), default=["down", "dh", "dx"],
-                   help="comma-separated, from down, dh (dh'), dx")
+                   help="comma-separated, from down, dh (dh'), dx, up")
     p.add_argument("--plain", action="store_true",
                    help="also the other issue pattern, stores not deferred (ROWS_ISSUE_AHEAD, ROWS_DEFER_EPILOGUE off)")
     p.add_argument("--wide", action="store_true", help="also blocks of 256 columns (fp8_rows_gemm_ws's block_n)")
     p.add_argument("--out", type=Path, help="folder for the JSON record")
     args = p.parse_args(argv)
-    if unknown := set(args.gemms) - {"down", "dh", "dx"}:
-        raise SystemExit(f"--gemms: unknown {sorted(unknown)}; choose from down, dh, dx")
+    if unknown := set(args.gemms) - {"down", "dh", "dx", "up"}:
+        raise SystemExit(f"--gemms: unknown {sorted(unknown)}; choose from down, dh, dx, up")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise SystemExit("tools.fp8_trace traces the sm90 Gluon FP8 kernel: it needs a Hopper GPU")
     dim, inter, num_experts, top_k = PRESETS[args.preset]
@@ -124,11 +125,20 @@ def main(argv=None) -> None:
         patterns.append((128, not patterns[0][1], False))
     if args.wide:
         patterns += [(256, False, False), (256, False, True)]
-    results = []
-    print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (medians per block, us)")
-    print(f"{'GEMM':5s} {'cols':>4s} {'issue-ahead':>11s} {'deferred':>8s} {'us':>7s} {'traced':>7s} {'TF/s':>5s}  wg "
-          + " ".join(f"{k:>7s}" for k in PHASES))
+    # (GEMM, block columns, issue-ahead, stores deferred, its launch (traced or not) -> its outputs, FLOPs)
+    variants = []
     for name in args.gemms:
+        if name == "up":
+            up_patterns = [gluon_fp8_sm90.UP_ISSUE_AHEAD] + ([not gluon_fp8_sm90.UP_ISSUE_AHEAD] if args.plain else [])
+            for issue_ahead in up_patterns:
+                def run(traced, issue_ahead=issue_ahead):
+                    h_q = torch.zeros(rows, inter, device="cuda", dtype=torch.float8_e4m3fn)
+                    h_s = torch.zeros(inter // 128, rows, device="cuda", dtype=torch.float32)
+                    gluon_fp8_sm90.fp8_up_swiglu_ws(xq, xs, w13q, w13s, h_q, h_s, plan, top_k, issue_ahead=issue_ahead,
+                                                    trace=trace if traced else None)
+                    return h_q.view(torch.uint8), h_s
+                variants.append((name, 128, issue_ahead, False, run, 4 * rows * dim * inter))
+            continue
         a, a_s, w, w_s, wts, to_slots, flops = gemms[name]
         for block_n, issue_ahead, defer in patterns:
             if w.shape[1] % block_n:
@@ -140,18 +150,25 @@ def main(argv=None) -> None:
                 gluon_fp8_sm90.fp8_rows_gemm_ws(a, a_s, w, w_s, out, plan, weights=wts, to_slots=to_slots,
                                                 issue_ahead=issue_ahead, defer_epilogue=defer, block_n=block_n,
                                                 trace=trace if traced else None)
-                return out
-            plain_ms = do_bench(lambda: run(False), warmup=25, rep=300)
-            traced_ms = do_bench(lambda: run(True), warmup=25, rep=300)
-            trace.fill_(-1)
-            if not torch.equal(run(True), run(False)):
-                raise SystemExit(f"{name}: the traced kernel's output differs from the untraced one's")
-            phases = block_phases(trace.cpu(), programs)
-            results.append({"gemm": name, "block_n": block_n, "issue_ahead": issue_ahead, "defer_epilogue": defer, "ms": plain_ms,
-                            "traced_ms": traced_ms, "tflops": flops / plain_ms / 1e9, "phases_us": phases})
-            for wg, ph in phases.items():
-                print(f"{name:5s} {block_n:4d} {issue_ahead!s:>11s} {defer!s:>8s} {plain_ms * 1e3:7.1f} {traced_ms * 1e3:7.1f} "
-                      f"{flops / plain_ms / 1e9:5.0f}  {wg[-1]}  " + " ".join(f"{ph[k]:7.2f}" for k in PHASES))
+                return (out, )
+            variants.append((name, block_n, issue_ahead, defer, run, flops))
+    results = []
+    print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (medians per block, us)")
+    print(f"{'GEMM':5s} {'cols':>4s} {'issue-ahead':>11s} {'deferred':>8s} {'us':>7s} {'traced':>7s} {'TF/s':>5s}  wg "
+          + " ".join(f"{k:>7s}" for k in PHASES))
+    for name, block_n, issue_ahead, defer, run, flops in variants:
+        plain_ms = do_bench(lambda run=run: run(False), warmup=25, rep=300)
+        traced_ms = do_bench(lambda run=run: run(True), warmup=25, rep=300)
+        trace.fill_(-1)
+        if not all(map(torch.equal, run(True), run(False))):
+            raise SystemExit(f"{name}: the traced kernel's output differs from the untraced one's")
+        phases = block_phases(trace.cpu(), programs)
+        results.append({"gemm": name, "block_n": block_n, "issue_ahead": issue_ahead, "defer_epilogue": defer,
+                        "ms": plain_ms, "traced_ms": traced_ms, "tflops": flops / plain_ms / 1e9, "phases_us": phases})
+        for wg, ph in phases.items():
+            print(f"{name:5s} {block_n:4d} {issue_ahead!s:>11s} {defer!s:>8s} {plain_ms * 1e3:7.1f} "
+                  f"{traced_ms * 1e3:7.1f} {flops / plain_ms / 1e9:5.0f}  {wg[-1]}  "
+                  + " ".join(f"{ph[k]:7.2f}" for k in PHASES))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         info = {**gpu_record("python -m tools.fp8_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:])),

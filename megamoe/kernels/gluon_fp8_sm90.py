@@ -120,9 +120,9 @@ ROWS_DEFER_EPILOGUE = True
 # (``python -m tools.fp8_trace --wide``, docs/PERFORMANCE.md): 2-5% faster than 128 columns at 30B, stores deferred.
 ROWS_BLOCK_N = 256
 ROWS_WIDE_STAGES = 4
-# The sorted-rows kernel's block trace (``fp8_rows_gemm_ws(trace=...)``, read by ``tools.fp8_trace``): per program,
-# per partition (the two MMA warpgroups, then the loader) and per block of its first TRACE_BLOCKS, TRACE_POINTS
-# stamps of the SM's cycle counter, then the same points on the global timer (ns). An MMA warpgroup's points: the
+# The block trace of the sorted-rows and up kernels (``trace=`` of their launchers, read by ``tools.fp8_trace``): per
+# program, per partition (the two MMA warpgroups, then the loader) and per block of its first TRACE_BLOCKS,
+# TRACE_POINTS stamps of the SM's cycle counter, then the same points on the global timer (ns). An MMA warpgroup's points: the
 # block's start, its first stage ready, its main loop done, its end; the loader's: the block's start, its first
 # K-step's copies issued, all of them issued (the fourth unused). Compiled out unless traced (constexpr TRACE).
 TRACE_BLOCKS = gl.constexpr(512)
@@ -599,12 +599,13 @@ def _fp8_rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, 
 
 @gluon.jit
 def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
-               empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, T, D, I, top_k, num_n, work,
-               num_warps: gl.constexpr):
+               empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, trace_ptr, T, D, I, top_k, num_n, work,
+               TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Loader partition (one warpgroup) of ``_fp8_up_ws_kernel``: per K-step, the gate and up weight blocks
     through TMA; the tile's x rows gathered from their tokens (``row_slot[r] // top_k``) through 16-byte
     ``cp.async`` copies and their scales ``x_s[kb, token]`` through 4-byte ones (rows past the expert
-    zero-filled); the gate and up blocks' scales, each repeated into 64 entries."""
+    zero-filled); the gate and up blocks' scales, each repeated into 64 entries. TRACE: the sorted-rows loader's
+    stamps (``TRACE_BLOCKS``)."""
     BM: gl.constexpr = x_bufs.type.shape[1]
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = w13_desc.block_type.shape[2]
@@ -620,6 +621,8 @@ def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, t
     nbs = I // BN
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        block = (w - gl.program_id(0)) // gl.num_programs(0)  # this program's count of blocks (the trace's index)
+        _stamp(trace_ptr, 2, block, 0, TRACE, num_warps)
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         end = gl.load(offsets_ptr + e + 1)
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))
@@ -648,6 +651,10 @@ def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, t
             async_copy.async_copy_global_to_shared(bs_bufs.index(2 * s + 1), u_scale + kb)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
+            if TRACE:  # noqa: SIM102 (compiled out unless traced)
+                if kb == 0:
+                    _stamp(trace_ptr, 2, block, 1, TRACE, num_warps)
+        _stamp(trace_ptr, 2, block, 2, TRACE, num_warps)
 
 
 @gluon.jit
@@ -694,14 +701,14 @@ def _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl, acc_gh, ac
 
 @gluon.jit
 def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
-                      g_bufs, u_bufs, as_bufs, bs_bufs, staging, N, D, I, num_n, work, WG: gl.constexpr,
+                      g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n, work, WG: gl.constexpr,
                       PREACT: gl.constexpr, H_OUT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, POW2: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      TRACE: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``_fp8_up_ws_kernel``: per K-step the gate
     block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion (with
     ISSUE_AHEAD, 64-column chains, each promoted under the next); then h = silu(g) * u in fp32, quantised per
     row over the block's 128 columns into h_q / h_s (POW2: power-of-two scales), and with PREACT g and u rounded
-    to bf16 into ``preact``."""
+    to bf16 into ``preact``. TRACE: the sorted-rows MMA partitions' stamps (``TRACE_BLOCKS``)."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
@@ -714,6 +721,8 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
     step = 0
     row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        block = (w - gl.program_id(0)) // gl.num_programs(0)  # this program's count of blocks (the trace's index)
+        _stamp(trace_ptr, WG, block, 0, TRACE, num_warps)
         end_next, e_after, row0_after = _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
                                                          work)
         n0 = (w % num_n) * BN
@@ -725,12 +734,16 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                 tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # both MMAs' destination registers
                 for k in range(0, D, BK):
                     s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+                    if TRACE:  # noqa: SIM102 (compiled out unless traced)
+                        if k == 0:
+                            _stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
                     tmp = warpgroup_mma_wait(0, deps=(_up_mma(x_bufs, g_bufs, s, 0, tmp, WG), ))
                     acc_g = acc_g + tmp * scale_g[:, None]
                     tmp = warpgroup_mma_wait(0, deps=(_up_mma(x_bufs, u_bufs, s, 0, tmp, WG), ))
                     mbarrier.arrive(empty.index(s), count=1)
                     acc_u = acc_u + tmp * scale_u[:, None]
                     step += 1
+                _stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
                 _up_epilogue(acc_g, acc_u, staging.index(WG), h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I,
                              PREACT, H_OUT, POW2, num_warps)
             else:
@@ -751,6 +764,7 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                 ta = gl.zeros([HALF, HB], gl.float32, half_layout)
                 tb = gl.zeros([HALF, HB], gl.float32, half_layout)
                 s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, half_rows)
+                _stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
                 ta = _up_mma(x_bufs, g_bufs, s, 0, ta, WG)
                 for k in range(BK, D, BK):  # [block `step`'s first chain in flight in ta]
                     ta, tb, acc_gl, acc_gh, acc_ul = _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl,
@@ -768,10 +782,12 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                 mbarrier.arrive(empty.index(s), count=1)
                 acc_uh = _promote(acc_uh, tb, scale_u)
                 step += 1
+                _stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
                 _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, staging.index(WG), h_q_ptr, h_s_ptr, preact_ptr,
                                     first, end, n0, N, I, PREACT, H_OUT, POW2, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
             step = _pass_stages(ready, empty, step, D, BK)
+        _stamp(trace_ptr, WG, block, 3, TRACE, num_warps)
         row0, end, e_next, row0_next = row0_next, end_next, e_after, row0_after
 
 
@@ -873,14 +889,15 @@ def _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, stage, h_q_ptr, h_s_ptr,
 
 @gluon.jit
 def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
-                      tile_expert_ptr, tile_row_ptr, T, N, D, I, E, top_k, EB: gl.constexpr, TILE_M: gl.constexpr,
-                      PREACT: gl.constexpr, H_OUT: gl.constexpr, ISSUE_AHEAD: gl.constexpr, POW2: gl.constexpr,
-                      STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
+                      tile_expert_ptr, tile_row_ptr, trace_ptr, T, N, D, I, E, top_k, EB: gl.constexpr,
+                      TILE_M: gl.constexpr, PREACT: gl.constexpr, H_OUT: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
+                      POW2: gl.constexpr, TRACE: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """x (T, D) fp8 gathered by token and x_s (D // 128, T) fp32; w13_desc: W13 (E, 2, I, D) fp8 (gate rows, then
     up rows), block (1, 1, BN, BK); w13_s (E, 2I // 128, D // 128) fp32; h_q (N, I) fp8 and h_s (I // 128, N)
     fp32 out in sorted rows if H_OUT (rows past the routed count not written); preact (N, 2I) bf16 out if PREACT.
-    Blocks: the busy tiles (EB: a power of two >= E) times the I-blocks of 128 (one h scale group each)."""
+    Blocks: the busy tiles (EB: a power of two >= E) times the I-blocks of 128 (one h scale group each). TRACE:
+    stamps into trace_ptr (int64, see ``TRACE_BLOCKS``)."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     BK: gl.constexpr = w13_desc.block_type.shape[3]
     HALF: gl.constexpr = TILE_M // 2
@@ -900,14 +917,14 @@ def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, pre
     empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
     gl.warp_specialize([
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, N, D, I, num_n, work, 0, PREACT,
-                             H_OUT, ISSUE_AHEAD, POW2, num_warps)),
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n, work, 0,
+                             PREACT, H_OUT, ISSUE_AHEAD, POW2, TRACE, num_warps)),
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, N, D, I, num_n, work, 1, PREACT,
-                             H_OUT, ISSUE_AHEAD, POW2, num_warps)),
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n, work, 1,
+                             PREACT, H_OUT, ISSUE_AHEAD, POW2, TRACE, num_warps)),
         (_up_loader, (x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                      ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, T, D, I, top_k, num_n, work,
-                      LOADER_WARPS)),
+                      ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, trace_ptr, T, D, I, top_k, num_n,
+                      work, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
 
@@ -1092,12 +1109,14 @@ def trace_size(programs: int) -> int:
 
 def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
                      h_q: torch.Tensor | None, h_s: torch.Tensor | None, plan, top_k: int,
-                     preact: torch.Tensor | None = None, *, issue_ahead: bool = UP_ISSUE_AHEAD) -> None:
+                     preact: torch.Tensor | None = None, *, issue_ahead: bool = UP_ISSUE_AHEAD,
+                     trace: torch.Tensor | None = None) -> None:
     """h = silu(x W1gᵀ) * (x W1uᵀ) for the plan's sorted rows (row r: token ``row_slot[r] // top_k``), blockwise
     dequantised operands, through ``_fp8_up_ws_kernel``; quantised per row and 128 columns into h_q (N, I)
     float8_e4m3fn and h_s (I // 128, N) fp32; with ``preact`` (N, 2I) bf16 also g and u (h_q and h_s None:
     only those). Only the routed rows are written. ``issue_ahead``: the MMA warpgroups' issue pattern (see
-    ``UP_ISSUE_AHEAD``).
+    ``UP_ISSUE_AHEAD``); ``trace``: as for ``fp8_rows_gemm_ws`` (the same points: the epilogue, SwiGLU and h's
+    quantisation with its stores, lies between points 2 and 3).
 
     x_q (T, D) float8_e4m3fn, x_s (D // 128, T) fp32, w13_q (E, 2I, D) float8_e4m3fn (gate rows then up
     rows), w13_s (E, 2I // 128, D // 128) fp32, all contiguous; D and I multiples of 128; an sm90 GPU."""
@@ -1112,14 +1131,15 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
     assert h_out == (h_s is not None) and (h_out or preact is not None) and BLOCK_M == FP8_BM
     assert not h_out or (h_q.shape == (num_rows, inter) and h_s.shape == (inter // SCALE_BLOCK, num_rows))
     assert preact is None or (preact.shape == (num_rows, two_i) and preact.dtype == torch.bfloat16)
+    assert trace is None or (trace.dtype == torch.int64 and trace.numel() >= trace_size(sm_count(x_q.device.index)))
     _fp8_up_ws_kernel[(sm_count(x_q.device.index),)](
         x_ptr=x_q, x_s_ptr=x_s, w13_desc=_fp8_desc(w13_q.view(num_experts, 2, inter, dim), [1, 1, FP8_BN, FP8_BK]),
         w13_s_ptr=w13_s, h_q_ptr=h_q if h_out else x_q, h_s_ptr=h_s if h_out else x_s,
         preact_ptr=preact if preact is not None else h_s,
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
-        tile_row_ptr=plan.tile_row_NT, T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, top_k=top_k,
-        EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None, H_OUT=h_out,
-        ISSUE_AHEAD=issue_ahead, POW2=fp8_pow2_scales(),
+        tile_row_ptr=plan.tile_row_NT, trace_ptr=trace if trace is not None else x_s, T=num_tokens, N=num_rows,
+        D=dim, I=inter, E=num_experts, top_k=top_k, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
+        PREACT=preact is not None, H_OUT=h_out, ISSUE_AHEAD=issue_ahead, POW2=fp8_pow2_scales(), TRACE=trace is not None,
         STAGES=UP_STAGES_PREACT if preact is not None else UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS,
         MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
@@ -1160,7 +1180,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``:
     either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
     up kernel's power-of-two h scales; ``defer_epilogue`` (None: ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the
-    sorted-rows kernel's (``rows_pattern``); ``trace``: its block-traced variant (``TRACE_BLOCKS``)."""
+    sorted-rows kernel's (``rows_pattern``); ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows
+    or the up kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -1188,11 +1209,11 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
         sizes = {"P", "Q"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
-        constexprs = {**common, "PREACT": preact, "H_OUT": h_out, "POW2": pow2,
+        constexprs = {**common, "PREACT": preact, "H_OUT": h_out, "POW2": pow2, "TRACE": trace,
                       "STAGES": UP_STAGES_PREACT if preact else UP_STAGES, "LOADER_WARPS": UP_LOADER_WARPS,
                       "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
         pointers = {"x_ptr": "*fp8e4nv", "x_s_ptr": "*fp32", "w13_s_ptr": "*fp32", "h_q_ptr": "*fp8e4nv",
-                    "h_s_ptr": "*fp32", "preact_ptr": "*bf16"}
+                    "h_s_ptr": "*fp32", "preact_ptr": "*bf16", "trace_ptr": "*i64"}
         sizes = {"D", "I"}
     fn = KERNELS[name]
 
