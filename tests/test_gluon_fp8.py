@@ -333,7 +333,8 @@ def check_block_trace(trace: torch.Tensor, programs: int, num_blocks: int) -> No
         assert bool((cyc[..., 3][taken] >= cyc[..., 0][taken]).all())
         busy = taken & (cyc[..., 1] >= 0)  # a warpgroup whose 64 rows lie past the expert stamps only 0 and 3
         assert bool(busy.any())
-        assert bool(((cyc[..., 1] >= cyc[..., 0]) & (cyc[..., 2] >= cyc[..., 1]) & (cyc[..., 3] >= cyc[..., 2]))[busy].all())
+        in_order = (cyc[..., 1] >= cyc[..., 0]) & (cyc[..., 2] >= cyc[..., 1]) & (cyc[..., 3] >= cyc[..., 2])
+        assert bool(in_order[busy].all())
     phases = block_phases(trace.cpu(), programs)
     for wg in ("wg0", "wg1"):
         assert phases[wg]["main"] > 0 and phases[wg]["wait"] >= 0 and phases[wg]["block"] >= phases[wg]["main"]

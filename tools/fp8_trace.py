@@ -4,13 +4,13 @@
 
 Runs each GEMM of the FP8 path's sorted-rows kernel (``gluon_fp8_sm90.fp8_rows_gemm_ws``: down, dh', dx) and, with
 ``up`` in ``--gemms``, its gate/up kernel (``fp8_up_swiglu_ws``, h quantised; its epilogue between the main loop's end
-and the block's) on the layer benchmark's problem, untraced and then traced (``trace=``: the cycle counter and the global timer at fixed points of
-every block in each partition, ``gluon_fp8_sm90.TRACE_BLOCKS``), checks that the traced output is bitwise the
-untraced one, and reports per MMA warpgroup the medians per block (us) of :data:`PHASES`. ``--plain`` also runs each
-GEMM in the other issue pattern (the sorted-rows ones with stores not deferred); ``--wide`` the sorted-rows GEMMs also
-in blocks of 256 columns (``block_n``, where N is a multiple of 256), stores at once and deferred. The stamps cost a few percent of the kernel's time: the
-phases say where the time goes, not the exact time. Prints a table and, with ``--out``, writes JSON (GPU, versions,
-date, commit, command).
+and the block's) on the layer benchmark's problem, untraced and then traced (``trace=``: the cycle counter and the
+global timer at fixed points of every block in each partition, ``gluon_fp8_sm90.TRACE_BLOCKS``), checks that the
+traced output is bitwise the untraced one, and reports per MMA warpgroup the medians per block (us) of :data:`PHASES`.
+``--plain`` also runs each GEMM in the other issue pattern (the sorted-rows ones with stores not deferred); ``--wide``
+the sorted-rows GEMMs also in blocks of 256 columns (``block_n``, where N is a multiple of 256), stores at once and
+deferred. The stamps cost a few percent of the kernel's time: the phases say where the time goes, not the exact time.
+Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit, command).
 """
 
 from __future__ import annotations

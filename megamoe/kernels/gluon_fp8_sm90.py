@@ -122,9 +122,9 @@ ROWS_BLOCK_N = 256
 ROWS_WIDE_STAGES = 4
 # The block trace of the sorted-rows and up kernels (``trace=`` of their launchers, read by ``tools.fp8_trace``): per
 # program, per partition (the two MMA warpgroups, then the loader) and per block of its first TRACE_BLOCKS,
-# TRACE_POINTS stamps of the SM's cycle counter, then the same points on the global timer (ns). An MMA warpgroup's points: the
-# block's start, its first stage ready, its main loop done, its end; the loader's: the block's start, its first
-# K-step's copies issued, all of them issued (the fourth unused). Compiled out unless traced (constexpr TRACE).
+# TRACE_POINTS stamps of the SM's cycle counter, then the same points on the global timer (ns). An MMA warpgroup's
+# points: the block's start, its first stage ready, its main loop done, its end; the loader's: the block's start, its
+# first K-step's copies issued, all of them issued (the fourth unused). Compiled out unless traced (constexpr TRACE).
 TRACE_BLOCKS = gl.constexpr(512)
 TRACE_POINTS = gl.constexpr(4)
 TRACE_PARTS = gl.constexpr(3)
@@ -281,10 +281,10 @@ def _rows_store_pending(pend, out, out_rows, first, end, n0, out_ptr, N_OUT, num
 
 
 @gluon.jit
-def _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, kbs, block, trace_ptr, out_ptr, N_OUT, pend,
-                      pend_out, pend_rows, pend_first, pend_end, pend_n0, WG: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
-                      DEFER_EPILOGUE: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr,
-                      num_warps: gl.constexpr):
+def _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, kbs, block, trace_ptr, out_ptr, N_OUT,
+                      pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, WG: gl.constexpr,
+                      ISSUE_AHEAD: gl.constexpr, DEFER_EPILOGUE: gl.constexpr, TRACE: gl.constexpr,
+                      acc_layout: gl.constexpr, num_warps: gl.constexpr):
     """The main loop of a 128-column block for one warpgroup: per K-step the block's MMA chain into a temporary, then
     its promotion into the accumulator (with ISSUE_AHEAD under the next K-step's chain, into a second temporary);
     with DEFER_EPILOGUE the previous block's stores (``pend_*``) under the first chain. Returns (the accumulator,
@@ -891,8 +891,8 @@ def _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, stage, h_q_ptr, h_s_ptr,
 def _fp8_up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
                       tile_expert_ptr, tile_row_ptr, trace_ptr, T, N, D, I, E, top_k, EB: gl.constexpr,
                       TILE_M: gl.constexpr, PREACT: gl.constexpr, H_OUT: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
-                      POW2: gl.constexpr, TRACE: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                      POW2: gl.constexpr, TRACE: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                      MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """x (T, D) fp8 gathered by token and x_s (D // 128, T) fp32; w13_desc: W13 (E, 2, I, D) fp8 (gate rows, then
     up rows), block (1, 1, BN, BK); w13_s (E, 2I // 128, D // 128) fp32; h_q (N, I) fp8 and h_s (I // 128, N)
     fp32 out in sorted rows if H_OUT (rows past the routed count not written); preact (N, 2I) bf16 out if PREACT.
@@ -1139,7 +1139,8 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, trace_ptr=trace if trace is not None else x_s, T=num_tokens, N=num_rows,
         D=dim, I=inter, E=num_experts, top_k=top_k, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
-        PREACT=preact is not None, H_OUT=h_out, ISSUE_AHEAD=issue_ahead, POW2=fp8_pow2_scales(), TRACE=trace is not None,
+        PREACT=preact is not None, H_OUT=h_out, ISSUE_AHEAD=issue_ahead, POW2=fp8_pow2_scales(),
+        TRACE=trace is not None,
         STAGES=UP_STAGES_PREACT if preact is not None else UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS,
         MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
@@ -1195,7 +1196,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     common = {"EB": 128, "TILE_M": BLOCK_M, "ISSUE_AHEAD": issue_ahead, "num_warps": MATH_WARPS}
     if name == "fp8_rows":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, block_n, FP8_BK]}
-        constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "DEFER_EPILOGUE": defer_epilogue, "TRACE": trace,
+        constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "DEFER_EPILOGUE": defer_epilogue,
+                      "TRACE": trace,
                       "STAGES": ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES,
                       "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32",
