@@ -66,7 +66,6 @@ from megamoe.kernels.gluon_sm90 import (
     block_rows,
     count_busy_tiles,
     expert_end,
-    expert_rows_ahead,
     next_slot,
     row_segments,
     staged_layout,
@@ -977,10 +976,10 @@ def _wgrad_mma_partition(out_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_
     acc_layout: gl.constexpr = _acc_layout(HALF, BN, num_warps)
     out_layout: gl.constexpr = row_segments(BN, 2, num_warps)
     step = 0
-    start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, num_p, num_q)
+    # The expert's rows are read at the block's start. Read a block ahead (expert_rows_ahead, as the bf16 kernel
+    # does), this kernel hung on the H200 at the 30B layer's shapes (docs/PERFORMANCE.md).
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        e, p0, q0, _, _ = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-        start_next, end_next = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, num_p, num_q)
+        e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
         acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
         tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # the MMA's destination registers, reused
         for r0 in range(start, end, BK):
@@ -1000,7 +999,6 @@ def _wgrad_mma_partition(out_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_
         cols = q0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
         # int64: E * P * Q overflows int32 at real sizes
         gl.store(out_ptr + e.to(gl.int64) * P * Q + (rows[:, None] * Q + cols[None, :]), out)
-        start, end = start_next, end_next
 
 
 @gluon.jit
