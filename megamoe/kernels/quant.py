@@ -52,8 +52,8 @@ def to_e4m3(v):
     """fp32 ``v`` (within +-448) to e4m3, round to nearest even, exactly as torch's conversion. The rounding is
     done on the fp32 bits first, so the conversion itself only ever meets e4m3 values and is exact on any backend:
     Triton 3.6's interpreter converts wrongly where the rounding carries into the exponent (125.3 became 64, not
-    128). This form matches torch bit for bit on the H200 too (tests/test_fp8.py); the GPU's own conversion
-    (cvt.rn.satfinite.e4m3x2.f32) was not checked on its own."""
+    128). This form matches torch bit for bit on the H200 too (tests/test_fp8.py), and so does the GPU's own
+    conversion (cvt.rn.satfinite.e4m3x2.f32), which the Gluon up kernel uses (``gluon_fp8_sm90._quantize_h``)."""
     # Normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the bit pattern to nearest even (a carry moves
     # into the exponent); below 2^-6 (e4m3's subnormals) the grid is 2^-9: round with the 1.5 * 2^23 trick,
     # keeping the zero's sign.
