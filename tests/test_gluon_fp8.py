@@ -253,7 +253,8 @@ def test_fp8_up_products_only_are_the_full_kernels_products(num_tokens, num_expe
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing",
+                         GPU_CASES + [(4096, 128, 8, 256, 256, "random")])  # (many blocks per program, 2 K-steps each)
 def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing):
     """The FP8 weight gradients: dW13 = dzᵀ x and dW2 = dyᵀ (h·w) shapes, (N, P) and (N, Q) sorted bf16 rows
     quantised 128x1 per plan tile (``quant.quantize_tile_cols``, bit for bit the reference's on CPU), against the

@@ -10,7 +10,8 @@ traced output is bitwise the untraced one, and reports per MMA warpgroup the med
 ``--plain`` also runs each GEMM in the other issue pattern (the sorted-rows ones with stores not deferred); ``--wide``
 the sorted-rows GEMMs also in blocks of 256 columns (``block_n``, where N is a multiple of 256), stores at once and
 deferred. The stamps cost a few percent of the kernel's time: the phases say where the time goes, not the exact time.
-Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit, command).
+Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit, command):
+``fp8-block-trace-PRESET-tTOKENS.json``, the GEMMs named after it when they are not the default three.
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ def main(argv=None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         info = {**gpu_record("python -m tools.fp8_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:])),
                 "preset": args.preset, "tokens": args.tokens, "phases": PHASES, "results": results}
-        path = args.out / f"fp8-block-trace-{args.preset}-t{args.tokens}.json"
+        gemms = "" if args.gemms == ["down", "dh", "dx"] else "-" + "-".join(args.gemms)  # a run of other GEMMs
+        path = args.out / f"fp8-block-trace-{args.preset}-t{args.tokens}{gemms}.json"
         path.write_text(json.dumps(info, indent=1))
         print(f"wrote {path}")
 
