@@ -3,7 +3,9 @@
 ``python -m tools.kernels --preset qwen3-30b-a3b [--sweep]`` on a GPU. Each stage is timed alone
 with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
 On an sm90 GPU the up kernel, dh', the act kernel and the weight gradients run their warp-specialized Gluon
-kernels (``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``).
+kernels (``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``), and
+the weight gradients once more as the non-default variant ``gluon_sm90.WGRAD_HALF_STORES`` (records marked
+``variant``, left out of the total).
 Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``); the
 config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
