@@ -30,6 +30,8 @@ from megamoe.kernels import expert_fwd, gluon_fp8_sm90, quant
 from megamoe.kernels.plan import build_plan
 from megamoe.provenance import gpu_record
 
+# The GEMMs traced unless --gemms names others (the sorted-rows kernel's three); a run of others names them in its file.
+DEFAULT_GEMMS = ["down", "dh", "dx"]
 # What one block of an MMA warpgroup is made of, from its stamps (gluon_fp8_sm90.TRACE_BLOCKS): points 0-3 are the
 # block's start, its first stage ready, its main loop done, its end; the loader's 0-2 its start, its first K-step's
 # copies issued, all of them issued.
@@ -92,7 +94,7 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--gemms", type=lambda s: s.split(","), default=["down", "dh", "dx"],
+    p.add_argument("--gemms", type=lambda s: s.split(","), default=DEFAULT_GEMMS,
                    help="comma-separated, from down, dh (dh'), dx, up")
     p.add_argument("--plain", action="store_true",
                    help="also the other issue pattern, stores not deferred (ROWS_ISSUE_AHEAD, ROWS_DEFER_EPILOGUE off)")
@@ -174,8 +176,8 @@ def main(argv=None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         info = {**gpu_record("python -m tools.fp8_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:])),
                 "preset": args.preset, "tokens": args.tokens, "phases": PHASES, "results": results}
-        gemms = "" if args.gemms == ["down", "dh", "dx"] else "-" + "-".join(args.gemms)  # a run of other GEMMs
-        path = args.out / f"fp8-block-trace-{args.preset}-t{args.tokens}{gemms}.json"
+        named = "" if args.gemms == DEFAULT_GEMMS else "-" + "-".join(args.gemms)  # a run of other GEMMs
+        path = args.out / f"fp8-block-trace-{args.preset}-t{args.tokens}{named}.json"
         path.write_text(json.dumps(info, indent=1))
         print(f"wrote {path}")
 

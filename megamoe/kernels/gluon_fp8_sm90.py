@@ -188,6 +188,12 @@ def _clock(asm: gl.constexpr, like):
 
 
 @gluon.jit
+def _block_index(w):
+    """Block ``w``'s place among this program's blocks (counted from 0): its index in the block trace."""
+    return (w - gl.program_id(0)) // gl.num_programs(0)
+
+
+@gluon.jit
 def _stamp(trace_ptr, part: gl.constexpr, block, point: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """With TRACE, point ``point`` of partition ``part``'s block ``block`` (counted from 0 in this program) into the
     block trace (``TRACE_BLOCKS``): the cycle counter and the global timer, stored by one lane."""
@@ -216,7 +222,7 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr
     kbs = K // BK
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        block = (w - gl.program_id(0)) // gl.num_programs(0)  # this program's count of blocks (the trace's index)
+        block = _block_index(w)
         _stamp(trace_ptr, 2, block, 0, TRACE, num_warps)
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         rows0 = row0 + lanes  # the first warpgroup's rows; rows0 + HALF the second's
@@ -475,7 +481,7 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
     pend_n0 = 0
     row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        block = (w - gl.program_id(0)) // gl.num_programs(0)  # this program's count of blocks (the trace's index)
+        block = _block_index(w)
         _stamp(trace_ptr, WG, block, 0, TRACE, num_warps)
         end_next, e_after, row0_after = _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
                                                          work)
@@ -620,7 +626,7 @@ def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, t
     nbs = I // BN
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        block = (w - gl.program_id(0)) // gl.num_programs(0)  # this program's count of blocks (the trace's index)
+        block = _block_index(w)
         _stamp(trace_ptr, 2, block, 0, TRACE, num_warps)
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         end = gl.load(offsets_ptr + e + 1)
@@ -720,7 +726,7 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
     step = 0
     row0, end, e_next, row0_next = _blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        block = (w - gl.program_id(0)) // gl.num_programs(0)  # this program's count of blocks (the trace's index)
+        block = _block_index(w)
         _stamp(trace_ptr, WG, block, 0, TRACE, num_warps)
         end_next, e_after, row0_after = _blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
                                                          work)
