@@ -69,6 +69,7 @@ from megamoe.kernels.gluon_sm90 import (
     next_slot,
     row_segments,
     staged_layout,
+    store_block,
     store_staged,
     tile_block,
     wgrad_block,
@@ -119,6 +120,13 @@ ROWS_DEFER_EPILOGUE = True
 # (``python -m tools.fp8_trace --wide``, docs/PERFORMANCE.md): 2-5% faster than 128 columns at 30B, stores deferred.
 ROWS_BLOCK_N = 256
 ROWS_WIDE_STAGES = 4
+# The FP8 weight-gradient kernel's issue pattern (as above) and stores: WGRAD_TMA_STORE, each warpgroup's bf16 block
+# through a 16 KB buffer of its own and a TMA store that runs on under its next block's MMAs (the ring then has
+# WGRAD_TMA_STAGES stages: 5 x 33 KB + 32 KB = 197 KB); else 16-byte pointer stores from registers, with the
+# tensor cores idle for that warpgroup meanwhile.
+WGRAD_ISSUE_AHEAD = False
+WGRAD_TMA_STORE = False
+WGRAD_TMA_STAGES = 5
 # The block trace of the sorted-rows and up kernels (``trace=`` of their launchers, read by ``tools.fp8_trace``): per
 # program, per partition (the two MMA warpgroups, then the loader) and per block of its first TRACE_BLOCKS,
 # TRACE_POINTS stamps of the SM's cycle counter, then the same points on the global timer (ns). An MMA warpgroup's
@@ -147,12 +155,12 @@ def _scales(as_bufs, bs_bufs, s, j: gl.constexpr, WG: gl.constexpr, layout: gl.c
 
 @gluon.jit
 def _promote(acc, tmp, scale):
-    """``acc + tmp * scale[row]`` (one FMA per element), pinned by an empty side-effecting asm per register
-    (CUTLASS's ``warpgroup_fence_operand``) before the wgmma issued next. Left free, LLVM sinks a promotion past
-    the next chain into the temporary it reads, copies that temporary aside and then copies a chain's registers
-    while in flight, for which ptxas serialises every wgmma of the kernel (C7514)."""
-    return gl.inline_asm_elementwise("", "=r,0", [acc + tmp * scale[:, None]], dtype=gl.float32, is_pure=False,
-                                     pack=1)
+    """``acc + tmp * scale`` (``scale`` broadcast to the block: a row's as ``[:, None]``, one FMA per element),
+    pinned by an empty side-effecting asm per register (CUTLASS's ``warpgroup_fence_operand``) before the wgmma
+    issued next. Left free, LLVM sinks a promotion past the next chain into the temporary it reads, copies that
+    temporary aside and then copies a chain's registers while in flight, for which ptxas serialises every wgmma of
+    the kernel (C7514)."""
+    return gl.inline_asm_elementwise("", "=r,0", [acc + tmp * scale], dtype=gl.float32, is_pure=False, pack=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -335,27 +343,27 @@ def _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, k
             tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
             tmp1 = _rows_mma(a_bufs, w_bufs, s1, 0, tmp1, WG)
             mbarrier.arrive(empty.index(s0), count=1)
-            acc = _promote(acc, tmp0, scale0)
+            acc = _promote(acc, tmp0, scale0[:, None])
             s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step + 2, STAGES, WG, row_layout)
             tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
             tmp0 = _rows_mma(a_bufs, w_bufs, s0, 0, tmp0, WG)
             mbarrier.arrive(empty.index(s1), count=1)
-            acc = _promote(acc, tmp1, scale1)
+            acc = _promote(acc, tmp1, scale1[:, None])
             step += 2
         if kbs % 2 == 0:  # two blocks left: `step` in flight, and the next
             s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
             done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
             tmp1 = _rows_mma(a_bufs, w_bufs, s1, 0, tmp1, WG)
             mbarrier.arrive(empty.index(s0), count=1)
-            acc = _promote(acc, done0, scale0)
+            acc = _promote(acc, done0, scale0[:, None])
             tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
             mbarrier.arrive(empty.index(s1), count=1)
-            acc = _promote(acc, tmp1, scale1)
+            acc = _promote(acc, tmp1, scale1[:, None])
             step += 2
         else:  # one block left, in flight
             done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
             mbarrier.arrive(empty.index(s0), count=1)
-            acc = _promote(acc, done0, scale0)
+            acc = _promote(acc, done0, scale0[:, None])
             step += 1
     return acc, step
 
@@ -694,13 +702,13 @@ def _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl, acc_gh, ac
     HB: gl.constexpr = tb.type.shape[1]  # (ta: pending, no shape of its own)
     ta = warpgroup_mma_wait(0, deps=(ta, ))
     tb = _up_mma(x_bufs, g_bufs, s, HB, tb, WG)
-    acc_gl = _promote(acc_gl, ta, scale_g)
+    acc_gl = _promote(acc_gl, ta, scale_g[:, None])
     tb = warpgroup_mma_wait(0, deps=(tb, ))
     ta = _up_mma(x_bufs, u_bufs, s, 0, ta, WG)
-    acc_gh = _promote(acc_gh, tb, scale_g)
+    acc_gh = _promote(acc_gh, tb, scale_g[:, None])
     ta = warpgroup_mma_wait(0, deps=(ta, ))
     tb = _up_mma(x_bufs, u_bufs, s, HB, tb, WG)
-    acc_ul = _promote(acc_ul, ta, scale_u)
+    acc_ul = _promote(acc_ul, ta, scale_u[:, None])
     return ta, tb, acc_gl, acc_gh, acc_ul
 
 
@@ -778,14 +786,14 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                     tb = warpgroup_mma_wait(0, deps=(tb, ))
                     ta = _up_mma(x_bufs, g_bufs, s1, 0, ta, WG)
                     mbarrier.arrive(empty.index(s), count=1)
-                    acc_uh = _promote(acc_uh, tb, scale_u)
+                    acc_uh = _promote(acc_uh, tb, scale_u[:, None])
                     s, scale_g, scale_u = s1, scale_g1, scale_u1
                     step += 1
                 ta, tb, acc_gl, acc_gh, acc_ul = _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl,
                                                                         acc_gh, acc_ul, scale_g, scale_u, WG)
                 tb = warpgroup_mma_wait(0, deps=(tb, ))
                 mbarrier.arrive(empty.index(s), count=1)
-                acc_uh = _promote(acc_uh, tb, scale_u)
+                acc_uh = _promote(acc_uh, tb, scale_u[:, None])
                 step += 1
                 _stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
                 _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, staging.index(WG), h_q_ptr, h_s_ptr, preact_ptr,
@@ -958,12 +966,82 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a
 
 
 @gluon.jit
-def _wgrad_mma_partition(out_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q, num_p, num_q,
-                         tiles, WG: gl.constexpr, num_warps: gl.constexpr):
+def _stage_ready(ready, step, STAGES: gl.constexpr):
+    """Wait for ring step ``step``'s stage; returns it."""
+    s = step % STAGES
+    mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+    return s
+
+
+@gluon.jit
+def _wgrad_mma(a_bufs, b_bufs, s, tmp, WG: gl.constexpr):
+    """Issue stage ``s``'s MMA chain for this warpgroup's 64 P-rows and the block's columns into ``tmp``
+    (asynchronous); returns its pending result."""
+    HALF: gl.constexpr = tmp.type.shape[0]
+    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), b_bufs.index(s).permute((1, 0)), tmp, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _wgrad_promote(acc, tmp, as_bufs, bs_bufs, empty, s, WG: gl.constexpr):
+    """``acc`` + the finished chain ``tmp`` of stage ``s`` times the outer product of the stage's scales (A's of this
+    warpgroup's rows, B's of the columns), read from the stage, which is then freed."""
+    layout: gl.constexpr = tmp.type.layout
+    sa = as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, layout))
+    sb = bs_bufs.index(s).load(gl.SliceLayout(0, layout))
+    mbarrier.arrive(empty.index(s), count=1)
+    return _promote(acc, tmp, sa[:, None] * sb[None, :])
+
+
+@gluon.jit
+def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, WG: gl.constexpr,
+                      acc_layout: gl.constexpr):
+    """A block's ``steps`` (>= 1) K-steps for one warpgroup with the next chain issued before a finished one is
+    promoted (``WGRAD_ISSUE_AHEAD``; the pattern of ``_rows_main_narrow``'s, whose comments say why each wait is
+    to zero chains in flight). The scales are read at the promotion, under the next chain: held from the stage's
+    ready wait, as the sorted-rows kernel holds its row scales, B's 32 per thread would not fit beside two
+    temporaries and the accumulator. Returns (the accumulator, the next ring step)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    HALF: gl.constexpr = as_bufs.type.shape[1]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
+    tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
+    s0 = _stage_ready(ready, step, STAGES)
+    tmp0 = _wgrad_mma(a_bufs, b_bufs, s0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
+    for _ in range((steps - 1) // 2):  # [step `step` in flight in tmp0]
+        s1 = _stage_ready(ready, step + 1, STAGES)
+        tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+        tmp1 = _wgrad_mma(a_bufs, b_bufs, s1, tmp1, WG)
+        acc = _wgrad_promote(acc, tmp0, as_bufs, bs_bufs, empty, s0, WG)
+        s0 = _stage_ready(ready, step + 2, STAGES)
+        tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
+        tmp0 = _wgrad_mma(a_bufs, b_bufs, s0, tmp0, WG)
+        acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG)
+        step += 2
+    if steps % 2 == 0:  # two steps left: `step` in flight, and the next
+        s1 = _stage_ready(ready, step + 1, STAGES)
+        done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+        tmp1 = _wgrad_mma(a_bufs, b_bufs, s1, tmp1, WG)
+        acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG)
+        tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
+        acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG)
+        step += 2
+    else:  # one step left, in flight
+        done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+        acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG)
+        step += 1
+    return acc, step
+
+
+@gluon.jit
+def _wgrad_mma_partition(out_ptr, out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q,
+                         num_p, num_q, tiles, WG: gl.constexpr, ISSUE_AHEAD: gl.constexpr, TMA_STORE: gl.constexpr,
+                         num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``_fp8_wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary, then its promotion with the outer product of the tile's scales (A's of the 64
-    rows, B's of the 128 columns); then the bf16 block through 16-byte pointer stores. An expert without rows gets
-    zeros."""
+    rows, B's of the 128 columns; ISSUE_AHEAD: under the next K-step's MMA, ``_wgrad_main_ahead``); then the bf16
+    block's stores: TMA_STORE, through the warpgroup's buffer ``c_smem`` and a TMA store that runs on under the next
+    block's MMAs; else 16-byte pointer stores. An expert without rows gets zeros."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -976,46 +1054,63 @@ def _wgrad_mma_partition(out_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_
     # does), this kernel hung on the H200 at the 30B layer's shapes (docs/PERFORMANCE.md).
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-        acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
-        tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # the MMA's destination registers, reused
-        for r0 in range(start, end, BK):
-            s = step % STAGES
-            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-            # Scales first: shared-memory loads, under the MMA below.
-            sa = as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, acc_layout))
-            sb = bs_bufs.index(s).load(gl.SliceLayout(0, acc_layout))
-            tmp = warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), b_bufs.index(s).permute((1, 0)), tmp,
-                                use_acc=False, is_async=True)
-            tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc = acc + tmp * (sa[:, None] * sb[None, :])
-            step += 1
-        out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
-        rows = p0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
-        cols = q0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-        # int64: E * P * Q overflows int32 at real sizes
-        gl.store(out_ptr + e.to(gl.int64) * P * Q + (rows[:, None] * Q + cols[None, :]), out)
+        if ISSUE_AHEAD:
+            acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
+            if end > start:
+                acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step,
+                                              (end - start + BK - 1) // BK, WG, acc_layout)
+        else:
+            acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
+            tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # the MMA's destination registers, reused
+            for r0 in range(start, end, BK):
+                s = _stage_ready(ready, step, STAGES)
+                # Scales first: shared-memory loads, under the MMA below.
+                sa = as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, acc_layout))
+                sb = bs_bufs.index(s).load(gl.SliceLayout(0, acc_layout))
+                tmp = warpgroup_mma_wait(0, deps=(_wgrad_mma(a_bufs, b_bufs, s, tmp, WG), ))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = acc + tmp * (sa[:, None] * sb[None, :])
+                step += 1
+        if TMA_STORE:
+            store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
+        else:
+            out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
+            rows = p0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
+            cols = q0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+            # int64: E * P * Q overflows int32 at real sizes
+            gl.store(out_ptr + e.to(gl.int64) * P * Q + (rows[:, None] * Q + cols[None, :]), out)
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _fp8_wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_ptr, offsets_ptr, P, Q, tiles, EB: gl.constexpr,
-                         STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
-                         LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+def _fp8_wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_ptr, out_desc, offsets_ptr, P, Q, tiles,
+                         EB: gl.constexpr, ISSUE_AHEAD: gl.constexpr, TMA_STORE: gl.constexpr, STAGES: gl.constexpr,
+                         LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                         num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B
-    (Q, NT * 128) fp8, block (BN, BK); a_s (NT, P) and b_s (NT, Q) fp32; out (E, P, Q) bf16. Blocks: ``tiles`` = E
-    * P/BM * Q/BN output blocks, expert-major (the programs at work share one expert's operands in L2), one program
-    per SM walking them. P and Q multiples of 128; EB a power of two >= E."""
+    (Q, NT * 128) fp8, block (BN, BK); a_s (NT, P) and b_s (NT, Q) fp32; out (E, P, Q) bf16, and with TMA_STORE its
+    descriptor out_desc, block (1, BM / 2, BN) (one warpgroup's half). Blocks: ``tiles`` = E * P/BM * Q/BN output
+    blocks, expert-major (the programs at work share one expert's operands in L2), one program per SM walking them.
+    P and Q multiples of 128; EB a power of two >= E. ISSUE_AHEAD, TMA_STORE: ``_wgrad_mma_partition``."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
     a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = _ring(a_desc, b_desc, 1, BN, STAGES, LOADER_WARPS)
+    if TMA_STORE:  # one store buffer per MMA warpgroup
+        c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+        c0 = c_bufs.index(0)
+        c1 = c_bufs.index(1)
+    else:
+        c0 = 0
+        c1 = 0
     num_p = P // BM
     num_q = Q // BN
     gl.warp_specialize([
-        (_wgrad_mma_partition, (out_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q, num_p,
-                                num_q, tiles, 0, num_warps)),
-        (_wgrad_mma_partition, (out_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q, num_p,
-                                num_q, tiles, 1, num_warps)),
+        (_wgrad_mma_partition, (out_ptr, out_desc, c0, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P,
+                                Q, num_p, num_q, tiles, 0, ISSUE_AHEAD, TMA_STORE, num_warps)),
+        (_wgrad_mma_partition, (out_ptr, out_desc, c1, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P,
+                                Q, num_p, num_q, tiles, 1, ISSUE_AHEAD, TMA_STORE, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
                          P, Q, num_p, num_q, tiles, EB, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
@@ -1030,6 +1125,12 @@ def _fp8_wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_ptr, offsets_ptr,
 def _fp8_layout(block: tuple[int, ...]) -> gl.NVMMASharedLayout:
     """The shared-memory layout of an FP8 TMA block (128-byte swizzle for 128-wide K), built once per shape."""
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.float8e4nv)
+
+
+@functools.cache
+def _bf16_layout(block: tuple[int, ...]) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a bf16 TMA block, built once per shape."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
 
 
 def _fp8_desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -1140,24 +1241,30 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
 
 
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
-                 offsets: torch.Tensor) -> None:
+                 offsets: torch.Tensor, issue_ahead: bool | None = None, tma_store: bool | None = None) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``_fp8_wgrad_ws_kernel``; an expert without rows gets zeros.
 
     a_q (P, NT * 128) and b_q (Q, NT * 128) float8_e4m3fn, a_s (NT, P) and b_s (NT, Q) fp32: the sorted rows in tile
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
-    multiples of 128; q's and s's rows contiguous; an sm90 GPU."""
+    multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``issue_ahead``, ``tma_store``: the
+    MMA warpgroups' issue pattern and stores (None: ``WGRAD_ISSUE_AHEAD``, ``WGRAD_TMA_STORE``)."""
+    issue_ahead = WGRAD_ISSUE_AHEAD if issue_ahead is None else issue_ahead
+    tma_store = WGRAD_TMA_STORE if tma_store is None else tma_store
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
-    assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16
+    assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert a_q.shape == (p, num_tiles * FP8_BK) and b_q.shape == (q, num_tiles * FP8_BK)
     assert a_s.shape == (num_tiles, p) and b_s.shape == (num_tiles, q) and offsets.numel() == num_experts + 1
     tiles = num_experts * (p // FP8_BM) * (q // FP8_BN)
+    block = [1, FP8_BM // 2, FP8_BN]  # one MMA warpgroup's rows
+    out_desc = TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))) if tma_store else None
     _fp8_wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [FP8_BN, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
-        out_ptr=out, offsets_ptr=offsets, P=p, Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
-        STAGES=ROWS_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS, MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS,
-        num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+        out_ptr=out, out_desc=out_desc, offsets_ptr=offsets, P=p, Q=q, tiles=tiles,
+        EB=triton.next_power_of_2(num_experts), ISSUE_AHEAD=issue_ahead, TMA_STORE=tma_store,
+        STAGES=WGRAD_TMA_STAGES if tma_store else ROWS_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS, MMA_REGS=MATH_REGS,
+        LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
 # The kernels by name, for the ahead-of-time compile check.
@@ -1166,25 +1273,31 @@ KERNELS = {"fp8_rows": _fp8_rows_ws_kernel, "fp8_up": _fp8_up_ws_kernel, "fp8_wg
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
                 h_out: bool = True, sizes_divisible: bool = True, issue_ahead: bool | None = None, pow2: bool = False,
-                defer_epilogue: bool | None = None, block_n: int = FP8_BN, trace: bool = False):
+                defer_epilogue: bool | None = None, block_n: int = FP8_BN, trace: bool = False,
+                tma_store: bool | None = None):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
     launchers' asserts make multiples of 128, are specialised as 16-divisible, as Triton does at run time.
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
     kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``:
-    either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
-    up kernel's power-of-two h scales; ``defer_epilogue`` (None: ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the
-    sorted-rows kernel's (``rows_pattern``); ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows
-    or the up kernel."""
+    any kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD``, ``UP_ISSUE_AHEAD`` or
+    ``WGRAD_ISSUE_AHEAD``); ``pow2``: the up kernel's power-of-two h scales; ``defer_epilogue`` (None:
+    ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the sorted-rows kernel's (``rows_pattern``); ``trace``: the
+    block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up kernel; ``tma_store`` (None:
+    ``WGRAD_TMA_STORE``): the weight-gradient kernel's stores."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    def desc(block):
-        return f"tensordesc<fp8e4nv[{', '.join(map(str, block))}],{_fp8_layout(tuple(block))}>"
+    def desc(block, dtype="fp8e4nv"):
+        layout = (_fp8_layout if dtype == "fp8e4nv" else _bf16_layout)(tuple(block))
+        return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
     if name == "fp8_rows":
         _, issue_ahead, defer_epilogue = rows_pattern(block_n, block_n, issue_ahead, defer_epilogue)
+    elif name == "fp8_wgrad":
+        issue_ahead = WGRAD_ISSUE_AHEAD if issue_ahead is None else issue_ahead
+        tma_store = WGRAD_TMA_STORE if tma_store is None else tma_store
     elif issue_ahead is None:
         issue_ahead = UP_ISSUE_AHEAD
     common = {"EB": 128, "TILE_M": BLOCK_M, "ISSUE_AHEAD": issue_ahead, "num_warps": MATH_WARPS}
@@ -1199,8 +1312,13 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
         sizes = {"N_OUT", "K"}
     elif name == "fp8_wgrad":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [FP8_BN, FP8_BK]}
-        constexprs = {"EB": 128, "num_warps": MATH_WARPS, "STAGES": ROWS_STAGES, "LOADER_WARPS": ROWS_LOADER_WARPS,
+        constexprs = {"EB": 128, "num_warps": MATH_WARPS, "ISSUE_AHEAD": issue_ahead, "TMA_STORE": tma_store,
+                      "STAGES": WGRAD_TMA_STAGES if tma_store else ROWS_STAGES, "LOADER_WARPS": ROWS_LOADER_WARPS,
                       "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
+        if not tma_store:
+            constexprs["out_desc"] = None
+        if tma_store:
+            blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
         pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "out_ptr": "*bf16"}
         sizes = {"P", "Q"}
     else:
@@ -1215,7 +1333,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
 
     def arg_type(arg):
         if arg in blocks:
-            return desc(blocks[arg])
+            block = blocks[arg]
+            return desc(*block) if isinstance(block, tuple) else desc(block)
         if arg in constexprs:
             return "constexpr"
         return pointers.get(arg, "*i32") if arg.endswith("_ptr") else "i32"

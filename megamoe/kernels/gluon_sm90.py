@@ -270,16 +270,16 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
         if HALF_STORES:
             # Columns q0 .. q0 + BN/2 - 1 and the rest, each thread holding its part of both halves.
             left, right = gl.split(gl.permute(gl.reshape(out, [BM, 2, BN // 2]), [0, 2, 1]))
-            _store_block(left, c_smem, dw_desc, e, p0, q0)
-            _store_block(right, c_smem, dw_desc, e, p0, q0 + BN // 2)
+            store_block(left, c_smem, dw_desc, e, p0, q0)
+            store_block(right, c_smem, dw_desc, e, p0, q0 + BN // 2)
         else:
-            _store_block(out, c_smem, dw_desc, e, p0, q0)
+            store_block(out, c_smem, dw_desc, e, p0, q0)
         start, end = start_next, end_next
     tma.store_wait(0)
 
 
 @gluon.jit
-def _store_block(out, c_smem, dw_desc, e, p0, q0):
+def store_block(out, c_smem, dw_desc, e, p0, q0):
     """``out`` into dw at [e, p0, q0] by a TMA store through ``c_smem``, once the previous store has read it out."""
     tma.store_wait(0)
     c_smem.reshape(out.type.shape).store(out)
