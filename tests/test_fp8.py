@@ -108,6 +108,26 @@ def test_sorting_dy_quantises_its_rows_as_quantize_rows_does(dim, scales):
     assert_scale_kind(dys[:, :routed], scales)
 
 
+@pytest.mark.parametrize("routing", ["random", "dropped"])
+def test_quantize_tile_cols_reads_the_tokens_rows_as_their_sorted_copy(routing, scales):
+    """``quantize_tile_cols(x, plan, top_k)`` reads each sorted row from its token: bit for bit the quantisation of
+    the sorted copy (``gather_rows``), the routed tiles' bytes and scales (dropped slots are in no tile)."""
+    from megamoe.kernels.expert_bwd import gather_rows
+    from megamoe.kernels.plan import build_plan
+
+    x, idx, _, _, _, dy = make_problem(300, 128, 128, 6, 3, routing, dtype=torch.bfloat16, device=DEVICE)
+    x = x * torch.logspace(-6, 6, 300, device=DEVICE)[:, None].to(x.dtype)  # e4m3 normal and subnormal values
+    plan = build_plan(idx, 6)
+    busy = int(sum(-(-c // 128) for c in (plan.offsets_E1[1:] - plan.offsets_E1[:-1]).tolist()))
+    x_sorted, dy_sorted = gather_rows(x, dy, plan, 3)
+    for tokens, sorted_rows in ((x, x_sorted), (dy, dy_sorted)):
+        q, s = quant.quantize_tile_cols(tokens, plan, top_k=3)
+        q_ref, s_ref = quant.quantize_tile_cols(sorted_rows, plan)
+        assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128]))
+        assert torch.equal(s[:busy], s_ref[:busy])
+        assert_scale_kind(s[:busy], scales)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_quantize_weight_both_orientations_match_reference_bit_for_bit(dtype, scales):
     gen = torch.Generator().manual_seed(1)

@@ -124,7 +124,8 @@ def ptxas_report(compiled) -> dict:
     spills = re.search(r"(\d+) bytes spill stores", report)
     return {"registers": registers, "spill_bytes": int(spills.group(1)) if spills else 0,
             "shared_bytes": compiled.metadata.shared, "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
-            "wide_stores": "st.global.v4" in compiled.asm["ptx"],
+            # 16-byte pointer stores or TMA stores (shared memory to global)
+            "wide_stores": "st.global.v4" in compiled.asm["ptx"] or ".global.shared::cta" in compiled.asm["ptx"],
             "wgmma_serialized": "wgmma.mma_async instructions are serialized" in report}
 
 
@@ -230,7 +231,7 @@ def main(argv=None) -> None:
         r = ptxas_report(compile_ws(name, args.dtype))
         report_row(name, f"BM={bm} BN={bn} BK={bk} STAGES={stages} num_warps={ws.WS_NUM_WARPS} "
                    f"maxnreg={maxnreg}", r, too_big)
-        if name != "wgrad_ws" and not r["wide_stores"]:  # its epilogue stores through pointers: 16 bytes each
+        if not r["wide_stores"]:
             narrow.append(name)
     for name, kernel in FP8_KERNELS.items() if args.dtype == "bf16" else ():  # FP8 with bf16 outputs
         config = kernel.default
@@ -280,6 +281,8 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      "BN": expert_bwd.ACT_FROM_PREACT.default["BN"], "QUANT_DZ": True,
                      # the backward's row copy with dy's quantisation (the FP8 path's)
                      "QUANT_B": True,
+                     # the tile-column quantiser reading the tokens' rows (the FP8 weight gradients' x and dy)
+                     "GATHER": True,
                      # the FP8 quantisers' power-of-two scales (env.set_fp8_scales)
                      "POW2": True,
                      # the quantisers, at their launchers' blocks

@@ -137,25 +137,29 @@ def _quantize_weight_kernel(
 
 @triton.jit
 def _quantize_tile_cols_kernel(
-    a_ptr,  # (N, C) sorted rows, any float dtype
+    a_ptr,  # (N, C) sorted rows, or with GATHER (T, C) the tokens' rows; any float dtype
     q_ptr,  # (C, NT * 128) e4m3 out: column c of tile t's rows at [c, 128 t : 128 t + 128]
     s_ptr,  # (NT, C) fp32 out
     offsets_ptr, tile_expert_ptr, tile_row_ptr,
-    C, E,
-    TILE_M: tl.constexpr, BC: tl.constexpr, POW2: tl.constexpr,
+    row_slot_ptr,  # (N,) with GATHER: each sorted row's slot (token * top_k + k)
+    C, E, top_k,
+    GATHER: tl.constexpr, TILE_M: tl.constexpr, BC: tl.constexpr, POW2: tl.constexpr,
 ):
     """One (plan tile, BC columns) per program: the tile's rows read as a (BC, TILE_M) block (rows past its
     expert's end as zeros: they count in no amax and quantise to zeros), so that each column's group is a row of
-    the block (``quantize_groups``) and the block is stored as it lies in the transposed ``q``."""
+    the block (``quantize_groups``) and the block is stored as it lies in the transposed ``q``. GATHER: sorted row r
+    read from token row_slot[r] // top_k."""
     t = tl.program_id(0)
     e = tl.load(tile_expert_ptr + t)
     if e >= E:  # an idle tile: never read
         return
     rows = tl.load(tile_row_ptr + t) + tl.arange(0, TILE_M)
+    rmask = rows < tl.load(offsets_ptr + e + 1)
+    if GATHER:
+        rows = tl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     # int64: N * C and C * NT * 128 overflow int32 at real sizes
-    a = tl.load(a_ptr + rows.to(tl.int64)[None, :] * C + cols[:, None],
-                mask=(rows < tl.load(offsets_ptr + e + 1))[None, :], other=0.0)
+    a = tl.load(a_ptr + rows.to(tl.int64)[None, :] * C + cols[:, None], mask=rmask[None, :], other=0.0)
     q, s = quantize_groups(a.to(tl.float32), POW2)
     ld = tl.num_programs(0).to(tl.int64) * TILE_M  # q's row: TILE_M columns per plan tile, one program row each
     tl.store(q_ptr + cols.to(tl.int64)[:, None] * ld + t * TILE_M + tl.arange(0, TILE_M)[None, :], q)
@@ -188,18 +192,21 @@ def quantize_rows(a_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (C, NT * 128) e4m3, s (NT, C) fp32): ``a``'s sorted rows in 128x1 groups, one per plan tile and column
     (the tile-column format above; NT = the plan's tile count, a static bound, so no host sync). C a multiple of
-    ``TILE_COLS_BC``, ``a`` contiguous; rows past the routed count are not read."""
+    ``TILE_COLS_BC``, ``a`` contiguous; rows past the routed count are not read. ``top_k``: ``a`` holds the tokens'
+    rows (T, C) instead, and each sorted row is read from its token (``row_slot[r] // top_k``), so that no sorted
+    copy of them is needed."""
     num_tiles = plan.tile_expert_NT.numel()
     cols = a_NC.shape[1]
     q = torch.empty(cols, num_tiles * BLOCK_M, device=a_NC.device, dtype=FP8)
     s = torch.empty(num_tiles, cols, device=a_NC.device, dtype=torch.float32)
     _quantize_tile_cols_kernel[(num_tiles, cols // TILE_COLS_BC)](
         a_ptr=a_NC, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
-        tile_row_ptr=plan.tile_row_NT, C=cols, E=plan.offsets_E1.numel() - 1, TILE_M=BLOCK_M, BC=TILE_COLS_BC,
-        POW2=fp8_pow2_scales(), num_warps=4)
+        tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N, C=cols, E=plan.offsets_E1.numel() - 1,
+        top_k=top_k or 1, GATHER=top_k is not None, TILE_M=BLOCK_M, BC=TILE_COLS_BC, POW2=fp8_pow2_scales(),
+        num_warps=4)
     return q, s
 
 
