@@ -12,7 +12,7 @@ under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256
 (``ROWS_BLOCK_N``: the "(256 columns)" stages). Then the weight gradients both ways (the FP8 GEMMs also in the
 Gluon kernel's other issue patterns and stores, ``gluon_fp8_sm90.WGRAD_ISSUE_AHEAD`` and ``WGRAD_TMA_STORE``), to choose
 ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
-(``quant.quantize_tile_cols``), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the
+(``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can be), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the
 FP8 path runs by default (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and
 both whole (four quantisations and two FP8 GEMMs against two bf16 GEMMs). The ceiling beside them:
 ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
@@ -158,6 +158,8 @@ def main(argv=None) -> None:
     stages += [
         ("wgrad: quantize 128x1 (N, D)", lambda: quant.quantize_tile_cols(x_sorted, plan), None, tile_cols_bytes(dim),
          None),
+        ("wgrad: quantize 128x1 (N, D) from the tokens' rows", lambda: quant.quantize_tile_cols(x, plan, top_k),
+         None, tile_cols_bytes(dim), None),
         ("wgrad: quantize 128x1 (N, 2I)", lambda: quant.quantize_tile_cols(dz, plan), None, tile_cols_bytes(2 * inter),
          None),
         ("wgrad: quantize 128x1 (N, I)", lambda: quant.quantize_tile_cols(hw, plan), None, tile_cols_bytes(inter),
