@@ -10,10 +10,11 @@ products' store, and the products alone (the backward's recompute); down, dh' an
 ``UP_ISSUE_AHEAD``: the "(issue-ahead)" stages beside the others), the sorted-rows ones also with their stores deferred
 under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256 columns where N allows
 (``ROWS_BLOCK_N``: the "(256 columns)" stages). Then the weight gradients both ways (the FP8 GEMMs also in the
-Gluon kernel's other issue patterns and stores, ``gluon_fp8_sm90.WGRAD_ISSUE_AHEAD`` and ``WGRAD_TMA_STORE``), to choose
-``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
-(``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can be), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the
-FP8 path runs by default (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and
+Gluon kernel's other issue patterns and stores, ``gluon_fp8_sm90.WGRAD_ISSUE_AHEAD`` and ``WGRAD_TMA_STORE``), to
+choose ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
+(``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can be), the FP8 dW13 and dW2
+GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the FP8 path runs by default (``expert_bwd.expert_wgrad``;
+dW13 without the dx combine it carries in the layer), and
 both whole (four quantisations and two FP8 GEMMs against two bf16 GEMMs). The ceiling beside them:
 ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
 device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and writes them once.
