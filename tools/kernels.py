@@ -3,9 +3,7 @@
 ``python -m tools.kernels --preset qwen3-30b-a3b [--sweep]`` on a GPU. Each stage is timed alone
 with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
 On an sm90 GPU the up kernel, dh', the act kernel and the weight gradients run their warp-specialized Gluon
-kernels (``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``), and
-the weight gradients once more as the non-default variant ``gluon_sm90.WGRAD_HALF_STORES`` (records marked
-``variant``, left out of the total).
+kernels (``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``).
 Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``); the
 config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
@@ -27,7 +25,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from megamoe.bench.common import PRESETS, ROUTINGS, make_problem
-from megamoe.kernels import expert_bwd, expert_fwd, gluon_sm90
+from megamoe.kernels import expert_bwd, expert_fwd
 from megamoe.kernels.combine import combine
 from megamoe.kernels.gluon_sm90 import ACT_CONFIG, UP_CONFIG, WS_CONFIG, ws_supported
 from megamoe.kernels.plan import build_plan
@@ -75,24 +73,6 @@ def stages(problem, num_experts):
     def tuned(kernel, gluon_config=WS_CONFIG):  # on sm90, a record of the kernels.ws kernel that runs instead
         return SimpleNamespace(last_config=gluon_config) if ws_supported(x) else kernel
 
-    def half_stores(fn):  # fn with the weight-gradient kernel's blocks stored in halves (WGRAD_HALF_STORES)
-        def run():
-            gluon_sm90.WGRAD_HALF_STORES = True
-            try:
-                fn()
-            finally:
-                gluon_sm90.WGRAD_HALF_STORES = False
-        return run
-
-    # (a variant is left out of the table's total)
-    wgrad_half = SimpleNamespace(last_config={**WS_CONFIG, "num_stages": gluon_sm90.WGRAD_HALF_STORES_STAGES,
-                                              "HALF_STORES": True}, variant=True)
-    dw13 = lambda: expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, w13.dtype, dx, topk_idx, x.dtype)
-    dw2 = lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, w2.dtype)
-    variants = {  # Gluon-only variants, timed beside the kernels the layer runs
-        "bwd dw13, combine (4 stages, half stores)": (half_stores(dw13), 4 * unit, wgrad_half),
-        "bwd dw2 (4 stages, half stores)": (half_stores(dw2), 2 * unit, wgrad_half),
-    } if ws_supported(x) else {}
     return {
         "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),
         "fwd up+swiglu": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k), 4 * unit,
@@ -107,9 +87,9 @@ def stages(problem, num_experts):
         "bwd recompute+act": (lambda: expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k), 4 * unit,
                               tuned(expert_bwd.ACT_BWD, ACT_CONFIG)),
         "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, expert_bwd.DX),
-        "bwd dw13, combine": (dw13, 4 * unit, tuned(expert_bwd.WGRAD)),
-        "bwd dw2": (dw2, 2 * unit, tuned(expert_bwd.WGRAD)),
-        **variants,
+        "bwd dw13, combine": (lambda: expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, w13.dtype, dx, topk_idx,
+                                                                          x.dtype), 4 * unit, tuned(expert_bwd.WGRAD)),
+        "bwd dw2": (lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, w2.dtype), 2 * unit, tuned(expert_bwd.WGRAD)),
     }
 
 
@@ -138,7 +118,7 @@ def main(argv=None) -> None:
         ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
         row = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
                "config": None if key is None else key.last_config,  # autotuned or default
-               "timed_utc": [started, utc_now()], "variant": getattr(key, "variant", False)}
+               "timed_utc": [started, utc_now()]}
         if args.sweep and isinstance(key, TunedKernel):
             default = key.default
             best = (ms, default)
@@ -160,7 +140,7 @@ def main(argv=None) -> None:
                                       f"stages {cfg['num_stages']}" + (" persistent" if cfg.get("PERSISTENT") else "")
                                       + (" warp-specialized" if cfg.get("WARP_SPECIALIZED") else ""))
         print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{ran}{extra}", flush=True)
-    print(f"{'total':20s} {sum(r['ms'] for r in rows if not r['variant']):8.3f} ms")
+    print(f"{'total':20s} {sum(r['ms'] for r in rows):8.3f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "preset": args.preset, "tokens": args.tokens, "top_k": top_k, "routing": args.routing,

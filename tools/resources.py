@@ -131,11 +131,9 @@ def ptxas_report(compiled) -> dict:
 
 # The Gluon kernels (``kernels.gluon_sm90``) by report name, each with the Triton kernel (``KERNELS``) it replaces, its
 # tile and its launch's register cap; the weight-gradient kernel twice, as the layer runs it: for dW2 (no tokens
-# to combine, one slot: the combine partition idles) and for dW13 (the dx combine beside its MMAs, top-8), and
-# dW13's once more with its blocks stored in halves and one stage more (``WGRAD_HALF_STORES``).
+# to combine, one slot: the combine partition idles) and for dW13 (the dx combine beside its MMAs, top-8).
 WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "wgrad_combine_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
-              "wgrad_combine_half_ws": ("wgrad", (*ws.WS_TILE[:3], ws.WGRAD_HALF_STORES_STAGES), ws.WS_MAXNREG),
               "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
               "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG)}
 
@@ -156,11 +154,10 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
     constexprs = {"STAGES": stages, "num_warps": ws.WS_NUM_WARPS}
-    if name.startswith("wgrad"):
-        half = name == "wgrad_combine_half_ws"
-        fn = ws.KERNELS["wgrad"]
-        blocks = {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn // 2 if half else bn]}
-        constexprs.update(TOP_K=1 if name == "wgrad_ws" else top_k, HALF_STORES=half)
+    if name in ("wgrad_ws", "wgrad_combine_ws"):
+        fn, blocks = ws.KERNELS["wgrad"], {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
+        combine = name == "wgrad_combine_ws"
+        constexprs.update(TOP_K=top_k if combine else 1)
     elif name == "dh_ws":  # the x copy beside the MMAs, of top_k slots per token
         fn, blocks = ws.KERNELS["dh"], {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
         constexprs.update(EB=128, TILE_M=bm, TOP_K=top_k)

@@ -63,11 +63,6 @@ WS_MAXNREG = 168  # 12 warps (8 + the loader's warpgroup) x 32 x 168 <= 64 K reg
 # The same as a config dict, for the benchmarks' records.
 WS_CONFIG = {"BM": WS_TILE[0], "BN": WS_TILE[1], "BK": WS_TILE[2], "num_warps": WS_NUM_WARPS,
              "num_stages": WS_TILE[3], "WARP_SPECIALIZED": True}
-# The weight-gradient kernel's output block stored as two 128-column halves through one 32 KB buffer (the second
-# half written once the first's TMA store has read it out), which leaves room for a fourth stage of 48 KB: more
-# bytes in flight per SM. Off until timed against the default (tools.kernels's "(4 stages, half stores)" stages).
-WGRAD_HALF_STORES = False
-WGRAD_HALF_STORES_STAGES = 4
 
 
 # Warps of the side copy that the dh' and weight-gradient kernels run beside their MMAs (the x rows into sorted
@@ -237,9 +232,8 @@ def _zero_rows_past(buf, r0, end, num_warps: gl.constexpr):
 
 @gluon.jit
 def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
-                   HALF_STORES: gl.constexpr, num_warps: gl.constexpr):
-    """Default partition: the MMAs of each block, its tail rows zeroed, and its TMA store (HALF_STORES: as two
-    column halves through a buffer of one, ``WGRAD_HALF_STORES``)."""
+                   num_warps: gl.constexpr):
+    """Default partition: the MMAs of each block, its tail rows zeroed, and its TMA store."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[1]
     BM: gl.constexpr = a_bufs.type.shape[2]
@@ -266,43 +260,35 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         if end > start:
             mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
-        out = acc.to(dw_desc.dtype)
-        if HALF_STORES:
-            # Columns q0 .. q0 + BN/2 - 1 and the rest, each thread holding its part of both halves.
-            left, right = gl.split(gl.permute(gl.reshape(out, [BM, 2, BN // 2]), [0, 2, 1]))
-            store_block(left, c_smem, dw_desc, e, p0, q0)
-            store_block(right, c_smem, dw_desc, e, p0, q0 + BN // 2)
-        else:
-            store_block(out, c_smem, dw_desc, e, p0, q0)
+        store_block(acc.to(dw_desc.dtype), c_smem, dw_desc, e, p0, q0)
         start, end = start_next, end_next
     tma.store_wait(0)
 
 
 @gluon.jit
-def store_block(out, c_smem, dw_desc, e, p0, q0):
-    """``out`` into dw at [e, p0, q0] by a TMA store through ``c_smem``, once the previous store has read it out."""
+def store_block(out, c_smem, desc, e, p0, q0):
+    """``out`` into ``desc``'s (E, P, Q) tensor at [e, p0, q0] by a TMA store through ``c_smem`` (block (1, rows,
+    cols)), once the previous store has read it out; the store runs on after the call returns."""
     tma.store_wait(0)
     c_smem.reshape(out.type.shape).store(out)
     fence_async_shared()
-    tma.async_copy_shared_to_global(dw_desc, [e, p0, q0], c_smem)
+    tma.async_copy_shared_to_global(desc, [e, p0, q0], c_smem)
 
 
 @gluon.jit
 def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, rows_ptr, topk_idx_ptr, out_ptr, T, D,
-                     TOP_K: gl.constexpr, HALF_STORES: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                     TOP_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: (N, P) sorted rows, block (BK, BM); b_desc: (N, Q), block (BK, BN); dw_desc: (E, P, Q),
-    block (1, BM, BN), or with HALF_STORES (1, BM, BN / 2) (``WGRAD_HALF_STORES``). Tiles: E * num_p * num_q output
-    blocks, expert-major. A third partition (``COPY_WARPS`` warps) combines slot rows (T * TOP_K, D) into out (T, D)
-    beside them (``_combine_partition``; ``topk_idx`` marks the dropped slots); with T = 0 it has nothing to do and
-    returns."""
+    block (1, BM, BN). Tiles: E * num_p * num_q output blocks, expert-major. A third partition (``COPY_WARPS``
+    warps) combines slot rows (T * TOP_K, D) into out (T, D) beside them (``_combine_partition``; ``topk_idx``
+    marks the dropped slots); with T = 0 it has nothing to do and returns."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
     ready = barriers(STAGES)
     empty = barriers(STAGES)
     gl.warp_specialize([
-        (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
-                          HALF_STORES, num_warps)),
+        (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles, num_warps)),
         (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
         (_combine_partition, (rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K, COPY_WARPS)),
     ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
@@ -709,17 +695,12 @@ def _launch_ws(kernel, programs: int, stages: int = WS_TILE[3], maxnreg: int = W
 
 
 def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor,
-                    combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    half_stores: bool | None = None) -> None:
+                    combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """dw (E, P, Q) = per expert, the sum over its sorted rows r of outer(a[r], b[r]); a, b, dw 16-bit,
     contiguous, on an sm90 GPU (``ws_supported``), with at least one row. ``combine``: (slot rows (T*K, D),
     topk_idx (T, K), out (T, D)), all contiguous, to reduce into ``out`` beside the MMAs, with the sums of
-    ``combine.combine``. ``half_stores``: the output blocks stored in halves, with one stage more (None:
-    ``WGRAD_HALF_STORES``)."""
-    bm, bn, bk, stages = WS_TILE
-    half_stores = WGRAD_HALF_STORES if half_stores is None else half_stores
-    if half_stores:
-        stages = WGRAD_HALF_STORES_STAGES
+    ``combine.combine``."""
+    bm, bn, bk, _ = WS_TILE
     num_experts, p, q = dw.shape
     num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
     tiles = num_experts * num_p * num_q
@@ -727,11 +708,10 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
         rows, topk_idx, out, num_tokens, top_k = a_NP, offsets_E1, a_NP, 0, 1
     else:
         (rows, topk_idx, out), (num_tokens, top_k) = combine, combine[1].shape
-    _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), stages=stages,
-               a_desc=_desc(a_NP, [bk, bm]), b_desc=_desc(b_NQ, [bk, bn]),
-               dw_desc=_desc(dw, [1, bm, bn // 2 if half_stores else bn]), offsets_ptr=offsets_E1, num_p=num_p,
+    _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), a_desc=_desc(a_NP, [bk, bm]),
+               b_desc=_desc(b_NQ, [bk, bn]), dw_desc=_desc(dw, [1, bm, bn]), offsets_ptr=offsets_E1, num_p=num_p,
                num_q=num_q, tiles=tiles, rows_ptr=rows, topk_idx_ptr=topk_idx, out_ptr=out, T=num_tokens,
-               D=out.shape[1], TOP_K=top_k, HALF_STORES=half_stores)
+               D=out.shape[1], TOP_K=top_k)
 
 
 def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,
