@@ -258,8 +258,7 @@ def test_fp8_up_products_only_are_the_full_kernels_products(num_tokens, num_expe
 def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing):
     """The FP8 weight gradients: dW13 = dzᵀ x and dW2 = dyᵀ (h·w) shapes, (N, P) and (N, Q) sorted bf16 rows
     quantised 128x1 per plan tile (``quant.quantize_tile_cols``, bit for bit the reference's on CPU), against the
-    float64 per-expert products of the dequantised operands; experts without rows get zeros. Every issue pattern and
-    store path of the kernel (``WGRAD_ISSUE_AHEAD``, ``WGRAD_TMA_STORE``) gives the same bits."""
+    float64 per-expert products of the dequantised operands; experts without rows get zeros."""
     from megamoe import reference
     from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws
     from megamoe.kernels.quant import quantize_tile_cols
@@ -275,10 +274,6 @@ def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing):
         (aq, a_s), (bq, b_s) = quantize_tile_cols(a, plan), quantize_tile_cols(b, plan)
         out = torch.full((num_experts, p, q), float("nan"), device="cuda", dtype=torch.bfloat16)
         fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1)
-        for issue_ahead, tma_store in itertools.product((False, True), repeat=2):  # the same sums in every pattern
-            other = torch.full_like(out, float("nan"))
-            fp8_wgrad_ws(aq, a_s, bq, b_s, other, plan.offsets_E1, issue_ahead=issue_ahead, tma_store=tma_store)
-            assert torch.equal(other, out), (issue_ahead, tma_store)
         torch.cuda.synchronize()
         cpu_offsets = plan.offsets_E1.cpu()
         ref = torch.stack([ae @ be.t() for ae, be in zip(reference.dequantize_tile_cols(aq.cpu(), a_s.cpu(), cpu_offsets),
@@ -422,9 +417,6 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "rows_down_any_size": ("fp8_rows", dict(sizes_divisible=False)),
             "up_any_size": ("fp8_up", dict(sizes_divisible=False)), "wgrad": ("fp8_wgrad", {}),
             "wgrad_any_size": ("fp8_wgrad", dict(sizes_divisible=False)),
-            "wgrad_issue_ahead": ("fp8_wgrad", dict(issue_ahead=True)),
-            "wgrad_tma_store": ("fp8_wgrad", dict(tma_store=True)),
-            "wgrad_issue_ahead_tma_store": ("fp8_wgrad", dict(issue_ahead=True, tma_store=True)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
             "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
             "rows_down_traced": ("fp8_rows", dict(trace=True)), "up_traced": ("fp8_up", dict(trace=True)),

@@ -9,9 +9,8 @@ products' store, and the products alone (the backward's recompute); down, dh' an
 (``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM in both issue patterns (``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``,
 ``UP_ISSUE_AHEAD``: the "(issue-ahead)" stages beside the others), the sorted-rows ones also with their stores deferred
 under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256 columns where N allows
-(``ROWS_BLOCK_N``: the "(256 columns)" stages). Then the weight gradients both ways (the FP8 GEMMs also in the
-Gluon kernel's other issue patterns and stores, ``gluon_fp8_sm90.WGRAD_ISSUE_AHEAD`` and ``WGRAD_TMA_STORE``), to
-choose ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
+(``ROWS_BLOCK_N``: the "(256 columns)" stages). Then the weight gradients both ways, to choose
+``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
 (``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can be), the FP8 dW13 and dW2
 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the FP8 path runs by default (``expert_bwd.expert_wgrad``;
 dW13 without the dx combine it carries in the layer), and
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 from megamoe.bench.common import PRESETS, make_problem
-from megamoe.kernels import expert_bwd, expert_fwd, gluon_fp8_sm90, quant
+from megamoe.kernels import expert_bwd, expert_fwd, quant
 from megamoe.kernels.plan import build_plan
 from megamoe.provenance import gpu_record
 
@@ -111,12 +110,6 @@ def main(argv=None) -> None:
         expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16)
         expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16)
 
-    def fp8_wgrad(a, b, issue_ahead, tma_store):
-        num_p, num_q = a[0].shape[0], b[0].shape[0]
-        out = torch.empty(num_experts, num_p, num_q, device="cuda", dtype=torch.bfloat16)
-        return lambda: gluon_fp8_sm90.fp8_wgrad_ws(*a, *b, out, plan.offsets_E1, issue_ahead=issue_ahead,
-                                                   tma_store=tma_store)
-
     def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead=False, defer_epilogue=False, block_n=128):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
                                                        issue_ahead=issue_ahead, defer_epilogue=defer_epilogue,
@@ -169,13 +162,6 @@ def main(argv=None) -> None:
          (2 * inter, dim, rows)),
         ("dW2 FP8", lambda: expert_bwd.wgrad_fp8(*dyt, *hwt, plan, torch.bfloat16), down_flops, None,
          (dim, inter, rows)),
-    ]
-    for issue_ahead, tma_store in ((True, False), (False, True), (True, True)):  # the kernel's other patterns
-        pattern = ", ".join(["issue-ahead"] * issue_ahead + ["TMA stores"] * tma_store)
-        for name, a, b, flops, dense in (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
-                                         ("dW2", dyt, hwt, down_flops, (dim, inter, rows))):
-            stages.append((f"{name} FP8 ({pattern})", fp8_wgrad(a, b, issue_ahead, tma_store), flops, None, dense))
-    stages += [
         ("dW13 bf16", lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16), up_flops, None, None),
         ("dW2 bf16", lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16), down_flops, None, None),
         ("dW13 + dW2 FP8, quantisers in", fp8_wgrads, up_flops + down_flops, None, None),

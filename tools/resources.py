@@ -51,11 +51,7 @@ FP8_WS_VARIANTS = (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}),
                    ("fp8_up_ws", "fp8_up", {"preact": True, "issue_ahead": True}),
                    ("fp8_up_ws", "fp8_up", {"preact": True, "h_out": False}),
                    # the sorted-rows kernel's stores deferred under the next block's MMA (ROWS_DEFER_EPILOGUE)
-                   ("fp8_rows_ws", "fp8_rows", {"defer_epilogue": True}),
-                   # the weight-gradient kernel's other patterns (WGRAD_ISSUE_AHEAD, WGRAD_TMA_STORE)
-                   ("fp8_wgrad_ws", "fp8_wgrad", {"issue_ahead": True}),
-                   ("fp8_wgrad_ws", "fp8_wgrad", {"tma_store": True}),
-                   ("fp8_wgrad_ws", "fp8_wgrad", {"issue_ahead": True, "tma_store": True}))
+                   ("fp8_rows_ws", "fp8_rows", {"defer_epilogue": True}))
 _FP8_POINTER_TYPES = {"out_ptr": "*bf16", "preact_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
                       "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32", "b_scale_ptr": "*fp32"}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",

@@ -37,7 +37,8 @@ Partitions of each kernel:
 
 The weight-gradient kernel has the sorted-rows kernel's partitions, with both operands K-major along the tokens
 (``quant.quantize_tile_cols``): a K-step is one plan tile of the block's expert, and its promotion multiplies by the
-outer product of A's scales of the block's rows and B's of its columns (both copied into the stage).
+outer product of A's scales of the block's rows and B's of its columns (both copied into the stage). Its warpgroups
+issue each K-step's chain before the previous one's promotion, and store their blocks through shared memory by TMA.
 
 See ``fp8_rows_gemm_ws``, ``fp8_up_swiglu_ws`` and ``fp8_wgrad_ws`` for the three launchers.
 """
@@ -120,13 +121,9 @@ ROWS_DEFER_EPILOGUE = True
 # (``python -m tools.fp8_trace --wide``, docs/PERFORMANCE.md): 2-5% faster than 128 columns at 30B, stores deferred.
 ROWS_BLOCK_N = 256
 ROWS_WIDE_STAGES = 4
-# The FP8 weight-gradient kernel's issue pattern (as above) and stores: WGRAD_TMA_STORE, each warpgroup's bf16 block
-# through a 16 KB buffer of its own and a TMA store that runs on under its next block's MMAs (the ring then has
-# WGRAD_TMA_STAGES stages: 5 x 33 KB + 32 KB = 197 KB); else 16-byte pointer stores from registers, with the
-# tensor cores idle for that warpgroup meanwhile.
-WGRAD_ISSUE_AHEAD = False
-WGRAD_TMA_STORE = False
-WGRAD_TMA_STAGES = 5
+# The FP8 weight-gradient kernel's ring: 33 KB per stage (A, B and their scales) beside each MMA warpgroup's 16 KB
+# store buffer: 5 x 33 + 32 = 197 KB.
+WGRAD_STAGES = 5
 # The block trace of the sorted-rows and up kernels (``trace=`` of their launchers, read by ``tools.fp8_trace``): per
 # program, per partition (the two MMA warpgroups, then the loader) and per block of its first TRACE_BLOCKS,
 # TRACE_POINTS stamps of the SM's cycle counter, then the same points on the global timer (ns). An MMA warpgroup's
@@ -997,7 +994,7 @@ def _wgrad_promote(acc, tmp, as_bufs, bs_bufs, empty, s, WG: gl.constexpr):
 def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, WG: gl.constexpr,
                       acc_layout: gl.constexpr):
     """A block's ``steps`` (>= 1) K-steps for one warpgroup with the next chain issued before a finished one is
-    promoted (``WGRAD_ISSUE_AHEAD``; the pattern of ``_rows_main_narrow``'s, whose comments say why each wait is
+    promoted (the pattern of ``_rows_main_narrow``'s issue-ahead branch, whose comments say why each wait is
     to zero chains in flight). The scales are read at the promotion, under the next chain: held from the stage's
     ready wait, as the sorted-rows kernel holds its row scales, B's 32 per thread would not fit beside two
     temporaries and the accumulator. Returns (the accumulator, the next ring step)."""
@@ -1034,83 +1031,52 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
 
 
 @gluon.jit
-def _wgrad_mma_partition(out_ptr, out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q,
-                         num_p, num_q, tiles, WG: gl.constexpr, ISSUE_AHEAD: gl.constexpr, TMA_STORE: gl.constexpr,
-                         num_warps: gl.constexpr):
+def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, num_p, num_q,
+                         tiles, WG: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``_fp8_wgrad_ws_kernel``: per K-step the
-    block's MMA into a temporary, then its promotion with the outer product of the tile's scales (A's of the 64
-    rows, B's of the 128 columns; ISSUE_AHEAD: under the next K-step's MMA, ``_wgrad_main_ahead``); then the bf16
-    block's stores: TMA_STORE, through the warpgroup's buffer ``c_smem`` and a TMA store that runs on under the next
-    block's MMAs; else 16-byte pointer stores. An expert without rows gets zeros."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
+    B's of the 128 columns), under the next K-step's MMA (``_wgrad_main_ahead``); then the bf16 block through the
+    warpgroup's buffer ``c_smem`` and a TMA store that runs on under the next block's MMAs. An expert without rows
+    gets zeros."""
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
     HALF: gl.constexpr = as_bufs.type.shape[1]
     acc_layout: gl.constexpr = _acc_layout(HALF, BN, num_warps)
-    out_layout: gl.constexpr = row_segments(BN, 2, num_warps)
     step = 0
     # The expert's rows are read at the block's start. Read a block ahead (expert_rows_ahead, as the bf16 kernel
     # does), this kernel hung on the H200 at the 30B layer's shapes (docs/PERFORMANCE.md).
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-        if ISSUE_AHEAD:
-            acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
-            if end > start:
-                acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step,
-                                              (end - start + BK - 1) // BK, WG, acc_layout)
-        else:
-            acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
-            tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # the MMA's destination registers, reused
-            for r0 in range(start, end, BK):
-                s = _stage_ready(ready, step, STAGES)
-                # Scales first: shared-memory loads, under the MMA below.
-                sa = as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, acc_layout))
-                sb = bs_bufs.index(s).load(gl.SliceLayout(0, acc_layout))
-                tmp = warpgroup_mma_wait(0, deps=(_wgrad_mma(a_bufs, b_bufs, s, tmp, WG), ))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc = acc + tmp * (sa[:, None] * sb[None, :])
-                step += 1
-        if TMA_STORE:
-            store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
-        else:
-            out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
-            rows = p0 + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
-            cols = q0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-            # int64: E * P * Q overflows int32 at real sizes
-            gl.store(out_ptr + e.to(gl.int64) * P * Q + (rows[:, None] * Q + cols[None, :]), out)
-    if TMA_STORE:
-        tma.store_wait(0)
+        acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
+        if end > start:
+            acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step,
+                                          (end - start + BK - 1) // BK, WG, acc_layout)
+        store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
+    tma.store_wait(0)
 
 
 @gluon.jit
-def _fp8_wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_ptr, out_desc, offsets_ptr, P, Q, tiles,
-                         EB: gl.constexpr, ISSUE_AHEAD: gl.constexpr, TMA_STORE: gl.constexpr, STAGES: gl.constexpr,
-                         LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                         num_warps: gl.constexpr):
+def _fp8_wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, EB: gl.constexpr,
+                         STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
+                         LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B
-    (Q, NT * 128) fp8, block (BN, BK); a_s (NT, P) and b_s (NT, Q) fp32; out (E, P, Q) bf16, and with TMA_STORE its
-    descriptor out_desc, block (1, BM / 2, BN) (one warpgroup's half). Blocks: ``tiles`` = E * P/BM * Q/BN output
-    blocks, expert-major (the programs at work share one expert's operands in L2), one program per SM walking them.
-    P and Q multiples of 128; EB a power of two >= E. ISSUE_AHEAD, TMA_STORE: ``_wgrad_mma_partition``."""
+    (Q, NT * 128) fp8, block (BN, BK); a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q) bf16, block (1, BM
+    / 2, BN) (one warpgroup's half). Blocks: ``tiles`` = E * P/BM * Q/BN output blocks, expert-major (the programs
+    at work share one expert's operands in L2), one program per SM walking them. P and Q multiples of 128; EB a
+    power of two >= E."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
     a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = _ring(a_desc, b_desc, 1, BN, STAGES, LOADER_WARPS)
-    if TMA_STORE:  # one store buffer per MMA warpgroup
-        c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-        c0 = c_bufs.index(0)
-        c1 = c_bufs.index(1)
-    else:
-        c0 = 0
-        c1 = 0
+    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
     num_p = P // BM
     num_q = Q // BN
     gl.warp_specialize([
-        (_wgrad_mma_partition, (out_ptr, out_desc, c0, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P,
-                                Q, num_p, num_q, tiles, 0, ISSUE_AHEAD, TMA_STORE, num_warps)),
-        (_wgrad_mma_partition, (out_ptr, out_desc, c1, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P,
-                                Q, num_p, num_q, tiles, 1, ISSUE_AHEAD, TMA_STORE, num_warps)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
+                                bs_bufs, num_p, num_q, tiles, 0, num_warps)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
+                                bs_bufs, num_p, num_q, tiles, 1, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
                          P, Q, num_p, num_q, tiles, EB, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
@@ -1241,16 +1207,13 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
 
 
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
-                 offsets: torch.Tensor, issue_ahead: bool | None = None, tma_store: bool | None = None) -> None:
+                 offsets: torch.Tensor) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``_fp8_wgrad_ws_kernel``; an expert without rows gets zeros.
 
     a_q (P, NT * 128) and b_q (Q, NT * 128) float8_e4m3fn, a_s (NT, P) and b_s (NT, Q) fp32: the sorted rows in tile
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
-    multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``issue_ahead``, ``tma_store``: the
-    MMA warpgroups' issue pattern and stores (None: ``WGRAD_ISSUE_AHEAD``, ``WGRAD_TMA_STORE``)."""
-    issue_ahead = WGRAD_ISSUE_AHEAD if issue_ahead is None else issue_ahead
-    tma_store = WGRAD_TMA_STORE if tma_store is None else tma_store
+    multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
     assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -1258,13 +1221,12 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     assert a_s.shape == (num_tiles, p) and b_s.shape == (num_tiles, q) and offsets.numel() == num_experts + 1
     tiles = num_experts * (p // FP8_BM) * (q // FP8_BN)
     block = [1, FP8_BM // 2, FP8_BN]  # one MMA warpgroup's rows
-    out_desc = TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))) if tma_store else None
     _fp8_wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [FP8_BN, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
-        out_ptr=out, out_desc=out_desc, offsets_ptr=offsets, P=p, Q=q, tiles=tiles,
-        EB=triton.next_power_of_2(num_experts), ISSUE_AHEAD=issue_ahead, TMA_STORE=tma_store,
-        STAGES=WGRAD_TMA_STAGES if tma_store else ROWS_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS, MMA_REGS=MATH_REGS,
-        LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+        out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
+        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts), STAGES=WGRAD_STAGES,
+        LOADER_WARPS=ROWS_LOADER_WARPS, MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS,
+        maxnreg=FP8_MAXNREG)
 
 
 # The kernels by name, for the ahead-of-time compile check.
@@ -1273,19 +1235,17 @@ KERNELS = {"fp8_rows": _fp8_rows_ws_kernel, "fp8_up": _fp8_up_ws_kernel, "fp8_wg
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
                 h_out: bool = True, sizes_divisible: bool = True, issue_ahead: bool | None = None, pow2: bool = False,
-                defer_epilogue: bool | None = None, block_n: int = FP8_BN, trace: bool = False,
-                tma_store: bool | None = None):
+                defer_epilogue: bool | None = None, block_n: int = FP8_BN, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
     launchers' asserts make multiples of 128, are specialised as 16-divisible, as Triton does at run time.
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
     kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``:
-    any kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD``, ``UP_ISSUE_AHEAD`` or
-    ``WGRAD_ISSUE_AHEAD``); ``pow2``: the up kernel's power-of-two h scales; ``defer_epilogue`` (None:
-    ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the sorted-rows kernel's (``rows_pattern``); ``trace``: the
-    block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up kernel; ``tma_store`` (None:
-    ``WGRAD_TMA_STORE``): the weight-gradient kernel's stores."""
+    either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
+    up kernel's power-of-two h scales; ``defer_epilogue`` (None: ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the
+    sorted-rows kernel's (``rows_pattern``); ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows
+    or the up kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -1295,9 +1255,6 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
 
     if name == "fp8_rows":
         _, issue_ahead, defer_epilogue = rows_pattern(block_n, block_n, issue_ahead, defer_epilogue)
-    elif name == "fp8_wgrad":
-        issue_ahead = WGRAD_ISSUE_AHEAD if issue_ahead is None else issue_ahead
-        tma_store = WGRAD_TMA_STORE if tma_store is None else tma_store
     elif issue_ahead is None:
         issue_ahead = UP_ISSUE_AHEAD
     common = {"EB": 128, "TILE_M": BLOCK_M, "ISSUE_AHEAD": issue_ahead, "num_warps": MATH_WARPS}
@@ -1312,14 +1269,10 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
         sizes = {"N_OUT", "K"}
     elif name == "fp8_wgrad":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [FP8_BN, FP8_BK]}
-        constexprs = {"EB": 128, "num_warps": MATH_WARPS, "ISSUE_AHEAD": issue_ahead, "TMA_STORE": tma_store,
-                      "STAGES": WGRAD_TMA_STAGES if tma_store else ROWS_STAGES, "LOADER_WARPS": ROWS_LOADER_WARPS,
+        constexprs = {"EB": 128, "num_warps": MATH_WARPS, "STAGES": WGRAD_STAGES, "LOADER_WARPS": ROWS_LOADER_WARPS,
                       "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
-        if not tma_store:
-            constexprs["out_desc"] = None
-        if tma_store:
-            blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
-        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "out_ptr": "*bf16"}
+        blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
+        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32"}
         sizes = {"P", "Q"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
