@@ -839,8 +839,8 @@ def _h_scales(amax, POW2: gl.constexpr):
 
 @gluon.jit
 def _quantize_h(h, inv):
-    """fp8(clamp(h * inv[row], ±448)), rounded to nearest even by the GPU's conversion (cvt.rn.satfinite.e4m3x2.f32:
-    bit for bit ``kernels.quant.to_e4m3``'s rounding on the H200, at a third of the epilogue's instructions)."""
+    """fp8(clamp(h * inv[row], ±448)), rounded to nearest even by the GPU's conversion (cvt.rn.satfinite.e4m3x2.f32,
+    as ``kernels.quant.to_e4m3`` converts on the GPU)."""
     return gl.minimum(gl.maximum(h * inv[:, None], -FP8_MAX), FP8_MAX).to(gl.float8e4nv)
 
 

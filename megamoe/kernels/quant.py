@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from megamoe.env import fp8_pow2_scales
+from megamoe.env import fp8_pow2_scales, interpreting
 from megamoe.kernels.plan import BLOCK_M, Plan
 
 GROUP = 128  # values per scale along a GEMM's inner dimension (and the weights' block edge)
@@ -47,21 +47,29 @@ AMAX_FLOOR = tl.constexpr(1e-12)  # an all-zero group gets this amax: its values
 FP8 = torch.float8_e4m3fn
 
 
+# Whether ``to_e4m3`` rounds on the fp32 bits before converting: only under Triton's interpreter, which converts
+# wrongly where the rounding carries into the exponent (Triton 3.6: 125.3 became 64, not 128). The GPU's own
+# conversion (cvt.rn.satfinite.e4m3x2.f32, one instruction per two values) rounds to nearest even, as torch does.
+# Fixed at import, as Triton fixes the interpreter when a kernel is defined.
+BITWISE_E4M3 = tl.constexpr(interpreting())
+
+
 @triton.jit
 def to_e4m3(v):
-    """fp32 ``v`` (within +-448) to e4m3, round to nearest even, exactly as torch's conversion. The rounding is
-    done on the fp32 bits first, so the conversion itself only ever meets e4m3 values and is exact on any backend:
-    Triton 3.6's interpreter converts wrongly where the rounding carries into the exponent (125.3 became 64, not
-    128). This form matches torch bit for bit on the H200 too (tests/test_fp8.py), and so does the GPU's own
-    conversion (cvt.rn.satfinite.e4m3x2.f32), which the Gluon up kernel uses (``gluon_fp8_sm90._quantize_h``)."""
-    # Normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the bit pattern to nearest even (a carry moves
-    # into the exponent); below 2^-6 (e4m3's subnormals) the grid is 2^-9: round with the 1.5 * 2^23 trick,
-    # keeping the zero's sign.
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    sub = ((v * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-    sub = tl.where(sub == 0.0, v * 0.0, sub)
-    return tl.where(tl.abs(v) < 0.015625, sub, normal).to(tl.float8e4nv)
+    """fp32 ``v`` (within +-448) to e4m3, round to nearest even, exactly as torch's conversion: the GPU's conversion,
+    or under the interpreter (``BITWISE_E4M3``) the rounding done on the fp32 bits first, so that the conversion
+    only ever meets e4m3 values and is exact. Both match torch bit for bit (tests/test_fp8.py, on the H200 and in
+    the interpreter)."""
+    if BITWISE_E4M3:
+        # Normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the bit pattern to nearest even (a carry moves
+        # into the exponent); below 2^-6 (e4m3's subnormals) the grid is 2^-9: round with the 1.5 * 2^23 trick,
+        # keeping the zero's sign.
+        bits = v.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        sub = ((v * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+        sub = tl.where(sub == 0.0, v * 0.0, sub)
+        v = tl.where(tl.abs(v) < 0.015625, sub, normal)
+    return v.to(tl.float8e4nv)
 
 
 @triton.jit
