@@ -28,17 +28,18 @@ from megamoe.kernels.expert_bwd import (
     dx_slots_fp8,
     expert_wgrad,
     expert_wgrad_and_combine,
-    expert_wgrad_fp8,
     gather_rows,
+    sorted_quantized_rows,
     sorted_rows_and_dh,
+    wgrad_fp8,
 )
 from megamoe.kernels.expert_fwd import down_fp8, down_fwd, up_products_fp8, up_swiglu_fp8, up_swiglu_fwd
 from megamoe.kernels.plan import Plan, build_plan, plan_op
-from megamoe.kernels.quant import fp8_weight, quantize_rows
+from megamoe.kernels.quant import fp8_weight, quantize_rows, quantize_tile_cols
 
 # The FP8 path's weight gradients in FP8 too (DeepSeek-V3's recipe: both operands re-quantised 128x1 along the
-# tokens from their rows in x's dtype, ``expert_bwd.expert_wgrad_fp8``) instead of bf16 GEMMs on those rows. Off:
-# on the H200 it is slower (``python -m tools.fp8``: the four quantisations cost more than the FP8 GEMMs save;
+# tokens from their rows in x's dtype, ``quant.quantize_tile_cols``, then ``expert_bwd.wgrad_fp8``) instead of bf16
+# GEMMs on those rows. Off: on the H200 it is slower (``python -m tools.fp8``: the four quantisations cost more than the FP8 GEMMs save;
 # docs/PERFORMANCE.md). ``MEGAMOE_FP8_WGRAD=1`` sets it at import, and the backward reads it at every call.
 FP8_WGRAD = fp8_wgrad_requested()
 # The one-GPU backward's order. False: dx's slot rows are computed before dW13, whose kernel sums them into dx beside
@@ -116,14 +117,19 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     rows); dh' and dx on the weights' transposed FP8 copies; g and u, unless saved, recomputed by the forward's up
     kernel (the FP8 GEMM the forward ran, so both memory modes compute the same gradients; without its h output)
     and the act step run on them; the weight gradients from the unquantised rows in x's dtype (exact products, fp32
-    accumulation), or with :data:`FP8_WGRAD` from those rows quantised 128x1 (then the dx combine runs on its own,
-    not inside the dW13 kernel)."""
+    accumulation), or with :data:`FP8_WGRAD` from those rows quantised 128x1: x's and dy's read from the tokens'
+    rows (no sorted copies; dy's 1x128 rows for dh' quantised per token and copied), dz's and h·w's from the act
+    step's rows, and the dx combine on its own (not inside the dW13 kernel)."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
     weights = topk_weights.contiguous()
     w13q, w13s, w13tq, w13ts = fp8_weight(w13)
     _, _, w2tq, w2ts = fp8_weight(w2)
-    x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
+    if FP8_WGRAD:  # the weight gradients read x and dy from the tokens' rows: no sorted bf16 copies
+        x_t, dy_t = quantize_tile_cols(x, plan, top_k), quantize_tile_cols(dy, plan, top_k)
+        dyq, dys = sorted_quantized_rows(dy, plan, top_k)
+    else:
+        x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
     dh_NI = dh_fp8(dyq, dys, w2tq, w2ts, plan, x.dtype)
     del dyq, dys
     if preact is None:  # recomputed into a buffer of its own, which dz then takes over
@@ -133,19 +139,23 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True,
                                                              dz_over_preact=reuse_preact)
     del dh_NI, preact  # (saved products not handed over stay alive in the autograd context)
-    wgrad = expert_wgrad_fp8 if FP8_WGRAD else expert_wgrad
+    if FP8_WGRAD:
+        dw2 = wgrad_fp8(*dy_t, *quantize_tile_cols(hw_NI, plan), plan, w2.dtype)
+        del dy_t, hw_NI
+        dw13 = wgrad_fp8(*quantize_tile_cols(dz_NH, plan), *x_t, plan, w13.dtype)
+        del x_t, dz_NH
+        dx = combine(dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype), topk_idx, x.dtype)
+        return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
     # dW2 first, as in :func:`experts_backward` (the backward's peak memory).
-    dw2 = wgrad(dy_sorted, hw_NI, plan, w2.dtype)
+    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
     del dy_sorted, hw_NI
     if low_peak:  # dW13 before dx's slot rows exist (:data:`LOW_PEAK_BACKWARD`)
-        dw13 = wgrad(dz_NH, x_sorted, plan, w13.dtype)
+        dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype)
         del x_sorted, dz_NH
     dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype)
     del dzq, dzs
     if low_peak:
         dx = combine(dx_slots_ND, topk_idx, x.dtype)
-    elif FP8_WGRAD:
-        dw13, dx = wgrad(dz_NH, x_sorted, plan, w13.dtype), combine(dx_slots_ND, topk_idx, x.dtype)
     else:
         dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots_ND, topk_idx, x.dtype)
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2

@@ -13,8 +13,10 @@ under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256
 ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
 (``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can be), the FP8 dW13 and dW2
 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the FP8 path runs by default (``expert_bwd.expert_wgrad``;
-dW13 without the dx combine it carries in the layer), and
-both whole (four quantisations and two FP8 GEMMs against two bf16 GEMMs). The ceiling beside them:
+dW13 without the dx combine it carries in the layer), and the part of the FP8 backward that ``FP8_WGRAD`` changes
+both ways: with it, dy's 1x128 rows quantised per token and copied sorted, the four tile-column quantisations (x and
+dy from the tokens' rows), the two FP8 GEMMs and dx's combine; without, the sort of x and dy with dy quantised
+beside, and the two bf16 GEMMs, dW13's with the combine inside. The ceiling beside them:
 ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
 device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and writes them once.
 ``--stages down,dx``: only the stages whose names contain one of these (each first call compiles its kernel: the
@@ -34,6 +36,7 @@ import torch
 
 from megamoe.bench.common import PRESETS, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd, quant
+from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import build_plan
 from megamoe.provenance import gpu_record
 
@@ -102,13 +105,19 @@ def main(argv=None) -> None:
     def tile_cols_bytes(cols):  # bf16 rows read; e4m3 tile columns and fp32 scales written
         return num_slots * cols * 2 + cols * num_tiles * 128 + num_tiles * cols * 4
 
-    def fp8_wgrads():
-        expert_bwd.expert_wgrad_fp8(dz, x_sorted, plan, torch.bfloat16)
-        expert_bwd.expert_wgrad_fp8(dy_sorted, hw, plan, torch.bfloat16)
+    dx_slots = torch.randn(num_slots, dim, device="cuda", dtype=torch.bfloat16)
+
+    def fp8_wgrads():  # what the FP8 backward runs with autograd.FP8_WGRAD and bf16 runs without it
+        expert_bwd.sorted_quantized_rows(dy, plan, top_k)
+        xt_, dyt_ = quant.quantize_tile_cols(x, plan, top_k), quant.quantize_tile_cols(dy, plan, top_k)
+        expert_bwd.wgrad_fp8(*dyt_, *quant.quantize_tile_cols(hw, plan), plan, torch.bfloat16)
+        expert_bwd.wgrad_fp8(*quant.quantize_tile_cols(dz, plan), *xt_, plan, torch.bfloat16)
+        combine(dx_slots, idx, torch.bfloat16)
 
     def bf16_wgrads():
-        expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16)
-        expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16)
+        x_sorted_, dy_sorted_, _, _ = expert_bwd.gather_rows(x, dy, plan, top_k, quantize_dy=True)
+        expert_bwd.expert_wgrad(dy_sorted_, hw, plan, torch.bfloat16)
+        expert_bwd.expert_wgrad_and_combine(dz, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
 
     def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead=False, defer_epilogue=False, block_n=128):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
@@ -129,6 +138,8 @@ def main(argv=None) -> None:
          x.numel() * 4 + num_slots * dim * 4, None),
         ("sort x, dy rows, dy quantised beside", lambda: expert_bwd.gather_rows(x, dy, plan, top_k, quantize_dy=True),
          None, x.numel() * 4 + num_slots * dim * 5 + dys.numel() * 4, None),
+        ("dy rows quantised, then copied sorted", lambda: expert_bwd.sorted_quantized_rows(dy, plan, top_k), None,
+         dy.numel() * 3 + num_slots * dim * 2 + dys.numel() * 4, None),
         ("quantize w13 + w2 (both ways)", lambda: (quant.quantize_weight(w13), quant.quantize_weight(w2)), None,
          (w13.numel() + w2.numel()) * 4 + (w13s.numel() + w2s.numel()) * 8, None),
         ("up (+ SwiGLU, h quantised)", up(False), up_flops, None, (rows, 2 * inter, dim)),
@@ -164,8 +175,8 @@ def main(argv=None) -> None:
          (dim, inter, rows)),
         ("dW13 bf16", lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16), up_flops, None, None),
         ("dW2 bf16", lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16), down_flops, None, None),
-        ("dW13 + dW2 FP8, quantisers in", fp8_wgrads, up_flops + down_flops, None, None),
-        ("dW13 + dW2 bf16", bf16_wgrads, up_flops + down_flops, None, None),
+        ("the FP8 backward's part that FP8_WGRAD changes, FP8", fp8_wgrads, up_flops + down_flops, None, None),
+        ("the FP8 backward's part that FP8_WGRAD changes, bf16", bf16_wgrads, up_flops + down_flops, None, None),
     ]
     stages = select_stages(stages, args.stages)
     src = torch.empty(256 * 2**20, device="cuda", dtype=torch.uint8)

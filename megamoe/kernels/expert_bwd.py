@@ -16,8 +16,9 @@ One device:
    reduces them per token.
 5. ``_expert_wgrad_kernel`` — per expert, K-grouped GEMMs over that expert's sorted rows:
    dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w). An expert with no rows gets exact zeros. The FP8 path may
-   run them in FP8 instead (``expert_wgrad_fp8``: both operands quantised 128x1 per plan tile, then
-   ``_expert_wgrad_fp8_kernel`` or, on sm90, ``gluon_fp8_sm90._fp8_wgrad_ws_kernel``).
+   run them in FP8 instead (``wgrad_fp8``: both operands quantised 128x1 per plan tile by
+   ``quant.quantize_tile_cols``, then ``_expert_wgrad_fp8_kernel`` or, on sm90,
+   ``gluon_fp8_sm90._fp8_wgrad_ws_kernel``).
 
 On sm90 with 16-bit operands, steps 2, 3 and 5 run warp-specialized Gluon twins instead (``gluon_sm90.py``:
 ``_dh_ws_kernel``, ``_act_ws_kernel``, ``_wgrad_ws_kernel``; same operands and outputs), and two copies move
@@ -54,7 +55,11 @@ from megamoe.kernels.expert_fwd import (
 from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws, fp8_ws_supported
 from megamoe.kernels.gluon_sm90 import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
 from megamoe.kernels.plan import BLOCK_M, Plan
-from megamoe.kernels.quant import FP8, quantize_groups, quantize_tile_cols
+from megamoe.kernels.quant import (
+    FP8,
+    quantize_groups,
+    quantize_rows,
+)
 from megamoe.kernels.tuning import TunedKernel, configs
 
 
@@ -510,6 +515,20 @@ def gather_rows(x_TD, dy_TD, plan: Plan, top_k: int, quantize_dy: bool = False):
     return tuple(_scatter_rows(x_TD, dy_TD, _slot_rows(plan), plan, top_k, quantize_b=quantize_dy))
 
 
+def sorted_quantized_rows(a_TD, plan: Plan, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """a's rows in expert-sorted order quantised 1x128, (N, D) e4m3 and (D / 128, N) fp32 scales
+    (``quant.quantize_rows``' format and bits, as ``gather_rows(quantize_dy=True)`` makes them for dy): each token's
+    row quantised once, then its bytes and scales copied to its sorted rows (a row's quantisation depends on that
+    row alone). For a backward that needs no bf16 sorted copy of a (the FP8 weight gradients read the tokens' rows
+    themselves: ``quant.quantize_tile_cols`` with ``top_k``)."""
+    q_TD, s_T = quantize_rows(a_TD)
+    num_slots = plan.row_slot_N.numel()
+    if num_slots == 0:
+        return torch.empty(0, a_TD.shape[1], device=a_TD.device, dtype=FP8), s_T[:, :0]
+    (q,) = _scatter_rows(q_TD.view(torch.uint8), None, _slot_rows(plan), plan, top_k)  # the bytes, as they are
+    return q.view(FP8), s_T.index_select(1, plan.row_slot_N // top_k)
+
+
 def sorted_rows_and_dh(x_TD, dy_TD, w2_EDI, plan: Plan, top_k: int):
     """(x_sorted, dy_sorted, dh'): ``gather_rows`` and ``dh_sorted`` together. On sm90 with 16-bit operands only
     dy is copied ahead; x's copy runs inside the dh' kernel, beside its MMAs (``gluon_sm90._dh_ws_kernel``)."""
@@ -558,15 +577,6 @@ def wgrad_fp8(aq_PL, as_TP, bq_QL, bs_TQ, plan: Plan, out_dtype: torch.dtype) ->
         dtype=FP8,
     )
     return dw
-
-
-def expert_wgrad_fp8(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor:
-    """``expert_wgrad`` in FP8, DeepSeek-V3's recipe: both operands' sorted rows (x's dtype) quantised 128x1 along
-    the tokens per plan tile (``quant.quantize_tile_cols``), then ``wgrad_fp8``. P and Q multiples of 128."""
-    if a_NP.shape[0] == 0:  # no rows at all
-        return torch.zeros(plan.offsets_E1.numel() - 1, a_NP.shape[1], b_NQ.shape[1], device=a_NP.device,
-                           dtype=out_dtype)
-    return wgrad_fp8(*quantize_tile_cols(a_NP, plan), *quantize_tile_cols(b_NQ, plan), plan, out_dtype)
 
 
 def expert_wgrad_and_combine(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, slots_ND, topk_idx_TK,
