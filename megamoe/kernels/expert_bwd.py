@@ -101,47 +101,68 @@ def _act_bwd_kernel(
 
 
 @triton.jit
-def _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
-                         N, I, PART_COLS: tl.constexpr, BN: tl.constexpr, dzq_ptr=None, dzs_ptr=None,
-                         QUANT_DZ: tl.constexpr = False, POW2: tl.constexpr = False):
-    """The SwiGLU backward of one (rows, N-block ``pid_n``) block from its gate and up products (fp32): h, the
-    d(routing weight) partials, dz = [dg | du] and h·w (arguments as for ``_act_bwd_kernel``). QUANT_DZ (BN =
-    128): dz also 1x128-quantised into ``dzq`` (N, 2I) e4m3 and its scales ``dzs`` (2I/128, N): the block's dg
-    columns are group ``pid_n`` of a row, its du columns group I/128 + ``pid_n`` (POW2: power-of-two scales,
-    ``quant.scale_and_inverse``)."""
-    cols = pid_n * BN + tl.arange(0, BN)
-    omask = rmask[:, None] & (cols < I)[None, :]
-    rows64 = rows[:, None].to(tl.int64)
-    acc_d = tl.load(dh_ptr + rows64 * I + cols[None, :], mask=omask, other=0.0).to(tl.float32)
-    wt = tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)
+def _swiglu_bwd_values(acc_g, acc_u, acc_d, wt):
+    """A block's SwiGLU backward in fp32 from its gate and up products, dh' and its rows' routing weights: (h, dg,
+    du), dz = [dg | du] (h's routing weight is applied to dh' before both)."""
     sig = tl.sigmoid(acc_g)
     silu = acc_g * sig
     h = silu * acc_u
+    dh = acc_d * wt[:, None]
+    du = dh * silu
+    dg = dh * acc_u * (sig + silu * (1.0 - sig))
+    return h, dg, du
+
+
+@triton.jit
+def _store_dweight_parts(dwh, rmask, slots, pid_n, dweight_part_ptr, N, I, PART_COLS: tl.constexpr, BN: tl.constexpr):
+    """The d(routing weight) partials of a block, dh' * h summed per PART_COLS columns (``dwh``), one row each."""
     # One partial per PART_COLS columns, whatever BN is: every config writes every partial row, so a
     # config switch (the autotuner runs several on the same buffers) leaves no stale partial behind.
     # Columns past I hold zeros (masked weights), so they add nothing.
-    dwh = acc_d * h
     local = tl.arange(0, BN) // PART_COLS
     for j in tl.static_range(BN // PART_COLS):
         part_row = pid_n * (BN // PART_COLS) + j
         tl.store(dweight_part_ptr + part_row.to(tl.int64) * N + slots,
                  tl.sum(tl.where((local == j)[None, :], dwh, 0.0), axis=1),
                  mask=rmask & (part_row * PART_COLS < I))
-    dh = acc_d * wt[:, None]
-    du = dh * silu
-    dg = dh * acc_u * (sig + silu * (1.0 - sig))
+
+
+@triton.jit
+def _store_dz_rows_fp8(dg, du, rows, rmask, pid_n, dzq_ptr, dzs_ptr, N, I, POW2: tl.constexpr):
+    """A block's dz quantised 1x128 (BN = 128) into dzq (N, 2I) e4m3 and dzs (2I/128, N): its dg columns are
+    group ``pid_n`` of a row, its du columns group I/128 + ``pid_n``."""
+    cols = pid_n * 128 + tl.arange(0, 128)
+    omask = rmask[:, None] & (cols < I)[None, :]
+    dzq_ptrs = dzq_ptr + rows[:, None].to(tl.int64) * 2 * I + cols[None, :]
+    dg_q, dg_s = quantize_groups(dg, POW2)
+    du_q, du_s = quantize_groups(du, POW2)
+    tl.store(dzq_ptrs, dg_q, mask=omask)
+    tl.store(dzq_ptrs + I, du_q, mask=omask)
+    tl.store(dzs_ptr + pid_n * N + rows, dg_s, mask=rmask)
+    tl.store(dzs_ptr + (I // 128 + pid_n) * N + rows, du_s, mask=rmask)
+
+
+@triton.jit
+def _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
+                         N, I, PART_COLS: tl.constexpr, BN: tl.constexpr, dzq_ptr=None, dzs_ptr=None,
+                         QUANT_DZ: tl.constexpr = False, POW2: tl.constexpr = False):
+    """The SwiGLU backward of one (rows, N-block ``pid_n``) block from its gate and up products (fp32): h, the
+    d(routing weight) partials, dz = [dg | du] and h·w (arguments as for ``_act_bwd_kernel``). QUANT_DZ (BN =
+    128): dz also 1x128-quantised into ``dzq`` (N, 2I) e4m3 and its scales ``dzs`` (2I/128, N)
+    (``_store_dz_rows_fp8``; POW2: power-of-two scales, ``quant.scale_and_inverse``)."""
+    cols = pid_n * BN + tl.arange(0, BN)
+    omask = rmask[:, None] & (cols < I)[None, :]
+    rows64 = rows[:, None].to(tl.int64)
+    acc_d = tl.load(dh_ptr + rows64 * I + cols[None, :], mask=omask, other=0.0).to(tl.float32)
+    wt = tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)
+    h, dg, du = _swiglu_bwd_values(acc_g, acc_u, acc_d, wt)
+    _store_dweight_parts(acc_d * h, rmask, slots, pid_n, dweight_part_ptr, N, I, PART_COLS, BN)
     dz_ptrs = dz_ptr + rows64 * 2 * I + cols[None, :]
     tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=omask)
     tl.store(dz_ptrs + I, du.to(dz_ptr.dtype.element_ty), mask=omask)
     tl.store(hw_ptr + rows64 * I + cols[None, :], (h * wt[:, None]).to(hw_ptr.dtype.element_ty), mask=omask)
     if QUANT_DZ:
-        dzq_ptrs = dzq_ptr + rows64 * 2 * I + cols[None, :]
-        dg_q, dg_s = quantize_groups(dg, POW2)
-        du_q, du_s = quantize_groups(du, POW2)
-        tl.store(dzq_ptrs, dg_q, mask=omask)
-        tl.store(dzq_ptrs + I, du_q, mask=omask)
-        tl.store(dzs_ptr + pid_n * N + rows, dg_s, mask=rmask)
-        tl.store(dzs_ptr + (I // 128 + pid_n) * N + rows, du_s, mask=rmask)
+        _store_dz_rows_fp8(dg, du, rows, rmask, pid_n, dzq_ptr, dzs_ptr, N, I, POW2)
 
 
 @triton.jit

@@ -47,20 +47,22 @@ AMAX_FLOOR = tl.constexpr(1e-12)  # an all-zero group gets this amax: its values
 FP8 = torch.float8_e4m3fn
 
 
-# Whether ``to_e4m3`` rounds on the fp32 bits before converting: only under Triton's interpreter, which converts
+# Whether ``to_e4m3`` rounds on the fp32 bits before converting: under Triton's interpreter, which converts
 # wrongly where the rounding carries into the exponent (Triton 3.6: 125.3 became 64, not 128). The GPU's own
 # conversion (cvt.rn.satfinite.e4m3x2.f32, one instruction per two values) rounds to nearest even, as torch does.
-# Fixed at import, as Triton fixes the interpreter when a kernel is defined.
+# Fixed at import, as Triton fixes the interpreter when a kernel is defined. The weight quantiser also rounds on the
+# bits for fp32 weights: with the GPU's conversion alone its transposed copy of them came out wrong on the H200
+# (rows of zeros; docs/FACTS.md), its straight copy and both copies of 16-bit weights right.
 BITWISE_E4M3 = tl.constexpr(interpreting())
 
 
 @triton.jit
-def to_e4m3(v):
+def to_e4m3(v, BITWISE: tl.constexpr = BITWISE_E4M3):
     """fp32 ``v`` (within +-448) to e4m3, round to nearest even, exactly as torch's conversion: the GPU's conversion,
-    or under the interpreter (``BITWISE_E4M3``) the rounding done on the fp32 bits first, so that the conversion
-    only ever meets e4m3 values and is exact. Both match torch bit for bit (tests/test_fp8.py, on the H200 and in
-    the interpreter)."""
-    if BITWISE_E4M3:
+    or with BITWISE (``BITWISE_E4M3``) the rounding done on the fp32 bits first, so that the conversion only ever
+    meets e4m3 values and is exact. Both match torch bit for bit (tests/test_fp8.py, on the H200 and in the
+    interpreter)."""
+    if BITWISE:
         # Normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the bit pattern to nearest even (a carry moves
         # into the exponent); below 2^-6 (e4m3's subnormals) the grid is 2^-9: round with the 1.5 * 2^23 trick,
         # keeping the zero's sign.
@@ -86,11 +88,11 @@ def scale_and_inverse(amax, POW2: tl.constexpr):
 
 
 @triton.jit
-def quantize_groups(v, POW2: tl.constexpr):
+def quantize_groups(v, POW2: tl.constexpr, BITWISE: tl.constexpr = BITWISE_E4M3):
     """(R, 128) fp32 -> e4m3 (R, 128) and the (R,) fp32 scales, one group per row (POW2: ``scale_and_inverse``)."""
     amax = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR)
     s, inv = scale_and_inverse(amax, POW2)
-    return to_e4m3(tl.clamp(v * inv[:, None], -E4M3_MAX, E4M3_MAX)), s
+    return to_e4m3(tl.clamp(v * inv[:, None], -E4M3_MAX, E4M3_MAX), BITWISE), s
 
 
 @triton.jit
@@ -135,7 +137,8 @@ def _quantize_weight_kernel(
         amax = tl.maximum(amax, tl.max(tl.max(tl.abs(tl.load(block + i * SLICE * C).to(tl.float32)), axis=1), axis=0))
     s, inv = scale_and_inverse(tl.maximum(amax, AMAX_FLOOR), POW2)
     for i in tl.static_range(128 // SLICE):
-        q = to_e4m3(tl.clamp(tl.load(block + i * SLICE * C).to(tl.float32) * inv, -E4M3_MAX, E4M3_MAX))
+        q = to_e4m3(tl.clamp(tl.load(block + i * SLICE * C).to(tl.float32) * inv, -E4M3_MAX, E4M3_MAX),
+                    BITWISE_E4M3 or w_ptr.dtype.element_ty == tl.float32)
         r = rb * 128 + i * SLICE + tl.arange(0, SLICE)
         tl.store(q_ptr + e * R * C + r[:, None] * C + c[None, :], q)
         tl.store(qt_ptr + e * R * C + c[None, :] * R + r[:, None], q)
