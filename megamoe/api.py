@@ -12,7 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megamoe import reference
+from megamoe import autograd, reference
 from megamoe.autograd import fused_moe
 from megamoe.env import debug_checks_enabled, interpreting, warn_once
 from megamoe.kernels.quant import check_fp8_dims
@@ -260,7 +260,8 @@ def moe(
         warn_once(f"megamoe: D={x.shape[1]} and I={w2.shape[2]} rows of {x.dtype} are not 16-byte multiples; "
                   "running the (slow) reference implementation")
     if fp8 and not (x.is_cuda and torch.cuda.get_device_capability(x.device) < (9, 0)):
-        return reference.moe_loop_fp8(x, topk_idx, topk_weights, w13, w2)  # the recipe in plain PyTorch (slow)
+        # the recipe in plain PyTorch (slow), its weight gradients as the kernels' switch says
+        return reference.moe_loop_fp8(x, topk_idx, topk_weights, w13, w2, fp8_wgrad=autograd.FP8_WGRAD)
     if reference.grouped_mm_supports(x.shape[1], w2.shape[2], x.dtype):
         return reference.moe_grouped_mm(x, topk_idx, topk_weights, w13, w2)
     return reference.moe_loop(x, topk_idx, topk_weights, w13, w2)

@@ -7,7 +7,8 @@ Environment variables (documented in the README):
 * ``MEGAMOE_EP`` — ``auto``, ``fused`` or ``all_to_all`` (:func:`megamoe.api.ep_path`);
 * ``MEGAMOE_DEBUG=1`` — checks that read device data back to the host (:func:`debug_checks_enabled`);
 * ``MEGAMOE_AUTOTUNE=0`` — fixed tile configs (:func:`megamoe.kernels.tuning.autotune_enabled`);
-* ``MEGAMOE_FP8_WGRAD=1`` — FP8 weight gradients in ``precision="fp8"`` (:func:`fp8_wgrad_requested`);
+* ``MEGAMOE_FP8_WGRAD`` — ``1`` (default) or ``0``: FP8 or bf16 weight gradients in ``precision="fp8"``
+  (:func:`fp8_wgrad_requested`);
 * ``MEGAMOE_LOW_PEAK_BACKWARD`` — ``0`` or ``1``: the one-GPU backward's order (:func:`low_peak_backward_requested`);
 * ``MEGAMOE_FP8_SCALES`` — ``fp32`` or ``pow2``: the FP8 recipe's scales (:func:`fp8_pow2_scales`);
 * ``MEGAMOE_EP_UNBOUNDED_WAITS=1`` — the fused EP protocol's waits without their bound, only to measure what the
@@ -62,9 +63,13 @@ def ep_unbounded_waits() -> bool:
 
 
 def fp8_wgrad_requested() -> bool:
-    """``MEGAMOE_FP8_WGRAD=1``: the default of ``megamoe.autograd.FP8_WGRAD`` (FP8 weight gradients; off by default:
-    slower than the bf16 ones on the H200, docs/PERFORMANCE.md)."""
-    return os.environ.get("MEGAMOE_FP8_WGRAD", "0") == "1"
+    """``MEGAMOE_FP8_WGRAD``: the default of ``megamoe.autograd.FP8_WGRAD``. ``1`` or unset: FP8 weight gradients
+    (DeepSeek-V3's recipe; on the H200 as fast as the bf16 ones at the 30B layer and faster at the 235B one,
+    docs/PERFORMANCE.md); ``0``: the bf16 weight gradients (exact products of the unquantised rows)."""
+    value = os.environ.get("MEGAMOE_FP8_WGRAD", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"MEGAMOE_FP8_WGRAD must be 0, 1 or unset, not {value!r}")
+    return value != "0"
 
 
 FP8_SCALES = ("fp32", "pow2")

@@ -32,7 +32,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from megamoe.env import fp8_pow2_scales
+from megamoe.env import fp8_pow2_scales, fp8_wgrad_requested
 
 # TorchTitan pads each expert's group of rows to this multiple for bf16 grouped GEMMs (the weight
 # gradient is grouped along the row dimension, which needs 16-byte aligned group boundaries).
@@ -558,9 +558,12 @@ class _MoeLoopFP8(torch.autograd.Function):
         return (dx.to(x.dtype), None, dweight.to(topk_weights.dtype), dw13.to(w13.dtype), dw2.to(w2.dtype), None)
 
 
-def moe_loop_fp8(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI, fp8_wgrad: bool = False) -> torch.Tensor:
+def moe_loop_fp8(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI, fp8_wgrad: bool | None = None) -> torch.Tensor:
     """The layer in megamoe's blockwise FP8 recipe (``_MoeLoopFP8``): the tests' measure of what FP8 itself costs
     against the fp32 reference, and the recipe the FP8 kernels must reproduce. D and I multiples of 128.
     ``fp8_wgrad``: with FP8 weight gradients (128x1 operands), as the kernels compute them with
-    ``autograd.FP8_WGRAD``."""
+    ``autograd.FP8_WGRAD``, or bf16 ones (False); None: as ``MEGAMOE_FP8_WGRAD`` sets that switch's default
+    (``env.fp8_wgrad_requested``)."""
+    if fp8_wgrad is None:
+        fp8_wgrad = fp8_wgrad_requested()
     return _MoeLoopFP8.apply(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI, fp8_wgrad)
