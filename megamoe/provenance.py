@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
 import subprocess
 from pathlib import Path
 
@@ -46,9 +47,11 @@ def git_commit() -> str | None:
 
 def gpu_record(command: str) -> dict:
     """What a result measured on the GPU records first: the GPU, the torch and Triton versions, the commit, the
-    source digest, the date (UTC, seconds) and ``command``, the command line that made it."""
+    source digest, the date (UTC, seconds), ``command``, the command line that made it, and the ``MEGAMOE_*``
+    environment switches it ran under (docs/USAGE.md)."""
     import torch
     import triton
 
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"), "command": command}
+            "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"), "command": command,
+            "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MEGAMOE_")}}
