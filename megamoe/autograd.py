@@ -23,6 +23,7 @@ from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
     act_bwd,
     act_bwd_from_preact,
+    act_bwd_tile_cols,
     dh_fp8,
     dx_slots,
     dx_slots_fp8,
@@ -137,16 +138,18 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
         preact = preact_buffer(x, topk_idx, w13)
         up_products_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact)
         reuse_preact = True
+    if FP8_WGRAD:  # dz and h·w straight into tile columns, never as rows
+        dz_t, hw_t, dweight_TK, dzq, dzs = act_bwd_tile_cols(preact, dh_NI, weights, plan, top_k)
+        del dh_NI, preact
+        dw2 = wgrad_fp8(*dy_t, *hw_t, plan, w2.dtype)
+        del dy_t, hw_t
+        dw13 = wgrad_fp8(*dz_t, *x_t, plan, w13.dtype)
+        del x_t, dz_t
+        dx = combine(dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype), topk_idx, x.dtype)
+        return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
     dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True,
                                                              dz_over_preact=reuse_preact)
     del dh_NI, preact  # (saved products not handed over stay alive in the autograd context)
-    if FP8_WGRAD:
-        dw2 = wgrad_fp8(*dy_t, *quantize_tile_cols(hw_NI, plan), plan, w2.dtype)
-        del dy_t, hw_NI
-        dw13 = wgrad_fp8(*quantize_tile_cols(dz_NH, plan), *x_t, plan, w13.dtype)
-        del x_t, dz_NH
-        dx = combine(dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype), topk_idx, x.dtype)
-        return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
     # dW2 first, as in :func:`experts_backward` (the backward's peak memory).
     dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
     del dy_sorted, hw_NI

@@ -134,6 +134,33 @@ def test_quantize_tile_cols_reads_the_tokens_rows_as_their_sorted_copy(routing, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("routing", ["random", "dropped", "empty"])
+def test_act_step_writes_tile_columns_as_quantising_its_rows_would(dtype, routing, scales):
+    """The FP8 weight gradients' act step (``act_bwd_tile_cols``) writes dz and h·w straight into tile columns: bit
+    for bit ``quantize_tile_cols`` of the rows ``act_bwd_from_preact`` writes (quantised as those rows hold them, in
+    the products' dtype), with the same dz 1x128 rows and d(routing weight)."""
+    from megamoe.kernels.expert_bwd import act_bwd_from_preact, act_bwd_tile_cols
+    from megamoe.kernels.plan import build_plan
+
+    gen = torch.Generator().manual_seed(6)
+    _, idx, weights, _, _, _ = make_problem(300, 128, 256, 6, 3, routing, device=DEVICE)
+    plan = build_plan(idx, 6)
+    num_slots = idx.numel()
+    preact = (torch.randn(num_slots, 512, generator=gen) * 4).to(dtype).to(DEVICE)
+    dh = (torch.randn(num_slots, 256, generator=gen) * torch.logspace(-4, 2, num_slots)[:, None]).to(dtype).to(DEVICE)
+    busy = int(sum(-(-c // 128) for c in (plan.offsets_E1[1:] - plan.offsets_E1[:-1]).tolist()))
+    routed = int(plan.offsets_E1[-1])
+    dz, hw, dweight, dzq, dzs = act_bwd_from_preact(preact, dh, weights, plan, 3, quant_dz=True)
+    dz_t, hw_t, dweight_t, dzq_t, dzs_t = act_bwd_tile_cols(preact, dh, weights, plan, 3)
+    for (q, s), rows in ((dz_t, dz), (hw_t, hw)):
+        q_ref, s_ref = quant.quantize_tile_cols(rows, plan)
+        assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128])) and torch.equal(s[:busy], s_ref[:busy])
+        assert_scale_kind(s[:busy], scales)
+    assert torch.equal(bits(dzq_t[:routed]), bits(dzq[:routed])) and torch.equal(dzs_t[:, :routed], dzs[:, :routed])
+    assert torch.equal(dweight_t, dweight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_quantize_weight_both_orientations_match_reference_bit_for_bit(dtype, scales):
     gen = torch.Generator().manual_seed(1)
     w = (torch.randn(3, 256, 384, generator=gen) * torch.logspace(-3, 1, 3)[:, None, None]).to(dtype)

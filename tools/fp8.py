@@ -14,9 +14,11 @@ under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256
 (``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can be), the FP8 dW13 and dW2
 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the FP8 path runs by default (``expert_bwd.expert_wgrad``;
 dW13 without the dx combine it carries in the layer), and the part of the FP8 backward that ``FP8_WGRAD`` changes
-both ways: with it, dy's 1x128 rows quantised per token and copied sorted, the four tile-column quantisations (x and
-dy from the tokens' rows), the two FP8 GEMMs and dx's combine; without, the sort of x and dy with dy quantised
-beside, and the two bf16 GEMMs, dW13's with the combine inside. The ceiling beside them:
+both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy quantised into tile columns
+from the tokens' rows, the act step writing dz and h·w straight into tile columns (``expert_bwd.act_bwd_tile_cols``,
+also timed alone beside the act step it replaces), the two FP8 GEMMs and dx's combine; without, the sort of x and
+dy with dy quantised beside, the act step writing dz and h·w rows, and the two bf16 GEMMs, dW13's with the combine
+inside. The ceiling beside them:
 ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
 device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and writes them once.
 ``--stages down,dx``: only the stages whose names contain one of these (each first call compiles its kernel: the
@@ -107,17 +109,22 @@ def main(argv=None) -> None:
 
     dx_slots = torch.randn(num_slots, dim, device="cuda", dtype=torch.bfloat16)
 
+    products = torch.randn(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16)  # the act step's inputs
+    dh = torch.randn(num_slots, inter, device="cuda", dtype=torch.bfloat16)
+
     def fp8_wgrads():  # what the FP8 backward runs with autograd.FP8_WGRAD and bf16 runs without it
         expert_bwd.sorted_quantized_rows(dy, plan, top_k)
         xt_, dyt_ = quant.quantize_tile_cols(x, plan, top_k), quant.quantize_tile_cols(dy, plan, top_k)
-        expert_bwd.wgrad_fp8(*dyt_, *quant.quantize_tile_cols(hw, plan), plan, torch.bfloat16)
-        expert_bwd.wgrad_fp8(*quant.quantize_tile_cols(dz, plan), *xt_, plan, torch.bfloat16)
+        dzt_, hwt_, *_ = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k)
+        expert_bwd.wgrad_fp8(*dyt_, *hwt_, plan, torch.bfloat16)
+        expert_bwd.wgrad_fp8(*dzt_, *xt_, plan, torch.bfloat16)
         combine(dx_slots, idx, torch.bfloat16)
 
     def bf16_wgrads():
         x_sorted_, dy_sorted_, _, _ = expert_bwd.gather_rows(x, dy, plan, top_k, quantize_dy=True)
-        expert_bwd.expert_wgrad(dy_sorted_, hw, plan, torch.bfloat16)
-        expert_bwd.expert_wgrad_and_combine(dz, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
+        dz_, hw_, *_ = expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True)
+        expert_bwd.expert_wgrad(dy_sorted_, hw_, plan, torch.bfloat16)
+        expert_bwd.expert_wgrad_and_combine(dz_, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
 
     def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead=False, defer_epilogue=False, block_n=128):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
@@ -165,6 +172,12 @@ def main(argv=None) -> None:
          None),
         ("wgrad: quantize 128x1 (N, D) from the tokens' rows", lambda: quant.quantize_tile_cols(x, plan, top_k),
          None, tile_cols_bytes(dim), None),
+        ("act step on the products, dz 1x128 beside",
+         lambda: expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True), None,
+         num_slots * inter * (4 + 2 + 4 + 2 + 2) + dzs.numel() * 4, None),
+        ("act step into tile columns (dz 1x128 beside)",
+         lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k), None,
+         num_slots * inter * (4 + 2 + 2 + 1 + 2) + dzs.numel() * 4, None),
         ("wgrad: quantize 128x1 (N, 2I)", lambda: quant.quantize_tile_cols(dz, plan), None, tile_cols_bytes(2 * inter),
          None),
         ("wgrad: quantize 128x1 (N, I)", lambda: quant.quantize_tile_cols(hw, plan), None, tile_cols_bytes(inter),
