@@ -296,13 +296,16 @@ FP8_WGRAD_CASES = [(FP8_SHAPES[2], "none"), (FP8_SHAPES[5], "preact"), (FP8_SHAP
 
 
 @pytest.mark.parametrize("shape, mode", FP8_WGRAD_CASES, ids=[f"{shape_id(s)}-{m}" for s, m in FP8_WGRAD_CASES])
-def test_fp8_wgrad_layer_computes_the_recipe(shape, mode, monkeypatch):
+@pytest.mark.parametrize("act_tile_cols", [False, True], ids=["act rows", "act tile columns"])
+def test_fp8_wgrad_layer_computes_the_recipe(shape, mode, act_tile_cols, monkeypatch):
     """With FP8 weight gradients: output and every gradient equal to the recipe with FP8 weight gradients up to the
     order of fp32 sums, within twice its error of fp32, and the weight gradients carry the 128x1 quantisations'
-    error (not the bf16 weight gradients')."""
+    error (not the bf16 weight gradients'); with the act step's dz and h·w quantised from their rows or written
+    straight into tile columns (``autograd.ACT_TILE_COLS``)."""
     from megamoe import autograd as ops
 
     monkeypatch.setattr(ops, "FP8_WGRAD", True)
+    monkeypatch.setattr(ops, "ACT_TILE_COLS", act_tile_cols)
     problem = make_problem(*shape, device=DEVICE)
     quant.clear_weight_cache()
     out = run_with_grads(fp8_moe(mode), *problem)
@@ -447,13 +450,16 @@ def test_fp8_bf16_gpu_computes_the_recipe(shape, mode, poison_cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("act_tile_cols", [False, True], ids=["act rows", "act tile columns"])
 @pytest.mark.parametrize("shape", FP8_GPU_SHAPES, ids=[shape_id(s) for s in FP8_GPU_SHAPES])
-def test_fp8_wgrad_bf16_gpu_computes_the_recipe(shape, poison_cuda, monkeypatch):
+def test_fp8_wgrad_bf16_gpu_computes_the_recipe(shape, act_tile_cols, poison_cuda, monkeypatch):
     """As ``test_fp8_bf16_gpu_computes_the_recipe``, with FP8 weight gradients (the Gluon k-grouped GEMM on
-    tile-column operands) against the recipe with FP8 weight gradients."""
+    tile-column operands) against the recipe with FP8 weight gradients; the act step's dz and h·w quantised from
+    their rows or written straight into tile columns (``autograd.ACT_TILE_COLS``)."""
     from megamoe import autograd as ops
 
     monkeypatch.setattr(ops, "FP8_WGRAD", True)
+    monkeypatch.setattr(ops, "ACT_TILE_COLS", act_tile_cols)
     problem = gpu_problem(*shape)
     out = run_with_grads(fp8_moe(), *problem)
     recipe = run_with_grads(fp8_wgrad_recipe, *problem)

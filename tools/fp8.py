@@ -12,11 +12,12 @@ under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256
 (``ROWS_BLOCK_N``: the "(256 columns)" stages). Then the weight gradients both ways, to choose
 ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
 (``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can be), the FP8 dW13 and dW2
-GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the FP8 path runs by default (``expert_bwd.expert_wgrad``;
+GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the FP8 path runs without them (``expert_bwd.expert_wgrad``;
 dW13 without the dx combine it carries in the layer), and the part of the FP8 backward that ``FP8_WGRAD`` changes
 both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy quantised into tile columns
-from the tokens' rows, the act step writing dz and h·w straight into tile columns (``expert_bwd.act_bwd_tile_cols``,
-also timed alone beside the act step it replaces), the two FP8 GEMMs and dx's combine; without, the sort of x and
+from the tokens' rows, the act step and dz's and h·w's tile columns (as ``autograd.ACT_TILE_COLS`` says: quantised
+from the act step's rows, or written by it straight, ``expert_bwd.act_bwd_tile_cols``, also timed alone beside the
+act step it replaces), the two FP8 GEMMs and dx's combine; without, the sort of x and
 dy with dy quantised beside, the act step writing dz and h·w rows, and the two bf16 GEMMs, dW13's with the combine
 inside. The ceiling beside them:
 ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from megamoe import autograd
 from megamoe.bench.common import PRESETS, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd, quant
 from megamoe.kernels.combine import combine
@@ -115,7 +117,11 @@ def main(argv=None) -> None:
     def fp8_wgrads():  # what the FP8 backward runs with autograd.FP8_WGRAD and bf16 runs without it
         expert_bwd.sorted_quantized_rows(dy, plan, top_k)
         xt_, dyt_ = quant.quantize_tile_cols(x, plan, top_k), quant.quantize_tile_cols(dy, plan, top_k)
-        dzt_, hwt_, *_ = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k)
+        if autograd.ACT_TILE_COLS:
+            dzt_, hwt_, *_ = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k)
+        else:
+            dz_, hw_, *_ = expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True)
+            dzt_, hwt_ = quant.quantize_tile_cols(dz_, plan), quant.quantize_tile_cols(hw_, plan)
         expert_bwd.wgrad_fp8(*dyt_, *hwt_, plan, torch.bfloat16)
         expert_bwd.wgrad_fp8(*dzt_, *xt_, plan, torch.bfloat16)
         combine(dx_slots, idx, torch.bfloat16)
