@@ -251,10 +251,17 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr
 
 
 @gluon.jit
-def _rows_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.constexpr, row_layout: gl.constexpr):
-    """Wait for ring step ``step``'s stage and read this warpgroup's scales of it: (the stage, the scales)."""
+def _stage_ready(ready, step, STAGES: gl.constexpr):
+    """Wait for ring step ``step``'s stage; returns it."""
     s = step % STAGES
     mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+    return s
+
+
+@gluon.jit
+def _rows_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.constexpr, row_layout: gl.constexpr):
+    """Wait for ring step ``step``'s stage and read this warpgroup's scales of it: (the stage, the scales)."""
+    s = _stage_ready(ready, step, STAGES)
     return s, _scales(as_bufs, bs_bufs, s, 0, WG, row_layout)
 
 
@@ -671,8 +678,7 @@ def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, t
 def _up_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.constexpr, row_layout: gl.constexpr):
     """Wait for ring step ``step``'s stage and read this warpgroup's scales of it: (the stage, the gate block's
     scales, the up block's)."""
-    s = step % STAGES
-    mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+    s = _stage_ready(ready, step, STAGES)
     fence_async_shared()  # x arrived through cp.async (generic proxy); the MMAs read it (async proxy)
     return s, _scales(as_bufs, bs_bufs, s, 0, WG, row_layout), _scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
 
@@ -807,9 +813,7 @@ def _pass_stages(ready, empty, step, K, BK: gl.constexpr):
     loader filled it for both warpgroups); returns the next ring step."""
     STAGES: gl.constexpr = empty.type.shape[0]
     for _ in range(0, K, BK):
-        s = step % STAGES
-        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-        mbarrier.arrive(empty.index(s), count=1)
+        mbarrier.arrive(empty.index(_stage_ready(ready, step, STAGES)), count=1)
         step += 1
     return step
 
@@ -960,14 +964,6 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a
             async_copy.async_copy_global_to_shared(bs_bufs.index(s), b_s_ptr + t * Q + q0 + lanes_b)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
-
-
-@gluon.jit
-def _stage_ready(ready, step, STAGES: gl.constexpr):
-    """Wait for ring step ``step``'s stage; returns it."""
-    s = step % STAGES
-    mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-    return s
 
 
 @gluon.jit
