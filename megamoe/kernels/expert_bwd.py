@@ -219,6 +219,7 @@ def _in_dtype(v, like_ptr):
 
 @triton.jit
 def _col_amax(amax, v):
+    """The running per-column max of |values| (BN,) updated with a chunk ``v`` (RB, BN)."""
     return tl.maximum(amax, tl.max(tl.abs(v), axis=0))
 
 

@@ -88,11 +88,11 @@ def scale_and_inverse(amax, POW2: tl.constexpr):
 
 
 @triton.jit
-def quantize_groups(v, POW2: tl.constexpr, BITWISE: tl.constexpr = BITWISE_E4M3):
+def quantize_groups(v, POW2: tl.constexpr):
     """(R, 128) fp32 -> e4m3 (R, 128) and the (R,) fp32 scales, one group per row (POW2: ``scale_and_inverse``)."""
     amax = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR)
     s, inv = scale_and_inverse(amax, POW2)
-    return to_e4m3(tl.clamp(v * inv[:, None], -E4M3_MAX, E4M3_MAX), BITWISE), s
+    return to_e4m3(tl.clamp(v * inv[:, None], -E4M3_MAX, E4M3_MAX)), s
 
 
 @triton.jit
