@@ -62,6 +62,7 @@ from megamoe.kernels.quant import (
     quantize_groups,
     quantize_rows,
     scale_and_inverse,
+    tile_cols_outputs,
     to_e4m3,
 )
 from megamoe.kernels.tuning import TunedKernel, configs
@@ -498,15 +499,19 @@ def act_bwd(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int
     return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
 
 
+def dweight_parts(num_slots: int, inter: int, device) -> torch.Tensor:
+    """The act kernels' partial d(routing weight), (ceil(I / PART_COLS), N) fp32, zeroed: dropped slots are never
+    written, so their d(weight) is exactly zero."""
+    return torch.zeros(triton.cdiv(inter, PART_COLS), num_slots, device=device, dtype=torch.float32)
+
+
 def act_bwd_outputs(num_slots: int, two_i: int, like: torch.Tensor, dz_NH: torch.Tensor | None = None):
     """The act kernel's outputs: dz (N, 2I) (``dz_NH`` where the caller gives its place) and h·w (N, I) in
-    ``like``'s dtype, and the partial d(routing weight) (ceil(I / PART_COLS), N) fp32, zeroed: dropped slots are
-    never written, so their d(weight) is exactly zero."""
+    ``like``'s dtype, and the partial d(routing weight) (``dweight_parts``)."""
     if dz_NH is None:
         dz_NH = torch.empty(num_slots, two_i, device=like.device, dtype=like.dtype)
     hw_NI = torch.empty(num_slots, two_i // 2, device=like.device, dtype=like.dtype)
-    dweight_part = torch.zeros(triton.cdiv(two_i // 2, PART_COLS), num_slots, device=like.device, dtype=torch.float32)
-    return dz_NH, hw_NI, dweight_part
+    return dz_NH, hw_NI, dweight_parts(num_slots, two_i // 2, like.device)
 
 
 def act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int, dz_NH, hw_NI, dweight_part,
@@ -571,16 +576,12 @@ def act_bwd_tile_cols(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: int)
     of ``act_bwd_from_preact``'s dz and h·w rows, which are never written. I a multiple of 128."""
     num_slots, two_i = preact_NH.shape
     inter = two_i // 2
-    num_tiles = plan.tile_expert_NT.numel()
     device = preact_NH.device
     dzq, dzs = dz_fp8_outputs(num_slots, two_i, device)
-    dz_t = (torch.empty(two_i, num_tiles * BLOCK_M, device=device, dtype=FP8),
-            torch.empty(num_tiles, two_i, device=device, dtype=torch.float32))
-    hw_t = (torch.empty(inter, num_tiles * BLOCK_M, device=device, dtype=FP8),
-            torch.empty(num_tiles, inter, device=device, dtype=torch.float32))
-    dweight_part = torch.zeros(triton.cdiv(inter, PART_COLS), num_slots, device=device, dtype=torch.float32)
+    dz_t, hw_t = tile_cols_outputs(two_i, plan, device), tile_cols_outputs(inter, plan, device)
+    dweight_part = dweight_parts(num_slots, inter, device)
     if num_slots:
-        _act_tile_cols_kernel[(num_tiles * (inter // 128),)](
+        _act_tile_cols_kernel[(plan.tile_expert_NT.numel() * (inter // 128),)](
             preact_ptr=preact_NH, dh_ptr=dh_NI, weights_ptr=topk_weights_TK.reshape(-1),
             dweight_part_ptr=dweight_part, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1,
             tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, dzq_ptr=dzq, dzs_ptr=dzs,
