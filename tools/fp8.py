@@ -110,7 +110,6 @@ def main(argv=None) -> None:
         return num_slots * cols * 2 + cols * num_tiles * 128 + num_tiles * cols * 4
 
     dx_slots = torch.randn(num_slots, dim, device="cuda", dtype=torch.bfloat16)
-
     products = torch.randn(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16)  # the act step's inputs
     dh = torch.randn(num_slots, inter, device="cuda", dtype=torch.bfloat16)
 
