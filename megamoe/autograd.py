@@ -23,7 +23,6 @@ from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
     act_bwd,
     act_bwd_from_preact,
-    act_bwd_tile_cols,
     dh_fp8,
     dx_slots,
     dx_slots_fp8,
@@ -44,10 +43,6 @@ from megamoe.kernels.quant import fp8_weight, quantize_rows, quantize_tile_cols
 # one, with less memory (no sorted bf16 copies of x and dy; ``python -m tools.fp8``, docs/PERFORMANCE.md).
 # ``MEGAMOE_FP8_WGRAD=0`` clears it at import, and the backward reads it at every call.
 FP8_WGRAD = fp8_wgrad_requested()
-# With FP8_WGRAD, whether the act step writes dz and h·w straight into tile columns (``expert_bwd.act_bwd_tile_cols``)
-# instead of writing their rows for two quantisation passes to read back. Off until it has run and been timed on the
-# H200 (docs/PERFORMANCE.md); the two give the same bits.
-ACT_TILE_COLS = False
 # The one-GPU backward's order. False: dx's slot rows are computed before dW13, whose kernel sums them into dx beside
 # its MMAs, so that the combine costs nothing; its peak holds x's sorted rows, dz, dx's slot rows and both weight
 # gradients at once. True (low peak): dW13 first (x's sorted rows freed after it), then dx's slot rows and their
@@ -143,13 +138,10 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
         up_products_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact)
         reuse_preact = True
     if FP8_WGRAD:
-        if ACT_TILE_COLS:  # dz and h·w straight into tile columns, never as rows
-            dz_t, hw_t, dweight_TK, dzq, dzs = act_bwd_tile_cols(preact, dh_NI, weights, plan, top_k)
-        else:
-            dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k,
-                                                                     quant_dz=True, dz_over_preact=reuse_preact)
-            dz_t, hw_t = quantize_tile_cols(dz_NH, plan), quantize_tile_cols(hw_NI, plan)
-            del dz_NH, hw_NI
+        dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True,
+                                                                 dz_over_preact=reuse_preact)
+        dz_t, hw_t = quantize_tile_cols(dz_NH, plan), quantize_tile_cols(hw_NI, plan)
+        del dz_NH, hw_NI
         del dh_NI, preact
         dw2 = wgrad_fp8(*dy_t, *hw_t, plan, w2.dtype)
         del dy_t, hw_t

@@ -139,30 +139,6 @@ def test_quantize_tile_cols_reads_the_tokens_rows_as_their_sorted_copy(routing, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("routing", ["random", "dropped", "empty"])
-def test_act_step_writes_tile_columns_as_quantising_its_rows_would(dtype, routing, scales):
-    """The FP8 weight gradients' act step (``act_bwd_tile_cols``) writes dz and h·w straight into tile columns: bit
-    for bit ``quantize_tile_cols`` of the rows ``act_bwd_from_preact`` writes (quantised as those rows hold them, in
-    the products' dtype), with the same dz 1x128 rows and d(routing weight)."""
-    from megamoe.kernels.expert_bwd import act_bwd_from_preact, act_bwd_tile_cols
-    from megamoe.kernels.plan import build_plan
-
-    gen = torch.Generator().manual_seed(6)
-    _, idx, weights, _, _, _ = make_problem(300, 128, 256, 6, 3, routing, device=DEVICE)
-    plan = build_plan(idx, 6)
-    num_slots = idx.numel()
-    preact = (torch.randn(num_slots, 512, generator=gen) * 4).to(dtype).to(DEVICE)
-    dh = (torch.randn(num_slots, 256, generator=gen) * torch.logspace(-4, 2, num_slots)[:, None]).to(dtype).to(DEVICE)
-    routed = int(plan.offsets_E1[-1])
-    dz, hw, dweight, dzq, dzs = act_bwd_from_preact(preact, dh, weights, plan, 3, quant_dz=True)
-    dz_t, hw_t, dweight_t, dzq_t, dzs_t = act_bwd_tile_cols(preact, dh, weights, plan, 3)
-    for tile_cols, rows in ((dz_t, dz), (hw_t, hw)):
-        assert_same_tile_cols(tile_cols, quant.quantize_tile_cols(rows, plan), plan, scales)
-    assert torch.equal(bits(dzq_t[:routed]), bits(dzq[:routed])) and torch.equal(dzs_t[:, :routed], dzs[:, :routed])
-    assert torch.equal(dweight_t, dweight)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_quantize_weight_both_orientations_match_reference_bit_for_bit(dtype, scales):
     gen = torch.Generator().manual_seed(1)
     w = (torch.randn(3, 256, 384, generator=gen) * torch.logspace(-3, 1, 3)[:, None, None]).to(dtype)
@@ -298,16 +274,13 @@ FP8_WGRAD_CASES = [(FP8_SHAPES[2], "none"), (FP8_SHAPES[5], "preact"), (FP8_SHAP
 
 
 @pytest.mark.parametrize("shape, mode", FP8_WGRAD_CASES, ids=[f"{shape_id(s)}-{m}" for s, m in FP8_WGRAD_CASES])
-@pytest.mark.parametrize("act_tile_cols", [False, True], ids=["act rows", "act tile columns"])
-def test_fp8_wgrad_layer_computes_the_recipe(shape, mode, act_tile_cols, monkeypatch):
+def test_fp8_wgrad_layer_computes_the_recipe(shape, mode, monkeypatch):
     """With FP8 weight gradients: output and every gradient equal to the recipe with FP8 weight gradients up to the
     order of fp32 sums, within twice its error of fp32, and the weight gradients carry the 128x1 quantisations'
-    error (not the bf16 weight gradients'); with the act step's dz and h·w quantised from their rows or written
-    straight into tile columns (``autograd.ACT_TILE_COLS``)."""
+    error (not the bf16 weight gradients')."""
     from megamoe import autograd as ops
 
     monkeypatch.setattr(ops, "FP8_WGRAD", True)
-    monkeypatch.setattr(ops, "ACT_TILE_COLS", act_tile_cols)
     problem = make_problem(*shape, device=DEVICE)
     quant.clear_weight_cache()
     out = run_with_grads(fp8_moe(mode), *problem)
@@ -452,16 +425,13 @@ def test_fp8_bf16_gpu_computes_the_recipe(shape, mode, poison_cuda):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act_tile_cols", [False, True], ids=["act rows", "act tile columns"])
 @pytest.mark.parametrize("shape", FP8_GPU_SHAPES, ids=[shape_id(s) for s in FP8_GPU_SHAPES])
-def test_fp8_wgrad_bf16_gpu_computes_the_recipe(shape, act_tile_cols, poison_cuda, monkeypatch):
+def test_fp8_wgrad_bf16_gpu_computes_the_recipe(shape, poison_cuda, monkeypatch):
     """As ``test_fp8_bf16_gpu_computes_the_recipe``, with FP8 weight gradients (the Gluon k-grouped GEMM on
-    tile-column operands) against the recipe with FP8 weight gradients; the act step's dz and h·w quantised from
-    their rows or written straight into tile columns (``autograd.ACT_TILE_COLS``)."""
+    tile-column operands) against the recipe with FP8 weight gradients."""
     from megamoe import autograd as ops
 
     monkeypatch.setattr(ops, "FP8_WGRAD", True)
-    monkeypatch.setattr(ops, "ACT_TILE_COLS", act_tile_cols)
     problem = gpu_problem(*shape)
     out = run_with_grads(fp8_moe(), *problem)
     recipe = run_with_grads(fp8_wgrad_recipe, *problem)

@@ -15,11 +15,9 @@ under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256
 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the FP8 path runs without them (``expert_bwd.expert_wgrad``;
 dW13 without the dx combine it carries in the layer), and the part of the FP8 backward that ``FP8_WGRAD`` changes
 both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy quantised into tile columns
-from the tokens' rows, the act step and dz's and h·w's tile columns (as ``autograd.ACT_TILE_COLS`` says: quantised
-from the act step's rows, or written by it straight, ``expert_bwd.act_bwd_tile_cols``, also timed alone beside the
-act step it replaces), the two FP8 GEMMs and dx's combine; without, the sort of x and
-dy with dy quantised beside, the act step writing dz and h·w rows, and the two bf16 GEMMs, dW13's with the combine
-inside. The ceiling beside them:
+from the tokens' rows, the act step (also timed alone) and dz's and h·w's tile columns quantised from its rows, the
+two FP8 GEMMs and dx's combine; without, the sort of x and dy with dy quantised beside, the act step, and the two
+bf16 GEMMs, dW13's with the combine inside. The ceiling beside them:
 ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
 device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and writes them once.
 ``--stages down,dx``: only the stages whose names contain one of these (each first call compiles its kernel: the
@@ -37,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-from megamoe import autograd
 from megamoe.bench.common import PRESETS, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd, quant
 from megamoe.kernels.combine import combine
@@ -113,14 +110,11 @@ def main(argv=None) -> None:
     products = torch.randn(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16)  # the act step's inputs
     dh = torch.randn(num_slots, inter, device="cuda", dtype=torch.bfloat16)
 
-    def fp8_wgrads():  # what the FP8 backward runs with autograd.FP8_WGRAD and bf16 runs without it
+    def fp8_wgrads():  # what the FP8 backward runs with FP8_WGRAD and bf16 runs without it
         expert_bwd.sorted_quantized_rows(dy, plan, top_k)
         xt_, dyt_ = quant.quantize_tile_cols(x, plan, top_k), quant.quantize_tile_cols(dy, plan, top_k)
-        if autograd.ACT_TILE_COLS:
-            dzt_, hwt_, *_ = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k)
-        else:
-            dz_, hw_, *_ = expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True)
-            dzt_, hwt_ = quant.quantize_tile_cols(dz_, plan), quant.quantize_tile_cols(hw_, plan)
+        dz_, hw_, *_ = expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True)
+        dzt_, hwt_ = quant.quantize_tile_cols(dz_, plan), quant.quantize_tile_cols(hw_, plan)
         expert_bwd.wgrad_fp8(*dyt_, *hwt_, plan, torch.bfloat16)
         expert_bwd.wgrad_fp8(*dzt_, *xt_, plan, torch.bfloat16)
         combine(dx_slots, idx, torch.bfloat16)
@@ -180,9 +174,6 @@ def main(argv=None) -> None:
         ("act step on the products, dz 1x128 beside",
          lambda: expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True), None,
          num_slots * inter * (4 + 2 + 4 + 2 + 2) + dzs.numel() * 4, None),
-        ("act step into tile columns (dz 1x128 beside)",
-         lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k), None,
-         num_slots * inter * (4 + 2 + 2 + 1 + 2) + dzs.numel() * 4, None),
         ("wgrad: quantize 128x1 (N, 2I)", lambda: quant.quantize_tile_cols(dz, plan), None, tile_cols_bytes(2 * inter),
          None),
         ("wgrad: quantize 128x1 (N, I)", lambda: quant.quantize_tile_cols(hw, plan), None, tile_cols_bytes(inter),

@@ -56,14 +56,9 @@ from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws, fp8_ws_supported
 from megamoe.kernels.gluon_sm90 import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.quant import (
-    AMAX_FLOOR,
-    E4M3_MAX,
     FP8,
     quantize_groups,
     quantize_rows,
-    scale_and_inverse,
-    tile_cols_outputs,
-    to_e4m3,
 )
 from megamoe.kernels.tuning import TunedKernel, configs
 
@@ -196,100 +191,6 @@ def _act_from_preact_kernel(
     acc_u = tl.load(g_ptrs + I, mask=omask, other=0.0).to(tl.float32)
     _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr,
                          N, I, PART_COLS, BN, dzq_ptr, dzs_ptr, QUANT_DZ, POW2)
-
-
-@triton.jit
-def _act_chunk(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rmask, cols, I):
-    """One chunk of an act-on-products block: (slots, dh', h, dg, du, h·w), fp32, zeros past ``rmask``."""
-    slots = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    rows64 = rows[:, None].to(tl.int64)
-    g_ptrs = preact_ptr + rows64 * 2 * I + cols[None, :]
-    acc_g = tl.load(g_ptrs, mask=rmask[:, None], other=0.0).to(tl.float32)
-    acc_u = tl.load(g_ptrs + I, mask=rmask[:, None], other=0.0).to(tl.float32)
-    acc_d = tl.load(dh_ptr + rows64 * I + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-    wt = tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)
-    h, dg, du = _swiglu_bwd_values(acc_g, acc_u, acc_d, wt)
-    return slots, acc_d, h, dg, du, h * wt[:, None]
-
-
-@triton.jit
-def _in_dtype(v, like_ptr):
-    """``v`` rounded to the element type of ``like_ptr`` and back to fp32: the value its rows in that type hold."""
-    return v.to(like_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _col_amax(amax, v):
-    """The running per-column max of |values| (BN,) updated with a chunk ``v`` (RB, BN)."""
-    return tl.maximum(amax, tl.max(tl.abs(v), axis=0))
-
-
-@triton.jit
-def _store_tile_cols(q_ptr, v, inv, c0, t, r0, ld, TILE_M: tl.constexpr):
-    """A (RB, BN) chunk quantised per column (``inv``: its columns' factors) into tile-column rows c0 .. of ``q``
-    (``quant.quantize_tile_cols``' format): sorted row r0 + i of tile t at column TILE_M t + r0 + i."""
-    RB: tl.constexpr = v.shape[0]
-    BN: tl.constexpr = v.shape[1]
-    q = to_e4m3(tl.clamp(v * inv[None, :], -E4M3_MAX, E4M3_MAX))
-    cols = (c0 + tl.arange(0, BN)).to(tl.int64)
-    tl.store(q_ptr + cols[None, :] * ld + t * TILE_M + r0 + tl.arange(0, RB)[:, None], q)
-
-
-@triton.jit
-def _act_tile_cols_kernel(
-    preact_ptr,  # (N, 2I) the gate and up products [g | u], sorted rows (saved, or recomputed by the backward)
-    dh_ptr, weights_ptr, dweight_part_ptr,  # as for _act_bwd_kernel
-    row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-    dzq_ptr, dzs_ptr,  # (N, 2I) e4m3 and (2I/128, N) fp32 out: dz quantised 1x128, the FP8 dx GEMM's operand
-    dzt_ptr, dzts_ptr,  # (2I, NT * 128) e4m3 and (NT, 2I) fp32 out: dz in tile columns (dW13's operand)
-    hwt_ptr, hwts_ptr,  # (I, NT * 128) e4m3 and (NT, I) fp32 out: h·w in tile columns (dW2's operand)
-    N, I, E,
-    TILE_M: tl.constexpr, RB: tl.constexpr, PART_COLS: tl.constexpr, POW2: tl.constexpr,
-):
-    """The act step on the gate and up products for FP8 weight gradients: one (plan tile, 128 columns) per program,
-    the tile's rows in chunks of RB, twice. First pass: the d(routing weight) partials, dz's 1x128 rows and the
-    column maxima of dz and h·w over the tile; second pass: the same values again (their inputs now in L2), each
-    column quantised 128x1 with its scale and stored transposed. dz and h·w are quantised as their rows in the
-    products' dtype hold them, so the result is ``quant.quantize_tile_cols`` of the rows ``act_bwd_from_preact``
-    writes, bit for bit, without those rows ever being written. Idle tiles write nothing; the columns of a tile past
-    its expert's end get zeros (their inputs load as zeros)."""
-    BN: tl.constexpr = 128
-    num_n = I // BN
-    t = tl.program_id(0) // num_n
-    pid_n = tl.program_id(0) % num_n
-    e = tl.load(tile_expert_ptr + t)
-    if e >= E:  # an idle tile
-        return
-    row0 = tl.load(tile_row_ptr + t)
-    end = tl.load(offsets_ptr + e + 1)
-    cols = pid_n * BN + tl.arange(0, BN)
-    amax_g = tl.zeros((BN,), tl.float32)
-    amax_u = tl.zeros((BN,), tl.float32)
-    amax_h = tl.zeros((BN,), tl.float32)
-    for r0 in range(0, TILE_M, RB):  # (a loop, not unrolled: unrolled, the chunks' loads spill)
-        rows = row0 + r0 + tl.arange(0, RB)
-        rmask = rows < end
-        slots, acc_d, h, dg, du, hw = _act_chunk(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rmask, cols, I)
-        _store_dweight_parts(acc_d * h, rmask, slots, pid_n, dweight_part_ptr, N, I, PART_COLS, BN)
-        _store_dz_rows_fp8(dg, du, rows, rmask, pid_n, dzq_ptr, dzs_ptr, N, I, POW2)
-        amax_g = _col_amax(amax_g, _in_dtype(dg, preact_ptr))
-        amax_u = _col_amax(amax_u, _in_dtype(du, preact_ptr))
-        amax_h = _col_amax(amax_h, _in_dtype(hw, preact_ptr))
-    s_g, inv_g = scale_and_inverse(tl.maximum(amax_g, AMAX_FLOOR), POW2)
-    s_u, inv_u = scale_and_inverse(tl.maximum(amax_u, AMAX_FLOOR), POW2)
-    s_h, inv_h = scale_and_inverse(tl.maximum(amax_h, AMAX_FLOOR), POW2)
-    t64 = t.to(tl.int64)
-    tl.store(dzts_ptr + t64 * 2 * I + cols, s_g)
-    tl.store(dzts_ptr + t64 * 2 * I + I + cols, s_u)
-    tl.store(hwts_ptr + t64 * I + cols, s_h)
-    ld = tl.num_programs(0).to(tl.int64) // num_n * TILE_M  # the tile columns' row length: NT * TILE_M
-    for r0 in range(0, TILE_M, RB):
-        rows = row0 + r0 + tl.arange(0, RB)
-        rmask = rows < end
-        _, _, _, dg, du, hw = _act_chunk(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rmask, cols, I)
-        _store_tile_cols(dzt_ptr, _in_dtype(dg, preact_ptr), inv_g, pid_n * BN, t64, r0, ld, TILE_M)
-        _store_tile_cols(dzt_ptr, _in_dtype(du, preact_ptr), inv_u, I + pid_n * BN, t64, r0, ld, TILE_M)
-        _store_tile_cols(hwt_ptr, _in_dtype(hw, preact_ptr), inv_h, pid_n * BN, t64, r0, ld, TILE_M)
 
 
 @triton.jit
@@ -562,33 +463,6 @@ def act_bwd_from_preact(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: in
             POW2=quant_dz and fp8_pow2_scales(), dtype=preact_NH.dtype)
     outputs = dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
     return (*outputs, dzq, dzs) if quant_dz else outputs
-
-
-# Rows per chunk of the tile-column act kernel, at 4 warps: 218 registers, no spills (sm_90a; 32 rows spill 160
-# bytes, and either unrolled over the tile's chunks spills 1.9-3.6 KB).
-ACT_TILE_COLS_RB = 16
-
-
-def act_bwd_tile_cols(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: int):
-    """The act step on the gate and up products (N, 2I) for FP8 weight gradients (``_act_tile_cols_kernel``): (dz
-    in tile columns, h·w in tile columns, d(routing weight) (T, K) fp32, dz 1x128 e4m3 (N, 2I), its scales
-    (2I/128, N)); each tile-column operand a (q, s) pair in ``quant.quantize_tile_cols``' format, bit for bit that
-    of ``act_bwd_from_preact``'s dz and h·w rows, which are never written. I a multiple of 128."""
-    num_slots, two_i = preact_NH.shape
-    inter = two_i // 2
-    device = preact_NH.device
-    dzq, dzs = dz_fp8_outputs(num_slots, two_i, device)
-    dz_t, hw_t = tile_cols_outputs(two_i, plan, device), tile_cols_outputs(inter, plan, device)
-    dweight_part = dweight_parts(num_slots, inter, device)
-    if num_slots:
-        _act_tile_cols_kernel[(plan.tile_expert_NT.numel() * (inter // 128),)](
-            preact_ptr=preact_NH, dh_ptr=dh_NI, weights_ptr=topk_weights_TK.reshape(-1),
-            dweight_part_ptr=dweight_part, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1,
-            tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, dzq_ptr=dzq, dzs_ptr=dzs,
-            dzt_ptr=dz_t[0], dzts_ptr=dz_t[1], hwt_ptr=hw_t[0], hwts_ptr=hw_t[1], N=num_slots, I=inter,
-            E=plan.offsets_E1.numel() - 1, TILE_M=BLOCK_M, RB=ACT_TILE_COLS_RB, PART_COLS=PART_COLS,
-            POW2=fp8_pow2_scales(), num_warps=4)
-    return dz_t, hw_t, dweight_part.sum(dim=0).view(-1, top_k), dzq, dzs
 
 
 def dh_sorted(dy_sorted_ND, w2_EDI, plan: Plan) -> torch.Tensor:
