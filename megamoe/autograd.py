@@ -32,7 +32,6 @@ from megamoe.kernels.expert_bwd import (
     sorted_quantized_rows,
     sorted_rows_and_dh,
     wgrad_fp8,
-    wgrad_fp8_and_combine,
 )
 from megamoe.kernels.expert_fwd import down_fp8, down_fwd, up_products_fp8, up_swiglu_fp8, up_swiglu_fwd
 from megamoe.kernels.plan import Plan, build_plan, plan_op
@@ -121,7 +120,7 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     and the act step run on them; the weight gradients from the unquantised rows in x's dtype (exact products, fp32
     accumulation), or with :data:`FP8_WGRAD` from those rows quantised 128x1: x's and dy's read from the tokens'
     rows (no sorted copies; dy's 1x128 rows for dh' quantised per token and copied), dz's and h·w's from the act
-    step's rows, and the dx combine inside the dW13 kernel as in bf16 (on its own after dW13 with ``low_peak``)."""
+    step's rows, and the dx combine on its own (not inside the dW13 kernel)."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
     weights = topk_weights.contiguous()
@@ -146,14 +145,9 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
         del dh_NI, preact
         dw2 = wgrad_fp8(*dy_t, *hw_t, plan, w2.dtype)
         del dy_t, hw_t
-        if low_peak:  # dW13 before dx's slot rows exist (:data:`LOW_PEAK_BACKWARD`), the combine on its own
-            dw13 = wgrad_fp8(*dz_t, *x_t, plan, w13.dtype)
-            del x_t, dz_t
-            dx = combine(dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype), topk_idx, x.dtype)
-        else:  # the combine inside dW13's kernel, beside its MMAs
-            dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype)
-            del dzq, dzs
-            dw13, dx = wgrad_fp8_and_combine(*dz_t, *x_t, plan, w13.dtype, dx_slots_ND, topk_idx, x.dtype)
+        dw13 = wgrad_fp8(*dz_t, *x_t, plan, w13.dtype)
+        del x_t, dz_t
+        dx = combine(dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype), topk_idx, x.dtype)
         return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
     dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True,
                                                              dz_over_preact=reuse_preact)

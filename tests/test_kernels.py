@@ -74,8 +74,8 @@ def test_low_peak_backward_gives_the_default_orders_gradients(monkeypatch, mode,
     expected = run_with_grads(layer, x, idx, w, w13, w2, dy)
     for ops in (contextlib.nullcontext(), forcing_custom_ops(contextlib.nullcontext())):
         with monkeypatch.context() as m:
-            for fused in ("expert_wgrad_and_combine", "wgrad_fp8_and_combine"):
-                m.setattr(megamoe.autograd, fused, lambda *a: pytest.fail("the low-peak order ran dW13 with the combine"))
+            m.setattr(megamoe.autograd, "expert_wgrad_and_combine",
+                      lambda *a: pytest.fail("the low-peak order ran dW13 with the combine"))
             leaves = [t.detach().requires_grad_() for t in (x, w, w13, w2)]
             with ops:
                 m.setattr(megamoe.autograd, "LOW_PEAK_BACKWARD", True)
@@ -129,24 +129,20 @@ def test_saved_products_become_dz_in_the_eager_backward(monkeypatch, fp8):
         y.backward(dy)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("mode", SAVE_MODES)
-def test_backward_order_by_default_is_low_peak_only_when_keeping_nothing(monkeypatch, mode, fp8):
+def test_backward_order_by_default_is_low_peak_only_when_keeping_nothing(monkeypatch, mode):
     """``autograd.LOW_PEAK_BACKWARD`` unset (None, the default): the keep-nothing backward runs the low-peak order
-    (dW13 without the dx combine in its launch), the saved mode the other (dW13 with it), in bf16 and in FP8 (its
-    FP8 weight gradients); 0 and 1 in the environment choose one order for both, anything else is refused."""
+    (dW13 without the dx combine in its launch), the saved mode the other (dW13 with it); 0 and 1 in the environment
+    choose one order for both, anything else is refused."""
     import megamoe.autograd
     from megamoe.env import low_peak_backward_requested
 
     calls = []
-    fused = "wgrad_fp8_and_combine" if fp8 else "expert_wgrad_and_combine"
-    combined = getattr(megamoe.autograd, fused)
-    monkeypatch.setattr(megamoe.autograd, fused, lambda *a: calls.append(1) or combined(*a))
+    combined = megamoe.autograd.expert_wgrad_and_combine
+    monkeypatch.setattr(megamoe.autograd, "expert_wgrad_and_combine", lambda *a: calls.append(1) or combined(*a))
     monkeypatch.setattr(megamoe.autograd, "LOW_PEAK_BACKWARD", None)
-    monkeypatch.setattr(megamoe.autograd, "FP8_WGRAD", True)
     x, idx, w, w13, w2, dy = make_problem(40, 128, 128, 4, 2, "dropped", device=DEVICE)
-    run_with_grads(functools.partial(megamoe.moe, save_for_backward=mode, precision="fp8" if fp8 else "bf16"),
-                   x, idx, w, w13, w2, dy)
+    run_with_grads(functools.partial(megamoe.moe, save_for_backward=mode), x, idx, w, w13, w2, dy)
     assert calls == ([] if mode == "none" else [1])
     for value, expected in (("", None), ("0", False), ("1", True)):
         monkeypatch.setenv("MEGAMOE_LOW_PEAK_BACKWARD", value)

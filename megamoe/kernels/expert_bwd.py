@@ -604,20 +604,6 @@ def wgrad_fp8(aq_PL, as_TP, bq_QL, bs_TQ, plan: Plan, out_dtype: torch.dtype) ->
     return dw
 
 
-def wgrad_fp8_and_combine(aq_PL, as_TP, bq_QL, bs_TQ, plan: Plan, out_dtype: torch.dtype, slots_ND, topk_idx_TK,
-                          combine_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``wgrad_fp8(a, b)``, ``combine(slots, topk_idx)``). Where the Gluon kernel runs, and the combine's dtype is
-    the slot rows', the combine runs inside it, beside its MMAs (``gluon_fp8_sm90._fp8_wgrad_ws_kernel``), with the
-    same sums."""
-    if not (fp8_ws_supported(aq_PL, out_dtype) and combine_dtype == slots_ND.dtype):
-        return wgrad_fp8(aq_PL, as_TP, bq_QL, bs_TQ, plan, out_dtype), combine(slots_ND, topk_idx_TK, combine_dtype)
-    dw = torch.empty(plan.offsets_E1.numel() - 1, aq_PL.shape[0], bq_QL.shape[0], device=aq_PL.device,
-                     dtype=out_dtype)
-    out = torch.empty(topk_idx_TK.shape[0], slots_ND.shape[1], device=slots_ND.device, dtype=combine_dtype)
-    fp8_wgrad_ws(aq_PL, as_TP, bq_QL, bs_TQ, dw, plan.offsets_E1, combine=(slots_ND, topk_idx_TK, out))
-    return dw, out
-
-
 def expert_wgrad_and_combine(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, slots_ND, topk_idx_TK,
                              combine_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(``expert_wgrad(a, b)``, ``combine(slots, topk_idx)``). On sm90 with 16-bit operands the combine runs

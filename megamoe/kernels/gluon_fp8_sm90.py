@@ -63,10 +63,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.env import device_capability, fp8_pow2_scales, sm_count
 from megamoe.kernels.gluon_sm90 import (
-    COPY_WARPS,
     barriers,
     block_rows,
-    combine_partition,
     count_busy_tiles,
     expert_end,
     next_slot,
@@ -126,10 +124,6 @@ ROWS_WIDE_STAGES = 4
 # The FP8 weight-gradient kernel's ring: 33 KB per stage (A, B and their scales) beside each MMA warpgroup's 16 KB
 # store buffer: 5 x 33 + 32 = 197 KB.
 WGRAD_STAGES = 5
-# Registers per thread of the weight-gradient kernel's third warpgroup: its loader warp and the dx combine's
-# ``COPY_WARPS`` beside it (one setmaxnreg per warpgroup), what the two MMA warpgroups leave: (64 K - 2 x 128 x 232)
-# / 128 = 48.
-WGRAD_SIDE_REGS = 48
 # The block trace of the sorted-rows and up kernels (``trace=`` of their launchers, read by ``tools.fp8_trace``): per
 # program, per partition (the two MMA warpgroups, then the loader) and per block of its first TRACE_BLOCKS,
 # TRACE_POINTS stamps of the SM's cycle counter, then the same points on the global timer (ns). An MMA warpgroup's
@@ -1059,17 +1053,14 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_
 
 
 @gluon.jit
-def _fp8_wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, rows_ptr, topk_idx_ptr,
-                         comb_ptr, T, D, TOP_K: gl.constexpr, EB: gl.constexpr, STAGES: gl.constexpr,
-                         LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                         num_warps: gl.constexpr):
+def _fp8_wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, EB: gl.constexpr,
+                         STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
+                         LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B
     (Q, NT * 128) fp8, block (BN, BK); a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q) bf16, block (1, BM
     / 2, BN) (one warpgroup's half). Blocks: ``tiles`` = E * P/BM * Q/BN output blocks, expert-major (the programs
     at work share one expert's operands in L2), one program per SM walking them. P and Q multiples of 128; EB a
-    power of two >= E. A fourth partition (``COPY_WARPS`` warps, in the loader's warpgroup and at its registers)
-    combines slot rows (T * TOP_K, D) into comb (T, D) beside them (``gluon_sm90.combine_partition``); with T = 0
-    it has nothing to do and returns."""
+    power of two >= E."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
@@ -1084,8 +1075,7 @@ def _fp8_wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr
                                 bs_bufs, num_p, num_q, tiles, 1, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
                          P, Q, num_p, num_q, tiles, EB, LOADER_WARPS)),
-        (combine_partition, (rows_ptr, topk_idx_ptr, comb_ptr, T, D, TOP_K, COPY_WARPS)),
-    ], [num_warps, LOADER_WARPS, COPY_WARPS], [MMA_REGS, LOADER_REGS, LOADER_REGS])
+    ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1213,32 +1203,26 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
 
 
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
-                 offsets: torch.Tensor, combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                 offsets: torch.Tensor) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``_fp8_wgrad_ws_kernel``; an expert without rows gets zeros.
 
     a_q (P, NT * 128) and b_q (Q, NT * 128) float8_e4m3fn, a_s (NT, P) and b_s (NT, Q) fp32: the sorted rows in tile
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
-    multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``combine``: (slot rows (T*K, D),
-    topk_idx (T, K), its out (T, D)), all contiguous, reduced into that out beside the MMAs with the sums of
-    ``combine.combine``."""
+    multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
     assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert a_q.shape == (p, num_tiles * FP8_BK) and b_q.shape == (q, num_tiles * FP8_BK)
     assert a_s.shape == (num_tiles, p) and b_s.shape == (num_tiles, q) and offsets.numel() == num_experts + 1
-    if combine is None:  # no tokens: the combine partition returns at once and reads none of these
-        rows, topk_idx, comb, num_tokens, top_k = out, offsets, out, 0, 1
-    else:
-        (rows, topk_idx, comb), (num_tokens, top_k) = combine, combine[1].shape
     tiles = num_experts * (p // FP8_BM) * (q // FP8_BN)
     block = [1, FP8_BM // 2, FP8_BN]  # one MMA warpgroup's rows
     _fp8_wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [FP8_BN, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
-        Q=q, tiles=tiles, rows_ptr=rows, topk_idx_ptr=topk_idx, comb_ptr=comb, T=num_tokens, D=comb.shape[-1],
-        TOP_K=top_k, EB=triton.next_power_of_2(num_experts), STAGES=WGRAD_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
-        MMA_REGS=MATH_REGS, LOADER_REGS=WGRAD_SIDE_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts), STAGES=WGRAD_STAGES,
+        LOADER_WARPS=ROWS_LOADER_WARPS, MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS,
+        maxnreg=FP8_MAXNREG)
 
 
 # The kernels by name, for the ahead-of-time compile check.
@@ -1282,10 +1266,10 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     elif name == "fp8_wgrad":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [FP8_BN, FP8_BK]}
         constexprs = {"EB": 128, "num_warps": MATH_WARPS, "STAGES": WGRAD_STAGES, "LOADER_WARPS": ROWS_LOADER_WARPS,
-                      "MMA_REGS": MATH_REGS, "LOADER_REGS": WGRAD_SIDE_REGS, "TOP_K": 8}
+                      "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
-        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "rows_ptr": "*bf16", "comb_ptr": "*bf16"}
-        sizes = {"P", "Q", "D"}
+        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32"}
+        sizes = {"P", "Q"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
         constexprs = {**common, "PREACT": preact, "H_OUT": h_out, "POW2": pow2, "TRACE": trace,

@@ -280,7 +280,7 @@ def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, 
                      TOP_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: (N, P) sorted rows, block (BK, BM); b_desc: (N, Q), block (BK, BN); dw_desc: (E, P, Q),
     block (1, BM, BN). Tiles: E * num_p * num_q output blocks, expert-major. A third partition (``COPY_WARPS``
-    warps) combines slot rows (T * TOP_K, D) into out (T, D) beside them (``combine_partition``; ``topk_idx``
+    warps) combines slot rows (T * TOP_K, D) into out (T, D) beside them (``_combine_partition``; ``topk_idx``
     marks the dropped slots); with T = 0 it has nothing to do and returns."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -290,7 +290,7 @@ def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, 
     gl.warp_specialize([
         (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles, num_warps)),
         (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
-        (combine_partition, (rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K, COPY_WARPS)),
+        (_combine_partition, (rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K, COPY_WARPS)),
     ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
 
 
@@ -386,7 +386,7 @@ def _scatter_rows_partition(src_ptr, dst_ptr, slot_row_ptr, offsets_ptr, T, D, E
 
 
 @gluon.jit
-def combine_partition(rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K: gl.constexpr, num_warps: gl.constexpr):
+def _combine_partition(rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K: gl.constexpr, num_warps: gl.constexpr):
     """A side job beside the MMAs (``combine._combine_kernel``): out[t] = the sum over k of rows[t * TOP_K + k]
     for the slots not dropped (topk_idx >= 0), in slot order, in fp32 — the same sums as that kernel. The
     programs share the (token, column chunk) items, several per pass when TOP_K is small."""
