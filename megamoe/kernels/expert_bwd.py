@@ -400,19 +400,15 @@ def act_bwd(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int
     return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
 
 
-def dweight_parts(num_slots: int, inter: int, device) -> torch.Tensor:
-    """The act kernels' partial d(routing weight), (ceil(I / PART_COLS), N) fp32, zeroed: dropped slots are never
-    written, so their d(weight) is exactly zero."""
-    return torch.zeros(triton.cdiv(inter, PART_COLS), num_slots, device=device, dtype=torch.float32)
-
-
 def act_bwd_outputs(num_slots: int, two_i: int, like: torch.Tensor, dz_NH: torch.Tensor | None = None):
     """The act kernel's outputs: dz (N, 2I) (``dz_NH`` where the caller gives its place) and h·w (N, I) in
-    ``like``'s dtype, and the partial d(routing weight) (``dweight_parts``)."""
+    ``like``'s dtype, and the partial d(routing weight) (ceil(I / PART_COLS), N) fp32, zeroed: dropped slots are
+    never written, so their d(weight) is exactly zero."""
     if dz_NH is None:
         dz_NH = torch.empty(num_slots, two_i, device=like.device, dtype=like.dtype)
     hw_NI = torch.empty(num_slots, two_i // 2, device=like.device, dtype=like.dtype)
-    return dz_NH, hw_NI, dweight_parts(num_slots, two_i // 2, like.device)
+    dweight_part = torch.zeros(triton.cdiv(two_i // 2, PART_COLS), num_slots, device=like.device, dtype=torch.float32)
+    return dz_NH, hw_NI, dweight_part
 
 
 def act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int, dz_NH, hw_NI, dweight_part,

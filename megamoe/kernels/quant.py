@@ -203,13 +203,6 @@ def quantize_rows(a_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def tile_cols_outputs(cols: int, plan: Plan, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """An operand of ``cols`` columns in tile columns, unwritten: (q (C, NT * 128) e4m3, s (NT, C) fp32)."""
-    num_tiles = plan.tile_expert_NT.numel()
-    return (torch.empty(cols, num_tiles * BLOCK_M, device=device, dtype=FP8),
-            torch.empty(num_tiles, cols, device=device, dtype=torch.float32))
-
-
 def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (C, NT * 128) e4m3, s (NT, C) fp32): ``a``'s sorted rows in 128x1 groups, one per plan tile and column
     (the tile-column format above; NT = the plan's tile count, a static bound, so no host sync). C a multiple of
@@ -217,8 +210,10 @@ def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None)
     rows (T, C) instead, and each sorted row is read from its token (``row_slot[r] // top_k``), so that no sorted
     copy of them is needed."""
     cols = a_NC.shape[1]
-    q, s = tile_cols_outputs(cols, plan, a_NC.device)
-    _quantize_tile_cols_kernel[(plan.tile_expert_NT.numel(), cols // TILE_COLS_BC)](
+    num_tiles = plan.tile_expert_NT.numel()
+    q = torch.empty(cols, num_tiles * BLOCK_M, device=a_NC.device, dtype=FP8)
+    s = torch.empty(num_tiles, cols, device=a_NC.device, dtype=torch.float32)
+    _quantize_tile_cols_kernel[(num_tiles, cols // TILE_COLS_BC)](
         a_ptr=a_NC, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N, C=cols, E=plan.offsets_E1.numel() - 1,
         top_k=top_k or 1, GATHER=top_k is not None, TILE_M=BLOCK_M, BC=TILE_COLS_BC, POW2=fp8_pow2_scales(),
