@@ -15,9 +15,9 @@ under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256
 GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the FP8 path runs without them (``expert_bwd.expert_wgrad``;
 dW13 without the dx combine it carries in the layer), and the part of the FP8 backward that ``FP8_WGRAD`` changes
 both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy quantised into tile columns
-from the tokens' rows, the act step (also timed alone) and dz's and h·w's tile columns quantised from its rows, the
-two FP8 GEMMs and dx's combine; without, the sort of x and dy with dy quantised beside, the act step, and the two
-bf16 GEMMs, dW13's with the combine inside. The ceiling beside them:
+from the tokens' rows, dz's and h·w's tile columns quantised from their rows, the two FP8 GEMMs and dx's combine;
+without, the sort of x and dy with dy quantised beside, and the two bf16 GEMMs, dW13's with the combine inside (the
+act step that writes dz and h·w, the same either way, is timed on its own). The ceiling beside them:
 ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
 device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and writes them once.
 ``--stages down,dx``: only the stages whose names contain one of these (each first call compiles its kernel: the
@@ -110,20 +110,17 @@ def main(argv=None) -> None:
     products = torch.randn(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16)  # the act step's inputs
     dh = torch.randn(num_slots, inter, device="cuda", dtype=torch.bfloat16)
 
-    def fp8_wgrads():  # what the FP8 backward runs with FP8_WGRAD and bf16 runs without it
+    def fp8_wgrads():  # what the FP8 backward runs with autograd.FP8_WGRAD and bf16 runs without it
         expert_bwd.sorted_quantized_rows(dy, plan, top_k)
         xt_, dyt_ = quant.quantize_tile_cols(x, plan, top_k), quant.quantize_tile_cols(dy, plan, top_k)
-        dz_, hw_, *_ = expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True)
-        dzt_, hwt_ = quant.quantize_tile_cols(dz_, plan), quant.quantize_tile_cols(hw_, plan)
-        expert_bwd.wgrad_fp8(*dyt_, *hwt_, plan, torch.bfloat16)
-        expert_bwd.wgrad_fp8(*dzt_, *xt_, plan, torch.bfloat16)
+        expert_bwd.wgrad_fp8(*dyt_, *quant.quantize_tile_cols(hw, plan), plan, torch.bfloat16)
+        expert_bwd.wgrad_fp8(*quant.quantize_tile_cols(dz, plan), *xt_, plan, torch.bfloat16)
         combine(dx_slots, idx, torch.bfloat16)
 
     def bf16_wgrads():
         x_sorted_, dy_sorted_, _, _ = expert_bwd.gather_rows(x, dy, plan, top_k, quantize_dy=True)
-        dz_, hw_, *_ = expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True)
-        expert_bwd.expert_wgrad(dy_sorted_, hw_, plan, torch.bfloat16)
-        expert_bwd.expert_wgrad_and_combine(dz_, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
+        expert_bwd.expert_wgrad(dy_sorted_, hw, plan, torch.bfloat16)
+        expert_bwd.expert_wgrad_and_combine(dz, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
 
     def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead=False, defer_epilogue=False, block_n=128):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,

@@ -209,8 +209,8 @@ def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None)
     ``TILE_COLS_BC``, ``a`` contiguous; rows past the routed count are not read. ``top_k``: ``a`` holds the tokens'
     rows (T, C) instead, and each sorted row is read from its token (``row_slot[r] // top_k``), so that no sorted
     copy of them is needed."""
-    cols = a_NC.shape[1]
     num_tiles = plan.tile_expert_NT.numel()
+    cols = a_NC.shape[1]
     q = torch.empty(cols, num_tiles * BLOCK_M, device=a_NC.device, dtype=FP8)
     s = torch.empty(num_tiles, cols, device=a_NC.device, dtype=torch.float32)
     _quantize_tile_cols_kernel[(num_tiles, cols // TILE_COLS_BC)](
