@@ -255,10 +255,12 @@ def test_fp8_up_products_only_are_the_full_kernels_products(num_tokens, num_expe
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing",
                          GPU_CASES + [(4096, 128, 8, 256, 256, "random")])  # (many blocks per program, 2 K-steps each)
-def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing):
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n):
     """The FP8 weight gradients: dW13 = dzᵀ x and dW2 = dyᵀ (h·w) shapes, (N, P) and (N, Q) sorted bf16 rows
     quantised 128x1 per plan tile (``quant.quantize_tile_cols``, bit for bit the reference's on CPU), against the
-    float64 per-expert products of the dequantised operands; experts without rows get zeros."""
+    float64 per-expert products of the dequantised operands; experts without rows get zeros. Both block widths; a
+    width that does not divide Q is refused."""
     from megamoe import reference
     from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws
     from megamoe.kernels.quant import quantize_tile_cols
@@ -273,7 +275,11 @@ def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing):
         a[offsets[-1]:] = float("nan")  # dropped slots' rows: never read
         (aq, a_s), (bq, b_s) = quantize_tile_cols(a, plan), quantize_tile_cols(b, plan)
         out = torch.full((num_experts, p, q), float("nan"), device="cuda", dtype=torch.bfloat16)
-        fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1)
+        if q % block_n:
+            with pytest.raises(ValueError, match="block_n"):
+                fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n)
+            continue
+        fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n)
         torch.cuda.synchronize()
         cpu_offsets = plan.offsets_E1.cpu()
         ref = torch.stack([ae @ be.t() for ae, be in zip(reference.dequantize_tile_cols(aq.cpu(), a_s.cpu(), cpu_offsets),
@@ -417,6 +423,7 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "rows_down_any_size": ("fp8_rows", dict(sizes_divisible=False)),
             "up_any_size": ("fp8_up", dict(sizes_divisible=False)), "wgrad": ("fp8_wgrad", {}),
             "wgrad_any_size": ("fp8_wgrad", dict(sizes_divisible=False)),
+            "wide_wgrad": ("fp8_wgrad", dict(block_n=256)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
             "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
             "rows_down_traced": ("fp8_rows", dict(trace=True)), "up_traced": ("fp8_up", dict(trace=True)),
@@ -468,3 +475,14 @@ def test_fp8_kernels_compile_for_sm90a_without_spills():
             assert r["wide_stores"], name  # the epilogues convert to 16-byte row segments
         assert r["spill_bytes"] <= _SPILLS_ALLOWED.get(name, 0), (name, r)
         assert r["shared_bytes"] <= SHARED_MEMORY_LIMIT, (name, r)
+
+
+def test_wgrad_block_n_defaults_where_it_divides_and_refuses_otherwise():
+    from megamoe.kernels import gluon_fp8_sm90 as f
+
+    assert f.wgrad_block_n(4096) == f.WGRAD_BLOCK_N
+    assert f.wgrad_block_n(640) == 128  # (256 does not divide it)
+    assert f.wgrad_block_n(768, 256) == 256 and f.wgrad_block_n(768, 128) == 128
+    for q, block_n in ((640, 256), (1024, 64), (1024, 512)):
+        with pytest.raises(ValueError, match="block_n"):
+            f.wgrad_block_n(q, block_n)

@@ -12,7 +12,8 @@ under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256
 (``ROWS_BLOCK_N``: the "(256 columns)" stages). Then the weight gradients both ways, to choose
 ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
 (``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can be), the FP8 dW13 and dW2
-GEMMs on them (``expert_bwd.wgrad_fp8``), the bf16 ones the FP8 path runs without them (``expert_bwd.expert_wgrad``;
+GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 128 columns, and of 256 where Q allows:
+``gluon_fp8_sm90.WGRAD_BLOCK_N``), the bf16 ones the FP8 path runs without them (``expert_bwd.expert_wgrad``;
 dW13 without the dx combine it carries in the layer), and the part of the FP8 backward that ``FP8_WGRAD`` changes
 both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy quantised into tile columns
 from the tokens' rows, dz's and h·w's tile columns quantised from their rows, the two FP8 GEMMs and dx's combine;
@@ -175,10 +176,13 @@ def main(argv=None) -> None:
          None),
         ("wgrad: quantize 128x1 (N, I)", lambda: quant.quantize_tile_cols(hw, plan), None, tile_cols_bytes(inter),
          None),
-        ("dW13 FP8", lambda: expert_bwd.wgrad_fp8(*dzt, *xt, plan, torch.bfloat16), up_flops, None,
-         (2 * inter, dim, rows)),
-        ("dW2 FP8", lambda: expert_bwd.wgrad_fp8(*dyt, *hwt, plan, torch.bfloat16), down_flops, None,
-         (dim, inter, rows)),
+    ]
+    wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)), ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
+    stages += [(name + (" FP8 (256 columns)" if block_n == 256 else " FP8"),
+                lambda a=a, b=b, block_n=block_n: expert_bwd.wgrad_fp8(*a, *b, plan, torch.bfloat16, block_n), flops,
+                None, dense)
+               for name, a, b, flops, dense in wgrad_gemms for block_n in (128, 256) if b[0].shape[0] % block_n == 0]
+    stages += [
         ("dW13 bf16", lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16), up_flops, None, None),
         ("dW2 bf16", lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16), down_flops, None, None),
         ("the FP8 backward's part that FP8_WGRAD changes, FP8", fp8_wgrads, up_flops + down_flops, None, None),

@@ -122,8 +122,14 @@ ROWS_DEFER_EPILOGUE = True
 ROWS_BLOCK_N = 256
 ROWS_WIDE_STAGES = 4
 # The FP8 weight-gradient kernel's ring: 33 KB per stage (A, B and their scales) beside each MMA warpgroup's 16 KB
-# store buffer: 5 x 33 + 32 = 197 KB.
+# store buffer: 5 x 33 + 32 = 197 KB. Its block width where Q is a multiple of it (else 128): 256 runs a block as two
+# column halves of 128 (``_wgrad_main_wide``, no issue-ahead) in WGRAD_WIDE_STAGES stages of 49.5 KB (B's block 32 KB,
+# B's scales 1 KB): 3 x 49.5 + 32 = 181 KB (a fourth stage would need 230). A block's K-steps are its expert's plan
+# tiles, ~8 at 16 384 tokens and top-8 of 128 experts: its fixed cost (the start, the last promotion, the stores) is
+# paid once per twice the MMAs.
 WGRAD_STAGES = 5
+WGRAD_BLOCK_N = 256
+WGRAD_WIDE_STAGES = 3
 # The block trace of the sorted-rows and up kernels (``trace=`` of their launchers, read by ``tools.fp8_trace``): per
 # program, per partition (the two MMA warpgroups, then the loader) and per block of its first TRACE_BLOCKS,
 # TRACE_POINTS stamps of the SM's cycle counter, then the same points on the global timer (ns). An MMA warpgroup's
@@ -967,23 +973,31 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a
 
 
 @gluon.jit
-def _wgrad_mma(a_bufs, b_bufs, s, tmp, WG: gl.constexpr):
-    """Issue stage ``s``'s MMA chain for this warpgroup's 64 P-rows and the block's columns into ``tmp``
-    (asynchronous); returns its pending result."""
+def _wgrad_mma(a_bufs, b_bufs, s, c0: gl.constexpr, tmp, WG: gl.constexpr):
+    """Issue stage ``s``'s MMA chain for this warpgroup's 64 P-rows and the block's columns ``c0`` .. ``c0`` + 128
+    into ``tmp`` (asynchronous); returns its pending result."""
     HALF: gl.constexpr = tmp.type.shape[0]
-    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), b_bufs.index(s).permute((1, 0)), tmp, use_acc=False,
-                         is_async=True)
+    b = b_bufs.index(s).slice(c0, tmp.type.shape[1])
+    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), b.permute((1, 0)), tmp, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _wgrad_scale(as_bufs, bs_bufs, s, c0: gl.constexpr, WG: gl.constexpr, tmp):
+    """The outer product of stage ``s``'s scales for the chain ``tmp`` of columns ``c0`` ..: A's of this warpgroup's
+    rows times B's of the columns, read from the stage, in ``tmp``'s layout."""
+    layout: gl.constexpr = tmp.type.layout
+    sa = as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, layout))
+    sb = bs_bufs.index(s).slice(c0, tmp.type.shape[1]).load(gl.SliceLayout(0, layout))
+    return sa[:, None] * sb[None, :]
 
 
 @gluon.jit
 def _wgrad_promote(acc, tmp, as_bufs, bs_bufs, empty, s, WG: gl.constexpr):
-    """``acc`` + the finished chain ``tmp`` of stage ``s`` times the outer product of the stage's scales (A's of this
-    warpgroup's rows, B's of the columns), read from the stage, which is then freed."""
-    layout: gl.constexpr = tmp.type.layout
-    sa = as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, layout))
-    sb = bs_bufs.index(s).load(gl.SliceLayout(0, layout))
+    """``acc`` + the finished chain ``tmp`` of stage ``s`` times the outer product of the stage's scales, which is
+    then freed."""
+    scale = _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp)
     mbarrier.arrive(empty.index(s), count=1)
-    return _promote(acc, tmp, sa[:, None] * sb[None, :])
+    return _promote(acc, tmp, scale)
 
 
 @gluon.jit
@@ -1000,21 +1014,21 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
     acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
     tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
     s0 = _stage_ready(ready, step, STAGES)
-    tmp0 = _wgrad_mma(a_bufs, b_bufs, s0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
+    tmp0 = _wgrad_mma(a_bufs, b_bufs, s0, 0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
     for _ in range((steps - 1) // 2):  # [step `step` in flight in tmp0]
         s1 = _stage_ready(ready, step + 1, STAGES)
         tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-        tmp1 = _wgrad_mma(a_bufs, b_bufs, s1, tmp1, WG)
+        tmp1 = _wgrad_mma(a_bufs, b_bufs, s1, 0, tmp1, WG)
         acc = _wgrad_promote(acc, tmp0, as_bufs, bs_bufs, empty, s0, WG)
         s0 = _stage_ready(ready, step + 2, STAGES)
         tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
-        tmp0 = _wgrad_mma(a_bufs, b_bufs, s0, tmp0, WG)
+        tmp0 = _wgrad_mma(a_bufs, b_bufs, s0, 0, tmp0, WG)
         acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG)
         step += 2
     if steps % 2 == 0:  # two steps left: `step` in flight, and the next
         s1 = _stage_ready(ready, step + 1, STAGES)
         done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-        tmp1 = _wgrad_mma(a_bufs, b_bufs, s1, tmp1, WG)
+        tmp1 = _wgrad_mma(a_bufs, b_bufs, s1, 0, tmp1, WG)
         acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG)
         tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
         acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG)
@@ -1027,28 +1041,80 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
 
 
 @gluon.jit
+def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_smem, out_desc, e, p0,
+                     q0, WG: gl.constexpr, LAST: gl.constexpr):
+    """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
+    ``acc0``, the right chain, its promotion into ``acc1``, the stage freed; with LAST (the block's last K-step) the
+    left half stored (``store_block`` at [e, p0, q0]) under the right chain. Returns (acc0, acc1, tmp)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    HB: gl.constexpr = tmp.type.shape[1]
+    s = _stage_ready(ready, step, STAGES)
+    tmp = warpgroup_mma_wait(0, deps=(_wgrad_mma(a_bufs, b_bufs, s, 0, tmp, WG), ))
+    acc0 = _promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
+    tmp = _wgrad_mma(a_bufs, b_bufs, s, HB, tmp, WG)
+    if LAST:
+        store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
+    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+    scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
+    mbarrier.arrive(empty.index(s), count=1)
+    acc1 = _promote(acc1, tmp, scale)
+    return acc0, acc1, tmp
+
+
+@gluon.jit
+def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem, out_desc, e, p0, q0,
+                     WG: gl.constexpr, acc_layout: gl.constexpr):
+    """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
+    accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
+    each promotion runs under the other warpgroup's MMAs); the left half is stored at [e, p0, q0] under the last
+    K-step's right chain. Returns (the right half's accumulator, the next ring step)."""
+    HALF: gl.constexpr = as_bufs.type.shape[1]
+    HB: gl.constexpr = b_bufs.type.shape[1] // 2
+    acc0 = gl.zeros([HALF, HB], gl.float32, acc_layout)
+    acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
+    tmp = gl.zeros([HALF, HB], gl.float32, acc_layout)  # both chains' destination registers
+    for k in range(steps - 1):
+        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + k, acc0, acc1, tmp,
+                                           c_smem, out_desc, e, p0, q0, WG, False)
+    acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0, acc1,
+                                       tmp, c_smem, out_desc, e, p0, q0, WG, True)
+    return acc1, step + steps
+
+
+@gluon.jit
 def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, num_p, num_q,
                          tiles, WG: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``_fp8_wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
-    B's of the 128 columns), under the next K-step's MMA (``_wgrad_main_ahead``); then the bf16 block through the
-    warpgroup's buffer ``c_smem`` and a TMA store that runs on under the next block's MMAs. An expert without rows
-    gets zeros."""
+    B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
+    ``c_smem`` and a TMA store that runs on under the MMAs that follow. A block of 128 columns promotes under its
+    next K-step's MMA (``_wgrad_main_ahead``), one of 256 runs as two column halves (``_wgrad_main_wide``). An
+    expert without rows gets zeros."""
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
+    HB: gl.constexpr = c_smem.type.shape[2]  # columns per store and per accumulator
     HALF: gl.constexpr = as_bufs.type.shape[1]
-    acc_layout: gl.constexpr = _acc_layout(HALF, BN, num_warps)
+    acc_layout: gl.constexpr = _acc_layout(HALF, HB, num_warps)
     step = 0
     # The expert's rows are read at the block's start. Read a block ahead (expert_rows_ahead, as the bf16 kernel
     # does), this kernel hung on the H200 at the 30B layer's shapes (docs/PERFORMANCE.md).
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-        acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
-        if end > start:
-            acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step,
-                                          (end - start + BK - 1) // BK, WG, acc_layout)
-        store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
+        steps = (end - start + BK - 1) // BK
+        acc = gl.zeros([HALF, HB], gl.float32, acc_layout)
+        if BN == 2 * HB:
+            if steps > 0:
+                acc, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem,
+                                             out_desc, e, p0 + WG * HALF, q0, WG, acc_layout)
+            else:
+                store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
+            store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0 + HB)
+        else:
+            if steps > 0:
+                acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, WG,
+                                              acc_layout)
+            store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
     tma.store_wait(0)
 
 
@@ -1057,10 +1123,10 @@ def _fp8_wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr
                          STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
                          LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B
-    (Q, NT * 128) fp8, block (BN, BK); a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q) bf16, block (1, BM
-    / 2, BN) (one warpgroup's half). Blocks: ``tiles`` = E * P/BM * Q/BN output blocks, expert-major (the programs
-    at work share one expert's operands in L2), one program per SM walking them. P and Q multiples of 128; EB a
-    power of two >= E."""
+    (Q, NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q)
+    bf16, block (1, BM / 2, 128) (one warpgroup's half of 128 columns). Blocks: ``tiles`` = E * P/BM * Q/BN output
+    blocks, expert-major (the programs at work share one expert's operands in L2), one program per SM walking them.
+    P a multiple of 128, Q of BN; EB a power of two >= E."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
@@ -1202,27 +1268,39 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
         MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
+def wgrad_block_n(q: int, block_n: int | None = None) -> int:
+    """The FP8 weight-gradient kernel's block width for Q columns: ``block_n`` (128 or 256, a divisor of Q) if given,
+    else ``WGRAD_BLOCK_N`` where it divides Q, else 128."""
+    if block_n is None:
+        return WGRAD_BLOCK_N if q % WGRAD_BLOCK_N == 0 else FP8_BN
+    if block_n not in (FP8_BN, 2 * FP8_BN) or q % block_n:
+        raise ValueError(f"block_n must be 128 or 256 and divide Q = {q}, got {block_n}")
+    return block_n
+
+
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
-                 offsets: torch.Tensor) -> None:
+                 offsets: torch.Tensor, block_n: int | None = None) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``_fp8_wgrad_ws_kernel``; an expert without rows gets zeros.
 
     a_q (P, NT * 128) and b_q (Q, NT * 128) float8_e4m3fn, a_s (NT, P) and b_s (NT, Q) fp32: the sorted rows in tile
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
-    multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU."""
+    multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``block_n``: the output block's
+    width (``wgrad_block_n``)."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
     assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert a_q.shape == (p, num_tiles * FP8_BK) and b_q.shape == (q, num_tiles * FP8_BK)
     assert a_s.shape == (num_tiles, p) and b_s.shape == (num_tiles, q) and offsets.numel() == num_experts + 1
-    tiles = num_experts * (p // FP8_BM) * (q // FP8_BN)
-    block = [1, FP8_BM // 2, FP8_BN]  # one MMA warpgroup's rows
+    block_n = wgrad_block_n(q, block_n)
+    tiles = num_experts * (p // FP8_BM) * (q // block_n)
+    block = [1, FP8_BM // 2, FP8_BN]  # one MMA warpgroup's rows, 128 columns
     _fp8_wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
-        a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [FP8_BN, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
+        a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [block_n, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
-        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts), STAGES=WGRAD_STAGES,
-        LOADER_WARPS=ROWS_LOADER_WARPS, MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS,
-        maxnreg=FP8_MAXNREG)
+        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
+        STAGES=WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
+        MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
 # The kernels by name, for the ahead-of-time compile check.
@@ -1240,7 +1318,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``:
     either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
     up kernel's power-of-two h scales; ``defer_epilogue`` (None: ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the
-    sorted-rows kernel's (``rows_pattern``); ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows
+    sorted-rows kernel's (``rows_pattern``), ``block_n`` also the weight-gradient kernel's; ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows
     or the up kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1264,8 +1342,9 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
                     "trace_ptr": "*i64"}
         sizes = {"N_OUT", "K"}
     elif name == "fp8_wgrad":
-        blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [FP8_BN, FP8_BK]}
-        constexprs = {"EB": 128, "num_warps": MATH_WARPS, "STAGES": WGRAD_STAGES, "LOADER_WARPS": ROWS_LOADER_WARPS,
+        blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [block_n, FP8_BK]}
+        constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS,
+                      "STAGES": WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES,
                       "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
         pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32"}
