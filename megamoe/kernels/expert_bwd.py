@@ -18,7 +18,7 @@ One device:
    dW13[e] = dz^T x_rows, dW2[e] = dy_rows^T (h·w). An expert with no rows gets exact zeros. The FP8 path may
    run them in FP8 instead (``wgrad_fp8``: both operands quantised 128x1 per plan tile by
    ``quant.quantize_tile_cols``, then ``_expert_wgrad_fp8_kernel`` or, on sm90,
-   ``gluon_fp8_sm90._fp8_wgrad_ws_kernel``).
+   ``gluon_fp8_sm90_details.wgrad``).
 
 On sm90 with 16-bit operands, steps 2, 3 and 5 run warp-specialized Gluon twins instead (``gluon_sm90.py``:
 ``_dh_ws_kernel``, ``_act_ws_kernel``, ``_wgrad_ws_kernel``; same operands and outputs), and two copies move
@@ -585,7 +585,7 @@ def wgrad_fp8(aq_PL, as_TP, bq_QL, bs_TQ, plan: Plan, out_dtype: torch.dtype, bl
               ) -> torch.Tensor:
     """``expert_wgrad`` on FP8 operands in tile columns (``quant.quantize_tile_cols``: a's (P, NT*128) e4m3 and
     (NT, P) fp32 scales, b's the same with Q): (E, P, Q) in ``out_dtype``, an expert without rows exact zeros. On
-    sm90 with a bf16 output through the warp-specialized Gluon kernel (``gluon_fp8_sm90._fp8_wgrad_ws_kernel``, its
+    sm90 with a bf16 output through the warp-specialized Gluon kernel (``gluon_fp8_sm90_details.wgrad``, its
     block width ``block_n``: ``gluon_fp8_sm90.wgrad_block_n``), elsewhere ``WGRAD_FP8``. P and Q multiples of
     128."""
     p, q = aq_PL.shape[0], bq_QL.shape[0]

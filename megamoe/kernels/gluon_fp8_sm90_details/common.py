@@ -1,0 +1,126 @@
+"""Device helpers shared by the FP8 Gluon kernels (``gluon_fp8_sm90``): the accumulator layout, the ring of
+stages and its waits, the promotion, the blocks' look-ahead and the block trace."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from megamoe.kernels.gluon_sm90 import barriers, block_rows, expert_end
+
+# The block trace of the sorted-rows and up kernels (``trace=`` of their launchers, read by ``tools.fp8_trace``): per
+# program, per partition (the two MMA warpgroups, then the loader) and per block of its first TRACE_BLOCKS,
+# TRACE_POINTS stamps of the SM's cycle counter, then the same points on the global timer (ns). An MMA warpgroup's
+# points: the block's start, its first stage ready, its main loop done, its end; the loader's: the block's start, its
+# first K-step's copies issued, all of them issued (the fourth unused). Compiled out unless traced (constexpr TRACE).
+TRACE_BLOCKS = gl.constexpr(512)
+TRACE_POINTS = gl.constexpr(4)
+TRACE_PARTS = gl.constexpr(3)
+
+
+@gluon.constexpr_function
+def wgmma_acc_layout(rows, cols, num_warps):
+    """A warpgroup's ``wgmma`` accumulator layout: ``num_warps`` (4) warps down ``rows`` (64), m16 x ``cols``
+    x k32 FP8 instructions."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 32])
+
+
+@gluon.jit
+def block_scales(as_bufs, bs_bufs, s, j: gl.constexpr, WG: gl.constexpr, layout: gl.constexpr):
+    """This warpgroup's combined scales of stage ``s`` for weight block ``j``: a_s of its 64 rows times the
+    weight block's scale (stored repeated), (64,) fp32 in ``layout`` (the accumulator's rows). as_bufs:
+    (STAGES * 2, 64), a stage's two row halves; bs_bufs: (STAGES * NB, 64), a stage's NB weight blocks."""
+    NB: gl.constexpr = bs_bufs.type.shape[0] // (as_bufs.type.shape[0] // 2)
+    return as_bufs.index(s * 2 + WG).load(layout) * bs_bufs.index(s * NB + j).load(layout)
+
+
+@gluon.jit
+def promote(acc, tmp, scale):
+    """``acc + tmp * scale`` (``scale`` broadcast to the block: a row's as ``[:, None]``, one FMA per element),
+    pinned by an empty side-effecting asm per register (CUTLASS's ``warpgroup_fence_operand``) before the wgmma
+    issued next. Left free, LLVM sinks a promotion past the next chain into the temporary it reads, copies that
+    temporary aside and then copies a chain's registers while in flight, for which ptxas serialises every wgmma of
+    the kernel (C7514)."""
+    return gl.inline_asm_elementwise("", "=r,0", [acc + tmp * scale], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def stage_ready(ready, step, STAGES: gl.constexpr):
+    """Wait for ring step ``step``'s stage; returns it."""
+    s = step % STAGES
+    mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+    return s
+
+
+@gluon.jit
+def pass_stages(ready, empty, step, K, BK: gl.constexpr):
+    """A warpgroup with no rows in a block: wait for each of the block's K-steps and hand its stage back unread (the
+    loader filled it for both warpgroups); returns the next ring step."""
+    STAGES: gl.constexpr = empty.type.shape[0]
+    for _ in range(0, K, BK):
+        mbarrier.arrive(empty.index(stage_ready(ready, step, STAGES)), count=1)
+        step += 1
+    return step
+
+
+@gluon.jit
+def ring(a_desc, b_desc, B_SCALE_ROWS: gl.constexpr, B_SCALES: gl.constexpr, STAGES: gl.constexpr,
+          LOADER_WARPS: gl.constexpr):
+    """The shared memory and barriers of an FP8 GEMM's ring of ``STAGES`` K-steps, for two MMA warpgroups and a
+    loader of ``LOADER_WARPS``: the A and B blocks, A's row scales per stage (the two warpgroups' halves,
+    [STAGES * 2, BM / 2]), ``B_SCALE_ROWS`` rows of ``B_SCALES`` fp32 of B's scales per stage ([STAGES *
+    B_SCALE_ROWS, B_SCALES]), and the ready (the TMA bytes' arrival and each loader thread's ``cp.async``) and empty
+    (one arrival per MMA warpgroup) barriers."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one indexed row
+    as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, a_desc.block_type.shape[0] // 2], scale_layout)
+    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * B_SCALE_ROWS, B_SCALES], scale_layout)
+    return a_bufs, b_bufs, as_bufs, bs_bufs, barriers(STAGES, 1 + 32 * LOADER_WARPS), barriers(STAGES, 2)
+
+
+@gluon.jit
+def blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
+    """An MMA partition's view of its first two blocks, before its loop: the first one's first row and expert end,
+    the second one's expert and first row. The loop then reads each block's expert and first row two blocks ahead
+    and its expert's end one block ahead (``block_rows``, ``expert_end``), so that no load's latency stands between
+    a block's last MMA and the next one's first. (Read at the block's start, the two dependent loads held both
+    warpgroups there: the half-tile test ``first < end`` needs the end before the first MMA is issued.)"""
+    e, row0 = block_rows(gl.program_id(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+    e_next, row0_next = block_rows(gl.program_id(0) + gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+    return row0, expert_end(offsets_ptr, e, work), e_next, row0_next
+
+
+@gluon.jit
+def blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
+    """At block ``w``'s start, the reads ``blocks_ahead`` describes: the next block's expert end (its expert
+    ``e_next`` read a block ago; the end is used a block later) and the expert and first row of the block after it."""
+    end_next = expert_end(offsets_ptr, e_next, work)
+    e_after, row0_after = block_rows(w + 2 * gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+    return end_next, e_after, row0_after
+
+
+@gluon.jit
+def _clock(asm: gl.constexpr, like):
+    """A clock register read by ``asm`` (the cycle counter or the global timer), one per element of ``like``."""
+    return gl.inline_asm_elementwise(asm, "=l,r", [like], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def block_index(w):
+    """Block ``w``'s place among this program's blocks (counted from 0): its index in the block trace."""
+    return (w - gl.program_id(0)) // gl.num_programs(0)
+
+
+@gluon.jit
+def stamp(trace_ptr, part: gl.constexpr, block, point: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """With TRACE, point ``point`` of partition ``part``'s block ``block`` (counted from 0 in this program) into the
+    block trace (``TRACE_BLOCKS``): the cycle counter and the global timer, stored by one lane."""
+    if TRACE:
+        one = gl.arange(0, 1, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        at = ((gl.program_id(0) * TRACE_PARTS + part) * TRACE_BLOCKS + block) * (2 * TRACE_POINTS) + point + one
+        keep = (block < TRACE_BLOCKS) & (one == 0)
+        gl.store(trace_ptr + at, _clock("mov.u64 $0, %clock64;", one), mask=keep)
+        gl.store(trace_ptr + at + TRACE_POINTS, _clock("mov.u64 $0, %globaltimer;", one), mask=keep)
+

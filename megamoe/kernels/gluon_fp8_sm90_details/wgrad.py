@@ -1,0 +1,229 @@
+"""The FP8 weight gradients: dW[e] = sum over expert e's plan tiles t of deq(A)[tile t]ᵀ deq(B)[tile t], both
+operands quantised 128x1 along the tokens; launched by ``gluon_fp8_sm90.fp8_wgrad_ws``."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from megamoe.kernels.gluon_fp8_sm90_details.common import (
+    promote,
+    ring,
+    stage_ready,
+    wgmma_acc_layout,
+)
+from megamoe.kernels.gluon_sm90 import (
+    count_busy_tiles,
+    next_slot,
+    store_block,
+    wgrad_block,
+)
+
+
+@gluon.jit
+def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q,
+                  num_p, num_q, tiles, EB: gl.constexpr, num_warps: gl.constexpr):
+    """Loader partition (one warp) of ``wgrad_ws_kernel``: per K-step (one plan tile t of the block's
+    expert), the (128, 128) blocks of A at [p0, 128 t] and of B at [q0, 128 t] through TMA (zeros past the expert's
+    rows are in the tensors), and the tile's scales of the block's 128 P-columns (two warpgroup halves) and 128
+    Q-columns through ``cp.async``, each thread's copies arriving on the stage's ready barrier."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    HALF: gl.constexpr = as_bufs.type.shape[1]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    lanes_a = gl.arange(0, HALF, layout=gl.BlockedLayout([HALF // (32 * num_warps)], [32], [num_warps], [0]))
+    lanes_b = gl.arange(0, BN, layout=gl.BlockedLayout([BN // (32 * num_warps)], [32], [num_warps], [0]))
+    step = 0
+    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        first = count_busy_tiles(offsets_ptr, e, EB, BK, num_warps)  # the tiles of the experts before e
+        for t in range(first, first + (end - start + BK - 1) // BK):
+            s = next_slot(empty, ready, step, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [p0, t * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [q0, t * BK], ready.index(s), b_bufs.index(s))
+            async_copy.async_copy_global_to_shared(as_bufs.index(2 * s), a_s_ptr + t * P + p0 + lanes_a)
+            async_copy.async_copy_global_to_shared(as_bufs.index(2 * s + 1), a_s_ptr + t * P + p0 + HALF + lanes_a)
+            async_copy.async_copy_global_to_shared(bs_bufs.index(s), b_s_ptr + t * Q + q0 + lanes_b)
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            step += 1
+
+
+@gluon.jit
+def _wgrad_mma(a_bufs, b_bufs, s, c0: gl.constexpr, tmp, WG: gl.constexpr):
+    """Issue stage ``s``'s MMA chain for this warpgroup's 64 P-rows and the block's columns ``c0`` .. ``c0`` + 128
+    into ``tmp`` (asynchronous); returns its pending result."""
+    HALF: gl.constexpr = tmp.type.shape[0]
+    b = b_bufs.index(s).slice(c0, tmp.type.shape[1])
+    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), b.permute((1, 0)), tmp, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _wgrad_scale(as_bufs, bs_bufs, s, c0: gl.constexpr, WG: gl.constexpr, tmp):
+    """The outer product of stage ``s``'s scales for the chain ``tmp`` of columns ``c0`` ..: A's of this warpgroup's
+    rows times B's of the columns, read from the stage, in ``tmp``'s layout."""
+    layout: gl.constexpr = tmp.type.layout
+    sa = as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, layout))
+    sb = bs_bufs.index(s).slice(c0, tmp.type.shape[1]).load(gl.SliceLayout(0, layout))
+    return sa[:, None] * sb[None, :]
+
+
+@gluon.jit
+def _wgrad_promote(acc, tmp, as_bufs, bs_bufs, empty, s, WG: gl.constexpr):
+    """``acc`` + the finished chain ``tmp`` of stage ``s`` times the outer product of the stage's scales, which is
+    then freed."""
+    scale = _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp)
+    mbarrier.arrive(empty.index(s), count=1)
+    return promote(acc, tmp, scale)
+
+
+@gluon.jit
+def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, WG: gl.constexpr,
+                      acc_layout: gl.constexpr):
+    """A block's ``steps`` (>= 1) K-steps for one warpgroup with the next chain issued before a finished one is
+    promoted (the pattern of ``_rows_main_narrow``'s issue-ahead branch, whose comments say why each wait is
+    to zero chains in flight). The scales are read at the promotion, under the next chain: held from the stage's
+    ready wait, as the sorted-rows kernel holds its row scales, B's 32 per thread would not fit beside two
+    temporaries and the accumulator. Returns (the accumulator, the next ring step)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    HALF: gl.constexpr = as_bufs.type.shape[1]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
+    tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
+    s0 = stage_ready(ready, step, STAGES)
+    tmp0 = _wgrad_mma(a_bufs, b_bufs, s0, 0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
+    for _ in range((steps - 1) // 2):  # [step `step` in flight in tmp0]
+        s1 = stage_ready(ready, step + 1, STAGES)
+        tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+        tmp1 = _wgrad_mma(a_bufs, b_bufs, s1, 0, tmp1, WG)
+        acc = _wgrad_promote(acc, tmp0, as_bufs, bs_bufs, empty, s0, WG)
+        s0 = stage_ready(ready, step + 2, STAGES)
+        tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
+        tmp0 = _wgrad_mma(a_bufs, b_bufs, s0, 0, tmp0, WG)
+        acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG)
+        step += 2
+    if steps % 2 == 0:  # two steps left: `step` in flight, and the next
+        s1 = stage_ready(ready, step + 1, STAGES)
+        done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+        tmp1 = _wgrad_mma(a_bufs, b_bufs, s1, 0, tmp1, WG)
+        acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG)
+        tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
+        acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG)
+        step += 2
+    else:  # one step left, in flight
+        done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+        acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG)
+        step += 1
+    return acc, step
+
+
+@gluon.jit
+def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_smem, out_desc, e, p0,
+                     q0, WG: gl.constexpr, LAST: gl.constexpr):
+    """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
+    ``acc0``, the right chain, its promotion into ``acc1``, the stage freed; with LAST (the block's last K-step) the
+    left half stored (``store_block`` at [e, p0, q0]) under the right chain. Returns (acc0, acc1, tmp)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    HB: gl.constexpr = tmp.type.shape[1]
+    s = stage_ready(ready, step, STAGES)
+    tmp = warpgroup_mma_wait(0, deps=(_wgrad_mma(a_bufs, b_bufs, s, 0, tmp, WG), ))
+    acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
+    tmp = _wgrad_mma(a_bufs, b_bufs, s, HB, tmp, WG)
+    if LAST:
+        store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
+    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+    scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
+    mbarrier.arrive(empty.index(s), count=1)
+    acc1 = promote(acc1, tmp, scale)
+    return acc0, acc1, tmp
+
+
+@gluon.jit
+def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem, out_desc, e, p0, q0,
+                     WG: gl.constexpr, acc_layout: gl.constexpr):
+    """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
+    accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
+    each promotion runs under the other warpgroup's MMAs); the left half is stored at [e, p0, q0] under the last
+    K-step's right chain. Returns (the right half's accumulator, the next ring step)."""
+    HALF: gl.constexpr = as_bufs.type.shape[1]
+    HB: gl.constexpr = b_bufs.type.shape[1] // 2
+    acc0 = gl.zeros([HALF, HB], gl.float32, acc_layout)
+    acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
+    tmp = gl.zeros([HALF, HB], gl.float32, acc_layout)  # both chains' destination registers
+    for k in range(steps - 1):
+        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + k, acc0, acc1, tmp,
+                                           c_smem, out_desc, e, p0, q0, WG, False)
+    acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0, acc1,
+                                       tmp, c_smem, out_desc, e, p0, q0, WG, True)
+    return acc1, step + steps
+
+
+@gluon.jit
+def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, num_p, num_q,
+                         tiles, WG: gl.constexpr, num_warps: gl.constexpr):
+    """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
+    block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
+    B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
+    ``c_smem`` and a TMA store that runs on under the MMAs that follow. A block of 128 columns promotes under its
+    next K-step's MMA (``_wgrad_main_ahead``), one of 256 runs as two column halves (``_wgrad_main_wide``). An
+    expert without rows gets zeros."""
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    HB: gl.constexpr = c_smem.type.shape[2]  # columns per store and per accumulator
+    HALF: gl.constexpr = as_bufs.type.shape[1]
+    acc_layout: gl.constexpr = wgmma_acc_layout(HALF, HB, num_warps)
+    step = 0
+    # The expert's rows are read at the block's start. Read a block ahead (expert_rows_ahead, as the bf16 kernel
+    # does), this kernel hung on the H200 at the 30B layer's shapes (docs/PERFORMANCE.md).
+    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        steps = (end - start + BK - 1) // BK
+        acc = gl.zeros([HALF, HB], gl.float32, acc_layout)
+        if BN == 2 * HB:
+            if steps > 0:
+                acc, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem,
+                                             out_desc, e, p0 + WG * HALF, q0, WG, acc_layout)
+            else:
+                store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
+            store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0 + HB)
+        else:
+            if steps > 0:
+                acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, WG,
+                                              acc_layout)
+            store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, EB: gl.constexpr,
+                         STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
+                         LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B
+    (Q, NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q)
+    bf16, block (1, BM / 2, 128) (one warpgroup's half of 128 columns). Blocks: ``tiles`` = E * P/BM * Q/BN output
+    blocks, expert-major (the programs at work share one expert's operands in L2), one program per SM walking them.
+    P a multiple of 128, Q of BN; EB a power of two >= E."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    # B's scales of the block's Q-columns per stage
+    a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = ring(a_desc, b_desc, 1, BN, STAGES, LOADER_WARPS)
+    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    num_p = P // BM
+    num_q = Q // BN
+    gl.warp_specialize([
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
+                                bs_bufs, num_p, num_q, tiles, 0, num_warps)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
+                                bs_bufs, num_p, num_q, tiles, 1, num_warps)),
+        (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
+                         P, Q, num_p, num_q, tiles, EB, LOADER_WARPS)),
+    ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
+
