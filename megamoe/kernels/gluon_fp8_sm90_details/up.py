@@ -245,12 +245,12 @@ def _up_h(acc_g, acc_u, stage, preact_ptr, first, end, c0, I, PREACT: gl.constex
 def _h_scales(amax, POW2: gl.constexpr):
     """The rows' h scales and the factors h is multiplied by, as ``quant.scale_and_inverse``: amax / 448 and
     448 / amax (IEEE), or with POW2 amax / 448 rounded up to a power of two and its exact inverse."""
-    s = gl.div_rn(amax, gl.full(amax.type.shape, gl.float32, amax.type.layout))
+    s = gl.div_rn(amax, gl.full(amax.type.shape, FP8_MAX, gl.float32, amax.type.layout))
     if POW2:
         bits = s.to(gl.int32, bitcast=True)
         exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(gl.int32)
         return (exponent << 23).to(gl.float32, bitcast=True), ((254 - exponent) << 23).to(gl.float32, bitcast=True)
-    return s, gl.div_rn(gl.full(amax.type.shape, gl.float32, amax.type.layout), amax)
+    return s, gl.div_rn(gl.full(amax.type.shape, FP8_MAX, gl.float32, amax.type.layout), amax)
 
 
 @gluon.jit
