@@ -27,8 +27,8 @@ from megamoe.kernels.gluon_sm90 import (
 )
 
 # B's column scales of a stage, per 128 columns, laid out so that the 32 each thread of the wgmma accumulator reads
-# (columns 8j + 2q + b, q its lane % 4) lie in 8 runs of 4: column c at offset 32q + 2j + b, read by 16-byte loads
-# (in column order, pairs: 16 8-byte loads per promotion). The bases give each offset bit's column.
+# (columns 8j + 2q + b, q its lane % 4) lie in 8 runs of 4: column c at offset 32q + 2j + b, read by 8 16-byte loads
+# (in column order they lie in pairs: 16 8-byte loads per promotion). The bases give each offset bit's column.
 COL_SCALES = gl.constexpr(gl.SharedLinearLayout(offset_bases=[[1], [8], [16], [32], [64], [2], [4]]))
 
 
