@@ -51,7 +51,9 @@ FP8_WS_VARIANTS = (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}),
                    ("fp8_up_ws", "fp8_up", {"preact": True, "issue_ahead": True}),
                    ("fp8_up_ws", "fp8_up", {"preact": True, "h_out": False}),
                    # the sorted-rows kernel's stores deferred under the next block's MMA (ROWS_DEFER_EPILOGUE)
-                   ("fp8_rows_ws", "fp8_rows", {"defer_epilogue": True}))
+                   ("fp8_rows_ws", "fp8_rows", {"defer_epilogue": True}),
+                   # blocks of 256 columns, the launchers' default where N / Q allow (ROWS_BLOCK_N, WGRAD_BLOCK_N)
+                   ("fp8_rows_ws", "fp8_rows", {"block_n": 256}), ("fp8_wgrad_ws", "fp8_wgrad", {"block_n": 256}))
 _FP8_POINTER_TYPES = {"out_ptr": "*bf16", "preact_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
                       "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32", "b_scale_ptr": "*fp32"}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
@@ -232,8 +234,9 @@ def main(argv=None) -> None:
                    ptxas_report(compile_for_hopper(kernel, config, "fp8e4nv", _FP8_POINTER_TYPES)), too_big)
     for name, kernel, variant in FP8_WS_VARIANTS if args.dtype == "bf16" else ():
         r = ptxas_report(ws8.aot_compile(kernel, **variant))
-        report_row(name, f"BM={ws8.FP8_BM} BN={ws8.FP8_BN} BK={ws8.FP8_BK} maxnreg={ws8.FP8_MAXNREG} "
-                   + " ".join(f"{k}={v}" for k, v in variant.items()), r, too_big)
+        report_row(name, f"BM={ws8.FP8_BM} BN={variant.get('block_n', ws8.FP8_BN)} BK={ws8.FP8_BK} "
+                   f"maxnreg={ws8.FP8_MAXNREG} " + " ".join(f"{k}={v}" for k, v in variant.items() if k != "block_n"),
+                   r, too_big)
         if not r["wide_stores"]:
             narrow.append(name)
         if r["wgmma_serialized"]:
