@@ -36,9 +36,10 @@ COL_SCALES = gl.constexpr(gl.SharedLinearLayout(offset_bases=[[1], [8], [16], [3
 def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q,
                   num_p, num_q, tiles, EB: gl.constexpr, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``wgrad_ws_kernel``: per K-step (one plan tile t of the block's
-    expert), the (128, 128) blocks of A at [p0, 128 t] and of B at [q0, 128 t] through TMA (zeros past the expert's
-    rows are in the tensors), and the tile's scales of the block's 128 P-columns (two warpgroup halves) and 128
-    Q-columns through ``cp.async``, each thread's copies arriving on the stage's ready barrier."""
+    expert), the blocks of A (128, 128) at [p0, 128 t] and of B (BN, 128) at [q0, 128 t] through TMA (zeros past the
+    expert's rows are in the tensors), and the tile's scales of the block's 128 P-columns (two warpgroup halves) and
+    BN Q-columns (in ``COL_SCALES`` order, 128 at a time) through ``cp.async``, each thread's copies arriving on the
+    stage's ready barrier."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
