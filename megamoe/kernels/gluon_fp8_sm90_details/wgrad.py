@@ -26,14 +26,6 @@ from megamoe.kernels.gluon_sm90 import (
     wgrad_block,
 )
 
-# B's column scales of a stage, per 128 columns, laid out so that the 32 each thread of the wgmma accumulator reads
-# (columns 8j + 2q + b, q its lane % 4) lie in 8 runs of 4, the four lanes' runs side by side: column c at offset
-# 16 (j // 2) + 4q + 2 (j % 2) + b, read by 8 16-byte loads whose 8-lane phases each touch 64 distinct bytes in
-# distinct banks (in column order they lie in pairs: 16 8-byte loads per promotion). The bases give each offset
-# bit's column. (Runs 32 floats apart, 32q + 2j + b, put the four lanes' runs in one bank group: 4-way conflicts,
-# the kernel 35% slower.)
-COL_SCALES = gl.constexpr(gl.SharedLinearLayout(offset_bases=[[1], [8], [2], [4], [16], [32], [64]]))
-
 
 @gluon.jit
 def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q,
@@ -41,15 +33,14 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a
     """Loader partition (one warp) of ``wgrad_ws_kernel``: per K-step (one plan tile t of the block's
     expert), the blocks of A (128, 128) at [p0, 128 t] and of B (BN, 128) at [q0, 128 t] through TMA (zeros past the
     expert's rows are in the tensors), and the tile's scales of the block's 128 P-columns (two warpgroup halves) and
-    BN Q-columns (in ``COL_SCALES`` order, 128 at a time) through ``cp.async``, each thread's copies arriving on the
-    stage's ready barrier."""
+    BN Q-columns through ``cp.async``, each thread's copies arriving on the stage's ready barrier."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     HALF: gl.constexpr = as_bufs.type.shape[1]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     lanes_a = gl.arange(0, HALF, layout=gl.BlockedLayout([HALF // (32 * num_warps)], [32], [num_warps], [0]))
-    lanes_b = gl.arange(0, 128, layout=gl.BlockedLayout([128 // (32 * num_warps)], [32], [num_warps], [0]))
+    lanes_b = gl.arange(0, BN, layout=gl.BlockedLayout([BN // (32 * num_warps)], [32], [num_warps], [0]))
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
@@ -60,16 +51,9 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a
             tma.async_copy_global_to_shared(b_desc, [q0, t * BK], ready.index(s), b_bufs.index(s))
             async_copy.async_copy_global_to_shared(as_bufs.index(2 * s), a_s_ptr + t * P + p0 + lanes_a)
             async_copy.async_copy_global_to_shared(as_bufs.index(2 * s + 1), a_s_ptr + t * P + p0 + HALF + lanes_a)
-            for c0 in gl.static_range(0, BN, 128):
-                async_copy.async_copy_global_to_shared(_col_scales(bs_bufs, s, c0), b_s_ptr + t * Q + q0 + c0 + lanes_b)
+            async_copy.async_copy_global_to_shared(bs_bufs.index(s), b_s_ptr + t * Q + q0 + lanes_b)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
-
-
-@gluon.jit
-def _col_scales(bs_bufs, s, c0: gl.constexpr):
-    """Stage ``s``'s B scales of columns ``c0`` .. ``c0`` + 127, as a view in the ``COL_SCALES`` order."""
-    return bs_bufs.index(s).slice(c0, 128)._reinterpret(gl.float32, [128], COL_SCALES)
 
 
 @gluon.jit
@@ -87,7 +71,7 @@ def _wgrad_scale(as_bufs, bs_bufs, s, c0: gl.constexpr, WG: gl.constexpr, tmp):
     rows times B's of the columns, read from the stage, in ``tmp``'s layout."""
     layout: gl.constexpr = tmp.type.layout
     sa = as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, layout))
-    sb = _col_scales(bs_bufs, s, c0).load(gl.SliceLayout(0, layout))
+    sb = bs_bufs.index(s).slice(c0, tmp.type.shape[1]).load(gl.SliceLayout(0, layout))
     return sa[:, None] * sb[None, :]
 
 
