@@ -113,6 +113,17 @@ def test_sorting_dy_quantises_its_rows_as_quantize_rows_does(dim, scales):
     assert torch.equal(bits(dyq_copied[:routed]), bits(q_ref)) and torch.equal(dys_copied[:, :routed], s_ref)
 
 
+def test_quantize_tile_cols_refuses_a_partial_column_block():
+    """A column count that is not a multiple of the quantiser's block would leave the last columns unwritten: it is
+    refused, naming the multiple."""
+    from megamoe.kernels.plan import build_plan
+
+    x, idx, _, _, _, _ = make_problem(64, quant.TILE_COLS_BC + 64, 128, 4, 2, "random", dtype=torch.bfloat16,
+                                      device=DEVICE)
+    with pytest.raises(ValueError, match=f"multiple of {quant.TILE_COLS_BC} columns"):
+        quant.quantize_tile_cols(x, build_plan(idx, 4), top_k=2)
+
+
 @pytest.mark.parametrize("routing", ["random", "dropped"])
 def test_quantize_tile_cols_reads_the_tokens_rows_as_their_sorted_copy(routing, scales):
     """``quantize_tile_cols(x, plan, top_k)`` reads each sorted row from its token: bit for bit the quantisation of

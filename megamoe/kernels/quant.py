@@ -213,6 +213,8 @@ def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None)
     copy of them is needed."""
     num_tiles = plan.tile_expert_NT.numel()
     cols = a_NC.shape[1]
+    if cols % TILE_COLS_BC:
+        raise ValueError(f"quantize_tile_cols needs a multiple of {TILE_COLS_BC} columns, got {cols}")
     q = torch.empty(cols, num_tiles * BLOCK_M, device=a_NC.device, dtype=FP8)
     s = torch.empty(num_tiles, cols, device=a_NC.device, dtype=torch.float32)
     _quantize_tile_cols_kernel[(num_tiles, cols // TILE_COLS_BC)](
