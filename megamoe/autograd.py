@@ -18,7 +18,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megamoe.env import custom_ops_forced, fp8_wgrad_requested, low_peak_backward_requested
+from megamoe.env import (
+    custom_ops_forced,
+    fp8_wgrad_requested,
+    low_peak_backward_requested,
+)
 from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
     act_bwd,
@@ -33,7 +37,13 @@ from megamoe.kernels.expert_bwd import (
     sorted_rows_and_dh,
     wgrad_fp8,
 )
-from megamoe.kernels.expert_fwd import down_fp8, down_fwd, up_products_fp8, up_swiglu_fp8, up_swiglu_fwd
+from megamoe.kernels.expert_fwd import (
+    down_fp8,
+    down_fwd,
+    up_products_fp8,
+    up_swiglu_fp8,
+    up_swiglu_fwd,
+)
 from megamoe.kernels.plan import Plan, build_plan, plan_op
 from megamoe.kernels.quant import fp8_weight, quantize_rows, quantize_tile_cols
 
