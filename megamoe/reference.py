@@ -419,7 +419,7 @@ def moe_grouped_mm_fp8(
 E4M3_MAX, FP8_GROUP, AMAX_FLOOR = 448.0, 128, 1e-12
 
 
-def _quantize_groups(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``v`` (..., G) fp32 -> (e4m3 (..., G), fp32 scales (...)): one group per last-dim row; with power-of-two
     scales (``env.set_fp8_scales``) amax / 448 rounded up to a power of two, and v times its exact inverse."""
     amax = v.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
@@ -439,7 +439,7 @@ def _quantize_groups(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows(a_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (M, K) e4m3, s (K/128, M) fp32), as ``kernels.quant.quantize_rows``."""
     num_rows, k = a_MK.shape
-    q, s = _quantize_groups(a_MK.float().reshape(num_rows, k // FP8_GROUP, FP8_GROUP))
+    q, s = quantize_groups(a_MK.float().reshape(num_rows, k // FP8_GROUP, FP8_GROUP))
     return q.reshape(num_rows, k), s.t().contiguous()
 
 
@@ -448,7 +448,7 @@ def quantize_weight(w_ERC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     num_experts, r, c = w_ERC.shape
     g = FP8_GROUP
     blocks = w_ERC.float().reshape(num_experts, r // g, g, c // g, g).transpose(2, 3)  # (E, R/g, C/g, g, g)
-    q, s = _quantize_groups(blocks.reshape(num_experts, r // g, c // g, g * g))
+    q, s = quantize_groups(blocks.reshape(num_experts, r // g, c // g, g * g))
     q = q.reshape(num_experts, r // g, c // g, g, g)
     return (q.transpose(2, 3).reshape(num_experts, r, c), s,
             q.permute(0, 2, 4, 1, 3).reshape(num_experts, c, r), s.transpose(1, 2).contiguous())
@@ -461,7 +461,7 @@ def _quantize_cols(a_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = -(-num_rows // FP8_GROUP)
     padded = a_RC.float().new_zeros(groups * FP8_GROUP, c)
     padded[:num_rows] = a_RC.float()
-    q, s = _quantize_groups(padded.reshape(groups, FP8_GROUP, c).transpose(1, 2))  # (G, C, 128), (G, C)
+    q, s = quantize_groups(padded.reshape(groups, FP8_GROUP, c).transpose(1, 2))  # (G, C, 128), (G, C)
     return q.transpose(0, 1).reshape(c, groups * FP8_GROUP), s
 
 

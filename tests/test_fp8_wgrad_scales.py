@@ -1,0 +1,29 @@
+import math
+
+import torch
+
+from tools import fp8_wgrad_scales as ws
+
+
+def test_per_expert_scales_equal_the_recipe_where_every_tile_has_the_same_column_amax():
+    """Rows repeated tile by tile give each channel the same amax in every 128-row group as over all the rows: one
+    scale per channel then quantises exactly as the recipe's 128x1 groups, so the three scalings give the same dW,
+    bit for bit; with the tiles different they do not."""
+    gen = torch.Generator().manual_seed(0)
+    tile_a, tile_b = (torch.randn(128, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    a, b = tile_a.repeat(3, 1), tile_b.repeat(3, 1)
+    assert torch.equal(ws.per_expert(a), ws.per_tile(a)) and torch.equal(ws.per_expert(b), ws.per_tile(b))
+    errors = ws.wgrad_errors(a, b)
+    assert errors["tile/tile"] == errors["tile/expert"] == errors["expert/expert"] > 0
+    b[128:256] *= 16.0  # one tile's columns 16x larger: the other tiles lose precision under one scale per channel
+    assert not torch.equal(ws.per_expert(b), ws.per_tile(b))
+
+
+def test_the_table_has_every_scaling_of_every_distribution(capsys):
+    ws.main(["--rows", "256", "--cols", "128"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[2:]]
+    assert [r[0] for r in rows] == ["normal", "outlier", "student-t(2)"]
+    for r in rows:
+        values = [float(v) for v in r[-len(ws.SCALINGS):]]
+        assert all(math.isfinite(v) and 0 < v < 0.2 for v in values)

@@ -1,0 +1,85 @@
+"""What coarser token-axis scales would cost the FP8 weight gradients in accuracy (CPU, torch's e4m3 cast).
+
+dW = aᵀ b over one expert's rows (a: rows x P, b: rows x Q), both operands e4m3 with fp32 scales along the token
+axis, against the float64 product, under three scalings:
+
+* ``tile/tile``: both per channel and 128 rows, DeepSeek-V3's 128x1 groups (``reference.quantize_tile_cols``), what
+  ``autograd.FP8_WGRAD`` computes;
+* ``tile/expert``: b per channel over all the expert's rows, so that its scale could leave the GEMM's K-loop for
+  the epilogue (the "A's row scales only" timing in docs/PERFORMANCE.md, "Where the weight-gradient kernel's time
+  goes");
+* ``expert/expert``: both per channel over all the rows.
+
+Data: normal; normal with 1% of the rows 100x larger (outlier tokens); Student-t with 2 degrees of freedom (heavy
+tails). Relative error: the Frobenius norm of the difference over the reference's.
+
+``python -m tools.fp8_wgrad_scales [--rows 1024] [--cols 256] [--seed 0]``
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megamoe import reference
+
+SCALINGS = ("tile/tile", "tile/expert", "expert/expert")
+
+
+def per_tile(a: torch.Tensor) -> torch.Tensor:
+    """``a`` (rows, C) through the recipe's 128x1 groups and back, in float64: (C, rows)."""
+    rows = a.shape[0]
+    q, s = reference.quantize_tile_cols(a, torch.tensor([0, rows]))
+    return reference.dequantize_tile_cols(q, s, torch.tensor([0, rows]))[0][:, :rows]
+
+
+def per_expert(a: torch.Tensor) -> torch.Tensor:
+    """``a`` (rows, C) with one scale per channel over all its rows (one group of the recipe's rounding per channel,
+    ``reference.quantize_groups``), e4m3 and back in float64: (C, rows)."""
+    q, s = reference.quantize_groups(a.t().float())
+    return q.double() * s.double()[:, None]
+
+
+def wgrad_errors(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    """The relative error of aᵀ b under each of ``SCALINGS`` (a's scaling / b's)."""
+    ref = a.double().t() @ b.double()
+    out = {"tile/tile": per_tile(a) @ per_tile(b).t(), "tile/expert": per_tile(a) @ per_expert(b).t(),
+           "expert/expert": per_expert(a) @ per_expert(b).t()}
+    return {name: float((dw - ref).norm() / ref.norm()) for name, dw in out.items()}
+
+
+def operands(kind: str, rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two (rows, cols) bf16 operands of one distribution (see the module docstring)."""
+    def one():
+        if kind == "normal":
+            return torch.randn(rows, cols, generator=gen)
+        if kind == "outlier rows":
+            v = torch.randn(rows, cols, generator=gen)
+            v[torch.randperm(rows, generator=gen)[:max(1, rows // 100)]] *= 100.0
+            return v
+        if kind == "student-t(2)":
+            return torch.randn(rows, cols, generator=gen) / torch.sqrt(torch.randn(rows, cols, 2, generator=gen)
+                                                                       .square().mean(dim=-1))
+        raise ValueError(kind)
+
+    return one().to(torch.bfloat16), one().to(torch.bfloat16)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tools.fp8_wgrad_scales", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rows", type=int, default=1024, help="the expert's rows (tokens routed to it)")
+    p.add_argument("--cols", type=int, default=256, help="P = Q, channels of each operand")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    gen = torch.Generator().manual_seed(args.seed)
+    print(f"dW = aᵀ b relative error, {args.rows} rows, {args.cols} x {args.cols}, seed {args.seed}")
+    print(f"{'data':16s}" + "".join(f"{name:>16s}" for name in SCALINGS))
+    for kind in ("normal", "outlier rows", "student-t(2)"):
+        errors = wgrad_errors(*operands(kind, args.rows, args.cols, gen))
+        print(f"{kind:16s}" + "".join(f"{errors[name]:16.3e}" for name in SCALINGS))
+
+
+if __name__ == "__main__":
+    main()
