@@ -177,7 +177,8 @@ def main(argv=None) -> None:
         ("wgrad: quantize 128x1 (N, I)", lambda: quant.quantize_tile_cols(hw, plan), None, tile_cols_bytes(inter),
          None),
     ]
-    wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)), ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
+    wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
+                   ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
     stages += [(name + (" FP8 (256 columns)" if block_n == 256 else " FP8"),
                 lambda a=a, b=b, block_n=block_n: expert_bwd.wgrad_fp8(*a, *b, plan, torch.bfloat16, block_n), flops,
                 None, dense)

@@ -30,8 +30,9 @@ SCALINGS = ("tile/tile", "tile/expert", "expert/expert")
 def per_tile(a: torch.Tensor) -> torch.Tensor:
     """``a`` (rows, C) through the recipe's 128x1 groups and back, in float64: (C, rows)."""
     rows = a.shape[0]
-    q, s = reference.quantize_tile_cols(a, torch.tensor([0, rows]))
-    return reference.dequantize_tile_cols(q, s, torch.tensor([0, rows]))[0][:, :rows]
+    offsets = torch.tensor([0, rows])  # one expert
+    q, s = reference.quantize_tile_cols(a, offsets)
+    return reference.dequantize_tile_cols(q, s, offsets)[0][:, :rows]
 
 
 def per_expert(a: torch.Tensor) -> torch.Tensor:

@@ -293,8 +293,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``:
     either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
     up kernel's power-of-two h scales; ``defer_epilogue`` (None: ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the
-    sorted-rows kernel's (``rows_pattern``), ``block_n`` also the weight-gradient kernel's; ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows
-    or the up kernel."""
+    sorted-rows kernel's (``rows_pattern``), ``block_n`` also the weight-gradient kernel's; ``trace``: the
+    block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
