@@ -27,6 +27,7 @@ from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
     act_bwd,
     act_bwd_from_preact,
+    act_bwd_tile_cols,
     dh_fp8,
     dx_slots,
     dx_slots_fp8,
@@ -129,8 +130,9 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     kernel (the FP8 GEMM the forward ran, so both memory modes compute the same gradients; without its h output)
     and the act step run on them; the weight gradients from the unquantised rows in x's dtype (exact products, fp32
     accumulation), or with :data:`FP8_WGRAD` from those rows quantised 128x1: x's and dy's read from the tokens'
-    rows (no sorted copies; dy's 1x128 rows for dh' quantised per token and copied), dz's and h·w's from the act
-    step's rows, and the dx combine on its own (not inside the dW13 kernel)."""
+    rows (no sorted copies; dy's 1x128 rows for dh' quantised per token and copied), dz's and h·w's by the act step
+    (``expert_bwd.act_bwd_tile_cols``: on sm90 neither is written in x's dtype; the products are left as they were),
+    and the dx combine on its own (not inside the dW13 kernel)."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
     weights = topk_weights.contiguous()
@@ -143,15 +145,12 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
         x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
     dh_NI = dh_fp8(dyq, dys, w2tq, w2ts, plan, x.dtype)
     del dyq, dys
-    if preact is None:  # recomputed into a buffer of its own, which dz then takes over
+    if preact is None:  # recomputed into a buffer of its own (which dz then takes over, where it is written)
         preact = preact_buffer(x, topk_idx, w13)
         up_products_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact)
         reuse_preact = True
-    if FP8_WGRAD:
-        dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True,
-                                                                 dz_over_preact=reuse_preact)
-        dz_t, hw_t = quantize_tile_cols(dz_NH, plan), quantize_tile_cols(hw_NI, plan)
-        del dz_NH, hw_NI
+    if FP8_WGRAD:  # dz and h·w straight into their FP8 copies
+        dweight_TK, dzq, dzs, dz_t, hw_t = act_bwd_tile_cols(preact, dh_NI, weights, plan, top_k)
         del dh_NI, preact
         dw2 = wgrad_fp8(*dy_t, *hw_t, plan, w2.dtype)
         del dy_t, hw_t
@@ -207,9 +206,10 @@ class _FusedMoE(torch.autograd.Function):
     def backward(ctx, dy):
         x, topk_idx, topk_weights, w13, w2, *rest = ctx.saved_tensors
         plan, preact = (rest[:-1], rest[-1]) if ctx.save_preact else (rest, None)
-        if preact is not None:
+        if preact is not None and not (ctx.fp8 and FP8_WGRAD):
             # The saved products are this layer's own: dz takes their memory. Marked as modified, so that a second
-            # backward through a retained graph fails at unpacking them instead of reading dz as g and u.
+            # backward through a retained graph fails at unpacking them instead of reading dz as g and u. (The FP8
+            # path with FP8 weight gradients writes no dz in x's dtype: the products stay as they are.)
             torch.autograd.graph.increment_version(preact)
         dx, dweight, dw13, dw2 = _backward_body(ctx.fp8)(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan,
                                                          preact=preact, low_peak=ctx.low_peak,

@@ -467,6 +467,43 @@ def test_fp8_quantisers_on_the_gpu_match_reference_bit_for_bit(scales):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", ["edges", "30B"])
+def test_act_step_into_tile_columns_is_the_act_step_then_the_quantiser(case, scales):
+    """The FP8 weight gradients' act step in one Gluon kernel (``expert_bwd.act_bwd_tile_cols`` on sm90): bit for bit
+    the act step writing dz and h·w in bf16 (``act_bwd_from_preact`` with dz's 1x128 quantisation) followed by
+    ``quantize_tile_cols`` on them, on the routed rows and busy tiles (the rest is never written). "edges": experts
+    with no rows, one row, partial and several tiles, products over 2 decades (subnormal and zero e4m3 values) and NaN
+    rows past the routed ones (never read); "30B": the 30B layer's I (six column blocks), a skewed routing of 64
+    experts."""
+    from megamoe.kernels import expert_bwd
+    from megamoe.kernels.gluon_fp8_sm90 import fp8_ws_supported
+    from megamoe.kernels.plan import build_plan
+
+    gen = torch.Generator().manual_seed(6)
+    if case == "edges":
+        plan, routed = wgrad_plan(), sum(WGRAD_COUNTS)
+        products, dh = wgrad_rows(512, gen, decades=2.0), wgrad_rows(256, gen)
+    else:
+        plan, routed = build_plan(gpu_problem(3000, 128, 128, 64, 2, "skewed")[1], 64), 6000
+        products = torch.randn(6000, 1536, generator=gen) * torch.logspace(-2, 2, 6000)[:, None]
+        dh = torch.randn(6000, 768, generator=gen)
+    products, dh = products.to(torch.bfloat16).cuda(), dh.to(torch.bfloat16).cuda()
+    weights = torch.rand(products.shape[0], generator=gen).cuda()
+    assert fp8_ws_supported(products, products.dtype)  # the Gluon kernel, not the two steps it is checked against
+    busy = plan.tile_expert_NT.lt(plan.offsets_E1.numel() - 1).sum().item()
+    dz, hw, *expected = expert_bwd.act_bwd_from_preact(products, dh, weights, plan, 1, quant_dz=True)
+    expected += [quant.quantize_tile_cols(dz, plan), quant.quantize_tile_cols(hw, plan)]
+    dweight, dzq, dzs, dz_t, hw_t = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, 1)
+    assert torch.equal(dweight, expected[0])
+    assert torch.equal(bits(dzq[:routed]), bits(expected[1][:routed]))
+    assert torch.equal(dzs[:, :routed], expected[2][:, :routed])
+    for name, (q, s), (q_ref, s_ref) in (("dz", dz_t, expected[3]), ("h·w", hw_t, expected[4])):
+        assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128])), name
+        assert torch.equal(s[:busy], s_ref[:busy]), name
+    assert_scale_kind(dz_t[1][:busy], scales)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", SAVE_MODES)
 def test_fp8_no_host_sync_and_bitwise_deterministic(mode):
     problem = gpu_problem(2048, 1024, 512, 32, 8, "skewed")

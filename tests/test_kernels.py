@@ -90,13 +90,15 @@ def test_low_peak_backward_gives_the_default_orders_gradients(monkeypatch, mode,
 def test_saved_products_become_dz_in_the_eager_backward(monkeypatch, fp8):
     """The eager saved mode's backward writes dz over its saved gate and up products (no (N, 2I) block of its own),
     with the gradients bit for bit those of the custom ops, which give dz a block of its own; the FP8 keep-nothing
-    backward does the same with the products it recomputes. A second backward through the retained graph of the
-    saved mode fails instead of reading dz as g and u."""
+    backward does the same with the products it recomputes (with bf16 weight gradients: with FP8 ones no dz is
+    written in x's dtype, ``test_fp8_wgrad_backward_leaves_the_saved_products``). A second backward through the
+    retained graph of the saved mode fails instead of reading dz as g and u."""
     import contextlib
 
     import megamoe.autograd
     from megamoe.env import forcing_custom_ops
 
+    monkeypatch.setattr(megamoe.autograd, "FP8_WGRAD", False)
     x, idx, w, w13, w2, dy = make_problem(40, 128, 128, 4, 2, "dropped", device=DEVICE)
     original = megamoe.autograd.act_bwd_from_preact
     shared = []  # per act step of a backward: whether dz is in the products' memory
@@ -127,6 +129,27 @@ def test_saved_products_become_dz_in_the_eager_backward(monkeypatch, fp8):
     y.backward(dy, retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward(dy)
+
+
+def test_fp8_wgrad_backward_leaves_the_saved_products(monkeypatch):
+    """With FP8 weight gradients the act step quantises dz and h·w as it computes them
+    (``expert_bwd.act_bwd_tile_cols``) and writes no dz over the saved products: a second backward through the
+    retained graph reads them as they were and gives the first one's gradients, bit for bit."""
+    import megamoe.autograd
+
+    monkeypatch.setattr(megamoe.autograd, "FP8_WGRAD", True)
+    monkeypatch.setattr(megamoe.autograd, "act_bwd_from_preact", lambda *a, **k: pytest.fail("ran the bf16 act step"))
+    x, idx, w, w13, w2, dy = make_problem(40, 128, 128, 4, 2, "dropped", device=DEVICE)
+    leaves = [t.detach().requires_grad_() for t in (x, w, w13, w2)]
+    y = megamoe.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], save_for_backward="preact", precision="fp8")
+    grads = []
+    for retain in (True, False):
+        y.backward(dy, retain_graph=retain)
+        grads.append([t.grad.clone() for t in leaves])
+        for t in leaves:
+            t.grad = None
+    for name, a, b in zip(NAMES[1:], *grads):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("mode", SAVE_MODES)

@@ -16,9 +16,10 @@ GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 128 columns, and of 256 wh
 ``gluon_fp8_sm90.WGRAD_BLOCK_N``), the bf16 ones the FP8 path runs without them (``expert_bwd.expert_wgrad``;
 dW13 without the dx combine it carries in the layer), and the part of the FP8 backward that ``FP8_WGRAD`` changes
 both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy quantised into tile columns
-from the tokens' rows, dz's and h·w's tile columns quantised from their rows, the two FP8 GEMMs and dx's combine;
-without, the sort of x and dy with dy quantised beside, and the two bf16 GEMMs, dW13's with the combine inside (the
-act step that writes dz and h·w, the same either way, is timed on its own). The ceiling beside them:
+from the tokens' rows, the act step writing dz's and h·w's tile columns (``expert_bwd.act_bwd_tile_cols``), the two
+FP8 GEMMs and dx's combine; without, the sort of x and dy with dy quantised beside, the act step writing dz and h·w
+in bf16, and the two bf16 GEMMs, dW13's with the combine inside. The act step into tile columns is also timed on its
+own, beside the act step followed by the tile-column quantiser on its dz and h·w. The ceiling beside them:
 ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
 device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and writes them once.
 ``--stages down,dx``: only the stages whose names contain one of these (each first call compiles its kernel: the
@@ -107,6 +108,8 @@ def main(argv=None) -> None:
     def tile_cols_bytes(cols):  # bf16 rows read; e4m3 tile columns and fp32 scales written
         return num_slots * cols * 2 + cols * num_tiles * 128 + num_tiles * cols * 4
 
+    # the products and dh' read; dz 1x128, dz's and h·w's tile columns and their scales written
+    act_tile_cols_bytes = num_slots * inter * (4 + 2 + 2) + dzs.numel() * 4 + 3 * inter * num_tiles * (128 + 4)
     dx_slots = torch.randn(num_slots, dim, device="cuda", dtype=torch.bfloat16)
     products = torch.randn(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16)  # the act step's inputs
     dh = torch.randn(num_slots, inter, device="cuda", dtype=torch.bfloat16)
@@ -114,14 +117,16 @@ def main(argv=None) -> None:
     def fp8_wgrads():  # what the FP8 backward runs with autograd.FP8_WGRAD and bf16 runs without it
         expert_bwd.sorted_quantized_rows(dy, plan, top_k)
         xt_, dyt_ = quant.quantize_tile_cols(x, plan, top_k), quant.quantize_tile_cols(dy, plan, top_k)
-        expert_bwd.wgrad_fp8(*dyt_, *quant.quantize_tile_cols(hw, plan), plan, torch.bfloat16)
-        expert_bwd.wgrad_fp8(*quant.quantize_tile_cols(dz, plan), *xt_, plan, torch.bfloat16)
+        _, _, _, dzt_, hwt_ = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k)
+        expert_bwd.wgrad_fp8(*dyt_, *hwt_, plan, torch.bfloat16)
+        expert_bwd.wgrad_fp8(*dzt_, *xt_, plan, torch.bfloat16)
         combine(dx_slots, idx, torch.bfloat16)
 
     def bf16_wgrads():
         x_sorted_, dy_sorted_, _, _ = expert_bwd.gather_rows(x, dy, plan, top_k, quantize_dy=True)
-        expert_bwd.expert_wgrad(dy_sorted_, hw, plan, torch.bfloat16)
-        expert_bwd.expert_wgrad_and_combine(dz, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
+        dz_, hw_, *_ = expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True)
+        expert_bwd.expert_wgrad(dy_sorted_, hw_, plan, torch.bfloat16)
+        expert_bwd.expert_wgrad_and_combine(dz_, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
 
     def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead=False, defer_epilogue=False, block_n=128):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
@@ -176,6 +181,11 @@ def main(argv=None) -> None:
          None),
         ("wgrad: quantize 128x1 (N, I)", lambda: quant.quantize_tile_cols(hw, plan), None, tile_cols_bytes(inter),
          None),
+        ("act step, then dz's and h·w's 128x1",
+         lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k, gluon=False), None,
+         act_tile_cols_bytes, None),
+        ("act step into dz's and h·w's 128x1 (one kernel)",
+         lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k), None, act_tile_cols_bytes, None),
     ]
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))

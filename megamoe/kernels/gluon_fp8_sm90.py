@@ -54,6 +54,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.env import device_capability, fp8_pow2_scales, sm_count
+from megamoe.kernels.gluon_fp8_sm90_details.act import act_tile_cols_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
     TRACE_BLOCKS,
     TRACE_PARTS,
@@ -117,6 +118,9 @@ ROWS_WIDE_STAGES = 4
 WGRAD_STAGES = 5
 WGRAD_BLOCK_N = 256
 WGRAD_WIDE_STAGES = 3
+# The FP8 weight gradients' act step (``act.act_tile_cols_kernel``): rows per block of its first pass, and warps.
+ACT_BM = 16
+ACT_WARPS = 8
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -278,8 +282,37 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
+def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.Tensor, plan,
+                         dweight_part: torch.Tensor, dzq: torch.Tensor, dzs: torch.Tensor,
+                         dz_t: tuple[torch.Tensor, torch.Tensor], hw_t: tuple[torch.Tensor, torch.Tensor],
+                         part_cols: int) -> None:
+    """The SwiGLU backward of the plan's sorted rows from their gate and up products, through
+    ``act_tile_cols_kernel``: the d(routing weight) partials (sums of dh'·h over each ``part_cols`` columns) into
+    dweight_part (I / part_cols, N) fp32 by slot, dz = [dg | du] (routing weight applied) quantised 1x128 into dzq
+    (N, 2I) e4m3 and dzs (2I / 128, N) fp32, and dz and h·w, rounded to bf16, quantised 128x1 into the tile columns
+    dz_t ((2I, NT * 128) e4m3, (NT, 2I) fp32) and hw_t ((I, NT * 128), (NT, I)). Only the routed rows and busy tiles
+    are written.
+
+    preact (N, 2I) and dh (N, I) bf16, weights (N,) fp32 by slot, all contiguous; I a multiple of 128 and of
+    ``part_cols``; N >= 1; an sm90 GPU; ``plan`` built with BLOCK_M = 128 rows per tile."""
+    num_rows, two_i = preact.shape
+    inter = two_i // 2
+    num_tiles = plan.tile_expert_NT.numel()
+    assert preact.dtype == dh.dtype == torch.bfloat16 and dh.shape == (num_rows, inter) and num_rows >= 1
+    assert inter % SCALE_BLOCK == 0 and SCALE_BLOCK % part_cols == 0 and BLOCK_M == 128
+    assert dweight_part.shape == (inter // part_cols, num_rows) and dzq.shape == (num_rows, two_i)
+    assert dz_t[0].shape == (two_i, num_tiles * BLOCK_M) and hw_t[1].shape == (num_tiles, inter)
+    act_tile_cols_kernel[(num_tiles, inter // SCALE_BLOCK)](
+        preact_ptr=preact, dh_ptr=dh, weights_ptr=weights, dweight_part_ptr=dweight_part,
+        row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
+        tile_row_ptr=plan.tile_row_NT, dzq_ptr=dzq, dzs_ptr=dzs, dzt_ptr=dz_t[0], dzts_ptr=dz_t[1], hwt_ptr=hw_t[0],
+        hwts_ptr=hw_t[1], N=num_rows, I=inter, E=plan.offsets_E1.numel() - 1, TILE_M=BLOCK_M, BM=ACT_BM,
+        PART_COLS=part_cols, POW2=fp8_pow2_scales(), num_warps=ACT_WARPS)
+
+
 # The kernels by name, for the ahead-of-time compile check.
-KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgrad_ws_kernel}
+KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgrad_ws_kernel,
+           "fp8_act": act_tile_cols_kernel}
 
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
@@ -292,7 +325,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
     kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``:
     either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
-    up kernel's power-of-two h scales; ``defer_epilogue`` (None: ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the
+    up kernel's (and the act step's, ``fp8_act``) power-of-two scales; ``defer_epilogue`` (None: ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the
     sorted-rows kernel's (``rows_pattern``), ``block_n`` also the weight-gradient kernel's; ``trace``: the
     block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up kernel."""
     from triton.backends.compiler import GPUTarget
@@ -316,6 +349,13 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
         pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32",
                     "trace_ptr": "*i64"}
         sizes = {"N_OUT", "K"}
+    elif name == "fp8_act":
+        blocks = {}
+        constexprs = {"TILE_M": BLOCK_M, "BM": ACT_BM, "PART_COLS": 64, "POW2": pow2, "num_warps": ACT_WARPS}
+        pointers = {"preact_ptr": "*bf16", "dh_ptr": "*bf16", "weights_ptr": "*fp32", "dweight_part_ptr": "*fp32",
+                    "dzq_ptr": "*fp8e4nv", "dzs_ptr": "*fp32", "dzt_ptr": "*fp8e4nv", "dzts_ptr": "*fp32",
+                    "hwt_ptr": "*fp8e4nv", "hwts_ptr": "*fp32"}
+        sizes = {"I"}
     elif name == "fp8_wgrad":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [block_n, FP8_BK]}
         constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS,
@@ -346,5 +386,5 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
              if arg.endswith("_ptr") or (sizes_divisible and arg in sizes)}
     src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": MATH_WARPS, "maxnreg": FP8_MAXNREG})
+    options = {"num_warps": ACT_WARPS} if name == "fp8_act" else {"num_warps": MATH_WARPS, "maxnreg": FP8_MAXNREG}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

@@ -205,6 +205,13 @@ def quantize_rows(a_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def tile_cols_outputs(cols: int, plan: Plan, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty tile-column operands of ``cols`` columns for ``plan``: q (cols, NT * 128) e4m3 and s (NT, cols) fp32."""
+    num_tiles = plan.tile_expert_NT.numel()
+    return (torch.empty(cols, num_tiles * BLOCK_M, device=device, dtype=FP8),
+            torch.empty(num_tiles, cols, device=device, dtype=torch.float32))
+
+
 def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (C, NT * 128) e4m3, s (NT, C) fp32): ``a``'s sorted rows in 128x1 groups, one per plan tile and column
     (the tile-column format above; NT = the plan's tile count, a static bound, so no host sync). C a multiple of
@@ -215,8 +222,7 @@ def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None)
     cols = a_NC.shape[1]
     if cols % TILE_COLS_BC:
         raise ValueError(f"quantize_tile_cols needs a multiple of {TILE_COLS_BC} columns, got {cols}")
-    q = torch.empty(cols, num_tiles * BLOCK_M, device=a_NC.device, dtype=FP8)
-    s = torch.empty(num_tiles, cols, device=a_NC.device, dtype=torch.float32)
+    q, s = tile_cols_outputs(cols, plan, a_NC.device)
     _quantize_tile_cols_kernel[(num_tiles, cols // TILE_COLS_BC)](
         a_ptr=a_NC, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N, C=cols, E=plan.offsets_E1.numel() - 1,

@@ -1,0 +1,153 @@
+"""The FP8 weight gradients' act step (``gluon_fp8_sm90.fp8_act_tile_cols_ws``): the SwiGLU backward on the saved
+gate and up products, writing dz quantised 1x128 (the dx GEMM's operand) and dz and h·w quantised 128x1 into tile
+columns (the weight-gradient GEMMs' operands), with neither written to memory in bf16.
+
+A 128x1 group spans a plan tile's 128 rows, so a program owns a whole tile (and 128 columns of I: whole 1x128
+groups of dg and du). Its first pass computes the values once, in blocks of rows, and keeps them in bf16 in shared
+memory (96 KB: two programs per SM) while it takes each column's amax; the second quantises them from there. (The
+Triton kernel, which has no shared memory to keep them in, computed everything twice, its second pass reading the
+products again: 1.7× slower than the act step and two quantiser passes, docs/PERFORMANCE.md.) The values are
+rounded to bf16 before their amax and their quantisation, so the bytes are those of the act step writing dz and h·w
+in bf16 followed by ``quant.quantize_tile_cols`` on them.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from megamoe.kernels.gluon_fp8_sm90_details.up import FP8_MAX, _h_scales, _quantize_h
+from megamoe.kernels.gluon_sm90 import row_segments
+
+AMAX_FLOOR = gl.constexpr(1e-12)  # as ``quant.AMAX_FLOOR``
+
+
+@gluon.jit
+def _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rmask, cols, I):
+    """Sorted rows ``rows`` (masked: zeros) of g, u and dh' at columns ``cols`` of I, in the products' dtype, and the
+    rows' slots and routing weights."""
+    slots = gl.load(row_slot_ptr + rows, mask=rmask, other=0).to(gl.int64)
+    offs = rows[:, None].to(gl.int64) * 2 * I + cols[None, :]
+    g = gl.load(preact_ptr + offs, mask=rmask[:, None], other=0.0)
+    u = gl.load(preact_ptr + offs + I, mask=rmask[:, None], other=0.0)
+    d = gl.load(dh_ptr + rows[:, None].to(gl.int64) * I + cols[None, :], mask=rmask[:, None], other=0.0)
+    return slots, gl.load(weights_ptr + slots, mask=rmask, other=0.0), g, u, d
+
+
+@gluon.jit
+def _store_dz_rows(v, rows, rmask, col0, group, dzq_ptr, dzs_ptr, N, I, POW2: gl.constexpr):
+    """dg's or du's block quantised 1x128 (one group per row) into dzq (N, 2I) at columns col0 .. and its scales into
+    dzs (2I / 128, N) at ``group``."""
+    scale, inv = _h_scales(gl.maximum(gl.max(gl.abs(v), axis=1), AMAX_FLOOR), POW2)
+    cols = col0 + gl.arange(0, v.type.shape[1], layout=gl.SliceLayout(0, v.type.layout))
+    gl.store(dzq_ptr + rows[:, None].to(gl.int64) * 2 * I + cols[None, :], _quantize_h(v, inv), mask=rmask[:, None])
+    gl.store(dzs_ptr + group * N + rows, scale, mask=rmask)
+
+
+@gluon.jit
+def _store_tile_cols(buf, inv, q_ptr, ld, col0, k0, blocks, layout: gl.constexpr, t_layout: gl.constexpr):
+    """The first ``blocks`` blocks of ``buf`` ([blocks, rows, 128] bf16 in shared memory) quantised by column
+    (``inv``: each column's factor, in the columns' slice of ``layout``) into the tile columns q at rows col0 ..
+    and columns k0 .. (``ld``: q's row length), each block read in ``layout`` and converted to ``t_layout`` (a
+    column's rows contiguous per thread) for the stores; then zeros up to column k0 + 127 of q (the tile's rows past
+    its expert's end)."""
+    BMB: gl.constexpr = buf.type.shape[1]
+    TILE_M: gl.constexpr = buf.type.shape[0] * BMB
+    cols = col0 + gl.arange(0, 128, layout=gl.SliceLayout(0, t_layout)).to(gl.int64)
+    for b in range(blocks):
+        v = buf.index(b).load(layout).to(gl.float32)
+        q = gl.minimum(gl.maximum(v * inv[None, :], -FP8_MAX), FP8_MAX).to(gl.float8e4nv)
+        k = k0 + b * BMB + gl.arange(0, BMB, layout=gl.SliceLayout(1, t_layout))
+        gl.store(q_ptr + cols[None, :] * ld + k[:, None], gl.convert_layout(q, t_layout))
+    zeros = gl.zeros([BMB, 128], gl.float8e4nv, t_layout)
+    for r0 in range(blocks * BMB, TILE_M, BMB):
+        k = k0 + r0 + gl.arange(0, BMB, layout=gl.SliceLayout(1, t_layout))
+        gl.store(q_ptr + cols[None, :] * ld + k[:, None], zeros)
+
+
+@gluon.jit
+def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
+                         tile_expert_ptr, tile_row_ptr, dzq_ptr, dzs_ptr, dzt_ptr, dzts_ptr, hwt_ptr, hwts_ptr, N, I, E,
+                         TILE_M: gl.constexpr, BM: gl.constexpr, PART_COLS: gl.constexpr, POW2: gl.constexpr,
+                         num_warps: gl.constexpr):
+    """One program per (plan tile, 128 columns of I). preact (N, 2I) bf16 [g | u] and dh' (N, I) bf16 in sorted
+    rows, weights (N,) fp32 by slot; out: the d(routing weight) partials (I / PART_COLS, N) fp32 by slot, dz 1x128
+    into dzq (N, 2I) e4m3 and dzs (2I / 128, N) fp32, and dz's and h·w's tile columns into dzt (2I, NT * TILE_M) /
+    dzts (NT, 2I) and hwt (I, NT * TILE_M) / hwts (NT, I) (``quant``'s 128x1 format; idle tiles not written). The
+    first pass runs the tile's rows in blocks of BM, each block's loads issued before the previous one's values are
+    computed; the second reads them back in blocks of 2 * BM, a column's 2 * BM rows stored as one 16-byte run per
+    thread at BM = 16."""
+    t = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    e = gl.load(tile_expert_ptr + t)
+    if e < E:  # an idle tile: never read
+        layout: gl.constexpr = row_segments(128, 2, num_warps)  # a block of BM rows: 8 bf16 per thread and row
+        # the second pass's blocks of 2 * BM rows: half a column's rows per thread, a warp across 16 columns
+        t_layout: gl.constexpr = gl.BlockedLayout([BM, 1], [2, 16], [1, num_warps], [0, 1])
+        row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, layout)
+        buf_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # unswizzled rows (2-D order: per block)
+        NB: gl.constexpr = TILE_M // BM
+        dg_buf = gl.allocate_shared_memory(gl.bfloat16, [NB, BM, 128], buf_layout)
+        du_buf = gl.allocate_shared_memory(gl.bfloat16, [NB, BM, 128], buf_layout)
+        hw_buf = gl.allocate_shared_memory(gl.bfloat16, [NB, BM, 128], buf_layout)
+        row0 = gl.load(tile_row_ptr + t)
+        row_end = gl.load(offsets_ptr + e + 1)
+        blocks = gl.cdiv(gl.minimum(row_end - row0, TILE_M), 2 * BM)  # the second pass's; the first runs twice as many
+        col0 = pid_n * 128
+        cols = col0 + gl.arange(0, 128, layout=col_layout)
+        local = gl.arange(0, 128, layout=col_layout) // PART_COLS
+        amax_g = gl.zeros([BM, 128], gl.float32, layout)
+        amax_u = gl.zeros([BM, 128], gl.float32, layout)
+        amax_hw = gl.zeros([BM, 128], gl.float32, layout)
+        rows = row0 + gl.arange(0, BM, layout=row_layout)
+        slots, wt, g, u, d = _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rows < row_end, cols, I)
+        for b in range(2 * blocks):
+            rmask = rows < row_end
+            next_rows = rows + BM
+            next_slots, next_wt, next_g, next_u, next_d = _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr,
+                                                                     next_rows, next_rows < row_end, cols, I)
+            # The SwiGLU backward in fp32, as expert_bwd._swiglu_bwd_values computes it
+            gf = g.to(gl.float32)
+            uf = u.to(gl.float32)
+            df = d.to(gl.float32)
+            sig = 1.0 / (1.0 + gl.exp(-gf))
+            silu = gf * sig
+            h = silu * uf
+            dhw = df * wt[:, None]
+            du = dhw * silu
+            dg = dhw * uf * (sig + silu * (1.0 - sig))
+            dwh = df * h
+            for j in gl.static_range(128 // PART_COLS):  # as expert_bwd._store_dweight_parts
+                part_row = pid_n * (128 // PART_COLS) + j
+                gl.store(dweight_part_ptr + part_row.to(gl.int64) * N + slots,
+                         gl.sum(gl.where((local == j)[None, :], dwh, 0.0), axis=1), mask=rmask)
+            _store_dz_rows(dg, rows, rmask, col0, pid_n, dzq_ptr, dzs_ptr, N, I, POW2)
+            _store_dz_rows(du, rows, rmask, I + col0, I // 128 + pid_n, dzq_ptr, dzs_ptr, N, I, POW2)
+            dg_b = dg.to(gl.bfloat16)
+            du_b = du.to(gl.bfloat16)
+            hw_b = (h * wt[:, None]).to(gl.bfloat16)
+            dg_buf.index(b).store(dg_b)
+            du_buf.index(b).store(du_b)
+            hw_buf.index(b).store(hw_b)
+            amax_g = gl.maximum(amax_g, gl.abs(dg_b.to(gl.float32)))
+            amax_u = gl.maximum(amax_u, gl.abs(du_b.to(gl.float32)))
+            amax_hw = gl.maximum(amax_hw, gl.abs(hw_b.to(gl.float32)))
+            rows, slots, wt, g, u, d = next_rows, next_slots, next_wt, next_g, next_u, next_d
+        s_g, inv_g = _h_scales(gl.maximum(gl.max(amax_g, axis=0), AMAX_FLOOR), POW2)
+        s_u, inv_u = _h_scales(gl.maximum(gl.max(amax_u, axis=0), AMAX_FLOOR), POW2)
+        s_hw, inv_hw = _h_scales(gl.maximum(gl.max(amax_hw, axis=0), AMAX_FLOOR), POW2)
+        t64 = t.to(gl.int64)
+        gl.store(dzts_ptr + t64 * 2 * I + cols, s_g)
+        gl.store(dzts_ptr + t64 * 2 * I + I + cols, s_u)
+        gl.store(hwts_ptr + t64 * I + cols, s_hw)
+        gl.thread_barrier()  # every block's values in shared memory before any is read back
+        ld = gl.num_programs(0).to(gl.int64) * TILE_M
+        k0 = t64 * TILE_M
+        pairs: gl.constexpr = [NB // 2, 2 * BM, 128]  # the same bytes as blocks of 2 * BM rows
+        _store_tile_cols(dg_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_g, dzt_ptr, ld, col0, k0, blocks,
+                         layout, t_layout)
+        _store_tile_cols(du_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_u, dzt_ptr, ld, I + col0, k0,
+                         blocks, layout, t_layout)
+        _store_tile_cols(hw_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_hw, hwt_ptr, ld, col0, k0, blocks,
+                         layout, t_layout)
