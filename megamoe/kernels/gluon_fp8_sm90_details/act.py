@@ -16,10 +16,13 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from megamoe.kernels.gluon_fp8_sm90_details.up import FP8_MAX, _h_scales, _quantize_h
+from megamoe.kernels.gluon_fp8_sm90_details.common import (
+    AMAX_FLOOR,
+    FP8_MAX,
+    fp8_scales,
+    quantize_by_row,
+)
 from megamoe.kernels.gluon_sm90 import row_segments
-
-AMAX_FLOOR = gl.constexpr(1e-12)  # as ``quant.AMAX_FLOOR``
 
 
 @gluon.jit
@@ -38,9 +41,9 @@ def _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rmask, cols,
 def _store_dz_rows(v, rows, rmask, col0, group, dzq_ptr, dzs_ptr, N, I, POW2: gl.constexpr):
     """dg's or du's block quantised 1x128 (one group per row) into dzq (N, 2I) at columns col0 .. and its scales into
     dzs (2I / 128, N) at ``group``."""
-    scale, inv = _h_scales(gl.maximum(gl.max(gl.abs(v), axis=1), AMAX_FLOOR), POW2)
+    scale, inv = fp8_scales(gl.maximum(gl.max(gl.abs(v), axis=1), AMAX_FLOOR), POW2)
     cols = col0 + gl.arange(0, v.type.shape[1], layout=gl.SliceLayout(0, v.type.layout))
-    gl.store(dzq_ptr + rows[:, None].to(gl.int64) * 2 * I + cols[None, :], _quantize_h(v, inv), mask=rmask[:, None])
+    gl.store(dzq_ptr + rows[:, None].to(gl.int64) * 2 * I + cols[None, :], quantize_by_row(v, inv), mask=rmask[:, None])
     gl.store(dzs_ptr + group * N + rows, scale, mask=rmask)
 
 
@@ -134,9 +137,9 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
             amax_u = gl.maximum(amax_u, gl.abs(du_b.to(gl.float32)))
             amax_hw = gl.maximum(amax_hw, gl.abs(hw_b.to(gl.float32)))
             rows, slots, wt, g, u, d = next_rows, next_slots, next_wt, next_g, next_u, next_d
-        s_g, inv_g = _h_scales(gl.maximum(gl.max(amax_g, axis=0), AMAX_FLOOR), POW2)
-        s_u, inv_u = _h_scales(gl.maximum(gl.max(amax_u, axis=0), AMAX_FLOOR), POW2)
-        s_hw, inv_hw = _h_scales(gl.maximum(gl.max(amax_hw, axis=0), AMAX_FLOOR), POW2)
+        s_g, inv_g = fp8_scales(gl.maximum(gl.max(amax_g, axis=0), AMAX_FLOOR), POW2)
+        s_u, inv_u = fp8_scales(gl.maximum(gl.max(amax_u, axis=0), AMAX_FLOOR), POW2)
+        s_hw, inv_hw = fp8_scales(gl.maximum(gl.max(amax_hw, axis=0), AMAX_FLOOR), POW2)
         t64 = t.to(gl.int64)
         gl.store(dzts_ptr + t64 * 2 * I + cols, s_g)
         gl.store(dzts_ptr + t64 * 2 * I + I + cols, s_u)

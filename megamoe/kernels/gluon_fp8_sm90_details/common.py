@@ -1,5 +1,5 @@
 """Device helpers shared by the FP8 Gluon kernels (``gluon_fp8_sm90``): the accumulator layout, the ring of
-stages and its waits, the promotion, the blocks' look-ahead and the block trace."""
+stages and its waits, the promotion, the blocks' look-ahead, the block trace and the FP8 groups' scales."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ from megamoe.kernels.gluon_sm90 import barriers, block_rows, expert_end
 TRACE_BLOCKS = gl.constexpr(512)
 TRACE_POINTS = gl.constexpr(4)
 TRACE_PARTS = gl.constexpr(3)
+
+
+FP8_MAX = gl.constexpr(448.0)  # largest finite float8_e4m3fn
+AMAX_FLOOR = gl.constexpr(1e-12)  # an all-zero group's amax, as ``quant.AMAX_FLOOR``
 
 
 @gluon.constexpr_function
@@ -124,3 +128,22 @@ def stamp(trace_ptr, part: gl.constexpr, block, point: gl.constexpr, TRACE: gl.c
         gl.store(trace_ptr + at, _clock("mov.u64 $0, %clock64;", one), mask=keep)
         gl.store(trace_ptr + at + TRACE_POINTS, _clock("mov.u64 $0, %globaltimer;", one), mask=keep)
 
+
+@gluon.jit
+def fp8_scales(amax, POW2: gl.constexpr):
+    """The scales of FP8 groups and the factors their values are multiplied by, from their amax (any shape), as
+    ``quant.scale_and_inverse``: amax / 448 and 448 / amax (IEEE), or with POW2 amax / 448 rounded up to a power of
+    two and its exact inverse."""
+    s = gl.div_rn(amax, gl.full(amax.type.shape, FP8_MAX, gl.float32, amax.type.layout))
+    if POW2:
+        bits = s.to(gl.int32, bitcast=True)
+        exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(gl.int32)
+        return (exponent << 23).to(gl.float32, bitcast=True), ((254 - exponent) << 23).to(gl.float32, bitcast=True)
+    return s, gl.div_rn(gl.full(amax.type.shape, FP8_MAX, gl.float32, amax.type.layout), amax)
+
+
+@gluon.jit
+def quantize_by_row(h, inv):
+    """fp8(clamp(h * inv[row], ±448)) of a 2-D block, rounded to nearest even by the GPU's conversion
+    (cvt.rn.satfinite.e4m3x2.f32, as ``kernels.quant.to_e4m3`` converts on the GPU)."""
+    return gl.minimum(gl.maximum(h * inv[:, None], -FP8_MAX), FP8_MAX).to(gl.float8e4nv)

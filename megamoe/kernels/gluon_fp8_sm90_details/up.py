@@ -15,12 +15,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
+    AMAX_FLOOR,
     block_index,
     block_scales,
     blocks_ahead,
     blocks_ahead_of,
+    fp8_scales,
     pass_stages,
     promote,
+    quantize_by_row,
     stage_ready,
     stamp,
     wgmma_acc_layout,
@@ -33,8 +36,6 @@ from megamoe.kernels.gluon_sm90 import (
     store_staged,
     tile_block,
 )
-
-FP8_MAX = gl.constexpr(448.0)  # largest finite float8_e4m3fn
 
 
 @gluon.jit
@@ -242,25 +243,6 @@ def _up_h(acc_g, acc_u, stage, preact_ptr, first, end, c0, I, PREACT: gl.constex
 
 
 @gluon.jit
-def _h_scales(amax, POW2: gl.constexpr):
-    """The rows' h scales and the factors h is multiplied by, as ``quant.scale_and_inverse``: amax / 448 and
-    448 / amax (IEEE), or with POW2 amax / 448 rounded up to a power of two and its exact inverse."""
-    s = gl.div_rn(amax, gl.full(amax.type.shape, FP8_MAX, gl.float32, amax.type.layout))
-    if POW2:
-        bits = s.to(gl.int32, bitcast=True)
-        exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(gl.int32)
-        return (exponent << 23).to(gl.float32, bitcast=True), ((254 - exponent) << 23).to(gl.float32, bitcast=True)
-    return s, gl.div_rn(gl.full(amax.type.shape, FP8_MAX, gl.float32, amax.type.layout), amax)
-
-
-@gluon.jit
-def _quantize_h(h, inv):
-    """fp8(clamp(h * inv[row], ±448)), rounded to nearest even by the GPU's conversion (cvt.rn.satfinite.e4m3x2.f32,
-    as ``kernels.quant.to_e4m3`` converts on the GPU)."""
-    return gl.minimum(gl.maximum(h * inv[:, None], -FP8_MAX), FP8_MAX).to(gl.float8e4nv)
-
-
-@gluon.jit
 def _store_h_s(scale, h_s_ptr, first, end, group, N):
     """The rows' h scales into h_s (I // 128, N) at ``group``, rows [first, end)."""
     HALF: gl.constexpr = scale.type.shape[0]
@@ -273,14 +255,14 @@ def _up_epilogue(acc_g, acc_u, stage, h_q_ptr, h_s_ptr, preact_ptr, first, end, 
                  H_OUT: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
     """One warpgroup's (64, 128) block of h = silu(g) * u, quantised as the FP8 path quantises everywhere:
     amax = max(max|h|, 1e-12) over the row's 128 columns, q = fp8(clamp(h * (448 / amax), ±448)) (round to
-    nearest even), scale amax / 448 (both divisions IEEE; POW2: ``_h_scales``); q into h_q (N, I) rows [first,
+    nearest even), scale amax / 448 (both divisions IEEE; POW2: ``common.fp8_scales``); q into h_q (N, I) rows [first,
     end), the scale into h_s (I // 128, N); with PREACT g and u (bf16) into preact (N, 2I) at columns n0 and
     I + n0. Without H_OUT only the latter (the FP8 backward's recompute)."""
     BN: gl.constexpr = acc_g.type.shape[1]
     h = _up_h(acc_g, acc_u, stage, preact_ptr, first, end, n0, I, PREACT, num_warps)
     if H_OUT:
-        scale, inv = _h_scales(gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12), POW2)
-        q = _quantize_h(h, inv)
+        scale, inv = fp8_scales(gl.maximum(gl.max(gl.abs(h), axis=1), AMAX_FLOOR), POW2)
+        q = quantize_by_row(h, inv)
         _store_h_s(scale, h_s_ptr, first, end, n0 // BN, N)
         store_staged(q, stage, h_q_ptr, first, end, n0, I, I, num_warps)
 
@@ -294,10 +276,10 @@ def _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, stage, h_q_ptr, h_s_ptr,
     h_lo = _up_h(acc_gl, acc_ul, stage, preact_ptr, first, end, n0, I, PREACT, num_warps)
     h_hi = _up_h(acc_gh, acc_uh, stage, preact_ptr, first, end, n0 + HB, I, PREACT, num_warps)
     if H_OUT:
-        amax = gl.maximum(gl.maximum(gl.max(gl.abs(h_lo), axis=1), gl.max(gl.abs(h_hi), axis=1)), 1e-12)
-        scale, inv = _h_scales(amax, POW2)
-        q_lo = _quantize_h(h_lo, inv)
-        q_hi = _quantize_h(h_hi, inv)
+        amax = gl.maximum(gl.maximum(gl.max(gl.abs(h_lo), axis=1), gl.max(gl.abs(h_hi), axis=1)), AMAX_FLOOR)
+        scale, inv = fp8_scales(amax, POW2)
+        q_lo = quantize_by_row(h_lo, inv)
+        q_hi = quantize_by_row(h_hi, inv)
         _store_h_s(scale, h_s_ptr, first, end, n0 // (2 * HB), N)
         store_staged(q_lo, stage, h_q_ptr, first, end, n0, I, I, num_warps)
         store_staged(q_hi, stage, h_q_ptr, first, end, n0 + HB, I, I, num_warps)
