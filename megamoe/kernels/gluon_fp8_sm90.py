@@ -325,9 +325,10 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
     ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
     kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``:
     either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
-    up kernel's (and the act step's, ``fp8_act``) power-of-two scales; ``defer_epilogue`` (None: ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the
-    sorted-rows kernel's (``rows_pattern``), ``block_n`` also the weight-gradient kernel's; ``trace``: the
-    block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up kernel."""
+    up kernel's (and the act step's, ``fp8_act``) power-of-two scales; ``defer_epilogue`` (None:
+    ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the sorted-rows kernel's (``rows_pattern``), ``block_n`` also the
+    weight-gradient kernel's; ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up
+    kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -351,7 +352,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
         sizes = {"N_OUT", "K"}
     elif name == "fp8_act":
         blocks = {}
-        constexprs = {"TILE_M": BLOCK_M, "BM": ACT_BM, "PART_COLS": 64, "POW2": pow2, "num_warps": ACT_WARPS}
+        constexprs = {"TILE_M": BLOCK_M, "BM": ACT_BM, "PART_COLS": 64,  # expert_bwd.PART_COLS
+                      "POW2": pow2, "num_warps": ACT_WARPS}
         pointers = {"preact_ptr": "*bf16", "dh_ptr": "*bf16", "weights_ptr": "*fp32", "dweight_part_ptr": "*fp32",
                     "dzq_ptr": "*fp8e4nv", "dzs_ptr": "*fp32", "dzt_ptr": "*fp8e4nv", "dzts_ptr": "*fp32",
                     "hwt_ptr": "*fp8e4nv", "hwts_ptr": "*fp32"}
