@@ -206,14 +206,14 @@ class _FusedMoE(torch.autograd.Function):
     def backward(ctx, dy):
         x, topk_idx, topk_weights, w13, w2, *rest = ctx.saved_tensors
         plan, preact = (rest[:-1], rest[-1]) if ctx.save_preact else (rest, None)
-        if preact is not None and not (ctx.fp8 and FP8_WGRAD):
-            # The saved products are this layer's own: dz takes their memory. Marked as modified, so that a second
-            # backward through a retained graph fails at unpacking them instead of reading dz as g and u. (The FP8
-            # path with FP8 weight gradients writes no dz in x's dtype: the products stay as they are.)
+        # The saved products are this layer's own: dz takes their memory (not on the FP8 path with FP8 weight
+        # gradients, which writes no dz in x's dtype). Marked as modified, so that a second backward through a
+        # retained graph fails at unpacking them instead of reading dz as g and u.
+        overwrite = preact is not None and not (ctx.fp8 and FP8_WGRAD)
+        if overwrite:
             torch.autograd.graph.increment_version(preact)
         dx, dweight, dw13, dw2 = _backward_body(ctx.fp8)(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan,
-                                                         preact=preact, low_peak=ctx.low_peak,
-                                                         reuse_preact=preact is not None)
+                                                         preact=preact, low_peak=ctx.low_peak, reuse_preact=overwrite)
         return dx, None, dweight, dw13, dw2, None, None, None
 
 

@@ -18,9 +18,8 @@ from triton.experimental.gluon import language as gl
 
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
     AMAX_FLOOR,
-    FP8_MAX,
     fp8_scales,
-    quantize_by_row,
+    quantize_by,
 )
 from megamoe.kernels.gluon_sm90 import row_segments
 
@@ -43,7 +42,8 @@ def _store_dz_rows(v, rows, rmask, col0, group, dzq_ptr, dzs_ptr, N, I, POW2: gl
     dzs (2I / 128, N) at ``group``."""
     scale, inv = fp8_scales(gl.maximum(gl.max(gl.abs(v), axis=1), AMAX_FLOOR), POW2)
     cols = col0 + gl.arange(0, v.type.shape[1], layout=gl.SliceLayout(0, v.type.layout))
-    gl.store(dzq_ptr + rows[:, None].to(gl.int64) * 2 * I + cols[None, :], quantize_by_row(v, inv), mask=rmask[:, None])
+    q = quantize_by(v, inv[:, None])
+    gl.store(dzq_ptr + rows[:, None].to(gl.int64) * 2 * I + cols[None, :], q, mask=rmask[:, None])
     gl.store(dzs_ptr + group * N + rows, scale, mask=rmask)
 
 
@@ -60,7 +60,7 @@ def _store_tile_cols(buf, inv, q_ptr, ld, col0, k0, blocks, t_layout: gl.constex
     inv = gl.convert_layout(inv, gl.SliceLayout(0, t_layout))
     for b in range(blocks):
         v = buf.index(b).load(t_layout).to(gl.float32)
-        q = gl.minimum(gl.maximum(v * inv[None, :], -FP8_MAX), FP8_MAX).to(gl.float8e4nv)
+        q = quantize_by(v, inv[None, :])
         k = k0 + b * BMB + gl.arange(0, BMB, layout=gl.SliceLayout(1, t_layout))
         gl.store(q_ptr + cols[None, :] * ld + k[:, None], q)
     zeros = gl.zeros([BMB, 128], gl.float8e4nv, t_layout)

@@ -143,7 +143,8 @@ def fp8_scales(amax, POW2: gl.constexpr):
 
 
 @gluon.jit
-def quantize_by_row(h, inv):
-    """fp8(clamp(h * inv[row], ±448)) of a 2-D block, rounded to nearest even by the GPU's conversion
-    (cvt.rn.satfinite.e4m3x2.f32, as ``kernels.quant.to_e4m3`` converts on the GPU)."""
-    return gl.minimum(gl.maximum(h * inv[:, None], -FP8_MAX), FP8_MAX).to(gl.float8e4nv)
+def quantize_by(v, inv):
+    """fp8(clamp(v * inv, ±448)), ``inv`` broadcast over v (each row's factor as ``inv[:, None]``, each column's as
+    ``inv[None, :]``), rounded to nearest even by the GPU's conversion (cvt.rn.satfinite.e4m3x2.f32, as
+    ``kernels.quant.to_e4m3`` converts on the GPU)."""
+    return gl.minimum(gl.maximum(v * inv, -FP8_MAX), FP8_MAX).to(gl.float8e4nv)

@@ -23,7 +23,7 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     fp8_scales,
     pass_stages,
     promote,
-    quantize_by_row,
+    quantize_by,
     stage_ready,
     stamp,
     wgmma_acc_layout,
@@ -262,7 +262,7 @@ def _up_epilogue(acc_g, acc_u, stage, h_q_ptr, h_s_ptr, preact_ptr, first, end, 
     h = _up_h(acc_g, acc_u, stage, preact_ptr, first, end, n0, I, PREACT, num_warps)
     if H_OUT:
         scale, inv = fp8_scales(gl.maximum(gl.max(gl.abs(h), axis=1), AMAX_FLOOR), POW2)
-        q = quantize_by_row(h, inv)
+        q = quantize_by(h, inv[:, None])
         _store_h_s(scale, h_s_ptr, first, end, n0 // BN, N)
         store_staged(q, stage, h_q_ptr, first, end, n0, I, I, num_warps)
 
@@ -278,8 +278,8 @@ def _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, stage, h_q_ptr, h_s_ptr,
     if H_OUT:
         amax = gl.maximum(gl.maximum(gl.max(gl.abs(h_lo), axis=1), gl.max(gl.abs(h_hi), axis=1)), AMAX_FLOOR)
         scale, inv = fp8_scales(amax, POW2)
-        q_lo = quantize_by_row(h_lo, inv)
-        q_hi = quantize_by_row(h_hi, inv)
+        q_lo = quantize_by(h_lo, inv[:, None])
+        q_hi = quantize_by(h_hi, inv[:, None])
         _store_h_s(scale, h_s_ptr, first, end, n0 // (2 * HB), N)
         store_staged(q_lo, stage, h_q_ptr, first, end, n0, I, I, num_warps)
         store_staged(q_hi, stage, h_q_ptr, first, end, n0 + HB, I, I, num_warps)
