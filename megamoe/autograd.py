@@ -54,14 +54,13 @@ from megamoe.kernels.quant import fp8_weight, quantize_rows, quantize_tile_cols
 # one, with less memory (no sorted bf16 copies of x and dy; ``python -m tools.fp8``, docs/PERFORMANCE.md).
 # ``MEGAMOE_FP8_WGRAD=0`` clears it at import, and the backward reads it at every call.
 FP8_WGRAD = fp8_wgrad_requested()
-# The one-GPU backward's order. False: dx's slot rows are computed before dW13, whose kernel sums them into dx beside
-# its MMAs, so that the combine costs nothing; its peak holds x's sorted rows, dz, dx's slot rows and both weight
-# gradients at once. True (low peak): dW13 first (x's sorted rows freed after it), then dx's slot rows and their
-# combine on its own: x's sorted rows (N x D) off the peak, the combine's time on the step. None (default): by the
-# memory mode, low peak when keeping nothing (the mode chosen for memory) and not in the saved mode (chosen for
-# speed): on the H200 at the 30B layer the low-peak order took the keep-nothing backward's peak from 2 689 to 2 177
-# MiB for +0.8% of its step, the saved mode's from 3 073 to 2 561 MiB for +1.3% (docs/PERFORMANCE.md). Read when a
-# forward runs (its backward follows that choice); ``MEGAMOE_LOW_PEAK_BACKWARD`` (0 or 1) sets it at import.
+# The one-GPU backward's order (bf16 weight gradients). True (low peak, the default): dW13 first (x's sorted rows freed
+# after it), then dx's slot rows and their combine on its own, dz freed before the combine: the backward's peak holds
+# one N x D block beside dz and the weight gradients, under SonicMoE's peak at the 30B layer. False: dx's slot rows
+# computed before dW13, whose kernel sums them into dx beside its MMAs (the combine costs nothing), its peak holding
+# x's sorted rows, dz, dx's slot rows and both weight gradients at once: on the H200 at the 30B layer 1.3-2.3% faster
+# in the saved mode, its peak 512 MiB higher (2 689 MiB against 2 177 and SonicMoE's 2 178; docs/PERFORMANCE.md).
+# Read when a forward runs (its backward follows that choice); ``MEGAMOE_LOW_PEAK_BACKWARD=0`` clears it at import.
 LOW_PEAK_BACKWARD = low_peak_backward_requested()
 
 
@@ -101,7 +100,9 @@ def experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tens
     if low_peak:
         dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype)
         del x_sorted
-        dx = combine(dx_slots(dz_NH, w13, plan), topk_idx, x.dtype)
+        dx_slots_ND = dx_slots(dz_NH, w13, plan)
+        del dz_NH
+        dx = combine(dx_slots_ND, topk_idx, x.dtype)
     else:
         dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots(dz_NH, w13, plan), topk_idx,
                                             x.dtype)
@@ -132,14 +133,14 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     accumulation), or with :data:`FP8_WGRAD` from those rows quantised 128x1: x's and dy's read from the tokens'
     rows (no sorted copies; dy's 1x128 rows for dh' quantised per token and copied), dz's and h·w's by the act step
     (``expert_bwd.act_bwd_tile_cols``: on sm90 neither is written in x's dtype; the products are left as they were),
-    and the dx combine on its own (not inside the dW13 kernel)."""
+    and dx (its combine on its own, not inside the dW13 kernel) before dW13."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
     weights = topk_weights.contiguous()
     w13q, w13s, w13tq, w13ts = fp8_weight(w13)
     _, _, w2tq, w2ts = fp8_weight(w2)
     if FP8_WGRAD:  # the weight gradients read x and dy from the tokens' rows: no sorted bf16 copies
-        x_t, dy_t = quantize_tile_cols(x, plan, top_k), quantize_tile_cols(dy, plan, top_k)
+        dy_t = quantize_tile_cols(dy, plan, top_k)
         dyq, dys = sorted_quantized_rows(dy, plan, top_k)
     else:
         x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
@@ -154,9 +155,13 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
         del dh_NI, preact
         dw2 = wgrad_fp8(*dy_t, *hw_t, plan, w2.dtype)
         del dy_t, hw_t
-        dw13 = wgrad_fp8(*dz_t, *x_t, plan, w13.dtype)
-        del x_t, dz_t
-        dx = combine(dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype), topk_idx, x.dtype)
+        # dx before dW13, dz's 1x128 rows and dx's slot rows freed before dW13's output exists: the backward's
+        # peak (at dW13) holds dz's and x's tile columns beside the weight gradients and dx, nothing more.
+        dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype)
+        del dzq, dzs
+        dx = combine(dx_slots_ND, topk_idx, x.dtype)
+        del dx_slots_ND
+        dw13 = wgrad_fp8(*dz_t, *quantize_tile_cols(x, plan, top_k), plan, w13.dtype)
         return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
     dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True,
                                                              dz_over_preact=reuse_preact)
@@ -299,7 +304,7 @@ def fused_moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2
     products (N, 2I) for the backward instead of recomputing them there. ``fp8``: blockwise FP8 GEMMs (D and I
     multiples of 128)."""
     topk_idx = topk_idx.contiguous()
-    low_peak = not save_preact if LOW_PEAK_BACKWARD is None else LOW_PEAK_BACKWARD
+    low_peak = LOW_PEAK_BACKWARD
     if not (torch.compiler.is_compiling() or custom_ops_forced()):
         return _FusedMoE.apply(x, topk_idx, topk_weights, w13, w2, save_preact, fp8, low_peak)
     plan = plan_op(topk_idx, w13.shape[0])

@@ -299,6 +299,45 @@ def test_fp8_wgrad_layer_computes_the_recipe(shape, mode, monkeypatch):
         assert rel_err(o, r) > 5e-3, f"{name}: {rel_err(o, r):.2e} from the bf16 weight gradients"
 
 
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeypatch):
+    """With FP8 weight gradients the backward runs dx (dz's 1x128 rows into slot rows, then the combine) before
+    dW13, whose launch is its peak: by then dz's rows and dx's slot rows are freed, and x's tile columns are made
+    only for it."""
+    import weakref
+
+    from megamoe import autograd as ops
+
+    monkeypatch.setattr(ops, "FP8_WGRAD", True)
+    dead_before_dw13 = []  # weak references to what must be freed before dW13 runs
+    order = []
+    dx_slots, wgrad, tile_cols = ops.dx_slots_fp8, ops.wgrad_fp8, ops.quantize_tile_cols
+
+    def spy_dx_slots(dzq, dzs, *args):
+        out = dx_slots(dzq, dzs, *args)
+        dead_before_dw13.extend(weakref.ref(t) for t in (dzq, dzs, out))
+        order.append("dx")
+        return out
+
+    def spy_wgrad(*args):
+        order.append("dW13" if "dW2" in order else "dW2")
+        if order[-1] == "dW13":
+            assert [ref() for ref in dead_before_dw13] == [None] * 3
+        return wgrad(*args)
+
+    def spy_tile_cols(rows, *args):
+        order.append("tile cols")
+        return tile_cols(rows, *args)
+
+    monkeypatch.setattr(ops, "dx_slots_fp8", spy_dx_slots)
+    monkeypatch.setattr(ops, "wgrad_fp8", spy_wgrad)
+    monkeypatch.setattr(ops, "quantize_tile_cols", spy_tile_cols)
+    x, idx, w, w13, w2, dy = make_problem(40, 128, 256, 6, 3, "dropped", device=DEVICE)
+    quant.clear_weight_cache()
+    run_with_grads(fp8_moe(mode), x, idx, w, w13, w2, dy)
+    assert order == ["tile cols", "dW2", "dx", "tile cols", "dW13"]  # dy's tile columns, then x's
+
+
 def test_fp8_layer_fp16_inputs():
     problem = make_problem(40, 128, 256, 6, 3, "dropped", dtype=torch.float16, device=DEVICE)
     assert_close_to_reference(run_with_grads(fp8_moe(), *problem), problem, lowp=reference.moe_loop_fp8)

@@ -60,18 +60,26 @@ def test_fused_matches_fp32_reference(shape, dtype, mode):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("mode", SAVE_MODES)
-def test_low_peak_backward_gives_the_default_orders_gradients(monkeypatch, mode, fp8):
-    """``autograd.LOW_PEAK_BACKWARD`` (dW13 before dx's slot rows, the dx combine on its own): bit for bit the default
-    order's gradients, eagerly and through the custom ops (a checkpointed region's path), in both memory modes and
-    both precisions; the order is the one set when the forward ran."""
+def test_low_peak_backward_gives_the_dx_first_orders_gradients(monkeypatch, mode, fp8):
+    """``autograd.LOW_PEAK_BACKWARD`` (the default: dW13 before dx's slot rows, the dx combine on its own): bit for
+    bit the dx-first order's gradients (dx's slot rows summed by the dW13 kernel), eagerly and through the custom
+    ops (a checkpointed region's path), in both memory modes and both precisions (with bf16 weight gradients: the
+    FP8 ones have one order); the order is the one set when the forward ran."""
     import contextlib
 
     import megamoe.autograd
     from megamoe.env import forcing_custom_ops
 
+    monkeypatch.setattr(megamoe.autograd, "FP8_WGRAD", False)
     x, idx, w, w13, w2, dy = make_problem(40, 128, 128, 4, 2, "dropped", device=DEVICE)
     layer = functools.partial(megamoe.moe, save_for_backward=mode, precision="fp8" if fp8 else "bf16")
+    combined = []
+    wgrad_and_combine = megamoe.autograd.expert_wgrad_and_combine
+    monkeypatch.setattr(megamoe.autograd, "expert_wgrad_and_combine",
+                        lambda *a: combined.append(1) or wgrad_and_combine(*a))
+    monkeypatch.setattr(megamoe.autograd, "LOW_PEAK_BACKWARD", False)
     expected = run_with_grads(layer, x, idx, w, w13, w2, dy)
+    assert combined == [1]
     for ops in (contextlib.nullcontext(), forcing_custom_ops(contextlib.nullcontext())):
         with monkeypatch.context() as m:
             m.setattr(megamoe.autograd, "expert_wgrad_and_combine",
@@ -153,21 +161,19 @@ def test_fp8_wgrad_backward_leaves_the_saved_products(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", SAVE_MODES)
-def test_backward_order_by_default_is_low_peak_only_when_keeping_nothing(monkeypatch, mode):
-    """``autograd.LOW_PEAK_BACKWARD`` unset (None, the default): the keep-nothing backward runs the low-peak order
-    (dW13 without the dx combine in its launch), the saved mode the other (dW13 with it); 0 and 1 in the environment
-    choose one order for both, anything else is refused."""
+def test_backward_order_by_default_is_low_peak_in_both_modes(monkeypatch, mode):
+    """``MEGAMOE_LOW_PEAK_BACKWARD`` unset (the default of ``autograd.LOW_PEAK_BACKWARD``): the low-peak order in both
+    memory modes (dW13 without the dx combine in its launch); ``0`` the dx-first order; anything else is refused."""
     import megamoe.autograd
     from megamoe.env import low_peak_backward_requested
 
-    calls = []
-    combined = megamoe.autograd.expert_wgrad_and_combine
-    monkeypatch.setattr(megamoe.autograd, "expert_wgrad_and_combine", lambda *a: calls.append(1) or combined(*a))
-    monkeypatch.setattr(megamoe.autograd, "LOW_PEAK_BACKWARD", None)
+    monkeypatch.delenv("MEGAMOE_LOW_PEAK_BACKWARD", raising=False)
+    monkeypatch.setattr(megamoe.autograd, "LOW_PEAK_BACKWARD", low_peak_backward_requested())
+    monkeypatch.setattr(megamoe.autograd, "expert_wgrad_and_combine",
+                        lambda *a: pytest.fail("the default order ran dW13 with the combine"))
     x, idx, w, w13, w2, dy = make_problem(40, 128, 128, 4, 2, "dropped", device=DEVICE)
     run_with_grads(functools.partial(megamoe.moe, save_for_backward=mode), x, idx, w, w13, w2, dy)
-    assert calls == ([] if mode == "none" else [1])
-    for value, expected in (("", None), ("0", False), ("1", True)):
+    for value, expected in (("", True), ("0", False), ("1", True)):
         monkeypatch.setenv("MEGAMOE_LOW_PEAK_BACKWARD", value)
         assert low_peak_backward_requested() is expected
     monkeypatch.setenv("MEGAMOE_LOW_PEAK_BACKWARD", "yes")
@@ -175,22 +181,22 @@ def test_backward_order_by_default_is_low_peak_only_when_keeping_nothing(monkeyp
         low_peak_backward_requested()
 
 
-def test_low_peak_benchmark_impls_run_that_order_and_restore_the_setting(monkeypatch):
-    """The layer benchmark's ``megamoe_low_peak`` and ``megamoe_saved_low_peak``: the low-peak order in the backward
-    of their own calls, the process's setting as it was afterwards."""
+def test_dx_first_benchmark_impl_runs_that_order_and_restores_the_setting(monkeypatch):
+    """The layer benchmark's ``megamoe_saved_dx_first``: the dx-first order (dW13 with the dx combine in its launch) in
+    the backward of its own calls, the process's setting as it was afterwards."""
     import megamoe.autograd
     from megamoe.bench.layer import make_impls
 
     problem = make_problem(40, 48, 24, 6, 3, "dropped", device=DEVICE)
-    monkeypatch.setattr(megamoe.autograd, "expert_wgrad_and_combine",
-                        lambda *a: pytest.fail("the low-peak order ran dW13 with the combine"))
+    calls = []
+    combined = megamoe.autograd.expert_wgrad_and_combine
+    monkeypatch.setattr(megamoe.autograd, "expert_wgrad_and_combine", lambda *a: calls.append(1) or combined(*a))
     before = megamoe.autograd.LOW_PEAK_BACKWARD
-    impls = make_impls(["megamoe_low_peak", "megamoe_saved_low_peak"], DEVICE)
-    assert [impl.keeps_activations for impl in impls] == [backend_for(torch.empty(0, device=DEVICE)) != "triton",
-                                                           True]
-    for impl in impls:
-        assert_close_to_reference(run_with_grads(impl.fn, *problem), problem)
-        assert megamoe.autograd.LOW_PEAK_BACKWARD is before
+    (impl,) = make_impls(["megamoe_saved_dx_first"], DEVICE)
+    assert impl.keeps_activations
+    assert_close_to_reference(run_with_grads(impl.fn, *problem), problem)
+    assert calls == [1]
+    assert megamoe.autograd.LOW_PEAK_BACKWARD is before
 
 
 def test_saved_mode_keeps_the_preactivation_and_skips_the_recompute(monkeypatch):

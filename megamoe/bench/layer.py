@@ -47,7 +47,7 @@ from megamoe.kernels.tuning import autotune_enabled
 from megamoe.models import pin_quack_default_configs
 
 IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "sonicmoe", "megamoe", "megamoe_saved",
-         "megamoe_low_peak", "megamoe_saved_low_peak", "megamoe_cudagraph", "megamoe_fp8", "megamoe_fp8_saved",
+         "megamoe_saved_dx_first", "megamoe_cudagraph", "megamoe_fp8", "megamoe_fp8_saved",
          "grouped_mm_fp8", "grouped_mm_fp8_compiled")
 DEFAULT_IMPLS = "grouped_mm,grouped_mm_compiled,megamoe"
 BASELINES = ("grouped_mm", "grouped_mm_compiled")
@@ -106,13 +106,14 @@ def sonicmoe_moe(autotune: bool) -> Callable | None:
     return fn
 
 
-def low_peak(fn: Callable) -> Callable:
-    """``fn`` (megamoe) with the backward's low-peak order (``megamoe.autograd.LOW_PEAK_BACKWARD``, which the forward
-    reads when it runs and its backward follows), the setting of the process left as it was."""
+def dx_first(fn: Callable) -> Callable:
+    """``fn`` (megamoe) with the backward's dx-first order (``megamoe.autograd.LOW_PEAK_BACKWARD`` cleared: dx's slot
+    rows before dW13, combined inside its launch; the forward reads the setting when it runs and its backward follows
+    it), the setting of the process left as it was."""
     from megamoe import autograd
 
     def call(*args, **kwargs):
-        previous, autograd.LOW_PEAK_BACKWARD = autograd.LOW_PEAK_BACKWARD, True
+        previous, autograd.LOW_PEAK_BACKWARD = autograd.LOW_PEAK_BACKWARD, False
         try:
             return fn(*args, **kwargs)
         finally:
@@ -147,11 +148,8 @@ def make_impls(names, device, sonicmoe_autotune: bool = False) -> list[Impl]:
             impls.append(Impl(name, megamoe.moe, not fused, cuda_graph=name == "megamoe_cudagraph"))
         elif name == "megamoe_saved":  # keeps the gate/up pre-activation: checkpointing would rerun its forward
             impls.append(Impl(name, functools.partial(megamoe.moe, save_for_backward="preact"), True))
-        elif name == "megamoe_low_peak":
-            fused = backend_for(torch.empty(0, device=device)) == "triton"
-            impls.append(Impl(name, low_peak(megamoe.moe), not fused))
-        elif name == "megamoe_saved_low_peak":
-            impls.append(Impl(name, low_peak(functools.partial(megamoe.moe, save_for_backward="preact")), True))
+        elif name == "megamoe_saved_dx_first":
+            impls.append(Impl(name, dx_first(functools.partial(megamoe.moe, save_for_backward="preact")), True))
         elif name == "megamoe_fp8":
             fused = backend_for(torch.empty(0, device=device), fp8=True) == "triton"
             impls.append(Impl(name, functools.partial(megamoe.moe, precision="fp8"), not fused))
