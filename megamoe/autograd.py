@@ -132,8 +132,8 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
     and the act step run on them; the weight gradients from the unquantised rows in x's dtype (exact products, fp32
     accumulation), or with :data:`FP8_WGRAD` from those rows quantised 128x1: x's and dy's read from the tokens'
     rows (no sorted copies; dy's 1x128 rows for dh' quantised per token and copied), dz's and h·w's by the act step
-    (``expert_bwd.act_bwd_tile_cols``: on sm90 neither is written in x's dtype; the products are left as they were),
-    and dx (its combine on its own, not inside the dW13 kernel) before dW13."""
+    (``expert_bwd.act_bwd_tile_cols``: on sm90 neither is written in x's dtype), and dx (its combine on its own, not
+    inside the dW13 kernel) before dW13, x's tile columns made just before it (over handed-over products)."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     top_k = topk_idx.shape[1]
     weights = topk_weights.contiguous()
@@ -146,6 +146,10 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
         x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
     dh_NI = dh_fp8(dyq, dys, w2tq, w2ts, plan, x.dtype)
     del dyq, dys
+    # Saved products handed over (the eager saved mode): with FP8 weight gradients x's tile columns take their memory
+    # once the act step has read them (the products outlive the backward in the autograd context, so that this
+    # block is off the peak; recomputed ones are freed after the act step instead).
+    products_over = preact if reuse_preact else None
     if preact is None:  # recomputed into a buffer of its own (which dz then takes over, where it is written)
         preact = preact_buffer(x, topk_idx, w13)
         up_products_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact)
@@ -161,7 +165,7 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
         del dzq, dzs
         dx = combine(dx_slots_ND, topk_idx, x.dtype)
         del dx_slots_ND
-        dw13 = wgrad_fp8(*dz_t, *quantize_tile_cols(x, plan, top_k), plan, w13.dtype)
+        dw13 = wgrad_fp8(*dz_t, *quantize_tile_cols(x, plan, top_k, over=products_over), plan, w13.dtype)
         return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
     dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True,
                                                              dz_over_preact=reuse_preact)
@@ -211,10 +215,10 @@ class _FusedMoE(torch.autograd.Function):
     def backward(ctx, dy):
         x, topk_idx, topk_weights, w13, w2, *rest = ctx.saved_tensors
         plan, preact = (rest[:-1], rest[-1]) if ctx.save_preact else (rest, None)
-        # The saved products are this layer's own: dz takes their memory (not on the FP8 path with FP8 weight
-        # gradients, which writes no dz in x's dtype). Marked as modified, so that a second backward through a
-        # retained graph fails at unpacking them instead of reading dz as g and u.
-        overwrite = preact is not None and not (ctx.fp8 and FP8_WGRAD)
+        # The saved products are this layer's own: dz takes their memory (on the FP8 path with FP8 weight gradients,
+        # which writes no dz in x's dtype, x's tile columns do). Marked as modified, so that a second backward through
+        # a retained graph fails at unpacking them instead of reading something else as g and u.
+        overwrite = preact is not None
         if overwrite:
             torch.autograd.graph.increment_version(preact)
         dx, dweight, dw13, dw2 = _backward_body(ctx.fp8)(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, *plan,

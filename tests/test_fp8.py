@@ -207,6 +207,14 @@ def test_quantize_tile_cols_matches_reference_bit_for_bit(scales):
     half_step = torch.maximum(expect.abs() * 2.0**-4, sr.t()[:, :, None] * 2.0**-10)
     assert ((deq - expect).abs() <= half_step).all()
     assert (bits(qr).reshape(256, busy, 128)[:, ~inside] == 0).all()
+    # Written into memory handed over (``over``) where it is large enough, else into new memory: the same bytes
+    need = q.numel() + 4 * s.numel()
+    for size, inside_over in ((need // 2, True), (need // 2 - 1, False)):
+        over = torch.full((size,), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+        q2, s2 = quant.quantize_tile_cols(a.to(DEVICE), plan, over=over)
+        assert (q2.data_ptr() == over.data_ptr()) is inside_over
+        assert (s2.data_ptr() == over.data_ptr() + q.numel()) is inside_over
+        assert torch.equal(bits(q2[:, :busy * 128]), bits(q[:, :busy * 128])) and torch.equal(s2[:busy], s[:busy])
 
 
 def test_fp8_wgrad_gemm_computes_the_dequantised_products():
@@ -325,9 +333,9 @@ def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeyp
             assert [ref() for ref in dead_before_dw13] == [None] * 3
         return wgrad(*args)
 
-    def spy_tile_cols(rows, *args):
+    def spy_tile_cols(rows, *args, **kwargs):
         order.append("tile cols")
-        return tile_cols(rows, *args)
+        return tile_cols(rows, *args, **kwargs)
 
     monkeypatch.setattr(ops, "dx_slots_fp8", spy_dx_slots)
     monkeypatch.setattr(ops, "wgrad_fp8", spy_wgrad)

@@ -99,7 +99,7 @@ def test_saved_products_become_dz_in_the_eager_backward(monkeypatch, fp8):
     """The eager saved mode's backward writes dz over its saved gate and up products (no (N, 2I) block of its own),
     with the gradients bit for bit those of the custom ops, which give dz a block of its own; the FP8 keep-nothing
     backward does the same with the products it recomputes (with bf16 weight gradients: with FP8 ones no dz is
-    written in x's dtype, ``test_fp8_wgrad_backward_leaves_the_saved_products``). A second backward through the
+    written in x's dtype, ``test_fp8_wgrad_backward_writes_x_tile_columns_over_the_saved_products``). A second backward through the
     retained graph of the saved mode fails instead of reading dz as g and u."""
     import contextlib
 
@@ -139,25 +139,44 @@ def test_saved_products_become_dz_in_the_eager_backward(monkeypatch, fp8):
         y.backward(dy)
 
 
-def test_fp8_wgrad_backward_leaves_the_saved_products(monkeypatch):
-    """With FP8 weight gradients the act step quantises dz and h·w as it computes them
-    (``expert_bwd.act_bwd_tile_cols``) and writes no dz over the saved products: a second backward through the
-    retained graph reads them as they were and gives the first one's gradients, bit for bit."""
+def test_fp8_wgrad_backward_writes_x_tile_columns_over_the_saved_products(monkeypatch):
+    """With FP8 weight gradients the act step writes no dz in x's dtype (``expert_bwd.act_bwd_tile_cols``), and the
+    eager saved mode's backward writes x's tile columns for dW13 over its saved products instead, once the act step
+    (their last reader) has run: the gradients bit for bit those of the custom ops, which give the tile columns
+    memory of their own. A second backward through the retained graph fails instead of reading them as g and u."""
+    import contextlib
+
     import megamoe.autograd
+    from megamoe.env import forcing_custom_ops
 
     monkeypatch.setattr(megamoe.autograd, "FP8_WGRAD", True)
     monkeypatch.setattr(megamoe.autograd, "act_bwd_from_preact", lambda *a, **k: pytest.fail("ran the bf16 act step"))
-    x, idx, w, w13, w2, dy = make_problem(40, 128, 128, 4, 2, "dropped", device=DEVICE)
-    leaves = [t.detach().requires_grad_() for t in (x, w, w13, w2)]
-    y = megamoe.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], save_for_backward="preact", precision="fp8")
-    grads = []
-    for retain in (True, False):
-        y.backward(dy, retain_graph=retain)
-        grads.append([t.grad.clone() for t in leaves])
-        for t in leaves:
-            t.grad = None
-    for name, a, b in zip(NAMES[1:], *grads):
+    original = megamoe.autograd.quantize_tile_cols
+    over_products = []  # per tile-column quantisation: whether it wrote into memory handed to it
+
+    def spy(a, plan, top_k=None, over=None):
+        q, s = original(a, plan, top_k, over=over)
+        over_products.append(over is not None and q.untyped_storage().data_ptr() == over.untyped_storage().data_ptr())
+        return q, s
+
+    monkeypatch.setattr(megamoe.autograd, "quantize_tile_cols", spy)
+    # products (300, 256) against x's tile columns for 5 plan tiles (128 x 640 bytes and 5 x 128 scales): they fit
+    x, idx, w, w13, w2, dy = make_problem(150, 128, 128, 2, 2, "dropped", device=DEVICE)
+    layer = functools.partial(megamoe.moe, save_for_backward="preact", precision="fp8")
+    results = []
+    for ops in (contextlib.nullcontext(), forcing_custom_ops(contextlib.nullcontext())):
+        over_products.clear()
+        with ops:
+            results.append(run_with_grads(layer, x, idx, w, w13, w2, dy))
+        # dy's tile columns, then x's: over the products in the eager backward only
+        assert over_products == [False, isinstance(ops, contextlib.nullcontext)]
+    for name, a, b in zip(NAMES, *results):
         assert torch.equal(a, b), name
+    leaves = [t.detach().requires_grad_() for t in (x, w, w13, w2)]
+    y = layer(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+    y.backward(dy, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy)
 
 
 @pytest.mark.parametrize("mode", SAVE_MODES)

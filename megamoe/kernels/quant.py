@@ -205,24 +205,33 @@ def quantize_rows(a_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def tile_cols_outputs(cols: int, plan: Plan, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty tile-column operands of ``cols`` columns for ``plan``: q (cols, NT * 128) e4m3 and s (NT, cols) fp32."""
+def tile_cols_outputs(cols: int, plan: Plan, device, over: torch.Tensor | None = None) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+    """Empty tile-column operands of ``cols`` columns for ``plan``: q (cols, NT * 128) e4m3 and s (NT, cols) fp32.
+    ``over``: a contiguous tensor whose memory they take where it is large enough (the caller reads it no more),
+    else new memory."""
     num_tiles = plan.tile_expert_NT.numel()
+    q_bytes, s_bytes = cols * num_tiles * BLOCK_M, num_tiles * cols * 4  # q_bytes: a multiple of 128
+    if over is not None and over.is_contiguous() and over.numel() * over.element_size() >= q_bytes + s_bytes:
+        raw = over.view(-1).view(torch.uint8)
+        return (raw[:q_bytes].view(FP8).view(cols, num_tiles * BLOCK_M),
+                raw[q_bytes:q_bytes + s_bytes].view(torch.float32).view(num_tiles, cols))
     return (torch.empty(cols, num_tiles * BLOCK_M, device=device, dtype=FP8),
             torch.empty(num_tiles, cols, device=device, dtype=torch.float32))
 
 
-def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None,
+                       over: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (C, NT * 128) e4m3, s (NT, C) fp32): ``a``'s sorted rows in 128x1 groups, one per plan tile and column
     (the tile-column format above; NT = the plan's tile count, a static bound, so no host sync). C a multiple of
     ``TILE_COLS_BC``, ``a`` contiguous; rows past the routed count are not read. ``top_k``: ``a`` holds the tokens'
     rows (T, C) instead, and each sorted row is read from its token (``row_slot[r] // top_k``), so that no sorted
-    copy of them is needed."""
+    copy of them is needed. ``over``: memory to write them into where it is large enough (``tile_cols_outputs``)."""
     num_tiles = plan.tile_expert_NT.numel()
     cols = a_NC.shape[1]
     if cols % TILE_COLS_BC:
         raise ValueError(f"quantize_tile_cols needs a multiple of {TILE_COLS_BC} columns, got {cols}")
-    q, s = tile_cols_outputs(cols, plan, a_NC.device)
+    q, s = tile_cols_outputs(cols, plan, a_NC.device, over)
     _quantize_tile_cols_kernel[(num_tiles, cols // TILE_COLS_BC)](
         a_ptr=a_NC, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N, C=cols, E=plan.offsets_E1.numel() - 1,
