@@ -308,10 +308,9 @@ def fused_moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2
     products (N, 2I) for the backward instead of recomputing them there. ``fp8``: blockwise FP8 GEMMs (D and I
     multiples of 128)."""
     topk_idx = topk_idx.contiguous()
-    low_peak = LOW_PEAK_BACKWARD
     if not (torch.compiler.is_compiling() or custom_ops_forced()):
-        return _FusedMoE.apply(x, topk_idx, topk_weights, w13, w2, save_preact, fp8, low_peak)
+        return _FusedMoE.apply(x, topk_idx, topk_weights, w13, w2, save_preact, fp8, LOW_PEAK_BACKWARD)
     plan = plan_op(topk_idx, w13.shape[0])
     if save_preact:
-        return _experts_fwd_saved(x, topk_idx, topk_weights, w13, w2, *plan, fp8, low_peak)[0]
-    return _experts_fwd(x, topk_idx, topk_weights, w13, w2, *plan, fp8, low_peak)
+        return _experts_fwd_saved(x, topk_idx, topk_weights, w13, w2, *plan, fp8, LOW_PEAK_BACKWARD)[0]
+    return _experts_fwd(x, topk_idx, topk_weights, w13, w2, *plan, fp8, LOW_PEAK_BACKWARD)
