@@ -136,6 +136,54 @@ def test_dispatch_and_write_back_move_rows_exactly(case, num_ranks):
 
 
 @pytest.mark.parametrize("num_ranks", [1, 3])
+def test_fp8_rows_travel_as_bytes_and_scales(num_ranks):
+    """The forward's rows in FP8 (``dispatch_rows`` given x's 1x128 scales): every owner receives each token's e4m3
+    row and its scales bit for bit where ``protocol.recv_tokens_fp8`` reads them, once per (token, owner) with a slot
+    there, and nothing else; what came from the other ranks is what ``bytes_between_ranks(fp8_rows=True)`` counts,
+    at most 55% of the same rows' bytes in bf16."""
+    from megamoe.kernels.quant import quantize_rows
+
+    dim, per_rank, top_k = 384, 2, 3  # three 1x128 groups per row (four scale lanes, one masked)
+    sizes = [9, 0, 13][:num_ranks] if num_ranks > 1 else [11]
+    num_experts = per_rank * num_ranks
+    x, idx, w, _, _, _ = make_problem(sum(sizes), dim, INTER, num_experts, min(top_k, num_experts), "dropped",
+                                      device=DEVICE, seed=3)
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    ranks = [(x[bounds[r]:bounds[r + 1]], idx[bounds[r]:bounds[r + 1]], w[bounds[r]:bounds[r + 1]])
+             for r in range(num_ranks)]
+    quantised = [quantize_rows(xr) for xr, _, _ in ranks]
+    total = int((idx >= 0).sum())
+    workspaces = loopback_workspaces(num_ranks, per_rank, max(1, total), max(sizes), max(1, idx[:max(sizes)].numel()),
+                                     dim, torch.float32, DEVICE)
+    for ws in workspaces:  # bytes nobody sends stay 0x7f (an e4m3 NaN): a stray write or read shows
+        ws.recv_tokens.view(torch.uint8).fill_(0x7F)
+    plans = [build_plan(i, num_experts) for _, i, _ in ranks]
+    for ws, plan in zip(workspaces, plans):
+        protocol.exchange_counts(ws, plan)
+    for ws, plan, (_, i, wr), (q, sc) in zip(workspaces, plans, ranks, quantised):
+        senders.dispatch_rows(ws, q, i, wr, plan, x_s=sc)
+    received = [0] * num_ranks  # bytes each source sent to the other ranks
+    for owner, ws in enumerate(workspaces):
+        q_in, s_in = protocol.recv_tokens_fp8(ws)
+        expected_q = torch.full_like(q_in.view(torch.uint8), 0x7F)
+        expected_s = torch.full_like(s_in.view(torch.uint8), 0x7F).view(torch.float32)
+        for src, ((_, i, _), (q, sc)) in enumerate(zip(ranks, quantised)):
+            here = ((i >= owner * per_rank) & (i < (owner + 1) * per_rank)).any(dim=1).nonzero().flatten()
+            expected_q[src * ws.max_tokens + here] = q[here].view(torch.uint8)
+            expected_s[:, src * ws.max_tokens + here] = sc[:, here]
+            if src != owner:  # what crossed: the rows (e4m3 and scales) and their slots' fields
+                slots_in = int(((i >= owner * per_rank) & (i < (owner + 1) * per_rank)).sum())
+                received[src] += here.numel() * (dim + 4 * dim // 128) + slots_in * protocol.FWD_SLOT_FIELD_BYTES
+        assert torch.equal(q_in.view(torch.uint8), expected_q), f"owner {owner}: e4m3 rows"
+        assert torch.equal(s_in.view(torch.int32), expected_s.view(torch.int32)), f"owner {owner}: scales"
+    for src, (_, i, _) in enumerate(ranks):
+        fp8 = protocol.bytes_between_ranks(i, src, per_rank, dim, 2, fp8_rows=True)["fwd_out"]
+        bf16 = protocol.bytes_between_ranks(i, src, per_rank, dim, 2)["fwd_out"]
+        assert fp8 == received[src] and fp8 <= 0.55 * bf16, (src, fp8, received[src], bf16)
+    assert num_ranks == 1 or sum(received) > 0
+
+
+@pytest.mark.parametrize("num_ranks", [1, 3])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_round_trip_returns_every_row_exactly(case, num_ranks):
     """The communication-only path of the EP benchmark: each routed slot gets its own token's row back,

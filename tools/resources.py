@@ -62,7 +62,7 @@ _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot
                   "epoch_ptr": "*i32", "recv_row_slot_ptr": "*i32", "recv_offsets_ptr": "*i32",
                   "recv_weight_ptr": "*fp32", "send_list_ptr": "*i32", "slot_row_ptr": "*i32",
                   "topk_idx_ptr": "*i64", "recv_token_row_ptr": "*i32", "trace_ptr": "*i64",
-                  "ready_ptr": "*i64", "peers_ptr": "*i64"}
+                  "ready_ptr": "*i64", "peers_ptr": "*i64", "x_s_ptr": "*fp32"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "TRACE": False, "SAVE_PREACT": False,
                      # the EP sending programs: 16 of them, 128 experts (64 per rank), top-8, D = 2048
@@ -263,6 +263,9 @@ def main(argv=None) -> None:
     for fn in OTHER_KERNELS:
         compile_other_kernel(fn)
         print(f"{fn.__name__}: compiles", flush=True)
+    compile_other_kernel(senders._dispatch_rows_kernel, pointer_types={"x_ptr": "*fp8e4nv"}, HAS_DY=False,
+                         X_SCALES=True)
+    print("_dispatch_rows_kernel with FP8 rows and their scales: compiles", flush=True)
     act = expert_bwd.ACT_FROM_PREACT.default
     for quant_dz in (False, True):  # the act step on saved products at its default config, bf16 and FP8 paths
         compiled = compile_other_kernel(expert_bwd._act_from_preact_kernel, num_warps=act["num_warps"],
@@ -288,21 +291,25 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      "GATHER": True,
                      # the FP8 quantisers' power-of-two scales (env.set_fp8_scales)
                      "POW2": True,
+                     # the forward's dispatch in bf16 (compiled with FP8 rows and their scales too, below)
+                     "X_SCALES": False, "GB": 16,
                      # the quantisers, at their launchers' blocks
                      "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC}
 
 
-def compile_other_kernel(fn, num_warps: int = 4, **constexprs_over):
+def compile_other_kernel(fn, num_warps: int = 4, pointer_types: dict | None = None, **constexprs_over):
     """``fn`` (one of ``OTHER_KERNELS``) for sm_90a with bf16 rows, 128 experts and D = 2048's block sizes (or the
-    constexprs given); pointers and D specialised as 16-divisible, as at run time (without it the row copies
-    compile to 2-byte loads that never run)."""
+    constexprs given; ``pointer_types``: other element types by argument name); pointers and D specialised as
+    16-divisible, as at run time (without it the row copies compile to 2-byte loads that never run)."""
     signature, attrs, constexprs = {}, {}, {}
     for i, param in enumerate(fn.params):
         name = param.name
         if param.is_constexpr:
             signature[name], constexprs[name] = "constexpr", constexprs_over.get(name, _OTHER_CONSTEXPRS[name])
             continue
-        if name.endswith("_ptr"):
+        if name.endswith("_ptr") and name in (pointer_types or {}):
+            signature[name] = pointer_types[name]
+        elif name.endswith("_ptr"):
             signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_tokens_ptr": "*bf16", "a_ptr": "*bf16",
                                "b_ptr": "*bf16", "a_out_ptr": "*bf16", "b_out_ptr": "*bf16", "counter_ptr": "*i64",
                                "expected_ptr": "*i64", "preact_ptr": "*bf16", "dh_ptr": "*bf16", "dz_ptr": "*bf16",

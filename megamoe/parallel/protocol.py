@@ -33,6 +33,7 @@ from triton.language.extra.cuda import globaltimer
 from megamoe.env import ep_unbounded_waits, interpreting
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import Plan, plan_from_counts
+from megamoe.kernels.quant import FP8, GROUP
 from megamoe.parallel import workspace
 from megamoe.parallel.workspace import BUFFER_INDEX, CONTROL, Workspace
 
@@ -309,6 +310,16 @@ def wait_returned(ws: Workspace) -> None:
                                  NB=triton.next_power_of_2(ws.num_ranks))
 
 
+def recv_tokens_fp8(ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """My received token rows when they travel in FP8 (``senders.dispatch_rows`` given x's scales): (q (R*T, D) e4m3,
+    s (D/128, R*T) fp32, ``kernels.quant.quantize_rows``' layout), in ``recv_tokens``' memory: D + D/32 bytes per
+    row, where it holds 2D (bf16) or 4D (fp32)."""
+    rows, dim = ws.recv_tokens.shape
+    raw = ws.recv_tokens.view(-1).view(torch.uint8)
+    return (raw[: rows * dim].view(FP8).view(rows, dim),
+            raw[rows * dim: rows * dim + rows * dim // 32].view(torch.float32).view(dim // GROUP, rows))
+
+
 def combine_returned(ws: Workspace, topk_idx_TK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Phase 5: wait until every owner has written back every row I sent it (its signal, acquire), then
     each token's sum over its K slots."""
@@ -345,13 +356,14 @@ FWD_SLOT_FIELD_BYTES, BWD_SLOT_FIELD_BYTES, BWD_RETURN_FIELD_BYTES = 12, 8, 4
 
 
 def bytes_between_ranks(topk_idx_TK: torch.Tensor, rank: int, experts_per_rank: int, dim: int,
-                        itemsize: int) -> dict[str, int]:
+                        itemsize: int, fp8_rows: bool = False) -> dict[str, int]:
     """What one call of the fused protocol moves between rank ``rank`` and the other ranks, in bytes, by the rules of
     ``senders.send_rows`` and the owners' output GEMMs (a rank's rows for its own experts stay on it and are not
     counted; nor are the counts and arrival counters, a few bytes per expert): ``fwd_out``, each token's row once
     per other rank whose experts it picked, and each such slot's fields; ``fwd_back``, each such slot's output row;
     ``bwd_out``, each such slot's x and dy rows and fields; ``bwd_back``, its dx row and d(routing weight).
-    ``topk_idx_TK``: the rank's routing (-1: dropped); rows of ``dim`` elements of ``itemsize`` bytes. Reads the
+    ``topk_idx_TK``: the rank's routing (-1: dropped); rows of ``dim`` elements of ``itemsize`` bytes, the forward's
+    rows out in e4m3 with a 4-byte scale per 128 elements instead with ``fp8_rows``. Reads the
     routing on the host: for benchmarks and tests (tests/test_dispatch.py checks ``fwd_out`` against what the owners
     received; the other three are one row per slot each way, as the senders and output GEMMs write them)."""
     owner = torch.div(topk_idx_TK, experts_per_rank, rounding_mode="floor")
@@ -360,5 +372,6 @@ def bytes_between_ranks(topk_idx_TK: torch.Tensor, rank: int, experts_per_rank: 
     token_rows = int(((owner[:, 1:] != owner[:, :-1]) & (owner[:, 1:] >= 0)).sum() + (owner[:, 0] >= 0).sum()) \
         if owner.numel() else 0
     row = dim * itemsize
-    return {"fwd_out": token_rows * row + slots * FWD_SLOT_FIELD_BYTES, "fwd_back": slots * row,
+    row_out = dim + 4 * (dim // GROUP) if fp8_rows else row
+    return {"fwd_out": token_rows * row_out + slots * FWD_SLOT_FIELD_BYTES, "fwd_back": slots * row,
             "bwd_out": slots * (2 * row + BWD_SLOT_FIELD_BYTES), "bwd_back": slots * (row + BWD_RETURN_FIELD_BYTES)}

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.plan import Plan
+from megamoe.kernels.quant import FP8, GROUP
 from megamoe.parallel.protocol import (
     ARRIVED,
     OVERFLOW,
@@ -74,14 +75,17 @@ def carries_row(slot, e, topk_idx_ptr, L, top_k, KB: tl.constexpr):
 @triton.jit
 def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
               max_tokens, max_slots, HAS_DY: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr,
-              trace_ptr=None, trace_at=-1, TRACE: tl.constexpr = False):
+              trace_ptr=None, trace_at=-1, TRACE: tl.constexpr = False, x_s_ptr=None, num_tokens=0,
+              X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1):
     """My rows of slots ``slot`` (RB of them; -1: none) of global experts ``e`` into their owners' receive
     buffers at rows ``dst`` (the caller waited for the counts: ``protocol.wait_all_counts``): each row's slot id
     and routing weight, and its token's row of x —
     - forward (not HAS_DY): into the owner's ``recv_tokens`` at row ``rank * max_tokens + token``, by the
       slots where ``carries`` is 1 (:func:`carries_row`), whatever the slot's ``dst``; the owner's up kernel
       reads it through ``recv_token_row``. A token that picked several of an owner's experts crosses NVLink
-      once;
+      once. With X_SCALES x is e4m3 (``kernels.quant.quantize_rows``) and its (D/128, ``num_tokens``) scales
+      ``x_s`` travel beside it: the rows and the scales in ``recv_tokens``' memory as
+      ``protocol.recv_tokens_fp8`` lays them out (GB: D/128 rounded up to a power of two);
     - backward (HAS_DY): x and dy rows into ``recv_x`` / ``recv_dy`` at ``dst``, one per slot (the weight
       gradients read them there as expert-sorted rows); ``carries`` is not read.
     The validity travels as -1 rather than as a mask argument: Triton 3.6 fails to compile a boolean tensor
@@ -104,6 +108,13 @@ def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank
         token_row = rank * max_tokens + tok
         x_rows = tl.multiple_of(peer(peers_ptr, RECV_TOKENS, owner, R, x_ptr.dtype.element_ty) + token_row * D, 16)
         tl.store(peer(peers_ptr, RECV_TOKEN_ROW, owner, R, tl.int32) + dst64, token_row.to(tl.int32), mask=fits)
+        if X_SCALES:  # after the R * T rows of D bytes, (D/128, R * T) fp32
+            rows_in = token_row * 0 + R * max_tokens  # R * T, in int64
+            s_rows = peer(peers_ptr, RECV_TOKENS, owner, R, tl.float32) + rows_in * D // 4 + token_row
+            gs = tl.arange(0, GB)
+            gm = copies[:, None] & (gs < D // 128)[None, :]
+            tl.store(s_rows[:, None] + gs[None, :] * rows_in[:, None],
+                     tl.load(x_s_ptr + gs[None, :] * num_tokens + tok[:, None], mask=gm), mask=gm)
     # Pipelined (cp.async through shared memory): a sending program is one block on its SM, so its loads
     # must overlap one another to move more than one chunk per memory latency.
     for d0 in tl.range(0, D, BD, num_stages=4):
@@ -147,6 +158,8 @@ def _dispatch_rows_kernel(
     rank, R, L, D, top_k, capacity, max_tokens, max_slots,
     HAS_DY: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr,
     BD: tl.constexpr,
+    x_s_ptr=None, num_tokens=0,  # forward, X_SCALES: x's (D/128, T) scales (x in e4m3)
+    X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1,
 ):
     """Phase 2 as its own kernel: program i sends my sorted rows [i*RB, (i+1)*RB)."""
     wait_all_counts(peers_ptr, epoch_ptr, R, CB)
@@ -159,7 +172,8 @@ def _dispatch_rows_kernel(
     if not HAS_DY:
         carries = carries_row(slots, e, topk_idx_ptr, L, top_k, KB)
     send_rows(slots, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
-              max_tokens, max_slots, HAS_DY, RB, BD)
+              max_tokens, max_slots, HAS_DY, RB, BD, x_s_ptr=x_s_ptr, num_tokens=num_tokens, X_SCALES=X_SCALES,
+              GB=GB)
 
 
 @triton.jit
@@ -259,12 +273,17 @@ def send_blocks(ws: Workspace, dim: int, max_cols: int = 256) -> dict:
 
 
 def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                  plan: Plan, dy_TD: torch.Tensor | None = None) -> None:
+                  plan: Plan, dy_TD: torch.Tensor | None = None, x_s: torch.Tensor | None = None) -> None:
     """Phase 2 in a kernel of its own: my routed rows into their owners' receive buffers: in the forward each
     token's row once per owner (``recv_tokens``), in the backward (``dy_TD``) its x and dy rows once per slot
-    (``recv_x``, ``recv_dy``); each slot's id and routing weight."""
+    (``recv_x``, ``recv_dy``); each slot's id and routing weight. ``x_s``: the forward's rows travel in FP8, ``x_TD``
+    e4m3 and ``x_s`` its (D/128, T) fp32 scales (``kernels.quant.quantize_rows``), received as
+    ``protocol.recv_tokens_fp8`` reads them: D + D/32 bytes per row."""
     num_slots = plan.row_slot_N.numel()
     dim = x_TD.shape[1]
+    if x_s is not None and (dy_TD is not None or x_TD.dtype != FP8 or x_s.shape != (dim // GROUP, x_TD.shape[0])):
+        raise ValueError("dispatch_rows: FP8 rows are the forward's, x in e4m3 with (D/128, T) scales; got "
+                         f"x {tuple(x_TD.shape)} {x_TD.dtype}, scales {tuple(x_s.shape)}, dy given: {dy_TD is not None}")
     if num_slots == 0:
         return
     _dispatch_rows_kernel[(triton.cdiv(num_slots, ROWS_PER_PROGRAM),)](
@@ -272,7 +291,8 @@ def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, 
         offsets_ptr=plan.offsets_E1, topk_idx_ptr=topk_idx_TK, peers_ptr=ws.peers, epoch_ptr=ws.epoch,
         rank=ws.rank, R=ws.num_ranks, L=ws.num_local, D=dim, top_k=topk_weights_TK.shape[1], capacity=ws.capacity,
         max_tokens=ws.max_tokens, max_slots=ws.max_slots, HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM,
-        KB=triton.next_power_of_2(topk_idx_TK.shape[1]), **send_blocks(ws, dim),
+        KB=triton.next_power_of_2(topk_idx_TK.shape[1]), **send_blocks(ws, dim), x_s_ptr=x_s,
+        num_tokens=x_TD.shape[0], X_SCALES=x_s is not None, GB=triton.next_power_of_2(max(1, dim // GROUP)),
     )
 
 
