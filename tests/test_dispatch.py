@@ -183,6 +183,45 @@ def test_fp8_rows_travel_as_bytes_and_scales(num_ranks):
     assert num_ranks == 1 or sum(received) > 0
 
 
+@pytest.mark.parametrize("mode", ["none", "preact"])
+@pytest.mark.parametrize("num_ranks", [1, 3])
+def test_fp8_loopback_forward_matches_the_one_device_fp8_layer(num_ranks, mode):
+    """The forward in blockwise FP8 through the workspace (``loopback_forward(fp8=True)``: each rank's x quantised
+    once, e4m3 rows and scales out, the owners' FP8 kernels once every row is in, bf16-or-wider rows back): every
+    rank's y bit for bit its rows of the one-device FP8 layer's (each row's GEMMs do not depend on the rows beside
+    it), also with the owners writing their received rows' gate and up products (the saved mode); the arrival and
+    return counters reset after."""
+    import megamoe
+
+    dim, inter, per_rank, top_k = 256, 128, 2, 3
+    sizes = [9, 0, 13][:num_ranks] if num_ranks > 1 else [11]
+    num_experts = per_rank * num_ranks
+    x, idx, w, w13, w2, _ = make_problem(sum(sizes), dim, inter, num_experts, min(top_k, num_experts), "dropped",
+                                         device=DEVICE, seed=5)
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    ranks = [(x[bounds[r]:bounds[r + 1]], idx[bounds[r]:bounds[r + 1]], w[bounds[r]:bounds[r + 1]],
+              w13[r * per_rank:(r + 1) * per_rank].contiguous(), w2[r * per_rank:(r + 1) * per_rank].contiguous())
+             for r in range(num_ranks)]
+    total = max(1, int((idx >= 0).sum()))
+    workspaces = loopback_workspaces(num_ranks, per_rank, total, max(sizes), max(sizes) * idx.shape[1], dim,
+                                     torch.float32, DEVICE)
+    preacts = [torch.full((total, 2 * inter), float("nan"), device=DEVICE) for _ in ranks] if mode == "preact" else None
+    ys = loopback.loopback_forward(workspaces, ranks, preacts=preacts, fp8=True)
+    with torch.no_grad():
+        expected = megamoe.moe(x, idx, w, w13, w2, precision="fp8")
+    for r, y in enumerate(ys):
+        assert torch.equal(y, expected[bounds[r]:bounds[r + 1]]), f"rank {r}"
+    for ws in workspaces:
+        ws.check_overflow()
+        assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0, "counters not reset"
+    if mode == "preact":  # each owner's received rows' products written, nothing past them
+        for ws, preact in zip(workspaces, preacts):
+            routed = int(protocol.current_counts(ws).sum())
+            assert preact[:routed].isfinite().all() and preact[routed:].isnan().all()
+    with pytest.raises(ValueError, match="comm_sms must be 0"):
+        loopback.loopback_forward(workspaces, ranks, comm_sms=2, fp8=True)
+
+
 @pytest.mark.parametrize("num_ranks", [1, 3])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_round_trip_returns_every_row_exactly(case, num_ranks):

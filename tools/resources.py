@@ -29,7 +29,7 @@ from megamoe.kernels import expert_bwd, expert_fwd, quant
 from megamoe.kernels import gluon_fp8_sm90 as ws8
 from megamoe.kernels import gluon_sm90 as ws
 from megamoe.kernels.tuning import TunedKernel, fit_dtype
-from megamoe.parallel import loopback, owner, protocol, senders
+from megamoe.parallel import owner, protocol, senders
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200 (sm_90)
@@ -61,7 +61,7 @@ _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot
                   "scalar_ptr": "*fp32", "recv_meta_ptr": "*i32", "arrived_ptr": "*i32", "counts_ptr": "*i32",
                   "epoch_ptr": "*i32", "recv_row_slot_ptr": "*i32", "recv_offsets_ptr": "*i32",
                   "recv_weight_ptr": "*fp32", "send_list_ptr": "*i32", "slot_row_ptr": "*i32",
-                  "topk_idx_ptr": "*i64", "recv_token_row_ptr": "*i32", "trace_ptr": "*i64",
+                  "topk_idx_ptr": "*i64", "recv_token_row_ptr": "*i32", "row_map_ptr": "*i32", "trace_ptr": "*i64",
                   "ready_ptr": "*i64", "peers_ptr": "*i64", "x_s_ptr": "*fp32"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "TRACE": False, "SAVE_PREACT": False,
@@ -277,7 +277,7 @@ def main(argv=None) -> None:
 
 # The kernels without a tile config: the backward's row copies and the expert-parallel protocol's
 # kernels, checked to compile for sm_90a.
-OTHER_KERNELS = (*expert_bwd.KERNELS, *protocol.KERNELS, *senders.KERNELS, *loopback.KERNELS, *quant.KERNELS)
+OTHER_KERNELS = (*expert_bwd.KERNELS, *protocol.KERNELS, *senders.KERNELS, *owner.KERNELS, *quant.KERNELS)
 _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "KB": 8, "EB": 128, "CB": 128, "BD": 256,
                      "LB": 16, "NB": 8, "TB": 16, "BLOCK": 1024,
                      # the bounded wait-and-reset of the write-backs (protocol.wait_returned)
@@ -293,6 +293,8 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      "POW2": True,
                      # the forward's dispatch in bf16 (compiled with FP8 rows and their scales too, below)
                      "X_SCALES": False, "GB": 16,
+                     # the owner's rows to their sources, through a row map (the loopback's round trip)
+                     "ROW_MAP": True,
                      # the quantisers, at their launchers' blocks
                      "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC}
 
@@ -310,7 +312,7 @@ def compile_other_kernel(fn, num_warps: int = 4, pointer_types: dict | None = No
         if name.endswith("_ptr") and name in (pointer_types or {}):
             signature[name] = pointer_types[name]
         elif name.endswith("_ptr"):
-            signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "recv_tokens_ptr": "*bf16", "a_ptr": "*bf16",
+            signature[name] = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "rows_ptr": "*bf16", "a_ptr": "*bf16",
                                "b_ptr": "*bf16", "a_out_ptr": "*bf16", "b_out_ptr": "*bf16", "counter_ptr": "*i64",
                                "expected_ptr": "*i64", "preact_ptr": "*bf16", "dh_ptr": "*bf16", "dz_ptr": "*bf16",
                                "hw_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv",

@@ -9,51 +9,27 @@ Problems are ``(x, topk_idx, topk_weights, w13, w2)`` per rank, with global expe
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from megamoe.kernels.plan import Plan, build_plan
+from megamoe.kernels.quant import quantize_rows
 from megamoe.parallel.owner import (
     owner_experts,
     owner_experts_backward,
+    owner_experts_fp8,
+    rows_to_sources,
     send_and_dh,
     send_and_up,
 )
 from megamoe.parallel.protocol import (
-    Y_SLOTS,
     combine_returned,
     combine_returned_backward,
     exchange_counts,
-    peer,
     received_plan,
     reset_arrivals,
-    signal_returned,
     wait_returned,
 )
-from megamoe.parallel.senders import ROWS_PER_PROGRAM, dispatch_rows, send_blocks
+from megamoe.parallel.senders import dispatch_rows
 from megamoe.parallel.workspace import Workspace
-
-
-@triton.jit
-def _return_rows_kernel(recv_tokens_ptr, recv_token_row_ptr, recv_meta_ptr, offsets_ptr, peers_ptr, R, L, D,
-                        max_slots, RB: tl.constexpr, BD: tl.constexpr):
-    """Communication only (no experts): every row I received (its token's row), unchanged, into its
-    source's slot."""
-    rows = tl.program_id(0) * RB + tl.arange(0, RB)
-    rmask = rows < tl.load(offsets_ptr + L)
-    token_rows = tl.load(recv_token_row_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    meta = tl.load(recv_meta_ptr + rows, mask=rmask, other=0)
-    out_rows = tl.multiple_of(peer(peers_ptr, Y_SLOTS, meta // max_slots, R, recv_tokens_ptr.dtype.element_ty)
-                              + (meta % max_slots).to(tl.int64) * D, 16)
-    for d0 in range(0, D, BD):
-        ds = d0 + tl.arange(0, BD)
-        m = rmask[:, None] & (ds < D)[None, :]
-        tl.store(out_rows[:, None] + ds[None, :], tl.load(recv_tokens_ptr + token_rows[:, None] * D + ds[None, :],
-                                                           mask=m), mask=m)
-
-
-# The kernels without a tile config, for the ahead-of-time compile check (``tools.resources``).
-KERNELS = (_return_rows_kernel,)
 
 
 def return_rows(ws: Workspace) -> None:
@@ -61,12 +37,7 @@ def return_rows(ws: Workspace) -> None:
     ``y_slots`` and signal."""
     plan, counts = received_plan(ws)
     reset_arrivals(ws, counts)  # returns once every row is in
-    dim = ws.recv_x.shape[1]
-    _return_rows_kernel[(triton.cdiv(ws.capacity, ROWS_PER_PROGRAM),)](
-        recv_tokens_ptr=ws.recv_tokens, recv_token_row_ptr=ws.recv_token_row, recv_meta_ptr=ws.recv_meta,
-        offsets_ptr=plan.offsets_E1, peers_ptr=ws.peers, R=ws.num_ranks, L=ws.num_local, D=dim,
-        max_slots=ws.max_slots, RB=ROWS_PER_PROGRAM, BD=send_blocks(ws, dim)["BD"])
-    signal_returned(ws)
+    rows_to_sources(ws, plan, ws.recv_tokens, row_map=ws.recv_token_row)
 
 
 def round_trip(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
@@ -94,17 +65,27 @@ def _start(workspaces: list[Workspace], problems: list[tuple]) -> list[Plan]:
 
 
 def loopback_forward(workspaces: list[Workspace], problems: list[tuple], comm_sms: int = 0,
-                     preacts: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                     preacts: list[torch.Tensor] | None = None, fp8: bool = False) -> list[torch.Tensor]:
     """The forward of R virtual ranks on one device. Each phase runs for every rank before the next,
     so every wait's producer has already run (one device executes the launches in order).
     ``comm_sms > 0``: the rows are sent by ``comm_sms`` programs of the up kernel's launch (``owner.send_and_up``)
     — with one virtual rank in the same launch as its GEMM tiles; with more, each rank's senders run in a
     launch of their own first (a rank's tiles would otherwise wait for rows that a later launch sends).
     ``preacts``: per rank a (capacity, 2I) buffer for its received rows' gate and up products (the saved-activation
-    mode; :func:`loopback_backward` takes them back)."""
+    mode; :func:`loopback_backward` takes them back). ``fp8``: blockwise FP8, the rows sent in e4m3 with their
+    scales (each rank's x quantised once) and the owners' FP8 kernels run once every row is in
+    (``owner.owner_experts_fp8``); with a dispatch kernel of their own only (``comm_sms`` 0)."""
+    if fp8 and comm_sms:
+        raise ValueError("the FP8 rows are sent by a dispatch kernel of their own: comm_sms must be 0")
     plans = _start(workspaces, problems)
     preacts = preacts or [None] * len(workspaces)
-    if comm_sms and len(workspaces) == 1:
+    if fp8:
+        for ws, plan, (x, idx, weights, _, _) in zip(workspaces, plans, problems):
+            xq, xs = quantize_rows(x)
+            dispatch_rows(ws, xq, idx, weights, plan, x_s=xs)
+        for ws, p, preact in zip(workspaces, problems, preacts):
+            owner_experts_fp8(ws, p[3], p[4], preact_C2I=preact)
+    elif comm_sms and len(workspaces) == 1:
         (ws,), (plan,), ((x, idx, weights, w13, w2),) = workspaces, plans, problems
         owner_experts(ws, w13, w2, send=(x, idx, weights, plan, comm_sms), preact_C2I=preacts[0])
     elif comm_sms:

@@ -31,11 +31,14 @@ from megamoe.kernels.expert_bwd import DX, act_bwd, act_bwd_from_preact, expert_
 from megamoe.kernels.expert_fwd import (
     DOWN,
     UP,
+    down_fp8,
     sorted_rows_gemm,
     up_swiglu_block,
+    up_swiglu_fp8,
     up_swiglu_fwd,
 )
 from megamoe.kernels.plan import BLOCK_M, Plan
+from megamoe.kernels.quant import fp8_weight
 from megamoe.kernels.tuning import TunedKernel, configs
 from megamoe.parallel import trace
 from megamoe.parallel.protocol import (
@@ -43,12 +46,14 @@ from megamoe.parallel.protocol import (
     Y_SLOTS,
     peer,
     received_plan,
+    recv_tokens_fp8,
     reset_arrivals,
     signal_returned,
     wait_rows,
     wait_rows_upto,
 )
 from megamoe.parallel.senders import (
+    ROWS_PER_PROGRAM,
     SEND_DH_COLS,
     SEND_DH_ROWS,
     SEND_UP_COLS,
@@ -332,6 +337,60 @@ def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w
         EB=triton.next_power_of_2(w_L.shape[0]), PREC=dot_precision(a_CK.dtype), TILE_M=BLOCK_M, dtype=a_CK.dtype,
     )
     signal_returned(ws)
+
+
+@triton.jit
+def _rows_to_sources_kernel(rows_ptr, row_map_ptr, recv_meta_ptr, offsets_ptr, peers_ptr, R, L, D, max_slots,
+                            ROW_MAP: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr):
+    """Each received row's output into its source's slot (``recv_meta``): row r of ``rows``, or with ROW_MAP row
+    ``row_map[r]``; rows past the routed count are not read."""
+    rows = tl.program_id(0) * RB + tl.arange(0, RB)
+    rmask = rows < tl.load(offsets_ptr + L)
+    src_rows = rows.to(tl.int64)
+    if ROW_MAP:
+        src_rows = tl.load(row_map_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    meta = tl.load(recv_meta_ptr + rows, mask=rmask, other=0)
+    out_rows = tl.multiple_of(peer(peers_ptr, Y_SLOTS, meta // max_slots, R, rows_ptr.dtype.element_ty)
+                              + (meta % max_slots).to(tl.int64) * D, 16)
+    for d0 in range(0, D, BD):
+        ds = d0 + tl.arange(0, BD)
+        m = rmask[:, None] & (ds < D)[None, :]
+        tl.store(out_rows[:, None] + ds[None, :], tl.load(rows_ptr + src_rows[:, None] * D + ds[None, :], mask=m),
+                 mask=m)
+
+
+# The kernels without a tile config, for the ahead-of-time compile check (``tools.resources``).
+KERNELS = (_rows_to_sources_kernel,)
+
+
+def rows_to_sources(ws: Workspace, plan: Plan, rows: torch.Tensor, row_map: torch.Tensor | None = None) -> None:
+    """Every row I received (``plan``: :func:`protocol.received_plan`'s) gets its output row of ``rows`` (D wide,
+    ``y_slots``' dtype) — row r, or ``row_map[r]`` — sent into its source's ``y_slots``; then the signal to every
+    source (``protocol.signal_returned``). A copy of its own, for outputs that no peer-writing GEMM wrote."""
+    dim = rows.shape[1]
+    _rows_to_sources_kernel[(triton.cdiv(ws.capacity, ROWS_PER_PROGRAM),)](
+        rows_ptr=rows, row_map_ptr=row_map, recv_meta_ptr=ws.recv_meta, offsets_ptr=plan.offsets_E1,
+        peers_ptr=ws.peers, R=ws.num_ranks, L=ws.num_local, D=dim, max_slots=ws.max_slots,
+        ROW_MAP=row_map is not None, RB=ROWS_PER_PROGRAM, BD=send_blocks(ws, dim)["BD"])
+    signal_returned(ws)
+
+
+def owner_experts_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor,
+                      preact_C2I: torch.Tensor | None = None) -> None:
+    """Phases 3 and 4 of the forward with my rows received in FP8 (``senders.dispatch_rows`` given x's scales):
+    once every row is in, the one-device FP8 kernels over them — the up kernel reading each received row's token
+    row and scales from ``protocol.recv_tokens_fp8`` (through ``recv_token_row``), the down kernel weighting each
+    output row by its routing weight — then each output row into its source's ``y_slots``. The rows are not
+    waited for tile by tile, so the exchange does not yet overlap the GEMMs. ``preact_C2I``: as for
+    :func:`owner_experts`."""
+    plan, counts = received_plan(ws)
+    reset_arrivals(ws, counts)  # returns once every row is in
+    xq, xs = recv_tokens_fp8(ws)
+    w13q, w13s, _, _ = fp8_weight(w13_LHD)
+    w2q, w2s, _, _ = fp8_weight(w2_LDI)
+    tokens = Plan(plan.offsets_E1, ws.recv_token_row, plan.tile_expert_NT, plan.tile_row_NT)  # row -> token row
+    hq, hs = up_swiglu_fp8(xq, xs, w13q, w13s, tokens, 1, preact_NH=preact_C2I)
+    rows_to_sources(ws, plan, down_fp8(hq, hs, w2q, w2s, ws.recv_weight, plan, ws.y_slots.dtype))
 
 
 def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, send: tuple | None = None,
