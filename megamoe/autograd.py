@@ -23,30 +23,24 @@ from megamoe.env import (
     fp8_wgrad_requested,
     low_peak_backward_requested,
 )
+from megamoe.kernels.backward_fp8 import backward_rows_fp8, preact_buffer
 from megamoe.kernels.combine import combine
 from megamoe.kernels.expert_bwd import (
     act_bwd,
     act_bwd_from_preact,
-    act_bwd_tile_cols,
-    dh_fp8,
     dx_slots,
-    dx_slots_fp8,
     expert_wgrad,
     expert_wgrad_and_combine,
-    gather_rows,
-    sorted_quantized_rows,
     sorted_rows_and_dh,
-    wgrad_fp8,
 )
 from megamoe.kernels.expert_fwd import (
     down_fp8,
     down_fwd,
-    up_products_fp8,
     up_swiglu_fp8,
     up_swiglu_fwd,
 )
 from megamoe.kernels.plan import Plan, build_plan, plan_op
-from megamoe.kernels.quant import fp8_weight, quantize_rows, quantize_tile_cols
+from megamoe.kernels.quant import fp8_weight, quantize_rows
 
 # The FP8 path's weight gradients in FP8 too (DeepSeek-V3's recipe: both operands re-quantised 128x1 along the
 # tokens from their rows in x's dtype, ``quant.quantize_tile_cols``, then ``expert_bwd.wgrad_fp8``), or in bf16 from
@@ -126,62 +120,13 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
                          offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor,
                          preact: Tensor | None = None, low_peak: bool = False,
                          reuse_preact: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`experts_backward` in blockwise FP8: dy quantised 1x128 (once per token, in the pass that sorts its
-    rows); dh' and dx on the weights' transposed FP8 copies; g and u, unless saved, recomputed by the forward's up
-    kernel (the FP8 GEMM the forward ran, so both memory modes compute the same gradients; without its h output)
-    and the act step run on them; the weight gradients from the unquantised rows in x's dtype (exact products, fp32
-    accumulation), or with :data:`FP8_WGRAD` from those rows quantised 128x1: x's and dy's read from the tokens'
-    rows (no sorted copies; dy's 1x128 rows for dh' quantised per token and copied), dz's and h·w's by the act step
-    (``expert_bwd.act_bwd_tile_cols``: on sm90 neither is written in x's dtype), and dx (its combine on its own, not
-    inside the dW13 kernel) before dW13, x's tile columns made just before it (over handed-over products)."""
+    """:func:`experts_backward` in blockwise FP8 (``kernels.backward_fp8.backward_rows_fp8`` on the tokens' rows,
+    dx combined per token), FP8 weight gradients as :data:`FP8_WGRAD` says."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
-    top_k = topk_idx.shape[1]
-    weights = topk_weights.contiguous()
-    w13q, w13s, w13tq, w13ts = fp8_weight(w13)
-    _, _, w2tq, w2ts = fp8_weight(w2)
-    if FP8_WGRAD:  # the weight gradients read x and dy from the tokens' rows: no sorted bf16 copies
-        dy_t = quantize_tile_cols(dy, plan, top_k)
-        dyq, dys = sorted_quantized_rows(dy, plan, top_k)
-    else:
-        x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
-    dh_NI = dh_fp8(dyq, dys, w2tq, w2ts, plan, x.dtype)
-    del dyq, dys
-    # Saved products handed over (the eager saved mode): with FP8 weight gradients x's tile columns take their memory
-    # once the act step has read them (the products outlive the backward in the autograd context, so that this
-    # block is off the peak; recomputed ones are freed after the act step instead).
-    products_over = preact if reuse_preact else None
-    if preact is None:  # recomputed into a buffer of its own (which dz then takes over, where it is written)
-        preact = preact_buffer(x, topk_idx, w13)
-        up_products_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact)
-        reuse_preact = True
-    if FP8_WGRAD:  # dz and h·w straight into their FP8 copies
-        dweight_TK, dzq, dzs, dz_t, hw_t = act_bwd_tile_cols(preact, dh_NI, weights, plan, top_k)
-        del dh_NI, preact
-        dw2 = wgrad_fp8(*dy_t, *hw_t, plan, w2.dtype)
-        del dy_t, hw_t
-        # dx before dW13, dz's 1x128 rows and dx's slot rows freed before dW13's output exists: the backward's
-        # peak (at dW13) holds dz's and x's tile columns beside the weight gradients and dx, nothing more.
-        dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype)
-        del dzq, dzs
-        dx = combine(dx_slots_ND, topk_idx, x.dtype)
-        del dx_slots_ND
-        dw13 = wgrad_fp8(*dz_t, *quantize_tile_cols(x, plan, top_k, over=products_over), plan, w13.dtype)
-        return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
-    dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights, plan, top_k, quant_dz=True,
-                                                             dz_over_preact=reuse_preact)
-    del dh_NI, preact  # (saved products not handed over stay alive in the autograd context)
-    # dW2 first, as in :func:`experts_backward` (the backward's peak memory).
-    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
-    del dy_sorted, hw_NI
-    if low_peak:  # dW13 before dx's slot rows exist (:data:`LOW_PEAK_BACKWARD`)
-        dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype)
-        del x_sorted, dz_NH
-    dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype)
-    del dzq, dzs
-    if low_peak:
-        dx = combine(dx_slots_ND, topk_idx, x.dtype)
-    else:
-        dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots_ND, topk_idx, x.dtype)
+    dx, dweight_TK, dw13, dw2 = backward_rows_fp8(
+        dy, x, topk_weights.contiguous(), w13, w2, plan, topk_idx.shape[1],
+        lambda dx_slots_ND, _: combine(dx_slots_ND, topk_idx, x.dtype), fp8_wgrad=FP8_WGRAD, preact=preact,
+        reuse_preact=reuse_preact, combine_in_dw13=None if low_peak else topk_idx)
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
 
 
@@ -193,19 +138,13 @@ def _backward_body(fp8: bool):
     return experts_backward_fp8 if fp8 else experts_backward
 
 
-def preact_buffer(x: Tensor, topk_idx: Tensor, w13: Tensor) -> Tensor:
-    """The saved-activation mode's (N, 2I) buffer of gate and up products, in x's dtype (rows past the routed
-    count are never written or read)."""
-    return x.new_empty(topk_idx.numel(), w13.shape[1])
-
-
 class _FusedMoE(torch.autograd.Function):
     """The eager path."""
 
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, w13, w2, save_preact: bool, fp8: bool, low_peak: bool):
         plan = build_plan(topk_idx, w13.shape[0]).tensors()
-        preact = preact_buffer(x, topk_idx, w13) if save_preact else None
+        preact = preact_buffer(x, topk_idx.numel(), w13) if save_preact else None
         y = _forward_body(fp8)(x, topk_idx, topk_weights, w13, w2, *plan, preact=preact)
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *plan, *(() if preact is None else (preact,)))
         ctx.save_preact, ctx.fp8, ctx.low_peak = save_preact, fp8, low_peak
@@ -244,14 +183,14 @@ def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_r
 def _experts_fwd_saved(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                        offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor, fp8: bool = False,
                        low_peak: bool = False) -> tuple[Tensor, Tensor]:
-    preact = preact_buffer(x, topk_idx, w13)
+    preact = preact_buffer(x, topk_idx.numel(), w13)
     return _forward_body(fp8)(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row,
                               preact=preact), preact
 
 
 @_experts_fwd_saved.register_fake
 def _(x, topk_idx, topk_weights, w13, w2, offsets, row_slot, tile_expert, tile_row, fp8=False, low_peak=False):
-    return torch.empty_like(x), preact_buffer(x, topk_idx, w13)
+    return torch.empty_like(x), preact_buffer(x, topk_idx.numel(), w13)
 
 
 # The op mutates nothing: unlike the eager path, it leaves saved products as they were (dz gets a block of its own).

@@ -69,20 +69,21 @@ def test_low_peak_backward_gives_the_dx_first_orders_gradients(monkeypatch, mode
 
     import megamoe.autograd
     from megamoe.env import forcing_custom_ops
+    from megamoe.kernels import backward_fp8
 
     monkeypatch.setattr(megamoe.autograd, "FP8_WGRAD", False)
     x, idx, w, w13, w2, dy = make_problem(40, 128, 128, 4, 2, "dropped", device=DEVICE)
     layer = functools.partial(megamoe.moe, save_for_backward=mode, precision="fp8" if fp8 else "bf16")
+    body = backward_fp8 if fp8 else megamoe.autograd  # the module whose backward body runs
     combined = []
-    wgrad_and_combine = megamoe.autograd.expert_wgrad_and_combine
-    monkeypatch.setattr(megamoe.autograd, "expert_wgrad_and_combine",
-                        lambda *a: combined.append(1) or wgrad_and_combine(*a))
+    wgrad_and_combine = body.expert_wgrad_and_combine
+    monkeypatch.setattr(body, "expert_wgrad_and_combine", lambda *a: combined.append(1) or wgrad_and_combine(*a))
     monkeypatch.setattr(megamoe.autograd, "LOW_PEAK_BACKWARD", False)
     expected = run_with_grads(layer, x, idx, w, w13, w2, dy)
     assert combined == [1]
     for ops in (contextlib.nullcontext(), forcing_custom_ops(contextlib.nullcontext())):
         with monkeypatch.context() as m:
-            m.setattr(megamoe.autograd, "expert_wgrad_and_combine",
+            m.setattr(body, "expert_wgrad_and_combine",
                       lambda *a: pytest.fail("the low-peak order ran dW13 with the combine"))
             leaves = [t.detach().requires_grad_() for t in (x, w, w13, w2)]
             with ops:
@@ -99,16 +100,18 @@ def test_saved_products_become_dz_in_the_eager_backward(monkeypatch, fp8):
     """The eager saved mode's backward writes dz over its saved gate and up products (no (N, 2I) block of its own),
     with the gradients bit for bit those of the custom ops, which give dz a block of its own; the FP8 keep-nothing
     backward does the same with the products it recomputes (with bf16 weight gradients: with FP8 ones no dz is
-    written in x's dtype, ``test_fp8_wgrad_backward_writes_x_tile_columns_over_the_saved_products``). A second backward through the
-    retained graph of the saved mode fails instead of reading dz as g and u."""
+    written in x's dtype, ``test_fp8_wgrad_backward_writes_x_tile_columns_over_the_saved_products``). A second
+    backward through the retained graph of the saved mode fails instead of reading dz as g and u."""
     import contextlib
 
     import megamoe.autograd
     from megamoe.env import forcing_custom_ops
+    from megamoe.kernels import backward_fp8
 
     monkeypatch.setattr(megamoe.autograd, "FP8_WGRAD", False)
     x, idx, w, w13, w2, dy = make_problem(40, 128, 128, 4, 2, "dropped", device=DEVICE)
-    original = megamoe.autograd.act_bwd_from_preact
+    body = backward_fp8 if fp8 else megamoe.autograd  # the module whose backward body runs
+    original = body.act_bwd_from_preact
     shared = []  # per act step of a backward: whether dz is in the products' memory
 
     def spy(preact, *args, **kwargs):
@@ -116,7 +119,7 @@ def test_saved_products_become_dz_in_the_eager_backward(monkeypatch, fp8):
         shared.append(out[0].data_ptr() == preact.data_ptr())
         return out
 
-    monkeypatch.setattr(megamoe.autograd, "act_bwd_from_preact", spy)
+    monkeypatch.setattr(body, "act_bwd_from_preact", spy)
     for mode in SAVE_MODES:
         if mode == "none" and not fp8:
             continue  # the bf16 keep-nothing backward runs the act step on a recomputed GEMM, with no products
@@ -130,7 +133,7 @@ def test_saved_products_become_dz_in_the_eager_backward(monkeypatch, fp8):
             assert shared == [mode == "none" or isinstance(ops, contextlib.nullcontext)], (mode, shared)
         for name, a, b in zip(NAMES, *results):
             assert torch.equal(a, b), (mode, name)
-    monkeypatch.setattr(megamoe.autograd, "act_bwd_from_preact", original)
+    monkeypatch.setattr(body, "act_bwd_from_preact", original)
     leaves = [t.detach().requires_grad_() for t in (x, w, w13, w2)]
     y = megamoe.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], save_for_backward="preact",
                     precision="fp8" if fp8 else "bf16")
@@ -148,10 +151,11 @@ def test_fp8_wgrad_backward_writes_x_tile_columns_over_the_saved_products(monkey
 
     import megamoe.autograd
     from megamoe.env import forcing_custom_ops
+    from megamoe.kernels import backward_fp8
 
     monkeypatch.setattr(megamoe.autograd, "FP8_WGRAD", True)
-    monkeypatch.setattr(megamoe.autograd, "act_bwd_from_preact", lambda *a, **k: pytest.fail("ran the bf16 act step"))
-    original = megamoe.autograd.quantize_tile_cols
+    monkeypatch.setattr(backward_fp8, "act_bwd_from_preact", lambda *a, **k: pytest.fail("ran the bf16 act step"))
+    original = backward_fp8.quantize_tile_cols
     over_products = []  # per tile-column quantisation: whether it wrote into memory handed to it
 
     def spy(a, plan, top_k=None, over=None):
@@ -159,7 +163,7 @@ def test_fp8_wgrad_backward_writes_x_tile_columns_over_the_saved_products(monkey
         over_products.append(over is not None and q.untyped_storage().data_ptr() == over.untyped_storage().data_ptr())
         return q, s
 
-    monkeypatch.setattr(megamoe.autograd, "quantize_tile_cols", spy)
+    monkeypatch.setattr(backward_fp8, "quantize_tile_cols", spy)
     # products (300, 256) against x's tile columns for 5 plan tiles (128 x 640 bytes and 5 x 128 scales): they fit
     x, idx, w, w13, w2, dy = make_problem(150, 128, 128, 2, 2, "dropped", device=DEVICE)
     layer = functools.partial(megamoe.moe, save_for_backward="preact", precision="fp8")

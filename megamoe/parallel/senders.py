@@ -282,8 +282,8 @@ def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, 
     num_slots = plan.row_slot_N.numel()
     dim = x_TD.shape[1]
     if x_s is not None and (dy_TD is not None or x_TD.dtype != FP8 or x_s.shape != (dim // GROUP, x_TD.shape[0])):
-        raise ValueError("dispatch_rows: FP8 rows are the forward's, x in e4m3 with (D/128, T) scales; got "
-                         f"x {tuple(x_TD.shape)} {x_TD.dtype}, scales {tuple(x_s.shape)}, dy given: {dy_TD is not None}")
+        raise ValueError("dispatch_rows: FP8 rows are the forward's, x in e4m3 with (D/128, T) scales; got x "
+                         f"{tuple(x_TD.shape)} {x_TD.dtype}, scales {tuple(x_s.shape)}, dy given: {dy_TD is not None}")
     if num_slots == 0:
         return
     _dispatch_rows_kernel[(triton.cdiv(num_slots, ROWS_PER_PROGRAM),)](

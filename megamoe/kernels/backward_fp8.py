@@ -1,0 +1,98 @@
+"""The blockwise FP8 backward over a routing plan's rows: below the autograd wiring, so that the one-GPU layer
+(``megamoe.autograd.experts_backward_fp8``, which combines dx per token) and an expert-parallel owner
+(``parallel.owner.owner_experts_backward_fp8``, which sends dx's rows back to their sources) run the same steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from megamoe.kernels.expert_bwd import (
+    act_bwd_from_preact,
+    act_bwd_tile_cols,
+    dh_fp8,
+    dx_slots_fp8,
+    expert_wgrad,
+    expert_wgrad_and_combine,
+    gather_rows,
+    sorted_quantized_rows,
+    wgrad_fp8,
+)
+from megamoe.kernels.expert_fwd import up_products_fp8
+from megamoe.kernels.plan import Plan
+from megamoe.kernels.quant import fp8_weight, quantize_rows, quantize_tile_cols
+
+
+def preact_buffer(x: Tensor, num_rows: int, w13: Tensor) -> Tensor:
+    """The saved-activation mode's (num_rows, 2I) buffer of gate and up products, in x's dtype (rows past the routed
+    count are never written or read)."""
+    return x.new_empty(num_rows, w13.shape[1])
+
+
+def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2: Tensor, plan: Plan, top_k: int,
+                      dx_rows: Callable[[Tensor, Tensor], object], *, fp8_wgrad: bool, preact: Tensor | None = None,
+                      reuse_preact: bool = False,
+                      combine_in_dw13: Tensor | None = None) -> tuple[object, Tensor, Tensor, Tensor]:
+    """dy quantised 1x128 (once per row, in the pass that sorts it); dh' and dx on the weights' transposed FP8
+    copies; g and u, unless saved (``preact``), recomputed by the forward's up kernel (the FP8 GEMM the forward ran,
+    so both memory modes compute the same gradients; without its h output) and the act step run on them; the weight
+    gradients from the unquantised rows in x's dtype (exact products, fp32 accumulation), or with ``fp8_wgrad``
+    from those rows quantised 128x1: x's and dy's read from their rows (no sorted copies; dy's 1x128 rows for dh'
+    quantised per row and copied), dz's and h·w's by the act step (``expert_bwd.act_bwd_tile_cols``: on sm90 neither
+    is written in x's dtype), and dx before dW13, x's tile columns made just before it (over handed-over products).
+
+    ``dy``, ``x``: rows in x's dtype, each sorted row read from row ``row_slot[r] // top_k`` (the tokens' rows, or
+    with ``top_k`` 1 and the identity row map rows already sorted: an owner's received rows); ``weights_TK``: the
+    routing weights, ``row_slot``'s flat slots, contiguous. ``dx_rows(dx's unweighted slot rows (N, D) in x's dtype,
+    d(routing weight) (T, K) fp32)``: what becomes of dx (a combine per token, rows sent back), called once those
+    rows exist; its result is returned. ``reuse_preact``: the caller hands ``preact`` over (it is written over).
+    ``combine_in_dw13``: with bf16 weight gradients, the routing (T, K) whose dx the dW13 kernel sums beside its MMAs
+    from slot rows made before it (the dx-first order); ``dx_rows`` is then not called and dx is returned.
+    Returns (dx_rows' result, d(routing weight) (T, K) fp32, dw13, dw2)."""
+    w13q, w13s, w13tq, w13ts = fp8_weight(w13)
+    _, _, w2tq, w2ts = fp8_weight(w2)
+    if fp8_wgrad:  # the weight gradients read x and dy from their rows: no sorted bf16 copies
+        dy_t = quantize_tile_cols(dy, plan, top_k)
+        dyq, dys = sorted_quantized_rows(dy, plan, top_k)
+    else:
+        x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
+    dh_NI = dh_fp8(dyq, dys, w2tq, w2ts, plan, x.dtype)
+    del dyq, dys
+    # Saved products handed over (the eager saved mode): with FP8 weight gradients x's tile columns take their memory
+    # once the act step has read them (the products outlive the backward in the autograd context, so that this
+    # block is off the peak; recomputed ones are freed after the act step instead).
+    products_over = preact if reuse_preact else None
+    if preact is None:  # recomputed into a buffer of its own (which dz then takes over, where it is written)
+        preact = preact_buffer(x, plan.row_slot_N.numel(), w13)
+        up_products_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact)
+        reuse_preact = True
+    if fp8_wgrad:  # dz and h·w straight into their FP8 copies
+        dweight_TK, dzq, dzs, dz_t, hw_t = act_bwd_tile_cols(preact, dh_NI, weights_TK, plan, top_k)
+        del dh_NI, preact
+        dw2 = wgrad_fp8(*dy_t, *hw_t, plan, w2.dtype)
+        del dy_t, hw_t
+        # dx before dW13, dz's 1x128 rows and dx's slot rows freed before dW13's output exists: the backward's
+        # peak (at dW13) holds dz's and x's tile columns beside the weight gradients and dx, nothing more.
+        dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype)
+        del dzq, dzs
+        dx = dx_rows(dx_slots_ND, dweight_TK)
+        del dx_slots_ND
+        dw13 = wgrad_fp8(*dz_t, *quantize_tile_cols(x, plan, top_k, over=products_over), plan, w13.dtype)
+        return dx, dweight_TK, dw13, dw2
+    dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights_TK, plan, top_k, quant_dz=True,
+                                                             dz_over_preact=reuse_preact)
+    del dh_NI, preact  # (saved products not handed over stay alive in the autograd context)
+    # dW2 first (the backward's peak memory: docs/PERFORMANCE.md).
+    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
+    del dy_sorted, hw_NI
+    if combine_in_dw13 is None:  # dW13 before dx's slot rows exist (the low-peak order)
+        dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype)
+        del x_sorted, dz_NH
+    dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype)
+    del dzq, dzs
+    if combine_in_dw13 is None:
+        return dx_rows(dx_slots_ND, dweight_TK), dweight_TK, dw13, dw2
+    dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots_ND, combine_in_dw13, x.dtype)
+    return dx, dweight_TK, dw13, dw2
+
