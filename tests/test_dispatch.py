@@ -181,6 +181,28 @@ def test_fp8_rows_travel_as_bytes_and_scales(num_ranks):
         bf16 = protocol.bytes_between_ranks(i, src, per_rank, dim, 2)["fwd_out"]
         assert fp8 == received[src] and fp8 <= 0.55 * bf16, (src, fp8, received[src], bf16)
     assert num_ranks == 1 or sum(received) > 0
+    (q, sc), (x0, i, wr) = quantised[0], ranks[0]
+    for bad in ({"dy_TD": x0, "x_s": sc}, {"x_s": sc[:, :1]}):  # only the forward's rows, with their scales
+        with pytest.raises(ValueError, match="FP8 rows are the forward's"):
+            senders.dispatch_rows(workspaces[0], q, i, wr, plans[0], **bad)
+
+
+def fp8_ranks(num_ranks, dim=256, inter=128, per_rank=2, top_k=3, seed=5):
+    """Per-rank problems at FP8's dims (multiples of 128), fewer than 128 rows per expert (one tile each), and the
+    gathered problem with its token bounds."""
+    sizes = [9, 0, 13][:num_ranks] if num_ranks > 1 else [11]
+    num_experts = per_rank * num_ranks
+    x, idx, w, w13, w2, dy = make_problem(sum(sizes), dim, inter, num_experts, min(top_k, num_experts), "dropped",
+                                          device=DEVICE, seed=seed)
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    ranks = [(x[bounds[r]:bounds[r + 1]], idx[bounds[r]:bounds[r + 1]], w[bounds[r]:bounds[r + 1]],
+              w13[r * per_rank:(r + 1) * per_rank].contiguous(), w2[r * per_rank:(r + 1) * per_rank].contiguous())
+             for r in range(num_ranks)]
+    total = max(1, int((idx >= 0).sum()))
+    workspaces = loopback_workspaces(num_ranks, per_rank, total, max(sizes), max(sizes) * idx.shape[1], dim,
+                                     torch.float32, DEVICE)
+    dys = [dy[bounds[r]:bounds[r + 1]] for r in range(num_ranks)]
+    return ranks, workspaces, (x, idx, w, w13, w2, dy), bounds, dys
 
 
 @pytest.mark.parametrize("mode", ["none", "preact"])
@@ -193,19 +215,10 @@ def test_fp8_loopback_forward_matches_the_one_device_fp8_layer(num_ranks, mode):
     return counters reset after."""
     import megamoe
 
-    dim, inter, per_rank, top_k = 256, 128, 2, 3
-    sizes = [9, 0, 13][:num_ranks] if num_ranks > 1 else [11]
-    num_experts = per_rank * num_ranks
-    x, idx, w, w13, w2, _ = make_problem(sum(sizes), dim, inter, num_experts, min(top_k, num_experts), "dropped",
-                                         device=DEVICE, seed=5)
-    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
-    ranks = [(x[bounds[r]:bounds[r + 1]], idx[bounds[r]:bounds[r + 1]], w[bounds[r]:bounds[r + 1]],
-              w13[r * per_rank:(r + 1) * per_rank].contiguous(), w2[r * per_rank:(r + 1) * per_rank].contiguous())
-             for r in range(num_ranks)]
-    total = max(1, int((idx >= 0).sum()))
-    workspaces = loopback_workspaces(num_ranks, per_rank, total, max(sizes), max(sizes) * idx.shape[1], dim,
-                                     torch.float32, DEVICE)
-    preacts = [torch.full((total, 2 * inter), float("nan"), device=DEVICE) for _ in ranks] if mode == "preact" else None
+    ranks, workspaces, (x, idx, w, w13, w2, _), bounds, _ = fp8_ranks(num_ranks)
+    rows = workspaces[0].capacity
+    preacts = [torch.full((rows, w13.shape[1]), float("nan"), device=DEVICE) for _ in ranks] if mode == "preact" \
+        else None
     ys = loopback.loopback_forward(workspaces, ranks, preacts=preacts, fp8=True)
     with torch.no_grad():
         expected = megamoe.moe(x, idx, w, w13, w2, precision="fp8")
@@ -220,6 +233,39 @@ def test_fp8_loopback_forward_matches_the_one_device_fp8_layer(num_ranks, mode):
             assert preact[:routed].isfinite().all() and preact[routed:].isnan().all()
     with pytest.raises(ValueError, match="comm_sms must be 0"):
         loopback.loopback_forward(workspaces, ranks, comm_sms=2, fp8=True)
+
+
+@pytest.mark.parametrize("fp8_wgrad", [True, False])
+@pytest.mark.parametrize("mode", ["none", "preact"])
+@pytest.mark.parametrize("num_ranks", [1, 3])
+def test_fp8_loopback_backward_matches_the_one_device_fp8_layer(num_ranks, mode, fp8_wgrad, monkeypatch):
+    """The backward in blockwise FP8 through the workspace (``loopback_backward(fp8=True)``: x and dy rows out in
+    x's dtype, the owners' FP8 backward once every row is in, dx rows and d(routing weight) back): dx and d(routing
+    weight) bit for bit the one-device FP8 layer's (each row's own GEMMs), dw13 and dw2 its own to the order of
+    fp32 sums (an owner's rows of an expert come source by source; one tile per expert here, so the 128x1 groups
+    hold the same rows), with FP8 or bf16 weight gradients, from the forward's saved products or recomputed."""
+    import megamoe
+    import megamoe.autograd
+
+    monkeypatch.setattr(megamoe.autograd, "FP8_WGRAD", fp8_wgrad)
+    ranks, workspaces, problem, bounds, dys = fp8_ranks(num_ranks)
+    rows = workspaces[0].capacity
+    preacts = [torch.full((rows, problem[3].shape[1]), float("nan"), device=DEVICE) for _ in ranks] \
+        if mode == "preact" else None
+    loopback.loopback_forward(workspaces, ranks, preacts=preacts, fp8=True)
+    results = loopback.loopback_backward(workspaces, ranks, dys, preacts=preacts, fp8=True, fp8_wgrad=fp8_wgrad)
+    _, dx, dweight, dw13, dw2 = run_with_grads(
+        lambda *a: megamoe.moe(*a, precision="fp8", save_for_backward=mode), *problem)
+    for r, (dx_r, dweight_r, dw13_r, dw2_r) in enumerate(results):
+        tok, exp = slice(bounds[r], bounds[r + 1]), slice(2 * r, 2 * r + 2)
+        assert torch.equal(dx_r, dx[tok]), f"rank {r}: dx"
+        assert torch.equal(dweight_r, dweight[tok]), f"rank {r}: d(routing weight)"
+        for name, a, b in (("dw13", dw13_r, dw13[exp]), ("dw2", dw2_r, dw2[exp])):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max(), f"rank {r}: {name}"
+    for ws in workspaces:
+        assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0, "counters not reset"
+    with pytest.raises(ValueError, match="comm_sms must be 0"):
+        loopback.loopback_backward(workspaces, ranks, dys, comm_sms=2, fp8=True)
 
 
 @pytest.mark.parametrize("num_ranks", [1, 3])

@@ -294,7 +294,7 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      # the forward's dispatch in bf16 (compiled with FP8 rows and their scales too, below)
                      "X_SCALES": False, "GB": 16,
                      # the owner's rows to their sources, through a row map (the loopback's round trip)
-                     "ROW_MAP": True,
+                     "ROW_MAP": True, "SCALAR": True,
                      # the quantisers, at their launchers' blocks
                      "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC}
 

@@ -15,6 +15,7 @@ from megamoe.kernels.quant import quantize_rows
 from megamoe.parallel.owner import (
     owner_experts,
     owner_experts_backward,
+    owner_experts_backward_fp8,
     owner_experts_fp8,
     rows_to_sources,
     send_and_dh,
@@ -114,15 +115,25 @@ def loopback_round_trip(workspaces: list[Workspace], problems: list[tuple]) -> l
 
 
 def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: list[torch.Tensor],
-                      comm_sms: int = 0, preacts: list[torch.Tensor] | None = None) -> list[tuple]:
+                      comm_sms: int = 0, preacts: list[torch.Tensor] | None = None, fp8: bool = False,
+                      fp8_wgrad: bool = True) -> list[tuple]:
     """The backward of :func:`loopback_forward` for output gradients ``dys``: per rank (dx, d topk_weights
     (fp32), dw13, dw2). Nothing from the forward is used: x and dy rows travel again (the workspace is
     shared by every layer, so the forward's received rows are gone by then). ``comm_sms``: as for
     :func:`loopback_forward`; ``preacts``: the gate and up products :func:`loopback_forward` saved, per rank, for
-    the act step instead of its GEMM, which writes dz over them (as the eager layer's backward does)."""
+    the act step instead of its GEMM, which writes dz over them (as the eager layer's backward does). ``fp8``: the
+    backward of ``loopback_forward(fp8=True)``, x and dy rows sent in x's dtype and the owners' FP8 backward run once
+    every row is in (``owner.owner_experts_backward_fp8``; ``fp8_wgrad``: FP8 weight gradients); ``comm_sms`` 0."""
+    if fp8 and comm_sms:
+        raise ValueError("the FP8 backward's rows are sent by a dispatch kernel of their own: comm_sms must be 0")
     plans = _start(workspaces, problems)
     preacts = preacts or [None] * len(workspaces)
-    if comm_sms and len(workspaces) == 1:
+    if fp8:
+        for ws, plan, (x, idx, weights, _, _), dy in zip(workspaces, plans, problems, dys):
+            dispatch_rows(ws, x, idx, weights, plan, dy_TD=dy)
+        weight_grads = [owner_experts_backward_fp8(ws, p[3], p[4], fp8_wgrad, preact_C2I=preact, reuse_preact=True)
+                        for ws, p, preact in zip(workspaces, problems, preacts)]
+    elif comm_sms and len(workspaces) == 1:
         (ws,), (plan,), ((x, _, weights, w13, w2),), (dy,) = workspaces, plans, problems, dys
         weight_grads = [owner_experts_backward(ws, w13, w2, send=(x, dy, weights, plan, comm_sms),
                                                preact_C2I=preacts[0], reuse_preact=True)]

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megamoe.kernels.backward_fp8 import backward_rows_fp8
 from megamoe.kernels.common import (
     busy_tiles,
     descriptor,
@@ -340,10 +341,12 @@ def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w
 
 
 @triton.jit
-def _rows_to_sources_kernel(rows_ptr, row_map_ptr, recv_meta_ptr, offsets_ptr, peers_ptr, R, L, D, max_slots,
-                            ROW_MAP: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr):
+def _rows_to_sources_kernel(rows_ptr, row_map_ptr, scalar_ptr, recv_meta_ptr, offsets_ptr, peers_ptr, R, L, D,
+                            max_slots, ROW_MAP: tl.constexpr, SCALAR: tl.constexpr, RB: tl.constexpr,
+                            BD: tl.constexpr):
     """Each received row's output into its source's slot (``recv_meta``): row r of ``rows``, or with ROW_MAP row
-    ``row_map[r]``; rows past the routed count are not read."""
+    ``row_map[r]``, and with SCALAR ``scalar[r]`` into the source's ``slot_scalar``; rows past the routed count are
+    not read."""
     rows = tl.program_id(0) * RB + tl.arange(0, RB)
     rmask = rows < tl.load(offsets_ptr + L)
     src_rows = rows.to(tl.int64)
@@ -352,6 +355,9 @@ def _rows_to_sources_kernel(rows_ptr, row_map_ptr, recv_meta_ptr, offsets_ptr, p
     meta = tl.load(recv_meta_ptr + rows, mask=rmask, other=0)
     out_rows = tl.multiple_of(peer(peers_ptr, Y_SLOTS, meta // max_slots, R, rows_ptr.dtype.element_ty)
                               + (meta % max_slots).to(tl.int64) * D, 16)
+    if SCALAR:
+        tl.store(peer(peers_ptr, SLOT_SCALAR, meta // max_slots, R, tl.float32) + meta % max_slots,
+                 tl.load(scalar_ptr + rows, mask=rmask), mask=rmask)
     for d0 in range(0, D, BD):
         ds = d0 + tl.arange(0, BD)
         m = rmask[:, None] & (ds < D)[None, :]
@@ -363,15 +369,18 @@ def _rows_to_sources_kernel(rows_ptr, row_map_ptr, recv_meta_ptr, offsets_ptr, p
 KERNELS = (_rows_to_sources_kernel,)
 
 
-def rows_to_sources(ws: Workspace, plan: Plan, rows: torch.Tensor, row_map: torch.Tensor | None = None) -> None:
+def rows_to_sources(ws: Workspace, plan: Plan, rows: torch.Tensor, row_map: torch.Tensor | None = None,
+                    scalars: torch.Tensor | None = None) -> None:
     """Every row I received (``plan``: :func:`protocol.received_plan`'s) gets its output row of ``rows`` (D wide,
-    ``y_slots``' dtype) — row r, or ``row_map[r]`` — sent into its source's ``y_slots``; then the signal to every
-    source (``protocol.signal_returned``). A copy of its own, for outputs that no peer-writing GEMM wrote."""
+    ``y_slots``' dtype) — row r, or ``row_map[r]`` — sent into its source's ``y_slots``, and ``scalars[r]`` (fp32,
+    the backward's d(routing weight)) into its ``slot_scalar``; then the signal to every source
+    (``protocol.signal_returned``). A copy of its own, for outputs that no peer-writing GEMM wrote."""
     dim = rows.shape[1]
     _rows_to_sources_kernel[(triton.cdiv(ws.capacity, ROWS_PER_PROGRAM),)](
-        rows_ptr=rows, row_map_ptr=row_map, recv_meta_ptr=ws.recv_meta, offsets_ptr=plan.offsets_E1,
-        peers_ptr=ws.peers, R=ws.num_ranks, L=ws.num_local, D=dim, max_slots=ws.max_slots,
-        ROW_MAP=row_map is not None, RB=ROWS_PER_PROGRAM, BD=send_blocks(ws, dim)["BD"])
+        rows_ptr=rows, row_map_ptr=row_map, scalar_ptr=scalars, recv_meta_ptr=ws.recv_meta,
+        offsets_ptr=plan.offsets_E1, peers_ptr=ws.peers, R=ws.num_ranks, L=ws.num_local, D=dim,
+        max_slots=ws.max_slots, ROW_MAP=row_map is not None, SCALAR=scalars is not None, RB=ROWS_PER_PROGRAM,
+        BD=send_blocks(ws, dim)["BD"])
     signal_returned(ws)
 
 
@@ -391,6 +400,23 @@ def owner_experts_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor
     tokens = Plan(plan.offsets_E1, ws.recv_token_row, plan.tile_expert_NT, plan.tile_row_NT)  # row -> token row
     hq, hs = up_swiglu_fp8(xq, xs, w13q, w13s, tokens, 1, preact_NH=preact_C2I)
     rows_to_sources(ws, plan, down_fp8(hq, hs, w2q, w2s, ws.recv_weight, plan, ws.y_slots.dtype))
+
+
+def owner_experts_backward_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, fp8_wgrad: bool,
+                               preact_C2I: torch.Tensor | None = None, reuse_preact: bool = False):
+    """Phases 3 and 4 of the backward in blockwise FP8, on the x and dy rows I received (in x's dtype: the FP8
+    weight gradients quantise them 128x1 from their values, not from 1x128 copies): once every row is in, the
+    one-device FP8 backward's steps over them (``kernels.backward_fp8.backward_rows_fp8``, ``fp8_wgrad``: FP8 weight
+    gradients), each dx row and its d(routing weight) sent back to its source (:func:`rows_to_sources`) before
+    dW13. ``preact_C2I``, ``reuse_preact``: as for :func:`owner_experts_backward`, from :func:`owner_experts_fp8`.
+    Returns dw13 and dw2 of my experts."""
+    plan, counts = received_plan(ws)
+    reset_arrivals(ws, counts)  # returns once every row is in
+    _, _, dw13, dw2 = backward_rows_fp8(
+        ws.recv_dy, ws.recv_x, ws.recv_weight[:, None], w13_LHD, w2_LDI, plan, 1,
+        lambda dx_rows, dweight: rows_to_sources(ws, plan, dx_rows, scalars=dweight.view(-1)), fp8_wgrad=fp8_wgrad,
+        preact=preact_C2I, reuse_preact=reuse_preact)
+    return dw13, dw2
 
 
 def owner_experts(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, send: tuple | None = None,
