@@ -534,6 +534,17 @@ def test_loopback_benchmark_timed_path_runs(monkeypatch):
     assert "===== loopback backward, comm_sms=2" in info["_profile"]
     if DEVICE == "cpu":
         assert info["loopback_fwd_bwd_ms"] == 4.0 and info["machinery_cost_fwd_bwd_sms2"] == 1.0
+    assert not info["fp8"] and "loopback_fp8_fwd_ms" not in info  # D 64: not on FP8's 128 grid
+    # At dims on the 128 grid the FP8 loopback too: its error against the plain FP8 layer's, its rows' bytes, its time
+    from megamoe.bench import ep
+
+    monkeypatch.setitem(ep.PRESETS, "tiny-fp8", (128, 128, 4, 2))
+    info = loopback_case("tiny-fp8", 8, "random", 2, seed=0, timed=True)
+    assert info["fp8"] and info["loopback_fp8_fwd_max_rel_err"] <= 2 * info["plain_fp8_fwd_max_rel_err"] + 1e-4
+    assert info["bytes_between_ranks_fp8"]["fwd_out"] <= 0.55 * info["bytes_between_ranks"]["fwd_out"]
+    assert info["bytes_between_ranks_fp8"]["bwd_out"] == info["bytes_between_ranks"]["bwd_out"]
+    if DEVICE == "cpu":
+        assert info["loopback_fp8_fwd_bwd_ms"] == 4.0 and info["fp8_speedup_fwd_bwd"] == 1.0
 
 
 # ----------------------------------------------------------------------------------------------- GPU

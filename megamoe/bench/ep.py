@@ -361,6 +361,12 @@ def run_loopback(args, cuda: bool) -> None:
               f"{100 * info['machinery_cost_fwd_bwd']:+.1f}%), rel err {info['loopback_fwd_max_rel_err']:.1e}; "
               f"between ranks {sum(info['bytes_between_ranks'].values()) / 1e6:.1f} MB per fwd+bwd "
               f"({info['bytes_between_ranks']['fwd_out'] / 1e6:.1f} MB of rows out in the forward)")
+        if info["fp8"]:
+            print(f"  blockwise FP8: fwd {info['loopback_fp8_fwd_ms']:.3f} ms, fwd+bwd "
+                  f"{info['loopback_fp8_fwd_bwd_ms']:.3f} ms ({info['fp8_speedup_fwd_bwd']:.2f}x the bf16 "
+                  f"loopback's), rel err "
+                  f"{info['loopback_fp8_fwd_max_rel_err']:.1e} (plain FP8 {info['plain_fp8_fwd_max_rel_err']:.1e}); "
+                  f"rows out in the forward {info['bytes_between_ranks_fp8']['fwd_out'] / 1e6:.1f} MB")
         for n in args.comm_sms:
             print(f"  rows sent from {n} programs of the expert kernels: fwd {info[f'loopback_fwd_ms_sms{n}']:.3f} ms "
                   f"({100 * info[f'machinery_cost_fwd_sms{n}']:+.1f}%), fwd+bwd "
@@ -379,7 +385,9 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     """One problem (``tokens`` per virtual rank): the loopback forward's error against the fp32
     reference (and the plain one-device layer's, the bar it is held to) and, if ``timed`` (a GPU), its
     times against the plain layer; the same with the rows sent from N programs of the expert kernels'
-    launches for each N of ``comm_sms`` (the error: forward).
+    launches for each N of ``comm_sms`` (the error: forward); where D and I are multiples of 128, the same in
+    blockwise FP8 (``loopback_forward(fp8=True)``, its rows out in e4m3; the bar: the plain layer's FP8 error),
+    its bytes between ranks and its forward+backward speed-up over the bf16 loopback's.
     ``profile``: also ``"_profile"``, per-kernel CUDA time tables of every variant (text)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -401,6 +409,11 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     moved = [protocol.bytes_between_ranks(idx_r, r, num_experts // num_ranks, dim, x.element_size())
              for r, (_, idx_r, *_) in enumerate(ranks)]
     info["bytes_between_ranks"] = {k: sum(m[k] for m in moved) for k in moved[0]}
+    fp8 = info["fp8"] = dim % 128 == 0 and inter % 128 == 0
+    if fp8:
+        moved = [protocol.bytes_between_ranks(idx_r, r, num_experts // num_ranks, dim, x.element_size(),
+                                              fp8_rows=True) for r, (_, idx_r, *_) in enumerate(ranks)]
+        info["bytes_between_ranks_fp8"] = {k: sum(m[k] for m in moved) for k in moved[0]}
 
     def rel_err(y):
         return ((y.float() - ref).abs().max() / ref.abs().max()).item()
@@ -409,6 +422,9 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     for n, suffix in [(0, ""), *((n, f"_sms{n}") for n in comm_sms)]:
         info[f"loopback_fwd_max_rel_err{suffix}"] = rel_err(torch.cat(loopback_forward(workspaces, ranks,
                                                                                                comm_sms=n)))
+    if fp8:
+        info["plain_fp8_fwd_max_rel_err"] = rel_err(megamoe.moe(*problem[:5], precision="fp8"))
+        info["loopback_fp8_fwd_max_rel_err"] = rel_err(torch.cat(loopback_forward(workspaces, ranks, fp8=True)))
     if not timed:
         return info
     from triton.testing import do_bench
@@ -426,6 +442,9 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     for n in comm_sms:
         variants[f"loopback forward, comm_sms={n}"] = functools.partial(fwd, n)
         variants[f"loopback backward, comm_sms={n}"] = functools.partial(bwd, n)
+    if fp8:
+        variants["loopback forward, fp8"] = lambda: loopback_forward(workspaces, ranks, fp8=True)
+        variants["loopback backward, fp8"] = lambda: loopback_backward(workspaces, ranks, dys, fp8=True)
     for fn in variants.values():  # every variant autotunes (or takes its twin's tiles) before any is timed
         fn()
     torch.cuda.synchronize()
@@ -439,6 +458,10 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
         times.update({f"loopback_fwd_ms_sms{n}": f_ms, f"loopback_fwd_bwd_ms_sms{n}": fb_ms,
                       f"machinery_cost_fwd_sms{n}": f_ms / times["plain_fwd_ms"] - 1,
                       f"machinery_cost_fwd_bwd_sms{n}": fb_ms / times["plain_fwd_bwd_ms"] - 1})
+    if fp8:
+        times["loopback_fp8_fwd_ms"] = ms["loopback forward, fp8"]
+        times["loopback_fp8_fwd_bwd_ms"] = times["loopback_fp8_fwd_ms"] + ms["loopback backward, fp8"]
+        times["fp8_speedup_fwd_bwd"] = times["loopback_fwd_bwd_ms"] / times["loopback_fp8_fwd_bwd_ms"]
     if profile:
         times["_profile"] = kernel_tables(variants)
     return {
