@@ -30,7 +30,8 @@ Also a template to copy. What it does, in order:
   one graph (``--compile-mode model``, ``fullgraph=True``; without a GPU the ``aot_eager`` backend); gradient
   clipping at 1.0; AdamW (β 0.9/0.95, weight decay 0.1) with
   linear warm-up and cosine decay to 10% of ``--lr``.
-- **Output** in ``--out``/``--name``: ``log.json`` (configuration, per-step losses, eval losses, tokens/s — the
+- **Output** in ``--out``/``--name``: ``log.json`` (configuration — with FP8 experts whether their weight gradients
+  are FP8, ``fp8_weight_gradients`` —, per-step losses, eval losses, tokens/s — the
   median over the steps after the first 10 —, step and host times, MFU, peak memory; GPU, versions, date,
   commit, command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's and the
   optimizer's tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in ``state.json``;
@@ -484,8 +485,8 @@ def main(argv=None) -> dict | None:
     args = parse_args(argv)
     if args.plot:
         runs = [json.loads(path.read_text()) for path in args.plot]
-        plot_runs(runs, args.out, labels=[f"{r['experts']}{' (FP8)' if r.get('expert_precision') == 'fp8' else ''}, "
-                                          f"seed {r['seed']}: eval {r['final_eval_loss']:.3f}" for r in runs])
+        plot_runs(runs, args.out, labels=[f"{r['experts']}{precision_label(r)}, seed {r['seed']}: eval "
+                                          f"{r['final_eval_loss']:.3f}" for r in runs])
         print(f"wrote {args.out}")
         return None
     rank, world, device, mesh, ep_group = setup_distributed(args)
@@ -647,6 +648,8 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
         "source_sha256": source_digest(), "date": utc_now("seconds"),
         "command": "python -m megamoe.train " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         **meta, "compile_mode": args.compile_mode, "params": params_total, "precision": "bf16" if cuda else "fp32",
+        # FP8 experts' weight gradients in FP8 (``MEGAMOE_FP8_WGRAD``) or in bf16; None for bf16 experts
+        "fp8_weight_gradients": megamoe.autograd.FP8_WGRAD if args.precision == "fp8" else None,
         "optimizer": "AdamW, bf16 states" if cuda else "AdamW, fp32",
         "first_step": start, "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / step_ms * 1e3 if step_ms else None, "step_ms_median": step_ms,
@@ -688,6 +691,15 @@ def moe_share(model, train, args, device, world, rank, step_loss) -> dict:
     return {"moe_share": 1 - without / with_experts, "moe_share_method":
             f"ablation: fwd+bwd median of {args.moe_share_steps} steps with the experts ({with_experts:.2f} ms) and "
             f"with the experts replaced by zeros ({without:.2f} ms)"}
+
+
+def precision_label(run: dict) -> str:
+    """`` (FP8)`` for a run with FP8 experts, saying whether their weight gradients were FP8 (``FP8 dW``) or bf16
+    where its log records it; empty for bf16 experts."""
+    if run.get("expert_precision") != "fp8":
+        return ""
+    wgrad = run.get("fp8_weight_gradients")
+    return " (FP8)" if wgrad is None else f" (FP8, {'FP8' if wgrad else 'bf16'} dW)"
 
 
 def plot_runs(runs: list[dict], path: Path, labels: list[str] | None = None) -> None:

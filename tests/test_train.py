@@ -64,11 +64,21 @@ def test_log_has_the_documented_fields_and_a_plot(runs):
     log = json.loads((run_dir / "log.json").read_text())
     for key in ("gpu", "torch", "date", "command", "preset", "layers", "params", "experts", "precision", "ep",
                 "seq_len", "steps", "tokens_per_s", "step_ms_median", "mfu", "moe_share", "peak_mem_bytes",
-                "final_eval_loss", "losses"):
+                "final_eval_loss", "losses", "fp8_weight_gradients"):
         assert key in log, key
+    assert log["fp8_weight_gradients"] is None  # bf16 experts
     assert log["params"] == results["megamoe"]["params"] > 0 and log["corpus_digest"]
     assert (run_dir / "loss.png").stat().st_size > 0
     assert {p.name for p in (run_dir / "checkpoint-3").iterdir()} == {"rank0.safetensors", "state.json"}
+
+
+def test_plot_labels_say_whether_fp8_weight_gradients_ran_where_the_log_records_it():
+    from megamoe.train import precision_label
+
+    assert precision_label({"expert_precision": "bf16"}) == ""
+    assert precision_label({"expert_precision": "fp8"}) == " (FP8)"  # a log from before the field existed
+    assert precision_label({"expert_precision": "fp8", "fp8_weight_gradients": False}) == " (FP8, bf16 dW)"
+    assert precision_label({"expert_precision": "fp8", "fp8_weight_gradients": True}) == " (FP8, FP8 dW)"
 
 
 def test_resumed_run_continues_bitwise(runs, corpus):
