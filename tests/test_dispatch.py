@@ -34,14 +34,14 @@ DIM, INTER = 80, 16
 SENDER_CASES = CASES + [("several blocks per sender", [220, 90, 70, 60], 2, 3, "dropped")]
 
 
-def split_problem(case, num_ranks, seed=0):
+def split_problem(case, num_ranks, seed=0, dim=DIM, inter=INTER):
     """Per-rank problems (x, topk_idx, topk_weights, w13 local, w2 local) and the gathered problem."""
     _, sizes, per_rank, top_k, routing = case
     sizes = sizes[:num_ranks]
     num_experts = per_rank * num_ranks
     top_k = min(top_k, num_experts)  # one rank has only per_rank experts
     kind = "random" if routing == "to-rank-0" else routing
-    x, idx, w, w13, w2, dy = make_problem(sum(sizes), DIM, INTER, num_experts, top_k, kind, device=DEVICE,
+    x, idx, w, w13, w2, dy = make_problem(sum(sizes), dim, inter, num_experts, top_k, kind, device=DEVICE,
                                          seed=seed)
     if routing == "to-rank-0":
         idx = torch.stack([(idx[:, 0] + k) % per_rank for k in range(top_k)], dim=1)
@@ -55,12 +55,12 @@ def split_problem(case, num_ranks, seed=0):
     return ranks, (x, idx, w, w13, w2, dy), bounds, dys
 
 
-def workspaces_for(ranks, per_rank, capacity=None):
+def workspaces_for(ranks, per_rank, capacity=None, dim=DIM):
     num_ranks = len(ranks)
     total = sum(int((p[1] >= 0).sum()) for p in ranks)
     max_slots = max(1, max(p[1].numel() for p in ranks))
     max_tokens = max(1, max(p[0].shape[0] for p in ranks))
-    workspaces = loopback_workspaces(num_ranks, per_rank, capacity or max(1, total), max_tokens, max_slots, DIM,
+    workspaces = loopback_workspaces(num_ranks, per_rank, capacity or max(1, total), max_tokens, max_slots, dim,
                                      torch.float32, DEVICE)
     for ws in workspaces:  # receive rows that nobody sends stay NaN: a kernel that reads one shows it
         ws.recv_tokens.fill_(float("nan"))
@@ -135,6 +135,14 @@ def test_dispatch_and_write_back_move_rows_exactly(case, num_ranks):
         assert torch.equal(ws.slot_scalar[routed], (ws.rank * ws.max_slots + routed).float()), "returned scalars"
 
 
+def fp8_ranks(num_ranks, dim=256, seed=5):
+    """:func:`split_problem` at FP8's dims (multiples of 128; two experts per rank, top-3, dropped slots), fewer than
+    128 rows per expert (one tile each), with its workspaces: (ranks, workspaces, gathered problem, bounds, dys)."""
+    case = ("fp8", [9, 0, 13] if num_ranks > 1 else [11], 2, 3, "dropped")
+    ranks, problem, bounds, dys = split_problem(case, num_ranks, seed, dim=dim, inter=128)
+    return ranks, workspaces_for(ranks, case[2], dim=dim), problem, bounds, dys
+
+
 @pytest.mark.parametrize("num_ranks", [1, 3])
 def test_fp8_rows_travel_as_bytes_and_scales(num_ranks):
     """The forward's rows in FP8 (``dispatch_rows`` given x's 1x128 scales): every owner receives each token's e4m3
@@ -143,18 +151,11 @@ def test_fp8_rows_travel_as_bytes_and_scales(num_ranks):
     at most 55% of the same rows' bytes in bf16."""
     from megamoe.kernels.quant import quantize_rows
 
-    dim, per_rank, top_k = 384, 2, 3  # three 1x128 groups per row (four scale lanes, one masked)
-    sizes = [9, 0, 13][:num_ranks] if num_ranks > 1 else [11]
+    dim, per_rank = 384, 2  # three 1x128 groups per row (four scale lanes, one masked)
+    ranks, workspaces, _, _, _ = fp8_ranks(num_ranks, dim=dim, seed=3)
     num_experts = per_rank * num_ranks
-    x, idx, w, _, _, _ = make_problem(sum(sizes), dim, INTER, num_experts, min(top_k, num_experts), "dropped",
-                                      device=DEVICE, seed=3)
-    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
-    ranks = [(x[bounds[r]:bounds[r + 1]], idx[bounds[r]:bounds[r + 1]], w[bounds[r]:bounds[r + 1]])
-             for r in range(num_ranks)]
+    ranks = [p[:3] for p in ranks]
     quantised = [quantize_rows(xr) for xr, _, _ in ranks]
-    total = int((idx >= 0).sum())
-    workspaces = loopback_workspaces(num_ranks, per_rank, max(1, total), max(sizes), max(1, idx[:max(sizes)].numel()),
-                                     dim, torch.float32, DEVICE)
     for ws in workspaces:  # bytes nobody sends stay 0x7f (an e4m3 NaN): a stray write or read shows
         ws.recv_tokens.view(torch.uint8).fill_(0x7F)
     plans = [build_plan(i, num_experts) for _, i, _ in ranks]
@@ -185,24 +186,6 @@ def test_fp8_rows_travel_as_bytes_and_scales(num_ranks):
     for bad in ({"dy_TD": x0, "x_s": sc}, {"x_s": sc[:, :1]}):  # only the forward's rows, with their scales
         with pytest.raises(ValueError, match="FP8 rows are the forward's"):
             senders.dispatch_rows(workspaces[0], q, i, wr, plans[0], **bad)
-
-
-def fp8_ranks(num_ranks, dim=256, inter=128, per_rank=2, top_k=3, seed=5):
-    """Per-rank problems at FP8's dims (multiples of 128), fewer than 128 rows per expert (one tile each), and the
-    gathered problem with its token bounds."""
-    sizes = [9, 0, 13][:num_ranks] if num_ranks > 1 else [11]
-    num_experts = per_rank * num_ranks
-    x, idx, w, w13, w2, dy = make_problem(sum(sizes), dim, inter, num_experts, min(top_k, num_experts), "dropped",
-                                          device=DEVICE, seed=seed)
-    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
-    ranks = [(x[bounds[r]:bounds[r + 1]], idx[bounds[r]:bounds[r + 1]], w[bounds[r]:bounds[r + 1]],
-              w13[r * per_rank:(r + 1) * per_rank].contiguous(), w2[r * per_rank:(r + 1) * per_rank].contiguous())
-             for r in range(num_ranks)]
-    total = max(1, int((idx >= 0).sum()))
-    workspaces = loopback_workspaces(num_ranks, per_rank, total, max(sizes), max(sizes) * idx.shape[1], dim,
-                                     torch.float32, DEVICE)
-    dys = [dy[bounds[r]:bounds[r + 1]] for r in range(num_ranks)]
-    return ranks, workspaces, (x, idx, w, w13, w2, dy), bounds, dys
 
 
 @pytest.mark.parametrize("mode", ["none", "preact"])

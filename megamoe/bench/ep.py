@@ -406,14 +406,15 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
             "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k,
             "bounded_waits": bool(protocol.BOUNDED)}  # False only under MEGAMOE_EP_UNBOUNDED_WAITS=1
     # What crosses between the virtual ranks (each rank's rows for its own experts stay), all ranks together
-    moved = [protocol.bytes_between_ranks(idx_r, r, num_experts // num_ranks, dim, x.element_size())
-             for r, (_, idx_r, *_) in enumerate(ranks)]
-    info["bytes_between_ranks"] = {k: sum(m[k] for m in moved) for k in moved[0]}
+    def moved(fp8_rows: bool = False) -> dict[str, int]:
+        per_rank = [protocol.bytes_between_ranks(idx_r, r, num_experts // num_ranks, dim, x.element_size(),
+                                                 fp8_rows=fp8_rows) for r, (_, idx_r, *_) in enumerate(ranks)]
+        return {k: sum(m[k] for m in per_rank) for k in per_rank[0]}
+
+    info["bytes_between_ranks"] = moved()
     fp8 = info["fp8"] = dim % 128 == 0 and inter % 128 == 0
     if fp8:
-        moved = [protocol.bytes_between_ranks(idx_r, r, num_experts // num_ranks, dim, x.element_size(),
-                                              fp8_rows=True) for r, (_, idx_r, *_) in enumerate(ranks)]
-        info["bytes_between_ranks_fp8"] = {k: sum(m[k] for m in moved) for k in moved[0]}
+        info["bytes_between_ranks_fp8"] = moved(fp8_rows=True)
 
     def rel_err(y):
         return ((y.float() - ref).abs().max() / ref.abs().max()).item()

@@ -95,4 +95,3 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
         return dx_rows(dx_slots_ND, dweight_TK), dweight_TK, dw13, dw2
     dw13, dx = expert_wgrad_and_combine(dz_NH, x_sorted, plan, w13.dtype, dx_slots_ND, combine_in_dw13, x.dtype)
     return dx, dweight_TK, dw13, dw2
-
