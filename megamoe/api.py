@@ -193,15 +193,18 @@ def moe(
             overlapping the GEMMs; fewer than the GPU's SMs. 0 sends them in a kernel of its own, on
             every SM, before the expert kernels. A pair ``(forward, backward)`` of such counts sets the
             two directions apart. ``None`` (default): ``parallel.fused.DEFAULT_COMM_SMS`` (32, measured), or 0
-            on a GPU with at most 64 SMs (``parallel.fused.default_comm_sms``).
+            on a GPU with at most 64 SMs (``parallel.fused.default_comm_sms``). With ``precision="fp8"`` 0 only
+            (``None`` means 0; ``ValueError`` otherwise): its rows are sent by a kernel of their own.
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``: blockwise e4m3
             GEMMs, DeepSeek-V3's recipe (``megamoe.kernels.quant``): x, h, dy and dz scaled per row per 128
             columns, the weights per 128x128 block (FP8 copies of both orientations made once and cached until
             the weights change: ``kernels.quant.fp8_weight``), fp32 scales and accumulation, promoted every 128
-            of K; the routing weights, SwiGLU and combine in fp32; the weight gradients from the unquantised rows
-            in x's dtype. D and I must be multiples of 128 (``ValueError`` otherwise). One GPU for now
-            (``NotImplementedError`` with ``group``); on a GPU before Hopper a one-time warning and the bf16
-            reference.
+            of K; the routing weights, SwiGLU and combine in fp32; the weight gradients in FP8 from operands
+            quantised 128x1 along the tokens (``megamoe.autograd.FP8_WGRAD``, ``MEGAMOE_FP8_WGRAD=0``: in bf16 from
+            the unquantised rows). D and I must be multiples of 128 (``ValueError`` otherwise). With ``group`` the
+            fused path sends each token's row to its owners in e4m3 with its scales (D + D/32 bytes against 2D in
+            bf16) and takes the rows back in x's dtype; the backward's x and dy rows cross in x's dtype. On a GPU
+            before Hopper a one-time warning and the bf16 reference.
         save_for_backward: what the fused path keeps between forward and backward. ``"none"`` (default):
             only the inputs and the routing plan; the backward recomputes the gate/up GEMM — the mode for
             activation-checkpointed training, where megamoe's forward need not run twice. ``"preact"``: also
@@ -234,17 +237,17 @@ def moe(
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
         validate(x, topk_idx, topk_weights, w13, w2, num_ranks=dist.get_world_size(group))
         if precision == "fp8":
-            raise NotImplementedError("precision='fp8' with expert parallelism (group=...) is not implemented yet; "
-                                      "use 'bf16'")
+            check_fp8_dims(x.shape[1], w2.shape[2])
         if ep_path(x, w2) == "fused":
             return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank, comm_sms,
-                                save_preact=save_for_backward == "preact")
+                                save_preact=save_for_backward == "preact", fp8=precision == "fp8",
+                                fp8_wgrad=autograd.FP8_WGRAD)
     if comm_sms is not None and max(comm_sms_pair(comm_sms)):
         raise ValueError("comm_sms > 0 applies to the fused expert-parallel path only (group=..., where "
                          "megamoe.api.ep_path picks it)")
     if group is not None:
         return moe_all_to_all(x, topk_idx, topk_weights, w13, w2, group,
-                              experts=functools.partial(moe, save_for_backward=save_for_backward))
+                              experts=functools.partial(moe, save_for_backward=save_for_backward, precision=precision))
     validate(x, topk_idx, topk_weights, w13, w2)
     fp8 = precision == "fp8"
     if fp8:

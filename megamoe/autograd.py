@@ -10,7 +10,7 @@ saved-activation mode, also the gate/up products (N, 2I in x's dtype), so the ba
 
 The precision is chosen here, once: ``fp8`` runs the blockwise FP8 bodies (:func:`experts_forward_fp8`,
 :func:`experts_backward_fp8`) behind the same autograd function and custom ops. Their weight gradients are bf16
-GEMMs on the unquantised rows unless :data:`FP8_WGRAD` is set.
+FP8 GEMMs too while :data:`FP8_WGRAD` is set (the default), else bf16 GEMMs on the unquantised rows.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from megamoe.kernels.quant import fp8_weight, quantize_rows
 # tokens from their rows in x's dtype, ``quant.quantize_tile_cols``, then ``expert_bwd.wgrad_fp8``), or in bf16 from
 # those rows (False). On by default: on the H200 as fast as the bf16 ones at the 30B layer and 9% faster at the 235B
 # one, with less memory (no sorted bf16 copies of x and dy; ``python -m tools.fp8``, docs/PERFORMANCE.md).
-# ``MEGAMOE_FP8_WGRAD=0`` clears it at import, and the backward reads it at every call.
+# ``MEGAMOE_FP8_WGRAD=0`` clears it at import; the one-GPU backward reads it at every call, the expert-parallel
+# layer (``megamoe.moe(group=...)``) when its forward runs.
 FP8_WGRAD = fp8_wgrad_requested()
 # The one-GPU backward's order (bf16 weight gradients). True (low peak, the default): dW13 first (x's sorted rows freed
 # after it), then dx's slot rows and their combine on its own, dz freed before the combine: the backward's peak holds

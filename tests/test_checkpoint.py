@@ -231,19 +231,20 @@ def test_checkpointed_block_holds_its_input_and_megamoe_output_only():
     assert expected <= held <= expected + 2**20, f"held {held} B, megamoe's output and plan {expected} B"
 
 
-def ep_block_problem(comm_sms, save_preact=False):
+def ep_block_problem(comm_sms, save_preact=False, fp8=False):
     """A residual block around the fused expert-parallel layer on one virtual rank (the loopback workspace: the
-    protocol's kernels, its exchange to itself included), with its counted forward bodies."""
+    protocol's kernels, its exchange to itself included), with its counted forward bodies; ``fp8``: in blockwise
+    FP8."""
     from megamoe.parallel import fused
     from megamoe.parallel.workspace import loopback_workspaces
 
-    dim, inter, experts, top_k, tokens = 32, 16, 4, 2, 24
+    (dim, inter), experts, top_k, tokens = (128, 128) if fp8 else (32, 16), 4, 2, 24
     x, idx, w, w13, w2, dy = make_problem(tokens, dim, inter, experts, top_k, "random", device=DEVICE)
     (ws,) = loopback_workspaces(1, experts, tokens * top_k, tokens, tokens * top_k, dim, x.dtype, DEVICE)
     norm = torch.nn.LayerNorm(dim, device=DEVICE)
 
     def block(x, w, w13, w2):
-        return x + fused.fused_ep(norm(x), idx, w, w13, w2, ws, (comm_sms, comm_sms), save_preact)
+        return x + fused.fused_ep(norm(x), idx, w, w13, w2, ws, (comm_sms, comm_sms), save_preact, fp8=fp8)
 
     return block, (x, w, w13, w2), dy
 
@@ -263,18 +264,19 @@ EP_WIRINGS = {
 
 
 @pytest.mark.loopback
-@pytest.mark.parametrize("comm_sms, save_preact", [(0, False), (2, False), (0, True)])
+@pytest.mark.parametrize("comm_sms, save_preact, fp8", [(0, False, False), (2, False, False), (0, True, False),
+                                                         (0, False, True), (0, True, True)])
 @pytest.mark.parametrize("wiring", EP_WIRINGS)
-def test_checkpointed_expert_parallel_block_runs_its_exchange_once(counted_ep, wiring, comm_sms, save_preact):
-    """The fused EP layer under the helper, eagerly and compiled in either order: its forward, the exchange with
-    the peers included, runs once per step (plain checkpointing runs it twice: the count sees a recompute), and the
+def test_checkpointed_expert_parallel_block_runs_its_exchange_once(counted_ep, wiring, comm_sms, save_preact, fp8):
+    """The fused EP layer under the helper, eagerly and compiled in either order, in bf16 and in FP8: its forward,
+    the exchange with the peers included, runs once per step (plain checkpointing runs it twice: the count sees a recompute), and the
     gradients are those of the un-checkpointed block; under inductor, bitwise those of plain checkpointing wired
     the same way (the block's graph compiled without checkpointing fuses the norm with the statistics it saves,
     which moved y by one fp32 ulp on the H200: the norm's rounding, upstream of the EP layer)."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    block, leaves, dy = ep_block_problem(comm_sms, save_preact)
+    block, leaves, dy = ep_block_problem(comm_sms, save_preact, fp8)
     plain = grads(block, leaves, dy)
     counted_ep.update(forward=0, backward=0)
     grads(EP_WIRINGS["eager"](block, helper=False), leaves, dy)
@@ -288,20 +290,24 @@ def test_checkpointed_expert_parallel_block_runs_its_exchange_once(counted_ep, w
 
 
 @pytest.mark.loopback
-def test_expert_parallel_custom_ops_pass_opcheck():
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_expert_parallel_custom_ops_pass_opcheck(fp8):
     from megamoe.kernels.plan import plan_op
     from megamoe.parallel import fused
     from megamoe.parallel.workspace import loopback_workspaces
 
-    x, idx, w, w13, w2, dy = make_problem(12, 32, 16, 4, 2, "random", device=DEVICE)
-    (ws,) = loopback_workspaces(1, 4, 24, 12, 24, 32, x.dtype, DEVICE)
+    dim, inter = (128, 128) if fp8 else (32, 16)
+    x, idx, w, w13, w2, dy = make_problem(12, dim, inter, 4, 2, "random", device=DEVICE)
+    (ws,) = loopback_workspaces(1, 4, 24, 12, 24, dim, x.dtype, DEVICE)
     number = ws.number
     plan = plan_op(idx, 4)
+    precision = (fp8, True)  # the ops' trailing fp8 and fp8_wgrad
     torch.library.opcheck(fused._ep_fwd, (x.requires_grad_(), idx, w.requires_grad_(), w13.requires_grad_(),
-                                         w2.requires_grad_(), *plan, number, 0, 0))
+                                         w2.requires_grad_(), *plan, number, 0, 0, *precision))
     torch.library.opcheck(fused._ep_bwd, (dy, x.detach(), idx, w.detach(), w13.detach(), w2.detach(), *plan, number,
-                                         0))
-    torch.library.opcheck(fused._ep_fwd_saved, (x, idx, w, w13, w2, *plan, number, 0, 0))
-    _, preact = fused._ep_fwd_saved(x.detach(), idx, w.detach(), w13.detach(), w2.detach(), *plan, number, 0, 0)
+                                         0, None, *precision))
+    torch.library.opcheck(fused._ep_fwd_saved, (x, idx, w, w13, w2, *plan, number, 0, 0, *precision))
+    _, preact = fused._ep_fwd_saved(x.detach(), idx, w.detach(), w13.detach(), w2.detach(), *plan, number, 0, 0,
+                                    *precision)
     torch.library.opcheck(fused._ep_bwd, (dy, x.detach(), idx, w.detach(), w13.detach(), w2.detach(), *plan, number,
-                                         0, preact))
+                                         0, preact, *precision))

@@ -3,6 +3,8 @@ data movement on index-derived payloads, forward results against the one-device 
 calls (epochs, counter resets) and capacity overflow. On CPU in the Triton interpreter; the same tests
 run on a GPU (where the kernels really spin on their flags): ``-m loopback``, a part of the GPU checks of its own."""
 
+import functools
+
 import pytest
 import torch
 
@@ -249,6 +251,41 @@ def test_fp8_loopback_backward_matches_the_one_device_fp8_layer(num_ranks, mode,
         assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0, "counters not reset"
     with pytest.raises(ValueError, match="comm_sms must be 0"):
         loopback.loopback_backward(workspaces, ranks, dys, comm_sms=2, fp8=True)
+
+
+@pytest.mark.parametrize("fp8_wgrad", [True, False])
+@pytest.mark.parametrize("mode", ["none", "preact"])
+@pytest.mark.parametrize("custom_ops", [False, True], ids=["eager", "custom ops"])
+def test_fused_layer_in_fp8_is_the_one_device_fp8_layer(custom_ops, mode, fp8_wgrad, monkeypatch):
+    """The fused expert-parallel layer in blockwise FP8 (``fused.fused_ep(fp8=True)``, what ``megamoe.moe(group=...,
+    precision="fp8")`` runs) on one virtual rank, through its eager wiring and its custom ops: y, dx and d(routing
+    weight) bit for bit the one-device FP8 layer's, dw13 and dw2 to the order of fp32 sums, in both memory modes,
+    with FP8 or bf16 weight gradients; senders in the expert kernels' launch (``comm_sms`` > 0) refused."""
+    import contextlib
+
+    import megamoe
+    import megamoe.autograd
+    from megamoe.env import forcing_custom_ops
+    from megamoe.parallel import fused
+
+    monkeypatch.setattr(megamoe.autograd, "FP8_WGRAD", fp8_wgrad)
+    _, (ws,), problem, _, _ = fp8_ranks(1)
+    save = mode == "preact"
+
+    def layer(*args, comm_sms=(0, 0)):
+        with forcing_custom_ops(contextlib.nullcontext()) if custom_ops else contextlib.nullcontext():
+            return fused.fused_ep(*args, ws, comm_sms, save, fp8=True, fp8_wgrad=fp8_wgrad)
+
+    got = run_with_grads(layer, *problem)
+    expected = run_with_grads(lambda *a: megamoe.moe(*a, precision="fp8", save_for_backward=mode), *problem)
+    for name, a, b in zip(["y", "dx", "d(routing weight)"], got, expected):
+        assert torch.equal(a, b), name
+    for name, a, b in zip(["dw13", "dw2"], got[3:], expected[3:]):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), name
+    assert int(ws.arrived.abs().sum()) == 0 and int(ws.returned.abs().sum()) == 0, "counters not reset"
+    for comm_sms in ((2, 0), (0, 2)):
+        with pytest.raises(ValueError, match="comm_sms must be 0"):
+            run_with_grads(functools.partial(layer, comm_sms=comm_sms), *problem)
 
 
 @pytest.mark.parametrize("num_ranks", [1, 3])

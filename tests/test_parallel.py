@@ -91,6 +91,7 @@ def _worker(rank, num_ranks, init_file, test):
                     check_rank(case, rank, num_ranks, group,
                                lambda *a, c=comm_sms: megamoe.moe(*a, group=group, comm_sms=c,
                                                                   save_for_backward="preact"), device=f"cuda:{rank}")
+            check_fp8_rank(CASES[0], rank, num_ranks, group, f"cuda:{rank}", exact=True)
             check_steps(rank, num_ranks, group, f"cuda:{rank}", steps=200)
             check_bench(group, torch.device("cuda", rank))
             x, idx, w, w13, w2, _ = make_problem(8, 32, 16, 2 * num_ranks, 2, "random", device=f"cuda:{rank}")
@@ -113,6 +114,7 @@ def _worker(rank, num_ranks, init_file, test):
                     check_rank(case, rank, num_ranks, group,
                                lambda *a, m=mode: megamoe.moe(*a, group=group, save_for_backward=m))
             check_steps(rank, num_ranks, group, "cpu", steps=3)  # the GPU test's 200-step check, checked itself
+            check_fp8_rank(CASES[0], rank, num_ranks, group, "cpu", exact=False)
         elif test == "layer":
             check_layer(rank, num_ranks, group)
         elif test == "bench":
@@ -144,6 +146,43 @@ def _worker(rank, num_ranks, init_file, test):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def fp8_slot_rows(x, idx, w, w13, w2, mode="none"):
+    """The all-to-all path's FP8 layer on one device: each slot's row through its expert with routing weight 1 (the
+    one-device FP8 layer, rows in slot order, as an owner receives them source by source), then weighted and summed
+    per token in fp32."""
+    rows = megamoe.moe(x.repeat_interleave(idx.shape[1], 0), idx.reshape(-1, 1), torch.ones_like(w).reshape(-1, 1),
+                       w13, w2, precision="fp8", save_for_backward=mode)
+    return (rows.view(*idx.shape, x.shape[1]).float() * w[..., None].float()).sum(1).to(x.dtype)
+
+
+def check_fp8_rank(case, rank, num_ranks, group, device, exact):
+    """``megamoe.moe(group=..., precision="fp8")`` on this rank, in both memory modes, against one device on the
+    gathered problem (``case``'s tokens and routing at FP8's dims, D = I = 128): where ``exact`` (the fused path:
+    each row's own GEMMs and combine) against the one-device FP8 layer, y, dx and d(routing weight) bit for bit;
+    else (the all-to-all path, whose owners run the experts with routing weight 1 and whose sources weight the
+    returned rows) against :func:`fp8_slot_rows`, to fp32 rounding; dw13 and dw2 to the order of fp32 sums."""
+    name, sizes, _, _, per_rank, top_k, routing = case
+    sizes, per_rank, (x, idx, w, w13, w2, dy) = global_problem((name, sizes, 128, 128, per_rank, top_k, routing),
+                                                               num_ranks)
+    tok = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    exp = slice(rank * per_rank, (rank + 1) * per_rank)
+    whole = [t.to(device) for t in (x, idx, w, w13, w2, dy)]
+    local = [whole[0][tok], whole[1][tok], whole[2][tok], whole[3][exp].contiguous(), whole[4][exp].contiguous(),
+             whole[5][tok]]
+    for mode in ("none", "preact"):
+        out = run_with_grads(functools.partial(megamoe.moe, group=group, precision="fp8", save_for_backward=mode),
+                             *local)
+        one_device = functools.partial(megamoe.moe, precision="fp8", save_for_backward=mode) if exact else \
+            functools.partial(fp8_slot_rows, mode=mode)
+        ref = run_with_grads(one_device, *whole)
+        ref = [ref[0][tok], ref[1][tok], ref[2][tok], ref[3][exp], ref[4][exp]]
+        for what, o, r, tol in zip(["y", "dx", "dtopk_weights", "dw13", "dw2"], out, ref,
+                                   [0.0 if exact else 1e-6] * 3 + [1e-5] * 2):
+            bound = tol * r.abs().max().item() if r.numel() else 0.0
+            err = (o - r).abs().max().item() if r.numel() else 0.0
+            assert err <= bound, f"FP8 {name}, {mode}, rank {rank}: {what} max err {err:.2e} > {bound:.2e}"
 
 
 def check_steps(rank, num_ranks, group, device, steps):
