@@ -565,6 +565,7 @@ def test_loopback_benchmark_timed_path_runs(monkeypatch):
     assert info["bytes_between_ranks_fp8"]["bwd_out"] == info["bytes_between_ranks"]["bwd_out"]
     if DEVICE == "cpu":
         assert info["loopback_fp8_fwd_bwd_ms"] == 4.0 and info["fp8_speedup_fwd_bwd"] == 1.0
+        assert info["plain_fp8_fwd_bwd_ms"] == 2.0 and info["machinery_cost_fp8_fwd_bwd"] == 1.0
 
 
 # ----------------------------------------------------------------------------------------------- GPU

@@ -364,7 +364,8 @@ def run_loopback(args, cuda: bool) -> None:
         if info["fp8"]:
             print(f"  blockwise FP8: fwd {info['loopback_fp8_fwd_ms']:.3f} ms, fwd+bwd "
                   f"{info['loopback_fp8_fwd_bwd_ms']:.3f} ms ({info['fp8_speedup_fwd_bwd']:.2f}x the bf16 "
-                  f"loopback's), rel err "
+                  f"loopback's; plain FP8 {info['plain_fp8_fwd_bwd_ms']:.3f} ms, "
+                  f"{info['machinery_cost_fp8_fwd_bwd']:+.1%}), rel err "
                   f"{info['loopback_fp8_fwd_max_rel_err']:.1e} (plain FP8 {info['plain_fp8_fwd_max_rel_err']:.1e}); "
                   f"rows out in the forward {info['bytes_between_ranks_fp8']['fwd_out'] / 1e6:.1f} MB")
         for n in args.comm_sms:
@@ -387,7 +388,8 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     times against the plain layer; the same with the rows sent from N programs of the expert kernels'
     launches for each N of ``comm_sms`` (the error: forward); where D and I are multiples of 128, the same in
     blockwise FP8 (``loopback_forward(fp8=True)``, its rows out in e4m3; the bar: the plain layer's FP8 error),
-    its bytes between ranks and its forward+backward speed-up over the bf16 loopback's.
+    its bytes between ranks, its forward+backward speed-up over the bf16 loopback's and its machinery cost over the
+    plain FP8 layer's forward+backward.
     ``profile``: also ``"_profile"``, per-kernel CUDA time tables of every variant (text)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -444,6 +446,8 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
         variants[f"loopback forward, comm_sms={n}"] = functools.partial(fwd, n)
         variants[f"loopback backward, comm_sms={n}"] = functools.partial(bwd, n)
     if fp8:
+        variants["plain forward+backward, fp8"] = training_step(functools.partial(megamoe.moe, precision="fp8"),
+                                                                problem)[1]
         variants["loopback forward, fp8"] = lambda: loopback_forward(workspaces, ranks, fp8=True)
         variants["loopback backward, fp8"] = lambda: loopback_backward(workspaces, ranks, dys, fp8=True)
     for fn in variants.values():  # every variant autotunes (or takes its twin's tiles) before any is timed
@@ -463,6 +467,8 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
         times["loopback_fp8_fwd_ms"] = ms["loopback forward, fp8"]
         times["loopback_fp8_fwd_bwd_ms"] = times["loopback_fp8_fwd_ms"] + ms["loopback backward, fp8"]
         times["fp8_speedup_fwd_bwd"] = times["loopback_fwd_bwd_ms"] / times["loopback_fp8_fwd_bwd_ms"]
+        times["plain_fp8_fwd_bwd_ms"] = ms["plain forward+backward, fp8"]
+        times["machinery_cost_fp8_fwd_bwd"] = times["loopback_fp8_fwd_bwd_ms"] / times["plain_fp8_fwd_bwd_ms"] - 1
     if profile:
         times["_profile"] = kernel_tables(variants)
     return {
