@@ -288,6 +288,28 @@ def test_fused_layer_in_fp8_is_the_one_device_fp8_layer(custom_ops, mode, fp8_wg
             run_with_grads(functools.partial(layer, comm_sms=comm_sms), *problem)
 
 
+def test_fp8_loopback_with_several_tiles_per_expert_matches_the_one_device_fp8_layer():
+    """The FP8 loopback forward and backward with several plan tiles per expert, so that an owner's 128-row groups
+    of an expert (the FP8 weight gradients' 128x1 operands) hold rows of several sources: y, dx and d(routing weight)
+    bit for bit the one-device FP8 layer's, dw13 and dw2 to the order of fp32 sums (an owner's rows of an expert come
+    source by source, in the sources' token order, as the one-device layer sorts them)."""
+    import megamoe
+
+    case = ("fp8, several tiles", [150, 40, 130], 2, 3, "random")
+    ranks, problem, bounds, dys = split_problem(case, 3, seed=7, dim=128, inter=128)
+    workspaces = workspaces_for(ranks, case[2], dim=128)
+    ys = loopback.loopback_forward(workspaces, ranks, fp8=True)
+    results = loopback.loopback_backward(workspaces, ranks, dys, fp8=True)
+    expected = run_with_grads(lambda *a: megamoe.moe(*a, precision="fp8"), *problem)
+    assert min(int(c) for c in torch.bincount(problem[1].flatten())) > 128  # every expert two tiles or more
+    for r, (y, (dx, dweight, dw13, dw2)) in enumerate(zip(ys, results)):
+        tok, exp = slice(bounds[r], bounds[r + 1]), slice(2 * r, 2 * r + 2)
+        assert torch.equal(y, expected[0][tok]), f"rank {r}: y"
+        assert torch.equal(dx, expected[1][tok]) and torch.equal(dweight, expected[2][tok]), f"rank {r}: dx, dweight"
+        for name, a, b in (("dw13", dw13, expected[3][exp]), ("dw2", dw2, expected[4][exp])):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max(), f"rank {r}: {name}"
+
+
 @pytest.mark.parametrize("num_ranks", [1, 3])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_round_trip_returns_every_row_exactly(case, num_ranks):
@@ -474,12 +496,18 @@ def test_consecutive_calls_reuse_the_workspace():
     assert all(int(ws.epoch[0]) == 3 for ws in workspaces)
 
 
-def test_capacity_overflow_is_reported_and_nothing_hangs():
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_capacity_overflow_is_reported_and_nothing_hangs(fp8):
+    """Rows past an owner's receive capacity are counted (by the owner and by their source), never waited for; in
+    FP8 too, forward and backward (the token rows cross beside the slots, into ``recv_tokens``, which always fits)."""
     case = CASES[2]  # every row goes to rank 0's experts
-    ranks, _, _, _ = split_problem(case, 4)
+    dim = 128 if fp8 else DIM  # FP8's 128-column groups
+    ranks, _, _, dys = split_problem(case, 4, dim=dim, inter=128 if fp8 else INTER)
     capacity = 10
-    workspaces = workspaces_for(ranks, case[2], capacity=capacity)
-    loopback.loopback_forward(workspaces, ranks)  # returns: a lost row is counted, never waited for
+    workspaces = workspaces_for(ranks, case[2], capacity=capacity, dim=dim)
+    loopback.loopback_forward(workspaces, ranks, fp8=fp8)  # returns: a lost row is counted, never waited for
+    if fp8:  # the backward too, its own rows lost and counted again
+        loopback.loopback_backward(workspaces, ranks, dys, fp8=True)
     # Owner 0's layout: local expert, then source rank; rows from position `capacity` on are lost.
     sent = [[int((p[1] == l).sum()) for p in ranks] for l in range(case[2])]
     lost, position = [0] * 4, 0
@@ -488,8 +516,9 @@ def test_capacity_overflow_is_reported_and_nothing_hangs():
             lost[s] += max(0, position + sent[l][s] - max(position, capacity))
             position += sent[l][s]
     assert sum(lost) == position - capacity > 0
-    # Rank 0 counts every lost row as the owner, plus its own as a source; the others their own.
-    assert [int(ws.overflow[0]) for ws in workspaces] == [sum(lost) + lost[0], *lost[1:]]
+    # Rank 0 counts every lost row as the owner, plus its own as a source; the others their own (in each direction).
+    calls = 2 if fp8 else 1
+    assert [int(ws.overflow[0]) for ws in workspaces] == [calls * (sum(lost) + lost[0]), *(calls * n for n in lost[1:])]
     for ws in workspaces:  # the debug mode's immediate check (the default one is a device assert)
         if int(ws.overflow[0]):
             with pytest.raises(RuntimeError, match="receive capacity 10 rows exceeded"):
