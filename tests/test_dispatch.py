@@ -166,6 +166,7 @@ def test_fp8_rows_travel_as_bytes_and_scales(num_ranks):
     for ws, plan, (_, i, wr), (q, sc) in zip(workspaces, plans, ranks, quantised):
         senders.dispatch_rows(ws, q, i, wr, plan, x_s=sc)
     received = [0] * num_ranks  # bytes each source sent to the other ranks
+    expected = []
     for owner, ws in enumerate(workspaces):
         q_in, s_in = protocol.recv_tokens_fp8(ws)
         expected_q = torch.full_like(q_in.view(torch.uint8), 0x7F)
@@ -179,14 +180,28 @@ def test_fp8_rows_travel_as_bytes_and_scales(num_ranks):
                 received[src] += here.numel() * (dim + 4 * dim // 128) + slots_in * protocol.FWD_SLOT_FIELD_BYTES
         assert torch.equal(q_in.view(torch.uint8), expected_q), f"owner {owner}: e4m3 rows"
         assert torch.equal(s_in.view(torch.int32), expected_s.view(torch.int32)), f"owner {owner}: scales"
+        expected.append((expected_q, expected_s))
+    # The backward's dispatch given x in e4m3 beside x and dy (the keep-nothing recompute's input): the same token
+    # rows and scales land in the same places, beside the slot rows in x's dtype.
+    for ws in workspaces:
+        ws.recv_tokens.view(torch.uint8).fill_(0x7F)
+    for ws, plan in zip(workspaces, plans):
+        protocol.exchange_counts(ws, plan)
+    for ws, plan, (x, i, wr), (q, sc) in zip(workspaces, plans, ranks, quantised):
+        senders.dispatch_rows(ws, x, i, wr, plan, dy_TD=x, x_s=sc, x_q=q)
+    for owner, (ws, (expected_q, expected_s)) in enumerate(zip(workspaces, expected)):
+        q_in, s_in = protocol.recv_tokens_fp8(ws)
+        assert torch.equal(q_in.view(torch.uint8), expected_q), f"owner {owner}: backward's e4m3 rows"
+        assert torch.equal(s_in.view(torch.int32), expected_s.view(torch.int32)), f"owner {owner}: backward's scales"
     for src, (_, i, _) in enumerate(ranks):
         fp8 = protocol.bytes_between_ranks(i, src, per_rank, dim, 2, fp8_rows=True)["fwd_out"]
         bf16 = protocol.bytes_between_ranks(i, src, per_rank, dim, 2)["fwd_out"]
         assert fp8 == received[src] and fp8 <= 0.55 * bf16, (src, fp8, received[src], bf16)
     assert num_ranks == 1 or sum(received) > 0
     (q, sc), (x0, i, wr) = quantised[0], ranks[0]
-    for bad in ({"dy_TD": x0, "x_s": sc}, {"x_s": sc[:, :1]}):  # only the forward's rows, with their scales
-        with pytest.raises(ValueError, match="FP8 rows are the forward's"):
+    # e4m3 rows with their scales: the forward's x, or the backward's x_q beside x and dy
+    for bad in ({"dy_TD": x0, "x_s": sc}, {"x_s": sc[:, :1]}, {"x_q": q, "x_s": sc}, {"dy_TD": x0, "x_q": q}):
+        with pytest.raises(ValueError, match="FP8 token rows are x in e4m3"):
             senders.dispatch_rows(workspaces[0], q, i, wr, plans[0], **bad)
 
 
@@ -228,7 +243,8 @@ def test_fp8_loopback_backward_matches_the_one_device_fp8_layer(num_ranks, mode,
     x's dtype, the owners' FP8 backward once every row is in, dx rows and d(routing weight) back): dx and d(routing
     weight) bit for bit the one-device FP8 layer's (each row's own GEMMs), dw13 and dw2 its own to the order of
     fp32 sums (an owner's rows of an expert come source by source; one tile per expert here, so the 128x1 groups
-    hold the same rows), with FP8 or bf16 weight gradients, from the forward's saved products or recomputed."""
+    hold the same rows), with FP8 or bf16 weight gradients, from the forward's saved products or recomputed (from
+    the FP8 token rows the backward's dispatch sends)."""
     import megamoe
     import megamoe.autograd
 
@@ -238,6 +254,8 @@ def test_fp8_loopback_backward_matches_the_one_device_fp8_layer(num_ranks, mode,
     preacts = [torch.full((rows, problem[3].shape[1]), float("nan"), device=DEVICE) for _ in ranks] \
         if mode == "preact" else None
     loopback.loopback_forward(workspaces, ranks, preacts=preacts, fp8=True)
+    for ws in workspaces:  # the recompute reads the token rows the backward sends, not the forward's left behind
+        ws.recv_tokens.view(torch.uint8).fill_(0x7F)
     results = loopback.loopback_backward(workspaces, ranks, dys, preacts=preacts, fp8=True, fp8_wgrad=fp8_wgrad)
     _, dx, dweight, dw13, dw2 = run_with_grads(
         lambda *a: megamoe.moe(*a, precision="fp8", save_for_backward=mode), *problem)

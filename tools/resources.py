@@ -62,7 +62,7 @@ _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot
                   "epoch_ptr": "*i32", "recv_row_slot_ptr": "*i32", "recv_offsets_ptr": "*i32",
                   "recv_weight_ptr": "*fp32", "send_list_ptr": "*i32", "slot_row_ptr": "*i32",
                   "topk_idx_ptr": "*i64", "recv_token_row_ptr": "*i32", "row_map_ptr": "*i32", "trace_ptr": "*i64",
-                  "ready_ptr": "*i64", "peers_ptr": "*i64", "x_s_ptr": "*fp32"}
+                  "ready_ptr": "*i64", "peers_ptr": "*i64", "x_s_ptr": "*fp32", "xq_ptr": "*fp8e4nv"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "TRACE": False, "SAVE_PREACT": False,
                      # the EP sending programs: 16 of them, 128 experts (64 per rank), top-8, D = 2048
@@ -266,6 +266,8 @@ def main(argv=None) -> None:
     compile_other_kernel(senders._dispatch_rows_kernel, pointer_types={"x_ptr": "*fp8e4nv"}, HAS_DY=False,
                          X_SCALES=True)
     print("_dispatch_rows_kernel with FP8 rows and their scales: compiles", flush=True)
+    compile_other_kernel(senders._dispatch_rows_kernel, HAS_DY=True, X_SCALES=True)
+    print("_dispatch_rows_kernel with the backward's FP8 token rows beside x and dy: compiles", flush=True)
     act = expert_bwd.ACT_FROM_PREACT.default
     for quant_dz in (False, True):  # the act step on saved products at its default config, bf16 and FP8 paths
         compiled = compile_other_kernel(expert_bwd._act_from_preact_kernel, num_warps=act["num_warps"],

@@ -32,8 +32,8 @@ def preact_buffer(x: Tensor, num_rows: int, w13: Tensor) -> Tensor:
 
 def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2: Tensor, plan: Plan, top_k: int,
                       dx_rows: Callable[[Tensor, Tensor], object], *, fp8_wgrad: bool, preact: Tensor | None = None,
-                      reuse_preact: bool = False,
-                      combine_in_dw13: Tensor | None = None) -> tuple[object, Tensor, Tensor, Tensor]:
+                      reuse_preact: bool = False, combine_in_dw13: Tensor | None = None,
+                      recompute_from: tuple | None = None) -> tuple[object, Tensor, Tensor, Tensor]:
     """dy quantised 1x128 (once per row, in the pass that sorts it); dh' and dx on the weights' transposed FP8
     copies; g and u, unless saved (``preact``), recomputed by the forward's up kernel (the FP8 GEMM the forward ran,
     so both memory modes compute the same gradients; without its h output) and the act step run on them; the weight
@@ -49,6 +49,8 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     rows exist; its result is returned. ``reuse_preact``: the caller hands ``preact`` over (it is written over).
     ``combine_in_dw13``: with bf16 weight gradients, the routing (T, K) whose dx the dW13 kernel sums beside its MMAs
     from slot rows made before it (the dx-first order); ``dx_rows`` is then not called and dx is returned.
+    ``recompute_from``: the recompute's input, (x in e4m3, its (D/128, rows) scales, a plan over those rows, its
+    top_k), instead of ``x`` quantised here (an owner's received token rows, each quantised once on its source).
     Returns (dx_rows' result, d(routing weight) (T, K) fp32, dw13, dw2)."""
     w13q, w13s, w13tq, w13ts = fp8_weight(w13)
     _, _, w2tq, w2ts = fp8_weight(w2)
@@ -65,7 +67,9 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     products_over = preact if reuse_preact else None
     if preact is None:  # recomputed into a buffer of its own (which dz then takes over, where it is written)
         preact = preact_buffer(x, plan.row_slot_N.numel(), w13)
-        up_products_fp8(*quantize_rows(x), w13q, w13s, plan, top_k, preact)
+        xq, xs, up_plan, up_top_k = recompute_from or (*quantize_rows(x), plan, top_k)
+        up_products_fp8(xq, xs, w13q, w13s, up_plan, up_top_k, preact)
+        del xq, xs
         reuse_preact = True
     if fp8_wgrad:  # dz and h·w straight into their FP8 copies
         dweight_TK, dzq, dzs, dz_t, hw_t = act_bwd_tile_cols(preact, dh_NI, weights_TK, plan, top_k)

@@ -157,13 +157,15 @@ def ep_backward(ws: Workspace, dy, x, topk_idx, topk_weights, w13, w2, plan: Pla
     again, the owners' recompute (or, given the forward's ``preact``, none) and gradients, dx rows and
     routing-weight gradients back; (dx, d topk_weights in their dtype, dw13, dw2). ``reuse_preact``: dz is written
     over ``preact`` (the caller will not read it again). ``fp8``: the backward of ``ep_forward(fp8=True)``, the x and
-    dy rows sent in x's dtype (the FP8 weight gradients quantise them 128x1 from their values), ``fp8_wgrad``: FP8
-    weight gradients (else bf16 ones from the unquantised rows); ``comm_sms`` 0."""
+    dy rows sent in x's dtype (the FP8 weight gradients quantise them 128x1 from their values) and, without
+    ``preact``, each token's FP8 row once per owner for the recompute; ``fp8_wgrad``: FP8 weight gradients (else
+    bf16 ones from the unquantised rows); ``comm_sms`` 0."""
     _check_fp8_comm_sms(fp8, comm_sms)
     ws.check_error(now=debug_checks_enabled())
     exchange_counts(ws, plan)
-    if fp8:
-        dispatch_rows(ws, x, topk_idx, topk_weights, plan, dy_TD=dy)
+    if fp8:  # without saved products, each token's FP8 row too, once per owner, for the owners' recompute
+        xq, xs = quantize_rows(x) if preact is None else (None, None)
+        dispatch_rows(ws, x, topk_idx, topk_weights, plan, dy_TD=dy, x_s=xs, x_q=xq)
         dw13, dw2 = owner_experts_backward_fp8(ws, w13, w2, fp8_wgrad, preact_C2I=preact, reuse_preact=reuse_preact)
     elif comm_sms:
         dw13, dw2 = owner_experts_backward(ws, w13, w2, send=(x, dy, topk_weights, plan, comm_sms), preact_C2I=preact,

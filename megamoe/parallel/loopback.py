@@ -122,15 +122,16 @@ def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: l
     shared by every layer, so the forward's received rows are gone by then). ``comm_sms``: as for
     :func:`loopback_forward`; ``preacts``: the gate and up products :func:`loopback_forward` saved, per rank, for
     the act step instead of its GEMM, which writes dz over them (as the eager layer's backward does). ``fp8``: the
-    backward of ``loopback_forward(fp8=True)``, x and dy rows sent in x's dtype and the owners' FP8 backward run once
-    every row is in (``owner.owner_experts_backward_fp8``; ``fp8_wgrad``: FP8 weight gradients); ``comm_sms`` 0."""
+    backward of ``loopback_forward(fp8=True)``, x and dy rows sent in x's dtype (without ``preacts`` also each token's
+    FP8 row once per owner, for the recompute) and the owners' FP8 backward run once every row is in (``owner.owner_experts_backward_fp8``; ``fp8_wgrad``: FP8 weight gradients); ``comm_sms`` 0."""
     if fp8 and comm_sms:
         raise ValueError("the FP8 backward's rows are sent by a dispatch kernel of their own: comm_sms must be 0")
     plans = _start(workspaces, problems)
     preacts = preacts or [None] * len(workspaces)
-    if fp8:
-        for ws, plan, (x, idx, weights, _, _), dy in zip(workspaces, plans, problems, dys):
-            dispatch_rows(ws, x, idx, weights, plan, dy_TD=dy)
+    if fp8:  # without saved products, each token's FP8 row too, once per owner, for the owners' recompute
+        for ws, plan, (x, idx, weights, _, _), dy, preact in zip(workspaces, plans, problems, dys, preacts):
+            xq, xs = quantize_rows(x) if preact is None else (None, None)
+            dispatch_rows(ws, x, idx, weights, plan, dy_TD=dy, x_s=xs, x_q=xq)
         weight_grads = [owner_experts_backward_fp8(ws, p[3], p[4], fp8_wgrad, preact_C2I=preact, reuse_preact=True)
                         for ws, p, preact in zip(workspaces, problems, preacts)]
     elif comm_sms and len(workspaces) == 1:

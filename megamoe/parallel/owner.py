@@ -384,6 +384,12 @@ def rows_to_sources(ws: Workspace, plan: Plan, rows: torch.Tensor, row_map: torc
     signal_returned(ws)
 
 
+def token_rows(ws: Workspace, plan: Plan) -> Plan:
+    """``plan`` (of my received rows) with each row read from its token's row of ``recv_tokens`` (``recv_token_row``:
+    the forward's layout, each token's row once per owner), for kernels that take a plan and top_k 1."""
+    return Plan(plan.offsets_E1, ws.recv_token_row, plan.tile_expert_NT, plan.tile_row_NT)
+
+
 def owner_experts_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor,
                       preact_C2I: torch.Tensor | None = None) -> None:
     """Phases 3 and 4 of the forward with my rows received in FP8 (``senders.dispatch_rows`` given x's scales):
@@ -397,8 +403,7 @@ def owner_experts_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor
     xq, xs = recv_tokens_fp8(ws)
     w13q, w13s, _, _ = fp8_weight(w13_LHD)
     w2q, w2s, _, _ = fp8_weight(w2_LDI)
-    tokens = Plan(plan.offsets_E1, ws.recv_token_row, plan.tile_expert_NT, plan.tile_row_NT)  # row -> token row
-    hq, hs = up_swiglu_fp8(xq, xs, w13q, w13s, tokens, 1, preact_NH=preact_C2I)
+    hq, hs = up_swiglu_fp8(xq, xs, w13q, w13s, token_rows(ws, plan), 1, preact_NH=preact_C2I)
     rows_to_sources(ws, plan, down_fp8(hq, hs, w2q, w2s, ws.recv_weight, plan, ws.y_slots.dtype))
 
 
@@ -408,14 +413,19 @@ def owner_experts_backward_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: tor
     weight gradients quantise them 128x1 from their values, not from 1x128 copies): once every row is in, the
     one-device FP8 backward's steps over them (``kernels.backward_fp8.backward_rows_fp8``, ``fp8_wgrad``: FP8 weight
     gradients), each dx row and its d(routing weight) sent back to its source (:func:`rows_to_sources`) before
-    dW13. ``preact_C2I``, ``reuse_preact``: as for :func:`owner_experts_backward`, from :func:`owner_experts_fp8`.
+    dW13. ``preact_C2I``, ``reuse_preact``: as for :func:`owner_experts_backward`, from :func:`owner_experts_fp8`;
+    without ``preact_C2I`` the gate and up products are recomputed from each token's FP8 row, which the sources sent
+    once per owner beside the slot rows (``senders.dispatch_rows(x_q=)``), as the forward's up kernel read them.
     Returns dw13 and dw2 of my experts."""
     plan, counts = received_plan(ws)
     reset_arrivals(ws, counts)  # returns once every row is in
+    recompute_from = None
+    if preact_C2I is None:
+        recompute_from = (*recv_tokens_fp8(ws), token_rows(ws, plan), 1)
     _, _, dw13, dw2 = backward_rows_fp8(
         ws.recv_dy, ws.recv_x, ws.recv_weight[:, None], w13_LHD, w2_LDI, plan, 1,
         lambda dx_rows, dweight: rows_to_sources(ws, plan, dx_rows, scalars=dweight.view(-1)), fp8_wgrad=fp8_wgrad,
-        preact=preact_C2I, reuse_preact=reuse_preact)
+        preact=preact_C2I, reuse_preact=reuse_preact, recompute_from=recompute_from)
     return dw13, dw2
 
 

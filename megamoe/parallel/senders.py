@@ -76,7 +76,7 @@ def carries_row(slot, e, topk_idx_ptr, L, top_k, KB: tl.constexpr):
 def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
               max_tokens, max_slots, HAS_DY: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr,
               trace_ptr=None, trace_at=-1, TRACE: tl.constexpr = False, x_s_ptr=None, num_tokens=0,
-              X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1):
+              X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1, xq_ptr=None):
     """My rows of slots ``slot`` (RB of them; -1: none) of global experts ``e`` into their owners' receive
     buffers at rows ``dst`` (the caller waited for the counts: ``protocol.wait_all_counts``): each row's slot id
     and routing weight, and its token's row of x —
@@ -87,7 +87,9 @@ def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank
       ``x_s`` travel beside it: the rows and the scales in ``recv_tokens``' memory as
       ``protocol.recv_tokens_fp8`` lays them out (GB: D/128 rounded up to a power of two);
     - backward (HAS_DY): x and dy rows into ``recv_x`` / ``recv_dy`` at ``dst``, one per slot (the weight
-      gradients read them there as expert-sorted rows); ``carries`` is not read.
+      gradients read them there as expert-sorted rows); with X_SCALES also each token's e4m3 row ``xq`` and its
+      scales once per owner into ``recv_tokens`` as in the forward (the FP8 recompute's input), ``carries`` read
+      for those only.
     The validity travels as -1 rather than as a mask argument: Triton 3.6 fails to compile a boolean tensor
     passed to a called function (sm_90a: "failed to legalize unresolved materialization ...
     tensor<64xi1>"). TRACE: stamps ``trace_at + 1..3`` (see trace.py)."""
@@ -98,23 +100,28 @@ def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank
     weight = tl.load(weights_ptr + slot, mask=fits, other=0.0)  # issued before the copy, which hides its latency
     tok = (slot // top_k).to(tl.int64)
     dst64 = dst.to(tl.int64)
+    token_copies = rmask & (carries != 0)  # the slots that carry their token's row into recv_tokens
+    token_row = rank * max_tokens + tok
     if HAS_DY:
         copies = fits
         # Each destination row's start in the owner's buffers, 16-byte aligned (see owner.py's output kernel).
         x_rows = tl.multiple_of(peer(peers_ptr, RECV_X, owner, R, x_ptr.dtype.element_ty) + dst64 * D, 16)
         dy_rows = tl.multiple_of(peer(peers_ptr, RECV_DY, owner, R, x_ptr.dtype.element_ty) + dst64 * D, 16)
+        if X_SCALES:
+            q_rows = tl.multiple_of(peer(peers_ptr, RECV_TOKENS, owner, R, xq_ptr.dtype.element_ty) + token_row * D,
+                                    16)
     else:
-        copies = rmask & (carries != 0)
-        token_row = rank * max_tokens + tok
+        copies = token_copies
         x_rows = tl.multiple_of(peer(peers_ptr, RECV_TOKENS, owner, R, x_ptr.dtype.element_ty) + token_row * D, 16)
+    if (not HAS_DY) or X_SCALES:
         tl.store(peer(peers_ptr, RECV_TOKEN_ROW, owner, R, tl.int32) + dst64, token_row.to(tl.int32), mask=fits)
-        if X_SCALES:  # after the R * T rows of D bytes, (D/128, R * T) fp32
-            rows_in = token_row * 0 + R * max_tokens  # R * T, in int64
-            s_rows = peer(peers_ptr, RECV_TOKENS, owner, R, tl.float32) + rows_in * D // 4 + token_row
-            gs = tl.arange(0, GB)
-            gm = copies[:, None] & (gs < D // 128)[None, :]
-            tl.store(s_rows[:, None] + gs[None, :] * rows_in[:, None],
-                     tl.load(x_s_ptr + gs[None, :] * num_tokens + tok[:, None], mask=gm), mask=gm)
+    if X_SCALES:  # after the R * T rows of D bytes, (D/128, R * T) fp32
+        rows_in = token_row * 0 + R * max_tokens  # R * T, in int64
+        s_rows = peer(peers_ptr, RECV_TOKENS, owner, R, tl.float32) + rows_in * D // 4 + token_row
+        gs = tl.arange(0, GB)
+        gm = token_copies[:, None] & (gs < D // 128)[None, :]
+        tl.store(s_rows[:, None] + gs[None, :] * rows_in[:, None],
+                 tl.load(x_s_ptr + gs[None, :] * num_tokens + tok[:, None], mask=gm), mask=gm)
     # Pipelined (cp.async through shared memory): a sending program is one block on its SM, so its loads
     # must overlap one another to move more than one chunk per memory latency.
     for d0 in tl.range(0, D, BD, num_stages=4):
@@ -124,6 +131,9 @@ def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank
         tl.store(x_rows[:, None] + ds[None, :], tl.load(x_ptr + src, mask=m), mask=m)
         if HAS_DY:
             tl.store(dy_rows[:, None] + ds[None, :], tl.load(dy_ptr + src, mask=m), mask=m)
+            if X_SCALES:
+                mq = token_copies[:, None] & (ds < D)[None, :]
+                tl.store(q_rows[:, None] + ds[None, :], tl.load(xq_ptr + src, mask=mq), mask=mq)
     stamp(trace_ptr, trace_at, 1, TRACE)
     tl.store(peer(peers_ptr, RECV_META, owner, R, tl.int32) + dst64, rank * max_slots + slot, mask=fits)
     tl.store(peer(peers_ptr, RECV_WEIGHT, owner, R, tl.float32) + dst64, weight.to(tl.float32), mask=fits)
@@ -158,8 +168,9 @@ def _dispatch_rows_kernel(
     rank, R, L, D, top_k, capacity, max_tokens, max_slots,
     HAS_DY: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr,
     BD: tl.constexpr,
-    x_s_ptr=None, num_tokens=0,  # forward, X_SCALES: x's (D/128, T) scales (x in e4m3)
+    x_s_ptr=None, num_tokens=0,  # X_SCALES: x's (D/128, T) scales (of x in e4m3; in the backward of xq)
     X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1,
+    xq_ptr=None,  # backward with X_SCALES: (T, D) x in e4m3, each token's row sent once per owner beside x's
 ):
     """Phase 2 as its own kernel: program i sends my sorted rows [i*RB, (i+1)*RB)."""
     wait_all_counts(peers_ptr, epoch_ptr, R, CB)
@@ -169,11 +180,11 @@ def _dispatch_rows_kernel(
     dst = dest_bases(e, peers_ptr, epoch_ptr, rank, R, L, CB) + rows - tl.load(offsets_ptr + e)
     slots = tl.where(rows >= 0, tl.load(row_slot_ptr + rows, mask=rows >= 0, other=0), -1)
     carries = slots * 0
-    if not HAS_DY:
+    if (not HAS_DY) or X_SCALES:
         carries = carries_row(slots, e, topk_idx_ptr, L, top_k, KB)
     send_rows(slots, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
               max_tokens, max_slots, HAS_DY, RB, BD, x_s_ptr=x_s_ptr, num_tokens=num_tokens, X_SCALES=X_SCALES,
-              GB=GB)
+              GB=GB, xq_ptr=xq_ptr)
 
 
 @triton.jit
@@ -273,17 +284,24 @@ def send_blocks(ws: Workspace, dim: int, max_cols: int = 256) -> dict:
 
 
 def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                  plan: Plan, dy_TD: torch.Tensor | None = None, x_s: torch.Tensor | None = None) -> None:
+                  plan: Plan, dy_TD: torch.Tensor | None = None, x_s: torch.Tensor | None = None,
+                  x_q: torch.Tensor | None = None) -> None:
     """Phase 2 in a kernel of its own: my routed rows into their owners' receive buffers: in the forward each
     token's row once per owner (``recv_tokens``), in the backward (``dy_TD``) its x and dy rows once per slot
     (``recv_x``, ``recv_dy``); each slot's id and routing weight. ``x_s``: the forward's rows travel in FP8, ``x_TD``
     e4m3 and ``x_s`` its (D/128, T) fp32 scales (``kernels.quant.quantize_rows``), received as
-    ``protocol.recv_tokens_fp8`` reads them: D + D/32 bytes per row."""
+    ``protocol.recv_tokens_fp8`` reads them: D + D/32 bytes per row. In the backward ``x_q`` and ``x_s``, x in e4m3
+    and its scales: also each token's FP8 row once per owner, as in the forward (the FP8 recompute's input)."""
     num_slots = plan.row_slot_N.numel()
     dim = x_TD.shape[1]
-    if x_s is not None and (dy_TD is not None or x_TD.dtype != FP8 or x_s.shape != (dim // GROUP, x_TD.shape[0])):
-        raise ValueError("dispatch_rows: FP8 rows are the forward's, x in e4m3 with (D/128, T) scales; got x "
-                         f"{tuple(x_TD.shape)} {x_TD.dtype}, scales {tuple(x_s.shape)}, dy given: {dy_TD is not None}")
+    fp8_x = x_TD if dy_TD is None else x_q  # the e4m3 rows that travel, if any
+    if (x_s is not None or x_q is not None) and not (
+            x_s is not None and fp8_x is not None and (x_q is None or dy_TD is not None) and fp8_x.dtype == FP8
+            and fp8_x.shape == x_TD.shape and x_s.shape == (dim // GROUP, x_TD.shape[0])):
+        raise ValueError("dispatch_rows: FP8 token rows are x in e4m3 (the forward's x_TD, or the backward's x_q "
+                         f"beside dy_TD) with its (D/128, T) scales x_s; got x {tuple(x_TD.shape)} {x_TD.dtype}, "
+                         f"x_q {None if x_q is None else (tuple(x_q.shape), x_q.dtype)}, scales "
+                         f"{None if x_s is None else tuple(x_s.shape)}, dy given: {dy_TD is not None}")
     if num_slots == 0:
         return
     _dispatch_rows_kernel[(triton.cdiv(num_slots, ROWS_PER_PROGRAM),)](
@@ -293,6 +311,7 @@ def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, 
         max_tokens=ws.max_tokens, max_slots=ws.max_slots, HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM,
         KB=triton.next_power_of_2(topk_idx_TK.shape[1]), **send_blocks(ws, dim), x_s_ptr=x_s,
         num_tokens=x_TD.shape[0], X_SCALES=x_s is not None, GB=triton.next_power_of_2(max(1, dim // GROUP)),
+        xq_ptr=x_q,
     )
 
 
