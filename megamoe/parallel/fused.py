@@ -223,8 +223,6 @@ class FusedEP(torch.autograd.Function):
 
 # ``fp8``: blockwise FP8 (``fp8_wgrad``: its weight gradients in FP8 too), carried by the forward ops to their
 # autograd context; trailing arguments with defaults, so that bf16 callers name them nowhere.
-
-
 @torch.library.custom_op("megamoe::ep_fwd", mutates_args=())
 def _ep_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             offsets: torch.Tensor, row_slot: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor,
