@@ -377,7 +377,8 @@ def parse_args(argv=None, cuda: bool | None = None):
                         "sequences: the step's loss and gradients are their mean")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                    help="megamoe's expert GEMMs: bf16, or fp8 (blockwise FP8, DeepSeek-V3's recipe; the weights' bf16 "
-                        "master copy kept; --experts megamoe, layer dims multiples of 128; with --ep the rows cross in FP8)")
+                        "master copy kept; --experts megamoe, layer dims multiples of 128; with --ep the rows cross "
+                        "in FP8)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     p.add_argument("--warmup", type=int, help=f"warm-up steps (default: {GPU_DEFAULTS['warmup']}, without a GPU "
                                               f"{CPU_DEFAULTS['warmup']})")

@@ -269,8 +269,8 @@ EP_WIRINGS = {
 @pytest.mark.parametrize("wiring", EP_WIRINGS)
 def test_checkpointed_expert_parallel_block_runs_its_exchange_once(counted_ep, wiring, comm_sms, save_preact, fp8):
     """The fused EP layer under the helper, eagerly and compiled in either order, in bf16 and in FP8: its forward,
-    the exchange with the peers included, runs once per step (plain checkpointing runs it twice: the count sees a recompute), and the
-    gradients are those of the un-checkpointed block; under inductor, bitwise those of plain checkpointing wired
+    the exchange with the peers included, runs once per step (plain checkpointing runs it twice: the count sees a
+    recompute), and the gradients are those of the un-checkpointed block; under inductor, bitwise those of plain checkpointing wired
     the same way (the block's graph compiled without checkpointing fuses the norm with the statistics it saves,
     which moved y by one fp32 ulp on the H200: the norm's rounding, upstream of the EP layer)."""
     import torch._dynamo

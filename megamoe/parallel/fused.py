@@ -14,7 +14,7 @@ What ``megamoe.moe(group=...)`` runs wherever it can (CUDA tensors, sm90+, 16-by
 :func:`megamoe.api.ep_path`); ``MEGAMOE_EP=all_to_all`` selects the all-to-all baseline instead.
 
 In blockwise FP8 (``fp8``) each rank quantises x once and sends its rows in e4m3 with their 1x128 scales
-(``senders.dispatch_rows(x_s=)``), the owners run the one-GPU FP8 kernels once every row is in
+(``senders.dispatch_rows_fp8``), the owners run the one-GPU FP8 kernels once every row is in
 (``owner.owner_experts_fp8``, ``owner.owner_experts_backward_fp8``) and the rows come back in x's dtype; the
 rows are sent by a dispatch kernel of their own (``comm_sms`` 0).
 """
@@ -27,7 +27,6 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from megamoe.env import custom_ops_forced, debug_checks_enabled, sm_count, warn_once
 from megamoe.kernels.plan import Plan, build_plan, plan_op
-from megamoe.kernels.quant import quantize_rows
 from megamoe.parallel.owner import (
     owner_experts,
     owner_experts_backward,
@@ -40,7 +39,7 @@ from megamoe.parallel.protocol import (
     exchange_counts,
     first_non_finite,
 )
-from megamoe.parallel.senders import dispatch_rows
+from megamoe.parallel.senders import dispatch_rows, dispatch_rows_fp8
 from megamoe.parallel.workspace import Workspace, by_number, symmetric_workspace
 
 # Programs of the expert kernels' launches that send the rows (``comm_sms``). Measured on two H200s
@@ -137,8 +136,7 @@ def ep_forward(ws: Workspace, x, topk_idx, topk_weights, w13, w2, plan: Plan, co
     ws.check_error(now=debug_checks_enabled())
     exchange_counts(ws, plan)
     if fp8:
-        xq, xs = quantize_rows(x)
-        dispatch_rows(ws, xq, topk_idx, topk_weights, plan, x_s=xs)
+        dispatch_rows_fp8(ws, x, topk_idx, topk_weights, plan)
         owner_experts_fp8(ws, w13, w2, preact_C2I=preact)
     elif comm_sms:
         owner_experts(ws, w13, w2, send=(x, topk_idx, topk_weights, plan, comm_sms), preact_C2I=preact)
@@ -164,8 +162,7 @@ def ep_backward(ws: Workspace, dy, x, topk_idx, topk_weights, w13, w2, plan: Pla
     ws.check_error(now=debug_checks_enabled())
     exchange_counts(ws, plan)
     if fp8:  # without saved products, each token's FP8 row too, once per owner, for the owners' recompute
-        xq, xs = quantize_rows(x) if preact is None else (None, None)
-        dispatch_rows(ws, x, topk_idx, topk_weights, plan, dy_TD=dy, x_s=xs, x_q=xq)
+        dispatch_rows_fp8(ws, x, topk_idx, topk_weights, plan, dy_TD=dy, token_rows=preact is None)
         dw13, dw2 = owner_experts_backward_fp8(ws, w13, w2, fp8_wgrad, preact_C2I=preact, reuse_preact=reuse_preact)
     elif comm_sms:
         dw13, dw2 = owner_experts_backward(ws, w13, w2, send=(x, dy, topk_weights, plan, comm_sms), preact_C2I=preact,

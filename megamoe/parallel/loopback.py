@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from megamoe.kernels.plan import Plan, build_plan
-from megamoe.kernels.quant import quantize_rows
 from megamoe.parallel.owner import (
     owner_experts,
     owner_experts_backward,
@@ -29,7 +28,7 @@ from megamoe.parallel.protocol import (
     reset_arrivals,
     wait_returned,
 )
-from megamoe.parallel.senders import dispatch_rows
+from megamoe.parallel.senders import dispatch_rows, dispatch_rows_fp8
 from megamoe.parallel.workspace import Workspace
 
 
@@ -82,8 +81,7 @@ def loopback_forward(workspaces: list[Workspace], problems: list[tuple], comm_sm
     preacts = preacts or [None] * len(workspaces)
     if fp8:
         for ws, plan, (x, idx, weights, _, _) in zip(workspaces, plans, problems):
-            xq, xs = quantize_rows(x)
-            dispatch_rows(ws, xq, idx, weights, plan, x_s=xs)
+            dispatch_rows_fp8(ws, x, idx, weights, plan)
         for ws, p, preact in zip(workspaces, problems, preacts):
             owner_experts_fp8(ws, p[3], p[4], preact_C2I=preact)
     elif comm_sms and len(workspaces) == 1:
@@ -123,15 +121,15 @@ def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: l
     :func:`loopback_forward`; ``preacts``: the gate and up products :func:`loopback_forward` saved, per rank, for
     the act step instead of its GEMM, which writes dz over them (as the eager layer's backward does). ``fp8``: the
     backward of ``loopback_forward(fp8=True)``, x and dy rows sent in x's dtype (without ``preacts`` also each token's
-    FP8 row once per owner, for the recompute) and the owners' FP8 backward run once every row is in (``owner.owner_experts_backward_fp8``; ``fp8_wgrad``: FP8 weight gradients); ``comm_sms`` 0."""
+    FP8 row once per owner, for the recompute) and the owners' FP8 backward run once every row is in
+    (``owner.owner_experts_backward_fp8``; ``fp8_wgrad``: FP8 weight gradients); ``comm_sms`` 0."""
     if fp8 and comm_sms:
         raise ValueError("the FP8 backward's rows are sent by a dispatch kernel of their own: comm_sms must be 0")
     plans = _start(workspaces, problems)
     preacts = preacts or [None] * len(workspaces)
     if fp8:  # without saved products, each token's FP8 row too, once per owner, for the owners' recompute
         for ws, plan, (x, idx, weights, _, _), dy, preact in zip(workspaces, plans, problems, dys, preacts):
-            xq, xs = quantize_rows(x) if preact is None else (None, None)
-            dispatch_rows(ws, x, idx, weights, plan, dy_TD=dy, x_s=xs, x_q=xq)
+            dispatch_rows_fp8(ws, x, idx, weights, plan, dy_TD=dy, token_rows=preact is None)
         weight_grads = [owner_experts_backward_fp8(ws, p[3], p[4], fp8_wgrad, preact_C2I=preact, reuse_preact=True)
                         for ws, p, preact in zip(workspaces, problems, preacts)]
     elif comm_sms and len(workspaces) == 1:

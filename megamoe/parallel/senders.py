@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.plan import Plan
-from megamoe.kernels.quant import FP8, GROUP
+from megamoe.kernels.quant import FP8, GROUP, quantize_rows
 from megamoe.parallel.protocol import (
     ARRIVED,
     OVERFLOW,
@@ -313,6 +313,19 @@ def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, 
         num_tokens=x_TD.shape[0], X_SCALES=x_s is not None, GB=triton.next_power_of_2(max(1, dim // GROUP)),
         xq_ptr=x_q,
     )
+
+
+def dispatch_rows_fp8(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                      plan: Plan, dy_TD: torch.Tensor | None = None, token_rows: bool = True) -> None:
+    """:func:`dispatch_rows` for the FP8 layer, x (in its own dtype) quantised 1x128 here, once: in the forward each
+    token's e4m3 row and scales once per owner; in the backward (``dy_TD``) x and dy rows in x's dtype per slot and,
+    with ``token_rows`` (no saved products, so the owners recompute), each token's e4m3 row and scales too."""
+    if dy_TD is None:
+        xq, xs = quantize_rows(x_TD)
+        dispatch_rows(ws, xq, topk_idx_TK, topk_weights_TK, plan, x_s=xs)
+    else:
+        xq, xs = quantize_rows(x_TD) if token_rows else (None, None)
+        dispatch_rows(ws, x_TD, topk_idx_TK, topk_weights_TK, plan, dy_TD=dy_TD, x_s=xs, x_q=xq)
 
 
 def send_list(plan: Plan, num_ranks: int, num_local: int, topk_idx_TK: torch.Tensor | None = None) -> torch.Tensor:
