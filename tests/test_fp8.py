@@ -235,6 +235,52 @@ def test_fp8_wgrad_gemm_computes_the_dequantised_products():
         assert rel_err(dw[e].cpu(), ref[e]) < 1e-6, (e, rel_err(dw[e].cpu(), ref[e]))
 
 
+@pytest.mark.parametrize("dim", [256, 384])  # blocks of 256 columns on sm90; 128
+def test_output_gemms_write_rows_anywhere_as_to_slots(dim):
+    """The down projection and dx with ``dest`` (an expert-parallel owner's rows straight into their sources' slots):
+    each slot's row lands at its int64 offset (16-byte units) from the base, here into two other allocations in a
+    shuffled order, bit for bit the row the plain launch writes to that slot; nothing else is written. (On sm90 the
+    Gluon kernel, in its default block width and store pattern; elsewhere the Triton one.)"""
+    from megamoe.kernels import expert_bwd, expert_fwd
+    from megamoe.kernels.plan import build_plan
+
+    gen = torch.Generator().manual_seed(dim)
+    num_tokens, num_experts, top_k, inter = 300, 4, 2, 128
+    topk_idx = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)
+    topk_idx[::7, 1] = -1  # dropped slots: no row, nothing written
+    plan = build_plan(topk_idx.to(DEVICE), num_experts)
+    rows = num_tokens * top_k
+    weights = torch.rand(num_tokens, top_k, generator=gen).to(DEVICE)
+    hq, hs = quant.quantize_rows(torch.randn(rows, inter, generator=gen).to(DEVICE))
+    dzq, dzs = quant.quantize_rows(torch.randn(rows, 2 * inter, generator=gen).to(DEVICE))
+    w2q, w2s, _, _ = quant.quantize_weight(torch.randn(num_experts, dim, inter, generator=gen).to(DEVICE) / 16)
+    _, _, w13tq, w13ts = quant.quantize_weight(torch.randn(num_experts, 2 * inter, dim, generator=gen).to(DEVICE) / 16)
+    routed = topk_idx.reshape(-1) >= 0
+    slot_of_row = plan.row_slot_N[:int(routed.sum())].long().cpu()
+    unit = 16 // 2
+    for name, plain, dest_call in (
+            ("down", lambda: expert_fwd.down_fp8(hq, hs, w2q, w2s, weights, plan, torch.bfloat16),
+             lambda dest: expert_fwd.down_fp8(hq, hs, w2q, w2s, weights, plan, torch.bfloat16, dest=dest)),
+            ("dx", lambda: expert_bwd.dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, torch.bfloat16),
+             lambda dest: expert_bwd.dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, torch.bfloat16, dest=dest))):
+        want = plain()
+        base = torch.empty(unit, device=DEVICE, dtype=torch.bfloat16)
+        sinks = [torch.full((rows, dim), float("nan"), device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+        sink_of_slot = torch.randint(0, 2, (rows,), generator=gen)
+        place_of_slot = torch.randperm(rows, generator=gen)
+        sink_start = torch.tensor([(s.data_ptr() - base.data_ptr()) // 16 for s in sinks])
+        row_dest = torch.full((rows,), -1, dtype=torch.int64)  # sorted rows past the routed ones: never read
+        row_dest[:len(slot_of_row)] = (sink_start[sink_of_slot[slot_of_row]]
+                                       + place_of_slot[slot_of_row] * (dim // unit))
+        assert dest_call((base, row_dest.to(DEVICE))) is base
+        for i, sink in enumerate(sinks):
+            mine = routed & (sink_of_slot == i)
+            assert torch.equal(sink[place_of_slot[mine].to(DEVICE)], want[mine.to(DEVICE)]), name
+            others = torch.ones(rows, dtype=torch.bool)
+            others[place_of_slot[mine]] = False
+            assert torch.isnan(sink[others.to(DEVICE)].float()).all(), name
+
+
 # Every shape keeping nothing; the saved mode (which shares all but the backward's act step) on three of them.
 FP8_CASES = [(s, "none") for s in FP8_SHAPES] + [(FP8_SHAPES[i], "preact") for i in (2, 5, 7)]
 

@@ -53,7 +53,10 @@ FP8_WS_VARIANTS = (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}),
                    # the sorted-rows kernel's stores deferred under the next block's MMA (ROWS_DEFER_EPILOGUE)
                    ("fp8_rows_ws", "fp8_rows", {"defer_epilogue": True}),
                    # blocks of 256 columns, the launchers' default where N / Q allow (ROWS_BLOCK_N, WGRAD_BLOCK_N)
-                   ("fp8_rows_ws", "fp8_rows", {"block_n": 256}), ("fp8_wgrad_ws", "fp8_wgrad", {"block_n": 256}))
+                   ("fp8_rows_ws", "fp8_rows", {"block_n": 256}), ("fp8_wgrad_ws", "fp8_wgrad", {"block_n": 256}),
+                   # an expert-parallel owner's: rows to their sources' slots (the down projection, dx)
+                   ("fp8_rows_ws", "fp8_rows", {"block_n": 256, "row_dest": True}),
+                   ("fp8_rows_ws", "fp8_rows", {"block_n": 256, "row_dest": True, "weighted": False}))
 _FP8_POINTER_TYPES = {"out_ptr": "*bf16", "preact_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
                       "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32", "b_scale_ptr": "*fp32"}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",
@@ -297,6 +300,8 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      "X_SCALES": False, "GB": 16,
                      # the owner's rows to their sources, through a row map (the loopback's round trip)
                      "ROW_MAP": True, "SCALAR": True,
+                     # the owner's row destinations in 16-byte units of bf16 rows (owner.row_destinations)
+                     "UNIT": 8,
                      # the quantisers, at their launchers' blocks
                      "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC}
 
@@ -319,9 +324,10 @@ def compile_other_kernel(fn, num_warps: int = 4, pointer_types: dict | None = No
                                "expected_ptr": "*i64", "preact_ptr": "*bf16", "dh_ptr": "*bf16", "dz_ptr": "*bf16",
                                "hw_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv",
                                "dzq_ptr": "*fp8e4nv", "s_ptr": "*fp32", "st_ptr": "*fp32",
-                               "dzs_ptr": "*fp32", "bq_ptr": "*fp8e4nv", "bs_ptr": "*fp32"}.get(name, _POINTER_TYPES.get(name, "*i32"))
-        else:
-            signature[name] = "i32"
+                               "dzs_ptr": "*fp32", "bq_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "dest_ptr": "*i64",
+                               }.get(name, _POINTER_TYPES.get(name, "*i32"))
+        else:  # an address passed as an integer (``base``) is 64-bit
+            signature[name] = "i64" if name == "base" else "i32"
         if name.endswith("_ptr") or name == "D":
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs=constexprs), target=HOPPER,

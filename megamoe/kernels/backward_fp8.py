@@ -33,7 +33,8 @@ def preact_buffer(x: Tensor, num_rows: int, w13: Tensor) -> Tensor:
 def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2: Tensor, plan: Plan, top_k: int,
                       dx_rows: Callable[[Tensor, Tensor], object], *, fp8_wgrad: bool, preact: Tensor | None = None,
                       reuse_preact: bool = False, combine_in_dw13: Tensor | None = None,
-                      recompute_from: tuple | None = None) -> tuple[object, Tensor, Tensor, Tensor]:
+                      recompute_from: tuple | None = None,
+                      dx_dest: tuple[Tensor, Tensor] | None = None) -> tuple[object, Tensor, Tensor, Tensor]:
     """dy quantised 1x128 (once per row, in the pass that sorts it); dh' and dx on the weights' transposed FP8
     copies; g and u, unless saved (``preact``), recomputed by the forward's up kernel (the FP8 GEMM the forward ran,
     so both memory modes compute the same gradients; without its h output) and the act step run on them; the weight
@@ -51,7 +52,8 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     from slot rows made before it (the dx-first order); ``dx_rows`` is then not called and dx is returned.
     ``recompute_from``: the recompute's input, (x in e4m3, its (D/128, rows) scales, a plan over those rows, its
     top_k), instead of ``x`` quantised here (an owner's received token rows, each quantised once on its source).
-    Returns (dx_rows' result, d(routing weight) (T, K) fp32, dw13, dw2)."""
+    ``dx_dest`` = (base, row_dest): dx's slot rows written where ``expert_fwd.sorted_rows_gemm``'s ``dest`` says (an
+    owner's rows straight into their sources' slots; ``dx_rows`` is then given ``base``). Returns (dx_rows' result, d(routing weight) (T, K) fp32, dw13, dw2)."""
     w13q, w13s, w13tq, w13ts = fp8_weight(w13)
     _, _, w2tq, w2ts = fp8_weight(w2)
     if fp8_wgrad:  # the weight gradients read x and dy from their rows: no sorted bf16 copies
@@ -78,7 +80,7 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
         del dy_t, hw_t
         # dx before dW13, dz's 1x128 rows and dx's slot rows freed before dW13's output exists: the backward's
         # peak (at dW13) holds dz's and x's tile columns beside the weight gradients and dx, nothing more.
-        dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype)
+        dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype, dest=dx_dest)
         del dzq, dzs
         dx = dx_rows(dx_slots_ND, dweight_TK)
         del dx_slots_ND
@@ -93,7 +95,7 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     if combine_in_dw13 is None:  # dW13 before dx's slot rows exist (the low-peak order)
         dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype)
         del x_sorted, dz_NH
-    dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype)
+    dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype, dest=dx_dest)
     del dzq, dzs
     if combine_in_dw13 is None:
         return dx_rows(dx_slots_ND, dweight_TK), dweight_TK, dw13, dw2

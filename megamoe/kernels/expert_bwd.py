@@ -511,10 +511,12 @@ def dh_fp8(dyq_sorted_ND, dys_sorted, w2tq_EID, w2ts, plan: Plan, out_dtype: tor
     return sorted_rows_gemm_fp8(DH_FP8, dyq_sorted_ND, dys_sorted, w2tq_EID, w2ts, None, plan, out_dtype)
 
 
-def dx_slots_fp8(dzq_NH, dzs, w13tq_EDH, w13ts, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor:
+def dx_slots_fp8(dzq_NH, dzs, w13tq_EDH, w13ts, plan: Plan, out_dtype: torch.dtype,
+                 dest: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``dx_slots`` on blockwise FP8 operands: dz in e4m3 with its (2I/128, N) scales, and w13's transposed copy
-    (E, D, 2I) in e4m3 with its (E, D/128, 2I/128) block scales; the rows in ``out_dtype``."""
-    return sorted_rows_gemm_fp8(DX_FP8, dzq_NH, dzs, w13tq_EDH, w13ts, None, plan, out_dtype)
+    (E, D, 2I) in e4m3 with its (E, D/128, 2I/128) block scales; the rows in ``out_dtype``; ``dest``: as for
+    ``expert_fwd.sorted_rows_gemm``."""
+    return sorted_rows_gemm_fp8(DX_FP8, dzq_NH, dzs, w13tq_EDH, w13ts, None, plan, out_dtype, dest=dest)
 
 
 def _slot_rows(plan: Plan) -> torch.Tensor:

@@ -128,6 +128,8 @@ def _sorted_rows_gemm_kernel(
     W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr, TO_SLOTS: tl.constexpr, PERSISTENT: tl.constexpr,
     SCALED: tl.constexpr, EB: tl.constexpr, PREC: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr,
+    row_dest_ptr=None,  # (N,) int64, read if ROW_DEST: row r at out_ptr + row_dest[r] 16-byte units (TO_SLOTS)
+    ROW_DEST: tl.constexpr = False,
 ):
     """A GEMM over sorted rows, each row times its expert's weight: the forward's down projection
     (h W2^T, weighted) and the backward's dx (dz W13, unweighted), whose output rows go back to slot
@@ -137,18 +139,21 @@ def _sorted_rows_gemm_kernel(
     return at once. With PERSISTENT, PROGRAMS programs (one per SM) stride over the busy tiles (counted
     from the expert offsets; EB: a power of two >= E) in one flattened loop, so Triton's pipeliner loads
     the next tile's operands during this tile's epilogue. SCALED: FP8 operands with their scales (BK = 128,
-    W_K_LAST; see ``common.sorted_rows_matmul``)."""
+    W_K_LAST; see ``common.sorted_rows_matmul``). ROW_DEST: each output row anywhere in the address space (an
+    expert-parallel owner's rows into their sources' slots; ``gluon_fp8_sm90_details.rows.rows_ws_kernel`` alike)."""
     num_n = tl.cdiv(N_OUT, BN)
     if PERSISTENT:
         work = busy_tiles(offsets_ptr, E, EB, TILE_M) * (TILE_M // BM) * num_n
         for pid in tl.range(tl.program_id(0), work, PROGRAMS, flatten=True):
             _sorted_rows_gemm_tile(pid, a_desc, w_desc, weights_ptr, out_ptr, row_slot_ptr, offsets_ptr,
                                    tile_expert_ptr, tile_row_ptr, N_OUT, K, E, num_n, W_K_LAST, WEIGHTED, TO_SLOTS,
-                                   False, PREC, TILE_M, BM, BN, BK, a_scale_ptr, w_scale_ptr, M, SCALED)
+                                   False, PREC, TILE_M, BM, BN, BK, a_scale_ptr, w_scale_ptr, M, SCALED, row_dest_ptr,
+                                   ROW_DEST)
     else:
         _sorted_rows_gemm_tile(tl.program_id(0), a_desc, w_desc, weights_ptr, out_ptr, row_slot_ptr, offsets_ptr,
                                tile_expert_ptr, tile_row_ptr, N_OUT, K, E, num_n, W_K_LAST, WEIGHTED, TO_SLOTS,
-                               True, PREC, TILE_M, BM, BN, BK, a_scale_ptr, w_scale_ptr, M, SCALED)
+                               True, PREC, TILE_M, BM, BN, BK, a_scale_ptr, w_scale_ptr, M, SCALED, row_dest_ptr,
+                               ROW_DEST)
 
 
 @triton.jit
@@ -156,7 +161,7 @@ def _sorted_rows_gemm_tile(pid, a_desc, w_desc, weights_ptr, out_ptr, row_slot_p
                            tile_row_ptr, N_OUT, K, E, num_n, W_K_LAST: tl.constexpr, WEIGHTED: tl.constexpr,
                            TO_SLOTS: tl.constexpr, SKIP_IDLE: tl.constexpr, PREC: tl.constexpr,
                            TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           a_scale_ptr, w_scale_ptr, M, SCALED: tl.constexpr):
+                           a_scale_ptr, w_scale_ptr, M, SCALED: tl.constexpr, row_dest_ptr, ROW_DEST: tl.constexpr):
     """One BM × BN output block of ``_sorted_rows_gemm_kernel``. SKIP_IDLE: return on an idle tile (a
     persistent caller visits busy tiles only)."""
     e, row0, rows, rmask, pid_n = tile_rows(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, BM, TILE_M)
@@ -173,7 +178,11 @@ def _sorted_rows_gemm_tile(pid, a_desc, w_desc, weights_ptr, out_ptr, row_slot_p
             out_rows = slots
         if WEIGHTED:
             acc = acc * tl.load(weights_ptr + slots, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + out_rows[:, None] * N_OUT + cols[None, :]
+    row_start = out_rows * N_OUT
+    if ROW_DEST:  # in 16-byte units
+        unit: tl.constexpr = 128 // out_ptr.dtype.element_ty.primitive_bitwidth
+        row_start = tl.load(row_dest_ptr + rows, mask=rmask, other=0) * unit
+    out_ptrs = out_ptr + row_start[:, None] + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < N_OUT)[None, :])
 
 
@@ -276,14 +285,22 @@ def up_products_fp8(xq_TD, xs, w13q_EHD, w13s, plan: Plan, top_k: int, preact_NH
 
 def sorted_rows_gemm(kernel: TunedKernel, a_NK, w_E, weights_N, plan: Plan, n_out: int,
                      scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None,
+                     dest: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Launch ``_sorted_rows_gemm_kernel`` as ``kernel`` (DOWN, DX or DH) configures it: (N, n_out), ``a_NK``
     (sorted rows) times each row's expert weight ``w_E[e]``, scaled by ``weights_N`` if given, in slot
     rows (DOWN, DX: dropped slots' rows are not written) or sorted rows (DH: rows past the routed count
     are not written). For a SCALED kernel (FP8 operands, ``w_E`` (E, n_out, K)) ``scales`` = (a's (K/128, N) row
-    scales, w's (E, n_out/128, K/128) block scales); the output is in ``out_dtype`` (default: a's dtype)."""
+    scales, w's (E, n_out/128, K/128) block scales); the output is in ``out_dtype`` (default: a's dtype). ``dest`` =
+    (base, row_dest): a SCALED DOWN or DX kernel's rows written anywhere instead, row r at ``base``'s first element
+    plus ``row_dest[r]`` (int64) 16-byte units (an expert-parallel owner's rows into their sources' slots); returns
+    ``base``."""
     num_slots, k = a_NK.shape
-    out = torch.empty(num_slots, n_out, device=a_NK.device, dtype=out_dtype or a_NK.dtype)
+    if dest is None:
+        out = torch.empty(num_slots, n_out, device=a_NK.device, dtype=out_dtype or a_NK.dtype)
+    else:  # (a kernel that autotunes would write there once per config tried)
+        assert kernel.constants["SCALED"] and kernel.constants["TO_SLOTS"] and dest[1].dtype == torch.int64
+        out = dest[0]
     if num_slots == 0:  # an empty batch (a TMA descriptor cannot be empty)
         return out
     a_scale, w_scale = scales or (None, None)
@@ -293,7 +310,7 @@ def sorted_rows_gemm(kernel: TunedKernel, a_NK, w_E, weights_N, plan: Plan, n_ou
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, a_scale_ptr=a_scale, w_scale_ptr=w_scale, N_OUT=n_out, K=k, E=w_E.shape[0],
         M=num_slots, PROGRAMS=programs, EB=triton.next_power_of_2(w_E.shape[0]), PREC=dot_precision(a_NK.dtype),
-        TILE_M=BLOCK_M, dtype=a_NK.dtype,
+        TILE_M=BLOCK_M, row_dest_ptr=None if dest is None else dest[1], ROW_DEST=dest is not None, dtype=a_NK.dtype,
     )
     return out
 
@@ -305,24 +322,29 @@ def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
 
 def sorted_rows_gemm_fp8(kernel: TunedKernel, a_NK, a_s, w_E, w_s, weights_N, plan: Plan, out_dtype: torch.dtype, *,
                          issue_ahead: bool | None = None, defer_epilogue: bool | None = None,
-                         block_n: int | None = None) -> torch.Tensor:
+                         block_n: int | None = None,
+                         dest: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``sorted_rows_gemm`` of a SCALED ``kernel`` (DOWN_FP8, DH_FP8 or DX_FP8) on blockwise FP8 operands: a (N, K)
     e4m3 sorted rows with their (K/128, N) scales, w (E, n_out, K) e4m3 with its (E, n_out/128, K/128) block scales;
     the output in ``out_dtype``. On sm90 with a bf16 output through the warp-specialized Gluon kernel
     (``gluon_fp8_sm90``), which ``kernel``'s constants configure (weighted, to slot rows), in blocks of ``block_n``
     columns, the issue pattern ``issue_ahead``, its stores deferred or not (``defer_epilogue``; each None: the
-    kernel's default, ``gluon_fp8_sm90.fp8_rows_gemm_ws``)."""
+    kernel's default, ``gluon_fp8_sm90.fp8_rows_gemm_ws``). ``dest``: as for ``sorted_rows_gemm`` (DOWN_FP8, DX_FP8;
+    ``base`` in ``out_dtype``)."""
     num_slots, n_out = a_NK.shape[0], w_E.shape[1]
     if not (num_slots and fp8_ws_supported(a_NK, out_dtype)):
-        return sorted_rows_gemm(kernel, a_NK, w_E, weights_N, plan, n_out, scales=(a_s, w_s), out_dtype=out_dtype)
-    out = torch.empty(num_slots, n_out, device=a_NK.device, dtype=out_dtype)
+        return sorted_rows_gemm(kernel, a_NK, w_E, weights_N, plan, n_out, scales=(a_s, w_s), out_dtype=out_dtype,
+                                dest=dest)
+    out = torch.empty(num_slots, n_out, device=a_NK.device, dtype=out_dtype) if dest is None else dest[0]
     fp8_rows_gemm_ws(a_NK, a_s, w_E, w_s, out, plan, weights=None if weights_N is None else weights_N.float(),
-                     to_slots=kernel.constants["TO_SLOTS"], issue_ahead=issue_ahead, defer_epilogue=defer_epilogue,
-                     block_n=block_n)
+                     to_slots=kernel.constants["TO_SLOTS"], row_dest=None if dest is None else dest[1],
+                     issue_ahead=issue_ahead, defer_epilogue=defer_epilogue, block_n=block_n)
     return out
 
 
-def down_fp8(hq_NI, hs, w2q_EDI, w2s, topk_weights_TK, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor:
+def down_fp8(hq_NI, hs, w2q_EDI, w2s, topk_weights_TK, plan: Plan, out_dtype: torch.dtype,
+             dest: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``down_fwd`` on blockwise FP8 operands (h (N, I) e4m3 with its (I/128, N) scales, w2 (E, D, I) e4m3 with
-    its (E, D/128, I/128) block scales), the rows in ``out_dtype``."""
-    return sorted_rows_gemm_fp8(DOWN_FP8, hq_NI, hs, w2q_EDI, w2s, topk_weights_TK.reshape(-1), plan, out_dtype)
+    its (E, D/128, I/128) block scales), the rows in ``out_dtype``; ``dest``: as for ``sorted_rows_gemm``."""
+    return sorted_rows_gemm_fp8(DOWN_FP8, hq_NI, hs, w2q_EDI, w2s, topk_weights_TK.reshape(-1), plan, out_dtype,
+                                dest=dest)

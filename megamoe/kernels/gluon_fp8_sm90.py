@@ -152,11 +152,15 @@ def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
 
 def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                      plan, *, weights: torch.Tensor | None = None, to_slots: bool = False,
-                     issue_ahead: bool | None = None, defer_epilogue: bool | None = None,
-                     block_n: int | None = None, trace: torch.Tensor | None = None) -> None:
+                     row_dest: torch.Tensor | None = None, issue_ahead: bool | None = None,
+                     defer_epilogue: bool | None = None, block_n: int | None = None,
+                     trace: torch.Tensor | None = None) -> None:
     """out (M, N) bf16 = the blockwise-dequantised a (M, K) in sorted rows times each row's expert weight
     w[e] (E, N, K)ᵀ, through ``rows_ws_kernel``; row r into row ``plan.row_slot_N[r]`` if ``to_slots``, else
     r; times ``weights[row_slot[r]]`` (fp32, (M,) by slot) if given. Only the plan's routed rows are written.
+    ``row_dest`` (int64, (M,), with ``to_slots``): row r written instead at ``out``'s first element plus
+    ``row_dest[r]`` 16-byte units, anywhere in the device's address space (``out`` of any shape then: the base of
+    the offsets).
     ``block_n``: the block's columns, 128 or 256 (N a multiple of it; None: ``ROWS_BLOCK_N`` where N is a multiple
     of it, else 128). At 128 columns, ``issue_ahead``: each warpgroup issues the next K-block's MMA before promoting
     the last (None: ``ROWS_ISSUE_AHEAD``); ``defer_epilogue``: a block's stores run under the warpgroup's next
@@ -173,16 +177,20 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     assert k_dim % FP8_BK == 0 and n_out % FP8_BN == 0 and w_q.shape[2] == k_dim
     assert a_s.shape == (k_dim // SCALE_BLOCK, num_rows) and w_s.shape == (num_experts, n_out // SCALE_BLOCK,
                                                                            k_dim // SCALE_BLOCK)
-    assert out.shape == (num_rows, n_out) and out.dtype == torch.bfloat16 and BLOCK_M == FP8_BM
+    assert out.dtype == torch.bfloat16 and BLOCK_M == FP8_BM and out.data_ptr() % 16 == 0
+    assert out.shape == (num_rows, n_out) if row_dest is None else (row_dest.dtype == torch.int64 and to_slots
+                                                                     and row_dest.numel() >= num_rows)
     assert trace is None or (trace.dtype == torch.int64 and trace.numel() >= trace_size(sm_count(a_q.device.index)))
     block_n, issue_ahead, defer_epilogue = rows_pattern(n_out, block_n, issue_ahead, defer_epilogue)
     rows_ws_kernel[(sm_count(a_q.device.index),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), w_desc=_fp8_desc(w_q, [1, block_n, FP8_BK]), a_s_ptr=a_s,
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
-        offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT,
+        row_dest_ptr=row_dest if row_dest is not None else plan.row_slot_N, offsets_ptr=plan.offsets_E1,
+        tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT,
         trace_ptr=trace if trace is not None else out, M=num_rows, N_OUT=n_out, K=k_dim, E=num_experts,
         EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, WEIGHTED=weights is not None, TO_SLOTS=to_slots,
-        ISSUE_AHEAD=issue_ahead, DEFER_EPILOGUE=defer_epilogue, TRACE=trace is not None,
+        ISSUE_AHEAD=issue_ahead, DEFER_EPILOGUE=defer_epilogue,
+        TRACE=trace is not None,
         STAGES=ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
@@ -315,14 +323,16 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
            "fp8_act": act_tile_cols_kernel}
 
 
-def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, preact: bool = False,
-                h_out: bool = True, sizes_divisible: bool = True, issue_ahead: bool | None = None, pow2: bool = False,
+def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
+                preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
+                issue_ahead: bool | None = None, pow2: bool = False,
                 defer_epilogue: bool | None = None, block_n: int = FP8_BN, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
     launchers' asserts make multiples of 128, are specialised as 16-divisible, as Triton does at run time.
-    ``weighted`` / ``to_slots``: the sorted-rows kernel's variant (down projection: both); ``preact``: the up
+    ``weighted`` / ``to_slots`` / ``row_dest``: the sorted-rows kernel's variant (down projection: the first two;
+    an expert-parallel owner's: ``row_dest`` too); ``preact``: the up
     kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``:
     either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
     up kernel's (and the act step's, ``fp8_act``) power-of-two scales; ``defer_epilogue`` (None:
@@ -348,7 +358,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, prea
                       "STAGES": ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES,
                       "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32",
-                    "trace_ptr": "*i64"}
+                    "row_dest_ptr": "*i64" if row_dest else "*i32", "trace_ptr": "*i64"}
         sizes = {"N_OUT", "K"}
     elif name == "fp8_act":
         blocks = {}

@@ -289,7 +289,8 @@ def send_and_up(ws: Workspace, w13_LHD: torch.Tensor, recv_plan: Plan, counts: t
         recv_token_row_ptr=ws.recv_token_row, recv_offsets_ptr=recv_plan.offsets_E1,
         tile_expert_ptr=recv_plan.tile_expert_NT, tile_row_ptr=recv_plan.tile_row_NT, arrived_ptr=ws.arrived,
         counts_ptr=counts, ready_ptr=ws.ready, D=dim, I=inter, trace_ptr=stamps, preact_ptr=preact_C2I,
-        SAVE_PREACT=preact_C2I is not None, SENDERS=comm_sms, RB=SEND_UP_ROWS, LB=triton.next_power_of_2(num_local), **send_blocks(ws, dim, SEND_UP_COLS),
+        SAVE_PREACT=preact_C2I is not None, SENDERS=comm_sms, RB=SEND_UP_ROWS, LB=triton.next_power_of_2(num_local),
+        **send_blocks(ws, dim, SEND_UP_COLS),
         PREC=dot_precision(w13_LHD.dtype), TILE_M=BLOCK_M, TRACE=stamps is not None, dtype=w13_LHD.dtype,
     )
     return h_CI
@@ -344,9 +345,9 @@ def rows_to_peer_slots(ws: Workspace, kernel: TunedKernel, a_CK: torch.Tensor, w
 def _rows_to_sources_kernel(rows_ptr, row_map_ptr, scalar_ptr, recv_meta_ptr, offsets_ptr, peers_ptr, R, L, D,
                             max_slots, ROW_MAP: tl.constexpr, SCALAR: tl.constexpr, RB: tl.constexpr,
                             BD: tl.constexpr):
-    """Each received row's output into its source's slot (``recv_meta``): row r of ``rows``, or with ROW_MAP row
-    ``row_map[r]``, and with SCALAR ``scalar[r]`` into the source's ``slot_scalar``; rows past the routed count are
-    not read."""
+    """Each received row's output into its source's slot (``recv_meta``): row r of ``rows`` (D > 0), or with ROW_MAP
+    row ``row_map[r]``, and with SCALAR ``scalar[r]`` into the source's ``slot_scalar``; rows past the routed count
+    are not read."""
     rows = tl.program_id(0) * RB + tl.arange(0, RB)
     rmask = rows < tl.load(offsets_ptr + L)
     src_rows = rows.to(tl.int64)
@@ -365,23 +366,52 @@ def _rows_to_sources_kernel(rows_ptr, row_map_ptr, scalar_ptr, recv_meta_ptr, of
                  mask=m)
 
 
+@triton.jit
+def _row_destinations_kernel(dest_ptr, recv_meta_ptr, offsets_ptr, peers_ptr, base, R, L, D, max_slots,
+                             UNIT: tl.constexpr, RB: tl.constexpr):
+    """``dest[r]``: where received row r's output goes, its source's ``y_slots`` row (``recv_meta``), in UNIT-element
+    (16-byte) units from address ``base``; rows past the routed count are not written."""
+    rows = tl.program_id(0) * RB + tl.arange(0, RB)
+    rmask = rows < tl.load(offsets_ptr + L)
+    meta = tl.load(recv_meta_ptr + rows, mask=rmask, other=0)
+    source_base = tl.load(peers_ptr + Y_SLOTS * R + meta // max_slots, mask=rmask, other=0)
+    tl.store(dest_ptr + rows, (source_base - base) // 16 + (meta % max_slots).to(tl.int64) * (D // UNIT), mask=rmask)
+
+
 # The kernels without a tile config, for the ahead-of-time compile check (``tools.resources``).
-KERNELS = (_rows_to_sources_kernel,)
+KERNELS = (_rows_to_sources_kernel, _row_destinations_kernel)
 
 
-def rows_to_sources(ws: Workspace, plan: Plan, rows: torch.Tensor, row_map: torch.Tensor | None = None,
+def rows_to_sources(ws: Workspace, plan: Plan, rows: torch.Tensor | None, row_map: torch.Tensor | None = None,
                     scalars: torch.Tensor | None = None) -> None:
     """Every row I received (``plan``: :func:`protocol.received_plan`'s) gets its output row of ``rows`` (D wide,
     ``y_slots``' dtype) — row r, or ``row_map[r]`` — sent into its source's ``y_slots``, and ``scalars[r]`` (fp32,
     the backward's d(routing weight)) into its ``slot_scalar``; then the signal to every source
-    (``protocol.signal_returned``). A copy of its own, for outputs that no peer-writing GEMM wrote."""
-    dim = rows.shape[1]
+    (``protocol.signal_returned``). A copy of its own, for outputs that no peer-writing GEMM wrote; ``rows`` None:
+    the scalars alone (the rows are there already: :func:`row_destinations`)."""
+    dim = 0 if rows is None else rows.shape[1]
     _rows_to_sources_kernel[(triton.cdiv(ws.capacity, ROWS_PER_PROGRAM),)](
-        rows_ptr=rows, row_map_ptr=row_map, scalar_ptr=scalars, recv_meta_ptr=ws.recv_meta,
-        offsets_ptr=plan.offsets_E1, peers_ptr=ws.peers, R=ws.num_ranks, L=ws.num_local, D=dim,
-        max_slots=ws.max_slots, ROW_MAP=row_map is not None, SCALAR=scalars is not None, RB=ROWS_PER_PROGRAM,
-        BD=send_blocks(ws, dim)["BD"])
+        rows_ptr=rows if rows is not None else ws.y_slots, row_map_ptr=row_map, scalar_ptr=scalars,
+        recv_meta_ptr=ws.recv_meta, offsets_ptr=plan.offsets_E1, peers_ptr=ws.peers, R=ws.num_ranks,
+        L=ws.num_local, D=dim, max_slots=ws.max_slots, ROW_MAP=row_map is not None, SCALAR=scalars is not None,
+        RB=ROWS_PER_PROGRAM, BD=send_blocks(ws, max(dim, 1))["BD"])
     signal_returned(ws)
+
+
+def row_destinations(ws: Workspace, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, row_dest) for an output GEMM that writes each received row (``plan``) straight into its source's
+    ``y_slots`` (``expert_fwd.sorted_rows_gemm``'s ``dest``): base my own ``y_slots``, ``row_dest`` (capacity,)
+    int64 each row's offset from it in 16-byte units (the buffers are 16-byte aligned, their rows 16-byte
+    multiples). The caller then signals the sources (``protocol.signal_returned``)."""
+    dim = ws.y_slots.shape[1]
+    unit = 16 // ws.y_slots.element_size()
+    assert ws.y_slots.data_ptr() % 16 == 0 and dim % unit == 0
+    dest = torch.empty(ws.capacity, device=ws.y_slots.device, dtype=torch.int64)
+    _row_destinations_kernel[(triton.cdiv(ws.capacity, ROWS_PER_PROGRAM),)](
+        dest_ptr=dest, recv_meta_ptr=ws.recv_meta, offsets_ptr=plan.offsets_E1, peers_ptr=ws.peers,
+        base=ws.y_slots.data_ptr(), R=ws.num_ranks, L=ws.num_local, D=dim, max_slots=ws.max_slots, UNIT=unit,
+        RB=ROWS_PER_PROGRAM)
+    return ws.y_slots, dest
 
 
 def token_rows(ws: Workspace, plan: Plan) -> Plan:
@@ -395,16 +425,17 @@ def owner_experts_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor
     """Phases 3 and 4 of the forward with my rows received in FP8 (``senders.dispatch_rows`` given x's scales):
     once every row is in, the one-device FP8 kernels over them — the up kernel reading each received row's token
     row and scales from ``protocol.recv_tokens_fp8`` (through ``recv_token_row``), the down kernel weighting each
-    output row by its routing weight — then each output row into its source's ``y_slots``. The rows are not
-    waited for tile by tile, so the exchange does not yet overlap the GEMMs. ``preact_C2I``: as for
-    :func:`owner_experts`."""
+    output row by its routing weight and writing it straight into its source's ``y_slots`` (:func:`row_destinations`).
+    The rows are not waited for tile by tile, so the exchange does not yet overlap the GEMMs. ``preact_C2I``: as
+    for :func:`owner_experts`."""
     plan, counts = received_plan(ws)
     reset_arrivals(ws, counts)  # returns once every row is in
     xq, xs = recv_tokens_fp8(ws)
     w13q, w13s, _, _ = fp8_weight(w13_LHD)
     w2q, w2s, _, _ = fp8_weight(w2_LDI)
     hq, hs = up_swiglu_fp8(xq, xs, w13q, w13s, token_rows(ws, plan), 1, preact_NH=preact_C2I)
-    rows_to_sources(ws, plan, down_fp8(hq, hs, w2q, w2s, ws.recv_weight, plan, ws.y_slots.dtype))
+    down_fp8(hq, hs, w2q, w2s, ws.recv_weight, plan, ws.y_slots.dtype, dest=row_destinations(ws, plan))
+    signal_returned(ws)
 
 
 def owner_experts_backward_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, fp8_wgrad: bool,
@@ -412,11 +443,11 @@ def owner_experts_backward_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: tor
     """Phases 3 and 4 of the backward in blockwise FP8, on the x and dy rows I received (in x's dtype: the FP8
     weight gradients quantise them 128x1 from their values, not from 1x128 copies): once every row is in, the
     one-device FP8 backward's steps over them (``kernels.backward_fp8.backward_rows_fp8``, ``fp8_wgrad``: FP8 weight
-    gradients), each dx row and its d(routing weight) sent back to its source (:func:`rows_to_sources`) before
-    dW13. ``preact_C2I``, ``reuse_preact``: as for :func:`owner_experts_backward`, from :func:`owner_experts_fp8`;
-    without ``preact_C2I`` the gate and up products are recomputed from each token's FP8 row, which the sources sent
-    once per owner beside the slot rows (``senders.dispatch_rows(x_q=)``), as the forward's up kernel read them.
-    Returns dw13 and dw2 of my experts."""
+    gradients), each dx row written straight into its source's slot by its GEMM (:func:`row_destinations`) and its
+    d(routing weight) sent after it (:func:`rows_to_sources`), before dW13. ``preact_C2I``, ``reuse_preact``: as
+    for :func:`owner_experts_backward`, from :func:`owner_experts_fp8`; without ``preact_C2I`` the gate and up
+    products are recomputed from each token's FP8 row, which the sources sent once per owner beside the slot rows
+    (``senders.dispatch_rows(x_q=)``), as the forward's up kernel read them. Returns dw13 and dw2 of my experts."""
     plan, counts = received_plan(ws)
     reset_arrivals(ws, counts)  # returns once every row is in
     recompute_from = None
@@ -424,8 +455,9 @@ def owner_experts_backward_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: tor
         recompute_from = (*recv_tokens_fp8(ws), token_rows(ws, plan), 1)
     _, _, dw13, dw2 = backward_rows_fp8(
         ws.recv_dy, ws.recv_x, ws.recv_weight[:, None], w13_LHD, w2_LDI, plan, 1,
-        lambda dx_rows, dweight: rows_to_sources(ws, plan, dx_rows, scalars=dweight.view(-1)), fp8_wgrad=fp8_wgrad,
-        preact=preact_C2I, reuse_preact=reuse_preact, recompute_from=recompute_from)
+        lambda _, dweight: rows_to_sources(ws, plan, None, scalars=dweight.view(-1)), fp8_wgrad=fp8_wgrad,
+        preact=preact_C2I, reuse_preact=reuse_preact, recompute_from=recompute_from,
+        dx_dest=row_destinations(ws, plan))
     return dw13, dw2
 
 

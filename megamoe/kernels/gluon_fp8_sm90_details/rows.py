@@ -93,28 +93,35 @@ def _rows_mma(a_bufs, w_bufs, s, c0: gl.constexpr, tmp, WG: gl.constexpr):
 
 
 @gluon.jit
-def _rows_store(out, out_rows, first, end, n0, out_ptr, N_OUT, num_warps: gl.constexpr):
+def _rows_store(out, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps: gl.constexpr):
     """The epilogue's stores of one warpgroup's bf16 block ``out`` (in the accumulator's layout): converted to 16-byte
     row segments and stored through masked pointer stores (rows [first, end): a tile's rows past its expert belong to
-    the next tile) into rows ``out_rows`` (int32, in the row segments' row layout), columns n0 .."""
+    the next tile) into rows ``out_rows`` (int32, in the row segments' row layout), columns n0 ..; with an int64
+    ``row_dest_ptr`` (``rows_ws_kernel``'s ROW_DEST; of another type it is not read) ``out_rows`` are sorted rows
+    whose destinations it gives."""
     BN: gl.constexpr = out.type.shape[1]
     out_layout: gl.constexpr = row_segments(BN, 2, num_warps)
     local = first + gl.arange(0, out.type.shape[0], layout=gl.SliceLayout(1, out_layout))
     cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-    gl.store(out_ptr + out_rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], gl.convert_layout(out, out_layout),
+    if row_dest_ptr.dtype.element_ty == gl.int64:  # ROW_DEST: loaded now, so that no int64 rows are held
+        unit: gl.constexpr = 128 // out_ptr.dtype.element_ty.primitive_bitwidth  # (16 bytes: the compiler knows the
+        row_start = gl.load(row_dest_ptr + out_rows, mask=local < end, other=0) * unit  # rows fit 16-byte stores)
+    else:
+        row_start = out_rows.to(gl.int64) * N_OUT
+    gl.store(out_ptr + row_start[:, None] + cols[None, :], gl.convert_layout(out, out_layout),
              mask=(local < end)[:, None] & (cols < N_OUT)[None, :])
 
 
 @gluon.jit
-def _rows_store_pending(pend, out, out_rows, first, end, n0, out_ptr, N_OUT, num_warps: gl.constexpr):
+def _rows_store_pending(pend, out, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps: gl.constexpr):
     """``_rows_store`` of the block a deferring warpgroup holds, if it holds one (``pend`` nonzero)."""
     if pend != 0:
-        _rows_store(out, out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
+        _rows_store(out, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps)
 
 
 @gluon.jit
-def _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, kbs, block, trace_ptr, out_ptr, N_OUT,
-                      pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, WG: gl.constexpr,
+def _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, kbs, block, trace_ptr, out_ptr,
+                      row_dest_ptr, N_OUT, pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, WG: gl.constexpr,
                       ISSUE_AHEAD: gl.constexpr, DEFER_EPILOGUE: gl.constexpr, TRACE: gl.constexpr,
                       acc_layout: gl.constexpr, num_warps: gl.constexpr):
     """The main loop of a 128-column block for one warpgroup: per K-step the block's MMA chain into a temporary, then
@@ -131,7 +138,7 @@ def _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, k
     # the MMAs' destination registers, reused
     tmp0 = _rows_mma(a_bufs, w_bufs, s0, 0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
     if DEFER_EPILOGUE:  # the previous block's stores, under this block's first MMA
-        _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT,
+        _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr, N_OUT,
                             num_warps)
     acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
     if not ISSUE_AHEAD:
@@ -197,8 +204,8 @@ def _rows_left_out(acc0, wt, out_ptr, WEIGHTED: gl.constexpr):
 
 @gluon.jit
 def _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, wt, out_rows, first, end,
-                    n0, out_ptr, N_OUT, WG: gl.constexpr, STORE_LEFT: gl.constexpr, WEIGHTED: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    n0, out_ptr, row_dest_ptr, N_OUT, WG: gl.constexpr, STORE_LEFT: gl.constexpr,
+                    WEIGHTED: gl.constexpr, num_warps: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_rows_main_wide``): the left chain, its promotion into
     ``acc0``, the right chain, its promotion into ``acc1``, the stage freed; with STORE_LEFT (the block's last
     K-step) the left half converted before the right chain is issued and stored under it. Returns (acc0, acc1,
@@ -213,7 +220,7 @@ def _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, 
     if STORE_LEFT:
         out0 = _rows_left_out(acc0, wt, out_ptr, WEIGHTED)
         tmp = _rows_mma(a_bufs, w_bufs, s, HB, tmp, WG)
-        _rows_store(out0, out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
+        _rows_store(out0, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps)
     else:
         tmp = _rows_mma(a_bufs, w_bufs, s, HB, tmp, WG)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
@@ -224,9 +231,9 @@ def _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, 
 
 @gluon.jit
 def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, kbs, block, trace_ptr, wt, out_rows, first,
-                    end, n0, out_ptr, N_OUT, pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, WG: gl.constexpr,
-                    DEFER: gl.constexpr, WEIGHTED: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    end, n0, out_ptr, row_dest_ptr, N_OUT, pend, pend_out, pend_rows, pend_first, pend_end, pend_n0,
+                    WG: gl.constexpr, DEFER: gl.constexpr, WEIGHTED: gl.constexpr, TRACE: gl.constexpr,
+                    acc_layout: gl.constexpr, num_warps: gl.constexpr):
     """The main loop of a 256-column block for one warpgroup: per K-step the MMA chain of the weight block's left
     128 columns into the temporary, wait, its promotion into the left accumulator; the right half's likewise; the
     stage freed (``_rows_wide_step``). Two accumulators and one temporary (3 x 64 registers per thread): no second
@@ -247,39 +254,40 @@ def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, kbs, b
         stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
         scale1 = block_scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
         tmp = _rows_mma(a_bufs, w_bufs, s, 0, tmp, WG)
-        _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
+        _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr, N_OUT,
+                            num_warps)
         tmp = warpgroup_mma_wait(0, deps=(tmp, ))
         acc0 = tmp * scale0[:, None]
         out0 = _rows_left_out(acc0, wt, out_ptr, WEIGHTED)  # (stored here only if this is the last K-step)
         tmp = _rows_mma(a_bufs, w_bufs, s, HB, tmp, WG)
         if kbs == 1:
-            _rows_store(out0, out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
+            _rows_store(out0, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps)
         tmp = warpgroup_mma_wait(0, deps=(tmp, ))
         mbarrier.arrive(empty.index(s), count=1)
         acc1 = tmp * scale1[:, None]
         for kb in range(1, kbs - 1):
             acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step + kb, acc0, acc1,
-                                              tmp, wt, out_rows, first, end, n0, out_ptr, N_OUT, WG, False, WEIGHTED,
-                                              num_warps)
+                                              tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, WG,
+                                              False, WEIGHTED, num_warps)
         if kbs > 1:
             acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step + kbs - 1, acc0,
-                                              acc1, tmp, wt, out_rows, first, end, n0, out_ptr, N_OUT, WG, True,
-                                              WEIGHTED, num_warps)
+                                              acc1, tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT,
+                                              WG, True, WEIGHTED, num_warps)
     else:
         for kb in range(kbs):
             if TRACE:  # noqa: SIM102 (compiled out unless traced)
                 if kb == 0:  # (before the stage's wait, where the deferred pattern stamps after it)
                     stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
             acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step + kb, acc0, acc1,
-                                              tmp, wt, out_rows, first, end, n0, out_ptr, N_OUT, WG, False, WEIGHTED,
-                                              num_warps)
+                                              tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, WG,
+                                              False, WEIGHTED, num_warps)
     return acc0, acc1
 
 
 @gluon.jit
-def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                        a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K, num_n, work, WG: gl.constexpr,
-                        WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
+def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+                        ready, empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K, num_n, work,
+                        WG: gl.constexpr, WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
                         DEFER_EPILOGUE: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``rows_ws_kernel``: per K-step the
     block's MMA into a temporary, then the promotion into the fp32 accumulator (with ISSUE_AHEAD, under the
@@ -288,9 +296,11 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
     MMA, and run under it (the last block's after the loop); else they run at once, with the tensor cores idle
     unless the other warpgroup's MMAs have them. A block of 256 columns (``ROWS_BLOCK_N``) runs as two column
     halves of 128, each with its own accumulator, without issue-ahead (``_rows_main_wide``); DEFER_EPILOGUE: its
-    left half stored under its last chain, its right half under the next block's first."""
+    left half stored under its last chain, its right half under the next block's first. ``row_dest_ptr``: as for
+    ``rows_ws_kernel``."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[2]
+    ROW_DEST: gl.constexpr = row_dest_ptr.dtype.element_ty == gl.int64
     NH: gl.constexpr = bs_bufs.type.shape[0] // STAGES  # column halves of the block: its weight scale blocks
     BN: gl.constexpr = w_bufs.type.shape[2] // NH  # [STAGES, 1, NH * BN, BK]: BN columns per accumulator
     HALF: gl.constexpr = bs_bufs.type.shape[1]
@@ -317,7 +327,7 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
         if first < end:
             # The epilogue's row data, loaded now so that its latency hides under the main loop.
             out_rows = first + gl.arange(0, HALF, layout=seg_rows)
-            if TO_SLOTS:
+            if TO_SLOTS and not ROW_DEST:  # (ROW_DEST: the stores read the destinations)
                 out_rows = gl.load(row_slot_ptr + out_rows, mask=out_rows < end, other=0)
             if WEIGHTED:
                 acc_rows = first + gl.arange(0, HALF, layout=row_layout)
@@ -327,9 +337,9 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                 wt = 0.0  # (unused)
             if NH == 2:
                 acc, acc1 = _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, kbs, block,
-                                            trace_ptr, wt, out_rows, first, end, n0, out_ptr, N_OUT, pend, pend_out,
-                                            pend_rows, pend_first, pend_end, pend_n0, WG, DEFER_EPILOGUE, WEIGHTED,
-                                            TRACE, acc_layout, num_warps)
+                                            trace_ptr, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT,
+                                            pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, WG,
+                                            DEFER_EPILOGUE, WEIGHTED, TRACE, acc_layout, num_warps)
                 step += kbs
                 stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
                 if WEIGHTED:
@@ -344,14 +354,15 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                 else:
                     if WEIGHTED:
                         acc = acc * wt[:, None]
-                    _rows_store(acc.to(out_ptr.dtype.element_ty), out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
-                    _rows_store(acc1.to(out_ptr.dtype.element_ty), out_rows, first, end, n0 + BN, out_ptr, N_OUT,
-                                num_warps)
+                    _rows_store(acc.to(out_ptr.dtype.element_ty), out_rows, first, end, n0, out_ptr, row_dest_ptr,
+                                N_OUT, num_warps)
+                    _rows_store(acc1.to(out_ptr.dtype.element_ty), out_rows, first, end, n0 + BN, out_ptr,
+                                row_dest_ptr, N_OUT, num_warps)
             else:
                 acc, step = _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, kbs, block,
-                                              trace_ptr, out_ptr, N_OUT, pend, pend_out, pend_rows, pend_first,
-                                              pend_end, pend_n0, WG, ISSUE_AHEAD, DEFER_EPILOGUE, TRACE, acc_layout,
-                                              num_warps)
+                                              trace_ptr, out_ptr, row_dest_ptr, N_OUT, pend, pend_out, pend_rows,
+                                              pend_first, pend_end, pend_n0, WG, ISSUE_AHEAD, DEFER_EPILOGUE, TRACE,
+                                              acc_layout, num_warps)
                 stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
                 if WEIGHTED:
                     acc = acc * wt[:, None]
@@ -364,20 +375,22 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_ex
                     pend_end = end
                     pend_n0 = n0
                 else:
-                    _rows_store(out, out_rows, first, end, n0, out_ptr, N_OUT, num_warps)
+                    _rows_store(out, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
             if DEFER_EPILOGUE:
-                _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
+                _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr,
+                                    N_OUT, num_warps)
                 pend = 0
             step = pass_stages(ready, empty, step, K, BK)
         stamp(trace_ptr, WG, block, 3, TRACE, num_warps)
         row0, end, e_next, row0_next = row0_next, end_next, e_after, row0_after
     if DEFER_EPILOGUE:
-        _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, N_OUT, num_warps)
+        _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr, N_OUT,
+                            num_warps)
 
 
 @gluon.jit
-def rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr,
+def rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr,
                         tile_expert_ptr, tile_row_ptr, trace_ptr, M, N_OUT, K, E, EB: gl.constexpr,
                         TILE_M: gl.constexpr, WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
                         DEFER_EPILOGUE: gl.constexpr, TRACE: gl.constexpr, STAGES: gl.constexpr,
@@ -385,7 +398,10 @@ def rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_s
                         MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (M, K) fp8 in sorted rows, block (TILE_M, BK); w_desc: W (E, N_OUT, K) fp8, block (1, BN, BK);
     a_s (K // 128, M) and w_s (E, N_OUT // 128, K // 128) fp32; out (M, N_OUT) bf16: row r of the product
-    into row ``row_slot[r]`` (TO_SLOTS) or r, times ``weights[row_slot[r]]`` (WEIGHTED, fp32 by slot).
+    into row ``row_slot[r]`` (TO_SLOTS) or r, times ``weights[row_slot[r]]`` (WEIGHTED, fp32 by slot); or, with
+    ``row_dest_ptr`` int64 (ROW_DEST, TO_SLOTS), at ``out_ptr`` plus ``row_dest[r]`` 16-byte units, anywhere in the
+    address space (an expert-parallel owner's rows into their sources' slots; 16-byte units, so that the compiler
+    knows the rows aligned for 16-byte stores); ``row_dest_ptr`` of another type is not read.
     Blocks: the plan's busy tiles (EB: a power of two >= E) times the N-blocks, one program per SM walking
     them. num_warps: one warpgroup (the first MMA partition); the kernel adds the second and the loader.
     ISSUE_AHEAD, DEFER_EPILOGUE: the MMA warpgroups' issue pattern and when their stores run
@@ -397,12 +413,14 @@ def rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_s
     a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty = ring(a_desc, w_desc, BN // 128, a_desc.block_type.shape[0] // 2,
                                                            STAGES, LOADER_WARPS)
     gl.warp_specialize([
-        (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
-                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K, num_n, work, 0, WEIGHTED,
-                               TO_SLOTS, ISSUE_AHEAD, DEFER_EPILOGUE, TRACE, num_warps)),
-        (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
-                               empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K, num_n, work, 1, WEIGHTED,
-                               TO_SLOTS, ISSUE_AHEAD, DEFER_EPILOGUE, TRACE, num_warps)),
+        (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr,
+                               tile_row_ptr, ready, empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K,
+                               num_n, work, 0, WEIGHTED, TO_SLOTS, ISSUE_AHEAD, DEFER_EPILOGUE, TRACE,
+                               num_warps)),
+        (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr,
+                               tile_row_ptr, ready, empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K,
+                               num_n, work, 1, WEIGHTED, TO_SLOTS, ISSUE_AHEAD, DEFER_EPILOGUE, TRACE,
+                               num_warps)),
         (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
                         as_bufs, bs_bufs, trace_ptr, M, N_OUT, K, num_n, work, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
