@@ -33,8 +33,8 @@ def preact_buffer(x: Tensor, num_rows: int, w13: Tensor) -> Tensor:
 def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2: Tensor, plan: Plan, top_k: int,
                       dx_rows: Callable[[Tensor, Tensor], object], *, fp8_wgrad: bool, preact: Tensor | None = None,
                       reuse_preact: bool = False, combine_in_dw13: Tensor | None = None,
-                      recompute_from: tuple | None = None,
-                      dx_dest: tuple[Tensor, Tensor] | None = None) -> tuple[object, Tensor, Tensor, Tensor]:
+                      recompute_from: tuple | None = None, dx_dest: tuple[Tensor, Tensor] | None = None,
+                      rows_from: tuple[Plan, int] | None = None) -> tuple[object, Tensor, Tensor, Tensor]:
     """dy quantised 1x128 (once per row, in the pass that sorts it); dh' and dx on the weights' transposed FP8
     copies; g and u, unless saved (``preact``), recomputed by the forward's up kernel (the FP8 GEMM the forward ran,
     so both memory modes compute the same gradients; without its h output) and the act step run on them; the weight
@@ -53,12 +53,17 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     ``recompute_from``: the recompute's input, (x in e4m3, its (D/128, rows) scales, a plan over those rows, its
     top_k), instead of ``x`` quantised here (an owner's received token rows, each quantised once on its source).
     ``dx_dest`` = (base, row_dest): dx's slot rows written where ``expert_fwd.sorted_rows_gemm``'s ``dest`` says (an
-    owner's rows straight into their sources' slots; ``dx_rows`` is then given ``base``). Returns (dx_rows' result, d(routing weight) (T, K) fp32, dw13, dw2)."""
+    owner's rows straight into their sources' slots; ``dx_rows`` is then given ``base``). ``rows_from`` (with
+    ``fp8_wgrad``): (a plan over the rows of ``x`` and ``dy``, its top_k) to read them through instead, the same
+    tiles as ``plan`` but sorted rows that may share a row (an owner's token rows, each received once per token).
+    Returns (dx_rows' result, d(routing weight) (T, K) fp32, dw13, dw2)."""
     w13q, w13s, w13tq, w13ts = fp8_weight(w13)
     _, _, w2tq, w2ts = fp8_weight(w2)
+    assert rows_from is None or fp8_wgrad, "rows_from: the FP8 weight gradients' reads only"
+    read_plan, read_top_k = rows_from or (plan, top_k)
     if fp8_wgrad:  # the weight gradients read x and dy from their rows: no sorted bf16 copies
-        dy_t = quantize_tile_cols(dy, plan, top_k)
-        dyq, dys = sorted_quantized_rows(dy, plan, top_k)
+        dy_t = quantize_tile_cols(dy, read_plan, read_top_k)
+        dyq, dys = sorted_quantized_rows(dy, read_plan, read_top_k, gather=rows_from is not None)
     else:
         x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
     dh_NI = dh_fp8(dyq, dys, w2tq, w2ts, plan, x.dtype)
@@ -69,7 +74,7 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     products_over = preact if reuse_preact else None
     if preact is None:  # recomputed into a buffer of its own (which dz then takes over, where it is written)
         preact = preact_buffer(x, plan.row_slot_N.numel(), w13)
-        xq, xs, up_plan, up_top_k = recompute_from or (*quantize_rows(x), plan, top_k)
+        xq, xs, up_plan, up_top_k = recompute_from or (*quantize_rows(x), read_plan, read_top_k)
         up_products_fp8(xq, xs, w13q, w13s, up_plan, up_top_k, preact)
         del xq, xs
         reuse_preact = True
@@ -84,7 +89,7 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
         del dzq, dzs
         dx = dx_rows(dx_slots_ND, dweight_TK)
         del dx_slots_ND
-        dw13 = wgrad_fp8(*dz_t, *quantize_tile_cols(x, plan, top_k, over=products_over), plan, w13.dtype)
+        dw13 = wgrad_fp8(*dz_t, *quantize_tile_cols(x, read_plan, read_top_k, over=products_over), plan, w13.dtype)
         return dx, dweight_TK, dw13, dw2
     dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights_TK, plan, top_k, quant_dz=True,
                                                              dz_over_preact=reuse_preact)

@@ -565,16 +565,22 @@ def gather_rows(x_TD, dy_TD, plan: Plan, top_k: int, quantize_dy: bool = False):
     return tuple(_scatter_rows(x_TD, dy_TD, _slot_rows(plan), plan, top_k, quantize_b=quantize_dy))
 
 
-def sorted_quantized_rows(a_TD, plan: Plan, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sorted_quantized_rows(a_TD, plan: Plan, top_k: int, gather: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """a's rows in expert-sorted order quantised 1x128, (N, D) e4m3 and (D / 128, N) fp32 scales
     (``quant.quantize_rows``' format and bits, as ``gather_rows(quantize_dy=True)`` makes them for dy): each token's
     row quantised once, then its bytes and scales copied to its sorted rows (a row's quantisation depends on that
     row alone). For a backward that needs no bf16 sorted copy of a (the FP8 weight gradients read the tokens' rows
-    themselves: ``quant.quantize_tile_cols`` with ``top_k``)."""
+    themselves: ``quant.quantize_tile_cols`` with ``top_k``). ``gather``: a plan whose sorted rows need not be
+    distinct slots (an expert-parallel owner's rows through ``recv_token_row``, several on one token row): each
+    sorted row r copied from row ``row_slot[r] // top_k``, the rows past the routed count from row 0."""
     q_TD, s_T = quantize_rows(a_TD)
     num_slots = plan.row_slot_N.numel()
     if num_slots == 0:
         return torch.empty(0, a_TD.shape[1], device=a_TD.device, dtype=FP8), s_T[:, :0]
+    if gather:  # (the rows past the routed count hold stale indices)
+        routed = torch.arange(num_slots, device=a_TD.device) < plan.offsets_E1[-1]
+        rows = torch.where(routed, plan.row_slot_N.long() // top_k, 0)
+        return q_TD.view(torch.int64).index_select(0, rows).view(FP8), s_T.index_select(1, rows)
     (q,) = _scatter_rows(q_TD.view(torch.uint8), None, _slot_rows(plan), plan, top_k)  # the bytes, as they are
     return q.view(FP8), s_T.index_select(1, plan.row_slot_N // top_k)
 

@@ -162,7 +162,8 @@ def ep_backward(ws: Workspace, dy, x, topk_idx, topk_weights, w13, w2, plan: Pla
     ws.check_error(now=debug_checks_enabled())
     exchange_counts(ws, plan)
     if fp8:  # without saved products, each token's FP8 row too, once per owner, for the owners' recompute
-        dispatch_rows_fp8(ws, x, topk_idx, topk_weights, plan, dy_TD=dy, token_rows=preact is None)
+        dispatch_rows_fp8(ws, x, topk_idx, topk_weights, plan, dy_TD=dy, token_rows=preact is None,
+                          fp8_wgrad=fp8_wgrad)
         dw13, dw2 = owner_experts_backward_fp8(ws, w13, w2, fp8_wgrad, preact_C2I=preact, reuse_preact=reuse_preact)
     elif comm_sms:
         dw13, dw2 = owner_experts_backward(ws, w13, w2, send=(x, dy, topk_weights, plan, comm_sms), preact_C2I=preact,

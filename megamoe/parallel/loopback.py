@@ -129,7 +129,8 @@ def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: l
     preacts = preacts or [None] * len(workspaces)
     if fp8:  # without saved products, each token's FP8 row too, once per owner, for the owners' recompute
         for ws, plan, (x, idx, weights, _, _), dy, preact in zip(workspaces, plans, problems, dys, preacts):
-            dispatch_rows_fp8(ws, x, idx, weights, plan, dy_TD=dy, token_rows=preact is None)
+            dispatch_rows_fp8(ws, x, idx, weights, plan, dy_TD=dy, token_rows=preact is None,
+                              fp8_wgrad=fp8_wgrad)
         weight_grads = [owner_experts_backward_fp8(ws, p[3], p[4], fp8_wgrad, preact_C2I=preact, reuse_preact=True)
                         for ws, p, preact in zip(workspaces, problems, preacts)]
     elif comm_sms and len(workspaces) == 1:

@@ -59,6 +59,7 @@ from megamoe.parallel.senders import (
     SEND_DH_ROWS,
     SEND_UP_COLS,
     SEND_UP_ROWS,
+    fp8_xy_per_token,
     send_blocks,
     send_list,
     sender,
@@ -441,7 +442,8 @@ def owner_experts_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor
 def owner_experts_backward_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor, fp8_wgrad: bool,
                                preact_C2I: torch.Tensor | None = None, reuse_preact: bool = False):
     """Phases 3 and 4 of the backward in blockwise FP8, on the x and dy rows I received (in x's dtype: the FP8
-    weight gradients quantise them 128x1 from their values, not from 1x128 copies): once every row is in, the
+    weight gradients quantise them 128x1 from their values, not from 1x128 copies; each token's once, read through
+    :func:`token_rows`, where ``senders.fp8_xy_per_token`` says): once every row is in, the
     one-device FP8 backward's steps over them (``kernels.backward_fp8.backward_rows_fp8``, ``fp8_wgrad``: FP8 weight
     gradients), each dx row written straight into its source's slot by its GEMM (:func:`row_destinations`) and its
     d(routing weight) sent after it (:func:`rows_to_sources`), before dW13. ``preact_C2I``, ``reuse_preact``: as
@@ -453,11 +455,15 @@ def owner_experts_backward_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: tor
     recompute_from = None
     if preact_C2I is None:
         recompute_from = (*recv_tokens_fp8(ws), token_rows(ws, plan), 1)
+    x, dy, rows_from = ws.recv_x, ws.recv_dy, None
+    if fp8_xy_per_token(ws, fp8_wgrad):
+        token_rows_in = ws.num_ranks * ws.max_tokens
+        x, dy, rows_from = ws.recv_x[:token_rows_in], ws.recv_dy[:token_rows_in], (token_rows(ws, plan), 1)
     _, _, dw13, dw2 = backward_rows_fp8(
-        ws.recv_dy, ws.recv_x, ws.recv_weight[:, None], w13_LHD, w2_LDI, plan, 1,
+        dy, x, ws.recv_weight[:, None], w13_LHD, w2_LDI, plan, 1,
         lambda _, dweight: rows_to_sources(ws, plan, None, scalars=dweight.view(-1)), fp8_wgrad=fp8_wgrad,
         preact=preact_C2I, reuse_preact=reuse_preact, recompute_from=recompute_from,
-        dx_dest=row_destinations(ws, plan))
+        dx_dest=row_destinations(ws, plan), rows_from=rows_from)
     return dw13, dw2
 
 

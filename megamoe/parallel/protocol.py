@@ -362,10 +362,12 @@ def bytes_between_ranks(topk_idx_TK: torch.Tensor, rank: int, experts_per_rank: 
     counted; nor are the counts and arrival counters, a few bytes per expert): ``fwd_out``, each token's row once
     per other rank whose experts it picked, and each such slot's fields; ``fwd_back``, each such slot's output row;
     ``bwd_out``, each such slot's x and dy rows and fields; ``bwd_back``, its dx row and d(routing weight).
-    ``topk_idx_TK``: the rank's routing (-1: dropped); rows of ``dim`` elements of ``itemsize`` bytes, the forward's
-    rows out in e4m3 with a 4-byte scale per 128 elements instead with ``fp8_rows``. Reads the
-    routing on the host: for benchmarks and tests (tests/test_dispatch.py checks ``fwd_out`` against what the owners
-    received; the other three are one row per slot each way, as the senders and output GEMMs write them)."""
+    ``topk_idx_TK``: the rank's routing (-1: dropped); rows of ``dim`` elements of ``itemsize`` bytes. ``fp8_rows``:
+    the FP8 layer's (keeping nothing, FP8 weight gradients): the forward's rows out in e4m3 with a 4-byte scale per
+    128 elements, the backward's x and dy rows once per token and owner with the token's e4m3 row beside them, and
+    each slot's token row index. Reads the routing on the host: for benchmarks and tests (tests/test_dispatch.py
+    checks ``fwd_out`` against what the owners received; the others follow from how the senders and output GEMMs
+    write)."""
     owner = torch.div(topk_idx_TK, experts_per_rank, rounding_mode="floor")
     owner = torch.where((topk_idx_TK >= 0) & (owner != rank), owner, -1).sort(dim=1).values
     slots = int((owner >= 0).sum())
@@ -373,5 +375,7 @@ def bytes_between_ranks(topk_idx_TK: torch.Tensor, rank: int, experts_per_rank: 
         if owner.numel() else 0
     row = dim * itemsize
     row_out = dim + 4 * (dim // GROUP) if fp8_rows else row
+    bwd_out = (token_rows * (2 * row + row_out) + slots * FWD_SLOT_FIELD_BYTES if fp8_rows
+               else slots * (2 * row + BWD_SLOT_FIELD_BYTES))
     return {"fwd_out": token_rows * row_out + slots * FWD_SLOT_FIELD_BYTES, "fwd_back": slots * row,
-            "bwd_out": slots * (2 * row + BWD_SLOT_FIELD_BYTES), "bwd_back": slots * (row + BWD_RETURN_FIELD_BYTES)}
+            "bwd_out": bwd_out, "bwd_back": slots * (row + BWD_RETURN_FIELD_BYTES)}

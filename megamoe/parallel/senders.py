@@ -7,7 +7,8 @@ Shape legend as in workspace.py; E = R*L global experts; T, K this rank's tokens
 Forward: each token's row once per owner, into ``recv_tokens`` at row ``src * T + token``, carried by the
 token's first slot at that owner (:func:`carries_row`); every slot's id (``recv_meta``), routing weight and
 ``recv_token_row`` at its place in the owner's expert-major order. Backward: x and dy once per slot, into
-``recv_x`` / ``recv_dy`` at that place.
+``recv_x`` / ``recv_dy`` at that place; or (the FP8 layer's, whose owners read them through ``recv_token_row``) once
+per token and owner, at row ``src * T + token`` of the same buffers.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def carries_row(slot, e, topk_idx_ptr, L, top_k, KB: tl.constexpr):
 def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
               max_tokens, max_slots, HAS_DY: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr,
               trace_ptr=None, trace_at=-1, TRACE: tl.constexpr = False, x_s_ptr=None, num_tokens=0,
-              X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1, xq_ptr=None):
+              X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1, xq_ptr=None, XY_PER_TOKEN: tl.constexpr = False):
     """My rows of slots ``slot`` (RB of them; -1: none) of global experts ``e`` into their owners' receive
     buffers at rows ``dst`` (the caller waited for the counts: ``protocol.wait_all_counts``): each row's slot id
     and routing weight, and its token's row of x —
@@ -87,9 +88,10 @@ def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank
       ``x_s`` travel beside it: the rows and the scales in ``recv_tokens``' memory as
       ``protocol.recv_tokens_fp8`` lays them out (GB: D/128 rounded up to a power of two);
     - backward (HAS_DY): x and dy rows into ``recv_x`` / ``recv_dy`` at ``dst``, one per slot (the weight
-      gradients read them there as expert-sorted rows); with X_SCALES also each token's e4m3 row ``xq`` and its
-      scales once per owner into ``recv_tokens`` as in the forward (the FP8 recompute's input), ``carries`` read
-      for those only.
+      gradients read them there as expert-sorted rows), or with XY_PER_TOKEN once per token and owner, by the
+      carrying slots, at row ``rank * max_tokens + token`` of ``recv_x`` / ``recv_dy`` (capacity >= R * max_tokens),
+      each slot's ``recv_token_row`` written as in the forward; with X_SCALES also each token's e4m3 row ``xq`` and
+      its scales once per owner into ``recv_tokens`` as in the forward (the FP8 recompute's input).
     The validity travels as -1 rather than as a mask argument: Triton 3.6 fails to compile a boolean tensor
     passed to a called function (sm_90a: "failed to legalize unresolved materialization ...
     tensor<64xi1>"). TRACE: stamps ``trace_at + 1..3`` (see trace.py)."""
@@ -103,17 +105,18 @@ def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank
     token_copies = rmask & (carries != 0)  # the slots that carry their token's row into recv_tokens
     token_row = rank * max_tokens + tok
     if HAS_DY:
-        copies = fits
+        copies = token_copies if XY_PER_TOKEN else fits
+        xy_row = token_row if XY_PER_TOKEN else dst64
         # Each destination row's start in the owner's buffers, 16-byte aligned (see owner.py's output kernel).
-        x_rows = tl.multiple_of(peer(peers_ptr, RECV_X, owner, R, x_ptr.dtype.element_ty) + dst64 * D, 16)
-        dy_rows = tl.multiple_of(peer(peers_ptr, RECV_DY, owner, R, x_ptr.dtype.element_ty) + dst64 * D, 16)
+        x_rows = tl.multiple_of(peer(peers_ptr, RECV_X, owner, R, x_ptr.dtype.element_ty) + xy_row * D, 16)
+        dy_rows = tl.multiple_of(peer(peers_ptr, RECV_DY, owner, R, x_ptr.dtype.element_ty) + xy_row * D, 16)
         if X_SCALES:
             q_rows = tl.multiple_of(peer(peers_ptr, RECV_TOKENS, owner, R, xq_ptr.dtype.element_ty) + token_row * D,
                                     16)
     else:
         copies = token_copies
         x_rows = tl.multiple_of(peer(peers_ptr, RECV_TOKENS, owner, R, x_ptr.dtype.element_ty) + token_row * D, 16)
-    if (not HAS_DY) or X_SCALES:
+    if (not HAS_DY) or X_SCALES or XY_PER_TOKEN:
         tl.store(peer(peers_ptr, RECV_TOKEN_ROW, owner, R, tl.int32) + dst64, token_row.to(tl.int32), mask=fits)
     if X_SCALES:  # after the R * T rows of D bytes, (D/128, R * T) fp32
         rows_in = token_row * 0 + R * max_tokens  # R * T, in int64
@@ -171,6 +174,7 @@ def _dispatch_rows_kernel(
     x_s_ptr=None, num_tokens=0,  # X_SCALES: x's (D/128, T) scales (of x in e4m3; in the backward of xq)
     X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1,
     xq_ptr=None,  # backward with X_SCALES: (T, D) x in e4m3, each token's row sent once per owner beside x's
+    XY_PER_TOKEN: tl.constexpr = False,  # backward: x and dy once per token and owner (``send_rows``)
 ):
     """Phase 2 as its own kernel: program i sends my sorted rows [i*RB, (i+1)*RB)."""
     wait_all_counts(peers_ptr, epoch_ptr, R, CB)
@@ -180,11 +184,11 @@ def _dispatch_rows_kernel(
     dst = dest_bases(e, peers_ptr, epoch_ptr, rank, R, L, CB) + rows - tl.load(offsets_ptr + e)
     slots = tl.where(rows >= 0, tl.load(row_slot_ptr + rows, mask=rows >= 0, other=0), -1)
     carries = slots * 0
-    if (not HAS_DY) or X_SCALES:
+    if (not HAS_DY) or X_SCALES or XY_PER_TOKEN:
         carries = carries_row(slots, e, topk_idx_ptr, L, top_k, KB)
     send_rows(slots, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
               max_tokens, max_slots, HAS_DY, RB, BD, x_s_ptr=x_s_ptr, num_tokens=num_tokens, X_SCALES=X_SCALES,
-              GB=GB, xq_ptr=xq_ptr)
+              GB=GB, xq_ptr=xq_ptr, XY_PER_TOKEN=XY_PER_TOKEN)
 
 
 @triton.jit
@@ -285,14 +289,21 @@ def send_blocks(ws: Workspace, dim: int, max_cols: int = 256) -> dict:
 
 def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                   plan: Plan, dy_TD: torch.Tensor | None = None, x_s: torch.Tensor | None = None,
-                  x_q: torch.Tensor | None = None) -> None:
+                  x_q: torch.Tensor | None = None, xy_per_token: bool = False) -> None:
     """Phase 2 in a kernel of its own: my routed rows into their owners' receive buffers: in the forward each
     token's row once per owner (``recv_tokens``), in the backward (``dy_TD``) its x and dy rows once per slot
     (``recv_x``, ``recv_dy``); each slot's id and routing weight. ``x_s``: the forward's rows travel in FP8, ``x_TD``
     e4m3 and ``x_s`` its (D/128, T) fp32 scales (``kernels.quant.quantize_rows``), received as
     ``protocol.recv_tokens_fp8`` reads them: D + D/32 bytes per row. In the backward ``x_q`` and ``x_s``, x in e4m3
-    and its scales: also each token's FP8 row once per owner, as in the forward (the FP8 recompute's input)."""
+    and its scales: also each token's FP8 row once per owner, as in the forward (the FP8 recompute's input).
+    ``xy_per_token`` (backward): x and dy once per token and owner instead, at row ``src * T + token`` of
+    ``recv_x`` / ``recv_dy``, read through ``recv_token_row`` (``owner.token_rows``); the receive capacity must hold
+    R * T rows (the API's, R * T * K, does)."""
     num_slots = plan.row_slot_N.numel()
+    if xy_per_token and (dy_TD is None or ws.capacity < ws.num_ranks * ws.max_tokens):
+        raise ValueError(f"dispatch_rows: x and dy once per token (xy_per_token) is the backward's (dy given: "
+                         f"{dy_TD is not None}) and needs a receive capacity of R * T = "
+                         f"{ws.num_ranks * ws.max_tokens} rows or more, got {ws.capacity}")
     dim = x_TD.shape[1]
     fp8_x = x_TD if dy_TD is None else x_q  # the e4m3 rows that travel, if any
     if (x_s is not None or x_q is not None) and not (
@@ -311,21 +322,32 @@ def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, 
         max_tokens=ws.max_tokens, max_slots=ws.max_slots, HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM,
         KB=triton.next_power_of_2(topk_idx_TK.shape[1]), **send_blocks(ws, dim), x_s_ptr=x_s,
         num_tokens=x_TD.shape[0], X_SCALES=x_s is not None, GB=triton.next_power_of_2(max(1, dim // GROUP)),
-        xq_ptr=x_q,
+        xq_ptr=x_q, XY_PER_TOKEN=xy_per_token,
     )
 
 
+def fp8_xy_per_token(ws: Workspace, fp8_wgrad: bool) -> bool:
+    """Whether the FP8 backward's x and dy rows travel once per token and owner (:func:`dispatch_rows`'
+    ``xy_per_token``), read by the owner's FP8 weight gradients through ``recv_token_row``: with FP8 weight gradients
+    (bf16 ones read sorted slot rows), where the receive buffers hold R * T rows (the API's workspaces, of R * T * K,
+    always do; else once per slot)."""
+    return fp8_wgrad and ws.capacity >= ws.num_ranks * ws.max_tokens
+
+
 def dispatch_rows_fp8(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                      plan: Plan, dy_TD: torch.Tensor | None = None, token_rows: bool = True) -> None:
+                      plan: Plan, dy_TD: torch.Tensor | None = None, token_rows: bool = True,
+                      fp8_wgrad: bool = True) -> None:
     """:func:`dispatch_rows` for the FP8 layer, x (in its own dtype) quantised 1x128 here, once: in the forward each
-    token's e4m3 row and scales once per owner; in the backward (``dy_TD``) x and dy rows in x's dtype per slot and,
+    token's e4m3 row and scales once per owner; in the backward (``dy_TD``) x and dy rows in x's dtype, once per
+    token and owner or per slot (:func:`fp8_xy_per_token`, ``fp8_wgrad``: the owners' weight gradients in FP8), and,
     with ``token_rows`` (no saved products, so the owners recompute), each token's e4m3 row and scales too."""
     if dy_TD is None:
         xq, xs = quantize_rows(x_TD)
         dispatch_rows(ws, xq, topk_idx_TK, topk_weights_TK, plan, x_s=xs)
     else:
         xq, xs = quantize_rows(x_TD) if token_rows else (None, None)
-        dispatch_rows(ws, x_TD, topk_idx_TK, topk_weights_TK, plan, dy_TD=dy_TD, x_s=xs, x_q=xq)
+        dispatch_rows(ws, x_TD, topk_idx_TK, topk_weights_TK, plan, dy_TD=dy_TD, x_s=xs, x_q=xq,
+                      xy_per_token=fp8_xy_per_token(ws, fp8_wgrad))
 
 
 def send_list(plan: Plan, num_ranks: int, num_local: int, topk_idx_TK: torch.Tensor | None = None) -> torch.Tensor:
