@@ -416,8 +416,9 @@ def row_destinations(ws: Workspace, plan: Plan) -> tuple[torch.Tensor, torch.Ten
 
 
 def token_rows(ws: Workspace, plan: Plan) -> Plan:
-    """``plan`` (of my received rows) with each row read from its token's row of ``recv_tokens`` (``recv_token_row``:
-    the forward's layout, each token's row once per owner), for kernels that take a plan and top_k 1."""
+    """``plan`` (of my received rows) with each row read from its token's row (``recv_token_row``: ``src * T +
+    token``, each token's row received once per owner) of ``recv_tokens`` (the forward's rows, the FP8 recompute's)
+    or, in the FP8 backward, of ``recv_x`` / ``recv_dy``, for kernels that take a plan and top_k 1."""
     return Plan(plan.offsets_E1, ws.recv_token_row, plan.tile_expert_NT, plan.tile_row_NT)
 
 

@@ -51,7 +51,9 @@ BUFFERS = {
     # the owner's experts the token picked.
     "recv_tokens": (lambda R, L, C, T, S, D: (R * T, D), None),
     "recv_token_row": (lambda R, L, C, T, S, D: (C,), torch.int32),  # forward: recv_tokens row of each received row
-    "recv_x": (lambda R, L, C, T, S, D: (C, D), None),  # backward: received rows, expert-major, then source-major
+    # backward: received rows, expert-major, then source-major (the FP8 layer's: each token's at src * T + token,
+    # senders.fp8_xy_per_token); recv_dy likewise
+    "recv_x": (lambda R, L, C, T, S, D: (C, D), None),
     "recv_meta": (lambda R, L, C, T, S, D: (C,), torch.int32),  # src * S + slot of each received row
     "recv_weight": (lambda R, L, C, T, S, D: (C,), torch.float32),  # routing weight of each received row
     "recv_dy": (lambda R, L, C, T, S, D: (C, D), None),  # backward: dy of each received row's token
