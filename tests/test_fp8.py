@@ -368,8 +368,8 @@ def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeyp
     order = []
     dx_slots, wgrad, tile_cols = ops.dx_slots_fp8, ops.wgrad_fp8, ops.quantize_tile_cols
 
-    def spy_dx_slots(dzq, dzs, *args):
-        out = dx_slots(dzq, dzs, *args)
+    def spy_dx_slots(dzq, dzs, *args, **kwargs):
+        out = dx_slots(dzq, dzs, *args, **kwargs)
         dead_before_dw13.extend(weakref.ref(t) for t in (dzq, dzs, out))
         order.append("dx")
         return out
