@@ -41,8 +41,11 @@ from megamoe.parallel.trace import (
 )
 from megamoe.parallel.workspace import Workspace
 
-# Rows (slots) per program of the dispatch kernel of its own.
+# Rows (slots) per program of the dispatch kernel of its own; tokens and columns per program of its token-major
+# row copy (``_send_token_rows_kernel``; the tiles of ``expert_bwd._scatter_rows``, the same read-once-write-K
+# pattern; the columns a multiple of 128, the FP8 scale groups').
 ROWS_PER_PROGRAM = 16
+TOKEN_ROWS_TOKENS, TOKEN_ROWS_COLS = 16, 512
 # Rows (slots) per block and columns per copy step of the in-kernel sending programs. The forward's carry each
 # token's row once per owner, about a quarter of a block's slots at top-8 over two ranks, so their blocks are
 # wider in slots and narrower per step than the backward's, which copy x and dy for every slot: forward 64 x 128
@@ -77,7 +80,8 @@ def carries_row(slot, e, topk_idx_ptr, L, top_k, KB: tl.constexpr):
 def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
               max_tokens, max_slots, HAS_DY: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr,
               trace_ptr=None, trace_at=-1, TRACE: tl.constexpr = False, x_s_ptr=None, num_tokens=0,
-              X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1, xq_ptr=None, XY_PER_TOKEN: tl.constexpr = False):
+              X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1, xq_ptr=None, XY_PER_TOKEN: tl.constexpr = False,
+              ROWS: tl.constexpr = True):
     """My rows of slots ``slot`` (RB of them; -1: none) of global experts ``e`` into their owners' receive
     buffers at rows ``dst`` (the caller waited for the counts: ``protocol.wait_all_counts``): each row's slot id
     and routing weight, and its token's row of x —
@@ -92,6 +96,8 @@ def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank
       carrying slots, at row ``rank * max_tokens + token`` of ``recv_x`` / ``recv_dy`` (capacity >= R * max_tokens),
       each slot's ``recv_token_row`` written as in the forward; with X_SCALES also each token's e4m3 row ``xq`` and
       its scales once per owner into ``recv_tokens`` as in the forward (the FP8 recompute's input).
+    Without ROWS the token rows are not copied here (:func:`_send_token_rows_kernel` copied them, token by token,
+    before this kernel's releases): only the slots' fields.
     The validity travels as -1 rather than as a mask argument: Triton 3.6 fails to compile a boolean tensor
     passed to a called function (sm_90a: "failed to legalize unresolved materialization ...
     tensor<64xi1>"). TRACE: stamps ``trace_at + 1..3`` (see trace.py)."""
@@ -118,7 +124,7 @@ def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank
         x_rows = tl.multiple_of(peer(peers_ptr, RECV_TOKENS, owner, R, x_ptr.dtype.element_ty) + token_row * D, 16)
     if (not HAS_DY) or X_SCALES or XY_PER_TOKEN:
         tl.store(peer(peers_ptr, RECV_TOKEN_ROW, owner, R, tl.int32) + dst64, token_row.to(tl.int32), mask=fits)
-    if X_SCALES:  # after the R * T rows of D bytes, (D/128, R * T) fp32
+    if X_SCALES and ROWS:  # after the R * T rows of D bytes, (D/128, R * T) fp32
         rows_in = token_row * 0 + R * max_tokens  # R * T, in int64
         s_rows = peer(peers_ptr, RECV_TOKENS, owner, R, tl.float32) + rows_in * D // 4 + token_row
         gs = tl.arange(0, GB)
@@ -127,7 +133,7 @@ def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank
                  tl.load(x_s_ptr + gs[None, :] * num_tokens + tok[:, None], mask=gm), mask=gm)
     # Pipelined (cp.async through shared memory): a sending program is one block on its SM, so its loads
     # must overlap one another to move more than one chunk per memory latency.
-    for d0 in tl.range(0, D, BD, num_stages=4):
+    for d0 in tl.range(0, D if ROWS else 0, BD, num_stages=4):
         ds = d0 + tl.arange(0, BD)
         m = copies[:, None] & (ds < D)[None, :]
         src = tok[:, None] * D + ds[None, :]
@@ -175,6 +181,7 @@ def _dispatch_rows_kernel(
     X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1,
     xq_ptr=None,  # backward with X_SCALES: (T, D) x in e4m3, each token's row sent once per owner beside x's
     XY_PER_TOKEN: tl.constexpr = False,  # backward: x and dy once per token and owner (``send_rows``)
+    ROWS: tl.constexpr = True,  # the token rows copied here (else by ``_send_token_rows_kernel``, before)
 ):
     """Phase 2 as its own kernel: program i sends my sorted rows [i*RB, (i+1)*RB)."""
     wait_all_counts(peers_ptr, epoch_ptr, R, CB)
@@ -184,11 +191,75 @@ def _dispatch_rows_kernel(
     dst = dest_bases(e, peers_ptr, epoch_ptr, rank, R, L, CB) + rows - tl.load(offsets_ptr + e)
     slots = tl.where(rows >= 0, tl.load(row_slot_ptr + rows, mask=rows >= 0, other=0), -1)
     carries = slots * 0
-    if (not HAS_DY) or X_SCALES or XY_PER_TOKEN:
+    if ROWS and ((not HAS_DY) or X_SCALES or XY_PER_TOKEN):
         carries = carries_row(slots, e, topk_idx_ptr, L, top_k, KB)
     send_rows(slots, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
               max_tokens, max_slots, HAS_DY, RB, BD, x_s_ptr=x_s_ptr, num_tokens=num_tokens, X_SCALES=X_SCALES,
-              GB=GB, xq_ptr=xq_ptr, XY_PER_TOKEN=XY_PER_TOKEN)
+              GB=GB, xq_ptr=xq_ptr, XY_PER_TOKEN=XY_PER_TOKEN, ROWS=ROWS)
+
+
+@triton.jit
+def _send_token_rows_kernel(
+    x_ptr,  # (T, D) forward: my tokens (e4m3 with X_SCALES); backward: x in its dtype
+    dy_ptr,  # (T, D) backward (HAS_DY): dy
+    xq_ptr,  # (T, D) e4m3, backward with X_SCALES: x's rows for the owners' recompute
+    x_s_ptr,  # (D/128, T) fp32 with X_SCALES: the e4m3 rows' scales
+    topk_idx_ptr,  # (T, K) my routing: the owners each token's rows go to
+    peers_ptr, epoch_ptr, rank, R, L, D, T, top_k, max_tokens,
+    HAS_DY: tl.constexpr, X_SCALES: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """Token-major sending: program (i, j) reads TB tokens' columns [j*BD, (j+1)*BD) once and writes them to every
+    owner among the tokens' picks, once per owner, at row ``rank * max_tokens + token`` of its token-row buffers:
+    forward x into ``recv_tokens`` (with X_SCALES in e4m3, its scales where ``protocol.recv_tokens_fp8`` reads
+    them); backward (HAS_DY) x and dy into ``recv_x`` / ``recv_dy``, with X_SCALES x's e4m3 row and scales into
+    ``recv_tokens``. The slots' fields and the arrival counts follow in ``_dispatch_rows_kernel`` (ROWS off),
+    launched after this kernel: its releases come after these stores. (The slot-major walk copies a token's rows from
+    the slot that carries them, a chain of latencies per slot row: it cost per slot, not per byte.)"""
+    wait_all_counts(peers_ptr, epoch_ptr, R, CB)
+    toks = tl.program_id(0) * TB + tl.arange(0, TB)
+    tmask = toks < T
+    tok = toks.to(tl.int64)
+    ks = tl.arange(0, KB)
+    picks = tl.load(topk_idx_ptr + tok[:, None] * top_k + ks[None, :], mask=tmask[:, None] & (ks < top_k)[None, :],
+                    other=-1)
+    owners = tl.where(picks >= 0, picks // L, -1)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    m = tmask[:, None] & (cols < D)[None, :]
+    src = tok[:, None] * D + cols[None, :]
+    a = tl.load(x_ptr + src, mask=m)
+    if HAS_DY:
+        b = tl.load(dy_ptr + src, mask=m)
+        if X_SCALES:
+            q = tl.load(xq_ptr + src, mask=m)
+    if X_SCALES:  # this block's 1x128 groups (BD a multiple of 128)
+        G: tl.constexpr = BD // 128
+        gs = tl.program_id(1) * G + tl.arange(0, G)
+        gm = tmask[:, None] & (gs < D // 128)[None, :]
+        scales = tl.load(x_s_ptr + gs[None, :] * T + tok[:, None], mask=gm)
+        rows_in = tok * 0 + R * max_tokens  # R * T, in int64
+    row = rank * max_tokens + tok
+    for k in range(top_k):
+        owner = tl.sum(tl.where(ks[None, :] == k, owners, 0), axis=1)
+        earlier = tl.sum(((owners == owner[:, None]) & (ks[None, :] < k)).to(tl.int32), axis=1)
+        send = tmask & (owner >= 0) & (earlier == 0)  # the token's first pick at that owner
+        sm = send[:, None] & (cols < D)[None, :]
+        owner = tl.maximum(owner, 0)  # (a dropped pick's -1 would index the peer table's row before)
+        # Each row's start, 16-byte aligned (buffers aligned, rows 16-byte multiples): 16-byte stores
+        if HAS_DY:
+            x_rows = tl.multiple_of(peer(peers_ptr, RECV_X, owner, R, x_ptr.dtype.element_ty) + row * D, 16)
+            dy_rows = tl.multiple_of(peer(peers_ptr, RECV_DY, owner, R, dy_ptr.dtype.element_ty) + row * D, 16)
+            tl.store(x_rows[:, None] + cols[None, :], a, mask=sm)
+            tl.store(dy_rows[:, None] + cols[None, :], b, mask=sm)
+            if X_SCALES:
+                q_rows = tl.multiple_of(peer(peers_ptr, RECV_TOKENS, owner, R, xq_ptr.dtype.element_ty) + row * D, 16)
+                tl.store(q_rows[:, None] + cols[None, :], q, mask=sm)
+        else:
+            x_rows = tl.multiple_of(peer(peers_ptr, RECV_TOKENS, owner, R, x_ptr.dtype.element_ty) + row * D, 16)
+            tl.store(x_rows[:, None] + cols[None, :], a, mask=sm)
+        if X_SCALES:
+            s_rows = peer(peers_ptr, RECV_TOKENS, owner, R, tl.float32) + rows_in * D // 4 + row
+            tl.store(s_rows[:, None] + gs[None, :] * rows_in[:, None], scales, mask=send[:, None] & gm)
 
 
 @triton.jit
@@ -276,7 +347,7 @@ def _send_list_kernel(row_slot_ptr, offsets_ptr, topk_idx_ptr, send_list_ptr, nu
 
 
 # The kernels without a tile config, for the ahead-of-time compile check (``tools.resources``).
-KERNELS = (_dispatch_rows_kernel, _send_list_kernel)
+KERNELS = (_dispatch_rows_kernel, _send_list_kernel, _send_token_rows_kernel)
 
 
 def send_blocks(ws: Workspace, dim: int, max_cols: int = 256) -> dict:
@@ -315,14 +386,26 @@ def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, 
                          f"{None if x_s is None else tuple(x_s.shape)}, dy given: {dy_TD is not None}")
     if num_slots == 0:
         return
+    top_k, num_tokens = topk_idx_TK.shape[1], x_TD.shape[0]
+    blocks = send_blocks(ws, dim)
+    # The token rows token by token (every row the forward sends, the backward's with xy_per_token), then the slots'
+    # fields and counts; the backward's rows per slot in the slot walk itself.
+    token_major = dy_TD is None or xy_per_token
+    if token_major:
+        cols = min(TOKEN_ROWS_COLS, triton.next_power_of_2(dim))
+        _send_token_rows_kernel[(triton.cdiv(num_tokens, TOKEN_ROWS_TOKENS), triton.cdiv(dim, cols))](
+            x_ptr=x_TD, dy_ptr=dy_TD, xq_ptr=x_q, x_s_ptr=x_s, topk_idx_ptr=topk_idx_TK, peers_ptr=ws.peers,
+            epoch_ptr=ws.epoch, rank=ws.rank, R=ws.num_ranks, L=ws.num_local, D=dim, T=num_tokens, top_k=top_k,
+            max_tokens=ws.max_tokens, HAS_DY=dy_TD is not None, X_SCALES=x_s is not None, TB=TOKEN_ROWS_TOKENS,
+            KB=triton.next_power_of_2(top_k), CB=blocks["CB"], BD=cols)
     _dispatch_rows_kernel[(triton.cdiv(num_slots, ROWS_PER_PROGRAM),)](
         x_ptr=x_TD, dy_ptr=dy_TD, weights_ptr=topk_weights_TK.reshape(-1), row_slot_ptr=plan.row_slot_N,
         offsets_ptr=plan.offsets_E1, topk_idx_ptr=topk_idx_TK, peers_ptr=ws.peers, epoch_ptr=ws.epoch,
-        rank=ws.rank, R=ws.num_ranks, L=ws.num_local, D=dim, top_k=topk_weights_TK.shape[1], capacity=ws.capacity,
+        rank=ws.rank, R=ws.num_ranks, L=ws.num_local, D=dim, top_k=top_k, capacity=ws.capacity,
         max_tokens=ws.max_tokens, max_slots=ws.max_slots, HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM,
-        KB=triton.next_power_of_2(topk_idx_TK.shape[1]), **send_blocks(ws, dim), x_s_ptr=x_s,
-        num_tokens=x_TD.shape[0], X_SCALES=x_s is not None, GB=triton.next_power_of_2(max(1, dim // GROUP)),
-        xq_ptr=x_q, XY_PER_TOKEN=xy_per_token,
+        KB=triton.next_power_of_2(top_k), **blocks, x_s_ptr=x_s, num_tokens=num_tokens,
+        X_SCALES=x_s is not None, GB=triton.next_power_of_2(max(1, dim // GROUP)), xq_ptr=x_q,
+        XY_PER_TOKEN=xy_per_token, ROWS=not token_major,
     )
 
 
