@@ -1,6 +1,7 @@
 """The fused expert-parallel protocol's senders (phase 2, see protocol.py): my routed rows into their owners'
-receive buffers, either from a kernel of their own (:func:`dispatch_rows`) or from the first programs of the
-owner's expert kernel's launch (:func:`sender`, run by ``owner.send_and_up`` / ``owner.send_and_dh``).
+receive buffers, either from kernels of their own (:func:`dispatch_rows`: the token rows token by token, then the
+slots' fields and counts) or from the first programs of the owner's expert kernel's launch (:func:`sender`, run by
+``owner.send_and_up`` / ``owner.send_and_dh``).
 
 Shape legend as in workspace.py; E = R*L global experts; T, K this rank's tokens and slots; N = T*K.
 
@@ -361,9 +362,10 @@ def send_blocks(ws: Workspace, dim: int, max_cols: int = 256) -> dict:
 def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                   plan: Plan, dy_TD: torch.Tensor | None = None, x_s: torch.Tensor | None = None,
                   x_q: torch.Tensor | None = None, xy_per_token: bool = False) -> None:
-    """Phase 2 in a kernel of its own: my routed rows into their owners' receive buffers: in the forward each
-    token's row once per owner (``recv_tokens``), in the backward (``dy_TD``) its x and dy rows once per slot
-    (``recv_x``, ``recv_dy``); each slot's id and routing weight. ``x_s``: the forward's rows travel in FP8, ``x_TD``
+    """Phase 2 in kernels of its own: my routed rows into their owners' receive buffers: in the forward each
+    token's row once per owner (``recv_tokens``; copied token by token, ``_send_token_rows_kernel``), in the
+    backward (``dy_TD``) its x and dy rows once per slot (``recv_x``, ``recv_dy``; in the slot walk); each slot's id
+    and routing weight, then the arrival counts (``_dispatch_rows_kernel``). ``x_s``: the forward's rows travel in FP8, ``x_TD``
     e4m3 and ``x_s`` its (D/128, T) fp32 scales (``kernels.quant.quantize_rows``), received as
     ``protocol.recv_tokens_fp8`` reads them: D + D/32 bytes per row. In the backward ``x_q`` and ``x_s``, x in e4m3
     and its scales: also each token's FP8 row once per owner, as in the forward (the FP8 recompute's input).
