@@ -269,7 +269,7 @@ def main(argv=None) -> None:
     compile_other_kernel(senders._dispatch_rows_kernel, pointer_types={"x_ptr": "*fp8e4nv"}, HAS_DY=False,
                          X_SCALES=True, ROWS=False)
     print("_dispatch_rows_kernel with FP8 rows and their scales (the slots' fields): compiles", flush=True)
-    compile_other_kernel(senders._dispatch_rows_kernel, HAS_DY=True, X_SCALES=True, XY_PER_TOKEN=True, ROWS=False)
+    compile_other_kernel(senders._dispatch_rows_kernel, HAS_DY=True, X_SCALES=True, ROWS=False)
     print("_dispatch_rows_kernel with the backward's FP8 token rows beside x and dy once per token: compiles",
           flush=True)
     compile_other_kernel(senders._send_token_rows_kernel, HAS_DY=True, X_SCALES=True, BD=512)
@@ -305,9 +305,9 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      "ROW_MAP": True, "SCALAR": True,
                      # the owner's row destinations in 16-byte units of bf16 rows (owner.row_destinations)
                      "UNIT": 8,
-                     # the backward's x and dy once per slot, copied in the slot walk (compiled once per token too,
-                     # the rows by the token-major kernel, below)
-                     "XY_PER_TOKEN": False, "ROWS": True,
+                     # the backward's x and dy once per slot, copied in the slot walk (compiled without the rows
+                     # too, the token-major kernel's companion, below)
+                     "ROWS": True,
                      # the quantisers, at their launchers' blocks
                      "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC}
 

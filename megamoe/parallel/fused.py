@@ -39,7 +39,11 @@ from megamoe.parallel.protocol import (
     exchange_counts,
     first_non_finite,
 )
-from megamoe.parallel.senders import dispatch_rows, dispatch_rows_fp8
+from megamoe.parallel.senders import (
+    check_fp8_comm_sms,
+    dispatch_rows,
+    dispatch_rows_fp8,
+)
 from megamoe.parallel.workspace import Workspace, by_number, symmetric_workspace
 
 # Programs of the expert kernels' launches that send the rows (``comm_sms``). Measured on two H200s
@@ -116,14 +120,6 @@ def workspace_for(group, num_local: int, max_tokens_per_rank: int, top_k: int, d
     return _WORKSPACES[key]
 
 
-def _check_fp8_comm_sms(fp8: bool, comm_sms: int) -> None:
-    """In FP8 the rows are sent by a dispatch kernel of their own: senders inside the FP8 expert kernels' launches
-    are not built yet."""
-    if fp8 and comm_sms:
-        raise ValueError(f"with precision='fp8' the rows are sent by a dispatch kernel of their own: comm_sms must be "
-                         f"0 (or None), got {comm_sms}")
-
-
 def ep_forward(ws: Workspace, x, topk_idx, topk_weights, w13, w2, plan: Plan, comm_sms: int,
                preact: torch.Tensor | None = None, fp8: bool = False) -> torch.Tensor:
     """The fused layer's forward on this rank: counts, rows out (from ``comm_sms`` programs of the up kernel's
@@ -131,7 +127,7 @@ def ep_forward(ws: Workspace, x, topk_idx, topk_weights, w13, w2, plan: Plan, co
     combine; y (T, D). ``plan``: of ``topk_idx`` over all R * L experts. ``preact`` (capacity, 2I): also the gate
     and up products of the rows this rank received (the saved-activation mode, :func:`preact_buffer`). ``fp8``:
     blockwise FP8 (the module docstring), ``comm_sms`` 0."""
-    _check_fp8_comm_sms(fp8, comm_sms)
+    check_fp8_comm_sms(fp8, comm_sms)
     ws.check_overflow()
     ws.check_error(now=debug_checks_enabled())
     exchange_counts(ws, plan)
@@ -158,7 +154,7 @@ def ep_backward(ws: Workspace, dy, x, topk_idx, topk_weights, w13, w2, plan: Pla
     dy rows sent in x's dtype (the FP8 weight gradients quantise them 128x1 from their values) and, without
     ``preact``, each token's FP8 row once per owner for the recompute; ``fp8_wgrad``: FP8 weight gradients (else
     bf16 ones from the unquantised rows); ``comm_sms`` 0."""
-    _check_fp8_comm_sms(fp8, comm_sms)
+    check_fp8_comm_sms(fp8, comm_sms)
     ws.check_error(now=debug_checks_enabled())
     exchange_counts(ws, plan)
     if fp8:  # without saved products, each token's FP8 row too, once per owner, for the owners' recompute
@@ -357,7 +353,7 @@ def moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank:
     if comm_sms is None:
         comm_sms = 0 if fp8 else default_comm_sms(x.device.index)
     comm_sms = comm_sms_pair(comm_sms)
-    _check_fp8_comm_sms(fp8, max(comm_sms))
+    check_fp8_comm_sms(fp8, max(comm_sms))
     if max(comm_sms) and max(comm_sms) >= (num_sms := sm_count(x.device.index)):
         raise ValueError(f"comm_sms={max(comm_sms)} leaves none of this GPU's {num_sms} SMs to the expert GEMMs")
     num_tokens, top_k = topk_idx.shape

@@ -28,7 +28,11 @@ from megamoe.parallel.protocol import (
     reset_arrivals,
     wait_returned,
 )
-from megamoe.parallel.senders import dispatch_rows, dispatch_rows_fp8
+from megamoe.parallel.senders import (
+    check_fp8_comm_sms,
+    dispatch_rows,
+    dispatch_rows_fp8,
+)
 from megamoe.parallel.workspace import Workspace
 
 
@@ -75,8 +79,7 @@ def loopback_forward(workspaces: list[Workspace], problems: list[tuple], comm_sm
     mode; :func:`loopback_backward` takes them back). ``fp8``: blockwise FP8, the rows sent in e4m3 with their
     scales (each rank's x quantised once) and the owners' FP8 kernels run once every row is in
     (``owner.owner_experts_fp8``); with a dispatch kernel of their own only (``comm_sms`` 0)."""
-    if fp8 and comm_sms:
-        raise ValueError("the FP8 rows are sent by a dispatch kernel of their own: comm_sms must be 0")
+    check_fp8_comm_sms(fp8, comm_sms)
     plans = _start(workspaces, problems)
     preacts = preacts or [None] * len(workspaces)
     if fp8:
@@ -123,8 +126,7 @@ def loopback_backward(workspaces: list[Workspace], problems: list[tuple], dys: l
     backward of ``loopback_forward(fp8=True)``, x and dy rows sent in x's dtype (without ``preacts`` also each token's
     FP8 row once per owner, for the recompute) and the owners' FP8 backward run once every row is in
     (``owner.owner_experts_backward_fp8``; ``fp8_wgrad``: FP8 weight gradients); ``comm_sms`` 0."""
-    if fp8 and comm_sms:
-        raise ValueError("the FP8 backward's rows are sent by a dispatch kernel of their own: comm_sms must be 0")
+    check_fp8_comm_sms(fp8, comm_sms)
     plans = _start(workspaces, problems)
     preacts = preacts or [None] * len(workspaces)
     if fp8:  # without saved products, each token's FP8 row too, once per owner, for the owners' recompute

@@ -81,8 +81,7 @@ def carries_row(slot, e, topk_idx_ptr, L, top_k, KB: tl.constexpr):
 def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
               max_tokens, max_slots, HAS_DY: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr,
               trace_ptr=None, trace_at=-1, TRACE: tl.constexpr = False, x_s_ptr=None, num_tokens=0,
-              X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1, xq_ptr=None, XY_PER_TOKEN: tl.constexpr = False,
-              ROWS: tl.constexpr = True):
+              X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1, xq_ptr=None, ROWS: tl.constexpr = True):
     """My rows of slots ``slot`` (RB of them; -1: none) of global experts ``e`` into their owners' receive
     buffers at rows ``dst`` (the caller waited for the counts: ``protocol.wait_all_counts``): each row's slot id
     and routing weight, and its token's row of x —
@@ -93,12 +92,11 @@ def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank
       ``x_s`` travel beside it: the rows and the scales in ``recv_tokens``' memory as
       ``protocol.recv_tokens_fp8`` lays them out (GB: D/128 rounded up to a power of two);
     - backward (HAS_DY): x and dy rows into ``recv_x`` / ``recv_dy`` at ``dst``, one per slot (the weight
-      gradients read them there as expert-sorted rows), or with XY_PER_TOKEN once per token and owner, by the
-      carrying slots, at row ``rank * max_tokens + token`` of ``recv_x`` / ``recv_dy`` (capacity >= R * max_tokens),
-      each slot's ``recv_token_row`` written as in the forward; with X_SCALES also each token's e4m3 row ``xq`` and
-      its scales once per owner into ``recv_tokens`` as in the forward (the FP8 recompute's input).
-    Without ROWS the token rows are not copied here (:func:`_send_token_rows_kernel` copied them, token by token,
-    before this kernel's releases): only the slots' fields.
+      gradients read them there as expert-sorted rows); with X_SCALES also each token's e4m3 row ``xq`` and its
+      scales once per owner into ``recv_tokens`` as in the forward (the FP8 recompute's input).
+    Without ROWS no row is copied here (:func:`_send_token_rows_kernel` copied them, token by token, before this
+    kernel's releases: the forward's, and the FP8 backward's x and dy once per token and owner): only the slots'
+    fields, each slot's ``recv_token_row`` among them.
     The validity travels as -1 rather than as a mask argument: Triton 3.6 fails to compile a boolean tensor
     passed to a called function (sm_90a: "failed to legalize unresolved materialization ...
     tensor<64xi1>"). TRACE: stamps ``trace_at + 1..3`` (see trace.py)."""
@@ -112,18 +110,17 @@ def send_rows(slot, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank
     token_copies = rmask & (carries != 0)  # the slots that carry their token's row into recv_tokens
     token_row = rank * max_tokens + tok
     if HAS_DY:
-        copies = token_copies if XY_PER_TOKEN else fits
-        xy_row = token_row if XY_PER_TOKEN else dst64
+        copies = fits
         # Each destination row's start in the owner's buffers, 16-byte aligned (see owner.py's output kernel).
-        x_rows = tl.multiple_of(peer(peers_ptr, RECV_X, owner, R, x_ptr.dtype.element_ty) + xy_row * D, 16)
-        dy_rows = tl.multiple_of(peer(peers_ptr, RECV_DY, owner, R, x_ptr.dtype.element_ty) + xy_row * D, 16)
+        x_rows = tl.multiple_of(peer(peers_ptr, RECV_X, owner, R, x_ptr.dtype.element_ty) + dst64 * D, 16)
+        dy_rows = tl.multiple_of(peer(peers_ptr, RECV_DY, owner, R, x_ptr.dtype.element_ty) + dst64 * D, 16)
         if X_SCALES:
             q_rows = tl.multiple_of(peer(peers_ptr, RECV_TOKENS, owner, R, xq_ptr.dtype.element_ty) + token_row * D,
                                     16)
     else:
         copies = token_copies
         x_rows = tl.multiple_of(peer(peers_ptr, RECV_TOKENS, owner, R, x_ptr.dtype.element_ty) + token_row * D, 16)
-    if (not HAS_DY) or X_SCALES or XY_PER_TOKEN:
+    if (not HAS_DY) or X_SCALES or not ROWS:
         tl.store(peer(peers_ptr, RECV_TOKEN_ROW, owner, R, tl.int32) + dst64, token_row.to(tl.int32), mask=fits)
     if X_SCALES and ROWS:  # after the R * T rows of D bytes, (D/128, R * T) fp32
         rows_in = token_row * 0 + R * max_tokens  # R * T, in int64
@@ -181,8 +178,7 @@ def _dispatch_rows_kernel(
     x_s_ptr=None, num_tokens=0,  # X_SCALES: x's (D/128, T) scales (of x in e4m3; in the backward of xq)
     X_SCALES: tl.constexpr = False, GB: tl.constexpr = 1,
     xq_ptr=None,  # backward with X_SCALES: (T, D) x in e4m3, each token's row sent once per owner beside x's
-    XY_PER_TOKEN: tl.constexpr = False,  # backward: x and dy once per token and owner (``send_rows``)
-    ROWS: tl.constexpr = True,  # the token rows copied here (else by ``_send_token_rows_kernel``, before)
+    ROWS: tl.constexpr = True,  # the rows copied here (else by ``_send_token_rows_kernel``, before)
 ):
     """Phase 2 as its own kernel: program i sends my sorted rows [i*RB, (i+1)*RB)."""
     wait_all_counts(peers_ptr, epoch_ptr, R, CB)
@@ -192,11 +188,11 @@ def _dispatch_rows_kernel(
     dst = dest_bases(e, peers_ptr, epoch_ptr, rank, R, L, CB) + rows - tl.load(offsets_ptr + e)
     slots = tl.where(rows >= 0, tl.load(row_slot_ptr + rows, mask=rows >= 0, other=0), -1)
     carries = slots * 0
-    if ROWS and ((not HAS_DY) or X_SCALES or XY_PER_TOKEN):
+    if ROWS and ((not HAS_DY) or X_SCALES):
         carries = carries_row(slots, e, topk_idx_ptr, L, top_k, KB)
     send_rows(slots, e, dst, carries, x_ptr, dy_ptr, weights_ptr, peers_ptr, rank, R, L, D, top_k, capacity,
               max_tokens, max_slots, HAS_DY, RB, BD, x_s_ptr=x_s_ptr, num_tokens=num_tokens, X_SCALES=X_SCALES,
-              GB=GB, xq_ptr=xq_ptr, XY_PER_TOKEN=XY_PER_TOKEN, ROWS=ROWS)
+              GB=GB, xq_ptr=xq_ptr, ROWS=ROWS)
 
 
 @triton.jit
@@ -407,8 +403,16 @@ def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, 
         max_tokens=ws.max_tokens, max_slots=ws.max_slots, HAS_DY=dy_TD is not None, RB=ROWS_PER_PROGRAM,
         KB=triton.next_power_of_2(top_k), **blocks, x_s_ptr=x_s, num_tokens=num_tokens,
         X_SCALES=x_s is not None, GB=triton.next_power_of_2(max(1, dim // GROUP)), xq_ptr=x_q,
-        XY_PER_TOKEN=xy_per_token, ROWS=not token_major,
+        ROWS=not token_major,
     )
+
+
+def check_fp8_comm_sms(fp8: bool, comm_sms: int) -> None:
+    """In FP8 the rows are sent by :func:`dispatch_rows_fp8`, kernels of their own: senders inside the FP8 expert
+    kernels' launches are not built yet."""
+    if fp8 and comm_sms:
+        raise ValueError(f"with precision='fp8' the rows are sent by a dispatch kernel of their own: comm_sms must be "
+                         f"0 (or None), got {comm_sms}")
 
 
 def fp8_xy_per_token(ws: Workspace, fp8_wgrad: bool) -> bool:
