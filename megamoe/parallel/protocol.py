@@ -366,8 +366,8 @@ def bytes_between_ranks(topk_idx_TK: torch.Tensor, rank: int, experts_per_rank: 
     the FP8 layer's (keeping nothing, FP8 weight gradients): the forward's rows out in e4m3 with a 4-byte scale per
     128 elements, the backward's x and dy rows once per token and owner with the token's e4m3 row beside them, and
     each slot's token row index. Reads the routing on the host: for benchmarks and tests (tests/test_dispatch.py
-    checks ``fwd_out`` against what the owners received; the others follow from how the senders and output GEMMs
-    write)."""
+    checks ``fwd_out``, and with ``fp8_rows`` ``bwd_out``, against what the owners received; the others follow from
+    how the senders and output GEMMs write)."""
     owner = torch.div(topk_idx_TK, experts_per_rank, rounding_mode="floor")
     owner = torch.where((topk_idx_TK >= 0) & (owner != rank), owner, -1).sort(dim=1).values
     slots = int((owner >= 0).sum())
