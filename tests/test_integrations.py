@@ -208,6 +208,31 @@ def test_model_benchmark_checks_the_implementations_without_a_gpu(capsys, monkey
     assert "FAILED" in capsys.readouterr().out
 
 
+def test_model_benchmark_optimizer_step_keeps_the_weights_and_counts_as_a_step(monkeypatch):
+    """``--optimizer-step``'s step (``bench.model.step_fn``): an optimizer's step per training step, which leaves
+    every weight bit for bit as it was (the timed steps keep computing the same) and counts as an optimizer step for
+    the FP8 weight copies (they are made again at the next step); without it, none. The flag is refused without a
+    GPU, where nothing is timed."""
+    from megamoe.bench import model
+    from megamoe.kernels import quant
+    from megamoe.models import build
+
+    net = model.prepared(build("tiny", 2, 128, torch.float32, "cpu"), "megamoe", False, None, DEVICE)
+    input_ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    for optimizer_step, steps in ((False, 0), (True, 2)):
+        counted = quant._optimizer_steps
+        step = model.step_fn(net, input_ids, optimizer_step)
+        losses = [step() for _ in range(2)]
+        assert quant._optimizer_steps - counted == steps
+        assert torch.equal(losses[0], losses[1])
+        assert all(p.grad is None for p in net.parameters())
+        assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            model.parse_args(["--optimizer-step"], cuda=False)
+
+
 def fake_sonicmoe(monkeypatch, calls: list) -> None:
     """An installed ``sonicmoe`` (and QuACK) stand-in whose ``moe_general_routing_inputs`` computes the experts in
     plain PyTorch from what it is given (SonicMoE's layout: w1 (2I, D, E) gate rows then up rows, w2 (D, I, E)),

@@ -1,22 +1,24 @@
 """A transformers Qwen3-MoE model's training step with each experts implementation, side by side:
 
     python -m megamoe.bench.model [--preset qwen3-30b-a3b] [--layers 2] [--tokens 16384] [--experts megamoe,grouped_mm]
-                                  [--checkpoint] [--compile-mode layers|model] [--matrix]
+                                  [--checkpoint] [--compile-mode layers|model] [--matrix] [--optimizer-step]
 
 The model is built from a config at the preset's layer dimensions (hidden size, heads, experts, top-k, expert
 width) with ``--layers`` decoder layers and a small vocabulary, bf16, random weights (no download). A step is
 forward + backward of the causal-LM loss on ``--tokens`` tokens (one sequence), gradients dropped after it (no
-optimizer). ``--checkpoint``: full activation checkpointing of every decoder layer — with
-``megamoe.checkpoint_context`` for megamoe (its forward is not recomputed), plain for the others, as users run
-them; without it megamoe runs its saved-activation mode (``set_save_for_backward(model, "preact")``: the mode
-made for training without checkpointing). ``--compile-mode layers`` (or ``--compile``): ``torch.compile`` of every
+optimizer unless ``--optimizer-step``, below). ``--checkpoint``: full activation checkpointing of every decoder
+layer — with ``megamoe.checkpoint_context`` for megamoe (its forward is not recomputed), plain for the others, as
+users run them; without it megamoe runs its saved-activation mode (``set_save_for_backward(model, "preact")``: the
+mode made for training without checkpointing). ``--compile-mode layers`` (or ``--compile``): ``torch.compile`` of every
 decoder layer; ``model``: of the whole model, ``fullgraph=True``. ``--matrix``: every cell of {no checkpointing,
 full checkpointing} x {layers, model} x ``--experts`` in one run; a cell that fails is recorded with its error and
 the run goes on, and a whole-model cell that dynamo cannot trace as one graph runs again with graph breaks allowed,
 marked as such (``run_cells``). ``--experts sonicmoe``: transformers' own SonicMoE experts on the installed
 ``sonicmoe`` package (at QuACK's default GEMM config), where it imports. ``megamoe_fp8``: megamoe with its blockwise
 FP8 GEMMs (``set_precision(model, "fp8")``); with no optimizer step its FP8 weight copies, made at the first step,
-are reused by every step after it, whereas a training step makes them again after each optimizer step.
+are reused by every step after it, whereas a training step makes them again after each optimizer step:
+``--optimizer-step`` ends every implementation's step with an optimizer step that leaves the weights as they are
+(``step_fn``), so that megamoe_fp8's step pays for its copies as at one micro-batch per optimizer step.
 
 Each cell runs on a fresh copy of the model: medians of CUDA-event timings over ``--iters`` steps after 3 warm-up
 steps, the peak of allocated memory over all of them (the bf16 weights and gradients included, no optimizer state),
@@ -89,10 +91,19 @@ def prepared(model, experts: str, checkpoint: bool, compile_mode: str | None, de
     return model
 
 
-def step_fn(model, input_ids):
+def step_fn(model, input_ids, optimizer_step: bool = False):
+    """One training step of ``model`` on ``input_ids``: forward, backward, the gradients dropped. ``optimizer_step``:
+    an optimizer's step before they are dropped, SGD at learning rate 0, so that the weights stay as they are (every
+    step computes the same) while every FP8 weight copy is made again at the next step, as after any optimizer step
+    (``kernels.quant.fp8_weight``): what one micro-batch per optimizer step costs megamoe_fp8. The step's own cost
+    (one pass over the weights and gradients, no state) is in every implementation's time."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0) if optimizer_step else None
+
     def step():
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
+        if optimizer is not None:
+            optimizer.step()
         for p in model.parameters():
             p.grad = None
         return loss.detach()
@@ -178,10 +189,11 @@ def timed(step, iters: int) -> tuple[float, float]:
 
 
 def run_cell(base, experts: str, checkpoint: bool, compile_mode: str | None, input_ids, iters: int,
-             reference=None, fullgraph: bool = True) -> dict:
-    """One cell on a fresh copy of ``base``: on a GPU its step time, peak memory and loss; on the CPU
-    (``reference``: the (loss, gradients) to compare with) its loss and its differences from the reference.
-    ``fullgraph=False``: the whole model compiled with graph breaks allowed (recorded as ``"fullgraph": false``)."""
+             reference=None, fullgraph: bool = True, optimizer_step: bool = False) -> dict:
+    """One cell on a fresh copy of ``base``: on a GPU its step time, peak memory and loss (``optimizer_step``: each
+    timed step ends with :func:`step_fn`'s optimizer step); on the CPU (``reference``: the (loss, gradients) to
+    compare with) its loss and its differences from the reference. ``fullgraph=False``: the whole model compiled
+    with graph breaks allowed (recorded as ``"fullgraph": false``)."""
     # Each cell compiles its own copy: without a reset dynamo counts the copies' layers as recompiles of one
     # frame, and past its recompile limit it runs the rest eagerly, with only a warning.
     torch._dynamo.reset()
@@ -194,37 +206,38 @@ def run_cell(base, experts: str, checkpoint: bool, compile_mode: str | None, inp
     if input_ids.is_cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        ms, warmup_s = timed(step_fn(model, input_ids), iters)
+        step = step_fn(model, input_ids, optimizer_step)
+        ms, warmup_s = timed(step, iters)
         result.update(step_ms=ms, tokens_per_s=input_ids.numel() / ms * 1e3, warmup_s=warmup_s,
-                      peak_mem_bytes=torch.cuda.max_memory_allocated(),
-                      loss=step_fn(model, input_ids)().item())
+                      peak_mem_bytes=torch.cuda.max_memory_allocated(), loss=step().item())
     else:
         loss, grads = loss_and_grads(model, input_ids)
         result.update(loss=loss, loss_diff=abs(loss - reference[0]), grad_diff=grad_diff(grads, reference[1]))
     return result
 
 
-def run_cells(base, cells, input_ids, iters: int, write, reference=None) -> list[dict]:
+def run_cells(base, cells, input_ids, iters: int, write, reference=None, optimizer_step: bool = False) -> list[dict]:
     """Every cell of ``cells`` ((checkpoint, compile mode, experts)) with :func:`run_cell`; a cell that raises is
     recorded with its error (one line) and the next one runs. A whole-model cell of another implementation than
     megamoe's that dynamo cannot trace in one graph (``Unsupported``: SonicMoE's transformers experts call their
     kernel through ``torch.compiler.disable``) runs again with graph breaks allowed, as a user of that
     implementation compiles the whole model, and says so: ``"fullgraph": false`` and ``"fullgraph_error"`` in its
     record, "graph breaks" in its line and the table's cell. megamoe's must be one graph: its break is a failure.
-    ``write(results)`` after every cell."""
+    ``write(results)`` after every cell; ``optimizer_step``: :func:`run_cell`'s."""
     results = []
     for checkpoint, compile_mode, experts in cells:
         name = cell_name(checkpoint, compile_mode, experts)
         try:
             try:
-                result = run_cell(base, experts, checkpoint, compile_mode, input_ids, iters, reference)
+                result = run_cell(base, experts, checkpoint, compile_mode, input_ids, iters, reference,
+                                  optimizer_step=optimizer_step)
             except torch._dynamo.exc.Unsupported as exc:
                 if compile_mode != "model" or is_megamoe(experts):
                     raise
                 print(f"  {name:48s} not one graph ({error_line(exc)}): again with graph breaks", flush=True)
                 name += " (graph breaks)"
                 result = run_cell(base, experts, checkpoint, compile_mode, input_ids, iters, reference,
-                                  fullgraph=False)
+                                  fullgraph=False, optimizer_step=optimizer_step)
                 result["fullgraph_error"] = error_line(exc)
         except Exception as exc:  # noqa: BLE001 -- a cell's failure is a result of the matrix
             result = {"experts": experts, "checkpoint": checkpoint, "compile_mode": compile_mode,
@@ -303,6 +316,10 @@ def parse_args(argv=None, cuda: bool | None = None):
                         "unpadded sequence); the whole model compiled, sdpa builds the full causal mask and loses "
                         "SDPA's flash kernel under torch < 2.14")
     p.add_argument("--iters", type=int, default=10, help="timed steps per cell")
+    p.add_argument("--optimizer-step", action="store_true",
+                   help="end each timed step with an optimizer step (SGD at learning rate 0: the weights stay, but "
+                        "megamoe_fp8 makes its FP8 weight copies again every step, as training with one micro-batch "
+                        "per optimizer step does; GPU timings only)")
     p.add_argument("--out", default="benchmarks/out", help="folder for the JSON")
     args = p.parse_args(argv)
     if args.matrix and (args.checkpoint or args.compile_mode):
@@ -311,6 +328,9 @@ def parse_args(argv=None, cuda: bool | None = None):
     problem = experts_problem(args.experts, cuda)
     if problem:
         p.error(problem)
+    if args.optimizer_step and not cuda:
+        p.error("--optimizer-step changes what the timed steps run: it needs a CUDA GPU (the check without one "
+                "times nothing)")
     if "megamoe_fp8" in args.experts and not cuda:
         p.error("--experts megamoe_fp8 needs a CUDA GPU: without one the check runs the tiny preset, whose widths "
                 "are not multiples of 128 (FP8's scale blocks)")
@@ -354,23 +374,24 @@ def main(argv=None) -> None:
             "matrix": args.matrix, "iters": args.iters if cuda else None,
             "parameters": sum(p.numel() for p in base.parameters()),
             "peak_mem": "the most memory allocated during a cell's timed steps: its model's weights and gradients "
-                        "included, no optimizer state",
+                        "included, no optimizer state", "optimizer_step": args.optimizer_step,
             "sonicmoe_gemm_config": "QuACK default (pinned)" if "sonicmoe" in args.experts else None}
     if not args.matrix:
         info.update(checkpoint=args.checkpoint, compile_mode=args.compile_mode)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     attention = "" if args.attention == "sdpa" else f"-{args.attention}"
+    opt = "-optstep" if args.optimizer_step else ""
     if args.matrix:
-        path = out / f"model-{preset}-l{layers}-t{tokens}-matrix-{'-'.join(args.experts)}{attention}.json"
+        path = out / f"model-{preset}-l{layers}-t{tokens}-matrix-{'-'.join(args.experts)}{attention}{opt}.json"
     else:
         path = out / (f"model-{preset}-l{layers}-t{tokens}{'-ckpt' if args.checkpoint else ''}"
-                      f"{'-wholemodel' if args.compile_mode == 'model' else ''}{attention}.json")
+                      f"{'-wholemodel' if args.compile_mode == 'model' else ''}{attention}{opt}.json")
 
     def write(results):
         path.write_text(json.dumps({**info, "results": results}, indent=1) + "\n")
 
-    results = run_cells(base, cells, input_ids, args.iters, write, reference)
+    results = run_cells(base, cells, input_ids, args.iters, write, reference, optimizer_step=args.optimizer_step)
     print(table(results, args.experts))
     print(f"wrote {path}")
     if not cuda:
