@@ -44,13 +44,16 @@ def counted(monkeypatch):
                                                               "experts_backward", "experts_backward_fp8")})
 
 
-def block_problem(mode="none", precision="bf16"):
+def block_problem(mode="none", precision="bf16", after=None):
+    """A residual block around the experts, with something to recompute before them; ``after``: applied to the
+    experts' output before the residual sum (an op whose backward reads a value computed from that output)."""
     dim, inter = (128, 128) if precision == "fp8" else (32, 16)  # FP8's 128-column groups
     x, idx, w, w13, w2, dy = make_problem(40, dim, inter, 6, 3, "random", device=DEVICE)
     norm = torch.nn.LayerNorm(dim, device=DEVICE)
 
-    def block(x, w, w13, w2):  # a residual block around the experts, with something to recompute before them
-        return x + megamoe.moe(norm(x), idx, w, w13, w2, save_for_backward=mode, precision=precision)
+    def block(x, w, w13, w2):
+        y = megamoe.moe(norm(x), idx, w, w13, w2, save_for_backward=mode, precision=precision)
+        return x + (y if after is None else after(y))
 
     return block, (x, w, w13, w2), dy
 
@@ -165,6 +168,25 @@ def test_compiled_checkpointed_block_runs_megamoe_forward_once_with_the_same_gra
     compiled = grads(ORDERS[order](block), leaves, dy)
     assert counted == {"forward": 1, "backward": 1}, "megamoe's forward ran again in the recompute"
     assert_same_block_grads(compiled, plain, compiled=True)
+
+
+@pytest.mark.parametrize("after", [None, torch.sigmoid], ids=["sum", "sigmoid"])
+def test_checkpoint_around_a_compiled_block_runs_megamoe_forward_once_with_the_same_gradients(counted, after):
+    """The third order (transformers' per-layer compile where its checkpoint wraps the layer's call): an eager
+    checkpoint around a compiled block. Inductor may write a later kernel's result into the storage of megamoe's
+    output once the graph no longer reads it, while the policy still holds that storage for the recompute;
+    ``after=torch.sigmoid``: the recompute feeds the held output to an op whose saved result the backward reads."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    block, leaves, dy = block_problem(after=after)
+    compiled_block = _compiled(block)
+    plain = grads(compiled_block, leaves, dy)
+    counted.update(forward=0, backward=0)
+    got = grads(lambda *a: checkpoint(compiled_block, *a, use_reentrant=False, context_fn=megamoe.checkpoint_context),
+                leaves, dy)
+    assert counted == {"forward": 1, "backward": 1}, "megamoe's forward ran again in the recompute"
+    assert_same_block_grads(got, plain, compiled=True)
 
 
 def test_whole_transformers_model_compiled_fullgraph_with_the_helper(counted):
