@@ -18,7 +18,11 @@ backward sends its rows again in the same order.::
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     create_selective_checkpoint_contexts,
@@ -38,6 +42,31 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _MEGAMOE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class _PrivateSavedOutputs(TorchDispatchMode):
+    """Hands the caller a copy of every output of megamoe's ops, so that the outputs the policy keeps for the
+    recompute stay private. Entered above the policy's mode (it sees each op first). Without it the kept tensors
+    are the caller's own: code compiled inside an eager checkpoint (transformers' per-layer compile, where the
+    checkpoint wraps the layer's call) writes later results into the storage of a tensor that its graph no longer
+    reads (inductor's buffer reuse), and so would the recompute's replay of that graph. The recompute then got
+    another value than megamoe's output, and the forward's own output was overwritten during the backward
+    (``tests/test_checkpoint.py``, the checkpoint around a compiled block). The cost: a copy of the (T, D) output
+    in the forward and in the recompute."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:  # as the policy's own modes: dynamo compiles under it
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return tree_map_only(torch.Tensor, torch.clone, out) if func in _MEGAMOE_OPS else out
+
+
+@contextlib.contextmanager
+def _keeping_private(mode):
+    with mode, _PrivateSavedOutputs():
+        yield
+
+
 def _tracing() -> bool:
     """Whether the checkpointed region is being traced for torch.compile (AOTAutograd's proxy mode is active), as
     ``torch.utils.checkpoint`` itself tells (its ``_is_compiling``)."""
@@ -49,8 +78,8 @@ def checkpoint_context() -> tuple:
     saved, everything else in the checkpointed region is recomputed (see the module docstring). Eagerly, megamoe
     runs as custom ops inside the region; under torch.compile (a compiled region traced with its checkpoint inside,
     whatever the order of wrapping and compiling) it already does, and torch wants the policy's two dispatch modes
-    as they are."""
+    as they are; otherwise the kept outputs are private copies (:class:`_PrivateSavedOutputs`)."""
     forward, recompute = create_selective_checkpoint_contexts(_policy)
     if _tracing():
         return forward, recompute
-    return forcing_custom_ops(forward), forcing_custom_ops(recompute)
+    return (forcing_custom_ops(_keeping_private(forward)), forcing_custom_ops(_keeping_private(recompute)))
