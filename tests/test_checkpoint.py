@@ -44,21 +44,6 @@ def counted(monkeypatch):
                                                               "experts_backward", "experts_backward_fp8")})
 
 
-@pytest.fixture(autouse=True)
-def inductor_without_timed_choices():
-    """Inductor picks some reductions' configs by timing them on the device, and the configs sum in different orders:
-    two compilations of one graph may then differ in the last bit, run to run (the bitwise comparisons below failed
-    in different cases from run to run on the H200). Its deterministic mode, where this torch has it, picks them
-    without timing."""
-    import torch._inductor.config as inductor_config
-
-    if not hasattr(inductor_config, "deterministic"):
-        yield
-        return
-    with inductor_config.patch(deterministic=True):
-        yield
-
-
 def block_problem(mode="none", precision="bf16", after=None):
     """A residual block around the experts, with something to recompute before them; ``after``: applied to the
     experts' output before the residual sum (an op whose backward reads a value computed from that output)."""
