@@ -635,6 +635,7 @@ def main(argv=None) -> dict | None:
 
 
 def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_total, device) -> dict:
+    import transformers
     import triton
 
     cuda = device.type == "cuda"
@@ -643,7 +644,8 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
     host = log["host_ms"][TIMING_SKIP:] or log["host_ms"]
     return {
         "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-        "triton": triton.__version__, "megamoe": megamoe.__version__, "commit": git_commit(),
+        "triton": triton.__version__, "transformers": transformers.__version__, "megamoe": megamoe.__version__,
+        "commit": git_commit(),
         "source_sha256": source_digest(), "date": utc_now("seconds"),
         "command": "python -m megamoe.train " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         **meta, "compile_mode": args.compile_mode, "params": params_total, "precision": "bf16" if cuda else "fp32",

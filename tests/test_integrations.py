@@ -302,6 +302,8 @@ def test_model_benchmark_matrix_records_every_cell(tmp_path, monkeypatch, capsys
     cell that raises is recorded with its error in one line and the run goes on."""
     import json
 
+    import transformers
+
     from megamoe.bench import model
 
     if torch.cuda.is_available():
@@ -328,6 +330,7 @@ def test_model_benchmark_matrix_records_every_cell(tmp_path, monkeypatch, capsys
         else:
             assert "error" not in r and r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-4, r
     assert info["matrix"] and info["command"].startswith("python -m megamoe.bench.model --matrix")
+    assert info["transformers"] == transformers.__version__
     assert "| full | model | loss " in out and "| failed |" in out
 
 

@@ -62,9 +62,9 @@ def test_log_has_the_documented_fields_and_a_plot(runs):
     out, results, _ = runs
     run_dir = out / "tiny-l2-megamoe-s64x2-seed0"
     log = json.loads((run_dir / "log.json").read_text())
-    for key in ("gpu", "torch", "date", "command", "preset", "layers", "params", "experts", "precision", "ep",
-                "seq_len", "steps", "tokens_per_s", "step_ms_median", "mfu", "moe_share", "peak_mem_bytes",
-                "final_eval_loss", "losses", "fp8_weight_gradients"):
+    for key in ("gpu", "torch", "transformers", "date", "command", "preset", "layers", "params", "experts",
+                "precision", "ep", "seq_len", "steps", "tokens_per_s", "step_ms_median", "mfu", "moe_share",
+                "peak_mem_bytes", "final_eval_loss", "losses", "fp8_weight_gradients"):
         assert key in log, key
     assert log["fp8_weight_gradients"] is None  # bf16 experts
     assert log["params"] == results["megamoe"]["params"] > 0 and log["corpus_digest"]

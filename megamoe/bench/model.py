@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 
 import megamoe
 from megamoe.bench.common import csv_of
@@ -371,6 +372,8 @@ def main(argv=None) -> None:
                                                                   (sys.argv[1:] if argv is None else argv)),
             "preset": preset, "layers": layers, "tokens": tokens, "vocab": vocab, "dtype": str(dtype),
             "attention": args.attention,
+            # Its version decides how a checkpointed layer meets a compiled one (docs/USAGE.md)
+            "transformers": transformers.__version__,
             "matrix": args.matrix, "iters": args.iters if cuda else None,
             "parameters": sum(p.numel() for p in base.parameters()),
             "peak_mem": "the most memory allocated during a cell's timed steps: its model's weights and gradients "
