@@ -82,4 +82,4 @@ def checkpoint_context() -> tuple:
     forward, recompute = create_selective_checkpoint_contexts(_policy)
     if _tracing():
         return forward, recompute
-    return (forcing_custom_ops(_keeping_private(forward)), forcing_custom_ops(_keeping_private(recompute)))
+    return forcing_custom_ops(_keeping_private(forward)), forcing_custom_ops(_keeping_private(recompute))

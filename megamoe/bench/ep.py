@@ -431,8 +431,8 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
         torch.cuda.synchronize()
         return {name: do_bench(fn, return_mode="median") for name, fn in variants.items()}
 
-    # The plain layer is timed before the loopback's workspaces and buffers exist: timed beside them (and after
-    # the loopback variants), its steps read 12-20% slower on the H200 than alone, for a reason not found.
+    # The plain layer is timed first, before the loopback's workspaces exist and its variants run: timed after them,
+    # its medians read 12-20% slow on the H200 in some runs (docs/PERFORMANCE.md; the cause is not found).
     if timed:
         plain = {"plain forward": lambda: megamoe.moe(x, idx, w, w13, w2),
                  "plain forward+backward": training_step(megamoe.moe, problem)[1]}
