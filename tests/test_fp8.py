@@ -484,6 +484,23 @@ def test_weight_cache_hits_for_the_checkpointed_backward(monkeypatch):
     assert len(calls) == 3 and calls[-1] is twin
 
 
+def test_layer_benchmark_optstep_impl_quantises_the_weights_at_every_step(monkeypatch):
+    """The layer benchmark's ``megamoe_fp8_optstep``: each forward+backward makes both weights' FP8 copies once (as
+    after an optimizer step), where ``megamoe_fp8`` makes them once for all steps; the same outputs."""
+    from megamoe.bench.layer import make_impls
+
+    calls, (x, idx, w, w13, w2, dy) = _counting_weight_quantisations(monkeypatch)
+    fp8, optstep = make_impls(["megamoe_fp8", "megamoe_fp8_optstep"], DEVICE)
+    assert optstep.keeps_activations == fp8.keeps_activations
+    ys = []
+    for impl in (fp8, fp8, optstep, optstep):
+        y = impl.fn(x, idx, w, w13, w2)
+        y.backward(dy)
+        ys.append(y.detach())
+    assert len(calls) == 2 + 2 * 2, "megamoe_fp8 quantises each weight once, megamoe_fp8_optstep at every step"
+    assert all(torch.equal(y, ys[0]) for y in ys)
+
+
 def test_fp8_in_the_layer_is_the_functional_fp8_path():
     """``MegaMoE(precision="fp8")`` runs the FP8 experts: with the same weights its output differs from its bf16
     twin's by FP8's error (not by nothing, not by more)."""

@@ -47,7 +47,7 @@ from megamoe.kernels.tuning import autotune_enabled
 from megamoe.models import pin_quack_default_configs
 
 IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "sonicmoe", "megamoe", "megamoe_saved",
-         "megamoe_saved_dx_first", "megamoe_cudagraph", "megamoe_fp8", "megamoe_fp8_saved",
+         "megamoe_saved_dx_first", "megamoe_cudagraph", "megamoe_fp8", "megamoe_fp8_saved", "megamoe_fp8_optstep",
          "grouped_mm_fp8", "grouped_mm_fp8_compiled")
 DEFAULT_IMPLS = "grouped_mm,grouped_mm_compiled,megamoe"
 BASELINES = ("grouped_mm", "grouped_mm_compiled")
@@ -122,6 +122,20 @@ def dx_first(fn: Callable) -> Callable:
     return call
 
 
+def after_optimizer_step(fn: Callable) -> Callable:
+    """``fn`` (megamoe in FP8) as each training step meets it at one micro-batch per optimizer step: every call
+    starts with no FP8 weight copy (``quant.clear_weight_cache``), so its forward makes them again (one pass over
+    both weights; its backward reuses them), which the layer's other FP8 impls, reusing one set of copies, leave
+    out."""
+    from megamoe.kernels import quant
+
+    def call(*args, **kwargs):
+        quant.clear_weight_cache()
+        return fn(*args, **kwargs)
+
+    return call
+
+
 def make_impls(names, device, sonicmoe_autotune: bool = False) -> list[Impl]:
     """The impls of ``names`` (of :data:`IMPLS`); an optional peer that is not installed is skipped with a
     message (``liger`` exits instead: it is pip-installable anywhere)."""
@@ -150,9 +164,10 @@ def make_impls(names, device, sonicmoe_autotune: bool = False) -> list[Impl]:
             impls.append(Impl(name, functools.partial(megamoe.moe, save_for_backward="preact"), True))
         elif name == "megamoe_saved_dx_first":
             impls.append(Impl(name, dx_first(functools.partial(megamoe.moe, save_for_backward="preact")), True))
-        elif name == "megamoe_fp8":
+        elif name in ("megamoe_fp8", "megamoe_fp8_optstep"):  # optstep: the weights' FP8 copies made at every call
             fused = backend_for(torch.empty(0, device=device), fp8=True) == "triton"
-            impls.append(Impl(name, functools.partial(megamoe.moe, precision="fp8"), not fused))
+            fn = functools.partial(megamoe.moe, precision="fp8")
+            impls.append(Impl(name, after_optimizer_step(fn) if name == "megamoe_fp8_optstep" else fn, not fused))
         elif name == "megamoe_fp8_saved":
             impls.append(Impl(name, functools.partial(megamoe.moe, precision="fp8", save_for_backward="preact"), True))
         else:

@@ -211,8 +211,8 @@ def sonicmoe_table(runs: list[dict]) -> str:
 
 # megamoe's blockwise FP8 beside its bf16 modes and the FP8 baseline (torchao's rowwise recipe on grouped_mm), and
 # for each FP8 mode the bf16 one it replaces.
-FP8_IMPLS = {"megamoe": None, "megamoe_fp8": "megamoe", "megamoe_saved": None, "megamoe_fp8_saved": "megamoe_saved",
-             "grouped_mm_fp8_compiled": None}
+FP8_IMPLS = {"megamoe": None, "megamoe_fp8": "megamoe", "megamoe_fp8_optstep": "megamoe", "megamoe_saved": None,
+             "megamoe_fp8_saved": "megamoe_saved", "grouped_mm_fp8_compiled": None}
 
 
 def fp8_table(runs: list[dict]) -> str:
