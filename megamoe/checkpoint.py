@@ -22,7 +22,6 @@ import contextlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     create_selective_checkpoint_contexts,
@@ -42,15 +41,20 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _MEGAMOE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# The forward ops whose first output is the layer's output, y: what the caller's code reads after them.
+_FORWARD_OPS = _MEGAMOE_OPS - {torch.ops.megamoe.plan.default}
+
+
 class _PrivateSavedOutputs(TorchDispatchMode):
-    """Hands the caller a copy of every output of megamoe's ops, so that the outputs the policy keeps for the
-    recompute stay private. Entered above the policy's mode (it sees each op first). Without it the kept tensors
-    are the caller's own: code compiled inside an eager checkpoint (transformers' per-layer compile, where the
-    checkpoint wraps the layer's call) writes later results into the storage of a tensor that its graph no longer
-    reads (inductor's buffer reuse), and so would the recompute's replay of that graph. The recompute then got
+    """Hands the caller a copy of the layer's output y from each of megamoe's forward ops, so that the y the policy
+    keeps for the recompute stays private. Entered above the policy's mode (it sees each op first). Without it the
+    kept y is the caller's own: code compiled inside an eager checkpoint (transformers' per-layer compile, where
+    the checkpoint wraps the layer's call) writes later results into the storage of a tensor that its graph no
+    longer reads (inductor's buffer reuse), and so would the recompute's replay of that graph: the recompute got
     another value than megamoe's output, and the forward's own output was overwritten during the backward
-    (``tests/test_checkpoint.py``, the checkpoint around a compiled block). The cost: a copy of the (T, D) output
-    in the forward and in the recompute."""
+    (``tests/test_checkpoint.py``, the checkpoint around a compiled block). The ops' other outputs (the plan, the
+    saved products) are read by megamoe's backward only, so a compiled graph keeps them as saved values and never
+    reuses their storage. The cost: a copy of y, (T, D), in the forward and in the recompute."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:  # as the policy's own modes: dynamo compiles under it
@@ -58,7 +62,9 @@ class _PrivateSavedOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        return tree_map_only(torch.Tensor, torch.clone, out) if func in _MEGAMOE_OPS else out
+        if func not in _FORWARD_OPS:
+            return out
+        return (out[0].clone(), *out[1:]) if isinstance(out, (tuple, list)) else out.clone()
 
 
 @contextlib.contextmanager
