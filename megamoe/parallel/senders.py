@@ -358,7 +358,7 @@ def send_blocks(ws: Workspace, dim: int, max_cols: int = 256) -> dict:
 def dispatch_rows(ws: Workspace, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                   plan: Plan, dy_TD: torch.Tensor | None = None, x_s: torch.Tensor | None = None,
                   x_q: torch.Tensor | None = None, xy_per_token: bool = False) -> None:
-    """Phase 2 in kernels of its own: my routed rows into their owners' receive buffers: in the forward each
+    """Phase 2 in kernels of their own: my routed rows into their owners' receive buffers: in the forward each
     token's row once per owner (``recv_tokens``; copied token by token, ``_send_token_rows_kernel``), in the
     backward (``dy_TD``) its x and dy rows once per slot (``recv_x``, ``recv_dy``; in the slot walk); each slot's id
     and routing weight, then the arrival counts (``_dispatch_rows_kernel``). ``x_s``: the forward's rows travel in FP8, ``x_TD``
