@@ -308,7 +308,9 @@ def test_checkpointed_expert_parallel_block_runs_its_exchange_once(counted_ep, w
     counted_ep.update(forward=0, backward=0)
     got = grads(EP_WIRINGS[wiring](block), leaves, dy)
     assert counted_ep == {"forward": 1, "backward": 1}, "the EP layer's forward ran again in the recompute"
-    assert all(torch.equal(a, b) for a, b in zip(got, plain))
+    differ = {name: (a - b).abs().max().item() for name, a, b in zip(("y", "dx", "dw", "dw13", "dw2"), got, plain)
+              if not torch.equal(a, b)}
+    assert not differ, f"not bitwise equal (largest absolute difference): {differ}"
 
 
 @pytest.mark.loopback
