@@ -271,6 +271,71 @@ def test_benchmark_gpu_path_writes_results_and_profile(tmp_path):
     assert "ms wall per call" in tables and "----- megamoe: host side" in tables and "cudaLaunchKernel" in tables
 
 
+@pytest.mark.gpu
+def test_benchmark_rounds_write_every_round(tmp_path):
+    """``--rounds 2`` on a tiny problem: each impl's times are the medians of its two rounds, both kept."""
+    import json
+    import statistics
+
+    from megamoe.bench.cli import main
+
+    main(["--preset", "tiny", "--tokens", "64", "--impls", "grouped_mm,megamoe", "--rounds", "2", "--no-plot",
+          "--rep-ms", "5", "--out", str(tmp_path)])
+    info = json.loads((tmp_path / "tiny-t64-random-ep1.json").read_text())
+    assert info["rounds"] == 2
+    for r in info["results"]:
+        assert len(r["fwd_bwd_ms_rounds"]) == len(r["timed_utc_rounds"]) == 2
+        assert r["fwd_bwd_ms"] == statistics.median(r["fwd_bwd_ms_rounds"]) > 0
+
+
+def test_benchmark_rounds_take_turns_and_report_each_impls_median(monkeypatch):
+    """The layer benchmark's rounds: with N > 1 every impl is set up first, then timed once per round in turn; its
+    times are the medians over the rounds (each round's kept), its step follows from them; with 1, one impl after
+    the other."""
+    from types import SimpleNamespace
+
+    from megamoe.bench import layer
+
+    events = []
+    times = {"a": [3.0, 1.0, 2.0], "b": [5.0, 6.0, 4.0]}
+
+    def set_up(impl, problem):
+        events.append(("set up", impl.name))
+        return SimpleNamespace(impl=impl, left=iter(times[impl.name]))
+
+    def time_once(timed, rep_ms):
+        events.append(("time", timed.impl.name))
+        ms = next(timed.left)
+        return {"fwd_ms": ms, "fwd_bwd_ms": 2 * ms, "timed_utc": [f"{len(events)}<", f"{len(events)}>"]}
+
+    monkeypatch.setattr(layer, "set_up", set_up)
+    monkeypatch.setattr(layer, "time_once", time_once)
+    monkeypatch.setattr(layer, "memory", lambda timed: {"saved_activation_bytes": 0, "peak_extra_bytes": 0})
+    impls = [layer.Impl("a", None, keeps_activations=True), layer.Impl("b", None, keeps_activations=False)]
+    a, b = layer.time_impls(impls, None, rep_ms=5, rounds=3)
+    assert events == [("set up", "a"), ("set up", "b")] + [("time", "a"), ("time", "b")] * 3
+    assert (a["fwd_ms"], a["fwd_bwd_ms"], a["ac_step_ms"]) == (2.0, 4.0, 6.0)  # keeps activations: fwd + fwd+bwd
+    assert (b["fwd_ms"], b["fwd_bwd_ms"], b["ac_step_ms"]) == (5.0, 10.0, 10.0)
+    assert a["fwd_ms_rounds"] == [3.0, 1.0, 2.0] and b["fwd_bwd_ms_rounds"] == [10.0, 12.0, 8.0]
+    assert a["timed_utc"] == ["3<", "7>"] and a["timed_utc_rounds"] == [["3<", "3>"], ["5<", "5>"], ["7<", "7>"]]
+    events.clear()
+    a, b = layer.time_impls(impls, None, rep_ms=5)
+    assert events == [("set up", "a"), ("time", "a"), ("set up", "b"), ("time", "b")]
+    assert a["fwd_bwd_ms"] == 6.0 and "fwd_ms_rounds" not in a
+    with pytest.raises(ValueError, match="at least 1"):
+        layer.time_impls(impls, None, rep_ms=5, rounds=0)
+
+
+@pytest.mark.parametrize("argv, message", [(["--rounds", "0"], "at least 1"),
+                                           (["--ep", "--rounds", "2"], "layer benchmark's")])
+def test_benchmark_refuses_rounds_it_cannot_run(argv, message, capsys):
+    from megamoe.bench.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_benchmark_impls(capsys):
     """Every impl name the benchmark offers builds (an optional peer that is not installed is skipped, saying
     so); the CUDA-graph variant times the same function."""

@@ -51,10 +51,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "two halves (compute only, comm only), one file per rank")
     p.add_argument("--seed", type=int, default=0, help="seed of the problem's inputs and routing")
     p.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition budget per measurement (ms)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="the layer benchmark's timed rounds: with N > 1 every impl is set up first, then timed once "
+                        "in each of N rounds, the impls taking turns, and each time is the median of its N medians "
+                        "(all kept in the JSON), so that the GPU's clock drifting over the run meets every impl "
+                        "alike; costs N times the timing and holds every impl's weights at once")
     p.add_argument("--out", default=DEFAULT_OUT,
                    help="folder for the JSON and PNG (benchmarks/results holds the committed ones)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     args = p.parse_args(argv)  # argparse applies ``type`` to string defaults too
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.ep and args.rounds != 1:
+        p.error("--rounds is the layer benchmark's (with --ep, --ep-iters sets the timed iterations)")
     defaults = vars(p.parse_args([]))
     args.explicit = {name for name, value in vars(args).items() if value != defaults[name]}  # what the caller set
     return args

@@ -21,6 +21,7 @@ import functools
 import itertools
 import json
 import shlex
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -175,9 +176,19 @@ def make_impls(names, device, sonicmoe_autotune: bool = False) -> list[Impl]:
     return impls
 
 
-def time_impl(impl: Impl, problem, rep_ms: int) -> dict:
-    from triton.testing import do_bench
+@dataclass
+class Timed:
+    """An impl's calls on one problem, set up once (compiled, autotuned and warmed up; captured if CUDA-graphed):
+    ``fwd`` and ``fwd_bwd`` as timed, ``eager_fwd`` and ``eager_fwd_bwd`` for the memory figures."""
+    impl: Impl
+    leaves: list
+    fwd: Callable
+    fwd_bwd: Callable
+    eager_fwd: Callable
+    eager_fwd_bwd: Callable
 
+
+def set_up(impl: Impl, problem) -> Timed:
     x, topk_idx, topk_weights, w13, w2, dy = problem
     leaves = [t.detach().clone().requires_grad_() for t in (x, topk_weights, w13, w2)]
     xl, wl, w13l, w2l = leaves
@@ -190,38 +201,82 @@ def time_impl(impl: Impl, problem, rep_ms: int) -> dict:
 
     fwd_bwd()  # compile / autotune / warm up outside the timed region
     torch.cuda.synchronize()
+    for t in leaves:
+        t.grad = None
     if impl.cuda_graph:  # the same launches, replayed: what a captured training step pays
         timed_fwd, _ = cuda_graphed(fwd)
         timed_fwd_bwd, _ = cuda_graphed(lambda: torch.autograd.grad(fwd(), leaves, dy))
     else:
         timed_fwd, timed_fwd_bwd = fwd, fwd_bwd
-    # When each median was taken (UTC, as scripts/gpu-check.sh's clocks.csv): the SM clock under the power limit
-    # moves the GEMMs' times (docs/FACTS.md), so a result can be read against the clock it met.
-    started = utc_now()
-    fwd_ms = do_bench(timed_fwd, warmup=100, rep=rep_ms, return_mode="median")
-    fwd_bwd_ms = do_bench(timed_fwd_bwd, warmup=100, rep=rep_ms, grad_to_none=leaves, return_mode="median")
-    timed_utc = [started, utc_now()]
+    return Timed(impl, leaves, timed_fwd, timed_fwd_bwd, fwd, fwd_bwd)
 
-    for t in leaves:
+
+def time_once(timed: Timed, rep_ms: int) -> dict:
+    """One median of each timed call (``do_bench``), with when they were taken (UTC, as scripts/gpu-check.sh's
+    clocks.csv): the SM clock under the power limit moves the GEMMs' times (docs/FACTS.md), so a result can be
+    read against the clock it met."""
+    from triton.testing import do_bench
+
+    started = utc_now()
+    fwd_ms = do_bench(timed.fwd, warmup=100, rep=rep_ms, return_mode="median")
+    fwd_bwd_ms = do_bench(timed.fwd_bwd, warmup=100, rep=rep_ms, grad_to_none=timed.leaves, return_mode="median")
+    for t in timed.leaves:
         t.grad = None
+    return {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "timed_utc": [started, utc_now()]}
+
+
+def memory(timed: Timed) -> dict:
+    """What the forward keeps for the backward beyond its output, and the forward+backward's peak over what was
+    allocated before it (bytes; the eager calls)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    y = fwd()
+    y = timed.eager_fwd()
     torch.cuda.synchronize()
     saved = torch.cuda.memory_allocated() - base - y.numel() * y.element_size()
     del y
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    fwd_bwd()
+    timed.eager_fwd_bwd()
     torch.cuda.synchronize()
     peak_extra = torch.cuda.max_memory_allocated() - base
-    for t in leaves:
+    for t in timed.leaves:
         t.grad = None
-    ac_ms = fwd_ms + fwd_bwd_ms if impl.keeps_activations else fwd_bwd_ms
-    return {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "ac_step_ms": ac_ms,
-            "fwd_plus_fwd_bwd_ms": fwd_ms + fwd_bwd_ms, "timed_utc": timed_utc,
-            "saved_activation_bytes": int(saved), "peak_extra_bytes": int(peak_extra)}
+    return {"saved_activation_bytes": int(saved), "peak_extra_bytes": int(peak_extra)}
+
+
+def time_impls(impls: list[Impl], problem, rep_ms: int, rounds: int = 1) -> list[dict]:
+    """Each impl's times and memory on ``problem``. ``rounds`` 1: one impl after the other, each set up, timed
+    and freed in turn. ``rounds`` N > 1: every impl set up first, then N rounds, each timing every impl once in
+    the same order, so that a drift of the GPU's clock over the run meets all impls alike; each time is the median
+    of its N medians, which are kept too (``*_rounds``, with each round's window in ``timed_utc_rounds``)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    if rounds == 1:
+        results = []
+        for impl in impls:
+            timed = set_up(impl, problem)
+            results.append(_with_step(impl, {**time_once(timed, rep_ms), **memory(timed)}))
+            del timed
+        return results
+    timed = [set_up(impl, problem) for impl in impls]
+    runs = [[time_once(t, rep_ms) for t in timed] for _ in range(rounds)]
+    results = []
+    for i, t in enumerate(timed):
+        mine = [run[i] for run in runs]
+        r = {key: statistics.median(m[key] for m in mine) for key in ("fwd_ms", "fwd_bwd_ms")}
+        r["timed_utc"] = [mine[0]["timed_utc"][0], mine[-1]["timed_utc"][1]]
+        r |= {f"{key}_rounds": [m[key] for m in mine] for key in ("fwd_ms", "fwd_bwd_ms")}
+        r["timed_utc_rounds"] = [m["timed_utc"] for m in mine]
+        results.append(_with_step(t.impl, {**r, **memory(t)}))
+    return results
+
+
+def _with_step(impl: Impl, r: dict) -> dict:
+    """``r`` with the activation-checkpointing step (forward + forward-and-backward for an impl that keeps
+    activations, else its forward+backward) and the forward plus the forward+backward."""
+    ac_ms = r["fwd_ms"] + r["fwd_bwd_ms"] if impl.keeps_activations else r["fwd_bwd_ms"]
+    return {**r, "ac_step_ms": ac_ms, "fwd_plus_fwd_bwd_ms": r["fwd_ms"] + r["fwd_bwd_ms"]}
 
 
 def cuda_graphed(fn: Callable) -> tuple[Callable, object]:
@@ -246,7 +301,7 @@ def run_cpu(args) -> None:
     print(f"(T={CPU_TOKENS}, D={dim}, I={inter}, E={num_experts}, K={top_k}, fp32, {args.routing[0]} routing; megamoe "
           f"runs {'the Triton kernels in the interpreter' if interp else 'the reference'}"
           f"{'' if interp else ' — set TRITON_INTERPRET=1 to run its Triton kernels'}).")
-    ignored = sorted(args.explicit & {"preset", "tokens", "impls", "rep_ms", "out", "profile", "no_plot"})
+    ignored = sorted(args.explicit & {"preset", "tokens", "impls", "rep_ms", "rounds", "out", "profile", "no_plot"})
     if ignored:
         print(f"Ignored without a GPU: {', '.join('--' + name.replace('_', '-') for name in ignored)} (the check "
               f"always runs the tiny preset through {', '.join(CPU_IMPLS)} and writes nothing).")
@@ -274,7 +329,7 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
         "megamoe": megamoe.__version__, "commit": git_commit(), "source_sha256": source_digest(),
         "date": utc_now("seconds"),
         "command": "python -m megamoe.bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "preset": preset, "tokens": tokens, "routing": routing, "ep": 1,
+        "preset": preset, "tokens": tokens, "routing": routing, "ep": 1, "rounds": args.rounds,
         "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k, "dtype": "bfloat16",
         "megamoe_backend": backend_for(torch.empty(0, device=device)),
         "megamoe_autotune": autotune_enabled(torch.bfloat16),
@@ -286,15 +341,19 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
     rows = int((problem[1] >= 0).sum())
     unit = rows * dim * inter
     small = make_problem(256, dim, inter, num_experts, top_k, routing, torch.bfloat16, device, args.seed + 1)
+    if args.rounds > 1:
+        print(f"  {args.rounds} rounds, every impl timed once in each; times: the median of each impl's rounds",
+              flush=True)
     results = []
-    for impl in impls:
-        r = {"impl": impl.name, **time_impl(impl, problem, args.rep_ms)}
+    for impl, timed in zip(impls, time_impls(impls, problem, args.rep_ms, args.rounds)):
+        r = {"impl": impl.name, **timed}
         executed = (24 if impl.keeps_activations else 22) * unit
         r["tflops"] = executed / r["ac_step_ms"] / 1e9
         r["model_tflops"] = 18 * unit / r["ac_step_ms"] / 1e9
         r["max_rel_err"] = max_rel_err(impl.fn, small)
         results.append(r)
-        print(f"  {impl.name}: fwd {r['fwd_ms']:.3f} ms, fwd+bwd {r['fwd_bwd_ms']:.3f} ms", flush=True)
+        rounds = f" (rounds: {', '.join(f'{v:.3f}' for v in r['fwd_bwd_ms_rounds'])})" if args.rounds > 1 else ""
+        print(f"  {impl.name}: fwd {r['fwd_ms']:.3f} ms, fwd+bwd {r['fwd_bwd_ms']:.3f} ms{rounds}", flush=True)
     by_name = {r["impl"]: r for r in results}
     for r in results:
         for base in BASELINES:
