@@ -157,54 +157,45 @@ class _Block(torch.nn.Module):
         return self.block(*args)
 
 
-# How training stacks put the checkpoint and the compiler together: the checkpoint inside a compiled function (each
-# block compiled, prime-rl's whole-model compile), and TorchTitan's order (the checkpoint wrapper, then the block
-# compiled).
 def _context(helper: bool) -> dict:
     """The checkpoint's context_fn: megamoe's helper, or none (torch's plain checkpointing; dynamo refuses torch's
     default passed by name)."""
     return {"context_fn": megamoe.checkpoint_context} if helper else {}
 
 
-# Each takes helper=False for plain checkpointing wired the same way.
+def _checkpointed(fn, helper: bool):
+    return lambda *a: checkpoint(fn, *a, use_reentrant=False, **_context(helper))
+
+
+# How training stacks put the checkpoint and the compiler together: the checkpoint inside a compiled function (each
+# block compiled, prime-rl's whole-model compile), TorchTitan's order (the checkpoint wrapper, then the block
+# compiled), and an eager checkpoint around a compiled block (transformers' per-layer compile where its checkpoint
+# wraps the layer's call, as in transformers 5.17: there inductor may write a later kernel's result into the storage
+# of megamoe's output once its graph no longer reads it, while the policy still holds that output for the
+# recompute). Each takes helper=False for plain checkpointing wired the same way.
 ORDERS = {
-    "compiled around the checkpoint": lambda block, helper=True: _compiled(
-        lambda *a: checkpoint(block, *a, use_reentrant=False, **_context(helper))),
+    "compiled around the checkpoint": lambda block, helper=True: _compiled(_checkpointed(block, helper)),
     "checkpoint wrapper, then compiled": lambda block, helper=True: _compiled(
         checkpoint_wrapper(_Block(block), **_context(helper))),
+    "checkpoint around the compiled block": lambda block, helper=True: _checkpointed(_compiled(block), helper),
 }
 
 
-@pytest.mark.parametrize("order", ORDERS)
-def test_compiled_checkpointed_block_runs_megamoe_forward_once_with_the_same_gradients(counted, order):
-    """Under torch.compile the helper hands torch its two dispatch modes (it refused wrapped ones in a compiled
-    region); megamoe's forward still runs once per step, with the un-checkpointed, uncompiled gradients."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    block, leaves, dy = block_problem()
-    plain = grads(_compiled(block) if INDUCTOR else block, leaves, dy)
-    counted.update(forward=0, backward=0)
-    compiled = grads(ORDERS[order](block), leaves, dy)
-    assert counted == {"forward": 1, "backward": 1}, "megamoe's forward ran again in the recompute"
-    assert_same_block_grads(compiled, plain, compiled=True)
-
-
 @pytest.mark.parametrize("after", [None, torch.sigmoid], ids=["sum", "sigmoid"])
-def test_checkpoint_around_a_compiled_block_runs_megamoe_forward_once_with_the_same_gradients(counted, after):
-    """The third order (transformers' per-layer compile where its checkpoint wraps the layer's call): an eager
-    checkpoint around a compiled block. Inductor may write a later kernel's result into the storage of megamoe's
-    output once the graph no longer reads it, while the policy still holds that storage for the recompute;
-    ``after=torch.sigmoid``: the recompute feeds the held output to an op whose saved result the backward reads."""
+@pytest.mark.parametrize("order", ORDERS)
+def test_compiled_checkpointed_block_runs_megamoe_forward_once_with_the_same_gradients(counted, order, after):
+    """Under torch.compile, in each order, megamoe's forward runs once per step with the gradients of the block
+    without checkpointing (compiled alike under inductor; uncompiled on CPU, where the aot_eager backend keeps eager's
+    bits). In a compiled region the helper hands torch its two dispatch modes (torch refuses wrapped ones there);
+    around a compiled block it keeps a private copy of megamoe's output. ``after=torch.sigmoid``: the recompute feeds
+    the held output to an op whose saved result the backward reads."""
     import torch._dynamo
 
     torch._dynamo.reset()
     block, leaves, dy = block_problem(after=after)
-    compiled_block = _compiled(block)
-    plain = grads(compiled_block, leaves, dy)
+    plain = grads(_compiled(block) if INDUCTOR else block, leaves, dy)
     counted.update(forward=0, backward=0)
-    got = grads(lambda *a: checkpoint(compiled_block, *a, use_reentrant=False, context_fn=megamoe.checkpoint_context),
-                leaves, dy)
+    got = grads(ORDERS[order](block), leaves, dy)
     assert counted == {"forward": 1, "backward": 1}, "megamoe's forward ran again in the recompute"
     assert_same_block_grads(got, plain, compiled=True)
 
@@ -299,7 +290,7 @@ def counted_ep(monkeypatch):
 
 
 EP_WIRINGS = {
-    "eager": lambda block, helper=True: lambda *a: checkpoint(block, *a, use_reentrant=False, **_context(helper)),
+    "eager": lambda block, helper=True: _checkpointed(block, helper),
     **ORDERS,
 }
 
