@@ -90,17 +90,6 @@ def test_checkpointed_block_runs_megamoe_forward_once_with_the_same_gradients(co
     assert all(torch.equal(a, b) for a, b in zip(plain, full))
 
 
-def test_the_helper_recomputes_the_routing_plan(monkeypatch):
-    """The policy saves the outputs of megamoe's forward ops only: the routing plan's op runs again in the recompute
-    (saved, its int32 vectors would be what a checkpointed block holds beyond plain checkpointing)."""
-    from megamoe.kernels import plan
-
-    built = count_calls(monkeypatch, plan, {"build_plan": "forward"})  # the plan op's body
-    block, leaves, dy = block_problem()
-    grads(lambda *a: checkpoint(block, *a, use_reentrant=False, context_fn=megamoe.checkpoint_context), leaves, dy)
-    assert built["forward"] == 2, "the routing plan was saved, not recomputed"
-
-
 def test_transformers_gradient_checkpointing_with_the_helper(counted):
     import megamoe.integrations.transformers as hf_megamoe
     from tests.test_integrations import step, tiny_model
@@ -179,6 +168,22 @@ ORDERS = {
         checkpoint_wrapper(_Block(block), **_context(helper))),
     "checkpoint around the compiled block": lambda block, helper=True: _checkpointed(_compiled(block), helper),
 }
+
+
+@pytest.mark.parametrize("wiring", ["eager", *ORDERS])
+def test_the_helper_recomputes_the_routing_plan(monkeypatch, wiring):
+    """The policy saves the outputs of megamoe's forward ops only: the routing plan's op runs again in the recompute,
+    eagerly and compiled (saved, its int32 vectors would be what a checkpointed block holds beyond plain
+    checkpointing)."""
+    import torch._dynamo
+
+    from megamoe.kernels import plan
+
+    torch._dynamo.reset()
+    built = count_calls(monkeypatch, plan, {"build_plan": "forward"})  # the plan op's body
+    block, leaves, dy = block_problem()
+    grads(_checkpointed(block, True) if wiring == "eager" else ORDERS[wiring](block), leaves, dy)
+    assert built["forward"] == 2, "the routing plan was saved, not recomputed"
 
 
 @pytest.mark.parametrize("after", [None, torch.sigmoid], ids=["sum", "sigmoid"])
