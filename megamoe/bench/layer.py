@@ -227,7 +227,11 @@ def time_once(timed: Timed, rep_ms: int) -> dict:
 
 def memory(timed: Timed) -> dict:
     """What the forward keeps for the backward beyond its output, and the forward+backward's peak over what was
-    allocated before it (bytes; the eager calls)."""
+    allocated before it (bytes; the eager calls). A call first, so that what an impl caches across calls (the FP8
+    weight copies) is in place, whatever ran since its timed calls (``megamoe_fp8_optstep`` clears every copy)."""
+    timed.eager_fwd_bwd()
+    for t in timed.leaves:
+        t.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     y = timed.eager_fwd()
