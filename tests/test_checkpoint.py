@@ -118,8 +118,8 @@ def _compiled(fn):
 # Under inductor (on a GPU) the reference is the same function compiled without checkpointing: inductor's kernels
 # round differently from eager's (~1e-6 here), and its backward fuses the recomputed ops differently from the saved
 # ones, so the gradients that flow through them (the block's input gradient, through the recomputed op before the
-# experts) may move by fp32 rounding (measured on the H200 with a LayerNorm there: 4.8e-7 at most). megamoe's output and the gradients
-# of its weights stay bitwise.
+# experts) may move by fp32 rounding (measured on the H200 with a LayerNorm there: 4.8e-7 at most). megamoe's output
+# and the gradients of its weights stay bitwise.
 INDUCTOR = DEVICE != "cpu"
 
 
