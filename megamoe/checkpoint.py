@@ -80,10 +80,10 @@ def _tracing() -> bool:
 def checkpoint_context() -> tuple:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the outputs of
     megamoe's forward ops are saved, everything else in the checkpointed region (the routing plan included) is
-    recomputed (see the module docstring). Eagerly, megamoe
-    runs as custom ops inside the region; under torch.compile (a compiled region traced with its checkpoint inside,
-    whatever the order of wrapping and compiling) it already does, and torch wants the policy's two dispatch modes
-    as they are; otherwise the kept layer outputs are private copies (:class:`_PrivateSavedOutputs`)."""
+    recomputed (see the module docstring). Eagerly, megamoe runs as custom ops inside the region; under
+    torch.compile (a compiled region traced with its checkpoint inside, whatever the order of wrapping and
+    compiling) it already does, and torch wants the policy's two dispatch modes as they are; otherwise the kept
+    layer outputs are private copies (:class:`_PrivateSavedOutputs`)."""
     forward, recompute = create_selective_checkpoint_contexts(_policy)
     if _tracing():
         return forward, recompute

@@ -80,12 +80,11 @@ def test_checkpointed_block_runs_megamoe_forward_once_with_the_same_gradients(co
     plain = grads(block, leaves, dy)
     assert counted == {"forward": 1, "backward": 1}
     counted.update(forward=0, backward=0)
-    helped = grads(lambda *a: checkpoint(block, *a, use_reentrant=False, context_fn=megamoe.checkpoint_context),
-                   leaves, dy)
+    helped = grads(_checkpointed(block, helper=True), leaves, dy)
     assert counted == {"forward": 1, "backward": 1}, "megamoe's forward ran again in the recompute"
     assert all(torch.equal(a, b) for a, b in zip(plain, helped))
     counted.update(forward=0, backward=0)
-    full = grads(lambda *a: checkpoint(block, *a, use_reentrant=False), leaves, dy)
+    full = grads(_checkpointed(block, helper=False), leaves, dy)
     assert counted == {"forward": 2, "backward": 1}  # what the helper saves: one forward per step
     assert all(torch.equal(a, b) for a, b in zip(plain, full))
 
@@ -168,9 +167,11 @@ ORDERS = {
         checkpoint_wrapper(_Block(block), **_context(helper))),
     "checkpoint around the compiled block": lambda block, helper=True: _checkpointed(_compiled(block), helper),
 }
+# The eager wiring and the compiled orders.
+WIRINGS = {"eager": lambda block, helper=True: _checkpointed(block, helper), **ORDERS}
 
 
-@pytest.mark.parametrize("wiring", ["eager", *ORDERS])
+@pytest.mark.parametrize("wiring", WIRINGS)
 def test_the_helper_recomputes_the_routing_plan(monkeypatch, wiring):
     """The policy saves the outputs of megamoe's forward ops only: the routing plan's op runs again in the recompute,
     eagerly and compiled (saved, its int32 vectors would be what a checkpointed block holds beyond plain
@@ -182,7 +183,7 @@ def test_the_helper_recomputes_the_routing_plan(monkeypatch, wiring):
     torch._dynamo.reset()
     built = count_calls(monkeypatch, plan, {"build_plan": "forward"})  # the plan op's body
     block, leaves, dy = block_problem()
-    grads(_checkpointed(block, True) if wiring == "eager" else ORDERS[wiring](block), leaves, dy)
+    grads(WIRINGS[wiring](block), leaves, dy)
     assert built["forward"] == 2, "the routing plan was saved, not recomputed"
 
 
@@ -253,7 +254,7 @@ def test_checkpointed_block_holds_its_input_and_megamoe_output_only():
         return x + megamoe.moe(norm(x), idx, w, w13, w2)
 
     def forward():
-        return checkpoint(block, *leaves, use_reentrant=False, context_fn=megamoe.checkpoint_context)
+        return _checkpointed(block, helper=True)(*leaves)
 
     forward().backward(dy)  # compile and autotune outside the measurement
     for t in leaves:
@@ -294,16 +295,10 @@ def counted_ep(monkeypatch):
     return count_calls(monkeypatch, fused, {"ep_forward": "forward", "ep_backward": "backward"})
 
 
-EP_WIRINGS = {
-    "eager": lambda block, helper=True: _checkpointed(block, helper),
-    **ORDERS,
-}
-
-
 @pytest.mark.loopback
 @pytest.mark.parametrize("comm_sms, save_preact, fp8", [(0, False, False), (2, False, False), (0, True, False),
                                                          (0, False, True), (0, True, True)])
-@pytest.mark.parametrize("wiring", EP_WIRINGS)
+@pytest.mark.parametrize("wiring", WIRINGS)
 def test_checkpointed_expert_parallel_block_runs_its_exchange_once(counted_ep, wiring, comm_sms, save_preact, fp8):
     """The fused EP layer under the helper, eagerly and compiled in either order, in bf16 and in FP8: its forward,
     the exchange with the peers included, runs once per step (plain checkpointing runs it twice: the count sees a
@@ -315,12 +310,12 @@ def test_checkpointed_expert_parallel_block_runs_its_exchange_once(counted_ep, w
     block, leaves, dy = ep_block_problem(comm_sms, save_preact, fp8)
     plain = grads(block, leaves, dy)
     counted_ep.update(forward=0, backward=0)
-    grads(EP_WIRINGS["eager"](block, helper=False), leaves, dy)
+    grads(WIRINGS["eager"](block, helper=False), leaves, dy)
     assert counted_ep == {"forward": 2, "backward": 1}
     if INDUCTOR and wiring != "eager":
-        plain = grads(EP_WIRINGS[wiring](block, helper=False), leaves, dy)
+        plain = grads(WIRINGS[wiring](block, helper=False), leaves, dy)
     counted_ep.update(forward=0, backward=0)
-    got = grads(EP_WIRINGS[wiring](block), leaves, dy)
+    got = grads(WIRINGS[wiring](block), leaves, dy)
     assert counted_ep == {"forward": 1, "backward": 1}, "the EP layer's forward ran again in the recompute"
     differ = {name: (a - b).abs().max().item() for name, a, b in zip(("y", "dx", "dw", "dw13", "dw2"), got, plain)
               if not torch.equal(a, b)}
