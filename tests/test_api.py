@@ -377,7 +377,8 @@ def test_host_time_probe_times_both_paths_and_restores_the_launcher(capsys):
 @pytest.mark.gpu
 def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
     """``python -m tools.kernels``: every stage timed, each GEMM's config recorded (on sm90 those of
-    the up kernel, dh', the act kernel and the weight gradients are the warp-specialized kernels')."""
+    the up kernel, dh', the act kernel and the weight gradients are the warp-specialized kernels', and the last
+    three are timed again with the finer operand ring, as variants)."""
     import json
 
     from tools.kernels import main
@@ -394,6 +395,13 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
             assert rows[stage]["config"]["WARP_SPECIALIZED"], stage
         for stage in ("fwd down", "bwd dx"):
             assert not rows[stage]["config"].get("WARP_SPECIALIZED"), stage
+        from megamoe.kernels.gluon_sm90 import FINE_RING
+
+        ring = f"ring {FINE_RING[0]}x{FINE_RING[1]}"
+        for stage in ("bwd gather, dh'", "bwd recompute+act", "bwd dw13, combine", "bwd dw2"):
+            fine = rows[f"{stage} ({ring})"]  # the variant, timed beside the kernel the layer runs
+            assert fine["variant"] and not rows[stage]["variant"], stage
+            assert (fine["config"]["BK"], fine["config"]["num_stages"]) == FINE_RING, stage
 
 
 @pytest.mark.gpu

@@ -678,8 +678,9 @@ def test_every_weight_gradient_config_matches_a_per_expert_reference(monkeypatch
 ])
 def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, counts, poison_cuda):
     """The Gluon kernel on the GPU: each expert's sum of outer products, an empty expert exact zeros,
-    and rows past the last expert (never written: NaN here) or of the next expert never leak in."""
-    from megamoe.kernels.gluon_sm90 import expert_wgrad_ws
+    and rows past the last expert (never written: NaN here) or of the next expert never leak in; with the finer
+    operand ring (``FINE_RING``: an expert's last, partial K-step at other rows) bit for bit the same."""
+    from megamoe.kernels.gluon_sm90 import FINE_RING, expert_wgrad_ws, operand_ring
 
     offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device="cuda")
     routed = int(offsets[-1])
@@ -688,6 +689,10 @@ def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, co
     a[routed:], b[routed:] = float("nan"), float("nan")
     dw = torch.empty(len(counts), p, q, device="cuda", dtype=torch.bfloat16)
     expert_wgrad_ws(a, b, offsets, dw)
+    fine = torch.empty_like(dw)
+    with operand_ring("wgrad", FINE_RING):
+        expert_wgrad_ws(a, b, offsets, fine)
+    assert torch.equal(fine, dw)
     bounds = offsets.tolist()
     expected = torch.stack([a[lo:hi].float().T @ b[lo:hi].float() for lo, hi in itertools.pairwise(bounds)])
     for e, n in enumerate(counts):
@@ -717,9 +722,10 @@ SIDE_COPY_SHAPES = [*GLUON_SHAPES, (1001, 2088, 72, 5, 1), (333, 520, 72, 5, 3)]
 @pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", GLUON_SHAPES)
 def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
     """The Gluon dh' kernel on the GPU: every routed sorted row equals dy_row W2[e] in fp32, with an expert
-    without rows, dropped slots, and NaN rows past the routed ones (read by the last tile, never stored)."""
+    without rows, dropped slots, and NaN rows past the routed ones (read by the last tile, never stored); with
+    the finer operand ring (``FINE_RING``) bit for bit the same."""
     from megamoe.kernels import expert_bwd
-    from megamoe.kernels.gluon_sm90 import ws_supported
+    from megamoe.kernels.gluon_sm90 import FINE_RING, operand_ring, ws_supported
 
     (_, _, _, _, w2, _), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
     dy_sorted = torch.randn(plan.row_slot_N.numel(), dim, device="cuda", dtype=torch.bfloat16)
@@ -727,8 +733,10 @@ def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, int
     assert ws_supported(dy_sorted)
     bounds = itertools.pairwise(plan.offsets_E1.tolist())
     expected = torch.cat([dy_sorted[lo:hi].float() @ w2[e].float() for e, (lo, hi) in enumerate(bounds)])
-    got = expert_bwd.dh_sorted(dy_sorted, w2, plan)[:routed].float()
-    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    got = expert_bwd.dh_sorted(dy_sorted, w2, plan)[:routed]
+    with operand_ring("dh", FINE_RING):
+        assert torch.equal(expert_bwd.dh_sorted(dy_sorted, w2, plan)[:routed], got)
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
 @pytest.mark.gpu
@@ -772,17 +780,23 @@ def test_weight_gradient_kernel_combines_dx_beside_its_mmas(num_tokens, dim, int
 def test_warp_specialized_act_kernel_matches_the_triton_kernel(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
     """The Gluon act kernel on the GPU against the Triton one on the same sorted rows and dh': dz and h·w
     of every routed row, every d(routing weight) partial, and exact zeros for dropped slots' partials (I
-    past the tile, an expert without rows, rows past the routed ones never written: NaN here)."""
+    past the tile, an expert without rows, rows past the routed ones never written: NaN here); with the finer
+    operand ring (``FINE_RING``) bit for bit the same."""
     from megamoe.kernels import expert_bwd
+    from megamoe.kernels.gluon_sm90 import FINE_RING, operand_ring
 
     (x, idx, weights, w13, w2, dy), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
     x_sorted, dy_sorted = expert_bwd.gather_rows(x, dy, plan, top_k)
     dh = expert_bwd.dh_sorted(dy_sorted, w2, plan)
-    outs = {}
-    for gluon in (True, False):
+
+    def act(gluon):
         dz, hw, part = expert_bwd.act_bwd_outputs(plan.row_slot_N.numel(), 2 * inter, x)
         expert_bwd.act_bwd_into(x_sorted, dh, w13, weights, plan, top_k, dz, hw, part, gluon=gluon)
-        outs[gluon] = dz[:routed].float(), hw[:routed].float(), part
+        return dz[:routed].float(), hw[:routed].float(), part
+
+    outs = {gluon: act(gluon) for gluon in (True, False)}
+    with operand_ring("act", FINE_RING):
+        assert all(torch.equal(fine, got) for fine, got in zip(act(True), outs[True]))
     for got, want in zip(outs[True], outs[False]):
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
     dropped = (idx.reshape(-1) < 0).nonzero().squeeze(1)

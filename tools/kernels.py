@@ -3,7 +3,9 @@
 ``python -m tools.kernels --preset qwen3-30b-a3b [--sweep]`` on a GPU. Each stage is timed alone
 with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
 On an sm90 GPU the up kernel, dh', the act kernel and the weight gradients run their warp-specialized Gluon
-kernels (``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``).
+kernels (``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``), and
+dh', the act kernel and the weight gradients once more with their operand rings at ``gluon_sm90.FINE_RING``
+(records marked ``variant``, left out of the total).
 Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``); the
 config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
@@ -25,7 +27,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from megamoe.bench.common import PRESETS, ROUTINGS, make_problem
-from megamoe.kernels import expert_bwd, expert_fwd
+from megamoe.kernels import expert_bwd, expert_fwd, gluon_sm90
 from megamoe.kernels.combine import combine
 from megamoe.kernels.gluon_sm90 import ACT_CONFIG, UP_CONFIG, WS_CONFIG, ws_supported
 from megamoe.kernels.plan import build_plan
@@ -41,14 +43,17 @@ def grid_of(**axes):
 SWEEPS = {
     expert_fwd.UP: grid_of(BM=[64, 128], BN=[128], BK=[64], num_warps=[8], num_stages=[3, 4])
     + grid_of(BM=[128], BN=[64, 128], BK=[32, 128], num_warps=[8], num_stages=[3]),
+    # (and BK 32 in 6 stages: the same ring bytes in finer stages, as gluon_sm90.FINE_RING)
     expert_fwd.DOWN: grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3],
-                             PERSISTENT=[False, True]),
+                             PERSISTENT=[False, True])
+    + grid_of(BM=[128], BN=[256], BK=[32], num_warps=[8], num_stages=[6], PERSISTENT=[False, True]),
     expert_bwd.DH: grid_of(BM=[64, 128], BN=[128, 256], BK=[64], num_warps=[8], num_stages=[3, 4],
                            PERSISTENT=[False, True]),
     expert_bwd.ACT_BWD: grid_of(BM=[64, 128], BN=[64, 128], BK=[64], num_warps=[8], num_stages=[3, 4])
     + grid_of(BM=[128], BN=[64, 128], BK=[32, 128], num_warps=[8], num_stages=[3]),
     expert_bwd.DX: grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3, 4],
-                           PERSISTENT=[False, True]),
+                           PERSISTENT=[False, True])
+    + grid_of(BM=[128], BN=[256], BK=[32], num_warps=[8], num_stages=[6, 8], PERSISTENT=[False, True]),
     expert_bwd.WGRAD: grid_of(BM=[128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3, 4])
     + grid_of(BM=[64], BN=[128, 256], BK=[64, 128], num_warps=[4, 8], num_stages=[3]),
 }
@@ -73,6 +78,24 @@ def stages(problem, num_experts):
     def tuned(kernel, gluon_config=WS_CONFIG):  # on sm90, a record of the kernels.ws kernel that runs instead
         return SimpleNamespace(last_config=gluon_config) if ws_supported(x) else kernel
 
+    def fine_ring(fn, flops, kernel, gluon_config):  # fn with the Gluon kernel's operand ring at FINE_RING
+        def run():
+            with gluon_sm90.operand_ring(kernel, gluon_sm90.FINE_RING):
+                fn()
+        bk, stages = gluon_sm90.FINE_RING
+        return run, flops, SimpleNamespace(last_config={**gluon_config, "BK": bk, "num_stages": stages}, variant=True)
+
+    run_dh = lambda: expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k)
+    run_act = lambda: expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k)
+    run_dw13 = lambda: expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, w13.dtype, dx, topk_idx, x.dtype)
+    run_dw2 = lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, w2.dtype)
+    ring = f"ring {gluon_sm90.FINE_RING[0]}x{gluon_sm90.FINE_RING[1]}"
+    variants = {  # Gluon-only variants, timed beside the kernels the layer runs (left out of the table's total)
+        f"bwd gather, dh' ({ring})": fine_ring(run_dh, 2 * unit, "dh", WS_CONFIG),
+        f"bwd recompute+act ({ring})": fine_ring(run_act, 4 * unit, "act", ACT_CONFIG),
+        f"bwd dw13, combine ({ring})": fine_ring(run_dw13, 4 * unit, "wgrad", WS_CONFIG),
+        f"bwd dw2 ({ring})": fine_ring(run_dw2, 2 * unit, "wgrad", WS_CONFIG),
+    } if ws_supported(x) else {}
     return {
         "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),
         "fwd up+swiglu": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k), 4 * unit,
@@ -82,14 +105,12 @@ def stages(problem, num_experts):
         "fwd down": (lambda: expert_fwd.down_fwd(h, w2, topk_weights, plan), 2 * unit, expert_fwd.DOWN),
         "combine": (lambda: combine(slots, topk_idx, x.dtype), 0, None),
         # On sm90 the x copy runs inside the dh' kernel and the dx combine inside the dW13 kernel: timed with them.
-        "bwd gather, dh'": (lambda: expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k), 2 * unit,
-                            tuned(expert_bwd.DH)),
-        "bwd recompute+act": (lambda: expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k), 4 * unit,
-                              tuned(expert_bwd.ACT_BWD, ACT_CONFIG)),
+        "bwd gather, dh'": (run_dh, 2 * unit, tuned(expert_bwd.DH)),
+        "bwd recompute+act": (run_act, 4 * unit, tuned(expert_bwd.ACT_BWD, ACT_CONFIG)),
         "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, expert_bwd.DX),
-        "bwd dw13, combine": (lambda: expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, w13.dtype, dx, topk_idx,
-                                                                          x.dtype), 4 * unit, tuned(expert_bwd.WGRAD)),
-        "bwd dw2": (lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, w2.dtype), 2 * unit, tuned(expert_bwd.WGRAD)),
+        "bwd dw13, combine": (run_dw13, 4 * unit, tuned(expert_bwd.WGRAD)),
+        "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD)),
+        **variants,
     }
 
 
@@ -118,7 +139,7 @@ def main(argv=None) -> None:
         ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
         row = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
                "config": None if key is None else key.last_config,  # autotuned or default
-               "timed_utc": [started, utc_now()]}
+               "timed_utc": [started, utc_now()], "variant": getattr(key, "variant", False)}
         if args.sweep and isinstance(key, TunedKernel):
             default = key.default
             best = (ms, default)
@@ -140,7 +161,7 @@ def main(argv=None) -> None:
                                       f"stages {cfg['num_stages']}" + (" persistent" if cfg.get("PERSISTENT") else "")
                                       + (" warp-specialized" if cfg.get("WARP_SPECIALIZED") else ""))
         print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{ran}{extra}", flush=True)
-    print(f"{'total':20s} {sum(r['ms'] for r in rows):8.3f} ms")
+    print(f"{'total':20s} {sum(r['ms'] for r in rows if not r['variant']):8.3f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "preset": args.preset, "tokens": args.tokens, "top_k": top_k, "routing": args.routing,

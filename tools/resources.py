@@ -137,17 +137,23 @@ WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "wgrad_combine_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
               "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG)}
+# The Gluon kernels whose operand ring ``tools.kernels`` also times at ``gluon_sm90.FINE_RING`` (BK and stages):
+# report name -> the ``WS_KERNELS`` entry compiled with it.
+WS_FINE_RING = {f"{name}_ring{ws.FINE_RING[0]}": name for name in ("wgrad_ws", "wgrad_combine_ws", "dh_ws", "act_ws")}
 
 
-def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8):
+def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8,
+               ring: tuple[int, int] | None = None):
     """The Gluon kernel ``name`` of ``WS_KERNELS`` for sm_90a at its tile, with 16-bit operands (``dtype`` bf16
     or fp16), pointers and the D / I / P / Q sizes specialised as 16-divisible as at run time, 128 experts.
     ``sizes_divisible=False``: the sizes not so specialised, as at run time for sizes such as D = 520.
-    ``top_k``: the slots per token of the side copies (``dh_ws``, ``wgrad_combine_ws``)."""
+    ``top_k``: the slots per token of the side copies (``dh_ws``, ``wgrad_combine_ws``). ``ring``: (BK, STAGES) in
+    place of the tile's (``gluon_sm90.RINGS``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     _, (bm, bn, bk, stages), maxnreg = WS_KERNELS[name]
+    bk, stages = ring or (bk, stages)
     element = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
 
     def desc(block):
@@ -227,6 +233,14 @@ def main(argv=None) -> None:
     narrow = []
     for name, (_, (bm, bn, bk, stages), maxnreg) in WS_KERNELS.items() if args.dtype != "fp32" else ():  # 16-bit only
         r = ptxas_report(compile_ws(name, args.dtype))
+        report_row(name, f"BM={bm} BN={bn} BK={bk} STAGES={stages} num_warps={ws.WS_NUM_WARPS} "
+                   f"maxnreg={maxnreg}", r, too_big)
+        if not r["wide_stores"]:
+            narrow.append(name)
+    for name, base in WS_FINE_RING.items() if args.dtype != "fp32" else ():
+        (bm, bn, _, _), maxnreg = WS_KERNELS[base][1:]
+        bk, stages = ws.FINE_RING
+        r = ptxas_report(compile_ws(base, args.dtype, ring=ws.FINE_RING))
         report_row(name, f"BM={bm} BN={bn} BK={bk} STAGES={stages} num_warps={ws.WS_NUM_WARPS} "
                    f"maxnreg={maxnreg}", r, too_big)
         if not r["wide_stores"]:

@@ -37,6 +37,7 @@ they cost about 0.3 / 0.6 ms of a 30B / 235B step (docs/PERFORMANCE.md).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -88,6 +89,27 @@ UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.asy
 # The act kernel's block with four stages: 4 x 48 KB and the epilogue's 16 KB staging buffer (208 KB).
 UP_TILE = (*ACT_TILE[:3], 4)
 UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
+
+# (BK, STAGES) of the operand rings of the weight-gradient, dh' and act kernels, read at each launch: their tiles'
+# by default. ``FINE_RING`` holds the same bytes in stages of half the size (BK 32: 6 stages of 24 KB against 3 of 48),
+# so the one or two stages the MMAs hold are half the bytes and the loader can have up to twice the bytes in flight.
+# Measured rates say the 128 x 256 blocks' operands come from L2 at 6.5-7 TB/s (docs/PERFORMANCE.md, "What holds the
+# bf16 GEMMs"): if that is the bytes in flight at L2's loaded latency, not L2's bandwidth, the finer ring is faster.
+# ``tools.kernels`` times it beside the default.
+RINGS = {"wgrad": WS_TILE[2:], "dh": WS_TILE[2:], "act": ACT_TILE[2:]}
+FINE_RING = (32, 6)
+
+
+@contextlib.contextmanager
+def operand_ring(kernel: str, ring: tuple[int, int]):
+    """Within the block, launches of ``kernel`` ("wgrad", "dh" or "act": ``RINGS``' keys) use ``ring``, (BK,
+    STAGES), as their operand ring; the MMAs see the same K-steps in the same order, so the results are the same."""
+    default = RINGS[kernel]
+    RINGS[kernel] = ring
+    try:
+        yield
+    finally:
+        RINGS[kernel] = default
 
 
 @gluon.jit
@@ -690,7 +712,7 @@ def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), t.dtype))
 
 
-def _launch_ws(kernel, programs: int, stages: int = WS_TILE[3], maxnreg: int = WS_MAXNREG, **kwargs) -> None:
+def _launch_ws(kernel, programs: int, stages: int, maxnreg: int = WS_MAXNREG, **kwargs) -> None:
     kernel[(programs,)](**kwargs, STAGES=stages, num_warps=WS_NUM_WARPS, maxnreg=maxnreg)
 
 
@@ -700,7 +722,8 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
     contiguous, on an sm90 GPU (``ws_supported``), with at least one row. ``combine``: (slot rows (T*K, D),
     topk_idx (T, K), out (T, D)), all contiguous, to reduce into ``out`` beside the MMAs, with the sums of
     ``combine.combine``."""
-    bm, bn, bk, _ = WS_TILE
+    bm, bn = WS_TILE[:2]
+    bk, stages = RINGS["wgrad"]
     num_experts, p, q = dw.shape
     num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
     tiles = num_experts * num_p * num_q
@@ -708,7 +731,7 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
         rows, topk_idx, out, num_tokens, top_k = a_NP, offsets_E1, a_NP, 0, 1
     else:
         (rows, topk_idx, out), (num_tokens, top_k) = combine, combine[1].shape
-    _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), a_desc=_desc(a_NP, [bk, bm]),
+    _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), stages, a_desc=_desc(a_NP, [bk, bm]),
                b_desc=_desc(b_NQ, [bk, bn]), dw_desc=_desc(dw, [1, bm, bn]), offsets_ptr=offsets_E1, num_p=num_p,
                num_q=num_q, tiles=tiles, rows_ptr=rows, topk_idx_ptr=topk_idx, out_ptr=out, T=num_tokens,
                D=out.shape[1], TOP_K=top_k)
@@ -720,14 +743,15 @@ def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor
     on an sm90 GPU (``ws_supported``), at least one row; ``tile_m`` the plan's tile height. ``copy_x``: (x (T, D),
     x_sorted (N, D) out, slot_row (N,) each slot's sorted row, top_k), the rows of x to copy into sorted order
     beside the MMAs."""
-    bm, bn, bk, _ = WS_TILE
+    bm, bn = WS_TILE[:2]
+    bk, stages = RINGS["dh"]
     assert bm == tile_m, "a block is one plan tile"
     num_experts = w2_EDI.shape[0]
     if copy_x is None:  # no tokens: the copy partition returns at once and reads none of these
         x, x_sorted, slot_row, top_k = dy_sorted_ND[:0], dy_sorted_ND, plan.offsets_E1, 1
     else:
         x, x_sorted, slot_row, top_k = copy_x
-    _launch_ws(_dh_ws_kernel, sm_count(dy_sorted_ND.device.index), a_desc=_desc(dy_sorted_ND, [bm, bk]),
+    _launch_ws(_dh_ws_kernel, sm_count(dy_sorted_ND.device.index), stages, a_desc=_desc(dy_sorted_ND, [bm, bk]),
                w_desc=_desc(w2_EDI, [1, bk, bn]), out_ptr=out_NI, offsets_ptr=plan.offsets_E1,
                tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, x_ptr=x, x_sorted_ptr=x_sorted,
                slot_row_ptr=slot_row, T=x.shape[0], N_OUT=out_NI.shape[1], K=dy_sorted_ND.shape[1], E=num_experts,
@@ -739,7 +763,8 @@ def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tenso
                part_cols: int) -> None:
     """``expert_bwd.act_bwd_into``'s act kernel through ``_act_ws_kernel``; 16-bit
     operands on an sm90 GPU (``ws_supported``), at least one row; ``tile_m`` the plan's tile height."""
-    bm, bn, bk, stages = ACT_TILE
+    bm, bn = ACT_TILE[:2]
+    bk, stages = RINGS["act"]
     assert bm == tile_m and bn % part_cols == 0
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
