@@ -679,8 +679,8 @@ def test_every_weight_gradient_config_matches_a_per_expert_reference(monkeypatch
 def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, counts, poison_cuda):
     """The Gluon kernel on the GPU: each expert's sum of outer products, an empty expert exact zeros,
     and rows past the last expert (never written: NaN here) or of the next expert never leak in; with the finer
-    operand ring (``FINE_RING``: an expert's last, partial K-step at other rows) bit for bit the same."""
-    from megamoe.kernels.gluon_sm90 import FINE_RING, expert_wgrad_ws, operand_ring
+    operand ring (``FINE_RINGS``: an expert's last, partial K-step at other rows) bit for bit the same."""
+    from megamoe.kernels.gluon_sm90 import FINE_RINGS, expert_wgrad_ws, operand_ring
 
     offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device="cuda")
     routed = int(offsets[-1])
@@ -690,7 +690,7 @@ def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, co
     dw = torch.empty(len(counts), p, q, device="cuda", dtype=torch.bfloat16)
     expert_wgrad_ws(a, b, offsets, dw)
     fine = torch.empty_like(dw)
-    with operand_ring("wgrad", FINE_RING):
+    with operand_ring("wgrad", FINE_RINGS["wgrad"]):
         expert_wgrad_ws(a, b, offsets, fine)
     assert torch.equal(fine, dw)
     bounds = offsets.tolist()
@@ -723,9 +723,9 @@ SIDE_COPY_SHAPES = [*GLUON_SHAPES, (1001, 2088, 72, 5, 1), (333, 520, 72, 5, 3)]
 def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
     """The Gluon dh' kernel on the GPU: every routed sorted row equals dy_row W2[e] in fp32, with an expert
     without rows, dropped slots, and NaN rows past the routed ones (read by the last tile, never stored); with
-    the finer operand ring (``FINE_RING``) bit for bit the same."""
+    the finer operand ring (``FINE_RINGS``) bit for bit the same."""
     from megamoe.kernels import expert_bwd
-    from megamoe.kernels.gluon_sm90 import FINE_RING, operand_ring, ws_supported
+    from megamoe.kernels.gluon_sm90 import FINE_RINGS, operand_ring, ws_supported
 
     (_, _, _, _, w2, _), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
     dy_sorted = torch.randn(plan.row_slot_N.numel(), dim, device="cuda", dtype=torch.bfloat16)
@@ -734,7 +734,7 @@ def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, int
     bounds = itertools.pairwise(plan.offsets_E1.tolist())
     expected = torch.cat([dy_sorted[lo:hi].float() @ w2[e].float() for e, (lo, hi) in enumerate(bounds)])
     got = expert_bwd.dh_sorted(dy_sorted, w2, plan)[:routed]
-    with operand_ring("dh", FINE_RING):
+    with operand_ring("dh", FINE_RINGS["dh"]):
         assert torch.equal(expert_bwd.dh_sorted(dy_sorted, w2, plan)[:routed], got)
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
@@ -781,9 +781,9 @@ def test_warp_specialized_act_kernel_matches_the_triton_kernel(num_tokens, dim, 
     """The Gluon act kernel on the GPU against the Triton one on the same sorted rows and dh': dz and h·w
     of every routed row, every d(routing weight) partial, and exact zeros for dropped slots' partials (I
     past the tile, an expert without rows, rows past the routed ones never written: NaN here); with the finer
-    operand ring (``FINE_RING``) bit for bit the same."""
+    operand ring (``FINE_RINGS``) bit for bit the same."""
     from megamoe.kernels import expert_bwd
-    from megamoe.kernels.gluon_sm90 import FINE_RING, operand_ring
+    from megamoe.kernels.gluon_sm90 import FINE_RINGS, operand_ring
 
     (x, idx, weights, w13, w2, dy), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
     x_sorted, dy_sorted = expert_bwd.gather_rows(x, dy, plan, top_k)
@@ -795,7 +795,7 @@ def test_warp_specialized_act_kernel_matches_the_triton_kernel(num_tokens, dim, 
         return dz[:routed].float(), hw[:routed].float(), part
 
     outs = {gluon: act(gluon) for gluon in (True, False)}
-    with operand_ring("act", FINE_RING):
+    with operand_ring("act", FINE_RINGS["act"]):
         assert all(torch.equal(fine, got) for fine, got in zip(act(True), outs[True]))
     for got, want in zip(outs[True], outs[False]):
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
@@ -809,9 +809,10 @@ def test_warp_specialized_up_kernel_matches_a_per_expert_reference(num_tokens, d
                                                                    poison_cuda):
     """The Gluon up kernel (x rows gathered from their tokens by cp.async) on the GPU: h of every routed
     sorted row equals silu(x W1[e]^T) * (x W3[e]^T) in fp32, with D and I past the tile, an expert without
-    rows and dropped slots; and the same h as the Triton kernel."""
+    rows and dropped slots; and the same h as the Triton kernel; with the finer operand ring (``FINE_RINGS``) bit for
+    bit the same h, and the same gate/up products stored beside it."""
     from megamoe.kernels import expert_fwd
-    from megamoe.kernels.gluon_sm90 import ws_supported
+    from megamoe.kernels.gluon_sm90 import FINE_RINGS, operand_ring, ws_supported
 
     (x, _, _, w13, _, _), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
     assert ws_supported(x)
@@ -819,7 +820,15 @@ def test_warp_specialized_up_kernel_matches_a_per_expert_reference(num_tokens, d
     bounds = itertools.pairwise(plan.offsets_E1.tolist())
     gu = torch.cat([rows_x[lo:hi] @ w13[e].float().T for e, (lo, hi) in enumerate(bounds)])
     expected = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-    got = expert_fwd.up_swiglu_fwd(x, w13, plan, top_k)[:routed].float()
+    h = expert_fwd.up_swiglu_fwd(x, w13, plan, top_k)[:routed]
+    preact = torch.empty(plan.row_slot_N.numel(), 2 * inter, device="cuda", dtype=x.dtype)
+    h_saved = expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, preact_NH=preact)[:routed]
+    with operand_ring("up", FINE_RINGS["up"]):
+        assert torch.equal(expert_fwd.up_swiglu_fwd(x, w13, plan, top_k)[:routed], h)
+        preact_fine = torch.empty_like(preact)
+        assert torch.equal(expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, preact_NH=preact_fine)[:routed], h_saved)
+        assert torch.equal(preact_fine[:routed], preact[:routed])
+    got = h.float()
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
     triton_h = expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, gluon=False)[:routed].float()
     torch.testing.assert_close(got, triton_h, rtol=1e-2, atol=1e-2 * expected.abs().max().item())

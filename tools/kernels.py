@@ -4,8 +4,8 @@
 with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
 On an sm90 GPU the up kernel, dh', the act kernel and the weight gradients run their warp-specialized Gluon
 kernels (``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``), and
-dh', the act kernel and the weight gradients once more with their operand rings at ``gluon_sm90.FINE_RING``
-(records marked ``variant``, left out of the total).
+each of them once more with its operand ring at ``gluon_sm90.FINE_RINGS`` (records marked ``variant``, left out of
+the total).
 Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``); the
 config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
@@ -43,7 +43,7 @@ def grid_of(**axes):
 SWEEPS = {
     expert_fwd.UP: grid_of(BM=[64, 128], BN=[128], BK=[64], num_warps=[8], num_stages=[3, 4])
     + grid_of(BM=[128], BN=[64, 128], BK=[32, 128], num_warps=[8], num_stages=[3]),
-    # (and BK 32 in 6 stages: the same ring bytes in finer stages, as gluon_sm90.FINE_RING)
+    # (and BK 32 in 6 stages: the same ring bytes in finer stages, as gluon_sm90.FINE_RINGS)
     expert_fwd.DOWN: grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3],
                              PERSISTENT=[False, True])
     + grid_of(BM=[128], BN=[256], BK=[32], num_warps=[8], num_stages=[6], PERSISTENT=[False, True]),
@@ -78,30 +78,32 @@ def stages(problem, num_experts):
     def tuned(kernel, gluon_config=WS_CONFIG):  # on sm90, a record of the kernels.ws kernel that runs instead
         return SimpleNamespace(last_config=gluon_config) if ws_supported(x) else kernel
 
-    def fine_ring(fn, flops, kernel, gluon_config):  # fn with the Gluon kernel's operand ring at FINE_RING
+    def fine_ring(name, fn, flops, kernel, gluon_config):  # fn with the Gluon kernel's operand ring at FINE_RINGS'
         def run():
-            with gluon_sm90.operand_ring(kernel, gluon_sm90.FINE_RING):
+            with gluon_sm90.operand_ring(kernel, ring):
                 fn()
-        bk, stages = gluon_sm90.FINE_RING
-        return run, flops, SimpleNamespace(last_config={**gluon_config, "BK": bk, "num_stages": stages}, variant=True)
+        ring = gluon_sm90.FINE_RINGS[kernel]
+        record = SimpleNamespace(last_config={**gluon_config, "BK": ring[0], "num_stages": ring[1]}, variant=True)
+        return f"{name} (ring {ring[0]}x{ring[1]})", (run, flops, record)
 
+    run_up = lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k)
+    run_up_saved = lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, preact_NH=preact)
     run_dh = lambda: expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k)
     run_act = lambda: expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k)
     run_dw13 = lambda: expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, w13.dtype, dx, topk_idx, x.dtype)
     run_dw2 = lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, w2.dtype)
-    ring = f"ring {gluon_sm90.FINE_RING[0]}x{gluon_sm90.FINE_RING[1]}"
-    variants = {  # Gluon-only variants, timed beside the kernels the layer runs (left out of the table's total)
-        f"bwd gather, dh' ({ring})": fine_ring(run_dh, 2 * unit, "dh", WS_CONFIG),
-        f"bwd recompute+act ({ring})": fine_ring(run_act, 4 * unit, "act", ACT_CONFIG),
-        f"bwd dw13, combine ({ring})": fine_ring(run_dw13, 4 * unit, "wgrad", WS_CONFIG),
-        f"bwd dw2 ({ring})": fine_ring(run_dw2, 2 * unit, "wgrad", WS_CONFIG),
-    } if ws_supported(x) else {}
+    variants = dict([  # Gluon-only variants, timed beside the kernels the layer runs (left out of the table's total)
+        fine_ring("fwd up+swiglu", run_up, 4 * unit, "up", UP_CONFIG),
+        fine_ring("fwd up+swiglu, products stored", run_up_saved, 4 * unit, "up", UP_CONFIG),
+        fine_ring("bwd gather, dh'", run_dh, 2 * unit, "dh", WS_CONFIG),
+        fine_ring("bwd recompute+act", run_act, 4 * unit, "act", ACT_CONFIG),
+        fine_ring("bwd dw13, combine", run_dw13, 4 * unit, "wgrad", WS_CONFIG),
+        fine_ring("bwd dw2", run_dw2, 2 * unit, "wgrad", WS_CONFIG),
+    ]) if ws_supported(x) else {}
     return {
         "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),
-        "fwd up+swiglu": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k), 4 * unit,
-                          tuned(expert_fwd.UP, UP_CONFIG)),
-        "fwd up+swiglu, products stored": (lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, preact_NH=preact),
-                                           4 * unit, tuned(expert_fwd.UP, UP_CONFIG)),
+        "fwd up+swiglu": (run_up, 4 * unit, tuned(expert_fwd.UP, UP_CONFIG)),
+        "fwd up+swiglu, products stored": (run_up_saved, 4 * unit, tuned(expert_fwd.UP, UP_CONFIG)),
         "fwd down": (lambda: expert_fwd.down_fwd(h, w2, topk_weights, plan), 2 * unit, expert_fwd.DOWN),
         "combine": (lambda: combine(slots, topk_idx, x.dtype), 0, None),
         # On sm90 the x copy runs inside the dh' kernel and the dx combine inside the dW13 kernel: timed with them.

@@ -137,9 +137,9 @@ WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "wgrad_combine_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
               "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG)}
-# The Gluon kernels whose operand ring ``tools.kernels`` also times at ``gluon_sm90.FINE_RING`` (BK and stages):
-# report name -> the ``WS_KERNELS`` entry compiled with it.
-WS_FINE_RING = {f"{name}_ring{ws.FINE_RING[0]}": name for name in ("wgrad_ws", "wgrad_combine_ws", "dh_ws", "act_ws")}
+# The Gluon kernels as ``tools.kernels`` also times them, with their operand rings at ``gluon_sm90.FINE_RINGS``:
+# report name -> (the ``WS_KERNELS`` entry compiled with it, (BK, STAGES)).
+WS_FINE_RINGS = {f"{name}_fine": (name, ws.FINE_RINGS[WS_KERNELS[name][0].removesuffix("_saved")]) for name in WS_KERNELS}
 
 
 def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8,
@@ -237,10 +237,9 @@ def main(argv=None) -> None:
                    f"maxnreg={maxnreg}", r, too_big)
         if not r["wide_stores"]:
             narrow.append(name)
-    for name, base in WS_FINE_RING.items() if args.dtype != "fp32" else ():
+    for name, (base, (bk, stages)) in WS_FINE_RINGS.items() if args.dtype != "fp32" else ():
         (bm, bn, _, _), maxnreg = WS_KERNELS[base][1:]
-        bk, stages = ws.FINE_RING
-        r = ptxas_report(compile_ws(base, args.dtype, ring=ws.FINE_RING))
+        r = ptxas_report(compile_ws(base, args.dtype, ring=(bk, stages)))
         report_row(name, f"BM={bm} BN={bn} BK={bk} STAGES={stages} num_warps={ws.WS_NUM_WARPS} "
                    f"maxnreg={maxnreg}", r, too_big)
         if not r["wide_stores"]:

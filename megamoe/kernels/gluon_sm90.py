@@ -90,20 +90,21 @@ UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.asy
 UP_TILE = (*ACT_TILE[:3], 4)
 UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
 
-# (BK, STAGES) of the operand rings of the weight-gradient, dh' and act kernels, read at each launch: their tiles'
-# by default. ``FINE_RING`` holds the same bytes in stages of half the size (BK 32: 6 stages of 24 KB against 3 of 48),
-# so the one or two stages the MMAs hold are half the bytes and the loader can have up to twice the bytes in flight.
-# Measured rates say the 128 x 256 blocks' operands come from L2 at 6.5-7 TB/s (docs/PERFORMANCE.md, "What holds the
-# bf16 GEMMs"): if that is the bytes in flight at L2's loaded latency, not L2's bandwidth, the finer ring is faster.
-# ``tools.kernels`` times it beside the default.
-RINGS = {"wgrad": WS_TILE[2:], "dh": WS_TILE[2:], "act": ACT_TILE[2:]}
-FINE_RING = (32, 6)
+# (BK, STAGES) of the Gluon kernels' operand rings, read at each launch: their tiles' by default. ``FINE_RINGS`` hold
+# as many bytes or more in stages of half the size (BK 32): the one or two stages the MMAs hold are half the bytes, so
+# the loader can have up to twice the bytes in flight. The 128 x 256 blocks' operands come from L2 at 5.4-7.1 TB/s
+# (docs/PERFORMANCE.md, "What holds the bf16 GEMMs"): if that is the bytes in flight at L2's loaded latency, not L2's
+# bandwidth, the finer rings are faster. ``tools.kernels`` times them beside the default. Shared memory (sm_90a,
+# ``tools.resources``): the weight gradients and the act kernel 6 x 24 KB beside their 64 KB output / hand-off block,
+# dh' 7 x 24 KB beside its 36 KB of epilogue scratch, the up kernel 8 x 24 KB beside its 16 KB staging buffer.
+RINGS = {"wgrad": WS_TILE[2:], "dh": WS_TILE[2:], "act": ACT_TILE[2:], "up": UP_TILE[2:]}
+FINE_RINGS = {"wgrad": (32, 6), "dh": (32, 7), "act": (32, 6), "up": (32, 8)}
 
 
 @contextlib.contextmanager
 def operand_ring(kernel: str, ring: tuple[int, int]):
-    """Within the block, launches of ``kernel`` ("wgrad", "dh" or "act": ``RINGS``' keys) use ``ring``, (BK,
-    STAGES), as their operand ring; the MMAs see the same K-steps in the same order, so the results are the same."""
+    """Within the block, launches of ``kernel`` (a key of ``RINGS``) use ``ring``, (BK, STAGES), as their operand ring;
+    the MMAs see the same K-steps in the same order, so the results are the same."""
     default = RINGS[kernel]
     RINGS[kernel] = ring
     try:
@@ -624,7 +625,7 @@ def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile
     BM: gl.constexpr = x_bufs.type.shape[1]
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = w13_desc.block_type.shape[2]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    layout: gl.constexpr = row_segments(BK, 2, num_warps)
     # D itself (its rows are 16-byte multiples: api.fused_supports), written so that the compiler knows it is a
     # multiple of 8 elements even where D is not one of 16: else its row offsets and column mask could split a
     # 16-byte copy, and cp.async has no 2-byte form (the kernel would not compile for D = 40, 136, 520).
@@ -783,7 +784,8 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
     products into ``preact_NH``, (N, 2I) in x's dtype, if given); 16-bit operands on an sm90 GPU
     (``ws_supported``), x contiguous with 16-byte aligned rows, at least one row; ``tile_m`` the plan's tile
     height."""
-    bm, bn, bk, stages = UP_TILE
+    bm, bn = UP_TILE[:2]
+    bk, stages = RINGS["up"]
     assert bm == tile_m, "a block is one plan tile"
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
