@@ -62,6 +62,12 @@ import torch
 import torch.distributed as dist
 
 import megamoe
+from megamoe.arguments import (
+    HelpFormatter,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from megamoe.integrations.transformers import (
     enable_activation_checkpointing,
     set_precision,
@@ -339,16 +345,6 @@ def load_checkpoint(folder: Path, model, opt, rank: int, expect: dict) -> int:
 
 # -- the run -----------------------------------------------------------------------------------------------------
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and each argument's default once: appended where its help does not
-    already say it, left out for flags and arguments without one."""
-
-    def _get_help_string(self, action):
-        if "default" in (action.help or "") or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -358,11 +354,11 @@ def parse_args(argv=None, cuda: bool | None = None):
     whether one is visible) and ``args.device_note``: what was chosen for the device, to print (or None).
     Arguments that cannot run here end the program with one line (argparse's error)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    p = argparse.ArgumentParser(prog="python -m megamoe.train", description=__doc__, formatter_class=_HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m megamoe.train", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--preset", choices=sorted(ATTENTION),
                    help=f"layer dimensions (tiny: a test-sized model; default: {GPU_DEFAULTS['preset']}, "
                         f"without a GPU {CPU_DEFAULTS['preset']})")
-    p.add_argument("--layers", type=int,
+    p.add_argument("--layers", type=positive_int,
                    help="decoder layers (default: what fits one 141 GB H200 with bf16 AdamW, estimated from the "
                         "measured peak of a 2-layer run: 16 at the 30B dims, 10.6 G parameters; 4 at the 235B "
                         "dims, 11.2 G; 2 for tiny)")
@@ -370,35 +366,36 @@ def parse_args(argv=None, cuda: bool | None = None):
                    help="experts implementation (sonicmoe: the installed package, on a GPU)")
     for name, what in (("steps", "optimizer steps"), ("seq_len", "tokens per sequence"),
                        ("seqs_per_step", "sequences per step (per rank)")):
-        p.add_argument(_option(name), type=int,
+        p.add_argument(_option(name), type=positive_int,
                        help=f"{what} (default: {GPU_DEFAULTS[name]}, without a GPU {CPU_DEFAULTS[name]})")
-    p.add_argument("--micro-batches", type=int, default=1,
+    p.add_argument("--micro-batches", type=positive_int, default=1,
                    help="forward+backward passes per optimizer step (gradient accumulation), each on --seqs-per-step "
                         "sequences: the step's loss and gradients are their mean")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                    help="megamoe's expert GEMMs: bf16, or fp8 (blockwise FP8, DeepSeek-V3's recipe; the weights' bf16 "
                         "master copy kept; --experts megamoe, layer dims multiples of 128; with --ep the rows cross "
                         "in FP8)")
-    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
-    p.add_argument("--warmup", type=int, help=f"warm-up steps (default: {GPU_DEFAULTS['warmup']}, without a GPU "
+    p.add_argument("--lr", type=positive_float, default=3e-4, help="peak learning rate")
+    p.add_argument("--warmup", type=non_negative_int, help=f"warm-up steps (default: {GPU_DEFAULTS['warmup']}, without a GPU "
                                               f"{CPU_DEFAULTS['warmup']})")
     p.add_argument("--seed", type=int, default=0, help="weights and data order")
-    p.add_argument("--compile-mode", choices=COMPILE_MODES,
-                   help="torch.compile each decoder layer (layers) or the whole model, fullgraph (model)")
-    p.add_argument("--compile", dest="compile_mode", action="store_const", const="layers",
-                   help="the same as --compile-mode layers")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the world size; megamoe only)")
+    compiling = p.add_mutually_exclusive_group()
+    compiling.add_argument("--compile-mode", choices=COMPILE_MODES,
+                           help="torch.compile each decoder layer (layers) or the whole model, fullgraph (model)")
+    compiling.add_argument("--compile", dest="compile_mode", action="store_const", const="layers",
+                           help="the same as --compile-mode layers")
+    p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel ranks (divides the world size; megamoe only)")
     p.add_argument("--corpus", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                    help="folder whose *.py files are the text (default: this Python's standard library)")
-    p.add_argument("--vocab-size", type=int, default=32768, help="BPE tokenizer vocabulary")
-    p.add_argument("--eval-every", type=int, default=50, help="eval every N steps (and after the last)")
-    p.add_argument("--eval-seqs", type=int, help="held-out sequences per eval (default: all of them, at most 8)")
-    p.add_argument("--log-every", type=int, default=10, help="progress-bar update every N steps (syncs)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
+    p.add_argument("--vocab-size", type=positive_int, default=32768, help="BPE tokenizer vocabulary")
+    p.add_argument("--eval-every", type=positive_int, default=50, help="eval every N steps (and after the last)")
+    p.add_argument("--eval-seqs", type=positive_int, help="held-out sequences per eval (default: all of them, at most 8)")
+    p.add_argument("--log-every", type=positive_int, default=10, help="progress-bar update every N steps (syncs)")
+    p.add_argument("--checkpoint-every", type=non_negative_int, default=0, help="checkpoint every N steps (0: at the end only)")
     p.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint")
     p.add_argument("--resume", type=Path, help="a checkpoint folder to continue from")
-    p.add_argument("--stop-after", type=int, help="leave after this step (the schedule still spans --steps)")
-    p.add_argument("--moe-share-steps", type=int, default=0,
+    p.add_argument("--stop-after", type=positive_int, help="leave after this step (the schedule still spans --steps)")
+    p.add_argument("--moe-share-steps", type=non_negative_int, default=0,
                    help="after training: time this many steps with and without the experts (moe_share; GPU only)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/train"), help="runs and the data cache")
     p.add_argument("--name", help="run folder name (default: from preset, experts, seq-len, seed)")
@@ -411,8 +408,8 @@ def parse_args(argv=None, cuda: bool | None = None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.moe_share_steps and not cuda:
         p.error("--moe-share-steps times the step on a GPU (CUDA events); this machine has none")
-    if args.micro_batches < 1:
-        p.error(f"--micro-batches must be at least 1, not {args.micro_batches}")
+    if args.resume is not None and not args.resume.is_dir():
+        p.error(f"--resume {args.resume}: no such checkpoint folder")
     if world == 1 and args.ep != 1:
         p.error("--ep needs several processes (torchrun --nproc-per-node N)")
     if world % args.ep:

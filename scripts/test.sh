@@ -6,6 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/setup.sh)
+if ! "$PY" -c "import pytest" 2>/dev/null; then
+    echo "the tests need the dev extras in $PY's environment: $PY -m pip install -e '.[dev]'" >&2
+    exit 1
+fi
 workers=()
 if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     workers=(-n 2 --dist loadfile)

@@ -326,14 +326,28 @@ def test_benchmark_rounds_take_turns_and_report_each_impls_median(monkeypatch):
         layer.time_impls(impls, None, rep_ms=5, rounds=0)
 
 
-@pytest.mark.parametrize("argv, message", [(["--rounds", "0"], "at least 1"),
-                                           (["--ep", "--rounds", "2"], "layer benchmark's")])
-def test_benchmark_refuses_rounds_it_cannot_run(argv, message, capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--rounds", "0"], "argument --rounds: must be at least 1, not 0"),
+    (["--ep", "--rounds", "2"], "--rounds is the layer benchmark's"),
+    (["--tokens", "16384,0"], "argument --tokens: must be at least 1, not 0"),
+    (["--rep-ms", "-1"], "argument --rep-ms: must be at least 1"),
+    (["--impls", "megamoe,foo"], "--impls: ['foo'] not among the layer benchmark's"),
+    (["--ep", "--impls", "megamoe"], "--impls: ['megamoe'] not among the expert-parallel benchmark's"),
+    (["--loopback", "2", "--comm-sms", "4"], "--comm-sms, --loopback: the expert-parallel benchmark's options"),
+    (["--ep", "--loopback", "-1"], "argument --loopback: must be at least 0, not -1"),
+    (["--ep", "--comm-sms-split", "1:x"], "argument --comm-sms-split: not an integer: 'x'"),
+])
+def test_benchmark_refuses_arguments_it_cannot_run(argv, message, capsys):
+    """Each in argparse's one line, before anything is set up (no traceback, no GPU needed)."""
     from megamoe.bench.cli import parse_args
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         parse_args(argv)
-    assert message in capsys.readouterr().err
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]
+    assert last.startswith("python -m megamoe.bench: error: ") and message in last, last
+    assert "Traceback" not in err
 
 
 def test_benchmark_impls(capsys):
@@ -377,8 +391,8 @@ def test_host_time_probe_times_both_paths_and_restores_the_launcher(capsys):
 @pytest.mark.gpu
 def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
     """``python -m tools.kernels``: every stage timed, each GEMM's config recorded (on sm90 those of
-    the up kernel, dh', the act kernel and the weight gradients are the warp-specialized kernels', and the last
-    three are timed again with the finer operand ring, as variants)."""
+    the up kernel, dh', the act kernel and the weight gradients are the warp-specialized kernels', each timed again
+    with its finer operand ring, as a variant)."""
     import json
 
     from tools.kernels import main
@@ -395,13 +409,15 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
             assert rows[stage]["config"]["WARP_SPECIALIZED"], stage
         for stage in ("fwd down", "bwd dx"):
             assert not rows[stage]["config"].get("WARP_SPECIALIZED"), stage
-        from megamoe.kernels.gluon_sm90 import FINE_RING
+        from megamoe.kernels.gluon_sm90 import FINE_RINGS
 
-        ring = f"ring {FINE_RING[0]}x{FINE_RING[1]}"
-        for stage in ("bwd gather, dh'", "bwd recompute+act", "bwd dw13, combine", "bwd dw2"):
-            fine = rows[f"{stage} ({ring})"]  # the variant, timed beside the kernel the layer runs
+        for stage, kernel in (("fwd up+swiglu", "up"), ("fwd up+swiglu, products stored", "up"),
+                              ("bwd gather, dh'", "dh"), ("bwd recompute+act", "act"), ("bwd dw13, combine", "wgrad"),
+                              ("bwd dw2", "wgrad")):
+            bk, stages = FINE_RINGS[kernel]
+            fine = rows[f"{stage} (ring {bk}x{stages})"]  # the variant, timed beside the kernel the layer runs
             assert fine["variant"] and not rows[stage]["variant"], stage
-            assert (fine["config"]["BK"], fine["config"]["num_stages"]) == FINE_RING, stage
+            assert (fine["config"]["BK"], fine["config"]["num_stages"]) == (bk, stages), stage
 
 
 @pytest.mark.gpu

@@ -412,6 +412,16 @@ def test_model_benchmark_arguments(capsys):
     assert capsys.readouterr().err.splitlines()[-1] == (
         "python -m megamoe.bench.model: error: --matrix runs every checkpointing and compile mode: leave out "
         "--checkpoint, --compile and --compile-mode")
+    for argv, message in ((["--tokens", "0"], "argument --tokens: must be at least 1, not 0"),
+                          (["--iters", "-2"], "argument --iters: must be at least 1, not -2"),
+                          (["--compile", "--compile-mode", "model"],
+                           "argument --compile-mode: not allowed with argument --compile")):
+        with pytest.raises(SystemExit):
+            model.parse_args(argv, cuda=True)
+        assert capsys.readouterr().err.splitlines()[-1] == f"python -m megamoe.bench.model: error: {message}"
+    # without a GPU the check runs the tiny preset's model: the sizes given are named as ignored
+    assert model.parse_args(["--tokens", "64", "--layers", "3"], cuda=False).ignored == ["layers", "tokens"]
+    assert model.parse_args(["--tokens", "64"], cuda=True).ignored == []
 
 
 def test_causal_attention_needs_no_mask_and_gives_sdpas_loss_and_gradients():

@@ -137,15 +137,18 @@ def test_readme_tables_keep_each_problems_newest_run():
     assert problems(report.fp8_table(runs)) == [a, b, b_baseline]
 
 
-def test_train_table_names_micro_batches(tmp_path):
+def test_train_table_names_micro_batches_and_code(tmp_path):
     """A run that accumulates gradients over micro-batches says so in its tokens per step; one without the key
-    (written before the option existed) counts as one micro-batch."""
+    (written before the option existed) counts as one micro-batch. Each row names the code that ran: its commit, or
+    its source digest where the tree had changes (two runs of one setting and seed, at two commits, stay apart)."""
     (tmp_path / "train").mkdir()
     run = json.loads((ROOT / "benchmarks" / "results" / "train" / "qwen3-30b-a3b-l2-megamoe-s0.json").read_text())
     run.pop("micro_batches", None)
     (tmp_path / "train" / "one.json").write_text(json.dumps(run))
-    (tmp_path / "train" / "four.json").write_text(json.dumps({**run, "micro_batches": 4, "seed": 7}))
+    (tmp_path / "train" / "four.json").write_text(json.dumps({**run, "micro_batches": 4, "seed": 7,
+                                                              "commit": "abcdef0123-dirty", "source_sha256": "9876543"}))
     rows = [line for line in report.train_table(tmp_path).splitlines() if line.startswith("| qwen3")]
     assert len(rows) == 2
-    assert f"| 1 x {run['seq_len']} | megamoe | {run['seed']} |" in rows[0]
+    assert f"| 1 x {run['seq_len']} | megamoe | {run['seed']} |" in rows[0] and rows[0].endswith(f"| {run['commit'][:7]} |")
     assert f"| 4 micro-batches of 1 x {run['seq_len']} | megamoe | 7 |" in rows[1]
+    assert rows[1].endswith("| digest 9876543 |")

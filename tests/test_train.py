@@ -179,6 +179,13 @@ def test_without_a_gpu_the_defaults_run_about_a_minute():
     (["--ep", "2"], "--ep needs several processes"),
     (["--precision", "fp8"], "--precision fp8 needs the layer's hidden and expert sizes to be multiples of 128"),
     (["--precision", "fp8", "--experts", "grouped_mm"], "--precision fp8 runs megamoe's experts"),
+    (["--steps", "0"], "argument --steps: must be at least 1, not 0"),
+    (["--seq-len", "-3"], "argument --seq-len: must be at least 1, not -3"),
+    (["--layers", "0"], "argument --layers: must be at least 1"),
+    (["--lr", "-1"], "argument --lr: must be greater than 0"),
+    (["--micro-batches", "0"], "argument --micro-batches: must be at least 1"),
+    (["--resume", "/no/such/folder"], "--resume /no/such/folder: no such checkpoint folder"),
+    (["--compile", "--compile-mode", "model"], "argument --compile-mode: not allowed with argument --compile"),
 ])
 def test_arguments_that_cannot_run_here_end_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

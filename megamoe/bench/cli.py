@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 
+from megamoe.arguments import HelpFormatter, csv_of, non_negative_int, positive_int
 from megamoe.bench import ep, layer
-from megamoe.bench.common import PRESETS, ROUTINGS, csv_of
+from megamoe.bench.common import PRESETS, ROUTINGS
 
 # Where results go unless --out says otherwise: an ignored folder, so that a run never overwrites the
 # committed results behind the README's tables (benchmarks/results/).
@@ -16,10 +17,10 @@ DEFAULT_OUT = "benchmarks/out"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megamoe.bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--preset", type=csv_of(PRESETS), default="qwen3-30b-a3b",
                    help=f"one or more (comma-separated) of {sorted(PRESETS)}")
-    p.add_argument("--tokens", type=csv_of(int), default="16384", help="tokens per step (T), comma-separated")
+    p.add_argument("--tokens", type=csv_of(positive_int), default="16384", help="tokens per step (T), comma-separated")
     p.add_argument("--routing", type=csv_of(ROUTINGS), default="random", help=f"comma-separated, from {ROUTINGS}")
     p.add_argument("--impls", default=None,
                    help=f"comma-separated, from {layer.IMPLS} (default: {layer.DEFAULT_IMPLS}; 'loop' is slow: opt "
@@ -31,16 +32,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ep", action="store_true",
                    help="expert-parallel benchmark over the torchrun ranks (see megamoe/bench/ep.py); --tokens is "
                         "per rank")
-    p.add_argument("--ep-iters", type=int, default=20, help="timed iterations per measurement with --ep")
-    p.add_argument("--loopback", type=int, default=0, metavar="R",
+    p.add_argument("--ep-iters", type=positive_int, default=20, help="timed iterations per measurement with --ep")
+    p.add_argument("--loopback", type=non_negative_int, default=0, metavar="R",
                    help="with --ep: R virtual ranks on one device (no torchrun): the fused protocol against the "
                         "plain one-device layer, and in blockwise FP8 against the bf16 loopback where D and I are "
                         "multiples of 128")
-    p.add_argument("--comm-sms", type=lambda v: [int(n) for n in v.split(",")], default=[], metavar="N[,N...]",
+    p.add_argument("--comm-sms", type=csv_of(positive_int), default=[], metavar="N[,N...]",
                    help="with --ep: also the fused protocol sending rows from N programs of the expert kernels' "
                         "launches (impl fused_smsN; with --loopback R > 1 each rank's senders run before every GEMM, so "
                         "only R = 1 overlaps)")
-    p.add_argument("--comm-sms-split", type=lambda v: [tuple(int(n) for n in pair.split(":")) for pair in v.split(",")],
+    p.add_argument("--comm-sms-split", type=csv_of(_split_of_senders),
                    default=[], metavar="F:B[,F:B...]",
                    help="with --ep on real ranks: also the fused protocol with F sending programs in the forward and "
                         "B in the backward (impl fused_smsF_B; 0: a dispatch kernel of its own)")
@@ -50,8 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "twin's table. With --ep on real ranks: each fused impl's forward and the overlap figure's "
                         "two halves (compute only, comm only), one file per rank")
     p.add_argument("--seed", type=int, default=0, help="seed of the problem's inputs and routing")
-    p.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition budget per measurement (ms)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rep-ms", type=positive_int, default=500, help="do_bench repetition budget per measurement (ms)")
+    p.add_argument("--rounds", type=positive_int, default=1,
                    help="the layer benchmark's timed rounds: with N > 1 every impl is set up first, then timed once "
                         "in each of N rounds, the impls taking turns, and each time is the median of its N medians "
                         "(all kept in the JSON), so that the GPU's clock drifting over the run meets every impl "
@@ -60,13 +61,29 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="folder for the JSON and PNG (benchmarks/results holds the committed ones)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     args = p.parse_args(argv)  # argparse applies ``type`` to string defaults too
-    if args.rounds < 1:
-        p.error(f"--rounds must be at least 1, got {args.rounds}")
-    if args.ep and args.rounds != 1:
-        p.error("--rounds is the layer benchmark's (with --ep, --ep-iters sets the timed iterations)")
     defaults = vars(p.parse_args([]))
     args.explicit = {name for name, value in vars(args).items() if value != defaults[name]}  # what the caller set
+    if args.ep and args.rounds != 1:
+        p.error("--rounds is the layer benchmark's (with --ep, --ep-iters sets the timed iterations)")
+    ep_only = sorted(args.explicit & {"ep_iters", "loopback", "comm_sms", "comm_sms_split"})
+    if ep_only and not args.ep:
+        p.error(f"{', '.join('--' + name.replace('_', '-') for name in ep_only)}: the expert-parallel benchmark's "
+                f"options (add --ep)")
+    if args.impls is not None:
+        allowed = ep.EP_IMPLS if args.ep else layer.IMPLS
+        unknown = [name for name in csv_of(lambda n: n)(args.impls) if name not in allowed]
+        if unknown:
+            p.error(f"--impls: {unknown} not among the {'expert-parallel' if args.ep else 'layer'} benchmark's "
+                    f"{list(allowed)}")
     return args
+
+
+def _split_of_senders(pair: str) -> tuple[int, int]:
+    """argparse type of ``--comm-sms-split``'s items: "F:B", the sending programs of the forward and the backward."""
+    parts = pair.split(":")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{pair!r} is not F:B")
+    return non_negative_int(parts[0]), non_negative_int(parts[1])
 
 
 def main(argv=None) -> None:

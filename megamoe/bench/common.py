@@ -4,7 +4,6 @@ time, per-kernel profiles, and the provenance every result records (:mod:`megamo
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 
@@ -17,7 +16,7 @@ from megamoe.routing import route
 
 # PRESETS and the provenance helpers live in the package (the training script uses them too); the benchmarks
 # take them from here, with the rest of what they share.
-__all__ = ["PRESETS", "ROUTINGS", "csv_of", "dense_matmul_tflops", "git_commit", "grads_of", "kernel_tables",
+__all__ = ["PRESETS", "ROUTINGS", "dense_matmul_tflops", "git_commit", "grads_of", "kernel_tables",
            "make_problem", "make_routing", "max_rel_err", "source_digest", "training_step", "utc_now"]
 
 ROUTINGS = ("random", "balanced", "skewed")
@@ -91,19 +90,6 @@ def training_step(fn: Callable, problem) -> tuple[Callable, Callable]:
             t.grad = None
 
     return fwd, fwd_bwd
-
-
-def csv_of(allowed):
-    """argparse type: a comma-separated list, each item in ``allowed`` (or converted by it)."""
-    def parse(text: str) -> list:
-        items = [item.strip() for item in text.split(",") if item.strip()]
-        if callable(allowed):
-            return [allowed(item) for item in items]
-        bad = [item for item in items if item not in allowed]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"{bad or text!r} not in {sorted(allowed)}")
-        return items
-    return parse
 
 
 def kernel_tables(variants: dict, calls: int = 5) -> str:

@@ -45,7 +45,7 @@ import torch
 import transformers
 
 import megamoe
-from megamoe.bench.common import csv_of
+from megamoe.arguments import HelpFormatter, csv_of, positive_int
 from megamoe.integrations.transformers import (  # importing it registers "megamoe"
     enable_activation_checkpointing,
     set_precision,
@@ -280,35 +280,27 @@ def table(results: list[dict], experts: list[str]) -> str:
     return "\n".join(lines)
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and each argument's default where it has one (not for flags)."""
-
-    def _get_help_string(self, action):
-        if any(action.default is v for v in (None, False, argparse.SUPPRESS)):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def parse_args(argv=None, cuda: bool | None = None):
     """The parsed arguments; those that cannot run here (``cuda``: whether a GPU runs this; default: whether one
     is visible) end the program with one line, before any model is built."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     p = argparse.ArgumentParser(prog="python -m megamoe.bench.model", description=__doc__,
-                                formatter_class=_HelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--preset", choices=sorted(ATTENTION), default="qwen3-30b-a3b", help="layer dimensions")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers")
-    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (one sequence)")
-    p.add_argument("--vocab", type=int, default=32768, help="vocabulary size")
+    p.add_argument("--layers", type=positive_int, default=2, help="decoder layers")
+    p.add_argument("--tokens", type=positive_int, default=16384, help="tokens per step (one sequence)")
+    p.add_argument("--vocab", type=positive_int, default=32768, help="vocabulary size")
     p.add_argument("--experts", type=csv_of(MODEL_EXPERTS), default="megamoe,grouped_mm",
                    help=f"from {MODEL_EXPERTS} (sonicmoe: where `import sonicmoe` works, on a GPU; megamoe_fp8: on a "
                         "GPU)")
     p.add_argument("--checkpoint", action="store_true",
                    help="full activation checkpointing of every layer (without it megamoe keeps its gate/up "
                         "pre-activation, save_for_backward='preact')")
-    p.add_argument("--compile-mode", choices=COMPILE_MODES,
-                   help="torch.compile each decoder layer (layers) or the whole model, fullgraph (model)")
-    p.add_argument("--compile", dest="compile_mode", action="store_const", const="layers",
-                   help="the same as --compile-mode layers")
+    compiling = p.add_mutually_exclusive_group()
+    compiling.add_argument("--compile-mode", choices=COMPILE_MODES,
+                           help="torch.compile each decoder layer (layers) or the whole model, fullgraph (model)")
+    compiling.add_argument("--compile", dest="compile_mode", action="store_const", const="layers",
+                           help="the same as --compile-mode layers")
     p.add_argument("--matrix", action="store_true",
                    help="every cell of {no checkpointing, full} x {layers, model} x --experts (failed cells are "
                         "recorded with their error)")
@@ -316,13 +308,17 @@ def parse_args(argv=None, cuda: bool | None = None):
                    help="transformers' SDPA, or sdpa_causal: the same call without a mask, is_causal=True (one "
                         "unpadded sequence); the whole model compiled, sdpa builds the full causal mask and loses "
                         "SDPA's flash kernel under torch < 2.14")
-    p.add_argument("--iters", type=int, default=10, help="timed steps per cell")
+    p.add_argument("--iters", type=positive_int, default=10, help="timed steps per cell")
     p.add_argument("--optimizer-step", action="store_true",
                    help="end each timed step with an optimizer step (SGD at learning rate 0: the weights stay, but "
                         "megamoe_fp8 makes its FP8 weight copies again every step, as training with one micro-batch "
                         "per optimizer step does; GPU timings only)")
     p.add_argument("--out", default="benchmarks/out", help="folder for the JSON")
     args = p.parse_args(argv)
+    defaults = vars(p.parse_args([]))
+    # what a check without a GPU leaves out (it runs the tiny preset's model: 2 layers, 32 tokens, once); main prints it
+    args.ignored = [] if cuda else [name for name in ("preset", "layers", "tokens", "vocab", "iters")
+                                    if getattr(args, name) != defaults[name]]
     if args.matrix and (args.checkpoint or args.compile_mode):
         p.error("--matrix runs every checkpointing and compile mode: leave out --checkpoint, --compile and "
                 "--compile-mode")
@@ -341,6 +337,9 @@ def parse_args(argv=None, cuda: bool | None = None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
+    if args.ignored:
+        print(f"Ignored without a GPU: {', '.join('--' + name for name in args.ignored)} (the check runs the tiny "
+              f"preset's model, 2 layers, 32 tokens, once).")
     if args.matrix:
         cells = [(c, m, e) for c in CHECKPOINTING for m in COMPILE_MODES for e in args.experts]
     else:

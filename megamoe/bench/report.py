@@ -177,10 +177,14 @@ def _committed(info: dict) -> bool:
     return bool(commit) and not commit.endswith("-dirty")
 
 
+def _code(info: dict) -> str:
+    """The code a run ran, short: its commit, or "digest" and its source digest's first digits."""
+    return info["commit"][:7] if _committed(info) else f"digest {info.get('source_sha256', '?')[:7]}"
+
+
 def _problem(info: dict) -> str:
     """A run's problem and when and on what code it ran: "30b T=16384 random (2026-12-03, bddbc03)"."""
-    code = info["commit"][:7] if _committed(info) else f"digest {info.get('source_sha256', '?')[:7]}"
-    return f"{info['preset']} T={info['tokens']} {info['routing']} ({info.get('date', '?')[:10]}, {code})"
+    return f"{info['preset']} T={info['tokens']} {info['routing']} ({info.get('date', '?')[:10]}, {_code(info)})"
 
 
 def sonicmoe_table(runs: list[dict]) -> str:
@@ -242,10 +246,10 @@ def fp8_table(runs: list[dict]) -> str:
 
 def train_table(folder: Path) -> str:
     """``python -m megamoe.train`` runs (``folder``/train/*.json): per run its throughput, MFU, the experts' share of
-    the step and the final eval loss."""
+    the step, the final eval loss and the code it ran."""
     runs = [json.loads(path.read_text()) for path in sorted((folder / "train").glob("*.json"))]
     lines = [("| model | tokens per step | experts | seed | steps | tokens/s | step ms | MFU | MoE share | peak GiB | "
-              "eval loss |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "eval loss | code |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def fp8(r):
         return r.get("expert_precision") == "fp8"
 
@@ -261,7 +265,8 @@ def train_table(folder: Path) -> str:
             per_step = f"{micro_batches(r)} micro-batches of {per_step}"
         lines.append(f"| {r['preset']}, {r['layers']} layers | {per_step} | {experts} | "
                      f"{r['seed']} | {r['steps']} | {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.1f} | "
-                     f"{r['mfu']:.1%} | {share} | {r['peak_mem_bytes'] / 2**30:.1f} | {r['final_eval_loss']:.3f} |")
+                     f"{r['mfu']:.1%} | {share} | {r['peak_mem_bytes'] / 2**30:.1f} | {r['final_eval_loss']:.3f} | "
+                     f"{_code(r)} |")
     lines += ["", (f"{_versions(runs)}; bf16 (the experts' GEMMs too, but where marked FP8: blockwise), every decoder "
                    "layer compiled and checkpointed; tokens/s: the median step after the first 10; MFU against 989 "
                    "TFLOP/s.")]

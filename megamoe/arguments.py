@@ -1,0 +1,60 @@
+"""argparse pieces shared by the package's command lines (``python -m megamoe.bench``, ``megamoe.bench.model``,
+``megamoe.train``): argument types that refuse an impossible value with argparse's one-line error, before anything
+is built, and the help formatter."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _int_from(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        return value
+    parse.__name__ = f"int >= {minimum}"  # (argparse names the type in some messages)
+    return parse
+
+
+positive_int = _int_from(1)
+non_negative_int = _int_from(0)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a float greater than 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, not {text}")
+    return value
+
+
+def csv_of(allowed):
+    """argparse type: a comma-separated list, each item in ``allowed`` (or converted by it, when it is callable)."""
+    def parse(text: str) -> list:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"an empty list: {text!r}")
+        if callable(allowed):
+            return [allowed(item) for item in items]
+        bad = [item for item in items if item not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad} not in {sorted(allowed)}")
+        return items
+    return parse
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and each argument's default once: appended where its help does not already say
+    it, left out for flags and for arguments without one."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return action.help
+        return super()._get_help_string(action)
