@@ -41,7 +41,9 @@ MFU counts 6 FLOPs per token per active parameter of the attention projections, 
 head, plus causal attention's 6·S·H·hd per token per layer (S the sequence length), without the recompute of
 checkpointing, against 989 TFLOP/s (the H100/H200's dense bf16 peak). ``--moe-share-steps`` times extra
 forward+backward steps at the end with the experts and with the experts replaced by zeros (same routing):
-``moe_share`` is the fraction of the step that the experts take.
+``moe_ms`` is the difference, ``moe_share`` its fraction of the forward+backward, ``moe_share_of_step`` its fraction
+of the training step (the median ``step_ms``: clipping and the optimizer step too), the share that an Amdahl estimate
+of tokens/s takes.
 """
 
 from __future__ import annotations
@@ -616,6 +618,8 @@ def main(argv=None) -> dict | None:
     result = summary(args, meta, log, start, tokens_per_step, flops_per_token, params_total, device)
     if args.moe_share_steps:
         result.update(moe_share(model, train, args, device, world, rank, step_loss))
+        if result["step_ms_median"]:  # of the whole training step (clipping and the optimizer step included)
+            result["moe_share_of_step"] = result["moe_ms"] / result["step_ms_median"]
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "log.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -656,7 +660,7 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
         "mfu_flops_per_token": flops_per_token, "mfu_peak_tflops": PEAK_TFLOPS,
         "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
         "final_eval_loss": log["eval"][-1]["loss"] if log["eval"] else None,
-        "moe_share": None, **log,
+        "moe_share": None, "moe_ms": None, "moe_share_of_step": None, **log,
     }
 
 
@@ -686,7 +690,7 @@ def moe_share(model, train, args, device, world, rank, step_loss) -> dict:
     model.set_experts_implementation(NO_EXPERTS)
     without = median_ms()
     model.set_experts_implementation(args.experts)
-    return {"moe_share": 1 - without / with_experts, "moe_share_method":
+    return {"moe_share": 1 - without / with_experts, "moe_ms": with_experts - without, "moe_share_method":
             f"ablation: fwd+bwd median of {args.moe_share_steps} steps with the experts ({with_experts:.2f} ms) and "
             f"with the experts replaced by zeros ({without:.2f} ms)"}
 

@@ -64,7 +64,7 @@ def test_log_has_the_documented_fields_and_a_plot(runs):
     log = json.loads((run_dir / "log.json").read_text())
     for key in ("gpu", "torch", "transformers", "date", "command", "preset", "layers", "params", "experts",
                 "precision", "ep", "seq_len", "steps", "tokens_per_s", "step_ms_median", "mfu", "moe_share",
-                "peak_mem_bytes", "final_eval_loss", "losses", "fp8_weight_gradients"):
+                "moe_ms", "moe_share_of_step", "peak_mem_bytes", "final_eval_loss", "losses", "fp8_weight_gradients"):
         assert key in log, key
     assert log["fp8_weight_gradients"] is None  # bf16 experts
     assert log["params"] == results["megamoe"]["params"] > 0 and log["corpus_digest"]
@@ -211,7 +211,7 @@ def test_help_gives_the_whole_description_and_each_default_once(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     out = capsys.readouterr().out
-    assert "What it does, in order" in out and "- **Output**" in out and "``moe_share`` is the fraction" in out
+    assert "What it does, in order" in out and "- **Output**" in out and "``moe_share_of_step`` its fraction" in out
     options = out.split("\noptions:\n")[1]
     blocks = {}
     for line in options.splitlines():
