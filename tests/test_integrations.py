@@ -178,6 +178,23 @@ def test_model_matches_transformers_experts_bf16_gpu():
         assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
 
 
+@pytest.mark.gpu
+def test_model_benchmark_profiles_each_cell(tmp_path):
+    """``--profile``: each cell's per-kernel table, in one text file next to the JSON (which holds none of it)."""
+    import json
+
+    from megamoe.bench import model
+
+    model.main(["--preset", "tiny", "--layers", "1", "--tokens", "256", "--iters", "2", "--experts",
+                "megamoe,grouped_mm", "--checkpoint", "--compile", "--profile", "--out", str(tmp_path)])
+    [record] = tmp_path.glob("*.json")
+    assert all("_profile" not in r and r["step_ms"] > 0 for r in json.loads(record.read_text())["results"])
+    tables = record.with_name(record.stem + "-profile.txt").read_text()
+    for experts in ("megamoe", "grouped_mm"):  # a table per cell, under the cell's name
+        assert f"===== {model.cell_name(True, 'layers', experts)} (5 calls" in tables, experts
+    assert tables.count("Self CUDA") >= 2
+
+
 def test_model_benchmark_checks_the_implementations_without_a_gpu(capsys, monkeypatch):
     """``python -m megamoe.bench.model`` on CPU: one step of the tiny model per implementation (with checkpointing:
     megamoe under its helper, the others plain), each one's loss and gradients against megamoe's; a disagreement
@@ -419,6 +436,10 @@ def test_model_benchmark_arguments(capsys):
         with pytest.raises(SystemExit):
             model.parse_args(argv, cuda=True)
         assert capsys.readouterr().err.splitlines()[-1] == f"python -m megamoe.bench.model: error: {message}"
+    with pytest.raises(SystemExit):
+        model.parse_args(["--profile"], cuda=False)
+    assert capsys.readouterr().err.splitlines()[-1] == ("python -m megamoe.bench.model: error: --profile times the "
+                                                        "kernels of the step: it needs a CUDA GPU")
     # without a GPU the check runs the tiny preset's model: the sizes given are named as ignored
     assert model.parse_args(["--tokens", "64", "--layers", "3"], cuda=False).ignored == ["layers", "tokens"]
     assert model.parse_args(["--tokens", "64"], cuda=True).ignored == []

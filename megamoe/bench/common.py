@@ -92,9 +92,10 @@ def training_step(fn: Callable, problem) -> tuple[Callable, Callable]:
     return fwd, fwd_bwd
 
 
-def kernel_tables(variants: dict, calls: int = 5) -> str:
+def kernel_tables(variants: dict, calls: int = 5, rows: int = 15) -> str:
     """Per-kernel CUDA time of each variant (name → function), ``calls`` calls after three warm-up calls,
-    as torch.profiler tables: where a variant's time goes, kernel by kernel (CPU time without a GPU). On
+    as torch.profiler tables of ``rows`` rows: where a variant's time goes, kernel by kernel (CPU time without a
+    GPU). On
     a GPU each variant also gets its host-side table (CUDA runtime calls: a synchronising call or a
     cudaMalloc shows there) and the wall time of the back-to-back calls: the GPU idled at most the wall
     time less the kernels' total (which also holds the first launch's latency and the profiler's own
@@ -119,7 +120,7 @@ def kernel_tables(variants: dict, calls: int = 5) -> str:
             wall_ms = (time.perf_counter() - start) * 1e3 / calls
         averages = prof.key_averages()
         out.append(f"===== {name} ({calls} calls, {wall_ms:.3f} ms wall per call under the profiler)\n"
-                   + averages.table(sort_by="self_cuda_time_total" if cuda else "cpu_time_total", row_limit=15,
+                   + averages.table(sort_by="self_cuda_time_total" if cuda else "cpu_time_total", row_limit=rows,
                                     max_name_column_width=50))
         if cuda:
             out.append(f"----- {name}: host side\n"

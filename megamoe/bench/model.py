@@ -46,6 +46,7 @@ import transformers
 
 import megamoe
 from megamoe.arguments import HelpFormatter, csv_of, positive_int
+from megamoe.bench.common import kernel_tables
 from megamoe.integrations.transformers import (  # importing it registers "megamoe"
     enable_activation_checkpointing,
     set_precision,
@@ -63,6 +64,7 @@ from megamoe.models import (
 from megamoe.provenance import git_commit, source_digest, utc_now
 
 CHECKPOINTING = (False, True)  # the matrix's rows: no checkpointing, full checkpointing
+PROFILE_ROWS = 40  # kernels per --profile table: a 2-layer step runs ~30 kinds (attention, norms, the experts' own)
 # The implementations a cell can run: transformers' experts interfaces (models.EXPERTS), and megamoe with its
 # blockwise FP8 GEMMs (D and the expert width multiples of 128: the real presets, not the tiny one).
 MODEL_EXPERTS = (*EXPERTS, "megamoe_fp8")
@@ -190,9 +192,10 @@ def timed(step, iters: int) -> tuple[float, float]:
 
 
 def run_cell(base, experts: str, checkpoint: bool, compile_mode: str | None, input_ids, iters: int,
-             reference=None, fullgraph: bool = True, optimizer_step: bool = False) -> dict:
+             reference=None, fullgraph: bool = True, optimizer_step: bool = False, profile: bool = False) -> dict:
     """One cell on a fresh copy of ``base``: on a GPU its step time, peak memory and loss (``optimizer_step``: each
-    timed step ends with :func:`step_fn`'s optimizer step); on the CPU (``reference``: the (loss, gradients) to
+    timed step ends with :func:`step_fn`'s optimizer step; ``profile``: then the step's per-kernel CUDA times,
+    ``common.kernel_tables``, as the text of ``"_profile"``); on the CPU (``reference``: the (loss, gradients) to
     compare with) its loss and its differences from the reference. ``fullgraph=False``: the whole model compiled
     with graph breaks allowed (recorded as ``"fullgraph": false``)."""
     # Each cell compiles its own copy: without a reset dynamo counts the copies' layers as recompiles of one
@@ -211,34 +214,37 @@ def run_cell(base, experts: str, checkpoint: bool, compile_mode: str | None, inp
         ms, warmup_s = timed(step, iters)
         result.update(step_ms=ms, tokens_per_s=input_ids.numel() / ms * 1e3, warmup_s=warmup_s,
                       peak_mem_bytes=torch.cuda.max_memory_allocated(), loss=step().item())
+        if profile:
+            result["_profile"] = kernel_tables({cell_name(checkpoint, compile_mode, experts): step}, rows=PROFILE_ROWS)
     else:
         loss, grads = loss_and_grads(model, input_ids)
         result.update(loss=loss, loss_diff=abs(loss - reference[0]), grad_diff=grad_diff(grads, reference[1]))
     return result
 
 
-def run_cells(base, cells, input_ids, iters: int, write, reference=None, optimizer_step: bool = False) -> list[dict]:
+def run_cells(base, cells, input_ids, iters: int, write, reference=None, optimizer_step: bool = False,
+              profile: bool = False) -> list[dict]:
     """Every cell of ``cells`` ((checkpoint, compile mode, experts)) with :func:`run_cell`; a cell that raises is
     recorded with its error (one line) and the next one runs. A whole-model cell of another implementation than
     megamoe's that dynamo cannot trace in one graph (``Unsupported``: SonicMoE's transformers experts call their
     kernel through ``torch.compiler.disable``) runs again with graph breaks allowed, as a user of that
     implementation compiles the whole model, and says so: ``"fullgraph": false`` and ``"fullgraph_error"`` in its
     record, "graph breaks" in its line and the table's cell. megamoe's must be one graph: its break is a failure.
-    ``write(results)`` after every cell; ``optimizer_step``: :func:`run_cell`'s."""
+    ``write(results)`` after every cell; ``optimizer_step``, ``profile``: :func:`run_cell`'s."""
     results = []
     for checkpoint, compile_mode, experts in cells:
         name = cell_name(checkpoint, compile_mode, experts)
         try:
             try:
                 result = run_cell(base, experts, checkpoint, compile_mode, input_ids, iters, reference,
-                                  optimizer_step=optimizer_step)
+                                  optimizer_step=optimizer_step, profile=profile)
             except torch._dynamo.exc.Unsupported as exc:
                 if compile_mode != "model" or is_megamoe(experts):
                     raise
                 print(f"  {name:48s} not one graph ({error_line(exc)}): again with graph breaks", flush=True)
                 name += " (graph breaks)"
                 result = run_cell(base, experts, checkpoint, compile_mode, input_ids, iters, reference,
-                                  fullgraph=False, optimizer_step=optimizer_step)
+                                  fullgraph=False, optimizer_step=optimizer_step, profile=profile)
                 result["fullgraph_error"] = error_line(exc)
         except Exception as exc:  # noqa: BLE001 -- a cell's failure is a result of the matrix
             result = {"experts": experts, "checkpoint": checkpoint, "compile_mode": compile_mode,
@@ -313,6 +319,9 @@ def parse_args(argv=None, cuda: bool | None = None):
                    help="end each timed step with an optimizer step (SGD at learning rate 0: the weights stay, but "
                         "megamoe_fp8 makes its FP8 weight copies again every step, as training with one micro-batch "
                         "per optimizer step does; GPU timings only)")
+    p.add_argument("--profile", action="store_true",
+                   help="also write each cell's per-kernel CUDA times of its step (torch.profiler, 5 steps after 3 "
+                        "warm-up steps; GPU only) next to the JSON: where the step's time goes, kernel by kernel")
     p.add_argument("--out", default="benchmarks/out", help="folder for the JSON")
     args = p.parse_args(argv)
     defaults = vars(p.parse_args([]))
@@ -325,6 +334,8 @@ def parse_args(argv=None, cuda: bool | None = None):
     problem = experts_problem(args.experts, cuda)
     if problem:
         p.error(problem)
+    if args.profile and not cuda:
+        p.error("--profile times the kernels of the step: it needs a CUDA GPU")
     if args.optimizer_step and not cuda:
         p.error("--optimizer-step changes what the timed steps run: it needs a CUDA GPU (the check without one "
                 "times nothing)")
@@ -391,11 +402,17 @@ def main(argv=None) -> None:
                       f"{'-wholemodel' if args.compile_mode == 'model' else ''}{attention}{opt}.json")
 
     def write(results):
-        path.write_text(json.dumps({**info, "results": results}, indent=1) + "\n")
+        records = [{k: v for k, v in r.items() if k != "_profile"} for r in results]
+        path.write_text(json.dumps({**info, "results": records}, indent=1) + "\n")
 
-    results = run_cells(base, cells, input_ids, args.iters, write, reference, optimizer_step=args.optimizer_step)
+    results = run_cells(base, cells, input_ids, args.iters, write, reference, optimizer_step=args.optimizer_step,
+                        profile=args.profile)
     print(table(results, args.experts))
     print(f"wrote {path}")
+    if args.profile:
+        tables = path.with_name(path.stem + "-profile.txt")
+        tables.write_text("".join(r.get("_profile", "") for r in results))
+        print(f"wrote {tables}")
     if not cuda:
         bad = [r for r in results if "error" not in r and (r["loss_diff"] > 1e-4 * abs(reference[0])
                                                             or r["grad_diff"] > 1e-3)]
