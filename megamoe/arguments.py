@@ -8,6 +8,7 @@ import argparse
 
 
 def _int_from(minimum: int):
+    """argparse type: an integer of at least ``minimum``."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -16,7 +17,6 @@ def _int_from(minimum: int):
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
         return value
-    parse.__name__ = f"int >= {minimum}"  # (argparse names the type in some messages)
     return parse
 
 

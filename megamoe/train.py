@@ -378,8 +378,8 @@ def parse_args(argv=None, cuda: bool | None = None):
                         "master copy kept; --experts megamoe, layer dims multiples of 128; with --ep the rows cross "
                         "in FP8)")
     p.add_argument("--lr", type=positive_float, default=3e-4, help="peak learning rate")
-    p.add_argument("--warmup", type=non_negative_int, help=f"warm-up steps (default: {GPU_DEFAULTS['warmup']}, without a GPU "
-                                              f"{CPU_DEFAULTS['warmup']})")
+    p.add_argument("--warmup", type=non_negative_int,
+                   help=f"warm-up steps (default: {GPU_DEFAULTS['warmup']}, without a GPU {CPU_DEFAULTS['warmup']})")
     p.add_argument("--seed", type=int, default=0, help="weights and data order")
     compiling = p.add_mutually_exclusive_group()
     compiling.add_argument("--compile-mode", choices=COMPILE_MODES,

@@ -78,7 +78,7 @@ def stages(problem, num_experts):
     def tuned(kernel, gluon_config=WS_CONFIG):  # on sm90, a record of the kernels.ws kernel that runs instead
         return SimpleNamespace(last_config=gluon_config) if ws_supported(x) else kernel
 
-    def fine_ring(name, fn, flops, kernel, gluon_config):  # fn with the Gluon kernel's operand ring at FINE_RINGS'
+    def fine_ring(name, fn, flops, kernel, gluon_config):  # fn with the Gluon kernel's operand ring at FINE_RINGS
         def run():
             with gluon_sm90.operand_ring(kernel, ring):
                 fn()

@@ -71,8 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"options (add --ep)")
     if args.impls is not None:
         allowed = ep.EP_IMPLS if args.ep else layer.IMPLS
-        unknown = [name for name in csv_of(lambda n: n)(args.impls) if name not in allowed]
-        if unknown:
+        names = [name.strip() for name in args.impls.split(",") if name.strip()]
+        unknown = [name for name in names if name not in allowed]
+        if unknown or not names:
             p.error(f"--impls: {unknown} not among the {'expert-parallel' if args.ep else 'layer'} benchmark's "
                     f"{list(allowed)}")
     return args
