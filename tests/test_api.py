@@ -418,6 +418,8 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
             fine = rows[f"{stage} (ring {bk}x{stages})"]  # the variant, timed beside the kernel the layer runs
             assert fine["variant"] and not rows[stage]["variant"], stage
             assert (fine["config"]["BK"], fine["config"]["num_stages"]) == (bk, stages), stage
+        for stage in ("bwd dw13 (192-row blocks), combine on its own", "bwd dw2 (192-row blocks)"):
+            assert rows[stage]["variant"] and rows[stage]["config"]["BM"] == 192, stage
 
 
 @pytest.mark.gpu

@@ -675,12 +675,19 @@ def test_every_weight_gradient_config_matches_a_per_expert_reference(monkeypatch
 @pytest.mark.parametrize("p, q, counts", [
     (136, 72, [0, 1, 63, 64, 65, 200, 0, 130]),  # P, Q past the tile; experts empty, under one step, mid-step
     (1536, 2048, [1024 + 37 * (i % 5) - 70 for i in range(128)]),  # the 30B dW13 shape at 16k tokens
+    (1536, 2048, [40 + 30 * (i % 3) for i in range(128)]),  # ~60 blocks per program of one or two K-steps each
 ])
 def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, counts, poison_cuda):
     """The Gluon kernel on the GPU: each expert's sum of outer products, an empty expert exact zeros,
     and rows past the last expert (never written: NaN here) or of the next expert never leak in; with the finer
-    operand ring (``FINE_RINGS``: an expert's last, partial K-step at other rows) bit for bit the same."""
-    from megamoe.kernels.gluon_sm90 import FINE_RINGS, expert_wgrad_ws, operand_ring
+    operand ring (``FINE_RINGS``: an expert's last, partial K-step at other rows) and in blocks of 192 rows
+    (``expert_wgrad_ws3``: three warpgroups, loads issued across blocks by the first) bit for bit the same."""
+    from megamoe.kernels.gluon_sm90 import (
+        FINE_RINGS,
+        expert_wgrad_ws,
+        expert_wgrad_ws3,
+        operand_ring,
+    )
 
     offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device="cuda")
     routed = int(offsets[-1])
@@ -693,6 +700,9 @@ def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, co
     with operand_ring("wgrad", FINE_RINGS["wgrad"]):
         expert_wgrad_ws(a, b, offsets, fine)
     assert torch.equal(fine, dw)
+    three = torch.empty_like(dw)
+    expert_wgrad_ws3(a, b, offsets, three)
+    assert torch.equal(three, dw)
     bounds = offsets.tolist()
     expected = torch.stack([a[lo:hi].float().T @ b[lo:hi].float() for lo, hi in itertools.pairwise(bounds)])
     for e, n in enumerate(counts):

@@ -4,8 +4,8 @@
 with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
 On an sm90 GPU the up kernel, dh', the act kernel and the weight gradients run their warp-specialized Gluon
 kernels (``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``), and
-each of them once more with its operand ring at ``gluon_sm90.FINE_RINGS`` (records marked ``variant``, left out of
-the total).
+each of them once more with its operand ring at ``gluon_sm90.FINE_RINGS``, and the weight gradients in blocks of 192
+x 256 (``gluon_sm90.expert_wgrad_ws3``; records marked ``variant``, left out of the total).
 Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``); the
 config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
@@ -92,6 +92,15 @@ def stages(problem, num_experts):
     run_act = lambda: expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k)
     run_dw13 = lambda: expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, w13.dtype, dx, topk_idx, x.dtype)
     run_dw2 = lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, w2.dtype)
+    def run_dw3(a, b, slots=None):  # the weight gradients in blocks of 192 x 256 (and the dx combine on its own)
+        gluon_sm90.expert_wgrad_ws3(a, b, plan.offsets_E1, torch.empty(num_experts, a.shape[1], b.shape[1],
+                                                                        device=a.device, dtype=a.dtype))
+        if slots is not None:
+            combine(slots, topk_idx, x.dtype)
+
+    bm3, bn3, bk3, stages3 = gluon_sm90.WGRAD3_TILE
+    wgrad3 = SimpleNamespace(last_config={**WS_CONFIG, "BM": 3 * bm3, "BN": bn3, "BK": bk3, "num_warps": 12,
+                                          "num_stages": stages3}, variant=True)
     variants = dict([  # Gluon-only variants, timed beside the kernels the layer runs (left out of the table's total)
         fine_ring("fwd up+swiglu", run_up, 4 * unit, "up", UP_CONFIG),
         fine_ring("fwd up+swiglu, products stored", run_up_saved, 4 * unit, "up", UP_CONFIG),
@@ -99,6 +108,8 @@ def stages(problem, num_experts):
         fine_ring("bwd recompute+act", run_act, 4 * unit, "act", ACT_CONFIG),
         fine_ring("bwd dw13, combine", run_dw13, 4 * unit, "wgrad", WS_CONFIG),
         fine_ring("bwd dw2", run_dw2, 2 * unit, "wgrad", WS_CONFIG),
+        ("bwd dw13 (192-row blocks), combine on its own", (lambda: run_dw3(dz, x_sorted, dx), 4 * unit, wgrad3)),
+        ("bwd dw2 (192-row blocks)", (lambda: run_dw3(dy_sorted, hw), 2 * unit, wgrad3)),
     ]) if ws_supported(x) else {}
     return {
         "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),

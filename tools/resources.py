@@ -136,10 +136,14 @@ def ptxas_report(compiled) -> dict:
 WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "wgrad_combine_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
-              "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG)}
+              "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG),
+              # the weight gradients in blocks of 192 x 256, three warpgroups of 64 rows ((rows per warpgroup, BN,
+              # BK, STAGES)), as tools.kernels times them
+              "wgrad3_ws": ("wgrad", ws.WGRAD3_TILE, ws.WGRAD3_REGS.value)}
 # The Gluon kernels as ``tools.kernels`` also times them, with their operand rings at ``gluon_sm90.FINE_RINGS``:
 # report name -> (the ``WS_KERNELS`` entry compiled with it, (BK, STAGES)).
-WS_FINE_RINGS = {f"{name}_fine": (name, ws.FINE_RINGS[WS_KERNELS[name][0].removesuffix("_saved")]) for name in WS_KERNELS}
+WS_FINE_RINGS = {f"{name}_fine": (name, ws.FINE_RINGS[WS_KERNELS[name][0].removesuffix("_saved")])
+                 for name in ("wgrad_ws", "wgrad_combine_ws", "dh_ws", "act_ws", "up_ws", "up_saved_ws")}
 
 
 def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8,
@@ -160,8 +164,11 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
         layout = gl.NVMMASharedLayout.get_default_for(block, element)
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
-    constexprs = {"STAGES": stages, "num_warps": ws.WS_NUM_WARPS}
-    if name in ("wgrad_ws", "wgrad_combine_ws"):
+    num_warps = 4 if name == "wgrad3_ws" else ws.WS_NUM_WARPS  # (three partitions of one warpgroup each)
+    constexprs = {"STAGES": stages, "num_warps": num_warps}
+    if name == "wgrad3_ws":
+        fn, blocks = ws.KERNELS["wgrad3"], {"a_desc": [bk, bm], "b_desc": [bk, bn]}
+    elif name in ("wgrad_ws", "wgrad_combine_ws"):
         fn, blocks = ws.KERNELS["wgrad"], {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
         combine = name == "wgrad_combine_ws"
         constexprs.update(TOP_K=top_k if combine else 1)
@@ -187,7 +194,7 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
              if arg.endswith("_ptr") or (sizes_divisible and arg in _DIVISIBLE_INTS)}
     src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=HOPPER, options={"num_warps": ws.WS_NUM_WARPS, "maxnreg": maxnreg})
+    return triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "maxnreg": maxnreg})
 
 
 def report_row(name: str, cfg: str, r: dict, too_big: list[str]) -> None:
@@ -233,8 +240,8 @@ def main(argv=None) -> None:
     narrow = []
     for name, (_, (bm, bn, bk, stages), maxnreg) in WS_KERNELS.items() if args.dtype != "fp32" else ():  # 16-bit only
         r = ptxas_report(compile_ws(name, args.dtype))
-        report_row(name, f"BM={bm} BN={bn} BK={bk} STAGES={stages} num_warps={ws.WS_NUM_WARPS} "
-                   f"maxnreg={maxnreg}", r, too_big)
+        shape = "BM=3x64 num_warps=3x4" if name == "wgrad3_ws" else f"BM={bm} num_warps={ws.WS_NUM_WARPS}"
+        report_row(name, f"{shape} BN={bn} BK={bk} STAGES={stages} maxnreg={maxnreg}", r, too_big)
         if not r["wide_stores"]:
             narrow.append(name)
     for name, (base, (bk, stages)) in WS_FINE_RINGS.items() if args.dtype != "fp32" else ():

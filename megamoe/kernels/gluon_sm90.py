@@ -317,6 +317,141 @@ def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, 
     ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
 
 
+# The weight gradients in blocks of 192 x 256 (``expert_wgrad_ws3``, timed by ``tools.kernels`` beside the 128 x 256
+# kernel): three one-warpgroup MMA partitions of 64 rows each, the first of which also issues the TMA loads. A block
+# reads 0.0091 bytes from L2 per FLOP against 0.0117 at 128 x 256 (docs/PERFORMANCE.md, "What holds the bf16 GEMMs").
+# A loader partition of its own would make four warpgroups: 65 536 / 512 = 128 registers per thread for every
+# partition's code, and ptxas needs 154 for one 64 x 256 fp32 accumulator's warpgroup MMA. Three make 384 threads and
+# 168. No side partition either (it would make 448 threads): the dx combine runs as its own kernel.
+# (rows per warpgroup, BN, BK, STAGES): 6 stages of 28 KB and three 16 KB staging buffers, 216 KB.
+WGRAD3_TILE = (64, 256, 32, 6)
+WGRAD3_REGS = gl.constexpr(168)
+
+
+@gluon.jit
+def _expert_rows(tile, tiles, offsets_ptr, num_p, num_q):
+    """The sorted rows [start, end) of block ``tile``'s expert (``tile`` clamped into the ``tiles`` blocks)."""
+    e = gl.minimum(tile, tiles - 1) // (num_p * num_q)
+    return gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
+
+
+@gluon.jit
+def _first_step_from(tile, offsets_ptr, num_p, num_q, tiles):
+    """The first K-step of this program's blocks from ``tile`` on: (its block, its first row, its expert's end); a
+    block whose expert has no rows has none (``tile`` >= ``tiles``: no step left)."""
+    r, end = _expert_rows(tile, tiles, offsets_ptr, num_p, num_q)
+    while (tile < tiles) & (r >= end):
+        tile += gl.num_programs(0)
+        r, end = _expert_rows(tile, tiles, offsets_ptr, num_p, num_q)
+    return tile, r, end
+
+
+@gluon.jit
+def _wgrad3_load(a_desc, b_desc, ready, empty, a_bufs, b_bufs, tile, r, num_p, num_q, step):
+    """Ring step ``step``: the rows r .. r + BK of block ``tile``'s three A column blocks (one per warpgroup) and of
+    its B block, into their stage once the three warpgroups have freed it."""
+    BM: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    nbytes: gl.constexpr = 3 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    pq = tile % (num_p * num_q)
+    p0 = (pq // num_q) * (3 * BM)
+    s = next_slot(empty, ready, step, nbytes)
+    for j in gl.static_range(3):
+        tma.async_copy_global_to_shared(a_desc, [r, p0 + j * BM], ready.index(s), a_bufs.index(3 * s + j))
+    tma.async_copy_global_to_shared(b_desc, [r, (pq % num_q) * BN], ready.index(s), b_bufs.index(s))
+
+
+@gluon.jit
+def _wgrad3_load_next(a_desc, b_desc, ready, empty, a_bufs, b_bufs, lt, lr, lend, step, offsets_ptr, num_p, num_q,
+                      tiles):
+    """The load cursor's step (block ``lt``, rows ``lr`` .. of its expert's, which end at ``lend``) into the ring as
+    its step ``step``, if one is left; returns the cursor moved on to the next step."""
+    BK: gl.constexpr = a_desc.block_type.shape[0]
+    if lt < tiles:
+        _wgrad3_load(a_desc, b_desc, ready, empty, a_bufs, b_bufs, lt, lr, num_p, num_q, step)
+        lr += BK
+        if lr >= lend:
+            lt, lr, lend = _first_step_from(lt + gl.num_programs(0), offsets_ptr, num_p, num_q, tiles)
+    return lt, lr, lend
+
+
+@gluon.jit
+def _wgrad3_partition(a_desc, b_desc, dw_ptr, offsets_ptr, ready, empty, zeroed, a_bufs, b_bufs, staging, P, Q,
+                      num_p, num_q, tiles, WG: gl.constexpr, num_warps: gl.constexpr):
+    """MMA partition ``WG`` of ``_wgrad3_ws_kernel``: rows WG * 64 .. of each block's 192 (its own A column block of
+    each stage), all 256 columns. An expert's last, partial K-step: each warpgroup zeroes its A block's rows past the
+    expert; the first one also B's, and the others wait on ``zeroed`` for it (a stage holds at most one such step until
+    all three have freed it, so one bit of phase per stage does). The first warpgroup issues each stage's loads
+    ``STAGES`` - 1 steps ahead, across blocks (``_wgrad3_load``). The block leaves through ``store_staged``."""
+    STAGES: gl.constexpr = b_bufs.type.shape[0]
+    BK: gl.constexpr = b_bufs.type.shape[1]
+    BN: gl.constexpr = b_bufs.type.shape[2]
+    BM: gl.constexpr = a_bufs.type.shape[2]
+    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
+    step = 0
+    tails = 0  # bit s: the phase of stage s's next partial K-step (the warpgroups that wait for B's zeroing)
+    if WG == 0:  # the load cursor, STAGES - 1 steps ahead of this warpgroup's MMAs
+        lt, lr, lend = _first_step_from(gl.program_id(0), offsets_ptr, num_p, num_q, tiles)
+        for i in gl.static_range(STAGES - 1):
+            lt, lr, lend = _wgrad3_load_next(a_desc, b_desc, ready, empty, a_bufs, b_bufs, lt, lr, lend, i,
+                                             offsets_ptr, num_p, num_q, tiles)
+    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, 3 * BM, BN)
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for r0 in range(start, end, BK):
+            s = step % STAGES
+            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+            if r0 + BK > end:  # the expert's last, partial step
+                _zero_rows_past(a_bufs.index(3 * s + WG), r0, end, num_warps)
+                if WG == 0:  # in slices of 8 rows, beside the accumulator's 128 registers
+                    for c in gl.static_range(BK // 8):
+                        _zero_rows_past(b_bufs.index(s).slice(8 * c, 8), r0 + 8 * c, end, num_warps)
+                fence_async_shared()
+                if WG == 0:
+                    mbarrier.arrive(zeroed.index(s), count=1)
+                else:
+                    mbarrier.wait(zeroed.index(s), (tails >> s) & 1)
+                    tails ^= 1 << s
+            acc = warpgroup_mma(a_bufs.index(3 * s + WG).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            if r0 > start:  # the previous step's MMA is done: its stage goes back to the loads
+                mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+            if WG == 0:  # (while loads are left, each step's MMA issues the load STAGES - 1 steps ahead)
+                lt, lr, lend = _wgrad3_load_next(a_desc, b_desc, ready, empty, a_bufs, b_bufs, lt, lr, lend,
+                                                 step + STAGES - 1, offsets_ptr, num_p, num_q, tiles)
+            step += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if end > start:
+            mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+        store_staged(acc.to(dw_ptr.dtype.element_ty), staging.index(WG), dw_ptr + e.to(gl.int64) * P * Q,
+                     p0 + WG * BM, P, q0, Q, Q, num_warps)
+
+
+@gluon.jit
+def _wgrad3_ws_kernel(a_desc, b_desc, dw_ptr, offsets_ptr, P, Q, num_p, num_q, tiles, STAGES: gl.constexpr,
+                      num_warps: gl.constexpr):
+    """``_wgrad_ws_kernel``'s product in blocks of 192 x 256: a_desc (N, P) sorted rows, block (BK, 64); b_desc (N, Q),
+    block (BK, BN); dw (E, P, Q) row-major. Tiles: E * num_p * num_q blocks, expert-major. Three partitions of
+    ``num_warps`` (4) warps (``_wgrad3_partition``)."""
+    BM: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [3 * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    staging = gl.allocate_shared_memory(dw_ptr.dtype.element_ty, [3, BM, BN // 2],
+                                        staged_layout([BM, BN // 2], dw_ptr.dtype.element_ty))
+    ready = barriers(STAGES)
+    empty = barriers(STAGES, 3)
+    zeroed = barriers(STAGES)
+    gl.warp_specialize([
+        (_wgrad3_partition, (a_desc, b_desc, dw_ptr, offsets_ptr, ready, empty, zeroed, a_bufs, b_bufs, staging, P, Q,
+                             num_p, num_q, tiles, 0, num_warps)),
+        (_wgrad3_partition, (a_desc, b_desc, dw_ptr, offsets_ptr, ready, empty, zeroed, a_bufs, b_bufs, staging, P, Q,
+                             num_p, num_q, tiles, 1, num_warps)),
+        (_wgrad3_partition, (a_desc, b_desc, dw_ptr, offsets_ptr, ready, empty, zeroed, a_bufs, b_bufs, staging, P, Q,
+                             num_p, num_q, tiles, 2, num_warps)),
+    ], [num_warps, num_warps], [WGRAD3_REGS, WGRAD3_REGS])
+
+
 @gluon.jit
 def count_busy_tiles(offsets_ptr, E, EB: gl.constexpr, TILE_M: gl.constexpr, num_warps: gl.constexpr):
     """How many plan tiles hold rows (they come first in the tile table): the sum over experts of
@@ -738,6 +873,18 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
                D=out.shape[1], TOP_K=top_k)
 
 
+def expert_wgrad_ws3(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor) -> None:
+    """``expert_wgrad_ws``'s product (without the combine) through ``_wgrad3_ws_kernel``, in blocks of 192 x 256; the
+    same sums, bit for bit. Operands as for ``expert_wgrad_ws``."""
+    bm, bn, bk, stages = WGRAD3_TILE
+    num_experts, p, q = dw.shape
+    num_p, num_q = triton.cdiv(p, 3 * bm), triton.cdiv(q, bn)
+    tiles = num_experts * num_p * num_q
+    _wgrad3_ws_kernel[(min(tiles, sm_count(a_NP.device.index)),)](
+        a_desc=_desc(a_NP, [bk, bm]), b_desc=_desc(b_NQ, [bk, bn]), dw_ptr=dw, offsets_ptr=offsets_E1, P=p, Q=q,
+        num_p=num_p, num_q=num_q, tiles=tiles, STAGES=stages, num_warps=4, maxnreg=WGRAD3_REGS.value)
+
+
 def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,
           copy_x: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """``expert_bwd.dh_sorted``'s product through ``_dh_ws_kernel`` into ``out_NI`` (sorted rows); 16-bit operands
@@ -798,4 +945,5 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
 
 
 # The Gluon kernels by name, for the ahead-of-time compile check (``tools.resources``).
-KERNELS = {"wgrad": _wgrad_ws_kernel, "dh": _dh_ws_kernel, "act": _act_ws_kernel, "up": _up_ws_kernel}
+KERNELS = {"wgrad": _wgrad_ws_kernel, "dh": _dh_ws_kernel, "act": _act_ws_kernel, "up": _up_ws_kernel,
+           "wgrad3": _wgrad3_ws_kernel}
