@@ -420,6 +420,8 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
             assert (fine["config"]["BK"], fine["config"]["num_stages"]) == (bk, stages), stage
         for stage in ("bwd dw13 (192-row blocks), combine on its own", "bwd dw2 (192-row blocks)"):
             assert rows[stage]["variant"] and rows[stage]["config"]["BM"] == 192, stage
+        for stage in ("fwd down (Gluon, self-loading)", "bwd dx (Gluon, self-loading)"):
+            assert rows[stage]["variant"] and rows[stage]["config"]["WARP_SPECIALIZED"], stage
 
 
 @pytest.mark.gpu

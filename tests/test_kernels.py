@@ -750,6 +750,31 @@ def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, int
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", GLUON_SHAPES)
+def test_gluon_rows_to_slots_match_the_triton_kernels(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
+    """``rows_to_slots_ws`` (the down projection and dx in a Gluon kernel of two self-loading warpgroups, each block's
+    stores under the next block's first MMA) on the GPU against the Triton kernels the layer runs, on the same sorted
+    rows: every routed slot row (weighted for the down projection), D and I past the tile, an expert without rows;
+    dropped slots' rows never written (NaN here), and the sorted rows past the routed ones (NaN too, read by the last
+    tile) never leak into a routed row."""
+    from megamoe.kernels import expert_bwd, expert_fwd
+    from megamoe.kernels.gluon_sm90 import rows_to_slots_ws
+
+    (_, idx, weights, w13, w2, _), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
+    kept = idx.reshape(-1) >= 0
+    h = torch.randn(plan.row_slot_N.numel(), inter, device="cuda", dtype=torch.bfloat16)
+    dz = torch.randn(plan.row_slot_N.numel(), 2 * inter, device="cuda", dtype=torch.bfloat16)
+    h[routed:], dz[routed:] = float("nan"), float("nan")
+    for a, w, wts, w_k_last, want in ((h, w2, weights.reshape(-1), True, expert_fwd.down_fwd(h, w2, weights, plan)),
+                                      (dz, w13, None, False, expert_bwd.dx_slots(dz, w13, plan))):
+        got = torch.full_like(want, float("nan"))
+        rows_to_slots_ws(a, w, got, plan, wts, w_k_last)
+        assert got[~kept].isnan().all()
+        torch.testing.assert_close(got[kept].float(), want[kept].float(), rtol=1e-2,
+                                   atol=1e-2 * want[kept].float().abs().max().item())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", SIDE_COPY_SHAPES)
 def test_dh_kernel_copies_x_into_sorted_rows_beside_its_mmas(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
     """``sorted_rows_and_dh`` on the GPU, where the dh' kernel copies x's rows beside its MMAs: the routed

@@ -4,8 +4,9 @@
 with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
 On an sm90 GPU the up kernel, dh', the act kernel and the weight gradients run their warp-specialized Gluon
 kernels (``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``), and
-each of them once more with its operand ring at ``gluon_sm90.FINE_RINGS``, and the weight gradients in blocks of 192
-x 256 (``gluon_sm90.expert_wgrad_ws3``; records marked ``variant``, left out of the total).
+each of them once more with its operand ring at ``gluon_sm90.FINE_RINGS``, the weight gradients in blocks of 192 x 256
+(``gluon_sm90.expert_wgrad_ws3``), and the down projection and dx in a Gluon kernel of two self-loading warpgroups
+(``gluon_sm90.rows_to_slots_ws``; records marked ``variant``, left out of the total).
 Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``); the
 config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
@@ -98,6 +99,13 @@ def stages(problem, num_experts):
         if slots is not None:
             combine(slots, topk_idx, x.dtype)
 
+    def run_rows2(a, w, weights, w_k_last):  # the down projection or dx in the two-warpgroup Gluon kernel
+        out = torch.empty(topk_idx.numel(), w.shape[1] if w_k_last else w.shape[2], device=a.device, dtype=a.dtype)
+        gluon_sm90.rows_to_slots_ws(a, w, out, plan, weights, w_k_last)
+
+    bm2, bn2, bk2, stages2 = gluon_sm90.ROWS2_TILE
+    rows2 = SimpleNamespace(last_config={**WS_CONFIG, "BM": bm2, "BN": bn2, "BK": bk2, "num_stages": stages2},
+                            variant=True)
     bm3, bn3, bk3, stages3 = gluon_sm90.WGRAD3_TILE
     wgrad3 = SimpleNamespace(last_config={**WS_CONFIG, "BM": 3 * bm3, "BN": bn3, "BK": bk3, "num_warps": 12,
                                           "num_stages": stages3}, variant=True)
@@ -108,6 +116,9 @@ def stages(problem, num_experts):
         fine_ring("bwd recompute+act", run_act, 4 * unit, "act", ACT_CONFIG),
         fine_ring("bwd dw13, combine", run_dw13, 4 * unit, "wgrad", WS_CONFIG),
         fine_ring("bwd dw2", run_dw2, 2 * unit, "wgrad", WS_CONFIG),
+        ("fwd down (Gluon, self-loading)", (lambda: run_rows2(h, w2, topk_weights.reshape(-1), True), 2 * unit,
+                                            rows2)),
+        ("bwd dx (Gluon, self-loading)", (lambda: run_rows2(dz, w13, None, False), 4 * unit, rows2)),
         ("bwd dw13 (192-row blocks), combine on its own", (lambda: run_dw3(dz, x_sorted, dx), 4 * unit, wgrad3)),
         ("bwd dw2 (192-row blocks)", (lambda: run_dw3(dy_sorted, hw), 2 * unit, wgrad3)),
     ]) if ws_supported(x) else {}

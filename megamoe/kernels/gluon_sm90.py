@@ -206,7 +206,7 @@ def staged_layout(shape, dtype):
 
 
 @gluon.jit
-def _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr):
+def _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr, row_slot_ptr=None):
     """``store_staged`` of a block no larger than ``stage``."""
     ROWS: gl.constexpr = val.type.shape[0]
     COLS: gl.constexpr = val.type.shape[1]
@@ -219,27 +219,32 @@ def _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps
     local = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = c0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     mask = (first + local < end)[:, None] & (cols < limit)[None, :]
-    gl.store(out_ptr + first.to(gl.int64) * stride + (local[:, None] * stride + cols[None, :]), seg, mask=mask)
+    if row_slot_ptr is None:
+        gl.store(out_ptr + first.to(gl.int64) * stride + (local[:, None] * stride + cols[None, :]), seg, mask=mask)
+    else:  # row first + i into row row_slot[first + i]
+        rows = gl.load(row_slot_ptr + first + local, mask=first + local < end, other=0).to(gl.int64)
+        gl.store(out_ptr + rows[:, None] * stride + cols[None, :], seg, mask=mask)
 
 
 @gluon.jit
-def store_staged(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr):
+def store_staged(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr, row_slot_ptr=None):
     """An epilogue's block ``val`` (any distributed layout, e.g. the MMA accumulator's) into rows [first, end) of
     the row-major ``out_ptr`` (``stride`` elements per row) at columns c0 .. (those < ``limit``), through the
     partition's shared staging buffer ``stage`` (any 2-D shape and dtype; ``staged_layout``): written from val's
     layout, read back in ``row_segments`` and stored from those, so that a warp's store covers whole 128-byte lines.
     (From the accumulator's layout a warp's 4-byte stores touch 8 rows x 16 bytes each, and a ``convert_layout``
     takes compiler scratch of the whole block.) A block larger than the buffer leaves as its left and right column
-    halves, split in registers (each thread holds both)."""
+    halves, split in registers (each thread holds both). ``row_slot_ptr``: row first + i goes to row
+    ``row_slot[first + i]`` instead (sorted rows into their slots)."""
     ROWS: gl.constexpr = val.type.shape[0]
     COLS: gl.constexpr = val.type.shape[1]
     STAGE_BYTES: gl.constexpr = stage.type.shape[0] * stage.type.shape[1] * (stage.dtype.primitive_bitwidth // 8)
     if ROWS * COLS * (val.dtype.primitive_bitwidth // 8) > STAGE_BYTES:
         lo, hi = gl.split(gl.permute(gl.reshape(val, [ROWS, 2, COLS // 2]), [0, 2, 1]))
-        _store_rows_of(lo, stage, out_ptr, first, end, c0, stride, limit, num_warps)
-        _store_rows_of(hi, stage, out_ptr, first, end, c0 + COLS // 2, stride, limit, num_warps)
+        _store_rows_of(lo, stage, out_ptr, first, end, c0, stride, limit, num_warps, row_slot_ptr)
+        _store_rows_of(hi, stage, out_ptr, first, end, c0 + COLS // 2, stride, limit, num_warps, row_slot_ptr)
     else:
-        _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps)
+        _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps, row_slot_ptr)
 
 
 @gluon.jit
@@ -623,6 +628,151 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
     ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
 
 
+# The sorted-rows GEMMs to slot rows (the down projection, dx) as a Gluon kernel (``rows_to_slots_ws``, timed by
+# ``tools.kernels`` beside the Triton kernels the layer runs): two 64-row MMA partitions over a 128 x 256 block, the
+# first issuing the TMA loads, so that the kernel has 256 threads and 255 registers (FACTS.md, "Bigger bf16 blocks in
+# Gluon"): room to hold a block's bf16 output while the next block's first MMA runs and store it under that MMA.
+# (BM, BN, BK, STAGES): 4 stages of 48 KB and two 16 KB staging buffers, 224 KB.
+ROWS2_TILE = (128, 256, 64, 4)
+ROWS2_REGS = gl.constexpr(240)
+
+
+@gluon.jit
+def _rows2_load(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, num_n, g, kbs,
+                W_K_LAST: gl.constexpr):
+    """This program's ring step ``g`` (its block g // kbs, K-step g % kbs): the block's sorted rows and its expert's
+    weight block into their stage, once both warpgroups have freed it."""
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[1] if W_K_LAST else w_desc.block_type.shape[2]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    w = gl.program_id(0) + (g // kbs) * gl.num_programs(0)
+    k = (g % kbs) * BK
+    e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+    s = next_slot(empty, ready, g, nbytes)
+    tma.async_copy_global_to_shared(a_desc, [row0, k], ready.index(s), a_bufs.index(s))
+    if W_K_LAST:
+        tma.async_copy_global_to_shared(w_desc, [e, n0, k], ready.index(s), w_bufs.index(s))
+    else:
+        tma.async_copy_global_to_shared(w_desc, [e, k, n0], ready.index(s), w_bufs.index(s))
+
+
+@gluon.jit
+def _rows2_mma(a_bufs, w_bufs, s, acc, WG: gl.constexpr, W_K_LAST: gl.constexpr):
+    """Stage ``s``'s MMA for this warpgroup's 64 rows into ``acc`` (asynchronous)."""
+    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    if W_K_LAST:  # [STAGES, 1, BN, BK]
+        b = w_bufs.index(s).reshape([w_bufs.type.shape[2], BK]).permute((1, 0))
+    else:  # [STAGES, 1, BK, BN]
+        b = w_bufs.index(s).reshape([BK, w_bufs.type.shape[3]])
+    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), b, acc, is_async=True)
+
+
+@gluon.jit
+def _rows2_partition(a_desc, w_desc, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+                     ready, empty, a_bufs, w_bufs, staging, N_OUT, K, num_n, work, WG: gl.constexpr,
+                     W_K_LAST: gl.constexpr, WEIGHTED: gl.constexpr, num_warps: gl.constexpr):
+    """MMA partition ``WG`` (rows WG * 64 .. of each block) of ``_rows2_ws_kernel``. Per block: the first K-step's
+    MMA, then the previous block's stores under it (``store_staged`` to the slot rows); the other K-steps with one
+    MMA in flight; the weighted bf16 block kept for the next block's first MMA (the last one's stored after the loop).
+    The first warpgroup issues the loads ahead across blocks: the first ``STAGES`` steps', then each step's once the
+    step ``STAGES`` before it has been freed by both (``_rows2_load``, ``_rows2_free``)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = w_desc.block_type.shape[1] if W_K_LAST else w_desc.block_type.shape[2]
+    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
+    kbs = gl.cdiv(K, BK)
+    steps = gl.cdiv(work - gl.program_id(0), gl.num_programs(0)) * kbs  # this program's ring steps
+    if WG == 0:  # the first STAGES steps' loads; then each step's, once the step STAGES before it is freed
+        for i in gl.static_range(STAGES):
+            if i < steps:
+                _rows2_load(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, num_n, i,
+                            kbs, W_K_LAST)
+    step = 0
+    pend = 0  # whether a block's output waits in ``pend_out`` for its stores (rows pend_first .. pend_end, column pend_n0)
+    pend_out = gl.zeros([HALF, BN], out_ptr.dtype.element_ty, acc_layout)
+    pend_first = 0
+    pend_end = 0
+    pend_n0 = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        end = gl.load(offsets_ptr + e + 1)
+        first = row0 + WG * HALF
+        if WEIGHTED:  # the rows' routing weights, by slot
+            rows = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+            slots = gl.load(row_slot_ptr + rows, mask=rows < end, other=0)
+            wt = gl.load(weights_ptr + slots, mask=rows < end, other=0.0).to(gl.float32)
+        s = step % STAGES
+        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+        acc = _rows2_mma(a_bufs, w_bufs, s, gl.zeros([HALF, BN], gl.float32, acc_layout), WG, W_K_LAST)
+        if pend != 0:  # the previous block's stores, under this block's first MMA
+            store_staged(pend_out, staging.index(WG), out_ptr, pend_first, pend_end, pend_n0, N_OUT, N_OUT, num_warps,
+                         row_slot_ptr)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))  # (no wait: that MMA stays in flight)
+        for _ in range(1, kbs):
+            s = (step + 1) % STAGES
+            mbarrier.wait(ready.index(s), ((step + 1) // STAGES) & 1)
+            acc = _rows2_mma(a_bufs, w_bufs, s, acc, WG, W_K_LAST)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            step = _rows2_free(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, num_n,
+                               step, steps, kbs, WG, W_K_LAST)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        step = _rows2_free(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, num_n, step,
+                           steps, kbs, WG, W_K_LAST)
+        if WEIGHTED:
+            acc = acc * wt[:, None]
+        pend = 1
+        pend_out = acc.to(out_ptr.dtype.element_ty)
+        pend_first = first
+        pend_end = end
+        pend_n0 = n0
+    if pend != 0:
+        store_staged(pend_out, staging.index(WG), out_ptr, pend_first, pend_end, pend_n0, N_OUT, N_OUT, num_warps,
+                     row_slot_ptr)
+
+
+@gluon.jit
+def _rows2_free(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, num_n, step, steps, kbs,
+                WG: gl.constexpr, W_K_LAST: gl.constexpr):
+    """Ring step ``step``'s MMA is done: its stage goes back (and the first warpgroup loads step + STAGES into it, once
+    the other has freed it too); returns the next step."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    mbarrier.arrive(empty.index(step % STAGES), count=1)
+    if WG == 0:  # noqa: SIM102 (a constexpr test around a runtime one)
+        if step + STAGES < steps:
+            _rows2_load(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, num_n,
+                        step + STAGES, kbs, W_K_LAST)
+    return step + 1
+
+
+@gluon.jit
+def _rows2_ws_kernel(a_desc, w_desc, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+                     N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr, W_K_LAST: gl.constexpr,
+                     WEIGHTED: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """out[row_slot[r]] = [weights[row_slot[r]] *] a[r] W[e(r)] for the plan's routed sorted rows r: a_desc (N, K)
+    sorted rows, block (TILE_M, BK); w_desc W (E, N_OUT, K) with W_K_LAST (block (1, BN, BK)), else (E, K, N_OUT)
+    (block (1, BK, BN)). Blocks: the busy tiles (EB a power of two >= E) times the N-blocks. Two partitions of
+    ``num_warps`` (4) warps (``_rows2_partition``)."""
+    BN: gl.constexpr = w_desc.block_type.shape[1] if W_K_LAST else w_desc.block_type.shape[2]
+    num_n = gl.cdiv(N_OUT, BN)
+    work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    staging = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [2, TILE_M // 2, BN // 2],
+                                        staged_layout([TILE_M // 2, BN // 2], out_ptr.dtype.element_ty))
+    ready = barriers(STAGES)
+    empty = barriers(STAGES, 2)
+    gl.warp_specialize([
+        (_rows2_partition, (a_desc, w_desc, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr,
+                            tile_row_ptr, ready, empty, a_bufs, w_bufs, staging, N_OUT, K, num_n, work, 0, W_K_LAST,
+                            WEIGHTED, num_warps)),
+        (_rows2_partition, (a_desc, w_desc, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr,
+                            tile_row_ptr, ready, empty, a_bufs, w_bufs, staging, N_OUT, K, num_n, work, 1, W_K_LAST,
+                            WEIGHTED, num_warps)),
+    ], [num_warps], [ROWS2_REGS])
+
+
 @gluon.jit
 def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout: gl.constexpr,
                       GENERIC_WRITES: gl.constexpr):
@@ -885,6 +1035,22 @@ def expert_wgrad_ws3(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.T
         num_p=num_p, num_q=num_q, tiles=tiles, STAGES=stages, num_warps=4, maxnreg=WGRAD3_REGS.value)
 
 
+def rows_to_slots_ws(a_NK: torch.Tensor, w: torch.Tensor, out: torch.Tensor, plan, weights_N: torch.Tensor | None = None,
+                     w_k_last: bool = True) -> None:
+    """out[row_slot[r]] = [weights[row_slot[r]] *] a[r] W[e(r)] for the plan's routed sorted rows r, through
+    ``_rows2_ws_kernel``: W (E, N, K) with ``w_k_last`` (the down projection's w2), else (E, K, N) (dx's w13); the
+    Triton kernels' products (``expert_fwd.down_fwd``, ``expert_bwd.dx_slots``); dropped slots' rows not written.
+    16-bit operands on an sm90 GPU (``ws_supported``), contiguous, at least one row; the plan's tiles of 128 rows."""
+    bm, bn, bk, stages = ROWS2_TILE
+    num_experts = w.shape[0]
+    _rows2_ws_kernel[(sm_count(a_NK.device.index),)](
+        a_desc=_desc(a_NK, [bm, bk]), w_desc=_desc(w, [1, bn, bk] if w_k_last else [1, bk, bn]), out_ptr=out,
+        weights_ptr=out if weights_N is None else weights_N, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1,
+        tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, N_OUT=w.shape[1] if w_k_last else w.shape[2],
+        K=a_NK.shape[1], E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=bm, W_K_LAST=w_k_last,
+        WEIGHTED=weights_N is not None, STAGES=stages, num_warps=4, maxnreg=255)
+
+
 def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,
           copy_x: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """``expert_bwd.dh_sorted``'s product through ``_dh_ws_kernel`` into ``out_NI`` (sorted rows); 16-bit operands
@@ -946,4 +1112,4 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
 
 # The Gluon kernels by name, for the ahead-of-time compile check (``tools.resources``).
 KERNELS = {"wgrad": _wgrad_ws_kernel, "dh": _dh_ws_kernel, "act": _act_ws_kernel, "up": _up_ws_kernel,
-           "wgrad3": _wgrad3_ws_kernel}
+           "wgrad3": _wgrad3_ws_kernel, "rows2": _rows2_ws_kernel}
