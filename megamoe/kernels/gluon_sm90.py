@@ -33,6 +33,11 @@ projection and dx as Gluon kernels did not, and stay Triton):
 
 The two side copies are memory-bound work that no MMA beside them waits for; run as kernels of their own
 they cost about 0.3 / 0.6 ms of a 30B / 235B step (docs/PERFORMANCE.md).
+
+Not (yet) in the layer's path, timed by ``tools.kernels`` beside the kernels it runs (docs/PERFORMANCE.md, "What
+holds the bf16 GEMMs"): the four kernels' finer operand rings (``FINE_RINGS``, ``operand_ring``), the weight
+gradients in blocks of 192 x 256 (``expert_wgrad_ws3``: three MMA warpgroups, the first issuing the loads) and the
+down projection and dx in a kernel of two self-loading MMA warpgroups (``rows_to_slots_ws``).
 """
 
 from __future__ import annotations
