@@ -269,7 +269,9 @@ def train_table(folder: Path) -> str:
                      f"{_code(r)} |")
     lines += ["", (f"{_versions(runs)}; bf16 (the experts' GEMMs too, but where marked FP8: blockwise), every decoder "
                    "layer compiled and checkpointed; tokens/s: the median step after the first 10; MFU against 989 "
-                   "TFLOP/s.")]
+                   "TFLOP/s; MoE share: the experts' part of forward+backward, by ablation (of the whole step, "
+                   "optimizer included: `moe_share_of_step` in runs that record it); code: the commit, or the source "
+                   "digest of a tree with changes.")]
     return "\n".join(lines)
 
 
