@@ -142,6 +142,10 @@ WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
               "wgrad3_ws": ("wgrad", ws.WGRAD3_TILE, ws.WGRAD3_REGS.value),
               # the down projection and dx to slot rows, two self-loading warpgroups (256 threads)
               "rows2_down_ws": ("down", ws.ROWS2_TILE, 255), "rows2_dx_ws": ("dx", ws.ROWS2_TILE, 255)}
+# Those of WS_KERNELS made of one-warpgroup partitions (launched with num_warps 4), with their block and warps as the
+# report gives them.
+ONE_WARPGROUP_PARTITIONS = {"wgrad3_ws": "BM=3x64 num_warps=3x4", "rows2_down_ws": "BM=128 num_warps=2x4",
+                            "rows2_dx_ws": "BM=128 num_warps=2x4"}
 # The Gluon kernels as ``tools.kernels`` also times them, with their operand rings at ``gluon_sm90.FINE_RINGS``:
 # report name -> (the ``WS_KERNELS`` entry compiled with it, (BK, STAGES)).
 WS_FINE_RINGS = {f"{name}_fine": (name, ws.FINE_RINGS[WS_KERNELS[name][0].removesuffix("_saved")])
@@ -166,8 +170,7 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
         layout = gl.NVMMASharedLayout.get_default_for(block, element)
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
-    # (partitions of one warpgroup each)
-    num_warps = 4 if name in ("wgrad3_ws", "rows2_down_ws", "rows2_dx_ws") else ws.WS_NUM_WARPS
+    num_warps = 4 if name in ONE_WARPGROUP_PARTITIONS else ws.WS_NUM_WARPS
     constexprs = {"STAGES": stages, "num_warps": num_warps}
     if name == "wgrad3_ws":
         fn, blocks = ws.KERNELS["wgrad3"], {"a_desc": [bk, bm], "b_desc": [bk, bn]}
@@ -247,8 +250,7 @@ def main(argv=None) -> None:
     narrow = []
     for name, (_, (bm, bn, bk, stages), maxnreg) in WS_KERNELS.items() if args.dtype != "fp32" else ():  # 16-bit only
         r = ptxas_report(compile_ws(name, args.dtype))
-        shape = {"wgrad3_ws": "BM=3x64 num_warps=3x4", "rows2_down_ws": f"BM={bm} num_warps=2x4",
-                 "rows2_dx_ws": f"BM={bm} num_warps=2x4"}.get(name, f"BM={bm} num_warps={ws.WS_NUM_WARPS}")
+        shape = ONE_WARPGROUP_PARTITIONS.get(name, f"BM={bm} num_warps={ws.WS_NUM_WARPS}")
         report_row(name, f"{shape} BN={bn} BK={bk} STAGES={stages} maxnreg={maxnreg}", r, too_big)
         if not r["wide_stores"]:
             narrow.append(name)

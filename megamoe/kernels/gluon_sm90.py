@@ -164,7 +164,8 @@ def wgrad_block(tile, offsets_ptr, num_p, num_q, BM: gl.constexpr, BN: gl.conste
 def expert_rows_ahead(tile, tiles, offsets_ptr, num_p, num_q):
     """The sorted rows [start, end) of block ``tile``'s expert in the expert-major order of ``wgrad_block``, for
     loading them a block ahead of its turn (``tile`` clamped into the ``tiles`` blocks, in bounds): read at the
-    block's start, their latency stood between the previous block's last MMA and this one's first."""
+    block's start, their latency stood between the previous block's last MMA and this one's first. (Also the
+    192-row kernel's load cursor, ``_first_step_from``.)"""
     e = gl.minimum(tile, tiles - 1) // (num_p * num_q)
     return gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
 
@@ -339,20 +340,13 @@ WGRAD3_REGS = gl.constexpr(168)
 
 
 @gluon.jit
-def _expert_rows(tile, tiles, offsets_ptr, num_p, num_q):
-    """The sorted rows [start, end) of block ``tile``'s expert (``tile`` clamped into the ``tiles`` blocks)."""
-    e = gl.minimum(tile, tiles - 1) // (num_p * num_q)
-    return gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
-
-
-@gluon.jit
 def _first_step_from(tile, offsets_ptr, num_p, num_q, tiles):
     """The first K-step of this program's blocks from ``tile`` on: (its block, its first row, its expert's end); a
     block whose expert has no rows has none (``tile`` >= ``tiles``: no step left)."""
-    r, end = _expert_rows(tile, tiles, offsets_ptr, num_p, num_q)
+    r, end = expert_rows_ahead(tile, tiles, offsets_ptr, num_p, num_q)
     while (tile < tiles) & (r >= end):
         tile += gl.num_programs(0)
-        r, end = _expert_rows(tile, tiles, offsets_ptr, num_p, num_q)
+        r, end = expert_rows_ahead(tile, tiles, offsets_ptr, num_p, num_q)
     return tile, r, end
 
 
