@@ -751,12 +751,13 @@ def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, int
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", GLUON_SHAPES)
-def test_gluon_rows_to_slots_match_the_triton_kernels(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
+def test_gluon_rows_to_slots_match_the_fp32_reference_and_the_triton_kernels(num_tokens, dim, inter, num_experts,
+                                                                              top_k, poison_cuda):
     """``rows_to_slots_ws`` (the down projection and dx in a Gluon kernel of two self-loading warpgroups, each block's
-    stores under the next block's first MMA) on the GPU against the Triton kernels the layer runs, on the same sorted
-    rows: every routed slot row (weighted for the down projection), D and I past the tile, an expert without rows;
-    dropped slots' rows never written (NaN here), and the sorted rows past the routed ones (NaN too, read by the last
-    tile) never leak into a routed row."""
+    stores under the next block's first MMA) on the GPU against the fp32 reference and the Triton kernels the layer
+    runs, on the same sorted rows: every routed slot row (weighted for the down projection), D and I past the tile,
+    an expert without rows; dropped slots' rows never written (NaN here), and the sorted rows past the routed ones
+    (NaN too, read by the last tile) never leak into a routed row."""
     from megamoe.kernels import expert_bwd, expert_fwd
     from megamoe.kernels.gluon_sm90 import rows_to_slots_ws
 
@@ -765,11 +766,20 @@ def test_gluon_rows_to_slots_match_the_triton_kernels(num_tokens, dim, inter, nu
     h = torch.randn(plan.row_slot_N.numel(), inter, device="cuda", dtype=torch.bfloat16)
     dz = torch.randn(plan.row_slot_N.numel(), 2 * inter, device="cuda", dtype=torch.bfloat16)
     h[routed:], dz[routed:] = float("nan"), float("nan")
+    slots = plan.row_slot_N[:routed].long()
+    bounds = list(itertools.pairwise(plan.offsets_E1.tolist()))
     for a, w, wts, w_k_last, want in ((h, w2, weights.reshape(-1), True, expert_fwd.down_fwd(h, w2, weights, plan)),
                                       (dz, w13, None, False, expert_bwd.dx_slots(dz, w13, plan))):
         got = torch.full_like(want, float("nan"))
         rows_to_slots_ws(a, w, got, plan, wts, w_k_last)
         assert got[~kept].isnan().all()
+        # the fp32 reference: each expert's sorted rows times its weight, weighted by slot, into the slots' rows
+        ref = torch.cat([a[lo:hi].float() @ (w[e].float().T if w_k_last else w[e].float())
+                         for e, (lo, hi) in enumerate(bounds)])
+        if wts is not None:
+            ref = ref * wts[slots].float()[:, None]
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(got[slots].float(), ref, rtol=1e-2, atol=1e-2 * scale)
         torch.testing.assert_close(got[kept].float(), want[kept].float(), rtol=1e-2,
                                    atol=1e-2 * want[kept].float().abs().max().item())
 
