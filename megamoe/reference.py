@@ -21,8 +21,8 @@ Slots with ``topk_idx == -1`` are dropped (contribute nothing, get zero weight g
 * :func:`moe_loop_fp8` — megamoe's blockwise FP8 recipe (``precision="fp8"``) as a per-expert loop in fp32 on
   the dequantised operands: what the FP8 kernels must compute.
 
-All four are differentiable in ``x``, ``topk_weights``, ``w13`` and ``w2``. ``fp32=True`` (of the first
-two) upcasts every input and returns fp32: that is the reference the tests compare against.
+All four are differentiable in ``x``, ``topk_weights``, ``w13`` and ``w2``. ``fp32=True`` of :func:`moe_loop`
+upcasts every input and returns fp32: that is the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -201,8 +201,6 @@ def moe_grouped_mm(
     topk_weights_TK: torch.Tensor,
     w13_EHD: torch.Tensor,
     w2_EDI: torch.Tensor,
-    *,
-    fp32: bool = False,
 ) -> torch.Tensor:
     """TorchTitan-style grouped-GEMM experts. No host synchronisation; ``torch.compile``-able.
 
@@ -210,7 +208,6 @@ def moe_grouped_mm(
     :data:`GROUP_ALIGN_M` rows (at least one block, as TorchTitan does) with copies of an appended zero
     row, so the permuted buffer has the static size ``M = T*K + E*GROUP_ALIGN_M``.
     """
-    x_TD, topk_weights_TK, w13_EHD, w2_EDI = _maybe_fp32(fp32, x_TD, topk_weights_TK, w13_EHD, w2_EDI)
     num_tokens, top_k = topk_idx_TK.shape
     num_experts, two_i, _ = w13_EHD.shape
     inter = two_i // 2

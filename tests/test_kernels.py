@@ -363,7 +363,7 @@ def test_every_config_writes_every_weight_gradient_partial(monkeypatch):
     for bn in (64, 128):  # first writes every 64-column group itself, then the wide config must too
         monkeypatch.setattr(kernel, "default", {**kernel.default, "BN": bn})  # BK as for `expected`: same sums
         part.add_(1000.0)  # dirty every partial, as a previous config's run would
-        expert_bwd.act_bwd_into(*operands, w13, w, plan, 2, dz, hw, part)
+        expert_bwd.act_bwd_into(*operands, w13, w, plan, dz, hw, part)
         assert kernel.last_config["BN"] == bn  # what the kernel benchmark records
     assert torch.equal(part.sum(0).view(-1, 2), expected)
 
@@ -836,7 +836,7 @@ def test_warp_specialized_act_kernel_matches_the_triton_kernel(num_tokens, dim, 
 
     def act(gluon):
         dz, hw, part = expert_bwd.act_bwd_outputs(plan.row_slot_N.numel(), 2 * inter, x)
-        expert_bwd.act_bwd_into(x_sorted, dh, w13, weights, plan, top_k, dz, hw, part, gluon=gluon)
+        expert_bwd.act_bwd_into(x_sorted, dh, w13, weights, plan, dz, hw, part, gluon=gluon)
         return dz[:routed].float(), hw[:routed].float(), part
 
     outs = {gluon: act(gluon) for gluon in (True, False)}

@@ -306,7 +306,7 @@ def _expert_wgrad_fp8_kernel(
     b_scale_ptr,  # (NT, Q) fp32
     out_ptr,  # (E, P, Q) out: dW[e] = sum over the expert's tiles t of deq(a)[tile t]^T deq(b)[tile t]
     offsets_ptr,
-    P, Q, E,
+    P, Q,
     EB: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """``_expert_wgrad_kernel`` on FP8 operands quantised 128x1 along the tokens: one K-step per plan tile of the
@@ -401,7 +401,7 @@ def act_bwd(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int
     """Returns dz (N, 2I), h·w (N, I) in sorted rows and d(routing weight) (T, K) fp32, from the sorted x rows
     (``gather_rows``) and dh' (``dh_sorted``)."""
     dz_NH, hw_NI, dweight_part = act_bwd_outputs(plan.row_slot_N.numel(), w13_EHD.shape[1], x_sorted_ND)
-    act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan, top_k, dz_NH, hw_NI, dweight_part)
+    act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan, dz_NH, hw_NI, dweight_part)
     # Fixed-order sum over the column groups: deterministic.
     return dz_NH, hw_NI, dweight_part.sum(dim=0).view(-1, top_k)
 
@@ -417,7 +417,7 @@ def act_bwd_outputs(num_slots: int, two_i: int, like: torch.Tensor, dz_NH: torch
     return dz_NH, hw_NI, dweight_part
 
 
-def act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, top_k: int, dz_NH, hw_NI, dweight_part,
+def act_bwd_into(x_sorted_ND, dh_NI, w13_EHD, topk_weights_TK, plan: Plan, dz_NH, hw_NI, dweight_part,
                  gluon: bool = True) -> None:
     """Launch the act kernel (``ACT_BWD`` — on sm90 with 16-bit operands its warp-specialized Gluon twin
     ``gluon_sm90._act_ws_kernel`` instead, unless ``gluon=False``; operands as for ``act_bwd``) into given buffers;
@@ -631,8 +631,7 @@ def wgrad_fp8(aq_PL, as_TP, bq_QL, bs_TQ, plan: Plan, out_dtype: torch.dtype, bl
         return dw
     WGRAD_FP8[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
         a_desc=descriptor(aq_PL), b_desc=descriptor(bq_QL), a_scale_ptr=as_TP, b_scale_ptr=bs_TQ, out_ptr=dw,
-        offsets_ptr=plan.offsets_E1, P=p, Q=q, E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
-        dtype=FP8,
+        offsets_ptr=plan.offsets_E1, P=p, Q=q, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, dtype=FP8,
     )
     return dw
 

@@ -188,10 +188,10 @@ def _loader(a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, nu
 
 
 @gluon.constexpr_function
-def _mma_layout(cols, num_warps):
+def wgmma_acc_layout(cols, num_warps, k):
     """The warpgroup MMA accumulator layout of a block ``cols`` wide: warps stacked down the rows, one
-    m16 x ``cols`` x k16 instruction shape."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
+    m16 x ``cols`` x ``k`` instruction shape (``k`` 16 for 16-bit operands, 32 for e4m3)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, k])
 
 
 @gluon.constexpr_function
@@ -272,7 +272,7 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
     BK: gl.constexpr = a_bufs.type.shape[1]
     BM: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[2]
-    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
+    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
     step = 0
     start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, num_p, num_q)
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
@@ -391,7 +391,7 @@ def _wgrad3_partition(a_desc, b_desc, dw_ptr, offsets_ptr, ready, empty, zeroed,
     BK: gl.constexpr = b_bufs.type.shape[1]
     BN: gl.constexpr = b_bufs.type.shape[2]
     BM: gl.constexpr = a_bufs.type.shape[2]
-    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
+    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
     step = 0
     tails = 0  # bit s: the phase of stage s's next partial K-step (the warpgroups that wait for B's zeroing)
     if WG == 0:  # the load cursor, STAGES - 1 steps ahead of this warpgroup's MMAs
@@ -577,7 +577,7 @@ def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = w_bufs.type.shape[3]  # [STAGES, 1, BK, BN]
-    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
+    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
     out_layout: gl.constexpr = row_segments(BN, 2, num_warps)
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
@@ -680,7 +680,7 @@ def _rows2_partition(a_desc, w_desc, out_ptr, weights_ptr, row_slot_ptr, offsets
     HALF: gl.constexpr = a_bufs.type.shape[1] // 2
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = w_desc.block_type.shape[1] if W_K_LAST else w_desc.block_type.shape[2]
-    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
+    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
     kbs = gl.cdiv(K, BK)
     steps = gl.cdiv(work - gl.program_id(0), gl.num_programs(0)) * kbs  # this program's ring steps
     if WG == 0:  # the first STAGES steps' loads; then each step's, once the step STAGES before it is freed
@@ -801,12 +801,12 @@ def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout:
 
 
 @gluon.jit
-def _act_mma_partition(tile_expert_ptr, tile_row_ptr, ready, empty, gu_ready, gu_empty, x_bufs, g_bufs, u_bufs, gu_smem,
-                       D, num_n, work, num_warps: gl.constexpr):
+def _act_mma_partition(ready, empty, gu_ready, gu_empty, x_bufs, g_bufs, u_bufs, gu_smem, D, work,
+                       num_warps: gl.constexpr):
     """Default partition of ``_act_ws_kernel``: both GEMMs of each block, then g and u, rounded to the operands'
     dtype, into ``gu_smem`` for the epilogue partition, and on to the next block's GEMMs."""
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
-    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
+    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout, False)
@@ -889,8 +889,7 @@ def _act_ws_kernel(x_desc, w13_desc, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweigh
     gu_ready = barriers(1)
     gu_empty = barriers(1)
     gl.warp_specialize([
-        (_act_mma_partition, (tile_expert_ptr, tile_row_ptr, ready, empty, gu_ready, gu_empty, x_bufs, g_bufs, u_bufs,
-                              gu_smem, D, num_n, work, num_warps)),
+        (_act_mma_partition, (ready, empty, gu_ready, gu_empty, x_bufs, g_bufs, u_bufs, gu_smem, D, work, num_warps)),
         (_tiles_loader, (x_desc, w13_desc, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs, u_bufs, D, num_n,
                          work, True)),
         (_act_epilogue_partition, (weights_ptr, dh_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
@@ -939,7 +938,7 @@ def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_
     rows and to I; with SAVE_PREACT also g and u, rounded to h's dtype, into preact (N, 2I) at columns n0 and
     I + n0; each through the staging buffer (``store_staged``)."""
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
-    acc_layout: gl.constexpr = _mma_layout(BN, num_warps)
+    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
     dtype: gl.constexpr = h_ptr.dtype.element_ty
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):

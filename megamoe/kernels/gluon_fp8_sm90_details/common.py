@@ -1,11 +1,11 @@
-"""Device helpers shared by the FP8 Gluon kernels (``gluon_fp8_sm90``): the accumulator layout, the ring of
-stages and its waits, the promotion, the blocks' look-ahead, the block trace and the FP8 groups' scales."""
+"""Device helpers shared by the FP8 Gluon kernels (``gluon_fp8_sm90``): the ring of stages and its waits, a
+warpgroup's MMA chain and its promotion, the blocks' look-ahead, the block trace and the FP8 groups' scales."""
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
 
 from megamoe.kernels.gluon_sm90 import barriers, block_rows, expert_end
 
@@ -23,13 +23,6 @@ FP8_MAX = gl.constexpr(448.0)  # largest finite float8_e4m3fn
 AMAX_FLOOR = gl.constexpr(1e-12)  # an all-zero group's amax, as ``quant.AMAX_FLOOR``
 
 
-@gluon.constexpr_function
-def wgmma_acc_layout(rows, cols, num_warps):
-    """A warpgroup's ``wgmma`` accumulator layout: ``num_warps`` (4) warps down ``rows`` (64), m16 x ``cols``
-    x k32 FP8 instructions."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 32])
-
-
 @gluon.jit
 def block_scales(as_bufs, bs_bufs, s, j: gl.constexpr, WG: gl.constexpr, layout: gl.constexpr):
     """This warpgroup's combined scales of stage ``s`` for weight block ``j``: a_s of its 64 rows times the
@@ -37,6 +30,19 @@ def block_scales(as_bufs, bs_bufs, s, j: gl.constexpr, WG: gl.constexpr, layout:
     (STAGES * 2, 64), a stage's two row halves; bs_bufs: (STAGES * NB, 64), a stage's NB weight blocks."""
     NB: gl.constexpr = bs_bufs.type.shape[0] // (as_bufs.type.shape[0] // 2)
     return as_bufs.index(s * 2 + WG).load(layout) * bs_bufs.index(s * NB + j).load(layout)
+
+
+@gluon.jit
+def issue_chain(a_bufs, w_bufs, s, c0: gl.constexpr, tmp, WG: gl.constexpr):
+    """Issue stage ``s``'s MMA chain (asynchronous: wgmma m64 x tmp's width x k32 over BK = 128) of this warpgroup's
+    64 rows of ``a_bufs[s]`` and columns ``c0`` .. ``c0`` + tmp's width of the weight block ``w_bufs[s]`` (a ring of
+    [STAGES, 1, BN, BK] or [STAGES, 1, 1, BN, BK]) into ``tmp``; returns its pending result."""
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = w_bufs.type.shape[-2]
+    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
+    w = w_bufs.index(s).reshape([BN, BK]).slice(c0, tmp.type.shape[1])
+    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), w.permute((1, 0)), tmp, use_acc=False,
+                         is_async=True)
 
 
 @gluon.jit

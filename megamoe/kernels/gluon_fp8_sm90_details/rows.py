@@ -9,7 +9,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
@@ -18,18 +17,19 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     block_scales,
     blocks_ahead,
     blocks_ahead_of,
+    issue_chain,
     pass_stages,
     promote,
     ring,
     stage_ready,
     stamp,
-    wgmma_acc_layout,
 )
 from megamoe.kernels.gluon_sm90 import (
     count_busy_tiles,
     next_slot,
     row_segments,
     tile_block,
+    wgmma_acc_layout,
 )
 
 
@@ -81,18 +81,6 @@ def _rows_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.cons
 
 
 @gluon.jit
-def _rows_mma(a_bufs, w_bufs, s, c0: gl.constexpr, tmp, WG: gl.constexpr):
-    """Issue stage ``s``'s MMA chain for this warpgroup's 64 rows and the weight block's columns ``c0`` .. ``c0`` +
-    128 (asynchronous: four wgmma m64n128k32 over BK = 128) into ``tmp``; returns its pending result."""
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    BN: gl.constexpr = w_bufs.type.shape[2]  # [STAGES, 1, BN, BK]
-    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
-    w = w_bufs.index(s).reshape([BN, BK]).slice(c0, tmp.type.shape[1])
-    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), w.permute((1, 0)), tmp, use_acc=False,
-                         is_async=True)
-
-
-@gluon.jit
 def _rows_store(out, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps: gl.constexpr):
     """The epilogue's stores of one warpgroup's bf16 block ``out`` (in the accumulator's layout): converted to 16-byte
     row segments and stored through masked pointer stores (rows [first, end): a tile's rows past its expert belong to
@@ -136,7 +124,7 @@ def _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, k
     s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
     stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
     # the MMAs' destination registers, reused
-    tmp0 = _rows_mma(a_bufs, w_bufs, s0, 0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
+    tmp0 = issue_chain(a_bufs, w_bufs, s0, 0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
     if DEFER_EPILOGUE:  # the previous block's stores, under this block's first MMA
         _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr, N_OUT,
                             num_warps)
@@ -148,7 +136,7 @@ def _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, k
         step += 1
         for k in range(BK, K, BK):
             s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
-            tmp0 = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s0, 0, tmp0, WG), ))
+            tmp0 = warpgroup_mma_wait(0, deps=(issue_chain(a_bufs, w_bufs, s0, 0, tmp0, WG), ))
             mbarrier.arrive(empty.index(s0), count=1)
             acc = acc + tmp0 * scale0[:, None]
             step += 1
@@ -167,19 +155,19 @@ def _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, k
         for _ in range((kbs - 1) // 2):  # [block `step` in flight in tmp0]
             s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
             tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-            tmp1 = _rows_mma(a_bufs, w_bufs, s1, 0, tmp1, WG)
+            tmp1 = issue_chain(a_bufs, w_bufs, s1, 0, tmp1, WG)
             mbarrier.arrive(empty.index(s0), count=1)
             acc = promote(acc, tmp0, scale0[:, None])
             s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step + 2, STAGES, WG, row_layout)
             tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
-            tmp0 = _rows_mma(a_bufs, w_bufs, s0, 0, tmp0, WG)
+            tmp0 = issue_chain(a_bufs, w_bufs, s0, 0, tmp0, WG)
             mbarrier.arrive(empty.index(s1), count=1)
             acc = promote(acc, tmp1, scale1[:, None])
             step += 2
         if kbs % 2 == 0:  # two blocks left: `step` in flight, and the next
             s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
             done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-            tmp1 = _rows_mma(a_bufs, w_bufs, s1, 0, tmp1, WG)
+            tmp1 = issue_chain(a_bufs, w_bufs, s1, 0, tmp1, WG)
             mbarrier.arrive(empty.index(s0), count=1)
             acc = promote(acc, done0, scale0[:, None])
             tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
@@ -215,14 +203,14 @@ def _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, 
     row_layout: gl.constexpr = gl.SliceLayout(1, tmp.type.layout)
     s, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
     scale1 = block_scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
-    tmp = warpgroup_mma_wait(0, deps=(_rows_mma(a_bufs, w_bufs, s, 0, tmp, WG), ))
+    tmp = warpgroup_mma_wait(0, deps=(issue_chain(a_bufs, w_bufs, s, 0, tmp, WG), ))
     acc0 = acc0 + tmp * scale0[:, None]
     if STORE_LEFT:
         out0 = _rows_left_out(acc0, wt, out_ptr, WEIGHTED)
-        tmp = _rows_mma(a_bufs, w_bufs, s, HB, tmp, WG)
+        tmp = issue_chain(a_bufs, w_bufs, s, HB, tmp, WG)
         _rows_store(out0, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps)
     else:
-        tmp = _rows_mma(a_bufs, w_bufs, s, HB, tmp, WG)
+        tmp = issue_chain(a_bufs, w_bufs, s, HB, tmp, WG)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
     mbarrier.arrive(empty.index(s), count=1)
     acc1 = acc1 + tmp * scale1[:, None]
@@ -253,13 +241,13 @@ def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, kbs, b
         s, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
         stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
         scale1 = block_scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
-        tmp = _rows_mma(a_bufs, w_bufs, s, 0, tmp, WG)
+        tmp = issue_chain(a_bufs, w_bufs, s, 0, tmp, WG)
         _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr, N_OUT,
                             num_warps)
         tmp = warpgroup_mma_wait(0, deps=(tmp, ))
         acc0 = tmp * scale0[:, None]
         out0 = _rows_left_out(acc0, wt, out_ptr, WEIGHTED)  # (stored here only if this is the last K-step)
-        tmp = _rows_mma(a_bufs, w_bufs, s, HB, tmp, WG)
+        tmp = issue_chain(a_bufs, w_bufs, s, HB, tmp, WG)
         if kbs == 1:
             _rows_store(out0, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps)
         tmp = warpgroup_mma_wait(0, deps=(tmp, ))
@@ -304,7 +292,7 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offset
     NH: gl.constexpr = bs_bufs.type.shape[0] // STAGES  # column halves of the block: its weight scale blocks
     BN: gl.constexpr = w_bufs.type.shape[2] // NH  # [STAGES, 1, NH * BN, BK]: BN columns per accumulator
     HALF: gl.constexpr = bs_bufs.type.shape[1]
-    acc_layout: gl.constexpr = wgmma_acc_layout(HALF, BN, num_warps)
+    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 32)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     seg_rows: gl.constexpr = gl.SliceLayout(1, row_segments(BN, 2, num_warps))
     kbs = K // BK

@@ -10,7 +10,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
@@ -21,12 +20,12 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     blocks_ahead,
     blocks_ahead_of,
     fp8_scales,
+    issue_chain,
     pass_stages,
     promote,
     quantize_by,
     stage_ready,
     stamp,
-    wgmma_acc_layout,
 )
 from megamoe.kernels.gluon_sm90 import (
     barriers,
@@ -35,6 +34,7 @@ from megamoe.kernels.gluon_sm90 import (
     staged_layout,
     store_staged,
     tile_block,
+    wgmma_acc_layout,
 )
 
 
@@ -108,19 +108,6 @@ def _up_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.conste
 
 
 @gluon.jit
-def _up_mma(x_bufs, w_bufs, s, c0: gl.constexpr, tmp, WG: gl.constexpr):
-    """Issue stage ``s``'s MMA chain (asynchronous, over BK = 128) of this warpgroup's 64 x rows and columns
-    ``c0`` .. ``c0`` + tmp's width of weight block ``w_bufs[s]`` (gate or up) into ``tmp``; returns its pending
-    result."""
-    BK: gl.constexpr = x_bufs.type.shape[2]
-    BN: gl.constexpr = w_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
-    HALF: gl.constexpr = x_bufs.type.shape[1] // 2
-    w = w_bufs.index(s).reshape([BN, BK]).slice(c0, tmp.type.shape[1])
-    return warpgroup_mma(x_bufs.index(s).slice(WG * HALF, HALF), w.permute((1, 0)), tmp, use_acc=False,
-                         is_async=True)
-
-
-@gluon.jit
 def _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl, acc_gh, acc_ul, scale_g, scale_u,
                            WG: gl.constexpr):
     """The issue-ahead up kernel's block of stage ``s`` after its first chain (the gate's left 64 columns, in
@@ -128,13 +115,13 @@ def _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl, acc_gh, ac
     last chain (the up block's right 64 columns) in flight in ``tb``."""
     HB: gl.constexpr = tb.type.shape[1]  # (ta: pending, no shape of its own)
     ta = warpgroup_mma_wait(0, deps=(ta, ))
-    tb = _up_mma(x_bufs, g_bufs, s, HB, tb, WG)
+    tb = issue_chain(x_bufs, g_bufs, s, HB, tb, WG)
     acc_gl = promote(acc_gl, ta, scale_g[:, None])
     tb = warpgroup_mma_wait(0, deps=(tb, ))
-    ta = _up_mma(x_bufs, u_bufs, s, 0, ta, WG)
+    ta = issue_chain(x_bufs, u_bufs, s, 0, ta, WG)
     acc_gh = promote(acc_gh, tb, scale_g[:, None])
     ta = warpgroup_mma_wait(0, deps=(ta, ))
-    tb = _up_mma(x_bufs, u_bufs, s, HB, tb, WG)
+    tb = issue_chain(x_bufs, u_bufs, s, HB, tb, WG)
     acc_ul = promote(acc_ul, ta, scale_u[:, None])
     return ta, tb, acc_gl, acc_gh, acc_ul
 
@@ -154,9 +141,9 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
     HALF: gl.constexpr = bs_bufs.type.shape[1]
     HB: gl.constexpr = BN // 2
-    acc_layout: gl.constexpr = wgmma_acc_layout(HALF, BN, num_warps)
+    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 32)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    half_layout: gl.constexpr = wgmma_acc_layout(HALF, HB, num_warps)
+    half_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
     half_rows: gl.constexpr = gl.SliceLayout(1, half_layout)
     step = 0
     row0, end, e_next, row0_next = blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
@@ -177,9 +164,9 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                     if TRACE:  # noqa: SIM102 (compiled out unless traced)
                         if k == 0:
                             stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
-                    tmp = warpgroup_mma_wait(0, deps=(_up_mma(x_bufs, g_bufs, s, 0, tmp, WG), ))
+                    tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, g_bufs, s, 0, tmp, WG), ))
                     acc_g = acc_g + tmp * scale_g[:, None]
-                    tmp = warpgroup_mma_wait(0, deps=(_up_mma(x_bufs, u_bufs, s, 0, tmp, WG), ))
+                    tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, u_bufs, s, 0, tmp, WG), ))
                     mbarrier.arrive(empty.index(s), count=1)
                     acc_u = acc_u + tmp * scale_u[:, None]
                     step += 1
@@ -205,13 +192,13 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                 tb = gl.zeros([HALF, HB], gl.float32, half_layout)
                 s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, half_rows)
                 stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
-                ta = _up_mma(x_bufs, g_bufs, s, 0, ta, WG)
+                ta = issue_chain(x_bufs, g_bufs, s, 0, ta, WG)
                 for k in range(BK, D, BK):  # [block `step`'s first chain in flight in ta]
                     ta, tb, acc_gl, acc_gh, acc_ul = _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl,
                                                                             acc_gh, acc_ul, scale_g, scale_u, WG)
                     s1, scale_g1, scale_u1 = _up_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, half_rows)
                     tb = warpgroup_mma_wait(0, deps=(tb, ))
-                    ta = _up_mma(x_bufs, g_bufs, s1, 0, ta, WG)
+                    ta = issue_chain(x_bufs, g_bufs, s1, 0, ta, WG)
                     mbarrier.arrive(empty.index(s), count=1)
                     acc_uh = promote(acc_uh, tb, scale_u[:, None])
                     s, scale_g, scale_u = s1, scale_g1, scale_u1

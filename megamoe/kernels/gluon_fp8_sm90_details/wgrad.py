@@ -9,20 +9,20 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
+    issue_chain,
     promote,
     ring,
     stage_ready,
-    wgmma_acc_layout,
 )
 from megamoe.kernels.gluon_sm90 import (
     count_busy_tiles,
     next_slot,
     store_block,
+    wgmma_acc_layout,
     wgrad_block,
 )
 
@@ -54,15 +54,6 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a
             async_copy.async_copy_global_to_shared(bs_bufs.index(s), b_s_ptr + t * Q + q0 + lanes_b)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
-
-
-@gluon.jit
-def _wgrad_mma(a_bufs, b_bufs, s, c0: gl.constexpr, tmp, WG: gl.constexpr):
-    """Issue stage ``s``'s MMA chain for this warpgroup's 64 P-rows and the block's columns ``c0`` .. ``c0`` + 128
-    into ``tmp`` (asynchronous); returns its pending result."""
-    HALF: gl.constexpr = tmp.type.shape[0]
-    b = b_bufs.index(s).slice(c0, tmp.type.shape[1])
-    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), b.permute((1, 0)), tmp, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -98,21 +89,21 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
     acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
     tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
     s0 = stage_ready(ready, step, STAGES)
-    tmp0 = _wgrad_mma(a_bufs, b_bufs, s0, 0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
+    tmp0 = issue_chain(a_bufs, b_bufs, s0, 0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
     for _ in range((steps - 1) // 2):  # [step `step` in flight in tmp0]
         s1 = stage_ready(ready, step + 1, STAGES)
         tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-        tmp1 = _wgrad_mma(a_bufs, b_bufs, s1, 0, tmp1, WG)
+        tmp1 = issue_chain(a_bufs, b_bufs, s1, 0, tmp1, WG)
         acc = _wgrad_promote(acc, tmp0, as_bufs, bs_bufs, empty, s0, WG)
         s0 = stage_ready(ready, step + 2, STAGES)
         tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
-        tmp0 = _wgrad_mma(a_bufs, b_bufs, s0, 0, tmp0, WG)
+        tmp0 = issue_chain(a_bufs, b_bufs, s0, 0, tmp0, WG)
         acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG)
         step += 2
     if steps % 2 == 0:  # two steps left: `step` in flight, and the next
         s1 = stage_ready(ready, step + 1, STAGES)
         done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-        tmp1 = _wgrad_mma(a_bufs, b_bufs, s1, 0, tmp1, WG)
+        tmp1 = issue_chain(a_bufs, b_bufs, s1, 0, tmp1, WG)
         acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG)
         tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
         acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG)
@@ -133,9 +124,9 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HB: gl.constexpr = tmp.type.shape[1]
     s = stage_ready(ready, step, STAGES)
-    tmp = warpgroup_mma_wait(0, deps=(_wgrad_mma(a_bufs, b_bufs, s, 0, tmp, WG), ))
+    tmp = warpgroup_mma_wait(0, deps=(issue_chain(a_bufs, b_bufs, s, 0, tmp, WG), ))
     acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
-    tmp = _wgrad_mma(a_bufs, b_bufs, s, HB, tmp, WG)
+    tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
     if LAST:
         store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
@@ -179,7 +170,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_
     BN: gl.constexpr = b_bufs.type.shape[1]
     HB: gl.constexpr = c_smem.type.shape[2]  # columns per store and per accumulator
     HALF: gl.constexpr = as_bufs.type.shape[1]
-    acc_layout: gl.constexpr = wgmma_acc_layout(HALF, HB, num_warps)
+    acc_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
     step = 0
     # The expert's rows are read at the block's start. Read a block ahead (expert_rows_ahead, as the bf16 kernel
     # does), this kernel hung on the H200 at the 30B layer's shapes (docs/PERFORMANCE.md).
