@@ -6,7 +6,7 @@ Environment variables (documented in the README):
 * ``MEGAMOE_BACKEND`` — ``auto`` or ``reference`` (read by :func:`megamoe.api.backend_for`);
 * ``MEGAMOE_EP`` — ``auto``, ``fused`` or ``all_to_all`` (:func:`megamoe.api.ep_path`);
 * ``MEGAMOE_DEBUG=1`` — checks that read device data back to the host (:func:`debug_checks_enabled`);
-* ``MEGAMOE_AUTOTUNE=0`` — fixed tile configs (:func:`megamoe.kernels.tuning.autotune_enabled`);
+* ``MEGAMOE_AUTOTUNE=0`` — fixed tile configs (:func:`autotune_requested`);
 * ``MEGAMOE_FP8_WGRAD`` — ``1`` (default) or ``0``: FP8 or bf16 weight gradients in ``precision="fp8"``
   (:func:`fp8_wgrad_requested`);
 * ``MEGAMOE_LOW_PEAK_BACKWARD`` — ``0`` or ``1``: the one-GPU backward's order (:func:`low_peak_backward_requested`);
@@ -42,35 +42,41 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _switch(name: str, default: bool) -> bool:
+    """An on/off environment switch: ``1`` on, ``0`` off, unset (or empty) ``default``; any other value is refused,
+    so that a typo cannot silently leave the default on."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0, 1 or unset, not {value!r}")
+    return default if value == "" else value == "1"
+
+
+def autotune_requested() -> bool:
+    """``MEGAMOE_AUTOTUNE``: ``1`` or unset, the GEMMs tune their tile configs once per new shape (which synchronises
+    with the host then); ``0``: each kernel runs its fixed default config."""
+    return _switch("MEGAMOE_AUTOTUNE", True)
+
+
 def low_peak_backward_requested() -> bool:
     """``MEGAMOE_LOW_PEAK_BACKWARD``: the default of ``megamoe.autograd.LOW_PEAK_BACKWARD`` (the backward's weight
     gradient of w13 before dx's slot rows exist, the dx combine on its own: less memory, a little slower). ``1`` or
     unset: that order in both memory modes; ``0``: dx's slot rows first, combined inside dW13's launch (faster by
     1-2%, one N x D block more at the backward's peak)."""
-    value = os.environ.get("MEGAMOE_LOW_PEAK_BACKWARD", "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"MEGAMOE_LOW_PEAK_BACKWARD must be 0, 1 or unset, not {value!r}")
-    return value != "0"
+    return _switch("MEGAMOE_LOW_PEAK_BACKWARD", True)
 
 
 def ep_unbounded_waits() -> bool:
     """``MEGAMOE_EP_UNBOUNDED_WAITS=1``: the fused expert-parallel protocol's waits compiled without their time bound
     (``MEGAMOE_EP_TIMEOUT_S``): no wait gives up and none writes the error record, so a missing peer hangs its ranks.
     Only for measuring what the bound costs (``bash scripts/gpu-check.sh ep-waits``); read once, at import."""
-    value = os.environ.get("MEGAMOE_EP_UNBOUNDED_WAITS", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"MEGAMOE_EP_UNBOUNDED_WAITS must be 0 or 1, not {value!r}")
-    return value == "1"
+    return _switch("MEGAMOE_EP_UNBOUNDED_WAITS", False)
 
 
 def fp8_wgrad_requested() -> bool:
     """``MEGAMOE_FP8_WGRAD``: the default of ``megamoe.autograd.FP8_WGRAD``. ``1`` or unset: FP8 weight gradients
     (DeepSeek-V3's recipe; on the H200 as fast as the bf16 ones at the 30B layer and faster at the 235B one,
     docs/PERFORMANCE.md); ``0``: the bf16 weight gradients (exact products of the unquantised rows)."""
-    value = os.environ.get("MEGAMOE_FP8_WGRAD", "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"MEGAMOE_FP8_WGRAD must be 0, 1 or unset, not {value!r}")
-    return value != "0"
+    return _switch("MEGAMOE_FP8_WGRAD", True)
 
 
 FP8_SCALES = ("fp32", "pow2")
@@ -99,7 +105,7 @@ set_fp8_scales(os.environ.get("MEGAMOE_FP8_SCALES", "fp32"))
 
 def debug_checks_enabled() -> bool:
     """``MEGAMOE_DEBUG=1`` turns on checks that read device data back to the host (slow, synchronising)."""
-    return os.environ.get("MEGAMOE_DEBUG", "0") == "1"
+    return _switch("MEGAMOE_DEBUG", False)
 
 
 @functools.cache

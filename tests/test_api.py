@@ -86,6 +86,30 @@ def test_ep_path_defaults_to_fused_where_it_runs_and_says_so_elsewhere(monkeypat
             ep_path(x, w2)
 
 
+@pytest.mark.parametrize("name, reader, default", [
+    ("MEGAMOE_AUTOTUNE", "autotune_requested", True),
+    ("MEGAMOE_DEBUG", "debug_checks_enabled", False),
+    ("MEGAMOE_FP8_WGRAD", "fp8_wgrad_requested", True),
+    ("MEGAMOE_LOW_PEAK_BACKWARD", "low_peak_backward_requested", True),
+    ("MEGAMOE_EP_UNBOUNDED_WAITS", "ep_unbounded_waits", False),
+])
+def test_on_off_switches_take_0_1_or_unset_and_refuse_the_rest(monkeypatch, name, reader, default):
+    """Each 0/1 environment switch: unset or empty gives its default, 0 and 1 what they say, and a value such as
+    ``yes`` or ``true`` is refused naming the variable, instead of leaving the default in place unnoticed."""
+    from megamoe import env
+
+    read = getattr(env, reader)
+    monkeypatch.delenv(name, raising=False)
+    assert read() is default
+    for value, expected in (("", default), ("0", False), ("1", True)):
+        monkeypatch.setenv(name, value)
+        assert read() is expected
+    for bad in ("yes", "true", "2"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name} must be 0, 1 or unset, not '{bad}'"):
+            read()
+
+
 def test_default_comm_sms_leaves_small_gpus_their_sms(monkeypatch):
     """The measured default on an H200-sized GPU; a kernel of its own (0) where 32 senders would take half
     the SMs or more (a MIG slice), instead of an error about an argument the caller never passed."""

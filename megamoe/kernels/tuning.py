@@ -19,19 +19,21 @@ when autotuning, each config's pre-hook) sets it before the launch.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import triton
+
+from megamoe import env
 
 TILE_KEYS = ("BM", "BN", "BK")
 LAUNCH_KEYS = ("num_warps", "num_stages")
 
 
 def autotune_enabled(dtype: torch.dtype) -> bool:
-    return (os.environ.get("MEGAMOE_AUTOTUNE", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and dtype.itemsize == 2)
+    """Whether launches with ``dtype`` operands tune their configs: 16-bit operands on a GPU, unless
+    ``MEGAMOE_AUTOTUNE=0``."""
+    return env.autotune_requested() and not env.interpreting() and dtype.itemsize == 2
 
 
 def fit_dtype(config: dict, dtype: torch.dtype) -> dict:
