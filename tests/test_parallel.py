@@ -101,6 +101,8 @@ def _worker(rank, num_ranks, init_file, test):
                                 max_tokens_per_rank=8)
         elif test == "compiled_first_call":
             check_compiled_first_call(group)
+        elif test == "reset":
+            check_reset_workspaces(group)
         elif test == "baseline":
             for case in CASES:
                 check_rank(case, rank, num_ranks, group,
@@ -457,9 +459,46 @@ def test_fused_ep_compiles_fullgraph_from_its_first_call():
     spawn("compiled_first_call", 1)
 
 
+@pytest.mark.loopback
+def test_reset_workspaces_brings_the_fused_layer_back_after_a_wait_gave_up():
+    spawn("reset", 1)
+
+
 # dynamo's refusal of a dynamic size to the fused layer's set-up, in torch 2.13's words or 2.11's
 DYNAMO_REFUSES_A_DYNAMIC_SIZE = (r"assume_constant_result argument conversion failed"
                                  r"|SymNodeVariable\(\) is not a constant")
+
+
+def check_reset_workspaces(group) -> None:
+    """``fused.reset_workspaces``, the documented way back after an expert-parallel wait gave up: until it runs every
+    call of the layer raises the wait's record (naming the reset), after it the layer's output and gradients are the
+    first call's, bit for bit. One gloo rank over the loopback workspace (symmetric memory needs GPUs); the record
+    is written as a wait that gave up writes it (tests/test_ep_faults.py makes real ones, phase by phase), and read
+    at once on a GPU too (``MEGAMOE_DEBUG=1``). Patches the fused module: a worker's process ends with the check."""
+    from megamoe.parallel import fused
+    from megamoe.parallel.workspace import CONTROL, loopback_workspaces
+
+    os.environ["MEGAMOE_DEBUG"] = "1"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fused.symmetric_workspace = lambda group, num_local, capacity, max_tokens, max_slots, dim, dtype: \
+        loopback_workspaces(1, num_local, capacity, max_tokens, max_slots, dim, dtype, device)[0]
+    x, idx, w, w13, w2, dy = make_problem(24, 32, 16, 4, 2, "random", device=device)
+
+    def layer(x, idx, w, w13, w2):
+        return fused.moe_fused_ep(x, idx, w, w13, w2, group, None, 0)
+
+    first = run_with_grads(layer, x, idx, w, w13, w2, dy)
+    (ws,) = [ws for key, ws in fused._WORKSPACES.items() if key[0] == group.group_name]
+    ws.control[CONTROL["err_stage"]] = 5  # an owner never wrote back
+    ws.control[CONTROL["err_epoch"]] = 1
+    for _ in range(2):  # every later call, not only the next one
+        with pytest.raises(RuntimeError, match=r"wait gave up on rank 0 .* in call 1, .*reset_workspaces"):
+            layer(x, idx, w, w13, w2)
+    fused.reset_workspaces(group)
+    assert ws.error() is None
+    again = run_with_grads(layer, x, idx, w, w13, w2, dy)
+    for name, a, b in zip(["y", "dx", "dtopk_weights", "dw13", "dw2"], first, again):
+        assert torch.equal(a, b), name
 
 
 def check_compiled_first_call(group) -> None:

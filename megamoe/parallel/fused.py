@@ -325,10 +325,11 @@ def reset_workspaces(group) -> None:
     """After an expert-parallel wait gave up (the ``RuntimeError`` of ``Workspace.check_error``): every workspace of
     ``group`` back to its first call's state. A collective: call it on every rank of the group (the ranks that
     raised and the others alike), before the next step."""
-    for key, ws in _WORKSPACES.items():
-        if key[0] == group.group_name:
-            ws.reset()
-    torch.cuda.synchronize()
+    workspaces = [ws for key, ws in _WORKSPACES.items() if key[0] == group.group_name]
+    for ws in workspaces:
+        ws.reset()
+    if any(ws.control.is_cuda for ws in workspaces):
+        torch.cuda.synchronize()
     dist.barrier(group)
 
 
