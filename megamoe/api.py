@@ -1,7 +1,7 @@
 """``megamoe.moe``: the functional MoE experts, its argument checks, and the choice of backend.
 
-Shape legend: T tokens, K experts per token, E experts (local to this rank), D hidden size,
-I expert intermediate size.
+Shape legend: T tokens, K experts per token, E experts (all of them: under expert parallelism each of R ranks
+holds E/R, see ``moe``'s ``group``), D hidden size, I expert intermediate size.
 """
 
 from __future__ import annotations
@@ -147,6 +147,15 @@ def validate(x, topk_idx, topk_weights, w13, w2, num_ranks: int = 1) -> None:
             torch._assert_async(in_range, f"megamoe: topk_idx holds an expert id outside [-1, {num_experts})")
 
 
+def check_ep_options(max_tokens_per_rank, comm_sms) -> None:
+    """``ValueError`` for a ``max_tokens_per_rank`` or ``comm_sms`` that no path takes (see :func:`moe`)."""
+    if max_tokens_per_rank is not None and (not isinstance(max_tokens_per_rank, int)
+                                            or isinstance(max_tokens_per_rank, bool) or max_tokens_per_rank < 1):
+        raise ValueError(f"max_tokens_per_rank must be None or a positive int, got {max_tokens_per_rank!r}")
+    if comm_sms is not None and not comm_sms_ok(comm_sms):
+        raise ValueError(f"comm_sms must be None, an int >= 0 or a pair (forward, backward) of them, got {comm_sms!r}")
+
+
 def moe(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -186,7 +195,9 @@ def moe(
             symmetric-memory workspace (``R * max_tokens_per_rank * K`` receive rows of D, twice, and
             ``R * max_tokens_per_rank`` token rows of D per rank), the same on every rank. ``None``:
             agreed at the first call (the largest T of any rank, one collective), and a later call with
-            more tokens raises ``ValueError``.
+            more tokens raises ``ValueError``. Given, it also lets a compiled first call's token count be
+            dynamic. A positive int (``ValueError`` otherwise); unused by the other paths, which size nothing
+            ahead.
         comm_sms: fused EP only: N > 0 sends the rows to their owners from N programs (one SM each)
             of the gate/up kernel's launch (forward) and of the dh' kernel's launch
             (backward) while their other programs compute on the rows already in — communication
@@ -194,7 +205,9 @@ def moe(
             every SM, before the expert kernels. A pair ``(forward, backward)`` of such counts sets the
             two directions apart. ``None`` (default): ``parallel.fused.DEFAULT_COMM_SMS`` (32, measured), or 0
             on a GPU with at most 64 SMs (``parallel.fused.default_comm_sms``). With ``precision="fp8"`` 0 only
-            (``None`` means 0; ``ValueError`` otherwise): its rows are sent by a kernel of their own.
+            (``None`` means 0; ``ValueError`` otherwise): its rows are sent by a kernel of their own. Off the
+            fused path (one GPU, or the all-to-all exchange) there is nothing to send: ``None`` or 0 only
+            (``ValueError`` otherwise).
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``: blockwise e4m3
             GEMMs, DeepSeek-V3's recipe (``megamoe.kernels.quant``): x, h, dy and dz scaled per row per 128
             columns, the weights per 128x128 block (FP8 copies of both orientations made once and cached until
@@ -211,7 +224,7 @@ def moe(
             the gate/up pre-activation, (T·K, 2I) in x's dtype — K·2I·2 bytes per token in bf16 (24 KiB for the
             Qwen3-30B-A3B layer, 48 KiB for Qwen3-235B-A22B) — so the backward skips that GEMM (18 instead of
             22·T·K·D·I FLOPs per step); for training without checkpointing when memory allows. On sm90 the
-            forward then runs the Triton up kernel (the Gluon one does not write the products yet). With
+            Gluon up kernel writes them beside h. With
             ``group`` the fused path keeps, per rank, the products of the rows it receives in a buffer sized for
             the most it can receive (``parallel.fused.preact_buffer``: (R·T_max·K, 2I), R times the one-GPU bytes);
             the all-to-all path keeps its local experts' products. The reference path keeps whatever autograd
@@ -228,8 +241,7 @@ def moe(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if save_for_backward not in SAVE_MODES:
         raise ValueError(f"save_for_backward must be one of {SAVE_MODES}, got {save_for_backward!r}")
-    if comm_sms is not None and not comm_sms_ok(comm_sms):
-        raise ValueError(f"comm_sms must be None, an int >= 0 or a pair (forward, backward) of them, got {comm_sms!r}")
+    check_ep_options(max_tokens_per_rank, comm_sms)
     if isinstance(x, torch.Tensor):
         x = x.contiguous()  # activations arrive as views (a slice of a wider tensor); the kernels read dense rows
     if group is not None:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.api import FLOAT_DTYPES, PRECISIONS, SAVE_MODES, check_fp8_dims, moe
+from megamoe.api import (
+    FLOAT_DTYPES,
+    PRECISIONS,
+    SAVE_MODES,
+    check_ep_options,
+    check_fp8_dims,
+    moe,
+)
 from megamoe.routing import SCORE_FUNCS, route
 
 
@@ -24,8 +31,9 @@ class MegaMoE(nn.Module):
             rank holds experts [r*E/R, (r+1)*E/R) (``w13``/``w2`` have E/R experts; R must divide E), the
             router stays replicated over all E, and :func:`megamoe.moe` exchanges the rows.
         precision: ``"bf16"`` or ``"fp8"`` (blockwise FP8 GEMMs; D and I multiples of 128): see :func:`megamoe.moe`.
-        max_tokens_per_rank: with ``ep_group``, on the fused path: see :func:`megamoe.moe`.
-        comm_sms: with ``ep_group``, on the fused path: see :func:`megamoe.moe` (``None``: the measured default).
+        max_tokens_per_rank: with ``ep_group``, on the fused path: see :func:`megamoe.moe` (checked here).
+        comm_sms: with ``ep_group``, on the fused path: see :func:`megamoe.moe` (``None``: the measured default;
+            checked here, and values above 0 refused at the first forward where the fused path does not run).
         save_for_backward: ``"none"`` (keep no activations; the backward recomputes the gate/up GEMM) or
             ``"preact"`` (keep the gate/up pre-activation, K·2I·2 bytes per token in bf16): see
             :func:`megamoe.moe`.
@@ -78,6 +86,7 @@ class MegaMoE(nn.Module):
             check_fp8_dims(hidden_size, intermediate_size)
         if save_for_backward not in SAVE_MODES:
             raise ValueError(f"save_for_backward must be one of {SAVE_MODES}, got {save_for_backward!r}")
+        check_ep_options(max_tokens_per_rank, comm_sms)
         on_cpu = torch.device(device if device is not None else torch.get_default_device()).type == "cpu"
         dtypes = (*FLOAT_DTYPES, torch.float64) if on_cpu else FLOAT_DTYPES  # fp64: the CPU reference (gradcheck)
         if dtype is not None and dtype not in dtypes:

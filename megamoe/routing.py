@@ -6,9 +6,12 @@ Two score functions, each matching the model family's own code on the same logit
 
 * ``softmax`` — Qwen3-MoE / Mixtral (Hugging Face): fp32 softmax over all E logits, top-k of the
   probabilities, optionally renormalised to sum to one.
-* ``sigmoid`` — DeepSeek-V3 / TorchTitan: fp32 sigmoid scores; an optional per-expert bias (aux-loss-free
-  load balancing) is added *only to choose* the experts; the gating values are the unbiased scores of
-  the chosen experts, optionally renormalised, then multiplied by ``route_scale``.
+* ``sigmoid`` — DeepSeek-V3 / TorchTitan: fp32 sigmoid scores; the gating values are the scores of the chosen
+  experts, optionally renormalised, then multiplied by ``route_scale``.
+
+With either, an optional per-expert bias (aux-loss-free load balancing, ``MegaMoE.update_expert_bias``) is added
+*only to choose* the experts, never to the gating values; a zero bias (``MegaMoE``'s initial one; Qwen3's own
+routing has none) chooses as the model family's code does.
 """
 
 from __future__ import annotations

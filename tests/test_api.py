@@ -62,6 +62,10 @@ def test_unsupported_options_raise():
         with pytest.raises(ValueError, match="fused expert-parallel path only"):
             call(args, comm_sms=sending)  # one device: nothing to send
     call(args, comm_sms=(0, 0))
+    for bad in (0, -8, 8.0, True, "8"):
+        with pytest.raises(ValueError, match="max_tokens_per_rank must be None or a positive int"):
+            call(args, max_tokens_per_rank=bad)
+    call(args, max_tokens_per_rank=8)  # one device: nothing to size
 
 
 def test_ep_path_defaults_to_fused_where_it_runs_and_says_so_elsewhere(monkeypatch):
@@ -224,6 +228,7 @@ def test_repr_names_the_dtype_that_runs():
     ({"hidden_size": 0}, ValueError, "hidden_size"), ({"precision": "fp4"}, ValueError, "precision"),
     ({"ep_group": object()}, TypeError, "ep_group"), ({"dtype": torch.float64, "device": "meta"}, TypeError, "dtype must be"),
     ({"dtype": torch.int32}, TypeError, "dtype must be"),
+    ({"comm_sms": -1}, ValueError, "comm_sms must be"), ({"max_tokens_per_rank": 0}, ValueError, "max_tokens_per_rank"),
 ])
 def test_module_rejects_bad_config(kwargs, exc, match):
     args = {"hidden_size": 32, "intermediate_size": 16, "num_experts": 6, "top_k": 2, **kwargs}

@@ -23,7 +23,7 @@ import torch
 from transformers.integrations import moe as hf_moe
 
 import megamoe
-from megamoe.api import PRECISIONS, SAVE_MODES
+from megamoe.api import PRECISIONS, SAVE_MODES, check_ep_options
 
 NAME = "megamoe"
 
@@ -71,13 +71,16 @@ def megamoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     w13, w2 = self.gate_up_proj, self.down_proj
     topk_idx = top_k_index.masked_fill(top_k_index >= self.num_experts, -1)  # sentinels: dropped slots
     group = getattr(self, EP_GROUP, None)  # set by shard_experts: this rank holds its E/R experts only
+    max_tokens_per_rank, comm_sms = getattr(self, EP_OPTIONS, (None, None))
     y = megamoe.moe(hidden_states.to(w13.dtype).contiguous(), topk_idx, top_k_weights, w13, w2, group=group,
                     save_for_backward=getattr(self, SAVE_FOR_BACKWARD, "none"),
-                    precision=getattr(self, PRECISION, "bf16"))
+                    precision=getattr(self, PRECISION, "bf16"), max_tokens_per_rank=max_tokens_per_rank,
+                    comm_sms=comm_sms)
     return y.to(hidden_states.dtype)
 
 
 EP_GROUP = "megamoe_ep_group"
+EP_OPTIONS = "megamoe_ep_options"  # (max_tokens_per_rank, comm_sms), set by shard_experts
 SAVE_FOR_BACKWARD = "megamoe_save_for_backward"
 PRECISION = "megamoe_precision"
 
@@ -111,18 +114,23 @@ def set_precision(model: torch.nn.Module, precision: str) -> None:
     _set_on_experts(model, PRECISION, precision, "set_precision")
 
 
-def shard_experts(model: torch.nn.Module, ep_group) -> list[torch.nn.Module]:
+def shard_experts(model: torch.nn.Module, ep_group, *, max_tokens_per_rank: int | None = None,
+                  comm_sms: int | tuple[int, int] | None = None) -> list[torch.nn.Module]:
     """Expert parallelism for a transformers model with ``experts_implementation="megamoe"``: every experts module
     of ``model`` keeps only the experts of this rank of ``ep_group`` (rank r of R keeps experts [r*E/R,
     (r+1)*E/R) of its ``gate_up_proj`` / ``down_proj``, which must be divisible by R) and exchanges tokens
     with the other ranks through :func:`megamoe.moe`'s ``group`` (the router stays replicated and routes to global
     expert ids; each rank runs its own tokens). Call it on every rank, after loading the full weights and before
     wrapping the model (FSDP2: shard the experts over the data-parallel mesh only). Returns the experts modules.
+    ``max_tokens_per_rank``, ``comm_sms``: passed to every call of :func:`megamoe.moe` (the fused path's workspace
+    size, which also lets a compiled first call's token count be dynamic, and its sending SMs; ``None``: agreed at
+    the first call, and the measured default).
 
     Their gradients are summed over the ep ranks' tokens: a trainer that averages the loss over ``R`` ranks divides
     them by ``R`` (FSDP2's average covers only its own mesh)."""
     import torch.distributed as dist
 
+    check_ep_options(max_tokens_per_rank, comm_sms)
     ranks, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     sharded = []
     for module in model.modules():
@@ -137,6 +145,7 @@ def shard_experts(model: torch.nn.Module, ep_group) -> list[torch.nn.Module]:
             full = getattr(module, name)
             setattr(module, name, torch.nn.Parameter(full.detach()[mine].clone(), requires_grad=full.requires_grad))
         setattr(module, EP_GROUP, ep_group)
+        setattr(module, EP_OPTIONS, (max_tokens_per_rank, comm_sms))
         sharded.append(module)
     if not sharded:
         raise ValueError("shard_experts: the model has no experts module with gate_up_proj / down_proj")
