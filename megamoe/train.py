@@ -383,7 +383,8 @@ def parse_args(argv=None, cuda: bool | None = None):
     p.add_argument("--seed", type=int, default=0, help="weights and data order")
     compiling = p.add_mutually_exclusive_group()
     compiling.add_argument("--compile-mode", choices=COMPILE_MODES,
-                           help="torch.compile each decoder layer (layers) or the whole model, fullgraph (model)")
+                           help="torch.compile each decoder layer (layers) or the whole model, fullgraph (model); without it "
+                                "(or --compile) the model runs eagerly")
     compiling.add_argument("--compile", dest="compile_mode", action="store_const", const="layers",
                            help="the same as --compile-mode layers")
     p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel ranks (divides the world size; megamoe only)")
@@ -394,7 +395,8 @@ def parse_args(argv=None, cuda: bool | None = None):
     p.add_argument("--eval-seqs", type=positive_int, help="held-out sequences per eval (default: all of them, at most 8)")
     p.add_argument("--log-every", type=positive_int, default=10, help="progress-bar update every N steps (syncs)")
     p.add_argument("--checkpoint-every", type=non_negative_int, default=0, help="checkpoint every N steps (0: at the end only)")
-    p.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint")
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="write no checkpoint files (for resuming; activation checkpointing is always on)")
     p.add_argument("--resume", type=Path, help="a checkpoint folder to continue from")
     p.add_argument("--stop-after", type=positive_int, help="leave after this step (the schedule still spans --steps)")
     p.add_argument("--moe-share-steps", type=non_negative_int, default=0,
@@ -406,6 +408,8 @@ def parse_args(argv=None, cuda: bool | None = None):
                    help="train nothing: draw these runs' loss curves on one plot, into --out (a .png path)")
     args = p.parse_args(argv)
     if args.plot:
+        if args.out.suffix != ".png":
+            p.error(f"--plot draws into --out, which must then be a .png path (got {args.out})")
         return args
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.moe_share_steps and not cuda:

@@ -30,6 +30,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:?usage: gpu-check.sh tests|loopback|ep-waits|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|train-fp8|train-fp8-more|ep}
 shift
+case $stage in  # before anything is installed or started
+tests|loopback|ep-waits|layer|fp8|model|train|train-fp8|train-fp8-more|ep) ;;
+*)
+    echo "unknown stage $stage: tests, loopback, ep-waits, layer, fp8, model, train, train-fp8, train-fp8-more or ep" >&2
+    exit 2
+    ;;
+esac
 out=${GPU_CHECK_OUT:-benchmarks/out/gpu-check}
 mkdir -p "$out"
 PY=$(bash scripts/setup.sh)
@@ -189,9 +196,5 @@ ep)
     step ep-tests 420 "${py[@]}" -m pytest -q -p no:cacheprovider tests/test_parallel.py -m gpu || exit $?
     step ep-bench 590 "${py[@]}" -m torch.distributed.run --nproc-per-node "$gpus" -m megamoe.bench --ep \
         --preset qwen3-30b-a3b,qwen3-235b-a22b --tokens 16384 --routing random,skewed --comm-sms 32 --out "$out/results"
-    ;;
-*)
-    echo "unknown stage $stage: tests, loopback, ep-waits, layer, fp8, model, train, train-fp8, train-fp8-more or ep" >&2
-    exit 2
     ;;
 esac

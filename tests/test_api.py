@@ -365,6 +365,8 @@ def test_benchmark_rounds_take_turns_and_report_each_impls_median(monkeypatch):
     (["--loopback", "2", "--comm-sms", "4"], "--comm-sms, --loopback: the expert-parallel benchmark's options"),
     (["--ep", "--loopback", "-1"], "argument --loopback: must be at least 0, not -1"),
     (["--ep", "--comm-sms-split", "1:x"], "argument --comm-sms-split: not an integer: 'x'"),
+    (["--ep", "--rep-ms", "100", "--no-plot"], "--rep-ms: the layer benchmark's options"),
+    (["--ep", "--loopback", "1", "--ep-iters", "5"], "--ep-iters: options of the expert-parallel benchmark on torchrun"),
 ])
 def test_benchmark_refuses_arguments_it_cannot_run(argv, message, capsys):
     """Each in argparse's one line, before anything is set up (no traceback, no GPU needed)."""
@@ -377,6 +379,22 @@ def test_benchmark_refuses_arguments_it_cannot_run(argv, message, capsys):
     last = err.splitlines()[-1]
     assert last.startswith("python -m megamoe.bench: error: ") and message in last, last
     assert "Traceback" not in err
+
+
+def test_benchmark_on_a_gpu_without_matplotlib_says_so_before_it_runs(monkeypatch, capsys):
+    """The layer benchmark's PNG needs matplotlib, which a GPU machine's own python may lack (scripts/setup.sh
+    installs nothing there): the run stops at once saying how to get it or skip the PNG, not after its first JSON."""
+    import importlib.util
+
+    from megamoe.bench import cli
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit):
+        cli.parse_args([])
+    assert "the PNG needs matplotlib: pip install -e '.[bench]', or pass --no-plot" in capsys.readouterr().err
+    assert cli.parse_args(["--no-plot"]).no_plot and cli.parse_args(["--ep"]).ep
 
 
 def test_benchmark_impls(capsys):

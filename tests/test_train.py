@@ -186,6 +186,7 @@ def test_without_a_gpu_the_defaults_run_about_a_minute():
     (["--micro-batches", "0"], "argument --micro-batches: must be at least 1"),
     (["--resume", "/no/such/folder"], "--resume /no/such/folder: no such checkpoint folder"),
     (["--compile", "--compile-mode", "model"], "argument --compile-mode: not allowed with argument --compile"),
+    (["--plot", "a/log.json"], "--plot draws into --out, which must then be a .png path (got benchmarks/out/train)"),
 ])
 def test_arguments_that_cannot_run_here_end_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

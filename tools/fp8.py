@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from megamoe.arguments import HelpFormatter, positive_int
 from megamoe.bench.common import PRESETS, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd, quant
 from megamoe.kernels.combine import combine
@@ -74,9 +75,9 @@ def main(argv=None) -> None:
     from triton.testing import do_bench
 
     p = argparse.ArgumentParser(prog="python -m tools.fp8", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
-    p.add_argument("--tokens", type=int, default=16384)
+                                formatter_class=HelpFormatter)
+    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS), help="the layer's D, I, E and K")
+    p.add_argument("--tokens", type=positive_int, default=16384, help="tokens per step (T)")
     p.add_argument("--out", type=Path, help="folder for the JSON record")
     p.add_argument("--stages", type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
                    help="comma-separated parts of stage names: time only those stages")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from megamoe.arguments import HelpFormatter, positive_int
 from megamoe.bench.common import PRESETS, make_problem
 from megamoe.kernels import expert_fwd, gluon_fp8_sm90, quant
 from megamoe.kernels.plan import build_plan
@@ -91,9 +92,9 @@ def main(argv=None) -> None:
     from triton.testing import do_bench
 
     p = argparse.ArgumentParser(prog="python -m tools.fp8_trace", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
-    p.add_argument("--tokens", type=int, default=16384)
+                                formatter_class=HelpFormatter)
+    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS), help="the layer's D, I, E and K")
+    p.add_argument("--tokens", type=positive_int, default=16384, help="tokens per step (T)")
     p.add_argument("--gemms", type=lambda s: s.split(","), default=DEFAULT_GEMMS,
                    help="comma-separated, from down, dh (dh'), dx, up")
     p.add_argument("--plain", action="store_true",

@@ -27,6 +27,8 @@ import time
 import torch
 import triton
 
+from megamoe.arguments import HelpFormatter, positive_int
+
 
 def step_time_us(fn, problem, steps: int) -> float:
     from megamoe.bench.common import training_step
@@ -92,11 +94,11 @@ def stage_table(problem) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.host", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=200, help="timed steps per repetition")
-    p.add_argument("--reps", type=int, default=5, help="alternating repetitions of both paths")
+    p = argparse.ArgumentParser(prog="python -m tools.host", description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--tokens", type=positive_int, default=1024, help="tokens per step (T), the 30B layer")
+    p.add_argument("--steps", type=positive_int, default=200, help="timed steps per repetition")
+    p.add_argument("--reps", type=positive_int, default=5, help="alternating repetitions of both paths")
     p.add_argument("--gpu", action="store_true", help="launch the kernels on the CUDA GPU instead of stubbing them")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also list the N functions with the most own time (cProfile) over the eager path's steps")

@@ -27,6 +27,7 @@ import torch
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
+from megamoe.arguments import HelpFormatter, positive_int
 from megamoe.bench.common import PRESETS, ROUTINGS, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd, gluon_sm90
 from megamoe.kernels.combine import combine
@@ -142,11 +143,11 @@ def main(argv=None) -> None:
     from triton.testing import do_bench
 
     p = argparse.ArgumentParser(prog="python -m tools.kernels", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b")
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--routing", choices=ROUTINGS, default="random")
-    p.add_argument("--top-k", type=int, help="slots per token (default: the preset's K)")
+                                formatter_class=HelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b", help="the layer's D, I, E and K")
+    p.add_argument("--tokens", type=positive_int, default=16384, help="tokens per step (T)")
+    p.add_argument("--routing", choices=ROUTINGS, default="random", help="how the tokens pick their experts")
+    p.add_argument("--top-k", type=positive_int, help="slots per token (default: the preset's K)")
     p.add_argument("--sweep", action="store_true", help="time every candidate config of each kernel")
     p.add_argument("--json", help="write the table as JSON to this path")
     args = p.parse_args(argv)

@@ -5,6 +5,9 @@ and say that timings need a GPU."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+
+import torch
 
 from megamoe.arguments import HelpFormatter, csv_of, non_negative_int, positive_int
 from megamoe.bench import ep, layer
@@ -36,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--loopback", type=non_negative_int, default=0, metavar="R",
                    help="with --ep: R virtual ranks on one device (no torchrun): the fused protocol against the "
                         "plain one-device layer, and in blockwise FP8 against the bf16 loopback where D and I are "
-                        "multiples of 128")
+                        "multiples of 128; 0: the ranks torchrun started")
     p.add_argument("--comm-sms", type=csv_of(positive_int), default=[], metavar="N[,N...]",
                    help="with --ep: also the fused protocol sending rows from N programs of the expert kernels' "
                         "launches (impl fused_smsN; with --loopback R > 1 each rank's senders run before every GEMM, so "
@@ -59,12 +62,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "alike; costs N times the timing and holds every impl's weights at once")
     p.add_argument("--out", default=DEFAULT_OUT,
                    help="folder for the JSON and PNG (benchmarks/results holds the committed ones)")
-    p.add_argument("--no-plot", action="store_true", help="write no PNG")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG (the expert-parallel benchmark writes none)")
     args = p.parse_args(argv)  # argparse applies ``type`` to string defaults too
     defaults = vars(p.parse_args([]))
     args.explicit = {name for name, value in vars(args).items() if value != defaults[name]}  # what the caller set
     if args.ep and args.rounds != 1:
         p.error("--rounds is the layer benchmark's (with --ep, --ep-iters sets the timed iterations)")
+    layer_only = sorted(args.explicit & {"rep_ms", "sonicmoe_autotune"})
+    if layer_only and args.ep:
+        p.error(f"{', '.join('--' + name.replace('_', '-') for name in layer_only)}: the layer benchmark's options "
+                "(the expert-parallel benchmark times with --ep-iters and runs no SonicMoE)")
+    real_ranks_only = sorted(args.explicit & {"impls", "ep_iters", "comm_sms_split"})
+    if real_ranks_only and args.ep and args.loopback:
+        p.error(f"{', '.join('--' + name.replace('_', '-') for name in real_ranks_only)}: options of the "
+                "expert-parallel benchmark on torchrun's ranks, not of --loopback (which times its fixed variants "
+                "with do_bench)")
     ep_only = sorted(args.explicit & {"ep_iters", "loopback", "comm_sms", "comm_sms_split"})
     if ep_only and not args.ep:
         p.error(f"{', '.join('--' + name.replace('_', '-') for name in ep_only)}: the expert-parallel benchmark's "
@@ -76,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         if unknown or not names:
             p.error(f"--impls: {unknown} not among the {'expert-parallel' if args.ep else 'layer'} benchmark's "
                     f"{list(allowed)}")
+    if not args.ep and not args.no_plot and importlib.util.find_spec("matplotlib") is None and \
+            torch.cuda.is_available():
+        p.error("the PNG needs matplotlib: pip install -e '.[bench]', or pass --no-plot")
     return args
 
 

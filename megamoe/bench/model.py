@@ -304,7 +304,8 @@ def parse_args(argv=None, cuda: bool | None = None):
                         "pre-activation, save_for_backward='preact')")
     compiling = p.add_mutually_exclusive_group()
     compiling.add_argument("--compile-mode", choices=COMPILE_MODES,
-                           help="torch.compile each decoder layer (layers) or the whole model, fullgraph (model)")
+                           help="torch.compile each decoder layer (layers) or the whole model, fullgraph (model); without it "
+                                "(or --compile) the model runs eagerly")
     compiling.add_argument("--compile", dest="compile_mode", action="store_const", const="layers",
                            help="the same as --compile-mode layers")
     p.add_argument("--matrix", action="store_true",
