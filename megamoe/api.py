@@ -177,7 +177,9 @@ def moe(
     Args:
         x: (T, D) activations, bf16 (fp16/fp32 accepted: computed in their own dtype; fp64 on CPU tensors runs
             the reference implementation, for ``torch.autograd.gradcheck``). Any strides: a view is copied.
-        topk_idx: (T, K) int32/int64 expert ids in [0, E); -1 marks a dropped slot.
+        topk_idx: (T, K) int32/int64 expert ids in [0, E); -1 marks a dropped slot. An id out of range raises
+            ``ValueError`` on CPU tensors or with ``MEGAMOE_DEBUG=1``; on a GPU or in a compiled graph a
+            device-side assert fails the step instead (no host sync for the check).
         topk_weights: (T, K) fp32/bf16/fp16 routing weights (gradient returned in this dtype).
         w13: (E, 2*I, D) gate rows [0, I) then up rows [I, 2I), dtype of ``x``, contiguous
             (Hugging Face ``Qwen3MoeExperts.gate_up_proj`` layout).

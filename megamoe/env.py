@@ -1,7 +1,7 @@
 """Device queries and environment switches that every layer of the package reads: the bottom of the import
 graph (it imports nothing from megamoe), so that kernels and the public API can share them without a cycle.
 
-Environment variables (documented in the README):
+Environment variables (documented in docs/USAGE.md):
 
 * ``MEGAMOE_BACKEND`` — ``auto`` or ``reference`` (read by :func:`megamoe.api.backend_for`);
 * ``MEGAMOE_EP`` — ``auto``, ``fused`` or ``all_to_all`` (:func:`megamoe.api.ep_path`);
@@ -11,6 +11,8 @@ Environment variables (documented in the README):
   (:func:`fp8_wgrad_requested`);
 * ``MEGAMOE_LOW_PEAK_BACKWARD`` — ``0`` or ``1``: the one-GPU backward's order (:func:`low_peak_backward_requested`);
 * ``MEGAMOE_FP8_SCALES`` — ``fp32`` or ``pow2``: the FP8 recipe's scales (:func:`fp8_pow2_scales`);
+* ``MEGAMOE_EP_TIMEOUT_S`` — seconds one wait of the fused EP protocol spins before it gives up
+  (:func:`megamoe.parallel.workspace.ep_timeout_s`);
 * ``MEGAMOE_EP_UNBOUNDED_WAITS=1`` — the fused EP protocol's waits without their bound, only to measure what the
   bound costs (:func:`ep_unbounded_waits`);
 * ``TRITON_INTERPRET=1`` — Triton's interpreter runs the kernels on CPU tensors (:func:`interpreting`).

@@ -13,6 +13,7 @@ fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv >&2
 fi
-# torch 2.13.0 resolves to the local CPU wheel; the dev extras pin numpy<2.3 for the Triton 3.6 interpreter.
+# torch from pip's configured index (PyPI's Linux wheel is the CUDA build; docs/USAGE.md says how to get the CPU one);
+# the dev extras pin numpy<2.3 for the Triton 3.6 interpreter.
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.6.0" -e ".[dev]" >&2
 echo .venv/bin/python

@@ -107,36 +107,6 @@ def test_expert_parallel_sentinels_contribute_nothing():
     assert torch.equal(w.grad[:, 1], torch.zeros_like(w.grad[:, 1]))
 
 
-def test_shard_experts_passes_its_ep_options_to_every_call(monkeypatch, tmp_path):
-    """``shard_experts(model, group, max_tokens_per_rank=, comm_sms=)`` in a process group of one (gloo): every
-    experts module calls ``megamoe.moe`` with its group and those options, the model's logits are the unsharded
-    model's, and options no path takes are refused before any module is changed."""
-    import torch.distributed as dist
-
-    calls = []
-    moe = megamoe.moe
-    monkeypatch.setattr(megamoe, "moe", lambda *a, **kw: calls.append(kw) or moe(*a, **kw))
-    model = tiny_model()
-    model.set_experts_implementation("megamoe")
-    input_ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    with torch.no_grad():
-        expected = model(input_ids=input_ids).logits
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        group = dist.group.WORLD
-        for bad, match in (({"comm_sms": -1}, "comm_sms must be"), ({"max_tokens_per_rank": 0}, "max_tokens")):
-            with pytest.raises(ValueError, match=match):
-                hf_megamoe.shard_experts(model, group, **bad)
-        assert not any(hasattr(m, hf_megamoe.EP_GROUP) for m in model.modules())
-        assert len(hf_megamoe.shard_experts(model, group, max_tokens_per_rank=16, comm_sms=0)) == 2
-        with torch.no_grad():
-            logits = model(input_ids=input_ids).logits
-    finally:
-        dist.destroy_process_group()
-    assert [(c["group"], c["max_tokens_per_rank"], c["comm_sms"]) for c in calls[-2:]] == [(group, 16, 0)] * 2
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
-
-
 def test_saved_mode_through_the_integration_gives_the_same_gradients(monkeypatch):
     """``set_save_for_backward(model, "preact")``: every experts call asks megamoe to keep the gate/up products,
     and the model's loss and every gradient equal the keep-nothing run's; a bad mode is refused."""

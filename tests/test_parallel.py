@@ -103,6 +103,8 @@ def _worker(rank, num_ranks, init_file, test):
             check_compiled_first_call(group)
         elif test == "reset":
             check_reset_workspaces(group)
+        elif test == "shard_experts":
+            check_shard_experts(group)
         elif test == "baseline":
             for case in CASES:
                 check_rank(case, rank, num_ranks, group,
@@ -464,9 +466,41 @@ def test_reset_workspaces_brings_the_fused_layer_back_after_a_wait_gave_up():
     spawn("reset", 1)
 
 
+def test_shard_experts_passes_its_ep_options_to_every_call():
+    spawn("shard_experts", 1)
+
+
 # dynamo's refusal of a dynamic size to the fused layer's set-up, in torch 2.13's words or 2.11's
 DYNAMO_REFUSES_A_DYNAMIC_SIZE = (r"assume_constant_result argument conversion failed"
                                  r"|SymNodeVariable\(\) is not a constant")
+
+
+def check_shard_experts(group) -> None:
+    """``shard_experts(model, group, max_tokens_per_rank=, comm_sms=)`` of the transformers integration in a group of
+    one (gloo): options no path takes are refused before any module changes; then every experts module calls
+    ``megamoe.moe`` with the group and those options, and the model's logits are the unsharded model's. Patches
+    ``megamoe.moe``: a worker's process ends with the check."""
+    import megamoe.integrations.transformers as hf_megamoe
+    from tests.test_integrations import tiny_model
+
+    calls = []
+    moe = megamoe.moe
+    megamoe.moe = lambda *a, **kw: calls.append(kw) or moe(*a, **kw)
+    model = tiny_model(device="cpu")  # the all-to-all path of CPU tensors: gloo carries it
+    model.set_experts_implementation("megamoe")
+    input_ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(input_ids=input_ids).logits
+    for bad, match in (({"comm_sms": -1}, "comm_sms must be"), ({"max_tokens_per_rank": 0}, "max_tokens_per_rank")):
+        with pytest.raises(ValueError, match=match):
+            hf_megamoe.shard_experts(model, group, **bad)
+    assert not any(hasattr(m, hf_megamoe.EP_GROUP) for m in model.modules())
+    assert len(hf_megamoe.shard_experts(model, group, max_tokens_per_rank=16, comm_sms=0)) == 2
+    calls.clear()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits
+    assert [(c["group"], c["max_tokens_per_rank"], c["comm_sms"]) for c in calls] == [(group, 16, 0)] * 2
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
 
 
 def check_reset_workspaces(group) -> None:
