@@ -675,7 +675,9 @@ def test_every_weight_gradient_config_matches_a_per_expert_reference(monkeypatch
 @pytest.mark.parametrize("p, q, counts", [
     (136, 72, [0, 1, 63, 64, 65, 200, 0, 130]),  # P, Q past the tile; experts empty, under one step, mid-step
     (1536, 2048, [1024 + 37 * (i % 5) - 70 for i in range(128)]),  # the 30B dW13 shape at 16k tokens
-    (1536, 2048, [40 + 30 * (i % 3) for i in range(128)]),  # ~60 blocks per program of one or two K-steps each
+    (1536, 2048, [40 + 30 * (i % 3) for i in range(128)]),  # ~60 blocks per program of 1-2 K-steps (BK 64), 2-4 (32)
+    # empty experts between non-empty ones in one program's blocks, and blocks of one K-step at BK 32 too
+    (1536, 2048, [(0, 1, 17, 32, 33, 40)[i % 6] for i in range(128)]),
 ])
 def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, counts, poison_cuda):
     """The Gluon kernel on the GPU: each expert's sum of outer products, an empty expert exact zeros,
@@ -750,7 +752,8 @@ def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, int
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", GLUON_SHAPES)
+@pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k",
+                         [*GLUON_SHAPES, (200, 136, 64, 5, 2)])  # the down projection in blocks of one K-step (I 64)
 def test_gluon_rows_to_slots_match_the_fp32_reference_and_the_triton_kernels(num_tokens, dim, inter, num_experts,
                                                                               top_k, poison_cuda):
     """``rows_to_slots_ws`` (the down projection and dx in a Gluon kernel of two self-loading warpgroups, each block's
