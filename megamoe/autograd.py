@@ -9,8 +9,8 @@ Saved for backward: the inputs and the routing plan (a few int32 vectors) — no
 saved-activation mode, also the gate/up products (N, 2I in x's dtype), so the backward skips their GEMM.
 
 The precision is chosen here, once: ``fp8`` runs the blockwise FP8 bodies (:func:`experts_forward_fp8`,
-:func:`experts_backward_fp8`) behind the same autograd function and custom ops. Their weight gradients are bf16
-FP8 GEMMs too while :data:`FP8_WGRAD` is set (the default), else bf16 GEMMs on the unquantised rows.
+:func:`experts_backward_fp8`) behind the same autograd function and custom ops. Their weight gradients are FP8
+GEMMs (bf16 outputs) too while :data:`FP8_WGRAD` is set (the default), else bf16 GEMMs on the unquantised rows.
 """
 
 from __future__ import annotations

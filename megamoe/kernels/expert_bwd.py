@@ -1,4 +1,6 @@
-"""Backward expert kernels. Nothing from the forward is kept: the gate/up GEMM is recomputed.
+"""Backward expert kernels. Keeping nothing (the default memory mode) the gate/up GEMM is recomputed (step 3); in
+the saved mode the act step reads the forward's gate/up products instead (``act_bwd_from_preact``,
+``_act_from_preact_kernel``).
 
 Shape legend as in expert_fwd.py; NI = ceil(I / BN_ACT) intermediate blocks.
 
@@ -23,8 +25,9 @@ One device:
 On sm90 with 16-bit operands, steps 2, 3 and 5 run warp-specialized Gluon twins instead (``gluon_sm90.py``:
 ``_dh_ws_kernel``, ``_act_ws_kernel``, ``_wgrad_ws_kernel``; same operands and outputs), and two copies move
 into them, run by a partition of their own beside the MMAs: step 1 copies only dy ahead, x's rows are copied
-inside the dh' kernel (``sorted_rows_and_dh``); step 4's combine runs inside the dW13 kernel
-(``expert_wgrad_and_combine``).
+inside the dh' kernel (``sorted_rows_and_dh``); with ``autograd.LOW_PEAK_BACKWARD`` off
+(``MEGAMOE_LOW_PEAK_BACKWARD=0``) step 4's combine runs inside the dW13 kernel (``expert_wgrad_and_combine``), by
+default on its own after dW13.
 
 Expert parallelism runs steps 3–5 on its receive buffers, which are already in expert order; its dh' GEMM
 waits for the rows as they arrive (``parallel.owner.send_and_dh``).

@@ -32,16 +32,20 @@ Partitions of each kernel:
   critical path. Each ready barrier counts the TMA bytes and one ``cp.async`` arrival per loader thread.
 - two MMA partitions (4 warps each, rows 0-63 and 64-127 of the tile), with the same code: per K-step
   one asynchronous ``wgmma`` m64n128k32 chain (four of them over BK = 128) into a temporary, wait, free the
-  stage, promote. A warpgroup whose 64 rows all lie past its expert's end (the last tile of an expert)
-  skips its MMAs and epilogue.
+  stage, promote (with issue-ahead the next K-step's chain in flight meanwhile, into a second temporary). A block
+  of 256 columns (``ROWS_BLOCK_N``, the default where N allows) runs as two column halves of 128, each with its
+  accumulator, without issue-ahead. A warpgroup whose 64 rows all lie past its expert's end (the last tile of an
+  expert) skips its MMAs and epilogue.
 
 The weight-gradient kernel has the sorted-rows kernel's partitions, with both operands K-major along the tokens
 (``quant.quantize_tile_cols``): a K-step is one plan tile of the block's expert, and its promotion multiplies by the
-outer product of A's scales of the block's rows and B's of its columns (both copied into the stage). Its warpgroups
-issue each K-step's chain before the previous one's promotion, and store their blocks through shared memory by TMA.
+outer product of A's scales of the block's rows and B's of its columns (both copied into the stage). At 128
+columns its warpgroups issue each K-step's chain before the previous one's promotion; at 256 (``WGRAD_BLOCK_N``, the
+default where Q allows) they run two column halves without; they store their blocks through shared memory by TMA.
 
-See ``fp8_rows_gemm_ws``, ``fp8_up_swiglu_ws`` and ``fp8_wgrad_ws`` for the three launchers; the kernels are in
-``gluon_fp8_sm90_details`` (``rows``, ``up``, ``wgrad``, and their shared device helpers in ``common``).
+See ``fp8_rows_gemm_ws``, ``fp8_up_swiglu_ws``, ``fp8_wgrad_ws`` and ``fp8_act_tile_cols_ws`` (the FP8 weight
+gradients' act step) for the four launchers; the kernels are in ``gluon_fp8_sm90_details`` (``rows``, ``up``,
+``wgrad``, ``act``, and their shared device helpers in ``common``).
 """
 
 from __future__ import annotations
@@ -66,8 +70,9 @@ from megamoe.kernels.gluon_fp8_sm90_details.wgrad import wgrad_ws_kernel
 from megamoe.kernels.plan import BLOCK_M
 
 # Tile: one plan tile of 128 rows (two warpgroups of 64) x 128 output columns, K-steps of one 128-wide scale
-# block. 128 columns, not 256: a warpgroup holds its fp32 accumulator and the MMA's temporary, 2 x 64
-# registers per thread at 128 columns (the up kernel three, for gate and up); 256 would need 256.
+# block: a warpgroup holds its fp32 accumulator and the MMA's temporary, 2 x 64 registers per thread at 128 columns
+# (the up kernel three, for gate and up). The sorted-rows and weight-gradient kernels' 256-column blocks (below) are
+# two such halves, their two accumulators beside one temporary.
 FP8_BM, FP8_BN, FP8_BK = BLOCK_M, 128, 128
 SCALE_BLOCK = 128  # elements per scale, along K and along N of the weights and per h group
 MATH_WARPS = 4  # per MMA partition: one warpgroup

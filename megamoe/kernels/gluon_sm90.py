@@ -18,8 +18,8 @@ projection and dx as Gluon kernels did not, and stay Triton):
   ``expert_bwd._expert_wgrad_kernel``; blocks expert-major. An expert's last, partial K-step is loaded
   whole by TMA (rows past the expert belong to the next expert, or were never written); the MMA partition
   zeroes those rows of both operands in shared memory first. The bf16 block leaves through an
-  asynchronous TMA store that overlaps the next block's main loop. For dW13 a third partition (two warps)
-  runs the dx combine beside the MMAs.
+  asynchronous TMA store that overlaps the next block's main loop. For dW13 in the dx-first order
+  (``MEGAMOE_LOW_PEAK_BACKWARD=0``) a third partition (two warps) runs the dx combine beside the MMAs.
 - ``_dh_ws_kernel``: dh' = dy W2[e] in sorted rows, as ``expert_bwd.DH``: blocks over the plan's busy
   tiles, a tile's I-blocks side by side; the epilogue converts the block through shared memory into
   16-byte row segments and stores them through masked pointer stores (a tile's rows past its expert

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 # Rows per tile, shared by every expert kernel (forward and backward walk the same tile table); a kernel
-# may split a tile into sub-tiles of BM rows (see expert_fwd._tile_rows).
+# may split a tile into sub-tiles of BM rows (see common.tile_rows).
 BLOCK_M = 128
 CHUNK = 128  # slots per chunk of the counting sort
 SCAN_BLOCK = 1024  # chunks per step of the column scan

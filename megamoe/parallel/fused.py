@@ -1,12 +1,14 @@
 """The fused expert-parallel layer for real ranks (one GPU each): the protocol's phases (protocol.py,
 senders.py, owner.py) in order on this rank's stream, over a symmetric-memory workspace, wired into autograd. Saved
-for the backward: the inputs and the routing plan; the backward sends x and dy rows again and recomputes on the
-owners.
+for the backward: the inputs and the routing plan, and in the saved mode (``save_preact``) the gate/up products of
+the rows each owner received (:func:`preact_buffer`); the backward sends x and dy rows again and, keeping nothing,
+recomputes those products on the owners.
 
 Two wirings of the same bodies (:func:`ep_forward`, :func:`ep_backward`), as on one GPU (``megamoe.autograd``):
 eagerly an ``autograd.Function``; under torch.compile, or inside a ``megamoe.checkpoint_context`` region, the
-``torch.library`` custom ops ``megamoe::plan`` and ``megamoe::ep_fwd`` (its backward ``megamoe::ep_bwd``), which
-the compiler sees as opaque and the checkpoint policy can save, so that under full activation checkpointing the
+``torch.library`` custom ops ``megamoe::ep_fwd`` and ``megamoe::ep_fwd_saved`` (their backward ``megamoe::ep_bwd``)
+over the routing plan's op (``megamoe::plan``, ``kernels/plan.py``), which the compiler sees as opaque and whose
+outputs the checkpoint policy saves (the plan it recomputes), so that under full activation checkpointing the
 layer's forward, its exchange included, runs once per step. A custom op cannot take the workspace object: the ops
 take its number (``Workspace.number``, ``workspace.by_number``).
 

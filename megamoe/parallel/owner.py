@@ -447,7 +447,8 @@ def owner_experts_backward_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: tor
     :func:`token_rows`, where ``senders.fp8_xy_per_token`` says): once every row is in, the
     one-device FP8 backward's steps over them (``kernels.backward_fp8.backward_rows_fp8``, ``fp8_wgrad``: FP8 weight
     gradients), each dx row written straight into its source's slot by its GEMM (:func:`row_destinations`) and its
-    d(routing weight) sent after it (:func:`rows_to_sources`), before dW13. ``preact_C2I``, ``reuse_preact``: as
+    d(routing weight) sent after it (:func:`rows_to_sources`), before dW13 (after it with bf16 weight gradients).
+    ``preact_C2I``, ``reuse_preact``: as
     for :func:`owner_experts_backward`, from :func:`owner_experts_fp8`; without ``preact_C2I`` the gate and up
     products are recomputed from each token's FP8 row, which the sources sent once per owner beside the slot rows
     (``senders.dispatch_rows(x_q=)``), as the forward's up kernel read them. Returns dw13 and dw2 of my experts."""

@@ -50,8 +50,8 @@ TOKEN_ROWS_TOKENS, TOKEN_ROWS_COLS = 16, 512
 # Rows (slots) per block and columns per copy step of the in-kernel sending programs. The forward's carry each
 # token's row once per owner, about a quarter of a block's slots at top-8 over two ranks, so their blocks are
 # wider in slots and narrower per step than the backward's, which copy x and dy for every slot: forward 64 x 128
-# (sm_90a send_up: 16 B of spills; 30B EP=2 forward 2.65-2.75 -> 2.58 ms, docs/PERFORMANCE.md; 64 x 256 spills
-# 124 B and gained less), backward 32 x 256 (send_dh: no spills; 64 rows: 264 B).
+# (30B EP=2 forward 2.65-2.75 -> 2.58 ms, docs/PERFORMANCE.md; sm_90a send_up then spilled 16 B, since none; 64 x 256
+# spilled 124 B and gained less), backward 32 x 256 (send_dh: no spills; 64 rows: 264 B).
 SEND_UP_ROWS, SEND_UP_COLS = 64, 128
 SEND_DH_ROWS, SEND_DH_COLS = 32, 256
 # send_list's kernel: rows per block, and programs per segment (global expert) at most. An expert holds at most

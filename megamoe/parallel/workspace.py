@@ -66,7 +66,7 @@ BUFFERS = {
 BUFFER_INDEX = {name: i for i, name in enumerate(BUFFERS)}
 
 # Words of a rank's control block (``Workspace.control``, int32, its own memory only): the call's epoch, the record
-# of the first wait of this rank that gave up (stage 0: none; see protocol.STAGES), and the bounds its waits read.
+# of the first wait of this rank that gave up (stage 0: none; see STAGES below), and the bounds its waits read.
 CONTROL = {"epoch": 0, "err_stage": 1, "err_peer": 2, "err_index": 3, "err_expected": 4, "err_seen": 5,
            "err_epoch": 6, "timeout_us": 7, "poll_limit": 8}
 CONTROL_WORDS = 16
