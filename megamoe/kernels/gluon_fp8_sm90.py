@@ -82,7 +82,6 @@ MATH_WARPS = 4  # per MMA partition: one warpgroup
 # its epilogue stores h and the bf16 pre-activations (``gluon_sm90.store_staged``): 4 stages, 212 KB.
 ROWS_STAGES = 6
 UP_STAGES = 4
-UP_STAGES_PREACT = 4
 ROWS_LOADER_WARPS = 1
 UP_LOADER_WARPS = 4  # one gathering thread per tile row: 128
 # Registers per thread (setmaxnreg) of the partitions. A kernel has three warpgroups (the loader's warp sits
@@ -255,7 +254,7 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
         D=dim, I=inter, E=num_experts, top_k=top_k, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
         PREACT=preact is not None, H_OUT=h_out, ISSUE_AHEAD=issue_ahead, POW2=fp8_pow2_scales(),
         TRACE=trace is not None,
-        STAGES=UP_STAGES_PREACT if preact is not None else UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS,
+        STAGES=UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS,
         MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
@@ -383,7 +382,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
         constexprs = {**common, "PREACT": preact, "H_OUT": h_out, "POW2": pow2, "TRACE": trace,
-                      "STAGES": UP_STAGES_PREACT if preact else UP_STAGES, "LOADER_WARPS": UP_LOADER_WARPS,
+                      "STAGES": UP_STAGES, "LOADER_WARPS": UP_LOADER_WARPS,
                       "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
         pointers = {"x_ptr": "*fp8e4nv", "x_s_ptr": "*fp32", "w13_s_ptr": "*fp32", "h_q_ptr": "*fp8e4nv",
                     "h_s_ptr": "*fp32", "preact_ptr": "*bf16", "trace_ptr": "*i64"}

@@ -119,6 +119,13 @@ def operand_ring(kernel: str, ring: tuple[int, int]):
 
 
 @gluon.jit
+def block_index(w):
+    """Block ``w``'s place among this program's blocks of a persistent grid-stride loop (counted from 0): the phase
+    of a barrier passed once per block, and the block's index in the FP8 kernels' block trace."""
+    return (w - gl.program_id(0)) // gl.num_programs(0)
+
+
+@gluon.jit
 def next_slot(empty, ready, step, nbytes: gl.constexpr):
     """Loader side of the ring: wait until slot ``step % STAGES`` is free, announce ``nbytes`` on its ready
     barrier, and return the slot."""
@@ -810,7 +817,7 @@ def _act_mma_partition(ready, empty, gu_ready, gu_empty, x_bufs, g_bufs, u_bufs,
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout, False)
-        block = (w - gl.program_id(0)) // gl.num_programs(0)  # this program's how-manieth block
+        block = block_index(w)
         mbarrier.wait(gu_empty.index(0), (block & 1) ^ 1)  # the epilogue has read the previous block's
         gu_smem.index(0).store(acc_g.to(gu_smem.dtype))
         gu_smem.index(1).store(acc_u.to(gu_smem.dtype))
@@ -837,7 +844,7 @@ def _act_epilogue_partition(weights_ptr, dh_ptr, dz_ptr, hw_ptr, dweight_part_pt
         pid_n = w % num_n
         end = gl.load(offsets_ptr + e + 1)
         cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-        mbarrier.wait(gu_ready.index(0), ((w - gl.program_id(0)) // gl.num_programs(0)) & 1)
+        mbarrier.wait(gu_ready.index(0), block_index(w) & 1)
         for c in gl.static_range(BM // CHUNK):
             rows = row0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
             rmask = rows < end

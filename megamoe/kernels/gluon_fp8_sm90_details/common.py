@@ -118,12 +118,6 @@ def _clock(asm: gl.constexpr, like):
 
 
 @gluon.jit
-def block_index(w):
-    """Block ``w``'s place among this program's blocks (counted from 0): its index in the block trace."""
-    return (w - gl.program_id(0)) // gl.num_programs(0)
-
-
-@gluon.jit
 def stamp(trace_ptr, part: gl.constexpr, block, point: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """With TRACE, point ``point`` of partition ``part``'s block ``block`` (counted from 0 in this program) into the
     block trace (``TRACE_BLOCKS``): the cycle counter and the global timer, stored by one lane."""

@@ -13,7 +13,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
-    block_index,
     block_scales,
     blocks_ahead,
     blocks_ahead_of,
@@ -25,6 +24,7 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     stamp,
 )
 from megamoe.kernels.gluon_sm90 import (
+    block_index,
     count_busy_tiles,
     next_slot,
     row_segments,

@@ -15,7 +15,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
     AMAX_FLOOR,
-    block_index,
     block_scales,
     blocks_ahead,
     blocks_ahead_of,
@@ -29,6 +28,7 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
 )
 from megamoe.kernels.gluon_sm90 import (
     barriers,
+    block_index,
     count_busy_tiles,
     next_slot,
     staged_layout,
