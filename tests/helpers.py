@@ -21,8 +21,19 @@ SHAPES = [
 ]
 
 
+ROUTING_KINDS = ("random", "empty", "one", "dropped", "skewed")
+
+
 def make_routing(kind: str, num_tokens: int, num_experts: int, top_k: int, gen: torch.Generator):
+    """Top-k expert ids and weights of ``kind``: ``random`` (uniform scores), ``empty`` (experts 3.. win only when
+    top_k > 3), ``one`` (every token's first slot on the last expert), ``dropped`` (30% of the slots -1),
+    ``skewed`` (expert popularity falling with its index)."""
+    if kind not in ROUTING_KINDS:
+        raise ValueError(f"routing {kind!r} not among {ROUTING_KINDS}")
     scores = torch.rand(num_tokens, num_experts, generator=gen)
+    if kind == "skewed":
+        scores = torch.randn(num_tokens, num_experts, generator=gen) - 1.5 * torch.log1p(
+            torch.arange(num_experts, dtype=torch.float32))
     if kind == "empty":
         scores[:, 3:] -= 2.0  # experts 3.. only win when top_k > 3
     topk_idx = scores.topk(top_k, dim=1).indices
@@ -48,13 +59,7 @@ def make_problem(T, D, I, E, K, routing, dtype=torch.float32, device="cpu", seed
 
 
 def gpu_problem(T, D, I, E, K, routing, seed=0):
-    """A bf16 problem on the GPU; ``"skewed"`` routing: expert popularity falling with its index."""
-    if routing == "skewed":
-        gen = torch.Generator().manual_seed(seed)
-        logits = torch.randn(T, E, generator=gen) - 1.5 * torch.log1p(torch.arange(E, dtype=torch.float32))
-        problem = list(make_problem(T, D, I, E, K, "random", dtype=torch.bfloat16, device="cuda", seed=seed))
-        problem[1] = logits.topk(K, dim=1).indices.cuda()
-        return problem
+    """A bf16 problem on the GPU (``make_problem``'s routings)."""
     return make_problem(T, D, I, E, K, routing, dtype=torch.bfloat16, device="cuda", seed=seed)
 
 
