@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import megamoe
+from megamoe import reference
 from megamoe.api import backend_for
 from megamoe.bench.layer import cuda_graphed
 from megamoe.kernels.combine import combine
@@ -265,7 +266,10 @@ def test_rows_tma_cannot_take_warn_and_run_the_reference(monkeypatch):
     problem = make_problem(20, 32, 20, 4, 2, "random", dtype=torch.float16, device=DEVICE)  # 40-byte I rows
     with pytest.warns(UserWarning, match="not 16-byte multiples"):
         out = run_with_grads(megamoe.moe, *problem)
-    assert_close_to_reference(out, problem)
+    # the per-expert loop (torch._grouped_mm cannot take these rows either), itself checked against fp32 in
+    # tests/test_reference.py
+    for name, got, want in zip(NAMES, out, run_with_grads(reference.moe_loop, *problem)):
+        assert torch.equal(got, want), name
 
 
 def test_misaligned_weights_warn_and_still_run_fused(monkeypatch):
@@ -713,6 +717,45 @@ def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, co
     torch.testing.assert_close(dw.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
+def act_reference(x_sorted, dh, w13, weights_TK, plan, routed):
+    """The act step in fp32 from the sorted x rows and dh' (the formulas of docs/DESIGN.md, "Backward"): dz = [dg | du]
+    times the routing weight, h·w for the routed sorted rows, and each slot's d(routing weight) = dh'·h (dropped
+    slots 0)."""
+    inter = w13.shape[1] // 2
+    bounds = itertools.pairwise(plan.offsets_E1.tolist())
+    gu = torch.cat([x_sorted[lo:hi].float() @ w13[e].float().T for e, (lo, hi) in enumerate(bounds)])
+    g, u = gu[:, :inter], gu[:, inter:]
+    slots = plan.row_slot_N[:routed].long()
+    w = weights_TK.reshape(-1)[slots].float()[:, None]
+    d = dh[:routed].float()
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    h = silu * u
+    dz = torch.cat([d * u * (sig + silu * (1 - sig)) * w, d * silu * w], dim=1)
+    dweight = torch.zeros(plan.row_slot_N.numel(), device=d.device)
+    dweight[slots] = (d * h).sum(1)
+    return dz, h * w, dweight
+
+
+@pytest.mark.parametrize("shape", [(40, 48, 72, 5, 2, "dropped"), (33, 32, 136, 4, 3, "empty")], ids=str)
+def test_act_kernel_computes_the_formula(shape):
+    """The act kernel (``act_bwd_into``: the Triton kernel in the interpreter, the Gluon one on sm90) against the act
+    step written in fp32 (``act_reference``), the reference the Gluon kernel's GPU test checks too: dz, h·w and the
+    d(routing weight) per slot; I past the tile and over two 64-column partial groups, dropped slots, an expert
+    without rows."""
+    from megamoe.kernels import expert_bwd
+
+    x, idx, weights, w13, w2, dy = make_problem(*shape, device=DEVICE)
+    plan = build_plan(idx, shape[3])
+    routed = int(plan.offsets_E1[-1])
+    x_sorted, dy_sorted = expert_bwd.gather_rows(x, dy, plan, shape[4])
+    dh = expert_bwd.dh_sorted(dy_sorted, w2, plan)
+    dz, hw, part = expert_bwd.act_bwd_outputs(plan.row_slot_N.numel(), 2 * shape[2], x)
+    expert_bwd.act_bwd_into(x_sorted, dh, w13, weights, plan, dz, hw, part)
+    for got, want in zip((dz[:routed], hw[:routed], part.sum(0)), act_reference(x_sorted, dh, w13, weights, plan, routed)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def edge_routing_problem(num_tokens, dim, inter, num_experts, top_k):
     """A skewed bf16 problem on the GPU with expert 3 given no rows and every 7th token's first slot dropped;
     returns the problem, its plan and the routed row count."""
@@ -826,10 +869,10 @@ def test_weight_gradient_kernel_combines_dx_beside_its_mmas(num_tokens, dim, int
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", GLUON_SHAPES)
 def test_warp_specialized_act_kernel_matches_the_triton_kernel(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
-    """The Gluon act kernel on the GPU against the Triton one on the same sorted rows and dh': dz and h·w
-    of every routed row, every d(routing weight) partial, and exact zeros for dropped slots' partials (I
-    past the tile, an expert without rows, rows past the routed ones never written: NaN here); with the finer
-    operand ring (``FINE_RINGS``) bit for bit the same."""
+    """The Gluon act kernel on the GPU against the act step in fp32 (``act_reference``) and the Triton kernel on the
+    same sorted rows and dh': dz and h·w of every routed row, every d(routing weight) partial, and exact zeros for
+    dropped slots' partials (I past the tile, an expert without rows, rows past the routed ones never written: NaN
+    here); with the finer operand ring (``FINE_RINGS``) bit for bit the same."""
     from megamoe.kernels import expert_bwd
     from megamoe.kernels.gluon_sm90 import FINE_RINGS, operand_ring
 
@@ -846,6 +889,9 @@ def test_warp_specialized_act_kernel_matches_the_triton_kernel(num_tokens, dim, 
     with operand_ring("act", FINE_RINGS["act"]):
         assert all(torch.equal(fine, got) for fine, got in zip(act(True), outs[True]))
     for got, want in zip(outs[True], outs[False]):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    dz, hw, part = outs[True]
+    for got, want in zip((dz, hw, part.sum(0)), act_reference(x_sorted, dh, w13, weights, plan, routed)):
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
     dropped = (idx.reshape(-1) < 0).nonzero().squeeze(1)
     assert torch.equal(outs[True][2][:, dropped], torch.zeros_like(outs[True][2][:, dropped]))
