@@ -353,6 +353,23 @@ def test_fp8_wgrad_layer_computes_the_recipe(shape, mode, monkeypatch):
         assert rel_err(o, r) > 5e-3, f"{name}: {rel_err(o, r):.2e} from the bf16 weight gradients"
 
 
+@pytest.mark.parametrize("shape, mode", FP8_WGRAD_CASES, ids=[f"{shape_id(s)}-{m}" for s, m in FP8_WGRAD_CASES])
+def test_fp8_layer_with_bf16_weight_gradients_computes_its_recipe(shape, mode, monkeypatch):
+    """``MEGAMOE_FP8_WGRAD=0`` (``autograd.FP8_WGRAD`` off: the weight gradients in bf16 from the unquantised rows,
+    the rest FP8): output and every gradient equal to that recipe in plain PyTorch up to the order of fp32 sums, and
+    within twice its error of fp32."""
+    from megamoe import autograd as ops
+
+    monkeypatch.setattr(ops, "FP8_WGRAD", False)
+    problem = make_problem(*shape, device=DEVICE)
+    quant.clear_weight_cache()
+    out = run_with_grads(fp8_moe(mode), *problem)
+    recipe = run_with_grads(bf16_wgrad_recipe, *problem)
+    for name, o, r in zip(NAMES, out, recipe):
+        assert rel_err(o, r) < 2e-3, f"{name}: {rel_err(o, r):.2e} from the recipe"
+    assert_close_to_reference(out, problem, lowp=bf16_wgrad_recipe)
+
+
 @pytest.mark.parametrize("mode", SAVE_MODES)
 def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeypatch):
     """With FP8 weight gradients the backward runs dx (dz's 1x128 rows into slot rows, then the combine) before
