@@ -23,8 +23,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def poison_cuda():
-    """Fill the caching allocator's free memory with NaN so a row nobody wrote shows up."""
+    """NaN where the test's buffers will come from, so that a row nobody wrote shows up: the blocks the caching
+    allocator kept from earlier tests (which may hold their correct values) go back to the device first, then half of
+    the free memory is filled with NaN and left cached, so that the test's allocations over 1 MB (the allocator's
+    large pool) are carved from it. Smaller ones come from fresh small-pool segments, not poisoned."""
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     try:
         blob = torch.empty(int(free * 0.5) // 4, dtype=torch.float32, device="cuda")
@@ -32,7 +36,6 @@ def poison_cuda():
         del blob
     except torch.OutOfMemoryError:
         pass
-    # Also poison blocks the allocator already caches.
     torch.cuda.synchronize()
     yield
 

@@ -208,9 +208,11 @@ def test_a_rank_that_starts_the_backward_after_the_others_gave_up(problem):
     for ws in workspaces:
         ws.reset()
     check = loopback.loopback_backward(workspaces, ranks, dys)
-    _, dx, dweights, _, _ = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *full)
-    for r, (got_dx, got_dweights, _, _) in enumerate(check):
-        tok = slice(bounds[r], bounds[r + 1])
-        torch.testing.assert_close(got_dx, dx[tok], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got_dweights, dweights[tok], rtol=1e-5, atol=1e-5)
+    _, dx, dweights, dw13, dw2 = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *full)
+    num_local = CASE[2]
+    for r, got in enumerate(check):
+        tok, exp = slice(bounds[r], bounds[r + 1]), slice(r * num_local, (r + 1) * num_local)
+        for name, a, b in zip(("dx", "d(routing weight)", "dw13", "dw2"), got, (dx[tok], dweights[tok], dw13[exp],
+                                                                                    dw2[exp])):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, r=r, n=name: f"rank {r}, {n}: {m}")
     assert all(ws.error() is None for ws in workspaces)

@@ -78,13 +78,18 @@ def make_data(shape, kind: str, gen: torch.Generator, group_dims: int = 1) -> to
 
 def make_routing(num_tokens: int, num_experts: int, top_k: int, routing: str, gen: torch.Generator):
     """topk_idx (T, top_k) int64 on the GPU: "random" (distinct experts per token), "empty" (experts 3.. get
-    no tokens), "one" (every slot to the last expert)."""
+    no tokens), "one" (every slot to the last expert), "dropped" (random, 30% of the slots -1: the sorted rows past
+    the routed count exist and must be neither read nor written)."""
+    if routing not in ("random", "empty", "one", "dropped"):
+        raise ValueError(f"routing {routing!r}")
     scores = torch.rand(num_tokens, num_experts, generator=gen)
     if routing == "empty":
         scores[:, 3:] -= 2.0
     topk_idx = scores.topk(top_k, dim=1).indices
     if routing == "one":
         topk_idx[:] = num_experts - 1
+    if routing == "dropped":
+        topk_idx = topk_idx.masked_fill(torch.rand(num_tokens, top_k, generator=gen) < 0.3, -1)
     return topk_idx.cuda()
 
 
@@ -117,6 +122,7 @@ GPU_CASES = [
     (1500, 8, 8, 256, 384, "random"),
     (2500, 8, 2, 512, 256, "empty"),
     (2000, 5, 2, 256, 384, "one"),
+    (2600, 6, 3, 256, 384, "dropped"),
 ]
 # Bound on the bf16 output's rounding, relative and norm-wise (2^-9 per element at most): added to the 1e-3
 # allowed for the FP8 accumulation where the output is bf16.
@@ -168,6 +174,10 @@ def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind
             assert err <= BF16_ROUNDING, (k_dim, n_out, err)
         if not to_slots:  # rows past the routed count are not written
             assert torch.isnan(out[routed:].float()).all()
+        else:  # nor the rows of dropped slots
+            kept = torch.zeros(rows, dtype=torch.bool, device="cuda")
+            kept[row_slot] = True
+            assert torch.isnan(out[~kept].float()).all()
 
 
 @pytest.mark.gpu
