@@ -1,6 +1,6 @@
 """argparse pieces shared by the package's command lines (``python -m megamoe.bench``, ``megamoe.bench.model``,
 ``megamoe.train``): argument types that refuse an impossible value with argparse's one-line error, before anything
-is built, and the help formatter."""
+is built, the help formatter, and the compile options the two model command lines share."""
 
 from __future__ import annotations
 
@@ -48,6 +48,17 @@ def csv_of(allowed):
             raise argparse.ArgumentTypeError(f"{bad} not in {sorted(allowed)}")
         return items
     return parse
+
+
+def add_compile_mode(parser: argparse.ArgumentParser, modes) -> None:
+    """``--compile-mode`` (one of ``modes``: each decoder layer compiled, or the whole model in one graph) and its
+    shorthand ``--compile`` (``layers``), either or neither: ``args.compile_mode`` None runs the model eagerly."""
+    compiling = parser.add_mutually_exclusive_group()
+    compiling.add_argument("--compile-mode", choices=modes,
+                           help="torch.compile each decoder layer (layers) or the whole model, fullgraph (model); "
+                                "without it (or --compile) the model runs eagerly")
+    compiling.add_argument("--compile", dest="compile_mode", action="store_const", const="layers",
+                           help="the same as --compile-mode layers")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

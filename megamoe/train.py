@@ -66,6 +66,7 @@ import torch.distributed as dist
 import megamoe
 from megamoe.arguments import (
     HelpFormatter,
+    add_compile_mode,
     non_negative_int,
     positive_float,
     positive_int,
@@ -381,12 +382,7 @@ def parse_args(argv=None, cuda: bool | None = None):
     p.add_argument("--warmup", type=non_negative_int,
                    help=f"warm-up steps (default: {GPU_DEFAULTS['warmup']}, without a GPU {CPU_DEFAULTS['warmup']})")
     p.add_argument("--seed", type=int, default=0, help="weights and data order")
-    compiling = p.add_mutually_exclusive_group()
-    compiling.add_argument("--compile-mode", choices=COMPILE_MODES,
-                           help="torch.compile each decoder layer (layers) or the whole model, fullgraph (model); without it "
-                                "(or --compile) the model runs eagerly")
-    compiling.add_argument("--compile", dest="compile_mode", action="store_const", const="layers",
-                           help="the same as --compile-mode layers")
+    add_compile_mode(p, COMPILE_MODES)
     p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel ranks (divides the world size; megamoe only)")
     p.add_argument("--corpus", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                    help="folder whose *.py files are the text (default: this Python's standard library)")

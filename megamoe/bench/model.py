@@ -45,7 +45,7 @@ import torch
 import transformers
 
 import megamoe
-from megamoe.arguments import HelpFormatter, csv_of, positive_int
+from megamoe.arguments import HelpFormatter, add_compile_mode, csv_of, positive_int
 from megamoe.bench.common import kernel_tables
 from megamoe.integrations.transformers import (  # importing it registers "megamoe"
     enable_activation_checkpointing,
@@ -302,12 +302,7 @@ def parse_args(argv=None, cuda: bool | None = None):
     p.add_argument("--checkpoint", action="store_true",
                    help="full activation checkpointing of every layer (without it megamoe keeps its gate/up "
                         "pre-activation, save_for_backward='preact')")
-    compiling = p.add_mutually_exclusive_group()
-    compiling.add_argument("--compile-mode", choices=COMPILE_MODES,
-                           help="torch.compile each decoder layer (layers) or the whole model, fullgraph (model); without it "
-                                "(or --compile) the model runs eagerly")
-    compiling.add_argument("--compile", dest="compile_mode", action="store_const", const="layers",
-                           help="the same as --compile-mode layers")
+    add_compile_mode(p, COMPILE_MODES)
     p.add_argument("--matrix", action="store_true",
                    help="every cell of {no checkpointing, full} x {layers, model} x --experts (failed cells are "
                         "recorded with their error)")
