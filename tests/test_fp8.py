@@ -333,41 +333,28 @@ def bf16_wgrad_recipe(*problem):
 FP8_WGRAD_CASES = [(FP8_SHAPES[2], "none"), (FP8_SHAPES[5], "preact"), (FP8_SHAPES[8], "none")]
 
 
+@pytest.mark.parametrize("fp8_wgrad", [True, False], ids=["fp8-wgrad", "bf16-wgrad"])
 @pytest.mark.parametrize("shape, mode", FP8_WGRAD_CASES, ids=[f"{shape_id(s)}-{m}" for s, m in FP8_WGRAD_CASES])
-def test_fp8_wgrad_layer_computes_the_recipe(shape, mode, monkeypatch):
-    """With FP8 weight gradients: output and every gradient equal to the recipe with FP8 weight gradients up to the
-    order of fp32 sums, within twice its error of fp32, and the weight gradients carry the 128x1 quantisations'
-    error (not the bf16 weight gradients')."""
+def test_fp8_layer_computes_its_weight_gradient_recipe(shape, mode, fp8_wgrad, monkeypatch):
+    """With FP8 weight gradients (``autograd.FP8_WGRAD``, the default) and with bf16 ones from the unquantised rows
+    (``MEGAMOE_FP8_WGRAD=0``): output and every gradient equal to that recipe in plain PyTorch up to the order of fp32
+    sums, and within twice its error of fp32; FP8 weight gradients also carry the 128x1 quantisations' error (not the
+    bf16 weight gradients')."""
     from megamoe import autograd as ops
 
-    monkeypatch.setattr(ops, "FP8_WGRAD", True)
+    monkeypatch.setattr(ops, "FP8_WGRAD", fp8_wgrad)
     problem = make_problem(*shape, device=DEVICE)
     quant.clear_weight_cache()
     out = run_with_grads(fp8_moe(mode), *problem)
-    recipe = run_with_grads(fp8_wgrad_recipe, *problem)
+    recipe_fn = fp8_wgrad_recipe if fp8_wgrad else bf16_wgrad_recipe
+    recipe = run_with_grads(recipe_fn, *problem)
     for name, o, r in zip(NAMES, out, recipe):
         assert rel_err(o, r) < 2e-3, f"{name}: {rel_err(o, r):.2e} from the recipe"
-    assert_close_to_reference(out, problem, lowp=fp8_wgrad_recipe)
-    bf16_wgrad = run_with_grads(bf16_wgrad_recipe, *problem)
-    for name, o, r in list(zip(NAMES, out, bf16_wgrad))[3:]:
-        assert rel_err(o, r) > 5e-3, f"{name}: {rel_err(o, r):.2e} from the bf16 weight gradients"
-
-
-@pytest.mark.parametrize("shape, mode", FP8_WGRAD_CASES, ids=[f"{shape_id(s)}-{m}" for s, m in FP8_WGRAD_CASES])
-def test_fp8_layer_with_bf16_weight_gradients_computes_its_recipe(shape, mode, monkeypatch):
-    """``MEGAMOE_FP8_WGRAD=0`` (``autograd.FP8_WGRAD`` off: the weight gradients in bf16 from the unquantised rows,
-    the rest FP8): output and every gradient equal to that recipe in plain PyTorch up to the order of fp32 sums, and
-    within twice its error of fp32."""
-    from megamoe import autograd as ops
-
-    monkeypatch.setattr(ops, "FP8_WGRAD", False)
-    problem = make_problem(*shape, device=DEVICE)
-    quant.clear_weight_cache()
-    out = run_with_grads(fp8_moe(mode), *problem)
-    recipe = run_with_grads(bf16_wgrad_recipe, *problem)
-    for name, o, r in zip(NAMES, out, recipe):
-        assert rel_err(o, r) < 2e-3, f"{name}: {rel_err(o, r):.2e} from the recipe"
-    assert_close_to_reference(out, problem, lowp=bf16_wgrad_recipe)
+    assert_close_to_reference(out, problem, lowp=recipe_fn)
+    if fp8_wgrad:
+        bf16_wgrad = run_with_grads(bf16_wgrad_recipe, *problem)
+        for name, o, r in list(zip(NAMES, out, bf16_wgrad))[3:]:
+            assert rel_err(o, r) > 5e-3, f"{name}: {rel_err(o, r):.2e} from the bf16 weight gradients"
 
 
 @pytest.mark.parametrize("mode", SAVE_MODES)
