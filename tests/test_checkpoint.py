@@ -75,17 +75,28 @@ def grads(fn, leaves, dy):
 
 
 @pytest.mark.parametrize("mode, precision", [("none", "bf16"), ("preact", "bf16"), ("none", "fp8")])
-def test_checkpointed_block_runs_megamoe_forward_once_with_the_same_gradients(counted, mode, precision):
+def test_checkpointed_block_runs_megamoe_forward_once_with_the_same_gradients(counted, monkeypatch, mode, precision):
+    """Eagerly: megamoe's forward once per step under the helper (twice under plain checkpointing), the gradients of
+    the block without checkpointing, bitwise; in FP8 the weights quantised once per step (w13, w2) either way."""
+    from megamoe.kernels import quant
+
+    quantised = count_calls(monkeypatch, quant, {"quantize_weight": "forward"})
+    per_step = 2 if precision == "fp8" else 0
     block, leaves, dy = block_problem(mode, precision)
     plain = grads(block, leaves, dy)
     assert counted == {"forward": 1, "backward": 1}
+    assert quantised["forward"] == per_step
     counted.update(forward=0, backward=0)
+    quantised.update(forward=0)
     helped = grads(_checkpointed(block, helper=True), leaves, dy)
     assert counted == {"forward": 1, "backward": 1}, "megamoe's forward ran again in the recompute"
+    assert quantised["forward"] == per_step, "the FP8 weight copies were made again"
     assert all(torch.equal(a, b) for a, b in zip(plain, helped))
     counted.update(forward=0, backward=0)
+    quantised.update(forward=0)
     full = grads(_checkpointed(block, helper=False), leaves, dy)
     assert counted == {"forward": 2, "backward": 1}  # what the helper saves: one forward per step
+    assert quantised["forward"] == per_step, "the recompute made the FP8 weight copies again"
     assert all(torch.equal(a, b) for a, b in zip(plain, full))
 
 
@@ -187,22 +198,30 @@ def test_the_helper_recomputes_the_routing_plan(monkeypatch, wiring):
     assert built["forward"] == 2, "the routing plan was saved, not recomputed"
 
 
-@pytest.mark.parametrize("after", [None, torch.sigmoid], ids=["sum", "sigmoid"])
+@pytest.mark.parametrize("after, precision", [(None, "bf16"), (torch.sigmoid, "bf16"), (None, "fp8")],
+                         ids=["sum", "sigmoid", "fp8"])
 @pytest.mark.parametrize("order", ORDERS)
-def test_compiled_checkpointed_block_runs_megamoe_forward_once_with_the_same_gradients(counted, order, after):
+def test_compiled_checkpointed_block_runs_megamoe_forward_once_with_the_same_gradients(counted, monkeypatch, order,
+                                                                                      after, precision):
     """Under torch.compile, in each order, megamoe's forward runs once per step with the gradients of the block
     without checkpointing (compiled alike under inductor; uncompiled on CPU, where the aot_eager backend keeps eager's
     bits). In a compiled region the helper hands torch its two dispatch modes (torch refuses wrapped ones there);
     around a compiled block it keeps a private copy of megamoe's output. ``after=torch.sigmoid``: the recompute feeds
-    the held output to an op whose saved result the backward reads."""
+    the held output to an op whose saved result the backward reads. In FP8 the backward (and the recompute) meet the
+    weights the forward quantised: two weight quantisations per step (w13, w2), as without checkpointing."""
     import torch._dynamo
 
+    from megamoe.kernels import quant
+
     torch._dynamo.reset()
-    block, leaves, dy = block_problem(after=after)
+    quantised = count_calls(monkeypatch, quant, {"quantize_weight": "forward"})
+    block, leaves, dy = block_problem(precision=precision, after=after)
     plain = grads(_compiled(block) if INDUCTOR else block, leaves, dy)
     counted.update(forward=0, backward=0)
+    quantised.update(forward=0)
     got = grads(ORDERS[order](block), leaves, dy)
     assert counted == {"forward": 1, "backward": 1}, "megamoe's forward ran again in the recompute"
+    assert quantised["forward"] == (2 if precision == "fp8" else 0), "the FP8 weight copies were made again"
     assert_same_block_grads(got, plain, compiled=True)
 
 
