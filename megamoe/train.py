@@ -31,7 +31,9 @@ Also a template to copy. What it does, in order:
   clipping at 1.0; AdamW (β 0.9/0.95, weight decay 0.1) with
   linear warm-up and cosine decay to 10% of ``--lr``.
 - **Output** in ``--out``/``--name``: ``log.json`` (configuration — with FP8 experts whether their weight gradients
-  are FP8, ``fp8_weight_gradients`` —, per-step losses, eval losses, tokens/s — the
+  are FP8, ``fp8_weight_gradients`` —, per-step losses, eval losses, each step's expert load per decoder layer
+  (``expert_load``: the most-loaded expert's top-k assignments over the mean, every rank's tokens; 1 is
+  balanced; the progress bar shows the largest), tokens/s — the
   median over the steps after the first 10 —, step and host times, MFU, peak memory; GPU, versions, date,
   commit, command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's and the
   optimizer's tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in ``state.json``;
@@ -183,21 +185,29 @@ def record_router_logits(model) -> list[torch.Tensor]:
     return recorded
 
 
-def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
-    """The router's auxiliary load-balancing loss as transformers' Qwen3-MoE computes it (``E * sum_e f_e * P_e``
-    over every layer's rows: f the fraction of top-k assignments, P the mean router probability of expert e),
-    with the assignments counted by ``scatter_add_``: transformers' ``torch.bincount`` waits for the GPU (its
-    output size depends on the data), which would stall every step."""
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
-    probs = torch.zeros_like(counts)
+def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int,
+                        top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(The router's auxiliary load-balancing loss as transformers' Qwen3-MoE computes it, ``E * sum_e f_e * P_e``
+    over every layer's rows: f the fraction of top-k assignments, P the mean router probability of expert e; each
+    router's top-k assignments per expert, (routers, E) fp32). The assignments are counted by ``scatter_add``:
+    transformers' ``torch.bincount`` waits for the GPU (its output size depends on the data), which would stall
+    every step."""
+    counts = torch.zeros(len(router_logits), num_experts, dtype=torch.float32, device=router_logits[0].device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=counts.device)
     rows = 0
-    for logits in router_logits:
+    for layer, logits in enumerate(router_logits):
         weights = torch.softmax(logits, dim=-1)
         chosen = torch.topk(weights, top_k, dim=-1).indices.reshape(-1)
-        counts = counts.scatter_add(0, chosen, torch.ones_like(chosen, dtype=counts.dtype))
+        counts[layer].scatter_add_(0, chosen, torch.ones_like(chosen, dtype=counts.dtype))
         probs = probs + weights.float().sum(dim=0)
         rows += weights.shape[0]
-    return num_experts * torch.sum((counts / rows) * (probs / rows))
+    return num_experts * torch.sum((counts.sum(dim=0) / rows) * (probs / rows)), counts
+
+
+def expert_load(counts: torch.Tensor) -> torch.Tensor:
+    """Each router's most-loaded expert over the mean, from its assignments per expert (..., E): 1 when balanced,
+    E / top-k when every token picks the same top-k experts."""
+    return counts.amax(dim=-1) / counts.mean(dim=-1)
 
 
 def _no_experts(self, hidden_states, top_k_index, top_k_weights):
@@ -526,12 +536,12 @@ def main(argv=None) -> dict | None:
         f"{world} rank(s), ep {args.ep}; {train.count} training sequences of {args.seq_len} tokens "
         f"({data['documents']} documents, tokenizer vocab {data['vocab_size']})")
 
-    def step_loss(ids):  # (the loss to train on, the language-model loss alone)
+    def step_loss(ids):  # (the loss to train on, the language-model loss alone, assignments per router and expert)
         router_logits.clear()
         lm_loss = model(input_ids=ids, labels=ids).loss
-        aux = load_balancing_loss(router_logits, model.config.num_experts, model.config.num_experts_per_tok)
+        aux, counts = load_balancing_loss(router_logits, model.config.num_experts, model.config.num_experts_per_tok)
         router_logits.clear()  # what the backward's recompute records is not used
-        return lm_loss + AUX_LOSS_COEF * aux, lm_loss.detach()
+        return lm_loss + AUX_LOSS_COEF * aux, lm_loss.detach(), counts
 
     def evaluate() -> float:  # every rank runs every held-out sequence (FSDP2 and EP exchange in lockstep)
         losses = []
@@ -544,7 +554,7 @@ def main(argv=None) -> dict | None:
 
     tokens_per_step = args.seq_len * args.seqs_per_step * args.micro_batches * world
     stop = min(args.steps, args.stop_after if args.stop_after is not None else args.steps)
-    log = {"losses": [], "grad_norms": [], "eval": [], "step_ms": [], "host_ms": []}
+    log = {"losses": [], "grad_norms": [], "eval": [], "step_ms": [], "host_ms": [], "expert_load": []}
     pending = []
     bar = None
     if rank == 0 and not args.quiet:
@@ -561,14 +571,17 @@ def main(argv=None) -> dict | None:
             pending[-1][4].synchronize()
         losses = all_mean(torch.stack([p[1] for p in pending]).float(), world).tolist()
         norms = torch.stack([p[2] for p in pending]).float().tolist()
-        for (s, _, _, begin, end, host), loss, norm in zip(pending, losses, norms):
+        loads = expert_load(all_mean(torch.stack([p[6] for p in pending]), world)).tolist()  # every rank's tokens
+        for (s, _, _, begin, end, host, _), loss, norm, load in zip(pending, losses, norms, loads):
             log["losses"].append(loss)
             log["grad_norms"].append(norm)
+            log["expert_load"].append([round(x, 4) for x in load])
             log["host_ms"].append(host)
             log["step_ms"].append(begin.elapsed_time(end) if cuda else host)
         if bar is not None:
             ms = log["step_ms"][-1]
-            postfix = {"loss": f"{losses[-1]:.3f}", "tok/s": f"{tokens_per_step / ms * 1e3:,.0f}"}
+            postfix = {"loss": f"{losses[-1]:.3f}", "tok/s": f"{tokens_per_step / ms * 1e3:,.0f}",
+                       "load": f"{max(loads[-1]):.2f}"}
             if cuda:
                 postfix["MFU"] = f"{mfu(flops_per_token * tokens_per_step, ms):.1%}"
                 postfix["mem"] = f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}G"
@@ -582,15 +595,16 @@ def main(argv=None) -> dict | None:
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-        lm_loss = 0.0
+        lm_loss = counts = 0.0
         for micro in range(args.micro_batches):  # the step's gradient: the mean over its micro-batches
             if mesh is not None:  # FSDP2 reduces the gradients after the last micro-batch only
                 model.set_requires_gradient_sync(micro == args.micro_batches - 1)
             index = (step * args.micro_batches + micro) * world + rank
             ids = train.batch(index, args.seqs_per_step).to(device, non_blocking=True)
-            loss, micro_lm_loss = step_loss(ids)
+            loss, micro_lm_loss, micro_counts = step_loss(ids)
             (loss / args.micro_batches).backward()
             lm_loss = lm_loss + micro_lm_loss / args.micro_batches
+            counts = counts + micro_counts
         for p in expert_params:  # summed over the ep ranks' tokens; the loss is their mean
             if p.grad is not None:
                 p.grad.div_(args.ep)
@@ -601,7 +615,7 @@ def main(argv=None) -> dict | None:
         opt.zero_grad(set_to_none=True)
         if cuda:
             end.record()
-        pending.append((step, lm_loss, norm.detach(), begin, end, (time.perf_counter() - host_start) * 1e3))
+        pending.append((step, lm_loss, norm.detach(), begin, end, (time.perf_counter() - host_start) * 1e3, counts))
         last = step == stop - 1
         if (step + 1) % args.log_every == 0 or last:
             flush()

@@ -64,9 +64,13 @@ def test_log_has_the_documented_fields_and_a_plot(runs):
     log = json.loads((run_dir / "log.json").read_text())
     for key in ("gpu", "torch", "transformers", "date", "command", "preset", "layers", "params", "experts",
                 "precision", "ep", "seq_len", "steps", "tokens_per_s", "step_ms_median", "mfu", "moe_share",
-                "moe_ms", "moe_share_of_step", "peak_mem_bytes", "final_eval_loss", "losses", "fp8_weight_gradients"):
+                "moe_ms", "moe_share_of_step", "peak_mem_bytes", "final_eval_loss", "losses", "fp8_weight_gradients",
+                "expert_load"):
         assert key in log, key
     assert log["fp8_weight_gradients"] is None  # bf16 experts
+    # each step's load per decoder layer: the tiny preset's 8 experts, top-2, between balanced and all on two
+    assert len(log["expert_load"]) == len(log["losses"]) and all(len(step) == log["layers"] for step in log["expert_load"])
+    assert all(1.0 <= load <= 4.0 for step in log["expert_load"] for load in step)
     assert log["params"] == results["megamoe"]["params"] > 0 and log["corpus_digest"]
     assert (run_dir / "loss.png").stat().st_size > 0
     assert {p.name for p in (run_dir / "checkpoint-3").iterdir()} == {"rank0.safetensors", "state.json"}
@@ -235,7 +239,27 @@ def test_load_balancing_loss_is_transformers(dtype):
     gen = torch.Generator().manual_seed(0)
     logits = [torch.randn(40 + i, 8, generator=gen).to(dtype) for i in range(3)]
     expected = load_balancing_loss_func(tuple(logits), 8, 2)
-    torch.testing.assert_close(train.load_balancing_loss(logits, 8, 2), expected, rtol=1e-6, atol=0)
+    loss, counts = train.load_balancing_loss(logits, 8, 2)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    for layer, layer_logits in enumerate(logits):  # each router's assignments, counted as bincount would
+        chosen = torch.topk(torch.softmax(layer_logits, dim=-1), 2, dim=-1).indices
+        assert counts[layer].tolist() == torch.bincount(chosen.reshape(-1), minlength=8).float().tolist()
+
+
+def test_expert_load_is_the_most_loaded_expert_over_the_mean():
+    """One router sending every token to experts 0 and 1 (E / top-k = 4), one spreading them evenly (1), one with
+    expert 5 taking half of all assignments (4 of the 8 experts' mean share of 1/8: 4)."""
+    tokens, experts = 16, 8
+    collapsed = torch.full((tokens, experts), -9.0)
+    collapsed[:, :2] = 0
+    even = torch.full((tokens, experts), -9.0)
+    even[torch.arange(tokens), torch.arange(tokens) % experts] = 0  # top-1 of each token: every expert twice
+    even[torch.arange(tokens), (torch.arange(tokens) + 1) % experts] = -1  # and its second choice: twice more
+    half = torch.full((tokens, experts), -9.0)
+    half[:, 5] = 0
+    half[torch.arange(tokens), torch.arange(tokens) % 5] = -1
+    _, counts = train.load_balancing_loss([collapsed, even, half], experts, 2)
+    assert train.expert_load(counts).tolist() == [4.0, 1.0, 4.0]
 
 
 @pytest.mark.parametrize("experts", ["megamoe", "grouped_mm"])
