@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 import megamoe
 from megamoe import reference
 from megamoe.api import backend_for, ep_path
+from megamoe.kernels import quant
 from megamoe.parallel.all_to_all import moe_all_to_all
 from tests.helpers import make_problem, run_with_grads
 
@@ -230,7 +231,10 @@ def check_fsdp(rank, num_ranks, device, precision="bf16"):
     ranks' batches. On ``device`` (gloo on CPU, NCCL on GPUs: the model's parameters are DTensors there too).
     ``precision="fp8"``: the experts' FP8 weight copies are remade after the first step (FSDP2 all-gathers the
     updated weights into the same unsharded parameters, behind their version counters: a stale copy would run the
-    second step on the first step's weights)."""
+    second step on the first step's weights), and made once per step (the backward's all-gather, after the
+    forward's reshard, hits the forward's copies: a miss would quantise each weight twice per step)."""
+    from unittest import mock
+
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
@@ -253,7 +257,10 @@ def check_fsdp(rank, num_ranks, device, precision="bf16"):
     for step in range(2):
         batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(100 * step + r)).to(device)
                    for r in range(num_ranks)]
-        model(input_ids=batches[rank], labels=batches[rank]).loss.backward()
+        with mock.patch.object(quant, "quantize_weight", wraps=quant.quantize_weight) as quantised:
+            model(input_ids=batches[rank], labels=batches[rank]).loss.backward()
+        expected = 2 if precision == "fp8" else 0  # w13 and w2 once each; bf16 quantises nothing
+        assert quantised.call_count == expected, f"step {step}: weights quantised {quantised.call_count} times"
         opt.step()
         opt.zero_grad()
         (sum(ref(input_ids=b, labels=b).loss for b in batches) / num_ranks).backward()
