@@ -318,24 +318,35 @@ def counted_ep(monkeypatch):
 @pytest.mark.parametrize("comm_sms, save_preact, fp8", [(0, False, False), (2, False, False), (0, True, False),
                                                          (0, False, True), (0, True, True)])
 @pytest.mark.parametrize("wiring", WIRINGS)
-def test_checkpointed_expert_parallel_block_runs_its_exchange_once(counted_ep, wiring, comm_sms, save_preact, fp8):
+def test_checkpointed_expert_parallel_block_runs_its_exchange_once(counted_ep, monkeypatch, wiring, comm_sms,
+                                                                    save_preact, fp8):
     """The fused EP layer under the helper, eagerly and compiled in either order, in bf16 and in FP8: its forward,
     the exchange with the peers included, runs once per step (plain checkpointing runs it twice: the count sees a
     recompute), and the gradients are those of the un-checkpointed block; under inductor, bitwise those of plain
-    checkpointing wired the same way (see INDUCTOR)."""
+    checkpointing wired the same way (see INDUCTOR). In FP8 the owner's weights are quantised twice per step (w13,
+    w2), the backward and any recompute meeting the forward's copies."""
     import torch._dynamo
 
+    from megamoe.kernels import quant
+
     torch._dynamo.reset()
+    quantised = count_calls(monkeypatch, quant, {"quantize_weight": "forward"})
+    per_step = 2 if fp8 else 0
     block, leaves, dy = ep_block_problem(comm_sms, save_preact, fp8)
     plain = grads(block, leaves, dy)
+    assert quantised["forward"] == per_step
     counted_ep.update(forward=0, backward=0)
+    quantised.update(forward=0)
     grads(WIRINGS["eager"](block, helper=False), leaves, dy)
     assert counted_ep == {"forward": 2, "backward": 1}
+    assert quantised["forward"] == per_step, "the recompute made the FP8 weight copies again"
     if INDUCTOR and wiring != "eager":
         plain = grads(WIRINGS[wiring](block, helper=False), leaves, dy)
     counted_ep.update(forward=0, backward=0)
+    quantised.update(forward=0)
     got = grads(WIRINGS[wiring](block), leaves, dy)
     assert counted_ep == {"forward": 1, "backward": 1}, "the EP layer's forward ran again in the recompute"
+    assert quantised["forward"] == per_step, "the FP8 weight copies were made again"
     differ = {name: (a - b).abs().max().item() for name, a, b in zip(("y", "dx", "dw", "dw13", "dw2"), got, plain)
               if not torch.equal(a, b)}
     assert not differ, f"not bitwise equal (largest absolute difference): {differ}"
