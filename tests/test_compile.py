@@ -29,16 +29,14 @@ def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
         KERNELS,
         OTHER_KERNELS,
         VARIANTS,
-        WS_FINE_RINGS,
         WS_KERNELS,
         configs_to_check,
     )
 
     gluon_kernels = len(WS_KERNELS) if dtype == "bf16" else 0  # 16-bit only
-    fine_rings = len(WS_FINE_RINGS) if dtype == "bf16" else 0  # ... and each again with its finer operand ring
     fp8_gemms = len(FP8_KERNELS) + len(FP8_WS_VARIANTS) if dtype == "bf16" else 0  # FP8 operands, bf16 outputs
     triton_configs = sum(len(configs_to_check(kernel, candidates=False)) for kernel in KERNELS.values()) + len(VARIANTS)
-    gemms = triton_configs + gluon_kernels + fine_rings + fp8_gemms
+    gemms = triton_configs + gluon_kernels + fp8_gemms
     # and a line for each Gluon kernel compiled with sizes not 16-divisible, for the two side-copy kernels at
     # top_k 1 and 2, for the act step on saved products in both paths (without spills) and for the FP8 act step's
     # Gluon kernel with each kind of scale (two programs per SM), and for the dispatch of FP8 token rows (forward,
@@ -47,11 +45,9 @@ def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
     act_steps = 2 + (2 if dtype == "bf16" else 0)
     assert len(rows) == gemms + len(OTHER_KERNELS) + gluon_kernels + side_copies + act_steps + 3, out.stdout
     if dtype == "bf16":
-        gluon = rows[triton_configs:triton_configs + gluon_kernels + fine_rings]
-        assert [row[0] for row in gluon] == [*WS_KERNELS, *WS_FINE_RINGS], out.stdout
+        gluon = rows[triton_configs:triton_configs + gluon_kernels]
+        assert [row[0] for row in gluon] == list(WS_KERNELS), out.stdout
         spills = {row[0]: int(row[-3]) for row in rows[:gemms]}
-        twins = {**{name: twin for name, (twin, *_) in WS_KERNELS.items()},
-                 **{name: WS_KERNELS[base][0] for name, (base, _) in WS_FINE_RINGS.items()}}
-        for name, twin in twins.items():  # a Gluon kernel spills no more than the Triton kernel it replaces
+        for name, (twin, *_) in WS_KERNELS.items():  # a Gluon kernel spills no more than the Triton kernel it replaces
             assert spills[name] <= spills[twin], out.stdout
         assert all(row[-1] == "yes" for row in rows[:gemms]), f"bf16 GEMMs must use warpgroup MMAs:\n{out.stdout}"

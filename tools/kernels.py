@@ -3,10 +3,7 @@
 ``python -m tools.kernels --preset qwen3-30b-a3b [--sweep]`` on a GPU. Each stage is timed alone
 with ``do_bench`` (median) on the same inputs as the layer benchmark; TFLOP/s from the stage's FLOPs.
 On an sm90 GPU the up kernel, dh', the act kernel and the weight gradients run their warp-specialized Gluon
-kernels (``kernels.ws``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``), and
-each of them once more with its operand ring at ``gluon_sm90.FINE_RINGS``, the weight gradients in blocks of 192 x 256
-(``gluon_sm90.expert_wgrad_ws3``), and the down projection and dx in a Gluon kernel of two self-loading warpgroups
-(``gluon_sm90.rows_to_slots_ws``; records marked ``variant``, left out of the total).
+kernels (``kernels.gluon_sm90``: one tile each, not autotuned, not swept; their records read ``WARP_SPECIALIZED``).
 Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``); the
 config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
@@ -29,9 +26,15 @@ from triton.runtime.errors import OutOfResources
 
 from megamoe.arguments import HelpFormatter, positive_int
 from megamoe.bench.common import PRESETS, ROUTINGS, make_problem
-from megamoe.kernels import expert_bwd, expert_fwd, gluon_sm90
+from megamoe.kernels import expert_bwd, expert_fwd
 from megamoe.kernels.combine import combine
-from megamoe.kernels.gluon_sm90 import ACT_CONFIG, UP_CONFIG, WS_CONFIG, ws_supported
+from megamoe.kernels.gluon_sm90 import (
+    ACT_CONFIG,
+    UP_CONFIG,
+    WGRAD_CONFIG,
+    WS_CONFIG,
+    ws_supported,
+)
 from megamoe.kernels.plan import build_plan
 from megamoe.kernels.tuning import TunedKernel
 from megamoe.provenance import gpu_record, utc_now
@@ -45,7 +48,7 @@ def grid_of(**axes):
 SWEEPS = {
     expert_fwd.UP: grid_of(BM=[64, 128], BN=[128], BK=[64], num_warps=[8], num_stages=[3, 4])
     + grid_of(BM=[128], BN=[64, 128], BK=[32, 128], num_warps=[8], num_stages=[3]),
-    # (and BK 32 in 6 stages: the same ring bytes in finer stages, as gluon_sm90.FINE_RINGS)
+    # (and BK 32 in 6 stages: the same ring bytes in finer stages, as gluon_sm90.WGRAD_TILE's)
     expert_fwd.DOWN: grid_of(BM=[64, 128], BN=[128, 256], BK=[64, 128], num_warps=[8], num_stages=[3],
                              PERSISTENT=[False, True])
     + grid_of(BM=[128], BN=[256], BK=[32], num_warps=[8], num_stages=[6], PERSISTENT=[False, True]),
@@ -80,49 +83,12 @@ def stages(problem, num_experts):
     def tuned(kernel, gluon_config=WS_CONFIG):  # on sm90, a record of the kernels.ws kernel that runs instead
         return SimpleNamespace(last_config=gluon_config) if ws_supported(x) else kernel
 
-    def fine_ring(name, fn, flops, kernel, gluon_config):  # fn with the Gluon kernel's operand ring at FINE_RINGS
-        def run():
-            with gluon_sm90.operand_ring(kernel, ring):
-                fn()
-        ring = gluon_sm90.FINE_RINGS[kernel]
-        record = SimpleNamespace(last_config={**gluon_config, "BK": ring[0], "num_stages": ring[1]}, variant=True)
-        return f"{name} (ring {ring[0]}x{ring[1]})", (run, flops, record)
-
     run_up = lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k)
     run_up_saved = lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, preact_NH=preact)
     run_dh = lambda: expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k)
     run_act = lambda: expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k)
     run_dw13 = lambda: expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, w13.dtype, dx, topk_idx, x.dtype)
     run_dw2 = lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, w2.dtype)
-    def run_dw3(a, b, slots=None):  # the weight gradients in blocks of 192 x 256 (and the dx combine on its own)
-        gluon_sm90.expert_wgrad_ws3(a, b, plan.offsets_E1, torch.empty(num_experts, a.shape[1], b.shape[1],
-                                                                        device=a.device, dtype=a.dtype))
-        if slots is not None:
-            combine(slots, topk_idx, x.dtype)
-
-    def run_rows2(a, w, weights, w_k_last):  # the down projection or dx in the two-warpgroup Gluon kernel
-        out = torch.empty(topk_idx.numel(), w.shape[1] if w_k_last else w.shape[2], device=a.device, dtype=a.dtype)
-        gluon_sm90.rows_to_slots_ws(a, w, out, plan, weights, w_k_last)
-
-    bm2, bn2, bk2, stages2 = gluon_sm90.ROWS2_TILE
-    rows2 = SimpleNamespace(last_config={**WS_CONFIG, "BM": bm2, "BN": bn2, "BK": bk2, "num_stages": stages2},
-                            variant=True)
-    bm3, bn3, bk3, stages3 = gluon_sm90.WGRAD3_TILE
-    wgrad3 = SimpleNamespace(last_config={**WS_CONFIG, "BM": 3 * bm3, "BN": bn3, "BK": bk3, "num_warps": 12,
-                                          "num_stages": stages3}, variant=True)
-    variants = dict([  # Gluon-only variants, timed beside the kernels the layer runs (left out of the table's total)
-        fine_ring("fwd up+swiglu", run_up, 4 * unit, "up", UP_CONFIG),
-        fine_ring("fwd up+swiglu, products stored", run_up_saved, 4 * unit, "up", UP_CONFIG),
-        fine_ring("bwd gather, dh'", run_dh, 2 * unit, "dh", WS_CONFIG),
-        fine_ring("bwd recompute+act", run_act, 4 * unit, "act", ACT_CONFIG),
-        fine_ring("bwd dw13, combine", run_dw13, 4 * unit, "wgrad", WS_CONFIG),
-        fine_ring("bwd dw2", run_dw2, 2 * unit, "wgrad", WS_CONFIG),
-        ("fwd down (Gluon, self-loading)", (lambda: run_rows2(h, w2, topk_weights.reshape(-1), True), 2 * unit,
-                                            rows2)),
-        ("bwd dx (Gluon, self-loading)", (lambda: run_rows2(dz, w13, None, False), 4 * unit, rows2)),
-        ("bwd dw13 (192-row blocks), combine on its own", (lambda: run_dw3(dz, x_sorted, dx), 4 * unit, wgrad3)),
-        ("bwd dw2 (192-row blocks)", (lambda: run_dw3(dy_sorted, hw), 2 * unit, wgrad3)),
-    ]) if ws_supported(x) else {}
     return {
         "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),
         "fwd up+swiglu": (run_up, 4 * unit, tuned(expert_fwd.UP, UP_CONFIG)),
@@ -133,9 +99,8 @@ def stages(problem, num_experts):
         "bwd gather, dh'": (run_dh, 2 * unit, tuned(expert_bwd.DH)),
         "bwd recompute+act": (run_act, 4 * unit, tuned(expert_bwd.ACT_BWD, ACT_CONFIG)),
         "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, expert_bwd.DX),
-        "bwd dw13, combine": (run_dw13, 4 * unit, tuned(expert_bwd.WGRAD)),
-        "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD)),
-        **variants,
+        "bwd dw13, combine": (run_dw13, 4 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
+        "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
     }
 
 
@@ -164,7 +129,7 @@ def main(argv=None) -> None:
         ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
         row = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
                "config": None if key is None else key.last_config,  # autotuned or default
-               "timed_utc": [started, utc_now()], "variant": getattr(key, "variant", False)}
+               "timed_utc": [started, utc_now()]}
         if args.sweep and isinstance(key, TunedKernel):
             default = key.default
             best = (ms, default)
@@ -186,7 +151,7 @@ def main(argv=None) -> None:
                                       f"stages {cfg['num_stages']}" + (" persistent" if cfg.get("PERSISTENT") else "")
                                       + (" warp-specialized" if cfg.get("WARP_SPECIALIZED") else ""))
         print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{ran}{extra}", flush=True)
-    print(f"{'total':20s} {sum(r['ms'] for r in rows if not r['variant']):8.3f} ms")
+    print(f"{'total':20s} {sum(r['ms'] for r in rows):8.3f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "preset": args.preset, "tokens": args.tokens, "top_k": top_k, "routing": args.routing,

@@ -133,52 +133,29 @@ def ptxas_report(compiled) -> dict:
 # The Gluon kernels (``kernels.gluon_sm90``) by report name, each with the Triton kernel (``KERNELS``) it replaces, its
 # tile and its launch's register cap; the weight-gradient kernel twice, as the layer runs it: for dW2 (no tokens
 # to combine, one slot: the combine partition idles) and for dW13 (the dx combine beside its MMAs, top-8).
-WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
-              "wgrad_combine_ws": ("wgrad", ws.WS_TILE, ws.WS_MAXNREG),
+WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
+              "wgrad_combine_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
               "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
-              "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG),
-              # the weight gradients in blocks of 192 x 256, three warpgroups of 64 rows ((rows per warpgroup, BN,
-              # BK, STAGES)), as tools.kernels times them
-              "wgrad3_ws": ("wgrad", ws.WGRAD3_TILE, ws.WGRAD3_REGS.value),
-              # the down projection and dx to slot rows, two self-loading warpgroups (256 threads)
-              "rows2_down_ws": ("down", ws.ROWS2_TILE, 255), "rows2_dx_ws": ("dx", ws.ROWS2_TILE, 255)}
-# Those of WS_KERNELS made of one-warpgroup partitions (launched with num_warps 4), with their block and warps as the
-# report gives them.
-ONE_WARPGROUP_PARTITIONS = {"wgrad3_ws": "BM=3x64 num_warps=3x4", "rows2_down_ws": "BM=128 num_warps=2x4",
-                            "rows2_dx_ws": "BM=128 num_warps=2x4"}
-# The Gluon kernels as ``tools.kernels`` also times them, with their operand rings at ``gluon_sm90.FINE_RINGS``:
-# report name -> (the ``WS_KERNELS`` entry compiled with it, (BK, STAGES)).
-WS_FINE_RINGS = {f"{name}_fine": (name, ws.FINE_RINGS[WS_KERNELS[name][0].removesuffix("_saved")])
-                 for name in ("wgrad_ws", "wgrad_combine_ws", "dh_ws", "act_ws", "up_ws", "up_saved_ws")}
+              "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG)}
 
 
-def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8,
-               ring: tuple[int, int] | None = None):
+def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8):
     """The Gluon kernel ``name`` of ``WS_KERNELS`` for sm_90a at its tile, with 16-bit operands (``dtype`` bf16
     or fp16), pointers and the D / I / P / Q sizes specialised as 16-divisible as at run time, 128 experts.
     ``sizes_divisible=False``: the sizes not so specialised, as at run time for sizes such as D = 520.
-    ``top_k``: the slots per token of the side copies (``dh_ws``, ``wgrad_combine_ws``). ``ring``: (BK, STAGES) in
-    place of the tile's (``gluon_sm90.RINGS``)."""
+    ``top_k``: the slots per token of the side copies (``dh_ws``, ``wgrad_combine_ws``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     _, (bm, bn, bk, stages), maxnreg = WS_KERNELS[name]
-    bk, stages = ring or (bk, stages)
     element = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
 
     def desc(block):
         layout = gl.NVMMASharedLayout.get_default_for(block, element)
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
-    num_warps = 4 if name in ONE_WARPGROUP_PARTITIONS else ws.WS_NUM_WARPS
-    constexprs = {"STAGES": stages, "num_warps": num_warps}
-    if name == "wgrad3_ws":
-        fn, blocks = ws.KERNELS["wgrad3"], {"a_desc": [bk, bm], "b_desc": [bk, bn]}
-    elif name in ("rows2_down_ws", "rows2_dx_ws"):
-        down = name == "rows2_down_ws"
-        fn, blocks = ws.KERNELS["rows2"], {"a_desc": [bm, bk], "w_desc": [1, bn, bk] if down else [1, bk, bn]}
-        constexprs.update(EB=128, TILE_M=bm, W_K_LAST=down, WEIGHTED=down)
-    elif name in ("wgrad_ws", "wgrad_combine_ws"):
+    constexprs = {"STAGES": stages, "num_warps": ws.WS_NUM_WARPS}
+    if name in ("wgrad_ws", "wgrad_combine_ws"):
         fn, blocks = ws.KERNELS["wgrad"], {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
         combine = name == "wgrad_combine_ws"
         constexprs.update(TOP_K=top_k if combine else 1)
@@ -204,7 +181,7 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
              if arg.endswith("_ptr") or (sizes_divisible and arg in _DIVISIBLE_INTS)}
     src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "maxnreg": maxnreg})
+    return triton.compile(src, target=HOPPER, options={"num_warps": ws.WS_NUM_WARPS, "maxnreg": maxnreg})
 
 
 def report_row(name: str, cfg: str, r: dict, too_big: list[str]) -> None:
@@ -250,13 +227,6 @@ def main(argv=None) -> None:
     narrow = []
     for name, (_, (bm, bn, bk, stages), maxnreg) in WS_KERNELS.items() if args.dtype != "fp32" else ():  # 16-bit only
         r = ptxas_report(compile_ws(name, args.dtype))
-        shape = ONE_WARPGROUP_PARTITIONS.get(name, f"BM={bm} num_warps={ws.WS_NUM_WARPS}")
-        report_row(name, f"{shape} BN={bn} BK={bk} STAGES={stages} maxnreg={maxnreg}", r, too_big)
-        if not r["wide_stores"]:
-            narrow.append(name)
-    for name, (base, (bk, stages)) in WS_FINE_RINGS.items() if args.dtype != "fp32" else ():
-        (bm, bn, _, _), maxnreg = WS_KERNELS[base][1:]
-        r = ptxas_report(compile_ws(base, args.dtype, ring=(bk, stages)))
         report_row(name, f"BM={bm} BN={bn} BK={bk} STAGES={stages} num_warps={ws.WS_NUM_WARPS} "
                    f"maxnreg={maxnreg}", r, too_big)
         if not r["wide_stores"]:

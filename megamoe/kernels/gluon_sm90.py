@@ -18,8 +18,9 @@ projection and dx as Gluon kernels did not, and stay Triton):
   ``expert_bwd._expert_wgrad_kernel``; blocks expert-major. An expert's last, partial K-step is loaded
   whole by TMA (rows past the expert belong to the next expert, or were never written); the MMA partition
   zeroes those rows of both operands in shared memory first. The bf16 block leaves through an
-  asynchronous TMA store that overlaps the next block's main loop. For dW13 in the dx-first order
-  (``MEGAMOE_LOW_PEAK_BACKWARD=0``) a third partition (two warps) runs the dx combine beside the MMAs.
+  asynchronous TMA store that overlaps the next block's main loop. Its ring: 6 stages of BK 32 (``WGRAD_TILE``).
+  For dW13 in the dx-first order (``MEGAMOE_LOW_PEAK_BACKWARD=0``) a third partition (two warps) runs the dx
+  combine beside the MMAs.
 - ``_dh_ws_kernel``: dh' = dy W2[e] in sorted rows, as ``expert_bwd.DH``: blocks over the plan's busy
   tiles, a tile's I-blocks side by side; the epilogue converts the block through shared memory into
   16-byte row segments and stores them through masked pointer stores (a tile's rows past its expert
@@ -33,16 +34,10 @@ projection and dx as Gluon kernels did not, and stay Triton):
 
 The two side copies are memory-bound work that no MMA beside them waits for; run as kernels of their own
 they cost about 0.3 / 0.6 ms of a 30B / 235B step (docs/PERFORMANCE.md).
-
-Not (yet) in the layer's path, timed by ``tools.kernels`` beside the kernels it runs (docs/PERFORMANCE.md, "What
-holds the bf16 GEMMs"): the four kernels' finer operand rings (``FINE_RINGS``, ``operand_ring``), the weight
-gradients in blocks of 192 x 256 (``expert_wgrad_ws3``: three MMA warpgroups, the first issuing the loads) and the
-down projection and dx in a kernel of two self-loading MMA warpgroups (``rows_to_slots_ws``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -95,27 +90,12 @@ UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.asy
 UP_TILE = (*ACT_TILE[:3], 4)
 UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
 
-# (BK, STAGES) of the Gluon kernels' operand rings, read at each launch: their tiles' by default. ``FINE_RINGS`` hold
-# as many bytes or more in stages of half the size (BK 32): the one or two stages the MMAs hold are half the bytes, so
-# the loader can have up to twice the bytes in flight. The 128 x 256 blocks' operands come from L2 at 5.4-7.1 TB/s
-# (docs/PERFORMANCE.md, "What holds the bf16 GEMMs"): if that is the bytes in flight at L2's loaded latency, not L2's
-# bandwidth, the finer rings are faster. ``tools.kernels`` times them beside the default. Shared memory (sm_90a,
-# ``tools.resources``): the weight gradients and the act kernel 6 x 24 KB beside their 64 KB output / hand-off block,
-# dh' 7 x 24 KB beside its 36 KB of epilogue scratch, the up kernel 8 x 24 KB beside its 16 KB staging buffer.
-RINGS = {"wgrad": WS_TILE[2:], "dh": WS_TILE[2:], "act": ACT_TILE[2:], "up": UP_TILE[2:]}
-FINE_RINGS = {"wgrad": (32, 6), "dh": (32, 7), "act": (32, 6), "up": (32, 8)}
-
-
-@contextlib.contextmanager
-def operand_ring(kernel: str, ring: tuple[int, int]):
-    """Within the block, launches of ``kernel`` (a key of ``RINGS``) use ``ring``, (BK, STAGES), as their operand ring;
-    the MMAs see the same K-steps in the same order, so the results are the same."""
-    default = RINGS[kernel]
-    RINGS[kernel] = ring
-    try:
-        yield
-    finally:
-        RINGS[kernel] = default
+# The weight gradients' block with a finer ring: 6 stages of BK 32 (24 KB) beside the 64 KB output block (208 KB). The
+# same ring bytes as WS_TILE's 3 x 48 KB, in stages of half the size, so that the one or two the MMAs hold keep half the
+# bytes from the loader: 1.6-5.9% faster than WS_TILE's ring (docs/PERFORMANCE.md, "What holds the bf16 GEMMs"; the
+# row kernels' K-loops, over D, ran 1-8% slower with such rings).
+WGRAD_TILE = (*WS_TILE[:2], 32, 6)
+WGRAD_CONFIG = {**WS_CONFIG, "BK": WGRAD_TILE[2], "num_stages": WGRAD_TILE[3]}
 
 
 @gluon.jit
@@ -171,8 +151,7 @@ def wgrad_block(tile, offsets_ptr, num_p, num_q, BM: gl.constexpr, BN: gl.conste
 def expert_rows_ahead(tile, tiles, offsets_ptr, num_p, num_q):
     """The sorted rows [start, end) of block ``tile``'s expert in the expert-major order of ``wgrad_block``, for
     loading them a block ahead of its turn (``tile`` clamped into the ``tiles`` blocks, in bounds): read at the
-    block's start, their latency stood between the previous block's last MMA and this one's first. (Also the
-    192-row kernel's load cursor, ``_first_step_from``.)"""
+    block's start, their latency stood between the previous block's last MMA and this one's first."""
     e = gl.minimum(tile, tiles - 1) // (num_p * num_q)
     return gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
 
@@ -219,7 +198,7 @@ def staged_layout(shape, dtype):
 
 
 @gluon.jit
-def _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr, row_slot_ptr=None):
+def _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr):
     """``store_staged`` of a block no larger than ``stage``."""
     ROWS: gl.constexpr = val.type.shape[0]
     COLS: gl.constexpr = val.type.shape[1]
@@ -232,32 +211,27 @@ def _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps
     local = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = c0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     mask = (first + local < end)[:, None] & (cols < limit)[None, :]
-    if row_slot_ptr is None:
-        gl.store(out_ptr + first.to(gl.int64) * stride + (local[:, None] * stride + cols[None, :]), seg, mask=mask)
-    else:  # row first + i into row row_slot[first + i]
-        rows = gl.load(row_slot_ptr + first + local, mask=first + local < end, other=0).to(gl.int64)
-        gl.store(out_ptr + rows[:, None] * stride + cols[None, :], seg, mask=mask)
+    gl.store(out_ptr + first.to(gl.int64) * stride + (local[:, None] * stride + cols[None, :]), seg, mask=mask)
 
 
 @gluon.jit
-def store_staged(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr, row_slot_ptr=None):
+def store_staged(val, stage, out_ptr, first, end, c0, stride, limit, num_warps: gl.constexpr):
     """An epilogue's block ``val`` (any distributed layout, e.g. the MMA accumulator's) into rows [first, end) of
     the row-major ``out_ptr`` (``stride`` elements per row) at columns c0 .. (those < ``limit``), through the
     partition's shared staging buffer ``stage`` (any 2-D shape and dtype; ``staged_layout``): written from val's
     layout, read back in ``row_segments`` and stored from those, so that a warp's store covers whole 128-byte lines.
     (From the accumulator's layout a warp's 4-byte stores touch 8 rows x 16 bytes each, and a ``convert_layout``
     takes compiler scratch of the whole block.) A block larger than the buffer leaves as its left and right column
-    halves, split in registers (each thread holds both). ``row_slot_ptr``: row first + i goes to row
-    ``row_slot[first + i]`` instead (sorted rows into their slots)."""
+    halves, split in registers (each thread holds both)."""
     ROWS: gl.constexpr = val.type.shape[0]
     COLS: gl.constexpr = val.type.shape[1]
     STAGE_BYTES: gl.constexpr = stage.type.shape[0] * stage.type.shape[1] * (stage.dtype.primitive_bitwidth // 8)
     if ROWS * COLS * (val.dtype.primitive_bitwidth // 8) > STAGE_BYTES:
         lo, hi = gl.split(gl.permute(gl.reshape(val, [ROWS, 2, COLS // 2]), [0, 2, 1]))
-        _store_rows_of(lo, stage, out_ptr, first, end, c0, stride, limit, num_warps, row_slot_ptr)
-        _store_rows_of(hi, stage, out_ptr, first, end, c0 + COLS // 2, stride, limit, num_warps, row_slot_ptr)
+        _store_rows_of(lo, stage, out_ptr, first, end, c0, stride, limit, num_warps)
+        _store_rows_of(hi, stage, out_ptr, first, end, c0 + COLS // 2, stride, limit, num_warps)
     else:
-        _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps, row_slot_ptr)
+        _store_rows_of(val, stage, out_ptr, first, end, c0, stride, limit, num_warps)
 
 
 @gluon.jit
@@ -333,134 +307,6 @@ def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, 
         (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
         (_combine_partition, (rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K, COPY_WARPS)),
     ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
-
-
-# The weight gradients in blocks of 192 x 256 (``expert_wgrad_ws3``, timed by ``tools.kernels`` beside the 128 x 256
-# kernel): three one-warpgroup MMA partitions of 64 rows each, the first of which also issues the TMA loads. A block
-# reads 0.0091 bytes from L2 per FLOP against 0.0117 at 128 x 256 (docs/PERFORMANCE.md, "What holds the bf16 GEMMs").
-# A loader partition of its own would make four warpgroups: 65 536 / 512 = 128 registers per thread for every
-# partition's code, and ptxas needs 154 for one 64 x 256 fp32 accumulator's warpgroup MMA. Three make 384 threads and
-# 168. No side partition either (it would make 448 threads): the dx combine runs as its own kernel.
-# (rows per warpgroup, BN, BK, STAGES): 6 stages of 28 KB and three 16 KB staging buffers, 216 KB.
-WGRAD3_TILE = (64, 256, 32, 6)
-WGRAD3_REGS = gl.constexpr(168)
-
-
-@gluon.jit
-def _first_step_from(tile, offsets_ptr, num_p, num_q, tiles):
-    """The first K-step of this program's blocks from ``tile`` on: (its block, its first row, its expert's end); a
-    block whose expert has no rows has none (``tile`` >= ``tiles``: no step left)."""
-    r, end = expert_rows_ahead(tile, tiles, offsets_ptr, num_p, num_q)
-    while (tile < tiles) & (r >= end):
-        tile += gl.num_programs(0)
-        r, end = expert_rows_ahead(tile, tiles, offsets_ptr, num_p, num_q)
-    return tile, r, end
-
-
-@gluon.jit
-def _wgrad3_load(a_desc, b_desc, ready, empty, a_bufs, b_bufs, tile, r, num_p, num_q, step):
-    """Ring step ``step``: the rows r .. r + BK of block ``tile``'s three A column blocks (one per warpgroup) and of
-    its B block, into their stage once the three warpgroups have freed it."""
-    BM: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[1]
-    nbytes: gl.constexpr = 3 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    pq = tile % (num_p * num_q)
-    p0 = (pq // num_q) * (3 * BM)
-    s = next_slot(empty, ready, step, nbytes)
-    for j in gl.static_range(3):
-        tma.async_copy_global_to_shared(a_desc, [r, p0 + j * BM], ready.index(s), a_bufs.index(3 * s + j))
-    tma.async_copy_global_to_shared(b_desc, [r, (pq % num_q) * BN], ready.index(s), b_bufs.index(s))
-
-
-@gluon.jit
-def _wgrad3_load_next(a_desc, b_desc, ready, empty, a_bufs, b_bufs, lt, lr, lend, step, offsets_ptr, num_p, num_q,
-                      tiles):
-    """The load cursor's step (block ``lt``, rows ``lr`` .. of its expert's, which end at ``lend``) into the ring as
-    its step ``step``, if one is left; returns the cursor moved on to the next step."""
-    BK: gl.constexpr = a_desc.block_type.shape[0]
-    if lt < tiles:
-        _wgrad3_load(a_desc, b_desc, ready, empty, a_bufs, b_bufs, lt, lr, num_p, num_q, step)
-        lr += BK
-        if lr >= lend:
-            lt, lr, lend = _first_step_from(lt + gl.num_programs(0), offsets_ptr, num_p, num_q, tiles)
-    return lt, lr, lend
-
-
-@gluon.jit
-def _wgrad3_partition(a_desc, b_desc, dw_ptr, offsets_ptr, ready, empty, zeroed, a_bufs, b_bufs, staging, P, Q,
-                      num_p, num_q, tiles, WG: gl.constexpr, num_warps: gl.constexpr):
-    """MMA partition ``WG`` of ``_wgrad3_ws_kernel``: rows WG * 64 .. of each block's 192 (its own A column block of
-    each stage), all 256 columns. An expert's last, partial K-step: each warpgroup zeroes its A block's rows past the
-    expert; the first one also B's, and the others wait on ``zeroed`` for it (a stage holds at most one such step until
-    all three have freed it, so one bit of phase per stage does). The first warpgroup issues each stage's loads
-    ``STAGES`` - 1 steps ahead, across blocks (``_wgrad3_load``). The block leaves through ``store_staged``."""
-    STAGES: gl.constexpr = b_bufs.type.shape[0]
-    BK: gl.constexpr = b_bufs.type.shape[1]
-    BN: gl.constexpr = b_bufs.type.shape[2]
-    BM: gl.constexpr = a_bufs.type.shape[2]
-    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
-    step = 0
-    tails = 0  # bit s: the phase of stage s's next partial K-step (the warpgroups that wait for B's zeroing)
-    if WG == 0:  # the load cursor, STAGES - 1 steps ahead of this warpgroup's MMAs
-        lt, lr, lend = _first_step_from(gl.program_id(0), offsets_ptr, num_p, num_q, tiles)
-        for i in gl.static_range(STAGES - 1):
-            lt, lr, lend = _wgrad3_load_next(a_desc, b_desc, ready, empty, a_bufs, b_bufs, lt, lr, lend, i,
-                                             offsets_ptr, num_p, num_q, tiles)
-    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, 3 * BM, BN)
-        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
-        for r0 in range(start, end, BK):
-            s = step % STAGES
-            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-            if r0 + BK > end:  # the expert's last, partial step
-                _zero_rows_past(a_bufs.index(3 * s + WG), r0, end, num_warps)
-                if WG == 0:  # in slices of 8 rows, beside the accumulator's 128 registers
-                    for c in gl.static_range(BK // 8):
-                        _zero_rows_past(b_bufs.index(s).slice(8 * c, 8), r0 + 8 * c, end, num_warps)
-                fence_async_shared()
-                if WG == 0:
-                    mbarrier.arrive(zeroed.index(s), count=1)
-                else:
-                    mbarrier.wait(zeroed.index(s), (tails >> s) & 1)
-                    tails ^= 1 << s
-            acc = warpgroup_mma(a_bufs.index(3 * s + WG).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
-            if r0 > start:  # the previous step's MMA is done: its stage goes back to the loads
-                mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
-            if WG == 0:  # (while loads are left, each step's MMA issues the load STAGES - 1 steps ahead)
-                lt, lr, lend = _wgrad3_load_next(a_desc, b_desc, ready, empty, a_bufs, b_bufs, lt, lr, lend,
-                                                 step + STAGES - 1, offsets_ptr, num_p, num_q, tiles)
-            step += 1
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        if end > start:
-            mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
-        store_staged(acc.to(dw_ptr.dtype.element_ty), staging.index(WG), dw_ptr + e.to(gl.int64) * P * Q,
-                     p0 + WG * BM, P, q0, Q, Q, num_warps)
-
-
-@gluon.jit
-def _wgrad3_ws_kernel(a_desc, b_desc, dw_ptr, offsets_ptr, P, Q, num_p, num_q, tiles, STAGES: gl.constexpr,
-                      num_warps: gl.constexpr):
-    """``_wgrad_ws_kernel``'s product in blocks of 192 x 256: a_desc (N, P) sorted rows, block (BK, 64); b_desc (N, Q),
-    block (BK, BN); dw (E, P, Q) row-major. Tiles: E * num_p * num_q blocks, expert-major. Three partitions of
-    ``num_warps`` (4) warps (``_wgrad3_partition``)."""
-    BM: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[1]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [3 * STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    staging = gl.allocate_shared_memory(dw_ptr.dtype.element_ty, [3, BM, BN // 2],
-                                        staged_layout([BM, BN // 2], dw_ptr.dtype.element_ty))
-    ready = barriers(STAGES)
-    empty = barriers(STAGES, 3)
-    zeroed = barriers(STAGES)
-    gl.warp_specialize([
-        (_wgrad3_partition, (a_desc, b_desc, dw_ptr, offsets_ptr, ready, empty, zeroed, a_bufs, b_bufs, staging, P, Q,
-                             num_p, num_q, tiles, 0, num_warps)),
-        (_wgrad3_partition, (a_desc, b_desc, dw_ptr, offsets_ptr, ready, empty, zeroed, a_bufs, b_bufs, staging, P, Q,
-                             num_p, num_q, tiles, 1, num_warps)),
-        (_wgrad3_partition, (a_desc, b_desc, dw_ptr, offsets_ptr, ready, empty, zeroed, a_bufs, b_bufs, staging, P, Q,
-                             num_p, num_q, tiles, 2, num_warps)),
-    ], [num_warps, num_warps], [WGRAD3_REGS, WGRAD3_REGS])
 
 
 @gluon.jit
@@ -632,151 +478,6 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
                          work, False)),
         (_scatter_rows_partition, (x_ptr, x_sorted_ptr, slot_row_ptr, offsets_ptr, T, K, E, TOP_K, COPY_WARPS)),
     ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
-
-
-# The sorted-rows GEMMs to slot rows (the down projection, dx) as a Gluon kernel (``rows_to_slots_ws``, timed by
-# ``tools.kernels`` beside the Triton kernels the layer runs): two 64-row MMA partitions over a 128 x 256 block, the
-# first issuing the TMA loads, so that the kernel has 256 threads and 255 registers (FACTS.md, "Bigger bf16 blocks in
-# Gluon"): room to hold a block's bf16 output while the next block's first MMA runs and store it under that MMA.
-# (BM, BN, BK, STAGES): 4 stages of 48 KB and two 16 KB staging buffers, 224 KB.
-ROWS2_TILE = (128, 256, 64, 4)
-ROWS2_REGS = gl.constexpr(240)
-
-
-@gluon.jit
-def _rows2_load(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, num_n, g, kbs,
-                W_K_LAST: gl.constexpr):
-    """This program's ring step ``g`` (its block g // kbs, K-step g % kbs): the block's sorted rows and its expert's
-    weight block into their stage, once both warpgroups have freed it."""
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = w_desc.block_type.shape[1] if W_K_LAST else w_desc.block_type.shape[2]
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
-    w = gl.program_id(0) + (g // kbs) * gl.num_programs(0)
-    k = (g % kbs) * BK
-    e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
-    s = next_slot(empty, ready, g, nbytes)
-    tma.async_copy_global_to_shared(a_desc, [row0, k], ready.index(s), a_bufs.index(s))
-    if W_K_LAST:
-        tma.async_copy_global_to_shared(w_desc, [e, n0, k], ready.index(s), w_bufs.index(s))
-    else:
-        tma.async_copy_global_to_shared(w_desc, [e, k, n0], ready.index(s), w_bufs.index(s))
-
-
-@gluon.jit
-def _rows2_mma(a_bufs, w_bufs, s, acc, WG: gl.constexpr, W_K_LAST: gl.constexpr):
-    """Stage ``s``'s MMA for this warpgroup's 64 rows into ``acc`` (asynchronous)."""
-    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    if W_K_LAST:  # [STAGES, 1, BN, BK]
-        b = w_bufs.index(s).reshape([w_bufs.type.shape[2], BK]).permute((1, 0))
-    else:  # [STAGES, 1, BK, BN]
-        b = w_bufs.index(s).reshape([BK, w_bufs.type.shape[3]])
-    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), b, acc, is_async=True)
-
-
-@gluon.jit
-def _rows2_partition(a_desc, w_desc, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                     ready, empty, a_bufs, w_bufs, staging, N_OUT, K, num_n, work, WG: gl.constexpr,
-                     W_K_LAST: gl.constexpr, WEIGHTED: gl.constexpr, num_warps: gl.constexpr):
-    """MMA partition ``WG`` (rows WG * 64 .. of each block) of ``_rows2_ws_kernel``. Per block: the first K-step's
-    MMA, then the previous block's stores under it (``store_staged`` to the slot rows); the other K-steps with one
-    MMA in flight; the weighted bf16 block kept for the next block's first MMA (the last one's stored after the loop).
-    The first warpgroup issues the loads ahead across blocks: the first ``STAGES`` steps', then each step's once the
-    step ``STAGES`` before it has been freed by both (``_rows2_load``, ``_rows2_free``)."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    BN: gl.constexpr = w_desc.block_type.shape[1] if W_K_LAST else w_desc.block_type.shape[2]
-    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
-    kbs = gl.cdiv(K, BK)
-    steps = gl.cdiv(work - gl.program_id(0), gl.num_programs(0)) * kbs  # this program's ring steps
-    if WG == 0:  # the first STAGES steps' loads; then each step's, once the step STAGES before it is freed
-        for i in gl.static_range(STAGES):
-            if i < steps:
-                _rows2_load(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, num_n, i,
-                            kbs, W_K_LAST)
-    step = 0
-    pend = 0  # whether a block's output waits in ``pend_out`` for its stores (rows pend_first .. pend_end, column pend_n0)
-    pend_out = gl.zeros([HALF, BN], out_ptr.dtype.element_ty, acc_layout)
-    pend_first = 0
-    pend_end = 0
-    pend_n0 = 0
-    for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
-        end = gl.load(offsets_ptr + e + 1)
-        first = row0 + WG * HALF
-        if WEIGHTED:  # the rows' routing weights, by slot
-            rows = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
-            slots = gl.load(row_slot_ptr + rows, mask=rows < end, other=0)
-            wt = gl.load(weights_ptr + slots, mask=rows < end, other=0.0).to(gl.float32)
-        s = step % STAGES
-        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-        acc = _rows2_mma(a_bufs, w_bufs, s, gl.zeros([HALF, BN], gl.float32, acc_layout), WG, W_K_LAST)
-        if pend != 0:  # the previous block's stores, under this block's first MMA
-            store_staged(pend_out, staging.index(WG), out_ptr, pend_first, pend_end, pend_n0, N_OUT, N_OUT, num_warps,
-                         row_slot_ptr)
-        acc = warpgroup_mma_wait(1, deps=(acc, ))  # (no wait: that MMA stays in flight)
-        for _ in range(1, kbs):
-            s = (step + 1) % STAGES
-            mbarrier.wait(ready.index(s), ((step + 1) // STAGES) & 1)
-            acc = _rows2_mma(a_bufs, w_bufs, s, acc, WG, W_K_LAST)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
-            step = _rows2_free(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, num_n,
-                               step, steps, kbs, WG, W_K_LAST)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        step = _rows2_free(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, num_n, step,
-                           steps, kbs, WG, W_K_LAST)
-        if WEIGHTED:
-            acc = acc * wt[:, None]
-        pend = 1
-        pend_out = acc.to(out_ptr.dtype.element_ty)
-        pend_first = first
-        pend_end = end
-        pend_n0 = n0
-    if pend != 0:
-        store_staged(pend_out, staging.index(WG), out_ptr, pend_first, pend_end, pend_n0, N_OUT, N_OUT, num_warps,
-                     row_slot_ptr)
-
-
-@gluon.jit
-def _rows2_free(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, num_n, step, steps, kbs,
-                WG: gl.constexpr, W_K_LAST: gl.constexpr):
-    """Ring step ``step``'s MMA is done: its stage goes back (and the first warpgroup loads step + STAGES into it, once
-    the other has freed it too); returns the next step."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    mbarrier.arrive(empty.index(step % STAGES), count=1)
-    if WG == 0:  # noqa: SIM102 (a constexpr test around a runtime one)
-        if step + STAGES < steps:
-            _rows2_load(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, num_n,
-                        step + STAGES, kbs, W_K_LAST)
-    return step + 1
-
-
-@gluon.jit
-def _rows2_ws_kernel(a_desc, w_desc, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                     N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr, W_K_LAST: gl.constexpr,
-                     WEIGHTED: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """out[row_slot[r]] = [weights[row_slot[r]] *] a[r] W[e(r)] for the plan's routed sorted rows r: a_desc (N, K)
-    sorted rows, block (TILE_M, BK); w_desc W (E, N_OUT, K) with W_K_LAST (block (1, BN, BK)), else (E, K, N_OUT)
-    (block (1, BK, BN)). Blocks: the busy tiles (EB a power of two >= E) times the N-blocks. Two partitions of
-    ``num_warps`` (4) warps (``_rows2_partition``)."""
-    BN: gl.constexpr = w_desc.block_type.shape[1] if W_K_LAST else w_desc.block_type.shape[2]
-    num_n = gl.cdiv(N_OUT, BN)
-    work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    staging = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [2, TILE_M // 2, BN // 2],
-                                        staged_layout([TILE_M // 2, BN // 2], out_ptr.dtype.element_ty))
-    ready = barriers(STAGES)
-    empty = barriers(STAGES, 2)
-    gl.warp_specialize([
-        (_rows2_partition, (a_desc, w_desc, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr,
-                            tile_row_ptr, ready, empty, a_bufs, w_bufs, staging, N_OUT, K, num_n, work, 0, W_K_LAST,
-                            WEIGHTED, num_warps)),
-        (_rows2_partition, (a_desc, w_desc, out_ptr, weights_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr,
-                            tile_row_ptr, ready, empty, a_bufs, w_bufs, staging, N_OUT, K, num_n, work, 1, W_K_LAST,
-                            WEIGHTED, num_warps)),
-    ], [num_warps], [ROWS2_REGS])
 
 
 @gluon.jit
@@ -1013,8 +714,7 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
     contiguous, on an sm90 GPU (``ws_supported``), with at least one row. ``combine``: (slot rows (T*K, D),
     topk_idx (T, K), out (T, D)), all contiguous, to reduce into ``out`` beside the MMAs, with the sums of
     ``combine.combine``."""
-    bm, bn = WS_TILE[:2]
-    bk, stages = RINGS["wgrad"]
+    bm, bn, bk, stages = WGRAD_TILE
     num_experts, p, q = dw.shape
     num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
     tiles = num_experts * num_p * num_q
@@ -1028,42 +728,13 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
                D=out.shape[1], TOP_K=top_k)
 
 
-def expert_wgrad_ws3(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor) -> None:
-    """``expert_wgrad_ws``'s product (without the combine) through ``_wgrad3_ws_kernel``, in blocks of 192 x 256; the
-    same sums, bit for bit. Operands as for ``expert_wgrad_ws``."""
-    bm, bn, bk, stages = WGRAD3_TILE
-    num_experts, p, q = dw.shape
-    num_p, num_q = triton.cdiv(p, 3 * bm), triton.cdiv(q, bn)
-    tiles = num_experts * num_p * num_q
-    _wgrad3_ws_kernel[(min(tiles, sm_count(a_NP.device.index)),)](
-        a_desc=_desc(a_NP, [bk, bm]), b_desc=_desc(b_NQ, [bk, bn]), dw_ptr=dw, offsets_ptr=offsets_E1, P=p, Q=q,
-        num_p=num_p, num_q=num_q, tiles=tiles, STAGES=stages, num_warps=4, maxnreg=WGRAD3_REGS.value)
-
-
-def rows_to_slots_ws(a_NK: torch.Tensor, w: torch.Tensor, out: torch.Tensor, plan, weights_N: torch.Tensor | None = None,
-                     w_k_last: bool = True) -> None:
-    """out[row_slot[r]] = [weights[row_slot[r]] *] a[r] W[e(r)] for the plan's routed sorted rows r, through
-    ``_rows2_ws_kernel``: W (E, N, K) with ``w_k_last`` (the down projection's w2), else (E, K, N) (dx's w13); the
-    Triton kernels' products (``expert_fwd.down_fwd``, ``expert_bwd.dx_slots``); dropped slots' rows not written.
-    16-bit operands on an sm90 GPU (``ws_supported``), contiguous, at least one row; the plan's tiles of 128 rows."""
-    bm, bn, bk, stages = ROWS2_TILE
-    num_experts = w.shape[0]
-    _rows2_ws_kernel[(sm_count(a_NK.device.index),)](
-        a_desc=_desc(a_NK, [bm, bk]), w_desc=_desc(w, [1, bn, bk] if w_k_last else [1, bk, bn]), out_ptr=out,
-        weights_ptr=out if weights_N is None else weights_N, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1,
-        tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, N_OUT=w.shape[1] if w_k_last else w.shape[2],
-        K=a_NK.shape[1], E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=bm, W_K_LAST=w_k_last,
-        WEIGHTED=weights_N is not None, STAGES=stages, num_warps=4, maxnreg=255)
-
-
 def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,
           copy_x: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """``expert_bwd.dh_sorted``'s product through ``_dh_ws_kernel`` into ``out_NI`` (sorted rows); 16-bit operands
     on an sm90 GPU (``ws_supported``), at least one row; ``tile_m`` the plan's tile height. ``copy_x``: (x (T, D),
     x_sorted (N, D) out, slot_row (N,) each slot's sorted row, top_k), the rows of x to copy into sorted order
     beside the MMAs."""
-    bm, bn = WS_TILE[:2]
-    bk, stages = RINGS["dh"]
+    bm, bn, bk, stages = WS_TILE
     assert bm == tile_m, "a block is one plan tile"
     num_experts = w2_EDI.shape[0]
     if copy_x is None:  # no tokens: the copy partition returns at once and reads none of these
@@ -1082,8 +753,7 @@ def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tenso
                part_cols: int) -> None:
     """``expert_bwd.act_bwd_into``'s act kernel through ``_act_ws_kernel``; 16-bit
     operands on an sm90 GPU (``ws_supported``), at least one row; ``tile_m`` the plan's tile height."""
-    bm, bn = ACT_TILE[:2]
-    bk, stages = RINGS["act"]
+    bm, bn, bk, stages = ACT_TILE
     assert bm == tile_m and bn % part_cols == 0
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
@@ -1102,8 +772,7 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
     products into ``preact_NH``, (N, 2I) in x's dtype, if given); 16-bit operands on an sm90 GPU
     (``ws_supported``), x contiguous with 16-byte aligned rows, at least one row; ``tile_m`` the plan's tile
     height."""
-    bm, bn = UP_TILE[:2]
-    bk, stages = RINGS["up"]
+    bm, bn, bk, stages = UP_TILE
     assert bm == tile_m, "a block is one plan tile"
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
@@ -1116,5 +785,4 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
 
 
 # The Gluon kernels by name, for the ahead-of-time compile check (``tools.resources``).
-KERNELS = {"wgrad": _wgrad_ws_kernel, "dh": _dh_ws_kernel, "act": _act_ws_kernel, "up": _up_ws_kernel,
-           "wgrad3": _wgrad3_ws_kernel, "rows2": _rows2_ws_kernel}
+KERNELS = {"wgrad": _wgrad_ws_kernel, "dh": _dh_ws_kernel, "act": _act_ws_kernel, "up": _up_ws_kernel}
