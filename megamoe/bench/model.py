@@ -20,6 +20,11 @@ are reused by every step after it, whereas a training step makes them again afte
 ``--optimizer-step`` ends every implementation's step with an optimizer step that leaves the weights as they are
 (``step_fn``), so that megamoe_fp8's step pays for its copies as at one micro-batch per optimizer step.
 
+Random weights can route very unevenly: ``megamoe.train``'s model at the 30B dimensions (built by the same
+``megamoe.models.build``, with Qwen3's vocabulary) sent nearly every token of its second decoder layer to the same 8
+experts at its first step (``expert_load`` 15.9, of the 16 that would mean all of them), where the layer benchmark's
+``random`` routing is balanced. Every implementation here meets the same routing.
+
 Each cell runs on a fresh copy of the model: medians of CUDA-event timings over ``--iters`` steps after 3 warm-up
 steps, the peak of allocated memory over all of them (the bf16 weights and gradients included, no optimizer state),
 the loss, and the seconds of the warm-up (compilation). The JSON (written after every cell, so that a run cut
