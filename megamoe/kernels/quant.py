@@ -279,7 +279,8 @@ def fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     lives as long as the tensor it was made from; a storage address is trusted only while that tensor still holds
     the storage (so a new storage at a freed one's address never hits). Inside a CUDA-graph capture nothing is
     cached (a replay after the weights changed would read stale copies): the quantisation is captured with the step.
-    Weights written behind autograd's back (through ``.data``) need :func:`clear_weight_cache`."""
+    Weights written behind autograd's back (through ``.data``), or by an optimizer that is not a ``torch.optim``
+    one (FSDP2 gathers updated weights into the same storage at the same version), need :func:`clear_weight_cache`."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return quantize_weight(w)
     storage = w.untyped_storage()._cdata
