@@ -20,6 +20,7 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
 )
 from megamoe.kernels.gluon_sm90 import (
     count_busy_tiles,
+    expert_rows_ahead,
     next_slot,
     store_block,
     wgmma_acc_layout,
@@ -117,14 +118,22 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
 
 @gluon.jit
 def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_smem, out_desc, e, p0,
-                     q0, WG: gl.constexpr, LAST: gl.constexpr):
+                     q0, pend, pend_e, pend_p, pend_q, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
-    ``acc0``, the right chain, its promotion into ``acc1``, the stage freed; with LAST (the block's last K-step) the
-    left half stored (``store_block`` at [e, p0, q0]) under the right chain. Returns (acc0, acc1, tmp)."""
+    ``acc0``, the right chain, its promotion into ``acc1``, the stage freed. With FIRST (the block's first K-step)
+    ``acc1`` holds the previous block's right half if ``pend`` is nonzero: stored at [pend_e, pend_p, pend_q] under
+    the left chain, and both accumulators start from zero. With LAST (its last) the left half stored at [e, p0, q0]
+    under the right chain. Returns (acc0, acc1, tmp)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HB: gl.constexpr = tmp.type.shape[1]
     s = stage_ready(ready, step, STAGES)
-    tmp = warpgroup_mma_wait(0, deps=(issue_chain(a_bufs, b_bufs, s, 0, tmp, WG), ))
+    tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
+    if FIRST:
+        if pend != 0:
+            store_block(acc1.to(out_desc.dtype), c_smem, out_desc, pend_e, pend_p, pend_q)
+        acc0 = gl.zeros_like(acc1)
+        acc1 = gl.zeros_like(acc1)
+    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
     acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
     tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
     if LAST:
@@ -137,34 +146,42 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
 
 
 @gluon.jit
-def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem, out_desc, e, p0, q0,
-                     WG: gl.constexpr, acc_layout: gl.constexpr):
+def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, acc1, tmp, c_smem, out_desc, e, p0,
+                     q0, pend, pend_e, pend_p, pend_q, WG: gl.constexpr):
     """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
     accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
-    each promotion runs under the other warpgroup's MMAs); the left half is stored at [e, p0, q0] under the last
-    K-step's right chain. Returns (the right half's accumulator, the next ring step)."""
-    HALF: gl.constexpr = as_bufs.type.shape[1]
-    HB: gl.constexpr = b_bufs.type.shape[1] // 2
-    acc0 = gl.zeros([HALF, HB], gl.float32, acc_layout)
-    acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
-    tmp = gl.zeros([HALF, HB], gl.float32, acc_layout)  # both chains' destination registers
-    for k in range(steps - 1):
-        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + k, acc0, acc1, tmp,
-                                           c_smem, out_desc, e, p0, q0, WG, False)
-    acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0, acc1,
-                                       tmp, c_smem, out_desc, e, p0, q0, WG, True)
-    return acc1, step + steps
+    each promotion runs under the other warpgroup's MMAs); the previous block's right half (``acc1`` if ``pend``)
+    stored under the first K-step's left chain, the left half at [e, p0, q0] under the last K-step's right chain.
+    Returns (the right half's accumulator, to be stored at [e, p0, q0 + 128] under the next block's first chain;
+    the temporary; the next ring step)."""
+    acc0 = gl.zeros_like(acc1)
+    if steps == 1:
+        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
+                                           c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG, True, True)
+    else:
+        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
+                                           c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG, True, False)
+        for k in range(1, steps - 1):
+            acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + k, acc0, acc1,
+                                               tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG,
+                                               False, False)
+        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0,
+                                           acc1, tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG,
+                                           False, True)
+    return acc1, tmp, step + steps
 
 
 @gluon.jit
 def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, num_p, num_q,
-                         tiles, WG: gl.constexpr, num_warps: gl.constexpr):
+                         tiles, WG: gl.constexpr, AHEAD: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
     B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
     ``c_smem`` and a TMA store that runs on under the MMAs that follow. A block of 128 columns promotes under its
-    next K-step's MMA (``_wgrad_main_ahead``), one of 256 runs as two column halves (``_wgrad_main_wide``). An
-    expert without rows gets zeros."""
+    next K-step's MMA (``_wgrad_main_ahead``); one of 256 runs as two column halves (``_wgrad_main_wide``). With
+    AHEAD each block's expert rows are read a block ahead (``expert_rows_ahead``), so that no load stands between a
+    block's last MMA and the next one's first, and a 256-column block's right half is stored under the next block's
+    first MMA; without, both at the block's start and end. An expert without rows gets zeros."""
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
@@ -172,31 +189,64 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_
     HALF: gl.constexpr = as_bufs.type.shape[1]
     acc_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
     step = 0
-    # The expert's rows are read at the block's start. Read a block ahead (expert_rows_ahead, as the bf16 kernel
-    # does), this kernel hung on the H200 at the 30B layer's shapes (docs/PERFORMANCE.md).
-    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-        steps = (end - start + BK - 1) // BK
-        acc = gl.zeros([HALF, HB], gl.float32, acc_layout)
-        if BN == 2 * HB:
-            if steps > 0:
-                acc, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem,
-                                             out_desc, e, p0 + WG * HALF, q0, WG, acc_layout)
+    if AHEAD:
+        start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, num_p, num_q)
+    if BN == 2 * HB:
+        # the right half of the last block with rows (``pend``: whether one is held, and where it goes)
+        acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
+        tmp = gl.zeros([HALF, HB], gl.float32, acc_layout)  # every chain's destination registers
+        pend = 0
+        pend_e = 0
+        pend_p = 0
+        pend_q = 0
+        for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+            if AHEAD:
+                e, p0, q0, _, _ = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+                start_next, end_next = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, num_p, num_q)
             else:
-                store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
-            store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0 + HB)
-        else:
+                e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+            steps = (end - start + BK - 1) // BK
+            p0 = p0 + WG * HALF
+            if steps > 0:
+                acc1, tmp, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, acc1,
+                                                   tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG)
+                if AHEAD:
+                    pend = 1
+                    pend_e = e
+                    pend_p = p0
+                    pend_q = q0 + HB
+                else:
+                    store_block(acc1.to(out_desc.dtype), c_smem, out_desc, e, p0, q0 + HB)
+            else:
+                zeros = gl.zeros([HALF, HB], gl.float32, acc_layout).to(out_desc.dtype)
+                store_block(zeros, c_smem, out_desc, e, p0, q0)
+                store_block(zeros, c_smem, out_desc, e, p0, q0 + HB)
+            if AHEAD:
+                start, end = start_next, end_next
+        if pend != 0:
+            store_block(acc1.to(out_desc.dtype), c_smem, out_desc, pend_e, pend_p, pend_q)
+    else:
+        for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+            if AHEAD:
+                e, p0, q0, _, _ = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+                start_next, end_next = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, num_p, num_q)
+            else:
+                e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+            steps = (end - start + BK - 1) // BK
+            acc = gl.zeros([HALF, HB], gl.float32, acc_layout)
             if steps > 0:
                 acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, WG,
                                               acc_layout)
             store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
+            if AHEAD:
+                start, end = start_next, end_next
     tma.store_wait(0)
 
 
 @gluon.jit
 def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, EB: gl.constexpr,
-                         STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
-                         LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                         STAGES: gl.constexpr, AHEAD: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                         MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B
     (Q, NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q)
     bf16, block (1, BM / 2, 128) (one warpgroup's half of 128 columns). Blocks: ``tiles`` = E * P/BM * Q/BN output
@@ -211,9 +261,9 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     num_q = Q // BN
     gl.warp_specialize([
         (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
-                                bs_bufs, num_p, num_q, tiles, 0, num_warps)),
+                                bs_bufs, num_p, num_q, tiles, 0, AHEAD, num_warps)),
         (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
-                                bs_bufs, num_p, num_q, tiles, 1, num_warps)),
+                                bs_bufs, num_p, num_q, tiles, 1, AHEAD, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
                          P, Q, num_p, num_q, tiles, EB, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
