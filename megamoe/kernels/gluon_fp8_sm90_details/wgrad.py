@@ -172,6 +172,19 @@ def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps
 
 
 @gluon.jit
+def _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM: gl.constexpr, BN: gl.constexpr,
+                       BK: gl.constexpr, AHEAD: gl.constexpr):
+    """Block ``tile``'s expert, first P and Q and K-steps, and the sorted rows [start, end) to hand to the next
+    block's call: with AHEAD its own rows were read a block ago (``start``, ``end``) and the next block's are read
+    now (``expert_rows_ahead``); without, its own are read now and ``start``, ``end`` go back unchanged."""
+    e, p0, q0, first, last = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+    if AHEAD:
+        first, last = start, end
+        start, end = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, num_p, num_q)
+    return e, p0, q0, (last - first + BK - 1) // BK, start, end
+
+
+@gluon.jit
 def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, num_p, num_q,
                          tiles, WG: gl.constexpr, AHEAD: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
@@ -189,8 +202,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_
     HALF: gl.constexpr = as_bufs.type.shape[1]
     acc_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
     step = 0
-    if AHEAD:
-        start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, num_p, num_q)
+    start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, num_p, num_q)  # (unread without AHEAD)
     if BN == 2 * HB:
         # the right half of the last block with rows (``pend``: whether one is held, and where it goes)
         acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
@@ -200,12 +212,8 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_
         pend_p = 0
         pend_q = 0
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            if AHEAD:
-                e, p0, q0, _, _ = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-                start_next, end_next = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, num_p, num_q)
-            else:
-                e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-            steps = (end - start + BK - 1) // BK
+            e, p0, q0, steps, start, end = _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM,
+                                                              BN, BK, AHEAD)
             p0 = p0 + WG * HALF
             if steps > 0:
                 acc1, tmp, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, acc1,
@@ -221,25 +229,17 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_
                 zeros = gl.zeros([HALF, HB], gl.float32, acc_layout).to(out_desc.dtype)
                 store_block(zeros, c_smem, out_desc, e, p0, q0)
                 store_block(zeros, c_smem, out_desc, e, p0, q0 + HB)
-            if AHEAD:
-                start, end = start_next, end_next
         if pend != 0:
             store_block(acc1.to(out_desc.dtype), c_smem, out_desc, pend_e, pend_p, pend_q)
     else:
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            if AHEAD:
-                e, p0, q0, _, _ = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-                start_next, end_next = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, num_p, num_q)
-            else:
-                e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-            steps = (end - start + BK - 1) // BK
+            e, p0, q0, steps, start, end = _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM,
+                                                              BN, BK, AHEAD)
             acc = gl.zeros([HALF, HB], gl.float32, acc_layout)
             if steps > 0:
                 acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, WG,
                                               acc_layout)
             store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
-            if AHEAD:
-                start, end = start_next, end_next
     tma.store_wait(0)
 
 
