@@ -13,8 +13,8 @@ under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256
 ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
 (``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can be), the FP8 dW13 and dW2
 GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 128 columns, and of 256 where Q allows:
-``gluon_fp8_sm90.WGRAD_BLOCK_N``; each also with its blocks' reads and stores the way ``WGRAD_LOOK_AHEAD`` does
-not have them), the bf16 ones the FP8 path runs without them (``expert_bwd.expert_wgrad``;
+``gluon_fp8_sm90.WGRAD_BLOCK_N``; each also with its blocks' reads and stores the ways ``WGRAD_READ_AHEAD`` and
+``WGRAD_DEFER_STORES`` do not have them), the bf16 ones the FP8 path runs without them (``expert_bwd.expert_wgrad``;
 dW13 without the dx combine it carries in the layer), and the part of the FP8 backward that ``FP8_WGRAD`` changes
 both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy quantised into tile columns
 from the tokens' rows, the act step writing dz's and h·w's tile columns (``expert_bwd.act_bwd_tile_cols``), the two
@@ -191,16 +191,20 @@ def main(argv=None) -> None:
     ]
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
-    other_ahead = not gluon_fp8_sm90.WGRAD_LOOK_AHEAD  # the weight gradients' blocks timed the way the default does not
+    # each weight gradient also with its blocks' reads and (at 256 columns) stores the ways the defaults do not have them
+    read_ahead, defer = gluon_fp8_sm90.WGRAD_READ_AHEAD, gluon_fp8_sm90.WGRAD_DEFER_STORES
+    reads = {read_ahead: "", not read_ahead: " (rows read a block ahead)" if not read_ahead else " (rows read at each block)"}
+    stores = {defer: "", not defer: " (right half stored under the next block)" if not defer
+              else " (right half stored at its block's end)"}
     for name, a, b, flops, dense in wgrad_gemms:
         for block_n in (128, 256):
             if b[0].shape[0] % block_n:
                 continue
-            for ahead in (None, other_ahead):
-                stages.append((name + " FP8" + (" (256 columns)" if block_n == 256 else "")
-                               + ("" if ahead is None else " (look-ahead)" if ahead else " (rows read at each block)"),
-                               lambda a=a, b=b, block_n=block_n, ahead=ahead: expert_bwd.wgrad_fp8(
-                                   *a, *b, plan, torch.bfloat16, block_n, ahead), flops, None, dense))
+            for ra in (read_ahead, not read_ahead):
+                for df in (defer, not defer) if block_n == 256 else (defer,):
+                    stages.append((name + " FP8" + (" (256 columns)" if block_n == 256 else "") + reads[ra] + stores[df],
+                                   lambda a=a, b=b, block_n=block_n, ra=ra, df=df: expert_bwd.wgrad_fp8(
+                                       *a, *b, plan, torch.bfloat16, block_n, ra, df), flops, None, dense))
     stages += [
         ("dW13 bf16", lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16), up_flops, None, None),
         ("dW2 bf16", lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16), down_flops, None, None),

@@ -122,11 +122,12 @@ ROWS_WIDE_STAGES = 4
 WGRAD_STAGES = 5
 WGRAD_BLOCK_N = 256
 WGRAD_WIDE_STAGES = 3
-# Whether the weight-gradient kernel's warpgroups read each block's expert rows a block ahead and store a 256-column
-# block's right half under the next block's first MMA (``wgrad._wgrad_mma_partition``), rather than at the block's
-# start and end: a block's fixed cost, ~1.2 K-steps' time by the kernel's rates at 4 096-65 536 tokens
-# (docs/PERFORMANCE.md), paid with the tensor cores idle.
-WGRAD_LOOK_AHEAD = True
+# Whether the weight-gradient kernel's warpgroups read each block's expert rows a block ahead (else at the block's
+# start), and whether they store a 256-column block's right half under the next block's first MMA (else at the
+# block's end) (``wgrad._wgrad_mma_partition``): a block's fixed cost, ~1.2 K-steps' time by the kernel's rates at
+# 4 096-65 536 tokens, is paid with the tensor cores idle (docs/PERFORMANCE.md).
+WGRAD_READ_AHEAD = True
+WGRAD_DEFER_STORES = True
 # The FP8 weight gradients' act step (``act.act_tile_cols_kernel``): rows per block of its first pass, and warps.
 ACT_BM = 16
 ACT_WARPS = 8
@@ -274,14 +275,16 @@ def wgrad_block_n(q: int, block_n: int | None = None) -> int:
 
 
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
-                 offsets: torch.Tensor, block_n: int | None = None, look_ahead: bool | None = None) -> None:
+                 offsets: torch.Tensor, block_n: int | None = None, read_ahead: bool | None = None,
+                 defer_stores: bool | None = None) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``wgrad_ws_kernel``; an expert without rows gets zeros.
 
     a_q (P, NT * 128) and b_q (Q, NT * 128) float8_e4m3fn, a_s (NT, P) and b_s (NT, Q) fp32: the sorted rows in tile
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
     multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``block_n``: the output block's
-    width (``wgrad_block_n``); ``look_ahead``: the blocks' reads and stores (None: ``WGRAD_LOOK_AHEAD``)."""
+    width (``wgrad_block_n``); ``read_ahead``, ``defer_stores``: the blocks' reads and stores (None:
+    ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES``)."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
     assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -295,7 +298,8 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
         Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
         STAGES=WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES,
-        AHEAD=WGRAD_LOOK_AHEAD if look_ahead is None else look_ahead, LOADER_WARPS=ROWS_LOADER_WARPS,
+        READ_AHEAD=WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
+        DEFER=WGRAD_DEFER_STORES if defer_stores is None else defer_stores, LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
@@ -335,7 +339,7 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
                 issue_ahead: bool | None = None, pow2: bool = False,
-                defer_epilogue: bool | None = None, block_n: int = FP8_BN, look_ahead: bool | None = None,
+                defer_epilogue: bool | None = None, block_n: int = FP8_BN, read_ahead: bool | None = None,
                 trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
@@ -347,8 +351,9 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
     up kernel's (and the act step's, ``fp8_act``) power-of-two scales; ``defer_epilogue`` (None:
     ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the sorted-rows kernel's (``rows_pattern``), ``block_n`` also the
-    weight-gradient kernel's, with ``look_ahead`` (None: ``WGRAD_LOOK_AHEAD``); ``trace``: the block-traced variant
-    (``TRACE_BLOCKS``) of the sorted-rows or the up kernel."""
+    weight-gradient kernel's, ``read_ahead`` (None: ``WGRAD_READ_AHEAD``) and ``defer_epilogue`` (None:
+    ``WGRAD_DEFER_STORES``) too; ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up
+    kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -382,7 +387,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [block_n, FP8_BK]}
         constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS,
                       "STAGES": WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES,
-                      "AHEAD": WGRAD_LOOK_AHEAD if look_ahead is None else look_ahead,
+                      "READ_AHEAD": WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
+                      "DEFER": WGRAD_DEFER_STORES if defer_epilogue is None else defer_epilogue,
                       "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
         pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32"}

@@ -173,12 +173,12 @@ def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps
 
 @gluon.jit
 def _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM: gl.constexpr, BN: gl.constexpr,
-                       BK: gl.constexpr, AHEAD: gl.constexpr):
+                       BK: gl.constexpr, READ_AHEAD: gl.constexpr):
     """Block ``tile``'s expert, first P and Q and K-steps, and the sorted rows [start, end) to hand to the next
-    block's call: with AHEAD its own rows were read a block ago (``start``, ``end``) and the next block's are read
-    now (``expert_rows_ahead``); without, its own are read now and ``start``, ``end`` go back unchanged."""
+    block's call: with READ_AHEAD its own rows were read a block ago (``start``, ``end``) and the next block's are
+    read now (``expert_rows_ahead``); without, its own are read now and ``start``, ``end`` go back unchanged."""
     e, p0, q0, first, last = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-    if AHEAD:
+    if READ_AHEAD:
         first, last = start, end
         start, end = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, num_p, num_q)
     return e, p0, q0, (last - first + BK - 1) // BK, start, end
@@ -186,15 +186,16 @@ def _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM: g
 
 @gluon.jit
 def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, num_p, num_q,
-                         tiles, WG: gl.constexpr, AHEAD: gl.constexpr, num_warps: gl.constexpr):
+                         tiles, WG: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr,
+                         num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
     B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
     ``c_smem`` and a TMA store that runs on under the MMAs that follow. A block of 128 columns promotes under its
     next K-step's MMA (``_wgrad_main_ahead``); one of 256 runs as two column halves (``_wgrad_main_wide``). With
-    AHEAD each block's expert rows are read a block ahead (``expert_rows_ahead``), so that no load stands between a
-    block's last MMA and the next one's first, and a 256-column block's right half is stored under the next block's
-    first MMA; without, both at the block's start and end. An expert without rows gets zeros."""
+    READ_AHEAD each block's expert rows are read a block ahead (``expert_rows_ahead``), so that no load stands
+    between a block's last MMA and the next one's first (else at its start); with DEFER a 256-column block's right
+    half is stored under the next block's first MMA (else at its end). An expert without rows gets zeros."""
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
@@ -202,7 +203,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_
     HALF: gl.constexpr = as_bufs.type.shape[1]
     acc_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
     step = 0
-    start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, num_p, num_q)  # (unread without AHEAD)
+    start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, num_p, num_q)  # (unread without READ_AHEAD)
     if BN == 2 * HB:
         # the right half of the last block with rows (``pend``: whether one is held, and where it goes)
         acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
@@ -213,12 +214,12 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_
         pend_q = 0
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             e, p0, q0, steps, start, end = _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM,
-                                                              BN, BK, AHEAD)
+                                                              BN, BK, READ_AHEAD)
             p0 = p0 + WG * HALF
             if steps > 0:
                 acc1, tmp, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, acc1,
                                                    tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG)
-                if AHEAD:
+                if DEFER:
                     pend = 1
                     pend_e = e
                     pend_p = p0
@@ -234,7 +235,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_
     else:
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             e, p0, q0, steps, start, end = _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM,
-                                                              BN, BK, AHEAD)
+                                                              BN, BK, READ_AHEAD)
             acc = gl.zeros([HALF, HB], gl.float32, acc_layout)
             if steps > 0:
                 acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, WG,
@@ -245,7 +246,8 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_
 
 @gluon.jit
 def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, EB: gl.constexpr,
-                         STAGES: gl.constexpr, AHEAD: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                         STAGES: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr,
+                         LOADER_WARPS: gl.constexpr,
                          MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B
     (Q, NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q)
@@ -261,9 +263,9 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     num_q = Q // BN
     gl.warp_specialize([
         (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
-                                bs_bufs, num_p, num_q, tiles, 0, AHEAD, num_warps)),
+                                bs_bufs, num_p, num_q, tiles, 0, READ_AHEAD, DEFER, num_warps)),
         (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
-                                bs_bufs, num_p, num_q, tiles, 1, AHEAD, num_warps)),
+                                bs_bufs, num_p, num_q, tiles, 1, READ_AHEAD, DEFER, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
                          P, Q, num_p, num_q, tiles, EB, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
