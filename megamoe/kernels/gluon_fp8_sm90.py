@@ -125,9 +125,11 @@ WGRAD_WIDE_STAGES = 3
 # Whether the weight-gradient kernel's warpgroups read each block's expert rows a block ahead (else at the block's
 # start), and whether they store a 256-column block's right half under the next block's first MMA (else at the
 # block's end) (``wgrad._wgrad_mma_partition``): a block's fixed cost, ~1.2 K-steps' time by the kernel's rates at
-# 4 096-65 536 tokens, is paid with the tensor cores idle (docs/PERFORMANCE.md).
-WGRAD_READ_AHEAD = True
-WGRAD_DEFER_STORES = True
+# 4 096-65 536 tokens, is paid with the tensor cores idle. Measured on the H200 (``python -m tools.fp8 --stages
+# dW13,dW2``, docs/PERFORMANCE.md): the reads ahead make 128-column blocks 2-9% faster; both together make the
+# 256-column blocks (the layers' width) up to 9% slower; the reads ahead alone at 256 columns are not timed yet.
+WGRAD_READ_AHEAD = False
+WGRAD_DEFER_STORES = False
 # The FP8 weight gradients' act step (``act.act_tile_cols_kernel``): rows per block of its first pass, and warps.
 ACT_BM = 16
 ACT_WARPS = 8
