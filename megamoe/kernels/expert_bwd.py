@@ -624,9 +624,8 @@ def wgrad_fp8(aq_PL, as_TP, bq_QL, bs_TQ, plan: Plan, out_dtype: torch.dtype, bl
     """``expert_wgrad`` on FP8 operands in tile columns (``quant.quantize_tile_cols``: a's (P, NT*128) e4m3 and
     (NT, P) fp32 scales, b's the same with Q): (E, P, Q) in ``out_dtype``, an expert without rows exact zeros. On
     sm90 with a bf16 output through the warp-specialized Gluon kernel (``gluon_fp8_sm90_details.wgrad``, its
-    block width ``block_n``: ``gluon_fp8_sm90.wgrad_block_n``; ``read_ahead``, ``defer_stores``:
-    ``gluon_fp8_sm90.fp8_wgrad_ws``'s),
-    elsewhere ``WGRAD_FP8``. P and Q multiples of 128."""
+    block width ``block_n``: ``gluon_fp8_sm90.wgrad_block_n``; ``read_ahead``, ``defer_stores``: its blocks' reads
+    and stores, as ``gluon_fp8_sm90.fp8_wgrad_ws`` takes them), elsewhere ``WGRAD_FP8``. P and Q multiples of 128."""
     p, q = aq_PL.shape[0], bq_QL.shape[0]
     num_experts = plan.offsets_E1.numel() - 1
     dw = torch.empty(num_experts, p, q, device=aq_PL.device, dtype=out_dtype)
