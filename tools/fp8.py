@@ -193,16 +193,16 @@ def main(argv=None) -> None:
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
     # each weight gradient also with its blocks' reads and (at 256 columns) stores the ways the defaults do not have them
     read_ahead, defer = gluon_fp8_sm90.WGRAD_READ_AHEAD, gluon_fp8_sm90.WGRAD_DEFER_STORES
-    reads = {read_ahead: "", not read_ahead: " (rows read a block ahead)" if not read_ahead else " (rows read at each block)"}
-    stores = {defer: "", not defer: " (right half stored under the next block)" if not defer
-              else " (right half stored at its block's end)"}
+    reads = {True: " (rows read a block ahead)", False: " (rows read at each block)"}
+    stores = {True: " (right half stored under the next block)", False: " (right half stored at its block's end)"}
     for name, a, b, flops, dense in wgrad_gemms:
         for block_n in (128, 256):
             if b[0].shape[0] % block_n:
                 continue
             for ra in (read_ahead, not read_ahead):
                 for df in (defer, not defer) if block_n == 256 else (defer,):
-                    stages.append((name + " FP8" + (" (256 columns)" if block_n == 256 else "") + reads[ra] + stores[df],
+                    variant = (reads[ra] if ra != read_ahead else "") + (stores[df] if df != defer else "")
+                    stages.append((name + " FP8" + (" (256 columns)" if block_n == 256 else "") + variant,
                                    lambda a=a, b=b, block_n=block_n, ra=ra, df=df: expert_bwd.wgrad_fp8(
                                        *a, *b, plan, torch.bfloat16, block_n, ra, df), flops, None, dense))
     stages += [
