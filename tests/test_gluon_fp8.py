@@ -266,13 +266,20 @@ def test_fp8_up_products_only_are_the_full_kernels_products(num_tokens, num_expe
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing",
                          GPU_CASES + [(4096, 128, 8, 256, 256, "random")])  # (many blocks per program, 2 K-steps each)
 @pytest.mark.parametrize("block_n", [128, 256])
-@pytest.mark.parametrize("read_ahead,defer_stores", [(False, False), (True, False), (True, True), (False, True)])
-def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n, read_ahead, defer_stores):
+@pytest.mark.parametrize("read_ahead,defer_stores,ping_pong", [(False, False, False), (True, False, False),
+                                                                (True, True, False), (False, True, False),
+                                                                (False, False, True), (True, False, True),
+                                                                (True, True, True)])
+def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n, read_ahead, defer_stores,
+                   ping_pong):
     """The FP8 weight gradients: dW13 = dzᵀ x and dW2 = dyᵀ (h·w) shapes, (N, P) and (N, Q) sorted bf16 rows
     quantised 128x1 per plan tile (``quant.quantize_tile_cols``, bit for bit the reference's on CPU), against the
     float64 per-expert products of the dequantised operands; experts without rows get zeros. Both block widths,
-    each with its blocks' reads at their turn and a block ahead, and its stores at the block's end and deferred (the
-    latter the 256-column blocks' only); a width that does not divide Q is refused."""
+    each with its blocks' reads at their turn and a block ahead, its stores at the block's end and deferred and its
+    warpgroups' chains at once and in turn (the latter two the 256-column blocks' only); a width that does not divide
+    Q is refused."""
+    if block_n == 128 and ping_pong:
+        pytest.skip("the warpgroups take turns in 256-column blocks only")
     from megamoe import reference
     from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws
     from megamoe.kernels.quant import quantize_tile_cols
@@ -289,9 +296,9 @@ def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n,
         out = torch.full((num_experts, p, q), float("nan"), device="cuda", dtype=torch.bfloat16)
         if q % block_n:
             with pytest.raises(ValueError, match="block_n"):
-                fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n, read_ahead, defer_stores)
+                fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n, read_ahead, defer_stores, ping_pong)
             continue
-        fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n, read_ahead, defer_stores)
+        fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n, read_ahead, defer_stores, ping_pong)
         torch.cuda.synchronize()
         cpu_offsets = plan.offsets_E1.cpu()
         ref = torch.stack([ae @ be.t() for ae, be in zip(reference.dequantize_tile_cols(aq.cpu(), a_s.cpu(), cpu_offsets),
@@ -439,6 +446,7 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "other_reads_wgrad": ("fp8_wgrad", dict(read_ahead=not f.WGRAD_READ_AHEAD)),
             "other_reads_wide_wgrad": ("fp8_wgrad", dict(block_n=256, read_ahead=not f.WGRAD_READ_AHEAD)),
             "other_stores_wide_wgrad": ("fp8_wgrad", dict(block_n=256, defer_epilogue=not f.WGRAD_DEFER_STORES)),
+            "other_turns_wide_wgrad": ("fp8_wgrad", dict(block_n=256, ping_pong=not f.WGRAD_PING_PONG)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
             "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
             "rows_down_traced": ("fp8_rows", dict(trace=True)), "up_traced": ("fp8_up", dict(trace=True)),

@@ -13,8 +13,8 @@ under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256
 ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
 (``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can be), the FP8 dW13 and dW2
 GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 128 columns, and of 256 where Q allows:
-``gluon_fp8_sm90.WGRAD_BLOCK_N``; each also with its blocks' reads and stores the ways ``WGRAD_READ_AHEAD`` and
-``WGRAD_DEFER_STORES`` do not have them), the bf16 ones the FP8 path runs without them (``expert_bwd.expert_wgrad``;
+``gluon_fp8_sm90.WGRAD_BLOCK_N``; each also with its blocks' reads, stores and warpgroups' turns the ways
+``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES`` and ``WGRAD_PING_PONG`` do not have them), the bf16 ones the FP8 path runs without them (``expert_bwd.expert_wgrad``;
 dW13 without the dx combine it carries in the layer), and the part of the FP8 backward that ``FP8_WGRAD`` changes
 both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy quantised into tile columns
 from the tokens' rows, the act step writing dz's and h·w's tile columns (``expert_bwd.act_bwd_tile_cols``), the two
@@ -31,6 +31,7 @@ if ``--out`` is given.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shlex
 import sys
@@ -193,18 +194,22 @@ def main(argv=None) -> None:
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
     # each weight gradient also with its blocks' reads and (at 256 columns) stores the ways the defaults do not have them
     read_ahead, defer = gluon_fp8_sm90.WGRAD_READ_AHEAD, gluon_fp8_sm90.WGRAD_DEFER_STORES
+    ping_pong = gluon_fp8_sm90.WGRAD_PING_PONG
     reads = {True: " (rows read a block ahead)", False: " (rows read at each block)"}
     stores = {True: " (right half stored under the next block)", False: " (right half stored at its block's end)"}
+    turns = {True: " (warpgroups' chains in turn)", False: " (warpgroups' chains at once)"}
     for name, a, b, flops, dense in wgrad_gemms:
         for block_n in (128, 256):
             if b[0].shape[0] % block_n:
                 continue
-            for ra in (read_ahead, not read_ahead):
-                for df in (defer, not defer) if block_n == 256 else (defer,):
-                    variant = (reads[ra] if ra != read_ahead else "") + (stores[df] if df != defer else "")
-                    stages.append((name + " FP8" + (" (256 columns)" if block_n == 256 else "") + variant,
-                                   lambda a=a, b=b, block_n=block_n, ra=ra, df=df: expert_bwd.wgrad_fp8(
-                                       *a, *b, plan, torch.bfloat16, block_n, ra, df), flops, None, dense))
+            wide = block_n == 256
+            for ra, df, pp in itertools.product((read_ahead, not read_ahead), (defer, not defer) if wide else (defer,),
+                                                (ping_pong, not ping_pong) if wide else (ping_pong,)):
+                variant = ((reads[ra] if ra != read_ahead else "") + (stores[df] if df != defer else "")
+                           + (turns[pp] if pp != ping_pong else ""))
+                stages.append((name + " FP8" + (" (256 columns)" if wide else "") + variant,
+                               lambda a=a, b=b, block_n=block_n, ra=ra, df=df, pp=pp: expert_bwd.wgrad_fp8(
+                                   *a, *b, plan, torch.bfloat16, block_n, ra, df, pp), flops, None, dense))
     stages += [
         ("dW13 bf16", lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16), up_flops, None, None),
         ("dW2 bf16", lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16), down_flops, None, None),

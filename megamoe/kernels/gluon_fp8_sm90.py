@@ -130,6 +130,11 @@ WGRAD_WIDE_STAGES = 3
 # 256-column blocks (the layers' width) up to 9% slower; the reads ahead alone at 256 columns are not timed yet.
 WGRAD_READ_AHEAD = False
 WGRAD_DEFER_STORES = False
+# Whether, in a 256-column block, the weight-gradient kernel's second warpgroup issues each MMA chain once the first's
+# same chain has finished (``wgrad._wgrad_turn``), so that each warpgroup's promotion (an outer product of scales and
+# an FMA per accumulator element, about half a chain's MMA time) runs under the other's chain; in phase, both promote
+# while the tensor cores idle.
+WGRAD_PING_PONG = False
 # The FP8 weight gradients' act step (``act.act_tile_cols_kernel``): rows per block of its first pass, and warps.
 ACT_BM = 16
 ACT_WARPS = 8
@@ -278,7 +283,7 @@ def wgrad_block_n(q: int, block_n: int | None = None) -> int:
 
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
                  offsets: torch.Tensor, block_n: int | None = None, read_ahead: bool | None = None,
-                 defer_stores: bool | None = None) -> None:
+                 defer_stores: bool | None = None, ping_pong: bool | None = None) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``wgrad_ws_kernel``; an expert without rows gets zeros.
 
@@ -286,7 +291,8 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
     multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``block_n``: the output block's
     width (``wgrad_block_n``); ``read_ahead``, ``defer_stores``: the blocks' reads and stores (None:
-    ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES``)."""
+    ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES``); ``ping_pong``: the warpgroups' turns in a 256-column block (None:
+    ``WGRAD_PING_PONG``)."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
     assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -301,7 +307,8 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
         Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
         STAGES=WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES,
         READ_AHEAD=WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
-        DEFER=WGRAD_DEFER_STORES if defer_stores is None else defer_stores, LOADER_WARPS=ROWS_LOADER_WARPS,
+        DEFER=WGRAD_DEFER_STORES if defer_stores is None else defer_stores,
+        PING_PONG=WGRAD_PING_PONG if ping_pong is None else ping_pong, LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
@@ -342,7 +349,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
                 issue_ahead: bool | None = None, pow2: bool = False,
                 defer_epilogue: bool | None = None, block_n: int = FP8_BN, read_ahead: bool | None = None,
-                trace: bool = False):
+                ping_pong: bool | None = None, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
@@ -353,8 +360,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
     up kernel's (and the act step's, ``fp8_act``) power-of-two scales; ``defer_epilogue`` (None:
     ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the sorted-rows kernel's (``rows_pattern``), ``block_n`` also the
-    weight-gradient kernel's, ``read_ahead`` (None: ``WGRAD_READ_AHEAD``) and ``defer_epilogue`` (None:
-    ``WGRAD_DEFER_STORES``) too; ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up
+    weight-gradient kernel's, ``read_ahead`` (None: ``WGRAD_READ_AHEAD``), ``defer_epilogue`` (None:
+    ``WGRAD_DEFER_STORES``) too, and ``ping_pong`` (None: ``WGRAD_PING_PONG``); ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up
     kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -391,6 +398,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
                       "STAGES": WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES,
                       "READ_AHEAD": WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
                       "DEFER": WGRAD_DEFER_STORES if defer_epilogue is None else defer_epilogue,
+                      "PING_PONG": WGRAD_PING_PONG if ping_pong is None else ping_pong,
                       "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
         pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32"}

@@ -19,6 +19,7 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     stage_ready,
 )
 from megamoe.kernels.gluon_sm90 import (
+    barriers,
     count_busy_tiles,
     expert_rows_ahead,
     next_slot,
@@ -117,16 +118,36 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
 
 
 @gluon.jit
-def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_smem, out_desc, e, p0,
-                     q0, pend, pend_e, pend_p, pend_q, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr):
+def _wgrad_turn(seen, s, half: gl.constexpr, step, WG: gl.constexpr, PING_PONG: gl.constexpr):
+    """With PING_PONG, the second warpgroup's wait before it issues stage ``s``'s (ring step ``step``'s) chain of
+    column half ``half`` until the first warpgroup's same chain has finished (``_wgrad_done``); else nothing."""
+    if PING_PONG and WG == 1:
+        STAGES: gl.constexpr = seen.type.shape[0] // 2
+        mbarrier.wait(seen.index(2 * s + half), (step // STAGES) & 1)
+
+
+@gluon.jit
+def _wgrad_done(seen, s, half: gl.constexpr, WG: gl.constexpr, PING_PONG: gl.constexpr):
+    """With PING_PONG, the first warpgroup's announcement that its chain of stage ``s``, column half ``half``, has
+    finished (``_wgrad_turn``); else nothing."""
+    if PING_PONG and WG == 0:
+        mbarrier.arrive(seen.index(2 * s + half), count=1)
+
+
+@gluon.jit
+def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, acc0, acc1, tmp, c_smem, out_desc, e,
+                     p0, q0, pend, pend_e, pend_p, pend_q, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
+                     PING_PONG: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
     ``acc0``, the right chain, its promotion into ``acc1``, the stage freed. With FIRST (the block's first K-step)
     ``acc1`` holds the previous block's right half if ``pend`` is nonzero: stored at [pend_e, pend_p, pend_q] under
     the left chain, and both accumulators start from zero. With LAST (its last) the left half stored at [e, p0, q0]
-    under the right chain. Returns (acc0, acc1, tmp)."""
+    under the right chain. With PING_PONG each chain of the second warpgroup waits for the first's same chain to
+    finish (``_wgrad_turn``). Returns (acc0, acc1, tmp)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HB: gl.constexpr = tmp.type.shape[1]
     s = stage_ready(ready, step, STAGES)
+    _wgrad_turn(seen, s, 0, step, WG, PING_PONG)
     tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
     if FIRST:
         if pend != 0:
@@ -134,11 +155,14 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
         acc0 = gl.zeros_like(acc1)
         acc1 = gl.zeros_like(acc1)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+    _wgrad_done(seen, s, 0, WG, PING_PONG)
     acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
+    _wgrad_turn(seen, s, 1, step, WG, PING_PONG)
     tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
     if LAST:
         store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+    _wgrad_done(seen, s, 1, WG, PING_PONG)
     scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
     mbarrier.arrive(empty.index(s), count=1)
     acc1 = promote(acc1, tmp, scale)
@@ -146,28 +170,30 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
 
 
 @gluon.jit
-def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, acc1, tmp, c_smem, out_desc, e, p0,
-                     q0, pend, pend_e, pend_p, pend_q, WG: gl.constexpr):
+def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, steps, acc1, tmp, c_smem, out_desc, e,
+                     p0, q0, pend, pend_e, pend_p, pend_q, WG: gl.constexpr, PING_PONG: gl.constexpr):
     """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
     accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
     each promotion runs under the other warpgroup's MMAs); the previous block's right half (``acc1`` if ``pend``)
-    stored under the first K-step's left chain, the left half at [e, p0, q0] under the last K-step's right chain.
-    Returns (the right half's accumulator, to be stored at [e, p0, q0 + 128] under the next block's first chain;
+    stored under the first K-step's left chain, the left half at [e, p0, q0] under the last K-step's right chain;
+    PING_PONG as ``_wgrad_wide_step``. Returns (the right half's accumulator, to be stored at [e, p0, q0 + 128] under the next block's first chain;
     the temporary; the next ring step)."""
     acc0 = gl.zeros_like(acc1)
     if steps == 1:
-        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG, True, True)
+        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, acc0, acc1,
+                                           tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG, True,
+                                           True, PING_PONG)
     else:
-        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG, True, False)
+        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, acc0, acc1,
+                                           tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG, True,
+                                           False, PING_PONG)
         for k in range(1, steps - 1):
-            acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + k, acc0, acc1,
-                                               tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG,
-                                               False, False)
-        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0,
-                                           acc1, tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG,
-                                           False, True)
+            acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step + k, acc0,
+                                               acc1, tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q,
+                                               WG, False, False, PING_PONG)
+        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step + steps - 1,
+                                           acc0, acc1, tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q,
+                                           WG, False, True, PING_PONG)
     return acc1, tmp, step + steps
 
 
@@ -185,9 +211,9 @@ def _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM: g
 
 
 @gluon.jit
-def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, num_p, num_q,
-                         tiles, WG: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr,
-                         num_warps: gl.constexpr):
+def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bufs, b_bufs, as_bufs, bs_bufs, num_p,
+                         num_q, tiles, WG: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr,
+                         PING_PONG: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
     B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
@@ -195,7 +221,10 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_
     next K-step's MMA (``_wgrad_main_ahead``); one of 256 runs as two column halves (``_wgrad_main_wide``). With
     READ_AHEAD each block's expert rows are read a block ahead (``expert_rows_ahead``), so that no load stands
     between a block's last MMA and the next one's first (else at its start); with DEFER a 256-column block's right
-    half is stored under the next block's first MMA (else at its end). An expert without rows gets zeros."""
+    half is stored under the next block's first MMA (else at its end); with PING_PONG (256 columns) the second
+    warpgroup issues each chain once the first's same chain has finished, so that each promotes under the other's
+    MMAs (else both issue at once and promote at once, with the tensor cores idle). An expert without rows gets
+    zeros."""
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
@@ -217,8 +246,9 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_
                                                               BN, BK, READ_AHEAD)
             p0 = p0 + WG * HALF
             if steps > 0:
-                acc1, tmp, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, acc1,
-                                                   tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG)
+                acc1, tmp, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, steps,
+                                                   acc1, tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p,
+                                                   pend_q, WG, PING_PONG)
                 if DEFER:
                     pend = 1
                     pend_e = e
@@ -247,7 +277,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, a_bufs, b_
 @gluon.jit
 def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, EB: gl.constexpr,
                          STAGES: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr,
-                         LOADER_WARPS: gl.constexpr,
+                         PING_PONG: gl.constexpr, LOADER_WARPS: gl.constexpr,
                          MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B
     (Q, NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q)
@@ -259,13 +289,17 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     # B's scales of the block's Q-columns per stage
     a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = ring(a_desc, b_desc, 1, BN, STAGES, LOADER_WARPS)
     c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    if PING_PONG:
+        seen = barriers(2 * STAGES)  # the first MMA warpgroup's finished chains, per stage and column half
+    else:
+        seen = empty  # (unused)
     num_p = P // BM
     num_q = Q // BN
     gl.warp_specialize([
-        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
-                                bs_bufs, num_p, num_q, tiles, 0, READ_AHEAD, DEFER, num_warps)),
-        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
-                                bs_bufs, num_p, num_q, tiles, 1, READ_AHEAD, DEFER, num_warps)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, ready, empty, seen, a_bufs, b_bufs, as_bufs,
+                                bs_bufs, num_p, num_q, tiles, 0, READ_AHEAD, DEFER, PING_PONG, num_warps)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, ready, empty, seen, a_bufs, b_bufs, as_bufs,
+                                bs_bufs, num_p, num_q, tiles, 1, READ_AHEAD, DEFER, PING_PONG, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
                          P, Q, num_p, num_q, tiles, EB, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
