@@ -130,17 +130,19 @@ BF16_ROUNDING = 2.0 ** -9
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n,issue_ahead,defer_epilogue",
-                         [(128, False, False), (128, True, False), (128, False, True), (128, True, True),
-                          (256, False, False), (256, False, True)])
+@pytest.mark.parametrize("block_n,issue_ahead,defer_epilogue,ping_pong",
+                         [(128, False, False, False), (128, True, False, False), (128, False, True, False),
+                          (128, True, True, False), (256, False, False, False), (256, False, True, False),
+                          (256, False, False, True), (256, False, True, True)])
 @pytest.mark.parametrize("kind", ["random", "exact"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing",
                          GPU_CASES + [(1024, 4, 2, 128, 256, "random")])  # (dh' of one K-step in 256 columns)
 def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind, block_n, issue_ahead,
-                       defer_epilogue):
+                       defer_epilogue, ping_pong):
     """The down projection (h (N, I) x W2 (E, D, I), weighted, to slots) and dh' (dy (N, D) x W2ᵀ as (E, I, D),
     sorted rows, unweighted), in blocks of 128 columns in each issue pattern, the stores at once or deferred, and
-    in blocks of 256 (the GEMMs whose N is a multiple of 256)."""
+    in blocks of 256 (the GEMMs whose N is a multiple of 256), the stores at once or deferred, the warpgroups'
+    chains at once or in turn."""
     from megamoe.kernels.gluon_fp8_sm90 import fp8_rows_gemm_ws
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -161,7 +163,8 @@ def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind
         w_q, w_s = quantize_weights(make_data((num_experts, n_out, k_dim), kind, gen, group_dims=2) / 16)
         out = torch.full((rows, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
         fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, out, plan, weights=weights if weighted else None, to_slots=to_slots,
-                         issue_ahead=issue_ahead, defer_epilogue=defer_epilogue, block_n=block_n)
+                         issue_ahead=issue_ahead, defer_epilogue=defer_epilogue, block_n=block_n,
+                         ping_pong=ping_pong)
         torch.cuda.synchronize()
         ref = rows_reference(a_q, a_s, w_q, w_s, offsets)
         if weighted:
@@ -447,6 +450,7 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "other_reads_wide_wgrad": ("fp8_wgrad", dict(block_n=256, read_ahead=not f.WGRAD_READ_AHEAD)),
             "other_stores_wide_wgrad": ("fp8_wgrad", dict(block_n=256, defer_epilogue=not f.WGRAD_DEFER_STORES)),
             "other_turns_wide_wgrad": ("fp8_wgrad", dict(block_n=256, ping_pong=not f.WGRAD_PING_PONG)),
+            "other_turns_wide_rows_down": ("fp8_rows", dict(block_n=256, ping_pong=not f.ROWS_PING_PONG)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
             "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
             "rows_down_traced": ("fp8_rows", dict(trace=True)), "up_traced": ("fp8_up", dict(trace=True)),
@@ -475,10 +479,10 @@ with ProcessPoolExecutor(os.cpu_count()) as pool:  # compiles side by side, one 
 # does not spill); the same pattern compiled without the sizes specialised as 16-divisible (which no launch does: the
 # launchers assert multiples of 128) keeps two (since each block's expert and rows are read ahead, in registers); the
 # sorted-rows kernel's 256-column blocks with their stores deferred under their own chains (two accumulators, the
-# temporary in flight and a half block being stored) ten and four; the up kernel's traced variant (the stamps'
-# registers; no layer launches it) three.
+# temporary in flight and a half block being stored) ten and four, twenty with the warpgroups' turns; the up kernel's
+# traced variant (the stamps' registers; no layer launches it) three.
 _SPILLS_ALLOWED = {"issue_ahead_up_preact": 4, "issue_ahead_up_preact_pow2": 4, "issue_ahead_up_any_size": 8,
-                   "wide_rows_down": 40, "wide_rows_dh": 16, "up_traced": 12}
+                   "wide_rows_down": 40, "wide_rows_dh": 16, "other_turns_wide_rows_down": 80, "up_traced": 12}
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200
 
 
@@ -509,3 +513,15 @@ def test_wgrad_block_n_defaults_where_it_divides_and_refuses_otherwise():
     for q, block_n in ((640, 256), (1024, 64), (1024, 512)):
         with pytest.raises(ValueError, match="block_n"):
             f.wgrad_block_n(q, block_n)
+
+
+def test_rows_pattern_resolves_defaults_and_refuses_what_a_width_lacks():
+    from megamoe.kernels import gluon_fp8_sm90 as f
+
+    assert f.rows_pattern(2048) == (f.ROWS_BLOCK_N, False, f.ROWS_DEFER_EPILOGUE, f.ROWS_PING_PONG)
+    assert f.rows_pattern(640) == (128, f.ROWS_ISSUE_AHEAD, f.ROWS_DEFER_EPILOGUE, False)  # (256 does not divide it)
+    assert f.rows_pattern(768, 256, None, False, True) == (256, False, False, True)
+    for n_out, block_n, issue_ahead, ping_pong in ((1024, 256, True, None), (1024, 128, None, True),
+                                                   (640, 256, None, None)):
+        with pytest.raises(ValueError, match="block_n"):
+            f.rows_pattern(n_out, block_n, issue_ahead, None, ping_pong)

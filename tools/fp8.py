@@ -9,7 +9,8 @@ products' store, and the products alone (the backward's recompute); down, dh' an
 (``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM in both issue patterns (``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``,
 ``UP_ISSUE_AHEAD``: the "(issue-ahead)" stages beside the others), the sorted-rows ones also with their stores deferred
 under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256 columns where N allows
-(``ROWS_BLOCK_N``: the "(256 columns)" stages). Then the weight gradients both ways, to choose
+(``ROWS_BLOCK_N``: the "(256 columns)" stages, as the layer runs them, and with the warpgroups' turns the other way
+than ``ROWS_PING_PONG``). Then the weight gradients both ways, to choose
 ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
 (``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can be), the FP8 dW13 and dW2
 GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 128 columns, and of 256 where Q allows:
@@ -131,10 +132,10 @@ def main(argv=None) -> None:
         expert_bwd.expert_wgrad(dy_sorted_, hw_, plan, torch.bfloat16)
         expert_bwd.expert_wgrad_and_combine(dz_, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
 
-    def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead=False, defer_epilogue=False, block_n=128):
+    def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead=False, defer_epilogue=False, block_n=128, ping_pong=None):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
                                                        issue_ahead=issue_ahead, defer_epilogue=defer_epilogue,
-                                                       block_n=block_n)
+                                                       block_n=block_n, ping_pong=ping_pong)
 
     def up(issue_ahead, preact_NH=None):
         return lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k, preact_NH=preact_NH,
@@ -171,7 +172,12 @@ def main(argv=None) -> None:
                    (name + " (issue-ahead, stores deferred)",
                     rows_gemm(*operands, issue_ahead=True, defer_epilogue=True), flops, None, dense)]
         if operands[3].shape[1] % 256 == 0:
-            stages.append((name + " (256 columns)", rows_gemm(*operands, block_n=256), flops, None, dense))
+            # as the layer runs them (stores as ROWS_DEFER_EPILOGUE), and with the warpgroups' turns the other way
+            other = " (256 columns, warpgroups' chains " + ("at once)" if gluon_fp8_sm90.ROWS_PING_PONG else "in turn)")
+            stages += [(name + " (256 columns)", rows_gemm(*operands, defer_epilogue=None, block_n=256), flops, None,
+                        dense),
+                       (name + other, rows_gemm(*operands, defer_epilogue=None, block_n=256,
+                                         ping_pong=not gluon_fp8_sm90.ROWS_PING_PONG), flops, None, dense)]
     stages += [
         ("wgrad: quantize 128x1 (N, D)", lambda: quant.quantize_tile_cols(x_sorted, plan), None, tile_cols_bytes(dim),
          None),

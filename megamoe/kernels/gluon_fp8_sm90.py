@@ -113,6 +113,9 @@ ROWS_DEFER_EPILOGUE = True
 # deferred.
 ROWS_BLOCK_N = 256
 ROWS_WIDE_STAGES = 4
+# Whether, in a 256-column block, the sorted-rows kernel's second warpgroup issues each MMA chain once the first's
+# same chain has finished (``common.wait_turn``), so that each warpgroup's promotion runs under the other's chain.
+ROWS_PING_PONG = False
 # The FP8 weight-gradient kernel's ring: 33 KB per stage (A, B and their scales) beside each MMA warpgroup's 16 KB
 # store buffer: 5 x 33 + 32 = 197 KB. Its block width where Q is a multiple of it (else 128): 256 runs a block as two
 # column halves of 128 (``_wgrad_main_wide``, no issue-ahead) in WGRAD_WIDE_STAGES stages of 49.5 KB (B's block 32 KB,
@@ -171,7 +174,7 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
                      plan, *, weights: torch.Tensor | None = None, to_slots: bool = False,
                      row_dest: torch.Tensor | None = None, issue_ahead: bool | None = None,
                      defer_epilogue: bool | None = None, block_n: int | None = None,
-                     trace: torch.Tensor | None = None) -> None:
+                     ping_pong: bool | None = None, trace: torch.Tensor | None = None) -> None:
     """out (M, N) bf16 = the blockwise-dequantised a (M, K) in sorted rows times each row's expert weight
     w[e] (E, N, K)ᵀ, through ``rows_ws_kernel``; row r into row ``plan.row_slot_N[r]`` if ``to_slots``, else
     r; times ``weights[row_slot[r]]`` (fp32, (M,) by slot) if given. Only the plan's routed rows are written.
@@ -182,7 +185,8 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     of it, else 128). At 128 columns, ``issue_ahead``: each warpgroup issues the next K-block's MMA before promoting
     the last (None: ``ROWS_ISSUE_AHEAD``); ``defer_epilogue``: a block's stores run under the warpgroup's next
     block's first MMA (None: ``ROWS_DEFER_EPILOGUE``). 256 columns run without issue-ahead, their stores deferred
-    (None: ``ROWS_DEFER_EPILOGUE``) under the block's own chains (``rows._rows_main_wide``).
+    (None: ``ROWS_DEFER_EPILOGUE``) under the block's own chains (``rows._rows_main_wide``), the two warpgroups'
+    chains in turn or at once (``ping_pong``; None: ``ROWS_PING_PONG``).
     ``trace``: int64, at least ``trace_size(sm_count)`` elements: the block trace (``TRACE_BLOCKS``; untraced
     launches compile without its stamps).
 
@@ -198,7 +202,8 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     assert out.shape == (num_rows, n_out) if row_dest is None else (row_dest.dtype == torch.int64 and to_slots
                                                                      and row_dest.numel() >= num_rows)
     assert trace is None or (trace.dtype == torch.int64 and trace.numel() >= trace_size(sm_count(a_q.device.index)))
-    block_n, issue_ahead, defer_epilogue = rows_pattern(n_out, block_n, issue_ahead, defer_epilogue)
+    block_n, issue_ahead, defer_epilogue, ping_pong = rows_pattern(n_out, block_n, issue_ahead, defer_epilogue,
+                                                                   ping_pong)
     rows_ws_kernel[(sm_count(a_q.device.index),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), w_desc=_fp8_desc(w_q, [1, block_n, FP8_BK]), a_s_ptr=a_s,
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
@@ -206,15 +211,16 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
         tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT,
         trace_ptr=trace if trace is not None else out, M=num_rows, N_OUT=n_out, K=k_dim, E=num_experts,
         EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, WEIGHTED=weights is not None, TO_SLOTS=to_slots,
-        ISSUE_AHEAD=issue_ahead, DEFER_EPILOGUE=defer_epilogue, TRACE=trace is not None,
+        ISSUE_AHEAD=issue_ahead, DEFER_EPILOGUE=defer_epilogue, PING_PONG=ping_pong, TRACE=trace is not None,
         STAGES=ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
 def rows_pattern(n_out: int, block_n: int | None = None, issue_ahead: bool | None = None,
-                 defer_epilogue: bool | None = None) -> tuple[int, bool, bool]:
-    """The sorted-rows kernel's (block_n, issue_ahead, defer_epilogue) for N = ``n_out``, the Nones resolved as
-    ``fp8_rows_gemm_ws`` says; raises ValueError for a width N is not a multiple of, or a pattern 256 columns lack."""
+                 defer_epilogue: bool | None = None, ping_pong: bool | None = None) -> tuple[int, bool, bool, bool]:
+    """The sorted-rows kernel's (block_n, issue_ahead, defer_epilogue, ping_pong) for N = ``n_out``, the Nones
+    resolved as ``fp8_rows_gemm_ws`` says; raises ValueError for a width N is not a multiple of, or a pattern the
+    width lacks (issue-ahead at 256 columns, turns at 128)."""
     if block_n is None:
         block_n = ROWS_BLOCK_N if n_out % ROWS_BLOCK_N == 0 else FP8_BN
     if block_n not in (FP8_BN, 2 * FP8_BN) or n_out % block_n:
@@ -222,10 +228,12 @@ def rows_pattern(n_out: int, block_n: int | None = None, issue_ahead: bool | Non
                          f"({n_out}) must be a multiple of it")
     defer_epilogue = ROWS_DEFER_EPILOGUE if defer_epilogue is None else defer_epilogue
     if block_n == FP8_BN:
-        return block_n, ROWS_ISSUE_AHEAD if issue_ahead is None else issue_ahead, defer_epilogue
+        if ping_pong:
+            raise ValueError("block_n=128 runs without turns (each warpgroup's next chain runs under its promotion)")
+        return block_n, ROWS_ISSUE_AHEAD if issue_ahead is None else issue_ahead, defer_epilogue, False
     if issue_ahead:
         raise ValueError("block_n=256 runs without issue-ahead (no registers for a second temporary)")
-    return block_n, False, defer_epilogue
+    return block_n, False, defer_epilogue, ROWS_PING_PONG if ping_pong is None else ping_pong
 
 
 def trace_size(programs: int) -> int:
@@ -361,7 +369,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     up kernel's (and the act step's, ``fp8_act``) power-of-two scales; ``defer_epilogue`` (None:
     ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the sorted-rows kernel's (``rows_pattern``), ``block_n`` also the
     weight-gradient kernel's, ``read_ahead`` (None: ``WGRAD_READ_AHEAD``), ``defer_epilogue`` (None:
-    ``WGRAD_DEFER_STORES``) too, and ``ping_pong`` (None: ``WGRAD_PING_PONG``); ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up
+    ``WGRAD_DEFER_STORES``) too; ``ping_pong``: either kernel's turns (None: ``ROWS_PING_PONG``,
+    ``WGRAD_PING_PONG``); ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up
     kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -371,14 +380,15 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
     if name == "fp8_rows":
-        _, issue_ahead, defer_epilogue = rows_pattern(block_n, block_n, issue_ahead, defer_epilogue)
+        _, issue_ahead, defer_epilogue, ping_pong = rows_pattern(block_n, block_n, issue_ahead, defer_epilogue,
+                                                                 ping_pong)
     elif issue_ahead is None:
         issue_ahead = UP_ISSUE_AHEAD
     common = {"EB": 128, "TILE_M": BLOCK_M, "ISSUE_AHEAD": issue_ahead, "num_warps": MATH_WARPS}
     if name == "fp8_rows":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, block_n, FP8_BK]}
         constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "DEFER_EPILOGUE": defer_epilogue,
-                      "TRACE": trace,
+                      "PING_PONG": ping_pong, "TRACE": trace,
                       "STAGES": ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES,
                       "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32",

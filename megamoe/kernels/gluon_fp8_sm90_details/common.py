@@ -56,6 +56,36 @@ def promote(acc, tmp, scale):
 
 
 @gluon.jit
+def turn_barriers(empty, PING_PONG: gl.constexpr):
+    """With PING_PONG, the mbarriers of the MMA warpgroups' turns (``wait_turn``): one per stage of the ring whose
+    empty barriers are ``empty`` and column half; else ``empty`` (not read)."""
+    if PING_PONG:
+        seen = barriers(2 * empty.type.shape[0])
+    else:
+        seen = empty
+    return seen
+
+
+@gluon.jit
+def wait_turn(seen, s, half: gl.constexpr, step, WG: gl.constexpr, PING_PONG: gl.constexpr):
+    """With PING_PONG, the second MMA warpgroup's wait, before it issues its chain of column half ``half`` of stage
+    ``s`` (ring step ``step``), until the first warpgroup's same chain has finished (``end_turn``): so that each
+    warpgroup's promotion runs under the other's chain, where in phase both would promote at once with the tensor
+    cores idle. ``seen``: 2 * STAGES mbarriers of one arrival. Else nothing."""
+    if PING_PONG and WG == 1:
+        STAGES: gl.constexpr = seen.type.shape[0] // 2
+        mbarrier.wait(seen.index(2 * s + half), (step // STAGES) & 1)
+
+
+@gluon.jit
+def end_turn(seen, s, half: gl.constexpr, WG: gl.constexpr, PING_PONG: gl.constexpr):
+    """With PING_PONG, the first MMA warpgroup's announcement that its chain of column half ``half`` of stage ``s``
+    has finished (``wait_turn``); else nothing. The first warpgroup must announce every chain the second waits for."""
+    if PING_PONG and WG == 0:
+        mbarrier.arrive(seen.index(2 * s + half), count=1)
+
+
+@gluon.jit
 def stage_ready(ready, step, STAGES: gl.constexpr):
     """Wait for ring step ``step``'s stage; returns it."""
     s = step % STAGES

@@ -13,13 +13,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
+    end_turn,
     issue_chain,
     promote,
     ring,
     stage_ready,
+    turn_barriers,
+    wait_turn,
 )
 from megamoe.kernels.gluon_sm90 import (
-    barriers,
     count_busy_tiles,
     expert_rows_ahead,
     next_slot,
@@ -118,23 +120,6 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
 
 
 @gluon.jit
-def _wgrad_turn(seen, s, half: gl.constexpr, step, WG: gl.constexpr, PING_PONG: gl.constexpr):
-    """With PING_PONG, the second warpgroup's wait before it issues stage ``s``'s (ring step ``step``'s) chain of
-    column half ``half`` until the first warpgroup's same chain has finished (``_wgrad_done``); else nothing."""
-    if PING_PONG and WG == 1:
-        STAGES: gl.constexpr = seen.type.shape[0] // 2
-        mbarrier.wait(seen.index(2 * s + half), (step // STAGES) & 1)
-
-
-@gluon.jit
-def _wgrad_done(seen, s, half: gl.constexpr, WG: gl.constexpr, PING_PONG: gl.constexpr):
-    """With PING_PONG, the first warpgroup's announcement that its chain of stage ``s``, column half ``half``, has
-    finished (``_wgrad_turn``); else nothing."""
-    if PING_PONG and WG == 0:
-        mbarrier.arrive(seen.index(2 * s + half), count=1)
-
-
-@gluon.jit
 def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, acc0, acc1, tmp, c_smem, out_desc, e,
                      p0, q0, pend, pend_e, pend_p, pend_q, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
                      PING_PONG: gl.constexpr):
@@ -143,11 +128,11 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step,
     ``acc1`` holds the previous block's right half if ``pend`` is nonzero: stored at [pend_e, pend_p, pend_q] under
     the left chain, and both accumulators start from zero. With LAST (its last) the left half stored at [e, p0, q0]
     under the right chain. With PING_PONG each chain of the second warpgroup waits for the first's same chain to
-    finish (``_wgrad_turn``). Returns (acc0, acc1, tmp)."""
+    finish (``common.wait_turn``). Returns (acc0, acc1, tmp)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HB: gl.constexpr = tmp.type.shape[1]
     s = stage_ready(ready, step, STAGES)
-    _wgrad_turn(seen, s, 0, step, WG, PING_PONG)
+    wait_turn(seen, s, 0, step, WG, PING_PONG)
     tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
     if FIRST:
         if pend != 0:
@@ -155,14 +140,14 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step,
         acc0 = gl.zeros_like(acc1)
         acc1 = gl.zeros_like(acc1)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-    _wgrad_done(seen, s, 0, WG, PING_PONG)
+    end_turn(seen, s, 0, WG, PING_PONG)
     acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
-    _wgrad_turn(seen, s, 1, step, WG, PING_PONG)
+    wait_turn(seen, s, 1, step, WG, PING_PONG)
     tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
     if LAST:
         store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-    _wgrad_done(seen, s, 1, WG, PING_PONG)
+    end_turn(seen, s, 1, WG, PING_PONG)
     scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
     mbarrier.arrive(empty.index(s), count=1)
     acc1 = promote(acc1, tmp, scale)
@@ -289,10 +274,7 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     # B's scales of the block's Q-columns per stage
     a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = ring(a_desc, b_desc, 1, BN, STAGES, LOADER_WARPS)
     c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-    if PING_PONG:
-        seen = barriers(2 * STAGES)  # the first MMA warpgroup's finished chains, per stage and column half
-    else:
-        seen = empty  # (unused)
+    seen = turn_barriers(empty, PING_PONG)
     num_p = P // BM
     num_q = Q // BN
     gl.warp_specialize([
