@@ -187,9 +187,10 @@ def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind
 @pytest.mark.parametrize("kind", ["random", "exact"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
 @pytest.mark.parametrize("preact", [False, True])
-@pytest.mark.parametrize("issue_ahead", [False, True])
-def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind, preact, issue_ahead):
-    """h = silu(x W1gᵀ) * (x W1uᵀ) over the tokens' sorted rows, quantised per row and 128 columns."""
+@pytest.mark.parametrize("issue_ahead,ping_pong", [(False, False), (True, False), (False, True)])
+def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind, preact, issue_ahead, ping_pong):
+    """h = silu(x W1gᵀ) * (x W1uᵀ) over the tokens' sorted rows, quantised per row and 128 columns; in each issue
+    pattern, and without issue-ahead with the warpgroups' chains at once and in turn."""
     from megamoe.kernels.gluon_fp8_sm90 import fp8_up_swiglu_ws
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -203,7 +204,8 @@ def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind
     h_q = torch.full((rows, inter), float("nan"), device="cuda").to(torch.float8_e4m3fn)
     h_s = torch.full((inter // GROUP, rows), float("nan"), device="cuda")
     pre = torch.full((rows, 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16) if preact else None
-    fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k, preact=pre, issue_ahead=issue_ahead)
+    fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k, preact=pre, issue_ahead=issue_ahead,
+                     ping_pong=ping_pong)
     torch.cuda.synchronize()
 
     tokens = plan.row_slot_N[:routed].long() // top_k
@@ -451,17 +453,18 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "other_stores_wide_wgrad": ("fp8_wgrad", dict(block_n=256, defer_epilogue=not f.WGRAD_DEFER_STORES)),
             "other_turns_wide_wgrad": ("fp8_wgrad", dict(block_n=256, ping_pong=not f.WGRAD_PING_PONG)),
             "other_turns_wide_rows_down": ("fp8_rows", dict(block_n=256, ping_pong=not f.ROWS_PING_PONG)),
+            "other_turns_up_preact": ("fp8_up", dict(preact=True, issue_ahead=False, ping_pong=not f.UP_PING_PONG)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
             "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
             "rows_down_traced": ("fp8_rows", dict(trace=True)), "up_traced": ("fp8_up", dict(trace=True)),
             "wide_rows_down": ("fp8_rows", dict(block_n=256)),
             "wide_rows_dh": ("fp8_rows", dict(block_n=256, weighted=False, to_slots=False)),
             "wide_rows_down_stores_at_once": ("fp8_rows", dict(block_n=256, defer_epilogue=False))}
-# each kernel also in the issue pattern it does not run by default (the traced variant only in its default)
+# each kernel also in the issue pattern it does not run by default (the traced and turns variants only in their own)
 ahead = {"fp8_rows": f.ROWS_ISSUE_AHEAD, "fp8_up": f.UP_ISSUE_AHEAD}
 variants.update({f"{'plain' if ahead[kernel] else 'issue_ahead'}_{name}": (kernel, {**kw, "issue_ahead": not ahead[kernel]})
                  for name, (kernel, kw) in variants.items() if kernel in ahead and not kw.get("trace")
-                 and not kw.get("block_n")})
+                 and not kw.get("block_n") and "ping_pong" not in kw})
 other_epilogue = not f.ROWS_DEFER_EPILOGUE  # the sorted-rows kernel's stores timed the way the default does not
 prefix = "deferred" if other_epilogue else "stores_at_once"
 variants.update({f"{prefix}_{name}": (kernel, {**kw, "defer_epilogue": other_epilogue})
@@ -480,9 +483,11 @@ with ProcessPoolExecutor(os.cpu_count()) as pool:  # compiles side by side, one 
 # launchers assert multiples of 128) keeps two (since each block's expert and rows are read ahead, in registers); the
 # sorted-rows kernel's 256-column blocks with their stores deferred under their own chains (two accumulators, the
 # temporary in flight and a half block being stored) ten and four, twenty with the warpgroups' turns; the up kernel's
-# traced variant (the stamps' registers; no layer launches it) three.
+# traced variant (the stamps' registers; no layer launches it) three; the up kernel with its warpgroups' turns (off:
+# an experiment, UP_PING_PONG) 764 bytes, in its epilogue.
 _SPILLS_ALLOWED = {"issue_ahead_up_preact": 4, "issue_ahead_up_preact_pow2": 4, "issue_ahead_up_any_size": 8,
-                   "wide_rows_down": 40, "wide_rows_dh": 16, "other_turns_wide_rows_down": 80, "up_traced": 12}
+                   "wide_rows_down": 40, "wide_rows_dh": 16, "other_turns_wide_rows_down": 80, "up_traced": 12,
+                   "other_turns_up_preact": 764}
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200
 
 
@@ -513,6 +518,15 @@ def test_wgrad_block_n_defaults_where_it_divides_and_refuses_otherwise():
     for q, block_n in ((640, 256), (1024, 64), (1024, 512)):
         with pytest.raises(ValueError, match="block_n"):
             f.wgrad_block_n(q, block_n)
+
+
+def test_up_turns_resolve_defaults_and_refuse_issue_ahead():
+    from megamoe.kernels import gluon_fp8_sm90 as f
+
+    assert f.up_ping_pong(False, None) == f.UP_PING_PONG and f.up_ping_pong(True, None) is False
+    assert f.up_ping_pong(False, True) is True and f.up_ping_pong(True, False) is False
+    with pytest.raises(ValueError, match="issue-ahead"):
+        f.up_ping_pong(True, True)
 
 
 def test_rows_pattern_resolves_defaults_and_refuses_what_a_width_lacks():

@@ -7,7 +7,8 @@ backward's sort of the x and dy rows with and without dy's quantisation fused in
 quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and without the
 products' store, and the products alone (the backward's recompute); down, dh' and dx
 (``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM in both issue patterns (``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``,
-``UP_ISSUE_AHEAD``: the "(issue-ahead)" stages beside the others), the sorted-rows ones also with their stores deferred
+``UP_ISSUE_AHEAD``: the "(issue-ahead)" stages beside the others; the up kernel's also with its warpgroups' turns
+the other way than ``UP_PING_PONG``), the sorted-rows ones also with their stores deferred
 under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256 columns where N allows
 (``ROWS_BLOCK_N``: the "(256 columns)" stages, as the layer runs them, and with the warpgroups' turns the other way
 than ``ROWS_PING_PONG``). Then the weight gradients both ways, to choose
@@ -137,9 +138,12 @@ def main(argv=None) -> None:
                                                        issue_ahead=issue_ahead, defer_epilogue=defer_epilogue,
                                                        block_n=block_n, ping_pong=ping_pong)
 
-    def up(issue_ahead, preact_NH=None):
+    def up(issue_ahead, preact_NH=None, ping_pong=None):
         return lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k, preact_NH=preact_NH,
-                                                issue_ahead=issue_ahead)
+                                                issue_ahead=issue_ahead, ping_pong=ping_pong)
+
+    other_turns = not gluon_fp8_sm90.UP_PING_PONG  # (the default issue pattern's turns the other way)
+    up_turns = " (warpgroups' chains " + ("in turn)" if other_turns else "at once)")
 
     up_flops, down_flops = 2 * rows * dim * 2 * inter, 2 * rows * dim * inter
     # (name, function, FLOPs or None, bytes moved or None, the dense FP8 GEMM of the same size (m, n, k) or None)
@@ -159,6 +163,8 @@ def main(argv=None) -> None:
         ("up (issue-ahead)", up(True), up_flops, None, (rows, 2 * inter, dim)),
         ("up, products stored", up(False, preact), up_flops, None, (rows, 2 * inter, dim)),
         ("up, products stored (issue-ahead)", up(True, preact), up_flops, None, (rows, 2 * inter, dim)),
+        ("up" + up_turns, up(False, ping_pong=other_turns), up_flops, None, (rows, 2 * inter, dim)),
+        ("up, products stored" + up_turns, up(False, preact, other_turns), up_flops, None, (rows, 2 * inter, dim)),
         ("up, products only (the backward's recompute)",
          lambda: expert_fwd.up_products_fp8(xq, xs, w13q, w13s, plan, top_k, preact), up_flops, None,
          (rows, 2 * inter, dim)),

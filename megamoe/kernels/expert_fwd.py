@@ -255,18 +255,19 @@ def _launch_up(kernel: TunedKernel, x_TD, w13_EHD, h_NI, plan: Plan, top_k: int,
 
 
 def up_swiglu_fp8(xq_TD, xs, w13q_EHD, w13s, plan: Plan, top_k: int, preact_NH: torch.Tensor | None = None, *,
-                  issue_ahead: bool = UP_ISSUE_AHEAD) -> tuple[torch.Tensor, torch.Tensor]:
+                  issue_ahead: bool = UP_ISSUE_AHEAD, ping_pong: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The up kernel on blockwise FP8 operands (``kernels.quant``: x (T, D) e4m3 with its (D/128, T) scales, w13
     (E, 2I, D) e4m3 with its (E, 2I/128, D/128) block scales): (h (N, I) e4m3, its (I/128, N) scales), sorted rows
-    (rows past the routed count are not written). ``preact_NH``: as for ``up_swiglu_fwd``; ``issue_ahead``: the
-    Gluon kernel's issue pattern (``gluon_fp8_sm90.UP_ISSUE_AHEAD``)."""
+    (rows past the routed count are not written). ``preact_NH``: as for ``up_swiglu_fwd``; ``issue_ahead``,
+    ``ping_pong``: the Gluon kernel's schedule (``gluon_fp8_sm90.fp8_up_swiglu_ws``)."""
     num_slots, inter = plan.row_slot_N.numel(), w13q_EHD.shape[1] // 2
     h_NI = torch.empty(num_slots, inter, device=xq_TD.device, dtype=xq_TD.dtype)
     h_s = torch.empty(inter // 128, num_slots, device=xq_TD.device, dtype=torch.float32)
     if num_slots == 0:
         return h_NI, h_s
     if fp8_ws_supported(xq_TD, torch.bfloat16 if preact_NH is None else preact_NH.dtype):
-        fp8_up_swiglu_ws(xq_TD, xs, w13q_EHD, w13s, h_NI, h_s, plan, top_k, preact=preact_NH, issue_ahead=issue_ahead)
+        fp8_up_swiglu_ws(xq_TD, xs, w13q_EHD, w13s, h_NI, h_s, plan, top_k, preact=preact_NH, issue_ahead=issue_ahead,
+                         ping_pong=ping_pong)
     else:
         _launch_up(UP_FP8, xq_TD, w13q_EHD, h_NI, plan, top_k, preact_NH, xs, w13s, h_s)
     return h_NI, h_s

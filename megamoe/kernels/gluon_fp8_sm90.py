@@ -116,6 +116,8 @@ ROWS_WIDE_STAGES = 4
 # Whether, in a 256-column block, the sorted-rows kernel's second warpgroup issues each MMA chain once the first's
 # same chain has finished (``common.wait_turn``), so that each warpgroup's promotion runs under the other's chain.
 ROWS_PING_PONG = False
+# The same turns for the up kernel's gate and up chains (without UP_ISSUE_AHEAD; ``up._up_mma_partition``).
+UP_PING_PONG = False
 # The FP8 weight-gradient kernel's ring: 33 KB per stage (A, B and their scales) beside each MMA warpgroup's 16 KB
 # store buffer: 5 x 33 + 32 = 197 KB. Its block width where Q is a multiple of it (else 128): 256 runs a block as two
 # column halves of 128 (``_wgrad_main_wide``, no issue-ahead) in WGRAD_WIDE_STAGES stages of 49.5 KB (B's block 32 KB,
@@ -244,12 +246,13 @@ def trace_size(programs: int) -> int:
 def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
                      h_q: torch.Tensor | None, h_s: torch.Tensor | None, plan, top_k: int,
                      preact: torch.Tensor | None = None, *, issue_ahead: bool = UP_ISSUE_AHEAD,
-                     trace: torch.Tensor | None = None) -> None:
+                     ping_pong: bool | None = None, trace: torch.Tensor | None = None) -> None:
     """h = silu(x W1gᵀ) * (x W1uᵀ) for the plan's sorted rows (row r: token ``row_slot[r] // top_k``), blockwise
     dequantised operands, through ``up_ws_kernel``; quantised per row and 128 columns into h_q (N, I)
     float8_e4m3fn and h_s (I // 128, N) fp32; with ``preact`` (N, 2I) bf16 also g and u (h_q and h_s None:
     only those). Only the routed rows are written. ``issue_ahead``: the MMA warpgroups' issue pattern (see
-    ``UP_ISSUE_AHEAD``); ``trace``: as for ``fp8_rows_gemm_ws`` (the same points: the epilogue, SwiGLU and h's
+    ``UP_ISSUE_AHEAD``); ``ping_pong``: their turns, without issue-ahead only (None: ``UP_PING_PONG`` where
+    ``issue_ahead`` is off); ``trace``: as for ``fp8_rows_gemm_ws`` (the same points: the epilogue, SwiGLU and h's
     quantisation with its stores, lies between points 2 and 3).
 
     x_q (T, D) float8_e4m3fn, x_s (D // 128, T) fp32, w13_q (E, 2I, D) float8_e4m3fn (gate rows then up
@@ -266,6 +269,7 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
     assert not h_out or (h_q.shape == (num_rows, inter) and h_s.shape == (inter // SCALE_BLOCK, num_rows))
     assert preact is None or (preact.shape == (num_rows, two_i) and preact.dtype == torch.bfloat16)
     assert trace is None or (trace.dtype == torch.int64 and trace.numel() >= trace_size(sm_count(x_q.device.index)))
+    ping_pong = up_ping_pong(issue_ahead, ping_pong)
     up_ws_kernel[(sm_count(x_q.device.index),)](
         x_ptr=x_q, x_s_ptr=x_s, w13_desc=_fp8_desc(w13_q.view(num_experts, 2, inter, dim), [1, 1, FP8_BN, FP8_BK]),
         w13_s_ptr=w13_s, h_q_ptr=h_q if h_out else x_q, h_s_ptr=h_s if h_out else x_s,
@@ -273,10 +277,21 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, trace_ptr=trace if trace is not None else x_s, T=num_tokens, N=num_rows,
         D=dim, I=inter, E=num_experts, top_k=top_k, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
-        PREACT=preact is not None, H_OUT=h_out, ISSUE_AHEAD=issue_ahead, POW2=fp8_pow2_scales(),
+        PREACT=preact is not None, H_OUT=h_out, ISSUE_AHEAD=issue_ahead, PING_PONG=ping_pong, POW2=fp8_pow2_scales(),
         TRACE=trace is not None,
         STAGES=UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS,
         MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+
+
+def up_ping_pong(issue_ahead: bool, ping_pong: bool | None) -> bool:
+    """The up kernel's turns (``fp8_up_swiglu_ws``): ``ping_pong``, None resolved as ``UP_PING_PONG`` without
+    issue-ahead and off with it; ValueError for turns with issue-ahead (its four 64-column chains a block, each
+    promoted under the next, leave no promotion to hide)."""
+    if issue_ahead:
+        if ping_pong:
+            raise ValueError("the up kernel takes turns without issue-ahead only")
+        return False
+    return UP_PING_PONG if ping_pong is None else ping_pong
 
 
 def wgrad_block_n(q: int, block_n: int | None = None) -> int:
@@ -416,6 +431,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
         constexprs = {**common, "PREACT": preact, "H_OUT": h_out, "POW2": pow2, "TRACE": trace,
+                      "PING_PONG": up_ping_pong(issue_ahead, ping_pong),
                       "STAGES": UP_STAGES, "LOADER_WARPS": UP_LOADER_WARPS,
                       "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
         pointers = {"x_ptr": "*fp8e4nv", "x_s_ptr": "*fp32", "w13_s_ptr": "*fp32", "h_q_ptr": "*fp8e4nv",
