@@ -482,12 +482,10 @@ with ProcessPoolExecutor(os.cpu_count()) as pool:  # compiles side by side, one 
 # does not spill); the same pattern compiled without the sizes specialised as 16-divisible (which no launch does: the
 # launchers assert multiples of 128) keeps two (since each block's expert and rows are read ahead, in registers); the
 # sorted-rows kernel's 256-column blocks with their stores deferred under their own chains (two accumulators, the
-# temporary in flight and a half block being stored) ten and four, twenty with the warpgroups' turns; the up kernel's
-# traced variant (the stamps' registers; no layer launches it) three; the up kernel with its warpgroups' turns (off:
-# an experiment, UP_PING_PONG) 764 bytes, in its epilogue.
+# temporary in flight and a half block being stored) ten and four, with the warpgroups' turns or without; the up
+# kernel's traced variant (the stamps' registers; no layer launches it) three.
 _SPILLS_ALLOWED = {"issue_ahead_up_preact": 4, "issue_ahead_up_preact_pow2": 4, "issue_ahead_up_any_size": 8,
-                   "wide_rows_down": 40, "wide_rows_dh": 16, "other_turns_wide_rows_down": 80, "up_traced": 12,
-                   "other_turns_up_preact": 764}
+                   "wide_rows_down": 40, "wide_rows_dh": 16, "other_turns_wide_rows_down": 40, "up_traced": 12}
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200
 
 

@@ -113,8 +113,9 @@ ROWS_DEFER_EPILOGUE = True
 # deferred.
 ROWS_BLOCK_N = 256
 ROWS_WIDE_STAGES = 4
-# Whether, in a 256-column block, the sorted-rows kernel's second warpgroup issues each MMA chain once the first's
-# same chain has finished (``common.wait_turn``), so that each warpgroup's promotion runs under the other's chain.
+# Whether, in a 256-column block, the sorted-rows kernel's second warpgroup issues each K-step's first MMA chain once
+# the first warpgroup's has finished (``common.wait_turn``), so that each warpgroup's promotions run under the other's
+# chains; in phase, both promote at once while the tensor cores idle.
 ROWS_PING_PONG = False
 # The same turns for the up kernel's gate and up chains (without UP_ISSUE_AHEAD; ``up._up_mma_partition``).
 UP_PING_PONG = False
@@ -135,10 +136,8 @@ WGRAD_WIDE_STAGES = 3
 # 256-column blocks (the layers' width) up to 9% slower; the reads ahead alone at 256 columns are not timed yet.
 WGRAD_READ_AHEAD = False
 WGRAD_DEFER_STORES = False
-# Whether, in a 256-column block, the weight-gradient kernel's second warpgroup issues each MMA chain once the first's
-# same chain has finished (``wgrad._wgrad_turn``), so that each warpgroup's promotion (an outer product of scales and
-# an FMA per accumulator element, about half a chain's MMA time) runs under the other's chain; in phase, both promote
-# while the tensor cores idle.
+# The same turns for the weight-gradient kernel's 256-column blocks (``common.wait_turn``), whose promotion (an outer
+# product of scales and an FMA per accumulator element) takes about half a chain's MMA time.
 WGRAD_PING_PONG = False
 # The FP8 weight gradients' act step (``act.act_tile_cols_kernel``): rows per block of its first pass, and warps.
 ACT_BM = 16

@@ -199,27 +199,24 @@ def _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, 
                     WEIGHTED: gl.constexpr, PING_PONG: gl.constexpr, num_warps: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_rows_main_wide``): the left chain, its promotion into
     ``acc0``, the right chain, its promotion into ``acc1``, the stage freed; with STORE_LEFT (the block's last
-    K-step) the left half converted before the right chain is issued and stored under it; with PING_PONG each chain
-    in the warpgroups' turn (``common.wait_turn``). Returns (acc0, acc1, tmp)."""
+    K-step) the left half converted before the right chain is issued and stored under it; with PING_PONG the left
+    chain in the warpgroups' turn (``common.wait_turn``). Returns (acc0, acc1, tmp)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HB: gl.constexpr = tmp.type.shape[1]
     row_layout: gl.constexpr = gl.SliceLayout(1, tmp.type.layout)
     s, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
     scale1 = block_scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
-    wait_turn(seen, s, 0, step, WG, PING_PONG)
+    wait_turn(seen, s, step, WG, PING_PONG)
     tmp = warpgroup_mma_wait(0, deps=(issue_chain(a_bufs, w_bufs, s, 0, tmp, WG), ))
-    end_turn(seen, s, 0, WG, PING_PONG)
+    end_turn(seen, s, WG, PING_PONG)
     acc0 = acc0 + tmp * scale0[:, None]
     if STORE_LEFT:
         out0 = _rows_left_out(acc0, wt, out_ptr, WEIGHTED)
-        wait_turn(seen, s, 1, step, WG, PING_PONG)
         tmp = issue_chain(a_bufs, w_bufs, s, HB, tmp, WG)
         _rows_store(out0, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps)
     else:
-        wait_turn(seen, s, 1, step, WG, PING_PONG)
         tmp = issue_chain(a_bufs, w_bufs, s, HB, tmp, WG)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-    end_turn(seen, s, 1, WG, PING_PONG)
     mbarrier.arrive(empty.index(s), count=1)
     acc1 = acc1 + tmp * scale1[:, None]
     return acc0, acc1, tmp
@@ -249,20 +246,18 @@ def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, 
         s, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
         stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
         scale1 = block_scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
-        wait_turn(seen, s, 0, step, WG, PING_PONG)
+        wait_turn(seen, s, step, WG, PING_PONG)
         tmp = issue_chain(a_bufs, w_bufs, s, 0, tmp, WG)
         _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr, N_OUT,
                             num_warps)
         tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-        end_turn(seen, s, 0, WG, PING_PONG)
+        end_turn(seen, s, WG, PING_PONG)
         acc0 = tmp * scale0[:, None]
         out0 = _rows_left_out(acc0, wt, out_ptr, WEIGHTED)  # (stored here only if this is the last K-step)
-        wait_turn(seen, s, 1, step, WG, PING_PONG)
         tmp = issue_chain(a_bufs, w_bufs, s, HB, tmp, WG)
         if kbs == 1:
             _rows_store(out0, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps)
         tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-        end_turn(seen, s, 1, WG, PING_PONG)
         mbarrier.arrive(empty.index(s), count=1)
         acc1 = tmp * scale1[:, None]
         for kb in range(1, kbs - 1):
@@ -298,8 +293,8 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offset
     unless the other warpgroup's MMAs have them. A block of 256 columns (``ROWS_BLOCK_N``) runs as two column
     halves of 128, each with its own accumulator, without issue-ahead (``_rows_main_wide``); DEFER_EPILOGUE: its
     left half stored under its last chain, its right half under the next block's first; PING_PONG: the second
-    warpgroup issues each of its chains once the first's same chain has finished (``common.wait_turn``; the first
-    always has rows in a block, so it announces every chain). ``row_dest_ptr``: as for ``rows_ws_kernel``."""
+    warpgroup issues each K-step's left chain once the first's has finished (``common.wait_turn``; the first always
+    has rows in a block, so it announces every K-step). ``row_dest_ptr``: as for ``rows_ws_kernel``."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[2]
     ROW_DEST: gl.constexpr = row_dest_ptr.dtype.element_ty == gl.int64

@@ -138,9 +138,9 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
     block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion (with
     ISSUE_AHEAD, 64-column chains, each promoted under the next); then h = silu(g) * u in fp32, quantised per
     row over the block's 128 columns into h_q / h_s (POW2: power-of-two scales), and with PREACT g and u rounded
-    to bf16 into ``preact``. PING_PONG (without ISSUE_AHEAD): the second warpgroup issues its gate and up chains
-    once the first's same chain has finished (``common.wait_turn``; the first always has rows in a block), so that
-    each warpgroup's promotions, and its epilogue, run under the other's chains. TRACE: the sorted-rows MMA
+    to bf16 into ``preact``. PING_PONG (without ISSUE_AHEAD): the second warpgroup issues each K-step's gate chain
+    once the first's has finished (``common.wait_turn``; the first always has rows in a block), so that each
+    warpgroup's promotions, and its epilogue, run under the other's chains. TRACE: the sorted-rows MMA
     partitions' stamps (``TRACE_BLOCKS``)."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     BK: gl.constexpr = x_bufs.type.shape[2]
@@ -170,13 +170,11 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                     if TRACE:  # noqa: SIM102 (compiled out unless traced)
                         if k == 0:
                             stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
-                    wait_turn(seen, s, 0, step, WG, PING_PONG)
+                    wait_turn(seen, s, step, WG, PING_PONG)
                     tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, g_bufs, s, 0, tmp, WG), ))
-                    end_turn(seen, s, 0, WG, PING_PONG)
+                    end_turn(seen, s, WG, PING_PONG)
                     acc_g = acc_g + tmp * scale_g[:, None]
-                    wait_turn(seen, s, 1, step, WG, PING_PONG)
                     tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, u_bufs, s, 0, tmp, WG), ))
-                    end_turn(seen, s, 1, WG, PING_PONG)
                     mbarrier.arrive(empty.index(s), count=1)
                     acc_u = acc_u + tmp * scale_u[:, None]
                     step += 1

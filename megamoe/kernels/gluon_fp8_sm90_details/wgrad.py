@@ -127,12 +127,12 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step,
     ``acc0``, the right chain, its promotion into ``acc1``, the stage freed. With FIRST (the block's first K-step)
     ``acc1`` holds the previous block's right half if ``pend`` is nonzero: stored at [pend_e, pend_p, pend_q] under
     the left chain, and both accumulators start from zero. With LAST (its last) the left half stored at [e, p0, q0]
-    under the right chain. With PING_PONG each chain of the second warpgroup waits for the first's same chain to
-    finish (``common.wait_turn``). Returns (acc0, acc1, tmp)."""
+    under the right chain. With PING_PONG the second warpgroup's left chain waits for the first's to finish
+    (``common.wait_turn``). Returns (acc0, acc1, tmp)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HB: gl.constexpr = tmp.type.shape[1]
     s = stage_ready(ready, step, STAGES)
-    wait_turn(seen, s, 0, step, WG, PING_PONG)
+    wait_turn(seen, s, step, WG, PING_PONG)
     tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
     if FIRST:
         if pend != 0:
@@ -140,14 +140,12 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step,
         acc0 = gl.zeros_like(acc1)
         acc1 = gl.zeros_like(acc1)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-    end_turn(seen, s, 0, WG, PING_PONG)
+    end_turn(seen, s, WG, PING_PONG)
     acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
-    wait_turn(seen, s, 1, step, WG, PING_PONG)
     tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
     if LAST:
         store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-    end_turn(seen, s, 1, WG, PING_PONG)
     scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
     mbarrier.arrive(empty.index(s), count=1)
     acc1 = promote(acc1, tmp, scale)
@@ -207,7 +205,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bu
     READ_AHEAD each block's expert rows are read a block ahead (``expert_rows_ahead``), so that no load stands
     between a block's last MMA and the next one's first (else at its start); with DEFER a 256-column block's right
     half is stored under the next block's first MMA (else at its end); with PING_PONG (256 columns) the second
-    warpgroup issues each chain once the first's same chain has finished, so that each promotes under the other's
+    warpgroup issues each K-step's left chain once the first's has finished, so that each promotes under the other's
     MMAs (else both issue at once and promote at once, with the tensor cores idle). An expert without rows gets
     zeros."""
     BM: gl.constexpr = a_bufs.type.shape[1]
