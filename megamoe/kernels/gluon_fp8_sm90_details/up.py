@@ -291,7 +291,8 @@ def up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_p
     up rows), block (1, 1, BN, BK); w13_s (E, 2I // 128, D // 128) fp32; h_q (N, I) fp8 and h_s (I // 128, N)
     fp32 out in sorted rows if H_OUT (rows past the routed count not written); preact (N, 2I) bf16 out if PREACT.
     Blocks: the busy tiles (EB: a power of two >= E) times the I-blocks of 128 (one h scale group each).
-    ISSUE_AHEAD, PING_PONG: the MMA warpgroups' schedule (``_up_mma_partition``). TRACE: stamps into trace_ptr (int64, see ``TRACE_BLOCKS``)."""
+    ISSUE_AHEAD, PING_PONG: the MMA warpgroups' schedule (``_up_mma_partition``). TRACE: stamps into trace_ptr
+    (int64, see ``TRACE_BLOCKS``)."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     BK: gl.constexpr = w13_desc.block_type.shape[3]
     HALF: gl.constexpr = TILE_M // 2
