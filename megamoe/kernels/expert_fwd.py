@@ -255,7 +255,8 @@ def _launch_up(kernel: TunedKernel, x_TD, w13_EHD, h_NI, plan: Plan, top_k: int,
 
 
 def up_swiglu_fp8(xq_TD, xs, w13q_EHD, w13s, plan: Plan, top_k: int, preact_NH: torch.Tensor | None = None, *,
-                  issue_ahead: bool = UP_ISSUE_AHEAD, ping_pong: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  issue_ahead: bool = UP_ISSUE_AHEAD,
+                  ping_pong: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The up kernel on blockwise FP8 operands (``kernels.quant``: x (T, D) e4m3 with its (D/128, T) scales, w13
     (E, 2I, D) e4m3 with its (E, 2I/128, D/128) block scales): (h (N, I) e4m3, its (I/128, N) scales), sorted rows
     (rows past the routed count are not written). ``preact_NH``: as for ``up_swiglu_fwd``; ``issue_ahead``,
@@ -330,8 +331,8 @@ def sorted_rows_gemm_fp8(kernel: TunedKernel, a_NK, a_s, w_E, w_s, weights_N, pl
     the output in ``out_dtype``. On sm90 with a bf16 output through the warp-specialized Gluon kernel
     (``gluon_fp8_sm90``), which ``kernel``'s constants configure (weighted, to slot rows), in blocks of ``block_n``
     columns, the issue pattern ``issue_ahead``, its stores deferred or not (``defer_epilogue``), its warpgroups' turns
-    (``ping_pong``; each None: the kernel's default, ``gluon_fp8_sm90.fp8_rows_gemm_ws``). ``dest``: as for ``sorted_rows_gemm`` (DOWN_FP8, DX_FP8;
-    ``base`` in ``out_dtype``)."""
+    (``ping_pong``; each None: the kernel's default, ``gluon_fp8_sm90.fp8_rows_gemm_ws``). ``dest``: as for
+    ``sorted_rows_gemm`` (DOWN_FP8, DX_FP8; ``base`` in ``out_dtype``)."""
     num_slots, n_out = a_NK.shape[0], w_E.shape[1]
     if not (num_slots and fp8_ws_supported(a_NK, out_dtype)):
         return sorted_rows_gemm(kernel, a_NK, w_E, weights_N, plan, n_out, scales=(a_s, w_s), out_dtype=out_dtype,

@@ -159,8 +159,8 @@ def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step,
     accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
     each promotion runs under the other warpgroup's MMAs); the previous block's right half (``acc1`` if ``pend``)
     stored under the first K-step's left chain, the left half at [e, p0, q0] under the last K-step's right chain;
-    PING_PONG as ``_wgrad_wide_step``. Returns (the right half's accumulator, to be stored at [e, p0, q0 + 128] under the next block's first chain;
-    the temporary; the next ring step)."""
+    PING_PONG as ``_wgrad_wide_step``. Returns (the right half's accumulator, to be stored at [e, p0, q0 + 128]
+    under the next block's first chain; the temporary; the next ring step)."""
     acc0 = gl.zeros_like(acc1)
     if steps == 1:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, acc0, acc1,
