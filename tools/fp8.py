@@ -17,8 +17,8 @@ than ``ROWS_PING_PONG``). Then the weight gradients both ways, to choose
 GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 128 columns, and of 256 where Q allows:
 ``gluon_fp8_sm90.WGRAD_BLOCK_N``; each also with its blocks' reads, stores and warpgroups' turns the ways
 ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES`` and ``WGRAD_PING_PONG`` do not have them), the bf16 ones the FP8
-path runs without them (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and the part of the FP8 backward that ``FP8_WGRAD`` changes
-both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy quantised into tile columns
+path runs without them (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and
+the part of the FP8 backward that ``FP8_WGRAD`` changes both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy quantised into tile columns
 from the tokens' rows, the act step writing dz's and h·w's tile columns (``expert_bwd.act_bwd_tile_cols``), the two
 FP8 GEMMs and dx's combine; without, the sort of x and dy with dy quantised beside, the act step writing dz and h·w
 in bf16, and the two bf16 GEMMs, dW13's with the combine inside. The act step into tile columns is also timed on its
