@@ -1,34 +1,31 @@
 """The FP8 path's kernels one by one against the same process's dense FP8 matmul: each FP8 GEMM's time and TFLOP/s,
 and each quantiser's GB/s.
 
-``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--out DIR]`` on an sm90 GPU. Stages (bf16 inputs,
-the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N, D), and the
-backward's sort of the x and dy rows with and without dy's quantisation fused in (the FP8 path's); the weights'
-quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and without the
-products' store, and the products alone (the backward's recompute); down, dh' and dx
-(``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM in both issue patterns (``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``,
-``UP_ISSUE_AHEAD``: the "(issue-ahead)" stages beside the others; the up kernel's also with its warpgroups' turns
-the other way than ``UP_PING_PONG``), the sorted-rows ones also with their stores deferred
-under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256 columns where N allows
-(``ROWS_BLOCK_N``: the "(256 columns)" stages, as the layer runs them, and with the warpgroups' turns the other way
-than ``ROWS_PING_PONG``). Then the weight gradients both ways, to choose
-``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows
-(``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can be), the FP8 dW13 and dW2
-GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 128 columns, and of 256 where Q allows:
-``gluon_fp8_sm90.WGRAD_BLOCK_N``; each also with its blocks' reads, stores and warpgroups' turns the ways
-``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES`` and ``WGRAD_PING_PONG`` do not have them), the bf16 ones the FP8
-path runs without them (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and
-the part of the FP8 backward that ``FP8_WGRAD`` changes both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy quantised into tile columns
-from the tokens' rows, the act step writing dz's and h·w's tile columns (``expert_bwd.act_bwd_tile_cols``), the two
-FP8 GEMMs and dx's combine; without, the sort of x and dy with dy quantised beside, the act step writing dz and h·w
-in bf16, and the two bf16 GEMMs, dW13's with the combine inside. The act step into tile columns is also timed on its
-own, beside the act step followed by the tile-column quantiser on its dz and h·w. The ceiling beside them:
-``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each GEMM's size, and the
-device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and writes them once.
-``--stages down,dx``: only the stages whose names contain one of these (each first call compiles its kernel: the
-whole table takes minutes on a fresh machine). Prints a table and writes JSON (GPU, versions, date, commit, command)
-if ``--out`` is given.
-"""
+``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--out DIR]`` on an sm90 GPU. Stages (bf16 inputs, the
+layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N, D), and the backward's sort
+of the x and dy rows with and without dy's quantisation fused in (the FP8 path's); the weights' quantisation (both
+orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and without the products' store, and
+the products alone (the backward's recompute); down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM in
+both issue patterns (``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``, ``UP_ISSUE_AHEAD``: the "(issue-ahead)" stages beside the
+others; the up kernel's also with its warpgroups' turns the other way than ``UP_PING_PONG``), the sorted-rows ones also
+with their stores deferred under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256 columns
+where N allows (``ROWS_BLOCK_N``: the "(256 columns)" stages, as the layer runs them, and with the warpgroups' turns the
+other way than ``ROWS_PING_PONG``). Then the weight gradients both ways, to choose ``autograd.FP8_WGRAD``: the 128x1
+tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows (``quant.quantize_tile_cols``; (N, D) also read from
+the tokens' rows, as x and dy can be), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 128
+columns, and of 256 where Q allows: ``gluon_fp8_sm90.WGRAD_BLOCK_N``; each also with its blocks' reads, stores and
+warpgroups' turns the ways ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES`` and ``WGRAD_PING_PONG`` do not have them), the
+bf16 ones the FP8 path runs without them (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the
+layer), and the part of the FP8 backward that ``FP8_WGRAD`` changes both ways: with it, dy's 1x128 rows quantised per
+token and copied sorted, x and dy quantised into tile columns from the tokens' rows, the act step writing dz's and h·w's
+tile columns (``expert_bwd.act_bwd_tile_cols``), the two FP8 GEMMs and dx's combine; without, the sort of x and dy with
+dy quantised beside, the act step writing dz and h·w in bf16, and the two bf16 GEMMs, dW13's with the combine inside.
+The act step into tile columns is also timed on its own, beside the act step followed by the tile-column quantiser on
+its dz and h·w. The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n)
+product of each GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each
+kernel reads and writes them once. ``--stages down,dx``: only the stages whose names contain one of these (each first
+call compiles its kernel: the whole table takes minutes on a fresh machine). Prints a table and writes JSON (GPU,
+versions, date, commit, command) if ``--out`` is given. """
 
 from __future__ import annotations
 
