@@ -19,7 +19,10 @@ partitions of their own (64 rows each), each with its own arrival on the ring's 
 8-warp partition every barrier arrival brings a partition-wide ``bar.sync`` (Gluon's lowering), which would
 hold both warpgroups in phase, both promoting while the tensor cores idle. Split, each warpgroup runs
 MMA -> wait -> promote at its own pace; while one promotes, the other's MMA has the tensor cores, so the
-two settle out of phase and the promotion hides under the other warpgroup's MMA.
+promotion can hide under the other warpgroup's MMA. Nothing holds them out of phase, though: a stage that
+arrives late releases both at once. With the turns (``ROWS_PING_PONG``, ``UP_PING_PONG``, ``WGRAD_PING_PONG``:
+``gluon_fp8_sm90_details.common.wait_turn``) the second warpgroup issues each K-step's first chain only once
+the first's has finished, which keeps them a chain apart.
 
 Partitions of each kernel:
 
