@@ -284,7 +284,7 @@ def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n,
     warpgroups' chains at once and in turn (the latter two the 256-column blocks' only); a width that does not divide
     Q is refused."""
     if block_n == 128 and ping_pong:
-        pytest.skip("the warpgroups take turns in 256-column blocks only")
+        pytest.skip("the warpgroups take turns in 256-column blocks only (refused at 128: a CPU test)")
     from megamoe import reference
     from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws
     from megamoe.kernels.quant import quantize_tile_cols
@@ -516,6 +516,15 @@ def test_wgrad_block_n_defaults_where_it_divides_and_refuses_otherwise():
     for q, block_n in ((640, 256), (1024, 64), (1024, 512)):
         with pytest.raises(ValueError, match="block_n"):
             f.wgrad_block_n(q, block_n)
+
+
+def test_wide_turns_resolve_defaults_and_refuse_128_columns():
+    from megamoe.kernels import gluon_fp8_sm90 as f
+
+    assert f.wide_turns(256, None, True) is True and f.wide_turns(256, None, False) is False
+    assert f.wide_turns(128, None, True) is False and f.wide_turns(256, False, True) is False
+    with pytest.raises(ValueError, match="block_n=128"):
+        f.wide_turns(128, True, False)
 
 
 def test_up_turns_resolve_defaults_and_refuse_issue_ahead():

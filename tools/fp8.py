@@ -213,9 +213,9 @@ def main(argv=None) -> None:
                 continue
             wide = block_n == 256
             for ra, df, pp in itertools.product((read_ahead, not read_ahead), (defer, not defer) if wide else (defer,),
-                                                (ping_pong, not ping_pong) if wide else (ping_pong,)):
+                                                (ping_pong, not ping_pong) if wide else (None,)):
                 variant = ((reads[ra] if ra != read_ahead else "") + (stores[df] if df != defer else "")
-                           + (turns[pp] if pp != ping_pong else ""))
+                           + (turns[pp] if wide and pp != ping_pong else ""))
                 stages.append((name + " FP8" + (" (256 columns)" if wide else "") + variant,
                                lambda a=a, b=b, block_n=block_n, ra=ra, df=df, pp=pp: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, ra, df, pp), flops, None, dense))

@@ -231,13 +231,23 @@ def rows_pattern(n_out: int, block_n: int | None = None, issue_ahead: bool | Non
         raise ValueError(f"block_n={block_n}: the FP8 sorted-rows kernel's blocks are 128 or 256 columns, and N "
                          f"({n_out}) must be a multiple of it")
     defer_epilogue = ROWS_DEFER_EPILOGUE if defer_epilogue is None else defer_epilogue
+    ping_pong = wide_turns(block_n, ping_pong, ROWS_PING_PONG)
+    if block_n == FP8_BN:
+        return block_n, ROWS_ISSUE_AHEAD if issue_ahead is None else issue_ahead, defer_epilogue, ping_pong
+    if issue_ahead:
+        raise ValueError("block_n=256 runs without issue-ahead (no registers for a second temporary)")
+    return block_n, False, defer_epilogue, ping_pong
+
+
+def wide_turns(block_n: int, ping_pong: bool | None, default: bool) -> bool:
+    """The sorted-rows or weight-gradient kernel's turns at ``block_n`` columns: ``ping_pong``, None resolved as
+    ``default`` (``ROWS_PING_PONG``, ``WGRAD_PING_PONG``) at 256 columns and off at 128; ValueError for turns at
+    128 (there each warpgroup issues its next chain before it promotes, so no promotion is left to hide)."""
     if block_n == FP8_BN:
         if ping_pong:
             raise ValueError("block_n=128 runs without turns (each warpgroup's next chain runs under its promotion)")
-        return block_n, ROWS_ISSUE_AHEAD if issue_ahead is None else issue_ahead, defer_epilogue, False
-    if issue_ahead:
-        raise ValueError("block_n=256 runs without issue-ahead (no registers for a second temporary)")
-    return block_n, False, defer_epilogue, ROWS_PING_PONG if ping_pong is None else ping_pong
+        return False
+    return default if ping_pong is None else ping_pong
 
 
 def trace_size(programs: int) -> int:
@@ -316,8 +326,7 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
     multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``block_n``: the output block's
     width (``wgrad_block_n``); ``read_ahead``, ``defer_stores``: the blocks' reads and stores (None:
-    ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES``); ``ping_pong``: the warpgroups' turns in a 256-column block (None:
-    ``WGRAD_PING_PONG``)."""
+    ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES``); ``ping_pong``: the warpgroups' turns (``wide_turns``)."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
     assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -333,7 +342,7 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
         STAGES=WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES,
         READ_AHEAD=WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
         DEFER=WGRAD_DEFER_STORES if defer_stores is None else defer_stores,
-        PING_PONG=WGRAD_PING_PONG if ping_pong is None else ping_pong, LOADER_WARPS=ROWS_LOADER_WARPS,
+        PING_PONG=wide_turns(block_n, ping_pong, WGRAD_PING_PONG), LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
@@ -386,7 +395,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     up kernel's (and the act step's, ``fp8_act``) power-of-two scales; ``defer_epilogue`` (None:
     ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the sorted-rows kernel's (``rows_pattern``), ``block_n`` also the
     weight-gradient kernel's, ``read_ahead`` (None: ``WGRAD_READ_AHEAD``), ``defer_epilogue`` (None:
-    ``WGRAD_DEFER_STORES``) too; ``ping_pong``: either kernel's turns (None: ``ROWS_PING_PONG``,
+    ``WGRAD_DEFER_STORES``) too; ``ping_pong``: each kernel's turns (None: ``ROWS_PING_PONG``, ``UP_PING_PONG``,
     ``WGRAD_PING_PONG``); ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up
     kernel."""
     from triton.backends.compiler import GPUTarget
@@ -425,7 +434,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
                       "STAGES": WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES,
                       "READ_AHEAD": WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
                       "DEFER": WGRAD_DEFER_STORES if defer_epilogue is None else defer_epilogue,
-                      "PING_PONG": WGRAD_PING_PONG if ping_pong is None else ping_pong,
+                      "PING_PONG": wide_turns(block_n, ping_pong, WGRAD_PING_PONG),
                       "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
         pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32"}
