@@ -1,6 +1,7 @@
 """Where the FP8 GEMMs' blocks spend their time (an sm90 GPU):
 
-    python -m tools.fp8_trace [--preset P] [--tokens T] [--gemms down,dh,dx,up] [--plain] [--wide] [--out DIR]
+    python -m tools.fp8_trace [--preset P] [--tokens T] [--gemms down,dh,dx,up] [--plain] [--wide] [--turns]
+                              [--out DIR]
 
 Runs each GEMM of the FP8 path's sorted-rows kernel (``gluon_fp8_sm90.fp8_rows_gemm_ws``: down, dh', dx) and, with
 ``up`` in ``--gemms``, its gate/up kernel (``fp8_up_swiglu_ws``, h quantised; its epilogue between the main loop's end
@@ -9,7 +10,9 @@ global timer at fixed points of every block in each partition, ``gluon_fp8_sm90.
 traced output is bitwise the untraced one, and reports per MMA warpgroup the medians per block (us) of :data:`PHASES`.
 ``--plain`` also runs each GEMM in the other issue pattern (the sorted-rows ones with stores not deferred); ``--wide``
 the sorted-rows GEMMs also in blocks of 256 columns (``block_n``, where N is a multiple of 256), stores at once and
-deferred. The stamps cost a few percent of the kernel's time: the phases say where the time goes, not the exact time.
+deferred; ``--turns`` each 256-column block and the up kernel (without issue-ahead) also with the MMA warpgroups'
+turns the other way than ``ROWS_PING_PONG`` / ``UP_PING_PONG`` (in turn, warpgroup 1's blocks start about a chain
+after warpgroup 0's: "drift"). The stamps cost a few percent of the kernel's time: the phases say where the time goes, not the exact time.
 Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit, command):
 ``fp8-block-trace-PRESET-tTOKENS.json``, the GEMMs named after it when they are not the default three.
 """
@@ -100,6 +103,9 @@ def main(argv=None) -> None:
     p.add_argument("--plain", action="store_true",
                    help="also the other issue pattern, stores not deferred (ROWS_ISSUE_AHEAD, ROWS_DEFER_EPILOGUE off)")
     p.add_argument("--wide", action="store_true", help="also blocks of 256 columns (fp8_rows_gemm_ws's block_n)")
+    p.add_argument("--turns", action="store_true",
+                   help="256-column blocks and the up kernel also with the warpgroups' turns the other way "
+                        "(ROWS_PING_PONG, UP_PING_PONG)")
     p.add_argument("--out", type=Path, help="folder for the JSON record")
     args = p.parse_args(argv)
     if unknown := set(args.gemms) - {"down", "dh", "dx", "up"}:
@@ -124,43 +130,50 @@ def main(argv=None) -> None:
     }
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     trace = torch.empty(gluon_fp8_sm90.trace_size(programs), device="cuda", dtype=torch.int64)
-    patterns = [(128, gluon_fp8_sm90.ROWS_ISSUE_AHEAD, gluon_fp8_sm90.ROWS_DEFER_EPILOGUE)]  # the 128-column default
+    # (block columns, issue-ahead, stores deferred, turns): the 128-column default first
+    patterns = [(128, gluon_fp8_sm90.ROWS_ISSUE_AHEAD, gluon_fp8_sm90.ROWS_DEFER_EPILOGUE, False)]
     if args.plain:
-        patterns.append((128, not patterns[0][1], False))
+        patterns.append((128, not patterns[0][1], False, False))
+    rows_turns = [gluon_fp8_sm90.ROWS_PING_PONG] + ([not gluon_fp8_sm90.ROWS_PING_PONG] if args.turns else [])
     if args.wide:
-        patterns += [(256, False, False), (256, False, True)]
-    # (GEMM, block columns, issue-ahead, stores deferred, its launch (traced or not) -> its outputs, FLOPs)
+        patterns += [(256, False, defer, turns) for defer in (False, True) for turns in rows_turns]
+    # (GEMM, block columns, issue-ahead, stores deferred, turns, its launch (traced or not) -> its outputs, FLOPs)
     variants = []
     for name in args.gemms:
         if name == "up":
-            up_patterns = [gluon_fp8_sm90.UP_ISSUE_AHEAD] + ([not gluon_fp8_sm90.UP_ISSUE_AHEAD] if args.plain else [])
-            for issue_ahead in up_patterns:
-                def run(traced, issue_ahead=issue_ahead):
+            up_patterns = [(gluon_fp8_sm90.UP_ISSUE_AHEAD, None)]
+            if args.plain:
+                up_patterns.append((not gluon_fp8_sm90.UP_ISSUE_AHEAD, None))
+            if args.turns:
+                up_patterns.append((False, not gluon_fp8_sm90.UP_PING_PONG))
+            for issue_ahead, turns in up_patterns:
+                def run(traced, issue_ahead=issue_ahead, turns=turns):
                     h_q = torch.zeros(rows, inter, device="cuda", dtype=torch.float8_e4m3fn)
                     h_s = torch.zeros(inter // 128, rows, device="cuda", dtype=torch.float32)
                     gluon_fp8_sm90.fp8_up_swiglu_ws(xq, xs, w13q, w13s, h_q, h_s, plan, top_k, issue_ahead=issue_ahead,
-                                                    trace=trace if traced else None)
+                                                    ping_pong=turns, trace=trace if traced else None)
                     return h_q.view(torch.uint8), h_s
-                variants.append((name, 128, issue_ahead, False, run, 4 * rows * dim * inter))
+                variants.append((name, 128, issue_ahead, False, gluon_fp8_sm90.up_ping_pong(issue_ahead, turns), run,
+                                 4 * rows * dim * inter))
             continue
         a, a_s, w, w_s, wts, to_slots, flops = gemms[name]
-        for block_n, issue_ahead, defer in patterns:
+        for block_n, issue_ahead, defer, turns in patterns:
             if w.shape[1] % block_n:
                 continue
 
             def run(traced, a=a, a_s=a_s, w=w, w_s=w_s, wts=wts, to_slots=to_slots, issue_ahead=issue_ahead,
-                    defer=defer, block_n=block_n):
+                    defer=defer, block_n=block_n, turns=turns):
                 out = torch.empty(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
                 gluon_fp8_sm90.fp8_rows_gemm_ws(a, a_s, w, w_s, out, plan, weights=wts, to_slots=to_slots,
                                                 issue_ahead=issue_ahead, defer_epilogue=defer, block_n=block_n,
-                                                trace=trace if traced else None)
+                                                ping_pong=turns, trace=trace if traced else None)
                 return (out, )
-            variants.append((name, block_n, issue_ahead, defer, run, flops))
+            variants.append((name, block_n, issue_ahead, defer, turns, run, flops))
     results = []
     print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (medians per block, us)")
-    print(f"{'GEMM':5s} {'cols':>4s} {'issue-ahead':>11s} {'deferred':>8s} {'us':>7s} {'traced':>7s} {'TF/s':>5s}  wg "
-          + " ".join(f"{k:>7s}" for k in PHASES))
-    for name, block_n, issue_ahead, defer, run, flops in variants:
+    print(f"{'GEMM':5s} {'cols':>4s} {'issue-ahead':>11s} {'deferred':>8s} {'turns':>5s} {'us':>7s} {'traced':>7s} "
+          f"{'TF/s':>5s}  wg " + " ".join(f"{k:>7s}" for k in PHASES))
+    for name, block_n, issue_ahead, defer, turns, run, flops in variants:
         plain_ms = do_bench(lambda run=run: run(False), warmup=25, rep=300)
         traced_ms = do_bench(lambda run=run: run(True), warmup=25, rep=300)
         trace.fill_(-1)
@@ -168,9 +181,9 @@ def main(argv=None) -> None:
             raise SystemExit(f"{name}: the traced kernel's output differs from the untraced one's")
         phases = block_phases(trace.cpu(), programs)
         results.append({"gemm": name, "block_n": block_n, "issue_ahead": issue_ahead, "defer_epilogue": defer,
-                        "ms": plain_ms, "traced_ms": traced_ms, "tflops": flops / plain_ms / 1e9, "phases_us": phases})
+                        "ping_pong": turns, "ms": plain_ms, "traced_ms": traced_ms, "tflops": flops / plain_ms / 1e9, "phases_us": phases})
         for wg, ph in phases.items():
-            print(f"{name:5s} {block_n:4d} {issue_ahead!s:>11s} {defer!s:>8s} {plain_ms * 1e3:7.1f} "
+            print(f"{name:5s} {block_n:4d} {issue_ahead!s:>11s} {defer!s:>8s} {turns!s:>5s} {plain_ms * 1e3:7.1f} "
                   f"{traced_ms * 1e3:7.1f} {flops / plain_ms / 1e9:5.0f}  {wg[-1]}  "
                   + " ".join(f"{ph[k]:7.2f}" for k in PHASES))
     if args.out:
