@@ -271,20 +271,20 @@ def test_fp8_up_products_only_are_the_full_kernels_products(num_tokens, num_expe
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing",
                          GPU_CASES + [(4096, 128, 8, 256, 256, "random")])  # (many blocks per program, 2 K-steps each)
 @pytest.mark.parametrize("block_n", [128, 256])
-@pytest.mark.parametrize("read_ahead,defer_stores,ping_pong", [(False, False, False), (True, False, False),
-                                                                (True, True, False), (False, True, False),
-                                                                (False, False, True), (True, False, True),
-                                                                (True, True, True)])
+@pytest.mark.parametrize("read_ahead,defer_stores,ping_pong,stages",
+                         [(False, False, False, None), (True, False, False, None), (True, True, False, None),
+                          (False, True, False, None), (False, False, True, None), (True, False, True, None),
+                          (True, True, True, None), (False, False, False, 4), (True, True, True, 4)])
 def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n, read_ahead, defer_stores,
-                   ping_pong):
+                   ping_pong, stages):
     """The FP8 weight gradients: dW13 = dzᵀ x and dW2 = dyᵀ (h·w) shapes, (N, P) and (N, Q) sorted bf16 rows
     quantised 128x1 per plan tile (``quant.quantize_tile_cols``, bit for bit the reference's on CPU), against the
     float64 per-expert products of the dequantised operands; experts without rows get zeros. Both block widths,
     each with its blocks' reads at their turn and a block ahead, its stores at the block's end and deferred and its
-    warpgroups' chains at once and in turn (the latter two the 256-column blocks' only); a width that does not divide
-    Q is refused."""
-    if block_n == 128 and ping_pong:
-        pytest.skip("the warpgroups take turns in 256-column blocks only (refused at 128: a CPU test)")
+    warpgroups' chains at once and in turn (the latter two the 256-column blocks' only), and the 256-column blocks in
+    a ring of four stages (their stores in 64-column pieces); a width that does not divide Q is refused."""
+    if block_n == 128 and (ping_pong or stages):
+        pytest.skip("turns and a four-stage ring are the 256-column blocks' (turns refused at 128: a CPU test)")
     from megamoe import reference
     from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws
     from megamoe.kernels.quant import quantize_tile_cols
@@ -301,9 +301,10 @@ def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n,
         out = torch.full((num_experts, p, q), float("nan"), device="cuda", dtype=torch.bfloat16)
         if q % block_n:
             with pytest.raises(ValueError, match="block_n"):
-                fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n, read_ahead, defer_stores, ping_pong)
+                fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n, read_ahead, defer_stores, ping_pong,
+                             stages)
             continue
-        fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n, read_ahead, defer_stores, ping_pong)
+        fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n, read_ahead, defer_stores, ping_pong, stages)
         torch.cuda.synchronize()
         cpu_offsets = plan.offsets_E1.cpu()
         ref = torch.stack([ae @ be.t() for ae, be in zip(reference.dequantize_tile_cols(aq.cpu(), a_s.cpu(), cpu_offsets),
@@ -452,6 +453,7 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "other_reads_wide_wgrad": ("fp8_wgrad", dict(block_n=256, read_ahead=not f.WGRAD_READ_AHEAD)),
             "other_stores_wide_wgrad": ("fp8_wgrad", dict(block_n=256, defer_epilogue=not f.WGRAD_DEFER_STORES)),
             "other_turns_wide_wgrad": ("fp8_wgrad", dict(block_n=256, ping_pong=not f.WGRAD_PING_PONG)),
+            "four_stages_wide_wgrad": ("fp8_wgrad", dict(block_n=256, stages=4)),
             "other_turns_wide_rows_down": ("fp8_rows", dict(block_n=256, ping_pong=not f.ROWS_PING_PONG)),
             "other_turns_up_preact": ("fp8_up", dict(preact=True, issue_ahead=False, ping_pong=not f.UP_PING_PONG)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
@@ -516,6 +518,16 @@ def test_wgrad_block_n_defaults_where_it_divides_and_refuses_otherwise():
     for q, block_n in ((640, 256), (1024, 64), (1024, 512)):
         with pytest.raises(ValueError, match="block_n"):
             f.wgrad_block_n(q, block_n)
+
+
+def test_wgrad_ring_fits_shared_memory_and_refuses_what_does_not():
+    from megamoe.kernels import gluon_fp8_sm90 as f
+
+    assert f.wgrad_ring(128) == (f.WGRAD_STAGES, 128)
+    assert f.wgrad_ring(256, 3) == (3, 128) and f.wgrad_ring(256, 4) == (4, 64)  # (a fourth stage: smaller stores)
+    for block_n, stages in ((256, 5), (128, 7)):
+        with pytest.raises(ValueError, match="does not fit"):
+            f.wgrad_ring(block_n, stages)
 
 
 def test_wide_turns_resolve_defaults_and_refuse_128_columns():

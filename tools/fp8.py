@@ -14,18 +14,19 @@ other way than ``ROWS_PING_PONG``). Then the weight gradients both ways, to choo
 tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows (``quant.quantize_tile_cols``; (N, D) also read from
 the tokens' rows, as x and dy can be), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 128
 columns, and of 256 where Q allows: ``gluon_fp8_sm90.WGRAD_BLOCK_N``; each also with its blocks' reads, stores and
-warpgroups' turns the ways ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES`` and ``WGRAD_PING_PONG`` do not have them), the
-bf16 ones the FP8 path runs without them (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the
-layer), and the part of the FP8 backward that ``FP8_WGRAD`` changes both ways: with it, dy's 1x128 rows quantised per
-token and copied sorted, x and dy quantised into tile columns from the tokens' rows, the act step writing dz's and h·w's
-tile columns (``expert_bwd.act_bwd_tile_cols``), the two FP8 GEMMs and dx's combine; without, the sort of x and dy with
-dy quantised beside, the act step writing dz and h·w in bf16, and the two bf16 GEMMs, dW13's with the combine inside.
-The act step into tile columns is also timed on its own, beside the act step followed by the tile-column quantiser on
-its dz and h·w. The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n)
-product of each GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each
-kernel reads and writes them once. ``--stages down,dx``: only the stages whose names contain one of these (each first
-call compiles its kernel: the whole table takes minutes on a fresh machine). Prints a table and writes JSON (GPU,
-versions, date, commit, command) if ``--out`` is given. """
+warpgroups' turns the ways ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES`` and ``WGRAD_PING_PONG`` do not have them, and
+the 256-column blocks in a ring of the other depth, 3 or 4 stages, than ``WGRAD_WIDE_STAGES``), the bf16 ones the FP8
+path runs without them (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and the part
+of the FP8 backward that ``FP8_WGRAD`` changes both ways: with it, dy's 1x128 rows quantised per token and copied
+sorted, x and dy quantised into tile columns from the tokens' rows, the act step writing dz's and h·w's tile columns
+(``expert_bwd.act_bwd_tile_cols``), the two FP8 GEMMs and dx's combine; without, the sort of x and dy with dy quantised
+beside, the act step writing dz and h·w in bf16, and the two bf16 GEMMs, dW13's with the combine inside. The act step
+into tile columns is also timed on its own, beside the act step followed by the tile-column quantiser on its dz and h·w.
+The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each
+GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and
+writes them once. ``--stages down,dx``: only the stages whose names contain one of these (each first call compiles its
+kernel: the whole table takes minutes on a fresh machine). Prints a table and writes JSON (GPU, versions, date, commit,
+command) if ``--out`` is given. """
 
 from __future__ import annotations
 
@@ -219,6 +220,12 @@ def main(argv=None) -> None:
                 stages.append((name + " FP8" + (" (256 columns)" if wide else "") + variant,
                                lambda a=a, b=b, block_n=block_n, ra=ra, df=df, pp=pp: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, ra, df, pp), flops, None, dense))
+            if wide:  # the other ring of 3 or 4 stages (gluon_fp8_sm90.wgrad_ring), the turns both ways
+                ring = 4 if gluon_fp8_sm90.WGRAD_WIDE_STAGES == 3 else 3
+                for pp in (ping_pong, not ping_pong):
+                    stages.append((f"{name} FP8 (256 columns) ({ring} stages)" + (turns[pp] if pp != ping_pong else ""),
+                                   lambda a=a, b=b, pp=pp, ring=ring: expert_bwd.wgrad_fp8(
+                                       *a, *b, plan, torch.bfloat16, 256, None, None, pp, ring), flops, None, dense))
     stages += [
         ("dW13 bf16", lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16), up_flops, None, None),
         ("dW2 bf16", lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16), down_flops, None, None),

@@ -125,12 +125,14 @@ UP_PING_PONG = False
 # The FP8 weight-gradient kernel's ring: 33 KB per stage (A, B and their scales) beside each MMA warpgroup's 16 KB
 # store buffer: 5 x 33 + 32 = 197 KB. Its block width where Q is a multiple of it (else 128): 256 runs a block as two
 # column halves of 128 (``_wgrad_main_wide``, no issue-ahead) in WGRAD_WIDE_STAGES stages of 49.5 KB (B's block 32 KB,
-# B's scales 1 KB): 3 x 49.5 + 32 = 181 KB (a fourth stage would need 230). A block's K-steps are its expert's plan
+# B's scales 1 KB): 3 x 49.5 + 32 = 181 KB (a fourth stage fits beside store buffers of 64 columns, 16 KB in all:
+# ``wgrad_ring``, 214 KB). A block's K-steps are its expert's plan
 # tiles, ~8 at 16 384 tokens and top-8 of 128 experts: its fixed cost (the start, the last promotion, the stores) is
 # paid once per twice the MMAs.
 WGRAD_STAGES = 5
 WGRAD_BLOCK_N = 256
 WGRAD_WIDE_STAGES = 3
+WGRAD_SHARED_BYTES = 232448 - 1024  # the H200's shared memory per block, less room for the barriers
 # Whether the weight-gradient kernel's warpgroups read each block's expert rows a block ahead (else at the block's
 # start), and whether they store a 256-column block's right half under the next block's first MMA (else at the
 # block's end) (``wgrad._wgrad_mma_partition``): a block's fixed cost, ~1.2 K-steps' time by the kernel's rates at
@@ -316,9 +318,23 @@ def wgrad_block_n(q: int, block_n: int | None = None) -> int:
     return block_n
 
 
+def wgrad_ring(block_n: int, stages: int | None = None) -> tuple[int, int]:
+    """The FP8 weight-gradient kernel's ring at ``block_n`` columns: (its stages, the columns of each MMA
+    warpgroup's store buffer). ``stages`` None: ``WGRAD_STAGES`` or ``WGRAD_WIDE_STAGES``. At 256 columns a fourth
+    stage fits beside store buffers of 64 columns (8 KB each, a 128-column half stored in two TMA stores); a ring
+    that does not fit in shared memory is refused (ValueError)."""
+    stages = (WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES) if stages is None else stages
+    stage_bytes = FP8_BM * FP8_BK + block_n * FP8_BK + (FP8_BM + block_n) * 4  # A, B (e4m3) and their fp32 scales
+    for store_cols in (FP8_BN, FP8_BN // 2):
+        if stages * stage_bytes + 2 * (FP8_BM // 2) * store_cols * 2 <= WGRAD_SHARED_BYTES:
+            return stages, store_cols
+    raise ValueError(f"an FP8 weight-gradient ring of {stages} stages of {stage_bytes} bytes at block_n={block_n} "
+                     f"does not fit in {WGRAD_SHARED_BYTES} bytes of shared memory")
+
+
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
                  offsets: torch.Tensor, block_n: int | None = None, read_ahead: bool | None = None,
-                 defer_stores: bool | None = None, ping_pong: bool | None = None) -> None:
+                 defer_stores: bool | None = None, ping_pong: bool | None = None, stages: int | None = None) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``wgrad_ws_kernel``; an expert without rows gets zeros.
 
@@ -326,7 +342,8 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
     multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``block_n``: the output block's
     width (``wgrad_block_n``); ``read_ahead``, ``defer_stores``: the blocks' reads and stores (None:
-    ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES``); ``ping_pong``: the warpgroups' turns (``wide_turns``)."""
+    ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES``); ``ping_pong``: the warpgroups' turns (``wide_turns``); ``stages``:
+    the ring's (``wgrad_ring``)."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
     assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -334,12 +351,12 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     assert a_s.shape == (num_tiles, p) and b_s.shape == (num_tiles, q) and offsets.numel() == num_experts + 1
     block_n = wgrad_block_n(q, block_n)
     tiles = num_experts * (p // FP8_BM) * (q // block_n)
-    block = [1, FP8_BM // 2, FP8_BN]  # one MMA warpgroup's rows, 128 columns
+    stages, store_cols = wgrad_ring(block_n, stages)
+    block = [1, FP8_BM // 2, store_cols]  # one MMA warpgroup's rows, the columns of one store
     wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [block_n, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
-        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
-        STAGES=WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES,
+        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts), STAGES=stages,
         READ_AHEAD=WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
         DEFER=WGRAD_DEFER_STORES if defer_stores is None else defer_stores,
         PING_PONG=wide_turns(block_n, ping_pong, WGRAD_PING_PONG), LOADER_WARPS=ROWS_LOADER_WARPS,
@@ -383,7 +400,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
                 issue_ahead: bool | None = None, pow2: bool = False,
                 defer_epilogue: bool | None = None, block_n: int = FP8_BN, read_ahead: bool | None = None,
-                ping_pong: bool | None = None, trace: bool = False):
+                ping_pong: bool | None = None, stages: int | None = None, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
     configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
@@ -396,7 +413,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the sorted-rows kernel's (``rows_pattern``), ``block_n`` also the
     weight-gradient kernel's, ``read_ahead`` (None: ``WGRAD_READ_AHEAD``), ``defer_epilogue`` (None:
     ``WGRAD_DEFER_STORES``) too; ``ping_pong``: each kernel's turns (None: ``ROWS_PING_PONG``, ``UP_PING_PONG``,
-    ``WGRAD_PING_PONG``); ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up
+    ``WGRAD_PING_PONG``); ``stages``: the weight-gradient kernel's ring (``wgrad_ring``); ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up
     kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -431,12 +448,12 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     elif name == "fp8_wgrad":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [block_n, FP8_BK]}
         constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS,
-                      "STAGES": WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES,
+                      "STAGES": wgrad_ring(block_n, stages)[0],
                       "READ_AHEAD": WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
                       "DEFER": WGRAD_DEFER_STORES if defer_epilogue is None else defer_epilogue,
                       "PING_PONG": wide_turns(block_n, ping_pong, WGRAD_PING_PONG),
                       "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
-        blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
+        blocks["out_desc"] = ([1, FP8_BM // 2, wgrad_ring(block_n, stages)[1]], "bf16")
         pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32"}
         sizes = {"P", "Q"}
     else:

@@ -30,6 +30,9 @@ from megamoe.kernels.gluon_sm90 import (
     wgrad_block,
 )
 
+# Each accumulator's columns: a block's at 128 columns, each half's at 256.
+ACC_COLS = gl.constexpr(128)
+
 
 @gluon.jit
 def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q,
@@ -120,6 +123,19 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
 
 
 @gluon.jit
+def _store_acc(out, c_smem, desc, e, p0, q0):
+    """A warpgroup's (64, 128) block ``out`` into ``desc``'s tensor at [e, p0, q0] through its store buffer
+    ``c_smem``: in one TMA store, or in two of 64 columns through a buffer of 64 (``gluon_fp8_sm90.wgrad_ring``)."""
+    SC: gl.constexpr = c_smem.type.shape[2]
+    if SC == out.type.shape[1]:
+        store_block(out, c_smem, desc, e, p0, q0)
+    else:
+        left, right = gl.split(gl.permute(gl.reshape(out, [out.type.shape[0], 2, SC]), (0, 2, 1)))
+        store_block(left, c_smem, desc, e, p0, q0)
+        store_block(right, c_smem, desc, e, p0, q0 + SC)
+
+
+@gluon.jit
 def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, acc0, acc1, tmp, c_smem, out_desc, e,
                      p0, q0, pend, pend_e, pend_p, pend_q, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
                      PING_PONG: gl.constexpr):
@@ -136,7 +152,7 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step,
     tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
     if FIRST:
         if pend != 0:
-            store_block(acc1.to(out_desc.dtype), c_smem, out_desc, pend_e, pend_p, pend_q)
+            _store_acc(acc1.to(out_desc.dtype), c_smem, out_desc, pend_e, pend_p, pend_q)
         acc0 = gl.zeros_like(acc1)
         acc1 = gl.zeros_like(acc1)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
@@ -144,7 +160,7 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step,
     acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
     tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
     if LAST:
-        store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
+        _store_acc(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
     scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
     mbarrier.arrive(empty.index(s), count=1)
@@ -211,7 +227,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bu
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
-    HB: gl.constexpr = c_smem.type.shape[2]  # columns per store and per accumulator
+    HB: gl.constexpr = ACC_COLS
     HALF: gl.constexpr = as_bufs.type.shape[1]
     acc_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
     step = 0
@@ -238,13 +254,13 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bu
                     pend_p = p0
                     pend_q = q0 + HB
                 else:
-                    store_block(acc1.to(out_desc.dtype), c_smem, out_desc, e, p0, q0 + HB)
+                    _store_acc(acc1.to(out_desc.dtype), c_smem, out_desc, e, p0, q0 + HB)
             else:
                 zeros = gl.zeros([HALF, HB], gl.float32, acc_layout).to(out_desc.dtype)
-                store_block(zeros, c_smem, out_desc, e, p0, q0)
-                store_block(zeros, c_smem, out_desc, e, p0, q0 + HB)
+                _store_acc(zeros, c_smem, out_desc, e, p0, q0)
+                _store_acc(zeros, c_smem, out_desc, e, p0, q0 + HB)
         if pend != 0:
-            store_block(acc1.to(out_desc.dtype), c_smem, out_desc, pend_e, pend_p, pend_q)
+            _store_acc(acc1.to(out_desc.dtype), c_smem, out_desc, pend_e, pend_p, pend_q)
     else:
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             e, p0, q0, steps, start, end = _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM,
@@ -253,7 +269,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bu
             if steps > 0:
                 acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, WG,
                                               acc_layout)
-            store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
+            _store_acc(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
     tma.store_wait(0)
 
 
@@ -264,7 +280,7 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
                          MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B
     (Q, NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q)
-    bf16, block (1, BM / 2, 128) (one warpgroup's half of 128 columns). Blocks: ``tiles`` = E * P/BM * Q/BN output
+    bf16, block (1, BM / 2, 128 or 64) (one warpgroup's rows, the columns of one store: ``_store_acc``). Blocks: ``tiles`` = E * P/BM * Q/BN output
     blocks, expert-major (the programs at work share one expert's operands in L2), one program per SM walking them.
     P a multiple of 128, Q of BN; EB a power of two >= E."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
