@@ -122,13 +122,12 @@ ROWS_WIDE_STAGES = 4
 ROWS_PING_PONG = False
 # The same turns for the up kernel's gate and up chains (without UP_ISSUE_AHEAD; ``up._up_mma_partition``).
 UP_PING_PONG = False
-# The FP8 weight-gradient kernel's ring: 33 KB per stage (A, B and their scales) beside each MMA warpgroup's 16 KB
-# store buffer: 5 x 33 + 32 = 197 KB. Its block width where Q is a multiple of it (else 128): 256 runs a block as two
-# column halves of 128 (``_wgrad_main_wide``, no issue-ahead) in WGRAD_WIDE_STAGES stages of 49.5 KB (B's block 32 KB,
-# B's scales 1 KB): 3 x 49.5 + 32 = 181 KB (a fourth stage fits beside store buffers of 64 columns, 16 KB in all:
-# ``wgrad_ring``, 214 KB). A block's K-steps are its expert's plan
-# tiles, ~8 at 16 384 tokens and top-8 of 128 experts: its fixed cost (the start, the last promotion, the stores) is
-# paid once per twice the MMAs.
+# The FP8 weight-gradient kernel's ring: 33 KB per stage (A, B and their scales) beside each MMA warpgroup's 16 KB store
+# buffer: 5 x 33 + 32 = 197 KB. Its block width where Q is a multiple of it (else 128): 256 runs a block as two column
+# halves of 128 (``_wgrad_main_wide``, no issue-ahead) in WGRAD_WIDE_STAGES stages of 49.5 KB (B's block 32 KB, B's
+# scales 1 KB): 3 x 49.5 + 32 = 181 KB (a fourth stage fits beside store buffers of 64 columns, 16 KB in all:
+# ``wgrad_ring``, 214 KB). A block's K-steps are its expert's plan tiles, ~8 at 16 384 tokens and top-8 of 128 experts:
+# its fixed cost (the start, the last promotion, the stores) is paid once per twice the MMAs.
 WGRAD_STAGES = 5
 WGRAD_BLOCK_N = 256
 WGRAD_WIDE_STAGES = 3
@@ -401,20 +400,19 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
                 issue_ahead: bool | None = None, pow2: bool = False,
                 defer_epilogue: bool | None = None, block_n: int = FP8_BN, read_ahead: bool | None = None,
                 ping_pong: bool | None = None, stages: int | None = None, trace: bool = False):
-    """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher
-    configures it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
-    ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the
-    launchers' asserts make multiples of 128, are specialised as 16-divisible, as Triton does at run time.
-    ``weighted`` / ``to_slots`` / ``row_dest``: the sorted-rows kernel's variant (down projection: the first two;
-    an expert-parallel owner's: ``row_dest`` too); ``preact``: the up
-    kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its products-only one; ``issue_ahead``:
-    either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD`` or ``UP_ISSUE_AHEAD``); ``pow2``: the
-    up kernel's (and the act step's, ``fp8_act``) power-of-two scales; ``defer_epilogue`` (None:
-    ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the sorted-rows kernel's (``rows_pattern``), ``block_n`` also the
-    weight-gradient kernel's, ``read_ahead`` (None: ``WGRAD_READ_AHEAD``), ``defer_epilogue`` (None:
-    ``WGRAD_DEFER_STORES``) too; ``ping_pong``: each kernel's turns (None: ``ROWS_PING_PONG``, ``UP_PING_PONG``,
-    ``WGRAD_PING_PONG``); ``stages``: the weight-gradient kernel's ring (``wgrad_ring``); ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up
-    kernel."""
+    """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
+    it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
+    ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
+    make multiples of 128, are specialised as 16-divisible, as Triton does at run time. ``weighted`` / ``to_slots``
+    / ``row_dest``: the sorted-rows kernel's variant (down projection: the first two; an expert-parallel owner's:
+    ``row_dest`` too); ``preact``: the up kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its
+    products-only one; ``issue_ahead``: either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD``
+    or ``UP_ISSUE_AHEAD``); ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
+    ``defer_epilogue`` (None: ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the sorted-rows kernel's (``rows_pattern``),
+    ``block_n`` also the weight-gradient kernel's, ``read_ahead`` (None: ``WGRAD_READ_AHEAD``), ``defer_epilogue``
+    (None: ``WGRAD_DEFER_STORES``) too; ``ping_pong``: each kernel's turns (None: ``ROWS_PING_PONG``,
+    ``UP_PING_PONG``, ``WGRAD_PING_PONG``); ``stages``: the weight-gradient kernel's ring (``wgrad_ring``);
+    ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
