@@ -202,7 +202,8 @@ def main(argv=None) -> None:
     ]
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
-    # each weight gradient also with its blocks' reads and (at 256 columns) stores the ways the defaults do not have them
+    # each weight gradient also with its blocks' reads, and at 256 columns its stores and turns, the ways the defaults
+    # do not have them
     read_ahead, defer = gluon_fp8_sm90.WGRAD_READ_AHEAD, gluon_fp8_sm90.WGRAD_DEFER_STORES
     ping_pong = gluon_fp8_sm90.WGRAD_PING_PONG
     reads = {True: " (rows read a block ahead)", False: " (rows read at each block)"}

@@ -6,13 +6,14 @@
 Runs each GEMM of the FP8 path's sorted-rows kernel (``gluon_fp8_sm90.fp8_rows_gemm_ws``: down, dh', dx) and, with
 ``up`` in ``--gemms``, its gate/up kernel (``fp8_up_swiglu_ws``, h quantised; its epilogue between the main loop's end
 and the block's) on the layer benchmark's problem, untraced and then traced (``trace=``: the cycle counter and the
-global timer at fixed points of every block in each partition, ``gluon_fp8_sm90.TRACE_BLOCKS``), checks that the
-traced output is bitwise the untraced one, and reports per MMA warpgroup the medians per block (us) of :data:`PHASES`.
+global timer at fixed points of every block in each partition, ``gluon_fp8_sm90.TRACE_BLOCKS``), checks that the traced
+output is bitwise the untraced one, and reports per MMA warpgroup the medians per block (us) of :data:`PHASES`.
 ``--plain`` also runs each GEMM in the other issue pattern (the sorted-rows ones with stores not deferred); ``--wide``
 the sorted-rows GEMMs also in blocks of 256 columns (``block_n``, where N is a multiple of 256), stores at once and
-deferred; ``--turns`` each 256-column block and the up kernel (without issue-ahead) also with the MMA warpgroups'
-turns the other way than ``ROWS_PING_PONG`` / ``UP_PING_PONG`` (in turn, warpgroup 1's blocks start about a chain
-after warpgroup 0's: "drift"). The stamps cost a few percent of the kernel's time: the phases say where the time goes, not the exact time.
+deferred; ``--turns`` each 256-column block and the up kernel (without issue-ahead) also with the MMA warpgroups' turns
+the other way than ``ROWS_PING_PONG`` / ``UP_PING_PONG`` (in turn, warpgroup 1's blocks start about a chain after
+warpgroup 0's: "drift"). The stamps cost a few percent of the kernel's time: the phases say where the time goes, not the
+exact time.
 Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit, command):
 ``fp8-block-trace-PRESET-tTOKENS.json``, the GEMMs named after it when they are not the default three.
 """
@@ -181,7 +182,8 @@ def main(argv=None) -> None:
             raise SystemExit(f"{name}: the traced kernel's output differs from the untraced one's")
         phases = block_phases(trace.cpu(), programs)
         results.append({"gemm": name, "block_n": block_n, "issue_ahead": issue_ahead, "defer_epilogue": defer,
-                        "ping_pong": turns, "ms": plain_ms, "traced_ms": traced_ms, "tflops": flops / plain_ms / 1e9, "phases_us": phases})
+                        "ping_pong": turns, "ms": plain_ms, "traced_ms": traced_ms, "tflops": flops / plain_ms / 1e9,
+                        "phases_us": phases})
         for wg, ph in phases.items():
             print(f"{name:5s} {block_n:4d} {issue_ahead!s:>11s} {defer!s:>8s} {turns!s:>5s} {plain_ms * 1e3:7.1f} "
                   f"{traced_ms * 1e3:7.1f} {flops / plain_ms / 1e9:5.0f}  {wg[-1]}  "

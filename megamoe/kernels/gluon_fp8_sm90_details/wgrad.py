@@ -278,11 +278,11 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
                          STAGES: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr,
                          PING_PONG: gl.constexpr, LOADER_WARPS: gl.constexpr,
                          MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B
-    (Q, NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q)
-    bf16, block (1, BM / 2, 128 or 64) (one warpgroup's rows, the columns of one store: ``_store_acc``). Blocks: ``tiles`` = E * P/BM * Q/BN output
-    blocks, expert-major (the programs at work share one expert's operands in L2), one program per SM walking them.
-    P a multiple of 128, Q of BN; EB a power of two >= E."""
+    """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B (Q,
+    NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q) bf16,
+    block (1, BM / 2, 128 or 64) (one warpgroup's rows, the columns of one store: ``_store_acc``). Blocks: ``tiles``
+    = E * P/BM * Q/BN output blocks, expert-major (the programs at work share one expert's operands in L2), one
+    program per SM walking them. P a multiple of 128, Q of BN; EB a power of two >= E."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
