@@ -32,7 +32,7 @@ from megamoe.kernels.tuning import TunedKernel, fit_dtype
 from megamoe.parallel import owner, protocol, senders
 
 HOPPER = GPUTarget("cuda", 90, 32)
-SHARED_MEMORY_LIMIT = 232448  # bytes per block on the H200 (sm_90)
+SHARED_MEMORY_LIMIT = ws8.SHARED_MEMORY_LIMIT  # bytes per block on the H200 (sm_90)
 KERNELS = {"up": expert_fwd.UP, "down": expert_fwd.DOWN, "dh": expert_bwd.DH, "act": expert_bwd.ACT_BWD,
            "dx": expert_bwd.DX, "wgrad": expert_bwd.WGRAD, "down_peer": owner.DOWN_PEER, "dx_peer": owner.DX_PEER,
            "send_up": owner.SEND_UP, "send_dh": owner.SEND_DH}

@@ -116,6 +116,7 @@ ROWS_DEFER_EPILOGUE = True
 # deferred.
 ROWS_BLOCK_N = 256
 ROWS_WIDE_STAGES = 4
+SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory per block on the H200 (sm_90)
 # Whether, in a 256-column block, the sorted-rows kernel's second warpgroup issues each K-step's first MMA chain once
 # the first warpgroup's has finished (``common.wait_turn``), so that each warpgroup's promotions run under the other's
 # chains; in phase, both promote at once while the tensor cores idle.
@@ -131,7 +132,6 @@ UP_PING_PONG = False
 WGRAD_STAGES = 5
 WGRAD_BLOCK_N = 256
 WGRAD_WIDE_STAGES = 3
-WGRAD_SHARED_BYTES = 232448 - 1024  # the H200's shared memory per block, less room for the barriers
 # Whether the weight-gradient kernel's warpgroups read each block's expert rows a block ahead (else at the block's
 # start), and whether they store a 256-column block's right half under the next block's first MMA (else at the
 # block's end) (``wgrad._wgrad_mma_partition``): a block's fixed cost, ~1.2 K-steps' time by the kernel's rates at
@@ -324,11 +324,12 @@ def wgrad_ring(block_n: int, stages: int | None = None) -> tuple[int, int]:
     that does not fit in shared memory is refused (ValueError)."""
     stages = (WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES) if stages is None else stages
     stage_bytes = FP8_BM * FP8_BK + block_n * FP8_BK + (FP8_BM + block_n) * 4  # A, B (e4m3) and their fp32 scales
+    budget = SHARED_MEMORY_LIMIT - 1024  # (room for the barriers)
     for store_cols in (FP8_BN, FP8_BN // 2):
-        if stages * stage_bytes + 2 * (FP8_BM // 2) * store_cols * 2 <= WGRAD_SHARED_BYTES:
+        if stages * stage_bytes + 2 * (FP8_BM // 2) * store_cols * 2 <= budget:
             return stages, store_cols
     raise ValueError(f"an FP8 weight-gradient ring of {stages} stages of {stage_bytes} bytes at block_n={block_n} "
-                     f"does not fit in {WGRAD_SHARED_BYTES} bytes of shared memory")
+                     f"does not fit in {budget} bytes of shared memory")
 
 
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
