@@ -26,7 +26,8 @@ The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) o
 GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and
 writes them once. ``--stages down,dx``: only the stages whose names contain one of these (each first call compiles its
 kernel: the whole table takes minutes on a fresh machine). Prints a table and writes JSON (GPU, versions, date, commit,
-command) if ``--out`` is given. """
+command) if ``--out`` is given.
+"""
 
 from __future__ import annotations
 
