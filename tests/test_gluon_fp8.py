@@ -351,11 +351,11 @@ def test_fp8_up_swiglu_power_of_two_scales(issue_ahead):
 
 def check_block_trace(trace: torch.Tensor, programs: int, num_blocks: int) -> None:
     """A traced launch's stamps: the loader's blocks are ``num_blocks`` in all, each MMA warpgroup stamps the loader's
-    blocks, a busy warpgroup's four points are in time order, and ``tools.fp8_trace.block_phases`` reads them."""
-    from megamoe.kernels import gluon_fp8_sm90 as f
-    from tools.fp8_trace import block_phases
+    blocks, a busy warpgroup's four points are in time order, and ``tools.block_trace.block_phases`` reads them."""
+    from megamoe.kernels import gluon_sm90 as g
+    from tools.block_trace import block_phases
 
-    stamps = trace.view(programs, f.TRACE_PARTS.value, f.TRACE_BLOCKS.value, 2, f.TRACE_POINTS.value).cpu()
+    stamps = trace.view(programs, g.TRACE_PARTS.value, g.TRACE_BLOCKS.value, 2, g.TRACE_POINTS.value).cpu()
     blocks = (stamps[:, 2, :, 0, 0] >= 0).sum(1)  # the loader's blocks per program
     assert int(blocks.sum()) == num_blocks  # every block of the launch, once
     for wg in (0, 1):
@@ -378,6 +378,7 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
     """The block trace (``trace=``) changes no output bit, and every program's partitions stamp each of their blocks
     in time order: the sorted-rows kernel in blocks of 128 and 256 columns, the up kernel in both issue patterns."""
     from megamoe.kernels import gluon_fp8_sm90 as f
+    from megamoe.kernels import gluon_sm90 as g
 
     gen = torch.Generator().manual_seed(3)
     num_tokens, num_experts, top_k, dim, inter = 2048, 16, 4, 512, 256
@@ -386,7 +387,7 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
     rows = num_tokens * top_k
     busy_tiles = sum(-(-(hi - lo) // 128) for lo, hi in itertools.pairwise(offsets))
     programs = torch.cuda.get_device_properties(0).multi_processor_count
-    trace = torch.full((f.trace_size(programs),), -1, device="cuda", dtype=torch.int64)
+    trace = torch.full((g.trace_size(programs),), -1, device="cuda", dtype=torch.int64)
     outs = []
     if kernel.startswith("rows"):
         block_n = int(kernel[4:])
@@ -413,12 +414,12 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
 
 
 def test_block_phases_reads_a_known_trace():
-    """``tools.fp8_trace.block_phases`` on stamps written by hand: one program, two blocks, the cycle counter at 2
+    """``tools.block_trace.block_phases`` on stamps written by hand: one program, two blocks, the cycle counter at 2
     per ns; warpgroup 1 a block starting 1 us after warpgroup 0's."""
-    from megamoe.kernels import gluon_fp8_sm90 as f
-    from tools.fp8_trace import block_phases
+    from megamoe.kernels import gluon_sm90 as g
+    from tools.block_trace import block_phases
 
-    t = torch.full((1, f.TRACE_PARTS.value, f.TRACE_BLOCKS.value, 2, f.TRACE_POINTS.value), -1, dtype=torch.int64)
+    t = torch.full((1, g.TRACE_PARTS.value, g.TRACE_BLOCKS.value, 2, g.TRACE_POINTS.value), -1, dtype=torch.int64)
     for wg, shift in ((0, 0), (1, 1000)):  # ns
         for b, start in enumerate((0, 10_000)):
             ns = [start + shift + d for d in (0, 600, 9_000, 9_200)]  # wait 0.6 us, main 8.4, end 0.2 after it
@@ -432,6 +433,9 @@ def test_block_phases_reads_a_known_trace():
     assert ph["wg0"]["block"] == pytest.approx(10.0) and ph["wg0"]["rest"] == pytest.approx(1.0)
     assert ph["wg0"]["lead"] == pytest.approx(0.5) and ph["wg1"]["lead"] == pytest.approx(1.5)
     assert ph["wg0"]["latency"] == pytest.approx(1.1) and ph["wg1"]["drift"] == pytest.approx(1.0)
+    assert ph["wg0"]["share"] == pytest.approx(8.4 / 10.0)  # the one block with a next one
+    mma = block_phases(t.flatten(), 1, {"mma": 0})  # a bf16 kernel's one MMA partition: warpgroup 0's phases
+    assert list(mma) == ["mma"] and mma["mma"] == pytest.approx(ph["wg0"], nan_ok=True)
 
 
 # The AOT check runs in a subprocess: this test session runs Triton's interpreter (TRITON_INTERPRET=1 without a

@@ -6,8 +6,9 @@
 Runs each GEMM of the FP8 path's sorted-rows kernel (``gluon_fp8_sm90.fp8_rows_gemm_ws``: down, dh', dx) and, with
 ``up`` in ``--gemms``, its gate/up kernel (``fp8_up_swiglu_ws``, h quantised; its epilogue between the main loop's end
 and the block's) on the layer benchmark's problem, untraced and then traced (``trace=``: the cycle counter and the
-global timer at fixed points of every block in each partition, ``gluon_fp8_sm90.TRACE_BLOCKS``), checks that the traced
-output is bitwise the untraced one, and reports per MMA warpgroup the medians per block (us) of :data:`PHASES`.
+global timer at fixed points of every block in each partition, ``gluon_sm90.TRACE_BLOCKS``), checks that the traced
+output is bitwise the untraced one, and reports per MMA warpgroup the medians per block (us) of the phases of
+``tools.block_trace.PHASES`` and the main loops' share of its time.
 ``--plain`` also runs each GEMM in the other issue pattern (the sorted-rows ones with stores not deferred); ``--wide``
 the sorted-rows GEMMs also in blocks of 256 columns (``block_n``, where N is a multiple of 256), stores at once and
 deferred; ``--turns`` each 256-column block and the up kernel (without issue-ahead) also with the MMA warpgroups' turns
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,65 +31,13 @@ import torch
 
 from megamoe.arguments import HelpFormatter, positive_int
 from megamoe.bench.common import PRESETS, make_problem
-from megamoe.kernels import expert_fwd, gluon_fp8_sm90, quant
+from megamoe.kernels import expert_fwd, gluon_fp8_sm90, gluon_sm90, quant
 from megamoe.kernels.plan import build_plan
 from megamoe.provenance import gpu_record
+from tools.block_trace import COLUMNS, block_phases
 
 # The GEMMs traced unless --gemms names others (the sorted-rows kernel's three); a run of others names them in its file.
 DEFAULT_GEMMS = ["down", "dh", "dx"]
-# What one block of an MMA warpgroup is made of, from its stamps (gluon_fp8_sm90.TRACE_BLOCKS): points 0-3 are the
-# block's start, its first stage ready, its main loop done, its end; the loader's 0-2 its start, its first K-step's
-# copies issued, all of them issued.
-PHASES = {
-    "wait": "start -> first stage ready: the wait for the block's first operands",
-    "main": "first stage ready -> main loop done (MMAs and promotions)",
-    "rest": "main loop done -> next block's start (epilogue, loop overhead)",
-    "block": "start -> next block's start",
-    "lead": "the loader's first copy of the block issued -> the warpgroup's block start",
-    "latency": "the loader's first copy of the block issued -> the warpgroup's first stage ready",
-    "drift": "warpgroup 1's block start - warpgroup 0's (the same block)",
-}
-
-
-def block_phases(trace: torch.Tensor, programs: int) -> dict[str, dict[str, float]]:
-    """Medians (us) of :data:`PHASES` per MMA warpgroup ("wg0", "wg1"; "drift" under "wg1") from a traced launch's
-    stamps (int64, -1 where none was taken) of ``programs`` programs. Cycles become time at each partition's own
-    rate (its cycle and global-timer spans over its blocks): the SM clock moves with power."""
-    pts = gluon_fp8_sm90.TRACE_POINTS.value
-    t = trace[: gluon_fp8_sm90.trace_size(programs)].view(programs, gluon_fp8_sm90.TRACE_PARTS.value,
-                                                           gluon_fp8_sm90.TRACE_BLOCKS.value, 2, pts).tolist()
-    samples: dict[str, dict[str, list[float]]] = {"wg0": {k: [] for k in PHASES}, "wg1": {k: [] for k in PHASES}}
-    for prog in t:
-        loader = prog[2]
-        starts = []
-        for wg in (0, 1):
-            blocks = [b for b in prog[wg] if b[0][0] >= 0]
-            starts.append(blocks)
-            if len(blocks) < 2:
-                continue
-            cycles = blocks[-1][0][3] - blocks[0][0][0]
-            ns = blocks[-1][1][3] - blocks[0][1][0]
-            per_us = cycles / ns * 1e3 if ns > 0 else float("nan")  # cycles per us
-            out = samples[f"wg{wg}"]
-            for i, (cyc, _) in enumerate(blocks):
-                busy = cyc[1] >= 0 and cyc[2] >= 0  # a warpgroup whose rows all lie past the expert stamps 0 and 3
-                nxt = blocks[i + 1][0][0] if i + 1 < len(blocks) else None
-                if busy:
-                    out["wait"].append((cyc[1] - cyc[0]) / per_us)
-                    out["main"].append((cyc[2] - cyc[1]) / per_us)
-                    if loader[i][0][1] >= 0:
-                        out["latency"].append((cyc[1] - loader[i][0][1]) / per_us)
-                    if nxt is not None:
-                        out["rest"].append((nxt - cyc[2]) / per_us)
-                if nxt is not None:
-                    out["block"].append((nxt - cyc[0]) / per_us)
-                if loader[i][0][1] >= 0:
-                    out["lead"].append((cyc[0] - loader[i][0][1]) / per_us)
-            if wg == 1:
-                n = min(len(starts[0]), len(blocks))
-                out["drift"].extend((blocks[i][0][0] - starts[0][i][0][0]) / per_us for i in range(n))
-    return {wg: {k: statistics.median(v) if v else float("nan") for k, v in phases.items()}
-            for wg, phases in samples.items()}
 
 
 def main(argv=None) -> None:
@@ -130,7 +78,7 @@ def main(argv=None) -> None:
         "dx": (dzq, dzs, w13tq, w13ts, None, True, 4 * rows * dim * inter),
     }
     programs = torch.cuda.get_device_properties(0).multi_processor_count
-    trace = torch.empty(gluon_fp8_sm90.trace_size(programs), device="cuda", dtype=torch.int64)
+    trace = torch.empty(gluon_sm90.trace_size(programs), device="cuda", dtype=torch.int64)
     # (block columns, issue-ahead, stores deferred, turns): the 128-column default first
     patterns = [(128, gluon_fp8_sm90.ROWS_ISSUE_AHEAD, gluon_fp8_sm90.ROWS_DEFER_EPILOGUE, False)]
     if args.plain:
@@ -173,7 +121,7 @@ def main(argv=None) -> None:
     results = []
     print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (medians per block, us)")
     print(f"{'GEMM':5s} {'cols':>4s} {'issue-ahead':>11s} {'deferred':>8s} {'turns':>5s} {'us':>7s} {'traced':>7s} "
-          f"{'TF/s':>5s}  wg " + " ".join(f"{k:>7s}" for k in PHASES))
+          f"{'TF/s':>5s}  wg " + " ".join(f"{k:>7s}" for k in COLUMNS))
     for name, block_n, issue_ahead, defer, turns, run, flops in variants:
         plain_ms = do_bench(lambda run=run: run(False), warmup=25, rep=300)
         traced_ms = do_bench(lambda run=run: run(True), warmup=25, rep=300)
@@ -183,15 +131,15 @@ def main(argv=None) -> None:
         phases = block_phases(trace.cpu(), programs)
         results.append({"gemm": name, "block_n": block_n, "issue_ahead": issue_ahead, "defer_epilogue": defer,
                         "ping_pong": turns, "ms": plain_ms, "traced_ms": traced_ms, "tflops": flops / plain_ms / 1e9,
-                        "phases_us": phases})
+                        "phases": phases})
         for wg, ph in phases.items():
             print(f"{name:5s} {block_n:4d} {issue_ahead!s:>11s} {defer!s:>8s} {turns!s:>5s} {plain_ms * 1e3:7.1f} "
                   f"{traced_ms * 1e3:7.1f} {flops / plain_ms / 1e9:5.0f}  {wg[-1]}  "
-                  + " ".join(f"{ph[k]:7.2f}" for k in PHASES))
+                  + " ".join(f"{ph[k]:7.2f}" for k in COLUMNS))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         info = {**gpu_record("python -m tools.fp8_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:])),
-                "preset": args.preset, "tokens": args.tokens, "phases": PHASES, "results": results}
+                "preset": args.preset, "tokens": args.tokens, "phases": COLUMNS, "results": results}
         named = "" if args.gemms == DEFAULT_GEMMS else "-" + "-".join(args.gemms)  # a run of other GEMMs
         path = args.out / f"fp8-block-trace-{args.preset}-t{args.tokens}{named}.json"
         path.write_text(json.dumps(info, indent=1))

@@ -139,11 +139,12 @@ WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
               "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG)}
 
 
-def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8):
+def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8, trace: bool = False):
     """The Gluon kernel ``name`` of ``WS_KERNELS`` for sm_90a at its tile, with 16-bit operands (``dtype`` bf16
     or fp16), pointers and the D / I / P / Q sizes specialised as 16-divisible as at run time, 128 experts.
     ``sizes_divisible=False``: the sizes not so specialised, as at run time for sizes such as D = 520.
-    ``top_k``: the slots per token of the side copies (``dh_ws``, ``wgrad_combine_ws``)."""
+    ``top_k``: the slots per token of the side copies (``dh_ws``, ``wgrad_combine_ws``); ``trace``: the
+    block-traced variant (``gluon_sm90.TRACE_BLOCKS``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -154,7 +155,7 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
         layout = gl.NVMMASharedLayout.get_default_for(block, element)
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
-    constexprs = {"STAGES": stages, "num_warps": ws.WS_NUM_WARPS}
+    constexprs = {"STAGES": stages, "TRACE": trace, "num_warps": ws.WS_NUM_WARPS}
     if name in ("wgrad_ws", "wgrad_combine_ws"):
         fn, blocks = ws.KERNELS["wgrad"], {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
         combine = name == "wgrad_combine_ws"
@@ -258,6 +259,9 @@ def main(argv=None) -> None:
     for name in WS_KERNELS if args.dtype != "fp32" else ():  # the shapes api.fused_supports admits, D = 520 say
         compile_ws(name, args.dtype, sizes_divisible=False)
         print(f"{name} with sizes not 16-divisible: compiles", flush=True)
+        if spill := ptxas_report(compile_ws(name, args.dtype, trace=True))["spill_bytes"]:  # tools.kernels_trace's
+            raise SystemExit(f"{name} with its block trace spills {spill} bytes")
+        print(f"{name} with its block trace: compiles without spills", flush=True)
     for name, top_k in itertools.product(("dh_ws", "wgrad_combine_ws") if args.dtype != "fp32" else (), (1, 2)):
         # a side copy moves more items per pass at small top_k (gluon_sm90._items_per_pass): within its registers
         if spill := ptxas_report(compile_ws(name, args.dtype, top_k=top_k))["spill_bytes"]:

@@ -62,14 +62,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.env import device_capability, fp8_pow2_scales, sm_count
 from megamoe.kernels.gluon_fp8_sm90_details.act import act_tile_cols_kernel
-from megamoe.kernels.gluon_fp8_sm90_details.common import (
-    TRACE_BLOCKS,
-    TRACE_PARTS,
-    TRACE_POINTS,
-)
 from megamoe.kernels.gluon_fp8_sm90_details.rows import rows_ws_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.up import up_ws_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.wgrad import wgrad_ws_kernel
+from megamoe.kernels.gluon_sm90 import trace_args
 from megamoe.kernels.plan import BLOCK_M
 
 # Tile: one plan tile of 128 rows (two warpgroups of 64) x 128 output columns, K-steps of one 128-wide scale
@@ -192,8 +188,8 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     block's first MMA (None: ``ROWS_DEFER_EPILOGUE``). 256 columns run without issue-ahead, their stores deferred
     (None: ``ROWS_DEFER_EPILOGUE``) under the block's own chains (``rows._rows_main_wide``), the two warpgroups'
     chains in turn or at once (``ping_pong``; None: ``ROWS_PING_PONG``).
-    ``trace``: int64, at least ``trace_size(sm_count)`` elements: the block trace (``TRACE_BLOCKS``; untraced
-    launches compile without its stamps).
+    ``trace``: the block trace (``gluon_sm90.trace_args``, ``TRACE_BLOCKS``; untraced launches compile without its
+    stamps).
 
     a_q (M, K) float8_e4m3fn contiguous, a_s (K // 128, M) fp32 contiguous, w_q (E, N, K) float8_e4m3fn
     contiguous, w_s (E, N // 128, K // 128) fp32 contiguous; K and N multiples of 128; M >= 1; an sm90 GPU;
@@ -206,17 +202,15 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     assert out.dtype == torch.bfloat16 and BLOCK_M == FP8_BM and out.data_ptr() % 16 == 0
     assert out.shape == (num_rows, n_out) if row_dest is None else (row_dest.dtype == torch.int64 and to_slots
                                                                      and row_dest.numel() >= num_rows)
-    assert trace is None or (trace.dtype == torch.int64 and trace.numel() >= trace_size(sm_count(a_q.device.index)))
     block_n, issue_ahead, defer_epilogue, ping_pong = rows_pattern(n_out, block_n, issue_ahead, defer_epilogue,
                                                                    ping_pong)
     rows_ws_kernel[(sm_count(a_q.device.index),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), w_desc=_fp8_desc(w_q, [1, block_n, FP8_BK]), a_s_ptr=a_s,
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
         row_dest_ptr=row_dest if row_dest is not None else plan.row_slot_N, offsets_ptr=plan.offsets_E1,
-        tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT,
-        trace_ptr=trace if trace is not None else out, M=num_rows, N_OUT=n_out, K=k_dim, E=num_experts,
-        EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, WEIGHTED=weights is not None, TO_SLOTS=to_slots,
-        ISSUE_AHEAD=issue_ahead, DEFER_EPILOGUE=defer_epilogue, PING_PONG=ping_pong, TRACE=trace is not None,
+        tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, M=num_rows, N_OUT=n_out, K=k_dim,
+        E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, WEIGHTED=weights is not None, TO_SLOTS=to_slots,
+        ISSUE_AHEAD=issue_ahead, DEFER_EPILOGUE=defer_epilogue, PING_PONG=ping_pong, **trace_args(trace, out),
         STAGES=ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
@@ -251,11 +245,6 @@ def wide_turns(block_n: int, ping_pong: bool | None, default: bool) -> bool:
     return default if ping_pong is None else ping_pong
 
 
-def trace_size(programs: int) -> int:
-    """The block trace's length (int64 elements) for a launch of ``programs`` programs."""
-    return programs * TRACE_PARTS.value * TRACE_BLOCKS.value * 2 * TRACE_POINTS.value
-
-
 def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
                      h_q: torch.Tensor | None, h_s: torch.Tensor | None, plan, top_k: int,
                      preact: torch.Tensor | None = None, *, issue_ahead: bool = UP_ISSUE_AHEAD,
@@ -281,19 +270,16 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
     assert h_out == (h_s is not None) and (h_out or preact is not None) and BLOCK_M == FP8_BM
     assert not h_out or (h_q.shape == (num_rows, inter) and h_s.shape == (inter // SCALE_BLOCK, num_rows))
     assert preact is None or (preact.shape == (num_rows, two_i) and preact.dtype == torch.bfloat16)
-    assert trace is None or (trace.dtype == torch.int64 and trace.numel() >= trace_size(sm_count(x_q.device.index)))
     ping_pong = up_ping_pong(issue_ahead, ping_pong)
     up_ws_kernel[(sm_count(x_q.device.index),)](
         x_ptr=x_q, x_s_ptr=x_s, w13_desc=_fp8_desc(w13_q.view(num_experts, 2, inter, dim), [1, 1, FP8_BN, FP8_BK]),
         w13_s_ptr=w13_s, h_q_ptr=h_q if h_out else x_q, h_s_ptr=h_s if h_out else x_s,
         preact_ptr=preact if preact is not None else h_s,
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
-        tile_row_ptr=plan.tile_row_NT, trace_ptr=trace if trace is not None else x_s, T=num_tokens, N=num_rows,
-        D=dim, I=inter, E=num_experts, top_k=top_k, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
-        PREACT=preact is not None, H_OUT=h_out, ISSUE_AHEAD=issue_ahead, PING_PONG=ping_pong, POW2=fp8_pow2_scales(),
-        TRACE=trace is not None,
-        STAGES=UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS,
-        MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+        tile_row_ptr=plan.tile_row_NT, T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, top_k=top_k,
+        EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None, H_OUT=h_out,
+        ISSUE_AHEAD=issue_ahead, PING_PONG=ping_pong, POW2=fp8_pow2_scales(), **trace_args(trace, x_s),
+        STAGES=UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS, MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
 def up_ping_pong(issue_ahead: bool, ping_pong: bool | None) -> bool:
@@ -413,7 +399,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     ``block_n`` also the weight-gradient kernel's, ``read_ahead`` (None: ``WGRAD_READ_AHEAD``), ``defer_epilogue``
     (None: ``WGRAD_DEFER_STORES``) too; ``ping_pong``: each kernel's turns (None: ``ROWS_PING_PONG``,
     ``UP_PING_PONG``, ``WGRAD_PING_PONG``); ``stages``: the weight-gradient kernel's ring (``wgrad_ring``);
-    ``trace``: the block-traced variant (``TRACE_BLOCKS``) of the sorted-rows or the up kernel."""
+    ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the sorted-rows or the up kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 

@@ -98,6 +98,51 @@ WGRAD_TILE = (*WS_TILE[:2], 32, 6)
 WGRAD_CONFIG = {**WS_CONFIG, "BK": WGRAD_TILE[2], "num_stages": WGRAD_TILE[3]}
 
 
+# The block trace of the Gluon GEMM kernels (``trace=`` of their launchers; read by ``tools.fp8_trace`` and
+# ``tools.kernels_trace``): per program, per partition (TRACE_PARTS: the MMA partitions, then the loader) and per block
+# of its first TRACE_BLOCKS, TRACE_POINTS stamps of the SM's cycle counter, then the same points on the global timer
+# (ns). An MMA partition's points: the block's start, its first stage ready, its main loop done, its end; the loader's:
+# the block's start, its first K-step's copies issued, all of them issued (the fourth unused). Compiled out unless
+# traced (constexpr TRACE). The FP8 kernels' two MMA warpgroups are partitions 0 and 1; the bf16 kernels' one MMA
+# partition (both warpgroups) is partition 0, and partition 1 is the act kernel's epilogue (its points: the block's
+# start, its products ready, its stores issued).
+TRACE_BLOCKS = gl.constexpr(512)
+TRACE_POINTS = gl.constexpr(4)
+TRACE_PARTS = gl.constexpr(3)
+
+
+def trace_size(programs: int) -> int:
+    """The block trace's length (int64 elements) for a launch of ``programs`` programs."""
+    return programs * TRACE_PARTS.value * TRACE_BLOCKS.value * 2 * TRACE_POINTS.value
+
+
+@gluon.jit
+def _clock(asm: gl.constexpr, like):
+    """A clock register read by ``asm`` (the cycle counter or the global timer), one per element of ``like``."""
+    return gl.inline_asm_elementwise(asm, "=l,r", [like], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def stamp(trace_ptr, part: gl.constexpr, block, point: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """With TRACE, point ``point`` of partition ``part``'s block ``block`` (counted from 0 in this program) into the
+    block trace (``TRACE_BLOCKS``): the cycle counter and the global timer, stored by one lane."""
+    if TRACE:
+        one = gl.arange(0, 1, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        at = ((gl.program_id(0) * TRACE_PARTS + part) * TRACE_BLOCKS + block) * (2 * TRACE_POINTS) + point + one
+        keep = (block < TRACE_BLOCKS) & (one == 0)
+        gl.store(trace_ptr + at, _clock("mov.u64 $0, %clock64;", one), mask=keep)
+        gl.store(trace_ptr + at + TRACE_POINTS, _clock("mov.u64 $0, %globaltimer;", one), mask=keep)
+
+
+@gluon.jit
+def stamp_first(trace_ptr, part: gl.constexpr, block, point: gl.constexpr, first, TRACE: gl.constexpr,
+                num_warps: gl.constexpr):
+    """``stamp`` where ``first`` holds (at a loop's first step, say): with TRACE only, the test included."""
+    if TRACE:  # noqa: SIM102 (a Triton condition does not short-circuit)
+        if first:
+            stamp(trace_ptr, part, block, point, TRACE, num_warps)
+
+
 @gluon.jit
 def block_index(w):
     """Block ``w``'s place among this program's blocks of a persistent grid-stride loop (counted from 0): the phase
@@ -157,20 +202,26 @@ def expert_rows_ahead(tile, tiles, offsets_ptr, num_p, num_q):
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles):
-    """Producer partition (one warp): every K-step's operand blocks, in the MMA partition's order."""
+def _loader(a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles, trace_ptr,
+            TRACE: gl.constexpr):
+    """Producer partition (one warp): every K-step's operand blocks, in the MMA partition's order; TRACE: its
+    stamps (partition 2 of ``TRACE_BLOCKS``)."""
     BK: gl.constexpr = a_desc.block_type.shape[0]
     BM: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        block = block_index(tile)
+        stamp(trace_ptr, 2, block, 0, TRACE, 1)
         _, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
         for r0 in range(start, end, BK):
             s = next_slot(empty, ready, step, nbytes)
             tma.async_copy_global_to_shared(a_desc, [r0, p0], ready.index(s), a_bufs.index(s))
             tma.async_copy_global_to_shared(b_desc, [r0, q0], ready.index(s), b_bufs.index(s))
             step += 1
+            stamp_first(trace_ptr, 2, block, 1, r0 == start, TRACE, 1)
+        stamp(trace_ptr, 2, block, 2, TRACE, 1)
 
 
 @gluon.constexpr_function
@@ -246,9 +297,10 @@ def _zero_rows_past(buf, r0, end, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
-                   num_warps: gl.constexpr):
-    """Default partition: the MMAs of each block, its tail rows zeroed, and its TMA store."""
+def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles, trace_ptr,
+                   TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """Default partition: the MMAs of each block, its tail rows zeroed, and its TMA store; TRACE: its stamps
+    (partition 0 of ``TRACE_BLOCKS``)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[1]
     BM: gl.constexpr = a_bufs.type.shape[2]
@@ -257,12 +309,15 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
     step = 0
     start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, num_p, num_q)
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        block = block_index(tile)
+        stamp(trace_ptr, 0, block, 0, TRACE, num_warps)
         e, p0, q0, _, _ = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
         start_next, end_next = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, num_p, num_q)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         for r0 in range(start, end, BK):
             s = step % STAGES
             mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+            stamp_first(trace_ptr, 0, block, 1, r0 == start, TRACE, num_warps)
             if r0 + BK > end:  # the expert's last, partial step
                 _zero_rows_past(a_bufs.index(s), r0, end, num_warps)
                 _zero_rows_past(b_bufs.index(s), r0, end, num_warps)
@@ -275,7 +330,9 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         if end > start:
             mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+        stamp(trace_ptr, 0, block, 2, TRACE, num_warps)
         store_block(acc.to(dw_desc.dtype), c_smem, dw_desc, e, p0, q0)
+        stamp(trace_ptr, 0, block, 3, TRACE, num_warps)
         start, end = start_next, end_next
     tma.store_wait(0)
 
@@ -292,19 +349,22 @@ def store_block(out, c_smem, desc, e, p0, q0):
 
 @gluon.jit
 def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, rows_ptr, topk_idx_ptr, out_ptr, T, D,
-                     TOP_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                     trace_ptr, TOP_K: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
+                     num_warps: gl.constexpr):
     """a_desc: (N, P) sorted rows, block (BK, BM); b_desc: (N, Q), block (BK, BN); dw_desc: (E, P, Q),
     block (1, BM, BN). Tiles: E * num_p * num_q output blocks, expert-major. A third partition (``COPY_WARPS``
     warps) combines slot rows (T * TOP_K, D) into out (T, D) beside them (``_combine_partition``; ``topk_idx``
-    marks the dropped slots); with T = 0 it has nothing to do and returns."""
+    marks the dropped slots); with T = 0 it has nothing to do and returns. TRACE: the MMA partition's and the
+    loader's stamps into trace_ptr (int64, ``TRACE_BLOCKS``)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
     ready = barriers(STAGES)
     empty = barriers(STAGES)
     gl.warp_specialize([
-        (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles, num_warps)),
-        (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles)),
+        (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles, trace_ptr,
+                          TRACE, num_warps)),
+        (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles, trace_ptr, TRACE)),
         (_combine_partition, (rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K, COPY_WARPS)),
     ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
 
@@ -331,16 +391,18 @@ def barriers(count: gl.constexpr, arrivals: gl.constexpr = 1):
 
 @gluon.jit
 def _tiles_loader(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, u_bufs, K, num_n, work,
-                  GATE_UP: gl.constexpr):
+                  trace_ptr, GATE_UP: gl.constexpr, TRACE: gl.constexpr):
     """Producer partition (one warp) of the kernels over the plan's busy tiles × N-blocks: per block, its
     K-steps (the sorted rows ``a`` and the expert's weight blocks) into the ring. Without ``GATE_UP``: w (E, K, N),
     block (1, BK, BN), into ``w_bufs`` (``u_bufs`` unread). With it: gate and up weights (E, 2, I, K), block
-    (1, 1, BN, BK), into ``w_bufs`` and ``u_bufs``."""
+    (1, 1, BN, BK), into ``w_bufs`` and ``u_bufs``. TRACE: its stamps (partition 2 of ``TRACE_BLOCKS``)."""
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[2]  # (1, BK, BN) or (1, 1, BN, BK)
     nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATE_UP else 1) * w_desc.block_type.nbytes
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        block = block_index(w)
+        stamp(trace_ptr, 2, block, 0, TRACE, 1)
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         for k in range(0, K, BK):
             s = next_slot(empty, ready, step, nbytes)
@@ -351,6 +413,8 @@ def _tiles_loader(a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a
             else:
                 tma.async_copy_global_to_shared(w_desc, [e, k, n0], ready.index(s), w_bufs.index(s))
             step += 1
+            stamp_first(trace_ptr, 2, block, 1, k == 0, TRACE, 1)
+        stamp(trace_ptr, 2, block, 2, TRACE, 1)
 
 
 @gluon.constexpr_function
@@ -424,8 +488,9 @@ def _combine_partition(rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K: gl.constexp
 
 @gluon.jit
 def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT, K,
-                      num_n, work, num_warps: gl.constexpr):
-    """Default partition of ``_dh_ws_kernel``: the MMAs of each block and its masked epilogue."""
+                      num_n, work, trace_ptr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """Default partition of ``_dh_ws_kernel``: the MMAs of each block and its masked epilogue; TRACE: its stamps
+    (partition 0 of ``TRACE_BLOCKS``)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -434,11 +499,14 @@ def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready
     out_layout: gl.constexpr = row_segments(BN, 2, num_warps)
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        block = block_index(w)
+        stamp(trace_ptr, 0, block, 0, TRACE, num_warps)
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         for k in range(0, K, BK):
             s = step % STAGES
             mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+            stamp_first(trace_ptr, 0, block, 1, k == 0, TRACE, num_warps)
             acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).reshape([BK, BN]), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))
             if k > 0:
@@ -446,6 +514,7 @@ def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready
             step += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+        stamp(trace_ptr, 0, block, 2, TRACE, num_warps)
         # Through shared memory into a layout of 16-byte row segments: stores straight from the
         # accumulator's layout are 4 bytes each (the kernel lost 3-23% to Triton's, which converts).
         out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
@@ -453,17 +522,19 @@ def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready
         cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
         mask = (rows < gl.load(offsets_ptr + e + 1))[:, None] & (cols < N_OUT)[None, :]
         gl.store(out_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], out, mask=mask)
+        stamp(trace_ptr, 0, block, 3, TRACE, num_warps)
 
 
 @gluon.jit
 def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, x_ptr, x_sorted_ptr, slot_row_ptr,
-                  T, N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr, TOP_K: gl.constexpr, STAGES: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  T, N_OUT, K, E, trace_ptr, EB: gl.constexpr, TILE_M: gl.constexpr, TOP_K: gl.constexpr,
+                  STAGES: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: (N, K) sorted dy rows, block (TILE_M, BK); w_desc: W2 (E, K, N_OUT), block (1, BK, BN); out (N, N_OUT)
     in sorted rows; other arguments as for ``expert_fwd.sorted_rows_gemm_kernel``. Blocks: the busy tiles
     (counted from the offsets; EB a power of two >= E) times the N-blocks. A third partition (``COPY_WARPS`` warps)
     copies x (T, K) into sorted rows (``x_sorted``, through each slot's sorted row ``slot_row``) for the kernels
-    after this one; with T = 0 it has nothing to do and returns."""
+    after this one; with T = 0 it has nothing to do and returns. TRACE: the MMA partition's and the loader's stamps
+    into trace_ptr (int64, ``TRACE_BLOCKS``)."""
     BN: gl.constexpr = w_desc.block_type.shape[2]
     num_n = gl.cdiv(N_OUT, BN)
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -473,19 +544,20 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
     empty = barriers(STAGES)
     gl.warp_specialize([
         (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT,
-                             K, num_n, work, num_warps)),
+                             K, num_n, work, trace_ptr, TRACE, num_warps)),
         (_tiles_loader, (a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, w_bufs, K, num_n,
-                         work, False)),
+                         work, trace_ptr, False, TRACE)),
         (_scatter_rows_partition, (x_ptr, x_sorted_ptr, slot_row_ptr, offsets_ptr, T, K, E, TOP_K, COPY_WARPS)),
     ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
 
 
 @gluon.jit
-def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout: gl.constexpr,
-                      GENERIC_WRITES: gl.constexpr):
+def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, trace_ptr, block, acc_layout: gl.constexpr,
+                      GENERIC_WRITES: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """One block's K-loop over the ring for the gate and up accumulators (x rows times both weight
     blocks), one MMA pair in flight; returns both accumulators and the next ring step. GENERIC_WRITES:
-    the loader wrote x through generic-proxy copies (cp.async), fenced before the MMAs read them."""
+    the loader wrote x through generic-proxy copies (cp.async), fenced before the MMAs read them. TRACE: the
+    block's points 1 and 2 (partition 0 of ``TRACE_BLOCKS``)."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     BM: gl.constexpr = x_bufs.type.shape[1]
     BK: gl.constexpr = x_bufs.type.shape[2]
@@ -495,6 +567,7 @@ def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout:
     for k in range(0, D, BK):
         s = step % STAGES
         mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+        stamp_first(trace_ptr, 0, block, 1, k == 0, TRACE, num_warps)
         if GENERIC_WRITES:
             fence_async_shared()
         acc_g = warpgroup_mma(x_bufs.index(s), g_bufs.index(s).reshape([BN, BK]).permute((1, 0)), acc_g, is_async=True)
@@ -505,35 +578,41 @@ def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout:
         step += 1
     acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
     mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+    stamp(trace_ptr, 0, block, 2, TRACE, num_warps)
     return acc_g, acc_u, step
 
 
 @gluon.jit
-def _act_mma_partition(ready, empty, gu_ready, gu_empty, x_bufs, g_bufs, u_bufs, gu_smem, D, work,
-                       num_warps: gl.constexpr):
+def _act_mma_partition(ready, empty, gu_ready, gu_empty, x_bufs, g_bufs, u_bufs, gu_smem, D, work, trace_ptr,
+                       TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Default partition of ``_act_ws_kernel``: both GEMMs of each block, then g and u, rounded to the operands'
-    dtype, into ``gu_smem`` for the epilogue partition, and on to the next block's GEMMs."""
+    dtype, into ``gu_smem`` for the epilogue partition, and on to the next block's GEMMs. TRACE: its stamps
+    (partition 0 of ``TRACE_BLOCKS``; the block's end once g and u are handed over)."""
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
     acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout, False)
+        stamp(trace_ptr, 0, block_index(w), 0, TRACE, num_warps)
+        acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, trace_ptr,
+                                               block_index(w), acc_layout, False, TRACE, num_warps)
         block = block_index(w)
         mbarrier.wait(gu_empty.index(0), (block & 1) ^ 1)  # the epilogue has read the previous block's
         gu_smem.index(0).store(acc_g.to(gu_smem.dtype))
         gu_smem.index(1).store(acc_u.to(gu_smem.dtype))
         gl.thread_barrier()  # every thread's stores before the one arrival
         mbarrier.arrive(gu_ready.index(0), count=1)
+        stamp(trace_ptr, 0, block, 3, TRACE, num_warps)
 
 
 @gluon.jit
 def _act_epilogue_partition(weights_ptr, dh_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
-                            tile_expert_ptr, tile_row_ptr, gu_ready, gu_empty, gu_smem, N, I, num_n, work,
-                            PART_COLS: gl.constexpr, num_warps: gl.constexpr):
+                            tile_expert_ptr, tile_row_ptr, gu_ready, gu_empty, gu_smem, N, I, num_n, work, trace_ptr,
+                            PART_COLS: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Epilogue partition of ``_act_ws_kernel``, ``expert_bwd._act_bwd_kernel``'s epilogue on each
     block's g and u from ``gu_smem`` and its dh' rows (loaded here), ``CHUNK`` rows at a time, in a layout of
     16-byte row segments: h, the d(weight) partials, dz = [dg | du] and h * w, masked to the expert's rows and
-    to I. It overlaps the MMA partition's next block."""
+    to I. It overlaps the MMA partition's next block. TRACE: its stamps (partition 1 of ``TRACE_BLOCKS``: the block's
+    start, its g and u ready, its stores issued, its end once it has let go of them)."""
     BM: gl.constexpr = gu_smem.type.shape[1]
     BN: gl.constexpr = gu_smem.type.shape[2]
     CHUNK: gl.constexpr = 16
@@ -541,11 +620,13 @@ def _act_epilogue_partition(weights_ptr, dh_ptr, dz_ptr, hw_ptr, dweight_part_pt
     dtype: gl.constexpr = dz_ptr.dtype.element_ty
     local = gl.arange(0, BN, layout=gl.SliceLayout(0, layout)) // PART_COLS
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        stamp(trace_ptr, 1, block_index(w), 0, TRACE, num_warps)
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         pid_n = w % num_n
         end = gl.load(offsets_ptr + e + 1)
         cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
         mbarrier.wait(gu_ready.index(0), block_index(w) & 1)
+        stamp(trace_ptr, 1, block_index(w), 1, TRACE, num_warps)
         for c in gl.static_range(BM // CHUNK):
             rows = row0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
             rmask = rows < end
@@ -570,20 +651,23 @@ def _act_epilogue_partition(weights_ptr, dh_ptr, dz_ptr, hw_ptr, dweight_part_pt
             gl.store(dz_ptrs, (dh * u * (sig + silu * (1.0 - sig))).to(dtype), mask=mask)
             gl.store(dz_ptrs + I, (dh * silu).to(dtype), mask=mask)
             gl.store(hw_ptr + rows64 * I + cols[None, :], (h * wt[:, None]).to(dtype), mask=mask)
+        stamp(trace_ptr, 1, block_index(w), 2, TRACE, num_warps)
         gl.thread_barrier()  # every thread's reads of gu_smem before the one arrival
         mbarrier.arrive(gu_empty.index(0), count=1)
+        stamp(trace_ptr, 1, block_index(w), 3, TRACE, num_warps)
 
 
 @gluon.jit
 def _act_ws_kernel(x_desc, w13_desc, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
-                   tile_expert_ptr, tile_row_ptr, N, D, I, E, EB: gl.constexpr, TILE_M: gl.constexpr,
+                   tile_expert_ptr, tile_row_ptr, N, D, I, E, trace_ptr, EB: gl.constexpr, TILE_M: gl.constexpr,
                    PART_COLS: gl.constexpr, STAGES: gl.constexpr, EPILOGUE_WARPS: gl.constexpr,
-                   EPILOGUE_REGS: gl.constexpr, num_warps: gl.constexpr):
+                   EPILOGUE_REGS: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """The act kernel (``expert_bwd._act_bwd_kernel``): x_desc (N, D) sorted rows,
     block (TILE_M, BK); w13_desc (E, 2, I, D), block (1, 1, BN, BK); dh (N, I) dh' in sorted rows; outputs and
     other arguments as for the Triton kernel. Blocks: the busy tiles times the I-blocks. Three partitions: the
     TMA loader (one warp), the MMAs (``num_warps``), the epilogue (``EPILOGUE_WARPS``), which takes each block's
-    g and u through shared memory (rounded to the operands' dtype) while the MMAs run the next block."""
+    g and u through shared memory (rounded to the operands' dtype) while the MMAs run the next block. TRACE: the
+    three partitions' stamps into trace_ptr (int64, ``TRACE_BLOCKS``)."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     num_n = gl.cdiv(I, BN)
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -597,22 +681,24 @@ def _act_ws_kernel(x_desc, w13_desc, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweigh
     gu_ready = barriers(1)
     gu_empty = barriers(1)
     gl.warp_specialize([
-        (_act_mma_partition, (ready, empty, gu_ready, gu_empty, x_bufs, g_bufs, u_bufs, gu_smem, D, work, num_warps)),
+        (_act_mma_partition, (ready, empty, gu_ready, gu_empty, x_bufs, g_bufs, u_bufs, gu_smem, D, work, trace_ptr,
+                              TRACE, num_warps)),
         (_tiles_loader, (x_desc, w13_desc, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs, u_bufs, D, num_n,
-                         work, True)),
+                         work, trace_ptr, True, TRACE)),
         (_act_epilogue_partition, (weights_ptr, dh_ptr, dz_ptr, hw_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
                                    tile_expert_ptr, tile_row_ptr, gu_ready, gu_empty, gu_smem, N, I, num_n, work,
-                                   PART_COLS, EPILOGUE_WARPS)),
+                                   trace_ptr, PART_COLS, TRACE, EPILOGUE_WARPS)),
     ], [1, EPILOGUE_WARPS], [24, EPILOGUE_REGS])
 
 
 @gluon.jit
 def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs,
-               u_bufs, D, top_k, num_n, work, num_warps: gl.constexpr):
+               u_bufs, D, top_k, num_n, work, trace_ptr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Producer partition (4 warps) of ``_up_ws_kernel``: per K-step, the gate and up weight blocks through
     TMA and the block's x rows, gathered from their tokens through 16-byte ``cp.async`` copies (rows past
     the expert's end zero-filled). Each thread's copies arrive on the stage's ready barrier when they
-    land, so the barrier completes on the TMA bytes and every producer thread's copies."""
+    land, so the barrier completes on the TMA bytes and every producer thread's copies. TRACE: its stamps
+    (partition 2 of ``TRACE_BLOCKS``)."""
     BM: gl.constexpr = x_bufs.type.shape[1]
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = w13_desc.block_type.shape[2]
@@ -623,6 +709,8 @@ def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile
     D8 = D // 8 * 8
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        block = block_index(w)
+        stamp(trace_ptr, 2, block, 0, TRACE, num_warps)
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
         rmask = rows < gl.load(offsets_ptr + e + 1)
@@ -637,38 +725,47 @@ def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile
             async_copy.async_copy_global_to_shared(x_bufs.index(s), ptrs + k, mask=rmask[:, None] & (cols + k < D8)[None, :])
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
+            stamp_first(trace_ptr, 2, block, 1, k == 0, TRACE, num_warps)
+        stamp(trace_ptr, 2, block, 2, TRACE, num_warps)
 
 
 @gluon.jit
 def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs,
-                      u_bufs, staging, D, I, num_n, work, SAVE_PREACT: gl.constexpr, num_warps: gl.constexpr):
+                      u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT: gl.constexpr, TRACE: gl.constexpr,
+                      num_warps: gl.constexpr):
     """Default partition of ``_up_ws_kernel``: both GEMMs of each block, then h = silu(g) * u, masked to the expert's
     rows and to I; with SAVE_PREACT also g and u, rounded to h's dtype, into preact (N, 2I) at columns n0 and
-    I + n0; each through the staging buffer (``store_staged``)."""
+    I + n0; each through the staging buffer (``store_staged``). TRACE: its stamps (partition 0 of ``TRACE_BLOCKS``)."""
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
     acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
     dtype: gl.constexpr = h_ptr.dtype.element_ty
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        block = block_index(w)
+        stamp(trace_ptr, 0, block, 0, TRACE, num_warps)
         e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
-        acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, acc_layout, True)
+        acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, trace_ptr, block,
+                                               acc_layout, True, TRACE, num_warps)
         end = gl.load(offsets_ptr + e + 1)
         h = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(dtype)
         store_staged(h, staging, h_ptr, row0, end, n0, I, I, num_warps)
         if SAVE_PREACT:
             store_staged(acc_g.to(dtype), staging, preact_ptr, row0, end, n0, 2 * I, I, num_warps)
             store_staged(acc_u.to(dtype), staging, preact_ptr + I, row0, end, n0, 2 * I, I, num_warps)
+        stamp(trace_ptr, 0, block, 3, TRACE, num_warps)
 
 
 @gluon.jit
 def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, D, I,
-                  E, top_k, EB: gl.constexpr, TILE_M: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                  LOADER_WARPS: gl.constexpr, SAVE_PREACT: gl.constexpr, num_warps: gl.constexpr):
+                  E, top_k, trace_ptr, EB: gl.constexpr, TILE_M: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                  LOADER_WARPS: gl.constexpr, SAVE_PREACT: gl.constexpr, TRACE: gl.constexpr,
+                  num_warps: gl.constexpr):
     """The one-device up kernel (``expert_fwd._up_swiglu_fwd_kernel``): x (T, D)
     gathered by token, w13_desc (E, 2, I, D), block (1, 1, BN, BK); h (N, I) out in sorted rows, and with
     SAVE_PREACT the gate/up products (N, 2I) into preact (the saved-activation mode). Blocks:
     the busy tiles times the I-blocks. Each ready barrier counts the loader's TMA arrival and one
-    ``cp.async`` arrival per loader thread. The epilogue's stores go through a staging buffer of half a block."""
+    ``cp.async`` arrival per loader thread. The epilogue's stores go through a staging buffer of half a block.
+    TRACE: the MMA partition's and the loader's stamps into trace_ptr (int64, ``TRACE_BLOCKS``)."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     num_n = gl.cdiv(I, BN)
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -682,9 +779,9 @@ def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
     empty = barriers(STAGES)
     gl.warp_specialize([
         (_up_mma_partition, (h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
-                             g_bufs, u_bufs, staging, D, I, num_n, work, SAVE_PREACT, num_warps)),
+                             g_bufs, u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT, TRACE, num_warps)),
         (_up_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
-                      g_bufs, u_bufs, D, top_k, num_n, work, LOADER_WARPS)),
+                      g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, TRACE, LOADER_WARPS)),
     ], [LOADER_WARPS], [80])
 
 
@@ -704,16 +801,28 @@ def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), t.dtype))
 
 
+def trace_args(trace: torch.Tensor | None, idle: torch.Tensor) -> dict:
+    """A launch's ``trace_ptr`` and ``TRACE`` arguments for the block trace ``trace`` (int64, at least ``trace_size``
+    elements for one program per SM of ``idle``'s device) or, with None, untraced: the stamps compiled out and
+    ``idle`` (any tensor) passed in its place, never written."""
+    if trace is None:
+        return {"trace_ptr": idle, "TRACE": False}
+    assert trace.dtype == torch.int64 and trace.numel() >= trace_size(sm_count(idle.device.index)), \
+        "the block trace: int64, trace_size(programs) elements"
+    return {"trace_ptr": trace, "TRACE": True}
+
+
 def _launch_ws(kernel, programs: int, stages: int, maxnreg: int = WS_MAXNREG, **kwargs) -> None:
     kernel[(programs,)](**kwargs, STAGES=stages, num_warps=WS_NUM_WARPS, maxnreg=maxnreg)
 
 
 def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor,
-                    combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                    combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+                    trace: torch.Tensor | None = None) -> None:
     """dw (E, P, Q) = per expert, the sum over its sorted rows r of outer(a[r], b[r]); a, b, dw 16-bit,
     contiguous, on an sm90 GPU (``ws_supported``), with at least one row. ``combine``: (slot rows (T*K, D),
     topk_idx (T, K), out (T, D)), all contiguous, to reduce into ``out`` beside the MMAs, with the sums of
-    ``combine.combine``."""
+    ``combine.combine``. ``trace``: the block trace (``trace_args``; ``tools.kernels_trace`` reads it)."""
     bm, bn, bk, stages = WGRAD_TILE
     num_experts, p, q = dw.shape
     num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
@@ -725,15 +834,16 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
     _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), stages, a_desc=_desc(a_NP, [bk, bm]),
                b_desc=_desc(b_NQ, [bk, bn]), dw_desc=_desc(dw, [1, bm, bn]), offsets_ptr=offsets_E1, num_p=num_p,
                num_q=num_q, tiles=tiles, rows_ptr=rows, topk_idx_ptr=topk_idx, out_ptr=out, T=num_tokens,
-               D=out.shape[1], TOP_K=top_k)
+               D=out.shape[1], TOP_K=top_k, **trace_args(trace, offsets_E1))
 
 
 def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,
-          copy_x: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> None:
+          copy_x: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None, *,
+          trace: torch.Tensor | None = None) -> None:
     """``expert_bwd.dh_sorted``'s product through ``_dh_ws_kernel`` into ``out_NI`` (sorted rows); 16-bit operands
     on an sm90 GPU (``ws_supported``), at least one row; ``tile_m`` the plan's tile height. ``copy_x``: (x (T, D),
     x_sorted (N, D) out, slot_row (N,) each slot's sorted row, top_k), the rows of x to copy into sorted order
-    beside the MMAs."""
+    beside the MMAs. ``trace``: the block trace (``trace_args``)."""
     bm, bn, bk, stages = WS_TILE
     assert bm == tile_m, "a block is one plan tile"
     num_experts = w2_EDI.shape[0]
@@ -745,14 +855,15 @@ def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor
                w_desc=_desc(w2_EDI, [1, bk, bn]), out_ptr=out_NI, offsets_ptr=plan.offsets_E1,
                tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, x_ptr=x, x_sorted_ptr=x_sorted,
                slot_row_ptr=slot_row, T=x.shape[0], N_OUT=out_NI.shape[1], K=dy_sorted_ND.shape[1], E=num_experts,
-               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, TOP_K=top_k)
+               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, TOP_K=top_k, **trace_args(trace, plan.offsets_E1))
 
 
 def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tensor, weights_N: torch.Tensor, plan,
                dz_NH: torch.Tensor, hw_NI: torch.Tensor, dweight_part: torch.Tensor, tile_m: int,
-               part_cols: int) -> None:
+               part_cols: int, *, trace: torch.Tensor | None = None) -> None:
     """``expert_bwd.act_bwd_into``'s act kernel through ``_act_ws_kernel``; 16-bit
-    operands on an sm90 GPU (``ws_supported``), at least one row; ``tile_m`` the plan's tile height."""
+    operands on an sm90 GPU (``ws_supported``), at least one row; ``tile_m`` the plan's tile height. ``trace``: the
+    block trace (``trace_args``)."""
     bm, bn, bk, stages = ACT_TILE
     assert bm == tile_m and bn % part_cols == 0
     num_experts, two_i, dim = w13_EHD.shape
@@ -763,15 +874,15 @@ def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tenso
                row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
                tile_row_ptr=plan.tile_row_NT, N=dz_NH.shape[0], D=dim, I=inter, E=num_experts,
                EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, PART_COLS=part_cols,
-               EPILOGUE_WARPS=ACT_EPILOGUE_WARPS, EPILOGUE_REGS=ACT_EPILOGUE_REGS)
+               EPILOGUE_WARPS=ACT_EPILOGUE_WARPS, EPILOGUE_REGS=ACT_EPILOGUE_REGS, **trace_args(trace, plan.offsets_E1))
 
 
 def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, plan, top_k: int, tile_m: int,
-                 preact_NH: torch.Tensor | None = None) -> None:
+                 preact_NH: torch.Tensor | None = None, *, trace: torch.Tensor | None = None) -> None:
     """``expert_fwd.up_swiglu_fwd``'s one-device kernel through ``_up_ws_kernel`` into ``h_NI`` (and the gate/up
     products into ``preact_NH``, (N, 2I) in x's dtype, if given); 16-bit operands on an sm90 GPU
     (``ws_supported``), x contiguous with 16-byte aligned rows, at least one row; ``tile_m`` the plan's tile
-    height."""
+    height. ``trace``: the block trace (``trace_args``)."""
     bm, bn, bk, stages = UP_TILE
     assert bm == tile_m, "a block is one plan tile"
     num_experts, two_i, dim = w13_EHD.shape
@@ -781,7 +892,7 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
                preact_ptr=h_NI if preact_NH is None else preact_NH, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
                tile_row_ptr=plan.tile_row_NT, D=dim, I=inter, E=num_experts, top_k=top_k,
                EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, LOADER_WARPS=UP_LOADER_WARPS,
-               SAVE_PREACT=preact_NH is not None)
+               SAVE_PREACT=preact_NH is not None, **trace_args(trace, plan.offsets_E1))
 
 
 # The Gluon kernels by name, for the ahead-of-time compile check (``tools.resources``).

@@ -1,5 +1,5 @@
 """Device helpers shared by the FP8 Gluon kernels (``gluon_fp8_sm90``): the ring of stages and its waits, a
-warpgroup's MMA chain and its promotion, the blocks' look-ahead, the block trace and the FP8 groups' scales."""
+warpgroup's MMA chain and its promotion, the blocks' look-ahead and the FP8 groups' scales."""
 
 from __future__ import annotations
 
@@ -8,16 +8,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
 
 from megamoe.kernels.gluon_sm90 import barriers, block_rows, expert_end
-
-# The block trace of the sorted-rows and up kernels (``trace=`` of their launchers, read by ``tools.fp8_trace``): per
-# program, per partition (the two MMA warpgroups, then the loader) and per block of its first TRACE_BLOCKS,
-# TRACE_POINTS stamps of the SM's cycle counter, then the same points on the global timer (ns). An MMA warpgroup's
-# points: the block's start, its first stage ready, its main loop done, its end; the loader's: the block's start, its
-# first K-step's copies issued, all of them issued (the fourth unused). Compiled out unless traced (constexpr TRACE).
-TRACE_BLOCKS = gl.constexpr(512)
-TRACE_POINTS = gl.constexpr(4)
-TRACE_PARTS = gl.constexpr(3)
-
 
 FP8_MAX = gl.constexpr(448.0)  # largest finite float8_e4m3fn
 AMAX_FLOOR = gl.constexpr(1e-12)  # an all-zero group's amax, as ``quant.AMAX_FLOOR``
@@ -140,24 +130,6 @@ def blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n
     end_next = expert_end(offsets_ptr, e_next, work)
     e_after, row0_after = block_rows(w + 2 * gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
     return end_next, e_after, row0_after
-
-
-@gluon.jit
-def _clock(asm: gl.constexpr, like):
-    """A clock register read by ``asm`` (the cycle counter or the global timer), one per element of ``like``."""
-    return gl.inline_asm_elementwise(asm, "=l,r", [like], dtype=gl.int64, is_pure=False, pack=1)
-
-
-@gluon.jit
-def stamp(trace_ptr, part: gl.constexpr, block, point: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """With TRACE, point ``point`` of partition ``part``'s block ``block`` (counted from 0 in this program) into the
-    block trace (``TRACE_BLOCKS``): the cycle counter and the global timer, stored by one lane."""
-    if TRACE:
-        one = gl.arange(0, 1, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-        at = ((gl.program_id(0) * TRACE_PARTS + part) * TRACE_BLOCKS + block) * (2 * TRACE_POINTS) + point + one
-        keep = (block < TRACE_BLOCKS) & (one == 0)
-        gl.store(trace_ptr + at, _clock("mov.u64 $0, %clock64;", one), mask=keep)
-        gl.store(trace_ptr + at + TRACE_POINTS, _clock("mov.u64 $0, %globaltimer;", one), mask=keep)
 
 
 @gluon.jit

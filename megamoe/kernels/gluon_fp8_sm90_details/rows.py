@@ -22,7 +22,6 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     promote,
     ring,
     stage_ready,
-    stamp,
     turn_barriers,
     wait_turn,
 )
@@ -31,6 +30,7 @@ from megamoe.kernels.gluon_sm90 import (
     count_busy_tiles,
     next_slot,
     row_segments,
+    stamp,
     tile_block,
     wgmma_acc_layout,
 )
@@ -402,7 +402,7 @@ def rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_s
     Blocks: the plan's busy tiles (EB: a power of two >= E) times the N-blocks, one program per SM walking
     them. num_warps: one warpgroup (the first MMA partition); the kernel adds the second and the loader.
     ISSUE_AHEAD, DEFER_EPILOGUE, PING_PONG: the MMA warpgroups' issue pattern, when their stores run and whether
-    they take turns (``_rows_mma_partition``); TRACE: stamps into trace_ptr (int64, see ``TRACE_BLOCKS``)."""
+    they take turns (``_rows_mma_partition``); TRACE: stamps into trace_ptr (int64, see ``gluon_sm90.TRACE_BLOCKS``)."""
     BN: gl.constexpr = w_desc.block_type.shape[1]
     num_n = N_OUT // BN
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n

@@ -25,7 +25,6 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     promote,
     quantize_by,
     stage_ready,
-    stamp,
     turn_barriers,
     wait_turn,
 )
@@ -35,6 +34,7 @@ from megamoe.kernels.gluon_sm90 import (
     count_busy_tiles,
     next_slot,
     staged_layout,
+    stamp,
     store_staged,
     tile_block,
     wgmma_acc_layout,
@@ -49,7 +49,7 @@ def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, t
     through TMA; the tile's x rows gathered from their tokens (``row_slot[r] // top_k``) through 16-byte
     ``cp.async`` copies and their scales ``x_s[kb, token]`` through 4-byte ones (rows past the expert
     zero-filled); the gate and up blocks' scales, each repeated into 64 entries. TRACE: the sorted-rows loader's
-    stamps (``TRACE_BLOCKS``)."""
+    stamps (``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = x_bufs.type.shape[1]
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = w13_desc.block_type.shape[2]
@@ -141,7 +141,7 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
     to bf16 into ``preact``. PING_PONG (without ISSUE_AHEAD): the second warpgroup issues each K-step's gate chain
     once the first's has finished (``common.wait_turn``; the first always has rows in a block), so that each
     warpgroup's promotions, and its epilogue, run under the other's chains. TRACE: the sorted-rows MMA
-    partitions' stamps (``TRACE_BLOCKS``)."""
+    partitions' stamps (``gluon_sm90.TRACE_BLOCKS``)."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
@@ -292,7 +292,7 @@ def up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_p
     fp32 out in sorted rows if H_OUT (rows past the routed count not written); preact (N, 2I) bf16 out if PREACT.
     Blocks: the busy tiles (EB: a power of two >= E) times the I-blocks of 128 (one h scale group each).
     ISSUE_AHEAD, PING_PONG: the MMA warpgroups' schedule (``_up_mma_partition``). TRACE: stamps into trace_ptr
-    (int64, see ``TRACE_BLOCKS``)."""
+    (int64, see ``gluon_sm90.TRACE_BLOCKS``)."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     BK: gl.constexpr = w13_desc.block_type.shape[3]
     HALF: gl.constexpr = TILE_M // 2

@@ -1,0 +1,79 @@
+"""Reading the Gluon GEMM kernels' block trace (``gluon_sm90.TRACE_BLOCKS``, their launchers' ``trace=``): where each
+partition's blocks spend their time. Used by ``tools.fp8_trace`` (the FP8 kernels, one partition per MMA warpgroup)
+and ``tools.kernels_trace`` (the bf16 kernels, one MMA partition of both warpgroups)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from megamoe.kernels import gluon_sm90
+
+# What one block of an MMA partition is made of, from its stamps: points 0-3 are the block's start, its first stage
+# ready, its main loop done, its end; the loader's (partition 2) 0-2 its start, its first K-step's copies issued, all of
+# them issued.
+PHASES = {
+    "wait": "start -> first stage ready: the wait for the block's first operands",
+    "main": "first stage ready -> main loop done (MMAs, and the FP8 kernels' promotions)",
+    "rest": "main loop done -> next block's start (epilogue, loop overhead)",
+    "block": "start -> next block's start",
+    "lead": "the loader's first copy of the block issued -> the partition's block start",
+    "latency": "the loader's first copy of the block issued -> the partition's first stage ready",
+    "drift": "partition 1's block start - partition 0's (the same block)",
+}
+# What ``block_phases`` reports: PHASES' medians (us) and the main loops' share of the time (a fraction).
+COLUMNS = {**PHASES, "share": "the sum over blocks of main / of block: the part of the partition's time in main loops"}
+# The FP8 kernels' MMA partitions: one per warpgroup.
+WARPGROUPS = {"wg0": 0, "wg1": 1}
+LOADER = 2
+
+
+def stamps(trace: torch.Tensor, programs: int) -> list:
+    """A traced launch's stamps (int64, -1 where none was taken) of ``programs`` programs as nested lists:
+    [program][partition][block][cycles, global ns][point]."""
+    return trace[: gluon_sm90.trace_size(programs)].view(
+        programs, gluon_sm90.TRACE_PARTS.value, gluon_sm90.TRACE_BLOCKS.value, 2, gluon_sm90.TRACE_POINTS.value).tolist()
+
+
+def block_phases(trace: torch.Tensor, programs: int, parts: dict[str, int] | None = None) -> dict[str, dict[str, float]]:
+    """Per partition named in ``parts`` (name -> its index in the trace; None: the FP8 kernels' ``WARPGROUPS``), the
+    medians (us) of :data:`PHASES` over its blocks and the main loops' "share" of its time (:data:`COLUMNS`); "drift"
+    where partition 0 is named too. Cycles become time at each partition's own
+    rate (its cycle and global-timer spans over its blocks): the SM clock moves with power."""
+    parts = WARPGROUPS if parts is None else parts
+    samples: dict[str, dict[str, list[float]]] = {name: {k: [] for k in PHASES} for name in parts}
+    sums = {name: [0.0, 0.0] for name in parts}  # main, block: over the busy blocks that have a next one
+    for prog in stamps(trace, programs):
+        loader = prog[LOADER]
+        first = [b for b in prog[0] if b[0][0] >= 0]
+        for name, part in parts.items():
+            blocks = [b for b in prog[part] if b[0][0] >= 0]
+            if len(blocks) < 2:
+                continue
+            cycles = blocks[-1][0][3] - blocks[0][0][0]
+            ns = blocks[-1][1][3] - blocks[0][1][0]
+            per_us = cycles / ns * 1e3 if ns > 0 else float("nan")  # cycles per us
+            out = samples[name]
+            for i, (cyc, _) in enumerate(blocks):
+                busy = cyc[1] >= 0 and cyc[2] >= 0  # an FP8 warpgroup whose rows all lie past the expert stamps 0, 3
+                nxt = blocks[i + 1][0][0] if i + 1 < len(blocks) else None
+                if busy:
+                    out["wait"].append((cyc[1] - cyc[0]) / per_us)
+                    out["main"].append((cyc[2] - cyc[1]) / per_us)
+                    if loader[i][0][1] >= 0:
+                        out["latency"].append((cyc[1] - loader[i][0][1]) / per_us)
+                    if nxt is not None:
+                        out["rest"].append((nxt - cyc[2]) / per_us)
+                        sums[name][0] += (cyc[2] - cyc[1]) / per_us
+                        sums[name][1] += (nxt - cyc[0]) / per_us
+                if nxt is not None:
+                    out["block"].append((nxt - cyc[0]) / per_us)
+                if loader[i][0][1] >= 0:
+                    out["lead"].append((cyc[0] - loader[i][0][1]) / per_us)
+            if part != 0 and 0 in parts.values():
+                n = min(len(first), len(blocks))
+                out["drift"].extend((blocks[i][0][0] - first[i][0][0]) / per_us for i in range(n))
+    return {name: {**{k: statistics.median(v) if v else float("nan") for k, v in phases.items()},
+                   "share": sums[name][0] / sums[name][1] if sums[name][1] > 0 else float("nan")}
+            for name, phases in samples.items()}
