@@ -78,3 +78,29 @@ def assert_close_to_reference(out, problem, atol=1e-5, lowp=reference.moe_loop):
         err = (o.float() - r).abs().max().item()
         bound = 2 * (rl.float() - r).abs().max().item() + atol * max(1.0, r.abs().max().item())
         assert err <= bound, f"{name}: max err {err:.3e} > bound {bound:.3e}"
+
+
+def check_block_trace(trace: torch.Tensor, programs: int, num_blocks: int, parts: dict[str, int]) -> None:
+    """A traced Gluon launch's stamps (``gluon_sm90.TRACE_BLOCKS``): the loader's blocks are ``num_blocks`` in all,
+    each partition of ``parts`` (name -> its index) stamps the loader's blocks, a busy block's four points (a block
+    with work for the partition: its first stage ready stamped) are in time order, and
+    ``tools.block_trace.block_phases`` reads them."""
+    from megamoe.kernels import gluon_sm90 as g
+    from tools.block_trace import LOADER, block_phases
+
+    stamps = trace.view(programs, g.TRACE_PARTS.value, g.TRACE_BLOCKS.value, 2, g.TRACE_POINTS.value).cpu()
+    blocks = (stamps[:, LOADER, :, 0, 0] >= 0).sum(1)  # the loader's blocks per program
+    assert int(blocks.sum()) == num_blocks  # every block of the launch, once
+    for part in parts.values():
+        assert torch.equal((stamps[:, part, :, 0, 0] >= 0).sum(1), blocks)  # the partition stamps the loader's blocks
+        cyc = stamps[:, part, :, 0]
+        taken = cyc[..., 0] >= 0
+        assert bool((cyc[..., 3][taken] >= cyc[..., 0][taken]).all())
+        busy = taken & (cyc[..., 1] >= 0)  # an FP8 warpgroup whose 64 rows lie past the expert stamps only 0 and 3
+        assert bool(busy.any())
+        in_order = (cyc[..., 1] >= cyc[..., 0]) & (cyc[..., 2] >= cyc[..., 1]) & (cyc[..., 3] >= cyc[..., 2])
+        assert bool(in_order[busy].all())
+    phases = block_phases(trace.cpu(), programs, parts)
+    for name in parts:
+        assert phases[name]["main"] > 0 and phases[name]["wait"] >= 0
+        assert phases[name]["block"] >= phases[name]["main"] and 0 < phases[name]["share"] <= 1

@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import check_block_trace
+
 FP8_MAX = 448.0
 GROUP = 128
 
@@ -349,29 +351,6 @@ def test_fp8_up_swiglu_power_of_two_scales(issue_ahead):
     assert rel_err(deq, h) <= 0.04
 
 
-def check_block_trace(trace: torch.Tensor, programs: int, num_blocks: int) -> None:
-    """A traced launch's stamps: the loader's blocks are ``num_blocks`` in all, each MMA warpgroup stamps the loader's
-    blocks, a busy warpgroup's four points are in time order, and ``tools.block_trace.block_phases`` reads them."""
-    from megamoe.kernels import gluon_sm90 as g
-    from tools.block_trace import block_phases
-
-    stamps = trace.view(programs, g.TRACE_PARTS.value, g.TRACE_BLOCKS.value, 2, g.TRACE_POINTS.value).cpu()
-    blocks = (stamps[:, 2, :, 0, 0] >= 0).sum(1)  # the loader's blocks per program
-    assert int(blocks.sum()) == num_blocks  # every block of the launch, once
-    for wg in (0, 1):
-        assert torch.equal((stamps[:, wg, :, 0, 0] >= 0).sum(1), blocks)  # each warpgroup stamps the loader's blocks
-        cyc = stamps[:, wg, :, 0]
-        taken = cyc[..., 0] >= 0
-        assert bool((cyc[..., 3][taken] >= cyc[..., 0][taken]).all())
-        busy = taken & (cyc[..., 1] >= 0)  # a warpgroup whose 64 rows lie past the expert stamps only 0 and 3
-        assert bool(busy.any())
-        in_order = (cyc[..., 1] >= cyc[..., 0]) & (cyc[..., 2] >= cyc[..., 1]) & (cyc[..., 3] >= cyc[..., 2])
-        assert bool(in_order[busy].all())
-    phases = block_phases(trace.cpu(), programs)
-    for wg in ("wg0", "wg1"):
-        assert phases[wg]["main"] > 0 and phases[wg]["wait"] >= 0 and phases[wg]["block"] >= phases[wg]["main"]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["rows128", "rows256", "up", "up_issue_ahead"])
 def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
@@ -410,7 +389,7 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
         outs = [(h_q.view(torch.uint8), h_s) for h_q, h_s in outs]
         num_blocks = busy_tiles * (inter // 128)
     assert all(map(torch.equal, *outs))
-    check_block_trace(trace, programs, num_blocks)
+    check_block_trace(trace, programs, num_blocks, {"wg0": 0, "wg1": 1})
 
 
 def test_block_phases_reads_a_known_trace():

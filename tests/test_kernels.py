@@ -21,6 +21,7 @@ from tests.helpers import (
     NAMES,
     SHAPES,
     assert_close_to_reference,
+    check_block_trace,
     gpu_problem,
     make_problem,
     run_with_grads,
@@ -867,3 +868,32 @@ def test_warp_specialized_up_kernel_matches_a_per_expert_reference(num_tokens, d
     torch.testing.assert_close(preact[:routed].float(), gu, rtol=1e-2, atol=1e-2 * gu.abs().max().item())
     triton_h = expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, gluon=False)[:routed].float()
     torch.testing.assert_close(got, triton_h, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["up", "up_saved", "dh", "act", "dw13", "dw2"])
+def test_warp_specialized_kernel_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
+    """The bf16 Gluon kernels' block trace (``trace=``, read by ``tools.kernels_trace``) changes no output bit, and
+    every program's MMA partition (and the act kernel's epilogue partition) stamps each of its blocks in time order,
+    each kernel launched as the tool launches it; among the weight gradients' blocks, an expert without rows."""
+    from megamoe.bench.common import make_problem as bench_problem
+    from megamoe.kernels import gluon_sm90 as g
+    from tools.kernels_trace import launches
+
+    num_tokens, dim, inter, num_experts, top_k = 1024, 512, 256, 16, 4
+    problem = list(bench_problem(num_tokens, dim, inter, num_experts, top_k, "random", torch.bfloat16, "cuda", 5))
+    problem[1] = torch.where(problem[1] == num_experts - 1, 0, problem[1])  # expert 15 without rows (0 twice in
+    # some tokens' slots: to the kernels, two rows like any others)
+    launch, fresh, _, parts = launches(tuple(problem), num_experts)[kernel]
+    counts = torch.bincount(problem[1].reshape(-1), minlength=num_experts).tolist()
+    busy_tiles = sum(-(-c // BLOCK_M) for c in counts)
+    num_blocks = {"up": busy_tiles * inter // 128, "up_saved": busy_tiles * inter // 128, "act": busy_tiles * inter // 128,
+                  "dh": busy_tiles * -(-inter // 256), "dw13": num_experts * (2 * inter // 128) * (dim // 256),
+                  "dw2": num_experts * (dim // 128) * -(-inter // 256)}[kernel]
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    trace = torch.full((g.trace_size(programs),), -1, device="cuda", dtype=torch.int64)
+    plain, traced = fresh(), fresh()
+    launch(plain, None)
+    launch(traced, trace)
+    assert all(map(torch.equal, plain, traced))
+    check_block_trace(trace, programs, num_blocks, parts)
