@@ -352,32 +352,47 @@ def test_fp8_up_swiglu_power_of_two_scales(issue_ahead):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["rows128", "rows256", "up", "up_issue_ahead"])
+@pytest.mark.parametrize("kernel", ["rows128", "rows256", "rows256_turns", "up", "up_issue_ahead", "up_turns",
+                                    "wgrad128", "wgrad256", "wgrad256_turns"])
 def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
     """The block trace (``trace=``) changes no output bit, and every program's partitions stamp each of their blocks
-    in time order: the sorted-rows kernel in blocks of 128 and 256 columns, the up kernel in both issue patterns."""
+    in time order: the sorted-rows kernel in blocks of 128 and 256 columns, the up kernel in both issue patterns, the
+    weight gradients in both block widths (an expert without rows among them), the 256-column blocks and the up
+    kernel also with the warpgroups' turns."""
     from megamoe.kernels import gluon_fp8_sm90 as f
     from megamoe.kernels import gluon_sm90 as g
+    from megamoe.kernels.quant import quantize_tile_cols
 
     gen = torch.Generator().manual_seed(3)
     num_tokens, num_experts, top_k, dim, inter = 2048, 16, 4, 512, 256
-    topk_idx = make_routing(num_tokens, num_experts, top_k, "random", gen)
+    # the weight gradients' tokens routed among all experts but the last (its blocks: zeros, no K-steps)
+    topk_idx = make_routing(num_tokens, num_experts - kernel.startswith("wgrad"), top_k, "random", gen)
     plan, offsets = build(topk_idx, num_experts)
     rows = num_tokens * top_k
     busy_tiles = sum(-(-(hi - lo) // 128) for lo, hi in itertools.pairwise(offsets))
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     trace = torch.full((g.trace_size(programs),), -1, device="cuda", dtype=torch.int64)
+    turns = kernel.endswith("_turns")
     outs = []
     if kernel.startswith("rows"):
-        block_n = int(kernel[4:])
+        block_n = int(kernel[4:7])
         a_q, a_s = quantize_rows(make_data((rows, inter), "random", gen))
         w_q, w_s = quantize_weights(make_data((num_experts, dim, inter), "random", gen, group_dims=2) / 16)
         weights = torch.rand(rows, generator=gen).cuda()
         for tr in (None, trace):
             outs.append((torch.zeros(rows, dim, device="cuda", dtype=torch.bfloat16), ))
             f.fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, outs[-1][0], plan, weights=weights, to_slots=True, block_n=block_n,
-                               trace=tr)
+                               ping_pong=turns if block_n == 256 else None, trace=tr)
         num_blocks = busy_tiles * (dim // block_n)
+    elif kernel.startswith("wgrad"):  # dW13's shape: (2I, D) per expert
+        block_n = int(kernel[5:8])
+        a_q, a_s = quantize_tile_cols(make_data((rows, 2 * inter), "random", gen).to(torch.bfloat16), plan)
+        b_q, b_s = quantize_tile_cols(make_data((rows, dim), "random", gen).to(torch.bfloat16), plan)
+        for tr in (None, trace):
+            outs.append((torch.zeros(num_experts, 2 * inter, dim, device="cuda", dtype=torch.bfloat16), ))
+            f.fp8_wgrad_ws(a_q, a_s, b_q, b_s, outs[-1][0], plan.offsets_E1, block_n,
+                           ping_pong=turns if block_n == 256 else None, trace=tr)
+        num_blocks = num_experts * (2 * inter // 128) * (dim // block_n)
     else:
         x_q, x_s = quantize_rows(make_data((num_tokens, dim), "random", gen))
         w13_q, w13_s = quantize_weights(make_data((num_experts, 2 * inter, dim), "random", gen, group_dims=2) / 16)
@@ -385,7 +400,7 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
             outs.append((torch.zeros(rows, inter, device="cuda", dtype=torch.float8_e4m3fn),
                          torch.zeros(inter // 128, rows, device="cuda", dtype=torch.float32)))
             f.fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, *outs[-1], plan, top_k, issue_ahead=kernel == "up_issue_ahead",
-                               trace=tr)
+                               ping_pong=True if turns else None, trace=tr)
         outs = [(h_q.view(torch.uint8), h_s) for h_q, h_s in outs]
         num_blocks = busy_tiles * (inter // 128)
     assert all(map(torch.equal, *outs))
@@ -442,6 +457,8 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
             "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
             "rows_down_traced": ("fp8_rows", dict(trace=True)), "up_traced": ("fp8_up", dict(trace=True)),
+            "wgrad_traced": ("fp8_wgrad", dict(trace=True)),
+            "wide_wgrad_traced": ("fp8_wgrad", dict(block_n=256, trace=True)),
             "wide_rows_down": ("fp8_rows", dict(block_n=256)),
             "wide_rows_dh": ("fp8_rows", dict(block_n=256, weighted=False, to_slots=False)),
             "wide_rows_down_stores_at_once": ("fp8_rows", dict(block_n=256, defer_epilogue=False))}

@@ -1,20 +1,21 @@
 """Where the FP8 GEMMs' blocks spend their time (an sm90 GPU):
 
-    python -m tools.fp8_trace [--preset P] [--tokens T] [--gemms down,dh,dx,up] [--plain] [--wide] [--turns]
-                              [--out DIR]
+    python -m tools.fp8_trace [--preset P] [--tokens T] [--gemms down,dh,dx,up,dw13,dw2] [--plain] [--wide]
+                              [--turns] [--out DIR]
 
 Runs each GEMM of the FP8 path's sorted-rows kernel (``gluon_fp8_sm90.fp8_rows_gemm_ws``: down, dh', dx) and, with
 ``up`` in ``--gemms``, its gate/up kernel (``fp8_up_swiglu_ws``, h quantised; its epilogue between the main loop's end
-and the block's) on the layer benchmark's problem, untraced and then traced (``trace=``: the cycle counter and the
-global timer at fixed points of every block in each partition, ``gluon_sm90.TRACE_BLOCKS``), checks that the traced
-output is bitwise the untraced one, and reports per MMA warpgroup the medians per block (us) of the phases of
-``tools.block_trace.PHASES`` and the main loops' share of its time.
-``--plain`` also runs each GEMM in the other issue pattern (the sorted-rows ones with stores not deferred); ``--wide``
-the sorted-rows GEMMs also in blocks of 256 columns (``block_n``, where N is a multiple of 256), stores at once and
-deferred; ``--turns`` each 256-column block and the up kernel (without issue-ahead) also with the MMA warpgroups' turns
-the other way than ``ROWS_PING_PONG`` / ``UP_PING_PONG`` (in turn, warpgroup 1's blocks start about a chain after
-warpgroup 0's: "drift"). The stamps cost a few percent of the kernel's time: the phases say where the time goes, not the
-exact time.
+and the block's), with ``dw13`` or ``dw2`` its weight gradients (``fp8_wgrad_ws`` in blocks of ``wgrad_block_n``
+columns, on random sorted rows quantised 128x1), on the layer benchmark's problem, untraced and then traced
+(``trace=``: the cycle counter and the global timer at fixed points of every block in each partition,
+``gluon_sm90.TRACE_BLOCKS``), checks that the traced output is bitwise the untraced one, and reports per MMA
+warpgroup the medians per block (us) of the phases of ``tools.block_trace.PHASES`` and the main loops' share of its
+time. ``--plain`` also runs each GEMM in the other issue pattern (the sorted-rows ones with stores not deferred; the
+weight gradients in blocks of 128 columns, which issue ahead); ``--wide`` the sorted-rows GEMMs also in blocks of 256
+columns (``block_n``, where N is a multiple of 256), stores at once and deferred; ``--turns`` each 256-column block
+and the up kernel (without issue-ahead) also with the MMA warpgroups' turns the other way than ``ROWS_PING_PONG``,
+``UP_PING_PONG`` or ``WGRAD_PING_PONG`` (in turn, warpgroup 1's blocks start about a chain after warpgroup 0's:
+"drift"). The stamps cost a few percent of the kernel's time: the phases say where the time goes, not the exact time.
 Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit, command):
 ``fp8-block-trace-PRESET-tTOKENS.json``, the GEMMs named after it when they are not the default three.
 """
@@ -48,17 +49,17 @@ def main(argv=None) -> None:
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS), help="the layer's D, I, E and K")
     p.add_argument("--tokens", type=positive_int, default=16384, help="tokens per step (T)")
     p.add_argument("--gemms", type=lambda s: s.split(","), default=DEFAULT_GEMMS,
-                   help="comma-separated, from down, dh (dh'), dx, up")
+                   help="comma-separated, from down, dh (dh'), dx, up, dw13, dw2")
     p.add_argument("--plain", action="store_true",
                    help="also the other issue pattern, stores not deferred (ROWS_ISSUE_AHEAD, ROWS_DEFER_EPILOGUE off)")
     p.add_argument("--wide", action="store_true", help="also blocks of 256 columns (fp8_rows_gemm_ws's block_n)")
     p.add_argument("--turns", action="store_true",
                    help="256-column blocks and the up kernel also with the warpgroups' turns the other way "
-                        "(ROWS_PING_PONG, UP_PING_PONG)")
+                        "(ROWS_PING_PONG, UP_PING_PONG, WGRAD_PING_PONG)")
     p.add_argument("--out", type=Path, help="folder for the JSON record")
     args = p.parse_args(argv)
-    if unknown := set(args.gemms) - {"down", "dh", "dx", "up"}:
-        raise SystemExit(f"--gemms: unknown {sorted(unknown)}; choose from down, dh, dx, up")
+    if unknown := set(args.gemms) - {"down", "dh", "dx", "up", "dw13", "dw2"}:
+        raise SystemExit(f"--gemms: unknown {sorted(unknown)}; choose from down, dh, dx, up, dw13, dw2")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise SystemExit("tools.fp8_trace traces the sm90 Gluon FP8 kernel: it needs a Hopper GPU")
     dim, inter, num_experts, top_k = PRESETS[args.preset]
@@ -89,6 +90,24 @@ def main(argv=None) -> None:
     # (GEMM, block columns, issue-ahead, stores deferred, turns, its launch (traced or not) -> its outputs, FLOPs)
     variants = []
     for name in args.gemms:
+        if name in ("dw13", "dw2"):  # dW13 = dzᵀ x, dW2 = dyᵀ (h·w), the sorted rows' tile columns
+            p_dim, q_dim = (2 * inter, dim) if name == "dw13" else (dim, inter)
+            a_t, b_t = (quant.quantize_tile_cols(torch.randn(rows, c, device="cuda", dtype=torch.bfloat16), plan)
+                        for c in (p_dim, q_dim))
+            widths = [gluon_fp8_sm90.wgrad_block_n(q_dim)] + ([128] if args.plain and q_dim % 256 == 0 else [])
+            wgrad_patterns = [(block_n, gluon_fp8_sm90.wide_turns(block_n, None, gluon_fp8_sm90.WGRAD_PING_PONG))
+                              for block_n in widths]
+            if args.turns and widths[0] == 256:
+                wgrad_patterns.append((256, not wgrad_patterns[0][1]))
+            for block_n, turns in wgrad_patterns:
+                def run(traced, a_t=a_t, b_t=b_t, p_dim=p_dim, q_dim=q_dim, block_n=block_n, turns=turns):
+                    out = torch.empty(num_experts, p_dim, q_dim, device="cuda", dtype=torch.bfloat16)
+                    gluon_fp8_sm90.fp8_wgrad_ws(*a_t, *b_t, out, plan.offsets_E1, block_n, ping_pong=turns,
+                                                trace=trace if traced else None)
+                    return (out, )
+                variants.append((name, block_n, block_n == 128, gluon_fp8_sm90.WGRAD_DEFER_STORES, turns, run,
+                                 2 * rows * p_dim * q_dim))
+            continue
         if name == "up":
             up_patterns = [(gluon_fp8_sm90.UP_ISSUE_AHEAD, None)]
             if args.plain:

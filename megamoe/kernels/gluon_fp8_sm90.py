@@ -209,10 +209,11 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
         row_dest_ptr=row_dest if row_dest is not None else plan.row_slot_N, offsets_ptr=plan.offsets_E1,
         tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, M=num_rows, N_OUT=n_out, K=k_dim,
-        E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, WEIGHTED=weights is not None, TO_SLOTS=to_slots,
-        ISSUE_AHEAD=issue_ahead, DEFER_EPILOGUE=defer_epilogue, PING_PONG=ping_pong, **trace_args(trace, out),
-        STAGES=ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
-        MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+        E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, WEIGHTED=weights is not None,
+        TO_SLOTS=to_slots, ISSUE_AHEAD=issue_ahead, DEFER_EPILOGUE=defer_epilogue, PING_PONG=ping_pong,
+        **trace_args(trace, out), STAGES=ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES,
+        LOADER_WARPS=ROWS_LOADER_WARPS, MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS,
+        maxnreg=FP8_MAXNREG)
 
 
 def rows_pattern(n_out: int, block_n: int | None = None, issue_ahead: bool | None = None,
@@ -279,7 +280,8 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
         tile_row_ptr=plan.tile_row_NT, T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, top_k=top_k,
         EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None, H_OUT=h_out,
         ISSUE_AHEAD=issue_ahead, PING_PONG=ping_pong, POW2=fp8_pow2_scales(), **trace_args(trace, x_s),
-        STAGES=UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS, MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+        STAGES=UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS, MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS,
+        num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
 def up_ping_pong(issue_ahead: bool, ping_pong: bool | None) -> bool:
@@ -320,7 +322,8 @@ def wgrad_ring(block_n: int, stages: int | None = None) -> tuple[int, int]:
 
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
                  offsets: torch.Tensor, block_n: int | None = None, read_ahead: bool | None = None,
-                 defer_stores: bool | None = None, ping_pong: bool | None = None, stages: int | None = None) -> None:
+                 defer_stores: bool | None = None, ping_pong: bool | None = None, stages: int | None = None, *,
+                 trace: torch.Tensor | None = None) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``wgrad_ws_kernel``; an expert without rows gets zeros.
 
@@ -329,7 +332,7 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``block_n``: the output block's
     width (``wgrad_block_n``); ``read_ahead``, ``defer_stores``: the blocks' reads and stores (None:
     ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES``); ``ping_pong``: the warpgroups' turns (``wide_turns``); ``stages``:
-    the ring's (``wgrad_ring``)."""
+    the ring's (``wgrad_ring``); ``trace``: the block trace, as for ``fp8_rows_gemm_ws``."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
     assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -342,7 +345,7 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [block_n, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
-        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts), STAGES=stages,
+        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts), STAGES=stages, **trace_args(trace, a_s),
         READ_AHEAD=WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
         DEFER=WGRAD_DEFER_STORES if defer_stores is None else defer_stores,
         PING_PONG=wide_turns(block_n, ping_pong, WGRAD_PING_PONG), LOADER_WARPS=ROWS_LOADER_WARPS,
@@ -399,7 +402,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     ``block_n`` also the weight-gradient kernel's, ``read_ahead`` (None: ``WGRAD_READ_AHEAD``), ``defer_epilogue``
     (None: ``WGRAD_DEFER_STORES``) too; ``ping_pong``: each kernel's turns (None: ``ROWS_PING_PONG``,
     ``UP_PING_PONG``, ``WGRAD_PING_PONG``); ``stages``: the weight-gradient kernel's ring (``wgrad_ring``);
-    ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the sorted-rows or the up kernel."""
+    ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the sorted-rows, up or weight-gradient
+    kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -436,10 +440,10 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
                       "STAGES": wgrad_ring(block_n, stages)[0],
                       "READ_AHEAD": WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
                       "DEFER": WGRAD_DEFER_STORES if defer_epilogue is None else defer_epilogue,
-                      "PING_PONG": wide_turns(block_n, ping_pong, WGRAD_PING_PONG),
+                      "PING_PONG": wide_turns(block_n, ping_pong, WGRAD_PING_PONG), "TRACE": trace,
                       "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         blocks["out_desc"] = ([1, FP8_BM // 2, wgrad_ring(block_n, stages)[1]], "bf16")
-        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32"}
+        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64"}
         sizes = {"P", "Q"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}

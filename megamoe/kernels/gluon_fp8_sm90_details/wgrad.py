@@ -22,9 +22,12 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     wait_turn,
 )
 from megamoe.kernels.gluon_sm90 import (
+    block_index,
     count_busy_tiles,
     expert_rows_ahead,
     next_slot,
+    stamp,
+    stamp_first,
     store_block,
     wgmma_acc_layout,
     wgrad_block,
@@ -36,11 +39,12 @@ ACC_COLS = gl.constexpr(128)
 
 @gluon.jit
 def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q,
-                  num_p, num_q, tiles, EB: gl.constexpr, num_warps: gl.constexpr):
+                  num_p, num_q, tiles, trace_ptr, EB: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``wgrad_ws_kernel``: per K-step (one plan tile t of the block's
     expert), the blocks of A (128, 128) at [p0, 128 t] and of B (BN, 128) at [q0, 128 t] through TMA (zeros past the
     expert's rows are in the tensors), and the tile's scales of the block's 128 P-columns (two warpgroup halves) and
-    BN Q-columns through ``cp.async``, each thread's copies arriving on the stage's ready barrier."""
+    BN Q-columns through ``cp.async``, each thread's copies arriving on the stage's ready barrier. TRACE: its stamps
+    (partition 2 of ``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -50,6 +54,7 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a
     lanes_b = gl.arange(0, BN, layout=gl.BlockedLayout([BN // (32 * num_warps)], [32], [num_warps], [0]))
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        stamp(trace_ptr, 2, block_index(tile), 0, TRACE, num_warps)
         e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
         first = count_busy_tiles(offsets_ptr, e, EB, BK, num_warps)  # the tiles of the experts before e
         for t in range(first, first + (end - start + BK - 1) // BK):
@@ -61,6 +66,8 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a
             async_copy.async_copy_global_to_shared(bs_bufs.index(s), b_s_ptr + t * Q + q0 + lanes_b)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
+            stamp_first(trace_ptr, 2, block_index(tile), 1, t == first, TRACE, num_warps)
+        stamp(trace_ptr, 2, block_index(tile), 2, TRACE, num_warps)
 
 
 @gluon.jit
@@ -83,19 +90,21 @@ def _wgrad_promote(acc, tmp, as_bufs, bs_bufs, empty, s, WG: gl.constexpr):
 
 
 @gluon.jit
-def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, WG: gl.constexpr,
-                      acc_layout: gl.constexpr):
+def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, trace_ptr, block, WG: gl.constexpr,
+                      TRACE: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
     """A block's ``steps`` (>= 1) K-steps for one warpgroup with the next chain issued before a finished one is
     promoted (the pattern of ``_rows_main_narrow``'s issue-ahead branch, whose comments say why each wait is
     to zero chains in flight). The scales are read at the promotion, under the next chain: held from the stage's
     ready wait, as the sorted-rows kernel holds its row scales, B's 32 per thread would not fit beside two
-    temporaries and the accumulator. Returns (the accumulator, the next ring step)."""
+    temporaries and the accumulator. TRACE: the block's point 1 (its first stage ready). Returns (the accumulator, the
+    next ring step)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HALF: gl.constexpr = as_bufs.type.shape[1]
     BN: gl.constexpr = b_bufs.type.shape[1]
     acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
     tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
     s0 = stage_ready(ready, step, STAGES)
+    stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
     tmp0 = issue_chain(a_bufs, b_bufs, s0, 0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
     for _ in range((steps - 1) // 2):  # [step `step` in flight in tmp0]
         s1 = stage_ready(ready, step + 1, STAGES)
@@ -137,17 +146,20 @@ def _store_acc(out, c_smem, desc, e, p0, q0):
 
 @gluon.jit
 def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, acc0, acc1, tmp, c_smem, out_desc, e,
-                     p0, q0, pend, pend_e, pend_p, pend_q, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
-                     PING_PONG: gl.constexpr):
+                     p0, q0, pend, pend_e, pend_p, pend_q, trace_ptr, block, WG: gl.constexpr, FIRST: gl.constexpr,
+                     LAST: gl.constexpr, PING_PONG: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
     ``acc0``, the right chain, its promotion into ``acc1``, the stage freed. With FIRST (the block's first K-step)
     ``acc1`` holds the previous block's right half if ``pend`` is nonzero: stored at [pend_e, pend_p, pend_q] under
     the left chain, and both accumulators start from zero. With LAST (its last) the left half stored at [e, p0, q0]
     under the right chain. With PING_PONG the second warpgroup's left chain waits for the first's to finish
-    (``common.wait_turn``). Returns (acc0, acc1, tmp)."""
+    (``common.wait_turn``). TRACE: with FIRST, the block's point 1 (its first stage ready). Returns (acc0, acc1,
+    tmp)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HB: gl.constexpr = tmp.type.shape[1]
     s = stage_ready(ready, step, STAGES)
+    if FIRST:
+        stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
     wait_turn(seen, s, step, WG, PING_PONG)
     tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
     if FIRST:
@@ -170,29 +182,30 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step,
 
 @gluon.jit
 def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, steps, acc1, tmp, c_smem, out_desc, e,
-                     p0, q0, pend, pend_e, pend_p, pend_q, WG: gl.constexpr, PING_PONG: gl.constexpr):
+                     p0, q0, pend, pend_e, pend_p, pend_q, trace_ptr, block, WG: gl.constexpr, PING_PONG: gl.constexpr,
+                     TRACE: gl.constexpr, num_warps: gl.constexpr):
     """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
     accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
     each promotion runs under the other warpgroup's MMAs); the previous block's right half (``acc1`` if ``pend``)
     stored under the first K-step's left chain, the left half at [e, p0, q0] under the last K-step's right chain;
-    PING_PONG as ``_wgrad_wide_step``. Returns (the right half's accumulator, to be stored at [e, p0, q0 + 128]
-    under the next block's first chain; the temporary; the next ring step)."""
+    PING_PONG and TRACE as ``_wgrad_wide_step``. Returns (the right half's accumulator, to be stored at [e, p0, q0 +
+    128] under the next block's first chain; the temporary; the next ring step)."""
     acc0 = gl.zeros_like(acc1)
     if steps == 1:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, acc0, acc1,
-                                           tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG, True,
-                                           True, PING_PONG)
+                                           tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, trace_ptr,
+                                           block, WG, True, True, PING_PONG, TRACE, num_warps)
     else:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, acc0, acc1,
-                                           tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, WG, True,
-                                           False, PING_PONG)
+                                           tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, trace_ptr,
+                                           block, WG, True, False, PING_PONG, TRACE, num_warps)
         for k in range(1, steps - 1):
             acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step + k, acc0,
                                                acc1, tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q,
-                                               WG, False, False, PING_PONG)
+                                               trace_ptr, block, WG, False, False, PING_PONG, TRACE, num_warps)
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step + steps - 1,
                                            acc0, acc1, tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q,
-                                           WG, False, True, PING_PONG)
+                                           trace_ptr, block, WG, False, True, PING_PONG, TRACE, num_warps)
     return acc1, tmp, step + steps
 
 
@@ -211,8 +224,8 @@ def _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM: g
 
 @gluon.jit
 def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bufs, b_bufs, as_bufs, bs_bufs, num_p,
-                         num_q, tiles, WG: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr,
-                         PING_PONG: gl.constexpr, num_warps: gl.constexpr):
+                         num_q, tiles, trace_ptr, WG: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr,
+                         PING_PONG: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
     B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
@@ -223,7 +236,8 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bu
     half is stored under the next block's first MMA (else at its end); with PING_PONG (256 columns) the second
     warpgroup issues each K-step's left chain once the first's has finished, so that each promotes under the other's
     MMAs (else both issue at once and promote at once, with the tensor cores idle). An expert without rows gets
-    zeros."""
+    zeros. TRACE: the warpgroup's stamps (partition WG of ``gluon_sm90.TRACE_BLOCKS``; a block's end once its stores
+    are issued, or with DEFER its right half set aside)."""
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
@@ -241,13 +255,16 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bu
         pend_p = 0
         pend_q = 0
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+            stamp(trace_ptr, WG, block_index(tile), 0, TRACE, num_warps)
             e, p0, q0, steps, start, end = _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM,
                                                               BN, BK, READ_AHEAD)
             p0 = p0 + WG * HALF
             if steps > 0:
                 acc1, tmp, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, steps,
                                                    acc1, tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p,
-                                                   pend_q, WG, PING_PONG)
+                                                   pend_q, trace_ptr, block_index(tile), WG, PING_PONG, TRACE,
+                                                   num_warps)
+                stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
                 if DEFER:
                     pend = 1
                     pend_e = e
@@ -259,30 +276,35 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bu
                 zeros = gl.zeros([HALF, HB], gl.float32, acc_layout).to(out_desc.dtype)
                 _store_acc(zeros, c_smem, out_desc, e, p0, q0)
                 _store_acc(zeros, c_smem, out_desc, e, p0, q0 + HB)
+            stamp(trace_ptr, WG, block_index(tile), 3, TRACE, num_warps)
         if pend != 0:
             _store_acc(acc1.to(out_desc.dtype), c_smem, out_desc, pend_e, pend_p, pend_q)
     else:
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+            stamp(trace_ptr, WG, block_index(tile), 0, TRACE, num_warps)
             e, p0, q0, steps, start, end = _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM,
                                                               BN, BK, READ_AHEAD)
             acc = gl.zeros([HALF, HB], gl.float32, acc_layout)
             if steps > 0:
-                acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, WG,
-                                              acc_layout)
+                acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, trace_ptr,
+                                              block_index(tile), WG, TRACE, acc_layout, num_warps)
+                stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
             _store_acc(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
+            stamp(trace_ptr, WG, block_index(tile), 3, TRACE, num_warps)
     tma.store_wait(0)
 
 
 @gluon.jit
-def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, EB: gl.constexpr,
-                         STAGES: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr,
-                         PING_PONG: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                         MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr, EB: gl.constexpr,
+                    STAGES: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr, PING_PONG: gl.constexpr,
+                    TRACE: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
+                    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B (Q,
     NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q) bf16,
     block (1, BM / 2, 128 or 64) (one warpgroup's rows, the columns of one store: ``_store_acc``). Blocks: ``tiles``
     = E * P/BM * Q/BN output blocks, expert-major (the programs at work share one expert's operands in L2), one
-    program per SM walking them. P a multiple of 128, Q of BN; EB a power of two >= E."""
+    program per SM walking them. P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into trace_ptr
+    (int64, ``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
@@ -293,10 +315,12 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     num_q = Q // BN
     gl.warp_specialize([
         (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, ready, empty, seen, a_bufs, b_bufs, as_bufs,
-                                bs_bufs, num_p, num_q, tiles, 0, READ_AHEAD, DEFER, PING_PONG, num_warps)),
+                                bs_bufs, num_p, num_q, tiles, trace_ptr, 0, READ_AHEAD, DEFER, PING_PONG, TRACE,
+                                num_warps)),
         (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, ready, empty, seen, a_bufs, b_bufs, as_bufs,
-                                bs_bufs, num_p, num_q, tiles, 1, READ_AHEAD, DEFER, PING_PONG, num_warps)),
+                                bs_bufs, num_p, num_q, tiles, trace_ptr, 1, READ_AHEAD, DEFER, PING_PONG, TRACE,
+                                num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
-                         P, Q, num_p, num_q, tiles, EB, LOADER_WARPS)),
+                         P, Q, num_p, num_q, tiles, trace_ptr, EB, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
