@@ -3,7 +3,7 @@
     python -m tools.resources     compile every kernel for sm_90a on any machine: registers, spills, shared memory
     python -m tools.kernels       per-kernel times of the fused path, optionally sweeping tile configs (GPU)
     python -m tools.fp8           the FP8 path's kernels against the dense FP8 matmul and the copy rate (GPU)
-    python -m tools.fp8_trace     where the FP8 sorted-rows GEMM's blocks spend their time (Hopper)
+    python -m tools.fp8_trace     where the FP8 GEMMs' blocks spend their time (Hopper)
     python -m tools.kernels_trace  where the bf16 Gluon GEMMs' blocks spend their time (Hopper)
     python -m tools.fp8_wgrad_scales   the FP8 weight gradients' error with fewer scales, against float64 (CPU)
     python -m tools.host          the host time of a step: the Python around the kernels
