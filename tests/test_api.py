@@ -442,7 +442,8 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
     gradients' with their ring of 6 stages of BK 32)."""
     import json
 
-    from tools.kernels import main
+    from megamoe.kernels.gluon_sm90 import WGRAD_BY_SIZE
+    from tools.kernels import ORDERS, main
 
     main(["--tokens", "256", "--json", str(tmp_path / "k.json")])
     rows = {r["stage"]: r for r in json.loads((tmp_path / "k.json").read_text())["stages"]}
@@ -456,6 +457,7 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
             assert rows[stage]["config"]["WARP_SPECIALIZED"], stage
         for stage in ("bwd dw13, combine", "bwd dw2"):
             assert (rows[stage]["config"]["BK"], rows[stage]["config"]["num_stages"]) == (32, 6), stage
+            assert rows[stage + ORDERS[not WGRAD_BY_SIZE]]["ms"] > 0  # the blocks' other order beside
         for stage in ("fwd down", "bwd dx"):
             assert not rows[stage]["config"].get("WARP_SPECIALIZED"), stage
 

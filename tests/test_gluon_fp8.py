@@ -407,6 +407,31 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
     check_block_trace(trace, programs, num_blocks, {"wg0": 0, "wg1": 1})
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_fp8_wgrad_in_size_order_is_bitwise_the_same(block_n):
+    """The FP8 weight gradients with their blocks dealt in order of their experts' rows (``by_size``) write every
+    block, bitwise as in expert order: a skewed routing with experts without rows, 512 or 1 024 blocks over the SMs
+    (full rounds dealt from alternate ends, then a partial one)."""
+    from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws
+    from megamoe.kernels.quant import quantize_tile_cols
+
+    gen = torch.Generator().manual_seed(block_n)
+    num_experts, p, q = 64, 512, 512
+    counts = (4000 / torch.arange(1, num_experts + 1) ** 1.2).long()[torch.randperm(num_experts, generator=gen)]
+    counts[::9] = 0
+    plan, _ = build(torch.repeat_interleave(torch.arange(num_experts), counts)[:, None].cuda(), num_experts)
+    rows = int(counts.sum())
+    a_t = quantize_tile_cols(make_data((rows, p), "random", gen).to(torch.bfloat16), plan)
+    b_t = quantize_tile_cols(make_data((rows, q), "random", gen).to(torch.bfloat16), plan)
+    outs = []
+    for by_size in (False, True):
+        outs.append(torch.full((num_experts, p, q), float("nan"), device="cuda", dtype=torch.bfloat16))
+        fp8_wgrad_ws(*a_t, *b_t, outs[-1], plan.offsets_E1, block_n, by_size=by_size)
+    assert not outs[1].isnan().any()  # every block written (experts without rows: zeros)
+    assert torch.equal(*outs)
+
+
 def test_block_phases_reads_a_known_trace():
     """``tools.block_trace.block_phases`` on stamps written by hand: one program, two blocks, the cycle counter at 2
     per ns; warpgroup 1 a block starting 1 us after warpgroup 0's."""
@@ -459,6 +484,8 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "rows_down_traced": ("fp8_rows", dict(trace=True)), "up_traced": ("fp8_up", dict(trace=True)),
             "wgrad_traced": ("fp8_wgrad", dict(trace=True)),
             "wide_wgrad_traced": ("fp8_wgrad", dict(block_n=256, trace=True)),
+            "wgrad_by_size": ("fp8_wgrad", dict(by_size=True)),
+            "wide_wgrad_by_size": ("fp8_wgrad", dict(block_n=256, by_size=True)),
             "wide_rows_down": ("fp8_rows", dict(block_n=256)),
             "wide_rows_dh": ("fp8_rows", dict(block_n=256, weighted=False, to_slots=False)),
             "wide_rows_down_stores_at_once": ("fp8_rows", dict(block_n=256, defer_epilogue=False))}

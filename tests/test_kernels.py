@@ -417,6 +417,21 @@ def test_plan_from_counts_equals_the_sorting_plan(counts, num_rows):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("counts", [[5], [3, 0, 9, 9, 1, 0, 9], list(range(130, 0, -1)), [0, 0, 0]],
+                         ids=["one expert", "ties and empty experts", "130 experts (past a power of two)", "no rows"])
+def test_experts_by_size_orders_the_experts_by_rows_most_first(counts):
+    """The weight gradients' size order (``plan.experts_by_size``): each expert once, by rows descending, ties in index
+    order, with its sorted rows [start, end) from the offsets."""
+    from megamoe.kernels.plan import experts_by_size
+
+    gen = torch.Generator().manual_seed(len(counts))
+    counts = torch.tensor(counts)[torch.randperm(len(counts), generator=gen)]  # not given in order
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
+    order = sorted(range(len(counts)), key=lambda e: (-int(counts[e]), e))
+    expected = torch.tensor([[e, offsets[e], offsets[e + 1]] for e in order], dtype=torch.int32)
+    assert torch.equal(experts_by_size(offsets.to(DEVICE)).cpu(), expected)
+
+
 def test_combine_moves_rows_exactly():
     num_tokens, top_k, dim = 37, 3, 40
     idx = torch.randint(0, 4, (num_tokens, top_k))
@@ -897,3 +912,33 @@ def test_warp_specialized_kernel_traced_is_bitwise_the_untraced_and_stamps_every
     launch(traced, trace)
     assert all(map(torch.equal, plain, traced))
     check_block_trace(trace, programs, num_blocks, parts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine", [False, True], ids=["dW2", "dW13 with the combine"])
+def test_warp_specialized_weight_gradients_in_size_order_are_bitwise_the_same(combine):
+    """The bf16 Gluon weight gradients with their blocks dealt in order of their experts' rows (``by_size``) write
+    every block, bitwise as in expert order: a skewed routing with experts without rows, 512 blocks over the SMs (full
+    rounds dealt from alternate ends, then a partial one)."""
+    from megamoe.kernels import gluon_sm90
+
+    gen = torch.Generator().manual_seed(11)
+    num_experts, p, q, top_k = 64, 512, 512, 2
+    counts = (4000 / torch.arange(1, num_experts + 1) ** 1.2).long()[torch.randperm(num_experts, generator=gen)]
+    counts[::9] = 0
+    idx = torch.repeat_interleave(torch.arange(num_experts), counts)[:, None].to(torch.int32)
+    plan = build_plan(idx.cuda(), num_experts)
+    rows = idx.numel()
+    a = torch.randn(rows, p, generator=gen).to("cuda", torch.bfloat16)
+    b = torch.randn(rows, q, generator=gen).to("cuda", torch.bfloat16)
+    slots = torch.randn(rows, q, generator=gen).to("cuda", torch.bfloat16)  # (T * top_k, D) for the combine
+    topk_idx = torch.randint(0, num_experts, (rows // top_k, top_k), generator=gen).cuda()
+    outs = {}
+    for by_size in (False, True):
+        dw = torch.full((num_experts, p, q), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = torch.full((rows // top_k, q), float("nan"), device="cuda", dtype=torch.bfloat16)
+        gluon_sm90.expert_wgrad_ws(a, b, plan.offsets_E1, dw, (slots, topk_idx, out) if combine else None,
+                                   by_size=by_size)
+        outs[by_size] = (dw, out) if combine else (dw, )
+    assert not outs[True][0].isnan().any()  # every block written (experts without rows: zeros)
+    assert all(map(torch.equal, outs[False], outs[True]))

@@ -6,6 +6,7 @@
     python -m tools.fp8_trace     where the FP8 GEMMs' blocks spend their time (Hopper)
     python -m tools.kernels_trace  where the bf16 Gluon GEMMs' blocks spend their time (Hopper)
     python -m tools.fp8_wgrad_scales   the FP8 weight gradients' error with fewer scales, against float64 (CPU)
+    python -m tools.wgrad_schedule  the weight gradients' blocks dealt to the programs, modelled (CPU)
     python -m tools.host          the host time of a step: the Python around the kernels
     python -m tools.l2            the GPU's L2 and HBM read bandwidth
     torchrun ... -m tools.sender_trace   where the expert-parallel sending kernels spend their time (GPUs)

@@ -1,8 +1,8 @@
 """The FP8 path's kernels one by one against the same process's dense FP8 matmul: each FP8 GEMM's time and TFLOP/s,
 and each quantiser's GB/s.
 
-``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--out DIR]`` on an sm90 GPU. Stages (bf16 inputs, the
-layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N, D), and the backward's sort
+``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--routing random] [--out DIR]`` on an sm90 GPU. Stages
+(bf16 inputs, the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N, D), and the backward's sort
 of the x and dy rows with and without dy's quantisation fused in (the FP8 path's); the weights' quantisation (both
 orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and without the products' store, and
 the products alone (the backward's recompute); down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM in
@@ -15,7 +15,8 @@ tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows (``quant.quan
 the tokens' rows, as x and dy can be), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 128
 columns, and of 256 where Q allows: ``gluon_fp8_sm90.WGRAD_BLOCK_N``; each also with its blocks' reads, stores and
 warpgroups' turns the ways ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES`` and ``WGRAD_PING_PONG`` do not have them, and
-the 256-column blocks in a ring of the other depth, 3 or 4 stages, than ``WGRAD_WIDE_STAGES``), the bf16 ones the FP8
+the 256-column blocks in a ring of the other depth, 3 or 4 stages, than ``WGRAD_WIDE_STAGES``; the layer's width also
+with its blocks in the other order than ``gluon_sm90.WGRAD_BY_SIZE``), the bf16 ones the FP8
 path runs without them (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and the part
 of the FP8 backward that ``FP8_WGRAD`` changes both ways: with it, dy's 1x128 rows quantised per token and copied
 sorted, x and dy quantised into tile columns from the tokens' rows, the act step writing dz's and h·w's tile columns
@@ -26,7 +27,7 @@ The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) o
 GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and
 writes them once. ``--stages down,dx``: only the stages whose names contain one of these (each first call compiles its
 kernel: the whole table takes minutes on a fresh machine). Prints a table and writes JSON (GPU, versions, date, commit,
-command) if ``--out`` is given.
+command) if ``--out`` is given, the routing named in its name where it is not random.
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ from pathlib import Path
 import torch
 
 from megamoe.arguments import HelpFormatter, positive_int
-from megamoe.bench.common import PRESETS, make_problem
-from megamoe.kernels import expert_bwd, expert_fwd, gluon_fp8_sm90, quant
+from megamoe.bench.common import PRESETS, ROUTINGS, make_problem
+from megamoe.kernels import expert_bwd, expert_fwd, gluon_fp8_sm90, gluon_sm90, quant
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import build_plan
 from megamoe.provenance import gpu_record
+from tools.kernels import ORDERS
 
 
 def scaled_mm_tflops(m: int, n: int, k: int) -> float:
@@ -84,11 +86,12 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, help="folder for the JSON record")
     p.add_argument("--stages", type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
                    help="comma-separated parts of stage names: time only those stages")
+    p.add_argument("--routing", choices=ROUTINGS, default="random", help="how the tokens pick their experts")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tools.fp8 times GPU kernels: it needs a CUDA GPU")
     dim, inter, num_experts, top_k = PRESETS[args.preset]
-    x, idx, weights, w13, w2, dy = make_problem(args.tokens, dim, inter, num_experts, top_k, "random",
+    x, idx, weights, w13, w2, dy = make_problem(args.tokens, dim, inter, num_experts, top_k, args.routing,
                                                 torch.bfloat16, torch.device("cuda"), 0)
     plan = build_plan(idx, num_experts)
     num_slots = idx.numel()
@@ -222,6 +225,11 @@ def main(argv=None) -> None:
                 stages.append((name + " FP8" + (" (256 columns)" if wide else "") + variant,
                                lambda a=a, b=b, block_n=block_n, ra=ra, df=df, pp=pp: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, ra, df, pp), flops, None, dense))
+            if block_n == gluon_fp8_sm90.wgrad_block_n(b[0].shape[0]):  # the layer's width, blocks in the other order
+                by_size = not gluon_sm90.WGRAD_BY_SIZE
+                stages.append((name + " FP8" + (" (256 columns)" if wide else "") + ORDERS[by_size],
+                               lambda a=a, b=b, block_n=block_n, by_size=by_size: expert_bwd.wgrad_fp8(
+                                   *a, *b, plan, torch.bfloat16, block_n, by_size=by_size), flops, None, dense))
             if wide:  # the other ring of 3 or 4 stages (gluon_fp8_sm90.wgrad_ring), the turns both ways
                 ring = 4 if gluon_fp8_sm90.WGRAD_WIDE_STAGES == 3 else 3
                 for pp in (ping_pong, not ping_pong):
@@ -253,9 +261,11 @@ def main(argv=None) -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         info = {**gpu_record("python -m tools.fp8 " + " ".join(shlex.quote(a) for a in sys.argv[1:])),
-                "preset": args.preset, "tokens": args.tokens, "device_copy_gbs": copy_gbs, "stages": results}
+                "preset": args.preset, "tokens": args.tokens, "routing": args.routing, "device_copy_gbs": copy_gbs,
+                "stages": results}
         subset = "-some-stages" if args.stages else ""  # never in place of a whole table's record
-        path = args.out / f"fp8-kernels-{args.preset}-t{args.tokens}{subset}.json"
+        routing = "" if args.routing == "random" else f"-{args.routing}"
+        path = args.out / f"fp8-kernels-{args.preset}-t{args.tokens}{routing}{subset}.json"
         path.write_text(json.dumps(info, indent=1))
         print(f"wrote {path}")
 

@@ -31,8 +31,10 @@ from megamoe.kernels.combine import combine
 from megamoe.kernels.gluon_sm90 import (
     ACT_CONFIG,
     UP_CONFIG,
+    WGRAD_BY_SIZE,
     WGRAD_CONFIG,
     WS_CONFIG,
+    expert_wgrad_ws,
     ws_supported,
 )
 from megamoe.kernels.plan import build_plan
@@ -64,9 +66,15 @@ SWEEPS = {
 }
 
 
+# The weight gradients' rows in the other order of their blocks (``gluon_sm90.WGRAD_BY_SIZE``), by the suffix of their
+# names: variants of the layer's stages, left out of the total.
+ORDERS = {True: " (blocks by size)", False: " (blocks in expert order)"}
+
+
 def stages(problem, num_experts):
     """name → (callable, FLOPs, the GEMM's TunedKernel — or, for one that runs a ``kernels.ws`` kernel, a record
-    of that kernel's fixed config — or None)."""
+    of that kernel's fixed config — or None): the layer's stages and, on sm90, the weight gradients with their blocks
+    in the other order (``ORDERS``)."""
     x, topk_idx, topk_weights, w13, w2, dy = problem
     top_k = topk_idx.shape[1]
     n_rows = int((topk_idx >= 0).sum())
@@ -89,7 +97,7 @@ def stages(problem, num_experts):
     run_act = lambda: expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k)
     run_dw13 = lambda: expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, w13.dtype, dx, topk_idx, x.dtype)
     run_dw2 = lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, w2.dtype)
-    return {
+    stages = {
         "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),
         "fwd up+swiglu": (run_up, 4 * unit, tuned(expert_fwd.UP, UP_CONFIG)),
         "fwd up+swiglu, products stored": (run_up_saved, 4 * unit, tuned(expert_fwd.UP, UP_CONFIG)),
@@ -102,6 +110,17 @@ def stages(problem, num_experts):
         "bwd dw13, combine": (run_dw13, 4 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
         "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
     }
+    if ws_supported(x):  # the Gluon weight gradients with their blocks in the order the layer does not deal them
+        by_size = not WGRAD_BY_SIZE
+        order = ORDERS[by_size]
+        dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)
+        combined = torch.empty_like(x)
+        stages["bwd dw13, combine" + order] = (
+            lambda: expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, dw13, (dx, topk_idx, combined), by_size=by_size),
+            4 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
+        stages["bwd dw2" + order] = (lambda: expert_wgrad_ws(dy_sorted, hw, plan.offsets_E1, dw2, by_size=by_size),
+                                     2 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
+    return stages
 
 
 def main(argv=None) -> None:
@@ -151,7 +170,9 @@ def main(argv=None) -> None:
                                       f"stages {cfg['num_stages']}" + (" persistent" if cfg.get("PERSISTENT") else "")
                                       + (" warp-specialized" if cfg.get("WARP_SPECIALIZED") else ""))
         print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{ran}{extra}", flush=True)
-    print(f"{'total':20s} {sum(r['ms'] for r in rows):8.3f} ms")
+    variant = tuple(ORDERS.values())
+    print(f"{'total':20s} {sum(r['ms'] for r in rows if not r['stage'].endswith(variant)):8.3f} ms "
+          "(the layer's stages)")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "preset": args.preset, "tokens": args.tokens, "top_k": top_k, "routing": args.routing,

@@ -65,7 +65,7 @@ from megamoe.kernels.gluon_fp8_sm90_details.act import act_tile_cols_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.rows import rows_ws_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.up import up_ws_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.wgrad import wgrad_ws_kernel
-from megamoe.kernels.gluon_sm90 import trace_args
+from megamoe.kernels.gluon_sm90 import WGRAD_BY_SIZE, trace_args, wgrad_by_size
 from megamoe.kernels.plan import BLOCK_M
 
 # Tile: one plan tile of 128 rows (two warpgroups of 64) x 128 output columns, K-steps of one 128-wide scale
@@ -323,7 +323,7 @@ def wgrad_ring(block_n: int, stages: int | None = None) -> tuple[int, int]:
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
                  offsets: torch.Tensor, block_n: int | None = None, read_ahead: bool | None = None,
                  defer_stores: bool | None = None, ping_pong: bool | None = None, stages: int | None = None, *,
-                 trace: torch.Tensor | None = None) -> None:
+                 by_size: bool | None = None, trace: torch.Tensor | None = None) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``wgrad_ws_kernel``; an expert without rows gets zeros.
 
@@ -332,7 +332,8 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``block_n``: the output block's
     width (``wgrad_block_n``); ``read_ahead``, ``defer_stores``: the blocks' reads and stores (None:
     ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES``); ``ping_pong``: the warpgroups' turns (``wide_turns``); ``stages``:
-    the ring's (``wgrad_ring``); ``trace``: the block trace, as for ``fp8_rows_gemm_ws``."""
+    the ring's (``wgrad_ring``); ``by_size``: the blocks dealt in order of their experts' rows (None:
+    ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block trace, as for ``fp8_rows_gemm_ws``."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
     assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -345,7 +346,8 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [block_n, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
-        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts), STAGES=stages, **trace_args(trace, a_s),
+        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts), STAGES=stages, **wgrad_by_size(offsets, by_size),
+        **trace_args(trace, a_s),
         READ_AHEAD=WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
         DEFER=WGRAD_DEFER_STORES if defer_stores is None else defer_stores,
         PING_PONG=wide_turns(block_n, ping_pong, WGRAD_PING_PONG), LOADER_WARPS=ROWS_LOADER_WARPS,
@@ -389,7 +391,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
                 issue_ahead: bool | None = None, pow2: bool = False,
                 defer_epilogue: bool | None = None, block_n: int = FP8_BN, read_ahead: bool | None = None,
-                ping_pong: bool | None = None, stages: int | None = None, trace: bool = False):
+                ping_pong: bool | None = None, stages: int | None = None, by_size: bool | None = None,
+                trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
     it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
@@ -401,7 +404,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     ``defer_epilogue`` (None: ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the sorted-rows kernel's (``rows_pattern``),
     ``block_n`` also the weight-gradient kernel's, ``read_ahead`` (None: ``WGRAD_READ_AHEAD``), ``defer_epilogue``
     (None: ``WGRAD_DEFER_STORES``) too; ``ping_pong``: each kernel's turns (None: ``ROWS_PING_PONG``,
-    ``UP_PING_PONG``, ``WGRAD_PING_PONG``); ``stages``: the weight-gradient kernel's ring (``wgrad_ring``);
+    ``UP_PING_PONG``, ``WGRAD_PING_PONG``); ``stages``: the weight-gradient kernel's ring (``wgrad_ring``),
+    ``by_size`` its blocks' order (None: ``gluon_sm90.WGRAD_BY_SIZE``);
     ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the sorted-rows, up or weight-gradient
     kernel."""
     from triton.backends.compiler import GPUTarget
@@ -441,6 +445,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
                       "READ_AHEAD": WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
                       "DEFER": WGRAD_DEFER_STORES if defer_epilogue is None else defer_epilogue,
                       "PING_PONG": wide_turns(block_n, ping_pong, WGRAD_PING_PONG), "TRACE": trace,
+                      "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size,
                       "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         blocks["out_desc"] = ([1, FP8_BM // 2, wgrad_ring(block_n, stages)[1]], "bf16")
         pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64"}

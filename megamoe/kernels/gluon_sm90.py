@@ -55,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.env import device_capability, sm_count
+from megamoe.kernels.plan import experts_by_size
 
 # (BM, BN, BK, STAGES) of the GEMM kernels: 128x256 blocks, as the Triton kernels' usual pick at 16k tokens;
 # 3 stages of 48 KB (and the weight gradients' 64 KB output block) fit the 227 KB of shared memory.
@@ -96,6 +97,15 @@ UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
 # row kernels' K-loops, over D, ran 1-8% slower with such rings).
 WGRAD_TILE = (*WS_TILE[:2], 32, 6)
 WGRAD_CONFIG = {**WS_CONFIG, "BK": WGRAD_TILE[2], "num_stages": WGRAD_TILE[3]}
+
+# Whether the weight-gradient kernels (this file's and the FP8 one) deal their blocks to the programs in order of their
+# experts' rows, most first, each full round of blocks dealt from alternate ends (``wgrad_block``), instead of in expert
+# order. A block's time grows with its expert's rows: dealt in expert order, a skewed routing's long blocks pile onto
+# the programs its big experts' blocks fall to, and the launch waits for those (a model of the programs' K-steps puts
+# 30B dW2 at 1.57x the balanced time under the layer benchmark's skewed routing, dW13 at 1.18x; in size order at
+# 1.01x; random routing 1.01x either way: docs/PERFORMANCE.md). The same blocks, each computed as before: the outputs
+# are bitwise the same. Off until timed.
+WGRAD_BY_SIZE = False
 
 
 # The block trace of the Gluon GEMM kernels (``trace=`` of their launchers; read by ``tools.fp8_trace`` and
@@ -184,26 +194,63 @@ def expert_end(offsets_ptr, e, work):
 
 
 @gluon.jit
-def wgrad_block(tile, offsets_ptr, num_p, num_q, BM: gl.constexpr, BN: gl.constexpr):
-    """Block ``tile`` of the expert-major order: its expert, first P and Q, and the expert's sorted rows
-    [start, end)."""
-    e = tile // (num_p * num_q)
-    pq = tile % (num_p * num_q)
-    return e, (pq // num_q) * BM, (pq % num_q) * BN, gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
+def dealt_block(w, tiles):
+    """The block that a grid-stride loop's block ``w`` (of ``tiles``) runs in the size order (``wgrad_block``): the
+    programs take each full round of blocks from alternate ends (program j the round's j-th block, then the next
+    round's j-th from the end), so that the program dealt one round's longest block is dealt the next round's
+    shortest; the last, partial round as it comes."""
+    n = gl.num_programs(0)
+    r = w // n
+    back = ((r % 2) == 1) & ((r + 1) * n <= tiles)
+    return w + back.to(gl.int32) * (n - 1 - 2 * (w - r * n))
 
 
 @gluon.jit
-def expert_rows_ahead(tile, tiles, offsets_ptr, num_p, num_q):
-    """The sorted rows [start, end) of block ``tile``'s expert in the expert-major order of ``wgrad_block``, for
-    loading them a block ahead of its turn (``tile`` clamped into the ``tiles`` blocks, in bounds): read at the
-    block's start, their latency stood between the previous block's last MMA and this one's first."""
-    e = gl.minimum(tile, tiles - 1) // (num_p * num_q)
-    return gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
+def wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM: gl.constexpr, BN: gl.constexpr,
+                BY_SIZE: gl.constexpr):
+    """Block ``tile`` (of ``tiles``) of the expert-major order: its expert, first P and Q, and the expert's sorted rows
+    [start, end). BY_SIZE (``WGRAD_BY_SIZE``): the experts in order of their rows, most first (``by_size_ptr``:
+    ``plan.experts_by_size``'s table), and ``tile`` the grid-stride loop's block, dealt as ``dealt_block`` says; else
+    the experts in index order, ``tile`` as it comes."""
+    if BY_SIZE:
+        i = dealt_block(tile, tiles)
+        row = by_size_ptr + 3 * (i // (num_p * num_q))
+        pq = i % (num_p * num_q)
+        p0 = (pq // num_q) * BM
+        q0 = (pq % num_q) * BN
+        e = gl.load(row)
+        start = gl.load(row + 1)
+        end = gl.load(row + 2)
+    else:
+        e = tile // (num_p * num_q)
+        pq = tile % (num_p * num_q)
+        p0 = (pq // num_q) * BM
+        q0 = (pq % num_q) * BN
+        start = gl.load(offsets_ptr + e)
+        end = gl.load(offsets_ptr + e + 1)
+    return e, p0, q0, start, end
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles, trace_ptr,
-            TRACE: gl.constexpr):
+def expert_rows_ahead(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BY_SIZE: gl.constexpr):
+    """The sorted rows [start, end) of block ``tile``'s expert in the order of ``wgrad_block``, for loading them a
+    block ahead of its turn (``tile`` clamped into the ``tiles`` blocks, in bounds): read at the block's start, their
+    latency stood between the previous block's last MMA and this one's first."""
+    t = gl.minimum(tile, tiles - 1)
+    if BY_SIZE:
+        row = by_size_ptr + 3 * (dealt_block(t, tiles) // (num_p * num_q))
+        start = gl.load(row + 1)
+        end = gl.load(row + 2)
+    else:
+        e = t // (num_p * num_q)
+        start = gl.load(offsets_ptr + e)
+        end = gl.load(offsets_ptr + e + 1)
+    return start, end
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles, trace_ptr,
+            BY_SIZE: gl.constexpr, TRACE: gl.constexpr):
     """Producer partition (one warp): every K-step's operand blocks, in the MMA partition's order; TRACE: its
     stamps (partition 2 of ``TRACE_BLOCKS``)."""
     BK: gl.constexpr = a_desc.block_type.shape[0]
@@ -214,7 +261,7 @@ def _loader(a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, nu
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         block = block_index(tile)
         stamp(trace_ptr, 2, block, 0, TRACE, 1)
-        _, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        _, p0, q0, start, end = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
         for r0 in range(start, end, BK):
             s = next_slot(empty, ready, step, nbytes)
             tma.async_copy_global_to_shared(a_desc, [r0, p0], ready.index(s), a_bufs.index(s))
@@ -297,8 +344,8 @@ def _zero_rows_past(buf, r0, end, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles, trace_ptr,
-                   TRACE: gl.constexpr, num_warps: gl.constexpr):
+def _mma_partition(dw_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
+                   trace_ptr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Default partition: the MMAs of each block, its tail rows zeroed, and its TMA store; TRACE: its stamps
     (partition 0 of ``TRACE_BLOCKS``)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -307,12 +354,13 @@ def _mma_partition(dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, n
     BN: gl.constexpr = b_bufs.type.shape[2]
     acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
     step = 0
-    start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, num_p, num_q)
+    start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, by_size_ptr, num_p, num_q, BY_SIZE)
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         block = block_index(tile)
         stamp(trace_ptr, 0, block, 0, TRACE, num_warps)
-        e, p0, q0, _, _ = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
-        start_next, end_next = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, num_p, num_q)
+        e, p0, q0, _, _ = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
+        start_next, end_next = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, by_size_ptr, num_p,
+                                                 num_q, BY_SIZE)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         for r0 in range(start, end, BK):
             s = step % STAGES
@@ -349,22 +397,24 @@ def store_block(out, c_smem, desc, e, p0, q0):
 
 @gluon.jit
 def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, rows_ptr, topk_idx_ptr, out_ptr, T, D,
-                     trace_ptr, TOP_K: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     trace_ptr, by_size_ptr, TOP_K: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
+                     BY_SIZE: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: (N, P) sorted rows, block (BK, BM); b_desc: (N, Q), block (BK, BN); dw_desc: (E, P, Q),
     block (1, BM, BN). Tiles: E * num_p * num_q output blocks, expert-major. A third partition (``COPY_WARPS``
     warps) combines slot rows (T * TOP_K, D) into out (T, D) beside them (``_combine_partition``; ``topk_idx``
     marks the dropped slots); with T = 0 it has nothing to do and returns. TRACE: the MMA partition's and the
-    loader's stamps into trace_ptr (int64, ``TRACE_BLOCKS``)."""
+    loader's stamps into trace_ptr (int64, ``TRACE_BLOCKS``). BY_SIZE: the blocks dealt in order of their experts'
+    rows (``wgrad_block``; by_size_ptr ``plan.experts_by_size``'s table)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
     ready = barriers(STAGES)
     empty = barriers(STAGES)
     gl.warp_specialize([
-        (_mma_partition, (dw_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles, trace_ptr,
-                          TRACE, num_warps)),
-        (_loader, (a_desc, b_desc, offsets_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles, trace_ptr, TRACE)),
+        (_mma_partition, (dw_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
+                          trace_ptr, BY_SIZE, TRACE, num_warps)),
+        (_loader, (a_desc, b_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles,
+                   trace_ptr, BY_SIZE, TRACE)),
         (_combine_partition, (rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K, COPY_WARPS)),
     ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
 
@@ -801,6 +851,15 @@ def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), t.dtype))
 
 
+def wgrad_by_size(offsets_E1: torch.Tensor, by_size: bool | None) -> dict:
+    """A weight-gradient launch's ``by_size_ptr`` and ``BY_SIZE`` arguments for the expert offsets ``offsets_E1``:
+    with ``by_size`` (None: ``WGRAD_BY_SIZE``) the experts by their rows (``plan.experts_by_size``, one small launch),
+    else the offsets in its place, never read."""
+    if WGRAD_BY_SIZE if by_size is None else by_size:
+        return {"by_size_ptr": experts_by_size(offsets_E1), "BY_SIZE": True}
+    return {"by_size_ptr": offsets_E1, "BY_SIZE": False}
+
+
 def trace_args(trace: torch.Tensor | None, idle: torch.Tensor) -> dict:
     """A launch's ``trace_ptr`` and ``TRACE`` arguments for the block trace ``trace`` (int64, at least ``trace_size``
     elements for one program per SM of ``idle``'s device) or, with None, untraced: the stamps compiled out and
@@ -818,11 +877,12 @@ def _launch_ws(kernel, programs: int, stages: int, maxnreg: int = WS_MAXNREG, **
 
 def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor,
                     combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
-                    trace: torch.Tensor | None = None) -> None:
+                    by_size: bool | None = None, trace: torch.Tensor | None = None) -> None:
     """dw (E, P, Q) = per expert, the sum over its sorted rows r of outer(a[r], b[r]); a, b, dw 16-bit,
     contiguous, on an sm90 GPU (``ws_supported``), with at least one row. ``combine``: (slot rows (T*K, D),
     topk_idx (T, K), out (T, D)), all contiguous, to reduce into ``out`` beside the MMAs, with the sums of
-    ``combine.combine``. ``trace``: the block trace (``trace_args``; ``tools.kernels_trace`` reads it)."""
+    ``combine.combine``. ``by_size``: the blocks dealt in order of their experts' rows (None: ``WGRAD_BY_SIZE``;
+    ``wgrad_by_size``); ``trace``: the block trace (``trace_args``; ``tools.kernels_trace`` reads it)."""
     bm, bn, bk, stages = WGRAD_TILE
     num_experts, p, q = dw.shape
     num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
@@ -834,7 +894,7 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
     _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), stages, a_desc=_desc(a_NP, [bk, bm]),
                b_desc=_desc(b_NQ, [bk, bn]), dw_desc=_desc(dw, [1, bm, bn]), offsets_ptr=offsets_E1, num_p=num_p,
                num_q=num_q, tiles=tiles, rows_ptr=rows, topk_idx_ptr=topk_idx, out_ptr=out, T=num_tokens,
-               D=out.shape[1], TOP_K=top_k, **trace_args(trace, offsets_E1))
+               D=out.shape[1], TOP_K=top_k, **wgrad_by_size(offsets_E1, by_size), **trace_args(trace, offsets_E1))
 
 
 def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,

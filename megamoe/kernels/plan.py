@@ -214,3 +214,39 @@ def plan_from_counts(rows_per_expert_E: torch.Tensor, num_rows: int) -> Plan:
     _tile_table(total, offsets, tile_expert, tile_row, num_experts, nb)
     row_slot = torch.arange(num_rows, device=device, dtype=torch.int32)
     return Plan(offsets, row_slot, tile_expert, tile_row)
+
+
+EXPERT_KEY = tl.constexpr(2**20)  # > any expert count; a sort key's expert part
+
+
+@triton.jit
+def _experts_by_size_kernel(offsets_ptr, table_ptr, E, EB: tl.constexpr):
+    """One program: the experts by their rows, most first (ties: the lower index first), each as (expert, first sorted
+    row, end row) into ``table`` (E, 3). EB: a power of two >= E."""
+    e = tl.arange(0, EB)
+    valid = e < E
+    start = tl.load(offsets_ptr + e, mask=valid, other=0)
+    rows = tl.where(valid, tl.load(offsets_ptr + e + 1, mask=valid, other=0) - start, -1)
+    # one key per expert, in ascending order: its rows' shortfall from 2**31 (so, most rows first), then its index;
+    # the padding's -1 rows sort after every expert
+    key = tl.sort((2**31 - rows.to(tl.int64)) * EXPERT_KEY + e)
+    expert = (key % EXPERT_KEY).to(tl.int32)
+    first = tl.load(offsets_ptr + expert, mask=valid, other=0)
+    end = tl.load(offsets_ptr + expert + 1, mask=valid, other=0)
+    tl.store(table_ptr + 3 * e, expert, mask=valid)
+    tl.store(table_ptr + 3 * e + 1, first, mask=valid)
+    tl.store(table_ptr + 3 * e + 2, end, mask=valid)
+
+
+
+def experts_by_size(offsets_E1: torch.Tensor) -> torch.Tensor:
+    """(E, 3) int32: the experts of the expert offsets ``offsets_E1`` (a plan's) by their rows, most first (ties: the
+    lower index first), each as (expert, first sorted row, end row). One launch, no host sync. The weight-gradient
+    kernels deal their blocks in this order (``gluon_sm90.WGRAD_BY_SIZE``)."""
+    num_experts = offsets_E1.numel() - 1
+    if num_experts >= EXPERT_KEY.value:
+        raise ValueError(f"experts_by_size takes fewer than {EXPERT_KEY.value} experts, got {num_experts}")
+    table = torch.empty(num_experts, 3, device=offsets_E1.device, dtype=torch.int32)
+    _experts_by_size_kernel[(1,)](offsets_ptr=offsets_E1, table_ptr=table, E=num_experts,
+                                  EB=triton.next_power_of_2(num_experts), num_warps=4)
+    return table

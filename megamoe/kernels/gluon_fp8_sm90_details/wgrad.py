@@ -38,8 +38,9 @@ ACC_COLS = gl.constexpr(128)
 
 
 @gluon.jit
-def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs, P, Q,
-                  num_p, num_q, tiles, trace_ptr, EB: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
+                  bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB: gl.constexpr, BY_SIZE: gl.constexpr,
+                  TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``wgrad_ws_kernel``: per K-step (one plan tile t of the block's
     expert), the blocks of A (128, 128) at [p0, 128 t] and of B (BN, 128) at [q0, 128 t] through TMA (zeros past the
     expert's rows are in the tensors), and the tile's scales of the block's 128 P-columns (two warpgroup halves) and
@@ -55,7 +56,7 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         stamp(trace_ptr, 2, block_index(tile), 0, TRACE, num_warps)
-        e, p0, q0, start, end = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+        e, p0, q0, start, end = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
         first = count_busy_tiles(offsets_ptr, e, EB, BK, num_warps)  # the tiles of the experts before e
         for t in range(first, first + (end - start + BK - 1) // BK):
             s = next_slot(empty, ready, step, nbytes)
@@ -210,22 +211,24 @@ def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step,
 
 
 @gluon.jit
-def _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM: gl.constexpr, BN: gl.constexpr,
-                       BK: gl.constexpr, READ_AHEAD: gl.constexpr):
+def _wgrad_block_ahead(tile, start, end, offsets_ptr, by_size_ptr, num_p, num_q, tiles, BM: gl.constexpr,
+                       BN: gl.constexpr, BK: gl.constexpr, READ_AHEAD: gl.constexpr, BY_SIZE: gl.constexpr):
     """Block ``tile``'s expert, first P and Q and K-steps, and the sorted rows [start, end) to hand to the next
     block's call: with READ_AHEAD its own rows were read a block ago (``start``, ``end``) and the next block's are
     read now (``expert_rows_ahead``); without, its own are read now and ``start``, ``end`` go back unchanged."""
-    e, p0, q0, first, last = wgrad_block(tile, offsets_ptr, num_p, num_q, BM, BN)
+    e, p0, q0, first, last = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
     if READ_AHEAD:
         first, last = start, end
-        start, end = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, num_p, num_q)
+        start, end = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, by_size_ptr, num_p, num_q,
+                                       BY_SIZE)
     return e, p0, q0, (last - first + BK - 1) // BK, start, end
 
 
 @gluon.jit
-def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bufs, b_bufs, as_bufs, bs_bufs, num_p,
-                         num_q, tiles, trace_ptr, WG: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr,
-                         PING_PONG: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empty, seen, a_bufs, b_bufs, as_bufs,
+                         bs_bufs, num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, READ_AHEAD: gl.constexpr,
+                         DEFER: gl.constexpr, PING_PONG: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
+                         num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
     B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
@@ -245,7 +248,8 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bu
     HALF: gl.constexpr = as_bufs.type.shape[1]
     acc_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
     step = 0
-    start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, num_p, num_q)  # (unread without READ_AHEAD)
+    # (unread without READ_AHEAD)
+    start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, by_size_ptr, num_p, num_q, BY_SIZE)
     if BN == 2 * HB:
         # the right half of the last block with rows (``pend``: whether one is held, and where it goes)
         acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
@@ -256,8 +260,8 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bu
         pend_q = 0
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             stamp(trace_ptr, WG, block_index(tile), 0, TRACE, num_warps)
-            e, p0, q0, steps, start, end = _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM,
-                                                              BN, BK, READ_AHEAD)
+            e, p0, q0, steps, start, end = _wgrad_block_ahead(tile, start, end, offsets_ptr, by_size_ptr, num_p, num_q,
+                                                              tiles, BM, BN, BK, READ_AHEAD, BY_SIZE)
             p0 = p0 + WG * HALF
             if steps > 0:
                 acc1, tmp, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, steps,
@@ -282,8 +286,8 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bu
     else:
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             stamp(trace_ptr, WG, block_index(tile), 0, TRACE, num_warps)
-            e, p0, q0, steps, start, end = _wgrad_block_ahead(tile, start, end, offsets_ptr, num_p, num_q, tiles, BM,
-                                                              BN, BK, READ_AHEAD)
+            e, p0, q0, steps, start, end = _wgrad_block_ahead(tile, start, end, offsets_ptr, by_size_ptr, num_p, num_q,
+                                                              tiles, BM, BN, BK, READ_AHEAD, BY_SIZE)
             acc = gl.zeros([HALF, HB], gl.float32, acc_layout)
             if steps > 0:
                 acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, trace_ptr,
@@ -295,16 +299,17 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, ready, empty, seen, a_bu
 
 
 @gluon.jit
-def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr, EB: gl.constexpr,
-                    STAGES: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr, PING_PONG: gl.constexpr,
-                    TRACE: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
-                    LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr, by_size_ptr,
+                    EB: gl.constexpr, STAGES: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr,
+                    PING_PONG: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                    MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B (Q,
     NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q) bf16,
     block (1, BM / 2, 128 or 64) (one warpgroup's rows, the columns of one store: ``_store_acc``). Blocks: ``tiles``
     = E * P/BM * Q/BN output blocks, expert-major (the programs at work share one expert's operands in L2), one
-    program per SM walking them. P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into trace_ptr
-    (int64, ``gluon_sm90.TRACE_BLOCKS``)."""
+    program per SM walking them (BY_SIZE: dealt in order of their experts' rows, ``gluon_sm90.wgrad_block``, by_size_ptr
+    ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
+    trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
@@ -314,13 +319,13 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     num_p = P // BM
     num_q = Q // BN
     gl.warp_specialize([
-        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, ready, empty, seen, a_bufs, b_bufs, as_bufs,
-                                bs_bufs, num_p, num_q, tiles, trace_ptr, 0, READ_AHEAD, DEFER, PING_PONG, TRACE,
-                                num_warps)),
-        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, ready, empty, seen, a_bufs, b_bufs, as_bufs,
-                                bs_bufs, num_p, num_q, tiles, trace_ptr, 1, READ_AHEAD, DEFER, PING_PONG, TRACE,
-                                num_warps)),
-        (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
-                         P, Q, num_p, num_q, tiles, trace_ptr, EB, TRACE, LOADER_WARPS)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, seen, a_bufs, b_bufs,
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, READ_AHEAD, DEFER, PING_PONG,
+                                BY_SIZE, TRACE, num_warps)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, seen, a_bufs, b_bufs,
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, READ_AHEAD, DEFER, PING_PONG,
+                                BY_SIZE, TRACE, num_warps)),
+        (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+                         as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 

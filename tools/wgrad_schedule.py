@@ -1,0 +1,84 @@
+"""The weight-gradient kernels' blocks dealt to the programs, modelled on the CPU (no GPU needed):
+
+    python -m tools.wgrad_schedule [--preset P] [--tokens T] [--routing random,skewed] [--block-cost C]
+
+A persistent kernel's program walks its blocks in a grid-stride loop, and a weight-gradient block's time grows with
+its expert's rows (a K-step per BK of them). The model counts each program's K-steps (plus ``--block-cost`` per block,
+its fixed cost in K-steps) for the layer benchmark's routing (``bench.common.make_routing``, seed 0) and reports the
+launch's time, the most loaded program's count, over the balanced time (the mean), for each weight gradient of the
+bf16 and FP8 kernels: in expert order (``gluon_sm90.wgrad_block`` without BY_SIZE) and in size order (with it: the
+experts by rows, most first, each full round of blocks dealt from alternate ends). It ignores what else a block's time
+depends on (L2 hits, the programs' drift); it says how much of a launch a skewed routing's long blocks can cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megamoe.arguments import HelpFormatter, positive_int
+from megamoe.bench.common import PRESETS, ROUTINGS, make_routing
+from megamoe.kernels import gluon_fp8_sm90, gluon_sm90
+
+PROGRAMS = 132  # the H200's SMs: one program each
+
+
+def expert_rows(routing: str, num_tokens: int, num_experts: int, top_k: int) -> list[int]:
+    """Each expert's rows under the layer benchmark's ``routing`` (seed 0)."""
+    idx, _ = make_routing(routing, num_tokens, num_experts, top_k, "cpu", torch.Generator().manual_seed(0))
+    return torch.bincount(idx.reshape(-1), minlength=num_experts).tolist()
+
+
+def makespan(rows: list[int], blocks_per_expert: int, bk: int, block_cost: float, by_size: bool,
+             programs: int = PROGRAMS) -> float:
+    """The most loaded program's K-steps (and ``block_cost`` per block) over the mean, for experts of ``rows`` rows,
+    each with ``blocks_per_expert`` blocks of ceil(rows / ``bk``) K-steps, in expert order or (``by_size``) in size
+    order dealt from alternate ends."""
+    experts = sorted(range(len(rows)), key=lambda e: (-rows[e], e)) if by_size else range(len(rows))
+    cost = [-(-rows[e] // bk) + block_cost for e in experts for _ in range(blocks_per_expert)]
+    n = min(programs, len(cost))
+    load = [0.0] * n
+    for w in range(len(cost)):
+        r, j = divmod(w, n)
+        back = by_size and r % 2 == 1 and (r + 1) * n <= len(cost)
+        load[j] += cost[w + (n - 1 - 2 * j if back else 0)]
+    return max(load) / (sum(cost) / n)
+
+
+def gemms(dim: int, inter: int) -> dict[str, tuple[int, int]]:
+    """Weight gradient -> (its blocks per expert, rows per K-step): the bf16 kernel's 128 x 256 blocks over BK rows
+    (``gluon_sm90.WGRAD_TILE``) and the FP8 kernel's 128 x ``wgrad_block_n`` blocks over 128-row plan tiles."""
+    bm, bn, bk, _ = gluon_sm90.WGRAD_TILE
+    out = {}
+    for name, p, q in (("dW13", 2 * inter, dim), ("dW2", dim, inter)):
+        out[f"bf16 {name}"] = (-(-p // bm) * -(-q // bn), bk)
+        out[f"FP8 {name}"] = (p // gluon_fp8_sm90.FP8_BM * (q // gluon_fp8_sm90.wgrad_block_n(q)), gluon_fp8_sm90.FP8_BK)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tools.wgrad_schedule", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS), help="the layer's D, I, E and K")
+    p.add_argument("--tokens", type=positive_int, default=16384, help="tokens per step (T)")
+    p.add_argument("--routing", type=lambda s: s.split(","), default=["random", "skewed"],
+                   help="comma-separated, from " + ", ".join(ROUTINGS))
+    p.add_argument("--block-cost", type=float, default=1.0, help="a block's fixed cost, in K-steps")
+    args = p.parse_args(argv)
+    if unknown := set(args.routing) - set(ROUTINGS):
+        raise SystemExit(f"--routing: unknown {sorted(unknown)}; choose from {', '.join(ROUTINGS)}")
+    dim, inter, num_experts, top_k = PRESETS[args.preset]
+    print(f"{args.preset}  T={args.tokens}  {PROGRAMS} programs  (the launch over the balanced time)")
+    print(f"{'routing':8s} {'max/mean rows':>13s}  {'GEMM':9s} {'expert order':>12s} {'size order':>10s}")
+    for routing in args.routing:
+        rows = expert_rows(routing, args.tokens, num_experts, top_k)
+        skew = max(rows) / (sum(rows) / len(rows))
+        for name, (blocks, bk) in gemms(dim, inter).items():
+            print(f"{routing:8s} {skew:13.2f}  {name:9s} "
+                  f"{makespan(rows, blocks, bk, args.block_cost, False):12.3f} "
+                  f"{makespan(rows, blocks, bk, args.block_cost, True):10.3f}")
+
+
+if __name__ == "__main__":
+    main()
