@@ -55,3 +55,15 @@ def gpu_record(command: str) -> dict:
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": git_commit(), "source_sha256": source_digest(), "date": utc_now("seconds"), "command": command,
             "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MEGAMOE_")}}
+
+
+def write_record(folder: Path, name: str, command: str, **fields) -> Path:
+    """``gpu_record(command)`` and ``fields`` as JSON into ``folder``/``name`` (the folder made if need be); prints and
+    returns the path."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(json.dumps({**gpu_record(command), **fields}, indent=1))
+    print(f"wrote {path}")
+    return path

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -46,7 +45,7 @@ from megamoe.bench.common import PRESETS, ROUTINGS, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd, gluon_fp8_sm90, gluon_sm90, quant
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import build_plan
-from megamoe.provenance import gpu_record
+from megamoe.provenance import write_record
 from tools.kernels import ORDERS
 
 
@@ -259,15 +258,11 @@ def main(argv=None) -> None:
         results.append(r)
         print(f"{name:36s} {ms:8.3f} {r['tflops'] or 0:7.0f} {r['dense_fp8_tflops'] or 0:15.0f} {r['gbs'] or 0:7.0f}")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        info = {**gpu_record("python -m tools.fp8 " + " ".join(shlex.quote(a) for a in sys.argv[1:])),
-                "preset": args.preset, "tokens": args.tokens, "routing": args.routing, "device_copy_gbs": copy_gbs,
-                "stages": results}
         subset = "-some-stages" if args.stages else ""  # never in place of a whole table's record
         routing = "" if args.routing == "random" else f"-{args.routing}"
-        path = args.out / f"fp8-kernels-{args.preset}-t{args.tokens}{routing}{subset}.json"
-        path.write_text(json.dumps(info, indent=1))
-        print(f"wrote {path}")
+        write_record(args.out, f"fp8-kernels-{args.preset}-t{args.tokens}{routing}{subset}.json",
+                     "python -m tools.fp8 " + " ".join(shlex.quote(a) for a in sys.argv[1:]), preset=args.preset,
+                     tokens=args.tokens, routing=args.routing, device_copy_gbs=copy_gbs, stages=results)
 
 
 if __name__ == "__main__":

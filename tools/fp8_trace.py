@@ -23,7 +23,6 @@ Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit, co
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -34,7 +33,7 @@ from megamoe.arguments import HelpFormatter, positive_int
 from megamoe.bench.common import PRESETS, make_problem
 from megamoe.kernels import expert_fwd, gluon_fp8_sm90, gluon_sm90, quant
 from megamoe.kernels.plan import build_plan
-from megamoe.provenance import gpu_record
+from megamoe.provenance import write_record
 from tools.block_trace import COLUMNS, block_phases
 
 # The GEMMs traced unless --gemms names others (the sorted-rows kernel's three); a run of others names them in its file.
@@ -156,13 +155,10 @@ def main(argv=None) -> None:
                   f"{traced_ms * 1e3:7.1f} {flops / plain_ms / 1e9:5.0f}  {wg[-1]}  "
                   + " ".join(f"{ph[k]:7.2f}" for k in COLUMNS))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        info = {**gpu_record("python -m tools.fp8_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:])),
-                "preset": args.preset, "tokens": args.tokens, "phases": COLUMNS, "results": results}
         named = "" if args.gemms == DEFAULT_GEMMS else "-" + "-".join(args.gemms)  # a run of other GEMMs
-        path = args.out / f"fp8-block-trace-{args.preset}-t{args.tokens}{named}.json"
-        path.write_text(json.dumps(info, indent=1))
-        print(f"wrote {path}")
+        write_record(args.out, f"fp8-block-trace-{args.preset}-t{args.tokens}{named}.json",
+                     "python -m tools.fp8_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:]), preset=args.preset,
+                     tokens=args.tokens, phases=COLUMNS, results=results)
 
 
 if __name__ == "__main__":

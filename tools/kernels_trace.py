@@ -19,7 +19,6 @@ Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit, co
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ from megamoe.arguments import HelpFormatter, positive_int
 from megamoe.bench.common import PRESETS, ROUTINGS, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd, gluon_sm90
 from megamoe.kernels.plan import BLOCK_M, build_plan
-from megamoe.provenance import gpu_record
+from megamoe.provenance import write_record
 from tools.block_trace import COLUMNS, block_phases
 
 KERNELS = ["up", "up_saved", "dh", "act", "dw13", "dw2"]
@@ -125,15 +124,12 @@ def main(argv=None) -> None:
             print(f"{name:8s} {ms:6.3f} {traced_ms:6.3f} {tflops:5.0f} {main_tflops:5.0f}  {part:9s} "
                   + " ".join(f"{ph[k]:7.2f}" for k in COLUMNS), flush=True)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        info = {**gpu_record("python -m tools.kernels_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:])),
-                "preset": args.preset, "tokens": args.tokens, "routing": args.routing, "phases": COLUMNS,
-                "main_loop_tflops": "the kernel's TFLOP/s over its MMA partition's share: its main loops' rate",
-                "kernels": results}
         named = "" if args.routing == "random" else f"-{args.routing}"
-        path = args.out / f"kernels-block-trace-{args.preset}-t{args.tokens}{named}.json"
-        path.write_text(json.dumps(info, indent=1))
-        print(f"wrote {path}")
+        write_record(args.out, f"kernels-block-trace-{args.preset}-t{args.tokens}{named}.json",
+                     "python -m tools.kernels_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                     preset=args.preset, tokens=args.tokens, routing=args.routing, phases=COLUMNS,
+                     main_loop_tflops="the kernel's TFLOP/s over its MMA partition's share: its main loops' rate",
+                     kernels=results)
 
 
 if __name__ == "__main__":
