@@ -101,10 +101,10 @@ WGRAD_CONFIG = {**WS_CONFIG, "BK": WGRAD_TILE[2], "num_stages": WGRAD_TILE[3]}
 # Whether the weight-gradient kernels (this file's and the FP8 one) deal their blocks to the programs in order of their
 # experts' rows, most first, each full round of blocks dealt from alternate ends (``wgrad_block``), instead of in expert
 # order. A block's time grows with its expert's rows: dealt in expert order, a skewed routing's long blocks pile onto
-# the programs its big experts' blocks fall to, and the launch waits for those (a model of the programs' K-steps puts
-# 30B dW2 at 1.57x the balanced time under the layer benchmark's skewed routing, dW13 at 1.18x; in size order at
-# 1.01x; random routing 1.01x either way: docs/PERFORMANCE.md). The same blocks, each computed as before: the outputs
-# are bitwise the same. Off until timed.
+# the programs its big experts' blocks fall to, and the launch waits for those (``python -m tools.wgrad_schedule``, a
+# model of the programs' K-steps: under the layer benchmark's skewed routing 30B dW2 at 1.57x / 1.67x the balanced time
+# in FP8 / bf16, dW13 at 1.18x / 1.21x; in size order 1.01-1.02x; random routing 1.01x either way; docs/PERFORMANCE.md).
+# The same blocks, each computed as before: the outputs are bitwise the same. Off until timed.
 WGRAD_BY_SIZE = False
 
 
