@@ -6,14 +6,17 @@ A persistent kernel's program walks its blocks in a grid-stride loop, and a weig
 its expert's rows (a K-step per BK of them). The model counts each program's K-steps (plus ``--block-cost`` per block,
 its fixed cost in K-steps) for the layer benchmark's routing (``bench.common.make_routing``, seed 0) and reports the
 launch's time, the most loaded program's count, over the balanced time (the mean), for each weight gradient of the
-bf16 and FP8 kernels: in expert order (``gluon_sm90.wgrad_block`` without BY_SIZE) and in size order (with it: the
-experts by rows, most first, each full round of blocks dealt from alternate ends). It ignores what else a block's time
-depends on (L2 hits, the programs' drift); it says how much of a launch a skewed routing's long blocks can cost.
+bf16 and FP8 kernels: in expert order (``gluon_sm90.wgrad_block`` without BY_SIZE), in size order (with it: the
+experts by rows, most first, each full round of blocks dealt from alternate ends), and, for comparison, taken in size
+order by whichever program is free first (a dynamic scheduler, not built: an atomic block counter). It ignores what
+else a block's time depends on (L2 hits, the programs' drift); it says how much of a launch a skewed routing's long
+blocks can cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 
 import torch
 
@@ -46,6 +49,17 @@ def makespan(rows: list[int], blocks_per_expert: int, bk: int, block_cost: float
     return max(load) / (sum(cost) / n)
 
 
+def makespan_dynamic(rows: list[int], blocks_per_expert: int, bk: int, block_cost: float,
+                     programs: int = PROGRAMS) -> float:
+    """As ``makespan``, the blocks in size order each taken by the program that is free first."""
+    cost = [-(-r // bk) + block_cost for r in sorted(rows, reverse=True) for _ in range(blocks_per_expert)]
+    n = min(programs, len(cost))
+    free = [0.0] * n
+    for c in cost:
+        heapq.heapreplace(free, free[0] + c)
+    return max(free) / (sum(cost) / n)
+
+
 def gemms(dim: int, inter: int) -> dict[str, tuple[int, int]]:
     """Weight gradient -> (its blocks per expert, rows per K-step): the bf16 kernel's 128 x 256 blocks over BK rows
     (``gluon_sm90.WGRAD_TILE``) and the FP8 kernel's 128 x ``wgrad_block_n`` blocks over 128-row plan tiles."""
@@ -70,14 +84,16 @@ def main(argv=None) -> None:
         raise SystemExit(f"--routing: unknown {sorted(unknown)}; choose from {', '.join(ROUTINGS)}")
     dim, inter, num_experts, top_k = PRESETS[args.preset]
     print(f"{args.preset}  T={args.tokens}  {PROGRAMS} programs  (the launch over the balanced time)")
-    print(f"{'routing':8s} {'max/mean rows':>13s}  {'GEMM':9s} {'expert order':>12s} {'size order':>10s}")
+    print(f"{'routing':8s} {'max/mean rows':>13s}  {'GEMM':9s} {'expert order':>12s} {'size order':>10s} "
+          f"{'dynamic':>8s}")
     for routing in args.routing:
         rows = expert_rows(routing, args.tokens, num_experts, top_k)
         skew = max(rows) / (sum(rows) / len(rows))
         for name, (blocks, bk) in gemms(dim, inter).items():
             print(f"{routing:8s} {skew:13.2f}  {name:9s} "
                   f"{makespan(rows, blocks, bk, args.block_cost, False):12.3f} "
-                  f"{makespan(rows, blocks, bk, args.block_cost, True):10.3f}")
+                  f"{makespan(rows, blocks, bk, args.block_cost, True):10.3f} "
+                  f"{makespan_dynamic(rows, blocks, bk, args.block_cost):8.3f}")
 
 
 if __name__ == "__main__":
