@@ -9,8 +9,9 @@
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
 #   bash scripts/gpu-check.sh fp8 [P..]    blockwise FP8 in parts P: tests, kernels (python -m tools.fp8), 30b, 235b
 #                                          (the layer beside bf16, the FP8 baseline and SonicMoE): default those four;
-#                                          trace (python -m tools.fp8_trace at both layers, every pattern of the sorted-rows,
-#                                          up and weight-gradient kernels: where a GEMM block's time goes)
+#                                          trace (python -m tools.fp8_trace at both layers, the sorted-rows,
+#                                          up and weight-gradient kernels in both block widths and turns: where a
+#                                          GEMM block's time goes)
 #   bash scripts/gpu-check.sh model [E..]  a transformers Qwen3-MoE model's training step (python -m megamoe.bench.model
 #                                          --matrix): {no checkpointing, full} x {each layer compiled, whole model} x
 #                                          experts E (default megamoe,grouped_mm and sonicmoe where it imports, one
@@ -144,7 +145,7 @@ fp8)
                    tests/test_gluon_fp8.py tests/test_reference_fp8.py || rc=$? ;;
         kernels) step fp8-kernels 300 "${py[@]}" -m tools.fp8 --preset qwen3-30b-a3b --out "$out/results" || rc=$? ;;
         trace) for preset in qwen3-30b-a3b qwen3-235b-a22b; do
-                   step "fp8-trace-$preset" 280 "${py[@]}" -m tools.fp8_trace --preset "$preset" --plain --wide \
+                   step "fp8-trace-$preset" 280 "${py[@]}" -m tools.fp8_trace --preset "$preset" --wide \
                        --turns --gemms down,dh,dx,up,dw13,dw2 --out "$out/results" || rc=$?
                done ;;
         30b|235b) preset=$([ "$part" = 30b ] && echo qwen3-30b-a3b || echo qwen3-235b-a22b)
