@@ -9,9 +9,10 @@
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
 #   bash scripts/gpu-check.sh fp8 [P..]    blockwise FP8 in parts P: tests, kernels (python -m tools.fp8), 30b, 235b
 #                                          (the layer beside bf16, the FP8 baseline and SonicMoE): default those four;
-#                                          trace (python -m tools.fp8_trace at both layers, the sorted-rows,
-#                                          up and weight-gradient kernels in both block widths and turns: where a
-#                                          GEMM block's time goes)
+#                                          trace (python -m tools.fp8_trace at both layers: the sorted-rows, up
+#                                          and weight-gradient kernels as the layer runs them, the sorted rows also
+#                                          in 256-column blocks, the warpgroups' turns both ways: where a GEMM
+#                                          block's time goes)
 #   bash scripts/gpu-check.sh model [E..]  a transformers Qwen3-MoE model's training step (python -m megamoe.bench.model
 #                                          --matrix): {no checkpointing, full} x {each layer compiled, whole model} x
 #                                          experts E (default megamoe,grouped_mm and sonicmoe where it imports, one
