@@ -31,6 +31,7 @@ from megamoe.kernels.gluon_sm90 import (
     next_slot,
     row_segments,
     stamp,
+    stamp_first,
     tile_block,
     wgmma_acc_layout,
 )
@@ -70,9 +71,7 @@ def _rows_loader(a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr
                 async_copy.async_copy_global_to_shared(bs_bufs.index(NB * s + j), w_scale + j * kbs + kb)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
-            if TRACE:  # noqa: SIM102 (compiled out unless traced; a Triton condition does not short-circuit)
-                if kb == 0:
-                    stamp(trace_ptr, 2, block, 1, TRACE, num_warps)
+            stamp_first(trace_ptr, 2, block, 1, kb == 0, TRACE, num_warps)
         stamp(trace_ptr, 2, block, 2, TRACE, num_warps)
 
 
@@ -270,9 +269,8 @@ def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, 
                                               N_OUT, WG, True, WEIGHTED, PING_PONG, num_warps)
     else:
         for kb in range(kbs):
-            if TRACE:  # noqa: SIM102 (compiled out unless traced)
-                if kb == 0:  # (before the stage's wait, where the deferred pattern stamps after it)
-                    stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
+            # (before the stage's wait, where the deferred pattern stamps after it)
+            stamp_first(trace_ptr, WG, block, 1, kb == 0, TRACE, num_warps)
             acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step + kb, acc0,
                                               acc1, tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT,
                                               WG, False, WEIGHTED, PING_PONG, num_warps)

@@ -35,6 +35,7 @@ from megamoe.kernels.gluon_sm90 import (
     next_slot,
     staged_layout,
     stamp,
+    stamp_first,
     store_staged,
     tile_block,
     wgmma_acc_layout,
@@ -95,9 +96,7 @@ def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, t
             async_copy.async_copy_global_to_shared(bs_bufs.index(2 * s + 1), u_scale + kb)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
-            if TRACE:  # noqa: SIM102 (compiled out unless traced)
-                if kb == 0:
-                    stamp(trace_ptr, 2, block, 1, TRACE, num_warps)
+            stamp_first(trace_ptr, 2, block, 1, kb == 0, TRACE, num_warps)
         stamp(trace_ptr, 2, block, 2, TRACE, num_warps)
 
 
@@ -167,9 +166,7 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
                 tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # both MMAs' destination registers
                 for k in range(0, D, BK):
                     s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
-                    if TRACE:  # noqa: SIM102 (compiled out unless traced)
-                        if k == 0:
-                            stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
+                    stamp_first(trace_ptr, WG, block, 1, k == 0, TRACE, num_warps)
                     wait_turn(seen, s, step, WG, PING_PONG)
                     tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, g_bufs, s, 0, tmp, WG), ))
                     end_turn(seen, s, WG, PING_PONG)
