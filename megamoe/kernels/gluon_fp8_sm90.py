@@ -320,6 +320,16 @@ def wgrad_ring(block_n: int, stages: int | None = None) -> tuple[int, int]:
                      f"does not fit in {budget} bytes of shared memory")
 
 
+def wgrad_pattern(block_n: int, read_ahead: bool | None = None, defer_stores: bool | None = None,
+                  ping_pong: bool | None = None, stages: int | None = None) -> tuple[dict, int]:
+    """The weight-gradient kernel's schedule at ``block_n`` columns, the Nones resolved as ``fp8_wgrad_ws`` says: its
+    constexprs (READ_AHEAD, DEFER, PING_PONG, STAGES) and the columns of each MMA warpgroup's store (``wgrad_ring``)."""
+    stages, store_cols = wgrad_ring(block_n, stages)
+    return {"READ_AHEAD": WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
+            "DEFER": WGRAD_DEFER_STORES if defer_stores is None else defer_stores,
+            "PING_PONG": wide_turns(block_n, ping_pong, WGRAD_PING_PONG), "STAGES": stages}, store_cols
+
+
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
                  offsets: torch.Tensor, block_n: int | None = None, read_ahead: bool | None = None,
                  defer_stores: bool | None = None, ping_pong: bool | None = None, stages: int | None = None, *,
@@ -341,16 +351,13 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     assert a_s.shape == (num_tiles, p) and b_s.shape == (num_tiles, q) and offsets.numel() == num_experts + 1
     block_n = wgrad_block_n(q, block_n)
     tiles = num_experts * (p // FP8_BM) * (q // block_n)
-    stages, store_cols = wgrad_ring(block_n, stages)
+    pattern, store_cols = wgrad_pattern(block_n, read_ahead, defer_stores, ping_pong, stages)
     block = [1, FP8_BM // 2, store_cols]  # one MMA warpgroup's rows, the columns of one store
     wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [block_n, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
-        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts), STAGES=stages, **wgrad_by_size(offsets, by_size),
-        **trace_args(trace, a_s),
-        READ_AHEAD=WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
-        DEFER=WGRAD_DEFER_STORES if defer_stores is None else defer_stores,
-        PING_PONG=wide_turns(block_n, ping_pong, WGRAD_PING_PONG), LOADER_WARPS=ROWS_LOADER_WARPS,
+        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts), **pattern, **wgrad_by_size(offsets, by_size),
+        **trace_args(trace, a_s), LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
@@ -440,14 +447,11 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         sizes = {"I"}
     elif name == "fp8_wgrad":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [block_n, FP8_BK]}
-        constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS,
-                      "STAGES": wgrad_ring(block_n, stages)[0],
-                      "READ_AHEAD": WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
-                      "DEFER": WGRAD_DEFER_STORES if defer_epilogue is None else defer_epilogue,
-                      "PING_PONG": wide_turns(block_n, ping_pong, WGRAD_PING_PONG), "TRACE": trace,
-                      "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size,
+        pattern, store_cols = wgrad_pattern(block_n, read_ahead, defer_epilogue, ping_pong, stages)
+        constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS, **pattern,
+                      "TRACE": trace, "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size,
                       "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
-        blocks["out_desc"] = ([1, FP8_BM // 2, wgrad_ring(block_n, stages)[1]], "bf16")
+        blocks["out_desc"] = ([1, FP8_BM // 2, store_cols], "bf16")
         pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64"}
         sizes = {"P", "Q"}
     else:
