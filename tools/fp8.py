@@ -217,22 +217,23 @@ def main(argv=None) -> None:
             if b[0].shape[0] % block_n:
                 continue
             wide = block_n == 256
+            base = name + " FP8" + (" (256 columns)" if wide else "")
             for ra, df, pp in itertools.product((read_ahead, not read_ahead), (defer, not defer) if wide else (defer,),
                                                 (ping_pong, not ping_pong) if wide else (None,)):
                 variant = ((reads[ra] if ra != read_ahead else "") + (stores[df] if df != defer else "")
                            + (turns[pp] if wide and pp != ping_pong else ""))
-                stages.append((name + " FP8" + (" (256 columns)" if wide else "") + variant,
+                stages.append((base + variant,
                                lambda a=a, b=b, block_n=block_n, ra=ra, df=df, pp=pp: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, ra, df, pp), flops, None, dense))
             if block_n == gluon_fp8_sm90.wgrad_block_n(b[0].shape[0]):  # the layer's width, blocks in the other order
                 by_size = not gluon_sm90.WGRAD_BY_SIZE
-                stages.append((name + " FP8" + (" (256 columns)" if wide else "") + ORDERS[by_size],
+                stages.append((base + ORDERS[by_size],
                                lambda a=a, b=b, block_n=block_n, by_size=by_size: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, by_size=by_size), flops, None, dense))
             if wide:  # the other ring of 3 or 4 stages (gluon_fp8_sm90.wgrad_ring), the turns both ways
                 ring = 4 if gluon_fp8_sm90.WGRAD_WIDE_STAGES == 3 else 3
                 for pp in (ping_pong, not ping_pong):
-                    stages.append((f"{name} FP8 (256 columns) ({ring} stages)" + (turns[pp] if pp != ping_pong else ""),
+                    stages.append((f"{base} ({ring} stages)" + (turns[pp] if pp != ping_pong else ""),
                                    lambda a=a, b=b, pp=pp, ring=ring: expert_bwd.wgrad_fp8(
                                        *a, *b, plan, torch.bfloat16, 256, None, None, pp, ring), flops, None, dense))
     stages += [
