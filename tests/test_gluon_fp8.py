@@ -362,6 +362,7 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
     from megamoe.kernels import gluon_fp8_sm90 as f
     from megamoe.kernels import gluon_sm90 as g
     from megamoe.kernels.quant import quantize_tile_cols
+    from tools.block_trace import WARPGROUPS
 
     gen = torch.Generator().manual_seed(3)
     num_tokens, num_experts, top_k, dim, inter = 2048, 16, 4, 512, 256
@@ -404,7 +405,7 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
         outs = [(h_q.view(torch.uint8), h_s) for h_q, h_s in outs]
         num_blocks = busy_tiles * (inter // 128)
     assert all(map(torch.equal, *outs))
-    check_block_trace(trace, programs, num_blocks, {"wg0": 0, "wg1": 1})
+    check_block_trace(trace, programs, num_blocks, WARPGROUPS)
 
 
 @pytest.mark.gpu
