@@ -238,7 +238,6 @@ def _experts_by_size_kernel(offsets_ptr, table_ptr, E, EB: tl.constexpr):
     tl.store(table_ptr + 3 * e + 2, end, mask=valid)
 
 
-
 def experts_by_size(offsets_E1: torch.Tensor) -> torch.Tensor:
     """(E, 3) int32: the experts of the expert offsets ``offsets_E1`` (a plan's) by their rows, most first (ties: the
     lower index first), each as (expert, first sorted row, end row). One launch, no host sync. The weight-gradient
