@@ -1,14 +1,17 @@
 """What coarser token-axis scales would cost the FP8 weight gradients in accuracy (CPU, torch's e4m3 cast).
 
 dW = aᵀ b over one expert's rows (a: rows x P, b: rows x Q), both operands e4m3 with fp32 scales along the token
-axis, against the float64 product, under three scalings:
+axis, against the float64 product, under four scalings:
 
 * ``tile/tile``: both per channel and 128 rows, DeepSeek-V3's 128x1 groups (``reference.quantize_tile_cols``), what
   ``autograd.FP8_WGRAD`` computes;
 * ``tile/expert``: b per channel over all the expert's rows, so that its scale could leave the GEMM's K-loop for
   the epilogue (the "A's row scales only" timing in docs/PERFORMANCE.md, "Where the weight-gradient kernel's time
   goes");
-* ``expert/expert``: both per channel over all the rows.
+* ``expert/expert``: both per channel over all the rows;
+* ``tile/block``: b per 128 rows x 128 channels (the weights' block shape), so that a 128-column half of a block
+  promotes by one scale per row, a's times b's block's, as the sorted-rows kernel does (the same "A's row scales
+  only" timing: the promotion's cost, not where b's scale is applied).
 
 Data: normal; normal with 1% of the rows 100x larger (outlier tokens); Student-t with 2 degrees of freedom (heavy
 tails). Relative error: the Frobenius norm of the difference over the reference's.
@@ -24,7 +27,8 @@ import torch
 
 from megamoe import reference
 
-SCALINGS = ("tile/tile", "tile/expert", "expert/expert")
+SCALINGS = ("tile/tile", "tile/expert", "expert/expert", "tile/block")
+KINDS = ("normal", "outlier rows", "student-t(2)")
 
 
 def per_tile(a: torch.Tensor) -> torch.Tensor:
@@ -42,11 +46,25 @@ def per_expert(a: torch.Tensor) -> torch.Tensor:
     return q.double() * s.double()[:, None]
 
 
+def per_block(a: torch.Tensor) -> torch.Tensor:
+    """``a`` (rows, C) with one scale per 128 rows x 128 channels from its first row (C a multiple of 128; rows past
+    the last padded with zeros, as the recipe's groups), e4m3 and back in float64: (C, rows)."""
+    rows, c = a.shape
+    g = reference.FP8_GROUP
+    tiles = -(-rows // g)
+    padded = a.float().new_zeros(tiles * g, c)
+    padded[:rows] = a.float()
+    blocks = padded.reshape(tiles, g, c // g, g).transpose(1, 2)  # (tiles, C/128, 128 rows, 128 channels)
+    q, s = reference.quantize_groups(blocks.reshape(tiles, c // g, g * g))
+    deq = q.double() * s.double()[..., None]
+    return deq.reshape(tiles, c // g, g, g).transpose(1, 2).reshape(tiles * g, c)[:rows].t()
+
+
 def wgrad_errors(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     """The relative error of aᵀ b under each of ``SCALINGS`` (a's scaling / b's)."""
     ref = a.double().t() @ b.double()
     out = {"tile/tile": per_tile(a) @ per_tile(b).t(), "tile/expert": per_tile(a) @ per_expert(b).t(),
-           "expert/expert": per_expert(a) @ per_expert(b).t()}
+           "expert/expert": per_expert(a) @ per_expert(b).t(), "tile/block": per_tile(a) @ per_block(b).t()}
     return {name: float((dw - ref).norm() / ref.norm()) for name, dw in out.items()}
 
 
@@ -77,7 +95,7 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(args.seed)
     print(f"dW = aᵀ b relative error, {args.rows} rows, {args.cols} x {args.cols}, seed {args.seed}")
     print(f"{'data':16s}" + "".join(f"{name:>16s}" for name in SCALINGS))
-    for kind in ("normal", "outlier rows", "student-t(2)"):
+    for kind in KINDS:
         errors = wgrad_errors(*operands(kind, args.rows, args.cols, gen))
         print(f"{kind:16s}" + "".join(f"{errors[name]:16.3e}" for name in SCALINGS))
 
