@@ -621,6 +621,9 @@ def test_loopback_benchmark_timed_path_runs(monkeypatch):
         assert key in info, key
     assert info["loopback_fwd_max_rel_err_sms2"] <= 2 * info["plain_fwd_max_rel_err"] + 1e-4
     assert "===== loopback backward, comm_sms=2" in info["_profile"]
+    windows = info["timed_utc"]  # one window per timed variant, each ending after it starts
+    assert {"plain forward", "loopback forward", "loopback backward, comm_sms=2"} <= windows.keys()
+    assert all(start < end for start, end in windows.values())
     if DEVICE == "cpu":
         assert info["loopback_fwd_bwd_ms"] == 4.0 and info["machinery_cost_fwd_bwd_sms2"] == 1.0
     assert not info["fp8"] and "loopback_fp8_fwd_ms" not in info  # D 64: not on FP8's 128 grid

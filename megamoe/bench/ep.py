@@ -423,13 +423,20 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     if fp8:
         info["plain_fp8_fwd_max_rel_err"] = rel_err(megamoe.moe(*problem[:5], precision="fp8"))
 
+    windows = {}  # each variant's timing window (UTC), to read against gpu-check's clocks.csv
+
     def timed_variants(variants: dict) -> dict[str, float]:
         from triton.testing import do_bench
 
         for fn in variants.values():  # every variant autotunes (or takes its twin's tiles) before any is timed
             fn()
         torch.cuda.synchronize()
-        return {name: do_bench(fn, return_mode="median") for name, fn in variants.items()}
+        ms = {}
+        for name, fn in variants.items():
+            started = utc_now()
+            ms[name] = do_bench(fn, return_mode="median")
+            windows[name] = [started, utc_now()]
+        return ms
 
     # The plain layer is timed first, before the loopback's workspaces exist and its variants run: timed after them,
     # its medians read 12-20% slow on the H200 in some runs (docs/PERFORMANCE.md; the cause is not found).
@@ -482,7 +489,7 @@ def loopback_case(preset: str, tokens: int, routing: str, num_ranks: int, seed: 
     if profile:
         times["_profile"] = kernel_tables({**plain, **variants})
     return {
-        **gpu_record("python -m megamoe.bench " + " ".join(sys.argv[1:])), **info, **times,
+        **gpu_record("python -m megamoe.bench " + " ".join(sys.argv[1:])), **info, **times, "timed_utc": windows,
         "machinery_cost_fwd": times["loopback_fwd_ms"] / times["plain_fwd_ms"] - 1,
         "machinery_cost_fwd_bwd": times["loopback_fwd_bwd_ms"] / times["plain_fwd_bwd_ms"] - 1,
     }
