@@ -128,7 +128,8 @@ def validate(x, topk_idx, topk_weights, w13, w2, num_ranks: int = 1) -> None:
         raise ValueError(f"w13 must be (E, 2*I, D) with gate rows then up rows; got odd/zero 2*I={two_i}")
     inter = two_i // 2
     if tuple(w2.shape) != (num_local, dim, inter):
-        raise ValueError(f"w2 must be (E, D, I) = ({num_local}, {dim}, {inter}), got {tuple(w2.shape)}")
+        raise ValueError(f"w2 must be (E, D, I) = ({num_local}, {dim}, {inter}) to match w13 {tuple(w13.shape)} "
+                         f"(E, 2*I, D) and x's D, got {tuple(w2.shape)}")
     for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must share a device")
