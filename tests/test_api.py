@@ -489,3 +489,45 @@ def test_fp8_tool_times_the_stages_asked_for_and_refuses_a_name_it_lacks():
     assert select_stages(stages, ["DX", "down"]) == [("down", 1), ("down (issue-ahead)", 2), ("dx", 4)]
     with pytest.raises(SystemExit, match="no stage's name contains"):
         select_stages(stages, ["dx", "dW3"])
+
+
+def test_fp8_tool_checks_each_scheduling_variant_bitwise_against_the_layers(monkeypatch, tmp_path):
+    """``python -m tools.fp8``'s table through the interpreter (timer and dense matmul stubbed): each variant that
+    changes only when its kernel's instructions run is compared with the layer's own variant of its GEMM, and
+    recorded; a variant that wrote other bits would stop the command, after its record is written."""
+    import json
+
+    import triton.testing
+
+    from megamoe.bench import common
+    from megamoe.kernels import expert_bwd
+    from tools import fp8
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's run of a GPU tool (on a GPU the tool itself runs)")
+    monkeypatch.setitem(common.PRESETS, "tiny-fp8", (256, 256, 4, 2))  # D and I take the 256-column variants
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    monkeypatch.setattr(fp8, "scaled_mm_tflops", lambda m, n, k: 1.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stub")
+    args = ["--preset", "tiny-fp8", "--tokens", "64", "--out", str(tmp_path)]
+    fp8.main(args + ["--stages", "up (,up,,down,dW2 FP8"], device="cpu")
+    record = json.loads(next(tmp_path.glob("fp8-kernels-tiny-fp8-t64-some-stages.json")).read_text())
+    checked = {r["stage"]: r["bitwise_as"] for r in record["stages"] if "bitwise_as" in r}
+    assert all(r["bitwise_equal"] for r in record["stages"] if "bitwise_as" in r)
+    assert checked["up, products stored"] == "up (+ SwiGLU, h quantised)"
+    assert checked["down"] == checked["down (issue-ahead)"] == "down (256 columns)"
+    assert checked["dW2 FP8 (256 columns) (4 stages)"] == checked["dW2 FP8"] == "dW2 FP8 (256 columns)"
+    assert "up (issue-ahead)" not in checked and "down (256 columns)" not in checked  # other chains; the layer's own
+    # One variant that writes other bits: named, and the command fails once its record is written
+    wgrad = expert_bwd.wgrad_fp8
+
+    def turns_off_by_one(*a, **kw):
+        dw = wgrad(*a, **kw)
+        return dw + 1 if a[9:10] == (True,) else dw  # ping_pong, the tenth positional argument
+
+    monkeypatch.setattr(expert_bwd, "wgrad_fp8", turns_off_by_one)
+    for old in tmp_path.iterdir():
+        old.unlink()
+    with pytest.raises(SystemExit, match=r"do not write bitwise.*dW2 FP8 \(256 columns\) \(warpgroups' chains in turn\)"):
+        fp8.main(args + ["--stages", "dW2 FP8 (256"], device="cpu")
+    assert any(tmp_path.iterdir())

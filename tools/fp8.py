@@ -26,8 +26,12 @@ into tile columns is also timed on its own, beside the act step followed by the 
 The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each
 GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and
 writes them once. ``--stages down,dx``: only the stages whose names contain one of these (each first call compiles its
-kernel: the whole table takes minutes on a fresh machine). Prints a table and writes JSON (GPU, versions, date, commit,
-command) if ``--out`` is given, the routing named in its name where it is not random.
+kernel: the whole table takes minutes on a fresh machine). Each variant that changes only when a kernel's
+instructions run (its warpgroups' turns, its ring's depth, its stores and reads, its blocks' width and order; not
+the up kernel's issue-ahead, whose chains differ in shape) is checked to write bitwise what the layer's own variant
+of that GEMM writes, where both write (column "same"; a variant that differs is named at the end and the command
+exits with 1 after writing its record). Prints a table and writes JSON (GPU, versions, date, commit, command) if
+``--out`` is given, the routing named in its name where it is not random.
 """
 
 from __future__ import annotations
@@ -60,6 +64,12 @@ def scaled_mm_tflops(m: int, n: int, k: int) -> float:
     return 2 * m * n * k / ms / 1e9
 
 
+def same_outputs(a, b) -> bool:
+    """Whether two outputs (a tensor or a tuple of them) are bitwise equal."""
+    a, b = (t if isinstance(t, tuple) else (t,) for t in (a, b))
+    return len(a) == len(b) and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+
+
 def select_stages(stages: list[tuple], patterns: list[str] | None) -> list[tuple]:
     """The stages (name first) whose names contain any of ``patterns`` (case-insensitive), in their order; all of them
     without patterns. A pattern that names no stage is an error, not an empty table."""
@@ -75,7 +85,9 @@ def select_stages(stages: list[tuple], patterns: list[str] | None) -> list[tuple
     return [stage for stage in stages if any(named(stage, p) for p in patterns)]
 
 
-def main(argv=None) -> None:
+def main(argv=None, device: str = "cuda") -> None:
+    """The command line's entry; ``device``: "cpu" runs the table's stages through the Triton interpreter (for its
+    tests: without a GPU's kernels every variant runs the same code, and the times and rates mean nothing)."""
     from triton.testing import do_bench
 
     p = argparse.ArgumentParser(prog="python -m tools.fp8", description=__doc__.split("\n\n")[0],
@@ -87,11 +99,11 @@ def main(argv=None) -> None:
                    help="comma-separated parts of stage names: time only those stages")
     p.add_argument("--routing", choices=ROUTINGS, default="random", help="how the tokens pick their experts")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("tools.fp8 times GPU kernels: it needs a CUDA GPU")
     dim, inter, num_experts, top_k = PRESETS[args.preset]
     x, idx, weights, w13, w2, dy = make_problem(args.tokens, dim, inter, num_experts, top_k, args.routing,
-                                                torch.bfloat16, torch.device("cuda"), 0)
+                                                torch.bfloat16, torch.device(device), 0)
     plan = build_plan(idx, num_experts)
     num_slots = idx.numel()
     rows = int((idx >= 0).sum())
@@ -101,13 +113,13 @@ def main(argv=None) -> None:
     _, dy_sorted = expert_bwd.gather_rows(x, dy, plan, top_k)
     dyq, dys = quant.quantize_rows(dy_sorted)
     hq, hs = expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k)
-    preact = torch.empty(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16)
-    dzq, dzs = quant.quantize_rows(torch.randn(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16))
+    preact = torch.empty(num_slots, 2 * inter, device=device, dtype=torch.bfloat16)
+    dzq, dzs = quant.quantize_rows(torch.randn(num_slots, 2 * inter, device=device, dtype=torch.bfloat16))
     flat_weights = weights.reshape(-1)
     # The weight gradients' operands: sorted rows in bf16 (dz and h·w random: only their shapes matter here).
     x_sorted = expert_bwd.gather_rows(x, dy, plan, top_k)[0]
-    dz = torch.randn(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16)
-    hw = torch.randn(num_slots, inter, device="cuda", dtype=torch.bfloat16)
+    dz = torch.randn(num_slots, 2 * inter, device=device, dtype=torch.bfloat16)
+    hw = torch.randn(num_slots, inter, device=device, dtype=torch.bfloat16)
     dzt, xt, dyt, hwt = (quant.quantize_tile_cols(t, plan) for t in (dz, x_sorted, dy_sorted, hw))
     num_tiles = plan.tile_expert_NT.numel()
 
@@ -116,9 +128,9 @@ def main(argv=None) -> None:
 
     # the products and dh' read; dz 1x128, dz's and h·w's tile columns and their scales written
     act_tile_cols_bytes = num_slots * inter * (4 + 2 + 2) + dzs.numel() * 4 + 3 * inter * num_tiles * (128 + 4)
-    dx_slots = torch.randn(num_slots, dim, device="cuda", dtype=torch.bfloat16)
-    products = torch.randn(num_slots, 2 * inter, device="cuda", dtype=torch.bfloat16)  # the act step's inputs
-    dh = torch.randn(num_slots, inter, device="cuda", dtype=torch.bfloat16)
+    dx_slots = torch.randn(num_slots, dim, device=device, dtype=torch.bfloat16)
+    products = torch.randn(num_slots, 2 * inter, device=device, dtype=torch.bfloat16)  # the act step's inputs
+    dh = torch.randn(num_slots, inter, device=device, dtype=torch.bfloat16)
 
     def fp8_wgrads():  # what the FP8 backward runs with autograd.FP8_WGRAD and bf16 runs without it
         expert_bwd.sorted_quantized_rows(dy, plan, top_k)
@@ -145,6 +157,13 @@ def main(argv=None) -> None:
 
     other_turns = not gluon_fp8_sm90.UP_PING_PONG  # (the default issue pattern's turns the other way)
     up_turns = " (warpgroups' chains " + ("in turn)" if other_turns else "at once)")
+
+    # The variants checked bitwise against the layer's own variant of their GEMM: stage → (that stage, the part of the
+    # outputs that both write). The layer's up kernel runs without issue-ahead, its turns as UP_PING_PONG.
+    up_layer = "up (+ SwiGLU, h quantised)"
+    twins = {name: (up_layer, lambda out: (out[0][:rows], out[1][:, :rows]))
+             for name in ("up" + up_turns, "up, products stored", "up, products stored" + up_turns)}
+    kept_slots = idx.reshape(-1) >= 0  # the rows down writes (to slots); dh' and dx write the first `rows`
 
     up_flops, down_flops = 2 * rows * dim * 2 * inter, 2 * rows * dim * inter
     # (name, function, FLOPs or None, bytes moved or None, the dense FP8 GEMM of the same size (m, n, k) or None)
@@ -185,6 +204,14 @@ def main(argv=None) -> None:
                         dense),
                        (name + other, rows_gemm(*operands, defer_epilogue=None, block_n=256,
                                          ping_pong=not gluon_fp8_sm90.ROWS_PING_PONG), flops, None, dense)]
+        # the layer's variant (gluon_fp8_sm90.rows_pattern: the 256-column stage runs the defaults at that width)
+        block_n, issue_ahead, defer_epilogue, _ = gluon_fp8_sm90.rows_pattern(operands[3].shape[1])
+        layer = name + (" (256 columns)" if block_n == 256 else
+                        {(False, False): "", (True, False): " (issue-ahead)",
+                         (True, True): " (issue-ahead, stores deferred)"}[issue_ahead, defer_epilogue])
+        view = (lambda out: out[kept_slots]) if name == "down" else (lambda out: out[:rows])
+        twins.update({stage[0]: (layer, view) for stage in stages
+                      if stage[0].split(" (")[0] == name and stage[0] != layer})
     stages += [
         ("wgrad: quantize 128x1 (N, D)", lambda: quant.quantize_tile_cols(x_sorted, plan), None, tile_cols_bytes(dim),
          None),
@@ -236,34 +263,48 @@ def main(argv=None) -> None:
                     stages.append((f"{base} ({ring} stages)" + (turns[pp] if pp != ping_pong else ""),
                                    lambda a=a, b=b, pp=pp, ring=ring: expert_bwd.wgrad_fp8(
                                        *a, *b, plan, torch.bfloat16, 256, None, None, pp, ring), flops, None, dense))
+    for name, _, b, _, _ in wgrad_gemms:  # every FP8 variant of a weight gradient against the layer's width and order
+        wide = gluon_fp8_sm90.wgrad_block_n(b[0].shape[0]) == 256
+        layer = name + " FP8" + (" (256 columns)" if wide else "")
+        twins.update({stage[0]: (layer, lambda out: out) for stage in stages
+                      if stage[0].startswith(name + " FP8") and stage[0] != layer})
     stages += [
         ("dW13 bf16", lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16), up_flops, None, None),
         ("dW2 bf16", lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16), down_flops, None, None),
         ("the FP8 backward's part that FP8_WGRAD changes, FP8", fp8_wgrads, up_flops + down_flops, None, None),
         ("the FP8 backward's part that FP8_WGRAD changes, bf16", bf16_wgrads, up_flops + down_flops, None, None),
     ]
+    every_stage = {stage[0]: stage[1] for stage in stages}
     stages = select_stages(stages, args.stages)
-    src = torch.empty(256 * 2**20, device="cuda", dtype=torch.uint8)
+    src = torch.empty(256 * 2**20, device=device, dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy_gbs = 2 * src.numel() / do_bench(lambda: dst.copy_(src), warmup=25, rep=200) / 1e6
     ceilings = {}
     results = []
     print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (device copy {copy_gbs:.0f} GB/s)")
-    print(f"{'stage':36s} {'ms':>8s} {'TF/s':>7s} {'dense FP8 TF/s':>15s} {'GB/s':>7s}")
+    print(f"{'stage':36s} {'ms':>8s} {'TF/s':>7s} {'dense FP8 TF/s':>15s} {'GB/s':>7s} {'same':>5s}")
     for name, fn, flops, nbytes, dense in stages:
         ms = do_bench(fn, warmup=25, rep=200)
         if dense is not None and dense not in ceilings:
             ceilings[dense] = scaled_mm_tflops(*dense)
         r = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
              "dense_fp8_tflops": ceilings.get(dense), "gbs": nbytes / ms / 1e6 if nbytes else None}
+        if name in twins:
+            layer, view = twins[name]
+            r["bitwise_as"], r["bitwise_equal"] = layer, same_outputs(view(fn()), view(every_stage[layer]()))
         results.append(r)
-        print(f"{name:36s} {ms:8.3f} {r['tflops'] or 0:7.0f} {r['dense_fp8_tflops'] or 0:15.0f} {r['gbs'] or 0:7.0f}")
+        same = {True: "yes", False: "NO"}.get(r.get("bitwise_equal"), "")
+        print(f"{name:36s} {ms:8.3f} {r['tflops'] or 0:7.0f} {r['dense_fp8_tflops'] or 0:15.0f} {r['gbs'] or 0:7.0f} "
+              f"{same:>5s}")
     if args.out:
         subset = "-some-stages" if args.stages else ""  # never in place of a whole table's record
         routing = "" if args.routing == "random" else f"-{args.routing}"
         write_record(args.out, f"fp8-kernels-{args.preset}-t{args.tokens}{routing}{subset}.json",
                      "python -m tools.fp8 " + " ".join(shlex.quote(a) for a in sys.argv[1:]), preset=args.preset,
                      tokens=args.tokens, routing=args.routing, device_copy_gbs=copy_gbs, stages=results)
+    differ = [r["stage"] for r in results if r.get("bitwise_equal") is False]
+    if differ:
+        raise SystemExit(f"these variants do not write bitwise what the layer's variant of their GEMM writes: {differ}")
 
 
 if __name__ == "__main__":
