@@ -479,6 +479,18 @@ def test_host_time_probe_on_the_gpu(capsys):
         main([])  # neither mode chosen: no TRITON_INTERPRET on a GPU machine
 
 
+def test_the_tools_compare_outputs_bit_for_bit():
+    """``tools.kernels.same_outputs``: equal bits are equal even where they are NaNs or e4m3; one bit apart, a
+    tuple of another length or a tensor of another dtype's bits are not."""
+    from tools.kernels import same_outputs
+
+    a = torch.tensor([1.0, float("nan"), -0.0])
+    q = torch.tensor([0.5, -3.0]).to(torch.float8_e4m3fn)
+    assert same_outputs(a, a.clone()) and same_outputs((a, q), (a.clone(), q.clone()))
+    assert not same_outputs(a, torch.tensor([1.0, float("nan"), 0.0]))  # -0.0 and 0.0: equal values, other bits
+    assert not same_outputs((a, q), (a,)) and not same_outputs(a, a.view(torch.int32))
+
+
 def test_fp8_tool_times_the_stages_asked_for_and_refuses_a_name_it_lacks():
     """``python -m tools.fp8 --stages``: the stages whose names contain a given part, in the table's order; a part
     that names no stage stops the tool before any timing."""

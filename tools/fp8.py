@@ -50,7 +50,7 @@ from megamoe.kernels import expert_bwd, expert_fwd, gluon_fp8_sm90, gluon_sm90, 
 from megamoe.kernels.combine import combine
 from megamoe.kernels.plan import build_plan
 from megamoe.provenance import write_record
-from tools.kernels import ORDERS
+from tools.kernels import ORDERS, same_outputs
 
 
 def scaled_mm_tflops(m: int, n: int, k: int) -> float:
@@ -62,12 +62,6 @@ def scaled_mm_tflops(m: int, n: int, k: int) -> float:
     one = torch.ones((), device="cuda")
     ms = do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), warmup=25, rep=200)
     return 2 * m * n * k / ms / 1e9
-
-
-def same_outputs(a, b) -> bool:
-    """Whether two outputs (a tensor or a tuple of them) are bitwise equal."""
-    a, b = (t if isinstance(t, tuple) else (t,) for t in (a, b))
-    return len(a) == len(b) and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
 
 
 def select_stages(stages: list[tuple], patterns: list[str] | None) -> list[tuple]:

@@ -7,7 +7,9 @@ kernels (``kernels.gluon_sm90``: one tile each, not autotuned, not swept; their 
 Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``); the
 config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
-shows the best next to the default.
+shows the best next to the default. On sm90 the weight gradients also run with their blocks in the order the layer
+does not deal them (``ORDERS``), each checked to write bitwise what its layer stage writes (one that differs fails
+the command once the JSON is written).
 """
 
 from __future__ import annotations
@@ -67,14 +69,21 @@ SWEEPS = {
 
 
 # The weight gradients' rows in the other order of their blocks (``gluon_sm90.WGRAD_BY_SIZE``), by the suffix of their
-# names: variants of the layer's stages, left out of the total.
+# names: variants of the layer's stages, left out of the total, each checked to write bitwise what its stage writes.
 ORDERS = {True: " (blocks by size)", False: " (blocks in expert order)"}
+
+
+def same_outputs(a, b) -> bool:
+    """Whether two outputs (a tensor or a tuple of them) are bitwise equal, dtypes included."""
+    a, b = (t if isinstance(t, tuple) else (t,) for t in (a, b))
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                                    for x, y in zip(a, b))
 
 
 def stages(problem, num_experts):
     """name → (callable, FLOPs, the GEMM's TunedKernel — or, for one that runs a ``kernels.ws`` kernel, a record
     of that kernel's fixed config — or None): the layer's stages and, on sm90, the weight gradients with their blocks
-    in the other order (``ORDERS``)."""
+    in the other order (``ORDERS``), which return what their stages return."""
     x, topk_idx, topk_weights, w13, w2, dy = problem
     top_k = topk_idx.shape[1]
     n_rows = int((topk_idx >= 0).sum())
@@ -115,11 +124,17 @@ def stages(problem, num_experts):
         order = ORDERS[by_size]
         dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)
         combined = torch.empty_like(x)
-        stages["bwd dw13, combine" + order] = (
-            lambda: expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, dw13, (dx, topk_idx, combined), by_size=by_size),
-            4 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
-        stages["bwd dw2" + order] = (lambda: expert_wgrad_ws(dy_sorted, hw, plan.offsets_E1, dw2, by_size=by_size),
-                                     2 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
+
+        def run_dw13_other():  # what run_dw13 returns: the gradient and the combined dx
+            expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, dw13, (dx, topk_idx, combined), by_size=by_size)
+            return dw13, combined
+
+        def run_dw2_other():
+            expert_wgrad_ws(dy_sorted, hw, plan.offsets_E1, dw2, by_size=by_size)
+            return dw2
+
+        stages["bwd dw13, combine" + order] = (run_dw13_other, 4 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
+        stages["bwd dw2" + order] = (run_dw2_other, 2 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
     return stages
 
 
@@ -143,7 +158,9 @@ def main(argv=None) -> None:
     top_k = args.top_k or top_k
     problem = make_problem(args.tokens, dim, inter, num_experts, top_k, args.routing, torch.bfloat16, "cuda", 0)
     rows = []
-    for name, (fn, flops, key) in stages(problem, num_experts).items():
+    table = stages(problem, num_experts)
+    variant = tuple(ORDERS.values())
+    for name, (fn, flops, key) in table.items():
         started = utc_now()  # the timing window, to read against gpu-check's clocks.csv
         ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
         row = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
@@ -162,6 +179,9 @@ def main(argv=None) -> None:
                 best = min(best, (t, cfg), key=lambda b: b[0])
             key.default = default
             row.update(best_ms=best[0], best_config=best[1], best_tflops=flops / best[0] / 1e9)
+        if name.endswith(variant):  # the layer's stage of the same name, without the order's suffix
+            layer = name[:name.rindex(" (")]
+            row.update(bitwise_as=layer, bitwise_equal=same_outputs(fn(), table[layer][0]()))
         rows.append(row)
         extra = f"   best {row['best_ms']:.3f} ms {row['best_config']}" if "best_ms" in row else ""
         tf = f"{row['tflops']:6.0f}" if row["tflops"] else "     -"
@@ -169,8 +189,9 @@ def main(argv=None) -> None:
         ran = "" if cfg is None else (f"   {cfg['BM']}x{cfg['BN']}x{cfg['BK']} warps {cfg['num_warps']} "
                                       f"stages {cfg['num_stages']}" + (" persistent" if cfg.get("PERSISTENT") else "")
                                       + (" warp-specialized" if cfg.get("WARP_SPECIALIZED") else ""))
-        print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{ran}{extra}", flush=True)
-    variant = tuple(ORDERS.values())
+        same = {True: "   bitwise as the layer's", False: "   NOT bitwise as the layer's"}.get(row.get("bitwise_equal"),
+                                                                                           "")
+        print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{ran}{extra}{same}", flush=True)
     print(f"{'total':20s} {sum(r['ms'] for r in rows if not r['stage'].endswith(variant)):8.3f} ms "
           "(the layer's stages)")
     if args.json:
@@ -178,6 +199,9 @@ def main(argv=None) -> None:
             "preset": args.preset, "tokens": args.tokens, "top_k": top_k, "routing": args.routing,
             **gpu_record("python -m tools.kernels " + " ".join(sys.argv[1:] if argv is None else argv)),
             "stages": rows}, indent=1) + "\n")
+    differ = [r["stage"] for r in rows if r.get("bitwise_equal") is False]
+    if differ:
+        raise SystemExit(f"these variants do not write bitwise what the layer's stage writes: {differ}")
 
 
 if __name__ == "__main__":
