@@ -491,6 +491,21 @@ def test_the_tools_compare_outputs_bit_for_bit():
     assert not same_outputs((a, q), (a,)) and not same_outputs(a, a.view(torch.int32))
 
 
+def test_kernels_tool_ceilings_do_each_gemm_stages_work():
+    """``tools.kernels``' cuBLAS ceiling beside each GEMM stage does that stage's FLOPs (the rows shared evenly by
+    the experts), and only GEMM stages have one."""
+    from megamoe.bench.common import make_problem
+    from tools.kernels import dense_shapes, stages
+
+    dim, inter, num_experts, top_k = 64, 32, 4, 2
+    problem = make_problem(64, dim, inter, num_experts, top_k, "random", torch.float32, "cpu", 0)
+    shapes = dense_shapes(int((problem[1] >= 0).sum()), num_experts, dim, inter)
+    table = stages(problem, num_experts)
+    assert {name for name, (_, flops, _) in table.items() if flops} == shapes.keys()
+    for name, (batch, m, n, k) in shapes.items():
+        assert 2 * batch * m * n * k == table[name][1], name
+
+
 def test_fp8_tool_times_the_stages_asked_for_and_refuses_a_name_it_lacks():
     """``python -m tools.fp8 --stages``: the stages whose names contain a given part, in the table's order; a part
     that names no stage stops the tool before any timing."""
@@ -540,6 +555,7 @@ def test_fp8_tool_checks_each_scheduling_variant_bitwise_against_the_layers(monk
     monkeypatch.setattr(expert_bwd, "wgrad_fp8", turns_off_by_one)
     for old in tmp_path.iterdir():
         old.unlink()
-    with pytest.raises(SystemExit, match=r"do not write bitwise.*dW2 FP8 \(256 columns\) \(warpgroups' chains in turn\)"):
+    differs = r"do not write bitwise.*dW2 FP8 \(256 columns\) \(warpgroups' chains in turn\)"
+    with pytest.raises(SystemExit, match=differs):
         fp8.main(args + ["--stages", "dW2 FP8 (256"], device="cpu")
     assert any(tmp_path.iterdir())

@@ -7,9 +7,10 @@ kernels (``kernels.gluon_sm90``: one tile each, not autotuned, not swept; their 
 Without ``--sweep`` the kernels run as the layer runs them (autotuned unless ``MEGAMOE_AUTOTUNE=0``); the
 config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
-shows the best next to the default. On sm90 the weight gradients also run with their blocks in the order the layer
-does not deal them (``ORDERS``), each checked to write bitwise what its layer stage writes (one that differs fails
-the command once the JSON is written).
+shows the best next to the default. Beside each GEMM, cuBLAS's rate on the same work as one batched matmul
+(``dense_shapes``), measured in the same process. On sm90 the weight gradients also run with their blocks in the
+order the layer does not deal them (``ORDERS``), each checked to write bitwise what its layer stage writes (one that
+differs fails the command once the JSON is written).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from megamoe.arguments import HelpFormatter, positive_int
-from megamoe.bench.common import PRESETS, ROUTINGS, make_problem
+from megamoe.bench.common import PRESETS, ROUTINGS, dense_matmul_tflops, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd
 from megamoe.kernels.combine import combine
 from megamoe.kernels.gluon_sm90 import (
@@ -78,6 +79,17 @@ def same_outputs(a, b) -> bool:
     a, b = (t if isinstance(t, tuple) else (t,) for t in (a, b))
     return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
                                     for x, y in zip(a, b))
+
+
+def dense_shapes(n_rows: int, num_experts: int, dim: int, inter: int) -> dict[str, tuple[int, int, int, int]]:
+    """Each GEMM stage's equal-work dense ceiling, (batch, m, n, k) for ``bench.common.dense_matmul_tflops``: the
+    experts' GEMMs as one batched cuBLAS matmul with the rows shared evenly (n_rows / E each), the weight gradients'
+    K the rows. A stage with its blocks in the other order (``ORDERS``) shares its layer stage's."""
+    m = max(1, round(n_rows / num_experts))
+    shapes = {"fwd up+swiglu": (m, 2 * inter, dim), "fwd up+swiglu, products stored": (m, 2 * inter, dim),
+              "fwd down": (m, dim, inter), "bwd gather, dh'": (m, inter, dim), "bwd recompute+act": (m, 2 * inter, dim),
+              "bwd dx": (m, dim, 2 * inter), "bwd dw13, combine": (2 * inter, dim, m), "bwd dw2": (dim, inter, m)}
+    return {name: (num_experts, *shape) for name, shape in shapes.items()}
 
 
 def stages(problem, num_experts):
@@ -160,6 +172,8 @@ def main(argv=None) -> None:
     rows = []
     table = stages(problem, num_experts)
     variant = tuple(ORDERS.values())
+    shapes = dense_shapes(int((problem[1] >= 0).sum()), num_experts, dim, inter)
+    ceilings = {}
     for name, (fn, flops, key) in table.items():
         started = utc_now()  # the timing window, to read against gpu-check's clocks.csv
         ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
@@ -179,12 +193,18 @@ def main(argv=None) -> None:
                 best = min(best, (t, cfg), key=lambda b: b[0])
             key.default = default
             row.update(best_ms=best[0], best_config=best[1], best_tflops=flops / best[0] / 1e9)
-        if name.endswith(variant):  # the layer's stage of the same name, without the order's suffix
-            layer = name[:name.rindex(" (")]
+        layer = name[:name.rindex(" (")] if name.endswith(variant) else name  # without the order's suffix
+        if name != layer:
             row.update(bitwise_as=layer, bitwise_equal=same_outputs(fn(), table[layer][0]()))
+        if layer in shapes:
+            if shapes[layer] not in ceilings:
+                ceilings[shapes[layer]] = dense_matmul_tflops("cuda", *shapes[layer][1:], batch=shapes[layer][0])
+            row["dense_bf16_tflops"] = ceilings[shapes[layer]]
         rows.append(row)
         extra = f"   best {row['best_ms']:.3f} ms {row['best_config']}" if "best_ms" in row else ""
         tf = f"{row['tflops']:6.0f}" if row["tflops"] else "     -"
+        if "dense_bf16_tflops" in row:
+            tf += f" (cuBLAS {row['dense_bf16_tflops']:4.0f})"
         cfg = row["config"]
         ran = "" if cfg is None else (f"   {cfg['BM']}x{cfg['BN']}x{cfg['BK']} warps {cfg['num_warps']} "
                                       f"stages {cfg['num_stages']}" + (" persistent" if cfg.get("PERSISTENT") else "")

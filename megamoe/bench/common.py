@@ -64,14 +64,16 @@ def max_rel_err(fn, problem) -> float:
     return max(((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for o, r in zip(out, ref))
 
 
-def dense_matmul_tflops(device) -> float:
+def dense_matmul_tflops(device, m: int = 8192, n: int = 8192, k: int = 8192, batch: int = 1) -> float:
+    """TFLOP/s of torch's bf16 (m, k) x (k, n) matmul (cuBLAS), ``batch`` of them at once where more than one (the
+    equal-work ceiling of a grouped GEMM over ``batch`` experts of ``m`` rows each)."""
     from triton.testing import do_bench
 
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    lead = () if batch == 1 else (batch,)
+    a = torch.randn(*lead, m, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(*lead, k, n, device=device, dtype=torch.bfloat16)
     ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
-    return 2 * n**3 / ms / 1e9
+    return 2 * batch * m * n * k / ms / 1e9
 
 
 def training_step(fn: Callable, problem) -> tuple[Callable, Callable]:
