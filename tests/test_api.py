@@ -493,7 +493,7 @@ def test_the_tools_compare_outputs_bit_for_bit():
 
 def test_kernels_tool_ceilings_do_each_gemm_stages_work():
     """``tools.kernels``' cuBLAS ceiling beside each GEMM stage does that stage's FLOPs (the rows shared evenly by
-    the experts), and only GEMM stages have one."""
+    the experts), and only GEMM stages have one; the saved mode's act step reads the products its up stage stored."""
     from megamoe.bench.common import make_problem
     from tools.kernels import dense_shapes, stages
 
@@ -504,6 +504,10 @@ def test_kernels_tool_ceilings_do_each_gemm_stages_work():
     assert {name for name, (_, flops, _) in table.items() if flops} == shapes.keys()
     for name, (batch, m, n, k) in shapes.items():
         assert 2 * batch * m * n * k == table[name][1], name
+    # the saved mode's act step runs on the products the up kernel stored: its dz is the recompute's
+    dz_saved = table["bwd act on the products"][0]()[0]
+    dz_recomputed = table["bwd recompute+act"][0]()[0]
+    assert torch.allclose(dz_saved, dz_recomputed, rtol=1e-4, atol=1e-5)
 
 
 def test_fp8_tool_times_the_stages_asked_for_and_refuses_a_name_it_lacks():

@@ -69,6 +69,10 @@ SWEEPS = {
 }
 
 
+# The stages that only one memory mode runs (``save_for_backward``), left out of the other mode's total.
+ONE_MODE = {"none": ("fwd up+swiglu", "bwd recompute+act"),
+            "preact": ("fwd up+swiglu, products stored", "bwd act on the products")}
+
 # The weight gradients' rows in the other order of their blocks (``gluon_sm90.WGRAD_BY_SIZE``), by the suffix of their
 # names: variants of the layer's stages, left out of the total, each checked to write bitwise what its stage writes.
 ORDERS = {True: " (blocks by size)", False: " (blocks in expert order)"}
@@ -94,8 +98,8 @@ def dense_shapes(n_rows: int, num_experts: int, dim: int, inter: int) -> dict[st
 
 def stages(problem, num_experts):
     """name → (callable, FLOPs, the GEMM's TunedKernel — or, for one that runs a ``kernels.ws`` kernel, a record
-    of that kernel's fixed config — or None): the layer's stages and, on sm90, the weight gradients with their blocks
-    in the other order (``ORDERS``), which return what their stages return."""
+    of that kernel's fixed config — or None): the layer's stages in both memory modes (``ONE_MODE``) and, on sm90,
+    the weight gradients with their blocks in the other order (``ORDERS``), which return what their stages return."""
     x, topk_idx, topk_weights, w13, w2, dy = problem
     top_k = topk_idx.shape[1]
     n_rows = int((topk_idx >= 0).sum())
@@ -105,6 +109,7 @@ def stages(problem, num_experts):
     h = expert_fwd.up_swiglu_fwd(x, w13, plan, top_k)
     slots = expert_fwd.down_fwd(h, w2, topk_weights, plan)
     preact = torch.empty(plan.row_slot_N.numel(), 2 * inter, device=x.device, dtype=x.dtype)  # the saved mode's
+    expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, preact_NH=preact)
     x_sorted, dy_sorted, dh = expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k)
     dz, hw, _ = expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k)
     dx = expert_bwd.dx_slots(dz, w13, plan)
@@ -127,6 +132,9 @@ def stages(problem, num_experts):
         # On sm90 the x copy runs inside the dh' kernel and the dx combine inside the dW13 kernel: timed with them.
         "bwd gather, dh'": (run_dh, 2 * unit, tuned(expert_bwd.DH)),
         "bwd recompute+act": (run_act, 4 * unit, tuned(expert_bwd.ACT_BWD, ACT_CONFIG)),
+        # the saved mode's act step, on the forward's products (preact, written by the up kernel above)
+        "bwd act on the products": (lambda: expert_bwd.act_bwd_from_preact(preact, dh, topk_weights, plan, top_k), 0,
+                                    None),
         "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, expert_bwd.DX),
         "bwd dw13, combine": (run_dw13, 4 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
         "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
@@ -212,11 +220,15 @@ def main(argv=None) -> None:
         same = {True: "   bitwise as the layer's", False: "   NOT bitwise as the layer's"}.get(row.get("bitwise_equal"),
                                                                                            "")
         print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{ran}{extra}{same}", flush=True)
-    print(f"{'total':20s} {sum(r['ms'] for r in rows if not r['stage'].endswith(variant)):8.3f} ms "
-          "(the layer's stages)")
+    totals = {mode: sum(r["ms"] for r in rows if not r["stage"].endswith(variant)
+                        and all(r["stage"] not in names for other, names in ONE_MODE.items() if other != mode))
+              for mode in ONE_MODE}
+    for mode, ms in totals.items():
+        print(f"{'total':20s} {ms:8.3f} ms (the layer's stages, save_for_backward={mode!r})")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "preset": args.preset, "tokens": args.tokens, "top_k": top_k, "routing": args.routing,
+            "total_ms": totals,
             **gpu_record("python -m tools.kernels " + " ".join(sys.argv[1:] if argv is None else argv)),
             "stages": rows}, indent=1) + "\n")
     differ = [r["stage"] for r in rows if r.get("bitwise_equal") is False]
