@@ -132,9 +132,9 @@ layer)
     ;;
 fp8)
     # Blockwise FP8, in parts P (default all four, in order): tests (its GPU tests), kernels (each kernel against the
-    # dense FP8 matmul, both issue patterns and both weight gradients: what decides gluon_fp8_sm90.ISSUE_AHEAD and
-    # autograd.FP8_WGRAD), 30b and 235b (the layer beside bf16, the FP8 baseline and SonicMoE where it imports); and, not
-    # in the default, trace (where the FP8 GEMMs' blocks spend their time, per warpgroup: tools.fp8_trace).
+    # dense FP8 matmul, each kernel's schedule variants and both weight gradients: what decides gluon_fp8_sm90's
+    # knobs and autograd.FP8_WGRAD), 30b and 235b (the layer beside bf16, the FP8 baseline and SonicMoE where it
+    # imports); and, not in the default, trace (where the FP8 GEMMs' blocks spend their time, per warpgroup: tools.fp8_trace).
     sonic=
     "$PY" -c "import sonicmoe" 2> /dev/null && sonic=sonicmoe,
     parts=("$@")

@@ -546,9 +546,9 @@ def test_fp8_tool_checks_each_scheduling_variant_bitwise_against_the_layers(monk
     checked = {r["stage"]: r["bitwise_as"] for r in record["stages"] if "bitwise_as" in r}
     assert all(r["bitwise_equal"] for r in record["stages"] if "bitwise_as" in r)
     assert checked["up, products stored"] == "up (+ SwiGLU, h quantised)"
-    assert checked["down"] == checked["down (issue-ahead)"] == "down (256 columns)"
+    assert checked["down"] == checked["down (256 columns, warpgroups' chains in turn)"] == "down (256 columns)"
     assert checked["dW2 FP8 (256 columns) (4 stages)"] == checked["dW2 FP8"] == "dW2 FP8 (256 columns)"
-    assert "up (issue-ahead)" not in checked and "down (256 columns)" not in checked  # other chains; the layer's own
+    assert "up (+ SwiGLU, h quantised)" not in checked and "down (256 columns)" not in checked  # the layer's own
     # One variant that writes other bits: named, and the command fails once its record is written
     wgrad = expert_bwd.wgrad_fp8
 

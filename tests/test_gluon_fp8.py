@@ -132,19 +132,14 @@ BF16_ROUNDING = 2.0 ** -9
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n,issue_ahead,defer_epilogue,ping_pong",
-                         [(128, False, False, False), (128, True, False, False), (128, False, True, False),
-                          (128, True, True, False), (256, False, False, False), (256, False, True, False),
-                          (256, False, False, True), (256, False, True, True)])
+@pytest.mark.parametrize("block_n,ping_pong", [(128, False), (256, False), (256, True)])
 @pytest.mark.parametrize("kind", ["random", "exact"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing",
                          GPU_CASES + [(1024, 4, 2, 128, 256, "random")])  # (dh' of one K-step in 256 columns)
-def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind, block_n, issue_ahead,
-                       defer_epilogue, ping_pong):
+def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind, block_n, ping_pong):
     """The down projection (h (N, I) x W2 (E, D, I), weighted, to slots) and dh' (dy (N, D) x W2ᵀ as (E, I, D),
-    sorted rows, unweighted), in blocks of 128 columns in each issue pattern, the stores at once or deferred, and
-    in blocks of 256 (the GEMMs whose N is a multiple of 256), the stores at once or deferred, the warpgroups'
-    chains at once or in turn."""
+    sorted rows, unweighted), in blocks of 128 columns and of 256 (the GEMMs whose N is a multiple of 256), the
+    latter with the warpgroups' chains at once and in turn."""
     from megamoe.kernels.gluon_fp8_sm90 import fp8_rows_gemm_ws
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -165,8 +160,7 @@ def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind
         w_q, w_s = quantize_weights(make_data((num_experts, n_out, k_dim), kind, gen, group_dims=2) / 16)
         out = torch.full((rows, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
         fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, out, plan, weights=weights if weighted else None, to_slots=to_slots,
-                         issue_ahead=issue_ahead, defer_epilogue=defer_epilogue, block_n=block_n,
-                         ping_pong=ping_pong)
+                         block_n=block_n, ping_pong=ping_pong)
         torch.cuda.synchronize()
         ref = rows_reference(a_q, a_s, w_q, w_s, offsets)
         if weighted:
@@ -189,10 +183,10 @@ def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind
 @pytest.mark.parametrize("kind", ["random", "exact"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
 @pytest.mark.parametrize("preact", [False, True])
-@pytest.mark.parametrize("issue_ahead,ping_pong", [(False, False), (True, False), (False, True)])
-def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind, preact, issue_ahead, ping_pong):
-    """h = silu(x W1gᵀ) * (x W1uᵀ) over the tokens' sorted rows, quantised per row and 128 columns; in each issue
-    pattern, and without issue-ahead with the warpgroups' chains at once and in turn."""
+@pytest.mark.parametrize("ping_pong", [False, True])
+def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind, preact, ping_pong):
+    """h = silu(x W1gᵀ) * (x W1uᵀ) over the tokens' sorted rows, quantised per row and 128 columns; with the
+    warpgroups' chains at once and in turn."""
     from megamoe.kernels.gluon_fp8_sm90 import fp8_up_swiglu_ws
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -206,8 +200,7 @@ def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind
     h_q = torch.full((rows, inter), float("nan"), device="cuda").to(torch.float8_e4m3fn)
     h_s = torch.full((inter // GROUP, rows), float("nan"), device="cuda")
     pre = torch.full((rows, 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16) if preact else None
-    fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k, preact=pre, issue_ahead=issue_ahead,
-                     ping_pong=ping_pong)
+    fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k, preact=pre, ping_pong=ping_pong)
     torch.cuda.synchronize()
 
     tokens = plan.row_slot_N[:routed].long() // top_k
@@ -319,8 +312,7 @@ def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("issue_ahead", [False, True])
-def test_fp8_up_swiglu_power_of_two_scales(issue_ahead):
+def test_fp8_up_swiglu_power_of_two_scales():
     """With ``env.set_fp8_scales("pow2")`` the kernel's h scales are its fp32-scale run's rounded up to a power of
     two (the same products and amax), and its bytes h times their exact inverse, rounded (within the ties that
     differ between the two scalings)."""
@@ -339,7 +331,7 @@ def test_fp8_up_swiglu_power_of_two_scales(issue_ahead):
         h_s = torch.empty(inter // GROUP, num_tokens * top_k, device="cuda")
         env.set_fp8_scales(kind)
         try:
-            fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k, issue_ahead=issue_ahead)
+            fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k)
         finally:
             env.set_fp8_scales("fp32")
         runs.append((h_q[:routed].float().cpu().double(), h_s[:, :routed].t().cpu()))
@@ -352,12 +344,11 @@ def test_fp8_up_swiglu_power_of_two_scales(issue_ahead):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["rows128", "rows256", "rows256_turns", "up", "up_issue_ahead", "up_turns",
-                                    "wgrad128", "wgrad256", "wgrad256_turns"])
+@pytest.mark.parametrize("kernel", ["rows128", "rows256", "rows256_turns", "up", "up_turns", "wgrad128", "wgrad256",
+                                    "wgrad256_turns"])
 def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
     """The block trace (``trace=``) changes no output bit, and every program's partitions stamp each of their blocks
-    in time order: the sorted-rows kernel in blocks of 128 and 256 columns, the up kernel in both issue patterns, the
-    weight gradients in both block widths (an expert without rows among them), the 256-column blocks and the up
+    in time order: the sorted-rows kernel in blocks of 128 and 256 columns, the up kernel, the weight gradients in both block widths (an expert without rows among them), the 256-column blocks and the up
     kernel also with the warpgroups' turns."""
     from megamoe.kernels import gluon_fp8_sm90 as f
     from megamoe.kernels import gluon_sm90 as g
@@ -400,8 +391,8 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
         for tr in (None, trace):
             outs.append((torch.zeros(rows, inter, device="cuda", dtype=torch.float8_e4m3fn),
                          torch.zeros(inter // 128, rows, device="cuda", dtype=torch.float32)))
-            f.fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, *outs[-1], plan, top_k, issue_ahead=kernel == "up_issue_ahead",
-                               ping_pong=True if turns else None, trace=tr)
+            f.fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, *outs[-1], plan, top_k, ping_pong=True if turns else None,
+                               trace=tr)
         outs = [(h_q.view(torch.uint8), h_s) for h_q, h_s in outs]
         num_blocks = busy_tiles * (inter // 128)
     assert all(map(torch.equal, *outs))
@@ -475,11 +466,11 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "wide_wgrad": ("fp8_wgrad", dict(block_n=256)),
             "other_reads_wgrad": ("fp8_wgrad", dict(read_ahead=not f.WGRAD_READ_AHEAD)),
             "other_reads_wide_wgrad": ("fp8_wgrad", dict(block_n=256, read_ahead=not f.WGRAD_READ_AHEAD)),
-            "other_stores_wide_wgrad": ("fp8_wgrad", dict(block_n=256, defer_epilogue=not f.WGRAD_DEFER_STORES)),
+            "other_stores_wide_wgrad": ("fp8_wgrad", dict(block_n=256, defer_stores=not f.WGRAD_DEFER_STORES)),
             "other_turns_wide_wgrad": ("fp8_wgrad", dict(block_n=256, ping_pong=not f.WGRAD_PING_PONG)),
             "four_stages_wide_wgrad": ("fp8_wgrad", dict(block_n=256, stages=4)),
             "other_turns_wide_rows_down": ("fp8_rows", dict(block_n=256, ping_pong=not f.ROWS_PING_PONG)),
-            "other_turns_up_preact": ("fp8_up", dict(preact=True, issue_ahead=False, ping_pong=not f.UP_PING_PONG)),
+            "other_turns_up_preact": ("fp8_up", dict(preact=True, ping_pong=not f.UP_PING_PONG)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
             "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
             "rows_down_traced": ("fp8_rows", dict(trace=True)), "up_traced": ("fp8_up", dict(trace=True)),
@@ -488,18 +479,7 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "wgrad_by_size": ("fp8_wgrad", dict(by_size=True)),
             "wide_wgrad_by_size": ("fp8_wgrad", dict(block_n=256, by_size=True)),
             "wide_rows_down": ("fp8_rows", dict(block_n=256)),
-            "wide_rows_dh": ("fp8_rows", dict(block_n=256, weighted=False, to_slots=False)),
-            "wide_rows_down_stores_at_once": ("fp8_rows", dict(block_n=256, defer_epilogue=False))}
-# each kernel also in the issue pattern it does not run by default (the traced and turns variants only in their own)
-ahead = {"fp8_rows": f.ROWS_ISSUE_AHEAD, "fp8_up": f.UP_ISSUE_AHEAD}
-variants.update({f"{'plain' if ahead[kernel] else 'issue_ahead'}_{name}": (kernel, {**kw, "issue_ahead": not ahead[kernel]})
-                 for name, (kernel, kw) in variants.items() if kernel in ahead and not kw.get("trace")
-                 and not kw.get("block_n") and "ping_pong" not in kw})
-other_epilogue = not f.ROWS_DEFER_EPILOGUE  # the sorted-rows kernel's stores timed the way the default does not
-prefix = "deferred" if other_epilogue else "stores_at_once"
-variants.update({f"{prefix}_{name}": (kernel, {**kw, "defer_epilogue": other_epilogue})
-                 for name, (kernel, kw) in variants.items() if kernel == "fp8_rows" and not kw.get("trace")
-                 and not kw.get("block_n")})
+            "wide_rows_dh": ("fp8_rows", dict(block_n=256, weighted=False, to_slots=False))}
 def report(item):
     kernel, kw = item
     return ptxas_report(f.aot_compile(kernel, **kw))
@@ -507,15 +487,11 @@ with ProcessPoolExecutor(os.cpu_count()) as pool:  # compiles side by side, one 
     print(json.dumps(dict(zip(variants, pool.map(report, variants.values())))))
 """
 
-# Register spills allowed per variant (bytes): the issue-ahead up kernel's saved-activation variant (not the default
-# pattern) keeps one register of its epilogue in local memory (4 bytes, stored and loaded once per block; its MMA loop
-# does not spill); the same pattern compiled without the sizes specialised as 16-divisible (which no launch does: the
-# launchers assert multiples of 128) keeps two (since each block's expert and rows are read ahead, in registers); the
-# sorted-rows kernel's 256-column blocks with their stores deferred under their own chains (two accumulators, the
-# temporary in flight and a half block being stored) ten and four, with the warpgroups' turns or without; the up
-# kernel's traced variant (the stamps' registers; no layer launches it) three.
-_SPILLS_ALLOWED = {"issue_ahead_up_preact": 4, "issue_ahead_up_preact_pow2": 4, "issue_ahead_up_any_size": 8,
-                   "wide_rows_down": 40, "wide_rows_dh": 16, "other_turns_wide_rows_down": 40, "up_traced": 12}
+# Register spills allowed per variant (bytes): the sorted-rows kernel's 256-column blocks with their stores deferred
+# under their own chains (two accumulators, the temporary in flight and a half block being stored) ten and four,
+# with the warpgroups' turns or without; the up kernel's traced variant (the stamps' registers; no layer launches it)
+# three.
+_SPILLS_ALLOWED = {"wide_rows_down": 40, "wide_rows_dh": 16, "other_turns_wide_rows_down": 40, "up_traced": 12}
 
 
 def test_fp8_kernels_compile_for_sm90a_without_spills():
@@ -568,22 +544,12 @@ def test_wide_turns_resolve_defaults_and_refuse_128_columns():
         f.wide_turns(128, True, False)
 
 
-def test_up_turns_resolve_defaults_and_refuse_issue_ahead():
-    from megamoe.kernels import gluon_fp8_sm90 as f
-
-    assert f.up_ping_pong(False, None) == f.UP_PING_PONG and f.up_ping_pong(True, None) is False
-    assert f.up_ping_pong(False, True) is True and f.up_ping_pong(True, False) is False
-    with pytest.raises(ValueError, match="issue-ahead"):
-        f.up_ping_pong(True, True)
-
-
 def test_rows_pattern_resolves_defaults_and_refuses_what_a_width_lacks():
     from megamoe.kernels import gluon_fp8_sm90 as f
 
-    assert f.rows_pattern(2048) == (f.ROWS_BLOCK_N, False, f.ROWS_DEFER_EPILOGUE, f.ROWS_PING_PONG)
-    assert f.rows_pattern(640) == (128, f.ROWS_ISSUE_AHEAD, f.ROWS_DEFER_EPILOGUE, False)  # (256 does not divide it)
-    assert f.rows_pattern(768, 256, None, False, True) == (256, False, False, True)
-    for n_out, block_n, issue_ahead, ping_pong in ((1024, 256, True, None), (1024, 128, None, True),
-                                                   (640, 256, None, None)):
+    assert f.rows_pattern(2048) == (f.ROWS_BLOCK_N, f.ROWS_PING_PONG)
+    assert f.rows_pattern(640) == (128, False)  # (256 does not divide it)
+    assert f.rows_pattern(768, 256, True) == (256, True) and f.rows_pattern(768, 128) == (128, False)
+    for n_out, block_n, ping_pong in ((1024, 128, True), (640, 256, None), (1024, 64, None)):
         with pytest.raises(ValueError, match="block_n"):
-            f.rows_pattern(n_out, block_n, issue_ahead, None, ping_pong)
+            f.rows_pattern(n_out, block_n, ping_pong)

@@ -1,37 +1,36 @@
 """The FP8 path's kernels one by one against the same process's dense FP8 matmul: each FP8 GEMM's time and TFLOP/s,
 and each quantiser's GB/s.
 
-``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--routing random] [--out DIR]`` on an sm90 GPU. Stages
-(bf16 inputs, the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N, D), and the backward's sort
-of the x and dy rows with and without dy's quantisation fused in (the FP8 path's); the weights' quantisation (both
-orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and without the products' store, and
-the products alone (the backward's recompute); down, dh' and dx (``expert_fwd.sorted_rows_gemm_fp8``); each FP8 GEMM in
-both issue patterns (``gluon_fp8_sm90.ROWS_ISSUE_AHEAD``, ``UP_ISSUE_AHEAD``: the "(issue-ahead)" stages beside the
-others; the up kernel's also with its warpgroups' turns the other way than ``UP_PING_PONG``), the sorted-rows ones also
-with their stores deferred under the next block's first MMA (``ROWS_DEFER_EPILOGUE``), and in blocks of 256 columns
-where N allows (``ROWS_BLOCK_N``: the "(256 columns)" stages, as the layer runs them, and with the warpgroups' turns the
-other way than ``ROWS_PING_PONG``). Then the weight gradients both ways, to choose ``autograd.FP8_WGRAD``: the 128x1
-tile-column quantisation of (N, D), (N, 2I) and (N, I) sorted rows (``quant.quantize_tile_cols``; (N, D) also read from
-the tokens' rows, as x and dy can be), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 128
-columns, and of 256 where Q allows: ``gluon_fp8_sm90.WGRAD_BLOCK_N``; each also with its blocks' reads, stores and
-warpgroups' turns the ways ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES`` and ``WGRAD_PING_PONG`` do not have them, and
-the 256-column blocks in a ring of the other depth, 3 or 4 stages, than ``WGRAD_WIDE_STAGES``; the layer's width also
-with its blocks in the other order than ``gluon_sm90.WGRAD_BY_SIZE``), the bf16 ones the FP8
-path runs without them (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and the part
-of the FP8 backward that ``FP8_WGRAD`` changes both ways: with it, dy's 1x128 rows quantised per token and copied
-sorted, x and dy quantised into tile columns from the tokens' rows, the act step writing dz's and h·w's tile columns
-(``expert_bwd.act_bwd_tile_cols``), the two FP8 GEMMs and dx's combine; without, the sort of x and dy with dy quantised
-beside, the act step writing dz and h·w in bf16, and the two bf16 GEMMs, dW13's with the combine inside. The act step
-into tile columns is also timed on its own, beside the act step followed by the tile-column quantiser on its dz and h·w.
-The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n) product of each
-GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each kernel reads and
-writes them once. ``--stages down,dx``: only the stages whose names contain one of these (each first call compiles its
-kernel: the whole table takes minutes on a fresh machine). Each variant that changes only when a kernel's
-instructions run (its warpgroups' turns, its ring's depth, its stores and reads, its blocks' width and order; not
-the up kernel's issue-ahead, whose chains differ in shape) is checked to write bitwise what the layer's own variant
-of that GEMM writes, where both write (column "same"; a variant that differs is named at the end and the command
-exits with 1 after writing its record). Prints a table and writes JSON (GPU, versions, date, commit, command) if
-``--out`` is given, the routing named in its name where it is not random.
+``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--routing random] [--out DIR]`` on an sm90 GPU.
+Stages (bf16 inputs, the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N,
+D), and the backward's sort of the x and dy rows with and without dy's quantisation fused in (the FP8 path's); the
+weights' quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and
+without the products' store, and the products alone (the backward's recompute), the up kernel also with its
+warpgroups' turns the other way than ``gluon_fp8_sm90.UP_PING_PONG``; down, dh' and dx
+(``expert_fwd.sorted_rows_gemm_fp8``) in blocks of 128 columns and, where N allows, of 256 (``ROWS_BLOCK_N``: the
+"(256 columns)" stages, as the layer runs them, and with the warpgroups' turns the other way than ``ROWS_PING_PONG``).
+Then the weight gradients both ways, to choose ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D),
+(N, 2I) and (N, I) sorted rows (``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can
+be), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 128 columns, and of 256 where Q
+allows: ``gluon_fp8_sm90.WGRAD_BLOCK_N``; each also with its blocks' reads, stores and warpgroups' turns the ways
+``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES`` and ``WGRAD_PING_PONG`` do not have them, and the 256-column blocks in a
+ring of the other depth, 3 or 4 stages, than ``WGRAD_WIDE_STAGES``; the layer's width also with its blocks in the
+other order than ``gluon_sm90.WGRAD_BY_SIZE``), the bf16 ones the FP8 path runs without them
+(``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and the part of the FP8 backward
+that ``FP8_WGRAD`` changes both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy
+quantised into tile columns from the tokens' rows, the act step writing dz's and h·w's tile columns
+(``expert_bwd.act_bwd_tile_cols``), the two FP8 GEMMs and dx's combine; without, the sort of x and dy with dy
+quantised beside, the act step writing dz and h·w in bf16, and the two bf16 GEMMs, dW13's with the combine inside. The
+act step into tile columns is also timed on its own, beside the act step followed by the tile-column quantiser on its
+dz and h·w. The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n)
+product of each GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each
+kernel reads and writes them once. ``--stages down,dx``: only the stages whose names contain one of these (each first
+call compiles its kernel: the whole table takes minutes on a fresh machine). Each variant that changes only when a
+kernel's instructions run (its warpgroups' turns, its ring's depth, its stores and reads, its blocks' width and order)
+is checked to write bitwise what the layer's own variant of that GEMM writes, where both write (column "same"; a
+variant that differs is named at the end and the command exits with 1 after writing its record). Prints a table and
+writes JSON (GPU, versions, date, commit, command) if ``--out`` is given, the routing named in its name where it is
+not random.
 """
 
 from __future__ import annotations
@@ -140,20 +139,19 @@ def main(argv=None, device: str = "cuda") -> None:
         expert_bwd.expert_wgrad(dy_sorted_, hw_, plan, torch.bfloat16)
         expert_bwd.expert_wgrad_and_combine(dz_, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
 
-    def rows_gemm(kernel, a, a_s, w, w_s, wts, issue_ahead=False, defer_epilogue=False, block_n=128, ping_pong=None):
+    def rows_gemm(kernel, a, a_s, w, w_s, wts, block_n=128, ping_pong=None):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
-                                                       issue_ahead=issue_ahead, defer_epilogue=defer_epilogue,
                                                        block_n=block_n, ping_pong=ping_pong)
 
-    def up(issue_ahead, preact_NH=None, ping_pong=None):
+    def up(preact_NH=None, ping_pong=None):
         return lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k, preact_NH=preact_NH,
-                                                issue_ahead=issue_ahead, ping_pong=ping_pong)
+                                                ping_pong=ping_pong)
 
-    other_turns = not gluon_fp8_sm90.UP_PING_PONG  # (the default issue pattern's turns the other way)
+    other_turns = not gluon_fp8_sm90.UP_PING_PONG
     up_turns = " (warpgroups' chains " + ("in turn)" if other_turns else "at once)")
 
     # The variants checked bitwise against the layer's own variant of their GEMM: stage → (that stage, the part of the
-    # outputs that both write). The layer's up kernel runs without issue-ahead, its turns as UP_PING_PONG.
+    # outputs that both write). The layer's up kernel takes its turns as UP_PING_PONG.
     up_layer = "up (+ SwiGLU, h quantised)"
     twins = {name: (up_layer, lambda out: (out[0][:rows], out[1][:, :rows]))
              for name in ("up" + up_turns, "up, products stored", "up, products stored" + up_turns)}
@@ -173,12 +171,10 @@ def main(argv=None, device: str = "cuda") -> None:
          dy.numel() * 3 + num_slots * dim * 2 + dys.numel() * 4, None),
         ("quantize w13 + w2 (both ways)", lambda: (quant.quantize_weight(w13), quant.quantize_weight(w2)), None,
          (w13.numel() + w2.numel()) * 4 + (w13s.numel() + w2s.numel()) * 8, None),
-        ("up (+ SwiGLU, h quantised)", up(False), up_flops, None, (rows, 2 * inter, dim)),
-        ("up (issue-ahead)", up(True), up_flops, None, (rows, 2 * inter, dim)),
-        ("up, products stored", up(False, preact), up_flops, None, (rows, 2 * inter, dim)),
-        ("up, products stored (issue-ahead)", up(True, preact), up_flops, None, (rows, 2 * inter, dim)),
-        ("up" + up_turns, up(False, ping_pong=other_turns), up_flops, None, (rows, 2 * inter, dim)),
-        ("up, products stored" + up_turns, up(False, preact, other_turns), up_flops, None, (rows, 2 * inter, dim)),
+        ("up (+ SwiGLU, h quantised)", up(), up_flops, None, (rows, 2 * inter, dim)),
+        ("up, products stored", up(preact), up_flops, None, (rows, 2 * inter, dim)),
+        ("up" + up_turns, up(ping_pong=other_turns), up_flops, None, (rows, 2 * inter, dim)),
+        ("up, products stored" + up_turns, up(preact, other_turns), up_flops, None, (rows, 2 * inter, dim)),
         ("up, products only (the backward's recompute)",
          lambda: expert_fwd.up_products_fp8(xq, xs, w13q, w13s, plan, top_k, preact), up_flops, None,
          (rows, 2 * inter, dim)),
@@ -187,22 +183,14 @@ def main(argv=None, device: str = "cuda") -> None:
                   ("dh'", (expert_bwd.DH_FP8, dyq, dys, w2tq, w2ts, None), down_flops, (rows, inter, dim)),
                   ("dx", (expert_bwd.DX_FP8, dzq, dzs, w13tq, w13ts, None), up_flops, (rows, dim, 2 * inter)))
     for name, operands, flops, dense in rows_gemms:
-        stages += [(name, rows_gemm(*operands), flops, None, dense),
-                   (name + " (issue-ahead)", rows_gemm(*operands, issue_ahead=True), flops, None, dense),
-                   (name + " (issue-ahead, stores deferred)",
-                    rows_gemm(*operands, issue_ahead=True, defer_epilogue=True), flops, None, dense)]
-        if operands[3].shape[1] % 256 == 0:
-            # as the layer runs them (stores as ROWS_DEFER_EPILOGUE), and with the warpgroups' turns the other way
+        stages.append((name, rows_gemm(*operands), flops, None, dense))
+        if operands[3].shape[1] % 256 == 0:  # as the layer runs them, and with the warpgroups' turns the other way
             other = " (256 columns, warpgroups' chains " + ("at once)" if gluon_fp8_sm90.ROWS_PING_PONG else "in turn)")
-            stages += [(name + " (256 columns)", rows_gemm(*operands, defer_epilogue=None, block_n=256), flops, None,
-                        dense),
-                       (name + other, rows_gemm(*operands, defer_epilogue=None, block_n=256,
-                                         ping_pong=not gluon_fp8_sm90.ROWS_PING_PONG), flops, None, dense)]
+            stages += [(name + " (256 columns)", rows_gemm(*operands, block_n=256), flops, None, dense),
+                       (name + other, rows_gemm(*operands, block_n=256, ping_pong=not gluon_fp8_sm90.ROWS_PING_PONG),
+                        flops, None, dense)]
         # the layer's variant (gluon_fp8_sm90.rows_pattern: the 256-column stage runs the defaults at that width)
-        block_n, issue_ahead, defer_epilogue, _ = gluon_fp8_sm90.rows_pattern(operands[3].shape[1])
-        layer = name + (" (256 columns)" if block_n == 256 else
-                        {(False, False): "", (True, False): " (issue-ahead)",
-                         (True, True): " (issue-ahead, stores deferred)"}[issue_ahead, defer_epilogue])
+        layer = name + (" (256 columns)" if gluon_fp8_sm90.rows_pattern(operands[3].shape[1])[0] == 256 else "")
         view = (lambda out: out[kept_slots]) if name == "down" else (lambda out: out[:rows])
         twins.update({stage[0]: (layer, view) for stage in stages
                       if stage[0].split(" (")[0] == name and stage[0] != layer})

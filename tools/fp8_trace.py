@@ -1,7 +1,7 @@
 """Where the FP8 GEMMs' blocks spend their time (an sm90 GPU):
 
-    python -m tools.fp8_trace [--preset P] [--tokens T] [--gemms down,dh,dx,up,dw13,dw2] [--plain] [--wide]
-                              [--turns] [--out DIR]
+    python -m tools.fp8_trace [--preset P] [--tokens T] [--gemms down,dh,dx,up,dw13,dw2] [--wide] [--turns]
+                              [--out DIR]
 
 Runs each GEMM of the FP8 path's sorted-rows kernel (``gluon_fp8_sm90.fp8_rows_gemm_ws``: down, dh', dx) and, with
 ``up`` in ``--gemms``, its gate/up kernel (``fp8_up_swiglu_ws``, h quantised; its epilogue between the main loop's end
@@ -10,14 +10,12 @@ columns, on random sorted rows quantised 128x1), on the layer benchmark's proble
 (``trace=``: the cycle counter and the global timer at fixed points of every block in each partition,
 ``gluon_sm90.TRACE_BLOCKS``), checks that the traced output is bitwise the untraced one, and reports per MMA
 warpgroup the medians per block (us) of the phases of ``tools.block_trace.PHASES`` and the main loops' share of its
-time. ``--plain`` also runs each GEMM in the other issue pattern (the sorted-rows ones with stores not deferred; the
-weight gradients in blocks of 128 columns, which issue ahead); ``--wide`` the sorted-rows GEMMs also in blocks of 256
-columns (``block_n``, where N is a multiple of 256), stores at once and deferred; ``--turns`` each 256-column block
-and the up kernel (without issue-ahead) also with the MMA warpgroups' turns the other way than ``ROWS_PING_PONG``,
-``UP_PING_PONG`` or ``WGRAD_PING_PONG`` (in turn, warpgroup 1's blocks start about a chain after warpgroup 0's:
-"drift"). The stamps cost a few percent of the kernel's time: the phases say where the time goes, not the exact time.
-Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit, command):
-``fp8-block-trace-PRESET-tTOKENS.json``, the GEMMs named after it when they are not the default three.
+time. The sorted-rows GEMMs run in blocks of 128 columns; ``--wide`` also in blocks of 256 (``block_n``, where N is
+a multiple of 256); ``--turns`` each 256-column block and the up kernel also with the MMA warpgroups' turns the other
+way than ``ROWS_PING_PONG``, ``UP_PING_PONG`` or ``WGRAD_PING_PONG`` (in turn, warpgroup 1's blocks start about a
+chain after warpgroup 0's: "drift"). The stamps cost a few percent of the kernel's time: the phases say where the
+time goes, not the exact time. Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit,
+command): ``fp8-block-trace-PRESET-tTOKENS.json``, the GEMMs named after it when they are not the default three.
 """
 
 from __future__ import annotations
@@ -49,8 +47,6 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=positive_int, default=16384, help="tokens per step (T)")
     p.add_argument("--gemms", type=lambda s: s.split(","), default=DEFAULT_GEMMS,
                    help="comma-separated, from down, dh (dh'), dx, up, dw13, dw2")
-    p.add_argument("--plain", action="store_true",
-                   help="also the other issue pattern, stores not deferred (ROWS_ISSUE_AHEAD, ROWS_DEFER_EPILOGUE off)")
     p.add_argument("--wide", action="store_true", help="also blocks of 256 columns (fp8_rows_gemm_ws's block_n)")
     p.add_argument("--turns", action="store_true",
                    help="256-column blocks and the up kernel also with the warpgroups' turns the other way "
@@ -79,13 +75,11 @@ def main(argv=None) -> None:
     }
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     trace = torch.empty(gluon_sm90.trace_size(programs), device="cuda", dtype=torch.int64)
-    # (block columns, issue-ahead, stores deferred, turns): the 128-column default first
-    patterns = [(128, gluon_fp8_sm90.ROWS_ISSUE_AHEAD, gluon_fp8_sm90.ROWS_DEFER_EPILOGUE, False)]
-    if args.plain:
-        patterns.append((128, not patterns[0][1], False, False))
-    rows_turns = [gluon_fp8_sm90.ROWS_PING_PONG] + ([not gluon_fp8_sm90.ROWS_PING_PONG] if args.turns else [])
+    # (block columns, turns) of the sorted-rows kernel: 128 columns first (issue-ahead: the "issue-ahead" column)
+    patterns = [(128, False)]
     if args.wide:
-        patterns += [(256, False, defer, turns) for defer in (False, True) for turns in rows_turns]
+        patterns += [(256, gluon_fp8_sm90.ROWS_PING_PONG)] + ([(256, not gluon_fp8_sm90.ROWS_PING_PONG)] if args.turns
+                                                              else [])
     # (GEMM, block columns, issue-ahead, stores deferred, turns, its launch (traced or not) -> its outputs, FLOPs)
     variants = []
     for name in args.gemms:
@@ -93,10 +87,9 @@ def main(argv=None) -> None:
             p_dim, q_dim = (2 * inter, dim) if name == "dw13" else (dim, inter)
             a_t, b_t = (quant.quantize_tile_cols(torch.randn(rows, c, device="cuda", dtype=torch.bfloat16), plan)
                         for c in (p_dim, q_dim))
-            widths = [gluon_fp8_sm90.wgrad_block_n(q_dim)] + ([128] if args.plain and q_dim % 256 == 0 else [])
-            wgrad_patterns = [(block_n, gluon_fp8_sm90.wide_turns(block_n, None, gluon_fp8_sm90.WGRAD_PING_PONG))
-                              for block_n in widths]
-            if args.turns and widths[0] == 256:
+            block_n = gluon_fp8_sm90.wgrad_block_n(q_dim)
+            wgrad_patterns = [(block_n, gluon_fp8_sm90.wide_turns(block_n, None, gluon_fp8_sm90.WGRAD_PING_PONG))]
+            if args.turns and block_n == 256:
                 wgrad_patterns.append((256, not wgrad_patterns[0][1]))
             for block_n, turns in wgrad_patterns:
                 def run(traced, a_t=a_t, b_t=b_t, p_dim=p_dim, q_dim=q_dim, block_n=block_n, turns=turns):
@@ -108,34 +101,27 @@ def main(argv=None) -> None:
                                  2 * rows * p_dim * q_dim))
             continue
         if name == "up":
-            up_patterns = [(gluon_fp8_sm90.UP_ISSUE_AHEAD, None)]
-            if args.plain:
-                up_patterns.append((not gluon_fp8_sm90.UP_ISSUE_AHEAD, None))
-            if args.turns:
-                up_patterns.append((False, not gluon_fp8_sm90.UP_PING_PONG))
-            for issue_ahead, turns in up_patterns:
-                def run(traced, issue_ahead=issue_ahead, turns=turns):
+            up_turns = [gluon_fp8_sm90.UP_PING_PONG] + ([not gluon_fp8_sm90.UP_PING_PONG] if args.turns else [])
+            for turns in up_turns:
+                def run(traced, turns=turns):
                     h_q = torch.zeros(rows, inter, device="cuda", dtype=torch.float8_e4m3fn)
                     h_s = torch.zeros(inter // 128, rows, device="cuda", dtype=torch.float32)
-                    gluon_fp8_sm90.fp8_up_swiglu_ws(xq, xs, w13q, w13s, h_q, h_s, plan, top_k, issue_ahead=issue_ahead,
-                                                    ping_pong=turns, trace=trace if traced else None)
+                    gluon_fp8_sm90.fp8_up_swiglu_ws(xq, xs, w13q, w13s, h_q, h_s, plan, top_k, ping_pong=turns,
+                                                    trace=trace if traced else None)
                     return h_q.view(torch.uint8), h_s
-                variants.append((name, 128, issue_ahead, False, gluon_fp8_sm90.up_ping_pong(issue_ahead, turns), run,
-                                 4 * rows * dim * inter))
+                variants.append((name, 128, False, False, turns, run, 4 * rows * dim * inter))
             continue
         a, a_s, w, w_s, wts, to_slots, flops = gemms[name]
-        for block_n, issue_ahead, defer, turns in patterns:
+        for block_n, turns in patterns:
             if w.shape[1] % block_n:
                 continue
 
-            def run(traced, a=a, a_s=a_s, w=w, w_s=w_s, wts=wts, to_slots=to_slots, issue_ahead=issue_ahead,
-                    defer=defer, block_n=block_n, turns=turns):
+            def run(traced, a=a, a_s=a_s, w=w, w_s=w_s, wts=wts, to_slots=to_slots, block_n=block_n, turns=turns):
                 out = torch.empty(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
                 gluon_fp8_sm90.fp8_rows_gemm_ws(a, a_s, w, w_s, out, plan, weights=wts, to_slots=to_slots,
-                                                issue_ahead=issue_ahead, defer_epilogue=defer, block_n=block_n,
-                                                ping_pong=turns, trace=trace if traced else None)
+                                                block_n=block_n, ping_pong=turns, trace=trace if traced else None)
                 return (out, )
-            variants.append((name, block_n, issue_ahead, defer, turns, run, flops))
+            variants.append((name, block_n, block_n == 128, True, turns, run, flops))
     results = []
     print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (medians per block, us)")
     print(f"{'GEMM':5s} {'cols':>4s} {'issue-ahead':>11s} {'deferred':>8s} {'turns':>5s} {'us':>7s} {'traced':>7s} "

@@ -45,13 +45,7 @@ FP8_KERNELS = {"up_fp8": expert_fwd.UP_FP8, "down_fp8": expert_fwd.DOWN_FP8, "dh
                "dx_fp8": expert_bwd.DX_FP8, "wgrad_fp8": expert_bwd.WGRAD_FP8}
 # The Gluon FP8 kernels as their launchers compile them: (report name, ``gluon_fp8_sm90.KERNELS`` name, variant).
 FP8_WS_VARIANTS = (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}), ("fp8_up_ws", "fp8_up", {"preact": True}),
-                   ("fp8_wgrad_ws", "fp8_wgrad", {}),
-                   # the other issue pattern of each (gluon_fp8_sm90.ROWS_ISSUE_AHEAD, UP_ISSUE_AHEAD)
-                   ("fp8_rows_ws", "fp8_rows", {"issue_ahead": True}), ("fp8_up_ws", "fp8_up", {"issue_ahead": True}),
-                   ("fp8_up_ws", "fp8_up", {"preact": True, "issue_ahead": True}),
-                   ("fp8_up_ws", "fp8_up", {"preact": True, "h_out": False}),
-                   # the sorted-rows kernel's stores deferred under the next block's MMA (ROWS_DEFER_EPILOGUE)
-                   ("fp8_rows_ws", "fp8_rows", {"defer_epilogue": True}),
+                   ("fp8_wgrad_ws", "fp8_wgrad", {}), ("fp8_up_ws", "fp8_up", {"preact": True, "h_out": False}),
                    # blocks of 256 columns, the launchers' default where N / Q allow (ROWS_BLOCK_N, WGRAD_BLOCK_N)
                    ("fp8_rows_ws", "fp8_rows", {"block_n": 256}), ("fp8_wgrad_ws", "fp8_wgrad", {"block_n": 256}),
                    # an expert-parallel owner's: rows to their sources' slots (the down projection, dx)

@@ -35,10 +35,11 @@ Partitions of each kernel:
   critical path. Each ready barrier counts the TMA bytes and one ``cp.async`` arrival per loader thread.
 - two MMA partitions (4 warps each, rows 0-63 and 64-127 of the tile), with the same code: per K-step
   one asynchronous ``wgmma`` m64n128k32 chain (four of them over BK = 128) into a temporary, wait, free the
-  stage, promote (with issue-ahead the next K-step's chain in flight meanwhile, into a second temporary). A block
-  of 256 columns (``ROWS_BLOCK_N``, the default where N allows) runs as two column halves of 128, each with its
-  accumulator, without issue-ahead. A warpgroup whose 64 rows all lie past its expert's end (the last tile of an
-  expert) skips its MMAs and epilogue.
+  stage, promote. In the sorted-rows kernel's 128-column blocks the next K-step's chain is issued before the
+  promotion, into a second temporary (issue-ahead); a block of 256 columns (``ROWS_BLOCK_N``, the default where N
+  allows) runs as two column halves of 128, each with its accumulator, without issue-ahead; the up kernel's gate
+  and up chains have no registers for a second temporary either. A warpgroup whose 64 rows all lie past its
+  expert's end (the last tile of an expert) skips its MMAs and epilogue.
 
 The weight-gradient kernel has the sorted-rows kernel's partitions, with both operands K-major along the tokens
 (``quant.quantize_tile_cols``): a K-step is one plan tile of the block's expert, and its promotion multiplies by the
@@ -92,24 +93,16 @@ MATH_REGS = 232
 ROWS_LOADER_REGS = 40
 UP_MATH_REGS = 216
 UP_LOADER_REGS = 72  # 8 gathered 16-byte chunks per thread and step: pointers and masks
-# The MMA warpgroups' issue pattern, per kernel. False: per K-block MMA, wait, free the stage, promote; a
-# warpgroup's promotion overlaps only the other warpgroup's MMA. True: the next block's MMA is issued before this
-# block's is waited on (two temporaries in flight per warpgroup; the up kernel, without the registers for two
-# 64 x 128 temporaries, runs its MMAs as 64-column chains instead), so each warpgroup keeps the tensor cores busy
-# through its own promotions. Measured on the H200 (``python -m tools.fp8``, docs/PERFORMANCE.md): issue-ahead makes
-# the sorted-rows GEMMs 3-5% faster and the up kernel 2-5% slower (its 64-column chains read x's rows twice as often).
-ROWS_ISSUE_AHEAD = True
-UP_ISSUE_AHEAD = False
-# Whether the sorted-rows kernel's warpgroups defer a block's stores until their next block's first MMA is issued
-# (``gluon_fp8_sm90_details.rows``). Measured on the H200 with issue-ahead (``python -m tools.fp8``,
-# docs/PERFORMANCE.md): dx 3%, dh' 1% faster, down level.
-ROWS_DEFER_EPILOGUE = True
+# The sorted-rows kernel's 128-column blocks issue each K-step's chain before the previous one's promotion, and
+# defer a block's stores until their warpgroup's next block has issued its first chain: measured on the H200
+# (``python -m tools.fp8``, docs/PERFORMANCE.md), issue-ahead made the sorted-rows GEMMs 3-5% faster (and the up
+# kernel, in 64-column chains, 2-5% slower), the deferred stores dx 3% and dh' 1% faster, down level. The other
+# patterns were removed once measured (docs/PERFORMANCE.md names the commits).
 # The sorted-rows kernel's block width where N is a multiple of it (else 128): 256 runs a block as two column
 # halves of 128 (``rows._rows_main_wide``: a temporary beside the two accumulators, so no issue-ahead; its stores
-# deferred under its own chains or not, ROWS_DEFER_EPILOGUE) in ROWS_WIDE_STAGES ring stages of 48 KB (A 16 KB, the
-# weight block 32 KB): each byte that crosses from L2 feeds 171 FLOPs, against 128 at 128 columns. Measured on the
-# H200 (``python -m tools.fp8_trace --wide``, docs/PERFORMANCE.md): 2-5% faster than 128 columns at 30B, stores
-# deferred.
+# deferred under its own chains) in ROWS_WIDE_STAGES ring stages of 48 KB (A 16 KB, the weight block 32 KB): each
+# byte that crosses from L2 feeds 171 FLOPs, against 128 at 128 columns. Measured on the H200 (``python -m
+# tools.fp8_trace --wide``, docs/PERFORMANCE.md): 2-5% faster than 128 columns at 30B, stores deferred.
 ROWS_BLOCK_N = 256
 ROWS_WIDE_STAGES = 4
 SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory per block on the H200 (sm_90)
@@ -117,7 +110,7 @@ SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory per block on the H200 (sm
 # the first warpgroup's has finished (``common.wait_turn``), so that each warpgroup's promotions run under the other's
 # chains; in phase, both promote at once while the tensor cores idle.
 ROWS_PING_PONG = False
-# The same turns for the up kernel's gate and up chains (without UP_ISSUE_AHEAD; ``up._up_mma_partition``).
+# The same turns for the up kernel's gate and up chains (``up._up_mma_partition``).
 UP_PING_PONG = False
 # The FP8 weight-gradient kernel's ring: 33 KB per stage (A, B and their scales) beside each MMA warpgroup's 16 KB store
 # buffer: 5 x 33 + 32 = 197 KB. Its block width where Q is a multiple of it (else 128): 256 runs a block as two column
@@ -173,8 +166,7 @@ def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
 
 def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                      plan, *, weights: torch.Tensor | None = None, to_slots: bool = False,
-                     row_dest: torch.Tensor | None = None, issue_ahead: bool | None = None,
-                     defer_epilogue: bool | None = None, block_n: int | None = None,
+                     row_dest: torch.Tensor | None = None, block_n: int | None = None,
                      ping_pong: bool | None = None, trace: torch.Tensor | None = None) -> None:
     """out (M, N) bf16 = the blockwise-dequantised a (M, K) in sorted rows times each row's expert weight
     w[e] (E, N, K)ᵀ, through ``rows_ws_kernel``; row r into row ``plan.row_slot_N[r]`` if ``to_slots``, else
@@ -183,11 +175,10 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     ``row_dest[r]`` 16-byte units, anywhere in the device's address space (``out`` of any shape then: the base of
     the offsets).
     ``block_n``: the block's columns, 128 or 256 (N a multiple of it; None: ``ROWS_BLOCK_N`` where N is a multiple
-    of it, else 128). At 128 columns, ``issue_ahead``: each warpgroup issues the next K-block's MMA before promoting
-    the last (None: ``ROWS_ISSUE_AHEAD``); ``defer_epilogue``: a block's stores run under the warpgroup's next
-    block's first MMA (None: ``ROWS_DEFER_EPILOGUE``). 256 columns run without issue-ahead, their stores deferred
-    (None: ``ROWS_DEFER_EPILOGUE``) under the block's own chains (``rows._rows_main_wide``), the two warpgroups'
-    chains in turn or at once (``ping_pong``; None: ``ROWS_PING_PONG``).
+    of it, else 128). At 128 columns each warpgroup issues the next K-block's MMA before promoting the last, and a
+    block's stores run under the warpgroup's next block's first MMA. 256 columns run without issue-ahead, their stores
+    under the block's own chains (``rows._rows_main_wide``), the two warpgroups' chains in turn or at once
+    (``ping_pong``; None: ``ROWS_PING_PONG``).
     ``trace``: the block trace (``gluon_sm90.trace_args``, ``TRACE_BLOCKS``; untraced launches compile without its
     stamps).
 
@@ -202,37 +193,27 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     assert out.dtype == torch.bfloat16 and BLOCK_M == FP8_BM and out.data_ptr() % 16 == 0
     assert out.shape == (num_rows, n_out) if row_dest is None else (row_dest.dtype == torch.int64 and to_slots
                                                                      and row_dest.numel() >= num_rows)
-    block_n, issue_ahead, defer_epilogue, ping_pong = rows_pattern(n_out, block_n, issue_ahead, defer_epilogue,
-                                                                   ping_pong)
+    block_n, ping_pong = rows_pattern(n_out, block_n, ping_pong)
     rows_ws_kernel[(sm_count(a_q.device.index),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), w_desc=_fp8_desc(w_q, [1, block_n, FP8_BK]), a_s_ptr=a_s,
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
         row_dest_ptr=row_dest if row_dest is not None else plan.row_slot_N, offsets_ptr=plan.offsets_E1,
         tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, M=num_rows, N_OUT=n_out, K=k_dim,
         E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, WEIGHTED=weights is not None,
-        TO_SLOTS=to_slots, ISSUE_AHEAD=issue_ahead, DEFER_EPILOGUE=defer_epilogue, PING_PONG=ping_pong,
-        **trace_args(trace, out), STAGES=ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES,
-        LOADER_WARPS=ROWS_LOADER_WARPS, MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS,
-        maxnreg=FP8_MAXNREG)
+        TO_SLOTS=to_slots, PING_PONG=ping_pong, **trace_args(trace, out),
+        STAGES=ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
+        MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
-def rows_pattern(n_out: int, block_n: int | None = None, issue_ahead: bool | None = None,
-                 defer_epilogue: bool | None = None, ping_pong: bool | None = None) -> tuple[int, bool, bool, bool]:
-    """The sorted-rows kernel's (block_n, issue_ahead, defer_epilogue, ping_pong) for N = ``n_out``, the Nones
-    resolved as ``fp8_rows_gemm_ws`` says; raises ValueError for a width N is not a multiple of, or a pattern the
-    width lacks (issue-ahead at 256 columns, turns at 128)."""
+def rows_pattern(n_out: int, block_n: int | None = None, ping_pong: bool | None = None) -> tuple[int, bool]:
+    """The sorted-rows kernel's (block_n, ping_pong) for N = ``n_out``, the Nones resolved as ``fp8_rows_gemm_ws``
+    says; raises ValueError for a width N is not a multiple of, or turns at 128 columns."""
     if block_n is None:
         block_n = ROWS_BLOCK_N if n_out % ROWS_BLOCK_N == 0 else FP8_BN
     if block_n not in (FP8_BN, 2 * FP8_BN) or n_out % block_n:
         raise ValueError(f"block_n={block_n}: the FP8 sorted-rows kernel's blocks are 128 or 256 columns, and N "
                          f"({n_out}) must be a multiple of it")
-    defer_epilogue = ROWS_DEFER_EPILOGUE if defer_epilogue is None else defer_epilogue
-    ping_pong = wide_turns(block_n, ping_pong, ROWS_PING_PONG)
-    if block_n == FP8_BN:
-        return block_n, ROWS_ISSUE_AHEAD if issue_ahead is None else issue_ahead, defer_epilogue, ping_pong
-    if issue_ahead:
-        raise ValueError("block_n=256 runs without issue-ahead (no registers for a second temporary)")
-    return block_n, False, defer_epilogue, ping_pong
+    return block_n, wide_turns(block_n, ping_pong, ROWS_PING_PONG)
 
 
 def wide_turns(block_n: int, ping_pong: bool | None, default: bool) -> bool:
@@ -248,14 +229,13 @@ def wide_turns(block_n: int, ping_pong: bool | None, default: bool) -> bool:
 
 def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
                      h_q: torch.Tensor | None, h_s: torch.Tensor | None, plan, top_k: int,
-                     preact: torch.Tensor | None = None, *, issue_ahead: bool = UP_ISSUE_AHEAD,
-                     ping_pong: bool | None = None, trace: torch.Tensor | None = None) -> None:
+                     preact: torch.Tensor | None = None, *, ping_pong: bool | None = None,
+                     trace: torch.Tensor | None = None) -> None:
     """h = silu(x W1gᵀ) * (x W1uᵀ) for the plan's sorted rows (row r: token ``row_slot[r] // top_k``), blockwise
     dequantised operands, through ``up_ws_kernel``; quantised per row and 128 columns into h_q (N, I)
     float8_e4m3fn and h_s (I // 128, N) fp32; with ``preact`` (N, 2I) bf16 also g and u (h_q and h_s None:
-    only those). Only the routed rows are written. ``issue_ahead``: the MMA warpgroups' issue pattern (see
-    ``UP_ISSUE_AHEAD``); ``ping_pong``: their turns, without issue-ahead only (None: ``UP_PING_PONG`` where
-    ``issue_ahead`` is off); ``trace``: as for ``fp8_rows_gemm_ws`` (the same points: the epilogue, SwiGLU and h's
+    only those). Only the routed rows are written. ``ping_pong``: the MMA warpgroups' turns (None:
+    ``UP_PING_PONG``); ``trace``: as for ``fp8_rows_gemm_ws`` (the same points: the epilogue, SwiGLU and h's
     quantisation with its stores, lies between points 2 and 3).
 
     x_q (T, D) float8_e4m3fn, x_s (D // 128, T) fp32, w13_q (E, 2I, D) float8_e4m3fn (gate rows then up
@@ -271,7 +251,6 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
     assert h_out == (h_s is not None) and (h_out or preact is not None) and BLOCK_M == FP8_BM
     assert not h_out or (h_q.shape == (num_rows, inter) and h_s.shape == (inter // SCALE_BLOCK, num_rows))
     assert preact is None or (preact.shape == (num_rows, two_i) and preact.dtype == torch.bfloat16)
-    ping_pong = up_ping_pong(issue_ahead, ping_pong)
     up_ws_kernel[(sm_count(x_q.device.index),)](
         x_ptr=x_q, x_s_ptr=x_s, w13_desc=_fp8_desc(w13_q.view(num_experts, 2, inter, dim), [1, 1, FP8_BN, FP8_BK]),
         w13_s_ptr=w13_s, h_q_ptr=h_q if h_out else x_q, h_s_ptr=h_s if h_out else x_s,
@@ -279,20 +258,9 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, top_k=top_k,
         EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None, H_OUT=h_out,
-        ISSUE_AHEAD=issue_ahead, PING_PONG=ping_pong, POW2=fp8_pow2_scales(), **trace_args(trace, x_s),
+        PING_PONG=UP_PING_PONG if ping_pong is None else ping_pong, POW2=fp8_pow2_scales(), **trace_args(trace, x_s),
         STAGES=UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS, MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS,
         num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
-
-
-def up_ping_pong(issue_ahead: bool, ping_pong: bool | None) -> bool:
-    """The up kernel's turns (``fp8_up_swiglu_ws``): ``ping_pong``, None resolved as ``UP_PING_PONG`` without
-    issue-ahead and off with it; ValueError for turns with issue-ahead (its four 64-column chains a block, each
-    promoted under the next, leave no promotion to hide)."""
-    if issue_ahead:
-        if ping_pong:
-            raise ValueError("the up kernel takes turns without issue-ahead only")
-        return False
-    return UP_PING_PONG if ping_pong is None else ping_pong
 
 
 def wgrad_block_n(q: int, block_n: int | None = None) -> int:
@@ -396,25 +364,22 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
-                issue_ahead: bool | None = None, pow2: bool = False,
-                defer_epilogue: bool | None = None, block_n: int = FP8_BN, read_ahead: bool | None = None,
-                ping_pong: bool | None = None, stages: int | None = None, by_size: bool | None = None,
-                trace: bool = False):
+                pow2: bool = False, block_n: int = FP8_BN, read_ahead: bool | None = None,
+                defer_stores: bool | None = None, ping_pong: bool | None = None, stages: int | None = None,
+                by_size: bool | None = None, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
     it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
     make multiples of 128, are specialised as 16-divisible, as Triton does at run time. ``weighted`` / ``to_slots``
     / ``row_dest``: the sorted-rows kernel's variant (down projection: the first two; an expert-parallel owner's:
     ``row_dest`` too); ``preact``: the up kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its
-    products-only one; ``issue_ahead``: either kernel's issue pattern (``None``: its default, ``ROWS_ISSUE_AHEAD``
-    or ``UP_ISSUE_AHEAD``); ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
-    ``defer_epilogue`` (None: ``ROWS_DEFER_EPILOGUE``) and ``block_n``: the sorted-rows kernel's (``rows_pattern``),
-    ``block_n`` also the weight-gradient kernel's, ``read_ahead`` (None: ``WGRAD_READ_AHEAD``), ``defer_epilogue``
-    (None: ``WGRAD_DEFER_STORES``) too; ``ping_pong``: each kernel's turns (None: ``ROWS_PING_PONG``,
-    ``UP_PING_PONG``, ``WGRAD_PING_PONG``); ``stages``: the weight-gradient kernel's ring (``wgrad_ring``),
-    ``by_size`` its blocks' order (None: ``gluon_sm90.WGRAD_BY_SIZE``);
-    ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the sorted-rows, up or weight-gradient
-    kernel."""
+    products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
+    ``block_n``: the sorted-rows kernel's (``rows_pattern``) and the weight-gradient kernel's, ``read_ahead`` (None:
+    ``WGRAD_READ_AHEAD``) and ``defer_stores`` (None: ``WGRAD_DEFER_STORES``) the latter's too; ``ping_pong``: each
+    kernel's turns (None: ``ROWS_PING_PONG``, ``UP_PING_PONG``, ``WGRAD_PING_PONG``); ``stages``: the
+    weight-gradient kernel's ring (``wgrad_ring``), ``by_size`` its blocks' order (None:
+    ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
+    sorted-rows, up or weight-gradient kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -423,15 +388,11 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
     if name == "fp8_rows":
-        _, issue_ahead, defer_epilogue, ping_pong = rows_pattern(block_n, block_n, issue_ahead, defer_epilogue,
-                                                                 ping_pong)
-    elif issue_ahead is None:
-        issue_ahead = UP_ISSUE_AHEAD
-    common = {"EB": 128, "TILE_M": BLOCK_M, "ISSUE_AHEAD": issue_ahead, "num_warps": MATH_WARPS}
+        _, ping_pong = rows_pattern(block_n, block_n, ping_pong)
+    common = {"EB": 128, "TILE_M": BLOCK_M, "num_warps": MATH_WARPS}
     if name == "fp8_rows":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, block_n, FP8_BK]}
-        constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "DEFER_EPILOGUE": defer_epilogue,
-                      "PING_PONG": ping_pong, "TRACE": trace,
+        constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "PING_PONG": ping_pong, "TRACE": trace,
                       "STAGES": ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES,
                       "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32",
@@ -447,7 +408,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         sizes = {"I"}
     elif name == "fp8_wgrad":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [block_n, FP8_BK]}
-        pattern, store_cols = wgrad_pattern(block_n, read_ahead, defer_epilogue, ping_pong, stages)
+        pattern, store_cols = wgrad_pattern(block_n, read_ahead, defer_stores, ping_pong, stages)
         constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS, **pattern,
                       "TRACE": trace, "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size,
                       "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
@@ -457,7 +418,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
         constexprs = {**common, "PREACT": preact, "H_OUT": h_out, "POW2": pow2, "TRACE": trace,
-                      "PING_PONG": up_ping_pong(issue_ahead, ping_pong),
+                      "PING_PONG": UP_PING_PONG if ping_pong is None else ping_pong,
                       "STAGES": UP_STAGES, "LOADER_WARPS": UP_LOADER_WARPS,
                       "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
         pointers = {"x_ptr": "*fp8e4nv", "x_s_ptr": "*fp32", "w13_s_ptr": "*fp32", "h_q_ptr": "*fp8e4nv",

@@ -110,16 +110,13 @@ def _rows_store_pending(pend, out, out_rows, first, end, n0, out_ptr, row_dest_p
 
 
 @gluon.jit
-def _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, kbs, block, trace_ptr, out_ptr,
+def _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, kbs, block, trace_ptr, out_ptr,
                       row_dest_ptr, N_OUT, pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, WG: gl.constexpr,
-                      ISSUE_AHEAD: gl.constexpr, DEFER_EPILOGUE: gl.constexpr, TRACE: gl.constexpr,
-                      acc_layout: gl.constexpr, num_warps: gl.constexpr):
+                      TRACE: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
     """The main loop of a 128-column block for one warpgroup: per K-step the block's MMA chain into a temporary, then
-    its promotion into the accumulator (with ISSUE_AHEAD under the next K-step's chain, into a second temporary);
-    with DEFER_EPILOGUE the previous block's stores (``pend_*``) under the first chain. Returns (the accumulator,
-    the next ring step)."""
+    its promotion into the accumulator under the next K-step's chain, into a second temporary; the previous block's
+    stores (``pend_*``) under the first chain. Returns (the accumulator, the next ring step)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    BK: gl.constexpr = a_bufs.type.shape[2]
     HALF: gl.constexpr = as_bufs.type.shape[1]
     BN: gl.constexpr = w_bufs.type.shape[2]  # [STAGES, 1, BN, BK]
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -127,60 +124,48 @@ def _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, k
     stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
     # the MMAs' destination registers, reused
     tmp0 = issue_chain(a_bufs, w_bufs, s0, 0, gl.zeros([HALF, BN], gl.float32, acc_layout), WG)
-    if DEFER_EPILOGUE:  # the previous block's stores, under this block's first MMA
-        _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr, N_OUT,
-                            num_warps)
+    # the previous block's stores, under this block's first MMA
+    _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr, N_OUT,
+                        num_warps)
     acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
-    if not ISSUE_AHEAD:
+    # Two temporaries: once block k's chain is done, block k+1's is issued before k's promotion,
+    # which then runs under it, so that each warpgroup keeps the tensor cores busy through its own
+    # promotions. Done means waited to zero chains in flight: a chain carried in flight across the
+    # loop's back edge, retired by a wait(1) and then read, makes ptxas serialise every wgmma of the
+    # kernel (C7514), so the next chain goes in just after the wait (the scales and its stage's
+    # ready wait come first, under the running chain). The body is two blocks long (tmp0 and
+    # tmp1 swap roles: registers cannot be indexed); the last one or two blocks run after it. A stage
+    # is freed once the chain reading it is done; a warpgroup holds two at most. (A chain in flight
+    # cannot be carried into a branch that waits on it under the same name: the waited results are
+    # named apart.)
+    tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
+    for _ in range((kbs - 1) // 2):  # [block `step` in flight in tmp0]
+        s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
         tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+        tmp1 = issue_chain(a_bufs, w_bufs, s1, 0, tmp1, WG)
         mbarrier.arrive(empty.index(s0), count=1)
-        acc = acc + tmp0 * scale0[:, None]  # one FMA per element
+        acc = promote(acc, tmp0, scale0[:, None])
+        s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step + 2, STAGES, WG, row_layout)
+        tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
+        tmp0 = issue_chain(a_bufs, w_bufs, s0, 0, tmp0, WG)
+        mbarrier.arrive(empty.index(s1), count=1)
+        acc = promote(acc, tmp1, scale1[:, None])
+        step += 2
+    if kbs % 2 == 0:  # two blocks left: `step` in flight, and the next
+        s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
+        done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+        tmp1 = issue_chain(a_bufs, w_bufs, s1, 0, tmp1, WG)
+        mbarrier.arrive(empty.index(s0), count=1)
+        acc = promote(acc, done0, scale0[:, None])
+        tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
+        mbarrier.arrive(empty.index(s1), count=1)
+        acc = promote(acc, tmp1, scale1[:, None])
+        step += 2
+    else:  # one block left, in flight
+        done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
+        mbarrier.arrive(empty.index(s0), count=1)
+        acc = promote(acc, done0, scale0[:, None])
         step += 1
-        for k in range(BK, K, BK):
-            s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
-            tmp0 = warpgroup_mma_wait(0, deps=(issue_chain(a_bufs, w_bufs, s0, 0, tmp0, WG), ))
-            mbarrier.arrive(empty.index(s0), count=1)
-            acc = acc + tmp0 * scale0[:, None]
-            step += 1
-    else:
-        # Two temporaries: once block k's chain is done, block k+1's is issued before k's promotion,
-        # which then runs under it, so that each warpgroup keeps the tensor cores busy through its own
-        # promotions. Done means waited to zero chains in flight: a chain carried in flight across the
-        # loop's back edge, retired by a wait(1) and then read, makes ptxas serialise every wgmma of the
-        # kernel (C7514), so the next chain goes in just after the wait (the scales and its stage's
-        # ready wait come first, under the running chain). The body is two blocks long (tmp0 and
-        # tmp1 swap roles: registers cannot be indexed); the last one or two blocks run after it. A stage
-        # is freed once the chain reading it is done; a warpgroup holds two at most. (A chain in flight
-        # cannot be carried into a branch that waits on it under the same name: the waited results are
-        # named apart.)
-        tmp1 = gl.zeros([HALF, BN], gl.float32, acc_layout)
-        for _ in range((kbs - 1) // 2):  # [block `step` in flight in tmp0]
-            s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
-            tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-            tmp1 = issue_chain(a_bufs, w_bufs, s1, 0, tmp1, WG)
-            mbarrier.arrive(empty.index(s0), count=1)
-            acc = promote(acc, tmp0, scale0[:, None])
-            s0, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step + 2, STAGES, WG, row_layout)
-            tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
-            tmp0 = issue_chain(a_bufs, w_bufs, s0, 0, tmp0, WG)
-            mbarrier.arrive(empty.index(s1), count=1)
-            acc = promote(acc, tmp1, scale1[:, None])
-            step += 2
-        if kbs % 2 == 0:  # two blocks left: `step` in flight, and the next
-            s1, scale1 = _rows_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, row_layout)
-            done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-            tmp1 = issue_chain(a_bufs, w_bufs, s1, 0, tmp1, WG)
-            mbarrier.arrive(empty.index(s0), count=1)
-            acc = promote(acc, done0, scale0[:, None])
-            tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
-            mbarrier.arrive(empty.index(s1), count=1)
-            acc = promote(acc, tmp1, scale1[:, None])
-            step += 2
-        else:  # one block left, in flight
-            done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-            mbarrier.arrive(empty.index(s0), count=1)
-            acc = promote(acc, done0, scale0[:, None])
-            step += 1
     return acc, step
 
 
@@ -224,75 +209,63 @@ def _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, 
 @gluon.jit
 def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, kbs, block, trace_ptr, wt, out_rows,
                     first, end, n0, out_ptr, row_dest_ptr, N_OUT, pend, pend_out, pend_rows, pend_first, pend_end,
-                    pend_n0, WG: gl.constexpr, DEFER: gl.constexpr, WEIGHTED: gl.constexpr, PING_PONG: gl.constexpr,
-                    TRACE: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
+                    pend_n0, WG: gl.constexpr, WEIGHTED: gl.constexpr, PING_PONG: gl.constexpr, TRACE: gl.constexpr,
+                    acc_layout: gl.constexpr, num_warps: gl.constexpr):
     """The main loop of a 256-column block for one warpgroup: per K-step the MMA chain of the weight block's left
     128 columns into the temporary, wait, its promotion into the left accumulator; the right half's likewise; the
     stage freed (``_rows_wide_step``). Two accumulators and one temporary (3 x 64 registers per thread): no second
     temporary fits for a chain to be issued ahead of a promotion, so the promotions run under the other warpgroup's
-    MMAs. With DEFER the stores run under this warpgroup's chains: the previous block's right half (``pend_*``)
-    under the first K-step's left chain, this block's left half under the last K-step's right chain (the first and
-    last K-steps peeled off the loop, so that neither store's registers are held through it). PING_PONG: the
-    warpgroups' turns (``common.wait_turn``). Returns (left, right)."""
+    MMAs. The stores run under this warpgroup's chains: the previous block's right half (``pend_*``) under the first
+    K-step's left chain, this block's left half under the last K-step's right chain (the first and last K-steps
+    peeled off the loop, so that neither store's registers are held through it). PING_PONG: the warpgroups' turns
+    (``common.wait_turn``). Returns (left, right)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HALF: gl.constexpr = as_bufs.type.shape[1]
     HB: gl.constexpr = w_bufs.type.shape[2] // 2
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    acc0 = gl.zeros([HALF, HB], gl.float32, acc_layout)
-    acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
     tmp = gl.zeros([HALF, HB], gl.float32, acc_layout)  # both chains' destination registers
-    if DEFER:
-        s, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
-        stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
-        scale1 = block_scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
-        wait_turn(seen, s, step, WG, PING_PONG)
-        tmp = issue_chain(a_bufs, w_bufs, s, 0, tmp, WG)
-        _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr, N_OUT,
-                            num_warps)
-        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-        end_turn(seen, s, WG, PING_PONG)
-        acc0 = tmp * scale0[:, None]
-        out0 = _rows_left_out(acc0, wt, out_ptr, WEIGHTED)  # (stored here only if this is the last K-step)
-        tmp = issue_chain(a_bufs, w_bufs, s, HB, tmp, WG)
-        if kbs == 1:
-            _rows_store(out0, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps)
-        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-        mbarrier.arrive(empty.index(s), count=1)
-        acc1 = tmp * scale1[:, None]
-        for kb in range(1, kbs - 1):
-            acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step + kb, acc0,
-                                              acc1, tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT,
-                                              WG, False, WEIGHTED, PING_PONG, num_warps)
-        if kbs > 1:
-            acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step + kbs - 1,
-                                              acc0, acc1, tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr,
-                                              N_OUT, WG, True, WEIGHTED, PING_PONG, num_warps)
-    else:
-        for kb in range(kbs):
-            # (before the stage's wait, where the deferred pattern stamps after it)
-            stamp_first(trace_ptr, WG, block, 1, kb == 0, TRACE, num_warps)
-            acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step + kb, acc0,
-                                              acc1, tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT,
-                                              WG, False, WEIGHTED, PING_PONG, num_warps)
+    s, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+    stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
+    scale1 = block_scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
+    wait_turn(seen, s, step, WG, PING_PONG)
+    tmp = issue_chain(a_bufs, w_bufs, s, 0, tmp, WG)
+    _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr, N_OUT,
+                        num_warps)
+    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+    end_turn(seen, s, WG, PING_PONG)
+    acc0 = tmp * scale0[:, None]
+    out0 = _rows_left_out(acc0, wt, out_ptr, WEIGHTED)  # (stored here only if this is the last K-step)
+    tmp = issue_chain(a_bufs, w_bufs, s, HB, tmp, WG)
+    if kbs == 1:
+        _rows_store(out0, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps)
+    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+    mbarrier.arrive(empty.index(s), count=1)
+    acc1 = tmp * scale1[:, None]
+    for kb in range(1, kbs - 1):
+        acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step + kb, acc0,
+                                          acc1, tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT,
+                                          WG, False, WEIGHTED, PING_PONG, num_warps)
+    if kbs > 1:
+        acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step + kbs - 1,
+                                          acc0, acc1, tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr,
+                                          N_OUT, WG, True, WEIGHTED, PING_PONG, num_warps)
     return acc0, acc1
 
 
 @gluon.jit
 def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                         ready, empty, seen, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K, num_n, work,
-                        WG: gl.constexpr, WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
-                        DEFER_EPILOGUE: gl.constexpr, PING_PONG: gl.constexpr, TRACE: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        WG: gl.constexpr, WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, PING_PONG: gl.constexpr,
+                        TRACE: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``rows_ws_kernel``: per K-step the
-    block's MMA into a temporary, then the promotion into the fp32 accumulator (with ISSUE_AHEAD, under the
-    next block's MMA into a second temporary); then the weighted bf16 block's stores (``_rows_store``) to sorted
-    rows or to slots. DEFER_EPILOGUE: a block's stores wait until the warpgroup's next block has issued its first
-    MMA, and run under it (the last block's after the loop); else they run at once, with the tensor cores idle
-    unless the other warpgroup's MMAs have them. A block of 256 columns (``ROWS_BLOCK_N``) runs as two column
-    halves of 128, each with its own accumulator, without issue-ahead (``_rows_main_wide``); DEFER_EPILOGUE: its
-    left half stored under its last chain, its right half under the next block's first; PING_PONG: the second
-    warpgroup issues each K-step's left chain once the first's has finished (``common.wait_turn``; the first always
-    has rows in a block, so it announces every K-step). ``row_dest_ptr``: as for ``rows_ws_kernel``."""
+    block's MMA into a temporary, then the promotion into the fp32 accumulator under the next block's MMA into a
+    second temporary (issue-ahead, ``_rows_main_narrow``); then the weighted bf16 block's stores (``_rows_store``) to
+    sorted rows or to slots, deferred until the warpgroup's next block has issued its first MMA, and run under it
+    (the last block's after the loop). A block of 256 columns (``ROWS_BLOCK_N``) runs as two column halves of 128,
+    each with its own accumulator, without issue-ahead (``_rows_main_wide``): its left half stored under its last
+    chain, its right half under the next block's first; PING_PONG: the second warpgroup issues each K-step's left
+    chain once the first's has finished (``common.wait_turn``; the first always has rows in a block, so it
+    announces every K-step). ``row_dest_ptr``: as for ``rows_ws_kernel``."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[2]
     ROW_DEST: gl.constexpr = row_dest_ptr.dtype.element_ty == gl.int64
@@ -304,7 +277,7 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offset
     seg_rows: gl.constexpr = gl.SliceLayout(1, row_segments(BN, 2, num_warps))
     kbs = K // BK
     step = 0
-    # The stores a block has left to do (DEFER_EPILOGUE): its bf16 block, output rows, row range and first column
+    # The stores a block has left to do: its bf16 block, output rows, row range and first column
     pend = 0
     pend_out = gl.zeros([HALF, BN], out_ptr.dtype.element_ty, acc_layout)
     pend_rows = gl.zeros([HALF], gl.int32, seg_rows)
@@ -334,62 +307,47 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offset
                 acc, acc1 = _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, kbs, block,
                                             trace_ptr, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT,
                                             pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, WG,
-                                            DEFER_EPILOGUE, WEIGHTED, PING_PONG, TRACE, acc_layout, num_warps)
+                                            WEIGHTED, PING_PONG, TRACE, acc_layout, num_warps)
                 step += kbs
                 stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
                 if WEIGHTED:
                     acc1 = acc1 * wt[:, None]
-                if DEFER_EPILOGUE:  # the left half is stored; the right one under the next block's first chain
-                    pend = 1
-                    pend_out = acc1.to(out_ptr.dtype.element_ty)
-                    pend_rows = out_rows
-                    pend_first = first
-                    pend_end = end
-                    pend_n0 = n0 + BN
-                else:
-                    if WEIGHTED:
-                        acc = acc * wt[:, None]
-                    _rows_store(acc.to(out_ptr.dtype.element_ty), out_rows, first, end, n0, out_ptr, row_dest_ptr,
-                                N_OUT, num_warps)
-                    _rows_store(acc1.to(out_ptr.dtype.element_ty), out_rows, first, end, n0 + BN, out_ptr,
-                                row_dest_ptr, N_OUT, num_warps)
+                # the left half is stored; the right one under the next block's first chain
+                pend = 1
+                pend_out = acc1.to(out_ptr.dtype.element_ty)
+                pend_rows = out_rows
+                pend_first = first
+                pend_end = end
+                pend_n0 = n0 + BN
             else:
-                acc, step = _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, K, kbs, block,
+                acc, step = _rows_main_narrow(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, kbs, block,
                                               trace_ptr, out_ptr, row_dest_ptr, N_OUT, pend, pend_out, pend_rows,
-                                              pend_first, pend_end, pend_n0, WG, ISSUE_AHEAD, DEFER_EPILOGUE, TRACE,
-                                              acc_layout, num_warps)
+                                              pend_first, pend_end, pend_n0, WG, TRACE, acc_layout, num_warps)
                 stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
                 if WEIGHTED:
                     acc = acc * wt[:, None]
-                out = acc.to(out_ptr.dtype.element_ty)
-                if DEFER_EPILOGUE:
-                    pend = 1
-                    pend_out = out
-                    pend_rows = out_rows
-                    pend_first = first
-                    pend_end = end
-                    pend_n0 = n0
-                else:
-                    _rows_store(out, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, num_warps)
+                pend = 1
+                pend_out = acc.to(out_ptr.dtype.element_ty)
+                pend_rows = out_rows
+                pend_first = first
+                pend_end = end
+                pend_n0 = n0
         else:  # all 64 rows past the expert: hand the stages back untouched
-            if DEFER_EPILOGUE:
-                _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr,
-                                    N_OUT, num_warps)
-                pend = 0
+            _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr,
+                                N_OUT, num_warps)
+            pend = 0
             step = pass_stages(ready, empty, step, K, BK)
         stamp(trace_ptr, WG, block, 3, TRACE, num_warps)
         row0, end, e_next, row0_next = row0_next, end_next, e_after, row0_after
-    if DEFER_EPILOGUE:
-        _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr, N_OUT,
-                            num_warps)
+    _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr, N_OUT,
+                        num_warps)
 
 
 @gluon.jit
 def rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr,
                         tile_expert_ptr, tile_row_ptr, trace_ptr, M, N_OUT, K, E, EB: gl.constexpr,
-                        TILE_M: gl.constexpr, WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
-                        DEFER_EPILOGUE: gl.constexpr, PING_PONG: gl.constexpr, TRACE: gl.constexpr,
-                        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                        TILE_M: gl.constexpr, WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr,
+                        PING_PONG: gl.constexpr, TRACE: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
                         MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (M, K) fp8 in sorted rows, block (TILE_M, BK); w_desc: W (E, N_OUT, K) fp8, block (1, BN, BK);
     a_s (K // 128, M) and w_s (E, N_OUT // 128, K // 128) fp32; out (M, N_OUT) bf16: row r of the product
@@ -399,8 +357,8 @@ def rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_s
     knows the rows aligned for 16-byte stores); ``row_dest_ptr`` of another type is not read.
     Blocks: the plan's busy tiles (EB: a power of two >= E) times the N-blocks, one program per SM walking
     them. num_warps: one warpgroup (the first MMA partition); the kernel adds the second and the loader.
-    ISSUE_AHEAD, DEFER_EPILOGUE, PING_PONG: the MMA warpgroups' issue pattern, when their stores run and whether
-    they take turns (``_rows_mma_partition``); TRACE: stamps into trace_ptr (int64, see ``gluon_sm90.TRACE_BLOCKS``)."""
+    PING_PONG: whether the MMA warpgroups take turns (``_rows_mma_partition``); TRACE: stamps into trace_ptr
+    (int64, see ``gluon_sm90.TRACE_BLOCKS``)."""
     BN: gl.constexpr = w_desc.block_type.shape[1]
     num_n = N_OUT // BN
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -411,12 +369,10 @@ def rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_s
     gl.warp_specialize([
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr,
                                tile_row_ptr, ready, empty, seen, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT,
-                               K, num_n, work, 0, WEIGHTED, TO_SLOTS, ISSUE_AHEAD, DEFER_EPILOGUE, PING_PONG, TRACE,
-                               num_warps)),
+                               K, num_n, work, 0, WEIGHTED, TO_SLOTS, PING_PONG, TRACE, num_warps)),
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr,
                                tile_row_ptr, ready, empty, seen, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT,
-                               K, num_n, work, 1, WEIGHTED, TO_SLOTS, ISSUE_AHEAD, DEFER_EPILOGUE, PING_PONG, TRACE,
-                               num_warps)),
+                               K, num_n, work, 1, WEIGHTED, TO_SLOTS, PING_PONG, TRACE, num_warps)),
         (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
                         as_bufs, bs_bufs, trace_ptr, M, N_OUT, K, num_n, work, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])

@@ -22,7 +22,6 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     fp8_scales,
     issue_chain,
     pass_stages,
-    promote,
     quantize_by,
     stage_ready,
     turn_barriers,
@@ -110,34 +109,14 @@ def _up_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.conste
 
 
 @gluon.jit
-def _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl, acc_gh, acc_ul, scale_g, scale_u,
-                           WG: gl.constexpr):
-    """The issue-ahead up kernel's block of stage ``s`` after its first chain (the gate's left 64 columns, in
-    flight in ``ta``): each chain done, the next issued, then the done one promoted under it; returns with the
-    last chain (the up block's right 64 columns) in flight in ``tb``."""
-    HB: gl.constexpr = tb.type.shape[1]  # (ta: pending, no shape of its own)
-    ta = warpgroup_mma_wait(0, deps=(ta, ))
-    tb = issue_chain(x_bufs, g_bufs, s, HB, tb, WG)
-    acc_gl = promote(acc_gl, ta, scale_g[:, None])
-    tb = warpgroup_mma_wait(0, deps=(tb, ))
-    ta = issue_chain(x_bufs, u_bufs, s, 0, ta, WG)
-    acc_gh = promote(acc_gh, tb, scale_g[:, None])
-    ta = warpgroup_mma_wait(0, deps=(ta, ))
-    tb = issue_chain(x_bufs, u_bufs, s, HB, tb, WG)
-    acc_ul = promote(acc_ul, ta, scale_u[:, None])
-    return ta, tb, acc_gl, acc_gh, acc_ul
-
-
-@gluon.jit
 def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
                       g_bufs, u_bufs, as_bufs, bs_bufs, staging, seen, trace_ptr, N, D, I, num_n, work,
-                      WG: gl.constexpr, PREACT: gl.constexpr, H_OUT: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
-                      PING_PONG: gl.constexpr, POW2: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                      WG: gl.constexpr, PREACT: gl.constexpr, H_OUT: gl.constexpr, PING_PONG: gl.constexpr,
+                      POW2: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``up_ws_kernel``: per K-step the gate
-    block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion (with
-    ISSUE_AHEAD, 64-column chains, each promoted under the next); then h = silu(g) * u in fp32, quantised per
-    row over the block's 128 columns into h_q / h_s (POW2: power-of-two scales), and with PREACT g and u rounded
-    to bf16 into ``preact``. PING_PONG (without ISSUE_AHEAD): the second warpgroup issues each K-step's gate chain
+    block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion; then h = silu(g) *
+    u in fp32, quantised per row over the block's 128 columns into h_q / h_s (POW2: power-of-two scales), and with
+    PREACT g and u rounded to bf16 into ``preact``. PING_PONG: the second warpgroup issues each K-step's gate chain
     once the first's has finished (``common.wait_turn``; the first always has rows in a block), so that each
     warpgroup's promotions, and its epilogue, run under the other's chains. TRACE: the sorted-rows MMA
     partitions' stamps (``gluon_sm90.TRACE_BLOCKS``)."""
@@ -145,11 +124,8 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
     HALF: gl.constexpr = bs_bufs.type.shape[1]
-    HB: gl.constexpr = BN // 2
     acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 32)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    half_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
-    half_rows: gl.constexpr = gl.SliceLayout(1, half_layout)
     step = 0
     row0, end, e_next, row0_next = blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
@@ -160,63 +136,23 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
         n0 = (w % num_n) * BN
         first = row0 + WG * HALF
         if first < end:
-            if not ISSUE_AHEAD:
-                acc_g = gl.zeros([HALF, BN], gl.float32, acc_layout)
-                acc_u = gl.zeros([HALF, BN], gl.float32, acc_layout)
-                tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # both MMAs' destination registers
-                for k in range(0, D, BK):
-                    s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
-                    stamp_first(trace_ptr, WG, block, 1, k == 0, TRACE, num_warps)
-                    wait_turn(seen, s, step, WG, PING_PONG)
-                    tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, g_bufs, s, 0, tmp, WG), ))
-                    end_turn(seen, s, WG, PING_PONG)
-                    acc_g = acc_g + tmp * scale_g[:, None]
-                    tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, u_bufs, s, 0, tmp, WG), ))
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc_u = acc_u + tmp * scale_u[:, None]
-                    step += 1
-                stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
-                _up_epilogue(acc_g, acc_u, staging.index(WG), h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I,
-                             PREACT, H_OUT, POW2, num_warps)
-            else:
-                # Two 64 x 128 temporaries beside the two accumulators do not fit (4 x 64 registers per
-                # thread, of the 216 the gathering loader leaves), so each product runs as two 64-column
-                # chains into two 64 x 64 temporaries (ta, tb: 2 x 32 registers): the four chains of a block
-                # alternate between them, each done chain's promotion runs under the next chain, and the
-                # last chain of a block overlaps the first of the next, so that the warpgroup keeps the tensor
-                # cores busy through its promotions. (A chain is read only after a wait to zero in flight:
-                # ptxas serialises every wgmma if a chain carried across the loop's back edge is retired by a
-                # wait(1) and read, C7514.) The stage is freed when the block's last chain is done: a
-                # warpgroup holds two stages at most (of four). The cost: x's 64 rows are read from shared
-                # memory four times per block instead of twice.
-                acc_gl = gl.zeros([HALF, HB], gl.float32, half_layout)
-                acc_gh = gl.zeros([HALF, HB], gl.float32, half_layout)
-                acc_ul = gl.zeros([HALF, HB], gl.float32, half_layout)
-                acc_uh = gl.zeros([HALF, HB], gl.float32, half_layout)
-                ta = gl.zeros([HALF, HB], gl.float32, half_layout)
-                tb = gl.zeros([HALF, HB], gl.float32, half_layout)
-                s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, half_rows)
-                stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
-                ta = issue_chain(x_bufs, g_bufs, s, 0, ta, WG)
-                for k in range(BK, D, BK):  # [block `step`'s first chain in flight in ta]
-                    ta, tb, acc_gl, acc_gh, acc_ul = _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl,
-                                                                            acc_gh, acc_ul, scale_g, scale_u, WG)
-                    s1, scale_g1, scale_u1 = _up_stage(as_bufs, bs_bufs, ready, step + 1, STAGES, WG, half_rows)
-                    tb = warpgroup_mma_wait(0, deps=(tb, ))
-                    ta = issue_chain(x_bufs, g_bufs, s1, 0, ta, WG)
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc_uh = promote(acc_uh, tb, scale_u[:, None])
-                    s, scale_g, scale_u = s1, scale_g1, scale_u1
-                    step += 1
-                ta, tb, acc_gl, acc_gh, acc_ul = _up_chains_after_first(x_bufs, g_bufs, u_bufs, s, ta, tb, acc_gl,
-                                                                        acc_gh, acc_ul, scale_g, scale_u, WG)
-                tb = warpgroup_mma_wait(0, deps=(tb, ))
+            acc_g = gl.zeros([HALF, BN], gl.float32, acc_layout)
+            acc_u = gl.zeros([HALF, BN], gl.float32, acc_layout)
+            tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # both MMAs' destination registers
+            for k in range(0, D, BK):
+                s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+                stamp_first(trace_ptr, WG, block, 1, k == 0, TRACE, num_warps)
+                wait_turn(seen, s, step, WG, PING_PONG)
+                tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, g_bufs, s, 0, tmp, WG), ))
+                end_turn(seen, s, WG, PING_PONG)
+                acc_g = acc_g + tmp * scale_g[:, None]
+                tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, u_bufs, s, 0, tmp, WG), ))
                 mbarrier.arrive(empty.index(s), count=1)
-                acc_uh = promote(acc_uh, tb, scale_u[:, None])
+                acc_u = acc_u + tmp * scale_u[:, None]
                 step += 1
-                stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
-                _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, staging.index(WG), h_q_ptr, h_s_ptr, preact_ptr,
-                                    first, end, n0, N, I, PREACT, H_OUT, POW2, num_warps)
+            stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
+            _up_epilogue(acc_g, acc_u, staging.index(WG), h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I,
+                         PREACT, H_OUT, POW2, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
             step = pass_stages(ready, empty, step, D, BK)
         stamp(trace_ptr, WG, block, 3, TRACE, num_warps)
@@ -260,35 +196,16 @@ def _up_epilogue(acc_g, acc_u, stage, h_q_ptr, h_s_ptr, preact_ptr, first, end, 
 
 
 @gluon.jit
-def _up_epilogue_halves(acc_gl, acc_gh, acc_ul, acc_uh, stage, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I,
-                        PREACT: gl.constexpr, H_OUT: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
-    """``_up_epilogue`` of a block held as its left and right 64 columns (the issue-ahead up kernel's): the
-    same h, row amax (the larger of the halves') and bytes."""
-    HB: gl.constexpr = acc_gl.type.shape[1]
-    h_lo = _up_h(acc_gl, acc_ul, stage, preact_ptr, first, end, n0, I, PREACT, num_warps)
-    h_hi = _up_h(acc_gh, acc_uh, stage, preact_ptr, first, end, n0 + HB, I, PREACT, num_warps)
-    if H_OUT:
-        amax = gl.maximum(gl.maximum(gl.max(gl.abs(h_lo), axis=1), gl.max(gl.abs(h_hi), axis=1)), AMAX_FLOOR)
-        scale, inv = fp8_scales(amax, POW2)
-        q_lo = quantize_by(h_lo, inv[:, None])
-        q_hi = quantize_by(h_hi, inv[:, None])
-        _store_h_s(scale, h_s_ptr, first, end, n0 // (2 * HB), N)
-        store_staged(q_lo, stage, h_q_ptr, first, end, n0, I, I, num_warps)
-        store_staged(q_hi, stage, h_q_ptr, first, end, n0 + HB, I, I, num_warps)
-
-
-@gluon.jit
 def up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
                       tile_expert_ptr, tile_row_ptr, trace_ptr, T, N, D, I, E, top_k, EB: gl.constexpr,
-                      TILE_M: gl.constexpr, PREACT: gl.constexpr, H_OUT: gl.constexpr, ISSUE_AHEAD: gl.constexpr,
-                      PING_PONG: gl.constexpr, POW2: gl.constexpr, TRACE: gl.constexpr, STAGES: gl.constexpr,
-                      LOADER_WARPS: gl.constexpr,
+                      TILE_M: gl.constexpr, PREACT: gl.constexpr, H_OUT: gl.constexpr, PING_PONG: gl.constexpr,
+                      POW2: gl.constexpr, TRACE: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """x (T, D) fp8 gathered by token and x_s (D // 128, T) fp32; w13_desc: W13 (E, 2, I, D) fp8 (gate rows, then
     up rows), block (1, 1, BN, BK); w13_s (E, 2I // 128, D // 128) fp32; h_q (N, I) fp8 and h_s (I // 128, N)
     fp32 out in sorted rows if H_OUT (rows past the routed count not written); preact (N, 2I) bf16 out if PREACT.
     Blocks: the busy tiles (EB: a power of two >= E) times the I-blocks of 128 (one h scale group each).
-    ISSUE_AHEAD, PING_PONG: the MMA warpgroups' schedule (``_up_mma_partition``). TRACE: stamps into trace_ptr
+    PING_PONG: the MMA warpgroups' turns (``_up_mma_partition``). TRACE: stamps into trace_ptr
     (int64, see ``gluon_sm90.TRACE_BLOCKS``)."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     BK: gl.constexpr = w13_desc.block_type.shape[3]
@@ -311,10 +228,10 @@ def up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_p
     gl.warp_specialize([
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
                              x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, seen, trace_ptr, N, D, I, num_n,
-                             work, 0, PREACT, H_OUT, ISSUE_AHEAD, PING_PONG, POW2, TRACE, num_warps)),
+                             work, 0, PREACT, H_OUT, PING_PONG, POW2, TRACE, num_warps)),
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
                              x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, seen, trace_ptr, N, D, I, num_n,
-                             work, 1, PREACT, H_OUT, ISSUE_AHEAD, PING_PONG, POW2, TRACE, num_warps)),
+                             work, 1, PREACT, H_OUT, PING_PONG, POW2, TRACE, num_warps)),
         (_up_loader, (x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                       ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, trace_ptr, T, D, I, top_k, num_n,
                       work, TRACE, LOADER_WARPS)),
