@@ -94,7 +94,7 @@ def _wgrad_promote(acc, tmp, as_bufs, bs_bufs, empty, s, WG: gl.constexpr):
 def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, trace_ptr, block, WG: gl.constexpr,
                       TRACE: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
     """A block's ``steps`` (>= 1) K-steps for one warpgroup with the next chain issued before a finished one is
-    promoted (the pattern of ``_rows_main_narrow``'s issue-ahead branch, whose comments say why each wait is
+    promoted (the pattern of ``rows._rows_main_narrow``, whose comments say why each wait is
     to zero chains in flight). The scales are read at the promotion, under the next chain: held from the stage's
     ready wait, as the sorted-rows kernel holds its row scales, B's 32 per thread would not fit beside two
     temporaries and the accumulator. TRACE: the block's point 1 (its first stage ready). Returns (the accumulator, the
