@@ -218,7 +218,7 @@ def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, 
     MMAs. The stores run under this warpgroup's chains: the previous block's right half (``pend_*``) under the first
     K-step's left chain, this block's left half under the last K-step's right chain (the first and last K-steps
     peeled off the loop, so that neither store's registers are held through it). PING_PONG: the warpgroups' turns
-    (``common.wait_turn``). Returns (left, right)."""
+    (``common.wait_turn``). Returns the right half's accumulator."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HALF: gl.constexpr = as_bufs.type.shape[1]
     HB: gl.constexpr = w_bufs.type.shape[2] // 2
@@ -249,7 +249,7 @@ def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, 
         acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step + kbs - 1,
                                           acc0, acc1, tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr,
                                           N_OUT, WG, True, WEIGHTED, PING_PONG, num_warps)
-    return acc0, acc1
+    return acc1
 
 
 @gluon.jit
@@ -304,10 +304,10 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offset
             else:
                 wt = 0.0  # (unused)
             if NH == 2:
-                acc, acc1 = _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, kbs, block,
-                                            trace_ptr, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT,
-                                            pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, WG,
-                                            WEIGHTED, PING_PONG, TRACE, acc_layout, num_warps)
+                acc1 = _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, kbs, block,
+                                       trace_ptr, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, pend,
+                                       pend_out, pend_rows, pend_first, pend_end, pend_n0, WG, WEIGHTED, PING_PONG,
+                                       TRACE, acc_layout, num_warps)
                 step += kbs
                 stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
                 if WEIGHTED:
