@@ -104,3 +104,28 @@ def check_block_trace(trace: torch.Tensor, programs: int, num_blocks: int, parts
     for name in parts:
         assert phases[name]["main"] > 0 and phases[name]["wait"] >= 0
         assert phases[name]["block"] >= phases[name]["main"] and 0 < phases[name]["share"] <= 1
+
+
+def capture_launches(monkeypatch, module, kernels: tuple[str, ...]) -> list:
+    """Replace each of ``module``'s Gluon ``kernels`` (names) by a stand-in that records its launches instead of
+    running them: the returned list fills with (the kernel, the names of the arguments a launch passed, launch
+    options aside), for ``assert_launches_pass_parameters``."""
+    launched = []
+
+    def capture(kernel):
+        class Launch:
+            def __getitem__(self, grid):
+                return lambda **kw: launched.append((kernel, set(kw) - {"maxnreg"}))
+        return Launch()
+
+    for name in kernels:
+        monkeypatch.setattr(module, name, capture(getattr(module, name)))
+    return launched
+
+
+def assert_launches_pass_parameters(launched: list, count: int) -> None:
+    """``count`` launches were captured (``capture_launches``), each passing its kernel exactly the parameters the
+    kernel declares."""
+    assert len(launched) == count
+    for kernel, passed in launched:
+        assert passed == set(kernel.arg_names), (kernel.fn.__name__, passed ^ set(kernel.arg_names))

@@ -18,7 +18,11 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import check_block_trace
+from tests.helpers import (
+    assert_launches_pass_parameters,
+    capture_launches,
+    check_block_trace,
+)
 
 FP8_MAX = 448.0
 GROUP = 128
@@ -512,6 +516,48 @@ def test_fp8_kernels_compile_for_sm90a_without_spills():
             assert r["wide_stores"], name  # the epilogues convert to 16-byte row segments
         assert r["spill_bytes"] <= _SPILLS_ALLOWED.get(name, 0), (name, r)
         assert r["shared_bytes"] <= f.SHARED_MEMORY_LIMIT, (name, r)
+
+
+def test_fp8_launchers_pass_each_kernel_exactly_its_parameters(monkeypatch):
+    """Each Gluon FP8 launcher hands its kernel every parameter the kernel declares and no other, in each of its
+    variants (a name gone from one side would fail only at a GPU launch): the launches captured on a CPU."""
+    from megamoe.kernels import gluon_fp8_sm90 as f
+    from megamoe.kernels import gluon_sm90 as g
+    from megamoe.kernels.plan import build_plan
+
+    if torch.cuda.is_available():
+        pytest.skip("a CPU check of the launchers' arguments (on a GPU the kernels' own tests launch them)")
+    launched = capture_launches(monkeypatch, f, ("rows_ws_kernel", "up_ws_kernel", "wgrad_ws_kernel", "act_tile_cols_kernel"))
+    for module in (f, g):
+        monkeypatch.setattr(module, "sm_count", lambda index: 132)
+    monkeypatch.setattr(f, "_fp8_desc", lambda t, block: None)
+    e4m3 = torch.float8_e4m3fn
+    num_experts, rows, dim, inter = 4, 128, 256, 256
+    plan = build_plan(torch.arange(rows).remainder(num_experts).view(-1, 2), num_experts)
+    trace = torch.empty(g.trace_size(132), dtype=torch.int64)
+    a_q, a_s = torch.zeros(rows, dim, dtype=e4m3), torch.zeros(dim // 128, rows)
+    w_q, w_s = torch.zeros(num_experts, 512, dim, dtype=e4m3), torch.zeros(num_experts, 4, dim // 128)
+    for block_n, weights, row_dest, tr in ((128, None, None, None), (256, torch.ones(rows), None, trace),
+                                           (256, torch.ones(rows), torch.zeros(rows, dtype=torch.int64), None)):
+        f.fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, torch.zeros(rows, 512, dtype=torch.bfloat16), plan, weights=weights,
+                           to_slots=True, row_dest=row_dest, block_n=block_n, trace=tr)
+    w13_q, w13_s = torch.zeros(num_experts, 2 * inter, dim, dtype=e4m3), torch.zeros(num_experts, 4, dim // 128)
+    h = torch.zeros(rows, inter, dtype=e4m3), torch.zeros(inter // 128, rows)
+    for h_out, preact, tr in ((h, None, None), (h, torch.zeros(rows, 2 * inter, dtype=torch.bfloat16), trace),
+                              ((None, None), torch.zeros(rows, 2 * inter, dtype=torch.bfloat16), None)):
+        f.fp8_up_swiglu_ws(a_q[:rows // 2], a_s[:, :rows // 2], w13_q, w13_s, *h_out, plan, 2, preact, trace=tr)
+    tiles = plan.tile_expert_NT.numel()
+    cols = torch.zeros(512, tiles * 128, dtype=e4m3), torch.zeros(tiles, 512)
+    for block_n, by_size, tr in ((128, False, None), (256, True, trace)):
+        f.fp8_wgrad_ws(*cols, *cols, torch.zeros(num_experts, 512, 512, dtype=torch.bfloat16), plan.offsets_E1,
+                       block_n, by_size=by_size, trace=tr)
+    preact, dh = torch.zeros(rows, 2 * inter, dtype=torch.bfloat16), torch.zeros(rows, inter, dtype=torch.bfloat16)
+    dz_q, dz_s = torch.zeros(rows, 2 * inter, dtype=e4m3), torch.zeros(2 * inter // 128, rows)
+    dz_t = torch.zeros(2 * inter, tiles * 128, dtype=e4m3), torch.zeros(tiles, 2 * inter)
+    hw_t = torch.zeros(inter, tiles * 128, dtype=e4m3), torch.zeros(tiles, inter)
+    f.fp8_act_tile_cols_ws(preact, dh, torch.ones(rows), plan, torch.zeros(inter // 64, rows), dz_q, dz_s, dz_t, hw_t,
+                           64)
+    assert_launches_pass_parameters(launched, 9)
 
 
 def test_wgrad_block_n_defaults_where_it_divides_and_refuses_otherwise():

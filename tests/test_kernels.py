@@ -21,6 +21,8 @@ from tests.helpers import (
     NAMES,
     SHAPES,
     assert_close_to_reference,
+    assert_launches_pass_parameters,
+    capture_launches,
     check_block_trace,
     gpu_problem,
     make_problem,
@@ -942,3 +944,33 @@ def test_warp_specialized_weight_gradients_in_size_order_are_bitwise_the_same(co
         outs[by_size] = (dw, out) if combine else (dw, )
     assert not outs[True][0].isnan().any()  # every block written (experts without rows: zeros)
     assert all(map(torch.equal, outs[False], outs[True]))
+
+
+def test_warp_specialized_launchers_pass_each_kernel_exactly_its_parameters(monkeypatch):
+    """Each bf16 Gluon launcher hands its kernel every parameter the kernel declares and no other, in each of its
+    variants (a name gone from one side would fail only at a GPU launch): the launches captured on a CPU."""
+    from megamoe.kernels import gluon_sm90 as g
+
+    if torch.cuda.is_available():
+        pytest.skip("a CPU check of the launchers' arguments (on a GPU the kernels' own tests launch them)")
+    launched = capture_launches(monkeypatch, g, ("_wgrad_ws_kernel", "_dh_ws_kernel", "_act_ws_kernel", "_up_ws_kernel"))
+    monkeypatch.setattr(g, "sm_count", lambda index: 132)
+    monkeypatch.setattr(g, "_desc", lambda t, block: None)
+    bf16 = torch.bfloat16
+    num_experts, num_tokens, top_k, dim, inter = 4, 64, 2, 256, 256
+    rows = num_tokens * top_k
+    topk_idx = torch.arange(rows).remainder(num_experts).view(num_tokens, top_k)
+    plan = build_plan(topk_idx, num_experts)
+    trace = torch.empty(g.trace_size(132), dtype=torch.int64)
+    x, x_sorted = torch.zeros(num_tokens, dim, dtype=bf16), torch.zeros(rows, dim, dtype=bf16)
+    w13, w2 = torch.zeros(num_experts, 2 * inter, dim, dtype=bf16), torch.zeros(num_experts, dim, inter, dtype=bf16)
+    dh, dz = torch.zeros(rows, inter, dtype=bf16), torch.zeros(rows, 2 * inter, dtype=bf16)
+    for combined, by_size, tr in ((None, False, None), ((x_sorted, topk_idx, x), True, trace)):
+        g.expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, torch.zeros_like(w13), combined, by_size=by_size, trace=tr)
+    for copy_x, tr in ((None, None), ((x, x_sorted, plan.row_slot_N, top_k), trace)):
+        g.dh_ws(x_sorted, w2, dh, plan, BLOCK_M, copy_x, trace=tr)
+    g.act_bwd_ws(x_sorted, dh, w13, torch.ones(rows), plan, dz, dh, torch.zeros(inter // 64, rows), BLOCK_M, 64,
+                 trace=trace)
+    for preact, tr in ((None, None), (dz, trace)):
+        g.up_swiglu_ws(x, w13, dh, plan, top_k, BLOCK_M, preact, trace=tr)
+    assert_launches_pass_parameters(launched, 7)
