@@ -520,7 +520,8 @@ def test_fp8_kernels_compile_for_sm90a_without_spills():
 
 def test_fp8_launchers_pass_each_kernel_exactly_its_parameters(monkeypatch):
     """Each Gluon FP8 launcher hands its kernel every parameter the kernel declares and no other, in each of its
-    variants (a name gone from one side would fail only at a GPU launch): the launches captured on a CPU."""
+    variants (a name gone from one side would fail only at a GPU launch), through TMA descriptors that Triton accepts
+    (block shapes, strides): the launches captured on a CPU."""
     from megamoe.kernels import gluon_fp8_sm90 as f
     from megamoe.kernels import gluon_sm90 as g
     from megamoe.kernels.plan import build_plan
@@ -530,7 +531,6 @@ def test_fp8_launchers_pass_each_kernel_exactly_its_parameters(monkeypatch):
     launched = capture_launches(monkeypatch, f, ("rows_ws_kernel", "up_ws_kernel", "wgrad_ws_kernel", "act_tile_cols_kernel"))
     for module in (f, g):
         monkeypatch.setattr(module, "sm_count", lambda index: 132)
-    monkeypatch.setattr(f, "_fp8_desc", lambda t, block: None)
     e4m3 = torch.float8_e4m3fn
     num_experts, rows, dim, inter = 4, 128, 256, 256
     plan = build_plan(torch.arange(rows).remainder(num_experts).view(-1, 2), num_experts)

@@ -948,14 +948,14 @@ def test_warp_specialized_weight_gradients_in_size_order_are_bitwise_the_same(co
 
 def test_warp_specialized_launchers_pass_each_kernel_exactly_its_parameters(monkeypatch):
     """Each bf16 Gluon launcher hands its kernel every parameter the kernel declares and no other, in each of its
-    variants (a name gone from one side would fail only at a GPU launch): the launches captured on a CPU."""
+    variants (a name gone from one side would fail only at a GPU launch), through TMA descriptors that Triton accepts
+    (block shapes, strides): the launches captured on a CPU."""
     from megamoe.kernels import gluon_sm90 as g
 
     if torch.cuda.is_available():
         pytest.skip("a CPU check of the launchers' arguments (on a GPU the kernels' own tests launch them)")
     launched = capture_launches(monkeypatch, g, ("_wgrad_ws_kernel", "_dh_ws_kernel", "_act_ws_kernel", "_up_ws_kernel"))
     monkeypatch.setattr(g, "sm_count", lambda index: 132)
-    monkeypatch.setattr(g, "_desc", lambda t, block: None)
     bf16 = torch.bfloat16
     num_experts, num_tokens, top_k, dim, inter = 4, 64, 2, 256, 256
     rows = num_tokens * top_k
