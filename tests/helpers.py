@@ -108,8 +108,18 @@ def check_block_trace(trace: torch.Tensor, programs: int, num_blocks: int, parts
 
 def capture_launches(monkeypatch, module, kernels: tuple[str, ...]) -> list:
     """Replace each of ``module``'s Gluon ``kernels`` (names) by a stand-in that records its launches instead of
-    running them: the returned list fills with (the kernel, the names of the arguments a launch passed, launch
-    options aside), for ``assert_launches_pass_parameters``."""
+    running them, for a CPU (the test skips on a GPU, where the kernels' own tests launch them), with 132 SMs
+    (``sm_count`` of ``module`` and of ``gluon_sm90``, whose ``trace_args`` reads it): the returned list fills with
+    (the kernel, the names of the arguments a launch passed, launch options aside), for
+    ``assert_launches_pass_parameters``."""
+    import pytest
+
+    from megamoe.kernels import gluon_sm90
+
+    if torch.cuda.is_available():
+        pytest.skip("a CPU check of the launchers' arguments (on a GPU the kernels' own tests launch them)")
+    for sms in {module, gluon_sm90}:
+        monkeypatch.setattr(sms, "sm_count", lambda index: 132)
     launched = []
 
     def capture(kernel):

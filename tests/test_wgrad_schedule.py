@@ -26,7 +26,8 @@ def test_dealing_takes_every_block_once(experts):
     blocks = 3 * experts
     programs = min(PROGRAMS, blocks)
     for by_size in (False, True):
-        assert makespan([128] * experts, 3, 128, 0.0, by_size) == pytest.approx(-(-blocks // programs) * programs / blocks)
+        share = -(-blocks // programs) * programs / blocks
+        assert makespan([128] * experts, 3, 128, 0.0, by_size) == pytest.approx(share)
 
 
 def test_prints_each_routing_and_gemm(capsys):

@@ -32,11 +32,13 @@ LOADER = 2
 def stamps(trace: torch.Tensor, programs: int) -> list:
     """A traced launch's stamps (int64, -1 where none was taken) of ``programs`` programs as nested lists:
     [program][partition][block][cycles, global ns][point]."""
-    return trace[: gluon_sm90.trace_size(programs)].view(
-        programs, gluon_sm90.TRACE_PARTS.value, gluon_sm90.TRACE_BLOCKS.value, 2, gluon_sm90.TRACE_POINTS.value).tolist()
+    return trace[: gluon_sm90.trace_size(programs)].view(programs, gluon_sm90.TRACE_PARTS.value,
+                                                         gluon_sm90.TRACE_BLOCKS.value, 2,
+                                                         gluon_sm90.TRACE_POINTS.value).tolist()
 
 
-def block_phases(trace: torch.Tensor, programs: int, parts: dict[str, int] | None = None) -> dict[str, dict[str, float]]:
+def block_phases(trace: torch.Tensor, programs: int,
+                 parts: dict[str, int] | None = None) -> dict[str, dict[str, float]]:
     """Per partition named in ``parts`` (name -> its index in the trace; None: the FP8 kernels' ``WARPGROUPS``), the
     medians (us) of :data:`PHASES` over its blocks and the main loops' "share" of its time (:data:`COLUMNS`); "drift"
     where partition 0 is named too. Cycles become time at each partition's own

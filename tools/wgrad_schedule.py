@@ -67,7 +67,8 @@ def gemms(dim: int, inter: int) -> dict[str, tuple[int, int]]:
     out = {}
     for name, p, q in (("dW13", 2 * inter, dim), ("dW2", dim, inter)):
         out[f"bf16 {name}"] = (-(-p // bm) * -(-q // bn), bk)
-        out[f"FP8 {name}"] = (p // gluon_fp8_sm90.FP8_BM * (q // gluon_fp8_sm90.wgrad_block_n(q)), gluon_fp8_sm90.FP8_BK)
+        fp8_blocks = p // gluon_fp8_sm90.FP8_BM * (q // gluon_fp8_sm90.wgrad_block_n(q))
+        out[f"FP8 {name}"] = (fp8_blocks, gluon_fp8_sm90.FP8_BK)
     return out
 
 
