@@ -212,20 +212,17 @@ def wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM: gl.cons
     [start, end). BY_SIZE (``WGRAD_BY_SIZE``): the experts in order of their rows, most first (``by_size_ptr``:
     ``plan.experts_by_size``'s table), and ``tile`` the grid-stride loop's block, dealt as ``dealt_block`` says; else
     the experts in index order, ``tile`` as it comes."""
+    i = dealt_block(tile, tiles) if BY_SIZE else tile
+    pq = i % (num_p * num_q)
+    p0 = (pq // num_q) * BM
+    q0 = (pq % num_q) * BN
     if BY_SIZE:
-        i = dealt_block(tile, tiles)
         row = by_size_ptr + 3 * (i // (num_p * num_q))
-        pq = i % (num_p * num_q)
-        p0 = (pq // num_q) * BM
-        q0 = (pq % num_q) * BN
         e = gl.load(row)
         start = gl.load(row + 1)
         end = gl.load(row + 2)
     else:
-        e = tile // (num_p * num_q)
-        pq = tile % (num_p * num_q)
-        p0 = (pq // num_q) * BM
-        q0 = (pq % num_q) * BN
+        e = i // (num_p * num_q)
         start = gl.load(offsets_ptr + e)
         end = gl.load(offsets_ptr + e + 1)
     return e, p0, q0, start, end
