@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 from pathlib import Path
@@ -42,7 +41,7 @@ from megamoe.kernels.gluon_sm90 import (
 )
 from megamoe.kernels.plan import build_plan
 from megamoe.kernels.tuning import TunedKernel
-from megamoe.provenance import gpu_record, utc_now
+from megamoe.provenance import utc_now, write_record
 
 
 def grid_of(**axes):
@@ -226,11 +225,10 @@ def main(argv=None) -> None:
     for mode, ms in totals.items():
         print(f"{'total':20s} {ms:8.3f} ms (the layer's stages, save_for_backward={mode!r})")
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "preset": args.preset, "tokens": args.tokens, "top_k": top_k, "routing": args.routing,
-            "total_ms": totals,
-            **gpu_record("python -m tools.kernels " + " ".join(sys.argv[1:] if argv is None else argv)),
-            "stages": rows}, indent=1) + "\n")
+        path = Path(args.json)
+        command = "python -m tools.kernels " + " ".join(sys.argv[1:] if argv is None else argv)
+        write_record(path.parent, path.name, command, preset=args.preset, tokens=args.tokens, top_k=top_k,
+                     routing=args.routing, total_ms=totals, stages=rows)
     differ = [r["stage"] for r in rows if r.get("bitwise_equal") is False]
     if differ:
         raise SystemExit(f"these variants do not write bitwise what the layer's stage writes: {differ}")
