@@ -139,3 +139,11 @@ def assert_launches_pass_parameters(launched: list, count: int) -> None:
     assert len(launched) == count
     for kernel, passed in launched:
         assert passed == set(kernel.arg_names), (kernel.fn.__name__, passed ^ set(kernel.arg_names))
+
+
+def skewed_expert_rows(num_experts: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows per expert, a few thousand, skewed as a power law (the largest ~4 000) in a random order, every ninth
+    expert without rows: the weight gradients' blocks under a skewed routing, for their size-order tests."""
+    counts = (4000 / torch.arange(1, num_experts + 1) ** 1.2).long()[torch.randperm(num_experts, generator=gen)]
+    counts[::9] = 0
+    return counts

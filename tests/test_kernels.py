@@ -27,6 +27,7 @@ from tests.helpers import (
     gpu_problem,
     make_problem,
     run_with_grads,
+    skewed_expert_rows,
 )
 
 # The shape matrix plus cases that exercise several tiles per expert, several K-loop iterations with a
@@ -927,8 +928,7 @@ def test_warp_specialized_weight_gradients_in_size_order_are_bitwise_the_same(co
 
     gen = torch.Generator().manual_seed(11)
     num_experts, p, q, top_k = 64, 512, 512, 2
-    counts = (4000 / torch.arange(1, num_experts + 1) ** 1.2).long()[torch.randperm(num_experts, generator=gen)]
-    counts[::9] = 0
+    counts = skewed_expert_rows(num_experts, gen)
     idx = torch.repeat_interleave(torch.arange(num_experts), counts)[:, None].to(torch.int32)
     plan = build_plan(idx.cuda(), num_experts)
     rows = idx.numel()
