@@ -11,6 +11,7 @@ match the reference's quantisation byte for byte (but for values within fp32 rou
 """
 
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -431,7 +432,8 @@ def test_fp8_wgrad_in_size_order_is_bitwise_the_same(block_n):
 
 def test_block_phases_reads_a_known_trace():
     """``tools.block_trace.block_phases`` on stamps written by hand: one program, two blocks, the cycle counter at 2
-    per ns; warpgroup 1 a block starting 1 us after warpgroup 0's."""
+    per ns; warpgroup 1 a block starting 1 us after warpgroup 0's. Then the same blocks one per program (a launch of
+    fewer blocks than SMs): the same phases, but none that needs a program's next block."""
     from megamoe.kernels import gluon_sm90 as g
     from tools.block_trace import block_phases
 
@@ -452,6 +454,13 @@ def test_block_phases_reads_a_known_trace():
     assert ph["wg0"]["share"] == pytest.approx(8.4 / 10.0)  # the one block with a next one
     mma = block_phases(t.flatten(), 1, {"mma": 0})  # a bf16 kernel's one MMA partition: warpgroup 0's phases
     assert list(mma) == ["mma"] and mma["mma"] == pytest.approx(ph["wg0"], nan_ok=True)
+    apart = torch.full_like(t, -1).repeat(2, 1, 1, 1, 1)
+    apart[0, :, 0], apart[1, :, 0] = t[0, :, 0], t[0, :, 1]
+    one = block_phases(apart.flatten(), 2)
+    for k in ("wait", "main", "lead", "latency", "drift"):
+        assert one["wg0"][k] == pytest.approx(ph["wg0"][k], nan_ok=True)  # warpgroup 0 has no drift
+        assert one["wg1"][k] == pytest.approx(ph["wg1"][k])
+    assert all(math.isnan(one["wg0"][k]) for k in ("rest", "block", "share"))
 
 
 # The AOT check runs in a subprocess: this test session runs Triton's interpreter (TRITON_INTERPRET=1 without a

@@ -41,22 +41,21 @@ def block_phases(trace: torch.Tensor, programs: int,
                  parts: dict[str, int] | None = None) -> dict[str, dict[str, float]]:
     """Per partition named in ``parts`` (name -> its index in the trace; None: the FP8 kernels' ``WARPGROUPS``), the
     medians (us) of :data:`PHASES` over its blocks and the main loops' "share" of its time (:data:`COLUMNS`); "drift"
-    where partition 0 is named too. Cycles become time at each partition's own
-    rate (its cycle and global-timer spans over its blocks): the SM clock moves with power."""
+    where partition 0 is named too. Cycles become time at each partition's rate over the launch (its programs' cycle
+    spans over their global-timer spans, summed): the SM clock moves with power, and a program may hold one short
+    block, too short for the global timer alone."""
     parts = WARPGROUPS if parts is None else parts
+    progs = stamps(trace, programs)
+    taken = {name: [[b for b in prog[part] if b[0][0] >= 0] for prog in progs] for name, part in parts.items()}
     samples: dict[str, dict[str, list[float]]] = {name: {k: [] for k in PHASES} for name in parts}
     sums = {name: [0.0, 0.0] for name in parts}  # main, block: over the busy blocks that have a next one
-    for prog in stamps(trace, programs):
-        loader = prog[LOADER]
-        first = [b for b in prog[0] if b[0][0] >= 0]
-        for name, part in parts.items():
-            blocks = [b for b in prog[part] if b[0][0] >= 0]
-            if len(blocks) < 2:
-                continue
-            cycles = blocks[-1][0][3] - blocks[0][0][0]
-            ns = blocks[-1][1][3] - blocks[0][1][0]
-            per_us = cycles / ns * 1e3 if ns > 0 else float("nan")  # cycles per us
-            out = samples[name]
+    for name, part in parts.items():
+        spans = [(b[-1][0][3] - b[0][0][0], b[-1][1][3] - b[0][1][0]) for b in taken[name] if b]
+        ns = sum(n for _, n in spans)
+        per_us = sum(c for c, _ in spans) / ns * 1e3 if ns > 0 else float("nan")  # cycles per us
+        out = samples[name]
+        for prog, blocks in zip(progs, taken[name]):
+            loader, first = prog[LOADER], [b for b in prog[0] if b[0][0] >= 0]
             for i, (cyc, _) in enumerate(blocks):
                 busy = cyc[1] >= 0 and cyc[2] >= 0  # an FP8 warpgroup whose rows all lie past the expert stamps 0, 3
                 nxt = blocks[i + 1][0][0] if i + 1 < len(blocks) else None
