@@ -104,8 +104,10 @@ WGRAD_CONFIG = {**WS_CONFIG, "BK": WGRAD_TILE[2], "num_stages": WGRAD_TILE[3]}
 # the programs its big experts' blocks fall to, and the launch waits for those (``python -m tools.wgrad_schedule``, a
 # model of the programs' K-steps: under the layer benchmark's skewed routing 30B dW2 at 1.57x / 1.67x the balanced time
 # in FP8 / bf16, dW13 at 1.18x / 1.21x; in size order 1.01-1.02x; random routing 1.01x either way; docs/PERFORMANCE.md).
-# The same blocks, each computed as before: the outputs are bitwise the same. Off until timed.
-WGRAD_BY_SIZE = False
+# The same blocks, each computed as before: the outputs are bitwise the same. Timed on an H100 (PERFORMANCE.md, "The
+# weight gradients under a skewed routing"): under the skewed routing 11-31% faster (bf16) and 3-22% (FP8), level under
+# the random one.
+WGRAD_BY_SIZE = True
 
 
 # The block trace of the Gluon GEMM kernels (``trace=`` of their launchers; read by ``tools.fp8_trace`` and
