@@ -11,8 +11,7 @@
 #                                          (the layer beside bf16, the FP8 baseline and SonicMoE): default those four;
 #                                          trace (python -m tools.fp8_trace at both layers: the sorted-rows, up
 #                                          and weight-gradient kernels as the layer runs them, the sorted rows also
-#                                          in 256-column blocks, the warpgroups' turns both ways: where a GEMM
-#                                          block's time goes)
+#                                          in 256-column blocks: where a GEMM block's time goes)
 #   bash scripts/gpu-check.sh model [E..]  a transformers Qwen3-MoE model's training step (python -m megamoe.bench.model
 #                                          --matrix): {no checkpointing, full} x {each layer compiled, whole model} x
 #                                          experts E (default megamoe,grouped_mm and sonicmoe where it imports, one
@@ -147,7 +146,7 @@ fp8)
         kernels) step fp8-kernels 300 "${py[@]}" -m tools.fp8 --preset qwen3-30b-a3b --out "$out/results" || rc=$? ;;
         trace) for preset in qwen3-30b-a3b qwen3-235b-a22b; do
                    step "fp8-trace-$preset" 280 "${py[@]}" -m tools.fp8_trace --preset "$preset" --wide \
-                       --turns --gemms down,dh,dx,up,dw13,dw2 --out "$out/results" || rc=$?
+                       --gemms down,dh,dx,up,dw13,dw2 --out "$out/results" || rc=$?
                done ;;
         30b|235b) preset=$([ "$part" = 30b ] && echo qwen3-30b-a3b || echo qwen3-235b-a22b)
             step "fp8-layer-$part" 590 "${py[@]}" -m megamoe.bench --preset "$preset" --routing random,skewed \

@@ -1,5 +1,7 @@
 """Public API: argument validation, the module, and the benchmark's CPU path."""
 
+import re
+
 import pytest
 import torch
 
@@ -531,8 +533,9 @@ def test_fp8_tool_checks_each_scheduling_variant_bitwise_against_the_layers(monk
     import triton.testing
 
     from megamoe.bench import common
-    from megamoe.kernels import expert_bwd
+    from megamoe.kernels import expert_bwd, gluon_sm90
     from tools import fp8
+    from tools.kernels import ORDERS
 
     if torch.cuda.is_available():
         pytest.skip("the interpreter's run of a GPU tool (on a GPU the tool itself runs)")
@@ -546,20 +549,21 @@ def test_fp8_tool_checks_each_scheduling_variant_bitwise_against_the_layers(monk
     checked = {r["stage"]: r["bitwise_as"] for r in record["stages"] if "bitwise_as" in r}
     assert all(r["bitwise_equal"] for r in record["stages"] if "bitwise_as" in r)
     assert checked["up, products stored"] == "up (+ SwiGLU, h quantised)"
-    assert checked["down"] == checked["down (256 columns, warpgroups' chains in turn)"] == "down (256 columns)"
-    assert checked["dW2 FP8 (256 columns) (4 stages)"] == checked["dW2 FP8"] == "dW2 FP8 (256 columns)"
+    other_order = "dW2 FP8 (256 columns)" + ORDERS[not gluon_sm90.WGRAD_BY_SIZE]
+    assert checked["down"] == "down (256 columns)"
+    assert checked[other_order] == checked["dW2 FP8"] == "dW2 FP8 (256 columns)"
     assert "up (+ SwiGLU, h quantised)" not in checked and "down (256 columns)" not in checked  # the layer's own
     # One variant that writes other bits: named, and the command fails once its record is written
     wgrad = expert_bwd.wgrad_fp8
 
-    def turns_off_by_one(*a, **kw):
+    def other_order_off_by_one(*a, **kw):
         dw = wgrad(*a, **kw)
-        return dw + 1 if a[9:10] == (True,) else dw  # ping_pong, the tenth positional argument
+        return dw + 1 if kw.get("by_size") is not None else dw  # (only the other order's stage passes by_size)
 
-    monkeypatch.setattr(expert_bwd, "wgrad_fp8", turns_off_by_one)
+    monkeypatch.setattr(expert_bwd, "wgrad_fp8", other_order_off_by_one)
     for old in tmp_path.iterdir():
         old.unlink()
-    differs = r"do not write bitwise.*dW2 FP8 \(256 columns\) \(warpgroups' chains in turn\)"
+    differs = r"do not write bitwise.*" + re.escape(other_order)
     with pytest.raises(SystemExit, match=differs):
         fp8.main(args + ["--stages", "dW2 FP8 (256"], device="cpu")
     assert any(tmp_path.iterdir())

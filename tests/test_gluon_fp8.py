@@ -138,14 +138,13 @@ BF16_ROUNDING = 2.0 ** -9
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n,ping_pong", [(128, False), (256, False), (256, True)])
+@pytest.mark.parametrize("block_n", [128, 256])
 @pytest.mark.parametrize("kind", ["random", "exact"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing",
                          GPU_CASES + [(1024, 4, 2, 128, 256, "random")])  # (dh' of one K-step in 256 columns)
-def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind, block_n, ping_pong):
+def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind, block_n):
     """The down projection (h (N, I) x W2 (E, D, I), weighted, to slots) and dh' (dy (N, D) x W2ᵀ as (E, I, D),
-    sorted rows, unweighted), in blocks of 128 columns and of 256 (the GEMMs whose N is a multiple of 256), the
-    latter with the warpgroups' chains at once and in turn."""
+    sorted rows, unweighted), in blocks of 128 columns and of 256 (the GEMMs whose N is a multiple of 256)."""
     from megamoe.kernels.gluon_fp8_sm90 import fp8_rows_gemm_ws
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -166,7 +165,7 @@ def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind
         w_q, w_s = quantize_weights(make_data((num_experts, n_out, k_dim), kind, gen, group_dims=2) / 16)
         out = torch.full((rows, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
         fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, out, plan, weights=weights if weighted else None, to_slots=to_slots,
-                         block_n=block_n, ping_pong=ping_pong)
+                         block_n=block_n)
         torch.cuda.synchronize()
         ref = rows_reference(a_q, a_s, w_q, w_s, offsets)
         if weighted:
@@ -189,10 +188,8 @@ def test_fp8_rows_gemm(num_tokens, num_experts, top_k, dim, inter, routing, kind
 @pytest.mark.parametrize("kind", ["random", "exact"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
 @pytest.mark.parametrize("preact", [False, True])
-@pytest.mark.parametrize("ping_pong", [False, True])
-def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind, preact, ping_pong):
-    """h = silu(x W1gᵀ) * (x W1uᵀ) over the tokens' sorted rows, quantised per row and 128 columns; with the
-    warpgroups' chains at once and in turn."""
+def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind, preact):
+    """h = silu(x W1gᵀ) * (x W1uᵀ) over the tokens' sorted rows, quantised per row and 128 columns."""
     from megamoe.kernels.gluon_fp8_sm90 import fp8_up_swiglu_ws
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -206,7 +203,7 @@ def test_fp8_up_swiglu(num_tokens, num_experts, top_k, dim, inter, routing, kind
     h_q = torch.full((rows, inter), float("nan"), device="cuda").to(torch.float8_e4m3fn)
     h_s = torch.full((inter // GROUP, rows), float("nan"), device="cuda")
     pre = torch.full((rows, 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16) if preact else None
-    fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k, preact=pre, ping_pong=ping_pong)
+    fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, h_q, h_s, plan, top_k, preact=pre)
     torch.cuda.synchronize()
 
     tokens = plan.row_slot_N[:routed].long() // top_k
@@ -272,20 +269,11 @@ def test_fp8_up_products_only_are_the_full_kernels_products(num_tokens, num_expe
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing",
                          GPU_CASES + [(4096, 128, 8, 256, 256, "random")])  # (many blocks per program, 2 K-steps each)
 @pytest.mark.parametrize("block_n", [128, 256])
-@pytest.mark.parametrize("read_ahead,defer_stores,ping_pong,stages",
-                         [(False, False, False, None), (True, False, False, None), (True, True, False, None),
-                          (False, True, False, None), (False, False, True, None), (True, False, True, None),
-                          (True, True, True, None), (False, False, False, 4), (True, True, True, 4)])
-def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n, read_ahead, defer_stores,
-                   ping_pong, stages):
+def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n):
     """The FP8 weight gradients: dW13 = dzᵀ x and dW2 = dyᵀ (h·w) shapes, (N, P) and (N, Q) sorted bf16 rows
     quantised 128x1 per plan tile (``quant.quantize_tile_cols``, bit for bit the reference's on CPU), against the
-    float64 per-expert products of the dequantised operands; experts without rows get zeros. Both block widths,
-    each with its blocks' reads at their turn and a block ahead, its stores at the block's end and deferred and its
-    warpgroups' chains at once and in turn (the latter two the 256-column blocks' only), and the 256-column blocks in
-    a ring of four stages (their stores in 64-column pieces); a width that does not divide Q is refused."""
-    if block_n == 128 and (ping_pong or stages):
-        pytest.skip("turns and a four-stage ring are the 256-column blocks' (turns refused at 128: a CPU test)")
+    float64 per-expert products of the dequantised operands; experts without rows get zeros. Both block widths; a
+    width that does not divide Q is refused."""
     from megamoe import reference
     from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws
     from megamoe.kernels.quant import quantize_tile_cols
@@ -302,10 +290,9 @@ def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n,
         out = torch.full((num_experts, p, q), float("nan"), device="cuda", dtype=torch.bfloat16)
         if q % block_n:
             with pytest.raises(ValueError, match="block_n"):
-                fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n, read_ahead, defer_stores, ping_pong,
-                             stages)
+                fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n)
             continue
-        fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n, read_ahead, defer_stores, ping_pong, stages)
+        fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n)
         torch.cuda.synchronize()
         cpu_offsets = plan.offsets_E1.cpu()
         ref = torch.stack([ae @ be.t() for ae, be in zip(reference.dequantize_tile_cols(aq.cpu(), a_s.cpu(), cpu_offsets),
@@ -350,13 +337,11 @@ def test_fp8_up_swiglu_power_of_two_scales():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["rows128", "rows256", "rows256_turns", "up", "up_turns", "wgrad128", "wgrad256",
-                                    "wgrad256_turns"])
+@pytest.mark.parametrize("kernel", ["rows128", "rows256", "up", "wgrad128", "wgrad256"])
 def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
     """The block trace (``trace=``) changes no output bit, and every program's partitions stamp each of their blocks
     in time order: the sorted-rows kernel in blocks of 128 and 256 columns, the up kernel, the weight gradients in
-    both block widths (an expert without rows among them), the 256-column blocks and the up kernel also with the
-    warpgroups' turns."""
+    both block widths (an expert without rows among them)."""
     from megamoe.kernels import gluon_fp8_sm90 as f
     from megamoe.kernels import gluon_sm90 as g
     from megamoe.kernels.quant import quantize_tile_cols
@@ -371,7 +356,6 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
     busy_tiles = sum(-(-(hi - lo) // 128) for lo, hi in itertools.pairwise(offsets))
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     trace = torch.full((g.trace_size(programs),), -1, device="cuda", dtype=torch.int64)
-    turns = kernel.endswith("_turns")
     outs = []
     if kernel.startswith("rows"):
         block_n = int(kernel[4:7])
@@ -381,7 +365,7 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
         for tr in (None, trace):
             outs.append((torch.zeros(rows, dim, device="cuda", dtype=torch.bfloat16), ))
             f.fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, outs[-1][0], plan, weights=weights, to_slots=True, block_n=block_n,
-                               ping_pong=turns if block_n == 256 else None, trace=tr)
+                               trace=tr)
         num_blocks = busy_tiles * (dim // block_n)
     elif kernel.startswith("wgrad"):  # dW13's shape: (2I, D) per expert
         block_n = int(kernel[5:8])
@@ -389,8 +373,7 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
         b_q, b_s = quantize_tile_cols(make_data((rows, dim), "random", gen).to(torch.bfloat16), plan)
         for tr in (None, trace):
             outs.append((torch.zeros(num_experts, 2 * inter, dim, device="cuda", dtype=torch.bfloat16), ))
-            f.fp8_wgrad_ws(a_q, a_s, b_q, b_s, outs[-1][0], plan.offsets_E1, block_n,
-                           ping_pong=turns if block_n == 256 else None, trace=tr)
+            f.fp8_wgrad_ws(a_q, a_s, b_q, b_s, outs[-1][0], plan.offsets_E1, block_n, trace=tr)
         num_blocks = num_experts * (2 * inter // 128) * (dim // block_n)
     else:
         x_q, x_s = quantize_rows(make_data((num_tokens, dim), "random", gen))
@@ -398,8 +381,7 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
         for tr in (None, trace):
             outs.append((torch.zeros(rows, inter, device="cuda", dtype=torch.float8_e4m3fn),
                          torch.zeros(inter // 128, rows, device="cuda", dtype=torch.float32)))
-            f.fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, *outs[-1], plan, top_k, ping_pong=True if turns else None,
-                               trace=tr)
+            f.fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, *outs[-1], plan, top_k, trace=tr)
         outs = [(h_q.view(torch.uint8), h_s) for h_q, h_s in outs]
         num_blocks = busy_tiles * (inter // 128)
     assert all(map(torch.equal, *outs))
@@ -478,13 +460,6 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "up_any_size": ("fp8_up", dict(sizes_divisible=False)), "wgrad": ("fp8_wgrad", {}),
             "wgrad_any_size": ("fp8_wgrad", dict(sizes_divisible=False)),
             "wide_wgrad": ("fp8_wgrad", dict(block_n=256)),
-            "other_reads_wgrad": ("fp8_wgrad", dict(read_ahead=not f.WGRAD_READ_AHEAD)),
-            "other_reads_wide_wgrad": ("fp8_wgrad", dict(block_n=256, read_ahead=not f.WGRAD_READ_AHEAD)),
-            "other_stores_wide_wgrad": ("fp8_wgrad", dict(block_n=256, defer_stores=not f.WGRAD_DEFER_STORES)),
-            "other_turns_wide_wgrad": ("fp8_wgrad", dict(block_n=256, ping_pong=not f.WGRAD_PING_PONG)),
-            "four_stages_wide_wgrad": ("fp8_wgrad", dict(block_n=256, stages=4)),
-            "other_turns_wide_rows_down": ("fp8_rows", dict(block_n=256, ping_pong=not f.ROWS_PING_PONG)),
-            "other_turns_up_preact": ("fp8_up", dict(preact=True, ping_pong=not f.UP_PING_PONG)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
             "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
             "rows_down_traced": ("fp8_rows", dict(trace=True)), "up_traced": ("fp8_up", dict(trace=True)),
@@ -502,10 +477,9 @@ with ProcessPoolExecutor(os.cpu_count()) as pool:  # compiles side by side, one 
 """
 
 # Register spills allowed per variant (bytes): the sorted-rows kernel's 256-column blocks with their stores deferred
-# under their own chains (two accumulators, the temporary in flight and a half block being stored) ten and four,
-# with the warpgroups' turns or without; the up kernel's traced variant (the stamps' registers; no layer launches it)
-# three.
-_SPILLS_ALLOWED = {"wide_rows_down": 40, "wide_rows_dh": 16, "other_turns_wide_rows_down": 40, "up_traced": 12}
+# under their own chains (two accumulators, the temporary in flight and a half block being stored) ten and four
+# registers; the up kernel's traced variant (the stamps' registers; no layer launches it) three.
+_SPILLS_ALLOWED = {"wide_rows_down": 40, "wide_rows_dh": 16, "up_traced": 12}
 
 
 def test_fp8_kernels_compile_for_sm90a_without_spills():
@@ -578,31 +552,12 @@ def test_wgrad_block_n_defaults_where_it_divides_and_refuses_otherwise():
             f.wgrad_block_n(q, block_n)
 
 
-def test_wgrad_ring_fits_shared_memory_and_refuses_what_does_not():
+def test_rows_block_n_defaults_where_it_divides_and_refuses_otherwise():
     from megamoe.kernels import gluon_fp8_sm90 as f
 
-    assert f.wgrad_ring(128) == (f.WGRAD_STAGES, 128)
-    assert f.wgrad_ring(256, 3) == (3, 128) and f.wgrad_ring(256, 4) == (4, 64)  # (a fourth stage: smaller stores)
-    for block_n, stages in ((256, 5), (128, 7)):
-        with pytest.raises(ValueError, match="does not fit"):
-            f.wgrad_ring(block_n, stages)
-
-
-def test_wide_turns_resolve_defaults_and_refuse_128_columns():
-    from megamoe.kernels import gluon_fp8_sm90 as f
-
-    assert f.wide_turns(256, None, True) is True and f.wide_turns(256, None, False) is False
-    assert f.wide_turns(128, None, True) is False and f.wide_turns(256, False, True) is False
-    with pytest.raises(ValueError, match="block_n=128"):
-        f.wide_turns(128, True, False)
-
-
-def test_rows_pattern_resolves_defaults_and_refuses_what_a_width_lacks():
-    from megamoe.kernels import gluon_fp8_sm90 as f
-
-    assert f.rows_pattern(2048) == (f.ROWS_BLOCK_N, f.ROWS_PING_PONG)
-    assert f.rows_pattern(640) == (128, False)  # (256 does not divide it)
-    assert f.rows_pattern(768, 256, True) == (256, True) and f.rows_pattern(768, 128) == (128, False)
-    for n_out, block_n, ping_pong in ((1024, 128, True), (640, 256, None), (1024, 64, None)):
+    assert f.rows_block_n(2048) == f.ROWS_BLOCK_N
+    assert f.rows_block_n(640) == 128  # (256 does not divide it)
+    assert f.rows_block_n(768, 256) == 256 and f.rows_block_n(768, 128) == 128
+    for n_out, block_n in ((640, 256), (1024, 64), (1024, 512)):
         with pytest.raises(ValueError, match="block_n"):
-            f.rows_pattern(n_out, block_n, ping_pong)
+            f.rows_block_n(n_out, block_n)

@@ -5,17 +5,14 @@ and each quantiser's GB/s.
 Stages (bf16 inputs, the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N,
 D), and the backward's sort of the x and dy rows with and without dy's quantisation fused in (the FP8 path's); the
 weights' quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and
-without the products' store, and the products alone (the backward's recompute), the up kernel also with its
-warpgroups' turns the other way than ``gluon_fp8_sm90.UP_PING_PONG``; down, dh' and dx
+without the products' store, and the products alone (the backward's recompute); down, dh' and dx
 (``expert_fwd.sorted_rows_gemm_fp8``) in blocks of 128 columns and, where N allows, of 256 (``ROWS_BLOCK_N``: the
-"(256 columns)" stages, as the layer runs them, and with the warpgroups' turns the other way than ``ROWS_PING_PONG``).
+"(256 columns)" stages, as the layer runs them).
 Then the weight gradients both ways, to choose ``autograd.FP8_WGRAD``: the 128x1 tile-column quantisation of (N, D),
 (N, 2I) and (N, I) sorted rows (``quant.quantize_tile_cols``; (N, D) also read from the tokens' rows, as x and dy can
 be), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 128 columns, and of 256 where Q
-allows: ``gluon_fp8_sm90.WGRAD_BLOCK_N``; each also with its blocks' reads, stores and warpgroups' turns the ways
-``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES`` and ``WGRAD_PING_PONG`` do not have them, and the 256-column blocks in a
-ring of the other depth, 3 or 4 stages, than ``WGRAD_WIDE_STAGES``; the layer's width also with its blocks in the
-other order than ``gluon_sm90.WGRAD_BY_SIZE``), the bf16 ones the FP8 path runs without them
+allows: ``gluon_fp8_sm90.WGRAD_BLOCK_N``; the layer's width also with its blocks in the other order than
+``gluon_sm90.WGRAD_BY_SIZE``), the bf16 ones the FP8 path runs without them
 (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and the part of the FP8 backward
 that ``FP8_WGRAD`` changes both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy
 quantised into tile columns from the tokens' rows, the act step writing dz's and h·w's tile columns
@@ -26,8 +23,7 @@ dz and h·w. The ceiling beside them: ``torch._scaled_mm`` with one scale per te
 product of each GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each
 kernel reads and writes them once. ``--stages down,dx``: only the stages whose names contain one of these (each first
 call compiles its kernel: the whole table takes minutes on a fresh machine). Each variant that changes only when a
-kernel's instructions run (its warpgroups' turns, its ring's depth, its stores and reads, its blocks' width and order)
-is checked to write bitwise what the layer's own variant of that GEMM writes, where both write (column "same"; a
+kernel's instructions run (its blocks' width and order; the up kernel's products stored beside h) is checked to write bitwise what the layer's own variant of that GEMM writes, where both write (column "same"; a
 variant that differs is named at the end and the command exits with 1 after writing its record). Prints a table and
 writes JSON (GPU, versions, date, commit, command) if ``--out`` is given, the routing named in its name where it is
 not random.
@@ -36,7 +32,6 @@ not random.
 from __future__ import annotations
 
 import argparse
-import itertools
 import shlex
 import sys
 from pathlib import Path
@@ -139,22 +134,16 @@ def main(argv=None, device: str = "cuda") -> None:
         expert_bwd.expert_wgrad(dy_sorted_, hw_, plan, torch.bfloat16)
         expert_bwd.expert_wgrad_and_combine(dz_, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
 
-    def rows_gemm(kernel, a, a_s, w, w_s, wts, block_n=128, ping_pong=None):
+    def rows_gemm(kernel, a, a_s, w, w_s, wts, block_n=128):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
-                                                       block_n=block_n, ping_pong=ping_pong)
+                                                       block_n=block_n)
 
-    def up(preact_NH=None, ping_pong=None):
-        return lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k, preact_NH=preact_NH,
-                                                ping_pong=ping_pong)
-
-    other_turns = not gluon_fp8_sm90.UP_PING_PONG
-    up_turns = " (warpgroups' chains " + ("in turn)" if other_turns else "at once)")
+    def up(preact_NH=None):
+        return lambda: expert_fwd.up_swiglu_fp8(xq, xs, w13q, w13s, plan, top_k, preact_NH=preact_NH)
 
     # The variants checked bitwise against the layer's own variant of their GEMM: stage → (that stage, the part of the
-    # outputs that both write). The layer's up kernel takes its turns as UP_PING_PONG.
-    up_layer = "up (+ SwiGLU, h quantised)"
-    twins = {name: (up_layer, lambda out: (out[0][:rows], out[1][:, :rows]))
-             for name in ("up" + up_turns, "up, products stored", "up, products stored" + up_turns)}
+    # outputs that both write).
+    twins = {"up, products stored": ("up (+ SwiGLU, h quantised)", lambda out: (out[0][:rows], out[1][:, :rows]))}
     kept_slots = idx.reshape(-1) >= 0  # the rows down writes (to slots); dh' and dx write the first `rows`
 
     up_flops, down_flops = 2 * rows * dim * 2 * inter, 2 * rows * dim * inter
@@ -173,8 +162,6 @@ def main(argv=None, device: str = "cuda") -> None:
          (w13.numel() + w2.numel()) * 4 + (w13s.numel() + w2s.numel()) * 8, None),
         ("up (+ SwiGLU, h quantised)", up(), up_flops, None, (rows, 2 * inter, dim)),
         ("up, products stored", up(preact), up_flops, None, (rows, 2 * inter, dim)),
-        ("up" + up_turns, up(ping_pong=other_turns), up_flops, None, (rows, 2 * inter, dim)),
-        ("up, products stored" + up_turns, up(preact, other_turns), up_flops, None, (rows, 2 * inter, dim)),
         ("up, products only (the backward's recompute)",
          lambda: expert_fwd.up_products_fp8(xq, xs, w13q, w13s, plan, top_k, preact), up_flops, None,
          (rows, 2 * inter, dim)),
@@ -184,13 +171,10 @@ def main(argv=None, device: str = "cuda") -> None:
                   ("dx", (expert_bwd.DX_FP8, dzq, dzs, w13tq, w13ts, None), up_flops, (rows, dim, 2 * inter)))
     for name, operands, flops, dense in rows_gemms:
         stages.append((name, rows_gemm(*operands), flops, None, dense))
-        if operands[3].shape[1] % 256 == 0:  # as the layer runs them, and with the warpgroups' turns the other way
-            other = " (256 columns, warpgroups' chains " + ("at once)" if gluon_fp8_sm90.ROWS_PING_PONG else "in turn)")
-            stages += [(name + " (256 columns)", rows_gemm(*operands, block_n=256), flops, None, dense),
-                       (name + other, rows_gemm(*operands, block_n=256, ping_pong=not gluon_fp8_sm90.ROWS_PING_PONG),
-                        flops, None, dense)]
-        # the layer's variant (gluon_fp8_sm90.rows_pattern: the 256-column stage runs the defaults at that width)
-        layer = name + (" (256 columns)" if gluon_fp8_sm90.rows_pattern(operands[3].shape[1])[0] == 256 else "")
+        if operands[3].shape[1] % 256 == 0:
+            stages.append((name + " (256 columns)", rows_gemm(*operands, block_n=256), flops, None, dense))
+        # the layer's variant (gluon_fp8_sm90.rows_block_n)
+        layer = name + (" (256 columns)" if gluon_fp8_sm90.rows_block_n(operands[3].shape[1]) == 256 else "")
         view = (lambda out: out[kept_slots]) if name == "down" else (lambda out: out[:rows])
         twins.update({stage[0]: (layer, view) for stage in stages
                       if stage[0].split(" (")[0] == name and stage[0] != layer})
@@ -214,37 +198,18 @@ def main(argv=None, device: str = "cuda") -> None:
     ]
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
-    # each weight gradient also with its blocks' reads, and at 256 columns its stores and turns, the ways the defaults
-    # do not have them
-    read_ahead, defer = gluon_fp8_sm90.WGRAD_READ_AHEAD, gluon_fp8_sm90.WGRAD_DEFER_STORES
-    ping_pong = gluon_fp8_sm90.WGRAD_PING_PONG
-    reads = {True: " (rows read a block ahead)", False: " (rows read at each block)"}
-    stores = {True: " (right half stored under the next block)", False: " (right half stored at its block's end)"}
-    turns = {True: " (warpgroups' chains in turn)", False: " (warpgroups' chains at once)"}
-    for name, a, b, flops, dense in wgrad_gemms:
+    for name, a, b, flops, dense in wgrad_gemms:  # in blocks of 128 and 256 columns; the layer's also in the other order
         for block_n in (128, 256):
             if b[0].shape[0] % block_n:
                 continue
-            wide = block_n == 256
-            base = name + " FP8" + (" (256 columns)" if wide else "")
-            for ra, df, pp in itertools.product((read_ahead, not read_ahead), (defer, not defer) if wide else (defer,),
-                                                (ping_pong, not ping_pong) if wide else (None,)):
-                variant = ((reads[ra] if ra != read_ahead else "") + (stores[df] if df != defer else "")
-                           + (turns[pp] if wide and pp != ping_pong else ""))
-                stages.append((base + variant,
-                               lambda a=a, b=b, block_n=block_n, ra=ra, df=df, pp=pp: expert_bwd.wgrad_fp8(
-                                   *a, *b, plan, torch.bfloat16, block_n, ra, df, pp), flops, None, dense))
-            if block_n == gluon_fp8_sm90.wgrad_block_n(b[0].shape[0]):  # the layer's width, blocks in the other order
+            base = name + " FP8" + (" (256 columns)" if block_n == 256 else "")
+            stages.append((base, lambda a=a, b=b, block_n=block_n: expert_bwd.wgrad_fp8(
+                *a, *b, plan, torch.bfloat16, block_n), flops, None, dense))
+            if block_n == gluon_fp8_sm90.wgrad_block_n(b[0].shape[0]):
                 by_size = not gluon_sm90.WGRAD_BY_SIZE
                 stages.append((base + ORDERS[by_size],
                                lambda a=a, b=b, block_n=block_n, by_size=by_size: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, by_size=by_size), flops, None, dense))
-            if wide:  # the other ring of 3 or 4 stages (gluon_fp8_sm90.wgrad_ring), the turns both ways
-                ring = 4 if gluon_fp8_sm90.WGRAD_WIDE_STAGES == 3 else 3
-                for pp in (ping_pong, not ping_pong):
-                    stages.append((f"{base} ({ring} stages)" + (turns[pp] if pp != ping_pong else ""),
-                                   lambda a=a, b=b, pp=pp, ring=ring: expert_bwd.wgrad_fp8(
-                                       *a, *b, plan, torch.bfloat16, 256, None, None, pp, ring), flops, None, dense))
     for name, _, b, _, _ in wgrad_gemms:  # every FP8 variant of a weight gradient against the layer's width and order
         wide = gluon_fp8_sm90.wgrad_block_n(b[0].shape[0]) == 256
         layer = name + " FP8" + (" (256 columns)" if wide else "")

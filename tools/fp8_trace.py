@@ -1,7 +1,6 @@
 """Where the FP8 GEMMs' blocks spend their time (an sm90 GPU):
 
-    python -m tools.fp8_trace [--preset P] [--tokens T] [--gemms down,dh,dx,up,dw13,dw2] [--wide] [--turns]
-                              [--out DIR]
+    python -m tools.fp8_trace [--preset P] [--tokens T] [--gemms down,dh,dx,up,dw13,dw2] [--wide] [--out DIR]
 
 Runs each GEMM of the FP8 path's sorted-rows kernel (``gluon_fp8_sm90.fp8_rows_gemm_ws``: down, dh', dx) and, with
 ``up`` in ``--gemms``, its gate/up kernel (``fp8_up_swiglu_ws``, h quantised; its epilogue between the main loop's end
@@ -11,9 +10,7 @@ columns, on random sorted rows quantised 128x1), on the layer benchmark's proble
 ``gluon_sm90.TRACE_BLOCKS``), checks that the traced output is bitwise the untraced one, and reports per MMA
 warpgroup the medians per block (us) of the phases of ``tools.block_trace.PHASES`` and the main loops' share of its
 time. The sorted-rows GEMMs run in blocks of 128 columns; ``--wide`` also in blocks of 256 (``block_n``, where N is
-a multiple of 256); ``--turns`` each 256-column block and the up kernel also with the MMA warpgroups' turns the other
-way than ``ROWS_PING_PONG``, ``UP_PING_PONG`` or ``WGRAD_PING_PONG`` (in turn, warpgroup 1's blocks start about a
-chain after warpgroup 0's: "drift"). The stamps cost a few percent of the kernel's time: the phases say where the
+a multiple of 256). The stamps cost a few percent of the kernel's time: the phases say where the
 time goes, not the exact time. Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit,
 command): ``fp8-block-trace-PRESET-tTOKENS.json``, the GEMMs named after it when they are not the default three.
 """
@@ -48,9 +45,6 @@ def main(argv=None) -> None:
     p.add_argument("--gemms", type=lambda s: s.split(","), default=DEFAULT_GEMMS,
                    help="comma-separated, from down, dh (dh'), dx, up, dw13, dw2")
     p.add_argument("--wide", action="store_true", help="also blocks of 256 columns (fp8_rows_gemm_ws's block_n)")
-    p.add_argument("--turns", action="store_true",
-                   help="256-column blocks and the up kernel also with the warpgroups' turns the other way "
-                        "(ROWS_PING_PONG, UP_PING_PONG, WGRAD_PING_PONG)")
     p.add_argument("--out", type=Path, help="folder for the JSON record")
     args = p.parse_args(argv)
     if unknown := set(args.gemms) - {"down", "dh", "dx", "up", "dw13", "dw2"}:
@@ -75,12 +69,9 @@ def main(argv=None) -> None:
     }
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     trace = torch.empty(gluon_sm90.trace_size(programs), device="cuda", dtype=torch.int64)
-    # (block columns, turns) of the sorted-rows kernel: 128 columns first (issue-ahead: the "issue-ahead" column)
-    patterns = [(128, False)]
-    if args.wide:
-        patterns += [(256, gluon_fp8_sm90.ROWS_PING_PONG)] + ([(256, not gluon_fp8_sm90.ROWS_PING_PONG)] if args.turns
-                                                              else [])
-    # (GEMM, block columns, issue-ahead, stores deferred, turns, its launch (traced or not) -> its outputs, FLOPs)
+    # the sorted-rows kernel's block columns: 128 first (issue-ahead: the "issue-ahead" column)
+    widths = [128, 256] if args.wide else [128]
+    # (GEMM, block columns, issue-ahead, stores deferred, its launch (traced or not) -> its outputs, FLOPs)
     variants = []
     for name in args.gemms:
         if name in ("dw13", "dw2"):  # dW13 = dzᵀ x, dW2 = dyᵀ (h·w), the sorted rows' tile columns
@@ -88,45 +79,39 @@ def main(argv=None) -> None:
             a_t, b_t = (quant.quantize_tile_cols(torch.randn(rows, c, device="cuda", dtype=torch.bfloat16), plan)
                         for c in (p_dim, q_dim))
             block_n = gluon_fp8_sm90.wgrad_block_n(q_dim)
-            wgrad_patterns = [(block_n, gluon_fp8_sm90.wide_turns(block_n, None, gluon_fp8_sm90.WGRAD_PING_PONG))]
-            if args.turns and block_n == 256:
-                wgrad_patterns.append((256, not wgrad_patterns[0][1]))
-            for block_n, turns in wgrad_patterns:
-                def run(traced, a_t=a_t, b_t=b_t, p_dim=p_dim, q_dim=q_dim, block_n=block_n, turns=turns):
-                    out = torch.empty(num_experts, p_dim, q_dim, device="cuda", dtype=torch.bfloat16)
-                    gluon_fp8_sm90.fp8_wgrad_ws(*a_t, *b_t, out, plan.offsets_E1, block_n, ping_pong=turns,
-                                                trace=trace if traced else None)
-                    return (out, )
-                variants.append((name, block_n, block_n == 128, gluon_fp8_sm90.WGRAD_DEFER_STORES, turns, run,
-                                 2 * rows * p_dim * q_dim))
+
+            def run(traced, a_t=a_t, b_t=b_t, p_dim=p_dim, q_dim=q_dim, block_n=block_n):
+                out = torch.empty(num_experts, p_dim, q_dim, device="cuda", dtype=torch.bfloat16)
+                gluon_fp8_sm90.fp8_wgrad_ws(*a_t, *b_t, out, plan.offsets_E1, block_n,
+                                            trace=trace if traced else None)
+                return (out, )
+            variants.append((name, block_n, block_n == 128, False, run, 2 * rows * p_dim * q_dim))
             continue
         if name == "up":
-            up_turns = [gluon_fp8_sm90.UP_PING_PONG] + ([not gluon_fp8_sm90.UP_PING_PONG] if args.turns else [])
-            for turns in up_turns:
-                def run(traced, turns=turns):
-                    h_q = torch.zeros(rows, inter, device="cuda", dtype=torch.float8_e4m3fn)
-                    h_s = torch.zeros(inter // 128, rows, device="cuda", dtype=torch.float32)
-                    gluon_fp8_sm90.fp8_up_swiglu_ws(xq, xs, w13q, w13s, h_q, h_s, plan, top_k, ping_pong=turns,
-                                                    trace=trace if traced else None)
-                    return h_q.view(torch.uint8), h_s
-                variants.append((name, 128, False, False, turns, run, 4 * rows * dim * inter))
+            def run(traced):
+                h_q = torch.zeros(rows, inter, device="cuda", dtype=torch.float8_e4m3fn)
+                h_s = torch.zeros(inter // 128, rows, device="cuda", dtype=torch.float32)
+                gluon_fp8_sm90.fp8_up_swiglu_ws(xq, xs, w13q, w13s, h_q, h_s, plan, top_k,
+                                                trace=trace if traced else None)
+                return h_q.view(torch.uint8), h_s
+            variants.append((name, 128, False, False, run, 4 * rows * dim * inter))
             continue
         a, a_s, w, w_s, wts, to_slots, flops = gemms[name]
-        for block_n, turns in patterns:
+        for block_n in widths:
             if w.shape[1] % block_n:
                 continue
 
-            def run(traced, a=a, a_s=a_s, w=w, w_s=w_s, wts=wts, to_slots=to_slots, block_n=block_n, turns=turns):
+            def run(traced, a=a, a_s=a_s, w=w, w_s=w_s, wts=wts, to_slots=to_slots, block_n=block_n):
                 out = torch.empty(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
                 gluon_fp8_sm90.fp8_rows_gemm_ws(a, a_s, w, w_s, out, plan, weights=wts, to_slots=to_slots,
-                                                block_n=block_n, ping_pong=turns, trace=trace if traced else None)
+                                                block_n=block_n, trace=trace if traced else None)
                 return (out, )
-            variants.append((name, block_n, block_n == 128, True, turns, run, flops))
+            variants.append((name, block_n, block_n == 128, True, run, flops))
     results = []
     print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (medians per block, us)")
-    print(f"{'GEMM':5s} {'cols':>4s} {'issue-ahead':>11s} {'deferred':>8s} {'turns':>5s} {'us':>7s} {'traced':>7s} "
+    print(f"{'GEMM':5s} {'cols':>4s} {'issue-ahead':>11s} {'deferred':>8s} {'us':>7s} {'traced':>7s} "
           f"{'TF/s':>5s}  wg " + " ".join(f"{k:>7s}" for k in COLUMNS))
-    for name, block_n, issue_ahead, defer, turns, run, flops in variants:
+    for name, block_n, issue_ahead, defer, run, flops in variants:
         plain_ms = do_bench(lambda run=run: run(False), warmup=25, rep=300)
         traced_ms = do_bench(lambda run=run: run(True), warmup=25, rep=300)
         trace.fill_(-1)
@@ -134,10 +119,10 @@ def main(argv=None) -> None:
             raise SystemExit(f"{name}: the traced kernel's output differs from the untraced one's")
         phases = block_phases(trace.cpu(), programs)
         results.append({"gemm": name, "block_n": block_n, "issue_ahead": issue_ahead, "defer_epilogue": defer,
-                        "ping_pong": turns, "ms": plain_ms, "traced_ms": traced_ms, "tflops": flops / plain_ms / 1e9,
+                        "ms": plain_ms, "traced_ms": traced_ms, "tflops": flops / plain_ms / 1e9,
                         "phases": phases})
         for wg, ph in phases.items():
-            print(f"{name:5s} {block_n:4d} {issue_ahead!s:>11s} {defer!s:>8s} {turns!s:>5s} {plain_ms * 1e3:7.1f} "
+            print(f"{name:5s} {block_n:4d} {issue_ahead!s:>11s} {defer!s:>8s} {plain_ms * 1e3:7.1f} "
                   f"{traced_ms * 1e3:7.1f} {flops / plain_ms / 1e9:5.0f}  {wg[-1]}  "
                   + " ".join(f"{ph[k]:7.2f}" for k in COLUMNS))
     if args.out:

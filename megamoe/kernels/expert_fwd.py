@@ -253,19 +253,18 @@ def _launch_up(kernel: TunedKernel, x_TD, w13_EHD, h_NI, plan: Plan, top_k: int,
     )
 
 
-def up_swiglu_fp8(xq_TD, xs, w13q_EHD, w13s, plan: Plan, top_k: int, preact_NH: torch.Tensor | None = None, *,
-                  ping_pong: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def up_swiglu_fp8(xq_TD, xs, w13q_EHD, w13s, plan: Plan, top_k: int,
+                  preact_NH: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The up kernel on blockwise FP8 operands (``kernels.quant``: x (T, D) e4m3 with its (D/128, T) scales, w13
     (E, 2I, D) e4m3 with its (E, 2I/128, D/128) block scales): (h (N, I) e4m3, its (I/128, N) scales), sorted rows
-    (rows past the routed count are not written). ``preact_NH``: as for ``up_swiglu_fwd``; ``ping_pong``: the Gluon
-    kernel's turns (``gluon_fp8_sm90.fp8_up_swiglu_ws``)."""
+    (rows past the routed count are not written). ``preact_NH``: as for ``up_swiglu_fwd``."""
     num_slots, inter = plan.row_slot_N.numel(), w13q_EHD.shape[1] // 2
     h_NI = torch.empty(num_slots, inter, device=xq_TD.device, dtype=xq_TD.dtype)
     h_s = torch.empty(inter // 128, num_slots, device=xq_TD.device, dtype=torch.float32)
     if num_slots == 0:
         return h_NI, h_s
     if fp8_ws_supported(xq_TD, torch.bfloat16 if preact_NH is None else preact_NH.dtype):
-        fp8_up_swiglu_ws(xq_TD, xs, w13q_EHD, w13s, h_NI, h_s, plan, top_k, preact=preact_NH, ping_pong=ping_pong)
+        fp8_up_swiglu_ws(xq_TD, xs, w13q_EHD, w13s, h_NI, h_s, plan, top_k, preact=preact_NH)
     else:
         _launch_up(UP_FP8, xq_TD, w13q_EHD, h_NI, plan, top_k, preact_NH, xs, w13s, h_s)
     return h_NI, h_s
@@ -320,13 +319,13 @@ def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
 
 
 def sorted_rows_gemm_fp8(kernel: TunedKernel, a_NK, a_s, w_E, w_s, weights_N, plan: Plan, out_dtype: torch.dtype, *,
-                         block_n: int | None = None, ping_pong: bool | None = None,
+                         block_n: int | None = None,
                          dest: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``sorted_rows_gemm`` of a SCALED ``kernel`` (DOWN_FP8, DH_FP8 or DX_FP8) on blockwise FP8 operands: a (N, K)
     e4m3 sorted rows with their (K/128, N) scales, w (E, n_out, K) e4m3 with its (E, n_out/128, K/128) block scales;
     the output in ``out_dtype``. On sm90 with a bf16 output through the warp-specialized Gluon kernel
     (``gluon_fp8_sm90``), which ``kernel``'s constants configure (weighted, to slot rows), in blocks of ``block_n``
-    columns, its warpgroups' turns ``ping_pong`` (each None: the kernel's default, ``gluon_fp8_sm90.fp8_rows_gemm_ws``).
+    columns (None: the kernel's default, ``gluon_fp8_sm90.fp8_rows_gemm_ws``).
     ``dest``: as for ``sorted_rows_gemm`` (DOWN_FP8, DX_FP8; ``base`` in ``out_dtype``)."""
     num_slots, n_out = a_NK.shape[0], w_E.shape[1]
     if not (num_slots and fp8_ws_supported(a_NK, out_dtype)):
@@ -335,7 +334,7 @@ def sorted_rows_gemm_fp8(kernel: TunedKernel, a_NK, a_s, w_E, w_s, weights_N, pl
     out = torch.empty(num_slots, n_out, device=a_NK.device, dtype=out_dtype) if dest is None else dest[0]
     fp8_rows_gemm_ws(a_NK, a_s, w_E, w_s, out, plan, weights=None if weights_N is None else weights_N.float(),
                      to_slots=kernel.constants["TO_SLOTS"], row_dest=None if dest is None else dest[1],
-                     block_n=block_n, ping_pong=ping_pong)
+                     block_n=block_n)
     return out
 
 

@@ -20,9 +20,9 @@ partitions of their own (64 rows each), each with its own arrival on the ring's 
 hold both warpgroups in phase, both promoting while the tensor cores idle. Split, each warpgroup runs
 MMA -> wait -> promote at its own pace; while one promotes, the other's MMA has the tensor cores, so the
 promotion can hide under the other warpgroup's MMA. Nothing holds them out of phase, though: a stage that
-arrives late releases both at once. With the turns (``ROWS_PING_PONG``, ``UP_PING_PONG``, ``WGRAD_PING_PONG``:
-``gluon_fp8_sm90_details.common.wait_turn``) the second warpgroup issues each K-step's first chain only once
-the first's has finished, which keeps them a chain apart.
+arrives late releases both at once. Holding them a chain apart (the second warpgroup issuing each K-step's
+first chain once the first's had finished) was measured and did not help: the main loops took as long
+(docs/PERFORMANCE.md, "The warpgroups in turn").
 
 Partitions of each kernel:
 
@@ -106,32 +106,16 @@ UP_LOADER_REGS = 72  # 8 gathered 16-byte chunks per thread and step: pointers a
 ROWS_BLOCK_N = 256
 ROWS_WIDE_STAGES = 4
 SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory per block on the H200 (sm_90)
-# Whether, in a 256-column block, the sorted-rows kernel's second warpgroup issues each K-step's first MMA chain once
-# the first warpgroup's has finished (``common.wait_turn``), so that each warpgroup's promotions run under the other's
-# chains; in phase, both promote at once while the tensor cores idle.
-ROWS_PING_PONG = False
-# The same turns for the up kernel's gate and up chains (``up._up_mma_partition``).
-UP_PING_PONG = False
 # The FP8 weight-gradient kernel's ring: 33 KB per stage (A, B and their scales) beside each MMA warpgroup's 16 KB store
 # buffer: 5 x 33 + 32 = 197 KB. Its block width where Q is a multiple of it (else 128): 256 runs a block as two column
 # halves of 128 (``_wgrad_main_wide``, no issue-ahead) in WGRAD_WIDE_STAGES stages of 49.5 KB (B's block 32 KB, B's
-# scales 1 KB): 3 x 49.5 + 32 = 181 KB (a fourth stage fits beside store buffers of 64 columns, 16 KB in all:
-# ``wgrad_ring``, 214 KB). A block's K-steps are its expert's plan tiles, ~8 at 16 384 tokens and top-8 of 128 experts:
-# its fixed cost (the start, the last promotion, the stores) is paid once per twice the MMAs.
+# scales 1 KB): 3 x 49.5 + 32 = 181 KB. A block's K-steps are its expert's plan tiles, ~8 at 16 384 tokens and top-8
+# of 128 experts: its fixed cost (the start, the last promotion, the stores) is paid once per twice the MMAs. Measured
+# and removed (docs/PERFORMANCE.md): a fourth stage at 256 columns (2-10% slower), the blocks' expert rows read a
+# block ahead and their right halves stored under the next block (within the runs' movement at 256 columns).
 WGRAD_STAGES = 5
 WGRAD_BLOCK_N = 256
 WGRAD_WIDE_STAGES = 3
-# Whether the weight-gradient kernel's warpgroups read each block's expert rows a block ahead (else at the block's
-# start), and whether they store a 256-column block's right half under the next block's first MMA (else at the
-# block's end) (``wgrad._wgrad_mma_partition``): a block's fixed cost, ~1.2 K-steps' time by the kernel's rates at
-# 4 096-65 536 tokens, is paid with the tensor cores idle. Measured on the H200 (``python -m tools.fp8 --stages
-# dW13,dW2``, docs/PERFORMANCE.md): the reads ahead make 128-column blocks 2-9% faster; both together make the
-# 256-column blocks (the layers' width) up to 9% slower; the reads ahead alone at 256 columns are not timed yet.
-WGRAD_READ_AHEAD = False
-WGRAD_DEFER_STORES = False
-# The same turns for the weight-gradient kernel's 256-column blocks (``common.wait_turn``), whose promotion (an outer
-# product of scales and an FMA per accumulator element) takes about half a chain's MMA time.
-WGRAD_PING_PONG = False
 # The FP8 weight gradients' act step (``act.act_tile_cols_kernel``): rows per block of its first pass, and warps.
 ACT_BM = 16
 ACT_WARPS = 8
@@ -167,7 +151,7 @@ def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
 def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                      plan, *, weights: torch.Tensor | None = None, to_slots: bool = False,
                      row_dest: torch.Tensor | None = None, block_n: int | None = None,
-                     ping_pong: bool | None = None, trace: torch.Tensor | None = None) -> None:
+                     trace: torch.Tensor | None = None) -> None:
     """out (M, N) bf16 = the blockwise-dequantised a (M, K) in sorted rows times each row's expert weight
     w[e] (E, N, K)ᵀ, through ``rows_ws_kernel``; row r into row ``plan.row_slot_N[r]`` if ``to_slots``, else
     r; times ``weights[row_slot[r]]`` (fp32, (M,) by slot) if given. Only the plan's routed rows are written.
@@ -177,8 +161,7 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     ``block_n``: the block's columns, 128 or 256 (N a multiple of it; None: ``ROWS_BLOCK_N`` where N is a multiple
     of it, else 128). At 128 columns each warpgroup issues the next K-block's MMA before promoting the last, and a
     block's stores run under the warpgroup's next block's first MMA. 256 columns run without issue-ahead, their stores
-    under the block's own chains (``rows._rows_main_wide``), the two warpgroups' chains in turn or at once
-    (``ping_pong``; None: ``ROWS_PING_PONG``).
+    under the block's own chains (``rows._rows_main_wide``).
     ``trace``: the block trace (``gluon_sm90.trace_args``, ``TRACE_BLOCKS``; untraced launches compile without its
     stamps).
 
@@ -193,50 +176,37 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     assert out.dtype == torch.bfloat16 and BLOCK_M == FP8_BM and out.data_ptr() % 16 == 0
     assert out.shape == (num_rows, n_out) if row_dest is None else (row_dest.dtype == torch.int64 and to_slots
                                                                      and row_dest.numel() >= num_rows)
-    block_n, ping_pong = rows_pattern(n_out, block_n, ping_pong)
+    block_n = rows_block_n(n_out, block_n)
     rows_ws_kernel[(sm_count(a_q.device.index),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), w_desc=_fp8_desc(w_q, [1, block_n, FP8_BK]), a_s_ptr=a_s,
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
         row_dest_ptr=row_dest if row_dest is not None else plan.row_slot_N, offsets_ptr=plan.offsets_E1,
         tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, M=num_rows, N_OUT=n_out, K=k_dim,
         E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, WEIGHTED=weights is not None,
-        TO_SLOTS=to_slots, PING_PONG=ping_pong, **trace_args(trace, out),
+        TO_SLOTS=to_slots, **trace_args(trace, out),
         STAGES=ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
-def rows_pattern(n_out: int, block_n: int | None = None, ping_pong: bool | None = None) -> tuple[int, bool]:
-    """The sorted-rows kernel's (block_n, ping_pong) for N = ``n_out``, the Nones resolved as ``fp8_rows_gemm_ws``
-    says; raises ValueError for a width N is not a multiple of, or turns at 128 columns."""
+def rows_block_n(n_out: int, block_n: int | None = None) -> int:
+    """The sorted-rows kernel's block width for N = ``n_out``: ``block_n`` (128 or 256, a divisor of N) if given, else
+    ``ROWS_BLOCK_N`` where it divides N, else 128; raises ValueError for a width N is not a multiple of."""
     if block_n is None:
         block_n = ROWS_BLOCK_N if n_out % ROWS_BLOCK_N == 0 else FP8_BN
     if block_n not in (FP8_BN, 2 * FP8_BN) or n_out % block_n:
         raise ValueError(f"block_n={block_n}: the FP8 sorted-rows kernel's blocks are 128 or 256 columns, and N "
                          f"({n_out}) must be a multiple of it")
-    return block_n, wide_turns(block_n, ping_pong, ROWS_PING_PONG)
-
-
-def wide_turns(block_n: int, ping_pong: bool | None, default: bool) -> bool:
-    """The sorted-rows or weight-gradient kernel's turns at ``block_n`` columns: ``ping_pong``, None resolved as
-    ``default`` (``ROWS_PING_PONG``, ``WGRAD_PING_PONG``) at 256 columns and off at 128; ValueError for turns at
-    128 (there each warpgroup issues its next chain before it promotes, so no promotion is left to hide)."""
-    if block_n == FP8_BN:
-        if ping_pong:
-            raise ValueError("block_n=128 runs without turns (each warpgroup's next chain runs under its promotion)")
-        return False
-    return default if ping_pong is None else ping_pong
+    return block_n
 
 
 def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
                      h_q: torch.Tensor | None, h_s: torch.Tensor | None, plan, top_k: int,
-                     preact: torch.Tensor | None = None, *, ping_pong: bool | None = None,
-                     trace: torch.Tensor | None = None) -> None:
+                     preact: torch.Tensor | None = None, *, trace: torch.Tensor | None = None) -> None:
     """h = silu(x W1gᵀ) * (x W1uᵀ) for the plan's sorted rows (row r: token ``row_slot[r] // top_k``), blockwise
     dequantised operands, through ``up_ws_kernel``; quantised per row and 128 columns into h_q (N, I)
     float8_e4m3fn and h_s (I // 128, N) fp32; with ``preact`` (N, 2I) bf16 also g and u (h_q and h_s None:
-    only those). Only the routed rows are written. ``ping_pong``: the MMA warpgroups' turns (None:
-    ``UP_PING_PONG``); ``trace``: as for ``fp8_rows_gemm_ws`` (the same points: the epilogue, SwiGLU and h's
-    quantisation with its stores, lies between points 2 and 3).
+    only those). Only the routed rows are written. ``trace``: as for ``fp8_rows_gemm_ws`` (the same points: the
+    epilogue, SwiGLU and h's quantisation with its stores, lies between points 2 and 3).
 
     x_q (T, D) float8_e4m3fn, x_s (D // 128, T) fp32, w13_q (E, 2I, D) float8_e4m3fn (gate rows then up
     rows), w13_s (E, 2I // 128, D // 128) fp32, all contiguous; D and I multiples of 128; an sm90 GPU."""
@@ -258,7 +228,7 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, top_k=top_k,
         EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None, H_OUT=h_out,
-        PING_PONG=UP_PING_PONG if ping_pong is None else ping_pong, POW2=fp8_pow2_scales(), **trace_args(trace, x_s),
+        POW2=fp8_pow2_scales(), **trace_args(trace, x_s),
         STAGES=UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS, MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS,
         num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
@@ -273,44 +243,16 @@ def wgrad_block_n(q: int, block_n: int | None = None) -> int:
     return block_n
 
 
-def wgrad_ring(block_n: int, stages: int | None = None) -> tuple[int, int]:
-    """The FP8 weight-gradient kernel's ring at ``block_n`` columns: (its stages, the columns of each MMA
-    warpgroup's store buffer). ``stages`` None: ``WGRAD_STAGES`` or ``WGRAD_WIDE_STAGES``. At 256 columns a fourth
-    stage fits beside store buffers of 64 columns (8 KB each, a 128-column half stored in two TMA stores); a ring
-    that does not fit in shared memory is refused (ValueError)."""
-    stages = (WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES) if stages is None else stages
-    stage_bytes = FP8_BM * FP8_BK + block_n * FP8_BK + (FP8_BM + block_n) * 4  # A, B (e4m3) and their fp32 scales
-    budget = SHARED_MEMORY_LIMIT - 1024  # (room for the barriers)
-    for store_cols in (FP8_BN, FP8_BN // 2):
-        if stages * stage_bytes + 2 * (FP8_BM // 2) * store_cols * 2 <= budget:
-            return stages, store_cols
-    raise ValueError(f"an FP8 weight-gradient ring of {stages} stages of {stage_bytes} bytes at block_n={block_n} "
-                     f"does not fit in {budget} bytes of shared memory")
-
-
-def wgrad_pattern(block_n: int, read_ahead: bool | None = None, defer_stores: bool | None = None,
-                  ping_pong: bool | None = None, stages: int | None = None) -> tuple[dict, int]:
-    """The weight-gradient kernel's schedule at ``block_n`` columns, the Nones resolved as ``fp8_wgrad_ws`` says: its
-    constexprs (READ_AHEAD, DEFER, PING_PONG, STAGES) and the columns of each MMA warpgroup's store (``wgrad_ring``)."""
-    stages, store_cols = wgrad_ring(block_n, stages)
-    return {"READ_AHEAD": WGRAD_READ_AHEAD if read_ahead is None else read_ahead,
-            "DEFER": WGRAD_DEFER_STORES if defer_stores is None else defer_stores,
-            "PING_PONG": wide_turns(block_n, ping_pong, WGRAD_PING_PONG), "STAGES": stages}, store_cols
-
-
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
-                 offsets: torch.Tensor, block_n: int | None = None, read_ahead: bool | None = None,
-                 defer_stores: bool | None = None, ping_pong: bool | None = None, stages: int | None = None, *,
-                 by_size: bool | None = None, trace: torch.Tensor | None = None) -> None:
+                 offsets: torch.Tensor, block_n: int | None = None, *, by_size: bool | None = None,
+                 trace: torch.Tensor | None = None) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``wgrad_ws_kernel``; an expert without rows gets zeros.
 
     a_q (P, NT * 128) and b_q (Q, NT * 128) float8_e4m3fn, a_s (NT, P) and b_s (NT, Q) fp32: the sorted rows in tile
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
     multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``block_n``: the output block's
-    width (``wgrad_block_n``); ``read_ahead``, ``defer_stores``: the blocks' reads and stores (None:
-    ``WGRAD_READ_AHEAD``, ``WGRAD_DEFER_STORES``); ``ping_pong``: the warpgroups' turns (``wide_turns``); ``stages``:
-    the ring's (``wgrad_ring``); ``by_size``: the blocks dealt in order of their experts' rows (None:
+    width (``wgrad_block_n``); ``by_size``: the blocks dealt in order of their experts' rows (None:
     ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block trace, as for ``fp8_rows_gemm_ws``."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
@@ -319,12 +261,12 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     assert a_s.shape == (num_tiles, p) and b_s.shape == (num_tiles, q) and offsets.numel() == num_experts + 1
     block_n = wgrad_block_n(q, block_n)
     tiles = num_experts * (p // FP8_BM) * (q // block_n)
-    pattern, store_cols = wgrad_pattern(block_n, read_ahead, defer_stores, ping_pong, stages)
-    block = [1, FP8_BM // 2, store_cols]  # one MMA warpgroup's rows, the columns of one store
+    block = [1, FP8_BM // 2, FP8_BN]  # one MMA warpgroup's rows, the columns of one store
     wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [block_n, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
-        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts), **pattern, **wgrad_by_size(offsets, by_size),
+        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
+        STAGES=WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, **wgrad_by_size(offsets, by_size),
         **trace_args(trace, a_s), LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
@@ -364,9 +306,7 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
-                pow2: bool = False, block_n: int = FP8_BN, read_ahead: bool | None = None,
-                defer_stores: bool | None = None, ping_pong: bool | None = None, stages: int | None = None,
-                by_size: bool | None = None, trace: bool = False):
+                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
     it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
@@ -374,11 +314,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     / ``row_dest``: the sorted-rows kernel's variant (down projection: the first two; an expert-parallel owner's:
     ``row_dest`` too); ``preact``: the up kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its
     products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
-    ``block_n``: the sorted-rows kernel's (``rows_pattern``) and the weight-gradient kernel's, ``read_ahead`` (None:
-    ``WGRAD_READ_AHEAD``) and ``defer_stores`` (None: ``WGRAD_DEFER_STORES``) the latter's too; ``ping_pong``: each
-    kernel's turns (None: ``ROWS_PING_PONG``, ``UP_PING_PONG``, ``WGRAD_PING_PONG``); ``stages``: the
-    weight-gradient kernel's ring (``wgrad_ring``), ``by_size`` its blocks' order (None:
-    ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
+    ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
+    (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
     sorted-rows, up or weight-gradient kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -387,12 +324,10 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         layout = (_fp8_layout if dtype == "fp8e4nv" else _bf16_layout)(tuple(block))
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
-    if name == "fp8_rows":
-        _, ping_pong = rows_pattern(block_n, block_n, ping_pong)
     common = {"EB": 128, "TILE_M": BLOCK_M, "num_warps": MATH_WARPS}
     if name == "fp8_rows":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, block_n, FP8_BK]}
-        constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "PING_PONG": ping_pong, "TRACE": trace,
+        constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "TRACE": trace,
                       "STAGES": ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES,
                       "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32",
@@ -408,17 +343,16 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         sizes = {"I"}
     elif name == "fp8_wgrad":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [block_n, FP8_BK]}
-        pattern, store_cols = wgrad_pattern(block_n, read_ahead, defer_stores, ping_pong, stages)
-        constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS, **pattern,
-                      "TRACE": trace, "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size,
-                      "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
-        blocks["out_desc"] = ([1, FP8_BM // 2, store_cols], "bf16")
+        constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS,
+                      "STAGES": WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, "TRACE": trace,
+                      "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size, "MMA_REGS": MATH_REGS,
+                      "LOADER_REGS": ROWS_LOADER_REGS}
+        blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
         pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64"}
         sizes = {"P", "Q"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
         constexprs = {**common, "PREACT": preact, "H_OUT": h_out, "POW2": pow2, "TRACE": trace,
-                      "PING_PONG": UP_PING_PONG if ping_pong is None else ping_pong,
                       "STAGES": UP_STAGES, "LOADER_WARPS": UP_LOADER_WARPS,
                       "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
         pointers = {"x_ptr": "*fp8e4nv", "x_s_ptr": "*fp32", "w13_s_ptr": "*fp32", "h_q_ptr": "*fp8e4nv",

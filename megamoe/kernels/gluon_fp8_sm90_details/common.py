@@ -46,37 +46,6 @@ def promote(acc, tmp, scale):
 
 
 @gluon.jit
-def turn_barriers(empty, PING_PONG: gl.constexpr):
-    """With PING_PONG, the mbarriers of the MMA warpgroups' turns (``wait_turn``), one per stage of the ring whose
-    empty barriers are ``empty``; else ``empty`` (not read)."""
-    if PING_PONG:
-        seen = barriers(empty.type.shape[0])
-    else:
-        seen = empty
-    return seen
-
-
-@gluon.jit
-def wait_turn(seen, s, step, WG: gl.constexpr, PING_PONG: gl.constexpr):
-    """With PING_PONG, the second MMA warpgroup's wait, before it issues the first chain of stage ``s`` (ring step
-    ``step``), until the first warpgroup's first chain of the stage has finished (``end_turn``): so that each
-    warpgroup's promotions run under the other's chains, where in phase both would promote at once with the tensor
-    cores idle. One turn per K-step keeps the two a chain apart (a wait before its second chain too made ptxas spill
-    the up kernel's registers). ``seen``: ``turn_barriers``. Else nothing."""
-    if PING_PONG and WG == 1:
-        STAGES: gl.constexpr = seen.type.shape[0]
-        mbarrier.wait(seen.index(s), (step // STAGES) & 1)
-
-
-@gluon.jit
-def end_turn(seen, s, WG: gl.constexpr, PING_PONG: gl.constexpr):
-    """With PING_PONG, the first MMA warpgroup's announcement that its first chain of stage ``s`` has finished
-    (``wait_turn``); else nothing. The first warpgroup must announce every K-step the second waits for."""
-    if PING_PONG and WG == 0:
-        mbarrier.arrive(seen.index(s), count=1)
-
-
-@gluon.jit
 def stage_ready(ready, step, STAGES: gl.constexpr):
     """Wait for ring step ``step``'s stage; returns it."""
     s = step % STAGES

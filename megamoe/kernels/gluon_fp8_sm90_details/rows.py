@@ -16,14 +16,11 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     block_scales,
     blocks_ahead,
     blocks_ahead_of,
-    end_turn,
     issue_chain,
     pass_stages,
     promote,
     ring,
     stage_ready,
-    turn_barriers,
-    wait_turn,
 )
 from megamoe.kernels.gluon_sm90 import (
     block_index,
@@ -178,21 +175,19 @@ def _rows_left_out(acc0, wt, out_ptr, WEIGHTED: gl.constexpr):
 
 
 @gluon.jit
-def _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, acc0, acc1, tmp, wt, out_rows, first,
-                    end, n0, out_ptr, row_dest_ptr, N_OUT, WG: gl.constexpr, STORE_LEFT: gl.constexpr,
-                    WEIGHTED: gl.constexpr, PING_PONG: gl.constexpr, num_warps: gl.constexpr):
+def _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, wt, out_rows, first, end,
+                    n0, out_ptr, row_dest_ptr, N_OUT, WG: gl.constexpr, STORE_LEFT: gl.constexpr,
+                    WEIGHTED: gl.constexpr, num_warps: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_rows_main_wide``): the left chain, its promotion into
     ``acc0``, the right chain, its promotion into ``acc1``, the stage freed; with STORE_LEFT (the block's last
-    K-step) the left half converted before the right chain is issued and stored under it; with PING_PONG the left
-    chain in the warpgroups' turn (``common.wait_turn``). Returns (acc0, acc1, tmp)."""
+    K-step) the left half converted before the right chain is issued and stored under it. Returns (acc0, acc1,
+    tmp)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HB: gl.constexpr = tmp.type.shape[1]
     row_layout: gl.constexpr = gl.SliceLayout(1, tmp.type.layout)
     s, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
     scale1 = block_scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
-    wait_turn(seen, s, step, WG, PING_PONG)
     tmp = warpgroup_mma_wait(0, deps=(issue_chain(a_bufs, w_bufs, s, 0, tmp, WG), ))
-    end_turn(seen, s, WG, PING_PONG)
     acc0 = acc0 + tmp * scale0[:, None]
     if STORE_LEFT:
         out0 = _rows_left_out(acc0, wt, out_ptr, WEIGHTED)
@@ -207,18 +202,18 @@ def _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, 
 
 
 @gluon.jit
-def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, kbs, block, trace_ptr, wt, out_rows,
-                    first, end, n0, out_ptr, row_dest_ptr, N_OUT, pend, pend_out, pend_rows, pend_first, pend_end,
-                    pend_n0, WG: gl.constexpr, WEIGHTED: gl.constexpr, PING_PONG: gl.constexpr, TRACE: gl.constexpr,
-                    acc_layout: gl.constexpr, num_warps: gl.constexpr):
+def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, kbs, block, trace_ptr, wt, out_rows, first,
+                    end, n0, out_ptr, row_dest_ptr, N_OUT, pend, pend_out, pend_rows, pend_first, pend_end, pend_n0,
+                    WG: gl.constexpr, WEIGHTED: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr,
+                    num_warps: gl.constexpr):
     """The main loop of a 256-column block for one warpgroup: per K-step the MMA chain of the weight block's left
     128 columns into the temporary, wait, its promotion into the left accumulator; the right half's likewise; the
     stage freed (``_rows_wide_step``). Two accumulators and one temporary (3 x 64 registers per thread): no second
     temporary fits for a chain to be issued ahead of a promotion, so the promotions run under the other warpgroup's
     MMAs. The stores run under this warpgroup's chains: the previous block's right half (``pend_*``) under the first
     K-step's left chain, this block's left half under the last K-step's right chain (the first and last K-steps
-    peeled off the loop, so that neither store's registers are held through it). PING_PONG: the warpgroups' turns
-    (``common.wait_turn``). Returns the right half's accumulator."""
+    peeled off the loop, so that neither store's registers are held through it). Returns the right half's
+    accumulator."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HALF: gl.constexpr = as_bufs.type.shape[1]
     HB: gl.constexpr = w_bufs.type.shape[2] // 2
@@ -227,12 +222,10 @@ def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, 
     s, scale0 = _rows_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
     stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
     scale1 = block_scales(as_bufs, bs_bufs, s, 1, WG, row_layout)
-    wait_turn(seen, s, step, WG, PING_PONG)
     tmp = issue_chain(a_bufs, w_bufs, s, 0, tmp, WG)
     _rows_store_pending(pend, pend_out, pend_rows, pend_first, pend_end, pend_n0, out_ptr, row_dest_ptr, N_OUT,
                         num_warps)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-    end_turn(seen, s, WG, PING_PONG)
     acc0 = tmp * scale0[:, None]
     out0 = _rows_left_out(acc0, wt, out_ptr, WEIGHTED)  # (stored here only if this is the last K-step)
     tmp = issue_chain(a_bufs, w_bufs, s, HB, tmp, WG)
@@ -242,30 +235,28 @@ def _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, 
     mbarrier.arrive(empty.index(s), count=1)
     acc1 = tmp * scale1[:, None]
     for kb in range(1, kbs - 1):
-        acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step + kb, acc0,
-                                          acc1, tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT,
-                                          WG, False, WEIGHTED, PING_PONG, num_warps)
+        acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step + kb, acc0, acc1,
+                                          tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, WG, False,
+                                          WEIGHTED, num_warps)
     if kbs > 1:
-        acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step + kbs - 1,
-                                          acc0, acc1, tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr,
-                                          N_OUT, WG, True, WEIGHTED, PING_PONG, num_warps)
+        acc0, acc1, tmp = _rows_wide_step(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step + kbs - 1, acc0,
+                                          acc1, tmp, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, WG,
+                                          True, WEIGHTED, num_warps)
     return acc1
 
 
 @gluon.jit
 def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                        ready, empty, seen, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K, num_n, work,
-                        WG: gl.constexpr, WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, PING_PONG: gl.constexpr,
-                        TRACE: gl.constexpr, num_warps: gl.constexpr):
+                        ready, empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K, num_n, work,
+                        WG: gl.constexpr, WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, TRACE: gl.constexpr,
+                        num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``rows_ws_kernel``: per K-step the
     block's MMA into a temporary, then the promotion into the fp32 accumulator under the next block's MMA into a
     second temporary (issue-ahead, ``_rows_main_narrow``); then the weighted bf16 block's stores (``_rows_store``) to
     sorted rows or to slots, deferred until the warpgroup's next block has issued its first MMA, and run under it
     (the last block's after the loop). A block of 256 columns (``ROWS_BLOCK_N``) runs as two column halves of 128,
     each with its own accumulator, without issue-ahead (``_rows_main_wide``): its left half stored under its last
-    chain, its right half under the next block's first; PING_PONG: the second warpgroup issues each K-step's left
-    chain once the first's has finished (``common.wait_turn``; the first always has rows in a block, so it
-    announces every K-step). ``row_dest_ptr``: as for ``rows_ws_kernel``."""
+    chain, its right half under the next block's first. ``row_dest_ptr``: as for ``rows_ws_kernel``."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[2]
     ROW_DEST: gl.constexpr = row_dest_ptr.dtype.element_ty == gl.int64
@@ -304,10 +295,10 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offset
             else:
                 wt = 0.0  # (unused)
             if NH == 2:
-                acc1 = _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, seen, step, kbs, block,
-                                       trace_ptr, wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, pend,
-                                       pend_out, pend_rows, pend_first, pend_end, pend_n0, WG, WEIGHTED, PING_PONG,
-                                       TRACE, acc_layout, num_warps)
+                acc1 = _rows_main_wide(a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty, step, kbs, block, trace_ptr,
+                                       wt, out_rows, first, end, n0, out_ptr, row_dest_ptr, N_OUT, pend, pend_out,
+                                       pend_rows, pend_first, pend_end, pend_n0, WG, WEIGHTED, TRACE, acc_layout,
+                                       num_warps)
                 step += kbs
                 stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
                 if WEIGHTED:
@@ -346,9 +337,9 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offset
 @gluon.jit
 def rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr,
                         tile_expert_ptr, tile_row_ptr, trace_ptr, M, N_OUT, K, E, EB: gl.constexpr,
-                        TILE_M: gl.constexpr, WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr,
-                        PING_PONG: gl.constexpr, TRACE: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                        MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                        TILE_M: gl.constexpr, WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, TRACE: gl.constexpr,
+                        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
+                        LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (M, K) fp8 in sorted rows, block (TILE_M, BK); w_desc: W (E, N_OUT, K) fp8, block (1, BN, BK);
     a_s (K // 128, M) and w_s (E, N_OUT // 128, K // 128) fp32; out (M, N_OUT) bf16: row r of the product
     into row ``row_slot[r]`` (TO_SLOTS) or r, times ``weights[row_slot[r]]`` (WEIGHTED, fp32 by slot); or, with
@@ -357,22 +348,20 @@ def rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_s
     knows the rows aligned for 16-byte stores); ``row_dest_ptr`` of another type is not read.
     Blocks: the plan's busy tiles (EB: a power of two >= E) times the N-blocks, one program per SM walking
     them. num_warps: one warpgroup (the first MMA partition); the kernel adds the second and the loader.
-    PING_PONG: whether the MMA warpgroups take turns (``_rows_mma_partition``); TRACE: stamps into trace_ptr
-    (int64, see ``gluon_sm90.TRACE_BLOCKS``)."""
+    TRACE: stamps into trace_ptr (int64, see ``gluon_sm90.TRACE_BLOCKS``)."""
     BN: gl.constexpr = w_desc.block_type.shape[1]
     num_n = N_OUT // BN
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
     # The weight block's scales per stage (one per 128 of its columns), each repeated across 64
     a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty = ring(a_desc, w_desc, BN // 128, a_desc.block_type.shape[0] // 2,
                                                            STAGES, LOADER_WARPS)
-    seen = turn_barriers(empty, PING_PONG)
     gl.warp_specialize([
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr,
-                               tile_row_ptr, ready, empty, seen, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT,
-                               K, num_n, work, 0, WEIGHTED, TO_SLOTS, PING_PONG, TRACE, num_warps)),
+                               tile_row_ptr, ready, empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K,
+                               num_n, work, 0, WEIGHTED, TO_SLOTS, TRACE, num_warps)),
         (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr,
-                               tile_row_ptr, ready, empty, seen, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT,
-                               K, num_n, work, 1, WEIGHTED, TO_SLOTS, PING_PONG, TRACE, num_warps)),
+                               tile_row_ptr, ready, empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K,
+                               num_n, work, 1, WEIGHTED, TO_SLOTS, TRACE, num_warps)),
         (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
                         as_bufs, bs_bufs, trace_ptr, M, N_OUT, K, num_n, work, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])

@@ -18,14 +18,11 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     block_scales,
     blocks_ahead,
     blocks_ahead_of,
-    end_turn,
     fp8_scales,
     issue_chain,
     pass_stages,
     quantize_by,
     stage_ready,
-    turn_barriers,
-    wait_turn,
 )
 from megamoe.kernels.gluon_sm90 import (
     barriers,
@@ -110,16 +107,14 @@ def _up_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.conste
 
 @gluon.jit
 def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
-                      g_bufs, u_bufs, as_bufs, bs_bufs, staging, seen, trace_ptr, N, D, I, num_n, work,
-                      WG: gl.constexpr, PREACT: gl.constexpr, H_OUT: gl.constexpr, PING_PONG: gl.constexpr,
-                      POW2: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                      g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n, work, WG: gl.constexpr,
+                      PREACT: gl.constexpr, H_OUT: gl.constexpr, POW2: gl.constexpr, TRACE: gl.constexpr,
+                      num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``up_ws_kernel``: per K-step the gate
     block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion; then h = silu(g) *
     u in fp32, quantised per row over the block's 128 columns into h_q / h_s (POW2: power-of-two scales), and with
-    PREACT g and u rounded to bf16 into ``preact``. PING_PONG: the second warpgroup issues each K-step's gate chain
-    once the first's has finished (``common.wait_turn``; the first always has rows in a block), so that each
-    warpgroup's promotions, and its epilogue, run under the other's chains. TRACE: the sorted-rows MMA
-    partitions' stamps (``gluon_sm90.TRACE_BLOCKS``)."""
+    PREACT g and u rounded to bf16 into ``preact``. TRACE: the sorted-rows MMA partitions' stamps
+    (``gluon_sm90.TRACE_BLOCKS``)."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
@@ -142,9 +137,7 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
             for k in range(0, D, BK):
                 s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
                 stamp_first(trace_ptr, WG, block, 1, k == 0, TRACE, num_warps)
-                wait_turn(seen, s, step, WG, PING_PONG)
                 tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, g_bufs, s, 0, tmp, WG), ))
-                end_turn(seen, s, WG, PING_PONG)
                 acc_g = acc_g + tmp * scale_g[:, None]
                 tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, u_bufs, s, 0, tmp, WG), ))
                 mbarrier.arrive(empty.index(s), count=1)
@@ -198,15 +191,14 @@ def _up_epilogue(acc_g, acc_u, stage, h_q_ptr, h_s_ptr, preact_ptr, first, end, 
 @gluon.jit
 def up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
                       tile_expert_ptr, tile_row_ptr, trace_ptr, T, N, D, I, E, top_k, EB: gl.constexpr,
-                      TILE_M: gl.constexpr, PREACT: gl.constexpr, H_OUT: gl.constexpr, PING_PONG: gl.constexpr,
-                      POW2: gl.constexpr, TRACE: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                      MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                      TILE_M: gl.constexpr, PREACT: gl.constexpr, H_OUT: gl.constexpr, POW2: gl.constexpr,
+                      TRACE: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
+                      LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """x (T, D) fp8 gathered by token and x_s (D // 128, T) fp32; w13_desc: W13 (E, 2, I, D) fp8 (gate rows, then
     up rows), block (1, 1, BN, BK); w13_s (E, 2I // 128, D // 128) fp32; h_q (N, I) fp8 and h_s (I // 128, N)
     fp32 out in sorted rows if H_OUT (rows past the routed count not written); preact (N, 2I) bf16 out if PREACT.
     Blocks: the busy tiles (EB: a power of two >= E) times the I-blocks of 128 (one h scale group each).
-    PING_PONG: the MMA warpgroups' turns (``_up_mma_partition``). TRACE: stamps into trace_ptr
-    (int64, see ``gluon_sm90.TRACE_BLOCKS``)."""
+    TRACE: stamps into trace_ptr (int64, see ``gluon_sm90.TRACE_BLOCKS``)."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     BK: gl.constexpr = w13_desc.block_type.shape[3]
     HALF: gl.constexpr = TILE_M // 2
@@ -224,14 +216,13 @@ def up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_p
     staging = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, BN // 2], staged_layout([HALF, BN // 2], gl.bfloat16))
     ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
     empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
-    seen = turn_barriers(empty, PING_PONG)
     gl.warp_specialize([
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, seen, trace_ptr, N, D, I, num_n,
-                             work, 0, PREACT, H_OUT, PING_PONG, POW2, TRACE, num_warps)),
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n, work,
+                             0, PREACT, H_OUT, POW2, TRACE, num_warps)),
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, seen, trace_ptr, N, D, I, num_n,
-                             work, 1, PREACT, H_OUT, PING_PONG, POW2, TRACE, num_warps)),
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n, work,
+                             1, PREACT, H_OUT, POW2, TRACE, num_warps)),
         (_up_loader, (x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                       ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, trace_ptr, T, D, I, top_k, num_n,
                       work, TRACE, LOADER_WARPS)),

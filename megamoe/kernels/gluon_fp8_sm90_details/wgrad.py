@@ -13,18 +13,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
-    end_turn,
     issue_chain,
     promote,
     ring,
     stage_ready,
-    turn_barriers,
-    wait_turn,
 )
 from megamoe.kernels.gluon_sm90 import (
     block_index,
     count_busy_tiles,
-    expert_rows_ahead,
     next_slot,
     stamp,
     stamp_first,
@@ -133,47 +129,27 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
 
 
 @gluon.jit
-def _store_acc(out, c_smem, desc, e, p0, q0):
-    """A warpgroup's (64, 128) block ``out`` into ``desc``'s tensor at [e, p0, q0] through its store buffer
-    ``c_smem``: in one TMA store, or in two of 64 columns through a buffer of 64 (``gluon_fp8_sm90.wgrad_ring``)."""
-    SC: gl.constexpr = c_smem.type.shape[2]
-    if SC == out.type.shape[1]:
-        store_block(out, c_smem, desc, e, p0, q0)
-    else:
-        left, right = gl.split(gl.permute(gl.reshape(out, [out.type.shape[0], 2, SC]), (0, 2, 1)))
-        store_block(left, c_smem, desc, e, p0, q0)
-        store_block(right, c_smem, desc, e, p0, q0 + SC)
-
-
-@gluon.jit
-def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, acc0, acc1, tmp, c_smem, out_desc, e,
-                     p0, q0, pend, pend_e, pend_p, pend_q, trace_ptr, block, WG: gl.constexpr, FIRST: gl.constexpr,
-                     LAST: gl.constexpr, PING_PONG: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_smem, out_desc, e, p0,
+                     q0, trace_ptr, block, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
+                     TRACE: gl.constexpr, num_warps: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
     ``acc0``, the right chain, its promotion into ``acc1``, the stage freed. With FIRST (the block's first K-step)
-    ``acc1`` holds the previous block's right half if ``pend`` is nonzero: stored at [pend_e, pend_p, pend_q] under
-    the left chain, and both accumulators start from zero. With LAST (its last) the left half stored at [e, p0, q0]
-    under the right chain. With PING_PONG the second warpgroup's left chain waits for the first's to finish
-    (``common.wait_turn``). TRACE: with FIRST, the block's point 1 (its first stage ready). Returns (acc0, acc1,
-    tmp)."""
+    both accumulators start from zero; with LAST (its last) the left half is stored at [e, p0, q0] under the right
+    chain. TRACE: with FIRST, the block's point 1 (its first stage ready). Returns (acc0, acc1, tmp)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HB: gl.constexpr = tmp.type.shape[1]
     s = stage_ready(ready, step, STAGES)
     if FIRST:
         stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
-    wait_turn(seen, s, step, WG, PING_PONG)
     tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
     if FIRST:
-        if pend != 0:
-            _store_acc(acc1.to(out_desc.dtype), c_smem, out_desc, pend_e, pend_p, pend_q)
         acc0 = gl.zeros_like(acc1)
         acc1 = gl.zeros_like(acc1)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-    end_turn(seen, s, WG, PING_PONG)
     acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
     tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
     if LAST:
-        _store_acc(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
+        store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
     scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
     mbarrier.arrive(empty.index(s), count=1)
@@ -182,65 +158,43 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step,
 
 
 @gluon.jit
-def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, steps, acc1, tmp, c_smem, out_desc, e,
-                     p0, q0, pend, pend_e, pend_p, pend_q, trace_ptr, block, WG: gl.constexpr, PING_PONG: gl.constexpr,
-                     TRACE: gl.constexpr, num_warps: gl.constexpr):
+def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, acc1, tmp, c_smem, out_desc, e, p0,
+                     q0, trace_ptr, block, WG: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
     accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
-    each promotion runs under the other warpgroup's MMAs); the previous block's right half (``acc1`` if ``pend``)
-    stored under the first K-step's left chain, the left half at [e, p0, q0] under the last K-step's right chain;
-    PING_PONG and TRACE as ``_wgrad_wide_step``. Returns (the right half's accumulator, to be stored at [e, p0, q0 +
-    128] under the next block's first chain; the temporary; the next ring step)."""
+    each promotion runs under the other warpgroup's MMAs); the left half stored at [e, p0, q0] under the last K-step's
+    right chain; TRACE as ``_wgrad_wide_step``. Returns (the right half's accumulator, to be stored at [e, p0, q0 +
+    128]; the temporary; the next ring step)."""
     acc0 = gl.zeros_like(acc1)
     if steps == 1:
-        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, acc0, acc1,
-                                           tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, trace_ptr,
-                                           block, WG, True, True, PING_PONG, TRACE, num_warps)
+        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
+                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, TRACE,
+                                           num_warps)
     else:
-        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, acc0, acc1,
-                                           tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q, trace_ptr,
-                                           block, WG, True, False, PING_PONG, TRACE, num_warps)
+        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
+                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, False, TRACE,
+                                           num_warps)
         for k in range(1, steps - 1):
-            acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step + k, acc0,
-                                               acc1, tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q,
-                                               trace_ptr, block, WG, False, False, PING_PONG, TRACE, num_warps)
-        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step + steps - 1,
-                                           acc0, acc1, tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p, pend_q,
-                                           trace_ptr, block, WG, False, True, PING_PONG, TRACE, num_warps)
+            acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + k, acc0, acc1,
+                                               tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, False,
+                                               TRACE, num_warps)
+        acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0,
+                                           acc1, tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, True,
+                                           TRACE, num_warps)
     return acc1, tmp, step + steps
 
 
 @gluon.jit
-def _wgrad_block_ahead(tile, start, end, offsets_ptr, by_size_ptr, num_p, num_q, tiles, BM: gl.constexpr,
-                       BN: gl.constexpr, BK: gl.constexpr, READ_AHEAD: gl.constexpr, BY_SIZE: gl.constexpr):
-    """Block ``tile``'s expert, first P and Q and K-steps, and the sorted rows [start, end) to hand to the next
-    block's call: with READ_AHEAD its own rows were read a block ago (``start``, ``end``) and the next block's are
-    read now (``expert_rows_ahead``); without, its own are read now and ``start``, ``end`` go back unchanged."""
-    e, p0, q0, first, last = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
-    if READ_AHEAD:
-        first, last = start, end
-        start, end = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, by_size_ptr, num_p, num_q,
-                                       BY_SIZE)
-    return e, p0, q0, (last - first + BK - 1) // BK, start, end
-
-
-@gluon.jit
-def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empty, seen, a_bufs, b_bufs, as_bufs,
-                         bs_bufs, num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, READ_AHEAD: gl.constexpr,
-                         DEFER: gl.constexpr, PING_PONG: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
+def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
+                         num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
                          num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
     B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
     ``c_smem`` and a TMA store that runs on under the MMAs that follow. A block of 128 columns promotes under its
-    next K-step's MMA (``_wgrad_main_ahead``); one of 256 runs as two column halves (``_wgrad_main_wide``). With
-    READ_AHEAD each block's expert rows are read a block ahead (``expert_rows_ahead``), so that no load stands
-    between a block's last MMA and the next one's first (else at its start); with DEFER a 256-column block's right
-    half is stored under the next block's first MMA (else at its end); with PING_PONG (256 columns) the second
-    warpgroup issues each K-step's left chain once the first's has finished, so that each promotes under the other's
-    MMAs (else both issue at once and promote at once, with the tensor cores idle). An expert without rows gets
-    zeros. TRACE: the warpgroup's stamps (partition WG of ``gluon_sm90.TRACE_BLOCKS``; a block's end once its stores
-    are issued, or with DEFER its right half set aside)."""
+    next K-step's MMA (``_wgrad_main_ahead``); one of 256 runs as two column halves (``_wgrad_main_wide``), its right
+    half stored at its end. An expert without rows gets zeros. TRACE: the warpgroup's stamps (partition WG of
+    ``gluon_sm90.TRACE_BLOCKS``; a block's end once its stores are issued)."""
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
@@ -248,64 +202,48 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
     HALF: gl.constexpr = as_bufs.type.shape[1]
     acc_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
     step = 0
-    # (unread without READ_AHEAD)
-    start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, by_size_ptr, num_p, num_q, BY_SIZE)
     if BN == 2 * HB:
-        # the right half of the last block with rows (``pend``: whether one is held, and where it goes)
         acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
         tmp = gl.zeros([HALF, HB], gl.float32, acc_layout)  # every chain's destination registers
-        pend = 0
-        pend_e = 0
-        pend_p = 0
-        pend_q = 0
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             stamp(trace_ptr, WG, block_index(tile), 0, TRACE, num_warps)
-            e, p0, q0, steps, start, end = _wgrad_block_ahead(tile, start, end, offsets_ptr, by_size_ptr, num_p, num_q,
-                                                              tiles, BM, BN, BK, READ_AHEAD, BY_SIZE)
+            e, p0, q0, first, last = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
+            steps = (last - first + BK - 1) // BK
             p0 = p0 + WG * HALF
             if steps > 0:
-                acc1, tmp, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, seen, step, steps,
-                                                   acc1, tmp, c_smem, out_desc, e, p0, q0, pend, pend_e, pend_p,
-                                                   pend_q, trace_ptr, block_index(tile), WG, PING_PONG, TRACE,
-                                                   num_warps)
+                acc1, tmp, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, acc1,
+                                                   tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block_index(tile), WG,
+                                                   TRACE, num_warps)
                 stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
-                if DEFER:
-                    pend = 1
-                    pend_e = e
-                    pend_p = p0
-                    pend_q = q0 + HB
-                else:
-                    _store_acc(acc1.to(out_desc.dtype), c_smem, out_desc, e, p0, q0 + HB)
+                store_block(acc1.to(out_desc.dtype), c_smem, out_desc, e, p0, q0 + HB)
             else:
                 zeros = gl.zeros([HALF, HB], gl.float32, acc_layout).to(out_desc.dtype)
-                _store_acc(zeros, c_smem, out_desc, e, p0, q0)
-                _store_acc(zeros, c_smem, out_desc, e, p0, q0 + HB)
+                store_block(zeros, c_smem, out_desc, e, p0, q0)
+                store_block(zeros, c_smem, out_desc, e, p0, q0 + HB)
             stamp(trace_ptr, WG, block_index(tile), 3, TRACE, num_warps)
-        if pend != 0:
-            _store_acc(acc1.to(out_desc.dtype), c_smem, out_desc, pend_e, pend_p, pend_q)
     else:
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             stamp(trace_ptr, WG, block_index(tile), 0, TRACE, num_warps)
-            e, p0, q0, steps, start, end = _wgrad_block_ahead(tile, start, end, offsets_ptr, by_size_ptr, num_p, num_q,
-                                                              tiles, BM, BN, BK, READ_AHEAD, BY_SIZE)
+            e, p0, q0, first, last = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
+            steps = (last - first + BK - 1) // BK
             acc = gl.zeros([HALF, HB], gl.float32, acc_layout)
             if steps > 0:
                 acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, trace_ptr,
                                               block_index(tile), WG, TRACE, acc_layout, num_warps)
                 stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
-            _store_acc(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
+            store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
             stamp(trace_ptr, WG, block_index(tile), 3, TRACE, num_warps)
     tma.store_wait(0)
 
 
 @gluon.jit
 def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr, by_size_ptr,
-                    EB: gl.constexpr, STAGES: gl.constexpr, READ_AHEAD: gl.constexpr, DEFER: gl.constexpr,
-                    PING_PONG: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                    MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                    EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
+                    LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                    num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B (Q,
     NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q) bf16,
-    block (1, BM / 2, 128 or 64) (one warpgroup's rows, the columns of one store: ``_store_acc``). Blocks: ``tiles``
+    block (1, BM / 2, 128) (one warpgroup's rows, the columns of one store). Blocks: ``tiles``
     = E * P/BM * Q/BN output blocks, expert-major (the programs at work share one expert's operands in L2), one
     program per SM walking them (BY_SIZE: dealt in order of their experts' rows, ``gluon_sm90.wgrad_block``, by_size_ptr
     ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
@@ -315,16 +253,13 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     # B's scales of the block's Q-columns per stage
     a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = ring(a_desc, b_desc, 1, BN, STAGES, LOADER_WARPS)
     c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-    seen = turn_barriers(empty, PING_PONG)
     num_p = P // BM
     num_q = Q // BN
     gl.warp_specialize([
-        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, seen, a_bufs, b_bufs,
-                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, READ_AHEAD, DEFER, PING_PONG,
-                                BY_SIZE, TRACE, num_warps)),
-        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, seen, a_bufs, b_bufs,
-                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, READ_AHEAD, DEFER, PING_PONG,
-                                BY_SIZE, TRACE, num_warps)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, TRACE, num_warps)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, TRACE, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
                          as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
