@@ -417,7 +417,7 @@ def test_block_phases_reads_a_known_trace():
     per ns; warpgroup 1 a block starting 1 us after warpgroup 0's. Then the same blocks one per program (a launch of
     fewer blocks than SMs): the same phases, but none that needs a program's next block."""
     from megamoe.kernels import gluon_sm90 as g
-    from tools.block_trace import block_phases
+    from tools.block_trace import WARPGROUPS, block_phases
 
     t = torch.full((1, g.TRACE_PARTS.value, g.TRACE_BLOCKS.value, 2, g.TRACE_POINTS.value), -1, dtype=torch.int64)
     for wg, shift in ((0, 0), (1, 1000)):  # ns
@@ -443,6 +443,10 @@ def test_block_phases_reads_a_known_trace():
         assert one["wg0"][k] == pytest.approx(ph["wg0"][k], nan_ok=True)  # warpgroup 0 has no drift
         assert one["wg1"][k] == pytest.approx(ph["wg1"][k])
     assert all(math.isnan(one["wg0"][k]) for k in ("rest", "block", "share"))
+    for trace, programs in ((t, 1), (apart, 2)):  # the GPU tests' check of a trace passes both, times made positive
+        later = trace.clone()
+        later[trace != -1] += 100_000
+        check_block_trace(later.flatten(), programs, 2, WARPGROUPS)
 
 
 # The AOT check runs in a subprocess: this test session runs Triton's interpreter (TRITON_INTERPRET=1 without a
