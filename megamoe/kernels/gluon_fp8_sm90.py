@@ -188,15 +188,21 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
-def rows_block_n(n_out: int, block_n: int | None = None) -> int:
-    """The sorted-rows kernel's block width for N = ``n_out``: ``block_n`` (128 or 256, a divisor of N) if given, else
-    ``ROWS_BLOCK_N`` where it divides N, else 128; raises ValueError for a width N is not a multiple of."""
+def block_width(kernel: str, n: int, block_n: int | None, default: int) -> int:
+    """The output block width of an FP8 GEMM (``kernel``, for the error) with ``n`` output columns: ``block_n`` (128 or
+    256, a divisor of ``n``) if given, else ``default`` where it divides ``n``, else 128; raises ValueError for a width
+    that is not 128 or 256 or does not divide ``n``."""
     if block_n is None:
-        block_n = ROWS_BLOCK_N if n_out % ROWS_BLOCK_N == 0 else FP8_BN
-    if block_n not in (FP8_BN, 2 * FP8_BN) or n_out % block_n:
-        raise ValueError(f"block_n={block_n}: the FP8 sorted-rows kernel's blocks are 128 or 256 columns, and N "
-                         f"({n_out}) must be a multiple of it")
+        return default if n % default == 0 else FP8_BN
+    if block_n not in (FP8_BN, 2 * FP8_BN) or n % block_n:
+        raise ValueError(f"block_n={block_n}: the FP8 {kernel} kernel's blocks are 128 or 256 columns, and its output "
+                         f"columns ({n}) must be a multiple of them")
     return block_n
+
+
+def rows_block_n(n_out: int, block_n: int | None = None) -> int:
+    """The sorted-rows kernel's block width for N = ``n_out`` (``block_width``, default ``ROWS_BLOCK_N``)."""
+    return block_width("sorted-rows", n_out, block_n, ROWS_BLOCK_N)
 
 
 def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
@@ -234,13 +240,8 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
 
 
 def wgrad_block_n(q: int, block_n: int | None = None) -> int:
-    """The FP8 weight-gradient kernel's block width for Q columns: ``block_n`` (128 or 256, a divisor of Q) if given,
-    else ``WGRAD_BLOCK_N`` where it divides Q, else 128."""
-    if block_n is None:
-        return WGRAD_BLOCK_N if q % WGRAD_BLOCK_N == 0 else FP8_BN
-    if block_n not in (FP8_BN, 2 * FP8_BN) or q % block_n:
-        raise ValueError(f"block_n must be 128 or 256 and divide Q = {q}, got {block_n}")
-    return block_n
+    """The FP8 weight-gradient kernel's block width for Q columns (``block_width``, default ``WGRAD_BLOCK_N``)."""
+    return block_width("weight-gradient", q, block_n, WGRAD_BLOCK_N)
 
 
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
