@@ -23,10 +23,10 @@ dz and h·w. The ceiling beside them: ``torch._scaled_mm`` with one scale per te
 product of each GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each
 kernel reads and writes them once. ``--stages down,dx``: only the stages whose names contain one of these (each first
 call compiles its kernel: the whole table takes minutes on a fresh machine). Each variant that changes only when a
-kernel's instructions run (its blocks' width and order; the up kernel's products stored beside h) is checked to write bitwise what the layer's own variant of that GEMM writes, where both write (column "same"; a
-variant that differs is named at the end and the command exits with 1 after writing its record). Prints a table and
-writes JSON (GPU, versions, date, commit, command) if ``--out`` is given, the routing named in its name where it is
-not random.
+kernel's instructions run (its blocks' width and order; the up kernel's products stored beside h) is checked to write
+bitwise what the layer's own variant of that GEMM writes, where both write (column "same"; a variant that differs is
+named at the end and the command exits with 1 after writing its record). Prints a table and writes JSON (GPU,
+versions, date, commit, command) if ``--out`` is given, the routing named in its name where it is not random.
 """
 
 from __future__ import annotations
@@ -198,7 +198,8 @@ def main(argv=None, device: str = "cuda") -> None:
     ]
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
-    for name, a, b, flops, dense in wgrad_gemms:  # in blocks of 128 and 256 columns; the layer's also in the other order
+    # each weight gradient in blocks of 128 and 256 columns, the layer's width also in the other order
+    for name, a, b, flops, dense in wgrad_gemms:
         for block_n in (128, 256):
             if b[0].shape[0] % block_n:
                 continue
