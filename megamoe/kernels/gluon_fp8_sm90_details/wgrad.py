@@ -133,18 +133,15 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
                      q0, trace_ptr, block, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
                      TRACE: gl.constexpr, num_warps: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
-    ``acc0``, the right chain, its promotion into ``acc1``, the stage freed. With FIRST (the block's first K-step)
-    both accumulators start from zero; with LAST (its last) the left half is stored at [e, p0, q0] under the right
-    chain. TRACE: with FIRST, the block's point 1 (its first stage ready). Returns (acc0, acc1, tmp)."""
+    ``acc0``, the right chain, its promotion into ``acc1``, the stage freed. With LAST (the block's last K-step) the
+    left half is stored at [e, p0, q0] under the right chain. TRACE: with FIRST (its first), the block's point 1 (its
+    first stage ready). Returns (acc0, acc1, tmp)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HB: gl.constexpr = tmp.type.shape[1]
     s = stage_ready(ready, step, STAGES)
     if FIRST:
         stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
     tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
-    if FIRST:
-        acc0 = gl.zeros_like(acc1)
-        acc1 = gl.zeros_like(acc1)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
     acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
     tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
@@ -158,14 +155,18 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
 
 
 @gluon.jit
-def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, acc1, tmp, c_smem, out_desc, e, p0,
-                     q0, trace_ptr, block, WG: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem, out_desc, e, p0, q0,
+                     trace_ptr, block, WG: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr,
+                     num_warps: gl.constexpr):
     """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
     accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
     each promotion runs under the other warpgroup's MMAs); the left half stored at [e, p0, q0] under the last K-step's
     right chain; TRACE as ``_wgrad_wide_step``. Returns (the right half's accumulator, to be stored at [e, p0, q0 +
-    128]; the temporary; the next ring step)."""
-    acc0 = gl.zeros_like(acc1)
+    128]; the next ring step)."""
+    HALF: gl.constexpr = as_bufs.type.shape[1]
+    acc0 = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)
+    acc1 = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)
+    tmp = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)  # every chain's destination registers
     if steps == 1:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
                                            c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, TRACE,
@@ -181,7 +182,7 @@ def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0,
                                            acc1, tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, True,
                                            TRACE, num_warps)
-    return acc1, tmp, step + steps
+    return acc1, step + steps
 
 
 @gluon.jit
@@ -203,17 +204,15 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
     acc_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
     step = 0
     if BN == 2 * HB:
-        acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
-        tmp = gl.zeros([HALF, HB], gl.float32, acc_layout)  # every chain's destination registers
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             stamp(trace_ptr, WG, block_index(tile), 0, TRACE, num_warps)
             e, p0, q0, first, last = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
             steps = (last - first + BK - 1) // BK
             p0 = p0 + WG * HALF
             if steps > 0:
-                acc1, tmp, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, acc1,
-                                                   tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block_index(tile), WG,
-                                                   TRACE, num_warps)
+                acc1, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem,
+                                              out_desc, e, p0, q0, trace_ptr, block_index(tile), WG, TRACE, acc_layout,
+                                              num_warps)
                 stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
                 store_block(acc1.to(out_desc.dtype), c_smem, out_desc, e, p0, q0 + HB)
             else:
