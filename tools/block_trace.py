@@ -46,16 +46,16 @@ def block_phases(trace: torch.Tensor, programs: int,
     block, too short for the global timer alone."""
     parts = WARPGROUPS if parts is None else parts
     progs = stamps(trace, programs)
-    taken = {name: [[b for b in prog[part] if b[0][0] >= 0] for prog in progs] for name, part in parts.items()}
+    taken = {part: [[b for b in prog[part] if b[0][0] >= 0] for prog in progs] for part in {0, *parts.values()}}
     samples: dict[str, dict[str, list[float]]] = {name: {k: [] for k in PHASES} for name in parts}
     sums = {name: [0.0, 0.0] for name in parts}  # main, block: over the busy blocks that have a next one
     for name, part in parts.items():
-        spans = [(b[-1][0][3] - b[0][0][0], b[-1][1][3] - b[0][1][0]) for b in taken[name] if b]
+        spans = [(b[-1][0][3] - b[0][0][0], b[-1][1][3] - b[0][1][0]) for b in taken[part] if b]
         ns = sum(n for _, n in spans)
         per_us = sum(c for c, _ in spans) / ns * 1e3 if ns > 0 else float("nan")  # cycles per us
         out = samples[name]
-        for prog, blocks in zip(progs, taken[name]):
-            loader, first = prog[LOADER], [b for b in prog[0] if b[0][0] >= 0]
+        for prog, blocks, first in zip(progs, taken[part], taken[0]):
+            loader = prog[LOADER]
             for i, (cyc, _) in enumerate(blocks):
                 busy = cyc[1] >= 0 and cyc[2] >= 0  # an FP8 warpgroup whose rows all lie past the expert stamps 0, 3
                 nxt = blocks[i + 1][0][0] if i + 1 < len(blocks) else None
