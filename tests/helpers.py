@@ -116,7 +116,7 @@ def capture_launches(monkeypatch, module, kernels: tuple[str, ...]) -> list:
     """Replace each of ``module``'s Gluon ``kernels`` (names) by a stand-in that records its launches instead of
     running them, for a CPU (the test skips on a GPU, where the kernels' own tests launch them), with 132 SMs
     (``sm_count`` of ``module`` and of ``gluon_sm90``, whose ``trace_args`` reads it): the returned list fills with
-    (the kernel, the arguments a launch passed by name, launch options aside), for
+    (the kernel, the names of the arguments a launch passed, launch options aside), for
     ``assert_launches_pass_parameters``."""
     import pytest
 
@@ -131,7 +131,7 @@ def capture_launches(monkeypatch, module, kernels: tuple[str, ...]) -> list:
     def capture(kernel):
         class Launch:
             def __getitem__(self, grid):
-                return lambda **kw: launched.append((kernel, {k: v for k, v in kw.items() if k != "maxnreg"}))
+                return lambda **kw: launched.append((kernel, set(kw) - {"maxnreg"}))
         return Launch()
 
     for name in kernels:
@@ -144,7 +144,7 @@ def assert_launches_pass_parameters(launched: list, count: int) -> None:
     kernel declares."""
     assert len(launched) == count
     for kernel, passed in launched:
-        assert set(passed) == set(kernel.arg_names), (kernel.fn.__name__, set(passed) ^ set(kernel.arg_names))
+        assert passed == set(kernel.arg_names), (kernel.fn.__name__, passed ^ set(kernel.arg_names))
 
 
 def skewed_expert_rows(num_experts: int, gen: torch.Generator) -> torch.Tensor:

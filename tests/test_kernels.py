@@ -782,9 +782,8 @@ SIDE_COPY_SHAPES = [*GLUON_SHAPES, (1001, 2088, 72, 5, 1), (333, 520, 72, 5, 3)]
 @pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", GLUON_SHAPES)
 def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
     """The Gluon dh' kernel on the GPU: every routed sorted row equals dy_row W2[e] in fp32, with an expert
-    without rows, dropped slots, and NaN rows past the routed ones (read by the last tile, never stored); with each
-    block's rows read the other way (``ROWS_READ_AHEAD``), the same bits."""
-    from megamoe.kernels import expert_bwd, gluon_sm90
+    without rows, dropped slots, and NaN rows past the routed ones (read by the last tile, never stored)."""
+    from megamoe.kernels import expert_bwd
     from megamoe.kernels.gluon_sm90 import ws_supported
 
     (_, _, _, _, w2, _), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
@@ -795,10 +794,6 @@ def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, int
     expected = torch.cat([dy_sorted[lo:hi].float() @ w2[e].float() for e, (lo, hi) in enumerate(bounds)])
     got = expert_bwd.dh_sorted(dy_sorted, w2, plan)[:routed]
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
-    # each block's rows read the other way (gluon_sm90.ROWS_READ_AHEAD): the same bits
-    out = torch.empty(dy_sorted.shape[0], inter, device="cuda", dtype=dy_sorted.dtype)
-    gluon_sm90.dh_ws(dy_sorted, w2, out, plan, BLOCK_M, read_ahead=not gluon_sm90.ROWS_READ_AHEAD)
-    assert torch.equal(out[:routed], got)
 
 
 @pytest.mark.gpu
@@ -872,9 +867,8 @@ def test_warp_specialized_up_kernel_matches_a_per_expert_reference(num_tokens, d
     """The Gluon up kernel (x rows gathered from their tokens by cp.async) on the GPU: h of every routed
     sorted row equals silu(x W1[e]^T) * (x W3[e]^T) in fp32, with D and I past the tile, an expert without
     rows and dropped slots; and the same h as the Triton kernel; storing the gate/up products beside h (the saved
-    mode), the same h and those products in fp32; with each block's rows read the other way (``ROWS_READ_AHEAD``),
-    the same bits."""
-    from megamoe.kernels import expert_fwd, gluon_sm90
+    mode), the same h and those products in fp32."""
+    from megamoe.kernels import expert_fwd
     from megamoe.kernels.gluon_sm90 import ws_supported
 
     (x, _, _, w13, _, _), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
@@ -892,13 +886,6 @@ def test_warp_specialized_up_kernel_matches_a_per_expert_reference(num_tokens, d
     torch.testing.assert_close(preact[:routed].float(), gu, rtol=1e-2, atol=1e-2 * gu.abs().max().item())
     triton_h = expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, gluon=False)[:routed].float()
     torch.testing.assert_close(got, triton_h, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
-    # each block's rows read the other way (gluon_sm90.ROWS_READ_AHEAD): the same bits, with and without the products
-    other_h, other_preact = torch.empty_like(h_saved), torch.empty_like(preact)
-    ahead = not gluon_sm90.ROWS_READ_AHEAD
-    gluon_sm90.up_swiglu_ws(x, w13, other_h, plan, top_k, BLOCK_M, read_ahead=ahead)
-    assert torch.equal(other_h[:routed], h)
-    gluon_sm90.up_swiglu_ws(x, w13, other_h, plan, top_k, BLOCK_M, other_preact, read_ahead=ahead)
-    assert torch.equal(other_h[:routed], h_saved) and torch.equal(other_preact[:routed], preact[:routed])
 
 
 @pytest.mark.gpu
@@ -979,14 +966,10 @@ def test_warp_specialized_launchers_pass_each_kernel_exactly_its_parameters(monk
     dh, dz = torch.zeros(rows, inter, dtype=bf16), torch.zeros(rows, 2 * inter, dtype=bf16)
     for combined, by_size, tr in ((None, False, None), ((x_sorted, topk_idx, x), True, trace)):
         g.expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, torch.zeros_like(w13), combined, by_size=by_size, trace=tr)
-    for copy_x, ahead, tr in ((None, False, None), ((x, x_sorted, plan.row_slot_N, top_k), True, trace)):
-        g.dh_ws(x_sorted, w2, dh, plan, BLOCK_M, copy_x, read_ahead=ahead, trace=tr)
+    for copy_x, tr in ((None, None), ((x, x_sorted, plan.row_slot_N, top_k), trace)):
+        g.dh_ws(x_sorted, w2, dh, plan, BLOCK_M, copy_x, trace=tr)
     g.act_bwd_ws(x_sorted, dh, w13, torch.ones(rows), plan, dz, dh, torch.zeros(inter // 64, rows), BLOCK_M, 64,
                  trace=trace)
-    for preact, ahead, tr in ((None, True, None), (dz, False, trace)):
-        g.up_swiglu_ws(x, w13, dh, plan, top_k, BLOCK_M, preact, read_ahead=ahead, trace=tr)
+    for preact, tr in ((None, None), (dz, trace)):
+        g.up_swiglu_ws(x, w13, dh, plan, top_k, BLOCK_M, preact, trace=tr)
     assert_launches_pass_parameters(launched, 7)
-    # each row kernel's read_ahead as asked (a launcher that dropped it would make its GPU test compare a kernel with
-    # itself)
-    assert [passed["READ_AHEAD"] for kernel, passed in launched
-            if kernel.fn.__name__ in ("_dh_ws_kernel", "_up_ws_kernel")] == [False, True, True, False]

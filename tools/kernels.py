@@ -9,9 +9,8 @@ config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
 shows the best next to the default. Beside each GEMM, cuBLAS's rate on the same work as one batched matmul
 (``dense_shapes``), measured in the same process. On sm90 the weight gradients also run with their blocks in the
-order the layer does not deal them (``ORDERS``), and the up and dh' kernels with their rows read the other way
-(``READS``), each checked to write bitwise what its layer stage writes (one that differs fails the command once the
-JSON is written).
+order the layer does not deal them (``ORDERS``), each checked to write bitwise what its layer stage writes (one that
+differs fails the command once the JSON is written).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from triton.runtime.errors import OutOfResources
 
 from megamoe.arguments import HelpFormatter, positive_int
 from megamoe.bench.common import PRESETS, ROUTINGS, dense_matmul_tflops, make_problem
-from megamoe.kernels import expert_bwd, expert_fwd, gluon_sm90
+from megamoe.kernels import expert_bwd, expert_fwd
 from megamoe.kernels.combine import combine
 from megamoe.kernels.gluon_sm90 import (
     ACT_CONFIG,
@@ -76,21 +75,6 @@ ONE_MODE = {"none": ("fwd up+swiglu", "bwd recompute+act"),
 # The weight gradients' rows in the other order of their blocks (``gluon_sm90.WGRAD_BY_SIZE``), by the suffix of their
 # names: variants of the layer's stages, left out of the total, each checked to write bitwise what its stage writes.
 ORDERS = {True: " (blocks by size)", False: " (blocks in expert order)"}
-# Likewise the up and dh' kernels with each block's rows read the other way (``gluon_sm90.ROWS_READ_AHEAD``).
-READS = {True: " (rows read ahead)", False: " (end read after the main loop)"}
-VARIANTS = (*ORDERS.values(), *READS.values())
-
-
-def rows_read(fn, ahead: bool):
-    """``fn`` run with ``gluon_sm90.ROWS_READ_AHEAD`` set to ``ahead`` (the launchers read it at each call)."""
-    def run():
-        layer = gluon_sm90.ROWS_READ_AHEAD
-        gluon_sm90.ROWS_READ_AHEAD = ahead
-        try:
-            return fn()
-        finally:
-            gluon_sm90.ROWS_READ_AHEAD = layer
-    return run
 
 
 def same_outputs(a, b) -> bool:
@@ -114,8 +98,7 @@ def dense_shapes(n_rows: int, num_experts: int, dim: int, inter: int) -> dict[st
 def stages(problem, num_experts):
     """name → (callable, FLOPs, the GEMM's TunedKernel — or, for one that runs a ``kernels.ws`` kernel, a record
     of that kernel's fixed config — or None): the layer's stages in both memory modes (``ONE_MODE``) and, on sm90,
-    the weight gradients with their blocks in the other order (``ORDERS``) and the up and dh' kernels with their rows
-    read the other way (``READS``), which return what their stages return."""
+    the weight gradients with their blocks in the other order (``ORDERS``), which return what their stages return."""
     x, topk_idx, topk_weights, w13, w2, dy = problem
     top_k = topk_idx.shape[1]
     n_rows = int((topk_idx >= 0).sum())
@@ -134,7 +117,7 @@ def stages(problem, num_experts):
         return SimpleNamespace(last_config=gluon_config) if ws_supported(x) else kernel
 
     run_up = lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k)
-    run_up_saved = lambda: (expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, preact_NH=preact), preact)
+    run_up_saved = lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, preact_NH=preact)
     run_dh = lambda: expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k)
     run_act = lambda: expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k)
     run_dw13 = lambda: expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, w13.dtype, dx, topk_idx, x.dtype)
@@ -171,14 +154,6 @@ def stages(problem, num_experts):
 
         stages["bwd dw13, combine" + order] = (run_dw13_other, 4 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
         stages["bwd dw2" + order] = (run_dw2_other, 2 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
-        ahead = not gluon_sm90.ROWS_READ_AHEAD
-        reads = READS[ahead]
-        preact_other = torch.empty_like(preact)  # the variant's own products, compared with the stage's
-        run_up_saved_other = lambda: (expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, preact_NH=preact_other),
-                                      preact_other)
-        for name, fn in (("fwd up+swiglu", run_up), ("fwd up+swiglu, products stored", run_up_saved_other),
-                         ("bwd gather, dh'", run_dh)):
-            stages[name + reads] = (rows_read(fn, ahead), *stages[name][1:])
     return stages
 
 
@@ -203,6 +178,7 @@ def main(argv=None) -> None:
     problem = make_problem(args.tokens, dim, inter, num_experts, top_k, args.routing, torch.bfloat16, "cuda", 0)
     rows = []
     table = stages(problem, num_experts)
+    variant = tuple(ORDERS.values())
     shapes = dense_shapes(int((problem[1] >= 0).sum()), num_experts, dim, inter)
     ceilings = {}
     for name, (fn, flops, key) in table.items():
@@ -224,7 +200,7 @@ def main(argv=None) -> None:
                 best = min(best, (t, cfg), key=lambda b: b[0])
             key.default = default
             row.update(best_ms=best[0], best_config=best[1], best_tflops=flops / best[0] / 1e9)
-        layer = name[:name.rindex(" (")] if name.endswith(VARIANTS) else name  # without the variant's suffix
+        layer = name[:name.rindex(" (")] if name.endswith(variant) else name  # without the order's suffix
         if name != layer:
             row.update(bitwise_as=layer, bitwise_equal=same_outputs(fn(), table[layer][0]()))
         if layer in shapes:
@@ -243,7 +219,7 @@ def main(argv=None) -> None:
         same = {True: "   bitwise as the layer's", False: "   NOT bitwise as the layer's"}.get(row.get("bitwise_equal"),
                                                                                            "")
         print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{ran}{extra}{same}", flush=True)
-    totals = {mode: sum(r["ms"] for r in rows if not r["stage"].endswith(VARIANTS)
+    totals = {mode: sum(r["ms"] for r in rows if not r["stage"].endswith(variant)
                         and all(r["stage"] not in names for other, names in ONE_MODE.items() if other != mode))
               for mode in ONE_MODE}
     for mode, ms in totals.items():

@@ -135,14 +135,13 @@ WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
 
 
 def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8, trace: bool = False,
-               by_size: bool | None = None, read_ahead: bool | None = None):
+               by_size: bool | None = None):
     """The Gluon kernel ``name`` of ``WS_KERNELS`` for sm_90a at its tile, with 16-bit operands (``dtype`` bf16
     or fp16), pointers and the D / I / P / Q sizes specialised as 16-divisible as at run time, 128 experts.
     ``sizes_divisible=False``: the sizes not so specialised, as at run time for sizes such as D = 520.
     ``top_k``: the slots per token of the side copies (``dh_ws``, ``wgrad_combine_ws``); ``trace``: the
     block-traced variant (``gluon_sm90.TRACE_BLOCKS``); ``by_size``: the weight gradients' blocks in order of their
-    experts' rows (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``read_ahead``: the up and dh' kernels' rows read blocks
-    ahead (None: ``gluon_sm90.ROWS_READ_AHEAD``)."""
+    experts' rows (None: ``gluon_sm90.WGRAD_BY_SIZE``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -154,22 +153,20 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
     constexprs = {"STAGES": stages, "TRACE": trace, "num_warps": ws.WS_NUM_WARPS}
-    ahead = ws.ROWS_READ_AHEAD if read_ahead is None else read_ahead
     if name in ("wgrad_ws", "wgrad_combine_ws"):
         fn, blocks = ws.KERNELS["wgrad"], {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
         combine = name == "wgrad_combine_ws"
         constexprs.update(TOP_K=top_k if combine else 1, BY_SIZE=ws.WGRAD_BY_SIZE if by_size is None else by_size)
     elif name == "dh_ws":  # the x copy beside the MMAs, of top_k slots per token
         fn, blocks = ws.KERNELS["dh"], {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
-        constexprs.update(EB=128, TILE_M=bm, TOP_K=top_k, READ_AHEAD=ahead)
+        constexprs.update(EB=128, TILE_M=bm, TOP_K=top_k)
     elif name == "act_ws":
         fn, blocks = ws.KERNELS["act"], {"x_desc": [bm, bk], "w13_desc": [1, 1, bn, bk]}
         constexprs.update(EB=128, TILE_M=bm, PART_COLS=expert_bwd.PART_COLS, EPILOGUE_WARPS=ws.ACT_EPILOGUE_WARPS,
                           EPILOGUE_REGS=ws.ACT_EPILOGUE_REGS)
     else:
         fn, blocks = ws.KERNELS["up"], {"w13_desc": [1, 1, bn, bk]}
-        constexprs.update(EB=128, TILE_M=bm, BK=bk, LOADER_WARPS=ws.UP_LOADER_WARPS, SAVE_PREACT=name == "up_saved_ws",
-                          READ_AHEAD=ahead)
+        constexprs.update(EB=128, TILE_M=bm, BK=bk, LOADER_WARPS=ws.UP_LOADER_WARPS, SAVE_PREACT=name == "up_saved_ws")
 
     def arg_type(arg):  # the rest typed as for the Triton kernels (compile_for_hopper): pointers by name, else i32
         if arg in blocks:
@@ -267,11 +264,6 @@ def main(argv=None) -> None:
             if spill := ptxas_report(compile_ws(name, args.dtype, by_size=other))["spill_bytes"]:
                 raise SystemExit(f"{name} with by_size={other} spills {spill} bytes")
             print(f"{name} with by_size={other}: compiles without spills", flush=True)
-        if name.startswith(("dh", "up")):  # the rows read the other way (gluon_sm90.ROWS_READ_AHEAD)
-            other = not ws.ROWS_READ_AHEAD
-            if spill := ptxas_report(compile_ws(name, args.dtype, read_ahead=other))["spill_bytes"]:
-                raise SystemExit(f"{name} with read_ahead={other} spills {spill} bytes")
-            print(f"{name} with read_ahead={other}: compiles without spills", flush=True)
     for name, top_k in itertools.product(("dh_ws", "wgrad_combine_ws") if args.dtype != "fp32" else (), (1, 2)):
         # a side copy moves more items per pass at small top_k (gluon_sm90._items_per_pass): within its registers
         if spill := ptxas_report(compile_ws(name, args.dtype, top_k=top_k))["spill_bytes"]:

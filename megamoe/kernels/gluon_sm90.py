@@ -90,10 +90,6 @@ UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.asy
 # The act kernel's block with four stages: 4 x 48 KB and the epilogue's 16 KB staging buffer (208 KB).
 UP_TILE = (*ACT_TILE[:3], 4)
 UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
-# The up and dh' kernels: each block's first row and expert end read blocks ahead (``blocks_ahead``, as the FP8 kernels
-# read them), else the end only after the block's main loop, its load's latency between that loop and the epilogue's
-# stores. Off until timed (docs/PERFORMANCE.md; ``tools.kernels`` times the other setting beside the layer's).
-ROWS_READ_AHEAD = False
 
 # The weight gradients' block with a finer ring: 6 stages of BK 32 (24 KB) beside the 64 KB output block (208 KB). The
 # same ring bytes as WS_TILE's 3 x 48 KB, in stages of half the size, so that the one or two the MMAs hold keep half the
@@ -197,28 +193,6 @@ def expert_end(offsets_ptr, e, work):
     """Expert ``e``'s end row (its last sorted row + 1), read only if there is ``work`` (with none, ``e`` may be the
     idle marker E, past the offsets)."""
     return gl.load(offsets_ptr + e + 1, mask=work > 0, other=0)
-
-
-@gluon.jit
-def blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
-    """An MMA partition's view of its first two blocks, before its loop: the first one's first row and expert end,
-    the second one's expert and first row. The loop then reads each block's expert and first row two blocks ahead
-    and its expert's end one block ahead (``block_rows``, ``expert_end``), so that no load's latency stands between
-    a block's last MMA and its epilogue or the next block's first MMA. (In the FP8 kernels, read at the block's
-    start, the two dependent loads held both warpgroups there: their half-tile test ``first < end`` needs the end
-    before the first MMA is issued; the bf16 row kernels read the end after the main loop, ``ROWS_READ_AHEAD``.)"""
-    e, row0 = block_rows(gl.program_id(0), work, tile_expert_ptr, tile_row_ptr, num_n)
-    e_next, row0_next = block_rows(gl.program_id(0) + gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
-    return row0, expert_end(offsets_ptr, e, work), e_next, row0_next
-
-
-@gluon.jit
-def blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
-    """At block ``w``'s start, the reads ``blocks_ahead`` describes: the next block's expert end (its expert
-    ``e_next`` read a block ago; the end is used a block later) and the expert and first row of the block after it."""
-    end_next = expert_end(offsets_ptr, e_next, work)
-    e_after, row0_after = block_rows(w + 2 * gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
-    return end_next, e_after, row0_after
 
 
 @gluon.jit
@@ -563,10 +537,9 @@ def _combine_partition(rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K: gl.constexp
 
 @gluon.jit
 def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT, K,
-                      num_n, work, trace_ptr, READ_AHEAD: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """Default partition of ``_dh_ws_kernel``: the MMAs of each block and its masked epilogue; READ_AHEAD: each
-    block's first row and expert end read blocks ahead (``blocks_ahead``), else at its start and after its main
-    loop; TRACE: its stamps (partition 0 of ``TRACE_BLOCKS``)."""
+                      num_n, work, trace_ptr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """Default partition of ``_dh_ws_kernel``: the MMAs of each block and its masked epilogue; TRACE: its stamps
+    (partition 0 of ``TRACE_BLOCKS``)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -574,17 +547,10 @@ def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready
     acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
     out_layout: gl.constexpr = row_segments(BN, 2, num_warps)
     step = 0
-    if READ_AHEAD:
-        row0, end, e_next, row0_next = blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         block = block_index(w)
         stamp(trace_ptr, 0, block, 0, TRACE, num_warps)
-        if READ_AHEAD:
-            end_next, e_after, row0_after = blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr,
-                                                             num_n, work)
-            n0 = (w % num_n) * BN
-        else:
-            e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         for k in range(0, K, BK):
             s = step % STAGES
@@ -603,25 +569,21 @@ def _dh_mma_partition(out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready
         out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
         cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-        if not READ_AHEAD:
-            end = gl.load(offsets_ptr + e + 1)
-        mask = (rows < end)[:, None] & (cols < N_OUT)[None, :]
+        mask = (rows < gl.load(offsets_ptr + e + 1))[:, None] & (cols < N_OUT)[None, :]
         gl.store(out_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], out, mask=mask)
         stamp(trace_ptr, 0, block, 3, TRACE, num_warps)
-        if READ_AHEAD:
-            row0, end, e_next, row0_next = row0_next, end_next, e_after, row0_after
 
 
 @gluon.jit
 def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, x_ptr, x_sorted_ptr, slot_row_ptr,
                   T, N_OUT, K, E, trace_ptr, EB: gl.constexpr, TILE_M: gl.constexpr, TOP_K: gl.constexpr,
-                  STAGES: gl.constexpr, READ_AHEAD: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                  STAGES: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: (N, K) sorted dy rows, block (TILE_M, BK); w_desc: W2 (E, K, N_OUT), block (1, BK, BN); out (N, N_OUT)
     in sorted rows; other arguments as for ``expert_fwd.sorted_rows_gemm_kernel``. Blocks: the busy tiles
     (counted from the offsets; EB a power of two >= E) times the N-blocks. A third partition (``COPY_WARPS`` warps)
     copies x (T, K) into sorted rows (``x_sorted``, through each slot's sorted row ``slot_row``) for the kernels
-    after this one; with T = 0 it has nothing to do and returns. READ_AHEAD: ``ROWS_READ_AHEAD``. TRACE: the MMA
-    partition's and the loader's stamps into trace_ptr (int64, ``TRACE_BLOCKS``)."""
+    after this one; with T = 0 it has nothing to do and returns. TRACE: the MMA partition's and the loader's stamps
+    into trace_ptr (int64, ``TRACE_BLOCKS``)."""
     BN: gl.constexpr = w_desc.block_type.shape[2]
     num_n = gl.cdiv(N_OUT, BN)
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -631,7 +593,7 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
     empty = barriers(STAGES)
     gl.warp_specialize([
         (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT,
-                             K, num_n, work, trace_ptr, READ_AHEAD, TRACE, num_warps)),
+                             K, num_n, work, trace_ptr, TRACE, num_warps)),
         (_tiles_loader, (a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, w_bufs, K, num_n,
                          work, trace_ptr, False, TRACE)),
         (_scatter_rows_partition, (x_ptr, x_sorted_ptr, slot_row_ptr, offsets_ptr, T, K, E, TOP_K, COPY_WARPS)),
@@ -818,53 +780,41 @@ def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile
 
 @gluon.jit
 def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs,
-                      u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT: gl.constexpr,
-                      READ_AHEAD: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                      u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT: gl.constexpr, TRACE: gl.constexpr,
+                      num_warps: gl.constexpr):
     """Default partition of ``_up_ws_kernel``: both GEMMs of each block, then h = silu(g) * u, masked to the expert's
     rows and to I; with SAVE_PREACT also g and u, rounded to h's dtype, into preact (N, 2I) at columns n0 and
-    I + n0; each through the staging buffer (``store_staged``). READ_AHEAD: each block's first row and expert end
-    read blocks ahead (``blocks_ahead``), else at its start and after its main loop. TRACE: its stamps (partition 0
-    of ``TRACE_BLOCKS``)."""
+    I + n0; each through the staging buffer (``store_staged``). TRACE: its stamps (partition 0 of ``TRACE_BLOCKS``)."""
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
     acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
     dtype: gl.constexpr = h_ptr.dtype.element_ty
     step = 0
-    if READ_AHEAD:
-        row0, end, e_next, row0_next = blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         block = block_index(w)
         stamp(trace_ptr, 0, block, 0, TRACE, num_warps)
-        if READ_AHEAD:
-            end_next, e_after, row0_after = blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr,
-                                                             num_n, work)
-            n0 = (w % num_n) * BN
-        else:
-            e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
         acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, trace_ptr, block,
                                                acc_layout, True, TRACE, num_warps)
-        if not READ_AHEAD:
-            end = gl.load(offsets_ptr + e + 1)
+        end = gl.load(offsets_ptr + e + 1)
         h = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(dtype)
         store_staged(h, staging, h_ptr, row0, end, n0, I, I, num_warps)
         if SAVE_PREACT:
             store_staged(acc_g.to(dtype), staging, preact_ptr, row0, end, n0, 2 * I, I, num_warps)
             store_staged(acc_u.to(dtype), staging, preact_ptr + I, row0, end, n0, 2 * I, I, num_warps)
         stamp(trace_ptr, 0, block, 3, TRACE, num_warps)
-        if READ_AHEAD:
-            row0, end, e_next, row0_next = row0_next, end_next, e_after, row0_after
 
 
 @gluon.jit
 def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, D, I,
                   E, top_k, trace_ptr, EB: gl.constexpr, TILE_M: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                  LOADER_WARPS: gl.constexpr, SAVE_PREACT: gl.constexpr, READ_AHEAD: gl.constexpr,
-                  TRACE: gl.constexpr, num_warps: gl.constexpr):
+                  LOADER_WARPS: gl.constexpr, SAVE_PREACT: gl.constexpr, TRACE: gl.constexpr,
+                  num_warps: gl.constexpr):
     """The one-device up kernel (``expert_fwd._up_swiglu_fwd_kernel``): x (T, D)
     gathered by token, w13_desc (E, 2, I, D), block (1, 1, BN, BK); h (N, I) out in sorted rows, and with
     SAVE_PREACT the gate/up products (N, 2I) into preact (the saved-activation mode). Blocks:
     the busy tiles times the I-blocks. Each ready barrier counts the loader's TMA arrival and one
     ``cp.async`` arrival per loader thread. The epilogue's stores go through a staging buffer of half a block.
-    READ_AHEAD: ``ROWS_READ_AHEAD``. TRACE: the MMA partition's and the loader's stamps into trace_ptr (int64, ``TRACE_BLOCKS``)."""
+    TRACE: the MMA partition's and the loader's stamps into trace_ptr (int64, ``TRACE_BLOCKS``)."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     num_n = gl.cdiv(I, BN)
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -878,8 +828,7 @@ def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
     empty = barriers(STAGES)
     gl.warp_specialize([
         (_up_mma_partition, (h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
-                             g_bufs, u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT, READ_AHEAD, TRACE,
-                             num_warps)),
+                             g_bufs, u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT, TRACE, num_warps)),
         (_up_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
                       g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, TRACE, LOADER_WARPS)),
     ], [LOADER_WARPS], [80])
@@ -949,12 +898,11 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
 
 def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,
           copy_x: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None, *,
-          read_ahead: bool | None = None, trace: torch.Tensor | None = None) -> None:
+          trace: torch.Tensor | None = None) -> None:
     """``expert_bwd.dh_sorted``'s product through ``_dh_ws_kernel`` into ``out_NI`` (sorted rows); 16-bit operands
     on an sm90 GPU (``ws_supported``), at least one row; ``tile_m`` the plan's tile height. ``copy_x``: (x (T, D),
     x_sorted (N, D) out, slot_row (N,) each slot's sorted row, top_k), the rows of x to copy into sorted order
-    beside the MMAs. ``read_ahead``: the blocks' rows read ahead (None: ``ROWS_READ_AHEAD``); ``trace``: the block
-    trace (``trace_args``)."""
+    beside the MMAs. ``trace``: the block trace (``trace_args``)."""
     bm, bn, bk, stages = WS_TILE
     assert bm == tile_m, "a block is one plan tile"
     num_experts = w2_EDI.shape[0]
@@ -966,8 +914,7 @@ def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor
                w_desc=_desc(w2_EDI, [1, bk, bn]), out_ptr=out_NI, offsets_ptr=plan.offsets_E1,
                tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, x_ptr=x, x_sorted_ptr=x_sorted,
                slot_row_ptr=slot_row, T=x.shape[0], N_OUT=out_NI.shape[1], K=dy_sorted_ND.shape[1], E=num_experts,
-               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, TOP_K=top_k,
-               READ_AHEAD=ROWS_READ_AHEAD if read_ahead is None else read_ahead, **trace_args(trace, plan.offsets_E1))
+               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, TOP_K=top_k, **trace_args(trace, plan.offsets_E1))
 
 
 def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tensor, weights_N: torch.Tensor, plan,
@@ -990,13 +937,11 @@ def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tenso
 
 
 def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, plan, top_k: int, tile_m: int,
-                 preact_NH: torch.Tensor | None = None, *, read_ahead: bool | None = None,
-                 trace: torch.Tensor | None = None) -> None:
+                 preact_NH: torch.Tensor | None = None, *, trace: torch.Tensor | None = None) -> None:
     """``expert_fwd.up_swiglu_fwd``'s one-device kernel through ``_up_ws_kernel`` into ``h_NI`` (and the gate/up
     products into ``preact_NH``, (N, 2I) in x's dtype, if given); 16-bit operands on an sm90 GPU
     (``ws_supported``), x contiguous with 16-byte aligned rows, at least one row; ``tile_m`` the plan's tile
-    height. ``read_ahead``: the blocks' rows read ahead (None: ``ROWS_READ_AHEAD``); ``trace``: the block trace
-    (``trace_args``)."""
+    height. ``trace``: the block trace (``trace_args``)."""
     bm, bn, bk, stages = UP_TILE
     assert bm == tile_m, "a block is one plan tile"
     num_experts, two_i, dim = w13_EHD.shape
@@ -1006,8 +951,7 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
                preact_ptr=h_NI if preact_NH is None else preact_NH, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
                tile_row_ptr=plan.tile_row_NT, D=dim, I=inter, E=num_experts, top_k=top_k,
                EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, LOADER_WARPS=UP_LOADER_WARPS,
-               SAVE_PREACT=preact_NH is not None, READ_AHEAD=ROWS_READ_AHEAD if read_ahead is None else read_ahead,
-               **trace_args(trace, plan.offsets_E1))
+               SAVE_PREACT=preact_NH is not None, **trace_args(trace, plan.offsets_E1))
 
 
 # The Gluon kernels by name, for the ahead-of-time compile check (``tools.resources``).

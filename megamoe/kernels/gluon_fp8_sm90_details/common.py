@@ -1,6 +1,5 @@
 """Device helpers shared by the FP8 Gluon kernels (``gluon_fp8_sm90``): the ring of stages and its waits, a
-warpgroup's MMA chain and its promotion, and the FP8 groups' scales (the blocks' look-ahead, shared with the bf16
-kernels, is ``gluon_sm90.blocks_ahead``)."""
+warpgroup's MMA chain and its promotion, the blocks' look-ahead and the FP8 groups' scales."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
 
-from megamoe.kernels.gluon_sm90 import barriers
+from megamoe.kernels.gluon_sm90 import barriers, block_rows, expert_end
 
 FP8_MAX = gl.constexpr(448.0)  # largest finite float8_e4m3fn
 AMAX_FLOOR = gl.constexpr(1e-12)  # an all-zero group's amax, as ``quant.AMAX_FLOOR``
@@ -79,6 +78,27 @@ def ring(a_desc, b_desc, B_SCALE_ROWS: gl.constexpr, B_SCALES: gl.constexpr, STA
     as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, a_desc.block_type.shape[0] // 2], scale_layout)
     bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * B_SCALE_ROWS, B_SCALES], scale_layout)
     return a_bufs, b_bufs, as_bufs, bs_bufs, barriers(STAGES, 1 + 32 * LOADER_WARPS), barriers(STAGES, 2)
+
+
+@gluon.jit
+def blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
+    """An MMA partition's view of its first two blocks, before its loop: the first one's first row and expert end,
+    the second one's expert and first row. The loop then reads each block's expert and first row two blocks ahead
+    and its expert's end one block ahead (``block_rows``, ``expert_end``), so that no load's latency stands between
+    a block's last MMA and the next one's first. (Read at the block's start, the two dependent loads held both
+    warpgroups there: the half-tile test ``first < end`` needs the end before the first MMA is issued.)"""
+    e, row0 = block_rows(gl.program_id(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+    e_next, row0_next = block_rows(gl.program_id(0) + gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+    return row0, expert_end(offsets_ptr, e, work), e_next, row0_next
+
+
+@gluon.jit
+def blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work):
+    """At block ``w``'s start, the reads ``blocks_ahead`` describes: the next block's expert end (its expert
+    ``e_next`` read a block ago; the end is used a block later) and the expert and first row of the block after it."""
+    end_next = expert_end(offsets_ptr, e_next, work)
+    e_after, row0_after = block_rows(w + 2 * gl.num_programs(0), work, tile_expert_ptr, tile_row_ptr, num_n)
+    return end_next, e_after, row0_after
 
 
 @gluon.jit

@@ -14,6 +14,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
     block_scales,
+    blocks_ahead,
+    blocks_ahead_of,
     issue_chain,
     pass_stages,
     promote,
@@ -22,8 +24,6 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
 )
 from megamoe.kernels.gluon_sm90 import (
     block_index,
-    blocks_ahead,
-    blocks_ahead_of,
     count_busy_tiles,
     next_slot,
     row_segments,

@@ -16,6 +16,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
     AMAX_FLOOR,
     block_scales,
+    blocks_ahead,
+    blocks_ahead_of,
     fp8_scales,
     issue_chain,
     pass_stages,
@@ -25,8 +27,6 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
 from megamoe.kernels.gluon_sm90 import (
     barriers,
     block_index,
-    blocks_ahead,
-    blocks_ahead_of,
     count_busy_tiles,
     next_slot,
     staged_layout,
