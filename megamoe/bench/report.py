@@ -49,7 +49,7 @@ def table(runs: list[dict]) -> str:
     lines = [("| problem | impl | fwd ms | fwd+bwd ms | AC step ms | TFLOP/s | of dense | kept MiB | "
               "AC-step speed-up vs compiled |"), "|---|---|---|---|---|---|---|---|---|"]
     for info in runs:
-        problem = f"{info['preset']} T={info['tokens']} {info['routing']}"
+        problem = f"{info['preset']} T={info['tokens']} {info['routing']} ({_gpu(info)})"
         for r in info["results"]:
             sp = r.get("speedup_vs_grouped_mm_compiled", {}).get("ac_step_ms")
             lines.append(f"| {problem} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
@@ -112,11 +112,17 @@ def plot_loopback(info: dict, path: Path) -> None:
 
 
 def _versions(runs: list[dict]) -> str:
-    """GPU, versions and dates of ``runs``, as one line."""
+    """GPUs (each that ran one of ``runs``), versions and dates of ``runs``, as one line."""
     first = runs[0] if runs else {}
+    gpus = " and ".join(dict.fromkeys(info.get("gpu", "?") for info in runs)) or "?"
     dates = sorted(info.get("date", "?")[:10] for info in runs) or ["?"]
     versions = ", ".join(f"{lib} {first[lib]}" for lib in ("torch", "triton") if lib in first)
-    return f"{first.get('gpu', '?')}, {versions}, {dates[0]}{'' if dates[0] == dates[-1] else ' to ' + dates[-1]}"
+    return f"{gpus}, {versions}, {dates[0]}{'' if dates[0] == dates[-1] else ' to ' + dates[-1]}"
+
+
+def _gpu(info: dict) -> str:
+    """A run's GPU, short: "H200" for "NVIDIA H200", "H100" for "NVIDIA H100 80GB HBM3"."""
+    return (info.get("gpu") or "?").removeprefix("NVIDIA ").split()[0]
 
 
 def _present(impls: dict[str, str], runs: list[dict]) -> dict[str, str]:
@@ -183,8 +189,10 @@ def _code(info: dict) -> str:
 
 
 def _problem(info: dict) -> str:
-    """A run's problem and when and on what code it ran: "30b T=16384 random (2026-12-03, bddbc03)"."""
-    return f"{info['preset']} T={info['tokens']} {info['routing']} ({info.get('date', '?')[:10]}, {_code(info)})"
+    """A run's problem and on what GPU, when and on what code it ran: "30b T=16384 random (H200, 2026-12-03,
+    bddbc03)"."""
+    return (f"{info['preset']} T={info['tokens']} {info['routing']} ({_gpu(info)}, {info.get('date', '?')[:10]}, "
+            f"{_code(info)})")
 
 
 def sonicmoe_table(runs: list[dict]) -> str:
