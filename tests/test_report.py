@@ -89,9 +89,9 @@ def test_sonicmoe_table_divides_sonicmoes_times_by_megamoes():
                         row("megamoe", 2, 5, 5, 0), row("megamoe_saved", 3, 4, 7, 2**21)]}
     no_sonic = {**info, "preset": "q", "results": info["results"][2:]}
     lines = report.sonicmoe_table([info, no_sonic]).splitlines()
-    assert lines[2:5] == ["| p T=8 random (d, 0123abc) | sonicmoe | 2.00 | 8.00 | 10.00 | 2 | 3 |  |  |",
-                          "| p T=8 random (d, 0123abc) | megamoe | 2.00 | 5.00 | 5.00 | 0 |  | 1.60x | **2.00x** |",
-                          "| p T=8 random (d, 0123abc) | megamoe_saved | 3.00 | 4.00 | 7.00 | 2 |  | 2.00x | **1.43x** |"]
+    assert lines[2:5] == ["| p T=8 random (G, d, 0123abc) | sonicmoe | 2.00 | 8.00 | 10.00 | 2 | 3 |  |  |",
+                          "| p T=8 random (G, d, 0123abc) | megamoe | 2.00 | 5.00 | 5.00 | 0 |  | 1.60x | **2.00x** |",
+                          "| p T=8 random (G, d, 0123abc) | megamoe_saved | 3.00 | 4.00 | 7.00 | 2 |  | 2.00x | **1.43x** |"]
     assert lines[5] == "" and "default config (pinned)" in lines[6]
 
 
@@ -105,7 +105,7 @@ def test_fp8_table_divides_each_bf16_twins_and_the_fp8_baselines_times_by_megamo
                         row("megamoe_fp8_saved", 2, 5, 7, 2**21), row("grouped_mm_fp8_compiled", 5, 12, 18, 2**22)]}
     no_fp8 = {**info, "preset": "q", "results": info["results"][:1]}
     lines = report.fp8_table([info, no_fp8]).splitlines()
-    problem = "p T=8 random (d, digest feedbee)"  # a run on uncommitted code is named by its source digest
+    problem = "p T=8 random (G, d, digest feedbee)"  # a run on uncommitted code is named by its source digest
     assert lines[2:7] == [f"| {problem} | megamoe | 2.00 | 9.00 | 9.00 | 0 |  | 2.00x |",
                           f"| {problem} | megamoe_fp8 | 1.00 | 6.00 | 6.00 | 0 | **1.50x** | 3.00x |",
                           f"| {problem} | megamoe_saved | 3.00 | 8.00 | 11.00 | 2 |  | 1.64x |",
@@ -131,10 +131,27 @@ def test_readme_tables_keep_each_problems_newest_run():
         firsts = [line.split(" | ")[0] for line in table.splitlines()[2:] if line.startswith("| ")]
         return list(dict.fromkeys(firsts))
 
-    a, b, b_baseline = ("| a T=8 random (2026-02-01, 0123abc)", "| b T=8 random (2026-03-01, 0123abc)",
-                        "| b T=8 random (2026-02-01, 0123abc)")
+    a, b, b_baseline = ("| a T=8 random (G, 2026-02-01, 0123abc)", "| b T=8 random (G, 2026-03-01, 0123abc)",
+                        "| b T=8 random (G, 2026-02-01, 0123abc)")
     assert problems(report.sonicmoe_table(runs)) == [a, b]
     assert problems(report.fp8_table(runs)) == [a, b, b_baseline]
+
+
+def test_tables_name_each_runs_gpu():
+    """A table of runs on two GPUs names each row's GPU, short, and lists both GPUs in full below it."""
+    def run(gpu, date):
+        return {"preset": "p", "tokens": 8, "routing": "random", "gpu": gpu, "torch": "t", "triton": "3",
+                "date": date, "commit": "0123abcdef", "sonicmoe_gemms": "c",
+                "results": [{"impl": impl, "fwd_ms": 1, "fwd_bwd_ms": 2, "ac_step_ms": 2, "saved_activation_bytes": 0}
+                            for impl in ("megamoe", "megamoe_fp8", "grouped_mm_fp8_compiled")]}
+
+    runs = [run("NVIDIA H200", "2026-01-01"), run("NVIDIA H100 80GB HBM3", "2026-02-01")]
+    table = report.fp8_table(runs)
+    firsts = list(dict.fromkeys(line.split(" | ")[0] for line in table.splitlines()[2:] if line.startswith("| ")))
+    assert firsts == ["| p T=8 random (H100, 2026-02-01, 0123abc)"]  # the problem's newest run only
+    assert "\nNVIDIA H100 80GB HBM3, torch t, triton 3, 2026-02-01; " in table
+    both = report._versions(runs)
+    assert both.startswith("NVIDIA H200 and NVIDIA H100 80GB HBM3, torch t, triton 3, 2026-01-01 to 2026-02-01")
 
 
 def test_train_table_names_micro_batches_and_code(tmp_path):
