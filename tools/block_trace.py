@@ -37,6 +37,15 @@ def stamps(trace: torch.Tensor, programs: int) -> list:
                                                          gluon_sm90.TRACE_POINTS.value).tolist()
 
 
+def cycles_per_us(blocks: list) -> float:
+    """A partition's cycle counter's rate over a launch: its programs' cycle spans (first block's start to last
+    block's end) over their global-timer spans, summed; ``blocks`` per program its stamped blocks (``stamps``' [block]
+    lists whose start was stamped)."""
+    spans = [(b[-1][0][3] - b[0][0][0], b[-1][1][3] - b[0][1][0]) for b in blocks if b]
+    ns = sum(n for _, n in spans)
+    return sum(c for c, _ in spans) / ns * 1e3 if ns > 0 else float("nan")
+
+
 def block_phases(trace: torch.Tensor, programs: int,
                  parts: dict[str, int] | None = None) -> dict[str, dict[str, float]]:
     """Per partition named in ``parts`` (name -> its index in the trace; None: the FP8 kernels' ``WARPGROUPS``), the
@@ -50,9 +59,7 @@ def block_phases(trace: torch.Tensor, programs: int,
     samples: dict[str, dict[str, list[float]]] = {name: {k: [] for k in PHASES} for name in parts}
     sums = {name: [0.0, 0.0] for name in parts}  # main, block: over the busy blocks that have a next one
     for name, part in parts.items():
-        spans = [(b[-1][0][3] - b[0][0][0], b[-1][1][3] - b[0][1][0]) for b in taken[part] if b]
-        ns = sum(n for _, n in spans)
-        per_us = sum(c for c, _ in spans) / ns * 1e3 if ns > 0 else float("nan")  # cycles per us
+        per_us = cycles_per_us(taken[part])
         out = samples[name]
         for prog, blocks, first in zip(progs, taken[part], taken[0]):
             loader = prog[LOADER]
@@ -78,3 +85,71 @@ def block_phases(trace: torch.Tensor, programs: int,
     return {name: {**{k: statistics.median(v) if v else float("nan") for k, v in phases.items()},
                    "share": sums[name][0] / sums[name][1] if sums[name][1] > 0 else float("nan")}
             for name, phases in samples.items()}
+
+
+# The weight gradients' blocks by their expert's rows (``blocks_by_rows``), against the launch's mean rows per expert.
+ROW_CLASSES = {
+    "tiny": "at most 2 K-steps",
+    "small": "more, but under half the mean rows",
+    "mean": "half to twice the mean rows",
+    "big": "over twice the mean rows",
+}
+BY_ROWS = {
+    "blocks": "the class's blocks",
+    "rows": "their experts' median rows",
+    "wait": "median us, start -> first stage ready",
+    "main": "median us, first stage ready -> main loop done",
+    "per step": "median us of the main loop per K-step",
+    "rest": "median us, main loop done -> next block's start (the last block: its end): epilogue, store",
+    "share": "the class's part of the programs' time (its blocks' start -> next start or end)",
+}
+
+
+def row_class(rows: int, mean: float, bk: int) -> str:
+    """A weight-gradient block's class in ``ROW_CLASSES``: its expert's ``rows`` against ``mean`` rows, ``bk`` a
+    K-step."""
+    if -(-rows // bk) <= 2:
+        return "tiny"
+    if rows < mean / 2:
+        return "small"
+    return "mean" if rows <= 2 * mean else "big"
+
+
+def blocks_by_rows(trace: torch.Tensor, programs: int, part: int, block_rows: list[list[int]],
+                   bk: int) -> dict:
+    """A weight-gradient launch's blocks of partition ``part`` by their experts' rows: ``block_rows`` holds, per
+    program, its blocks' expert rows in the order it ran them (``tools.wgrad_schedule.program_blocks``), ``bk`` rows
+    a K-step. Per class of ``ROW_CLASSES`` (against the mean over blocks: every expert has as many blocks) the figures
+    of ``BY_ROWS``; "tail": the last program's end after the median program's (us, by the global timer, which the SMs
+    share); "traced": whether every block was stamped (a program holds ``TRACE_BLOCKS`` at most)."""
+    progs = stamps(trace, programs)
+    blocks = [prog[part][:len(rows)] for prog, rows in zip(progs, block_rows)]
+    per_us = cycles_per_us([[b for b in prog if b[0][0] >= 0] for prog in blocks])
+    mean = sum(map(sum, block_rows)) / max(1, sum(map(len, block_rows)))
+    samples = {c: {k: [] for k in ("rows", "wait", "main", "per step", "rest")} for c in ROW_CLASSES}
+    time = dict.fromkeys(ROW_CLASSES, 0.0)
+    ends = []
+    for prog, rows in zip(blocks, block_rows):
+        for i, ((cyc, _), r) in enumerate(zip(prog, rows)):
+            if cyc[0] < 0 or cyc[3] < 0:
+                continue
+            c = samples[row_class(r, mean, bk)]
+            nxt = prog[i + 1][0][0] if i + 1 < len(prog) and prog[i + 1][0][0] >= 0 else cyc[3]
+            c["rows"].append(r)
+            c["wait"].append((cyc[1] - cyc[0]) / per_us)
+            c["main"].append((cyc[2] - cyc[1]) / per_us)
+            if r:
+                c["per step"].append((cyc[2] - cyc[1]) / per_us / -(-r // bk))
+            c["rest"].append((nxt - cyc[2]) / per_us)
+            time[row_class(r, mean, bk)] += (nxt - cyc[0]) / per_us
+        done = [b[1][3] for b in prog if b[1][3] >= 0]
+        if done:
+            ends.append(max(done))
+    total = sum(time.values())
+    classes = {c: {"blocks": len(v["rows"]),
+                   **{k: statistics.median(x) if x else float("nan") for k, x in v.items()},
+                   "share": time[c] / total if total > 0 else float("nan")}
+               for c, v in samples.items()}
+    tail = (max(ends) - statistics.median(ends)) / 1e3 if ends else float("nan")
+    traced = all(len(rows) <= gluon_sm90.TRACE_BLOCKS.value for rows in block_rows)
+    return {"classes": classes, "mean_rows": mean, "tail_us": tail, "traced": traced}

@@ -12,6 +12,11 @@ bitwise the untraced ones, and reports per partition the medians per block (us) 
 for the act kernel, "epilogue" (its SwiGLU-backward partition: "wait" is its wait for the block's products, "main"
 its work on them). "main TF/s" is the kernel's rate over its MMA partition's share: the rate of its main loops.
 The stamps cost a few percent of the kernel's time: the phases say where the time goes, not the exact time.
+For the weight gradients also their blocks by their experts' rows (``tools.block_trace.blocks_by_rows``, the blocks
+dealt as the layer deals them, ``tools.wgrad_schedule.program_blocks``): per class of expert size the blocks' phases,
+their main loop per K-step and their part of the programs' time, and the launch's tail (its last program's end after
+the median program's): under a skewed routing, whether the big experts' K-steps run slower, the small experts'
+blocks cost more than their K-steps, or the programs end apart.
 Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit, command):
 ``kernels-block-trace-PRESET-tTOKENS[-ROUTING].json`` (the routing named where it is not random).
 """
@@ -30,9 +35,25 @@ from megamoe.bench.common import PRESETS, ROUTINGS, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd, gluon_sm90
 from megamoe.kernels.plan import BLOCK_M, build_plan
 from megamoe.provenance import write_record
-from tools.block_trace import COLUMNS, block_phases
+from tools.block_trace import (
+    BY_ROWS,
+    COLUMNS,
+    ROW_CLASSES,
+    block_phases,
+    blocks_by_rows,
+)
+from tools.wgrad_schedule import program_blocks
 
 KERNELS = ["up", "up_saved", "dh", "act", "dw13", "dw2"]
+
+
+def wgrad_block_rows(name: str, expert_rows: list[int], dim: int, inter: int, programs: int) -> list[list[int]]:
+    """The weight gradient ``name``'s (dw13: (2I, D) per expert, dw2: (D, I)) blocks as the layer deals them
+    (``gluon_sm90.WGRAD_TILE``, ``WGRAD_BY_SIZE``) to at most ``programs`` programs: per program, its blocks' expert
+    rows in order (``program_blocks``)."""
+    bm, bn, _, _ = gluon_sm90.WGRAD_TILE
+    p, q = (2 * inter, dim) if name == "dw13" else (dim, inter)
+    return program_blocks(expert_rows, -(-p // bm) * -(-q // bn), gluon_sm90.WGRAD_BY_SIZE, programs)
 
 
 def launches(problem, num_experts: int) -> dict:
@@ -76,6 +97,18 @@ def launches(problem, num_experts: int) -> dict:
     }
 
 
+def by_rows_table(name: str, found: dict) -> str:
+    """``blocks_by_rows``' figures for the weight gradient ``name`` as the tool prints them."""
+    lines = [f"{name}: blocks by their experts' rows (mean {found['mean_rows']:.0f}; {', '.join(ROW_CLASSES)}: "
+             f"{'; '.join(ROW_CLASSES.values())}), tail {found['tail_us']:.1f} us"
+             + ("" if found["traced"] else " (programs past the trace's blocks: the first ones only)"),
+             f"  {'class':6s} " + " ".join(f"{k:>8s}" for k in BY_ROWS)]
+    for cls, ph in found["classes"].items():
+        lines.append(f"  {cls:6s} " + " ".join(f"{ph[k]:8.0f}" if k in ("blocks", "rows") else f"{ph[k]:8.2f}"
+                                               for k in BY_ROWS))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     from triton.testing import do_bench
 
@@ -103,7 +136,8 @@ def main(argv=None) -> None:
     print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  {args.routing}  (medians per block, us)")
     print(f"{'kernel':8s} {'ms':>6s} {'traced':>6s} {'TF/s':>5s} {'main':>5s}  {'partition':9s} "
           + " ".join(f"{k:>7s}" for k in COLUMNS))
-    results = []
+    expert_rows = build_plan(problem[1], num_experts).offsets_E1.diff().tolist()
+    results, by_rows = [], {}
     for name in args.kernels:
         launch, fresh, flops, parts = runs[name]
         outs = fresh()
@@ -120,16 +154,22 @@ def main(argv=None) -> None:
         main_tflops = tflops / phases["mma"]["share"]
         results.append({"kernel": name, "ms": ms, "traced_ms": traced_ms, "tflops": tflops,
                         "main_loop_tflops": main_tflops, "phases": phases})
+        if name in ("dw13", "dw2"):
+            rows = wgrad_block_rows(name, expert_rows, dim, inter, programs)
+            by_rows[name] = results[-1]["by_rows"] = blocks_by_rows(trace.cpu(), len(rows), 0, rows,
+                                                                   gluon_sm90.WGRAD_TILE[2])
         for part, ph in phases.items():
             print(f"{name:8s} {ms:6.3f} {traced_ms:6.3f} {tflops:5.0f} {main_tflops:5.0f}  {part:9s} "
                   + " ".join(f"{ph[k]:7.2f}" for k in COLUMNS), flush=True)
+    for name, found in by_rows.items():
+        print(by_rows_table(name, found), flush=True)
     if args.out:
         named = "" if args.routing == "random" else f"-{args.routing}"
         write_record(args.out, f"kernels-block-trace-{args.preset}-t{args.tokens}{named}.json",
                      "python -m tools.kernels_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                      preset=args.preset, tokens=args.tokens, routing=args.routing, phases=COLUMNS,
                      main_loop_tflops="the kernel's TFLOP/s over its MMA partition's share: its main loops' rate",
-                     kernels=results)
+                     row_classes=ROW_CLASSES, by_rows=BY_ROWS, kernels=results)
 
 
 if __name__ == "__main__":

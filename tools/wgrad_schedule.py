@@ -33,20 +33,31 @@ def expert_rows(routing: str, num_tokens: int, num_experts: int, top_k: int) -> 
     return torch.bincount(idx.reshape(-1), minlength=num_experts).tolist()
 
 
+def program_blocks(rows: list[int], blocks_per_expert: int, by_size: bool,
+                   programs: int = PROGRAMS) -> list[list[int]]:
+    """Each program's blocks in the order it runs them, as their experts' rows, for experts of ``rows`` rows with
+    ``blocks_per_expert`` blocks each, dealt to a grid-stride loop of ``programs`` programs (fewer where there are fewer
+    blocks) as ``gluon_sm90.wgrad_block`` deals them: in expert order or (``by_size``) the experts by their rows, most
+    first (ties: the lower index first, as ``plan.experts_by_size``), each full round of blocks from alternate ends."""
+    experts = sorted(range(len(rows)), key=lambda e: (-rows[e], e)) if by_size else range(len(rows))
+    blocks = [rows[e] for e in experts for _ in range(blocks_per_expert)]
+    n = min(programs, len(blocks))
+    dealt: list[list[int]] = [[] for _ in range(n)]
+    for w in range(len(blocks)):
+        r, j = divmod(w, n)
+        back = by_size and r % 2 == 1 and (r + 1) * n <= len(blocks)
+        dealt[j].append(blocks[w + (n - 1 - 2 * j if back else 0)])
+    return dealt
+
+
 def makespan(rows: list[int], blocks_per_expert: int, bk: int, block_cost: float, by_size: bool,
              programs: int = PROGRAMS) -> float:
     """The most loaded program's K-steps (and ``block_cost`` per block) over the mean, for experts of ``rows`` rows,
     each with ``blocks_per_expert`` blocks of ceil(rows / ``bk``) K-steps, in expert order or (``by_size``) in size
-    order dealt from alternate ends."""
-    experts = sorted(range(len(rows)), key=lambda e: (-rows[e], e)) if by_size else range(len(rows))
-    cost = [-(-rows[e] // bk) + block_cost for e in experts for _ in range(blocks_per_expert)]
-    n = min(programs, len(cost))
-    load = [0.0] * n
-    for w in range(len(cost)):
-        r, j = divmod(w, n)
-        back = by_size and r % 2 == 1 and (r + 1) * n <= len(cost)
-        load[j] += cost[w + (n - 1 - 2 * j if back else 0)]
-    return max(load) / (sum(cost) / n)
+    order dealt from alternate ends (``program_blocks``)."""
+    load = [sum(-(-r // bk) + block_cost for r in blocks)
+            for blocks in program_blocks(rows, blocks_per_expert, by_size, programs)]
+    return max(load) / (sum(load) / len(load))
 
 
 def makespan_dynamic(rows: list[int], blocks_per_expert: int, bk: int, block_cost: float,

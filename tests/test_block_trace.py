@@ -1,0 +1,51 @@
+"""``tools.block_trace.blocks_by_rows``: a weight-gradient trace read by its blocks' expert rows (CPU, stamps written
+by hand), and ``tools.wgrad_schedule.program_blocks``, the blocks' order it reads them in."""
+
+import math
+
+import pytest
+import torch
+
+from megamoe.kernels import gluon_sm90 as g
+from tools.block_trace import blocks_by_rows, row_class
+from tools.kernels_trace import by_rows_table
+from tools.wgrad_schedule import program_blocks
+
+
+def test_program_blocks_deals_as_the_kernels_do():
+    """Experts of 5, 1 and 3 rows, two blocks each, over two programs: in expert order each program takes every other
+    block; by size (5, 3, 1) the second full round runs from the other end (``gluon_sm90.dealt_block``)."""
+    assert program_blocks([5, 1, 3], 2, False, 2) == [[5, 1, 3], [5, 1, 3]]
+    assert program_blocks([5, 1, 3], 2, True, 2) == [[5, 3, 1], [5, 3, 1]]
+    assert program_blocks([5, 1, 3, 2], 1, True, 3) == [[5, 1], [3], [2]]  # a partial last round as it comes
+    assert program_blocks([5, 1], 1, True, 8) == [[5], [1]]  # fewer blocks than programs: one program each
+
+
+def test_row_classes_against_the_mean():
+    assert [row_class(r, 1000.0, 32) for r in (0, 64, 65, 499, 500, 2000, 2001)] == [
+        "tiny", "tiny", "small", "small", "mean", "mean", "big"]
+
+
+def test_blocks_by_rows_reads_a_known_trace():
+    """Two programs, the cycle counter at 2 per ns: program 0 a block of 200 rows (7 K-steps of 32; "big" against the
+    mean of 93) then one of 40 (2 K-steps, "tiny"), program 1 one of 40. Each phase per class, the classes' parts of
+    the programs' time, and the tail: the last program's end after the median's."""
+    t = torch.full((2, g.TRACE_PARTS.value, g.TRACE_BLOCKS.value, 2, g.TRACE_POINTS.value), -1, dtype=torch.int64)
+    for prog, block, ns in ((0, 0, (0, 500, 7_500, 8_000)), (0, 1, (9_000, 9_500, 10_500, 12_500)),
+                            (1, 0, (0, 1_000, 2_000, 5_000))):
+        t[prog, 0, block, 1] = torch.tensor(ns)
+        t[prog, 0, block, 0] = 2 * torch.tensor(ns) + 123  # a counter of its own per SM: only its differences count
+    found = blocks_by_rows(t.flatten(), 2, 0, [[200, 40], [40]], 32)
+    big, tiny = found["classes"]["big"], found["classes"]["tiny"]
+    assert big == pytest.approx({"blocks": 1, "rows": 200, "wait": 0.5, "main": 7.0, "per step": 1.0, "rest": 1.5,
+                                 "share": 9.0 / 17.5})
+    assert tiny == pytest.approx({"blocks": 2, "rows": 40, "wait": 0.75, "main": 1.0, "per step": 0.5, "rest": 2.5,
+                                  "share": 8.5 / 17.5})
+    assert found["classes"]["small"]["blocks"] == 0 and math.isnan(found["classes"]["small"]["main"])
+    assert found["mean_rows"] == pytest.approx(280 / 3)
+    assert found["tail_us"] == pytest.approx(12.5 - (12.5 + 5.0) / 2) and found["traced"]
+    assert not blocks_by_rows(t.flatten(), 2, 0, [[200, 40], [40] * (g.TRACE_BLOCKS.value + 1)], 32)["traced"]
+    table = by_rows_table("dw2", found).splitlines()
+    assert table[0].startswith("dw2: blocks by their experts' rows (mean 93;") and table[0].endswith("tail 3.8 us")
+    assert table[2].split() == ["tiny", "2", "40", "0.75", "1.00", "0.50", "2.50", f"{8.5 / 17.5:.2f}"]
+    assert table[3].split()[:2] == ["small", "0"] and table[3].split()[2] == "nan"
