@@ -10,6 +10,8 @@ Environment variables (documented in docs/USAGE.md):
 * ``MEGAMOE_FP8_WGRAD`` — ``1`` (default) or ``0``: FP8 or bf16 weight gradients in ``precision="fp8"``
   (:func:`fp8_wgrad_requested`);
 * ``MEGAMOE_LOW_PEAK_BACKWARD`` — ``0`` or ``1``: the one-GPU backward's order (:func:`low_peak_backward_requested`);
+* ``MEGAMOE_WGRAD_BY_SIZE`` — ``1`` (default) or ``0``: the weight-gradient kernels' blocks in order of their experts'
+  rows or in expert order (:func:`wgrad_by_size_requested`);
 * ``MEGAMOE_FP8_SCALES`` — ``fp32`` or ``pow2``: the FP8 recipe's scales (:func:`fp8_pow2_scales`);
 * ``MEGAMOE_EP_TIMEOUT_S`` — seconds one wait of the fused EP protocol spins before it gives up
   (:func:`megamoe.parallel.workspace.ep_timeout_s`);
@@ -65,6 +67,14 @@ def low_peak_backward_requested() -> bool:
     unset: that order in both memory modes; ``0``: dx's slot rows first, combined inside dW13's launch (faster by
     1-2%, one N x D block more at the backward's peak)."""
     return _switch("MEGAMOE_LOW_PEAK_BACKWARD", True)
+
+
+def wgrad_by_size_requested() -> bool:
+    """``MEGAMOE_WGRAD_BY_SIZE``: the default of ``megamoe.kernels.gluon_sm90.WGRAD_BY_SIZE``, read once, at import.
+    ``1`` or unset: the Gluon weight-gradient kernels (bf16 and FP8) deal their blocks in order of their experts'
+    rows, most first (faster under a skewed routing, docs/PERFORMANCE.md); ``0``: in expert order. The same outputs,
+    bit for bit, either way."""
+    return _switch("MEGAMOE_WGRAD_BY_SIZE", True)
 
 
 def ep_unbounded_waits() -> bool:

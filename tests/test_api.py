@@ -97,6 +97,7 @@ def test_ep_path_defaults_to_fused_where_it_runs_and_says_so_elsewhere(monkeypat
     ("MEGAMOE_DEBUG", "debug_checks_enabled", False),
     ("MEGAMOE_FP8_WGRAD", "fp8_wgrad_requested", True),
     ("MEGAMOE_LOW_PEAK_BACKWARD", "low_peak_backward_requested", True),
+    ("MEGAMOE_WGRAD_BY_SIZE", "wgrad_by_size_requested", True),
     ("MEGAMOE_EP_UNBOUNDED_WAITS", "ep_unbounded_waits", False),
 ])
 def test_on_off_switches_take_0_1_or_unset_and_refuse_the_rest(monkeypatch, name, reader, default):
@@ -114,6 +115,21 @@ def test_on_off_switches_take_0_1_or_unset_and_refuse_the_rest(monkeypatch, name
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=f"{name} must be 0, 1 or unset, not '{bad}'"):
             read()
+
+
+def test_wgrad_order_switch_is_read_at_import_by_both_weight_gradient_kernels():
+    """``MEGAMOE_WGRAD_BY_SIZE=0`` puts the bf16 and FP8 Gluon weight gradients' blocks in expert order for the
+    process (their launchers' default, ``gluon_sm90.WGRAD_BY_SIZE``); unset, by size."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from megamoe.kernels import gluon_fp8_sm90 as f, gluon_sm90 as g; "
+            "print(g.WGRAD_BY_SIZE, f.WGRAD_BY_SIZE)")
+    for value, expected in (("0", "False False"), ("", "True True")):
+        env = {**os.environ, "MEGAMOE_WGRAD_BY_SIZE": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.splitlines()[-1] == expected
 
 
 def test_default_comm_sms_leaves_small_gpus_their_sms(monkeypatch):

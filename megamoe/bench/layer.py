@@ -44,6 +44,7 @@ from megamoe.bench.common import (
     utc_now,
 )
 from megamoe.env import interpreting
+from megamoe.kernels import gluon_sm90
 from megamoe.kernels.tuning import autotune_enabled
 from megamoe.models import pin_quack_default_configs
 
@@ -337,6 +338,7 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
         "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k, "dtype": "bfloat16",
         "megamoe_backend": backend_for(torch.empty(0, device=device)),
         "megamoe_autotune": autotune_enabled(torch.bfloat16),
+        "megamoe_wgrad_by_size": gluon_sm90.WGRAD_BY_SIZE,  # MEGAMOE_WGRAD_BY_SIZE
     }
     if any(impl.name == "sonicmoe" for impl in impls):
         info["sonicmoe_gemms"] = "autotuned" if args.sonicmoe_autotune else "default config (pinned)"

@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megamoe.env import device_capability, sm_count
+from megamoe.env import device_capability, sm_count, wgrad_by_size_requested
 from megamoe.kernels.plan import experts_by_size
 
 # (BM, BN, BK, STAGES) of the GEMM kernels: 128x256 blocks, as the Triton kernels' usual pick at 16k tokens;
@@ -106,8 +106,8 @@ WGRAD_CONFIG = {**WS_CONFIG, "BK": WGRAD_TILE[2], "num_stages": WGRAD_TILE[3]}
 # in FP8 / bf16, dW13 at 1.18x / 1.21x; in size order 1.01-1.02x; random routing 1.01x either way; docs/PERFORMANCE.md).
 # The same blocks, each computed as before: the outputs are bitwise the same. Timed on an H100 (PERFORMANCE.md, "The
 # weight gradients under a skewed routing"): under the skewed routing 11-31% faster (bf16) and 3-22% (FP8), level under
-# the random one.
-WGRAD_BY_SIZE = True
+# the random one. ``MEGAMOE_WGRAD_BY_SIZE=0`` sets it off for a process (``env.wgrad_by_size_requested``).
+WGRAD_BY_SIZE = wgrad_by_size_requested()
 
 
 # The block trace of the Gluon GEMM kernels (``trace=`` of their launchers; read by ``tools.fp8_trace`` and
