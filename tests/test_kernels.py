@@ -926,6 +926,7 @@ def test_warp_specialized_kernel_traced_is_bitwise_the_untraced_and_stamps_every
         assert sum(c["share"] for c in found["classes"].values()) == pytest.approx(1.0)
         assert found["classes"]["tiny"]["blocks"] >= num_blocks // num_experts  # expert 15's, without rows
         assert found["tail_us"] >= 0
+        assert not any(c[k] < 0 for c in found["classes"].values() for k in ("wait", "main", "rest"))  # NaN: none
 
 
 @pytest.mark.gpu

@@ -136,9 +136,9 @@ def blocks_by_rows(trace: torch.Tensor, programs: int, part: int, block_rows: li
             c = samples[row_class(r, mean, bk)]
             nxt = prog[i + 1][0][0] if i + 1 < len(prog) and prog[i + 1][0][0] >= 0 else cyc[3]
             c["rows"].append(r)
-            c["wait"].append((cyc[1] - cyc[0]) / per_us)
-            c["main"].append((cyc[2] - cyc[1]) / per_us)
-            if r:
+            if cyc[1] >= 0:  # (an expert without rows runs no K-step: its block has no first stage)
+                c["wait"].append((cyc[1] - cyc[0]) / per_us)
+                c["main"].append((cyc[2] - cyc[1]) / per_us)
                 c["per step"].append((cyc[2] - cyc[1]) / per_us / -(-r // bk))
             c["rest"].append((nxt - cyc[2]) / per_us)
             time[row_class(r, mean, bk)] += (nxt - cyc[0]) / per_us
