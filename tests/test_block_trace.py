@@ -44,6 +44,7 @@ def test_blocks_by_rows_reads_a_known_trace():
     assert found["classes"]["small"]["blocks"] == 0 and math.isnan(found["classes"]["small"]["main"])
     assert found["mean_rows"] == pytest.approx(280 / 3)
     assert found["tail_us"] == pytest.approx(12.5 - (12.5 + 5.0) / 2) and found["traced"]
+    assert found["span_us"] == pytest.approx(12.5)
     assert not blocks_by_rows(t.flatten(), 2, 0, [[200, 40], [40] * (g.TRACE_BLOCKS.value + 1)], 32)["traced"]
     empty = t.clone()  # program 1's block of an expert without rows: no K-step, so no first stage (point 1)
     empty[1, 0, 0, :, 1] = -1
@@ -51,6 +52,7 @@ def test_blocks_by_rows_reads_a_known_trace():
     assert none["classes"]["tiny"] == pytest.approx({"blocks": 2, "rows": 20, "wait": 0.5, "main": 1.0,
                                                      "per step": 0.5, "rest": 2.5, "share": 8.5 / 17.5})
     table = by_rows_table("dw2", found).splitlines()
-    assert table[0].startswith("dw2: blocks by their experts' rows (mean 93;") and table[0].endswith("tail 3.8 us")
+    assert table[0].startswith("dw2: blocks by their experts' rows (mean 93;")
+    assert table[0].endswith("span 12.5 us, tail 3.8 us")
     assert table[2].split() == ["tiny", "2", "40", "0.75", "1.00", "0.50", "2.50", f"{8.5 / 17.5:.2f}"]
     assert table[3].split()[:2] == ["small", "0"] and table[3].split()[2] == "nan"

@@ -120,15 +120,17 @@ def blocks_by_rows(trace: torch.Tensor, programs: int, part: int, block_rows: li
     """A weight-gradient launch's blocks of partition ``part`` by their experts' rows: ``block_rows`` holds, per
     program, its blocks' expert rows in the order it ran them (``tools.wgrad_schedule.program_blocks``), ``bk`` rows
     a K-step. Per class of ``ROW_CLASSES`` (against the mean over blocks: every expert has as many blocks) the figures
-    of ``BY_ROWS``; "tail": the last program's end after the median program's (us, by the global timer, which the SMs
-    share); "traced": whether every block was stamped (a program holds ``TRACE_BLOCKS`` at most)."""
+    of ``BY_ROWS``; by the global timer, which the SMs share, "span": the first block's start to the last block's end
+    over all programs (us: against the kernel's time, what the partition's blocks leave to the rest of the launch) and
+    "tail": the last program's end after the median program's (us); "traced": whether every block was stamped (a
+    program holds ``TRACE_BLOCKS`` at most)."""
     progs = stamps(trace, programs)
     blocks = [prog[part][:len(rows)] for prog, rows in zip(progs, block_rows)]
     per_us = cycles_per_us([[b for b in prog if b[0][0] >= 0] for prog in blocks])
     mean = sum(map(sum, block_rows)) / max(1, sum(map(len, block_rows)))
     samples = {c: {k: [] for k in ("rows", "wait", "main", "per step", "rest")} for c in ROW_CLASSES}
     time = dict.fromkeys(ROW_CLASSES, 0.0)
-    ends = []
+    starts, ends = [], []
     for prog, rows in zip(blocks, block_rows):
         for i, ((cyc, _), r) in enumerate(zip(prog, rows)):
             if cyc[0] < 0 or cyc[3] < 0:
@@ -145,11 +147,13 @@ def blocks_by_rows(trace: torch.Tensor, programs: int, part: int, block_rows: li
         done = [b[1][3] for b in prog if b[1][3] >= 0]
         if done:
             ends.append(max(done))
+            starts.append(min(b[1][0] for b in prog if b[1][0] >= 0))
     total = sum(time.values())
     classes = {c: {"blocks": len(v["rows"]),
                    **{k: statistics.median(x) if x else float("nan") for k, x in v.items()},
                    "share": time[c] / total if total > 0 else float("nan")}
                for c, v in samples.items()}
     tail = (max(ends) - statistics.median(ends)) / 1e3 if ends else float("nan")
+    span = (max(ends) - min(starts)) / 1e3 if ends else float("nan")
     traced = all(len(rows) <= gluon_sm90.TRACE_BLOCKS.value for rows in block_rows)
-    return {"classes": classes, "mean_rows": mean, "tail_us": tail, "traced": traced}
+    return {"classes": classes, "mean_rows": mean, "span_us": span, "tail_us": tail, "traced": traced}

@@ -1,16 +1,18 @@
 """Where the bf16 Gluon GEMMs' blocks spend their time (an sm90 GPU):
 
-    python -m tools.kernels_trace [--preset P] [--tokens T] [--routing R] [--kernels up,up_saved,dh,act,dw13,dw2]
+    python -m tools.kernels_trace [--preset P] [--tokens T] [--routing R]
+                                  [--kernels up,up_saved,dh,act,dw13,dw13_alone,dw2]
                                   [--out DIR]
 
 Runs each warp-specialized bf16 kernel of the layer (``kernels.gluon_sm90``: the up kernel, with the gate/up products
-stored too, dh' with x's copy beside, the act kernel, dW13 with the dx combine beside, dW2) on the layer benchmark's
-problem as the layer launches it, untraced and then traced (``trace=``: the cycle counter and the global timer at
-fixed points of every block in each partition, ``gluon_sm90.TRACE_BLOCKS``), checks that the traced outputs are
-bitwise the untraced ones, and reports per partition the medians per block (us) of the phases of
-``tools.block_trace.PHASES`` and the main loops' share of its time: "mma" (both MMA warpgroups, one partition) and,
-for the act kernel, "epilogue" (its SwiGLU-backward partition: "wait" is its wait for the block's products, "main"
-its work on them). "main TF/s" is the kernel's rate over its MMA partition's share: the rate of its main loops.
+stored too, dh' with x's copy beside, the act kernel, dW13 with the dx combine beside and alone — as the low-peak
+backward, the default, runs it — and dW2) on the layer benchmark's problem as the layer launches it, untraced and then
+traced (``trace=``: the cycle counter and the global timer at fixed points of every block in each partition,
+``gluon_sm90.TRACE_BLOCKS``), checks that the traced outputs are bitwise the untraced ones, and reports per partition
+the medians per block (us) of the phases of ``tools.block_trace.PHASES`` and the main loops' share of its time: "mma"
+(both MMA warpgroups, one partition) and, for the act kernel, "epilogue" (its SwiGLU-backward partition: "wait" is its
+wait for the block's products, "main" its work on them). "main TF/s" is the kernel's rate over its MMA partition's
+share: the rate of its main loops.
 The stamps cost a few percent of the kernel's time: the phases say where the time goes, not the exact time.
 For the weight gradients also their blocks by their experts' rows (``tools.block_trace.blocks_by_rows``, the blocks
 dealt as the layer deals them, ``tools.wgrad_schedule.program_blocks``): per class of expert size the blocks' phases,
@@ -44,15 +46,15 @@ from tools.block_trace import (
 )
 from tools.wgrad_schedule import program_blocks
 
-KERNELS = ["up", "up_saved", "dh", "act", "dw13", "dw2"]
+KERNELS = ["up", "up_saved", "dh", "act", "dw13", "dw13_alone", "dw2"]
 
 
 def wgrad_block_rows(name: str, expert_rows: list[int], dim: int, inter: int, programs: int) -> list[list[int]]:
-    """The weight gradient ``name``'s (dw13: (2I, D) per expert, dw2: (D, I)) blocks as the layer deals them
+    """The weight gradient ``name``'s (dw13, dw13_alone: (2I, D) per expert, dw2: (D, I)) blocks as the layer deals them
     (``gluon_sm90.WGRAD_TILE``, ``WGRAD_BY_SIZE``) to at most ``programs`` programs: per program, its blocks' expert
     rows in order (``program_blocks``)."""
     bm, bn, _, _ = gluon_sm90.WGRAD_TILE
-    p, q = (2 * inter, dim) if name == "dw13" else (dim, inter)
+    p, q = (dim, inter) if name == "dw2" else (2 * inter, dim)
     return program_blocks(expert_rows, -(-p // bm) * -(-q // bn), gluon_sm90.WGRAD_BY_SIZE, programs)
 
 
@@ -92,6 +94,8 @@ def launches(problem, num_experts: int) -> dict:
         "dw13": (lambda o, tr: gluon_sm90.expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, o[0],
                                                           combine=(slots, topk_idx, o[1]), trace=tr),
                  empty(tuple(w13.shape), tuple(x.shape)), 4 * unit, mma),
+        "dw13_alone": (lambda o, tr: gluon_sm90.expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, o[0], trace=tr),
+                       empty(tuple(w13.shape)), 4 * unit, mma),
         "dw2": (lambda o, tr: gluon_sm90.expert_wgrad_ws(dy_sorted, hw, plan.offsets_E1, o[0], trace=tr),
                 empty(tuple(w2.shape)), 2 * unit, mma),
     }
@@ -100,7 +104,8 @@ def launches(problem, num_experts: int) -> dict:
 def by_rows_table(name: str, found: dict) -> str:
     """``blocks_by_rows``' figures for the weight gradient ``name`` as the tool prints them."""
     lines = [f"{name}: blocks by their experts' rows (mean {found['mean_rows']:.0f}; {', '.join(ROW_CLASSES)}: "
-             f"{'; '.join(ROW_CLASSES.values())}), tail {found['tail_us']:.1f} us"
+             f"{'; '.join(ROW_CLASSES.values())}), blocks' span {found['span_us']:.1f} us, "
+             f"tail {found['tail_us']:.1f} us"
              + ("" if found["traced"] else " (programs past the trace's blocks: the first ones only)"),
              f"  {'class':6s} " + " ".join(f"{k:>8s}" for k in BY_ROWS)]
     for cls, ph in found["classes"].items():
@@ -154,7 +159,7 @@ def main(argv=None) -> None:
         main_tflops = tflops / phases["mma"]["share"]
         results.append({"kernel": name, "ms": ms, "traced_ms": traced_ms, "tflops": tflops,
                         "main_loop_tflops": main_tflops, "phases": phases})
-        if name in ("dw13", "dw2"):
+        if name in ("dw13", "dw13_alone", "dw2"):
             rows = wgrad_block_rows(name, expert_rows, dim, inter, programs)
             by_rows[name] = results[-1]["by_rows"] = blocks_by_rows(trace.cpu(), len(rows), 0, rows,
                                                                    gluon_sm90.WGRAD_TILE[2])
