@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from megamoe.kernels import gluon_sm90 as g
-from tools.block_trace import blocks_by_rows, row_class
-from tools.kernels_trace import by_rows_table
-from tools.wgrad_schedule import program_blocks
+from tools.block_trace import blocks_by_rows, by_rows_table, row_class
+from tools.wgrad_schedule import gemms, program_blocks
 
 
 def test_program_blocks_deals_as_the_kernels_do():
@@ -56,3 +55,31 @@ def test_blocks_by_rows_reads_a_known_trace():
     assert table[0].endswith("span 12.5 us, tail 3.8 us")
     assert table[2].split() == ["tiny", "2", "40", "0.75", "1.00", "0.50", "2.50", f"{8.5 / 17.5:.2f}"]
     assert table[3].split()[:2] == ["small", "0"] and table[3].split()[2] == "nan"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tool", ["kernels_trace", "fp8_trace"])
+def test_trace_tools_read_the_weight_gradients_by_rows_under_a_skewed_routing(tool, tmp_path):
+    """``python -m tools.kernels_trace`` / ``tools.fp8_trace`` on the 30B layer's dims at 2 048 tokens, skewed: each
+    weight gradient's record holds its blocks by their experts' rows, every block once, the classes' parts summing to
+    the whole; the file named after the routing."""
+    import importlib
+    import json
+
+    if tool == "kernels_trace":
+        args, key, name_key = ["--kernels", "dw13_alone,dw2"], "kernels", "kernel"
+        out = tmp_path / "kernels-block-trace-qwen3-30b-a3b-t2048-skewed.json"
+    else:
+        args, key, name_key = ["--gemms", "dw13,dw2"], "results", "gemm"
+        out = tmp_path / "fp8-block-trace-qwen3-30b-a3b-t2048-dw13-dw2-skewed.json"
+    importlib.import_module(f"tools.{tool}").main(["--preset", "qwen3-30b-a3b", "--tokens", "2048", "--routing",
+                                                   "skewed", *args, "--out", str(tmp_path)])
+    record = json.loads(out.read_text())
+    assert record["routing"] == "skewed" and len(record[key]) == 2
+    per_expert = gemms(2048, 768)  # the 30B layer's D and I: blocks per expert of each weight gradient
+    for entry in record[key]:
+        found = entry["by_rows"]
+        gemm = ("bf16 " if tool == "kernels_trace" else "FP8 ") + ("dW2" if entry[name_key] == "dw2" else "dW13")
+        assert found["traced"] and sum(c["blocks"] for c in found["classes"].values()) == 128 * per_expert[gemm][0]
+        assert sum(c["share"] for c in found["classes"].values()) == pytest.approx(1.0)
+        assert 0 <= found["tail_us"] <= found["span_us"]

@@ -157,3 +157,16 @@ def blocks_by_rows(trace: torch.Tensor, programs: int, part: int, block_rows: li
     span = (max(ends) - min(starts)) / 1e3 if ends else float("nan")
     traced = all(len(rows) <= gluon_sm90.TRACE_BLOCKS.value for rows in block_rows)
     return {"classes": classes, "mean_rows": mean, "span_us": span, "tail_us": tail, "traced": traced}
+
+
+def by_rows_table(name: str, found: dict) -> str:
+    """``blocks_by_rows``' figures for the weight gradient ``name`` as the trace tools print them."""
+    lines = [f"{name}: blocks by their experts' rows (mean {found['mean_rows']:.0f}; {', '.join(ROW_CLASSES)}: "
+             f"{'; '.join(ROW_CLASSES.values())}), blocks' span {found['span_us']:.1f} us, "
+             f"tail {found['tail_us']:.1f} us"
+             + ("" if found["traced"] else " (programs past the trace's blocks: the first ones only)"),
+             f"  {'class':6s} " + " ".join(f"{k:>8s}" for k in BY_ROWS)]
+    for cls, ph in found["classes"].items():
+        lines.append(f"  {cls:6s} " + " ".join(f"{ph[k]:8.0f}" if k in ("blocks", "rows") else f"{ph[k]:8.2f}"
+                                               for k in BY_ROWS))
+    return "\n".join(lines)

@@ -43,6 +43,7 @@ from tools.block_trace import (
     ROW_CLASSES,
     block_phases,
     blocks_by_rows,
+    by_rows_table,
 )
 from tools.wgrad_schedule import program_blocks
 
@@ -99,19 +100,6 @@ def launches(problem, num_experts: int) -> dict:
         "dw2": (lambda o, tr: gluon_sm90.expert_wgrad_ws(dy_sorted, hw, plan.offsets_E1, o[0], trace=tr),
                 empty(tuple(w2.shape)), 2 * unit, mma),
     }
-
-
-def by_rows_table(name: str, found: dict) -> str:
-    """``blocks_by_rows``' figures for the weight gradient ``name`` as the tool prints them."""
-    lines = [f"{name}: blocks by their experts' rows (mean {found['mean_rows']:.0f}; {', '.join(ROW_CLASSES)}: "
-             f"{'; '.join(ROW_CLASSES.values())}), blocks' span {found['span_us']:.1f} us, "
-             f"tail {found['tail_us']:.1f} us"
-             + ("" if found["traced"] else " (programs past the trace's blocks: the first ones only)"),
-             f"  {'class':6s} " + " ".join(f"{k:>8s}" for k in BY_ROWS)]
-    for cls, ph in found["classes"].items():
-        lines.append(f"  {cls:6s} " + " ".join(f"{ph[k]:8.0f}" if k in ("blocks", "rows") else f"{ph[k]:8.2f}"
-                                               for k in BY_ROWS))
-    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
