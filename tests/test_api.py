@@ -466,16 +466,17 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
     main(["--tokens", "256", "--json", str(tmp_path / "k.json")])
     rows = {r["stage"]: r for r in json.loads((tmp_path / "k.json").read_text())["stages"]}
     assert {"plan", "fwd up+swiglu", "fwd up+swiglu, products stored", "bwd gather, dh'", "bwd recompute+act",
-            "bwd dw13, combine", "bwd dw2"} <= set(rows)
+            "bwd dw13", "bwd dx combine", "bwd dw13, combine", "bwd dw2"} <= set(rows)
     assert all(r["ms"] > 0 and len(r["timed_utc"]) == 2 for r in rows.values())
     assert rows["fwd up+swiglu"]["config"]["BM"] in (64, 128)
     if torch.cuda.get_device_capability()[0] == 9:
         for stage in ("fwd up+swiglu", "fwd up+swiglu, products stored", "bwd gather, dh'", "bwd recompute+act",
-                      "bwd dw13, combine", "bwd dw2"):
+                      "bwd dw13", "bwd dw13, combine", "bwd dw2"):
             assert rows[stage]["config"]["WARP_SPECIALIZED"], stage
-        for stage in ("bwd dw13, combine", "bwd dw2"):
+        for stage in ("bwd dw13", "bwd dw13, combine", "bwd dw2"):
             assert (rows[stage]["config"]["BK"], rows[stage]["config"]["num_stages"]) == (32, 6), stage
-            assert rows[stage + ORDERS[not WGRAD_BY_SIZE]]["ms"] > 0  # the blocks' other order beside
+            other = rows[stage + ORDERS[not WGRAD_BY_SIZE]]  # the blocks' other order beside, the same bits
+            assert other["ms"] > 0 and other["bitwise_equal"], stage
         for stage in ("fwd down", "bwd dx"):
             assert not rows[stage]["config"].get("WARP_SPECIALIZED"), stage
 
@@ -495,6 +496,19 @@ def test_host_time_probe_on_the_gpu(capsys):
         assert float(stages.split(name)[1].split()[0]) > 0
     with pytest.raises(SystemExit, match="either --gpu"):
         main([])  # neither mode chosen: no TRITON_INTERPRET on a GPU machine
+
+
+def test_kernels_tool_totals_follow_the_layers_mode_and_backward_order():
+    """``tools.kernels.layer_totals``: each memory mode's total holds its own stages and the backward order's (low
+    peak: dW13 alone and dx's combine on its own; dx first: the combine inside dW13), never a variant."""
+    from tools.kernels import layer_totals
+
+    ms = {"plan": 1, "fwd up+swiglu": 10, "fwd up+swiglu, products stored": 20, "bwd recompute+act": 100,
+          "bwd act on the products": 200, "bwd dw13": 1000, "bwd dx combine": 2000, "bwd dw13, combine": 4000,
+          "bwd dw13 (blocks in expert order)": 8000, "bwd dw13, combine (blocks by size)": 16000}
+    rows = [{"stage": stage, "ms": v} for stage, v in ms.items()]
+    assert layer_totals(rows, True) == {"none": 3111, "preact": 3221}
+    assert layer_totals(rows, False) == {"none": 4111, "preact": 4221}
 
 
 def test_the_tools_compare_outputs_bit_for_bit():

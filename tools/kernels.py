@@ -10,7 +10,8 @@ With ``--sweep`` every config of a wider list is timed for each kernel (autotuni
 shows the best next to the default. Beside each GEMM, cuBLAS's rate on the same work as one batched matmul
 (``dense_shapes``), measured in the same process. On sm90 the weight gradients also run with their blocks in the
 order the layer does not deal them (``ORDERS``), each checked to write bitwise what its layer stage writes (one that
-differs fails the command once the JSON is written).
+differs fails the command once the JSON is written). dW13 runs both ways the backward may order it (``BACKWARD_ORDER``:
+alone with dx's combine after it, the default, or with the combine inside); the totals take the layer's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
+from megamoe import autograd
 from megamoe.arguments import HelpFormatter, positive_int
 from megamoe.bench.common import PRESETS, ROUTINGS, dense_matmul_tflops, make_problem
 from megamoe.kernels import expert_bwd, expert_fwd
@@ -72,6 +74,10 @@ SWEEPS = {
 ONE_MODE = {"none": ("fwd up+swiglu", "bwd recompute+act"),
             "preact": ("fwd up+swiglu, products stored", "bwd act on the products")}
 
+# The stages of one backward order (``autograd.LOW_PEAK_BACKWARD``): low peak (the default), dW13 alone and dx's slot
+# rows combined on their own; else dx's slot rows combined inside the dW13 kernel. Each total leaves out the other's.
+BACKWARD_ORDER = {True: ("bwd dw13", "bwd dx combine"), False: ("bwd dw13, combine",)}
+
 # The weight gradients' rows in the other order of their blocks (``gluon_sm90.WGRAD_BY_SIZE``), by the suffix of their
 # names: variants of the layer's stages, left out of the total, each checked to write bitwise what its stage writes.
 ORDERS = {True: " (blocks by size)", False: " (blocks in expert order)"}
@@ -91,14 +97,16 @@ def dense_shapes(n_rows: int, num_experts: int, dim: int, inter: int) -> dict[st
     m = max(1, round(n_rows / num_experts))
     shapes = {"fwd up+swiglu": (m, 2 * inter, dim), "fwd up+swiglu, products stored": (m, 2 * inter, dim),
               "fwd down": (m, dim, inter), "bwd gather, dh'": (m, inter, dim), "bwd recompute+act": (m, 2 * inter, dim),
-              "bwd dx": (m, dim, 2 * inter), "bwd dw13, combine": (2 * inter, dim, m), "bwd dw2": (dim, inter, m)}
+              "bwd dx": (m, dim, 2 * inter), "bwd dw13": (2 * inter, dim, m), "bwd dw13, combine": (2 * inter, dim, m),
+              "bwd dw2": (dim, inter, m)}
     return {name: (num_experts, *shape) for name, shape in shapes.items()}
 
 
 def stages(problem, num_experts):
     """name → (callable, FLOPs, the GEMM's TunedKernel — or, for one that runs a ``kernels.ws`` kernel, a record
     of that kernel's fixed config — or None): the layer's stages in both memory modes (``ONE_MODE``) and, on sm90,
-    the weight gradients with their blocks in the other order (``ORDERS``), which return what their stages return."""
+    the weight gradients with their blocks in the other order (``ORDERS``), which return what their stages return. Both
+    backward orders' stages (``BACKWARD_ORDER``)."""
     x, topk_idx, topk_weights, w13, w2, dy = problem
     top_k = topk_idx.shape[1]
     n_rows = int((topk_idx >= 0).sum())
@@ -120,6 +128,7 @@ def stages(problem, num_experts):
     run_up_saved = lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, preact_NH=preact)
     run_dh = lambda: expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k)
     run_act = lambda: expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k)
+    run_dw13_alone = lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, w13.dtype)
     run_dw13 = lambda: expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, w13.dtype, dx, topk_idx, x.dtype)
     run_dw2 = lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, w2.dtype)
     stages = {
@@ -128,21 +137,28 @@ def stages(problem, num_experts):
         "fwd up+swiglu, products stored": (run_up_saved, 4 * unit, tuned(expert_fwd.UP, UP_CONFIG)),
         "fwd down": (lambda: expert_fwd.down_fwd(h, w2, topk_weights, plan), 2 * unit, expert_fwd.DOWN),
         "combine": (lambda: combine(slots, topk_idx, x.dtype), 0, None),
-        # On sm90 the x copy runs inside the dh' kernel and the dx combine inside the dW13 kernel: timed with them.
+        # On sm90 the x copy runs inside the dh' kernel, and in the dx-first order (BACKWARD_ORDER) the dx combine
+        # inside the dW13 kernel: timed with them.
         "bwd gather, dh'": (run_dh, 2 * unit, tuned(expert_bwd.DH)),
         "bwd recompute+act": (run_act, 4 * unit, tuned(expert_bwd.ACT_BWD, ACT_CONFIG)),
         # the saved mode's act step, on the forward's products (preact, written by the up kernel above)
         "bwd act on the products": (lambda: expert_bwd.act_bwd_from_preact(preact, dh, topk_weights, plan, top_k), 0,
                                     None),
         "bwd dx": (lambda: expert_bwd.dx_slots(dz, w13, plan), 4 * unit, expert_bwd.DX),
+        "bwd dw13": (run_dw13_alone, 4 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
+        "bwd dx combine": (lambda: combine(dx, topk_idx, x.dtype), 0, None),
         "bwd dw13, combine": (run_dw13, 4 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
         "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
     }
     if ws_supported(x):  # the Gluon weight gradients with their blocks in the order the layer does not deal them
         by_size = not WGRAD_BY_SIZE
         order = ORDERS[by_size]
-        dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)
+        dw13, dw13_alone, dw2 = torch.empty_like(w13), torch.empty_like(w13), torch.empty_like(w2)
         combined = torch.empty_like(x)
+
+        def run_dw13_alone_other():
+            expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, dw13_alone, by_size=by_size)
+            return dw13_alone
 
         def run_dw13_other():  # what run_dw13 returns: the gradient and the combined dx
             expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, dw13, (dx, topk_idx, combined), by_size=by_size)
@@ -152,9 +168,19 @@ def stages(problem, num_experts):
             expert_wgrad_ws(dy_sorted, hw, plan.offsets_E1, dw2, by_size=by_size)
             return dw2
 
+        stages["bwd dw13" + order] = (run_dw13_alone_other, 4 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
         stages["bwd dw13, combine" + order] = (run_dw13_other, 4 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
         stages["bwd dw2" + order] = (run_dw2_other, 2 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
     return stages
+
+
+def layer_totals(rows: list[dict], low_peak: bool) -> dict[str, float]:
+    """Per memory mode (``ONE_MODE``) the sum of the timed ``rows``' ms that the layer runs in that mode and in the
+    backward order ``low_peak`` (``BACKWARD_ORDER``): the variants (``ORDERS``' suffixes) left out."""
+    variant, other_order = tuple(ORDERS.values()), BACKWARD_ORDER[not low_peak]
+    return {mode: sum(r["ms"] for r in rows if not r["stage"].endswith(variant) and r["stage"] not in other_order
+                      and all(r["stage"] not in names for other, names in ONE_MODE.items() if other != mode))
+            for mode in ONE_MODE}
 
 
 def main(argv=None) -> None:
@@ -219,16 +245,15 @@ def main(argv=None) -> None:
         same = {True: "   bitwise as the layer's", False: "   NOT bitwise as the layer's"}.get(row.get("bitwise_equal"),
                                                                                            "")
         print(f"{name:20s} {ms:8.3f} ms {tf} TFLOP/s{ran}{extra}{same}", flush=True)
-    totals = {mode: sum(r["ms"] for r in rows if not r["stage"].endswith(variant)
-                        and all(r["stage"] not in names for other, names in ONE_MODE.items() if other != mode))
-              for mode in ONE_MODE}
+    totals = layer_totals(rows, autograd.LOW_PEAK_BACKWARD)
+    order = "low-peak" if autograd.LOW_PEAK_BACKWARD else "dx-first"
     for mode, ms in totals.items():
-        print(f"{'total':20s} {ms:8.3f} ms (the layer's stages, save_for_backward={mode!r})")
+        print(f"{'total':20s} {ms:8.3f} ms (the layer's stages, save_for_backward={mode!r}, {order} backward)")
     if args.json:
         path = Path(args.json)
         command = "python -m tools.kernels " + " ".join(sys.argv[1:] if argv is None else argv)
         write_record(path.parent, path.name, command, preset=args.preset, tokens=args.tokens, top_k=top_k,
-                     routing=args.routing, total_ms=totals, stages=rows)
+                     routing=args.routing, low_peak_backward=autograd.LOW_PEAK_BACKWARD, total_ms=totals, stages=rows)
     differ = [r["stage"] for r in rows if r.get("bitwise_equal") is False]
     if differ:
         raise SystemExit(f"these variants do not write bitwise what the layer's stage writes: {differ}")
