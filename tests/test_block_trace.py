@@ -1,5 +1,5 @@
 """``tools.block_trace.blocks_by_rows``: a weight-gradient trace read by its blocks' expert rows (CPU, stamps written
-by hand), and ``tools.wgrad_schedule.program_blocks``, the blocks' order it reads them in."""
+by hand), and ``tools.wgrad_schedule.program_blocks`` / ``layer_blocks``, the blocks' order it reads them in."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 
 from megamoe.kernels import gluon_sm90 as g
 from tools.block_trace import blocks_by_rows, by_rows_table, row_class
-from tools.wgrad_schedule import gemms, program_blocks
+from tools.wgrad_schedule import gemms, layer_blocks, program_blocks
 
 
 def test_program_blocks_deals_as_the_kernels_do():
@@ -18,6 +18,9 @@ def test_program_blocks_deals_as_the_kernels_do():
     assert program_blocks([5, 1, 3], 2, True, 2) == [[5, 3, 1], [5, 3, 1]]
     assert program_blocks([5, 1, 3, 2], 1, True, 3) == [[5, 1], [3], [2]]  # a partial last round as it comes
     assert program_blocks([5, 1], 1, True, 8) == [[5], [1]]  # fewer blocks than programs: one program each
+    # the layer's bf16 dW2 at D = I = 256: two 128 x 256 blocks per expert, K-steps of 32 rows, the layer's order
+    order = [[5, 3, 1], [5, 3, 1]] if g.WGRAD_BY_SIZE else [[5, 1, 3], [5, 1, 3]]
+    assert layer_blocks("bf16 dW2", [5, 1, 3], 256, 256, 2) == (order, 32)
 
 
 def test_row_classes_against_the_mean():

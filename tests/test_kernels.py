@@ -919,10 +919,11 @@ def test_warp_specialized_kernel_traced_is_bitwise_the_untraced_and_stamps_every
     check_block_trace(trace, programs, num_blocks, parts)
     if kernel.startswith("dw"):  # read by the blocks' expert rows as the tool reads them: every block, once
         from tools.block_trace import blocks_by_rows
-        from tools.kernels_trace import wgrad_block_rows
+        from tools.kernels_trace import WGRAD_GEMMS
+        from tools.wgrad_schedule import layer_blocks
 
-        rows = wgrad_block_rows(kernel, counts, dim, inter, programs)
-        found = blocks_by_rows(trace.cpu(), len(rows), 0, rows, g.WGRAD_TILE[2])
+        dealt, bk = layer_blocks(WGRAD_GEMMS[kernel], counts, dim, inter, programs)
+        found = blocks_by_rows(trace.cpu(), len(dealt), 0, dealt, bk)
         assert sum(c["blocks"] for c in found["classes"].values()) == num_blocks and found["traced"]
         assert sum(c["share"] for c in found["classes"].values()) == pytest.approx(1.0)
         assert found["classes"]["tiny"]["blocks"] >= num_blocks // num_experts  # expert 15's, without rows

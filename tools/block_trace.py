@@ -103,6 +103,8 @@ BY_ROWS = {
     "rest": "median us, main loop done -> next block's start (the last block: its end): epilogue, store",
     "share": "the class's part of the programs' time (its blocks' start -> next start or end)",
 }
+# What a trace tool's record says of its ``blocks_by_rows`` figures.
+BY_ROWS_LEGEND = {"row_classes": ROW_CLASSES, "by_rows": BY_ROWS}
 
 
 def row_class(rows: int, mean: float, bk: int) -> str:

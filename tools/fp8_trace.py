@@ -34,14 +34,13 @@ from megamoe.kernels import expert_fwd, gluon_fp8_sm90, gluon_sm90, quant
 from megamoe.kernels.plan import build_plan
 from megamoe.provenance import write_record
 from tools.block_trace import (
-    BY_ROWS,
+    BY_ROWS_LEGEND,
     COLUMNS,
-    ROW_CLASSES,
     block_phases,
     blocks_by_rows,
     by_rows_table,
 )
-from tools.wgrad_schedule import program_blocks
+from tools.wgrad_schedule import layer_blocks
 
 # The GEMMs traced unless --gemms names others (the sorted-rows kernel's three); a run of others names them in its file.
 DEFAULT_GEMMS = ["down", "dh", "dx"]
@@ -86,7 +85,7 @@ def main(argv=None) -> None:
     # the sorted-rows kernel's block columns: 128 first (issue-ahead: the "issue-ahead" column)
     widths = [128, 256] if args.wide else [128]
     # (GEMM, block columns, issue-ahead, stores deferred, its launch (traced or not) -> its outputs, FLOPs, and for a
-    # weight gradient its blocks as dealt: per program their experts' rows)
+    # weight gradient its blocks as dealt and the rows of a K-step: ``layer_blocks``)
     variants = []
     for name in args.gemms:
         if name in ("dw13", "dw2"):  # dW13 = dzᵀ x, dW2 = dyᵀ (h·w), the sorted rows' tile columns
@@ -100,8 +99,7 @@ def main(argv=None) -> None:
                 gluon_fp8_sm90.fp8_wgrad_ws(*a_t, *b_t, out, plan.offsets_E1, block_n,
                                             trace=trace if traced else None)
                 return (out, )
-            dealt = program_blocks(expert_rows, p_dim // gluon_fp8_sm90.FP8_BM * (q_dim // block_n),
-                                   gluon_sm90.WGRAD_BY_SIZE, programs)  # each program's blocks' expert rows
+            dealt = layer_blocks("FP8 dW13" if name == "dw13" else "FP8 dW2", expert_rows, dim, inter, programs)
             variants.append((name, block_n, block_n == 128, False, run, 2 * rows * p_dim * q_dim, dealt))
             continue
         if name == "up":
@@ -139,8 +137,8 @@ def main(argv=None) -> None:
                         "ms": plain_ms, "traced_ms": traced_ms, "tflops": flops / plain_ms / 1e9,
                         "phases": phases})
         if dealt is not None:
-            by_rows[name] = results[-1]["by_rows"] = blocks_by_rows(trace.cpu(), len(dealt), 0, dealt,
-                                                                   gluon_fp8_sm90.FP8_BK)
+            blocks, bk = dealt
+            by_rows[name] = results[-1]["by_rows"] = blocks_by_rows(trace.cpu(), len(blocks), 0, blocks, bk)
         for wg, ph in phases.items():
             print(f"{name:5s} {block_n:4d} {issue_ahead!s:>11s} {defer!s:>8s} {plain_ms * 1e3:7.1f} "
                   f"{traced_ms * 1e3:7.1f} {flops / plain_ms / 1e9:5.0f}  {wg[-1]}  "
@@ -152,8 +150,8 @@ def main(argv=None) -> None:
         named += "" if args.routing == "random" else f"-{args.routing}"
         write_record(args.out, f"fp8-block-trace-{args.preset}-t{args.tokens}{named}.json",
                      "python -m tools.fp8_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:]), preset=args.preset,
-                     tokens=args.tokens, routing=args.routing, phases=COLUMNS, row_classes=ROW_CLASSES,
-                     by_rows=BY_ROWS, results=results)
+                     tokens=args.tokens, routing=args.routing, phases=COLUMNS, **BY_ROWS_LEGEND,
+                     results=results)
 
 
 if __name__ == "__main__":

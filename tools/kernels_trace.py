@@ -15,7 +15,7 @@ wait for the block's products, "main" its work on them). "main TF/s" is the kern
 share: the rate of its main loops.
 The stamps cost a few percent of the kernel's time: the phases say where the time goes, not the exact time.
 For the weight gradients also their blocks by their experts' rows (``tools.block_trace.blocks_by_rows``, the blocks
-dealt as the layer deals them, ``tools.wgrad_schedule.program_blocks``): per class of expert size the blocks' phases,
+dealt as the layer deals them, ``tools.wgrad_schedule.layer_blocks``): per class of expert size the blocks' phases,
 their main loop per K-step and their part of the programs' time, and the launch's tail (its last program's end after
 the median program's): under a skewed routing, whether the big experts' K-steps run slower, the small experts'
 blocks cost more than their K-steps, or the programs end apart.
@@ -38,25 +38,17 @@ from megamoe.kernels import expert_bwd, expert_fwd, gluon_sm90
 from megamoe.kernels.plan import BLOCK_M, build_plan
 from megamoe.provenance import write_record
 from tools.block_trace import (
-    BY_ROWS,
+    BY_ROWS_LEGEND,
     COLUMNS,
-    ROW_CLASSES,
     block_phases,
     blocks_by_rows,
     by_rows_table,
 )
-from tools.wgrad_schedule import program_blocks
+from tools.wgrad_schedule import layer_blocks
 
 KERNELS = ["up", "up_saved", "dh", "act", "dw13", "dw13_alone", "dw2"]
-
-
-def wgrad_block_rows(name: str, expert_rows: list[int], dim: int, inter: int, programs: int) -> list[list[int]]:
-    """The weight gradient ``name``'s (dw13, dw13_alone: (2I, D) per expert, dw2: (D, I)) blocks as the layer deals them
-    (``gluon_sm90.WGRAD_TILE``, ``WGRAD_BY_SIZE``) to at most ``programs`` programs: per program, its blocks' expert
-    rows in order (``program_blocks``)."""
-    bm, bn, _, _ = gluon_sm90.WGRAD_TILE
-    p, q = (dim, inter) if name == "dw2" else (2 * inter, dim)
-    return program_blocks(expert_rows, -(-p // bm) * -(-q // bn), gluon_sm90.WGRAD_BY_SIZE, programs)
+# The weight gradients among them, by their name in ``tools.wgrad_schedule.gemms``.
+WGRAD_GEMMS = {"dw13": "bf16 dW13", "dw13_alone": "bf16 dW13", "dw2": "bf16 dW2"}
 
 
 def launches(problem, num_experts: int) -> dict:
@@ -147,10 +139,9 @@ def main(argv=None) -> None:
         main_tflops = tflops / phases["mma"]["share"]
         results.append({"kernel": name, "ms": ms, "traced_ms": traced_ms, "tflops": tflops,
                         "main_loop_tflops": main_tflops, "phases": phases})
-        if name in ("dw13", "dw13_alone", "dw2"):
-            rows = wgrad_block_rows(name, expert_rows, dim, inter, programs)
-            by_rows[name] = results[-1]["by_rows"] = blocks_by_rows(trace.cpu(), len(rows), 0, rows,
-                                                                   gluon_sm90.WGRAD_TILE[2])
+        if name in WGRAD_GEMMS:
+            dealt, bk = layer_blocks(WGRAD_GEMMS[name], expert_rows, dim, inter, programs)
+            by_rows[name] = results[-1]["by_rows"] = blocks_by_rows(trace.cpu(), len(dealt), 0, dealt, bk)
         for part, ph in phases.items():
             print(f"{name:8s} {ms:6.3f} {traced_ms:6.3f} {tflops:5.0f} {main_tflops:5.0f}  {part:9s} "
                   + " ".join(f"{ph[k]:7.2f}" for k in COLUMNS), flush=True)
@@ -162,7 +153,7 @@ def main(argv=None) -> None:
                      "python -m tools.kernels_trace " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                      preset=args.preset, tokens=args.tokens, routing=args.routing, phases=COLUMNS,
                      main_loop_tflops="the kernel's TFLOP/s over its MMA partition's share: its main loops' rate",
-                     row_classes=ROW_CLASSES, by_rows=BY_ROWS, kernels=results)
+                     **BY_ROWS_LEGEND, kernels=results)
 
 
 if __name__ == "__main__":

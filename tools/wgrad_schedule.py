@@ -83,6 +83,15 @@ def gemms(dim: int, inter: int) -> dict[str, tuple[int, int]]:
     return out
 
 
+def layer_blocks(gemm: str, expert_rows: list[int], dim: int, inter: int,
+                 programs: int = PROGRAMS) -> tuple[list[list[int]], int]:
+    """The weight gradient ``gemm`` (a key of ``gemms``: "bf16 dW13", "FP8 dW2", ...) with its blocks dealt as the
+    layer deals them (``gluon_sm90.WGRAD_BY_SIZE``) to at most ``programs`` programs: each program's blocks' expert
+    rows in order (``program_blocks``), and the rows of a K-step."""
+    blocks, bk = gemms(dim, inter)[gemm]
+    return program_blocks(expert_rows, blocks, gluon_sm90.WGRAD_BY_SIZE, programs), bk
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m tools.wgrad_schedule", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
