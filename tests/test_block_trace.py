@@ -1,5 +1,6 @@
-"""``tools.block_trace.blocks_by_rows``: a weight-gradient trace read by its blocks' expert rows (CPU, stamps written
-by hand), and ``tools.wgrad_schedule.program_blocks`` / ``layer_blocks``, the blocks' order it reads them in."""
+"""``tools.block_trace``: the Gluon kernels' block trace read per partition (``block_phases``) and a weight gradient's
+by its blocks' expert rows (``blocks_by_rows``; CPU, stamps written by hand), and ``tools.wgrad_schedule``'s
+``program_blocks`` / ``layer_blocks``, the blocks' order it reads them in."""
 
 import math
 
@@ -7,8 +8,56 @@ import pytest
 import torch
 
 from megamoe.kernels import gluon_sm90 as g
-from tools.block_trace import blocks_by_rows, by_rows_table, row_class
+from tests.helpers import check_block_trace
+from tools.block_trace import (
+    WARPGROUPS,
+    block_phases,
+    blocks_by_rows,
+    by_rows_table,
+    row_class,
+)
 from tools.wgrad_schedule import gemms, layer_blocks, program_blocks
+
+
+def empty_trace(programs: int) -> torch.Tensor:
+    """A block trace of ``programs`` programs with no stamp taken (-1 everywhere), shaped [program][partition][block]
+    [cycles, global ns][point] (``block_trace.stamps``)."""
+    return torch.full((programs, g.TRACE_PARTS.value, g.TRACE_BLOCKS.value, 2, g.TRACE_POINTS.value), -1,
+                      dtype=torch.int64)
+
+
+def test_block_phases_reads_a_known_trace():
+    """``tools.block_trace.block_phases`` on stamps written by hand: one program, two blocks, the cycle counter at 2
+    per ns; warpgroup 1 a block starting 1 us after warpgroup 0's. Then the same blocks one per program (a launch of
+    fewer blocks than SMs): the same phases, but none that needs a program's next block."""
+    t = empty_trace(1)
+    for wg, shift in ((0, 0), (1, 1000)):  # ns
+        for b, start in enumerate((0, 10_000)):
+            ns = [start + shift + d for d in (0, 600, 9_000, 9_200)]  # wait 0.6 us, main 8.4, end 0.2 after it
+            t[0, wg, b, 1] = torch.tensor(ns)
+            t[0, wg, b, 0] = 2 * torch.tensor(ns)
+    for b, start in enumerate((0, 10_000)):  # the loader's first copy 500 ns before warpgroup 0's block start
+        t[0, 2, b, 1, :3] = torch.tensor([start - 700, start - 500, start + 2_000])
+        t[0, 2, b, 0, :3] = 2 * t[0, 2, b, 1, :3]
+    ph = block_phases(t.flatten(), 1)
+    assert ph["wg0"]["wait"] == pytest.approx(0.6) and ph["wg0"]["main"] == pytest.approx(8.4)
+    assert ph["wg0"]["block"] == pytest.approx(10.0) and ph["wg0"]["rest"] == pytest.approx(1.0)
+    assert ph["wg0"]["lead"] == pytest.approx(0.5) and ph["wg1"]["lead"] == pytest.approx(1.5)
+    assert ph["wg0"]["latency"] == pytest.approx(1.1) and ph["wg1"]["drift"] == pytest.approx(1.0)
+    assert ph["wg0"]["share"] == pytest.approx(8.4 / 10.0)  # the one block with a next one
+    mma = block_phases(t.flatten(), 1, {"mma": 0})  # a bf16 kernel's one MMA partition: warpgroup 0's phases
+    assert list(mma) == ["mma"] and mma["mma"] == pytest.approx(ph["wg0"], nan_ok=True)
+    apart = empty_trace(2)
+    apart[0, :, 0], apart[1, :, 0] = t[0, :, 0], t[0, :, 1]
+    one = block_phases(apart.flatten(), 2)
+    for k in ("wait", "main", "lead", "latency", "drift"):
+        assert one["wg0"][k] == pytest.approx(ph["wg0"][k], nan_ok=True)  # warpgroup 0 has no drift
+        assert one["wg1"][k] == pytest.approx(ph["wg1"][k])
+    assert all(math.isnan(one["wg0"][k]) for k in ("rest", "block", "share"))
+    for trace, programs in ((t, 1), (apart, 2)):  # the GPU tests' check of a trace passes both, times made positive
+        later = trace.clone()
+        later[trace != -1] += 100_000
+        check_block_trace(later.flatten(), programs, 2, WARPGROUPS)
 
 
 def test_program_blocks_deals_as_the_kernels_do():
@@ -32,7 +81,7 @@ def test_blocks_by_rows_reads_a_known_trace():
     """Two programs, the cycle counter at 2 per ns: program 0 a block of 200 rows (7 K-steps of 32; "big" against the
     mean of 93) then one of 40 (2 K-steps, "tiny"), program 1 one of 40. Each phase per class, the classes' parts of
     the programs' time, and the tail: the last program's end after the median's."""
-    t = torch.full((2, g.TRACE_PARTS.value, g.TRACE_BLOCKS.value, 2, g.TRACE_POINTS.value), -1, dtype=torch.int64)
+    t = empty_trace(2)
     for prog, block, ns in ((0, 0, (0, 500, 7_500, 8_000)), (0, 1, (9_000, 9_500, 10_500, 12_500)),
                             (1, 0, (0, 1_000, 2_000, 5_000))):
         t[prog, 0, block, 1] = torch.tensor(ns)

@@ -11,7 +11,6 @@ match the reference's quantisation byte for byte (but for values within fp32 rou
 """
 
 import itertools
-import math
 import os
 import subprocess
 import sys
@@ -410,43 +409,6 @@ def test_fp8_wgrad_in_size_order_is_bitwise_the_same(block_n):
         fp8_wgrad_ws(*a_t, *b_t, outs[-1], plan.offsets_E1, block_n, by_size=by_size)
     assert not outs[1].isnan().any()  # every block written (experts without rows: zeros)
     assert torch.equal(*outs)
-
-
-def test_block_phases_reads_a_known_trace():
-    """``tools.block_trace.block_phases`` on stamps written by hand: one program, two blocks, the cycle counter at 2
-    per ns; warpgroup 1 a block starting 1 us after warpgroup 0's. Then the same blocks one per program (a launch of
-    fewer blocks than SMs): the same phases, but none that needs a program's next block."""
-    from megamoe.kernels import gluon_sm90 as g
-    from tools.block_trace import WARPGROUPS, block_phases
-
-    t = torch.full((1, g.TRACE_PARTS.value, g.TRACE_BLOCKS.value, 2, g.TRACE_POINTS.value), -1, dtype=torch.int64)
-    for wg, shift in ((0, 0), (1, 1000)):  # ns
-        for b, start in enumerate((0, 10_000)):
-            ns = [start + shift + d for d in (0, 600, 9_000, 9_200)]  # wait 0.6 us, main 8.4, end 0.2 after it
-            t[0, wg, b, 1] = torch.tensor(ns)
-            t[0, wg, b, 0] = 2 * torch.tensor(ns)
-    for b, start in enumerate((0, 10_000)):  # the loader's first copy 500 ns before warpgroup 0's block start
-        t[0, 2, b, 1, :3] = torch.tensor([start - 700, start - 500, start + 2_000])
-        t[0, 2, b, 0, :3] = 2 * t[0, 2, b, 1, :3]
-    ph = block_phases(t.flatten(), 1)
-    assert ph["wg0"]["wait"] == pytest.approx(0.6) and ph["wg0"]["main"] == pytest.approx(8.4)
-    assert ph["wg0"]["block"] == pytest.approx(10.0) and ph["wg0"]["rest"] == pytest.approx(1.0)
-    assert ph["wg0"]["lead"] == pytest.approx(0.5) and ph["wg1"]["lead"] == pytest.approx(1.5)
-    assert ph["wg0"]["latency"] == pytest.approx(1.1) and ph["wg1"]["drift"] == pytest.approx(1.0)
-    assert ph["wg0"]["share"] == pytest.approx(8.4 / 10.0)  # the one block with a next one
-    mma = block_phases(t.flatten(), 1, {"mma": 0})  # a bf16 kernel's one MMA partition: warpgroup 0's phases
-    assert list(mma) == ["mma"] and mma["mma"] == pytest.approx(ph["wg0"], nan_ok=True)
-    apart = torch.full_like(t, -1).repeat(2, 1, 1, 1, 1)
-    apart[0, :, 0], apart[1, :, 0] = t[0, :, 0], t[0, :, 1]
-    one = block_phases(apart.flatten(), 2)
-    for k in ("wait", "main", "lead", "latency", "drift"):
-        assert one["wg0"][k] == pytest.approx(ph["wg0"][k], nan_ok=True)  # warpgroup 0 has no drift
-        assert one["wg1"][k] == pytest.approx(ph["wg1"][k])
-    assert all(math.isnan(one["wg0"][k]) for k in ("rest", "block", "share"))
-    for trace, programs in ((t, 1), (apart, 2)):  # the GPU tests' check of a trace passes both, times made positive
-        later = trace.clone()
-        later[trace != -1] += 100_000
-        check_block_trace(later.flatten(), programs, 2, WARPGROUPS)
 
 
 # The AOT check runs in a subprocess: this test session runs Triton's interpreter (TRITON_INTERPRET=1 without a
