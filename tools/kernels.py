@@ -81,6 +81,7 @@ BACKWARD_ORDER = {True: ("bwd dw13", "bwd dx combine"), False: ("bwd dw13, combi
 # The weight gradients' rows in the other order of their blocks (``gluon_sm90.WGRAD_BY_SIZE``), by the suffix of their
 # names: variants of the layer's stages, left out of the total, each checked to write bitwise what its stage writes.
 ORDERS = {True: " (blocks by size)", False: " (blocks in expert order)"}
+VARIANTS = tuple(ORDERS.values())
 
 
 def same_outputs(a, b) -> bool:
@@ -177,8 +178,8 @@ def stages(problem, num_experts):
 def layer_totals(rows: list[dict], low_peak: bool) -> dict[str, float]:
     """Per memory mode (``ONE_MODE``) the sum of the timed ``rows``' ms that the layer runs in that mode and in the
     backward order ``low_peak`` (``BACKWARD_ORDER``): the variants (``ORDERS``' suffixes) left out."""
-    variant, other_order = tuple(ORDERS.values()), BACKWARD_ORDER[not low_peak]
-    return {mode: sum(r["ms"] for r in rows if not r["stage"].endswith(variant) and r["stage"] not in other_order
+    other_order = BACKWARD_ORDER[not low_peak]
+    return {mode: sum(r["ms"] for r in rows if not r["stage"].endswith(VARIANTS) and r["stage"] not in other_order
                       and all(r["stage"] not in names for other, names in ONE_MODE.items() if other != mode))
             for mode in ONE_MODE}
 
@@ -204,7 +205,6 @@ def main(argv=None) -> None:
     problem = make_problem(args.tokens, dim, inter, num_experts, top_k, args.routing, torch.bfloat16, "cuda", 0)
     rows = []
     table = stages(problem, num_experts)
-    variant = tuple(ORDERS.values())
     shapes = dense_shapes(int((problem[1] >= 0).sum()), num_experts, dim, inter)
     ceilings = {}
     for name, (fn, flops, key) in table.items():
@@ -226,7 +226,7 @@ def main(argv=None) -> None:
                 best = min(best, (t, cfg), key=lambda b: b[0])
             key.default = default
             row.update(best_ms=best[0], best_config=best[1], best_tflops=flops / best[0] / 1e9)
-        layer = name[:name.rindex(" (")] if name.endswith(variant) else name  # without the order's suffix
+        layer = name[:name.rindex(" (")] if name.endswith(VARIANTS) else name  # without the order's suffix
         if name != layer:
             row.update(bitwise_as=layer, bitwise_equal=same_outputs(fn(), table[layer][0]()))
         if layer in shapes:
