@@ -461,7 +461,7 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
     import json
 
     from megamoe.kernels.gluon_sm90 import WGRAD_BY_SIZE
-    from tools.kernels import ORDERS, main
+    from tools.kernels import ORDERS, TAKEN, main
 
     main(["--tokens", "256", "--json", str(tmp_path / "k.json")])
     rows = {r["stage"]: r for r in json.loads((tmp_path / "k.json").read_text())["stages"]}
@@ -475,8 +475,9 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
             assert rows[stage]["config"]["WARP_SPECIALIZED"], stage
         for stage in ("bwd dw13", "bwd dw13, combine", "bwd dw2"):
             assert (rows[stage]["config"]["BK"], rows[stage]["config"]["num_stages"]) == (32, 6), stage
-            other = rows[stage + ORDERS[not WGRAD_BY_SIZE]]  # the blocks' other order beside, the same bits
-            assert other["ms"] > 0 and other["bitwise_equal"], stage
+            for suffix in (ORDERS[not WGRAD_BY_SIZE], TAKEN):  # the blocks' other orders beside, the same bits
+                other = rows[stage + suffix]
+                assert other["ms"] > 0 and other["bitwise_equal"], stage + suffix
         for stage in ("fwd down", "bwd dx"):
             assert not rows[stage]["config"].get("WARP_SPECIALIZED"), stage
 

@@ -72,6 +72,15 @@ def test_program_blocks_deals_as_the_kernels_do():
     assert layer_blocks("bf16 dW2", [5, 1, 3], 256, 256, 2) == (order, 32)
 
 
+def test_layer_blocks_refuses_blocks_taken_in_turn(monkeypatch):
+    """With the bf16 blocks taken in turn (``gluon_sm90.WGRAD_TAKEN``) no program's blocks are known before the launch:
+    ``layer_blocks`` says so rather than reading a trace by a deal that did not happen; the FP8 kernel's stays."""
+    monkeypatch.setattr(g, "WGRAD_TAKEN", True)
+    with pytest.raises(ValueError, match="taken in turn"):
+        layer_blocks("bf16 dW13", [5, 1, 3], 256, 256, 2)
+    assert layer_blocks("FP8 dW2", [5, 1, 3], 256, 256, 2)[1] == 128
+
+
 def test_row_classes_against_the_mean():
     assert [row_class(r, 1000.0, 32) for r in (0, 64, 65, 499, 500, 2000, 2001)] == [
         "tiny", "tiny", "small", "small", "mean", "mean", "big"]

@@ -37,13 +37,13 @@ def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
     fp8_gemms = len(FP8_KERNELS) + len(FP8_WS_VARIANTS) if dtype == "bf16" else 0  # FP8 operands, bf16 outputs
     triton_configs = sum(len(configs_to_check(kernel, candidates=False)) for kernel in KERNELS.values()) + len(VARIANTS)
     gemms = triton_configs + gluon_kernels + fp8_gemms
-    # and two lines for each Gluon kernel (compiled with sizes not 16-divisible; with its block trace), and one for
-    # each weight-gradient kernel with its blocks in the other order, for each of the two side-copy kernels at top_k 1
-    # and 2, for the act step on saved products in both paths (without spills), for the FP8 act step's Gluon kernel
-    # with each kind of scale (two programs per SM), and for the dispatch of FP8 token rows (forward, and backward
-    # beside x and dy) and its token-major row copy's FP8 variant
+    # and two lines for each Gluon kernel (compiled with sizes not 16-divisible; with its block trace), two for each
+    # weight-gradient kernel (its blocks in the other order, and taken in turn), and one for each of the two side-copy
+    # kernels at top_k 1 and 2, for the act step on saved products in both paths (without spills), for the FP8 act
+    # step's Gluon kernel with each kind of scale (two programs per SM), and for the dispatch of FP8 token rows
+    # (forward, and backward beside x and dy) and its token-major row copy's FP8 variant
     side_copies = 4 if dtype == "bf16" else 0
-    other_orders = sum(name.startswith("wgrad") for name in WS_KERNELS) if dtype == "bf16" else 0
+    other_orders = 2 * sum(name.startswith("wgrad") for name in WS_KERNELS) if dtype == "bf16" else 0
     act_steps = 2 + (2 if dtype == "bf16" else 0)
     assert len(rows) == gemms + len(OTHER_KERNELS) + 2 * gluon_kernels + other_orders + side_copies + act_steps + 3, \
         out.stdout

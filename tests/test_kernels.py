@@ -932,11 +932,13 @@ def test_warp_specialized_kernel_traced_is_bitwise_the_untraced_and_stamps_every
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("order", ["by_size", "taken"])
 @pytest.mark.parametrize("combine", [False, True], ids=["dW2", "dW13 with the combine"])
-def test_warp_specialized_weight_gradients_in_size_order_are_bitwise_the_same(combine):
-    """The bf16 Gluon weight gradients with their blocks dealt in order of their experts' rows (``by_size``) write
-    every block, bitwise as in expert order: a skewed routing with experts without rows, 512 blocks over the SMs (full
-    rounds dealt from alternate ends, then a partial one)."""
+def test_warp_specialized_weight_gradients_in_size_order_are_bitwise_the_same(combine, order):
+    """The bf16 Gluon weight gradients with their blocks dealt in order of their experts' rows (``by_size``), or those
+    blocks taken in turn from a counter (``taken``), write every block, bitwise as in expert order: a skewed routing
+    with experts without rows, 512 blocks over the SMs (full rounds dealt from alternate ends, then a partial one; or
+    taken, with blocks of no K-step among them)."""
     from megamoe.kernels import gluon_sm90
 
     gen = torch.Generator().manual_seed(11)
@@ -950,14 +952,14 @@ def test_warp_specialized_weight_gradients_in_size_order_are_bitwise_the_same(co
     slots = torch.randn(rows, q, generator=gen).to("cuda", torch.bfloat16)  # (T * top_k, D) for the combine
     topk_idx = torch.randint(0, num_experts, (rows // top_k, top_k), generator=gen).cuda()
     outs = {}
-    for by_size in (False, True):
+    for variant in ("expert order", order):
         dw = torch.full((num_experts, p, q), float("nan"), device="cuda", dtype=torch.bfloat16)
         out = torch.full((rows // top_k, q), float("nan"), device="cuda", dtype=torch.bfloat16)
         gluon_sm90.expert_wgrad_ws(a, b, plan.offsets_E1, dw, (slots, topk_idx, out) if combine else None,
-                                   by_size=by_size)
-        outs[by_size] = (dw, out) if combine else (dw, )
-    assert not outs[True][0].isnan().any()  # every block written (experts without rows: zeros)
-    assert all(map(torch.equal, outs[False], outs[True]))
+                                   by_size=variant == "by_size", taken=variant == "taken")
+        outs[variant] = (dw, out) if combine else (dw, )
+    assert not outs[order][0].isnan().any()  # every block written (experts without rows: zeros)
+    assert all(map(torch.equal, outs["expert order"], outs[order]))
 
 
 def test_warp_specialized_launchers_pass_each_kernel_exactly_its_parameters(monkeypatch):
@@ -977,12 +979,14 @@ def test_warp_specialized_launchers_pass_each_kernel_exactly_its_parameters(monk
     x, x_sorted = torch.zeros(num_tokens, dim, dtype=bf16), torch.zeros(rows, dim, dtype=bf16)
     w13, w2 = torch.zeros(num_experts, 2 * inter, dim, dtype=bf16), torch.zeros(num_experts, dim, inter, dtype=bf16)
     dh, dz = torch.zeros(rows, inter, dtype=bf16), torch.zeros(rows, 2 * inter, dtype=bf16)
-    for combined, by_size, tr in ((None, False, None), ((x_sorted, topk_idx, x), True, trace)):
-        g.expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, torch.zeros_like(w13), combined, by_size=by_size, trace=tr)
+    for combined, by_size, taken, tr in ((None, False, False, None), ((x_sorted, topk_idx, x), True, False, trace),
+                                         (None, None, True, None)):
+        g.expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, torch.zeros_like(w13), combined, by_size=by_size, taken=taken,
+                          trace=tr)
     for copy_x, tr in ((None, None), ((x, x_sorted, plan.row_slot_N, top_k), trace)):
         g.dh_ws(x_sorted, w2, dh, plan, BLOCK_M, copy_x, trace=tr)
     g.act_bwd_ws(x_sorted, dh, w13, torch.ones(rows), plan, dz, dh, torch.zeros(inter // 64, rows), BLOCK_M, 64,
                  trace=trace)
     for preact, tr in ((None, None), (dz, trace)):
         g.up_swiglu_ws(x, w13, dh, plan, top_k, BLOCK_M, preact, trace=tr)
-    assert_launches_pass_parameters(launched, 7)
+    assert_launches_pass_parameters(launched, 8)

@@ -9,8 +9,8 @@ config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
 shows the best next to the default. Beside each GEMM, cuBLAS's rate on the same work as one batched matmul
 (``dense_shapes``), measured in the same process. On sm90 the weight gradients also run with their blocks in the
-order the layer does not deal them (``ORDERS``), each checked to write bitwise what its layer stage writes (one that
-differs fails the command once the JSON is written). dW13 runs both ways the backward may order it (``BACKWARD_ORDER``:
+order the layer does not deal them (``ORDERS``) and, the bf16 ones, taken in turn (``TAKEN``), each checked to write
+bitwise what its layer stage writes (one that differs fails the command once the JSON is written). dW13 runs both ways the backward may order it (``BACKWARD_ORDER``:
 alone with dx's combine after it, the default, or with the combine inside); the totals take the layer's.
 """
 
@@ -37,6 +37,7 @@ from megamoe.kernels.gluon_sm90 import (
     UP_CONFIG,
     WGRAD_BY_SIZE,
     WGRAD_CONFIG,
+    WGRAD_TAKEN,
     WS_CONFIG,
     expert_wgrad_ws,
     ws_supported,
@@ -81,7 +82,8 @@ BACKWARD_ORDER = {True: ("bwd dw13", "bwd dx combine"), False: ("bwd dw13, combi
 # The weight gradients' rows in the other order of their blocks (``gluon_sm90.WGRAD_BY_SIZE``), by the suffix of their
 # names: variants of the layer's stages, left out of the total, each checked to write bitwise what its stage writes.
 ORDERS = {True: " (blocks by size)", False: " (blocks in expert order)"}
-VARIANTS = tuple(ORDERS.values())
+TAKEN = " (blocks taken in turn)"  # the bf16 ones' blocks of the size order taken in turn (``gluon_sm90.WGRAD_TAKEN``)
+VARIANTS = (*ORDERS.values(), TAKEN)
 
 
 def same_outputs(a, b) -> bool:
@@ -94,7 +96,7 @@ def same_outputs(a, b) -> bool:
 def dense_shapes(n_rows: int, num_experts: int, dim: int, inter: int) -> dict[str, tuple[int, int, int, int]]:
     """Each GEMM stage's equal-work dense ceiling, (batch, m, n, k) for ``bench.common.dense_matmul_tflops``: the
     experts' GEMMs as one batched cuBLAS matmul with the rows shared evenly (n_rows / E each), the weight gradients'
-    K the rows. A stage with its blocks in the other order (``ORDERS``) shares its layer stage's."""
+    K the rows. A stage with its blocks in another order (``VARIANTS``) shares its layer stage's."""
     m = max(1, round(n_rows / num_experts))
     shapes = {"fwd up+swiglu": (m, 2 * inter, dim), "fwd up+swiglu, products stored": (m, 2 * inter, dim),
               "fwd down": (m, dim, inter), "bwd gather, dh'": (m, inter, dim), "bwd recompute+act": (m, 2 * inter, dim),
@@ -106,7 +108,7 @@ def dense_shapes(n_rows: int, num_experts: int, dim: int, inter: int) -> dict[st
 def stages(problem, num_experts):
     """name → (callable, FLOPs, the GEMM's TunedKernel — or, for one that runs a ``kernels.ws`` kernel, a record
     of that kernel's fixed config — or None): the layer's stages in both memory modes (``ONE_MODE``) and, on sm90,
-    the weight gradients with their blocks in the other order (``ORDERS``), which return what their stages return. Both
+    the weight gradients with their blocks in the other orders (``VARIANTS``), which return what their stages return. Both
     backward orders' stages (``BACKWARD_ORDER``)."""
     x, topk_idx, topk_weights, w13, w2, dy = problem
     top_k = topk_idx.shape[1]
@@ -151,33 +153,35 @@ def stages(problem, num_experts):
         "bwd dw13, combine": (run_dw13, 4 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
         "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
     }
-    if ws_supported(x):  # the Gluon weight gradients with their blocks in the order the layer does not deal them
-        by_size = not WGRAD_BY_SIZE
-        order = ORDERS[by_size]
+    if ws_supported(x):  # the Gluon weight gradients with their blocks in the orders the layer does not run
         dw13, dw13_alone, dw2 = torch.empty_like(w13), torch.empty_like(w13), torch.empty_like(w2)
         combined = torch.empty_like(x)
+        config = SimpleNamespace(last_config=WGRAD_CONFIG)
+        others = [(ORDERS[not WGRAD_BY_SIZE], {"by_size": not WGRAD_BY_SIZE, "taken": False})]
+        if not WGRAD_TAKEN:
+            others.append((TAKEN, {"taken": True}))
+        for suffix, order in others:
+            def run_dw13_alone_other(order=order):
+                expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, dw13_alone, **order)
+                return dw13_alone
 
-        def run_dw13_alone_other():
-            expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, dw13_alone, by_size=by_size)
-            return dw13_alone
+            def run_dw13_other(order=order):  # what run_dw13 returns: the gradient and the combined dx
+                expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, dw13, (dx, topk_idx, combined), **order)
+                return dw13, combined
 
-        def run_dw13_other():  # what run_dw13 returns: the gradient and the combined dx
-            expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, dw13, (dx, topk_idx, combined), by_size=by_size)
-            return dw13, combined
+            def run_dw2_other(order=order):
+                expert_wgrad_ws(dy_sorted, hw, plan.offsets_E1, dw2, **order)
+                return dw2
 
-        def run_dw2_other():
-            expert_wgrad_ws(dy_sorted, hw, plan.offsets_E1, dw2, by_size=by_size)
-            return dw2
-
-        stages["bwd dw13" + order] = (run_dw13_alone_other, 4 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
-        stages["bwd dw13, combine" + order] = (run_dw13_other, 4 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
-        stages["bwd dw2" + order] = (run_dw2_other, 2 * unit, SimpleNamespace(last_config=WGRAD_CONFIG))
+            stages["bwd dw13" + suffix] = (run_dw13_alone_other, 4 * unit, config)
+            stages["bwd dw13, combine" + suffix] = (run_dw13_other, 4 * unit, config)
+            stages["bwd dw2" + suffix] = (run_dw2_other, 2 * unit, config)
     return stages
 
 
 def layer_totals(rows: list[dict], low_peak: bool) -> dict[str, float]:
     """Per memory mode (``ONE_MODE``) the sum of the timed ``rows``' ms that the layer runs in that mode and in the
-    backward order ``low_peak`` (``BACKWARD_ORDER``): the variants (``ORDERS``' suffixes) left out."""
+    backward order ``low_peak`` (``BACKWARD_ORDER``): the variants (``VARIANTS``' suffixes) left out."""
     other_order = BACKWARD_ORDER[not low_peak]
     return {mode: sum(r["ms"] for r in rows if not r["stage"].endswith(VARIANTS) and r["stage"] not in other_order
                       and all(r["stage"] not in names for other, names in ONE_MODE.items() if other != mode))

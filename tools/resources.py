@@ -60,7 +60,7 @@ _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot
                   "recv_weight_ptr": "*fp32", "send_list_ptr": "*i32", "slot_row_ptr": "*i32",
                   "topk_idx_ptr": "*i64", "recv_token_row_ptr": "*i32", "row_map_ptr": "*i32", "trace_ptr": "*i64",
                   "ready_ptr": "*i64", "peers_ptr": "*i64", "x_s_ptr": "*fp32", "xq_ptr": "*fp8e4nv",
-                  "by_size_ptr": "*i32"}
+                  "by_size_ptr": "*i32", "counter_ptr": "*i32"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "TRACE": False, "SAVE_PREACT": False,
                      # the EP sending programs: 16 of them, 128 experts (64 per rank), top-8, D = 2048
@@ -135,13 +135,14 @@ WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
 
 
 def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8, trace: bool = False,
-               by_size: bool | None = None):
+               by_size: bool | None = None, taken: bool | None = None):
     """The Gluon kernel ``name`` of ``WS_KERNELS`` for sm_90a at its tile, with 16-bit operands (``dtype`` bf16
     or fp16), pointers and the D / I / P / Q sizes specialised as 16-divisible as at run time, 128 experts.
     ``sizes_divisible=False``: the sizes not so specialised, as at run time for sizes such as D = 520.
     ``top_k``: the slots per token of the side copies (``dh_ws``, ``wgrad_combine_ws``); ``trace``: the
     block-traced variant (``gluon_sm90.TRACE_BLOCKS``); ``by_size``: the weight gradients' blocks in order of their
-    experts' rows (None: ``gluon_sm90.WGRAD_BY_SIZE``)."""
+    experts' rows (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``taken``: those blocks taken in turn (None:
+    ``gluon_sm90.WGRAD_TAKEN``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -156,7 +157,9 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
     if name in ("wgrad_ws", "wgrad_combine_ws"):
         fn, blocks = ws.KERNELS["wgrad"], {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
         combine = name == "wgrad_combine_ws"
-        constexprs.update(TOP_K=top_k if combine else 1, BY_SIZE=ws.WGRAD_BY_SIZE if by_size is None else by_size)
+        taken = ws.WGRAD_TAKEN if taken is None else taken
+        constexprs.update(TOP_K=top_k if combine else 1, TAKEN=taken,
+                          BY_SIZE=taken or (ws.WGRAD_BY_SIZE if by_size is None else by_size))
     elif name == "dh_ws":  # the x copy beside the MMAs, of top_k slots per token
         fn, blocks = ws.KERNELS["dh"], {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
         constexprs.update(EB=128, TILE_M=bm, TOP_K=top_k)
@@ -264,6 +267,10 @@ def main(argv=None) -> None:
             if spill := ptxas_report(compile_ws(name, args.dtype, by_size=other))["spill_bytes"]:
                 raise SystemExit(f"{name} with by_size={other} spills {spill} bytes")
             print(f"{name} with by_size={other}: compiles without spills", flush=True)
+            taken = not ws.WGRAD_TAKEN  # the blocks taken in turn (gluon_sm90.WGRAD_TAKEN)
+            if spill := ptxas_report(compile_ws(name, args.dtype, taken=taken))["spill_bytes"]:
+                raise SystemExit(f"{name} with taken={taken} spills {spill} bytes")
+            print(f"{name} with taken={taken}: compiles without spills", flush=True)
     for name, top_k in itertools.product(("dh_ws", "wgrad_combine_ws") if args.dtype != "fp32" else (), (1, 2)):
         # a side copy moves more items per pass at small top_k (gluon_sm90._items_per_pass): within its registers
         if spill := ptxas_report(compile_ws(name, args.dtype, top_k=top_k))["spill_bytes"]:

@@ -109,6 +109,16 @@ WGRAD_CONFIG = {**WS_CONFIG, "BK": WGRAD_TILE[2], "num_stages": WGRAD_TILE[3]}
 # the random one. ``MEGAMOE_WGRAD_BY_SIZE=0`` sets it off for a process (``env.wgrad_by_size_requested``).
 WGRAD_BY_SIZE = wgrad_by_size_requested()
 
+# Whether the bf16 weight-gradient kernel's programs take their blocks in turn instead of by a fixed deal: each
+# program's loader takes the next block of the size order from a counter that the launch shares (one atomic add a
+# block) and hands its id to the MMA partition through a ring in shared memory (``take_block``, ``hand_block``,
+# ``taken_block``), so that a program slowed by its blocks (their operands missing L2, the stores of many small
+# blocks) takes fewer of them and the launch ends within a block of the programs' mean. Under the skewed routing the
+# fixed deal's last program ends 0.43 ms after the median one at 235B (dW13, one H100; docs/PERFORMANCE.md, "What is
+# left of the 235B skew"). The same blocks, each computed as before: the outputs are bitwise the same. Off until timed.
+WGRAD_TAKEN = False
+TAKEN_IDS = gl.constexpr(8)  # block ids in flight from a loader to its MMA partition
+
 
 # The block trace of the Gluon GEMM kernels (``trace=`` of their launchers; read by ``tools.fp8_trace`` and
 # ``tools.kernels_trace``): per program, per partition (TRACE_PARTS: the MMA partitions, then the loader) and per block
@@ -209,12 +219,13 @@ def dealt_block(w, tiles):
 
 @gluon.jit
 def wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM: gl.constexpr, BN: gl.constexpr,
-                BY_SIZE: gl.constexpr):
+                BY_SIZE: gl.constexpr, TAKEN: gl.constexpr = False):
     """Block ``tile`` (of ``tiles``) of the expert-major order: its expert, first P and Q, and the expert's sorted rows
     [start, end). BY_SIZE (``WGRAD_BY_SIZE``): the experts in order of their rows, most first (``by_size_ptr``:
-    ``plan.experts_by_size``'s table), and ``tile`` the grid-stride loop's block, dealt as ``dealt_block`` says; else
-    the experts in index order, ``tile`` as it comes."""
-    i = dealt_block(tile, tiles) if BY_SIZE else tile
+    ``plan.experts_by_size``'s table), and ``tile`` the grid-stride loop's block, dealt as ``dealt_block`` says, or,
+    with TAKEN (``WGRAD_TAKEN``), the block taken from the launch's counter, as it comes; else the experts in index
+    order, ``tile`` as it comes."""
+    i = dealt_block(tile, tiles) if BY_SIZE and not TAKEN else tile
     pq = i % (num_p * num_q)
     p0 = (pq // num_q) * BM
     q0 = (pq % num_q) * BN
@@ -248,26 +259,89 @@ def expert_rows_ahead(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BY_SI
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles, trace_ptr,
-            BY_SIZE: gl.constexpr, TRACE: gl.constexpr):
-    """Producer partition (one warp): every K-step's operand blocks, in the MMA partition's order; TRACE: its
-    stamps (partition 2 of ``TRACE_BLOCKS``)."""
+def take_block(counter_ptr):
+    """The next block of the launch (``WGRAD_TAKEN``): one atomic add on the counter that its programs share, zero at
+    the launch; values from the number of blocks on mean that none is left."""
+    return gl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def hand_block(ids, full, empty, b, w, num_warps: gl.constexpr):
+    """Loader side of the id ring (``ids``, one int32 slot per stage, with its ``full`` and ``empty`` barriers): block
+    id ``w``, this program's ``b``-th, into slot ``b % depth`` once the slot's last id has been read."""
+    DEPTH: gl.constexpr = ids.type.shape[0]
+    s = b % DEPTH
+    mbarrier.wait(empty.index(s), ((b // DEPTH) & 1) ^ 1)
+    ids.index(s).store(gl.full([1], w, gl.int32, gl.BlockedLayout([1], [32], [num_warps], [0])))
+    gl.thread_barrier()  # every thread's store before the one arrival
+    mbarrier.arrive(full.index(s), count=1)
+
+
+@gluon.jit
+def taken_block(ids, full, empty, b, num_warps: gl.constexpr):
+    """Consumer side of the id ring (``hand_block``): this program's ``b``-th block id, its slot then handed back."""
+    DEPTH: gl.constexpr = ids.type.shape[0]
+    s = b % DEPTH
+    mbarrier.wait(full.index(s), (b // DEPTH) & 1)
+    w = gl.max(ids.index(s).load(gl.BlockedLayout([1], [32], [num_warps], [0])), axis=0)
+    gl.thread_barrier()  # every thread's read before the one arrival
+    mbarrier.arrive(empty.index(s), count=1)
+    return w
+
+
+@gluon.jit
+def id_ring(depth: gl.constexpr):
+    """The id ring of ``hand_block`` and ``taken_block``: ``depth`` int32 slots in shared memory and their full and
+    empty barriers."""
+    ids = gl.allocate_shared_memory(gl.int32, [depth, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    return ids, barriers(depth), barriers(depth)
+
+
+@gluon.jit
+def _load_block(a_desc, b_desc, ready, empty, a_bufs, b_bufs, p0, q0, start, end, step, trace_ptr, block,
+                TRACE: gl.constexpr):
+    """The loader's K-steps of one weight-gradient block (rows [start, end) at P-column p0 and Q-column q0); returns
+    the next ring step. TRACE: the block's points 1 and 2 (partition 2)."""
     BK: gl.constexpr = a_desc.block_type.shape[0]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    for r0 in range(start, end, BK):
+        s = next_slot(empty, ready, step, nbytes)
+        tma.async_copy_global_to_shared(a_desc, [r0, p0], ready.index(s), a_bufs.index(s))
+        tma.async_copy_global_to_shared(b_desc, [r0, q0], ready.index(s), b_bufs.index(s))
+        step += 1
+        stamp_first(trace_ptr, 2, block, 1, r0 == start, TRACE, 1)
+    stamp(trace_ptr, 2, block, 2, TRACE, 1)
+    return step
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles, trace_ptr,
+            counter_ptr, ids, id_full, id_empty, BY_SIZE: gl.constexpr, TAKEN: gl.constexpr, TRACE: gl.constexpr):
+    """Producer partition (one warp): every K-step's operand blocks, in the MMA partition's order; with TAKEN each
+    block taken from the launch's counter first (``take_block``) and its id handed to the MMA partition
+    (``hand_block``), an id past the last block at the end. TRACE: its stamps (partition 2 of ``TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     step = 0
-    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        block = block_index(tile)
-        stamp(trace_ptr, 2, block, 0, TRACE, 1)
-        _, p0, q0, start, end = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
-        for r0 in range(start, end, BK):
-            s = next_slot(empty, ready, step, nbytes)
-            tma.async_copy_global_to_shared(a_desc, [r0, p0], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [r0, q0], ready.index(s), b_bufs.index(s))
-            step += 1
-            stamp_first(trace_ptr, 2, block, 1, r0 == start, TRACE, 1)
-        stamp(trace_ptr, 2, block, 2, TRACE, 1)
+    if TAKEN:
+        b = 0
+        tile = take_block(counter_ptr)
+        hand_block(ids, id_full, id_empty, b, tile, 1)
+        while tile < tiles:
+            stamp(trace_ptr, 2, b, 0, TRACE, 1)
+            _, p0, q0, start, end = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, True, True)
+            step = _load_block(a_desc, b_desc, ready, empty, a_bufs, b_bufs, p0, q0, start, end, step, trace_ptr, b,
+                               TRACE)
+            b += 1
+            tile = take_block(counter_ptr)
+            hand_block(ids, id_full, id_empty, b, tile, 1)
+    else:
+        for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+            block = block_index(tile)
+            stamp(trace_ptr, 2, block, 0, TRACE, 1)
+            _, p0, q0, start, end = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
+            step = _load_block(a_desc, b_desc, ready, empty, a_bufs, b_bufs, p0, q0, start, end, step, trace_ptr,
+                               block, TRACE)
 
 
 @gluon.constexpr_function
@@ -343,44 +417,74 @@ def _zero_rows_past(buf, r0, end, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _mma_partition(dw_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
-                   trace_ptr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """Default partition: the MMAs of each block, its tail rows zeroed, and its TMA store; TRACE: its stamps
-    (partition 0 of ``TRACE_BLOCKS``)."""
+def _wgrad_main(ready, empty, a_bufs, b_bufs, start, end, step, trace_ptr, block, acc_layout: gl.constexpr,
+                TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """The MMAs of one weight-gradient block over its expert's rows [start, end), the rows past the expert zeroed in
+    the last, partial step; returns the accumulator and the next ring step. TRACE: the block's points 1 and 2."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[1]
     BM: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[2]
+    acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+    for r0 in range(start, end, BK):
+        s = step % STAGES
+        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+        stamp_first(trace_ptr, 0, block, 1, r0 == start, TRACE, num_warps)
+        if r0 + BK > end:  # the expert's last, partial step
+            _zero_rows_past(a_bufs.index(s), r0, end, num_warps)
+            _zero_rows_past(b_bufs.index(s), r0, end, num_warps)
+            fence_async_shared()
+        acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        if r0 > start:  # the previous step's MMA is done: its buffers go back to the loader
+            mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+        step += 1
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    if end > start:
+        mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+    stamp(trace_ptr, 0, block, 2, TRACE, num_warps)
+    return acc, step
+
+
+@gluon.jit
+def _mma_partition(dw_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
+                   trace_ptr, ids, id_full, id_empty, BY_SIZE: gl.constexpr, TAKEN: gl.constexpr, TRACE: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """Default partition: the MMAs of each block, its tail rows zeroed, and its TMA store; with TAKEN the blocks whose
+    ids the loader hands over (``taken_block``), the next one's read after this one's MMAs, under its store. TRACE:
+    its stamps (partition 0 of ``TRACE_BLOCKS``)."""
+    BM: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[2]
     acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
     step = 0
-    start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, by_size_ptr, num_p, num_q, BY_SIZE)
-    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        block = block_index(tile)
-        stamp(trace_ptr, 0, block, 0, TRACE, num_warps)
-        e, p0, q0, _, _ = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
-        start_next, end_next = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, by_size_ptr, num_p,
-                                                 num_q, BY_SIZE)
-        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
-        for r0 in range(start, end, BK):
-            s = step % STAGES
-            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-            stamp_first(trace_ptr, 0, block, 1, r0 == start, TRACE, num_warps)
-            if r0 + BK > end:  # the expert's last, partial step
-                _zero_rows_past(a_bufs.index(s), r0, end, num_warps)
-                _zero_rows_past(b_bufs.index(s), r0, end, num_warps)
-                fence_async_shared()
-            acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
-            if r0 > start:  # the previous step's MMA is done: its buffers go back to the loader
-                mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
-            step += 1
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        if end > start:
-            mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
-        stamp(trace_ptr, 0, block, 2, TRACE, num_warps)
-        store_block(acc.to(dw_desc.dtype), c_smem, dw_desc, e, p0, q0)
-        stamp(trace_ptr, 0, block, 3, TRACE, num_warps)
-        start, end = start_next, end_next
+    if TAKEN:
+        b = 0
+        tile = taken_block(ids, id_full, id_empty, b, num_warps)
+        e, p0, q0, start, end = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, True, True)
+        while tile < tiles:
+            stamp(trace_ptr, 0, b, 0, TRACE, num_warps)
+            acc, step = _wgrad_main(ready, empty, a_bufs, b_bufs, start, end, step, trace_ptr, b, acc_layout, TRACE,
+                                    num_warps)
+            next_tile = taken_block(ids, id_full, id_empty, b + 1, num_warps)
+            e_next, p_next, q_next, start, end = wgrad_block(gl.minimum(next_tile, tiles - 1), tiles, offsets_ptr,
+                                                             by_size_ptr, num_p, num_q, BM, BN, True, True)
+            store_block(acc.to(dw_desc.dtype), c_smem, dw_desc, e, p0, q0)
+            stamp(trace_ptr, 0, b, 3, TRACE, num_warps)
+            tile, e, p0, q0 = next_tile, e_next, p_next, q_next
+            b += 1
+    else:
+        start, end = expert_rows_ahead(gl.program_id(0), tiles, offsets_ptr, by_size_ptr, num_p, num_q, BY_SIZE)
+        for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+            block = block_index(tile)
+            stamp(trace_ptr, 0, block, 0, TRACE, num_warps)
+            e, p0, q0, _, _ = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
+            start_next, end_next = expert_rows_ahead(tile + gl.num_programs(0), tiles, offsets_ptr, by_size_ptr, num_p,
+                                                     num_q, BY_SIZE)
+            acc, step = _wgrad_main(ready, empty, a_bufs, b_bufs, start, end, step, trace_ptr, block, acc_layout,
+                                    TRACE, num_warps)
+            store_block(acc.to(dw_desc.dtype), c_smem, dw_desc, e, p0, q0)
+            stamp(trace_ptr, 0, block, 3, TRACE, num_warps)
+            start, end = start_next, end_next
     tma.store_wait(0)
 
 
@@ -396,24 +500,29 @@ def store_block(out, c_smem, desc, e, p0, q0):
 
 @gluon.jit
 def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, rows_ptr, topk_idx_ptr, out_ptr, T, D,
-                     trace_ptr, by_size_ptr, TOP_K: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
-                     BY_SIZE: gl.constexpr, num_warps: gl.constexpr):
+                     trace_ptr, by_size_ptr, counter_ptr, TOP_K: gl.constexpr, STAGES: gl.constexpr,
+                     TRACE: gl.constexpr, BY_SIZE: gl.constexpr, TAKEN: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: (N, P) sorted rows, block (BK, BM); b_desc: (N, Q), block (BK, BN); dw_desc: (E, P, Q),
     block (1, BM, BN). Tiles: E * num_p * num_q output blocks, expert-major. A third partition (``COPY_WARPS``
     warps) combines slot rows (T * TOP_K, D) into out (T, D) beside them (``_combine_partition``; ``topk_idx``
     marks the dropped slots); with T = 0 it has nothing to do and returns. TRACE: the MMA partition's and the
     loader's stamps into trace_ptr (int64, ``TRACE_BLOCKS``). BY_SIZE: the blocks dealt in order of their experts'
-    rows (``wgrad_block``; by_size_ptr ``plan.experts_by_size``'s table)."""
+    rows (``wgrad_block``; by_size_ptr ``plan.experts_by_size``'s table). TAKEN: the blocks of that order taken in
+    turn from the counter at counter_ptr (int32, zero; ``WGRAD_TAKEN``)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
     ready = barriers(STAGES)
     empty = barriers(STAGES)
+    if TAKEN:
+        ids, id_full, id_empty = id_ring(TAKEN_IDS)
+    else:  # never read: the fixed deal's partitions know their blocks
+        ids, id_full, id_empty = ready, ready, ready
     gl.warp_specialize([
         (_mma_partition, (dw_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
-                          trace_ptr, BY_SIZE, TRACE, num_warps)),
+                          trace_ptr, ids, id_full, id_empty, BY_SIZE, TAKEN, TRACE, num_warps)),
         (_loader, (a_desc, b_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles,
-                   trace_ptr, BY_SIZE, TRACE)),
+                   trace_ptr, counter_ptr, ids, id_full, id_empty, BY_SIZE, TAKEN, TRACE)),
         (_combine_partition, (rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K, COPY_WARPS)),
     ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
 
@@ -859,6 +968,14 @@ def wgrad_by_size(offsets_E1: torch.Tensor, by_size: bool | None) -> dict:
     return {"by_size_ptr": offsets_E1, "BY_SIZE": False}
 
 
+def taken_args(taken: bool, idle: torch.Tensor) -> dict:
+    """A weight-gradient launch's ``counter_ptr`` and ``TAKEN`` arguments: with ``taken``, a fresh counter of the blocks
+    taken (int32, zero; one small fill on the stream), else ``idle`` (any tensor) in its place, never read."""
+    if taken:
+        return {"counter_ptr": torch.zeros(1, device=idle.device, dtype=torch.int32), "TAKEN": True}
+    return {"counter_ptr": idle, "TAKEN": False}
+
+
 def trace_args(trace: torch.Tensor | None, idle: torch.Tensor) -> dict:
     """A launch's ``trace_ptr`` and ``TRACE`` arguments for the block trace ``trace`` (int64, at least ``trace_size``
     elements for one program per SM of ``idle``'s device) or, with None, untraced: the stamps compiled out and
@@ -876,12 +993,14 @@ def _launch_ws(kernel, programs: int, stages: int, maxnreg: int = WS_MAXNREG, **
 
 def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor,
                     combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
-                    by_size: bool | None = None, trace: torch.Tensor | None = None) -> None:
+                    by_size: bool | None = None, taken: bool | None = None,
+                    trace: torch.Tensor | None = None) -> None:
     """dw (E, P, Q) = per expert, the sum over its sorted rows r of outer(a[r], b[r]); a, b, dw 16-bit,
     contiguous, on an sm90 GPU (``ws_supported``), with at least one row. ``combine``: (slot rows (T*K, D),
     topk_idx (T, K), out (T, D)), all contiguous, to reduce into ``out`` beside the MMAs, with the sums of
     ``combine.combine``. ``by_size``: the blocks dealt in order of their experts' rows (None: ``WGRAD_BY_SIZE``;
-    ``wgrad_by_size``); ``trace``: the block trace (``trace_args``; ``tools.kernels_trace`` reads it)."""
+    ``wgrad_by_size``); ``taken``: the blocks of the size order taken in turn (None: ``WGRAD_TAKEN``; with it
+    ``by_size`` is ignored); ``trace``: the block trace (``trace_args``; ``tools.kernels_trace`` reads it)."""
     bm, bn, bk, stages = WGRAD_TILE
     num_experts, p, q = dw.shape
     num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
@@ -890,10 +1009,12 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
         rows, topk_idx, out, num_tokens, top_k = a_NP, offsets_E1, a_NP, 0, 1
     else:
         (rows, topk_idx, out), (num_tokens, top_k) = combine, combine[1].shape
+    taken = WGRAD_TAKEN if taken is None else taken
     _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), stages, a_desc=_desc(a_NP, [bk, bm]),
                b_desc=_desc(b_NQ, [bk, bn]), dw_desc=_desc(dw, [1, bm, bn]), offsets_ptr=offsets_E1, num_p=num_p,
                num_q=num_q, tiles=tiles, rows_ptr=rows, topk_idx_ptr=topk_idx, out_ptr=out, T=num_tokens,
-               D=out.shape[1], TOP_K=top_k, **wgrad_by_size(offsets_E1, by_size), **trace_args(trace, offsets_E1))
+               D=out.shape[1], TOP_K=top_k, **wgrad_by_size(offsets_E1, True if taken else by_size),
+               **taken_args(taken, offsets_E1), **trace_args(trace, offsets_E1))
 
 
 def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,
