@@ -111,13 +111,14 @@ WGRAD_BY_SIZE = wgrad_by_size_requested()
 
 # Whether the bf16 weight-gradient kernel's programs take their blocks in turn instead of by a fixed deal: each
 # program's loader takes the next block of the size order from a counter that the launch shares (one atomic add a
-# block) and hands its id to the MMA partition through a ring in shared memory (``take_block``, ``hand_block``,
+# block) and hands it (id, expert, rows) to the MMA partition through a ring in shared memory (``take_block``, ``hand_block``,
 # ``taken_block``), so that a program slowed by its blocks (their operands missing L2, the stores of many small
 # blocks) takes fewer of them and the launch ends within a block of the programs' mean. Under the skewed routing the
 # fixed deal's last program ends 0.43 ms after the median one at 235B (dW13, one H100; docs/PERFORMANCE.md, "What is
 # left of the 235B skew"). The same blocks, each computed as before: the outputs are bitwise the same. Off until timed.
 WGRAD_TAKEN = False
-TAKEN_IDS = gl.constexpr(8)  # block ids in flight from a loader to its MMA partition
+TAKEN_IDS = gl.constexpr(8)  # blocks in flight from a loader to its MMA partition
+BLOCK_FIELDS = gl.constexpr(8)  # int32 a block takes in that ring: its id, expert, P, Q, first and end rows (6 used)
 
 
 # The block trace of the Gluon GEMM kernels (``trace=`` of their launchers; read by ``tools.fp8_trace`` and
@@ -266,34 +267,49 @@ def take_block(counter_ptr):
 
 
 @gluon.jit
-def hand_block(ids, full, empty, b, w, num_warps: gl.constexpr):
-    """Loader side of the id ring (``ids``, one int32 slot per stage, with its ``full`` and ``empty`` barriers): block
-    id ``w``, this program's ``b``-th, into slot ``b % depth`` once the slot's last id has been read."""
+def hand_block(ids, full, empty, b, tile, e, p0, q0, start, end, num_warps: gl.constexpr):
+    """Loader side of the block ring (``ids``, one slot of ``BLOCK_FIELDS`` int32 per block, with its ``full`` and
+    ``empty`` barriers): this program's ``b``-th block (``tile``; its expert, first P and Q and the expert's rows
+    [start, end), as ``wgrad_block`` gives them) into slot ``b % depth`` once the slot's last block has been read, so
+    that the MMA partition reads them from shared memory rather than waiting on global loads between its blocks."""
     DEPTH: gl.constexpr = ids.type.shape[0]
+    FIELDS: gl.constexpr = ids.type.shape[1]
     s = b % DEPTH
+    field = gl.arange(0, FIELDS, layout=gl.BlockedLayout([FIELDS], [32], [num_warps], [0]))
+    row = gl.where(field == 0, tile, gl.where(field == 1, e, gl.where(field == 2, p0, gl.where(
+        field == 3, q0, gl.where(field == 4, start, end)))))
     mbarrier.wait(empty.index(s), ((b // DEPTH) & 1) ^ 1)
-    ids.index(s).store(gl.full([1], w, gl.int32, gl.BlockedLayout([1], [32], [num_warps], [0])))
+    ids.index(s).store(row)
     gl.thread_barrier()  # every thread's store before the one arrival
     mbarrier.arrive(full.index(s), count=1)
 
 
 @gluon.jit
 def taken_block(ids, full, empty, b, num_warps: gl.constexpr):
-    """Consumer side of the id ring (``hand_block``): this program's ``b``-th block id, its slot then handed back."""
+    """Consumer side of the block ring (``hand_block``): this program's ``b``-th block, (tile, e, p0, q0, start, end),
+    its slot then handed back."""
     DEPTH: gl.constexpr = ids.type.shape[0]
+    FIELDS: gl.constexpr = ids.type.shape[1]
     s = b % DEPTH
+    field = gl.arange(0, FIELDS, layout=gl.BlockedLayout([FIELDS], [32], [num_warps], [0]))
     mbarrier.wait(full.index(s), (b // DEPTH) & 1)
-    w = gl.max(ids.index(s).load(gl.BlockedLayout([1], [32], [num_warps], [0])), axis=0)
+    row = ids.index(s).load(field.type.layout)
     gl.thread_barrier()  # every thread's read before the one arrival
     mbarrier.arrive(empty.index(s), count=1)
-    return w
+    tile = gl.sum(gl.where(field == 0, row, 0), axis=0)
+    e = gl.sum(gl.where(field == 1, row, 0), axis=0)
+    p0 = gl.sum(gl.where(field == 2, row, 0), axis=0)
+    q0 = gl.sum(gl.where(field == 3, row, 0), axis=0)
+    start = gl.sum(gl.where(field == 4, row, 0), axis=0)
+    end = gl.sum(gl.where(field == 5, row, 0), axis=0)
+    return tile, e, p0, q0, start, end
 
 
 @gluon.jit
 def id_ring(depth: gl.constexpr):
-    """The id ring of ``hand_block`` and ``taken_block``: ``depth`` int32 slots in shared memory and their full and
-    empty barriers."""
-    ids = gl.allocate_shared_memory(gl.int32, [depth, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    """The block ring of ``hand_block`` and ``taken_block``: ``depth`` slots of ``BLOCK_FIELDS`` int32 in shared
+    memory and their full and empty barriers."""
+    ids = gl.allocate_shared_memory(gl.int32, [depth, BLOCK_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     return ids, barriers(depth), barriers(depth)
 
 
@@ -318,23 +334,27 @@ def _load_block(a_desc, b_desc, ready, empty, a_bufs, b_bufs, p0, q0, start, end
 def _loader(a_desc, b_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, num_p, num_q, tiles, trace_ptr,
             counter_ptr, ids, id_full, id_empty, BY_SIZE: gl.constexpr, TAKEN: gl.constexpr, TRACE: gl.constexpr):
     """Producer partition (one warp): every K-step's operand blocks, in the MMA partition's order; with TAKEN each
-    block taken from the launch's counter first (``take_block``) and its id handed to the MMA partition
-    (``hand_block``), an id past the last block at the end. TRACE: its stamps (partition 2 of ``TRACE_BLOCKS``)."""
+    block taken from the launch's counter first (``take_block``) and handed to the MMA partition (``hand_block``), one
+    past the last block at the end. TRACE: its stamps (partition 2 of ``TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
     step = 0
     if TAKEN:
         b = 0
         tile = take_block(counter_ptr)
-        hand_block(ids, id_full, id_empty, b, tile, 1)
+        # a block past the last (the end) reads the last one's fields, in bounds
+        e, p0, q0, start, end = wgrad_block(gl.minimum(tile, tiles - 1), tiles, offsets_ptr, by_size_ptr, num_p,
+                                            num_q, BM, BN, True, True)
+        hand_block(ids, id_full, id_empty, b, tile, e, p0, q0, start, end, 1)
         while tile < tiles:
             stamp(trace_ptr, 2, b, 0, TRACE, 1)
-            _, p0, q0, start, end = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, True, True)
             step = _load_block(a_desc, b_desc, ready, empty, a_bufs, b_bufs, p0, q0, start, end, step, trace_ptr, b,
                                TRACE)
             b += 1
             tile = take_block(counter_ptr)
-            hand_block(ids, id_full, id_empty, b, tile, 1)
+            e, p0, q0, start, end = wgrad_block(gl.minimum(tile, tiles - 1), tiles, offsets_ptr, by_size_ptr, num_p,
+                                                num_q, BM, BN, True, True)
+            hand_block(ids, id_full, id_empty, b, tile, e, p0, q0, start, end, 1)
     else:
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             block = block_index(tile)
@@ -450,24 +470,21 @@ def _wgrad_main(ready, empty, a_bufs, b_bufs, start, end, step, trace_ptr, block
 def _mma_partition(dw_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
                    trace_ptr, ids, id_full, id_empty, BY_SIZE: gl.constexpr, TAKEN: gl.constexpr, TRACE: gl.constexpr,
                    num_warps: gl.constexpr):
-    """Default partition: the MMAs of each block, its tail rows zeroed, and its TMA store; with TAKEN the blocks whose
-    ids the loader hands over (``taken_block``), the next one's read after this one's MMAs, under its store. TRACE:
-    its stamps (partition 0 of ``TRACE_BLOCKS``)."""
+    """Default partition: the MMAs of each block, its tail rows zeroed, and its TMA store; with TAKEN the blocks the
+    loader hands over (``taken_block``), the next one's read after this one's MMAs. TRACE: its stamps (partition 0 of
+    ``TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[2]
     acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
     step = 0
     if TAKEN:
         b = 0
-        tile = taken_block(ids, id_full, id_empty, b, num_warps)
-        e, p0, q0, start, end = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, True, True)
+        tile, e, p0, q0, start, end = taken_block(ids, id_full, id_empty, b, num_warps)
         while tile < tiles:
             stamp(trace_ptr, 0, b, 0, TRACE, num_warps)
             acc, step = _wgrad_main(ready, empty, a_bufs, b_bufs, start, end, step, trace_ptr, b, acc_layout, TRACE,
                                     num_warps)
-            next_tile = taken_block(ids, id_full, id_empty, b + 1, num_warps)
-            e_next, p_next, q_next, start, end = wgrad_block(gl.minimum(next_tile, tiles - 1), tiles, offsets_ptr,
-                                                             by_size_ptr, num_p, num_q, BM, BN, True, True)
+            next_tile, e_next, p_next, q_next, start, end = taken_block(ids, id_full, id_empty, b + 1, num_warps)
             store_block(acc.to(dw_desc.dtype), c_smem, dw_desc, e, p0, q0)
             stamp(trace_ptr, 0, b, 3, TRACE, num_warps)
             tile, e, p0, q0 = next_tile, e_next, p_next, q_next
