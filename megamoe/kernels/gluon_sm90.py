@@ -340,21 +340,24 @@ def _loader(a_desc, b_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bu
     BN: gl.constexpr = b_desc.block_type.shape[1]
     step = 0
     if TAKEN:
+        # Each block is taken one block ahead, before the loads of the block in hand: the atomic's and the fields'
+        # latency then passes while the ring still holds the previous block's last K-steps. A block past the last
+        # (the end) reads the last one's fields, in bounds.
         b = 0
         tile = take_block(counter_ptr)
-        # a block past the last (the end) reads the last one's fields, in bounds
         e, p0, q0, start, end = wgrad_block(gl.minimum(tile, tiles - 1), tiles, offsets_ptr, by_size_ptr, num_p,
                                             num_q, BM, BN, True, True)
         hand_block(ids, id_full, id_empty, b, tile, e, p0, q0, start, end, 1)
         while tile < tiles:
             stamp(trace_ptr, 2, b, 0, TRACE, 1)
+            next_tile = take_block(counter_ptr)
+            e, p_next, q_next, start_next, end_next = wgrad_block(gl.minimum(next_tile, tiles - 1), tiles, offsets_ptr,
+                                                                  by_size_ptr, num_p, num_q, BM, BN, True, True)
             step = _load_block(a_desc, b_desc, ready, empty, a_bufs, b_bufs, p0, q0, start, end, step, trace_ptr, b,
                                TRACE)
             b += 1
-            tile = take_block(counter_ptr)
-            e, p0, q0, start, end = wgrad_block(gl.minimum(tile, tiles - 1), tiles, offsets_ptr, by_size_ptr, num_p,
-                                                num_q, BM, BN, True, True)
-            hand_block(ids, id_full, id_empty, b, tile, e, p0, q0, start, end, 1)
+            hand_block(ids, id_full, id_empty, b, next_tile, e, p_next, q_next, start_next, end_next, 1)
+            tile, p0, q0, start, end = next_tile, p_next, q_next, start_next, end_next
     else:
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             block = block_index(tile)
