@@ -98,6 +98,7 @@ def test_ep_path_defaults_to_fused_where_it_runs_and_says_so_elsewhere(monkeypat
     ("MEGAMOE_FP8_WGRAD", "fp8_wgrad_requested", True),
     ("MEGAMOE_LOW_PEAK_BACKWARD", "low_peak_backward_requested", True),
     ("MEGAMOE_WGRAD_BY_SIZE", "wgrad_by_size_requested", True),
+    ("MEGAMOE_WGRAD_TAKEN", "wgrad_taken_requested", False),
     ("MEGAMOE_EP_UNBOUNDED_WAITS", "ep_unbounded_waits", False),
 ])
 def test_on_off_switches_take_0_1_or_unset_and_refuse_the_rest(monkeypatch, name, reader, default):
@@ -119,15 +120,17 @@ def test_on_off_switches_take_0_1_or_unset_and_refuse_the_rest(monkeypatch, name
 
 def test_wgrad_order_switch_is_read_at_import_by_both_weight_gradient_kernels():
     """``MEGAMOE_WGRAD_BY_SIZE=0`` puts the bf16 and FP8 Gluon weight gradients' blocks in expert order for the
-    process (their launchers' default, ``gluon_sm90.WGRAD_BY_SIZE``); unset, by size."""
+    process (their launchers' default, ``gluon_sm90.WGRAD_BY_SIZE``); unset, by size. ``MEGAMOE_WGRAD_TAKEN=1`` has
+    the bf16 kernel's programs take their blocks in turn (``gluon_sm90.WGRAD_TAKEN``); unset, not."""
     import os
     import subprocess
     import sys
 
     code = ("from megamoe.kernels import gluon_fp8_sm90 as f, gluon_sm90 as g; "
-            "print(g.WGRAD_BY_SIZE, f.WGRAD_BY_SIZE)")
-    for value, expected in (("0", "False False"), ("", "True True")):
-        env = {**os.environ, "MEGAMOE_WGRAD_BY_SIZE": value}
+            "print(g.WGRAD_BY_SIZE, f.WGRAD_BY_SIZE, g.WGRAD_TAKEN)")
+    for by_size, taken, expected in (("0", "", "False False False"), ("", "", "True True False"),
+                                     ("", "1", "True True True")):
+        env = {**os.environ, "MEGAMOE_WGRAD_BY_SIZE": by_size, "MEGAMOE_WGRAD_TAKEN": taken}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.splitlines()[-1] == expected
 
@@ -460,8 +463,7 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
     gradients' with their ring of 6 stages of BK 32)."""
     import json
 
-    from megamoe.kernels.gluon_sm90 import WGRAD_BY_SIZE
-    from tools.kernels import ORDERS, TAKEN, main
+    from tools.kernels import ORDERS, layer_order, main
 
     main(["--tokens", "256", "--json", str(tmp_path / "k.json")])
     rows = {r["stage"]: r for r in json.loads((tmp_path / "k.json").read_text())["stages"]}
@@ -475,9 +477,10 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
             assert rows[stage]["config"]["WARP_SPECIALIZED"], stage
         for stage in ("bwd dw13", "bwd dw13, combine", "bwd dw2"):
             assert (rows[stage]["config"]["BK"], rows[stage]["config"]["num_stages"]) == (32, 6), stage
-            for suffix in (ORDERS[not WGRAD_BY_SIZE], TAKEN):  # the blocks' other orders beside, the same bits
-                other = rows[stage + suffix]
-                assert other["ms"] > 0 and other["bitwise_equal"], stage + suffix
+            for name, (suffix, _) in ORDERS.items():  # the blocks' other orders beside, the same bits
+                if name != layer_order():
+                    other = rows[stage + suffix]
+                    assert other["ms"] > 0 and other["bitwise_equal"], stage + suffix
         for stage in ("fwd down", "bwd dx"):
             assert not rows[stage]["config"].get("WARP_SPECIALIZED"), stage
 
@@ -580,7 +583,7 @@ def test_fp8_tool_checks_each_scheduling_variant_bitwise_against_the_layers(monk
     checked = {r["stage"]: r["bitwise_as"] for r in record["stages"] if "bitwise_as" in r}
     assert all(r["bitwise_equal"] for r in record["stages"] if "bitwise_as" in r)
     assert checked["up, products stored"] == "up (+ SwiGLU, h quantised)"
-    other_order = "dW2 FP8 (256 columns)" + ORDERS[not gluon_sm90.WGRAD_BY_SIZE]
+    other_order = "dW2 FP8 (256 columns)" + ORDERS["expert" if gluon_sm90.WGRAD_BY_SIZE else "size"][0]
     assert checked["down"] == "down (256 columns)"
     assert checked[other_order] == checked["dW2 FP8"] == "dW2 FP8 (256 columns)"
     assert "up (+ SwiGLU, h quantised)" not in checked and "down (256 columns)" not in checked  # the layer's own

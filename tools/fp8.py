@@ -208,7 +208,7 @@ def main(argv=None, device: str = "cuda") -> None:
                 *a, *b, plan, torch.bfloat16, block_n), flops, None, dense))
             if block_n == gluon_fp8_sm90.wgrad_block_n(b[0].shape[0]):
                 by_size = not gluon_sm90.WGRAD_BY_SIZE
-                stages.append((base + ORDERS[by_size],
+                stages.append((base + ORDERS["size" if by_size else "expert"][0],
                                lambda a=a, b=b, block_n=block_n, by_size=by_size: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, by_size=by_size), flops, None, dense))
     for name, _, b, _, _ in wgrad_gemms:  # every FP8 variant of a weight gradient against the layer's width and order

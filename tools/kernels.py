@@ -9,9 +9,10 @@ config each GEMM ran with is printed and recorded.
 With ``--sweep`` every config of a wider list is timed for each kernel (autotuning off) and the table
 shows the best next to the default. Beside each GEMM, cuBLAS's rate on the same work as one batched matmul
 (``dense_shapes``), measured in the same process. On sm90 the weight gradients also run with their blocks in the
-order the layer does not deal them (``ORDERS``) and, the bf16 ones, taken in turn (``TAKEN``), each checked to write
-bitwise what its layer stage writes (one that differs fails the command once the JSON is written). dW13 runs both ways the backward may order it (``BACKWARD_ORDER``:
-alone with dx's combine after it, the default, or with the combine inside); the totals take the layer's.
+orders the layer does not run them in (``ORDERS``: in expert order, by size, taken in turn), each checked to write
+bitwise what its layer stage writes (one that differs fails the command once the JSON is written). dW13 runs both
+ways the backward may order it (``BACKWARD_ORDER``: alone with dx's combine after it, the default, or with the
+combine inside); the totals take the layer's.
 """
 
 from __future__ import annotations
@@ -79,11 +80,18 @@ ONE_MODE = {"none": ("fwd up+swiglu", "bwd recompute+act"),
 # rows combined on their own; else dx's slot rows combined inside the dW13 kernel. Each total leaves out the other's.
 BACKWARD_ORDER = {True: ("bwd dw13", "bwd dx combine"), False: ("bwd dw13, combine",)}
 
-# The weight gradients' rows in the other order of their blocks (``gluon_sm90.WGRAD_BY_SIZE``), by the suffix of their
-# names: variants of the layer's stages, left out of the total, each checked to write bitwise what its stage writes.
-ORDERS = {True: " (blocks by size)", False: " (blocks in expert order)"}
-TAKEN = " (blocks taken in turn)"  # the bf16 ones' blocks of the size order taken in turn (``gluon_sm90.WGRAD_TAKEN``)
-VARIANTS = (*ORDERS.values(), TAKEN)
+# The weight gradients' blocks in each order the kernels have (``gluon_sm90.WGRAD_BY_SIZE``, ``WGRAD_TAKEN``): the
+# suffix of a row's name, and the launcher's arguments. The rows of the orders the layer does not run are variants of
+# its stages, left out of the total, each checked to write bitwise what its stage writes.
+ORDERS = {"expert": (" (blocks in expert order)", {"by_size": False, "taken": False}),
+          "size": (" (blocks by size)", {"by_size": True, "taken": False}),
+          "taken": (" (blocks taken in turn)", {"taken": True})}
+VARIANTS = tuple(suffix for suffix, _ in ORDERS.values())
+
+
+def layer_order() -> str:
+    """The key of ``ORDERS`` that the layer's bf16 weight gradients run in."""
+    return "taken" if WGRAD_TAKEN else "size" if WGRAD_BY_SIZE else "expert"
 
 
 def same_outputs(a, b) -> bool:
@@ -108,8 +116,8 @@ def dense_shapes(n_rows: int, num_experts: int, dim: int, inter: int) -> dict[st
 def stages(problem, num_experts):
     """name → (callable, FLOPs, the GEMM's TunedKernel — or, for one that runs a ``kernels.ws`` kernel, a record
     of that kernel's fixed config — or None): the layer's stages in both memory modes (``ONE_MODE``) and, on sm90,
-    the weight gradients with their blocks in the other orders (``VARIANTS``), which return what their stages return. Both
-    backward orders' stages (``BACKWARD_ORDER``)."""
+    the weight gradients with their blocks in the other orders (``ORDERS``), which return what their stages return.
+    Both backward orders' stages (``BACKWARD_ORDER``)."""
     x, topk_idx, topk_weights, w13, w2, dy = problem
     top_k = topk_idx.shape[1]
     n_rows = int((topk_idx >= 0).sum())
@@ -157,10 +165,7 @@ def stages(problem, num_experts):
         dw13, dw13_alone, dw2 = torch.empty_like(w13), torch.empty_like(w13), torch.empty_like(w2)
         combined = torch.empty_like(x)
         config = SimpleNamespace(last_config=WGRAD_CONFIG)
-        others = [(ORDERS[not WGRAD_BY_SIZE], {"by_size": not WGRAD_BY_SIZE, "taken": False})]
-        if not WGRAD_TAKEN:
-            others.append((TAKEN, {"taken": True}))
-        for suffix, order in others:
+        for suffix, order in (ORDERS[name] for name in ORDERS if name != layer_order()):
             def run_dw13_alone_other(order=order):
                 expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, dw13_alone, **order)
                 return dw13_alone

@@ -18,7 +18,8 @@ For the weight gradients also their blocks by their experts' rows (``tools.block
 dealt as the layer deals them, ``tools.wgrad_schedule.layer_blocks``): per class of expert size the blocks' phases,
 their main loop per K-step and their part of the programs' time, and the launch's tail (its last program's end after
 the median program's): under a skewed routing, whether the big experts' K-steps run slower, the small experts'
-blocks cost more than their K-steps, or the programs end apart.
+blocks cost more than their K-steps, or the programs end apart. Not with the bf16 blocks taken in turn
+(``MEGAMOE_WGRAD_TAKEN=1``), whose programs' blocks are known only at run time: their phases only.
 Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit, command):
 ``kernels-block-trace-PRESET-tTOKENS[-ROUTING].json`` (the routing named where it is not random).
 """
@@ -139,7 +140,7 @@ def main(argv=None) -> None:
         main_tflops = tflops / phases["mma"]["share"]
         results.append({"kernel": name, "ms": ms, "traced_ms": traced_ms, "tflops": tflops,
                         "main_loop_tflops": main_tflops, "phases": phases})
-        if name in WGRAD_GEMMS:
+        if name in WGRAD_GEMMS and not gluon_sm90.WGRAD_TAKEN:  # blocks taken in turn: no deal to read them by
             dealt, bk = layer_blocks(WGRAD_GEMMS[name], expert_rows, dim, inter, programs)
             by_rows[name] = results[-1]["by_rows"] = blocks_by_rows(trace.cpu(), len(dealt), 0, dealt, bk)
         for part, ph in phases.items():

@@ -90,8 +90,8 @@ def layer_blocks(gemm: str, expert_rows: list[int], dim: int, inter: int,
     rows in order (``program_blocks``), and the rows of a K-step. The bf16 kernel's blocks taken in turn
     (``gluon_sm90.WGRAD_TAKEN``) have no fixed deal: refused."""
     if gemm.startswith("bf16") and gluon_sm90.WGRAD_TAKEN:
-        raise ValueError(f"{gemm}: its blocks are taken in turn (gluon_sm90.WGRAD_TAKEN), no program's blocks are known "
-                         "before the launch")
+        raise ValueError(f"{gemm}: its blocks are taken in turn (gluon_sm90.WGRAD_TAKEN), no program's blocks are "
+                         "known before the launch")
     blocks, bk = gemms(dim, inter)[gemm]
     return program_blocks(expert_rows, blocks, gluon_sm90.WGRAD_BY_SIZE, programs), bk
 

@@ -30,8 +30,8 @@ EP_SUMMARY_IMPLS = {"a2a_grouped_mm": "all-to-all + grouped_mm", "a2a_grouped_mm
 
 
 def load(folder: Path) -> dict[str, list[dict]]:
-    """The result files of ``folder`` by kind: "layer", "loopback", "ep" (per-kernel files, and the FP8 block
-    traces of ``tools.fp8_trace``, which name no routing, are skipped)."""
+    """The result files of ``folder`` by kind: "layer", "loopback", "ep" (per-kernel files and the block traces of
+    ``tools.fp8_trace``, whose results are GEMMs, not impls, are skipped)."""
     runs = {"layer": [], "loopback": [], "ep": []}
     for path in sorted(folder.glob("*.json")):
         info = json.loads(path.read_text())
@@ -40,7 +40,7 @@ def load(folder: Path) -> dict[str, list[dict]]:
             runs["loopback"].append(info)
         elif "tokens_per_rank" in info:
             runs["ep"].append(info)
-        elif "results" in info and "routing" in info:
+        elif "results" in info and "routing" in info and all("impl" in r for r in info["results"]):
             runs["layer"].append(info)
     return runs
 

@@ -54,7 +54,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megamoe.env import device_capability, sm_count, wgrad_by_size_requested
+from megamoe.env import (
+    device_capability,
+    sm_count,
+    wgrad_by_size_requested,
+    wgrad_taken_requested,
+)
 from megamoe.kernels.plan import experts_by_size
 
 # (BM, BN, BK, STAGES) of the GEMM kernels: 128x256 blocks, as the Triton kernels' usual pick at 16k tokens;
@@ -110,13 +115,15 @@ WGRAD_CONFIG = {**WS_CONFIG, "BK": WGRAD_TILE[2], "num_stages": WGRAD_TILE[3]}
 WGRAD_BY_SIZE = wgrad_by_size_requested()
 
 # Whether the bf16 weight-gradient kernel's programs take their blocks in turn instead of by a fixed deal: each
-# program's loader takes the next block of the size order from a counter that the launch shares (one atomic add a
-# block) and hands it (id, expert, rows) to the MMA partition through a ring in shared memory (``take_block``, ``hand_block``,
-# ``taken_block``), so that a program slowed by its blocks (their operands missing L2, the stores of many small
-# blocks) takes fewer of them and the launch ends within a block of the programs' mean. Under the skewed routing the
-# fixed deal's last program ends 0.43 ms after the median one at 235B (dW13, one H100; docs/PERFORMANCE.md, "What is
-# left of the 235B skew"). The same blocks, each computed as before: the outputs are bitwise the same. Off until timed.
-WGRAD_TAKEN = False
+# program's loader takes its next block of the size order from a counter that the launch shares (one atomic add a
+# block, a block ahead) and hands it (id, expert, rows) to the MMA partition through a ring in shared memory
+# (``take_block``, ``hand_block``, ``taken_block``), so that a program slowed by its blocks (their operands missing
+# L2, the stores of many small blocks) takes fewer of them and the launch ends within a block of the programs' mean.
+# Under the skewed routing the fixed deal's last program ends 0.43 ms after the median one at 235B (dW13, one H100;
+# docs/PERFORMANCE.md, "What is left of the 235B skew"); taken in turn, dW13 runs 20-24% faster there, and 3.5-4.5%
+# slower under the random routing. The same blocks, each computed as before: the outputs are bitwise the same. Off
+# until the layer has run with it (``MEGAMOE_WGRAD_TAKEN=1`` sets it on for a process, ``env.wgrad_taken_requested``).
+WGRAD_TAKEN = wgrad_taken_requested()
 TAKEN_IDS = gl.constexpr(8)  # blocks in flight from a loader to its MMA partition
 BLOCK_FIELDS = gl.constexpr(8)  # int32 a block takes in that ring: its id, expert, P, Q, first and end rows (6 used)
 
