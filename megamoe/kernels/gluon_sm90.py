@@ -124,7 +124,7 @@ WGRAD_BY_SIZE = wgrad_by_size_requested()
 # slower under the random routing. The same blocks, each computed as before: the outputs are bitwise the same. Off
 # until the layer has run with it (``MEGAMOE_WGRAD_TAKEN=1`` sets it on for a process, ``env.wgrad_taken_requested``).
 WGRAD_TAKEN = wgrad_taken_requested()
-TAKEN_IDS = gl.constexpr(8)  # blocks in flight from a loader to its MMA partition
+TAKEN_RING = gl.constexpr(8)  # blocks in flight from a loader to its MMA partition
 BLOCK_FIELDS = gl.constexpr(8)  # int32 a block takes in that ring: its id, expert, P, Q, first and end rows (6 used)
 
 
@@ -313,7 +313,7 @@ def taken_block(ids, full, empty, b, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def id_ring(depth: gl.constexpr):
+def block_ring(depth: gl.constexpr):
     """The block ring of ``hand_block`` and ``taken_block``: ``depth`` slots of ``BLOCK_FIELDS`` int32 in shared
     memory and their full and empty barriers."""
     ids = gl.allocate_shared_memory(gl.int32, [depth, BLOCK_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
@@ -542,7 +542,7 @@ def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, 
     ready = barriers(STAGES)
     empty = barriers(STAGES)
     if TAKEN:
-        ids, id_full, id_empty = id_ring(TAKEN_IDS)
+        ids, id_full, id_empty = block_ring(TAKEN_RING)
     else:  # never read: the fixed deal's partitions know their blocks
         ids, id_full, id_empty = ready, ready, ready
     gl.warp_specialize([
