@@ -5,6 +5,10 @@
 #   bash scripts/gpu-check.sh ep-waits     what the EP waits' time bound costs: the loopback step (2 virtual ranks)
 #                                          with the bound and compiled without it (MEGAMOE_EP_UNBOUNDED_WAITS=1),
 #                                          three rounds alternating, each process's cost over the plain layer
+#   bash scripts/gpu-check.sh wgrad-order  the bf16 weight gradients' blocks dealt by size (the default) against taken
+#                                          in turn (MEGAMOE_WGRAD_TAKEN=1), each run as the layer's stage in its own
+#                                          process by python -m tools.kernels, alternating, at both layers and routings
+#                                          (ROUNDS rounds, default 1; ~4 minutes a round on one H100), then a summary
 #   bash scripts/gpu-check.sh layer [P..]  the layer benchmark on the README's problems P: 30b, 235b (16k tokens,
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
 #   bash scripts/gpu-check.sh fp8 [P..]    blockwise FP8 in parts P: tests, kernels (python -m tools.fp8), 30b, 235b
@@ -29,12 +33,13 @@
 # Every GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv beside the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu-check.sh tests|loopback|ep-waits|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|train-fp8|train-fp8-more|ep}
+stage=${1:?usage: gpu-check.sh tests|loopback|ep-waits|wgrad-order|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|train-fp8|train-fp8-more|ep}
 shift
 case $stage in  # before anything is installed or started
-tests|loopback|ep-waits|layer|fp8|model|train|train-fp8|train-fp8-more|ep) ;;
+tests|loopback|ep-waits|wgrad-order|layer|fp8|model|train|train-fp8|train-fp8-more|ep) ;;
 *)
-    echo "unknown stage $stage: tests, loopback, ep-waits, layer, fp8, model, train, train-fp8, train-fp8-more or ep" >&2
+    echo "unknown stage $stage: tests, loopback, ep-waits, wgrad-order, layer, fp8, model, train, train-fp8," \
+        "train-fp8-more or ep" >&2
     exit 2
     ;;
 esac
@@ -106,6 +111,40 @@ for bounded in (True, False):
     costs = [r["machinery_cost_fwd_bwd"] for r in runs if r["bounded_waits"] is bounded]
     print(f"waits {'bounded' if bounded else 'unbounded'}: loopback fwd+bwd over the plain layer "
           + ", ".join(f"{100 * c:+.2f}%" for c in costs) + f" (median {100 * statistics.median(costs):+.2f}%)")
+PYEOF
+    ;;
+wgrad-order)
+    # One process per order (MEGAMOE_WGRAD_TAKEN is read at import), each order timed as the layer's stage; the
+    # processes alternate so that a drift of the clocks meets both alike.
+    for round in $(seq "${ROUNDS:-1}"); do
+        for preset in qwen3-30b-a3b qwen3-235b-a22b; do
+            for routing in random skewed; do
+                for taken in 0 1; do
+                    mkdir -p "$out/wgrad-order/$round"
+                    step "wgrad-order-$round-$preset-$routing-$taken" 150 env MEGAMOE_WGRAD_TAKEN=$taken "${py[@]}" \
+                        -m tools.kernels --preset "$preset" --routing "$routing" \
+                        --json "$out/wgrad-order/$round/$preset-$routing-$taken.json" > /dev/null || exit $?
+                done
+            done
+        done
+    done
+    "$PY" - "$out/wgrad-order" <<'PYEOF'
+import collections, json, statistics, sys
+from pathlib import Path
+ms = collections.defaultdict(list)  # (preset, routing, stage, taken) -> ms of each round
+for path in sorted(Path(sys.argv[1]).glob("*/*.json")):
+    run = json.loads(path.read_text())
+    taken = run["environment"].get("MEGAMOE_WGRAD_TAKEN") == "1"
+    for row in run["stages"]:
+        if row["stage"] in ("bwd dw13", "bwd dw13, combine", "bwd dw2"):
+            ms[run["preset"], run["routing"], row["stage"], taken].append(row["ms"])
+    for mode, total in run["total_ms"].items():
+        ms[run["preset"], run["routing"], f"total ({mode})", taken].append(total)
+print("layer, routing, stage: ms dealt by size -> taken in turn (medians of the rounds)")
+for (preset, routing, stage, taken), dealt in sorted(ms.items()):
+    if not taken and (preset, routing, stage, True) in ms:
+        a, b = statistics.median(dealt), statistics.median(ms[preset, routing, stage, True])
+        print(f"{preset} {routing:6s} {stage:22s} {a:7.3f} -> {b:7.3f} ({100 * (b / a - 1):+.1f}%)")
 PYEOF
     ;;
 layer)
