@@ -16,7 +16,12 @@ from tools.block_trace import (
     by_rows_table,
     row_class,
 )
-from tools.wgrad_schedule import gemms, layer_blocks, program_blocks
+from tools.wgrad_schedule import (
+    dealt_before_launch,
+    gemms,
+    layer_blocks,
+    program_blocks,
+)
 
 
 def empty_trace(programs: int) -> torch.Tensor:
@@ -76,6 +81,7 @@ def test_layer_blocks_refuses_blocks_taken_in_turn(monkeypatch):
     """With the bf16 blocks taken in turn (``gluon_sm90.WGRAD_TAKEN``) no program's blocks are known before the launch:
     ``layer_blocks`` says so rather than reading a trace by a deal that did not happen; the FP8 kernel's stays."""
     monkeypatch.setattr(g, "WGRAD_TAKEN", True)
+    assert not dealt_before_launch("bf16 dW13") and dealt_before_launch("FP8 dW13")
     with pytest.raises(ValueError, match="taken in turn"):
         layer_blocks("bf16 dW13", [5, 1, 3], 256, 256, 2)
     assert layer_blocks("FP8 dW2", [5, 1, 3], 256, 256, 2)[1] == 128

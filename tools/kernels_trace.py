@@ -45,7 +45,7 @@ from tools.block_trace import (
     blocks_by_rows,
     by_rows_table,
 )
-from tools.wgrad_schedule import layer_blocks
+from tools.wgrad_schedule import dealt_before_launch, layer_blocks
 
 KERNELS = ["up", "up_saved", "dh", "act", "dw13", "dw13_alone", "dw2"]
 # The weight gradients among them, by their name in ``tools.wgrad_schedule.gemms``.
@@ -140,7 +140,7 @@ def main(argv=None) -> None:
         main_tflops = tflops / phases["mma"]["share"]
         results.append({"kernel": name, "ms": ms, "traced_ms": traced_ms, "tflops": tflops,
                         "main_loop_tflops": main_tflops, "phases": phases})
-        if name in WGRAD_GEMMS and not gluon_sm90.WGRAD_TAKEN:  # blocks taken in turn: no deal to read them by
+        if name in WGRAD_GEMMS and dealt_before_launch(WGRAD_GEMMS[name]):  # else no deal to read them by
             dealt, bk = layer_blocks(WGRAD_GEMMS[name], expert_rows, dim, inter, programs)
             by_rows[name] = results[-1]["by_rows"] = blocks_by_rows(trace.cpu(), len(dealt), 0, dealt, bk)
         for part, ph in phases.items():

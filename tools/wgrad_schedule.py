@@ -83,13 +83,19 @@ def gemms(dim: int, inter: int) -> dict[str, tuple[int, int]]:
     return out
 
 
+def dealt_before_launch(gemm: str) -> bool:
+    """Whether the layer deals the weight gradient ``gemm`` (a key of ``gemms``) its blocks before the launch: all but
+    the bf16 kernel's blocks taken in turn (``gluon_sm90.WGRAD_TAKEN``), which no program knows until it runs."""
+    return not (gemm.startswith("bf16") and gluon_sm90.WGRAD_TAKEN)
+
+
 def layer_blocks(gemm: str, expert_rows: list[int], dim: int, inter: int,
                  programs: int = PROGRAMS) -> tuple[list[list[int]], int]:
     """The weight gradient ``gemm`` (a key of ``gemms``: "bf16 dW13", "FP8 dW2", ...) with its blocks dealt as the
     layer deals them (``gluon_sm90.WGRAD_BY_SIZE``) to at most ``programs`` programs: each program's blocks' expert
-    rows in order (``program_blocks``), and the rows of a K-step. The bf16 kernel's blocks taken in turn
-    (``gluon_sm90.WGRAD_TAKEN``) have no fixed deal: refused."""
-    if gemm.startswith("bf16") and gluon_sm90.WGRAD_TAKEN:
+    rows in order (``program_blocks``), and the rows of a K-step. A weight gradient whose blocks are not dealt before
+    the launch (``dealt_before_launch``) is refused."""
+    if not dealt_before_launch(gemm):
         raise ValueError(f"{gemm}: its blocks are taken in turn (gluon_sm90.WGRAD_TAKEN), no program's blocks are "
                          "known before the launch")
     blocks, bk = gemms(dim, inter)[gemm]
