@@ -358,12 +358,13 @@ def _loader(a_desc, b_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bu
         while tile < tiles:
             stamp(trace_ptr, 2, b, 0, TRACE, 1)
             next_tile = take_block(counter_ptr)
-            e, p_next, q_next, start_next, end_next = wgrad_block(gl.minimum(next_tile, tiles - 1), tiles, offsets_ptr,
-                                                                  by_size_ptr, num_p, num_q, BM, BN, True, True)
+            e_next, p_next, q_next, start_next, end_next = wgrad_block(gl.minimum(next_tile, tiles - 1), tiles,
+                                                                       offsets_ptr, by_size_ptr, num_p, num_q, BM,
+                                                                       BN, True, True)
             step = _load_block(a_desc, b_desc, ready, empty, a_bufs, b_bufs, p0, q0, start, end, step, trace_ptr, b,
                                TRACE)
             b += 1
-            hand_block(ids, id_full, id_empty, b, next_tile, e, p_next, q_next, start_next, end_next, 1)
+            hand_block(ids, id_full, id_empty, b, next_tile, e_next, p_next, q_next, start_next, end_next, 1)
             tile, p0, q0, start, end = next_tile, p_next, q_next, start_next, end_next
     else:
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
