@@ -7,8 +7,10 @@
 #                                          three rounds alternating, each process's cost over the plain layer
 #   bash scripts/gpu-check.sh wgrad-order  the bf16 weight gradients' blocks dealt by size (the default) against taken
 #                                          in turn (MEGAMOE_WGRAD_TAKEN=1), each run as the layer's stage in its own
-#                                          process by python -m tools.kernels, alternating, at both layers and routings
-#                                          (ROUNDS rounds, default 1; ~4 minutes a round on one H100), then a summary
+#                                          process by python -m tools.kernels, alternating, at both layers and the
+#                                          routings ROUTINGS (default "random skewed"), ROUNDS rounds (default 1; ~4
+#                                          minutes a round with both routings on one H100); then a summary, printed
+#                                          and written with every process's table to wgrad-order.json
 #   bash scripts/gpu-check.sh layer [P..]  the layer benchmark on the README's problems P: 30b, 235b (16k tokens,
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
 #   bash scripts/gpu-check.sh fp8 [P..]    blockwise FP8 in parts P: tests, kernels (python -m tools.fp8), 30b, 235b
@@ -118,7 +120,7 @@ wgrad-order)
     # processes alternate so that a drift of the clocks meets both alike.
     for round in $(seq "${ROUNDS:-1}"); do
         for preset in qwen3-30b-a3b qwen3-235b-a22b; do
-            for routing in random skewed; do
+            for routing in ${ROUTINGS:-random skewed}; do
                 for taken in 0 1; do
                     mkdir -p "$out/wgrad-order/$round"
                     step "wgrad-order-$round-$preset-$routing-$taken" 150 env MEGAMOE_WGRAD_TAKEN=$taken "${py[@]}" \
@@ -131,20 +133,26 @@ wgrad-order)
     "$PY" - "$out/wgrad-order" <<'PYEOF'
 import collections, json, statistics, sys
 from pathlib import Path
+runs = [json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("*/*.json"))]
 ms = collections.defaultdict(list)  # (preset, routing, stage, taken) -> ms of each round
-for path in sorted(Path(sys.argv[1]).glob("*/*.json")):
-    run = json.loads(path.read_text())
+for run in runs:
     taken = run["environment"].get("MEGAMOE_WGRAD_TAKEN") == "1"
     for row in run["stages"]:
         if row["stage"] in ("bwd dw13", "bwd dw13, combine", "bwd dw2"):
             ms[run["preset"], run["routing"], row["stage"], taken].append(row["ms"])
     for mode, total in run["total_ms"].items():
         ms[run["preset"], run["routing"], f"total ({mode})", taken].append(total)
+summary = []
 print("layer, routing, stage: ms dealt by size -> taken in turn (medians of the rounds)")
 for (preset, routing, stage, taken), dealt in sorted(ms.items()):
     if not taken and (preset, routing, stage, True) in ms:
         a, b = statistics.median(dealt), statistics.median(ms[preset, routing, stage, True])
+        summary.append({"preset": preset, "routing": routing, "stage": stage, "by_size_ms": dealt,
+                        "taken_ms": ms[preset, routing, stage, True], "by_size_median": a, "taken_median": b})
         print(f"{preset} {routing:6s} {stage:22s} {a:7.3f} -> {b:7.3f} ({100 * (b / a - 1):+.1f}%)")
+path = Path(sys.argv[1]).with_suffix(".json")
+path.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
+print(f"wrote {path}")
 PYEOF
     ;;
 layer)
