@@ -90,10 +90,10 @@ def experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tens
     del dh_NI
     # dW2 first, so that dy's rows and h·w are freed before dx's slot rows and dW13 take their memory (the
     # backward's peak: docs/PERFORMANCE.md).
-    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
+    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype, gemm="dw2")
     del dy_sorted, hw_NI
     if low_peak:
-        dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype)
+        dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype, gemm="dw13")
         del x_sorted
         dx_slots_ND = dx_slots(dz_NH, w13, plan)
         del dz_NH

@@ -12,8 +12,8 @@ Environment variables (documented in docs/USAGE.md):
 * ``MEGAMOE_LOW_PEAK_BACKWARD`` — ``0`` or ``1``: the one-GPU backward's order (:func:`low_peak_backward_requested`);
 * ``MEGAMOE_WGRAD_BY_SIZE`` — ``1`` (default) or ``0``: the weight-gradient kernels' blocks in order of their experts'
   rows or in expert order (:func:`wgrad_by_size_requested`);
-* ``MEGAMOE_WGRAD_TAKEN`` — ``0`` (default) or ``1``: the bf16 weight-gradient kernel's blocks taken in turn
-  (:func:`wgrad_taken_requested`);
+* ``MEGAMOE_WGRAD_TAKEN`` — ``dw13`` (default), ``dw2``, ``dw13,dw2`` or ``none``: the bf16 weight gradients whose
+  blocks are taken in turn (:func:`wgrad_taken_requested`);
 * ``MEGAMOE_FP8_SCALES`` — ``fp32`` or ``pow2``: the FP8 recipe's scales (:func:`fp8_pow2_scales`);
 * ``MEGAMOE_EP_TIMEOUT_S`` — seconds one wait of the fused EP protocol spins before it gives up
   (:func:`megamoe.parallel.workspace.ep_timeout_s`);
@@ -79,13 +79,26 @@ def wgrad_by_size_requested() -> bool:
     return _switch("MEGAMOE_WGRAD_BY_SIZE", True)
 
 
-def wgrad_taken_requested() -> bool:
-    """``MEGAMOE_WGRAD_TAKEN``: the default of ``megamoe.kernels.gluon_sm90.WGRAD_TAKEN``, read once, at import. ``0``
-    or unset: the bf16 Gluon weight-gradient kernel deals its blocks to its programs before the launch
-    (``MEGAMOE_WGRAD_BY_SIZE`` says in which order); ``1``: its programs take the blocks of the size order in turn
-    from a counter (faster under a skewed routing, a few percent slower under an even one so far:
-    docs/PERFORMANCE.md). The same outputs, bit for bit, either way."""
-    return _switch("MEGAMOE_WGRAD_TAKEN", False)
+WGRAD_GEMMS = ("dw13", "dw2")  # the layer's weight gradients, by the names MEGAMOE_WGRAD_TAKEN takes
+
+
+def wgrad_taken_requested() -> frozenset[str]:
+    """``MEGAMOE_WGRAD_TAKEN``: the default of ``megamoe.kernels.gluon_sm90.WGRAD_TAKEN``, read once, at import: the
+    bf16 Gluon weight gradients (names of :data:`WGRAD_GEMMS`, comma-separated) whose programs take the blocks of the
+    size order in turn from a counter, the others' blocks dealt to their programs before the launch
+    (``MEGAMOE_WGRAD_BY_SIZE`` says in which order). Unset (or empty): ``dw13`` (under a skewed routing faster, under
+    an even one level; dW2 taken in turn 2-5% slower under an even one: docs/PERFORMANCE.md); ``none``: no weight
+    gradient. A name twice or not of :data:`WGRAD_GEMMS` is refused. The same outputs, bit for bit, either way."""
+    value = os.environ.get("MEGAMOE_WGRAD_TAKEN", "")
+    if value == "":
+        return frozenset({"dw13"})
+    if value == "none":
+        return frozenset()
+    names = value.split(",")
+    if any(name not in WGRAD_GEMMS for name in names) or len(set(names)) != len(names):
+        raise ValueError(f"MEGAMOE_WGRAD_TAKEN must be 'none' or names of {WGRAD_GEMMS} separated by commas, each "
+                         f"once, not {value!r}")
+    return frozenset(names)
 
 
 def ep_unbounded_waits() -> bool:

@@ -5,12 +5,13 @@
 #   bash scripts/gpu-check.sh ep-waits     what the EP waits' time bound costs: the loopback step (2 virtual ranks)
 #                                          with the bound and compiled without it (MEGAMOE_EP_UNBOUNDED_WAITS=1),
 #                                          three rounds alternating, each process's cost over the plain layer
-#   bash scripts/gpu-check.sh wgrad-order  the bf16 weight gradients' blocks dealt by size (the default) against taken
-#                                          in turn (MEGAMOE_WGRAD_TAKEN=1), each run as the layer's stage in its own
-#                                          process by python -m tools.kernels, alternating, at both layers and the
-#                                          routings ROUTINGS (default "random skewed"), ROUNDS rounds (default 1; ~4
-#                                          minutes a round with both routings on one H100); then a summary, printed
-#                                          and written with every process's table to wgrad-order.json
+#   bash scripts/gpu-check.sh wgrad-order  the bf16 weight gradients' blocks dealt by size against taken in turn
+#                                          (MEGAMOE_WGRAD_TAKEN none against TAKEN, default dw13,dw2: those taken in
+#                                          turn), each run as the layer's stage in its own process by python -m
+#                                          tools.kernels, alternating, at both layers and the routings ROUTINGS
+#                                          (default "random skewed"), ROUNDS rounds (default 1; ~4 minutes a round
+#                                          with both routings on one H100); then a summary, printed and written with
+#                                          every process's table to wgrad-order.json
 #   bash scripts/gpu-check.sh layer [P..]  the layer benchmark on the README's problems P: 30b, 235b (16k tokens,
 #                                          random and skewed routing), 1k, 65k (the 30B layer); default 30b 235b
 #   bash scripts/gpu-check.sh fp8 [P..]    blockwise FP8 in parts P: tests, kernels (python -m tools.fp8), 30b, 235b
@@ -121,7 +122,7 @@ wgrad-order)
     for round in $(seq "${ROUNDS:-1}"); do
         for preset in qwen3-30b-a3b qwen3-235b-a22b; do
             for routing in ${ROUTINGS:-random skewed}; do
-                for taken in 0 1; do
+                for taken in none "${TAKEN:-dw13,dw2}"; do
                     mkdir -p "$out/wgrad-order/$round"
                     step "wgrad-order-$round-$preset-$routing-$taken" 150 env MEGAMOE_WGRAD_TAKEN=$taken "${py[@]}" \
                         -m tools.kernels --preset "$preset" --routing "$routing" \
@@ -136,14 +137,14 @@ from pathlib import Path
 runs = [json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("*/*.json"))]
 ms = collections.defaultdict(list)  # (preset, routing, stage, taken) -> ms of each round
 for run in runs:
-    taken = run["environment"].get("MEGAMOE_WGRAD_TAKEN") == "1"
+    taken = run["environment"].get("MEGAMOE_WGRAD_TAKEN") != "none"
     for row in run["stages"]:
         if row["stage"] in ("bwd dw13", "bwd dw13, combine", "bwd dw2"):
             ms[run["preset"], run["routing"], row["stage"], taken].append(row["ms"])
     for mode, total in run["total_ms"].items():
         ms[run["preset"], run["routing"], f"total ({mode})", taken].append(total)
 summary = []
-print("layer, routing, stage: ms dealt by size -> taken in turn (medians of the rounds)")
+print("layer, routing, stage: ms with MEGAMOE_WGRAD_TAKEN=none -> TAKEN (medians of the rounds)")
 for (preset, routing, stage, taken), dealt in sorted(ms.items()):
     if not taken and (preset, routing, stage, True) in ms:
         a, b = statistics.median(dealt), statistics.median(ms[preset, routing, stage, True])

@@ -98,7 +98,6 @@ def test_ep_path_defaults_to_fused_where_it_runs_and_says_so_elsewhere(monkeypat
     ("MEGAMOE_FP8_WGRAD", "fp8_wgrad_requested", True),
     ("MEGAMOE_LOW_PEAK_BACKWARD", "low_peak_backward_requested", True),
     ("MEGAMOE_WGRAD_BY_SIZE", "wgrad_by_size_requested", True),
-    ("MEGAMOE_WGRAD_TAKEN", "wgrad_taken_requested", False),
     ("MEGAMOE_EP_UNBOUNDED_WAITS", "ep_unbounded_waits", False),
 ])
 def test_on_off_switches_take_0_1_or_unset_and_refuse_the_rest(monkeypatch, name, reader, default):
@@ -118,18 +117,35 @@ def test_on_off_switches_take_0_1_or_unset_and_refuse_the_rest(monkeypatch, name
             read()
 
 
+def test_wgrad_taken_names_the_weight_gradients_and_refuses_the_rest(monkeypatch):
+    """``MEGAMOE_WGRAD_TAKEN``: unset or empty dW13 only, ``none`` neither, names of ``env.WGRAD_GEMMS`` separated by
+    commas those; an unknown name, a name twice or an on/off value is refused naming the variable."""
+    from megamoe.env import wgrad_taken_requested
+
+    monkeypatch.delenv("MEGAMOE_WGRAD_TAKEN", raising=False)
+    assert wgrad_taken_requested() == {"dw13"}
+    for value, expected in (("", {"dw13"}), ("none", set()), ("dw2", {"dw2"}), ("dw13,dw2", {"dw13", "dw2"}),
+                            ("dw2,dw13", {"dw13", "dw2"})):
+        monkeypatch.setenv("MEGAMOE_WGRAD_TAKEN", value)
+        assert wgrad_taken_requested() == expected, value
+    for bad in ("1", "0", "dw1", "dw13,", "dw13,dw13", "DW13", "dw13 dw2"):
+        monkeypatch.setenv("MEGAMOE_WGRAD_TAKEN", bad)
+        with pytest.raises(ValueError, match=f"MEGAMOE_WGRAD_TAKEN must be 'none' or names of .*not '{bad}'"):
+            wgrad_taken_requested()
+
+
 def test_wgrad_order_switch_is_read_at_import_by_both_weight_gradient_kernels():
     """``MEGAMOE_WGRAD_BY_SIZE=0`` puts the bf16 and FP8 Gluon weight gradients' blocks in expert order for the
-    process (their launchers' default, ``gluon_sm90.WGRAD_BY_SIZE``); unset, by size. ``MEGAMOE_WGRAD_TAKEN=1`` has
-    the bf16 kernel's programs take their blocks in turn (``gluon_sm90.WGRAD_TAKEN``); unset, not."""
+    process (their launchers' default, ``gluon_sm90.WGRAD_BY_SIZE``); unset, by size. ``MEGAMOE_WGRAD_TAKEN`` names
+    the bf16 weight gradients whose programs take their blocks in turn (``gluon_sm90.WGRAD_TAKEN``); unset, dW13."""
     import os
     import subprocess
     import sys
 
     code = ("from megamoe.kernels import gluon_fp8_sm90 as f, gluon_sm90 as g; "
-            "print(g.WGRAD_BY_SIZE, f.WGRAD_BY_SIZE, g.WGRAD_TAKEN)")
-    for by_size, taken, expected in (("0", "", "False False False"), ("", "", "True True False"),
-                                     ("", "1", "True True True")):
+            "print(g.WGRAD_BY_SIZE, f.WGRAD_BY_SIZE, sorted(g.WGRAD_TAKEN))")
+    for by_size, taken, expected in (("0", "none", "False False []"), ("", "", "True True ['dw13']"),
+                                     ("", "dw13,dw2", "True True ['dw13', 'dw2']")):
         env = {**os.environ, "MEGAMOE_WGRAD_BY_SIZE": by_size, "MEGAMOE_WGRAD_TAKEN": taken}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.splitlines()[-1] == expected
@@ -478,7 +494,7 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
         for stage in ("bwd dw13", "bwd dw13, combine", "bwd dw2"):
             assert (rows[stage]["config"]["BK"], rows[stage]["config"]["num_stages"]) == (32, 6), stage
             for name, (suffix, _) in ORDERS.items():  # the blocks' other orders beside, the same bits
-                if name != layer_order():
+                if name != layer_order("dw2" if stage == "bwd dw2" else "dw13"):
                     other = rows[stage + suffix]
                     assert other["ms"] > 0 and other["bitwise_equal"], stage + suffix
         for stage in ("fwd down", "bwd dx"):

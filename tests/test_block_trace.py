@@ -80,8 +80,8 @@ def test_program_blocks_deals_as_the_kernels_do():
 def test_layer_blocks_refuses_blocks_taken_in_turn(monkeypatch):
     """With the bf16 blocks taken in turn (``gluon_sm90.WGRAD_TAKEN``) no program's blocks are known before the launch:
     ``layer_blocks`` says so rather than reading a trace by a deal that did not happen; the FP8 kernel's stays."""
-    monkeypatch.setattr(g, "WGRAD_TAKEN", True)
-    assert not dealt_before_launch("bf16 dW13") and dealt_before_launch("FP8 dW13")
+    monkeypatch.setattr(g, "WGRAD_TAKEN", frozenset({"dw13"}))
+    assert not dealt_before_launch("bf16 dW13") and dealt_before_launch("bf16 dW2") and dealt_before_launch("FP8 dW13")
     with pytest.raises(ValueError, match="taken in turn"):
         layer_blocks("bf16 dW13", [5, 1, 3], 256, 256, 2)
     assert layer_blocks("FP8 dW2", [5, 1, 3], 256, 256, 2)[1] == 128

@@ -689,7 +689,7 @@ def test_every_weight_gradient_config_matches_a_per_expert_reference(monkeypatch
     expected = torch.stack([x_sorted[lo:hi].T @ dy_sorted[lo:hi] for lo, hi in itertools.pairwise(bounds)])
     for config in [expert_bwd.WGRAD.default, *expert_bwd.WGRAD.candidates]:
         monkeypatch.setattr(expert_bwd.WGRAD, "default", config)
-        dw = expert_bwd.expert_wgrad(x_sorted, dy_sorted, plan, x.dtype)
+        dw = expert_bwd.expert_wgrad(x_sorted, dy_sorted, plan, x.dtype, gemm=None)
         assert torch.equal(dw[3], torch.zeros_like(dw[3])), config
         torch.testing.assert_close(dw, expected, rtol=1e-5, atol=1e-4, msg=lambda m, c=config: f"{c}: {m}")
 
@@ -702,9 +702,11 @@ def test_every_weight_gradient_config_matches_a_per_expert_reference(monkeypatch
     # empty experts between non-empty ones in one program's blocks, and blocks of one K-step
     (1536, 2048, [(0, 1, 17, 32, 33, 40)[i % 6] for i in range(128)]),
 ])
-def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, counts, poison_cuda):
-    """The Gluon kernel on the GPU: each expert's sum of outer products, an empty expert exact zeros,
-    and rows past the last expert (never written: NaN here) or of the next expert never leak in."""
+@pytest.mark.parametrize("taken", [False, True], ids=["dealt", "taken"])
+def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, counts, taken, poison_cuda):
+    """The Gluon kernel on the GPU, its blocks dealt before the launch or taken in turn (``gluon_sm90.WGRAD_TAKEN``):
+    each expert's sum of outer products, an empty expert exact zeros, and rows past the last expert (never written:
+    NaN here) or of the next expert never leak in."""
     from megamoe.kernels.gluon_sm90 import expert_wgrad_ws
 
     offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device="cuda")
@@ -713,7 +715,7 @@ def test_warp_specialized_weight_gradients_match_a_per_expert_reference(p, q, co
     b = torch.randn(routed + 45, q, device="cuda", dtype=torch.bfloat16)
     a[routed:], b[routed:] = float("nan"), float("nan")
     dw = torch.empty(len(counts), p, q, device="cuda", dtype=torch.bfloat16)
-    expert_wgrad_ws(a, b, offsets, dw)
+    expert_wgrad_ws(a, b, offsets, dw, taken=taken)
     bounds = offsets.tolist()
     expected = torch.stack([a[lo:hi].float().T @ b[lo:hi].float() for lo, hi in itertools.pairwise(bounds)])
     for e, n in enumerate(counts):
@@ -826,7 +828,7 @@ def test_weight_gradient_kernel_combines_dx_beside_its_mmas(num_tokens, dim, int
     slots = torch.randn(idx.numel(), dim, device="cuda", dtype=torch.bfloat16)
     slots[(idx.reshape(-1) < 0).nonzero().squeeze(1)] = float("nan")
     dw, combined = expert_bwd.expert_wgrad_and_combine(x_sorted, dy_sorted, plan, x.dtype, slots, idx, x.dtype)
-    assert torch.equal(dw, expert_bwd.expert_wgrad(x_sorted, dy_sorted, plan, x.dtype))
+    assert torch.equal(dw, expert_bwd.expert_wgrad(x_sorted, dy_sorted, plan, x.dtype, gemm="dw13"))
     want = combine(slots, idx, x.dtype)
     assert not want.isnan().any()
     assert torch.equal(combined, want)
@@ -917,10 +919,12 @@ def test_warp_specialized_kernel_traced_is_bitwise_the_untraced_and_stamps_every
     launch(traced, trace)
     assert all(map(torch.equal, plain, traced))
     check_block_trace(trace, programs, num_blocks, parts)
-    if kernel.startswith("dw"):  # read by the blocks' expert rows as the tool reads them: every block, once
+    from tools.kernels_trace import WGRAD_GEMMS
+    from tools.wgrad_schedule import dealt_before_launch, layer_blocks
+
+    if kernel in WGRAD_GEMMS and dealt_before_launch(WGRAD_GEMMS[kernel]):
+        # read by the blocks' expert rows as the tool reads them: every block, once
         from tools.block_trace import blocks_by_rows
-        from tools.kernels_trace import WGRAD_GEMMS
-        from tools.wgrad_schedule import layer_blocks
 
         dealt, bk = layer_blocks(WGRAD_GEMMS[kernel], counts, dim, inter, programs)
         found = blocks_by_rows(trace.cpu(), len(dealt), 0, dealt, bk)

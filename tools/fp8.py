@@ -131,7 +131,7 @@ def main(argv=None, device: str = "cuda") -> None:
     def bf16_wgrads():
         x_sorted_, dy_sorted_, _, _ = expert_bwd.gather_rows(x, dy, plan, top_k, quantize_dy=True)
         dz_, hw_, *_ = expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True)
-        expert_bwd.expert_wgrad(dy_sorted_, hw_, plan, torch.bfloat16)
+        expert_bwd.expert_wgrad(dy_sorted_, hw_, plan, torch.bfloat16, gemm="dw2")
         expert_bwd.expert_wgrad_and_combine(dz_, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
 
     def rows_gemm(kernel, a, a_s, w, w_s, wts, block_n=128):
@@ -217,8 +217,10 @@ def main(argv=None, device: str = "cuda") -> None:
         twins.update({stage[0]: (layer, lambda out: out) for stage in stages
                       if stage[0].startswith(name + " FP8") and stage[0] != layer})
     stages += [
-        ("dW13 bf16", lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16), up_flops, None, None),
-        ("dW2 bf16", lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16), down_flops, None, None),
+        ("dW13 bf16", lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16, gemm="dw13"), up_flops,
+         None, None),
+        ("dW2 bf16", lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16, gemm="dw2"), down_flops,
+         None, None),
         ("the FP8 backward's part that FP8_WGRAD changes, FP8", fp8_wgrads, up_flops + down_flops, None, None),
         ("the FP8 backward's part that FP8_WGRAD changes, bf16", bf16_wgrads, up_flops + down_flops, None, None),
     ]

@@ -89,9 +89,9 @@ ORDERS = {"expert": (" (blocks in expert order)", {"by_size": False, "taken": Fa
 VARIANTS = tuple(suffix for suffix, _ in ORDERS.values())
 
 
-def layer_order() -> str:
-    """The key of ``ORDERS`` that the layer's bf16 weight gradients run in."""
-    return "taken" if WGRAD_TAKEN else "size" if WGRAD_BY_SIZE else "expert"
+def layer_order(gemm: str) -> str:
+    """The key of ``ORDERS`` that the layer's bf16 weight gradient ``gemm`` ("dw13" or "dw2") runs in."""
+    return "taken" if gemm in WGRAD_TAKEN else "size" if WGRAD_BY_SIZE else "expert"
 
 
 def same_outputs(a, b) -> bool:
@@ -139,9 +139,9 @@ def stages(problem, num_experts):
     run_up_saved = lambda: expert_fwd.up_swiglu_fwd(x, w13, plan, top_k, preact_NH=preact)
     run_dh = lambda: expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k)
     run_act = lambda: expert_bwd.act_bwd(x_sorted, dh, w13, topk_weights, plan, top_k)
-    run_dw13_alone = lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, w13.dtype)
+    run_dw13_alone = lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, w13.dtype, gemm="dw13")
     run_dw13 = lambda: expert_bwd.expert_wgrad_and_combine(dz, x_sorted, plan, w13.dtype, dx, topk_idx, x.dtype)
-    run_dw2 = lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, w2.dtype)
+    run_dw2 = lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, w2.dtype, gemm="dw2")
     stages = {
         "plan": (lambda: build_plan(topk_idx, num_experts), 0, None),
         "fwd up+swiglu": (run_up, 4 * unit, tuned(expert_fwd.UP, UP_CONFIG)),
@@ -165,7 +165,7 @@ def stages(problem, num_experts):
         dw13, dw13_alone, dw2 = torch.empty_like(w13), torch.empty_like(w13), torch.empty_like(w2)
         combined = torch.empty_like(x)
         config = SimpleNamespace(last_config=WGRAD_CONFIG)
-        for suffix, order in (ORDERS[name] for name in ORDERS if name != layer_order()):
+        for name, (suffix, order) in ORDERS.items():
             def run_dw13_alone_other(order=order):
                 expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, dw13_alone, **order)
                 return dw13_alone
@@ -178,9 +178,11 @@ def stages(problem, num_experts):
                 expert_wgrad_ws(dy_sorted, hw, plan.offsets_E1, dw2, **order)
                 return dw2
 
-            stages["bwd dw13" + suffix] = (run_dw13_alone_other, 4 * unit, config)
-            stages["bwd dw13, combine" + suffix] = (run_dw13_other, 4 * unit, config)
-            stages["bwd dw2" + suffix] = (run_dw2_other, 2 * unit, config)
+            if name != layer_order("dw13"):
+                stages["bwd dw13" + suffix] = (run_dw13_alone_other, 4 * unit, config)
+                stages["bwd dw13, combine" + suffix] = (run_dw13_other, 4 * unit, config)
+            if name != layer_order("dw2"):
+                stages["bwd dw2" + suffix] = (run_dw2_other, 2 * unit, config)
     return stages
 
 

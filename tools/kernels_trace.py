@@ -19,7 +19,7 @@ dealt as the layer deals them, ``tools.wgrad_schedule.layer_blocks``): per class
 their main loop per K-step and their part of the programs' time, and the launch's tail (its last program's end after
 the median program's): under a skewed routing, whether the big experts' K-steps run slower, the small experts'
 blocks cost more than their K-steps, or the programs end apart. Not with the bf16 blocks taken in turn
-(``MEGAMOE_WGRAD_TAKEN=1``), whose programs' blocks are known only at run time: their phases only.
+(``MEGAMOE_WGRAD_TAKEN``: dW13 by default), whose programs' blocks are known only at run time: their phases only.
 Prints a table and, with ``--out``, writes JSON (GPU, versions, date, commit, command):
 ``kernels-block-trace-PRESET-tTOKENS[-ROUTING].json`` (the routing named where it is not random).
 """
@@ -86,11 +86,13 @@ def launches(problem, num_experts: int) -> dict:
                          torch.empty(-(-inter // expert_bwd.PART_COLS), rows, device=x.device, dtype=torch.float32)),
                 4 * unit, {**mma, "epilogue": 1}),
         "dw13": (lambda o, tr: gluon_sm90.expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, o[0],
-                                                          combine=(slots, topk_idx, o[1]), trace=tr),
+                                                          combine=(slots, topk_idx, o[1]), gemm="dw13",
+                                                          trace=tr),
                  empty(tuple(w13.shape), tuple(x.shape)), 4 * unit, mma),
-        "dw13_alone": (lambda o, tr: gluon_sm90.expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, o[0], trace=tr),
+        "dw13_alone": (lambda o, tr: gluon_sm90.expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, o[0], gemm="dw13",
+                                                                trace=tr),
                        empty(tuple(w13.shape)), 4 * unit, mma),
-        "dw2": (lambda o, tr: gluon_sm90.expert_wgrad_ws(dy_sorted, hw, plan.offsets_E1, o[0], trace=tr),
+        "dw2": (lambda o, tr: gluon_sm90.expert_wgrad_ws(dy_sorted, hw, plan.offsets_E1, o[0], gemm="dw2", trace=tr),
                 empty(tuple(w2.shape)), 2 * unit, mma),
     }
 

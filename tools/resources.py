@@ -141,8 +141,8 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
     ``sizes_divisible=False``: the sizes not so specialised, as at run time for sizes such as D = 520.
     ``top_k``: the slots per token of the side copies (``dh_ws``, ``wgrad_combine_ws``); ``trace``: the
     block-traced variant (``gluon_sm90.TRACE_BLOCKS``); ``by_size``: the weight gradients' blocks in order of their
-    experts' rows (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``taken``: those blocks taken in turn (None:
-    ``gluon_sm90.WGRAD_TAKEN``)."""
+    experts' rows (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``taken``: those blocks taken in turn (None: as the layer's
+    dW13 takes them, ``gluon_sm90.WGRAD_TAKEN``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -157,7 +157,7 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
     if name in ("wgrad_ws", "wgrad_combine_ws"):
         fn, blocks = ws.KERNELS["wgrad"], {"a_desc": [bk, bm], "b_desc": [bk, bn], "dw_desc": [1, bm, bn]}
         combine = name == "wgrad_combine_ws"
-        taken = ws.WGRAD_TAKEN if taken is None else taken
+        taken = "dw13" in ws.WGRAD_TAKEN if taken is None else taken
         constexprs.update(TOP_K=top_k if combine else 1, TAKEN=taken,
                           BY_SIZE=taken or (ws.WGRAD_BY_SIZE if by_size is None else by_size))
     elif name == "dh_ws":  # the x copy beside the MMAs, of top_k slots per token
@@ -267,7 +267,7 @@ def main(argv=None) -> None:
             if spill := ptxas_report(compile_ws(name, args.dtype, by_size=other))["spill_bytes"]:
                 raise SystemExit(f"{name} with by_size={other} spills {spill} bytes")
             print(f"{name} with by_size={other}: compiles without spills", flush=True)
-            taken = not ws.WGRAD_TAKEN  # the blocks taken in turn (gluon_sm90.WGRAD_TAKEN)
+            taken = "dw13" not in ws.WGRAD_TAKEN  # the blocks' other way (gluon_sm90.WGRAD_TAKEN)
             if spill := ptxas_report(compile_ws(name, args.dtype, taken=taken))["spill_bytes"]:
                 raise SystemExit(f"{name} with taken={taken} spills {spill} bytes")
             print(f"{name} with taken={taken}: compiles without spills", flush=True)

@@ -86,7 +86,8 @@ def gemms(dim: int, inter: int) -> dict[str, tuple[int, int]]:
 def dealt_before_launch(gemm: str) -> bool:
     """Whether the layer deals the weight gradient ``gemm`` (a key of ``gemms``) its blocks before the launch: all but
     the bf16 kernel's blocks taken in turn (``gluon_sm90.WGRAD_TAKEN``), which no program knows until it runs."""
-    return not (gemm.startswith("bf16") and gluon_sm90.WGRAD_TAKEN)
+    precision, name = gemm.split()
+    return not (precision == "bf16" and name.lower() in gluon_sm90.WGRAD_TAKEN)
 
 
 def layer_blocks(gemm: str, expert_rows: list[int], dim: int, inter: int,

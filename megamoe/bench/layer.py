@@ -339,7 +339,7 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
         "megamoe_backend": backend_for(torch.empty(0, device=device)),
         "megamoe_autotune": autotune_enabled(torch.bfloat16),
         "megamoe_wgrad_by_size": gluon_sm90.WGRAD_BY_SIZE,  # MEGAMOE_WGRAD_BY_SIZE
-        "megamoe_wgrad_taken": gluon_sm90.WGRAD_TAKEN,  # MEGAMOE_WGRAD_TAKEN
+        "megamoe_wgrad_taken": sorted(gluon_sm90.WGRAD_TAKEN),  # MEGAMOE_WGRAD_TAKEN
     }
     if any(impl.name == "sonicmoe" for impl in impls):
         info["sonicmoe_gemms"] = "autotuned" if args.sonicmoe_autotune else "default config (pinned)"

@@ -95,10 +95,10 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
                                                              dz_over_preact=reuse_preact)
     del dh_NI, preact  # (saved products not handed over stay alive in the autograd context)
     # dW2 first (the backward's peak memory: docs/PERFORMANCE.md).
-    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype)
+    dw2 = expert_wgrad(dy_sorted, hw_NI, plan, w2.dtype, gemm="dw2")
     del dy_sorted, hw_NI
     if combine_in_dw13 is None:  # dW13 before dx's slot rows exist (the low-peak order)
-        dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype)
+        dw13 = expert_wgrad(dz_NH, x_sorted, plan, w13.dtype, gemm="dw13")
         del x_sorted, dz_NH
     dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype, dest=dx_dest)
     del dzq, dzs

@@ -602,15 +602,17 @@ def sorted_rows_and_dh(x_TD, dy_TD, w2_EDI, plan: Plan, top_k: int):
     return x_sorted, dy_sorted, dh
 
 
-def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype) -> torch.Tensor:
-    """(E, P, Q): per expert, the sum over its sorted rows r of outer(a[r], b[r])."""
+def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, *, gemm: str | None) -> torch.Tensor:
+    """(E, P, Q): per expert, the sum over its sorted rows r of outer(a[r], b[r]). ``gemm``: which of the layer's
+    weight gradients this is, "dw13" or "dw2" (whether the Gluon kernel's blocks are taken in turn,
+    ``gluon_sm90.WGRAD_TAKEN``), or None for neither."""
     p, q = a_NP.shape[1], b_NQ.shape[1]
     num_experts = plan.offsets_E1.numel() - 1
     if a_NP.shape[0] == 0:  # no rows at all (a TMA descriptor cannot be empty)
         return torch.zeros(num_experts, p, q, device=a_NP.device, dtype=out_dtype)
     dw = torch.empty(num_experts, p, q, device=a_NP.device, dtype=out_dtype)
     if ws_supported(a_NP) and out_dtype == a_NP.dtype:
-        expert_wgrad_ws(a_NP, b_NQ, plan.offsets_E1, dw)
+        expert_wgrad_ws(a_NP, b_NQ, plan.offsets_E1, dw, gemm=gemm)
         return dw
     WGRAD[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
         a_desc=descriptor(a_NP), b_desc=descriptor(b_NQ), a_ptr=a_NP, b_ptr=b_NQ, dw_desc=descriptor(dw),
@@ -641,11 +643,12 @@ def wgrad_fp8(aq_PL, as_TP, bq_QL, bs_TQ, plan: Plan, out_dtype: torch.dtype, bl
 
 def expert_wgrad_and_combine(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, slots_ND, topk_idx_TK,
                              combine_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``expert_wgrad(a, b)``, ``combine(slots, topk_idx)``). On sm90 with 16-bit operands the combine runs
-    inside the weight-gradient kernel, beside its MMAs (``gluon_sm90._wgrad_ws_kernel``), with the same sums."""
+    """(``expert_wgrad(a, b)``, ``combine(slots, topk_idx)``): dW13 and dx's combine. On sm90 with 16-bit operands
+    the combine runs inside the weight-gradient kernel, beside its MMAs (``gluon_sm90._wgrad_ws_kernel``), with the
+    same sums."""
     if not (a_NP.shape[0] and ws_supported(a_NP) and out_dtype == a_NP.dtype):
-        return expert_wgrad(a_NP, b_NQ, plan, out_dtype), combine(slots_ND, topk_idx_TK, combine_dtype)
+        return expert_wgrad(a_NP, b_NQ, plan, out_dtype, gemm="dw13"), combine(slots_ND, topk_idx_TK, combine_dtype)
     dw = torch.empty(plan.offsets_E1.numel() - 1, a_NP.shape[1], b_NQ.shape[1], device=a_NP.device, dtype=out_dtype)
     out = torch.empty(topk_idx_TK.shape[0], slots_ND.shape[1], device=slots_ND.device, dtype=combine_dtype)
-    expert_wgrad_ws(a_NP, b_NQ, plan.offsets_E1, dw, combine=(slots_ND, topk_idx_TK, out))
+    expert_wgrad_ws(a_NP, b_NQ, plan.offsets_E1, dw, combine=(slots_ND, topk_idx_TK, out), gemm="dw13")
     return dw, out

@@ -55,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.env import (
+    WGRAD_GEMMS,
     device_capability,
     sm_count,
     wgrad_by_size_requested,
@@ -114,15 +115,17 @@ WGRAD_CONFIG = {**WS_CONFIG, "BK": WGRAD_TILE[2], "num_stages": WGRAD_TILE[3]}
 # the random one. ``MEGAMOE_WGRAD_BY_SIZE=0`` sets it off for a process (``env.wgrad_by_size_requested``).
 WGRAD_BY_SIZE = wgrad_by_size_requested()
 
-# Whether the bf16 weight-gradient kernel's programs take their blocks in turn instead of by a fixed deal: each
-# program's loader takes its next block of the size order from a counter that the launch shares (one atomic add a
-# block, a block ahead) and hands it (id, expert, rows) to the MMA partition through a ring in shared memory
-# (``take_block``, ``hand_block``, ``taken_block``), so that a program slowed by its blocks (their operands missing
-# L2, the stores of many small blocks) takes fewer of them and the launch ends within a block of the programs' mean.
-# Under the skewed routing the fixed deal's last program ends 0.43 ms after the median one at 235B (dW13, one H100;
-# docs/PERFORMANCE.md, "What is left of the 235B skew"); taken in turn, dW13 runs 20-24% faster there, and 3.5-4.5%
-# slower under the random routing. The same blocks, each computed as before: the outputs are bitwise the same. Off
-# until the layer has run with it (``MEGAMOE_WGRAD_TAKEN=1`` sets it on for a process, ``env.wgrad_taken_requested``).
+# The bf16 weight gradients ("dw13", "dw2": ``env.WGRAD_GEMMS``) whose kernel's programs take their blocks in turn
+# instead of by a fixed deal: each program's loader takes its next block of the size order from a counter that the
+# launch shares (one atomic add a block, a block ahead) and hands it (id, expert, rows) to the MMA partition through a
+# ring in shared memory (``take_block``, ``hand_block``, ``taken_block``), so that a program slowed by its blocks
+# (their operands missing L2, the stores of many small blocks) takes fewer of them and the launch ends within a block
+# of the programs' mean. Under the skewed routing the fixed deal's last program ends 0.43 ms after the median one at
+# 235B (dW13, one H100; docs/PERFORMANCE.md, "What is left of the 235B skew"). Each order timed as the layer's stage in
+# processes of its own (H100s): dW13 taken in turn 14-24% faster under the skewed routing at 235B, level at 30B, and
+# level under the random routing (-1.4 to +4.7%, one run in four slower); dW2 2-5% slower under the random routing in
+# three runs of four. So dW13 only by default. The same blocks, each computed as before: the outputs are bitwise the
+# same. ``MEGAMOE_WGRAD_TAKEN`` sets the set for a process (``env.wgrad_taken_requested``).
 WGRAD_TAKEN = wgrad_taken_requested()
 TAKEN_RING = gl.constexpr(8)  # blocks in flight from a loader to its MMA partition
 BLOCK_FIELDS = gl.constexpr(8)  # int32 a block takes in that ring: its id, expert, P, Q, first and end rows (6 used)
@@ -1020,15 +1023,18 @@ def _launch_ws(kernel, programs: int, stages: int, maxnreg: int = WS_MAXNREG, **
 
 
 def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Tensor, dw: torch.Tensor,
-                    combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+                    combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *, gemm: str | None = None,
                     by_size: bool | None = None, taken: bool | None = None,
                     trace: torch.Tensor | None = None) -> None:
     """dw (E, P, Q) = per expert, the sum over its sorted rows r of outer(a[r], b[r]); a, b, dw 16-bit,
     contiguous, on an sm90 GPU (``ws_supported``), with at least one row. ``combine``: (slot rows (T*K, D),
     topk_idx (T, K), out (T, D)), all contiguous, to reduce into ``out`` beside the MMAs, with the sums of
-    ``combine.combine``. ``by_size``: the blocks dealt in order of their experts' rows (None: ``WGRAD_BY_SIZE``;
-    ``wgrad_by_size``); ``taken``: the blocks of the size order taken in turn (None: ``WGRAD_TAKEN``; with it
-    ``by_size`` is ignored); ``trace``: the block trace (``trace_args``; ``tools.kernels_trace`` reads it)."""
+    ``combine.combine``. ``gemm``: which of the layer's weight gradients this is ("dw13" or "dw2", for the default of
+    ``taken``; None: neither). ``by_size``: the blocks dealt in order of their experts' rows (None: ``WGRAD_BY_SIZE``;
+    ``wgrad_by_size``); ``taken``: the blocks of the size order taken in turn (None: whether ``gemm`` is in
+    ``WGRAD_TAKEN``; with it ``by_size`` is ignored); ``trace``: the block trace (``trace_args``;
+    ``tools.kernels_trace`` reads it)."""
+    assert gemm in (None, *WGRAD_GEMMS), f"gemm: one of {WGRAD_GEMMS} or None, not {gemm!r}"
     bm, bn, bk, stages = WGRAD_TILE
     num_experts, p, q = dw.shape
     num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
@@ -1037,7 +1043,7 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
         rows, topk_idx, out, num_tokens, top_k = a_NP, offsets_E1, a_NP, 0, 1
     else:
         (rows, topk_idx, out), (num_tokens, top_k) = combine, combine[1].shape
-    taken = WGRAD_TAKEN if taken is None else taken
+    taken = gemm in WGRAD_TAKEN if taken is None else taken
     _launch_ws(_wgrad_ws_kernel, min(tiles, sm_count(a_NP.device.index)), stages, a_desc=_desc(a_NP, [bk, bm]),
                b_desc=_desc(b_NQ, [bk, bn]), dw_desc=_desc(dw, [1, bm, bn]), offsets_ptr=offsets_E1, num_p=num_p,
                num_q=num_q, tiles=tiles, rows_ptr=rows, topk_idx_ptr=topk_idx, out_ptr=out, T=num_tokens,

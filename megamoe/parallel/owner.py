@@ -503,4 +503,5 @@ def owner_experts_backward(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.T
         dz, hw, dweight = act_bwd_from_preact(preact_C2I, dh, ws.recv_weight[:, None], plan, top_k=1,
                                               dz_over_preact=reuse_preact)
     rows_to_peer_slots(ws, DX_PEER, dz, w13_LHD, plan, w13_LHD.shape[2], scalar_C=dweight.view(-1))
-    return expert_wgrad(dz, ws.recv_x, plan, w13_LHD.dtype), expert_wgrad(ws.recv_dy, hw, plan, w2_LDI.dtype)
+    return (expert_wgrad(dz, ws.recv_x, plan, w13_LHD.dtype, gemm="dw13"),
+            expert_wgrad(ws.recv_dy, hw, plan, w2_LDI.dtype, gemm="dw2"))
