@@ -125,7 +125,8 @@ WGRAD_BY_SIZE = wgrad_by_size_requested()
 # processes of its own (H100s): dW13 taken in turn 14-20% faster under the skewed routing at 235B (the layer's total
 # -4.6 / -5.1%), level at 30B, and level under the random routing (-1.4 to +4.7% a process; the layer's total +0.2 to
 # +1.4% in one run); dW2 2-5% slower under the random routing in each of four processes. So dW13 only by default. The
-# same blocks, each computed as before: the outputs are bitwise the same. ``MEGAMOE_WGRAD_TAKEN`` sets the set for a process (``env.wgrad_taken_requested``).
+# same blocks, each computed as before: the outputs are bitwise the same. ``MEGAMOE_WGRAD_TAKEN`` sets the set for a
+# process (``env.wgrad_taken_requested``).
 WGRAD_TAKEN = wgrad_taken_requested()
 TAKEN_RING = gl.constexpr(8)  # blocks in flight from a loader to its MMA partition
 BLOCK_FIELDS = gl.constexpr(8)  # int32 a block takes in that ring: its id, expert, P, Q, first and end rows (6 used)
