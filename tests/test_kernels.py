@@ -919,14 +919,14 @@ def test_warp_specialized_kernel_traced_is_bitwise_the_untraced_and_stamps_every
     launch(traced, trace)
     assert all(map(torch.equal, plain, traced))
     check_block_trace(trace, programs, num_blocks, parts)
-    from tools.kernels_trace import WGRAD_GEMMS
+    from tools.kernels_trace import WGRAD_KERNELS
     from tools.wgrad_schedule import dealt_before_launch, layer_blocks
 
-    if kernel in WGRAD_GEMMS and dealt_before_launch(WGRAD_GEMMS[kernel]):
+    if kernel in WGRAD_KERNELS and dealt_before_launch(WGRAD_KERNELS[kernel]):
         # read by the blocks' expert rows as the tool reads them: every block, once
         from tools.block_trace import blocks_by_rows
 
-        dealt, bk = layer_blocks(WGRAD_GEMMS[kernel], counts, dim, inter, programs)
+        dealt, bk = layer_blocks(WGRAD_KERNELS[kernel], counts, dim, inter, programs)
         found = blocks_by_rows(trace.cpu(), len(dealt), 0, dealt, bk)
         assert sum(c["blocks"] for c in found["classes"].values()) == num_blocks and found["traced"]
         assert sum(c["share"] for c in found["classes"].values()) == pytest.approx(1.0)

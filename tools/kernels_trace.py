@@ -48,8 +48,9 @@ from tools.block_trace import (
 from tools.wgrad_schedule import dealt_before_launch, layer_blocks
 
 KERNELS = ["up", "up_saved", "dh", "act", "dw13", "dw13_alone", "dw2"]
-# The weight gradients among them, by their name in ``tools.wgrad_schedule.gemms``.
-WGRAD_GEMMS = {"dw13": "bf16 dW13", "dw13_alone": "bf16 dW13", "dw2": "bf16 dW2"}
+# The weight-gradient kernels among them, by their name in ``tools.wgrad_schedule.gemms`` (not ``env.WGRAD_GEMMS``,
+# the names ``MEGAMOE_WGRAD_TAKEN`` takes).
+WGRAD_KERNELS = {"dw13": "bf16 dW13", "dw13_alone": "bf16 dW13", "dw2": "bf16 dW2"}
 
 
 def launches(problem, num_experts: int) -> dict:
@@ -142,8 +143,8 @@ def main(argv=None) -> None:
         main_tflops = tflops / phases["mma"]["share"]
         results.append({"kernel": name, "ms": ms, "traced_ms": traced_ms, "tflops": tflops,
                         "main_loop_tflops": main_tflops, "phases": phases})
-        if name in WGRAD_GEMMS and dealt_before_launch(WGRAD_GEMMS[name]):  # else no deal to read them by
-            dealt, bk = layer_blocks(WGRAD_GEMMS[name], expert_rows, dim, inter, programs)
+        if name in WGRAD_KERNELS and dealt_before_launch(WGRAD_KERNELS[name]):  # else no deal to read them by
+            dealt, bk = layer_blocks(WGRAD_KERNELS[name], expert_rows, dim, inter, programs)
             by_rows[name] = results[-1]["by_rows"] = blocks_by_rows(trace.cpu(), len(dealt), 0, dealt, bk)
         for part, ph in phases.items():
             print(f"{name:8s} {ms:6.3f} {traced_ms:6.3f} {tflops:5.0f} {main_tflops:5.0f}  {part:9s} "
