@@ -196,15 +196,6 @@ def main(argv=None, device: str = "cuda") -> None:
         ("act step into dz's and h·w's 128x1 (one kernel)",
          lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k), None, act_tile_cols_bytes, None),
     ]
-    # the act kernel with its rows loaded ahead the other way (gluon_fp8_sm90.ACT_AHEAD), the layer's outputs
-    other_ahead = 3 - gluon_fp8_sm90.ACT_AHEAD
-    stages.append((f"act step into dz's and h·w's 128x1 ({other_ahead} blocks ahead)",
-                   lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k, ahead=other_ahead), None,
-                   act_tile_cols_bytes, None))
-    busy = int(plan.tile_expert_NT.lt(num_experts).sum())  # the tiles the act step writes (first in the plan)
-    twins[stages[-1][0]] = ("act step into dz's and h·w's 128x1 (one kernel)", lambda out: (
-        out[0], out[1][:rows], out[2][:, :rows], out[3][0][:, :busy * 128], out[3][1][:busy],
-        out[4][0][:, :busy * 128], out[4][1][:busy]))
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
     # each weight gradient in blocks of 128 and 256 columns, the layer's width also in the other order

@@ -245,15 +245,13 @@ def main(argv=None) -> None:
             narrow.append(name)
         if r["wgmma_serialized"]:
             raise SystemExit(f"{name} {variant}: ptxas serialises its warpgroup MMAs")
-    # the FP8 weight gradients' act step, both scales, and its blocks loaded ahead the other way (ws8.ACT_AHEAD)
-    act_variants = ((False, ws8.ACT_AHEAD), (True, ws8.ACT_AHEAD), (False, 3 - ws8.ACT_AHEAD))
-    for pow2, ahead in act_variants if args.dtype == "bf16" else ():
-        r = ptxas_report(ws8.aot_compile("fp8_act", pow2=pow2, ahead=ahead))
-        report_row("fp8_act", f"BM={ws8.ACT_BM} num_warps={ws8.ACT_WARPS} pow2={pow2} ahead={ahead}", r, too_big)
+    for pow2 in (False, True) if args.dtype == "bf16" else ():  # the FP8 weight gradients' act step
+        r = ptxas_report(ws8.aot_compile("fp8_act", pow2=pow2))
+        report_row("fp8_act", f"BM={ws8.ACT_BM} num_warps={ws8.ACT_WARPS} pow2={pow2}", r, too_big)
         # two programs per SM, as it was timed: registers and shared memory for both
         two_fit = 2 * r["registers"] * 32 * ws8.ACT_WARPS <= 65536 and 2 * r["shared_bytes"] <= SHARED_MEMORY_LIMIT
         if r["spill_bytes"] or not two_fit:
-            raise SystemExit(f"fp8_act (pow2={pow2}, ahead={ahead}) spills or fits one program per SM: {r}")
+            raise SystemExit(f"fp8_act (pow2={pow2}) spills or fits one program per SM: {r}")
     if narrow:  # 4-byte stores cost the first Gluon sorted-rows kernel 3-23% (docs/PERFORMANCE.md)
         raise SystemExit("Gluon kernels without 16-byte global stores: " + ", ".join(narrow))
     if too_big:

@@ -116,12 +116,9 @@ SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory per block on the H200 (sm
 WGRAD_STAGES = 5
 WGRAD_BLOCK_N = 256
 WGRAD_WIDE_STAGES = 3
-# The FP8 weight gradients' act step (``act.act_tile_cols_kernel``): rows per block of its first pass, warps, and how
-# many blocks ahead of its values the first pass loads a block (1 or 2; 2: 12 more registers a thread for twice the
-# loads in flight, against two programs an SM held by their shared memory).
+# The FP8 weight gradients' act step (``act.act_tile_cols_kernel``): rows per block of its first pass, and warps.
 ACT_BM = 16
 ACT_WARPS = 8
-ACT_AHEAD = 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -278,18 +275,16 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
 def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.Tensor, plan,
                          dweight_part: torch.Tensor, dzq: torch.Tensor, dzs: torch.Tensor,
                          dz_t: tuple[torch.Tensor, torch.Tensor], hw_t: tuple[torch.Tensor, torch.Tensor],
-                         part_cols: int, ahead: int | None = None) -> None:
+                         part_cols: int) -> None:
     """The SwiGLU backward of the plan's sorted rows from their gate and up products, through
     ``act_tile_cols_kernel``: the d(routing weight) partials (sums of dh'·h over each ``part_cols`` columns) into
     dweight_part (I / part_cols, N) fp32 by slot, dz = [dg | du] (routing weight applied) quantised 1x128 into dzq
     (N, 2I) e4m3 and dzs (2I / 128, N) fp32, and dz and h·w, rounded to bf16, quantised 128x1 into the tile columns
     dz_t ((2I, NT * 128) e4m3, (NT, 2I) fp32) and hw_t ((I, NT * 128), (NT, I)). Only the routed rows and busy tiles
-    are written. ``ahead``: the blocks of rows loaded ahead (1 or 2; None: ``ACT_AHEAD``), the same outputs either way.
+    are written.
 
     preact (N, 2I) and dh (N, I) bf16, weights (N,) fp32 by slot, all contiguous; I a multiple of 128 and of
     ``part_cols``; N >= 1; an sm90 GPU; ``plan`` built with BLOCK_M = 128 rows per tile."""
-    ahead = ACT_AHEAD if ahead is None else ahead
-    assert ahead in (1, 2), f"ahead: 1 or 2 blocks, not {ahead}"
     num_rows, two_i = preact.shape
     inter = two_i // 2
     num_tiles = plan.tile_expert_NT.numel()
@@ -302,7 +297,7 @@ def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, dzq_ptr=dzq, dzs_ptr=dzs, dzt_ptr=dz_t[0], dzts_ptr=dz_t[1], hwt_ptr=hw_t[0],
         hwts_ptr=hw_t[1], N=num_rows, I=inter, E=plan.offsets_E1.numel() - 1, TILE_M=BLOCK_M, BM=ACT_BM,
-        PART_COLS=part_cols, POW2=fp8_pow2_scales(), AHEAD=ahead, num_warps=ACT_WARPS)
+        PART_COLS=part_cols, POW2=fp8_pow2_scales(), num_warps=ACT_WARPS)
 
 
 # The kernels by name, for the ahead-of-time compile check.
@@ -312,8 +307,7 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
-                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False,
-                ahead: int = ACT_AHEAD):
+                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
     it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
@@ -323,7 +317,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
     (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
-    sorted-rows, up or weight-gradient kernel; ``ahead``: the act step's blocks loaded ahead (``ACT_AHEAD``)."""
+    sorted-rows, up or weight-gradient kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -343,7 +337,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     elif name == "fp8_act":
         blocks = {}
         constexprs = {"TILE_M": BLOCK_M, "BM": ACT_BM, "PART_COLS": 64,  # expert_bwd.PART_COLS
-                      "POW2": pow2, "AHEAD": ahead, "num_warps": ACT_WARPS}
+                      "POW2": pow2, "num_warps": ACT_WARPS}
         pointers = {"preact_ptr": "*bf16", "dh_ptr": "*bf16", "weights_ptr": "*fp32", "dweight_part_ptr": "*fp32",
                     "dzq_ptr": "*fp8e4nv", "dzs_ptr": "*fp32", "dzt_ptr": "*fp8e4nv", "dzts_ptr": "*fp32",
                     "hwt_ptr": "*fp8e4nv", "hwts_ptr": "*fp32"}

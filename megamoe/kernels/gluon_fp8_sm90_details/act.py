@@ -25,20 +25,15 @@ from megamoe.kernels.gluon_sm90 import row_segments
 
 
 @gluon.jit
-def _load_products(preact_ptr, dh_ptr, rows, rmask, cols, I):
-    """Sorted rows ``rows`` (masked: zeros) of g, u and dh' at columns ``cols`` of I, in the products' dtype."""
+def _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rmask, cols, I):
+    """Sorted rows ``rows`` (masked: zeros) of g, u and dh' at columns ``cols`` of I, in the products' dtype, and the
+    rows' slots and routing weights."""
+    slots = gl.load(row_slot_ptr + rows, mask=rmask, other=0).to(gl.int64)
     offs = rows[:, None].to(gl.int64) * 2 * I + cols[None, :]
     g = gl.load(preact_ptr + offs, mask=rmask[:, None], other=0.0)
     u = gl.load(preact_ptr + offs + I, mask=rmask[:, None], other=0.0)
     d = gl.load(dh_ptr + rows[:, None].to(gl.int64) * I + cols[None, :], mask=rmask[:, None], other=0.0)
-    return g, u, d
-
-
-@gluon.jit
-def _load_weights(weights_ptr, row_slot_ptr, rows, rmask):
-    """The slots of sorted rows ``rows`` (masked: slot 0, weight 0) and their routing weights."""
-    slots = gl.load(row_slot_ptr + rows, mask=rmask, other=0).to(gl.int64)
-    return slots, gl.load(weights_ptr + slots, mask=rmask, other=0.0)
+    return slots, gl.load(weights_ptr + slots, mask=rmask, other=0.0), g, u, d
 
 
 @gluon.jit
@@ -78,13 +73,13 @@ def _store_tile_cols(buf, inv, q_ptr, ld, col0, k0, blocks, t_layout: gl.constex
 def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
                          tile_expert_ptr, tile_row_ptr, dzq_ptr, dzs_ptr, dzt_ptr, dzts_ptr, hwt_ptr, hwts_ptr, N, I, E,
                          TILE_M: gl.constexpr, BM: gl.constexpr, PART_COLS: gl.constexpr, POW2: gl.constexpr,
-                         AHEAD: gl.constexpr, num_warps: gl.constexpr):
+                         num_warps: gl.constexpr):
     """One program per (plan tile, 128 columns of I). preact (N, 2I) bf16 [g | u] and dh' (N, I) bf16 in sorted
     rows, weights (N,) fp32 by slot; out: the d(routing weight) partials (I / PART_COLS, N) fp32 by slot, dz 1x128
     into dzq (N, 2I) e4m3 and dzs (2I / 128, N) fp32, and dz's and h·w's tile columns into dzt (2I, NT * TILE_M) /
     dzts (NT, 2I) and hwt (I, NT * TILE_M) / hwts (NT, I) (``quant``'s 128x1 format; idle tiles not written). The
-    first pass runs the tile's rows in blocks of BM, each block's loads issued AHEAD (1 or 2) blocks before its values
-    are computed, none past the tile's last block; the second reads them back in blocks of 2 * BM, a column's 2 * BM
+    first pass runs the tile's rows in blocks of BM, each block's loads issued before the previous one's values are
+    computed, none past the tile's last block; the second reads them back in blocks of 2 * BM, a column's 2 * BM
     rows read and stored as one 16-byte run per thread at BM = 16."""
     t = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -112,19 +107,12 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
         # the rows of this tile that the first pass runs (of its expert, in whole blocks): loads past them are masked
         row_stop = gl.minimum(row_end, row0 + 2 * BM * blocks)
         rows = row0 + gl.arange(0, BM, layout=row_layout)
-        g, u, d = _load_products(preact_ptr, dh_ptr, rows, rows < row_stop, cols, I)
-        slots, wt = _load_weights(weights_ptr, row_slot_ptr, rows, rows < row_stop)
-        if AHEAD == 2:  # the next block's products too (its slots and weights are loaded a block ahead)
-            g1, u1, d1 = _load_products(preact_ptr, dh_ptr, rows + BM, rows + BM < row_stop, cols, I)
+        slots, wt, g, u, d = _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rows < row_stop, cols, I)
         for b in range(2 * blocks):
             rmask = rows < row_stop
             next_rows = rows + BM
-            if AHEAD == 2:
-                far_rows = rows + 2 * BM
-                far_g, far_u, far_d = _load_products(preact_ptr, dh_ptr, far_rows, far_rows < row_stop, cols, I)
-            else:
-                next_g, next_u, next_d = _load_products(preact_ptr, dh_ptr, next_rows, next_rows < row_stop, cols, I)
-            next_slots, next_wt = _load_weights(weights_ptr, row_slot_ptr, next_rows, next_rows < row_stop)
+            next_slots, next_wt, next_g, next_u, next_d = _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr,
+                                                                     next_rows, next_rows < row_stop, cols, I)
             # The SwiGLU backward in fp32, as expert_bwd._swiglu_bwd_values computes it
             gf = g.to(gl.float32)
             uf = u.to(gl.float32)
@@ -151,12 +139,7 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
             amax_g = gl.maximum(amax_g, gl.abs(dg_b.to(gl.float32)))
             amax_u = gl.maximum(amax_u, gl.abs(du_b.to(gl.float32)))
             amax_hw = gl.maximum(amax_hw, gl.abs(hw_b.to(gl.float32)))
-            if AHEAD == 2:
-                g, u, d = g1, u1, d1
-                g1, u1, d1 = far_g, far_u, far_d
-            else:
-                g, u, d = next_g, next_u, next_d
-            rows, slots, wt = next_rows, next_slots, next_wt
+            rows, slots, wt, g, u, d = next_rows, next_slots, next_wt, next_g, next_u, next_d
         s_g, inv_g = fp8_scales(gl.maximum(gl.max(amax_g, axis=0), AMAX_FLOOR), POW2)
         s_u, inv_u = fp8_scales(gl.maximum(gl.max(amax_u, axis=0), AMAX_FLOOR), POW2)
         s_hw, inv_hw = fp8_scales(gl.maximum(gl.max(amax_hw, axis=0), AMAX_FLOOR), POW2)
