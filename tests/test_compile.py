@@ -40,11 +40,11 @@ def test_default_configs_compile_for_hopper_within_shared_memory(dtype):
     # and two lines for each Gluon kernel (compiled with sizes not 16-divisible; with its block trace), two for each
     # weight-gradient kernel (its blocks in the other order, and taken in turn), and one for each of the two side-copy
     # kernels at top_k 1 and 2, for the act step on saved products in both paths (without spills), for the FP8 act
-    # step's Gluon kernel and the tile-column quantiser's with each kind of scale, and for the dispatch of FP8 token
-    # rows (forward, and backward beside x and dy) and its token-major row copy's FP8 variant
+    # step's Gluon kernel with each kind of scale (two programs per SM), and for the dispatch of FP8 token rows
+    # (forward, and backward beside x and dy) and its token-major row copy's FP8 variant
     side_copies = 4 if dtype == "bf16" else 0
     other_orders = 2 * sum(name.startswith("wgrad") for name in WS_KERNELS) if dtype == "bf16" else 0
-    act_steps = 2 + (2 + 2 if dtype == "bf16" else 0)  # (the FP8 act step's and tile-column quantiser's two each)
+    act_steps = 2 + (2 if dtype == "bf16" else 0)
     assert len(rows) == gemms + len(OTHER_KERNELS) + 2 * gluon_kernels + other_orders + side_copies + act_steps + 3, \
         out.stdout
     if dtype == "bf16":

@@ -181,7 +181,7 @@ def wgrad_plan():
                             sum(WGRAD_COUNTS) + WGRAD_UNROUTED)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16 on sm90: the Gluon kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the layer's rows
 def test_quantize_tile_cols_matches_reference_bit_for_bit(dtype, scales):
     """128x1 groups along the tokens, one per plan tile (never across two experts) and column: the kernel's bytes
     and scales equal the reference's; the dequantised values are the rows' within e4m3's half step, and the
@@ -586,40 +586,6 @@ def test_fp8_quantisers_on_the_gpu_match_reference_bit_for_bit(scales):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["edges", "30B"])
-def test_gluon_tile_columns_are_the_triton_kernels(case, scales):
-    """The tile-column quantiser's Gluon kernel (``gluon_fp8_sm90.fp8_tile_cols_ws``, what ``quantize_tile_cols``
-    runs on sm90 for bf16 rows) writes the Triton kernel's bytes and scales, from sorted rows and from the tokens'
-    rows. "edges": experts with no rows, one row, partial and several tiles, values over 12 decades (subnormal and
-    zero e4m3 values), an all-zero group and NaN rows past the routed ones (never read); "30B": D 2048 (16 column
-    blocks), a skewed routing of 64 experts, top-2."""
-    from megamoe.kernels.expert_bwd import gather_rows
-    from megamoe.kernels.gluon_fp8_sm90 import fp8_ws_supported
-    from megamoe.kernels.plan import build_plan
-
-    gen = torch.Generator().manual_seed(7)
-    if case == "edges":
-        plan, top_k = wgrad_plan(), None
-        a = wgrad_rows(384, gen, decades=12.0)
-        a[128:256, 7] = 0.0
-        cases = [a.to(torch.bfloat16).cuda()]
-    else:
-        x, idx, _, _, _, dy = gpu_problem(3000, 2048, 128, 64, 2, "skewed")
-        plan, top_k = build_plan(idx, 64), 2
-        x = (x.float() * torch.logspace(-4, 4, 3000, device="cuda")[:, None]).to(torch.bfloat16)
-        cases = [x, dy, *gather_rows(x, dy, plan, top_k)[:2]]
-    busy = plan.tile_expert_NT.lt(plan.offsets_E1.numel() - 1).sum().item()
-    for i, a in enumerate(cases):
-        assert fp8_ws_supported(a, a.dtype)
-        k = top_k if i < 2 and top_k else None  # the tokens' rows first, then their sorted copies
-        q, s = quant.quantize_tile_cols(a, plan, k)
-        q_ref, s_ref = quant.quantize_tile_cols(a, plan, k, gluon=False)
-        assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128])), (case, i)
-        assert torch.equal(s[:busy], s_ref[:busy]), (case, i)
-        assert_scale_kind(s[:busy], scales)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", ["edges", "30B"])
 def test_act_step_into_tile_columns_is_the_act_step_then_the_quantiser(case, scales):
     """The FP8 weight gradients' act step in one Gluon kernel (``expert_bwd.act_bwd_tile_cols`` on sm90): bit for bit
     the act step writing dz and h·w in bf16 (``act_bwd_from_preact`` with dz's 1x128 quantisation) followed by
@@ -644,7 +610,7 @@ def test_act_step_into_tile_columns_is_the_act_step_then_the_quantiser(case, sca
     assert fp8_ws_supported(products, products.dtype)  # the Gluon kernel, not the two steps it is checked against
     busy = plan.tile_expert_NT.lt(plan.offsets_E1.numel() - 1).sum().item()
     dz, hw, *expected = expert_bwd.act_bwd_from_preact(products, dh, weights, plan, 1, quant_dz=True)
-    expected += [quant.quantize_tile_cols(dz, plan, gluon=False), quant.quantize_tile_cols(hw, plan, gluon=False)]
+    expected += [quant.quantize_tile_cols(dz, plan), quant.quantize_tile_cols(hw, plan)]
     dweight, dzq, dzs, dz_t, hw_t = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, 1)
     assert torch.equal(dweight, expected[0])
     assert torch.equal(bits(dzq[:routed]), bits(expected[1][:routed]))

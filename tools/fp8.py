@@ -196,13 +196,6 @@ def main(argv=None, device: str = "cuda") -> None:
         ("act step into dz's and h·w's 128x1 (one kernel)",
          lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k), None, act_tile_cols_bytes, None),
     ]
-    # the tile-column quantiser's Triton kernel beside the layer's (the Gluon one on sm90), its bits checked
-    busy = int(plan.tile_expert_NT.lt(num_experts).sum())  # the tiles it writes (first in the plan)
-    for name, rows_in, k in (("wgrad: quantize 128x1 (N, D)", x_sorted, None),
-                             ("wgrad: quantize 128x1 (N, D) from the tokens' rows", x, top_k)):
-        stages.append((name + " (Triton)", lambda a=rows_in, k=k: quant.quantize_tile_cols(a, plan, k, gluon=False),
-                       None, tile_cols_bytes(dim), None))
-        twins[name + " (Triton)"] = (name, lambda out: (out[0][:, :busy * 128], out[1][:busy]))
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
     # each weight gradient in blocks of 128 and 256 columns, the layer's width also in the other order

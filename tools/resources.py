@@ -252,11 +252,6 @@ def main(argv=None) -> None:
         two_fit = 2 * r["registers"] * 32 * ws8.ACT_WARPS <= 65536 and 2 * r["shared_bytes"] <= SHARED_MEMORY_LIMIT
         if r["spill_bytes"] or not two_fit:
             raise SystemExit(f"fp8_act (pow2={pow2}) spills or fits one program per SM: {r}")
-    for pow2 in (False, True) if args.dtype == "bf16" else ():  # the tile-column quantiser (the tokens' rows)
-        r = ptxas_report(ws8.aot_compile("fp8_tile_cols", pow2=pow2))
-        report_row("fp8_tile_cols", f"num_warps={ws8.TILE_COLS_WARPS} pow2={pow2}", r, too_big)
-        if r["spill_bytes"] or not r["wide_stores"]:  # a column's 16 rows: one 16-byte store
-            raise SystemExit(f"fp8_tile_cols (pow2={pow2}) spills or stores less than 16 bytes at once: {r}")
     if narrow:  # 4-byte stores cost the first Gluon sorted-rows kernel 3-23% (docs/PERFORMANCE.md)
         raise SystemExit("Gluon kernels without 16-byte global stores: " + ", ".join(narrow))
     if too_big:
