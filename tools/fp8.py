@@ -183,33 +183,6 @@ def main(argv=None, device: str = "cuda") -> None:
          None),
         ("wgrad: quantize 128x1 (N, D) from the tokens' rows", lambda: quant.quantize_tile_cols(x, plan, top_k),
          None, tile_cols_bytes(dim), None),
-    ]
-    busy = plan.tile_expert_NT < num_experts  # idle tiles' columns are never written
-    busy_cols = busy.repeat_interleave(128)
-
-    def tile_cols_view(out):
-        return (out[0][:, busy_cols], out[1][busy], *((out[2][:rows], out[3][:, :rows]) if len(out) > 2 else ()))
-
-    gathered = "wgrad: quantize 128x1 (N, D) from the tokens' rows"
-    for label, kw in ((", sources beside the expert's end", {"short": True}),
-                      (", 2 blocks a program", {"short": True, "blocks": 2}),
-                      (", 2 blocks, loads ahead", {"short": True, "blocks": 2, "ahead": True}),
-                      (", 4 blocks a program", {"short": True, "blocks": 4}),
-                      (", 8 warps", {"short": True, "num_warps": 8}),
-                      (", 2 blocks, 8 warps", {"short": True, "blocks": 2, "num_warps": 8}),
-                      (", 2 blocks, loads ahead, 8 warps", {"short": True, "blocks": 2, "ahead": True, "num_warps": 8})):
-        stages.append((gathered + label, lambda kw=kw: quant.quantize_tile_cols(x, plan, top_k, **kw), None,
-                       tile_cols_bytes(dim), None))
-        twins[gathered + label] = (gathered, tile_cols_view)
-    both = "dy: 128x1 from the tokens' rows, then its sorted 1x128 rows"
-    both_bytes = tile_cols_bytes(dim) + dy.numel() * 3 + num_slots * dim * 2 + dys.numel() * 4
-    stages.append((both, lambda: (*quant.quantize_tile_cols(dy, plan, top_k),
-                                  *expert_bwd.sorted_quantized_rows(dy, plan, top_k)), None, both_bytes, None))
-    for label, kw in ((" in one pass", {}), (" in one pass, 8 warps", {"num_warps": 8})):
-        stages.append(("dy: 128x1 and sorted 1x128 rows" + label, lambda kw=kw: quant.quantize_tile_cols(
-            dy, plan, top_k, short=True, rows=True, **kw), None, both_bytes, None))
-        twins["dy: 128x1 and sorted 1x128 rows" + label] = (both, tile_cols_view)
-    stages += [
         ("act step on the products, dz 1x128 beside",
          lambda: expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True), None,
          num_slots * inter * (4 + 2 + 4 + 2 + 2) + dzs.numel() * 4, None),

@@ -322,7 +322,7 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      # too, the token-major kernel's companion, below)
                      "ROWS": True,
                      # the quantisers, at their launchers' blocks
-                     "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC, "BLOCKS": 1, "AHEAD": False, "SHORT": True}
+                     "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC}
 
 
 def compile_other_kernel(fn, num_warps: int = 4, pointer_types: dict | None = None, **constexprs_over):

@@ -151,60 +151,30 @@ def _quantize_tile_cols_kernel(
     a_ptr,  # (N, C) sorted rows, or with GATHER (T, C) the tokens' rows; any float dtype
     q_ptr,  # (C, NT * 128) e4m3 out: column c of tile t's rows at [c, 128 t : 128 t + 128]
     s_ptr,  # (NT, C) fp32 out
-    qr_ptr,  # with ROWS: (N, C) e4m3 out, the sorted rows quantised 1x128 (``quantize_rows``' format)
-    sr_ptr,  # with ROWS: (C / 128, N) fp32 out
     offsets_ptr, tile_expert_ptr, tile_row_ptr,
     row_slot_ptr,  # (N,) with GATHER: each sorted row's slot (token * top_k + k)
-    N, C, E, top_k,
-    GATHER: tl.constexpr, TILE_M: tl.constexpr, BC: tl.constexpr, BLOCKS: tl.constexpr, AHEAD: tl.constexpr,
-    SHORT: tl.constexpr, ROWS: tl.constexpr, POW2: tl.constexpr,
+    C, E, top_k,
+    GATHER: tl.constexpr, TILE_M: tl.constexpr, BC: tl.constexpr, POW2: tl.constexpr,
 ):
-    """One (plan tile, BLOCKS * BC columns) per program: each BC columns of the tile's rows read as a (BC, TILE_M)
-    block (rows past its expert's end as zeros: they count in no amax and quantise to zeros), so that each column's
-    group is a row of the block (``quantize_groups``) and the block is stored as it lies in the transposed ``q``.
-    GATHER: sorted row r read from token row_slot[r] // top_k. SHORT: the rows' sources read beside the tile's
-    expert's end (not after it). AHEAD: each block's loads issued before the previous block is quantised. ROWS (BC
-    128): the rows also quantised 1x128 into qr / sr, from the same block."""
-    tl.static_assert(BC == 128 or not ROWS, "a 1x128 row group is one block's width")
+    """One (plan tile, BC columns) per program: the tile's rows read as a (BC, TILE_M) block (rows past its
+    expert's end as zeros: they count in no amax and quantise to zeros), so that each column's group is a row of
+    the block (``quantize_groups``) and the block is stored as it lies in the transposed ``q``. GATHER: sorted row r
+    read from token row_slot[r] // top_k."""
     t = tl.program_id(0)
     e = tl.load(tile_expert_ptr + t)
-    row0 = tl.load(tile_row_ptr + t)
     if e >= E:  # an idle tile: never read
         return
-    rows = row0 + tl.arange(0, TILE_M)
-    if SHORT:
-        src = rows
-        if GATHER:  # rows past the expert's end but inside N read their (unused) sources too
-            src = tl.load(row_slot_ptr + rows, mask=rows < N, other=0) // top_k
-        rmask = rows < tl.load(offsets_ptr + e + 1)
-    else:
-        rmask = rows < tl.load(offsets_ptr + e + 1)
-        src = rows
-        if GATHER:
-            src = tl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k
-    base = a_ptr + src.to(tl.int64)[None, :] * C  # int64: N * C and C * NT * 128 overflow int32 at real sizes
+    rows = tl.load(tile_row_ptr + t) + tl.arange(0, TILE_M)
+    rmask = rows < tl.load(offsets_ptr + e + 1)
+    if GATHER:
+        rows = tl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    # int64: N * C and C * NT * 128 overflow int32 at real sizes
+    a = tl.load(a_ptr + rows.to(tl.int64)[None, :] * C + cols[:, None], mask=rmask[None, :], other=0.0)
+    q, s = quantize_groups(a.to(tl.float32), POW2)
     ld = tl.num_programs(0).to(tl.int64) * TILE_M  # q's row: TILE_M columns per plan tile, one program row each
-    k = t * TILE_M + tl.arange(0, TILE_M)
-    c0 = tl.program_id(1) * BLOCKS * BC
-    a = tl.load(base + c0 + tl.arange(0, BC)[:, None], mask=rmask[None, :], other=0.0)
-    for i in tl.static_range(BLOCKS):
-        cols = c0 + i * BC + tl.arange(0, BC)
-        if not AHEAD and i > 0:
-            a = tl.load(base + cols[:, None], mask=rmask[None, :], other=0.0)
-        if AHEAD and i + 1 < BLOCKS:
-            a_next = tl.load(base + (cols + BC)[:, None], mask=rmask[None, :], other=0.0)
-        v = a.to(tl.float32)
-        q, s = quantize_groups(v, POW2)
-        tl.store(q_ptr + cols.to(tl.int64)[:, None] * ld + k[None, :], q)
-        tl.store(s_ptr + t.to(tl.int64) * C + cols, s)
-        if ROWS:
-            amax = tl.maximum(tl.max(tl.abs(v), axis=0), AMAX_FLOOR)
-            sr, inv = scale_and_inverse(amax, POW2)
-            qr = to_e4m3(tl.clamp(v * inv[None, :], -E4M3_MAX, E4M3_MAX))
-            tl.store(qr_ptr + rows.to(tl.int64)[None, :] * C + cols[:, None], qr, mask=rmask[None, :])
-            tl.store(sr_ptr + (c0 // BC + i).to(tl.int64) * N + rows, sr, mask=rmask)
-        if AHEAD and i + 1 < BLOCKS:
-            a = a_next
+    tl.store(q_ptr + cols.to(tl.int64)[:, None] * ld + t * TILE_M + tl.arange(0, TILE_M)[None, :], q)
+    tl.store(s_ptr + t.to(tl.int64) * C + cols, s)
 
 
 # Rows of a weight block in registers at once (the whole 128 x 128 block spilled), and the row quantiser's rows per
@@ -251,30 +221,23 @@ def tile_cols_outputs(cols: int, plan: Plan, device, over: torch.Tensor | None =
 
 
 def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None,
-                       over: torch.Tensor | None = None, *, blocks: int = 1, ahead: bool = False,
-                       short: bool = False, rows: bool = False, num_warps: int = 4):
+                       over: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (C, NT * 128) e4m3, s (NT, C) fp32): ``a``'s sorted rows in 128x1 groups, one per plan tile and column
     (the tile-column format above; NT = the plan's tile count, a static bound, so no host sync). C a multiple of
     ``TILE_COLS_BC``, ``a`` contiguous; rows past the routed count are not read. ``top_k``: ``a`` holds the tokens'
     rows (T, C) instead, and each sorted row is read from its token (``row_slot[r] // top_k``), so that no sorted
-    copy of them is needed. ``over``: memory to write them into where it is large enough (``tile_cols_outputs``).
-    ``rows``: also the sorted rows quantised 1x128, (q, s, qr (N, C) e4m3, sr (C / 128, N) fp32), ``quantize_rows``'
-    bits for each routed row (rows past the routed count not written)."""
+    copy of them is needed. ``over``: memory to write them into where it is large enough (``tile_cols_outputs``)."""
     num_tiles = plan.tile_expert_NT.numel()
     cols = a_NC.shape[1]
-    if cols % (TILE_COLS_BC * blocks):
-        raise ValueError(f"quantize_tile_cols needs a multiple of {TILE_COLS_BC * blocks} columns, got {cols}")
+    if cols % TILE_COLS_BC:
+        raise ValueError(f"quantize_tile_cols needs a multiple of {TILE_COLS_BC} columns, got {cols}")
     q, s = tile_cols_outputs(cols, plan, a_NC.device, over)
-    num_rows = plan.row_slot_N.numel()
-    qr = torch.empty(num_rows, cols, device=a_NC.device, dtype=FP8) if rows else q
-    sr = torch.empty(cols // GROUP, num_rows, device=a_NC.device, dtype=torch.float32) if rows else s
-    _quantize_tile_cols_kernel[(num_tiles, cols // (TILE_COLS_BC * blocks))](
-        a_ptr=a_NC, q_ptr=q, s_ptr=s, qr_ptr=qr, sr_ptr=sr, offsets_ptr=plan.offsets_E1,
-        tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N,
-        N=num_rows, C=cols, E=plan.offsets_E1.numel() - 1, top_k=top_k or 1, GATHER=top_k is not None,
-        TILE_M=BLOCK_M, BC=TILE_COLS_BC, BLOCKS=blocks, AHEAD=ahead, SHORT=short, ROWS=rows,
-        POW2=fp8_pow2_scales(), num_warps=num_warps)
-    return (q, s, qr, sr) if rows else (q, s)
+    _quantize_tile_cols_kernel[(num_tiles, cols // TILE_COLS_BC)](
+        a_ptr=a_NC, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
+        tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N, C=cols, E=plan.offsets_E1.numel() - 1,
+        top_k=top_k or 1, GATHER=top_k is not None, TILE_M=BLOCK_M, BC=TILE_COLS_BC, POW2=fp8_pow2_scales(),
+        num_warps=4)
+    return q, s
 
 
 def quantize_weight(w_ERC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
