@@ -16,7 +16,7 @@ from megamoe import env, reference
 from megamoe.api import backend_for
 from megamoe.bench.layer import cuda_graphed
 from megamoe.kernels import quant
-from megamoe.kernels.plan import plan_op
+from megamoe.kernels.plan import build_plan, plan_op
 from tests.helpers import (
     NAMES,
     assert_close_to_reference,
@@ -412,6 +412,44 @@ def test_fp8_is_not_the_bf16_path():
     out = run_with_grads(fp8_moe(), *problem)
     for name, o, r in zip(NAMES, out, ref32):
         assert 0.01 < rel_err(o, r) < 0.15, f"{name}: {rel_err(o, r):.2e}"
+
+
+def test_quantisers_keep_a_nan_a_nan(scales):
+    """Each quantiser writes a NaN as e4m3's NaN (0x7F / 0xFF) and every other value as it would without it (amax
+    passes over a NaN: the group's scale is its other values')."""
+    gen = torch.Generator().manual_seed(0)
+    plan = build_plan(torch.randint(0, 2, (256, 1), generator=gen).to(DEVICE), 2)
+
+    def quantised(a):  # every e4m3 output; the tile columns over zeros (idle tiles are not written)
+        over = torch.zeros(2**20, device=DEVICE)
+        return [q for q in (*quant.quantize_rows(a), *quant.quantize_tile_cols(a, plan, over=over),
+                            *quant.quantize_weight(a[None])) if q.dtype == quant.FP8]
+
+    a = torch.randn(256, 256, generator=gen).to(DEVICE)
+    a[3, 7] = 0.0
+    clean = quantised(a)
+    a[3, 7] = float("nan")
+    for c, d in zip(clean, quantised(a), strict=True):
+        changed = bits(c) != bits(d)
+        assert changed.sum() == 1 and (bits(d)[changed] & 0x7F == 0x7F).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_fp8_keeps_a_nan_a_nan(mode):
+    """A NaN in a token's row of x, or of dy, reaches that token's rows of y and dx and the weight gradients, and no
+    other token's: quantised, a NaN stays NaN (a clamp before the GPU's saturating conversion turned it into -448, a
+    finite value that no NaN check downstream would see). On the GPU only: Triton's interpreter reads e4m3's NaN
+    (0x7F) as 480 (the quantisers' own NaN bytes: ``test_quantisers_keep_a_nan_a_nan``)."""
+    x, idx, w, w13, w2, dy = make_problem(40, 128, 256, 6, 3, "random", device="cuda")
+    x[5, 17] = float("nan")
+    dy[9, 3] = float("nan")
+    y, dx, dw, dw13, dw2 = run_with_grads(fp8_moe(mode), x, idx, w, w13, w2, dy)
+    others = torch.ones(40, dtype=torch.bool)
+    others[[5, 9]] = False
+    assert y[5].isnan().all() and y[others].isfinite().all()
+    assert dx[5].isnan().all() and dx[9].isnan().all() and dx[others].isfinite().all()
+    assert dw[others].isfinite().all() and dw13.isnan().any() and dw2.isnan().any()
 
 
 @pytest.mark.parametrize("dim, inter", [(136, 128), (128, 72)])

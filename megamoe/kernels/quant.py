@@ -23,10 +23,10 @@ Formats (every FP8 kernel of the package reads and writes these; ``reference.qua
   t0(e) = sum over e' < e of ceil(rows_e' / 128) (``common.busy_tiles`` of e).
 
 One group of 128 values v becomes: ``amax = max(max|v|, AMAX_FLOOR)``, ``inv = 448 / amax`` and ``s = amax /
-448`` (both IEEE-rounded divisions), ``q = e4m3(clamp(v * inv, -448, 448))`` rounded to nearest even. With
-power-of-two scales (``env.set_fp8_scales("pow2")``, ``MEGAMOE_FP8_SCALES=pow2``) ``s`` is ``amax / 448`` rounded up
-to a power of two and ``inv = 1 / s``, both exact (``scale_and_inverse``). D and I
-must be multiples of 128 (``GROUP``), so no group is partial.
+448`` (both IEEE-rounded divisions), ``q = e4m3(clamp(v * inv, -448, 448))`` rounded to nearest even (a NaN stays
+NaN). With power-of-two scales (``env.set_fp8_scales("pow2")``, ``MEGAMOE_FP8_SCALES=pow2``) ``s`` is ``amax / 448``
+rounded up to a power of two and ``inv = 1 / s``, both exact (``scale_and_inverse``). D and I must be multiples of 128
+(``GROUP``), so no group is partial.
 """
 
 from __future__ import annotations
@@ -58,11 +58,14 @@ BITWISE_E4M3 = tl.constexpr(interpreting())
 
 @triton.jit
 def to_e4m3(v, BITWISE: tl.constexpr = BITWISE_E4M3):
-    """fp32 ``v`` (within +-448) to e4m3, round to nearest even, exactly as torch's conversion: the GPU's conversion,
-    or with BITWISE (``BITWISE_E4M3``) the rounding done on the fp32 bits first, so that the conversion only ever
-    meets e4m3 values and is exact. Both match torch bit for bit (tests/test_fp8.py, on the H200 and in the
-    interpreter)."""
+    """fp32 ``v`` to e4m3, round to nearest even, values past +-448 saturated to +-448 and NaN kept NaN, exactly as
+    torch's conversion of ``v`` clamped to +-448: the GPU's conversion (cvt.rn.satfinite.e4m3x2.f32, which
+    saturates), or with BITWISE (``BITWISE_E4M3``) ``v`` clamped (NaN through) and rounded on its fp32 bits first, so
+    that the conversion only ever meets e4m3 values and is exact. Both match torch bit for bit (tests/test_fp8.py, on
+    the H200 and in the interpreter). (A clamp before the GPU's conversion would change nothing but NaN, which
+    ``max.f32`` turns into -448.)"""
     if BITWISE:
+        v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         # Normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the bit pattern to nearest even (a carry moves
         # into the exponent); below 2^-6 (e4m3's subnormals) the grid is 2^-9: round with the 1.5 * 2^23 trick,
         # keeping the zero's sign.
@@ -71,6 +74,9 @@ def to_e4m3(v, BITWISE: tl.constexpr = BITWISE_E4M3):
         sub = ((v * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
         sub = tl.where(sub == 0.0, v * 0.0, sub)
         v = tl.where(tl.abs(v) < 0.015625, sub, normal)
+        # (the interpreter converts NaN to 384: NaN's bits, 0x7F, put in its place)
+        nan = tl.full(v.shape, 0x7F, tl.int8).to(tl.float8e4nv, bitcast=True)
+        return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, nan, v.to(tl.float8e4nv))
     return v.to(tl.float8e4nv)
 
 
@@ -92,7 +98,7 @@ def quantize_groups(v, POW2: tl.constexpr):
     """(R, 128) fp32 -> e4m3 (R, 128) and the (R,) fp32 scales, one group per row (POW2: ``scale_and_inverse``)."""
     amax = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR)
     s, inv = scale_and_inverse(amax, POW2)
-    return to_e4m3(tl.clamp(v * inv[:, None], -E4M3_MAX, E4M3_MAX)), s
+    return to_e4m3(v * inv[:, None]), s
 
 
 @triton.jit
@@ -137,7 +143,7 @@ def _quantize_weight_kernel(
         amax = tl.maximum(amax, tl.max(tl.max(tl.abs(tl.load(block + i * SLICE * C).to(tl.float32)), axis=1), axis=0))
     s, inv = scale_and_inverse(tl.maximum(amax, AMAX_FLOOR), POW2)
     for i in tl.static_range(128 // SLICE):
-        q = to_e4m3(tl.clamp(tl.load(block + i * SLICE * C).to(tl.float32) * inv, -E4M3_MAX, E4M3_MAX),
+        q = to_e4m3(tl.load(block + i * SLICE * C).to(tl.float32) * inv,
                     BITWISE_E4M3 or w_ptr.dtype.element_ty == tl.float32)
         r = rb * 128 + i * SLICE + tl.arange(0, SLICE)
         tl.store(q_ptr + e * R * C + r[:, None] * C + c[None, :], q)

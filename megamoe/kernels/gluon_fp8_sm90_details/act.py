@@ -7,8 +7,9 @@ groups of dg and du). Its first pass computes the values once, in blocks of rows
 memory (96 KB: two programs per SM) while it takes each column's amax; the second quantises them from there. (The
 Triton kernel, which has no shared memory to keep them in, computed everything twice, its second pass reading the
 products again: 1.7× slower than the act step and two quantiser passes, docs/PERFORMANCE.md.) The values are
-rounded to bf16 before their amax and their quantisation, so the bytes are those of the act step writing dz and h·w
-in bf16 followed by ``quant.quantize_tile_cols`` on them.
+rounded to bf16 before their quantisation, and their columns' amax is that of the rounded values (taken before the
+rounding, then rounded: the same number), so the bytes are those of the act step writing dz and h·w in bf16 followed
+by ``quant.quantize_tile_cols`` on them.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def _store_dz_rows(v, rows, rmask, col0, group, dzq_ptr, dzs_ptr, N, I, POW2: gl
     q = quantize_by(v, inv[:, None])
     gl.store(dzq_ptr + rows[:, None].to(gl.int64) * 2 * I + cols[None, :], q, mask=rmask[:, None])
     gl.store(dzs_ptr + group * N + rows, scale, mask=rmask)
+
+
+@gluon.jit
+def _rounded_max(amax):
+    """Each column's max of ``amax`` (fp32, [rows, cols]), rounded to bf16 (as fp32)."""
+    return gl.max(amax, axis=0).to(gl.bfloat16).to(gl.float32)
 
 
 @gluon.jit
@@ -132,17 +139,20 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
             _store_dz_rows(du, rows, rmask, I + col0, I // 128 + pid_n, dzq_ptr, dzs_ptr, N, I, POW2)
             dg_b = dg.to(gl.bfloat16)
             du_b = du.to(gl.bfloat16)
-            hw_b = (h * wt[:, None]).to(gl.bfloat16)
+            hw = h * wt[:, None]
+            hw_b = hw.to(gl.bfloat16)
             dg_buf.index(b).store(dg_b)
             du_buf.index(b).store(du_b)
             hw_buf.index(b).store(hw_b)
-            amax_g = gl.maximum(amax_g, gl.abs(dg_b.to(gl.float32)))
-            amax_u = gl.maximum(amax_u, gl.abs(du_b.to(gl.float32)))
-            amax_hw = gl.maximum(amax_hw, gl.abs(hw_b.to(gl.float32)))
+            # the amax of the values before their rounding to bf16: rounded, it is theirs after it (rounding to
+            # nearest is monotone and odd), with no conversion back per value
+            amax_g = gl.maximum(amax_g, gl.abs(dg))
+            amax_u = gl.maximum(amax_u, gl.abs(du))
+            amax_hw = gl.maximum(amax_hw, gl.abs(hw))
             rows, slots, wt, g, u, d = next_rows, next_slots, next_wt, next_g, next_u, next_d
-        s_g, inv_g = fp8_scales(gl.maximum(gl.max(amax_g, axis=0), AMAX_FLOOR), POW2)
-        s_u, inv_u = fp8_scales(gl.maximum(gl.max(amax_u, axis=0), AMAX_FLOOR), POW2)
-        s_hw, inv_hw = fp8_scales(gl.maximum(gl.max(amax_hw, axis=0), AMAX_FLOOR), POW2)
+        s_g, inv_g = fp8_scales(gl.maximum(_rounded_max(amax_g), AMAX_FLOOR), POW2)
+        s_u, inv_u = fp8_scales(gl.maximum(_rounded_max(amax_u), AMAX_FLOOR), POW2)
+        s_hw, inv_hw = fp8_scales(gl.maximum(_rounded_max(amax_hw), AMAX_FLOOR), POW2)
         t64 = t.to(gl.int64)
         gl.store(dzts_ptr + t64 * 2 * I + cols, s_g)
         gl.store(dzts_ptr + t64 * 2 * I + I + cols, s_u)

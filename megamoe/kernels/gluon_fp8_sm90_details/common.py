@@ -116,7 +116,7 @@ def fp8_scales(amax, POW2: gl.constexpr):
 
 @gluon.jit
 def quantize_by(v, inv):
-    """fp8(clamp(v * inv, ±448)), ``inv`` broadcast over v (each row's factor as ``inv[:, None]``, each column's as
-    ``inv[None, :]``), rounded to nearest even by the GPU's conversion (cvt.rn.satfinite.e4m3x2.f32, as
-    ``kernels.quant.to_e4m3`` converts on the GPU)."""
-    return gl.minimum(gl.maximum(v * inv, -FP8_MAX), FP8_MAX).to(gl.float8e4nv)
+    """fp8(v * inv), ``inv`` broadcast over v (each row's factor as ``inv[:, None]``, each column's as ``inv[None,
+    :]``), rounded to nearest even and saturated to +-448 by the GPU's conversion (cvt.rn.satfinite.e4m3x2.f32, as
+    ``kernels.quant.to_e4m3`` converts on the GPU), NaN kept NaN."""
+    return (v * inv).to(gl.float8e4nv)
