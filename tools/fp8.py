@@ -179,6 +179,15 @@ def main(argv=None, device: str = "cuda") -> None:
         twins.update({stage[0]: (layer, view) for stage in stages
                       if stage[0].split(" (")[0] == name and stage[0] != layer})
     stages += [
+        ("dy's sorted 1x128 copy, then dh' (on sorted rows)", lambda: expert_bwd.dh_fp8(
+            *expert_bwd.sorted_quantized_rows(dy, plan, top_k), w2tq, w2ts, plan, torch.bfloat16), down_flops, None,
+         (rows, inter, dim)),
+        ("dh' from dy's rows (dy quantised per row)", lambda: expert_bwd.dh_fp8_from_rows(
+            dy, w2tq, w2ts, plan, plan, top_k, torch.bfloat16), down_flops, None, (rows, inter, dim)),
+    ]
+    twins["dh' from dy's rows (dy quantised per row)"] = ("dy's sorted 1x128 copy, then dh' (on sorted rows)",
+                                                          lambda out: out[:rows])
+    stages += [
         ("wgrad: quantize 128x1 (N, D)", lambda: quant.quantize_tile_cols(x_sorted, plan), None, tile_cols_bytes(dim),
          None),
         ("wgrad: quantize 128x1 (N, D) from the tokens' rows", lambda: quant.quantize_tile_cols(x, plan, top_k),

@@ -12,11 +12,11 @@ from megamoe.kernels.expert_bwd import (
     act_bwd_from_preact,
     act_bwd_tile_cols,
     dh_fp8,
+    dh_fp8_from_rows,
     dx_slots_fp8,
     expert_wgrad,
     expert_wgrad_and_combine,
     gather_rows,
-    sorted_quantized_rows,
     wgrad_fp8,
 )
 from megamoe.kernels.expert_fwd import up_products_fp8
@@ -63,11 +63,11 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     read_plan, read_top_k = rows_from or (plan, top_k)
     if fp8_wgrad:  # the weight gradients read x and dy from their rows: no sorted bf16 copies
         dy_t = quantize_tile_cols(dy, read_plan, read_top_k)
-        dyq, dys = sorted_quantized_rows(dy, read_plan, read_top_k, gather=rows_from is not None)
+        dh_NI = dh_fp8_from_rows(dy, w2tq, w2ts, plan, read_plan, read_top_k, x.dtype, gather=rows_from is not None)
     else:
         x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
-    dh_NI = dh_fp8(dyq, dys, w2tq, w2ts, plan, x.dtype)
-    del dyq, dys
+        dh_NI = dh_fp8(dyq, dys, w2tq, w2ts, plan, x.dtype)
+        del dyq, dys
     # Saved products handed over (the eager saved mode): with FP8 weight gradients x's tile columns take their memory
     # once the act step has read them (the products outlive the backward in the autograd context, so that this
     # block is off the peak; recomputed ones are freed after the act step instead).

@@ -54,6 +54,7 @@ from megamoe.kernels.expert_fwd import (
     sorted_rows_gemm,
     sorted_rows_gemm_fp8,
     sorted_rows_gemm_kernel,
+    up_products_fp8,
 )
 from megamoe.kernels.gluon_fp8_sm90 import (
     fp8_act_tile_cols_ws,
@@ -512,6 +513,23 @@ def dh_fp8(dyq_sorted_ND, dys_sorted, w2tq_EID, w2ts, plan: Plan, out_dtype: tor
     """``dh_sorted`` on blockwise FP8 operands: the sorted dy rows in e4m3 with their (D/128, N) scales, and w2's
     transposed copy (E, I, D) in e4m3 with its (E, I/128, D/128) block scales; dh' in ``out_dtype``."""
     return sorted_rows_gemm_fp8(DH_FP8, dyq_sorted_ND, dys_sorted, w2tq_EID, w2ts, None, plan, out_dtype)
+
+
+def dh_fp8_from_rows(dy_TD, w2tq_EID, w2ts, plan: Plan, read_plan: Plan, top_k: int, out_dtype: torch.dtype,
+                     gather: bool = False) -> torch.Tensor:
+    """``dh_fp8`` for ``plan``'s sorted rows with each row's dy read from row ``read_plan.row_slot[r] // top_k`` of
+    ``dy_TD`` (``read_plan``: ``plan``'s tiles; its rows may share a row of dy with ``gather``, as
+    ``sorted_quantized_rows`` takes them). On sm90 with bf16 rows and I a multiple of 256, dy is quantised 1x128 per
+    row and read through that map by the up kernel's products-only variant (``expert_fwd.up_products_fp8``), w2's
+    transposed copy standing for w13 (its first and second halves of I for the gate and up rows, whose products
+    are dh''s two halves): no sorted copy of dy is made. Elsewhere the sorted copy (``sorted_quantized_rows``) and
+    ``dh_fp8``."""
+    num_rows, inter = plan.row_slot_N.numel(), w2tq_EID.shape[1]
+    if num_rows and inter % 256 == 0 and fp8_ws_supported(dy_TD, out_dtype):
+        dh = torch.empty(num_rows, inter, device=dy_TD.device, dtype=out_dtype)
+        up_products_fp8(*quantize_rows(dy_TD), w2tq_EID, w2ts, read_plan, top_k, dh)
+        return dh
+    return dh_fp8(*sorted_quantized_rows(dy_TD, read_plan, top_k, gather=gather), w2tq_EID, w2ts, plan, out_dtype)
 
 
 def dx_slots_fp8(dzq_NH, dzs, w13tq_EDH, w13ts, plan: Plan, out_dtype: torch.dtype,
