@@ -14,10 +14,11 @@ be), the FP8 dW13 and dW2 GEMMs on them (``expert_bwd.wgrad_fp8``; in blocks of 
 allows: ``gluon_fp8_sm90.WGRAD_BLOCK_N``; the layer's width also with its blocks in the other order than
 ``gluon_sm90.WGRAD_BY_SIZE``), the bf16 ones the FP8 path runs without them
 (``expert_bwd.expert_wgrad``; dW13 without the dx combine it carries in the layer), and the part of the FP8 backward
-that ``FP8_WGRAD`` changes both ways: with it, dy's 1x128 rows quantised per token and copied sorted, x and dy
-quantised into tile columns from the tokens' rows, the act step writing dz's and h·w's tile columns
-(``expert_bwd.act_bwd_tile_cols``), the two FP8 GEMMs and dx's combine; without, the sort of x and dy with dy
-quantised beside, the act step writing dz and h·w in bf16, and the two bf16 GEMMs, dW13's with the combine inside. The
+that ``FP8_WGRAD`` changes both ways: with it, dh' from dy's rows quantised per token (``expert_bwd.dh_fp8_from_rows``,
+as the layer runs it), x and dy quantised into tile columns from the tokens' rows, the act step writing dz's and h·w's
+tile columns (``expert_bwd.act_bwd_tile_cols``), the two FP8 GEMMs and dx's combine; without, the sort of x and dy
+with dy quantised beside and dh' on the sorted rows, the act step writing dz and h·w in bf16, and the two bf16 GEMMs,
+dW13's with the combine inside. dh' is also timed both ways on its own. The
 act step into tile columns is also timed on its own, beside the act step followed by the tile-column quantiser on its
 dz and h·w. The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n)
 product of each GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each
@@ -121,7 +122,7 @@ def main(argv=None, device: str = "cuda") -> None:
     dh = torch.randn(num_slots, inter, device=device, dtype=torch.bfloat16)
 
     def fp8_wgrads():  # what the FP8 backward runs with autograd.FP8_WGRAD and bf16 runs without it
-        expert_bwd.sorted_quantized_rows(dy, plan, top_k)
+        expert_bwd.dh_fp8_from_rows(dy, w2tq, w2ts, plan, plan, top_k, torch.bfloat16)
         xt_, dyt_ = quant.quantize_tile_cols(x, plan, top_k), quant.quantize_tile_cols(dy, plan, top_k)
         _, _, _, dzt_, hwt_ = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k)
         expert_bwd.wgrad_fp8(*dyt_, *hwt_, plan, torch.bfloat16)
@@ -129,7 +130,8 @@ def main(argv=None, device: str = "cuda") -> None:
         combine(dx_slots, idx, torch.bfloat16)
 
     def bf16_wgrads():
-        x_sorted_, dy_sorted_, _, _ = expert_bwd.gather_rows(x, dy, plan, top_k, quantize_dy=True)
+        x_sorted_, dy_sorted_, dyq_, dys_ = expert_bwd.gather_rows(x, dy, plan, top_k, quantize_dy=True)
+        expert_bwd.dh_fp8(dyq_, dys_, w2tq, w2ts, plan, torch.bfloat16)
         dz_, hw_, *_ = expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True)
         expert_bwd.expert_wgrad(dy_sorted_, hw_, plan, torch.bfloat16, gemm="dw2")
         expert_bwd.expert_wgrad_and_combine(dz_, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
@@ -230,8 +232,9 @@ def main(argv=None, device: str = "cuda") -> None:
          None, None),
         ("dW2 bf16", lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16, gemm="dw2"), down_flops,
          None, None),
-        ("the FP8 backward's part that FP8_WGRAD changes, FP8", fp8_wgrads, up_flops + down_flops, None, None),
-        ("the FP8 backward's part that FP8_WGRAD changes, bf16", bf16_wgrads, up_flops + down_flops, None, None),
+        ("the FP8 backward's part that FP8_WGRAD changes, FP8", fp8_wgrads, up_flops + 2 * down_flops, None, None),
+        ("the FP8 backward's part that FP8_WGRAD changes, bf16", bf16_wgrads, up_flops + 2 * down_flops, None,
+         None),
     ]
     every_stage = {stage[0]: stage[1] for stage in stages}
     stages = select_stages(stages, args.stages)

@@ -35,13 +35,14 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
                       reuse_preact: bool = False, combine_in_dw13: Tensor | None = None,
                       recompute_from: tuple | None = None, dx_dest: tuple[Tensor, Tensor] | None = None,
                       rows_from: tuple[Plan, int] | None = None) -> tuple[object, Tensor, Tensor, Tensor]:
-    """dy quantised 1x128 (once per row, in the pass that sorts it); dh' and dx on the weights' transposed FP8
-    copies; g and u, unless saved (``preact``), recomputed by the forward's up kernel (the FP8 GEMM the forward ran,
-    so both memory modes compute the same gradients; without its h output) and the act step run on them; the weight
-    gradients from the unquantised rows in x's dtype (exact products, fp32 accumulation), or with ``fp8_wgrad``
-    from those rows quantised 128x1: x's and dy's read from their rows (no sorted copies; dy's 1x128 rows for dh'
-    quantised per row and copied), dz's and h·w's by the act step (``expert_bwd.act_bwd_tile_cols``: on sm90 neither
-    is written in x's dtype), and dx before dW13, x's tile columns made just before it (over handed-over products).
+    """dy quantised 1x128 (once per row: in the pass that sorts it, or with ``fp8_wgrad`` per token row, dh' reading it
+    through the row map, ``expert_bwd.dh_fp8_from_rows``); dh' and dx on the weights' transposed FP8 copies; g and
+    u, unless saved (``preact``), recomputed by the forward's up kernel (the FP8 GEMM the forward ran, so both
+    memory modes compute the same gradients; without its h output) and the act step run on them; the weight
+    gradients from the unquantised rows in x's dtype (exact products, fp32 accumulation), or with ``fp8_wgrad`` from
+    those rows quantised 128x1: x's and dy's read from their rows (no sorted copies), dz's and h·w's by the act step
+    (``expert_bwd.act_bwd_tile_cols``: on sm90 neither is written in x's dtype), and dx before dW13, x's tile
+    columns made just before it (over handed-over products).
 
     ``dy``, ``x``: rows in x's dtype, each sorted row read from row ``row_slot[r] // top_k`` (the tokens' rows, or
     with ``top_k`` 1 and the identity row map rows already sorted: an owner's received rows); ``weights_TK``: the
