@@ -307,10 +307,27 @@ def test_benchmark_cpu_path_checks_correctness(capsys):
     main([])
     out = capsys.readouterr().out
     assert "timings need a GPU" in out and "Ignored" not in out
-    assert "OK" in out and "megamoe" in out
+    assert "OK" in out and "megamoe" in out and "precision=fp8" in out
     main(["--preset", "qwen3-235b-a22b", "--tokens", "64", "--routing", "skewed"])
     out = capsys.readouterr().out  # the options the check cannot honour are named; the routing is honoured
     assert "Ignored without a GPU: --preset, --tokens" in out and "skewed routing" in out and "OK" in out
+
+
+def test_benchmark_cpu_path_fails_a_wrong_fp8_answer(monkeypatch):
+    """The CPU check's FP8 line can fail: an FP8 path 50% off the recipe exits with the measure named."""
+    from megamoe.bench.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path runs only without a GPU")
+    moe = megamoe.moe
+
+    def off(*args, precision="bf16", **kwargs):
+        y = moe(*args, precision=precision, **kwargs)
+        return y * 1.5 if precision == "fp8" else y
+
+    monkeypatch.setattr(megamoe, "moe", off)
+    with pytest.raises(SystemExit, match="twice its recipe's own error"):
+        main([])
 
 
 @pytest.mark.gpu

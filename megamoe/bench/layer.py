@@ -6,8 +6,8 @@ needs no outer checkpointing, so its step is its forward+backward), effective TF
 and the error against the fp32 reference on a small problem. Writes a table, a JSON file and a PNG.
 
 Without a GPU: runs a tiny problem through every implementation that runs on the CPU (the reference,
-and the Triton kernels under ``TRITON_INTERPRET=1``), checks it against the fp32 reference, and says
-that timings need a GPU.
+and the Triton kernels under ``TRITON_INTERPRET=1``), checks it against the fp32 reference (megamoe's FP8 path
+within twice its recipe's own error, on a problem with D = I = 128), and says that timings need a GPU.
 
 FLOP counts (N = routed rows = T*K less dropped slots): forward 6·N·D·I; backward 12·N·D·I; the
 fused backward recomputes the gate/up GEMM: 16·N·D·I. ``tflops`` = FLOPs executed in the step / step
@@ -55,6 +55,7 @@ DEFAULT_IMPLS = "grouped_mm,grouped_mm_compiled,megamoe"
 BASELINES = ("grouped_mm", "grouped_mm_compiled")
 # The CPU check: a tiny problem through what runs on a CPU, each against the fp32 reference ("loop").
 CPU_TOKENS, CPU_IMPLS = 48, ("grouped_mm", "megamoe")
+CPU_FP8_DIM = 128  # D and I of the check's FP8 problem (one 128 group and block each)
 
 
 @dataclass
@@ -309,7 +310,8 @@ def run_cpu(args) -> None:
     ignored = sorted(args.explicit & {"preset", "tokens", "impls", "rep_ms", "rounds", "out", "profile", "no_plot"})
     if ignored:
         print(f"Ignored without a GPU: {', '.join('--' + name.replace('_', '-') for name in ignored)} (the check "
-              f"always runs the tiny preset through {', '.join(CPU_IMPLS)} and writes nothing).")
+              f"always runs the tiny preset through {', '.join(CPU_IMPLS)}, and megamoe's FP8 path at D = I = "
+              f"{CPU_FP8_DIM}, and writes nothing).")
     problem = make_problem(CPU_TOKENS, dim, inter, num_experts, top_k, args.routing[0], torch.float32, "cpu",
                            args.seed)
     worst = 0.0
@@ -319,6 +321,17 @@ def run_cpu(args) -> None:
         print(f"  {impl.name:24s} max rel err vs fp32 reference (y and all grads): {err:.2e}")
     if worst > 1e-4:
         sys.exit(f"FAILED: an implementation disagrees with the fp32 reference ({worst:.2e} > 1e-4)")
+    # Blockwise FP8 (its groups need D and I multiples of 128), against the fp32 reference with the recipe's own error
+    # (the recipe computed in PyTorch, reference.moe_loop_fp8) as the measure.
+    fp8_problem = make_problem(CPU_TOKENS, CPU_FP8_DIM, CPU_FP8_DIM, num_experts, top_k, args.routing[0],
+                               torch.float32, "cpu", args.seed)
+    recipe = max_rel_err(reference.moe_loop_fp8, fp8_problem)
+    fp8 = max_rel_err(functools.partial(megamoe.moe, precision="fp8"), fp8_problem)
+    print(f"  {'megamoe, precision=fp8':24s} max rel err vs fp32 reference (y and all grads): {fp8:.2e}; the FP8 "
+          f"recipe's own: {recipe:.2e} (D=I={CPU_FP8_DIM})")
+    if fp8 > 2 * recipe:
+        sys.exit(f"FAILED: megamoe's FP8 path is further from the fp32 reference than twice its recipe's own error "
+                 f"({fp8:.2e} > 2 x {recipe:.2e})")
     print("OK. Run on a CUDA GPU for timings.")
 
 
