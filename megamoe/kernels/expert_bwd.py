@@ -57,6 +57,7 @@ from megamoe.kernels.expert_fwd import (
     up_products_fp8,
 )
 from megamoe.kernels.gluon_fp8_sm90 import (
+    FP8_BN,
     fp8_act_tile_cols_ws,
     fp8_wgrad_ws,
     fp8_ws_supported,
@@ -519,13 +520,13 @@ def dh_fp8_from_rows(dy_TD, w2tq_EID, w2ts, plan: Plan, read_plan: Plan, top_k: 
                      gather: bool = False) -> torch.Tensor:
     """``dh_fp8`` for ``plan``'s sorted rows with each row's dy read from row ``read_plan.row_slot[r] // top_k`` of
     ``dy_TD`` (``read_plan``: ``plan``'s tiles; its rows may share a row of dy with ``gather``, as
-    ``sorted_quantized_rows`` takes them). On sm90 with bf16 rows and I a multiple of 256, dy is quantised 1x128 per
-    row and read through that map by the up kernel's products-only variant (``expert_fwd.up_products_fp8``), w2's
-    transposed copy standing for w13 (its first and second halves of I for the gate and up rows, whose products
-    are dh''s two halves): no sorted copy of dy is made. Elsewhere the sorted copy (``sorted_quantized_rows``) and
-    ``dh_fp8``."""
+    ``sorted_quantized_rows`` takes them). On sm90 with bf16 rows and I a multiple of 256 (each half of I a multiple
+    of the up kernel's block width), dy is quantised 1x128 per row and read through that map by the up kernel's
+    products-only variant (``expert_fwd.up_products_fp8``), w2's transposed copy standing for w13 (its first and
+    second halves of I for the gate and up rows, whose products are dh''s two halves): no sorted copy of dy is made.
+    Elsewhere the sorted copy (``sorted_quantized_rows``) and ``dh_fp8``."""
     num_rows, inter = plan.row_slot_N.numel(), w2tq_EID.shape[1]
-    if num_rows and inter % 256 == 0 and fp8_ws_supported(dy_TD, out_dtype):
+    if num_rows and inter % (2 * FP8_BN) == 0 and fp8_ws_supported(dy_TD, out_dtype):
         dh = torch.empty(num_rows, inter, device=dy_TD.device, dtype=out_dtype)
         up_products_fp8(*quantize_rows(dy_TD), w2tq_EID, w2ts, read_plan, top_k, dh)
         return dh
