@@ -505,8 +505,8 @@ class _MoeLoopFP8(torch.autograd.Function):
     """The FP8 recipe of ``megamoe.moe(precision="fp8")``, per expert, in fp32 on dequantised operands.
 
     Forward: x 1x128, w13 and w2 128x128; h = silu(g) * u quantised 1x128 before the down GEMM. Backward: dy
-    1x128; dh' = dy W2[e]; the SwiGLU backward from the recomputed g, u in fp32; dz = [dg | du] 1x128 for
-    dx = dz W13[e]; the weight gradients from the unquantised operands (dW13 = dz^T x, dW2 = dy^T (h w)), as the
+    1x128; dh' = dy W2[e]; the SwiGLU backward from the recomputed g, u in fp32; dz = [dg | du] in x's dtype, 1x128
+    for dx = dz W13[e]; the weight gradients from the unquantised operands (dW13 = dz^T x, dW2 = dy^T (h w)), as the
     kernels compute them (in the operands' dtype). ``fp8_wgrad``: the weight gradients in FP8 instead (DeepSeek-V3's
     recipe, ``autograd.FP8_WGRAD``): each operand's rows of an expert, as the kernels hold them (x's dtype), in 128x1
     groups from the expert's first row (sorted by slot: the plan's order)."""
@@ -545,7 +545,7 @@ class _MoeLoopFP8(torch.autograd.Function):
             wt = topk_weights[tok, slot, None].float()
             dweight[tok, slot] = (dh * h).sum(dim=1)
             dz = torch.cat([dh * wt * u * (sig + g * sig * (1 - sig)), dh * wt * g * sig], dim=1)
-            dx.index_add_(0, tok, _fp8_rows(dz) @ w13d[e])
+            dx.index_add_(0, tok, _fp8_rows(dz.to(x.dtype)) @ w13d[e])
             if ctx.fp8_wgrad:
                 dw13[e] = _fp8_cols(dz.to(x.dtype)).t() @ _fp8_cols(x[tok])
                 dw2[e] = _fp8_cols(dy[tok]).t() @ _fp8_cols((h * wt).to(x.dtype))

@@ -159,8 +159,8 @@ def _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weight
                          QUANT_DZ: tl.constexpr = False, POW2: tl.constexpr = False):
     """The SwiGLU backward of one (rows, N-block ``pid_n``) block from its gate and up products (fp32): h, the
     d(routing weight) partials, dz = [dg | du] and h·w (arguments as for ``_act_bwd_kernel``). QUANT_DZ (BN =
-    128): dz also 1x128-quantised into ``dzq`` (N, 2I) e4m3 and its scales ``dzs`` (2I/128, N)
-    (``_store_dz_rows_fp8``; POW2: power-of-two scales, ``quant.scale_and_inverse``)."""
+    128): dz as written (in dz_ptr's dtype) also 1x128-quantised into ``dzq`` (N, 2I) e4m3 and its scales ``dzs``
+    (2I/128, N) (``_store_dz_rows_fp8``; POW2: power-of-two scales, ``quant.scale_and_inverse``)."""
     cols = pid_n * BN + tl.arange(0, BN)
     omask = rmask[:, None] & (cols < I)[None, :]
     rows64 = rows[:, None].to(tl.int64)
@@ -172,8 +172,10 @@ def _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weight
     tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=omask)
     tl.store(dz_ptrs + I, du.to(dz_ptr.dtype.element_ty), mask=omask)
     tl.store(hw_ptr + rows64 * I + cols[None, :], (h * wt[:, None]).to(hw_ptr.dtype.element_ty), mask=omask)
-    if QUANT_DZ:
-        _store_dz_rows_fp8(dg, du, rows, rmask, pid_n, dzq_ptr, dzs_ptr, N, I, POW2)
+    if QUANT_DZ:  # dz as written, quantised
+        dz_dtype = dz_ptr.dtype.element_ty
+        _store_dz_rows_fp8(dg.to(dz_dtype).to(tl.float32), du.to(dz_dtype).to(tl.float32), rows, rmask, pid_n, dzq_ptr,
+                           dzs_ptr, N, I, POW2)
 
 
 @triton.jit

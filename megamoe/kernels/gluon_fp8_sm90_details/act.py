@@ -1,6 +1,7 @@
 """The FP8 weight gradients' act step (``gluon_fp8_sm90.fp8_act_tile_cols_ws``): the SwiGLU backward on the saved
 gate and up products, writing dz quantised 1x128 (the dx GEMM's operand) and dz and h·w quantised 128x1 into tile
-columns (the weight-gradient GEMMs' operands), with neither written to memory in bf16.
+columns (the weight-gradient GEMMs' operands), with neither written to memory in bf16. Every quantisation is of the
+values rounded to bf16, as dz and h·w would be written.
 
 A 128x1 group spans a plan tile's 128 rows, so a program owns a whole tile (and 128 columns of I: whole 1x128
 groups of dg and du). Its first pass computes the values once, in blocks of rows, and keeps them in bf16 in shared
@@ -38,20 +39,42 @@ def _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rmask, cols,
 
 
 @gluon.jit
-def _store_dz_rows(v, rows, rmask, col0, group, dzq_ptr, dzs_ptr, N, I, POW2: gl.constexpr):
-    """dg's or du's block quantised 1x128 (one group per row) into dzq (N, 2I) at columns col0 .. and its scales into
-    dzs (2I / 128, N) at ``group``."""
+def swiglu_grads(gf, uf, df, wt):
+    """The SwiGLU backward of a block in fp32, as ``expert_bwd._swiglu_bwd_values`` computes it, from the gate and up
+    products g and u, dh' (``df``) and the rows' routing weights ``wt``: (dg, du, h·w, dh'·h), dg and du with the
+    routing weight applied. Every FP8 act step computes them here, so that their bits agree."""
+    sig = 1.0 / (1.0 + gl.exp(-gf))
+    silu = gf * sig
+    h = silu * uf
+    dhw = df * wt[:, None]
+    du = dhw * silu
+    dg = dhw * uf * (sig + silu * (1.0 - sig))
+    return dg, du, h * wt[:, None], df * h
+
+
+@gluon.jit
+def quantize_rows_of(v, POW2: gl.constexpr):
+    """A block quantised 1x128 along its rows (one group per row of its 128 columns): (the e4m3 block, the rows'
+    scales)."""
     scale, inv = fp8_scales(gl.maximum(gl.max(gl.abs(v), axis=1), AMAX_FLOOR), POW2)
+    return quantize_by(v, inv[:, None]), scale
+
+
+@gluon.jit
+def _store_dz_rows(v, rows, rmask, col0, group, dzq_ptr, dzs_ptr, N, I, POW2: gl.constexpr):
+    """dg's or du's block (its values rounded to bf16) quantised 1x128 (one group per row) into dzq (N, 2I) at columns
+    col0 .. and its scales into dzs (2I / 128, N) at ``group``."""
+    q, scale = quantize_rows_of(v, POW2)
     cols = col0 + gl.arange(0, v.type.shape[1], layout=gl.SliceLayout(0, v.type.layout))
-    q = quantize_by(v, inv[:, None])
     gl.store(dzq_ptr + rows[:, None].to(gl.int64) * 2 * I + cols[None, :], q, mask=rmask[:, None])
     gl.store(dzs_ptr + group * N + rows, scale, mask=rmask)
 
 
 @gluon.jit
-def _rounded_max(amax):
-    """Each column's max of ``amax`` (fp32, [rows, cols]), rounded to bf16 (as fp32)."""
-    return gl.max(amax, axis=0).to(gl.bfloat16).to(gl.float32)
+def column_scales(amax, POW2: gl.constexpr):
+    """The tile columns' scales and factors (``fp8_scales``) from the columns' amax of their values before the rounding
+    to bf16 (fp32): rounded, it is the amax of the rounded values (rounding to nearest is monotone and odd)."""
+    return fp8_scales(gl.maximum(amax.to(gl.bfloat16).to(gl.float32), AMAX_FLOOR), POW2)
 
 
 @gluon.jit
@@ -120,26 +143,15 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
             next_rows = rows + BM
             next_slots, next_wt, next_g, next_u, next_d = _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr,
                                                                      next_rows, next_rows < row_stop, cols, I)
-            # The SwiGLU backward in fp32, as expert_bwd._swiglu_bwd_values computes it
-            gf = g.to(gl.float32)
-            uf = u.to(gl.float32)
-            df = d.to(gl.float32)
-            sig = 1.0 / (1.0 + gl.exp(-gf))
-            silu = gf * sig
-            h = silu * uf
-            dhw = df * wt[:, None]
-            du = dhw * silu
-            dg = dhw * uf * (sig + silu * (1.0 - sig))
-            dwh = df * h
+            dg, du, hw, dwh = swiglu_grads(g.to(gl.float32), u.to(gl.float32), d.to(gl.float32), wt)
             for j in gl.static_range(128 // PART_COLS):  # as expert_bwd._store_dweight_parts
                 part_row = pid_n * (128 // PART_COLS) + j
                 gl.store(dweight_part_ptr + part_row.to(gl.int64) * N + slots,
                          gl.sum(gl.where((local == j)[None, :], dwh, 0.0), axis=1), mask=rmask)
-            _store_dz_rows(dg, rows, rmask, col0, pid_n, dzq_ptr, dzs_ptr, N, I, POW2)
-            _store_dz_rows(du, rows, rmask, I + col0, I // 128 + pid_n, dzq_ptr, dzs_ptr, N, I, POW2)
             dg_b = dg.to(gl.bfloat16)
             du_b = du.to(gl.bfloat16)
-            hw = h * wt[:, None]
+            _store_dz_rows(dg_b.to(gl.float32), rows, rmask, col0, pid_n, dzq_ptr, dzs_ptr, N, I, POW2)
+            _store_dz_rows(du_b.to(gl.float32), rows, rmask, I + col0, I // 128 + pid_n, dzq_ptr, dzs_ptr, N, I, POW2)
             hw_b = hw.to(gl.bfloat16)
             dg_buf.index(b).store(dg_b)
             du_buf.index(b).store(du_b)
@@ -150,9 +162,9 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
             amax_u = gl.maximum(amax_u, gl.abs(du))
             amax_hw = gl.maximum(amax_hw, gl.abs(hw))
             rows, slots, wt, g, u, d = next_rows, next_slots, next_wt, next_g, next_u, next_d
-        s_g, inv_g = fp8_scales(gl.maximum(_rounded_max(amax_g), AMAX_FLOOR), POW2)
-        s_u, inv_u = fp8_scales(gl.maximum(_rounded_max(amax_u), AMAX_FLOOR), POW2)
-        s_hw, inv_hw = fp8_scales(gl.maximum(_rounded_max(amax_hw), AMAX_FLOOR), POW2)
+        s_g, inv_g = column_scales(gl.max(amax_g, axis=0), POW2)
+        s_u, inv_u = column_scales(gl.max(amax_u, axis=0), POW2)
+        s_hw, inv_hw = column_scales(gl.max(amax_hw, axis=0), POW2)
         t64 = t.to(gl.int64)
         gl.store(dzts_ptr + t64 * 2 * I + cols, s_g)
         gl.store(dzts_ptr + t64 * 2 * I + I + cols, s_u)
