@@ -71,9 +71,9 @@ def _store_dz_rows(v, rows, rmask, col0, group, dzq_ptr, dzs_ptr, N, I, POW2: gl
 
 
 @gluon.jit
-def column_scales(amax, POW2: gl.constexpr):
-    """The tile columns' scales and factors (``fp8_scales``) from the columns' amax of their values before the rounding
-    to bf16 (fp32): rounded, it is the amax of the rounded values (rounding to nearest is monotone and odd)."""
+def scales_of_rounded(amax, POW2: gl.constexpr):
+    """The scales and factors (``fp8_scales``) of FP8 groups of values rounded to bf16, from the groups' amax before the
+    rounding (fp32): rounded, it is the amax of the rounded values (rounding to nearest is monotone and odd)."""
     return fp8_scales(gl.maximum(amax.to(gl.bfloat16).to(gl.float32), AMAX_FLOOR), POW2)
 
 
@@ -162,9 +162,9 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
             amax_u = gl.maximum(amax_u, gl.abs(du))
             amax_hw = gl.maximum(amax_hw, gl.abs(hw))
             rows, slots, wt, g, u, d = next_rows, next_slots, next_wt, next_g, next_u, next_d
-        s_g, inv_g = column_scales(gl.max(amax_g, axis=0), POW2)
-        s_u, inv_u = column_scales(gl.max(amax_u, axis=0), POW2)
-        s_hw, inv_hw = column_scales(gl.max(amax_hw, axis=0), POW2)
+        s_g, inv_g = scales_of_rounded(gl.max(amax_g, axis=0), POW2)
+        s_u, inv_u = scales_of_rounded(gl.max(amax_u, axis=0), POW2)
+        s_hw, inv_hw = scales_of_rounded(gl.max(amax_hw, axis=0), POW2)
         t64 = t.to(gl.int64)
         gl.store(dzts_ptr + t64 * 2 * I + cols, s_g)
         gl.store(dzts_ptr + t64 * 2 * I + I + cols, s_u)
