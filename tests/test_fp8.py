@@ -360,28 +360,38 @@ def test_fp8_layer_computes_its_weight_gradient_recipe(shape, mode, fp8_wgrad, m
             assert rel_err(o, r) > 5e-3, f"{name}: {rel_err(o, r):.2e} from the bf16 weight gradients"
 
 
+def layer_with_act_in_dh_off_and_on(monkeypatch, module, name: str, problem, mode: str):
+    """The FP8 layer's output and gradients with FP8 weight gradients, ``expert_bwd.ACT_IN_DH`` off and then on:
+    ({False: ..., True: ...}, how many times ``module.name`` ran in all)."""
+    from megamoe import autograd as ops
+    from megamoe.kernels import expert_bwd
+
+    monkeypatch.setattr(ops, "FP8_WGRAD", True)
+    calls = []
+    fn = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    runs = {}
+    for act_in_dh in (False, True):
+        monkeypatch.setattr(expert_bwd, "ACT_IN_DH", act_in_dh)
+        runs[act_in_dh] = run_with_grads(fp8_moe(mode), *problem)
+    return runs, len(calls)
+
+
 @pytest.mark.parametrize("mode", SAVE_MODES)
 def test_fp8_act_in_dh_takes_its_route_and_changes_nothing_here(mode, monkeypatch):
     """``MEGAMOE_FP8_ACT_IN_DH`` (``expert_bwd.ACT_IN_DH``) with FP8 weight gradients: the backward hands dh' and the
     act step to ``expert_bwd.dh_act_tile_cols`` once the products exist, which without the Gluon kernel (here) runs
     the two steps: output and every gradient bit for bit as without it (the GPU test compares the one kernel)."""
-    from megamoe import autograd as ops
-    from megamoe.kernels import backward_fp8, expert_bwd
+    from megamoe.kernels import backward_fp8
 
-    monkeypatch.setattr(ops, "FP8_WGRAD", True)
-    calls = []
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return expert_bwd.dh_act_tile_cols(*args, **kwargs)
-
-    monkeypatch.setattr(backward_fp8, "dh_act_tile_cols", spy)
-    problem = make_problem(*FP8_SHAPES[7], device=DEVICE)
-    runs = {}
-    for act_in_dh in (False, True):
-        monkeypatch.setattr(expert_bwd, "ACT_IN_DH", act_in_dh)
-        runs[act_in_dh] = run_with_grads(fp8_moe(mode), *problem)
-    assert len(calls) == 1
+    runs, calls = layer_with_act_in_dh_off_and_on(monkeypatch, backward_fp8, "dh_act_tile_cols",
+                                                  make_problem(*FP8_SHAPES[7], device=DEVICE), mode)
+    assert calls == 1
     for name, together, apart in zip(NAMES, runs[True], runs[False]):
         assert torch.equal(together, apart), name
 
@@ -736,24 +746,10 @@ def test_fp8_layer_with_the_act_step_in_dh_is_bitwise_the_two_steps(shape, mode,
     """``MEGAMOE_FP8_ACT_IN_DH`` (``expert_bwd.ACT_IN_DH``) in the layer, both memory modes, with FP8 weight
     gradients: output and every gradient bit for bit the layer's with dh' and the act step as two kernels, but the
     routing weights' (its fp32 sums in another order); the one kernel ran once per backward."""
-    from megamoe import autograd as ops
     from megamoe.kernels import expert_bwd
 
-    monkeypatch.setattr(ops, "FP8_WGRAD", True)
-    calls = []
-    launch = expert_bwd.fp8_dh_act_ws
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(expert_bwd, "fp8_dh_act_ws", spy)
-    problem = gpu_problem(*shape)
-    runs = {}
-    for act_in_dh in (False, True):
-        monkeypatch.setattr(expert_bwd, "ACT_IN_DH", act_in_dh)
-        runs[act_in_dh] = run_with_grads(fp8_moe(mode), *problem)
-    assert len(calls) == 1
+    runs, calls = layer_with_act_in_dh_off_and_on(monkeypatch, expert_bwd, "fp8_dh_act_ws", gpu_problem(*shape), mode)
+    assert calls == 1
     for name, fused, apart in zip(NAMES, runs[True], runs[False]):
         if name == "dtopk_weights":
             assert_dweight_close(fused.float(), apart.float())
