@@ -42,9 +42,9 @@ from megamoe.kernels.gluon_sm90 import (
 def up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
               empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, trace_ptr, T, D, I, top_k, num_n, work,
               TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """Loader partition (one warpgroup) of ``up_ws_kernel`` (and ``dh_act.dh_act_ws_kernel``): per K-step, the gate and up weight blocks
-    through TMA; the tile's x rows gathered from their tokens (``row_slot[r] // top_k``) through 16-byte
-    ``cp.async`` copies and their scales ``x_s[kb, token]`` through 4-byte ones (rows past the expert
+    """Loader partition (one warpgroup) of ``up_ws_kernel`` (and ``dh_act.dh_act_ws_kernel``): per K-step, the gate
+    and up weight blocks through TMA; the tile's x rows gathered from their tokens (``row_slot[r] // top_k``) through
+    16-byte ``cp.async`` copies and their scales ``x_s[kb, token]`` through 4-byte ones (rows past the expert
     zero-filled); the gate and up blocks' scales, each repeated into 64 entries. TRACE: the sorted-rows loader's
     stamps (``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = x_bufs.type.shape[1]
