@@ -315,7 +315,8 @@ def fp8_dh_act_ws(dy_q: torch.Tensor, dy_s: torch.Tensor, w2t_q: torch.Tensor, w
 
     dy_q (T, D) float8_e4m3fn, dy_s (D // 128, T) fp32, w2t_q (E, I, D) float8_e4m3fn, w2t_s (E, I // 128, D // 128)
     fp32, preact (N, 2I) bf16, all contiguous; D a multiple of 128 and I of 256; the outputs as for
-    ``fp8_act_tile_cols_ws``; N >= 1; an sm90 GPU; the plans built with BLOCK_M = 128 rows per tile."""
+    ``fp8_act_tile_cols_ws`` (``part_cols`` even: the kernel sums column pairs); N >= 1; an sm90 GPU; the plans built
+    with BLOCK_M = 128 rows per tile."""
     num_tokens, dim = dy_q.shape
     num_experts, inter, _ = w2t_q.shape
     num_rows = plan.row_slot_N.numel()
@@ -324,7 +325,8 @@ def fp8_dh_act_ws(dy_q: torch.Tensor, dy_s: torch.Tensor, w2t_q: torch.Tensor, w
     assert dy_s.shape == (dim // SCALE_BLOCK, num_tokens) and w2t_s.shape == (num_experts, inter // SCALE_BLOCK,
                                                                                dim // SCALE_BLOCK)
     assert preact.shape == (num_rows, 2 * inter) and preact.dtype == torch.bfloat16 and BLOCK_M == FP8_BM
-    assert read_plan.row_slot_N.numel() == num_rows and SCALE_BLOCK % part_cols == 0
+    assert read_plan.row_slot_N.numel() == num_rows and SCALE_BLOCK % part_cols == 0 and part_cols % 2 == 0
+    assert preact.is_contiguous() and dzq.is_contiguous() and dzs.shape == (2 * inter // SCALE_BLOCK, num_rows)
     assert dweight_part.shape == (inter // part_cols, num_rows) and dzq.shape == (num_rows, 2 * inter)
     assert dz_t[0].shape == (2 * inter, num_tiles * BLOCK_M) and hw_t[1].shape == (num_tiles, inter)
     half = inter // 2
