@@ -335,9 +335,8 @@ def fp8_dh_act_ws(dy_q: torch.Tensor, dy_s: torch.Tensor, w2t_q: torch.Tensor, w
         w2t_s_ptr=w2t_s, preact_ptr=preact.view(torch.int32), weights_ptr=weights, row_slot_ptr=read_plan.row_slot_N,
         slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, dweight_part_ptr=dweight_part, dzq_ptr=dzq.view(torch.int16), dzs_ptr=dzs,
-        dzt_ptr=dz_t[0],
-        dzts_ptr=dz_t[1], hwt_ptr=hw_t[0], hwts_ptr=hw_t[1], T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts,
-        LD=num_tiles * BLOCK_M, top_k=top_k, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
+        dzt_ptr=dz_t[0].view(torch.int16), dzts_ptr=dz_t[1], hwt_ptr=hw_t[0].view(torch.int16), hwts_ptr=hw_t[1],
+        T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, LD=num_tiles * BLOCK_M, top_k=top_k, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
         PART_COLS=part_cols, POW2=fp8_pow2_scales(), STAGES=UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS,
         MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
@@ -400,7 +399,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
                       "LOADER_WARPS": UP_LOADER_WARPS, "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
         pointers = {"x_ptr": "*fp8e4nv", "x_s_ptr": "*fp32", "w2t_s_ptr": "*fp32", "preact_ptr": "*i32",
                     "weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "dzq_ptr": "*i16", "dzs_ptr": "*fp32",
-                    "dzt_ptr": "*fp8e4nv", "dzts_ptr": "*fp32", "hwt_ptr": "*fp8e4nv", "hwts_ptr": "*fp32"}
+                    "dzt_ptr": "*i16", "dzts_ptr": "*fp32", "hwt_ptr": "*i16", "hwts_ptr": "*fp32"}
         sizes = {"D", "I", "LD"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}

@@ -17,9 +17,9 @@ Registers. The warpgroup's partition has 216 a thread, and a (64, 128) fp32 bloc
 64 of them: dh''s two accumulators, g, u and the three results would need ~450. So dh' and the results are held as
 bf16 pairs (one int32 per two neighbouring columns, rounded as the act kernel rounds them: what it quantises), 32
 registers a block, unpacked where used; the column amaxes and the tile columns' quantisation run on each parity's
-columns transposed through the staging buffer (a thread then holds 32 rows of one column: its amax within the
-thread and one neighbour, its e4m3 bytes stored as the tile columns hold them), not across the accumulator layout's
-lanes and warps.
+columns transposed once through the staging buffer and kept so across the warpgroups' meeting (a thread then holds
+32 rows of one column as 16 row pairs: its amax within the thread and one neighbour, its e4m3 bytes stored as the
+tile columns hold them), not across the accumulator layout's lanes and warps.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     blocks_ahead,
     blocks_ahead_of,
     pass_stages,
-    quantize_by,
 )
 from megamoe.kernels.gluon_fp8_sm90_details.up import up_loader, up_main, up_ring
 from megamoe.kernels.gluon_sm90 import (
@@ -79,6 +78,15 @@ def _half_of(pairs, parity: gl.constexpr):
 
 
 @gluon.jit
+def _abs_max_pairs(a, b):
+    """The larger magnitudes of two bf16 pairs, half by half (``max.bf16x2`` on the magnitudes: as ``gl.maximum`` on
+    the values' fp32 magnitudes, a NaN losing to a number), packed as they were."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 x, y; and.b32 x, $1, 0x7fff7fff; and.b32 y, $2, 0x7fff7fff; max.bf16x2 $0, x, y; }", "=r,r,r",
+        [a, b], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _pack_e4m3(even, odd):
     """Two fp32 blocks converted to e4m3 as ``quantize_by`` converts (cvt.rn.satfinite) and packed into one int16 per
     element, ``even`` in the low byte."""
@@ -108,56 +116,60 @@ def _dz_rows(v, amax, stage, dzq_ptr, dzs_ptr, first, end, rows, rmask, c0, N, I
 
 @gluon.constexpr_function
 def _columns_layout(num_warps):
-    """A (64 columns, 64 rows) block of one warpgroup with each thread holding 32 neighbouring rows of one column (64
-    bytes of bf16, 32 of e4m3: as the tile columns hold a column's rows), the two halves of a column in neighbouring
-    lanes."""
-    return gl.BlockedLayout([1, 32], [16, 2], [num_warps, 1], [1, 0])
+    """A (64 columns, 32 row pairs) int32 block of one warpgroup, each thread holding 16 neighbouring row pairs (32
+    rows) of one column, the two halves of a column in neighbouring lanes: as the tile columns hold a column's rows."""
+    return gl.BlockedLayout([1, 16], [16, 2], [num_warps, 1], [1, 0])
 
 
 @gluon.jit
 def _columns_of(v, parity: gl.constexpr, stage, num_warps: gl.constexpr):
     """The ``parity`` columns (0: even) of the bf16 pairs ``v`` (64 rows, 64 pairs) transposed through the staging
-    buffer ``stage``: (64 columns, 64 rows) bf16 in ``_columns_layout``."""
+    buffer ``stage``: (64 columns, 32 row pairs) int32 in ``_columns_layout``, rows 2j and 2j + 1 of a column packed
+    as ``_pack_bf16`` packs (the even row in the low half)."""
     PAIRS: gl.constexpr = v.type.shape[1]
     ROWS: gl.constexpr = v.type.shape[0]
-    # 16-byte runs of a column's rows kept whole (the reads' width), each column's runs swizzled across the banks
+    # 16-byte runs of a column's rows kept whole (the reads' width), each column's runs swizzled across the banks; the
+    # int32 view below has the same bytes where (16-byte runs, the same swizzle)
     buf = stage._reinterpret(gl.bfloat16, [PAIRS, ROWS], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
     buf.permute((1, 0)).store(_half_of(v, parity))
     gl.thread_barrier()  # the partition's writes before its reads
-    columns = buf.load(_columns_layout(num_warps))
+    rows = stage._reinterpret(gl.int32, [PAIRS, ROWS // 2], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+    columns = rows.load(_columns_layout(num_warps))
     gl.thread_barrier()  # and its reads before the next writes
     return columns
 
 
 @gluon.jit
-def _partials(v, amax_bufs, row, stage, num_warps: gl.constexpr):
-    """The columns' amax of the bf16 pairs ``v`` over this warpgroup's rows into ``amax_bufs`` rows ``row`` (even
-    columns) and ``row + 1`` (odd)."""
+def _transposed(v, amax_bufs, row, stage, num_warps: gl.constexpr):
+    """The bf16 pairs ``v`` (this warpgroup's 64 rows, 128 columns) by column (``_columns_of``: (its even columns, its
+    odd ones)), their columns' amax over the warpgroup's rows written to ``amax_bufs`` rows ``row`` (even columns) and
+    ``row + 1`` (odd)."""
+    parts = (_columns_of(v, 0, stage, num_warps), _columns_of(v, 1, stage, num_warps))
     for parity in gl.static_range(2):
-        columns = _columns_of(v, parity, stage, num_warps).to(gl.float32)
-        amax_bufs.index(row + parity).store(gl.max(gl.abs(columns), axis=1))
+        pairs = gl.reduce(parts[parity], 1, _abs_max_pairs)  # a column's two amaxes, of its even and its odd rows
+        amax_bufs.index(row + parity).store(gl.maximum(_unpacked(pairs, 0), _unpacked(pairs, 1)))
+    return parts
 
 
 @gluon.jit
-def _tile_cols(v, amax_bufs, row, other, scales_ptr, q_ptr, c0, k0, ld, stage, WG: gl.constexpr, POW2: gl.constexpr,
-               num_warps: gl.constexpr):
-    """The bf16 pairs ``v`` (this warpgroup's 64 rows, 128 columns) quantised by column into tile columns q at rows c0
-    .. c0 + 127 (q's rows are the values' columns) and columns k0 .. k0 + 63 (``ld``: q's row length), by the tile's
-    column amaxes (``amax_bufs`` rows ``row`` and ``other``: this warpgroup's and the other's, each an even and an odd
-    row); their scales into ``scales_ptr`` at c0 .. by the first warpgroup. Each parity's columns are transposed
-    through the staging buffer (``_columns_of``) and stored from there, 32 bytes of a column's rows a thread."""
-    layout: gl.constexpr = _columns_layout(num_warps)
+def _tile_cols(parts, amax_bufs, row, other, scales_ptr, q_ptr, c0, k0, ld, WG: gl.constexpr, POW2: gl.constexpr):
+    """A block's bf16 values by column (``_transposed``'s parts: this warpgroup's 64 rows of 128 columns) quantised by
+    column into tile columns q at rows c0 .. c0 + 127 (q's rows are the values' columns) and columns k0 .. k0 + 63
+    (``q_ptr`` as int16 pairs, ``ld``: q's row length in bytes), by the tile's column amaxes (``amax_bufs`` rows ``row``
+    and ``other``: this warpgroup's and the other's, each an even and an odd row); their scales into ``scales_ptr``
+    at c0 .. by the first warpgroup. A thread stores 32 bytes of a column's rows."""
+    layout: gl.constexpr = parts[0].type.layout
     col_layout: gl.constexpr = gl.SliceLayout(1, layout)
-    cols = gl.arange(0, v.type.shape[1], layout=col_layout)
-    local = gl.arange(0, v.type.shape[0], layout=gl.SliceLayout(0, layout))
+    cols = gl.arange(0, parts[0].type.shape[0], layout=col_layout)
+    local = gl.arange(0, parts[0].type.shape[1], layout=gl.SliceLayout(0, layout))
     for parity in gl.static_range(2):
         amax = gl.maximum(amax_bufs.index(row + parity).load(col_layout),
                           amax_bufs.index(other + parity).load(col_layout))
         scale, inv = scales_of_rounded(amax, POW2)
         if WG == 0:
             gl.store(scales_ptr + c0 + 2 * cols + parity, scale)
-        q = quantize_by(_columns_of(v, parity, stage, num_warps).to(gl.float32), inv[:, None])
-        gl.store(q_ptr + (c0 + 2 * cols + parity).to(gl.int64)[:, None] * ld + k0 + local[None, :], q)
+        q = _pack_e4m3(_unpacked(parts[parity], 0) * inv[:, None], _unpacked(parts[parity], 1) * inv[:, None])
+        gl.store(q_ptr + (c0 + 2 * cols + parity).to(gl.int64)[:, None] * (ld // 2) + k0 // 2 + local[None, :], q)
 
 
 @gluon.jit
@@ -193,19 +205,17 @@ def _act_group(d, c0, X: gl.constexpr, phase, t, first, end, rows, rmask, slots,
     # the columns' amaxes over this warpgroup's rows, met with the other's: rows ((X * KINDS + kind) * 2 + WG) * 2 ..
     mine = (X * KINDS * 2 + WG) * 2
     other = (X * KINDS * 2 + 1 - WG) * 2
-    _partials(dg, amax_bufs, mine, stage, num_warps)
-    _partials(du, amax_bufs, mine + 4, stage, num_warps)
-    _partials(hw, amax_bufs, mine + 8, stage, num_warps)
+    dg_t = _transposed(dg, amax_bufs, mine, stage, num_warps)
+    du_t = _transposed(du, amax_bufs, mine + 4, stage, num_warps)
+    hw_t = _transposed(hw, amax_bufs, mine + 8, stage, num_warps)
     gl.thread_barrier()  # every warp's writes before the warpgroup's arrival
     mbarrier.arrive(swap.index(X), count=1)
     mbarrier.wait(swap.index(X), phase)
     k0 = t.to(gl.int64) * 2 * HALF + WG * HALF
-    _tile_cols(dg, amax_bufs, mine, other, dzts_ptr + t.to(gl.int64) * 2 * I, dzt_ptr, c0, k0, ld, stage, WG, POW2,
-               num_warps)
-    _tile_cols(du, amax_bufs, mine + 4, other + 4, dzts_ptr + t.to(gl.int64) * 2 * I, dzt_ptr, I + c0, k0, ld, stage,
-               WG, POW2, num_warps)
-    _tile_cols(hw, amax_bufs, mine + 8, other + 8, hwts_ptr + t.to(gl.int64) * I, hwt_ptr, c0, k0, ld, stage, WG, POW2,
-               num_warps)
+    _tile_cols(dg_t, amax_bufs, mine, other, dzts_ptr + t.to(gl.int64) * 2 * I, dzt_ptr, c0, k0, ld, WG, POW2)
+    _tile_cols(du_t, amax_bufs, mine + 4, other + 4, dzts_ptr + t.to(gl.int64) * 2 * I, dzt_ptr, I + c0, k0, ld, WG,
+               POW2)
+    _tile_cols(hw_t, amax_bufs, mine + 8, other + 8, hwts_ptr + t.to(gl.int64) * I, hwt_ptr, c0, k0, ld, WG, POW2)
 
 
 @gluon.jit
