@@ -146,7 +146,9 @@ def _transposed(v, amax_bufs, row, stage, num_warps: gl.constexpr):
     ``row + 1`` (odd)."""
     parts = (_columns_of(v, 0, stage, num_warps), _columns_of(v, 1, stage, num_warps))
     for parity in gl.static_range(2):
-        pairs = gl.reduce(parts[parity], 1, _abs_max_pairs)  # a column's two amaxes, of its even and its odd rows
+        # a column's two amaxes, of its even and its odd rows (each pair goes through the combine, which takes the
+        # magnitudes, at least once: the reduced axis holds 32)
+        pairs = gl.reduce(parts[parity], 1, _abs_max_pairs)
         amax_bufs.index(row + parity).store(gl.maximum(_unpacked(pairs, 0), _unpacked(pairs, 1)))
     return parts
 
