@@ -129,7 +129,7 @@ def _columns_of(v, parity: gl.constexpr, stage, num_warps: gl.constexpr):
     PAIRS: gl.constexpr = v.type.shape[1]
     ROWS: gl.constexpr = v.type.shape[0]
     # 16-byte runs of a column's rows kept whole (the reads' width), each column's runs swizzled across the banks; the
-    # int32 view below has the same bytes where (16-byte runs, the same swizzle)
+    # int32 view below maps the same bytes (16-byte runs, the same swizzle)
     buf = stage._reinterpret(gl.bfloat16, [PAIRS, ROWS], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
     buf.permute((1, 0)).store(_half_of(v, parity))
     gl.thread_barrier()  # the partition's writes before its reads
