@@ -305,13 +305,14 @@ def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.
 def fp8_dh_act_ws(dy_q: torch.Tensor, dy_s: torch.Tensor, w2t_q: torch.Tensor, w2t_s: torch.Tensor,
                   preact: torch.Tensor, weights: torch.Tensor, plan, read_plan, top_k: int, dweight_part: torch.Tensor,
                   dzq: torch.Tensor, dzs: torch.Tensor, dz_t: tuple[torch.Tensor, torch.Tensor],
-                  hw_t: tuple[torch.Tensor, torch.Tensor], part_cols: int) -> None:
+                  hw_t: tuple[torch.Tensor, torch.Tensor], part_cols: int, *,
+                  trace: torch.Tensor | None = None) -> None:
     """dh' = dy W2[e] for the plan's sorted rows and the act step on it in one kernel, ``dh_act.dh_act_ws_kernel``: the
     outputs of ``fp8_act_tile_cols_ws`` (into the same arguments) with dh' computed as ``fp8_up_swiglu_ws`` computes
     it from w2's transposed copy (``expert_bwd.dh_fp8_from_rows``), never written. Row r's dy is row
     ``read_plan.row_slot[r] // top_k`` of dy_q (``read_plan``: ``plan``'s tiles), its routing weight
     ``weights[plan.row_slot[r]]``. The same bits as those two kernels but the d(routing weight) partials (summed in
-    another order).
+    another order). ``trace``: as for ``fp8_rows_gemm_ws`` (the act step lies between points 2 and 3).
 
     dy_q (T, D) float8_e4m3fn, dy_s (D // 128, T) fp32, w2t_q (E, I, D) float8_e4m3fn, w2t_s (E, I // 128, D // 128)
     fp32, preact (N, 2I) bf16, all contiguous; D a multiple of 128 and I of 256; the outputs as for
@@ -336,9 +337,10 @@ def fp8_dh_act_ws(dy_q: torch.Tensor, dy_s: torch.Tensor, w2t_q: torch.Tensor, w
         slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, dweight_part_ptr=dweight_part, dzq_ptr=dzq.view(torch.int16), dzs_ptr=dzs,
         dzt_ptr=dz_t[0].view(torch.int16), dzts_ptr=dz_t[1], hwt_ptr=hw_t[0].view(torch.int16), hwts_ptr=hw_t[1],
-        T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, LD=num_tiles * BLOCK_M, top_k=top_k, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
-        PART_COLS=part_cols, POW2=fp8_pow2_scales(), STAGES=UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS,
-        MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+        T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, LD=num_tiles * BLOCK_M, top_k=top_k,
+        EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PART_COLS=part_cols, POW2=fp8_pow2_scales(),
+        **trace_args(trace, dy_s), STAGES=UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS, MMA_REGS=UP_MATH_REGS,
+        LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
 # The kernels by name, for the ahead-of-time compile check.
@@ -359,7 +361,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
     (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
-    sorted-rows, up or weight-gradient kernel."""
+    sorted-rows, up, weight-gradient or dh'-with-act kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -395,11 +397,13 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         sizes = {"P", "Q"}
     elif name == "fp8_dh_act":
         blocks = {"w2t_desc": [1, 1, FP8_BN, FP8_BK]}
-        constexprs = {**common, "PART_COLS": 64, "POW2": pow2, "STAGES": UP_STAGES,  # expert_bwd.PART_COLS
-                      "LOADER_WARPS": UP_LOADER_WARPS, "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
+        constexprs = {**common, "PART_COLS": 64, "POW2": pow2, "TRACE": trace,  # PART_COLS: expert_bwd's
+                      "STAGES": UP_STAGES, "LOADER_WARPS": UP_LOADER_WARPS, "MMA_REGS": UP_MATH_REGS,
+                      "LOADER_REGS": UP_LOADER_REGS}
         pointers = {"x_ptr": "*fp8e4nv", "x_s_ptr": "*fp32", "w2t_s_ptr": "*fp32", "preact_ptr": "*i32",
                     "weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "dzq_ptr": "*i16", "dzs_ptr": "*fp32",
-                    "dzt_ptr": "*i16", "dzts_ptr": "*fp32", "hwt_ptr": "*i16", "hwts_ptr": "*fp32"}
+                    "dzt_ptr": "*i16", "dzts_ptr": "*fp32", "hwt_ptr": "*i16", "hwts_ptr": "*fp32",
+                    "trace_ptr": "*i64"}
         sizes = {"D", "I", "LD"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}

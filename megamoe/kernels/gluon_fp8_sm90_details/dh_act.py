@@ -39,6 +39,7 @@ from megamoe.kernels.gluon_sm90 import (
     barriers,
     block_index,
     count_busy_tiles,
+    stamp,
     store_staged,
     wgmma_acc_layout,
 )
@@ -223,11 +224,13 @@ def _act_group(d, c0, X: gl.constexpr, phase, t, first, end, rows, rmask, slots,
 @gluon.jit
 def _dh_act_partition(preact_ptr, weights_ptr, slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, dweight_part_ptr,
                       dzq_ptr, dzs_ptr, dzt_ptr, dzts_ptr, hwt_ptr, hwts_ptr, ready, empty, x_bufs, g_bufs, u_bufs,
-                      as_bufs, bs_bufs, staging, amax_bufs, swap, N, D, I, ld, num_n, work, WG: gl.constexpr,
-                      PART_COLS: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
+                      as_bufs, bs_bufs, staging, amax_bufs, swap, trace_ptr, N, D, I, ld, num_n, work,
+                      WG: gl.constexpr, PART_COLS: gl.constexpr, POW2: gl.constexpr, TRACE: gl.constexpr,
+                      num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``dh_act_ws_kernel``: a block's dh' columns by
     ``up.up_main`` (none where its rows all lie past the expert: zeros), rounded to bf16 pairs, then the act step on
-    each of its two 128-column groups (``_act_group``)."""
+    each of its two 128-column groups (``_act_group``). TRACE: the up kernel's stamps (``gluon_sm90.TRACE_BLOCKS``;
+    the act step lies between points 2 and 3)."""
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
     HALF: gl.constexpr = bs_bufs.type.shape[1]
@@ -235,17 +238,20 @@ def _dh_act_partition(preact_ptr, weights_ptr, slot_ptr, offsets_ptr, tile_exper
     step = 0
     row0, end, e_next, row0_next = blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        block = block_index(w)
+        stamp(trace_ptr, WG, block, 0, TRACE, num_warps)
         end_next, e_after, row0_after = blocks_ahead_of(w, e_next, tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n,
                                                          work)
         n0 = (w % num_n) * BN
         first = row0 + WG * HALF
         if first < end:
-            acc_g, acc_u, step = up_main(ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, step, slot_ptr, 0, D,
-                                         WG, False, num_warps)
+            acc_g, acc_u, step = up_main(ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, step, trace_ptr,
+                                         block, D, WG, TRACE, num_warps)
         else:  # all 64 rows past the expert: the stages handed back untouched, the act step on zeros
             step = pass_stages(ready, empty, step, D, BK)
             acc_g = gl.zeros([HALF, BN], gl.float32, acc_layout)
             acc_u = gl.zeros([HALF, BN], gl.float32, acc_layout)
+        stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
         d_g = _pairs_of(acc_g)
         d_u = _pairs_of(acc_u)
         rows = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, d_g.type.layout))
@@ -260,21 +266,23 @@ def _dh_act_partition(preact_ptr, weights_ptr, slot_ptr, offsets_ptr, tile_exper
         _act_group(d_u, I // 2 + n0, 1, phase, t, first, end, rows, rmask, slots, wt, preact_ptr, dweight_part_ptr,
                    dzq_ptr, dzs_ptr, dzt_ptr, dzts_ptr, hwt_ptr, hwts_ptr, staging.index(WG), amax_bufs, swap, N, I, ld,
                    WG, PART_COLS, POW2, num_warps)
+        stamp(trace_ptr, WG, block, 3, TRACE, num_warps)
         row0, end, e_next, row0_next = row0_next, end_next, e_after, row0_after
 
 
 @gluon.jit
 def dh_act_ws_kernel(x_ptr, x_s_ptr, w2t_desc, w2t_s_ptr, preact_ptr, weights_ptr, row_slot_ptr, slot_ptr, offsets_ptr,
                      tile_expert_ptr, tile_row_ptr, dweight_part_ptr, dzq_ptr, dzs_ptr, dzt_ptr, dzts_ptr, hwt_ptr,
-                     hwts_ptr, T, N, D, I, E, LD, top_k, EB: gl.constexpr, TILE_M: gl.constexpr,
-                     PART_COLS: gl.constexpr, POW2: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                     MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                     hwts_ptr, trace_ptr, T, N, D, I, E, LD, top_k, EB: gl.constexpr, TILE_M: gl.constexpr,
+                     PART_COLS: gl.constexpr, POW2: gl.constexpr, TRACE: gl.constexpr, STAGES: gl.constexpr,
+                     LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                     num_warps: gl.constexpr):
     """dy's rows x (T, D) fp8 gathered by ``row_slot[r] // top_k`` with x_s (D // 128, T) fp32; w2t_desc: w2's
     transposed copy (E, 2, I / 2, D) fp8 (dh''s first and second halves of I), block (1, 1, BN, BK); w2t_s (E, I //
     128, D // 128) fp32; preact (N, I) int32: the (N, 2I) bf16 [g | u] of the sorted rows in pairs; weights (N,) fp32
     by slot, each row's slot ``slot[r]``; out as ``act.act_tile_cols_kernel``'s, dzq as (N, I) int16 pairs (LD: the
     tile columns' row length, the plan's tiles times 128). Blocks: the busy tiles (EB: a power of two >= E) times the
-    128-column blocks of I / 2."""
+    128-column blocks of I / 2. TRACE: stamps into trace_ptr (int64, see ``gluon_sm90.TRACE_BLOCKS``)."""
     BN: gl.constexpr = w2t_desc.block_type.shape[2]
     num_n = I // 2 // BN
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -287,13 +295,13 @@ def dh_act_ws_kernel(x_ptr, x_s_ptr, w2t_desc, w2t_s_ptr, preact_ptr, weights_pt
     gl.warp_specialize([
         (_dh_act_partition, (preact_ptr, weights_ptr, slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                              dweight_part_ptr, dzq_ptr, dzs_ptr, dzt_ptr, dzts_ptr, hwt_ptr, hwts_ptr, ready, empty,
-                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, amax_bufs, swap, N, D, I, LD, num_n,
-                             work, 0, PART_COLS, POW2, num_warps)),
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, amax_bufs, swap, trace_ptr, N, D, I,
+                             LD, num_n, work, 0, PART_COLS, POW2, TRACE, num_warps)),
         (_dh_act_partition, (preact_ptr, weights_ptr, slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                              dweight_part_ptr, dzq_ptr, dzs_ptr, dzt_ptr, dzts_ptr, hwt_ptr, hwts_ptr, ready, empty,
-                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, amax_bufs, swap, N, D, I, LD, num_n,
-                             work, 1, PART_COLS, POW2, num_warps)),
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, amax_bufs, swap, trace_ptr, N, D, I,
+                             LD, num_n, work, 1, PART_COLS, POW2, TRACE, num_warps)),
         (up_loader, (x_ptr, x_s_ptr, w2t_desc, w2t_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                     ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, x_s_ptr, T, D, I // 2, top_k, num_n,
-                     work, False, LOADER_WARPS)),
+                     ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, trace_ptr, T, D, I // 2, top_k, num_n,
+                     work, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
