@@ -110,17 +110,17 @@ def main(argv=None) -> None:
             dy_rows = quant.quantize_rows(torch.randn(args.tokens, dim, device="cuda", dtype=torch.bfloat16))
             products = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
             busy = int(plan.tile_expert_NT.lt(num_experts).sum())  # the tiles whose columns it writes
+            by_slot = weights.reshape(-1).float()
 
-            def run(traced, dy_rows=dy_rows, products=products, busy=busy):
+            def run(traced, dy_rows=dy_rows, products=products, busy=busy, by_slot=by_slot):
                 dw = torch.zeros(inter // 64, rows, device="cuda")
                 dz_q, dz_s = expert_bwd.dz_fp8_outputs(rows, 2 * inter, "cuda")
                 dz_t, hw_t = (quant.tile_cols_outputs(c, plan, "cuda") for c in (2 * inter, inter))
-                gluon_fp8_sm90.fp8_dh_act_ws(*dy_rows, w2tq, w2ts, products, weights.reshape(-1).float(), plan, plan,
-                                             top_k, dw, dz_q, dz_s, dz_t, hw_t, expert_bwd.PART_COLS,
-                                             trace=trace if traced else None)
+                gluon_fp8_sm90.fp8_dh_act_ws(*dy_rows, w2tq, w2ts, products, by_slot, plan, plan, top_k, dw, dz_q, dz_s,
+                                             dz_t, hw_t, expert_bwd.PART_COLS, trace=trace if traced else None)
                 columns = (q.view(torch.uint8)[:, :busy * 128] for q, _ in (dz_t, hw_t))
                 return (dw, dz_q.view(torch.uint8), dz_s, *columns, *(s[:busy] for _, s in (dz_t, hw_t)))
-            variants.append((name, 128, False, False, run, 2 * rows * dim * inter, None))
+            variants.append((name, 256, False, False, run, 2 * rows * dim * inter, None))  # dh''s two groups a block
             continue
         if name == "up":
             def run(traced):
