@@ -14,8 +14,6 @@ Environment variables (documented in docs/USAGE.md):
   rows or in expert order (:func:`wgrad_by_size_requested`);
 * ``MEGAMOE_WGRAD_TAKEN`` — ``dw13`` (default), ``dw2``, ``dw13,dw2`` or ``none``: the bf16 weight gradients whose
   blocks are taken in turn (:func:`wgrad_taken_requested`);
-* ``MEGAMOE_FP8_ACT_IN_DH`` — ``0`` (default) or ``1``: the FP8 weight gradients' act step in dh''s epilogue
-  (:func:`fp8_act_in_dh_requested`);
 * ``MEGAMOE_FP8_SCALES`` — ``fp32`` or ``pow2``: the FP8 recipe's scales (:func:`fp8_pow2_scales`);
 * ``MEGAMOE_EP_TIMEOUT_S`` — seconds one wait of the fused EP protocol spins before it gives up
   (:func:`megamoe.parallel.workspace.ep_timeout_s`);
@@ -115,16 +113,6 @@ def fp8_wgrad_requested() -> bool:
     (DeepSeek-V3's recipe; on the H200 as fast as the bf16 ones at the 30B layer and faster at the 235B one,
     docs/PERFORMANCE.md); ``0``: the bf16 weight gradients (exact products of the unquantised rows)."""
     return _switch("MEGAMOE_FP8_WGRAD", True)
-
-
-def fp8_act_in_dh_requested() -> bool:
-    """``MEGAMOE_FP8_ACT_IN_DH``: the default of ``megamoe.kernels.expert_bwd.ACT_IN_DH``, read once, at import. ``1``:
-    with FP8 weight gradients, on sm90 with bf16 rows and I a multiple of 256, the act step runs in the epilogue of
-    dh''s GEMM (``expert_bwd.dh_act_tile_cols``: dh' is never written or read; elsewhere the two steps, after the
-    products' recompute); ``0`` or unset: dh' and the act step as two kernels (``expert_bwd.dh_fp8_from_rows``,
-    ``expert_bwd.act_bwd_tile_cols``). The same outputs bit for bit but the d(routing weight), whose fp32 sums run in
-    another order. Off by default until it is timed on a GPU."""
-    return _switch("MEGAMOE_FP8_ACT_IN_DH", False)
 
 
 FP8_SCALES = ("fp32", "pow2")

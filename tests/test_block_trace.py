@@ -150,22 +150,3 @@ def test_trace_tools_read_the_weight_gradients_by_rows_under_a_skewed_routing(to
         assert found["traced"] and sum(c["blocks"] for c in found["classes"].values()) == 128 * per_expert[gemm][0]
         assert sum(c["share"] for c in found["classes"].values()) == pytest.approx(1.0)
         assert 0 <= found["tail_us"] <= found["span_us"]
-
-
-@pytest.mark.gpu
-def test_fp8_trace_reads_dh_with_the_act_step_in_its_epilogue(tmp_path):
-    """``python -m tools.fp8_trace --gemms dh_act`` on the 30B layer's dims at 2 048 tokens: dh' with the act step in
-    its epilogue traced (its output bitwise the untraced one's: the tool stops otherwise), both warpgroups' phases
-    recorded, the act step's time in "rest" (the main loop's end to the next block)."""
-    import json
-
-    from tools import fp8_trace
-    from tools.block_trace import COLUMNS, WARPGROUPS
-
-    fp8_trace.main(["--preset", "qwen3-30b-a3b", "--tokens", "2048", "--gemms", "dh_act", "--out", str(tmp_path)])
-    record = json.loads((tmp_path / "fp8-block-trace-qwen3-30b-a3b-t2048-dh_act.json").read_text())
-    (result,) = record["results"]
-    assert result["gemm"] == "dh_act" and set(result["phases"]) == set(WARPGROUPS)
-    for phases in result["phases"].values():
-        assert set(COLUMNS) <= set(phases) and phases["main"] > 0 and phases["rest"] > 0
-

@@ -360,42 +360,6 @@ def test_fp8_layer_computes_its_weight_gradient_recipe(shape, mode, fp8_wgrad, m
             assert rel_err(o, r) > 5e-3, f"{name}: {rel_err(o, r):.2e} from the bf16 weight gradients"
 
 
-def layer_with_act_in_dh_off_and_on(monkeypatch, module, name: str, problem, mode: str):
-    """The FP8 layer's output and gradients with FP8 weight gradients, ``expert_bwd.ACT_IN_DH`` off and then on:
-    ({False: ..., True: ...}, how many times ``module.name`` ran in all)."""
-    from megamoe import autograd as ops
-    from megamoe.kernels import expert_bwd
-
-    monkeypatch.setattr(ops, "FP8_WGRAD", True)
-    calls = []
-    fn = getattr(module, name)
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return fn(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, spy)
-    runs = {}
-    for act_in_dh in (False, True):
-        monkeypatch.setattr(expert_bwd, "ACT_IN_DH", act_in_dh)
-        runs[act_in_dh] = run_with_grads(fp8_moe(mode), *problem)
-    return runs, len(calls)
-
-
-@pytest.mark.parametrize("mode", SAVE_MODES)
-def test_fp8_act_in_dh_takes_its_route_and_changes_nothing_here(mode, monkeypatch):
-    """``MEGAMOE_FP8_ACT_IN_DH`` (``expert_bwd.ACT_IN_DH``) with FP8 weight gradients: the backward hands dh' and the
-    act step to ``expert_bwd.dh_act_tile_cols`` once the products exist, which without the Gluon kernel (here) runs
-    the two steps: output and every gradient bit for bit as without it (the GPU test compares the one kernel)."""
-    from megamoe.kernels import backward_fp8
-
-    runs, calls = layer_with_act_in_dh_off_and_on(monkeypatch, backward_fp8, "dh_act_tile_cols",
-                                                  make_problem(*FP8_SHAPES[7], device=DEVICE), mode)
-    assert calls == 1
-    for name, together, apart in zip(NAMES, runs[True], runs[False]):
-        assert torch.equal(together, apart), name
-
-
 @pytest.mark.parametrize("mode", SAVE_MODES)
 def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeypatch):
     """With FP8 weight gradients the backward runs dx (dz's 1x128 rows into slot rows, then the combine) before
@@ -693,69 +657,6 @@ def test_act_step_into_tile_columns_is_the_act_step_then_the_quantiser(case, sca
         assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128])), name
         assert torch.equal(s[:busy], s_ref[:busy]), name
     assert_scale_kind(dz_t[1][:busy], scales)
-
-
-def assert_dweight_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """d(routing weight) from the same products summed in another order: within fp32 rounding of its largest."""
-    assert not out.isnan().any() and (out - ref).abs().max() <= 1e-5 * ref.abs().max()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", ["edges", "30B"])
-def test_dh_with_the_act_step_in_its_epilogue_is_dh_then_the_act_step(case, scales):
-    """dh' with the act step in its epilogue (``expert_bwd.dh_act_tile_cols``, one Gluon kernel): bit for bit dh' from
-    dy's rows (``dh_fp8_from_rows``) followed by the act step into tile columns (``act_bwd_tile_cols``), but the
-    d(routing weight) (its fp32 sums in another order), on the routed rows and busy tiles. "edges": experts with no
-    rows, one row, a partial tile whose second warpgroup has no rows, full and several tiles, products over 2 decades
-    and NaN rows past the routed ones (never read); "30B": the 30B layer's I, a skewed routing of 64 experts, two
-    slots a token."""
-    from megamoe.kernels import expert_bwd
-
-    gen = torch.Generator().manual_seed(7)
-    if case == "edges":
-        plan, routed, top_k, dim, inter = wgrad_plan(), sum(WGRAD_COUNTS), 1, 256, 256
-        num_experts, num_tokens = len(WGRAD_COUNTS), plan.row_slot_N.numel()
-        products = wgrad_rows(2 * inter, gen, decades=2.0)
-    else:
-        top_k, dim, inter, num_experts, num_tokens = 2, 256, 768, 64, 3000
-        plan = build_plan(gpu_problem(num_tokens, 128, 128, num_experts, top_k, "skewed")[1], num_experts)
-        routed = num_tokens * top_k
-        products = torch.randn(routed, 2 * inter, generator=gen) * torch.logspace(-2, 2, routed)[:, None]
-    products = products.to(torch.bfloat16).cuda()
-    dy = torch.randn(num_tokens, dim, generator=gen).to(torch.bfloat16).cuda()
-    weights = torch.rand(products.shape[0], generator=gen).cuda()
-    w2 = torch.randn(num_experts, dim, inter, generator=gen).to(torch.bfloat16).cuda()
-    _, _, w2tq, w2ts = quant.quantize_weight(w2)
-    assert expert_bwd.fp8_ws_supported(dy, dy.dtype)
-    busy = plan.tile_expert_NT.lt(num_experts).sum().item()
-    dh = expert_bwd.dh_fp8_from_rows(dy, w2tq, w2ts, plan, plan, top_k, torch.bfloat16)
-    expected = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k)
-    out = expert_bwd.dh_act_tile_cols(dy, w2tq, w2ts, products, weights, plan, top_k, plan, top_k)
-    assert_dweight_close(out[0], expected[0])
-    assert torch.equal(bits(out[1][:routed]), bits(expected[1][:routed]))
-    assert torch.equal(out[2][:, :routed], expected[2][:, :routed])
-    for name, (q, s), (q_ref, s_ref) in (("dz", out[3], expected[3]), ("h·w", out[4], expected[4])):
-        assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128])), name
-        assert torch.equal(s[:busy], s_ref[:busy]), name
-    assert_scale_kind(out[3][1][:busy], scales)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", SAVE_MODES)
-@pytest.mark.parametrize("shape", FP8_GPU_SHAPES, ids=[shape_id(s) for s in FP8_GPU_SHAPES])
-def test_fp8_layer_with_the_act_step_in_dh_is_bitwise_the_two_steps(shape, mode, monkeypatch):
-    """``MEGAMOE_FP8_ACT_IN_DH`` (``expert_bwd.ACT_IN_DH``) in the layer, both memory modes, with FP8 weight
-    gradients: output and every gradient bit for bit the layer's with dh' and the act step as two kernels, but the
-    routing weights' (its fp32 sums in another order); the one kernel ran once per backward."""
-    from megamoe.kernels import expert_bwd
-
-    runs, calls = layer_with_act_in_dh_off_and_on(monkeypatch, expert_bwd, "fp8_dh_act_ws", gpu_problem(*shape), mode)
-    assert calls == 1
-    for name, fused, apart in zip(NAMES, runs[True], runs[False]):
-        if name == "dtopk_weights":
-            assert_dweight_close(fused.float(), apart.float())
-        else:
-            assert torch.equal(fused, apart), name
 
 
 @pytest.mark.gpu

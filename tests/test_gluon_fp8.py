@@ -336,11 +336,11 @@ def test_fp8_up_swiglu_power_of_two_scales():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["rows128", "rows256", "up", "wgrad128", "wgrad256", "dh_act"])
+@pytest.mark.parametrize("kernel", ["rows128", "rows256", "up", "wgrad128", "wgrad256"])
 def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
     """The block trace (``trace=``) changes no output bit, and every program's partitions stamp each of their blocks
     in time order: the sorted-rows kernel in blocks of 128 and 256 columns, the up kernel, the weight gradients in
-    both block widths (an expert without rows among them), dh' with the act step in its epilogue."""
+    both block widths (an expert without rows among them)."""
     from megamoe.kernels import gluon_fp8_sm90 as f
     from megamoe.kernels import gluon_sm90 as g
     from megamoe.kernels.quant import quantize_tile_cols
@@ -374,24 +374,6 @@ def test_fp8_gemm_traced_is_bitwise_the_untraced_and_stamps_every_block(kernel):
             outs.append((torch.zeros(num_experts, 2 * inter, dim, device="cuda", dtype=torch.bfloat16), ))
             f.fp8_wgrad_ws(a_q, a_s, b_q, b_s, outs[-1][0], plan.offsets_E1, block_n, trace=tr)
         num_blocks = num_experts * (2 * inter // 128) * (dim // block_n)
-    elif kernel == "dh_act":  # dh' = dy W2[e] (w2's transposed copy: (E, I, D)) and the act step on it
-        from megamoe.kernels.quant import tile_cols_outputs
-
-        dy_q, dy_s = quantize_rows(make_data((num_tokens, dim), "random", gen))
-        w2t_q, w2t_s = quantize_weights(make_data((num_experts, inter, dim), "random", gen, group_dims=2) / 16)
-        preact = make_data((rows, 2 * inter), "random", gen).to(torch.bfloat16)
-        weights = torch.rand(rows, generator=gen).cuda()
-        for tr in (None, trace):
-            cols = tile_cols_outputs(2 * inter, plan, "cuda"), tile_cols_outputs(inter, plan, "cuda")
-            for t in (*cols[0], *cols[1]):
-                t.view(torch.uint8).zero_()  # (where a run writes nothing, both hold zeros)
-            outs.append((torch.zeros(inter // 64, rows, device="cuda"),
-                         torch.zeros(rows, 2 * inter, device="cuda", dtype=torch.float8_e4m3fn),
-                         torch.zeros(2 * inter // 128, rows, device="cuda"), *cols))
-            f.fp8_dh_act_ws(dy_q, dy_s, w2t_q, w2t_s, preact, weights, plan, plan, top_k, *outs[-1], 64, trace=tr)
-        outs = [(dw, dz_q.view(torch.uint8), dz_s, dz_t[0].view(torch.uint8), dz_t[1], hw_t[0].view(torch.uint8),
-                 hw_t[1]) for dw, dz_q, dz_s, dz_t, hw_t in outs]
-        num_blocks = busy_tiles * (inter // 256)
     else:
         x_q, x_s = quantize_rows(make_data((num_tokens, dim), "random", gen))
         w13_q, w13_s = quantize_weights(make_data((num_experts, 2 * inter, dim), "random", gen, group_dims=2) / 16)
@@ -452,9 +434,7 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "wgrad_by_size": ("fp8_wgrad", dict(by_size=True)),
             "wide_wgrad_by_size": ("fp8_wgrad", dict(block_n=256, by_size=True)),
             "wide_rows_down": ("fp8_rows", dict(block_n=256)),
-            "wide_rows_dh": ("fp8_rows", dict(block_n=256, weighted=False, to_slots=False)),
-            "dh_act": ("fp8_dh_act", {}), "dh_act_pow2": ("fp8_dh_act", dict(pow2=True)),
-            "dh_act_traced": ("fp8_dh_act", dict(trace=True))}
+            "wide_rows_dh": ("fp8_rows", dict(block_n=256, weighted=False, to_slots=False))}
 def report(item):
     kernel, kw = item
     return ptxas_report(f.aot_compile(kernel, **kw))
@@ -465,11 +445,7 @@ with ProcessPoolExecutor(os.cpu_count()) as pool:  # compiles side by side, one 
 # Register spills allowed per variant (bytes): the sorted-rows kernel's 256-column blocks with their stores deferred
 # under their own chains (two accumulators, the temporary in flight and a half block being stored) ten and four
 # registers; the up kernel's traced variant (the stamps' registers; no layer launches it) three.
-_SPILLS_ALLOWED = {"wide_rows_down": 40, "wide_rows_dh": 16, "up_traced": 12,
-                   # dh' with the act step in its epilogue: the act step's values of a warpgroup's two 128-column groups
-                   # (64 rows each, in bf16 pairs), their loads and the reductions' partials beside dh''s pairs, in
-                   # its epilogue only (its main loop spills nothing); not yet timed. Traced, the stamps' registers too
-                   "dh_act": 1024, "dh_act_pow2": 1024, "dh_act_traced": 1024}
+_SPILLS_ALLOWED = {"wide_rows_down": 40, "wide_rows_dh": 16, "up_traced": 12}
 
 
 def test_fp8_kernels_compile_for_sm90a_without_spills():
@@ -500,8 +476,8 @@ def test_fp8_launchers_pass_each_kernel_exactly_its_parameters(monkeypatch):
     from megamoe.kernels import gluon_sm90 as g
     from megamoe.kernels.plan import build_plan
 
-    launched = capture_launches(monkeypatch, f, ("rows_ws_kernel", "up_ws_kernel", "wgrad_ws_kernel",
-                                                 "act_tile_cols_kernel", "dh_act_ws_kernel"))
+    launched = capture_launches(monkeypatch, f,
+                                ("rows_ws_kernel", "up_ws_kernel", "wgrad_ws_kernel", "act_tile_cols_kernel"))
     e4m3 = torch.float8_e4m3fn
     num_experts, rows, dim, inter = 4, 128, 256, 256
     plan = build_plan(torch.arange(rows).remainder(num_experts).view(-1, 2), num_experts)
@@ -528,11 +504,7 @@ def test_fp8_launchers_pass_each_kernel_exactly_its_parameters(monkeypatch):
     hw_t = torch.zeros(inter, tiles * 128, dtype=e4m3), torch.zeros(tiles, inter)
     f.fp8_act_tile_cols_ws(preact, dh, torch.ones(rows), plan, torch.zeros(inter // 64, rows), dz_q, dz_s, dz_t, hw_t,
                            64)
-    w2t_q, w2t_s = torch.zeros(num_experts, inter, dim, dtype=e4m3), torch.zeros(num_experts, 2, dim // 128)
-    for tr in (None, trace):
-        f.fp8_dh_act_ws(a_q[:rows // 2], a_s[:, :rows // 2], w2t_q, w2t_s, preact, torch.ones(rows), plan, plan, 2,
-                        torch.zeros(inter // 64, rows), dz_q, dz_s, dz_t, hw_t, 64, trace=tr)
-    assert_launches_pass_parameters(launched, 11)
+    assert_launches_pass_parameters(launched, 9)
 
 
 def test_wgrad_block_n_defaults_where_it_divides_and_refuses_otherwise():

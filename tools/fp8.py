@@ -20,9 +20,7 @@ tile columns (``expert_bwd.act_bwd_tile_cols``), the two FP8 GEMMs and dx's comb
 with dy quantised beside and dh' on the sorted rows, the act step writing dz and h·w in bf16, and the two bf16 GEMMs,
 dW13's with the combine inside. dh' is also timed both ways on its own. The
 act step into tile columns is also timed on its own, beside the act step followed by the tile-column quantiser on its
-dz and h·w; and where I is a multiple of 256, dh' from dy's rows followed by that act step, beside the two in one
-kernel (``expert_bwd.dh_act_tile_cols``, ``MEGAMOE_FP8_ACT_IN_DH``), checked to write the same bits but the
-d(routing weight). The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n)
+dz and h·w. The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n)
 product of each GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each
 kernel reads and writes them once. ``--stages down,dx``: only the stages whose names contain one of these (each first
 call compiles its kernel: the whole table takes minutes on a fresh machine). Each variant that changes only when a
@@ -209,20 +207,6 @@ def main(argv=None, device: str = "cuda") -> None:
         ("act step into dz's and h·w's 128x1 (one kernel)",
          lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k), None, act_tile_cols_bytes, None),
     ]
-    if inter % (2 * gluon_fp8_sm90.FP8_BN) == 0:  # dh' from dy's rows and the act step, apart and in one kernel
-        stages += [
-            ("dh' from dy's rows, then the act step into 128x1", lambda: expert_bwd.act_bwd_tile_cols(
-                products, expert_bwd.dh_fp8_from_rows(dy, w2tq, w2ts, plan, plan, top_k, torch.bfloat16), weights,
-                plan, top_k), down_flops, None, (rows, inter, dim)),
-            ("dh' with the act step in its epilogue (one kernel)", lambda: expert_bwd.dh_act_tile_cols(
-                dy, w2tq, w2ts, products, weights, plan, top_k, plan, top_k), down_flops, None, (rows, inter, dim)),
-        ]
-        busy = int(plan.tile_expert_NT.lt(num_experts).sum())
-        # their outputs where written (routed rows, busy tiles), the d(routing weight) aside (summed in another order)
-        twins["dh' with the act step in its epilogue (one kernel)"] = (
-            "dh' from dy's rows, then the act step into 128x1",
-            lambda out: (out[1][:rows], out[2][:, :rows], *(t[:, :busy * 128] for t in (out[3][0], out[4][0])),
-                         out[3][1][:busy], out[4][1][:busy]))
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
     # each weight gradient in blocks of 128 and 256 columns, the layer's width also in the other order

@@ -1,14 +1,12 @@
 """Where the FP8 GEMMs' blocks spend their time (an sm90 GPU):
 
-    python -m tools.fp8_trace [--preset P] [--tokens T] [--routing R] [--gemms down,dh,dx,up,dw13,dw2,dh_act]
-                              [--wide] [--out DIR]
+    python -m tools.fp8_trace [--preset P] [--tokens T] [--routing R] [--gemms down,dh,dx,up,dw13,dw2] [--wide]
+                              [--out DIR]
 
 Runs each GEMM of the FP8 path's sorted-rows kernel (``gluon_fp8_sm90.fp8_rows_gemm_ws``: down, dh', dx) and, with
 ``up`` in ``--gemms``, its gate/up kernel (``fp8_up_swiglu_ws``, h quantised; its epilogue between the main loop's end
 and the block's), with ``dw13`` or ``dw2`` its weight gradients (``fp8_wgrad_ws`` in blocks of ``wgrad_block_n``
-columns, on random sorted rows quantised 128x1), with ``dh_act`` dh' with the act step in its epilogue
-(``fp8_dh_act_ws``, the act step between the main loop's end and the block's; random products, as ``tools.fp8``
-gives the act step), on the layer benchmark's problem, untraced and then traced
+columns, on random sorted rows quantised 128x1), on the layer benchmark's problem, untraced and then traced
 (``trace=``: the cycle counter and the global timer at fixed points of every block in each partition,
 ``gluon_sm90.TRACE_BLOCKS``), checks that the traced output is bitwise the untraced one, and reports per MMA
 warpgroup the medians per block (us) of the phases of ``tools.block_trace.PHASES`` and the main loops' share of its
@@ -32,7 +30,7 @@ import torch
 
 from megamoe.arguments import HelpFormatter, positive_int
 from megamoe.bench.common import PRESETS, ROUTINGS, make_problem
-from megamoe.kernels import expert_bwd, expert_fwd, gluon_fp8_sm90, gluon_sm90, quant
+from megamoe.kernels import expert_fwd, gluon_fp8_sm90, gluon_sm90, quant
 from megamoe.kernels.plan import build_plan
 from megamoe.provenance import write_record
 from tools.block_trace import (
@@ -57,12 +55,12 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=positive_int, default=16384, help="tokens per step (T)")
     p.add_argument("--routing", choices=ROUTINGS, default="random", help="how the tokens pick their experts")
     p.add_argument("--gemms", type=lambda s: s.split(","), default=DEFAULT_GEMMS,
-                   help="comma-separated, from down, dh (dh'), dx, up, dw13, dw2, dh_act (dh' with the act step)")
+                   help="comma-separated, from down, dh (dh'), dx, up, dw13, dw2")
     p.add_argument("--wide", action="store_true", help="also blocks of 256 columns (fp8_rows_gemm_ws's block_n)")
     p.add_argument("--out", type=Path, help="folder for the JSON record")
     args = p.parse_args(argv)
-    if unknown := set(args.gemms) - {"down", "dh", "dx", "up", "dw13", "dw2", "dh_act"}:
-        raise SystemExit(f"--gemms: unknown {sorted(unknown)}; choose from down, dh, dx, up, dw13, dw2, dh_act")
+    if unknown := set(args.gemms) - {"down", "dh", "dx", "up", "dw13", "dw2"}:
+        raise SystemExit(f"--gemms: unknown {sorted(unknown)}; choose from down, dh, dx, up, dw13, dw2")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise SystemExit("tools.fp8_trace traces the sm90 Gluon FP8 kernel: it needs a Hopper GPU")
     dim, inter, num_experts, top_k = PRESETS[args.preset]
@@ -103,24 +101,6 @@ def main(argv=None) -> None:
                 return (out, )
             dealt = layer_blocks("FP8 dW13" if name == "dw13" else "FP8 dW2", expert_rows, dim, inter, programs)
             variants.append((name, block_n, block_n == 128, False, run, 2 * rows * p_dim * q_dim, dealt))
-            continue
-        if name == "dh_act":  # dh' from dy's token rows (the layer's route) and the act step on random products
-            if inter % 256:
-                raise SystemExit(f"--gemms dh_act: I = {inter} is not a multiple of 256 (the kernel's halves of I)")
-            dy_rows = quant.quantize_rows(torch.randn(args.tokens, dim, device="cuda", dtype=torch.bfloat16))
-            products = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
-            busy = int(plan.tile_expert_NT.lt(num_experts).sum())  # the tiles whose columns it writes
-            by_slot = weights.reshape(-1).float()
-
-            def run(traced, dy_rows=dy_rows, products=products, busy=busy, by_slot=by_slot):
-                dw = torch.zeros(inter // 64, rows, device="cuda")
-                dz_q, dz_s = expert_bwd.dz_fp8_outputs(rows, 2 * inter, "cuda")
-                dz_t, hw_t = (quant.tile_cols_outputs(c, plan, "cuda") for c in (2 * inter, inter))
-                gluon_fp8_sm90.fp8_dh_act_ws(*dy_rows, w2tq, w2ts, products, by_slot, plan, plan, top_k, dw, dz_q, dz_s,
-                                             dz_t, hw_t, expert_bwd.PART_COLS, trace=trace if traced else None)
-                columns = (q.view(torch.uint8)[:, :busy * 128] for q, _ in (dz_t, hw_t))
-                return (dw, dz_q.view(torch.uint8), dz_s, *columns, *(s[:busy] for _, s in (dz_t, hw_t)))
-            variants.append((name, 256, False, False, run, 2 * rows * dim * inter, None))  # dh''s two groups a block
             continue
         if name == "up":
             def run(traced):

@@ -8,11 +8,9 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from megamoe.kernels import expert_bwd
 from megamoe.kernels.expert_bwd import (
     act_bwd_from_preact,
     act_bwd_tile_cols,
-    dh_act_tile_cols,
     dh_fp8,
     dh_fp8_from_rows,
     dx_slots_fp8,
@@ -38,8 +36,7 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
                       recompute_from: tuple | None = None, dx_dest: tuple[Tensor, Tensor] | None = None,
                       rows_from: tuple[Plan, int] | None = None) -> tuple[object, Tensor, Tensor, Tensor]:
     """dy quantised 1x128 (once per row: in the pass that sorts it, or with ``fp8_wgrad`` per token row, dh' reading it
-    through the row map, ``expert_bwd.dh_fp8_from_rows``, with ``expert_bwd.ACT_IN_DH`` where it runs together with the
-    act step, ``expert_bwd.dh_act_tile_cols``); dh' and dx on the weights' transposed FP8 copies; g and
+    through the row map, ``expert_bwd.dh_fp8_from_rows``); dh' and dx on the weights' transposed FP8 copies; g and
     u, unless saved (``preact``), recomputed by the forward's up kernel (the FP8 GEMM the forward ran, so both
     memory modes compute the same gradients; without its h output) and the act step run on them; the weight
     gradients from the unquantised rows in x's dtype (exact products, fp32 accumulation), or with ``fp8_wgrad`` from
@@ -65,13 +62,9 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     _, _, w2tq, w2ts = fp8_weight(w2)
     assert rows_from is None or fp8_wgrad, "rows_from: the FP8 weight gradients' reads only"
     read_plan, read_top_k = rows_from or (plan, top_k)
-    # with FP8 weight gradients and ACT_IN_DH, dh' and the act step together once the products exist
-    act_in_dh = fp8_wgrad and expert_bwd.ACT_IN_DH
     if fp8_wgrad:  # the weight gradients read x and dy from their rows: no sorted bf16 copies
         dy_t = quantize_tile_cols(dy, read_plan, read_top_k)
-        if not act_in_dh:
-            dh_NI = dh_fp8_from_rows(dy, w2tq, w2ts, plan, read_plan, read_top_k, x.dtype,
-                                     gather=rows_from is not None)
+        dh_NI = dh_fp8_from_rows(dy, w2tq, w2ts, plan, read_plan, read_top_k, x.dtype, gather=rows_from is not None)
     else:
         x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
         dh_NI = dh_fp8(dyq, dys, w2tq, w2ts, plan, x.dtype)
@@ -87,13 +80,8 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
         del xq, xs
         reuse_preact = True
     if fp8_wgrad:  # dz and h·w straight into their FP8 copies
-        if act_in_dh:
-            dweight_TK, dzq, dzs, dz_t, hw_t = dh_act_tile_cols(dy, w2tq, w2ts, preact, weights_TK, plan, top_k,
-                                                                read_plan, read_top_k, gather=rows_from is not None)
-        else:
-            dweight_TK, dzq, dzs, dz_t, hw_t = act_bwd_tile_cols(preact, dh_NI, weights_TK, plan, top_k)
-            del dh_NI
-        del preact
+        dweight_TK, dzq, dzs, dz_t, hw_t = act_bwd_tile_cols(preact, dh_NI, weights_TK, plan, top_k)
+        del dh_NI, preact
         dw2 = wgrad_fp8(*dy_t, *hw_t, plan, w2.dtype)
         del dy_t, hw_t
         # dx before dW13, dz's 1x128 rows and dx's slot rows freed before dW13's output exists: the backward's

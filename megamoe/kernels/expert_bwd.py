@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.env import fp8_act_in_dh_requested, fp8_pow2_scales
+from megamoe.env import fp8_pow2_scales
 from megamoe.kernels.combine import combine
 from megamoe.kernels.common import (
     busy_tiles,
@@ -59,7 +59,6 @@ from megamoe.kernels.expert_fwd import (
 from megamoe.kernels.gluon_fp8_sm90 import (
     FP8_BN,
     fp8_act_tile_cols_ws,
-    fp8_dh_act_ws,
     fp8_wgrad_ws,
     fp8_ws_supported,
 )
@@ -534,31 +533,6 @@ def dh_fp8_from_rows(dy_TD, w2tq_EID, w2ts, plan: Plan, read_plan: Plan, top_k: 
         up_products_fp8(*quantize_rows(dy_TD), w2tq_EID, w2ts, read_plan, top_k, dh)
         return dh
     return dh_fp8(*sorted_quantized_rows(dy_TD, read_plan, top_k, gather=gather), w2tq_EID, w2ts, plan, out_dtype)
-
-
-# Whether the FP8 backward runs dh' and the act step into tile columns as ``dh_act_tile_cols`` (in one kernel where it
-# can) instead of one after the other (``MEGAMOE_FP8_ACT_IN_DH``, ``env.fp8_act_in_dh_requested``).
-ACT_IN_DH = fp8_act_in_dh_requested()
-
-
-def dh_act_tile_cols(dy_TD, w2tq_EID, w2ts, preact_NH, topk_weights_TK, plan: Plan, top_k: int, read_plan: Plan,
-                     read_top_k: int, gather: bool = False):
-    """``dh_fp8_from_rows`` (dy's rows through ``read_plan`` and ``read_top_k``; ``gather`` as there) and
-    ``act_bwd_tile_cols`` on its dh' (the routing weights through ``plan`` and ``top_k``): the latter's outputs. On
-    sm90 with bf16 rows and I a multiple of 256 (``dh_fp8_from_rows``' up-kernel route) in one kernel, dh' never
-    written (``gluon_fp8_sm90.fp8_dh_act_ws``): bit for bit the two steps' but the d(routing weight), whose fp32 sums
-    run in another order. Elsewhere the two steps."""
-    num_slots, two_i = preact_NH.shape
-    inter = two_i // 2
-    if not (num_slots and inter % (2 * FP8_BN) == 0 and fp8_ws_supported(dy_TD, preact_NH.dtype)):
-        dh_NI = dh_fp8_from_rows(dy_TD, w2tq_EID, w2ts, plan, read_plan, read_top_k, preact_NH.dtype, gather=gather)
-        return act_bwd_tile_cols(preact_NH, dh_NI, topk_weights_TK, plan, top_k)
-    dweight_part = torch.zeros(inter // PART_COLS, num_slots, device=preact_NH.device, dtype=torch.float32)
-    dzq, dzs = dz_fp8_outputs(num_slots, two_i, preact_NH.device)
-    dz_t, hw_t = tile_cols_outputs(two_i, plan, preact_NH.device), tile_cols_outputs(inter, plan, preact_NH.device)
-    fp8_dh_act_ws(*quantize_rows(dy_TD), w2tq_EID, w2ts, preact_NH, topk_weights_TK.reshape(-1), plan, read_plan,
-                  read_top_k, dweight_part, dzq, dzs, dz_t, hw_t, PART_COLS)
-    return dweight_part.sum(dim=0).view(-1, top_k), dzq, dzs, dz_t, hw_t
 
 
 def dx_slots_fp8(dzq_NH, dzs, w13tq_EDH, w13ts, plan: Plan, out_dtype: torch.dtype,

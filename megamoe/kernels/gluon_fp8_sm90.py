@@ -47,10 +47,9 @@ outer product of A's scales of the block's rows and B's of its columns (both cop
 columns its warpgroups issue each K-step's chain before the previous one's promotion; at 256 (``WGRAD_BLOCK_N``, the
 default where Q allows) they run two column halves without; they store their blocks through shared memory by TMA.
 
-See ``fp8_rows_gemm_ws``, ``fp8_up_swiglu_ws``, ``fp8_wgrad_ws``, ``fp8_act_tile_cols_ws`` (the FP8 weight
-gradients' act step) and ``fp8_dh_act_ws`` (dh' with that act step in its epilogue) for the five launchers; the kernels
-are in ``gluon_fp8_sm90_details`` (``rows``, ``up``, ``wgrad``, ``act``, ``dh_act``, and their shared device helpers in
-``common``).
+See ``fp8_rows_gemm_ws``, ``fp8_up_swiglu_ws``, ``fp8_wgrad_ws`` and ``fp8_act_tile_cols_ws`` (the FP8 weight
+gradients' act step) for the four launchers; the kernels are in ``gluon_fp8_sm90_details`` (``rows``, ``up``,
+``wgrad``, ``act``, and their shared device helpers in ``common``).
 """
 
 from __future__ import annotations
@@ -64,7 +63,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.env import device_capability, fp8_pow2_scales, sm_count
 from megamoe.kernels.gluon_fp8_sm90_details.act import act_tile_cols_kernel
-from megamoe.kernels.gluon_fp8_sm90_details.dh_act import dh_act_ws_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.rows import rows_ws_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.up import up_ws_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.wgrad import wgrad_ws_kernel
@@ -302,50 +300,9 @@ def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.
         PART_COLS=part_cols, POW2=fp8_pow2_scales(), num_warps=ACT_WARPS)
 
 
-def fp8_dh_act_ws(dy_q: torch.Tensor, dy_s: torch.Tensor, w2t_q: torch.Tensor, w2t_s: torch.Tensor,
-                  preact: torch.Tensor, weights: torch.Tensor, plan, read_plan, top_k: int, dweight_part: torch.Tensor,
-                  dzq: torch.Tensor, dzs: torch.Tensor, dz_t: tuple[torch.Tensor, torch.Tensor],
-                  hw_t: tuple[torch.Tensor, torch.Tensor], part_cols: int, *,
-                  trace: torch.Tensor | None = None) -> None:
-    """dh' = dy W2[e] for the plan's sorted rows and the act step on it in one kernel, ``dh_act.dh_act_ws_kernel``: the
-    outputs of ``fp8_act_tile_cols_ws`` (into the same arguments) with dh' computed as ``fp8_up_swiglu_ws`` computes
-    it from w2's transposed copy (``expert_bwd.dh_fp8_from_rows``), never written. Row r's dy is row
-    ``read_plan.row_slot[r] // top_k`` of dy_q (``read_plan``: ``plan``'s tiles), its routing weight
-    ``weights[plan.row_slot[r]]``. The same bits as those two kernels but the d(routing weight) partials (summed in
-    another order). ``trace``: as for ``fp8_rows_gemm_ws`` (the act step lies between points 2 and 3).
-
-    dy_q (T, D) float8_e4m3fn, dy_s (D // 128, T) fp32, w2t_q (E, I, D) float8_e4m3fn, w2t_s (E, I // 128, D // 128)
-    fp32, preact (N, 2I) bf16, all contiguous; D a multiple of 128 and I of 256; the outputs as for
-    ``fp8_act_tile_cols_ws`` (``part_cols`` even: the kernel sums column pairs); N >= 1; an sm90 GPU; the plans built
-    with BLOCK_M = 128 rows per tile."""
-    num_tokens, dim = dy_q.shape
-    num_experts, inter, _ = w2t_q.shape
-    num_rows = plan.row_slot_N.numel()
-    num_tiles = plan.tile_expert_NT.numel()
-    assert dim % FP8_BK == 0 and inter % (2 * FP8_BN) == 0 and w2t_q.shape[2] == dim and num_rows >= 1
-    assert dy_s.shape == (dim // SCALE_BLOCK, num_tokens) and w2t_s.shape == (num_experts, inter // SCALE_BLOCK,
-                                                                               dim // SCALE_BLOCK)
-    assert preact.shape == (num_rows, 2 * inter) and preact.dtype == torch.bfloat16 and BLOCK_M == FP8_BM
-    assert read_plan.row_slot_N.numel() == num_rows and SCALE_BLOCK % part_cols == 0 and part_cols % 2 == 0
-    assert preact.is_contiguous() and dzq.is_contiguous() and dzs.shape == (2 * inter // SCALE_BLOCK, num_rows)
-    assert dweight_part.shape == (inter // part_cols, num_rows) and dzq.shape == (num_rows, 2 * inter)
-    assert dz_t[0].shape == (2 * inter, num_tiles * BLOCK_M) and hw_t[1].shape == (num_tiles, inter)
-    half = inter // 2
-    dh_act_ws_kernel[(sm_count(dy_q.device.index),)](
-        x_ptr=dy_q, x_s_ptr=dy_s, w2t_desc=_fp8_desc(w2t_q.view(num_experts, 2, half, dim), [1, 1, FP8_BN, FP8_BK]),
-        w2t_s_ptr=w2t_s, preact_ptr=preact.view(torch.int32), weights_ptr=weights, row_slot_ptr=read_plan.row_slot_N,
-        slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
-        tile_row_ptr=plan.tile_row_NT, dweight_part_ptr=dweight_part, dzq_ptr=dzq.view(torch.int16), dzs_ptr=dzs,
-        dzt_ptr=dz_t[0].view(torch.int16), dzts_ptr=dz_t[1], hwt_ptr=hw_t[0].view(torch.int16), hwts_ptr=hw_t[1],
-        T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, LD=num_tiles * BLOCK_M, top_k=top_k,
-        EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PART_COLS=part_cols, POW2=fp8_pow2_scales(),
-        **trace_args(trace, dy_s), STAGES=UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS, MMA_REGS=UP_MATH_REGS,
-        LOADER_REGS=UP_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
-
-
 # The kernels by name, for the ahead-of-time compile check.
 KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgrad_ws_kernel,
-           "fp8_act": act_tile_cols_kernel, "fp8_dh_act": dh_act_ws_kernel}
+           "fp8_act": act_tile_cols_kernel}
 
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
@@ -357,11 +314,10 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     make multiples of 128, are specialised as 16-divisible, as Triton does at run time. ``weighted`` / ``to_slots``
     / ``row_dest``: the sorted-rows kernel's variant (down projection: the first two; an expert-parallel owner's:
     ``row_dest`` too); ``preact``: the up kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its
-    products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act`` and ``fp8_dh_act``) power-of-two
-    scales;
+    products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
     (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
-    sorted-rows, up, weight-gradient or dh'-with-act kernel."""
+    sorted-rows, up or weight-gradient kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -395,16 +351,6 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
         pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64"}
         sizes = {"P", "Q"}
-    elif name == "fp8_dh_act":
-        blocks = {"w2t_desc": [1, 1, FP8_BN, FP8_BK]}
-        constexprs = {**common, "PART_COLS": 64, "POW2": pow2, "TRACE": trace,  # PART_COLS: expert_bwd's
-                      "STAGES": UP_STAGES, "LOADER_WARPS": UP_LOADER_WARPS, "MMA_REGS": UP_MATH_REGS,
-                      "LOADER_REGS": UP_LOADER_REGS}
-        pointers = {"x_ptr": "*fp8e4nv", "x_s_ptr": "*fp32", "w2t_s_ptr": "*fp32", "preact_ptr": "*i32",
-                    "weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "dzq_ptr": "*i16", "dzs_ptr": "*fp32",
-                    "dzt_ptr": "*i16", "dzts_ptr": "*fp32", "hwt_ptr": "*i16", "hwts_ptr": "*fp32",
-                    "trace_ptr": "*i64"}
-        sizes = {"D", "I", "LD"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
         constexprs = {**common, "PREACT": preact, "H_OUT": h_out, "POW2": pow2, "TRACE": trace,

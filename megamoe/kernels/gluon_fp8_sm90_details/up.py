@@ -39,12 +39,12 @@ from megamoe.kernels.gluon_sm90 import (
 
 
 @gluon.jit
-def up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
-              empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, trace_ptr, T, D, I, top_k, num_n, work,
-              TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """Loader partition (one warpgroup) of ``up_ws_kernel`` (and ``dh_act.dh_act_ws_kernel``): per K-step, the gate
-    and up weight blocks through TMA; the tile's x rows gathered from their tokens (``row_slot[r] // top_k``) through
-    16-byte ``cp.async`` copies and their scales ``x_s[kb, token]`` through 4-byte ones (rows past the expert
+def _up_loader(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
+               empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, trace_ptr, T, D, I, top_k, num_n, work,
+               TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """Loader partition (one warpgroup) of ``up_ws_kernel``: per K-step, the gate and up weight blocks
+    through TMA; the tile's x rows gathered from their tokens (``row_slot[r] // top_k``) through 16-byte
+    ``cp.async`` copies and their scales ``x_s[kb, token]`` through 4-byte ones (rows past the expert
     zero-filled); the gate and up blocks' scales, each repeated into 64 entries. TRACE: the sorted-rows loader's
     stamps (``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = x_bufs.type.shape[1]
@@ -106,33 +106,6 @@ def _up_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.conste
 
 
 @gluon.jit
-def up_main(ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, step, trace_ptr, block, D, WG: gl.constexpr,
-            TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """The main loop of MMA warpgroup ``WG`` over one block's K-steps, from ring step ``step``: per K-step the gate
-    block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion. Returns the gate and
-    up accumulators (fp32, the warpgroup's 64 rows) and the next ring step."""
-    STAGES: gl.constexpr = x_bufs.type.shape[0]
-    BK: gl.constexpr = x_bufs.type.shape[2]
-    BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
-    HALF: gl.constexpr = bs_bufs.type.shape[1]
-    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 32)
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    acc_g = gl.zeros([HALF, BN], gl.float32, acc_layout)
-    acc_u = gl.zeros([HALF, BN], gl.float32, acc_layout)
-    tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # both MMAs' destination registers
-    for k in range(0, D, BK):
-        s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
-        stamp_first(trace_ptr, WG, block, 1, k == 0, TRACE, num_warps)
-        tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, g_bufs, s, 0, tmp, WG), ))
-        acc_g = acc_g + tmp * scale_g[:, None]
-        tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, u_bufs, s, 0, tmp, WG), ))
-        mbarrier.arrive(empty.index(s), count=1)
-        acc_u = acc_u + tmp * scale_u[:, None]
-        step += 1
-    return acc_g, acc_u, step
-
-
-@gluon.jit
 def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
                       g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n, work, WG: gl.constexpr,
                       PREACT: gl.constexpr, H_OUT: gl.constexpr, POW2: gl.constexpr, TRACE: gl.constexpr,
@@ -142,9 +115,12 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
     u in fp32, quantised per row over the block's 128 columns into h_q / h_s (POW2: power-of-two scales), and with
     PREACT g and u rounded to bf16 into ``preact``. TRACE: the sorted-rows MMA partitions' stamps
     (``gluon_sm90.TRACE_BLOCKS``)."""
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
     HALF: gl.constexpr = bs_bufs.type.shape[1]
+    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 32)
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     step = 0
     row0, end, e_next, row0_next = blocks_ahead(tile_expert_ptr, tile_row_ptr, offsets_ptr, num_n, work)
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
@@ -155,8 +131,18 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr
         n0 = (w % num_n) * BN
         first = row0 + WG * HALF
         if first < end:
-            acc_g, acc_u, step = up_main(ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, step, trace_ptr, block,
-                                         D, WG, TRACE, num_warps)
+            acc_g = gl.zeros([HALF, BN], gl.float32, acc_layout)
+            acc_u = gl.zeros([HALF, BN], gl.float32, acc_layout)
+            tmp = gl.zeros([HALF, BN], gl.float32, acc_layout)  # both MMAs' destination registers
+            for k in range(0, D, BK):
+                s, scale_g, scale_u = _up_stage(as_bufs, bs_bufs, ready, step, STAGES, WG, row_layout)
+                stamp_first(trace_ptr, WG, block, 1, k == 0, TRACE, num_warps)
+                tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, g_bufs, s, 0, tmp, WG), ))
+                acc_g = acc_g + tmp * scale_g[:, None]
+                tmp = warpgroup_mma_wait(0, deps=(issue_chain(x_bufs, u_bufs, s, 0, tmp, WG), ))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc_u = acc_u + tmp * scale_u[:, None]
+                step += 1
             stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
             _up_epilogue(acc_g, acc_u, staging.index(WG), h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I,
                          PREACT, H_OUT, POW2, num_warps)
@@ -203,27 +189,6 @@ def _up_epilogue(acc_g, acc_u, stage, h_q_ptr, h_s_ptr, preact_ptr, first, end, 
 
 
 @gluon.jit
-def up_ring(w13_desc, TILE_M: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr):
-    """The up kernel's shared memory and barriers: per stage x's gathered rows, the gate and up weight blocks, x's row
-    scales (the two warpgroups' halves) and the weight blocks' scales (each repeated); each MMA warpgroup's staging
-    buffer for its epilogue's stores (8 KB: h's fp8 block, or half of g's or u's); the ready (the TMA bytes' arrival and
-    each loader thread's ``cp.async``) and empty (one arrival per MMA warpgroup) barriers."""
-    BN: gl.constexpr = w13_desc.block_type.shape[2]
-    BK: gl.constexpr = w13_desc.block_type.shape[3]
-    HALF: gl.constexpr = TILE_M // 2
-    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BK], gl.float8e4nv)
-    x_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE_M, BK], x_layout)
-    g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
-    u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
-    scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one indexed row
-    as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
-    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
-    staging = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, BN // 2], staged_layout([HALF, BN // 2], gl.bfloat16))
-    return (x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, barriers(STAGES, 1 + 32 * LOADER_WARPS),
-            barriers(STAGES, 2))
-
-
-@gluon.jit
 def up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
                       tile_expert_ptr, tile_row_ptr, trace_ptr, T, N, D, I, E, top_k, EB: gl.constexpr,
                       TILE_M: gl.constexpr, PREACT: gl.constexpr, H_OUT: gl.constexpr, POW2: gl.constexpr,
@@ -235,9 +200,22 @@ def up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_p
     Blocks: the busy tiles (EB: a power of two >= E) times the I-blocks of 128 (one h scale group each).
     TRACE: stamps into trace_ptr (int64, see ``gluon_sm90.TRACE_BLOCKS``)."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
+    BK: gl.constexpr = w13_desc.block_type.shape[3]
+    HALF: gl.constexpr = TILE_M // 2
     num_n = I // BN
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
-    x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, ready, empty = up_ring(w13_desc, TILE_M, STAGES, LOADER_WARPS)
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BK], gl.float8e4nv)
+    x_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE_M, BK], x_layout)
+    g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
+    u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
+    scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one indexed row
+    # Per stage: x's row scales (the two warpgroups' halves); the gate and up blocks' scales, each repeated
+    as_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
+    bs_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * 2, HALF], scale_layout)
+    # Each MMA warpgroup's staging buffer for its epilogue's stores (8 KB: h's fp8 block, or half of g's or u's)
+    staging = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, BN // 2], staged_layout([HALF, BN // 2], gl.bfloat16))
+    ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
+    empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
     gl.warp_specialize([
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
                              x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n, work,
@@ -245,7 +223,7 @@ def up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_p
         (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
                              x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n, work,
                              1, PREACT, H_OUT, POW2, TRACE, num_warps)),
-        (up_loader, (x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
+        (_up_loader, (x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                       ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, trace_ptr, T, D, I, top_k, num_n,
                       work, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
