@@ -42,7 +42,7 @@ def _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rmask, cols,
 def swiglu_grads(gf, uf, df, wt):
     """The SwiGLU backward of a block in fp32, as ``expert_bwd._swiglu_bwd_values`` computes it, from the gate and up
     products g and u, dh' (``df``) and the rows' routing weights ``wt``: (dg, du, h·w, dh'·h), dg and du with the
-    routing weight applied. Every FP8 act step computes them here, so that their bits agree."""
+    routing weight applied."""
     sig = 1.0 / (1.0 + gl.exp(-gf))
     silu = gf * sig
     h = silu * uf
