@@ -169,13 +169,13 @@ def _swiglu_bwd_epilogue(acc_g, acc_u, rows, rmask, slots, pid_n, dh_ptr, weight
     h, dg, du = _swiglu_bwd_values(acc_g, acc_u, acc_d, wt)
     _store_dweight_parts(acc_d * h, rmask, slots, pid_n, dweight_part_ptr, N, I, PART_COLS, BN)
     dz_ptrs = dz_ptr + rows64 * 2 * I + cols[None, :]
-    tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=omask)
-    tl.store(dz_ptrs + I, du.to(dz_ptr.dtype.element_ty), mask=omask)
+    dg_w = dg.to(dz_ptr.dtype.element_ty)
+    du_w = du.to(dz_ptr.dtype.element_ty)
+    tl.store(dz_ptrs, dg_w, mask=omask)
+    tl.store(dz_ptrs + I, du_w, mask=omask)
     tl.store(hw_ptr + rows64 * I + cols[None, :], (h * wt[:, None]).to(hw_ptr.dtype.element_ty), mask=omask)
     if QUANT_DZ:  # dz as written, quantised
-        dz_dtype = dz_ptr.dtype.element_ty
-        _store_dz_rows_fp8(dg.to(dz_dtype).to(tl.float32), du.to(dz_dtype).to(tl.float32), rows, rmask, pid_n, dzq_ptr,
-                           dzs_ptr, N, I, POW2)
+        _store_dz_rows_fp8(dg_w.to(tl.float32), du_w.to(tl.float32), rows, rmask, pid_n, dzq_ptr, dzs_ptr, N, I, POW2)
 
 
 @triton.jit

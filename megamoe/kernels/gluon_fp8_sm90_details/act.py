@@ -53,19 +53,12 @@ def swiglu_grads(gf, uf, df, wt):
 
 
 @gluon.jit
-def quantize_rows_of(v, POW2: gl.constexpr):
-    """A block quantised 1x128 along its rows (one group per row of its 128 columns): (the e4m3 block, the rows'
-    scales)."""
-    scale, inv = fp8_scales(gl.maximum(gl.max(gl.abs(v), axis=1), AMAX_FLOOR), POW2)
-    return quantize_by(v, inv[:, None]), scale
-
-
-@gluon.jit
 def _store_dz_rows(v, rows, rmask, col0, group, dzq_ptr, dzs_ptr, N, I, POW2: gl.constexpr):
     """dg's or du's block (its values rounded to bf16) quantised 1x128 (one group per row) into dzq (N, 2I) at columns
     col0 .. and its scales into dzs (2I / 128, N) at ``group``."""
-    q, scale = quantize_rows_of(v, POW2)
+    scale, inv = fp8_scales(gl.maximum(gl.max(gl.abs(v), axis=1), AMAX_FLOOR), POW2)
     cols = col0 + gl.arange(0, v.type.shape[1], layout=gl.SliceLayout(0, v.type.layout))
+    q = quantize_by(v, inv[:, None])
     gl.store(dzq_ptr + rows[:, None].to(gl.int64) * 2 * I + cols[None, :], q, mask=rmask[:, None])
     gl.store(dzs_ptr + group * N + rows, scale, mask=rmask)
 

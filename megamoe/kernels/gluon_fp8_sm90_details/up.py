@@ -176,8 +176,8 @@ def _up_epilogue(acc_g, acc_u, stage, h_q_ptr, h_s_ptr, preact_ptr, first, end, 
                  H_OUT: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
     """One warpgroup's (64, 128) block of h = silu(g) * u, quantised as the FP8 path quantises everywhere:
     amax = max(max|h|, 1e-12) over the row's 128 columns, q = fp8(h * (448 / amax)) (round to nearest even,
-    saturated to ±448), scale amax / 448 (both divisions IEEE; POW2: ``common.fp8_scales``); q into h_q (N, I) rows [first,
-    end), the scale into h_s (I // 128, N); with PREACT g and u (bf16) into preact (N, 2I) at columns n0 and
+    saturated to ±448), scale amax / 448 (both divisions IEEE; POW2: ``common.fp8_scales``); q into h_q (N, I) rows
+    [first, end), the scale into h_s (I // 128, N); with PREACT g and u (bf16) into preact (N, 2I) at columns n0 and
     I + n0. Without H_OUT only the latter (the FP8 backward's recompute)."""
     BN: gl.constexpr = acc_g.type.shape[1]
     h = _up_h(acc_g, acc_u, stage, preact_ptr, first, end, n0, I, PREACT, num_warps)
