@@ -363,8 +363,8 @@ def test_fp8_layer_computes_its_weight_gradient_recipe(shape, mode, fp8_wgrad, m
 @pytest.mark.parametrize("mode", SAVE_MODES)
 def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeypatch):
     """With FP8 weight gradients the backward runs dx (dz's 1x128 rows into slot rows, then the combine) before
-    dW13, whose launch is its peak: by then dz's rows and dx's slot rows are freed, and x's tile columns are made
-    only for it."""
+    dW13, whose launch is its peak: by then dz's rows and dx's slot rows are freed. dy's tile columns come first,
+    x's from dW2's call (beside its MMAs on sm90), over the saved products where they are handed over."""
     import weakref
 
     from megamoe import autograd
@@ -381,11 +381,14 @@ def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeyp
         order.append("dx")
         return out
 
-    def spy_wgrad(*args):
+    def spy_wgrad(*args, **kwargs):
         order.append("dW13" if "dW2" in order else "dW2")
         if order[-1] == "dW13":
             assert [ref() for ref in dead_before_dw13] == [None] * 3
-        return wgrad(*args)
+        else:  # x's tile columns, from the tokens' rows
+            rows, _, top_k, _ = kwargs["tile_cols"]
+            assert rows.shape == x.shape and top_k == 3
+        return wgrad(*args, **kwargs)
 
     def spy_tile_cols(rows, *args, **kwargs):
         order.append("tile cols")
@@ -397,7 +400,7 @@ def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeyp
     x, idx, w, w13, w2, dy = make_problem(40, 128, 256, 6, 3, "dropped", device=DEVICE)
     quant.clear_weight_cache()
     run_with_grads(fp8_moe(mode), x, idx, w, w13, w2, dy)
-    assert order == ["tile cols", "dW2", "dx", "tile cols", "dW13"]  # dy's tile columns, then x's
+    assert order == ["tile cols", "dW2", "dx", "dW13"]  # dy's tile columns; x's with dW2
 
 
 def test_fp8_layer_fp16_inputs():
@@ -657,6 +660,44 @@ def test_act_step_into_tile_columns_is_the_act_step_then_the_quantiser(case, sca
         assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128])), name
         assert torch.equal(s[:busy], s_ref[:busy]), name
     assert_scale_kind(dz_t[1][:busy], scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["edges", "30B"])
+def test_tile_columns_beside_the_weight_gradient_are_the_quantisers(case, scales):
+    """Rows quantised into tile columns beside the FP8 weight gradient's MMAs (``expert_bwd.wgrad_fp8(...,
+    tile_cols=...)``, the Gluon kernel's side partition at 256 columns: x's copy beside dW2): bit for bit
+    ``quantize_tile_cols`` from the tokens' rows on the busy tiles (the rest is never written), and the weight gradient
+    bit for bit its run without them. "edges": experts with no rows, one row, partial and several tiles, rows over 4
+    decades (subnormal and zero e4m3 values), a NaN in a routed row, the rows past the routed ones NaN (never read),
+    top_k 1; "30B": the 30B layer's D (32 column blocks a tile), a skewed routing of 64 experts, top_k 2."""
+    from megamoe.kernels import expert_bwd
+    from megamoe.kernels.gluon_fp8_sm90 import fp8_ws_supported, wgrad_block_n
+    from megamoe.kernels.plan import build_plan
+
+    gen = torch.Generator().manual_seed(7)
+    if case == "edges":
+        plan, top_k = wgrad_plan(), 1
+        rows = wgrad_rows(384, gen, decades=4.0)
+        rows[5, 3] = float("nan")
+    else:
+        plan, top_k = build_plan(gpu_problem(3000, 128, 128, 64, 2, "skewed")[1], 64), 2
+        rows = torch.randn(3000, 2048, generator=gen) * torch.logspace(-2, 2, 3000)[:, None]
+    rows = rows.to(torch.bfloat16).cuda()
+    num_rows = plan.row_slot_N.numel()
+    a, b = (torch.randn(num_rows, cols, generator=gen).to(torch.bfloat16).cuda() for cols in (256, 512))
+    a_t, b_t = quant.quantize_tile_cols(a, plan), quant.quantize_tile_cols(b, plan)
+    assert fp8_ws_supported(a, torch.bfloat16) and wgrad_block_n(512) == 256  # beside the MMAs, not after them
+    busy = plan.tile_expert_NT.lt(plan.offsets_E1.numel() - 1).sum().item()
+    q_ref, s_ref = quant.quantize_tile_cols(rows, plan, top_k)
+    alone = expert_bwd.wgrad_fp8(*a_t, *b_t, plan, torch.bfloat16)
+    dw, (q, s) = expert_bwd.wgrad_fp8(*a_t, *b_t, plan, torch.bfloat16, tile_cols=(rows, plan, top_k, None))
+    assert torch.equal(dw, alone)
+    assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128]))
+    assert torch.equal(s[:busy], s_ref[:busy])
+    assert_scale_kind(s[:busy], scales)
+    if case == "edges":
+        assert q[3, :busy * 128].float().isnan().sum() == 1  # the NaN stays NaN, its group quantised by the rest
 
 
 @pytest.mark.gpu

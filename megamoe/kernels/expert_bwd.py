@@ -61,6 +61,7 @@ from megamoe.kernels.gluon_fp8_sm90 import (
     fp8_act_tile_cols_ws,
     fp8_wgrad_ws,
     fp8_ws_supported,
+    wgrad_block_n,
 )
 from megamoe.kernels.gluon_sm90 import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
 from megamoe.kernels.plan import BLOCK_M, Plan
@@ -643,23 +644,37 @@ def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, *, gemm: str | 
 
 
 def wgrad_fp8(aq_PL, as_TP, bq_QL, bs_TQ, plan: Plan, out_dtype: torch.dtype, block_n: int | None = None,
-              by_size: bool | None = None) -> torch.Tensor:
+              by_size: bool | None = None, tile_cols: tuple | None = None):
     """``expert_wgrad`` on FP8 operands in tile columns (``quant.quantize_tile_cols``: a's (P, NT*128) e4m3 and
     (NT, P) fp32 scales, b's the same with Q): (E, P, Q) in ``out_dtype``, an expert without rows exact zeros. On
     sm90 with a bf16 output through the warp-specialized Gluon kernel (``gluon_fp8_sm90_details.wgrad``, its
     block width ``block_n``: ``gluon_fp8_sm90.wgrad_block_n``; ``by_size``: its blocks' order, as
-    ``gluon_fp8_sm90.fp8_wgrad_ws`` takes it), elsewhere ``WGRAD_FP8``. P and Q multiples of 128."""
+    ``gluon_fp8_sm90.fp8_wgrad_ws`` takes it), elsewhere ``WGRAD_FP8``. P and Q multiples of 128.
+
+    ``tile_cols`` = (rows, read_plan, top_k, over): also ``quantize_tile_cols(rows, read_plan, top_k, over=over)``,
+    beside the GEMM's MMAs where the Gluon kernel runs in 256-column blocks and rows are bf16 (its side partition,
+    ``gluon_fp8_sm90_details.tile_cols``: the same bits), else after it; returns (dW, that (q, s)) then."""
     p, q = aq_PL.shape[0], bq_QL.shape[0]
     num_experts = plan.offsets_E1.numel() - 1
     dw = torch.empty(num_experts, p, q, device=aq_PL.device, dtype=out_dtype)
+    side = None
     if fp8_ws_supported(aq_PL, out_dtype):
-        fp8_wgrad_ws(aq_PL, as_TP, bq_QL, bs_TQ, dw, plan.offsets_E1, block_n, by_size=by_size)
+        if (tile_cols is not None and tile_cols[0].dtype == torch.bfloat16
+                and wgrad_block_n(q, block_n) == 2 * FP8_BN):  # (at 128 columns its buffers do not fit)
+            rows, read_plan, top_k, over = tile_cols
+            side = (rows, read_plan, top_k, tile_cols_outputs(rows.shape[1], read_plan, rows.device, over))
+        fp8_wgrad_ws(aq_PL, as_TP, bq_QL, bs_TQ, dw, plan.offsets_E1, block_n, by_size=by_size, tile_cols=side)
+    else:
+        WGRAD_FP8[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
+            a_desc=descriptor(aq_PL), b_desc=descriptor(bq_QL), a_scale_ptr=as_TP, b_scale_ptr=bs_TQ, out_ptr=dw,
+            offsets_ptr=plan.offsets_E1, P=p, Q=q, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, dtype=FP8,
+        )
+    if tile_cols is None:
         return dw
-    WGRAD_FP8[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
-        a_desc=descriptor(aq_PL), b_desc=descriptor(bq_QL), a_scale_ptr=as_TP, b_scale_ptr=bs_TQ, out_ptr=dw,
-        offsets_ptr=plan.offsets_E1, P=p, Q=q, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, dtype=FP8,
-    )
-    return dw
+    if side is None:
+        rows, read_plan, top_k, over = tile_cols
+        return dw, quantize_tile_cols(rows, read_plan, top_k, over=over)
+    return dw, side[3]
 
 
 def expert_wgrad_and_combine(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, slots_ND, topk_idx_TK,

@@ -116,6 +116,12 @@ SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory per block on the H200 (sm
 WGRAD_STAGES = 5
 WGRAD_BLOCK_N = 256
 WGRAD_WIDE_STAGES = 3
+# Rows quantised into tile columns beside the weight gradients' MMAs (``fp8_wgrad_ws(..., tile_cols=...)``: x's copy
+# under dW2): two more warps in the loader's warpgroup (the kernel stays at 12 warps and 168 registers), which then
+# has (64 K - 2 x 128 x 232) / 128 = 48 registers per thread for the loader and them; two 16 KB buffers of shared
+# memory (181 + 32 KB at 256 columns).
+TILE_COLS_WARPS = 4 - ROWS_LOADER_WARPS - 1
+TILE_COLS_REGS = 48
 # The FP8 weight gradients' act step (``act.act_tile_cols_kernel``): rows per block of its first pass, and warps.
 ACT_BM = 16
 ACT_WARPS = 8
@@ -246,7 +252,7 @@ def wgrad_block_n(q: int, block_n: int | None = None) -> int:
 
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
                  offsets: torch.Tensor, block_n: int | None = None, *, by_size: bool | None = None,
-                 trace: torch.Tensor | None = None) -> None:
+                 tile_cols: tuple | None = None, trace: torch.Tensor | None = None) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``wgrad_ws_kernel``; an expert without rows gets zeros.
 
@@ -254,7 +260,11 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
     multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``block_n``: the output block's
     width (``wgrad_block_n``); ``by_size``: the blocks dealt in order of their experts' rows (None:
-    ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block trace, as for ``fp8_rows_gemm_ws``."""
+    ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block trace, as for ``fp8_rows_gemm_ws``.
+
+    ``tile_cols`` = (rows, plan, top_k, (q, s)): beside the MMAs, ``quant.quantize_tile_cols(rows, plan, top_k)`` into q
+    and s (``quant.tile_cols_outputs``), the same bits (``gluon_fp8_sm90_details.tile_cols``): rows (T, C) bf16
+    contiguous, C a multiple of 128, ``plan`` over the same tiles as the operands."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
     assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -263,13 +273,32 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     block_n = wgrad_block_n(q, block_n)
     tiles = num_experts * (p // FP8_BM) * (q // block_n)
     block = [1, FP8_BM // 2, FP8_BN]  # one MMA warpgroup's rows, the columns of one store
-    wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
+    programs = sm_count(a_q.device.index)
+    if tile_cols is None:
+        programs = min(tiles, programs)
+        side = {"side_a_ptr": a_s, "side_q_ptr": a_q, "side_s_ptr": a_s, "side_row_slot_ptr": offsets,
+                "side_offsets_ptr": offsets, "side_tile_expert_ptr": offsets, "side_tile_row_ptr": offsets,
+                "side_C": 0, "side_E": 0, "side_top_k": 1, "side_tiles": 0, "SIDE_EB": 1}  # not read
+    else:
+        rows, plan, top_k, (side_q, side_s) = tile_cols
+        cols = rows.shape[1]
+        assert rows.dtype == torch.bfloat16 and rows.is_contiguous() and cols % SCALE_BLOCK == 0
+        assert plan.tile_expert_NT.numel() == num_tiles and side_q.shape == (cols, num_tiles * BLOCK_M)
+        assert side_s.shape == (num_tiles, cols)
+        side_experts = plan.offsets_E1.numel() - 1
+        side = {"side_a_ptr": rows, "side_q_ptr": side_q, "side_s_ptr": side_s, "side_row_slot_ptr": plan.row_slot_N,
+                "side_offsets_ptr": plan.offsets_E1, "side_tile_expert_ptr": plan.tile_expert_NT,
+                "side_tile_row_ptr": plan.tile_row_NT, "side_C": cols, "side_E": side_experts, "side_top_k": top_k,
+                "side_tiles": num_tiles, "SIDE_EB": triton.next_power_of_2(side_experts)}
+    wgrad_ws_kernel[(programs,)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [block_n, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
         Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
         STAGES=WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, **wgrad_by_size(offsets, by_size),
-        **trace_args(trace, a_s), LOADER_WARPS=ROWS_LOADER_WARPS,
-        MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+        **trace_args(trace, a_s), **side, SIDE=tile_cols is not None, POW2=fp8_pow2_scales(),
+        LOADER_WARPS=ROWS_LOADER_WARPS, SIDE_WARPS=TILE_COLS_WARPS, MMA_REGS=MATH_REGS,
+        LOADER_REGS=ROWS_LOADER_REGS if tile_cols is None else TILE_COLS_REGS, num_warps=MATH_WARPS,
+        maxnreg=FP8_MAXNREG)
 
 
 def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.Tensor, plan,
@@ -307,7 +336,8 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
-                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False):
+                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False,
+                tile_cols: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
     it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
@@ -317,7 +347,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
     (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
-    sorted-rows, up or weight-gradient kernel."""
+    sorted-rows, up or weight-gradient kernel; ``tile_cols``: the weight-gradient kernel with rows quantised into tile
+    columns beside its MMAs."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -347,10 +378,12 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS,
                       "STAGES": WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, "TRACE": trace,
                       "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size, "MMA_REGS": MATH_REGS,
-                      "LOADER_REGS": ROWS_LOADER_REGS}
+                      "LOADER_REGS": TILE_COLS_REGS if tile_cols else ROWS_LOADER_REGS, "SIDE": tile_cols,
+                      "SIDE_EB": 128, "POW2": pow2, "SIDE_WARPS": TILE_COLS_WARPS}
         blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
-        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64"}
-        sizes = {"P", "Q"}
+        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64", "side_a_ptr": "*bf16",
+                    "side_q_ptr": "*fp8e4nv", "side_s_ptr": "*fp32"}
+        sizes = {"P", "Q", "side_C"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
         constexprs = {**common, "PREACT": preact, "H_OUT": h_out, "POW2": pow2, "TRACE": trace,
