@@ -620,6 +620,7 @@ def test_fp8_tool_checks_each_scheduling_variant_bitwise_against_the_layers(monk
     assert checked["down"] == "down (256 columns)"
     assert checked[other_order] == checked["dW2 FP8"] == "dW2 FP8 (256 columns)"
     assert checked["x's tile columns beside dW2 (FP8)"] == "dW2 (FP8), then x's tile columns"
+    assert checked["dy's tile columns beside dx (FP8)"] == "dx (FP8), then dy's tile columns"
     assert "up (+ SwiGLU, h quantised)" not in checked and "down (256 columns)" not in checked  # the layer's own
     # One variant that writes other bits: named, and the command fails once its record is written
     wgrad = expert_bwd.wgrad_fp8

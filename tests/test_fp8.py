@@ -363,8 +363,8 @@ def test_fp8_layer_computes_its_weight_gradient_recipe(shape, mode, fp8_wgrad, m
 @pytest.mark.parametrize("mode", SAVE_MODES)
 def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeypatch):
     """With FP8 weight gradients the backward runs dx (dz's 1x128 rows into slot rows, then the combine) before
-    dW13, whose launch is its peak: by then dz's rows and dx's slot rows are freed. dy's tile columns come first,
-    x's from dW2's call (beside its MMAs on sm90), over the saved products where they are handed over."""
+    the weight gradients (dW13's launch is its peak): by then dz's rows and dx's slot rows are freed. dy's tile
+    columns come from dx's call, x's from dW2's (beside their MMAs on sm90)."""
     import weakref
 
     from megamoe import autograd
@@ -373,13 +373,15 @@ def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeyp
     monkeypatch.setattr(autograd, "FP8_WGRAD", True)
     dead_before_dw13 = []  # weak references to what must be freed before dW13 runs
     order = []
-    dx_slots, wgrad, tile_cols = ops.dx_slots_fp8, ops.wgrad_fp8, ops.quantize_tile_cols
+    dx_slots, wgrad = ops.dx_slots_fp8, ops.wgrad_fp8
 
     def spy_dx_slots(dzq, dzs, *args, **kwargs):
-        out = dx_slots(dzq, dzs, *args, **kwargs)
+        out, dy_t = dx_slots(dzq, dzs, *args, **kwargs)
         dead_before_dw13.extend(weakref.ref(t) for t in (dzq, dzs, out))
+        rows, _, top_k, _ = kwargs["tile_cols"]  # dy's tile columns, from the tokens' rows
+        assert rows.shape == x.shape and top_k == 3
         order.append("dx")
-        return out
+        return out, dy_t
 
     def spy_wgrad(*args, **kwargs):
         order.append("dW13" if "dW2" in order else "dW2")
@@ -390,17 +392,12 @@ def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeyp
             assert rows.shape == x.shape and top_k == 3
         return wgrad(*args, **kwargs)
 
-    def spy_tile_cols(rows, *args, **kwargs):
-        order.append("tile cols")
-        return tile_cols(rows, *args, **kwargs)
-
     monkeypatch.setattr(ops, "dx_slots_fp8", spy_dx_slots)
     monkeypatch.setattr(ops, "wgrad_fp8", spy_wgrad)
-    monkeypatch.setattr(ops, "quantize_tile_cols", spy_tile_cols)
     x, idx, w, w13, w2, dy = make_problem(40, 128, 256, 6, 3, "dropped", device=DEVICE)
     quant.clear_weight_cache()
     run_with_grads(fp8_moe(mode), x, idx, w, w13, w2, dy)
-    assert order == ["tile cols", "dW2", "dx", "dW13"]  # dy's tile columns; x's with dW2
+    assert order == ["dx", "dW2", "dW13"]  # dy's tile columns with dx, x's with dW2
 
 
 def test_fp8_layer_fp16_inputs():
@@ -663,16 +660,17 @@ def test_act_step_into_tile_columns_is_the_act_step_then_the_quantiser(case, sca
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("host", ["dW2", "dx"])
 @pytest.mark.parametrize("case", ["edges", "30B"])
-def test_tile_columns_beside_the_weight_gradient_are_the_quantisers(case, scales):
-    """Rows quantised into tile columns beside the FP8 weight gradient's MMAs (``expert_bwd.wgrad_fp8(...,
-    tile_cols=...)``, the Gluon kernel's side partition at 256 columns: x's copy beside dW2): bit for bit
-    ``quantize_tile_cols`` from the tokens' rows on the busy tiles (the rest is never written), and the weight gradient
-    bit for bit its run without them. "edges": experts with no rows, one row, partial and several tiles, rows over 4
-    decades (subnormal and zero e4m3 values), a NaN in a routed row, the rows past the routed ones NaN (never read),
-    top_k 1; "30B": the 30B layer's D (32 column blocks a tile), a skewed routing of 64 experts, top_k 2."""
+def test_tile_columns_beside_a_gemm_are_the_quantisers(case, host, scales):
+    """Rows quantised into tile columns beside an FP8 GEMM's MMAs (the Gluon kernels' side partition at 256 columns:
+    x's copy beside dW2, ``expert_bwd.wgrad_fp8(..., tile_cols=...)``; dy's beside dx, ``expert_bwd.dx_slots_fp8``):
+    bit for bit ``quantize_tile_cols`` from the tokens' rows on the busy tiles (the rest is never written), and the
+    GEMM's output bit for bit its run without them. "edges": experts with no rows, one row, partial and several tiles,
+    rows over 4 decades (subnormal and zero e4m3 values), a NaN in a routed row, the rows past the routed ones NaN
+    (never read), top_k 1; "30B": the 30B layer's D, a skewed routing of 64 experts, top_k 2."""
     from megamoe.kernels import expert_bwd
-    from megamoe.kernels.gluon_fp8_sm90 import fp8_ws_supported, wgrad_block_n
+    from megamoe.kernels.gluon_fp8_sm90 import fp8_ws_supported, rows_block_n, wgrad_block_n
     from megamoe.kernels.plan import build_plan
 
     gen = torch.Generator().manual_seed(7)
@@ -684,15 +682,25 @@ def test_tile_columns_beside_the_weight_gradient_are_the_quantisers(case, scales
         plan, top_k = build_plan(gpu_problem(3000, 128, 128, 64, 2, "skewed")[1], 64), 2
         rows = torch.randn(3000, 2048, generator=gen) * torch.logspace(-2, 2, 3000)[:, None]
     rows = rows.to(torch.bfloat16).cuda()
-    num_rows = plan.row_slot_N.numel()
+    num_rows, num_experts = plan.row_slot_N.numel(), plan.offsets_E1.numel() - 1
     a, b = (torch.randn(num_rows, cols, generator=gen).to(torch.bfloat16).cuda() for cols in (256, 512))
-    a_t, b_t = quant.quantize_tile_cols(a, plan), quant.quantize_tile_cols(b, plan)
-    assert fp8_ws_supported(a, torch.bfloat16) and wgrad_block_n(512) == 256  # beside the MMAs, not after them
-    busy = plan.tile_expert_NT.lt(plan.offsets_E1.numel() - 1).sum().item()
+    assert fp8_ws_supported(a, torch.bfloat16) and wgrad_block_n(512) == rows_block_n(512) == 256  # beside the MMAs
+    if host == "dW2":
+        operands = (*quant.quantize_tile_cols(a, plan), *quant.quantize_tile_cols(b, plan), plan, torch.bfloat16)
+        gemm = expert_bwd.wgrad_fp8
+    else:  # dz's 1x128 rows (N, 256) times w13's transposed copy (E, 512, 256): slot rows (N, 512)
+        w13 = torch.randn(num_experts, 256, 512, generator=gen).to(torch.bfloat16).cuda()
+        operands = (*quant.quantize_rows(a), *quant.quantize_weight(w13)[2:], plan, torch.bfloat16)
+        gemm = expert_bwd.dx_slots_fp8
+    busy = plan.tile_expert_NT.lt(num_experts).sum().item()
     q_ref, s_ref = quant.quantize_tile_cols(rows, plan, top_k)
-    alone = expert_bwd.wgrad_fp8(*a_t, *b_t, plan, torch.bfloat16)
-    dw, (q, s) = expert_bwd.wgrad_fp8(*a_t, *b_t, plan, torch.bfloat16, tile_cols=(rows, plan, top_k, None))
-    assert torch.equal(dw, alone)
+    alone = gemm(*operands)
+    out, (q, s) = gemm(*operands, tile_cols=(rows, plan, top_k, None))
+    routed = plan.offsets_E1[-1].item()
+    if host == "dx":  # (the slots of dropped rows are not written)
+        kept = plan.row_slot_N[:routed].long()
+        out, alone = out[kept], alone[kept]
+    assert torch.equal(out, alone)
     assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128]))
     assert torch.equal(s[:busy], s_ref[:busy])
     assert_scale_kind(s[:busy], scales)

@@ -160,25 +160,20 @@ def test_fp8_wgrad_backward_writes_x_tile_columns_over_the_saved_products(monkey
 
     monkeypatch.setattr(megamoe.autograd, "FP8_WGRAD", True)
     monkeypatch.setattr(backward_fp8, "act_bwd_from_preact", lambda *a, **k: pytest.fail("ran the bf16 act step"))
-    original, original_wgrad = backward_fp8.quantize_tile_cols, backward_fp8.wgrad_fp8
     over_products = []  # per tile-column copy: whether it was written into memory handed to it
 
-    def written_over(q, over):
-        return over is not None and q.untyped_storage().data_ptr() == over.untyped_storage().data_ptr()
+    def spy(fn):  # dy's come with dx, x's with dW2 (beside their MMAs on sm90)
+        def with_tile_cols(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if "tile_cols" in kwargs:
+                q, over = out[1][0], kwargs["tile_cols"][3]
+                over_products.append(over is not None
+                                     and q.untyped_storage().data_ptr() == over.untyped_storage().data_ptr())
+            return out
+        return with_tile_cols
 
-    def spy(a, plan, top_k=None, over=None):  # dy's
-        q, s = original(a, plan, top_k, over=over)
-        over_products.append(written_over(q, over))
-        return q, s
-
-    def spy_wgrad(*args, **kwargs):  # x's come with dW2 (beside its MMAs on sm90)
-        out = original_wgrad(*args, **kwargs)
-        if "tile_cols" in kwargs:
-            over_products.append(written_over(out[1][0], kwargs["tile_cols"][3]))
-        return out
-
-    monkeypatch.setattr(backward_fp8, "quantize_tile_cols", spy)
-    monkeypatch.setattr(backward_fp8, "wgrad_fp8", spy_wgrad)
+    monkeypatch.setattr(backward_fp8, "dx_slots_fp8", spy(backward_fp8.dx_slots_fp8))
+    monkeypatch.setattr(backward_fp8, "wgrad_fp8", spy(backward_fp8.wgrad_fp8))
     # products (300, 256) against x's tile columns for 5 plan tiles (128 x 640 bytes and 5 x 128 scales): they fit
     x, idx, w, w13, w2, dy = make_problem(150, 128, 128, 2, 2, "dropped", device=DEVICE)
     layer = functools.partial(megamoe.moe, save_for_backward="preact", precision="fp8")

@@ -230,15 +230,25 @@ def main(argv=None, device: str = "cuda") -> None:
     def dw2_then_x_tile_cols():
         return expert_bwd.wgrad_fp8(*dyt, *hwt, plan, torch.bfloat16), quant.quantize_tile_cols(x, plan, top_k)
 
-    # x's tile columns beside dW2's MMAs (the layer's), against dW2 and then the quantiser: the same bits (busy tiles)
+    def dx_then_dy_tile_cols():
+        return (expert_bwd.dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, torch.bfloat16),
+                quant.quantize_tile_cols(dy, plan, top_k))
+
+    # x's tile columns beside dW2's MMAs and dy's beside dx's (the layer's), against each GEMM and then the quantiser:
+    # the same bits (dx's routed slots, the busy tiles)
     busy = int(plan.tile_expert_NT.lt(num_experts).sum())
     stages += [
         ("x's tile columns beside dW2 (FP8)", lambda: expert_bwd.wgrad_fp8(
             *dyt, *hwt, plan, torch.bfloat16, tile_cols=(x, plan, top_k, None)), down_flops, None, None),
         ("dW2 (FP8), then x's tile columns", dw2_then_x_tile_cols, down_flops, None, None),
+        ("dy's tile columns beside dx (FP8)", lambda: expert_bwd.dx_slots_fp8(
+            dzq, dzs, w13tq, w13ts, plan, torch.bfloat16, tile_cols=(dy, plan, top_k, None)), up_flops, None, None),
+        ("dx (FP8), then dy's tile columns", dx_then_dy_tile_cols, up_flops, None, None),
     ]
     twins["x's tile columns beside dW2 (FP8)"] = ("dW2 (FP8), then x's tile columns",
                                                   lambda out: (out[0], out[1][0][:, :busy * 128], out[1][1][:busy]))
+    twins["dy's tile columns beside dx (FP8)"] = ("dx (FP8), then dy's tile columns", lambda out: (
+        out[0][kept_slots], out[1][0][:, :busy * 128], out[1][1][:busy]))
     stages += [
         ("dW13 bf16", lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16, gemm="dw13"), up_flops,
          None, None),

@@ -61,6 +61,7 @@ from megamoe.kernels.gluon_fp8_sm90 import (
     fp8_act_tile_cols_ws,
     fp8_wgrad_ws,
     fp8_ws_supported,
+    rows_block_n,
     wgrad_block_n,
 )
 from megamoe.kernels.gluon_sm90 import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
@@ -537,11 +538,22 @@ def dh_fp8_from_rows(dy_TD, w2tq_EID, w2ts, plan: Plan, read_plan: Plan, top_k: 
 
 
 def dx_slots_fp8(dzq_NH, dzs, w13tq_EDH, w13ts, plan: Plan, out_dtype: torch.dtype,
-                 dest: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 dest: tuple[torch.Tensor, torch.Tensor] | None = None, tile_cols: tuple | None = None):
     """``dx_slots`` on blockwise FP8 operands: dz in e4m3 with its (2I/128, N) scales, and w13's transposed copy
     (E, D, 2I) in e4m3 with its (E, D/128, 2I/128) block scales; the rows in ``out_dtype``; ``dest``: as for
-    ``expert_fwd.sorted_rows_gemm``."""
-    return sorted_rows_gemm_fp8(DX_FP8, dzq_NH, dzs, w13tq_EDH, w13ts, None, plan, out_dtype, dest=dest)
+    ``expert_fwd.sorted_rows_gemm``. ``tile_cols`` = (rows, read_plan, top_k, over): also ``quantize_tile_cols(rows,
+    read_plan, top_k, over=over)``, beside the GEMM's MMAs where the Gluon kernel runs in 256-column blocks and rows
+    are bf16, else after it; returns (dx's slot rows, that (q, s)) then."""
+    if tile_cols is None:
+        return sorted_rows_gemm_fp8(DX_FP8, dzq_NH, dzs, w13tq_EDH, w13ts, None, plan, out_dtype, dest=dest)
+    rows, read_plan, top_k, over = tile_cols
+    if (dzq_NH.shape[0] and fp8_ws_supported(dzq_NH, out_dtype) and rows.dtype == torch.bfloat16
+            and rows_block_n(w13tq_EDH.shape[1]) == 2 * FP8_BN):
+        out = tile_cols_outputs(rows.shape[1], read_plan, rows.device, over)
+        return sorted_rows_gemm_fp8(DX_FP8, dzq_NH, dzs, w13tq_EDH, w13ts, None, plan, out_dtype, dest=dest,
+                                    tile_cols=(rows, read_plan, top_k, out)), out
+    return (sorted_rows_gemm_fp8(DX_FP8, dzq_NH, dzs, w13tq_EDH, w13ts, None, plan, out_dtype, dest=dest),
+            quantize_tile_cols(rows, read_plan, top_k, over=over))
 
 
 def _slot_rows(plan: Plan) -> torch.Tensor:

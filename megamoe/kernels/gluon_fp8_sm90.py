@@ -116,12 +116,15 @@ SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory per block on the H200 (sm
 WGRAD_STAGES = 5
 WGRAD_BLOCK_N = 256
 WGRAD_WIDE_STAGES = 3
-# Rows quantised into tile columns beside the weight gradients' MMAs (``fp8_wgrad_ws(..., tile_cols=...)``: x's copy
-# under dW2): two more warps in the loader's warpgroup (the kernel stays at 12 warps and 168 registers), which then
-# has (64 K - 2 x 128 x 232) / 128 = 48 registers per thread for the loader and them; two 16 KB buffers of shared
-# memory (181 + 32 KB at 256 columns).
+# Rows quantised into tile columns beside a GEMM's MMAs (``tile_cols=`` of ``fp8_wgrad_ws`` and ``fp8_rows_gemm_ws``:
+# x's copy under dW2, dy's under dx): two more warps in the loader's warpgroup (the kernel stays at 12 warps and 168
+# registers), which then has (64 K - 2 x 128 x 232) / 128 = 48 registers per thread for the loader and them. Their
+# units' buffers (count, columns): the weight-gradient kernel's two of 64 columns (16 KB each: 181 + 32 KB at 256
+# columns), the sorted-rows kernel's three of 16 (4 KB each: its 256-column ring leaves 15 KB).
 TILE_COLS_WARPS = 4 - ROWS_LOADER_WARPS - 1
 TILE_COLS_REGS = 48
+WGRAD_TILE_COLS_BUFS = (2, 64)
+ROWS_TILE_COLS_BUFS = (3, 16)
 # The FP8 weight gradients' act step (``act.act_tile_cols_kernel``): rows per block of its first pass, and warps.
 ACT_BM = 16
 ACT_WARPS = 8
@@ -148,6 +151,29 @@ def _fp8_desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, _fp8_layout(tuple(block)))
 
 
+def _tile_cols_args(tile_cols: tuple | None, num_tiles: int, bufs: tuple[int, int], idle: torch.Tensor) -> dict:
+    """A launch's side_* and SIDE* arguments for ``tile_cols`` = (rows, plan, top_k, (q, s)): rows (T, C) bf16
+    contiguous, C a multiple of 128, quantised into tile columns q (C, num_tiles * 128) and s (num_tiles, C) beside the
+    MMAs (``gluon_fp8_sm90_details.tile_cols``, in ``bufs`` = (count, columns) unit buffers); None: no side partition,
+    ``idle`` (any tensor) in the pointers' place, never read."""
+    if tile_cols is None:
+        return {"side_a_ptr": idle, "side_q_ptr": idle, "side_s_ptr": idle, "side_row_slot_ptr": idle,
+                "side_offsets_ptr": idle, "side_tile_expert_ptr": idle, "side_tile_row_ptr": idle, "side_C": 0,
+                "side_E": 0, "side_top_k": 1, "side_tiles": 0, "SIDE": False, "SIDE_EB": 1, "SIDE_BUFS": bufs[0],
+                "SIDE_COLS": bufs[1], "SIDE_WARPS": TILE_COLS_WARPS}
+    rows, plan, top_k, (q, s) = tile_cols
+    cols = rows.shape[1]
+    assert rows.dtype == torch.bfloat16 and rows.is_contiguous() and cols % SCALE_BLOCK == 0
+    assert plan.tile_expert_NT.numel() == num_tiles and q.shape == (cols, num_tiles * BLOCK_M)
+    assert s.shape == (num_tiles, cols)
+    num_experts = plan.offsets_E1.numel() - 1
+    return {"side_a_ptr": rows, "side_q_ptr": q, "side_s_ptr": s, "side_row_slot_ptr": plan.row_slot_N,
+            "side_offsets_ptr": plan.offsets_E1, "side_tile_expert_ptr": plan.tile_expert_NT,
+            "side_tile_row_ptr": plan.tile_row_NT, "side_C": cols, "side_E": num_experts, "side_top_k": top_k,
+            "side_tiles": num_tiles, "SIDE": True, "SIDE_EB": triton.next_power_of_2(num_experts),
+            "SIDE_BUFS": bufs[0], "SIDE_COLS": bufs[1], "SIDE_WARPS": TILE_COLS_WARPS}
+
+
 def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether these kernels run for FP8 operands on ``t``'s device with outputs (and saved products) in
     ``out_dtype``: an sm90 GPU and bf16."""
@@ -157,7 +183,7 @@ def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
 def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                      plan, *, weights: torch.Tensor | None = None, to_slots: bool = False,
                      row_dest: torch.Tensor | None = None, block_n: int | None = None,
-                     trace: torch.Tensor | None = None) -> None:
+                     tile_cols: tuple | None = None, trace: torch.Tensor | None = None) -> None:
     """out (M, N) bf16 = the blockwise-dequantised a (M, K) in sorted rows times each row's expert weight
     w[e] (E, N, K)ᵀ, through ``rows_ws_kernel``; row r into row ``plan.row_slot_N[r]`` if ``to_slots``, else
     r; times ``weights[row_slot[r]]`` (fp32, (M,) by slot) if given. Only the plan's routed rows are written.
@@ -169,7 +195,8 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     block's stores run under the warpgroup's next block's first MMA. 256 columns run without issue-ahead, their stores
     under the block's own chains (``rows._rows_main_wide``).
     ``trace``: the block trace (``gluon_sm90.trace_args``, ``TRACE_BLOCKS``; untraced launches compile without its
-    stamps).
+    stamps). ``tile_cols``: rows quantised into tile columns beside the MMAs, as for ``fp8_wgrad_ws`` (at 256 columns
+    only: at 128 the ring leaves no room for the buffers).
 
     a_q (M, K) float8_e4m3fn contiguous, a_s (K // 128, M) fp32 contiguous, w_q (E, N, K) float8_e4m3fn
     contiguous, w_s (E, N // 128, K // 128) fp32 contiguous; K and N multiples of 128; M >= 1; an sm90 GPU;
@@ -183,6 +210,7 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     assert out.shape == (num_rows, n_out) if row_dest is None else (row_dest.dtype == torch.int64 and to_slots
                                                                      and row_dest.numel() >= num_rows)
     block_n = rows_block_n(n_out, block_n)
+    assert tile_cols is None or block_n == 2 * FP8_BN, "rows into tile columns beside 256-column blocks only"
     rows_ws_kernel[(sm_count(a_q.device.index),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), w_desc=_fp8_desc(w_q, [1, block_n, FP8_BK]), a_s_ptr=a_s,
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
@@ -190,8 +218,10 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
         tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, M=num_rows, N_OUT=n_out, K=k_dim,
         E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, WEIGHTED=weights is not None,
         TO_SLOTS=to_slots, **trace_args(trace, out),
+        **_tile_cols_args(tile_cols, plan.tile_expert_NT.numel(), ROWS_TILE_COLS_BUFS, a_s), POW2=fp8_pow2_scales(),
         STAGES=ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
-        MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+        MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS if tile_cols is None else TILE_COLS_REGS,
+        num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
 def block_width(kernel: str, n: int, block_n: int | None, default: int) -> int:
@@ -273,30 +303,14 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     block_n = wgrad_block_n(q, block_n)
     tiles = num_experts * (p // FP8_BM) * (q // block_n)
     block = [1, FP8_BM // 2, FP8_BN]  # one MMA warpgroup's rows, the columns of one store
-    programs = sm_count(a_q.device.index)
-    if tile_cols is None:
-        programs = min(tiles, programs)
-        side = {"side_a_ptr": a_s, "side_q_ptr": a_q, "side_s_ptr": a_s, "side_row_slot_ptr": offsets,
-                "side_offsets_ptr": offsets, "side_tile_expert_ptr": offsets, "side_tile_row_ptr": offsets,
-                "side_C": 0, "side_E": 0, "side_top_k": 1, "side_tiles": 0, "SIDE_EB": 1}  # not read
-    else:
-        rows, plan, top_k, (side_q, side_s) = tile_cols
-        cols = rows.shape[1]
-        assert rows.dtype == torch.bfloat16 and rows.is_contiguous() and cols % SCALE_BLOCK == 0
-        assert plan.tile_expert_NT.numel() == num_tiles and side_q.shape == (cols, num_tiles * BLOCK_M)
-        assert side_s.shape == (num_tiles, cols)
-        side_experts = plan.offsets_E1.numel() - 1
-        side = {"side_a_ptr": rows, "side_q_ptr": side_q, "side_s_ptr": side_s, "side_row_slot_ptr": plan.row_slot_N,
-                "side_offsets_ptr": plan.offsets_E1, "side_tile_expert_ptr": plan.tile_expert_NT,
-                "side_tile_row_ptr": plan.tile_row_NT, "side_C": cols, "side_E": side_experts, "side_top_k": top_k,
-                "side_tiles": num_tiles, "SIDE_EB": triton.next_power_of_2(side_experts)}
+    programs = sm_count(a_q.device.index) if tile_cols is not None else min(tiles, sm_count(a_q.device.index))
     wgrad_ws_kernel[(programs,)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [block_n, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
         Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
         STAGES=WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, **wgrad_by_size(offsets, by_size),
-        **trace_args(trace, a_s), **side, SIDE=tile_cols is not None, POW2=fp8_pow2_scales(),
-        LOADER_WARPS=ROWS_LOADER_WARPS, SIDE_WARPS=TILE_COLS_WARPS, MMA_REGS=MATH_REGS,
+        **trace_args(trace, a_s), **_tile_cols_args(tile_cols, num_tiles, WGRAD_TILE_COLS_BUFS, a_s),
+        POW2=fp8_pow2_scales(), LOADER_WARPS=ROWS_LOADER_WARPS, MMA_REGS=MATH_REGS,
         LOADER_REGS=ROWS_LOADER_REGS if tile_cols is None else TILE_COLS_REGS, num_warps=MATH_WARPS,
         maxnreg=FP8_MAXNREG)
 
@@ -347,8 +361,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
     (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
-    sorted-rows, up or weight-gradient kernel; ``tile_cols``: the weight-gradient kernel with rows quantised into tile
-    columns beside its MMAs."""
+    sorted-rows, up or weight-gradient kernel; ``tile_cols``: the sorted-rows or weight-gradient kernel with rows
+    quantised into tile columns beside its MMAs."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -357,14 +371,21 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
     common = {"EB": 128, "TILE_M": BLOCK_M, "num_warps": MATH_WARPS}
+
+    def side(bufs):  # the side partition's constants (``_tile_cols_args``)
+        return {"SIDE": tile_cols, "SIDE_EB": 128, "SIDE_BUFS": bufs[0], "SIDE_COLS": bufs[1], "POW2": pow2,
+                "SIDE_WARPS": TILE_COLS_WARPS}
+
+    side_pointers = {"side_a_ptr": "*bf16", "side_q_ptr": "*fp8e4nv", "side_s_ptr": "*fp32"}
     if name == "fp8_rows":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, block_n, FP8_BK]}
         constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "TRACE": trace,
                       "STAGES": ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES,
-                      "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
+                      "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS,
+                      "LOADER_REGS": TILE_COLS_REGS if tile_cols else ROWS_LOADER_REGS, **side(ROWS_TILE_COLS_BUFS)}
         pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32",
-                    "row_dest_ptr": "*i64" if row_dest else "*i32", "trace_ptr": "*i64"}
-        sizes = {"N_OUT", "K"}
+                    "row_dest_ptr": "*i64" if row_dest else "*i32", "trace_ptr": "*i64", **side_pointers}
+        sizes = {"N_OUT", "K", "side_C"}
     elif name == "fp8_act":
         blocks = {}
         constexprs = {"TILE_M": BLOCK_M, "BM": ACT_BM, "PART_COLS": 64,  # expert_bwd.PART_COLS
@@ -378,11 +399,9 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS,
                       "STAGES": WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, "TRACE": trace,
                       "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size, "MMA_REGS": MATH_REGS,
-                      "LOADER_REGS": TILE_COLS_REGS if tile_cols else ROWS_LOADER_REGS, "SIDE": tile_cols,
-                      "SIDE_EB": 128, "POW2": pow2, "SIDE_WARPS": TILE_COLS_WARPS}
+                      "LOADER_REGS": TILE_COLS_REGS if tile_cols else ROWS_LOADER_REGS, **side(WGRAD_TILE_COLS_BUFS)}
         blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
-        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64", "side_a_ptr": "*bf16",
-                    "side_q_ptr": "*fp8e4nv", "side_s_ptr": "*fp32"}
+        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64", **side_pointers}
         sizes = {"P", "Q", "side_C"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}

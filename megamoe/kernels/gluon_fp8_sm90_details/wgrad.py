@@ -32,8 +32,6 @@ from megamoe.kernels.gluon_sm90 import (
 
 # Each accumulator's columns: a block's at 128 columns, each half's at 256.
 ACC_COLS = gl.constexpr(128)
-# Columns of a side unit (``tile_cols``): one per thread of its two warps, a (128, 64) bf16 buffer of 16 KB, two of them.
-SIDE_COLS = gl.constexpr(64)
 
 
 @gluon.jit
@@ -243,7 +241,8 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
                     side_a_ptr, side_q_ptr, side_s_ptr, side_row_slot_ptr, side_offsets_ptr, side_tile_expert_ptr,
                     side_tile_row_ptr, side_C, side_E, side_top_k, side_tiles, EB: gl.constexpr,
                     STAGES: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr, SIDE: gl.constexpr,
-                    SIDE_EB: gl.constexpr, POW2: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                    SIDE_EB: gl.constexpr, SIDE_BUFS: gl.constexpr, SIDE_COLS: gl.constexpr,
+                    POW2: gl.constexpr, LOADER_WARPS: gl.constexpr,
                     SIDE_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                     num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B (Q,
@@ -254,8 +253,9 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
     trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``). SIDE: a fourth partition (SIDE_WARPS warps in the loader's
     warpgroup, which then has LOADER_REGS registers per thread for both) quantises the side_* rows into tile columns
-    beside the MMAs (``tile_cols.tile_cols_partition``, its arguments without the prefix; SIDE_EB a power of two
-    >= side_E; POW2 its power-of-two scales); without SIDE they are not read."""
+    beside the MMAs (``tile_cols.tile_cols_partition``, its arguments without the prefix, its buffers SIDE_BUFS x
+    (BM, SIDE_COLS); SIDE_EB a power of two >= side_E; POW2 its power-of-two scales); without SIDE they are not
+    read."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
@@ -264,7 +264,8 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     num_p = P // BM
     num_q = Q // BN
     if SIDE:
-        side_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BM, SIDE_COLS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        side_bufs = gl.allocate_shared_memory(gl.bfloat16, [SIDE_BUFS, BM, SIDE_COLS],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         gl.warp_specialize([
             (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
                                     as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, TRACE, num_warps)),
