@@ -41,6 +41,10 @@ Partitions of each kernel:
   and up chains have no registers for a second temporary either. A warpgroup whose 64 rows all lie past its
   expert's end (the last tile of an expert) skips its MMAs and epilogue.
 
+A fourth partition (two warps in the loader's warpgroup) may quantise rows into tile columns beside the MMAs of the
+sorted-rows or weight-gradient kernel (``tile_cols=``; ``gluon_fp8_sm90_details.tile_cols``): the FP8 weight gradients'
+operands x and dy, made under the backward's dx and dW2 instead of in passes of their own.
+
 The weight-gradient kernel has the sorted-rows kernel's partitions, with both operands K-major along the tokens
 (``quant.quantize_tile_cols``): a K-step is one plan tile of the block's expert, and its promotion multiplies by the
 outer product of A's scales of the block's rows and B's of its columns (both copied into the stage). At 128
@@ -49,7 +53,7 @@ default where Q allows) they run two column halves without; they store their blo
 
 See ``fp8_rows_gemm_ws``, ``fp8_up_swiglu_ws``, ``fp8_wgrad_ws`` and ``fp8_act_tile_cols_ws`` (the FP8 weight
 gradients' act step) for the four launchers; the kernels are in ``gluon_fp8_sm90_details`` (``rows``, ``up``,
-``wgrad``, ``act``, and their shared device helpers in ``common``).
+``wgrad``, ``act``, the side partition ``tile_cols``, and their shared device helpers in ``common``).
 """
 
 from __future__ import annotations

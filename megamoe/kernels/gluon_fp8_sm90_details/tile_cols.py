@@ -1,13 +1,14 @@
-"""Rows quantised into tile columns beside a GEMM's MMAs: a side partition of the FP8 weight-gradient kernel
-(``gluon_fp8_sm90.fp8_wgrad_ws(..., tile_cols=...)``) that writes, bit for bit, what ``quant.quantize_tile_cols``
-writes for sorted rows read from their tokens' rows (its GATHER form): x's 128x1 copy made under dW2's MMAs instead of
-in a pass of its own.
+"""Rows quantised into tile columns beside a GEMM's MMAs: a side partition of the FP8 sorted-rows and weight-gradient
+kernels (``tile_cols=`` of ``gluon_fp8_sm90.fp8_rows_gemm_ws`` and ``fp8_wgrad_ws``) that writes, bit for bit, what
+``quant.quantize_tile_cols`` writes for sorted rows read from their tokens' rows (its GATHER form): the FP8 weight
+gradients' 128x1 copies of dy and x, made under dx's and dW2's MMAs instead of in passes of their own.
 
-The partition's programs share the (busy plan tile, 64 columns) units. A unit's 128 rows come into shared memory by
-16-byte ``cp.async`` copies (zeros past the expert's end), the next unit's while this one is quantised; then each thread
-takes one column: its amax over the tile's rows, its scale, and its 128 values quantised and stored as the contiguous
-run that the tile column is. The quantiser's bytes go to HBM (mostly L2: each token's row is read by its top_k tiles at
-about the same time) while the weight gradient's MMAs, which they do not feed, keep the tensor cores busy.
+The partition's programs share the (busy plan tile, CB columns) units. A unit's 128 rows come into shared memory by
+16-byte ``cp.async`` copies (zeros past the expert's end), the next units' while this one is quantised; then each
+column's amax over the tile's rows (a thread's 16 rows at a time, across the lanes where a warp holds fewer than 32
+columns), its scale, and its 128 values quantised and stored as the contiguous run that the tile column is. The
+quantiser's bytes go to HBM (mostly L2: each token's row is read by its top_k tiles at about the same time) while the
+GEMM's MMAs, which they do not feed, keep the tensor cores busy.
 """
 
 from __future__ import annotations
