@@ -670,7 +670,11 @@ def test_tile_columns_beside_a_gemm_are_the_quantisers(case, host, scales):
     rows over 4 decades (subnormal and zero e4m3 values), a NaN in a routed row, the rows past the routed ones NaN
     (never read), top_k 1; "30B": the 30B layer's D, a skewed routing of 64 experts, top_k 2."""
     from megamoe.kernels import expert_bwd
-    from megamoe.kernels.gluon_fp8_sm90 import fp8_ws_supported, rows_block_n, wgrad_block_n
+    from megamoe.kernels.gluon_fp8_sm90 import (
+        fp8_ws_supported,
+        rows_block_n,
+        wgrad_block_n,
+    )
     from megamoe.kernels.plan import build_plan
 
     gen = torch.Generator().manual_seed(7)
@@ -695,7 +699,7 @@ def test_tile_columns_beside_a_gemm_are_the_quantisers(case, host, scales):
     busy = plan.tile_expert_NT.lt(num_experts).sum().item()
     q_ref, s_ref = quant.quantize_tile_cols(rows, plan, top_k)
     alone = gemm(*operands)
-    out, (q, s) = gemm(*operands, tile_cols=(rows, plan, top_k, None))
+    out, (q, s) = gemm(*operands, tile_cols=(rows, plan, top_k, None), beside=True)
     routed = plan.offsets_E1[-1].item()
     if host == "dx":  # (the slots of dropped rows are not written)
         kept = plan.row_slot_N[:routed].long()

@@ -239,10 +239,12 @@ def main(argv=None, device: str = "cuda") -> None:
     busy = int(plan.tile_expert_NT.lt(num_experts).sum())
     stages += [
         ("x's tile columns beside dW2 (FP8)", lambda: expert_bwd.wgrad_fp8(
-            *dyt, *hwt, plan, torch.bfloat16, tile_cols=(x, plan, top_k, None)), down_flops, None, None),
+            *dyt, *hwt, plan, torch.bfloat16, tile_cols=(x, plan, top_k, None), beside=True), down_flops, None,
+         None),
         ("dW2 (FP8), then x's tile columns", dw2_then_x_tile_cols, down_flops, None, None),
         ("dy's tile columns beside dx (FP8)", lambda: expert_bwd.dx_slots_fp8(
-            dzq, dzs, w13tq, w13ts, plan, torch.bfloat16, tile_cols=(dy, plan, top_k, None)), up_flops, None, None),
+            dzq, dzs, w13tq, w13ts, plan, torch.bfloat16, tile_cols=(dy, plan, top_k, None), beside=True), up_flops,
+         None, None),
         ("dx (FP8), then dy's tile columns", dx_then_dy_tile_cols, up_flops, None, None),
     ]
     twins["x's tile columns beside dW2 (FP8)"] = ("dW2 (FP8), then x's tile columns",
