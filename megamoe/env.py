@@ -9,8 +9,6 @@ Environment variables (documented in docs/USAGE.md):
 * ``MEGAMOE_AUTOTUNE=0`` — fixed tile configs (:func:`autotune_requested`);
 * ``MEGAMOE_FP8_WGRAD`` — ``1`` (default) or ``0``: FP8 or bf16 weight gradients in ``precision="fp8"``
   (:func:`fp8_wgrad_requested`);
-* ``MEGAMOE_FP8_TILE_COLS_BESIDE`` — ``0`` (default) or ``1``: the FP8 weight gradients' operands x and dy quantised
-  beside dW2's and dx's MMAs on sm90 instead of in passes of their own (:func:`fp8_tile_cols_beside_requested`);
 * ``MEGAMOE_LOW_PEAK_BACKWARD`` — ``0`` or ``1``: the one-GPU backward's order (:func:`low_peak_backward_requested`);
 * ``MEGAMOE_WGRAD_BY_SIZE`` — ``1`` (default) or ``0``: the weight-gradient kernels' blocks in order of their experts'
   rows or in expert order (:func:`wgrad_by_size_requested`);
@@ -115,14 +113,6 @@ def fp8_wgrad_requested() -> bool:
     (DeepSeek-V3's recipe; on the H200 as fast as the bf16 ones at the 30B layer and faster at the 235B one,
     docs/PERFORMANCE.md); ``0``: the bf16 weight gradients (exact products of the unquantised rows)."""
     return _switch("MEGAMOE_FP8_WGRAD", True)
-
-
-def fp8_tile_cols_beside_requested() -> bool:
-    """``MEGAMOE_FP8_TILE_COLS_BESIDE``: the default of ``megamoe.kernels.expert_bwd.TILE_COLS_BESIDE``, read once, at
-    import. ``1``: on sm90 the FP8 weight gradients' tile columns of dy and x are made in a side partition of the dx and
-    dW2 GEMMs (``gluon_fp8_sm90_details.tile_cols``, the same bits); ``0`` or unset: by ``quant.quantize_tile_cols``
-    after each of them. Off until the side partition has run and been timed on a GPU (docs/PERFORMANCE.md)."""
-    return _switch("MEGAMOE_FP8_TILE_COLS_BESIDE", False)
 
 
 FP8_SCALES = ("fp32", "pow2")

@@ -363,8 +363,8 @@ def test_fp8_layer_computes_its_weight_gradient_recipe(shape, mode, fp8_wgrad, m
 @pytest.mark.parametrize("mode", SAVE_MODES)
 def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeypatch):
     """With FP8 weight gradients the backward runs dx (dz's 1x128 rows into slot rows, then the combine) before
-    the weight gradients (dW13's launch is its peak): by then dz's rows and dx's slot rows are freed. dy's tile
-    columns come from dx's call, x's from dW2's (beside their MMAs on sm90)."""
+    dW13, whose launch is its peak: by then dz's rows and dx's slot rows are freed, and x's tile columns are made
+    only for it."""
     import weakref
 
     from megamoe import autograd
@@ -373,31 +373,31 @@ def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeyp
     monkeypatch.setattr(autograd, "FP8_WGRAD", True)
     dead_before_dw13 = []  # weak references to what must be freed before dW13 runs
     order = []
-    dx_slots, wgrad = ops.dx_slots_fp8, ops.wgrad_fp8
+    dx_slots, wgrad, tile_cols = ops.dx_slots_fp8, ops.wgrad_fp8, ops.quantize_tile_cols
 
     def spy_dx_slots(dzq, dzs, *args, **kwargs):
-        out, dy_t = dx_slots(dzq, dzs, *args, **kwargs)
+        out = dx_slots(dzq, dzs, *args, **kwargs)
         dead_before_dw13.extend(weakref.ref(t) for t in (dzq, dzs, out))
-        rows, _, top_k, _ = kwargs["tile_cols"]  # dy's tile columns, from the tokens' rows
-        assert rows.shape == x.shape and top_k == 3
         order.append("dx")
-        return out, dy_t
+        return out
 
-    def spy_wgrad(*args, **kwargs):
+    def spy_wgrad(*args):
         order.append("dW13" if "dW2" in order else "dW2")
         if order[-1] == "dW13":
             assert [ref() for ref in dead_before_dw13] == [None] * 3
-        else:  # x's tile columns, from the tokens' rows
-            rows, _, top_k, _ = kwargs["tile_cols"]
-            assert rows.shape == x.shape and top_k == 3
-        return wgrad(*args, **kwargs)
+        return wgrad(*args)
+
+    def spy_tile_cols(rows, *args, **kwargs):
+        order.append("tile cols")
+        return tile_cols(rows, *args, **kwargs)
 
     monkeypatch.setattr(ops, "dx_slots_fp8", spy_dx_slots)
     monkeypatch.setattr(ops, "wgrad_fp8", spy_wgrad)
+    monkeypatch.setattr(ops, "quantize_tile_cols", spy_tile_cols)
     x, idx, w, w13, w2, dy = make_problem(40, 128, 256, 6, 3, "dropped", device=DEVICE)
     quant.clear_weight_cache()
     run_with_grads(fp8_moe(mode), x, idx, w, w13, w2, dy)
-    assert order == ["dx", "dW2", "dW13"]  # dy's tile columns with dx, x's with dW2
+    assert order == ["tile cols", "dW2", "dx", "tile cols", "dW13"]  # dy's tile columns, then x's
 
 
 def test_fp8_layer_fp16_inputs():
@@ -657,59 +657,6 @@ def test_act_step_into_tile_columns_is_the_act_step_then_the_quantiser(case, sca
         assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128])), name
         assert torch.equal(s[:busy], s_ref[:busy]), name
     assert_scale_kind(dz_t[1][:busy], scales)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("host", ["dW2", "dx"])
-@pytest.mark.parametrize("case", ["edges", "30B"])
-def test_tile_columns_beside_a_gemm_are_the_quantisers(case, host, scales):
-    """Rows quantised into tile columns beside an FP8 GEMM's MMAs (the Gluon kernels' side partition at 256 columns:
-    x's copy beside dW2, ``expert_bwd.wgrad_fp8(..., tile_cols=...)``; dy's beside dx, ``expert_bwd.dx_slots_fp8``):
-    bit for bit ``quantize_tile_cols`` from the tokens' rows on the busy tiles (the rest is never written), and the
-    GEMM's output bit for bit its run without them. "edges": experts with no rows, one row, partial and several tiles,
-    rows over 4 decades (subnormal and zero e4m3 values), a NaN in a routed row, the rows past the routed ones NaN
-    (never read), top_k 1; "30B": the 30B layer's D, a skewed routing of 64 experts, top_k 2."""
-    from megamoe.kernels import expert_bwd
-    from megamoe.kernels.gluon_fp8_sm90 import (
-        fp8_ws_supported,
-        rows_block_n,
-        wgrad_block_n,
-    )
-    from megamoe.kernels.plan import build_plan
-
-    gen = torch.Generator().manual_seed(7)
-    if case == "edges":
-        plan, top_k = wgrad_plan(), 1
-        rows = wgrad_rows(384, gen, decades=4.0)
-        rows[5, 3] = float("nan")
-    else:
-        plan, top_k = build_plan(gpu_problem(3000, 128, 128, 64, 2, "skewed")[1], 64), 2
-        rows = torch.randn(3000, 2048, generator=gen) * torch.logspace(-2, 2, 3000)[:, None]
-    rows = rows.to(torch.bfloat16).cuda()
-    num_rows, num_experts = plan.row_slot_N.numel(), plan.offsets_E1.numel() - 1
-    a, b = (torch.randn(num_rows, cols, generator=gen).to(torch.bfloat16).cuda() for cols in (256, 512))
-    assert fp8_ws_supported(a, torch.bfloat16) and wgrad_block_n(512) == rows_block_n(512) == 256  # beside the MMAs
-    if host == "dW2":
-        operands = (*quant.quantize_tile_cols(a, plan), *quant.quantize_tile_cols(b, plan), plan, torch.bfloat16)
-        gemm = expert_bwd.wgrad_fp8
-    else:  # dz's 1x128 rows (N, 256) times w13's transposed copy (E, 512, 256): slot rows (N, 512)
-        w13 = torch.randn(num_experts, 256, 512, generator=gen).to(torch.bfloat16).cuda()
-        operands = (*quant.quantize_rows(a), *quant.quantize_weight(w13)[2:], plan, torch.bfloat16)
-        gemm = expert_bwd.dx_slots_fp8
-    busy = plan.tile_expert_NT.lt(num_experts).sum().item()
-    q_ref, s_ref = quant.quantize_tile_cols(rows, plan, top_k)
-    alone = gemm(*operands)
-    out, (q, s) = gemm(*operands, tile_cols=(rows, plan, top_k, None), beside=True)
-    routed = plan.offsets_E1[-1].item()
-    if host == "dx":  # (the slots of dropped rows are not written)
-        kept = plan.row_slot_N[:routed].long()
-        out, alone = out[kept], alone[kept]
-    assert torch.equal(out, alone)
-    assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128]))
-    assert torch.equal(s[:busy], s_ref[:busy])
-    assert_scale_kind(s[:busy], scales)
-    if case == "edges":
-        assert q[3, :busy * 128].float().isnan().sum() == 1  # the NaN stays NaN, its group quantised by the rest
 
 
 @pytest.mark.gpu

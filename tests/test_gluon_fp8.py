@@ -426,9 +426,6 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "up_any_size": ("fp8_up", dict(sizes_divisible=False)), "wgrad": ("fp8_wgrad", {}),
             "wgrad_any_size": ("fp8_wgrad", dict(sizes_divisible=False)),
             "wide_wgrad": ("fp8_wgrad", dict(block_n=256)),
-            "wide_wgrad_tile_cols": ("fp8_wgrad", dict(block_n=256, tile_cols=True)),
-            "wide_wgrad_tile_cols_pow2": ("fp8_wgrad", dict(block_n=256, tile_cols=True, pow2=True)),
-            "wide_rows_dx_tile_cols": ("fp8_rows", dict(block_n=256, weighted=False, tile_cols=True)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
             "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
             "rows_down_traced": ("fp8_rows", dict(trace=True)), "up_traced": ("fp8_up", dict(trace=True)),
@@ -448,7 +445,7 @@ with ProcessPoolExecutor(os.cpu_count()) as pool:  # compiles side by side, one 
 # Register spills allowed per variant (bytes): the sorted-rows kernel's 256-column blocks with their stores deferred
 # under their own chains (two accumulators, the temporary in flight and a half block being stored) ten and four
 # registers; the up kernel's traced variant (the stamps' registers; no layer launches it) three.
-_SPILLS_ALLOWED = {"wide_rows_down": 40, "wide_rows_dh": 16, "up_traced": 12, "wide_rows_dx_tile_cols": 40}
+_SPILLS_ALLOWED = {"wide_rows_down": 40, "wide_rows_dh": 16, "up_traced": 12}
 
 
 def test_fp8_kernels_compile_for_sm90a_without_spills():
@@ -491,28 +488,23 @@ def test_fp8_launchers_pass_each_kernel_exactly_its_parameters(monkeypatch):
                                            (256, torch.ones(rows), torch.zeros(rows, dtype=torch.int64), None)):
         f.fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, torch.zeros(rows, 512, dtype=torch.bfloat16), plan, weights=weights,
                            to_slots=True, row_dest=row_dest, block_n=block_n, trace=tr)
-    tiles = plan.tile_expert_NT.numel()
-    side = (torch.zeros(rows // 2, dim, dtype=torch.bfloat16), plan, 2,
-            (torch.zeros(dim, tiles * 128, dtype=e4m3), torch.zeros(tiles, dim)))
-    f.fp8_rows_gemm_ws(a_q, a_s, w_q, w_s, torch.zeros(rows, 512, dtype=torch.bfloat16), plan, to_slots=True,
-                       block_n=256, tile_cols=side)
     w13_q, w13_s = torch.zeros(num_experts, 2 * inter, dim, dtype=e4m3), torch.zeros(num_experts, 4, dim // 128)
     h = torch.zeros(rows, inter, dtype=e4m3), torch.zeros(inter // 128, rows)
     for h_out, preact, tr in ((h, None, None), (h, torch.zeros(rows, 2 * inter, dtype=torch.bfloat16), trace),
                               ((None, None), torch.zeros(rows, 2 * inter, dtype=torch.bfloat16), None)):
         f.fp8_up_swiglu_ws(a_q[:rows // 2], a_s[:, :rows // 2], w13_q, w13_s, *h_out, plan, 2, preact, trace=tr)
+    tiles = plan.tile_expert_NT.numel()
     cols = torch.zeros(512, tiles * 128, dtype=e4m3), torch.zeros(tiles, 512)
-    for block_n, by_size, tr, tile_cols in ((128, False, None, None), (256, True, trace, None),
-                                            (256, False, None, side)):
+    for block_n, by_size, tr in ((128, False, None), (256, True, trace)):
         f.fp8_wgrad_ws(*cols, *cols, torch.zeros(num_experts, 512, 512, dtype=torch.bfloat16), plan.offsets_E1,
-                       block_n, by_size=by_size, tile_cols=tile_cols, trace=tr)
+                       block_n, by_size=by_size, trace=tr)
     preact, dh = torch.zeros(rows, 2 * inter, dtype=torch.bfloat16), torch.zeros(rows, inter, dtype=torch.bfloat16)
     dz_q, dz_s = torch.zeros(rows, 2 * inter, dtype=e4m3), torch.zeros(2 * inter // 128, rows)
     dz_t = torch.zeros(2 * inter, tiles * 128, dtype=e4m3), torch.zeros(tiles, 2 * inter)
     hw_t = torch.zeros(inter, tiles * 128, dtype=e4m3), torch.zeros(tiles, inter)
     f.fp8_act_tile_cols_ws(preact, dh, torch.ones(rows), plan, torch.zeros(inter // 64, rows), dz_q, dz_s, dz_t, hw_t,
                            64)
-    assert_launches_pass_parameters(launched, 11)
+    assert_launches_pass_parameters(launched, 9)
 
 
 def test_wgrad_block_n_defaults_where_it_divides_and_refuses_otherwise():

@@ -160,20 +160,15 @@ def test_fp8_wgrad_backward_writes_x_tile_columns_over_the_saved_products(monkey
 
     monkeypatch.setattr(megamoe.autograd, "FP8_WGRAD", True)
     monkeypatch.setattr(backward_fp8, "act_bwd_from_preact", lambda *a, **k: pytest.fail("ran the bf16 act step"))
-    over_products = []  # per tile-column copy: whether it was written into memory handed to it
+    original = backward_fp8.quantize_tile_cols
+    over_products = []  # per tile-column quantisation: whether it wrote into memory handed to it
 
-    def spy(fn):  # dy's come with dx, x's with dW2 (beside their MMAs on sm90)
-        def with_tile_cols(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            if "tile_cols" in kwargs:
-                q, over = out[1][0], kwargs["tile_cols"][3]
-                over_products.append(over is not None
-                                     and q.untyped_storage().data_ptr() == over.untyped_storage().data_ptr())
-            return out
-        return with_tile_cols
+    def spy(a, plan, top_k=None, over=None):
+        q, s = original(a, plan, top_k, over=over)
+        over_products.append(over is not None and q.untyped_storage().data_ptr() == over.untyped_storage().data_ptr())
+        return q, s
 
-    monkeypatch.setattr(backward_fp8, "dx_slots_fp8", spy(backward_fp8.dx_slots_fp8))
-    monkeypatch.setattr(backward_fp8, "wgrad_fp8", spy(backward_fp8.wgrad_fp8))
+    monkeypatch.setattr(backward_fp8, "quantize_tile_cols", spy)
     # products (300, 256) against x's tile columns for 5 plan tiles (128 x 640 bytes and 5 x 128 scales): they fit
     x, idx, w, w13, w2, dy = make_problem(150, 128, 128, 2, 2, "dropped", device=DEVICE)
     layer = functools.partial(megamoe.moe, save_for_backward="preact", precision="fp8")

@@ -123,9 +123,9 @@ def main(argv=None, device: str = "cuda") -> None:
 
     def fp8_wgrads():  # what the FP8 backward runs with autograd.FP8_WGRAD and bf16 runs without it
         expert_bwd.dh_fp8_from_rows(dy, w2tq, w2ts, plan, plan, top_k, torch.bfloat16)
-        dyt_ = quant.quantize_tile_cols(dy, plan, top_k)
+        xt_, dyt_ = quant.quantize_tile_cols(x, plan, top_k), quant.quantize_tile_cols(dy, plan, top_k)
         _, _, _, dzt_, hwt_ = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k)
-        _, xt_ = expert_bwd.wgrad_fp8(*dyt_, *hwt_, plan, torch.bfloat16, tile_cols=(x, plan, top_k, None))
+        expert_bwd.wgrad_fp8(*dyt_, *hwt_, plan, torch.bfloat16)
         expert_bwd.wgrad_fp8(*dzt_, *xt_, plan, torch.bfloat16)
         combine(dx_slots, idx, torch.bfloat16)
 
@@ -227,30 +227,6 @@ def main(argv=None, device: str = "cuda") -> None:
         layer = name + " FP8" + (" (256 columns)" if wide else "")
         twins.update({stage[0]: (layer, lambda out: out) for stage in stages
                       if stage[0].startswith(name + " FP8") and stage[0] != layer})
-    def dw2_then_x_tile_cols():
-        return expert_bwd.wgrad_fp8(*dyt, *hwt, plan, torch.bfloat16), quant.quantize_tile_cols(x, plan, top_k)
-
-    def dx_then_dy_tile_cols():
-        return (expert_bwd.dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, torch.bfloat16),
-                quant.quantize_tile_cols(dy, plan, top_k))
-
-    # x's tile columns beside dW2's MMAs and dy's beside dx's (the layer's), against each GEMM and then the quantiser:
-    # the same bits (dx's routed slots, the busy tiles)
-    busy = int(plan.tile_expert_NT.lt(num_experts).sum())
-    stages += [
-        ("x's tile columns beside dW2 (FP8)", lambda: expert_bwd.wgrad_fp8(
-            *dyt, *hwt, plan, torch.bfloat16, tile_cols=(x, plan, top_k, None), beside=True), down_flops, None,
-         None),
-        ("dW2 (FP8), then x's tile columns", dw2_then_x_tile_cols, down_flops, None, None),
-        ("dy's tile columns beside dx (FP8)", lambda: expert_bwd.dx_slots_fp8(
-            dzq, dzs, w13tq, w13ts, plan, torch.bfloat16, tile_cols=(dy, plan, top_k, None), beside=True), up_flops,
-         None, None),
-        ("dx (FP8), then dy's tile columns", dx_then_dy_tile_cols, up_flops, None, None),
-    ]
-    twins["x's tile columns beside dW2 (FP8)"] = ("dW2 (FP8), then x's tile columns",
-                                                  lambda out: (out[0], out[1][0][:, :busy * 128], out[1][1][:busy]))
-    twins["dy's tile columns beside dx (FP8)"] = ("dx (FP8), then dy's tile columns", lambda out: (
-        out[0][kept_slots], out[1][0][:, :busy * 128], out[1][1][:busy]))
     stages += [
         ("dW13 bf16", lambda: expert_bwd.expert_wgrad(dz, x_sorted, plan, torch.bfloat16, gemm="dw13"), up_flops,
          None, None),

@@ -50,9 +50,7 @@ FP8_WS_VARIANTS = (("fp8_rows_ws", "fp8_rows", {}), ("fp8_up_ws", "fp8_up", {}),
                    ("fp8_rows_ws", "fp8_rows", {"block_n": 256}), ("fp8_wgrad_ws", "fp8_wgrad", {"block_n": 256}),
                    # an expert-parallel owner's: rows to their sources' slots (the down projection, dx)
                    ("fp8_rows_ws", "fp8_rows", {"block_n": 256, "row_dest": True}),
-                   ("fp8_rows_ws", "fp8_rows", {"block_n": 256, "row_dest": True, "weighted": False}),
-                   # dW2 with x's tile columns made beside its MMAs (the layer's)
-                   ("fp8_wgrad_ws", "fp8_wgrad", {"block_n": 256, "tile_cols": True}))
+                   ("fp8_rows_ws", "fp8_rows", {"block_n": 256, "row_dest": True, "weighted": False}))
 _FP8_POINTER_TYPES = {"out_ptr": "*bf16", "preact_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
                       "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32", "b_scale_ptr": "*fp32"}
 _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot_ptr": "*i32",

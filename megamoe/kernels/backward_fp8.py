@@ -21,7 +21,7 @@ from megamoe.kernels.expert_bwd import (
 )
 from megamoe.kernels.expert_fwd import up_products_fp8
 from megamoe.kernels.plan import Plan
-from megamoe.kernels.quant import fp8_weight, quantize_rows
+from megamoe.kernels.quant import fp8_weight, quantize_rows, quantize_tile_cols
 
 
 def preact_buffer(x: Tensor, num_rows: int, w13: Tensor) -> Tensor:
@@ -41,8 +41,8 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     memory modes compute the same gradients; without its h output) and the act step run on them; the weight
     gradients from the unquantised rows in x's dtype (exact products, fp32 accumulation), or with ``fp8_wgrad`` from
     those rows quantised 128x1: x's and dy's read from their rows (no sorted copies), dz's and h·w's by the act step
-    (``expert_bwd.act_bwd_tile_cols``: on sm90 neither is written in x's dtype), dy's beside dx's MMAs and x's
-    beside dW2's (over handed-over products), the weight gradients after dx.
+    (``expert_bwd.act_bwd_tile_cols``: on sm90 neither is written in x's dtype), and dx before dW13, x's tile
+    columns made just before it (over handed-over products).
 
     ``dy``, ``x``: rows in x's dtype, each sorted row read from row ``row_slot[r] // top_k`` (the tokens' rows, or
     with ``top_k`` 1 and the identity row map rows already sorted: an owner's received rows); ``weights_TK``: the
@@ -63,6 +63,7 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     assert rows_from is None or fp8_wgrad, "rows_from: the FP8 weight gradients' reads only"
     read_plan, read_top_k = rows_from or (plan, top_k)
     if fp8_wgrad:  # the weight gradients read x and dy from their rows: no sorted bf16 copies
+        dy_t = quantize_tile_cols(dy, read_plan, read_top_k)
         dh_NI = dh_fp8_from_rows(dy, w2tq, w2ts, plan, read_plan, read_top_k, x.dtype, gather=rows_from is not None)
     else:
         x_sorted, dy_sorted, dyq, dys = gather_rows(x, dy, plan, top_k, quantize_dy=True)
@@ -81,18 +82,15 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     if fp8_wgrad:  # dz and h·w straight into their FP8 copies
         dweight_TK, dzq, dzs, dz_t, hw_t = act_bwd_tile_cols(preact, dh_NI, weights_TK, plan, top_k)
         del dh_NI, preact
-        # dx first, dy's tile columns beside its MMAs (``expert_bwd.dx_slots_fp8``); then dW2, x's beside its MMAs
-        # (``expert_bwd.wgrad_fp8``); then dW13. dz's 1x128 rows and dx's slot rows are freed before the weight
-        # gradients' outputs exist: the backward's peak (at dW13) holds dz's and x's tile columns beside the weight
-        # gradients and dx, nothing more.
-        dx_slots_ND, dy_t = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype, dest=dx_dest,
-                                         tile_cols=(dy, read_plan, read_top_k, None))
+        dw2 = wgrad_fp8(*dy_t, *hw_t, plan, w2.dtype)
+        del dy_t, hw_t
+        # dx before dW13, dz's 1x128 rows and dx's slot rows freed before dW13's output exists: the backward's
+        # peak (at dW13) holds dz's and x's tile columns beside the weight gradients and dx, nothing more.
+        dx_slots_ND = dx_slots_fp8(dzq, dzs, w13tq, w13ts, plan, x.dtype, dest=dx_dest)
         del dzq, dzs
         dx = dx_rows(dx_slots_ND, dweight_TK)
         del dx_slots_ND
-        dw2, x_t = wgrad_fp8(*dy_t, *hw_t, plan, w2.dtype, tile_cols=(x, read_plan, read_top_k, products_over))
-        del dy_t, hw_t
-        dw13 = wgrad_fp8(*dz_t, *x_t, plan, w13.dtype)
+        dw13 = wgrad_fp8(*dz_t, *quantize_tile_cols(x, read_plan, read_top_k, over=products_over), plan, w13.dtype)
         return dx, dweight_TK, dw13, dw2
     dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights_TK, plan, top_k, quant_dz=True,
                                                              dz_over_preact=reuse_preact)

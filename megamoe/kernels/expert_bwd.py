@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.env import fp8_pow2_scales, fp8_tile_cols_beside_requested
+from megamoe.env import fp8_pow2_scales
 from megamoe.kernels.combine import combine
 from megamoe.kernels.common import (
     busy_tiles,
@@ -61,8 +61,6 @@ from megamoe.kernels.gluon_fp8_sm90 import (
     fp8_act_tile_cols_ws,
     fp8_wgrad_ws,
     fp8_ws_supported,
-    rows_block_n,
-    wgrad_block_n,
 )
 from megamoe.kernels.gluon_sm90 import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
 from megamoe.kernels.plan import BLOCK_M, Plan
@@ -74,10 +72,6 @@ from megamoe.kernels.quant import (
     tile_cols_outputs,
 )
 from megamoe.kernels.tuning import TunedKernel, configs
-
-# Whether ``dx_slots_fp8`` and ``wgrad_fp8`` quantise the rows their ``tile_cols`` name beside their GEMM's MMAs on
-# sm90 (``env.fp8_tile_cols_beside_requested``; their ``beside`` argument overrides it).
-TILE_COLS_BESIDE = fp8_tile_cols_beside_requested()
 
 
 @triton.jit
@@ -542,25 +536,11 @@ def dh_fp8_from_rows(dy_TD, w2tq_EID, w2ts, plan: Plan, read_plan: Plan, top_k: 
 
 
 def dx_slots_fp8(dzq_NH, dzs, w13tq_EDH, w13ts, plan: Plan, out_dtype: torch.dtype,
-                 dest: tuple[torch.Tensor, torch.Tensor] | None = None, tile_cols: tuple | None = None,
-                 beside: bool | None = None):
+                 dest: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``dx_slots`` on blockwise FP8 operands: dz in e4m3 with its (2I/128, N) scales, and w13's transposed copy
     (E, D, 2I) in e4m3 with its (E, D/128, 2I/128) block scales; the rows in ``out_dtype``; ``dest``: as for
-    ``expert_fwd.sorted_rows_gemm``. ``tile_cols`` = (rows, read_plan, top_k, over): also ``quantize_tile_cols(rows,
-    read_plan, top_k, over=over)``, with ``beside`` (None: ``TILE_COLS_BESIDE``) beside the GEMM's MMAs where the
-    Gluon kernel runs in 256-column blocks and rows are bf16, else after it; returns (dx's slot rows, that (q, s))
-    then."""
-    if tile_cols is None:
-        return sorted_rows_gemm_fp8(DX_FP8, dzq_NH, dzs, w13tq_EDH, w13ts, None, plan, out_dtype, dest=dest)
-    rows, read_plan, top_k, over = tile_cols
-    if (TILE_COLS_BESIDE if beside is None else beside) and (
-            dzq_NH.shape[0] and fp8_ws_supported(dzq_NH, out_dtype) and rows.dtype == torch.bfloat16
-            and rows_block_n(w13tq_EDH.shape[1]) == 2 * FP8_BN):
-        out = tile_cols_outputs(rows.shape[1], read_plan, rows.device, over)
-        return sorted_rows_gemm_fp8(DX_FP8, dzq_NH, dzs, w13tq_EDH, w13ts, None, plan, out_dtype, dest=dest,
-                                    tile_cols=(rows, read_plan, top_k, out)), out
-    return (sorted_rows_gemm_fp8(DX_FP8, dzq_NH, dzs, w13tq_EDH, w13ts, None, plan, out_dtype, dest=dest),
-            quantize_tile_cols(rows, read_plan, top_k, over=over))
+    ``expert_fwd.sorted_rows_gemm``."""
+    return sorted_rows_gemm_fp8(DX_FP8, dzq_NH, dzs, w13tq_EDH, w13ts, None, plan, out_dtype, dest=dest)
 
 
 def _slot_rows(plan: Plan) -> torch.Tensor:
@@ -663,39 +643,23 @@ def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, *, gemm: str | 
 
 
 def wgrad_fp8(aq_PL, as_TP, bq_QL, bs_TQ, plan: Plan, out_dtype: torch.dtype, block_n: int | None = None,
-              by_size: bool | None = None, tile_cols: tuple | None = None, beside: bool | None = None):
+              by_size: bool | None = None) -> torch.Tensor:
     """``expert_wgrad`` on FP8 operands in tile columns (``quant.quantize_tile_cols``: a's (P, NT*128) e4m3 and
     (NT, P) fp32 scales, b's the same with Q): (E, P, Q) in ``out_dtype``, an expert without rows exact zeros. On
     sm90 with a bf16 output through the warp-specialized Gluon kernel (``gluon_fp8_sm90_details.wgrad``, its
     block width ``block_n``: ``gluon_fp8_sm90.wgrad_block_n``; ``by_size``: its blocks' order, as
-    ``gluon_fp8_sm90.fp8_wgrad_ws`` takes it), elsewhere ``WGRAD_FP8``. P and Q multiples of 128.
-
-    ``tile_cols`` = (rows, read_plan, top_k, over): also ``quantize_tile_cols(rows, read_plan, top_k, over=over)``,
-    with ``beside`` (None: ``TILE_COLS_BESIDE``) beside the GEMM's MMAs where the Gluon kernel runs in 256-column
-    blocks and rows are bf16 (its side partition, ``gluon_fp8_sm90_details.tile_cols``: the same bits), else after it;
-    returns (dW, that (q, s)) then."""
+    ``gluon_fp8_sm90.fp8_wgrad_ws`` takes it), elsewhere ``WGRAD_FP8``. P and Q multiples of 128."""
     p, q = aq_PL.shape[0], bq_QL.shape[0]
     num_experts = plan.offsets_E1.numel() - 1
     dw = torch.empty(num_experts, p, q, device=aq_PL.device, dtype=out_dtype)
-    side = None
     if fp8_ws_supported(aq_PL, out_dtype):
-        if ((TILE_COLS_BESIDE if beside is None else beside) and tile_cols is not None
-                and tile_cols[0].dtype == torch.bfloat16
-                and wgrad_block_n(q, block_n) == 2 * FP8_BN):  # (at 128 columns its buffers do not fit)
-            rows, read_plan, top_k, over = tile_cols
-            side = (rows, read_plan, top_k, tile_cols_outputs(rows.shape[1], read_plan, rows.device, over))
-        fp8_wgrad_ws(aq_PL, as_TP, bq_QL, bs_TQ, dw, plan.offsets_E1, block_n, by_size=by_size, tile_cols=side)
-    else:
-        WGRAD_FP8[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
-            a_desc=descriptor(aq_PL), b_desc=descriptor(bq_QL), a_scale_ptr=as_TP, b_scale_ptr=bs_TQ, out_ptr=dw,
-            offsets_ptr=plan.offsets_E1, P=p, Q=q, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, dtype=FP8,
-        )
-    if tile_cols is None:
+        fp8_wgrad_ws(aq_PL, as_TP, bq_QL, bs_TQ, dw, plan.offsets_E1, block_n, by_size=by_size)
         return dw
-    if side is None:
-        rows, read_plan, top_k, over = tile_cols
-        return dw, quantize_tile_cols(rows, read_plan, top_k, over=over)
-    return dw, side[3]
+    WGRAD_FP8[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
+        a_desc=descriptor(aq_PL), b_desc=descriptor(bq_QL), a_scale_ptr=as_TP, b_scale_ptr=bs_TQ, out_ptr=dw,
+        offsets_ptr=plan.offsets_E1, P=p, Q=q, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, dtype=FP8,
+    )
+    return dw
 
 
 def expert_wgrad_and_combine(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, slots_ND, topk_idx_TK,

@@ -319,25 +319,22 @@ def down_fwd(h_NI, w2_EDI, topk_weights_TK, plan: Plan) -> torch.Tensor:
 
 
 def sorted_rows_gemm_fp8(kernel: TunedKernel, a_NK, a_s, w_E, w_s, weights_N, plan: Plan, out_dtype: torch.dtype, *,
-                         block_n: int | None = None, dest: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         tile_cols: tuple | None = None) -> torch.Tensor:
+                         block_n: int | None = None,
+                         dest: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``sorted_rows_gemm`` of a SCALED ``kernel`` (DOWN_FP8, DH_FP8 or DX_FP8) on blockwise FP8 operands: a (N, K)
     e4m3 sorted rows with their (K/128, N) scales, w (E, n_out, K) e4m3 with its (E, n_out/128, K/128) block scales;
     the output in ``out_dtype``. On sm90 with a bf16 output through the warp-specialized Gluon kernel
     (``gluon_fp8_sm90``), which ``kernel``'s constants configure (weighted, to slot rows), in blocks of ``block_n``
     columns (None: the kernel's default, ``gluon_fp8_sm90.fp8_rows_gemm_ws``).
-    ``dest``: as for ``sorted_rows_gemm`` (DOWN_FP8, DX_FP8; ``base`` in ``out_dtype``). ``tile_cols`` = (rows (T, C)
-    bf16, its plan, top_k, (q, s)): the Gluon kernel also quantises those rows into the tile columns q and s beside its
-    MMAs (at 256 columns; ``gluon_fp8_sm90.fp8_rows_gemm_ws``), which the caller has checked it runs."""
+    ``dest``: as for ``sorted_rows_gemm`` (DOWN_FP8, DX_FP8; ``base`` in ``out_dtype``)."""
     num_slots, n_out = a_NK.shape[0], w_E.shape[1]
     if not (num_slots and fp8_ws_supported(a_NK, out_dtype)):
-        assert tile_cols is None, "rows into tile columns beside the Gluon kernel only"
         return sorted_rows_gemm(kernel, a_NK, w_E, weights_N, plan, n_out, scales=(a_s, w_s), out_dtype=out_dtype,
                                 dest=dest)
     out = torch.empty(num_slots, n_out, device=a_NK.device, dtype=out_dtype) if dest is None else dest[0]
     fp8_rows_gemm_ws(a_NK, a_s, w_E, w_s, out, plan, weights=None if weights_N is None else weights_N.float(),
                      to_slots=kernel.constants["TO_SLOTS"], row_dest=None if dest is None else dest[1],
-                     block_n=block_n, tile_cols=tile_cols)
+                     block_n=block_n)
     return out
 
 

@@ -41,10 +41,6 @@ Partitions of each kernel:
   and up chains have no registers for a second temporary either. A warpgroup whose 64 rows all lie past its
   expert's end (the last tile of an expert) skips its MMAs and epilogue.
 
-A fourth partition (two warps in the loader's warpgroup) may quantise rows into tile columns beside the MMAs of the
-sorted-rows or weight-gradient kernel (``tile_cols=``; ``gluon_fp8_sm90_details.tile_cols``): the FP8 weight gradients'
-operands x and dy, made under the backward's dx and dW2 instead of in passes of their own.
-
 The weight-gradient kernel has the sorted-rows kernel's partitions, with both operands K-major along the tokens
 (``quant.quantize_tile_cols``): a K-step is one plan tile of the block's expert, and its promotion multiplies by the
 outer product of A's scales of the block's rows and B's of its columns (both copied into the stage). At 128
@@ -53,7 +49,7 @@ default where Q allows) they run two column halves without; they store their blo
 
 See ``fp8_rows_gemm_ws``, ``fp8_up_swiglu_ws``, ``fp8_wgrad_ws`` and ``fp8_act_tile_cols_ws`` (the FP8 weight
 gradients' act step) for the four launchers; the kernels are in ``gluon_fp8_sm90_details`` (``rows``, ``up``,
-``wgrad``, ``act``, the side partition ``tile_cols``, and their shared device helpers in ``common``).
+``wgrad``, ``act``, and their shared device helpers in ``common``).
 """
 
 from __future__ import annotations
@@ -120,15 +116,6 @@ SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory per block on the H200 (sm
 WGRAD_STAGES = 5
 WGRAD_BLOCK_N = 256
 WGRAD_WIDE_STAGES = 3
-# Rows quantised into tile columns beside a GEMM's MMAs (``tile_cols=`` of ``fp8_wgrad_ws`` and ``fp8_rows_gemm_ws``:
-# x's copy under dW2, dy's under dx): two more warps in the loader's warpgroup (the kernel stays at 12 warps and 168
-# registers), which then has (64 K - 2 x 128 x 232) / 128 = 48 registers per thread for the loader and them. Their
-# units' buffers (count, columns): the weight-gradient kernel's two of 64 columns (16 KB each: 181 + 32 KB at 256
-# columns), the sorted-rows kernel's three of 16 (4 KB each: its 256-column ring leaves 15 KB).
-TILE_COLS_WARPS = 4 - ROWS_LOADER_WARPS - 1
-TILE_COLS_REGS = 48
-WGRAD_TILE_COLS_BUFS = (2, 64)
-ROWS_TILE_COLS_BUFS = (3, 16)
 # The FP8 weight gradients' act step (``act.act_tile_cols_kernel``): rows per block of its first pass, and warps.
 ACT_BM = 16
 ACT_WARPS = 8
@@ -155,29 +142,6 @@ def _fp8_desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, _fp8_layout(tuple(block)))
 
 
-def _tile_cols_args(tile_cols: tuple | None, num_tiles: int, bufs: tuple[int, int], idle: torch.Tensor) -> dict:
-    """A launch's side_* and SIDE* arguments for ``tile_cols`` = (rows, plan, top_k, (q, s)): rows (T, C) bf16
-    contiguous, C a multiple of 128, quantised into tile columns q (C, num_tiles * 128) and s (num_tiles, C) beside the
-    MMAs (``gluon_fp8_sm90_details.tile_cols``, in ``bufs`` = (count, columns) unit buffers); None: no side partition,
-    ``idle`` (any tensor) in the pointers' place, never read."""
-    if tile_cols is None:
-        return {"side_a_ptr": idle, "side_q_ptr": idle, "side_s_ptr": idle, "side_row_slot_ptr": idle,
-                "side_offsets_ptr": idle, "side_tile_expert_ptr": idle, "side_tile_row_ptr": idle, "side_C": 0,
-                "side_E": 0, "side_top_k": 1, "side_tiles": 0, "SIDE": False, "SIDE_EB": 1, "SIDE_BUFS": bufs[0],
-                "SIDE_COLS": bufs[1], "SIDE_WARPS": TILE_COLS_WARPS}
-    rows, plan, top_k, (q, s) = tile_cols
-    cols = rows.shape[1]
-    assert rows.dtype == torch.bfloat16 and rows.is_contiguous() and cols % SCALE_BLOCK == 0
-    assert plan.tile_expert_NT.numel() == num_tiles and q.shape == (cols, num_tiles * BLOCK_M)
-    assert s.shape == (num_tiles, cols)
-    num_experts = plan.offsets_E1.numel() - 1
-    return {"side_a_ptr": rows, "side_q_ptr": q, "side_s_ptr": s, "side_row_slot_ptr": plan.row_slot_N,
-            "side_offsets_ptr": plan.offsets_E1, "side_tile_expert_ptr": plan.tile_expert_NT,
-            "side_tile_row_ptr": plan.tile_row_NT, "side_C": cols, "side_E": num_experts, "side_top_k": top_k,
-            "side_tiles": num_tiles, "SIDE": True, "SIDE_EB": triton.next_power_of_2(num_experts),
-            "SIDE_BUFS": bufs[0], "SIDE_COLS": bufs[1], "SIDE_WARPS": TILE_COLS_WARPS}
-
-
 def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether these kernels run for FP8 operands on ``t``'s device with outputs (and saved products) in
     ``out_dtype``: an sm90 GPU and bf16."""
@@ -187,7 +151,7 @@ def fp8_ws_supported(t: torch.Tensor, out_dtype: torch.dtype) -> bool:
 def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                      plan, *, weights: torch.Tensor | None = None, to_slots: bool = False,
                      row_dest: torch.Tensor | None = None, block_n: int | None = None,
-                     tile_cols: tuple | None = None, trace: torch.Tensor | None = None) -> None:
+                     trace: torch.Tensor | None = None) -> None:
     """out (M, N) bf16 = the blockwise-dequantised a (M, K) in sorted rows times each row's expert weight
     w[e] (E, N, K)ᵀ, through ``rows_ws_kernel``; row r into row ``plan.row_slot_N[r]`` if ``to_slots``, else
     r; times ``weights[row_slot[r]]`` (fp32, (M,) by slot) if given. Only the plan's routed rows are written.
@@ -199,8 +163,7 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     block's stores run under the warpgroup's next block's first MMA. 256 columns run without issue-ahead, their stores
     under the block's own chains (``rows._rows_main_wide``).
     ``trace``: the block trace (``gluon_sm90.trace_args``, ``TRACE_BLOCKS``; untraced launches compile without its
-    stamps). ``tile_cols``: rows quantised into tile columns beside the MMAs, as for ``fp8_wgrad_ws`` (at 256 columns
-    only: at 128 the ring leaves no room for the buffers).
+    stamps).
 
     a_q (M, K) float8_e4m3fn contiguous, a_s (K // 128, M) fp32 contiguous, w_q (E, N, K) float8_e4m3fn
     contiguous, w_s (E, N // 128, K // 128) fp32 contiguous; K and N multiples of 128; M >= 1; an sm90 GPU;
@@ -214,7 +177,6 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     assert out.shape == (num_rows, n_out) if row_dest is None else (row_dest.dtype == torch.int64 and to_slots
                                                                      and row_dest.numel() >= num_rows)
     block_n = rows_block_n(n_out, block_n)
-    assert tile_cols is None or block_n == 2 * FP8_BN, "rows into tile columns beside 256-column blocks only"
     rows_ws_kernel[(sm_count(a_q.device.index),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), w_desc=_fp8_desc(w_q, [1, block_n, FP8_BK]), a_s_ptr=a_s,
         w_s_ptr=w_s, out_ptr=out, weights_ptr=weights if weights is not None else a_s, row_slot_ptr=plan.row_slot_N,
@@ -222,10 +184,8 @@ def fp8_rows_gemm_ws(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
         tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, M=num_rows, N_OUT=n_out, K=k_dim,
         E=num_experts, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, WEIGHTED=weights is not None,
         TO_SLOTS=to_slots, **trace_args(trace, out),
-        **_tile_cols_args(tile_cols, plan.tile_expert_NT.numel(), ROWS_TILE_COLS_BUFS, a_s), POW2=fp8_pow2_scales(),
         STAGES=ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES, LOADER_WARPS=ROWS_LOADER_WARPS,
-        MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS if tile_cols is None else TILE_COLS_REGS,
-        num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
+        MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
 def block_width(kernel: str, n: int, block_n: int | None, default: int) -> int:
@@ -286,7 +246,7 @@ def wgrad_block_n(q: int, block_n: int | None = None) -> int:
 
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
                  offsets: torch.Tensor, block_n: int | None = None, *, by_size: bool | None = None,
-                 tile_cols: tuple | None = None, trace: torch.Tensor | None = None) -> None:
+                 trace: torch.Tensor | None = None) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``wgrad_ws_kernel``; an expert without rows gets zeros.
 
@@ -294,11 +254,7 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
     multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``block_n``: the output block's
     width (``wgrad_block_n``); ``by_size``: the blocks dealt in order of their experts' rows (None:
-    ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block trace, as for ``fp8_rows_gemm_ws``.
-
-    ``tile_cols`` = (rows, plan, top_k, (q, s)): beside the MMAs, ``quant.quantize_tile_cols(rows, plan, top_k)`` into q
-    and s (``quant.tile_cols_outputs``), the same bits (``gluon_fp8_sm90_details.tile_cols``): rows (T, C) bf16
-    contiguous, C a multiple of 128, ``plan`` over the same tiles as the operands."""
+    ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block trace, as for ``fp8_rows_gemm_ws``."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
     assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -307,16 +263,13 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     block_n = wgrad_block_n(q, block_n)
     tiles = num_experts * (p // FP8_BM) * (q // block_n)
     block = [1, FP8_BM // 2, FP8_BN]  # one MMA warpgroup's rows, the columns of one store
-    programs = sm_count(a_q.device.index) if tile_cols is not None else min(tiles, sm_count(a_q.device.index))
-    wgrad_ws_kernel[(programs,)](
+    wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [block_n, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
         Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
         STAGES=WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, **wgrad_by_size(offsets, by_size),
-        **trace_args(trace, a_s), **_tile_cols_args(tile_cols, num_tiles, WGRAD_TILE_COLS_BUFS, a_s),
-        POW2=fp8_pow2_scales(), LOADER_WARPS=ROWS_LOADER_WARPS, MMA_REGS=MATH_REGS,
-        LOADER_REGS=ROWS_LOADER_REGS if tile_cols is None else TILE_COLS_REGS, num_warps=MATH_WARPS,
-        maxnreg=FP8_MAXNREG)
+        **trace_args(trace, a_s), LOADER_WARPS=ROWS_LOADER_WARPS,
+        MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
 def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.Tensor, plan,
@@ -354,8 +307,7 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
-                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False,
-                tile_cols: bool = False):
+                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
     it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
@@ -365,8 +317,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
     (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
-    sorted-rows, up or weight-gradient kernel; ``tile_cols``: the sorted-rows or weight-gradient kernel with rows
-    quantised into tile columns beside its MMAs."""
+    sorted-rows, up or weight-gradient kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -375,21 +326,14 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
     common = {"EB": 128, "TILE_M": BLOCK_M, "num_warps": MATH_WARPS}
-
-    def side(bufs):  # the side partition's constants (``_tile_cols_args``)
-        return {"SIDE": tile_cols, "SIDE_EB": 128, "SIDE_BUFS": bufs[0], "SIDE_COLS": bufs[1], "POW2": pow2,
-                "SIDE_WARPS": TILE_COLS_WARPS}
-
-    side_pointers = {"side_a_ptr": "*bf16", "side_q_ptr": "*fp8e4nv", "side_s_ptr": "*fp32"}
     if name == "fp8_rows":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "w_desc": [1, block_n, FP8_BK]}
         constexprs = {**common, "WEIGHTED": weighted, "TO_SLOTS": to_slots, "TRACE": trace,
                       "STAGES": ROWS_STAGES if block_n == FP8_BN else ROWS_WIDE_STAGES,
-                      "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS,
-                      "LOADER_REGS": TILE_COLS_REGS if tile_cols else ROWS_LOADER_REGS, **side(ROWS_TILE_COLS_BUFS)}
+                      "LOADER_WARPS": ROWS_LOADER_WARPS, "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         pointers = {"a_s_ptr": "*fp32", "w_s_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32",
-                    "row_dest_ptr": "*i64" if row_dest else "*i32", "trace_ptr": "*i64", **side_pointers}
-        sizes = {"N_OUT", "K", "side_C"}
+                    "row_dest_ptr": "*i64" if row_dest else "*i32", "trace_ptr": "*i64"}
+        sizes = {"N_OUT", "K"}
     elif name == "fp8_act":
         blocks = {}
         constexprs = {"TILE_M": BLOCK_M, "BM": ACT_BM, "PART_COLS": 64,  # expert_bwd.PART_COLS
@@ -403,10 +347,10 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS,
                       "STAGES": WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, "TRACE": trace,
                       "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size, "MMA_REGS": MATH_REGS,
-                      "LOADER_REGS": TILE_COLS_REGS if tile_cols else ROWS_LOADER_REGS, **side(WGRAD_TILE_COLS_BUFS)}
+                      "LOADER_REGS": ROWS_LOADER_REGS}
         blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
-        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64", **side_pointers}
-        sizes = {"P", "Q", "side_C"}
+        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64"}
+        sizes = {"P", "Q"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
         constexprs = {**common, "PREACT": preact, "H_OUT": h_out, "POW2": pow2, "TRACE": trace,

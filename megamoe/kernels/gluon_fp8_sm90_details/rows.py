@@ -22,7 +22,6 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     ring,
     stage_ready,
 )
-from megamoe.kernels.gluon_fp8_sm90_details.tile_cols import tile_cols_partition
 from megamoe.kernels.gluon_sm90 import (
     block_index,
     count_busy_tiles,
@@ -337,13 +336,10 @@ def _rows_mma_partition(out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offset
 
 @gluon.jit
 def rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr,
-                        tile_expert_ptr, tile_row_ptr, trace_ptr, side_a_ptr, side_q_ptr, side_s_ptr,
-                        side_row_slot_ptr, side_offsets_ptr, side_tile_expert_ptr, side_tile_row_ptr, side_C, side_E,
-                        side_top_k, side_tiles, M, N_OUT, K, E, EB: gl.constexpr, TILE_M: gl.constexpr,
-                        WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, TRACE: gl.constexpr, SIDE: gl.constexpr,
-                        SIDE_EB: gl.constexpr, SIDE_BUFS: gl.constexpr, SIDE_COLS: gl.constexpr, POW2: gl.constexpr,
-                        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, SIDE_WARPS: gl.constexpr,
-                        MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                        tile_expert_ptr, tile_row_ptr, trace_ptr, M, N_OUT, K, E, EB: gl.constexpr,
+                        TILE_M: gl.constexpr, WEIGHTED: gl.constexpr, TO_SLOTS: gl.constexpr, TRACE: gl.constexpr,
+                        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
+                        LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """a_desc: A (M, K) fp8 in sorted rows, block (TILE_M, BK); w_desc: W (E, N_OUT, K) fp8, block (1, BN, BK);
     a_s (K // 128, M) and w_s (E, N_OUT // 128, K // 128) fp32; out (M, N_OUT) bf16: row r of the product
     into row ``row_slot[r]`` (TO_SLOTS) or r, times ``weights[row_slot[r]]`` (WEIGHTED, fp32 by slot); or, with
@@ -352,39 +348,21 @@ def rows_ws_kernel(a_desc, w_desc, a_s_ptr, w_s_ptr, out_ptr, weights_ptr, row_s
     knows the rows aligned for 16-byte stores); ``row_dest_ptr`` of another type is not read.
     Blocks: the plan's busy tiles (EB: a power of two >= E) times the N-blocks, one program per SM walking
     them. num_warps: one warpgroup (the first MMA partition); the kernel adds the second and the loader.
-    TRACE: stamps into trace_ptr (int64, see ``gluon_sm90.TRACE_BLOCKS``). SIDE: a fourth partition quantises the side_*
-    rows into tile columns beside the MMAs, as in ``wgrad.wgrad_ws_kernel``."""
+    TRACE: stamps into trace_ptr (int64, see ``gluon_sm90.TRACE_BLOCKS``)."""
     BN: gl.constexpr = w_desc.block_type.shape[1]
     num_n = N_OUT // BN
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
     # The weight block's scales per stage (one per 128 of its columns), each repeated across 64
     a_bufs, w_bufs, as_bufs, bs_bufs, ready, empty = ring(a_desc, w_desc, BN // 128, a_desc.block_type.shape[0] // 2,
                                                            STAGES, LOADER_WARPS)
-    if SIDE:
-        side_bufs = gl.allocate_shared_memory(gl.bfloat16, [SIDE_BUFS, TILE_M, SIDE_COLS],
-                                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        gl.warp_specialize([
-            (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr,
-                                   tile_row_ptr, ready, empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K,
-                                   num_n, work, 0, WEIGHTED, TO_SLOTS, TRACE, num_warps)),
-            (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr,
-                                   tile_row_ptr, ready, empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K,
-                                   num_n, work, 1, WEIGHTED, TO_SLOTS, TRACE, num_warps)),
-            (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs,
-                            w_bufs, as_bufs, bs_bufs, trace_ptr, M, N_OUT, K, num_n, work, TRACE, LOADER_WARPS)),
-            (tile_cols_partition, (side_a_ptr, side_q_ptr, side_s_ptr, side_row_slot_ptr, side_offsets_ptr,
-                                   side_tile_expert_ptr, side_tile_row_ptr, side_bufs, side_C, side_E, side_top_k,
-                                   side_tiles, SIDE_EB, POW2, SIDE_WARPS)),
-        ], [num_warps, LOADER_WARPS, SIDE_WARPS], [MMA_REGS, LOADER_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr,
-                                   tile_row_ptr, ready, empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K,
-                                   num_n, work, 0, WEIGHTED, TO_SLOTS, TRACE, num_warps)),
-            (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr,
-                                   tile_row_ptr, ready, empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K,
-                                   num_n, work, 1, WEIGHTED, TO_SLOTS, TRACE, num_warps)),
-            (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs,
-                            w_bufs, as_bufs, bs_bufs, trace_ptr, M, N_OUT, K, num_n, work, TRACE, LOADER_WARPS)),
-        ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
+    gl.warp_specialize([
+        (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr,
+                               tile_row_ptr, ready, empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K,
+                               num_n, work, 0, WEIGHTED, TO_SLOTS, TRACE, num_warps)),
+        (_rows_mma_partition, (out_ptr, weights_ptr, row_slot_ptr, row_dest_ptr, offsets_ptr, tile_expert_ptr,
+                               tile_row_ptr, ready, empty, a_bufs, w_bufs, as_bufs, bs_bufs, trace_ptr, N_OUT, K,
+                               num_n, work, 1, WEIGHTED, TO_SLOTS, TRACE, num_warps)),
+        (_rows_loader, (a_desc, w_desc, a_s_ptr, w_s_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs,
+                        as_bufs, bs_bufs, trace_ptr, M, N_OUT, K, num_n, work, TRACE, LOADER_WARPS)),
+    ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 

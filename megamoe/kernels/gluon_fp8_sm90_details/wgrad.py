@@ -18,7 +18,6 @@ from megamoe.kernels.gluon_fp8_sm90_details.common import (
     ring,
     stage_ready,
 )
-from megamoe.kernels.gluon_fp8_sm90_details.tile_cols import tile_cols_partition
 from megamoe.kernels.gluon_sm90 import (
     block_index,
     count_busy_tiles,
@@ -238,12 +237,8 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
 
 @gluon.jit
 def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr, by_size_ptr,
-                    side_a_ptr, side_q_ptr, side_s_ptr, side_row_slot_ptr, side_offsets_ptr, side_tile_expert_ptr,
-                    side_tile_row_ptr, side_C, side_E, side_top_k, side_tiles, EB: gl.constexpr,
-                    STAGES: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr, SIDE: gl.constexpr,
-                    SIDE_EB: gl.constexpr, SIDE_BUFS: gl.constexpr, SIDE_COLS: gl.constexpr,
-                    POW2: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                    SIDE_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                    EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
+                    LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                     num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B (Q,
     NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q) bf16,
@@ -251,11 +246,7 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     = E * P/BM * Q/BN output blocks, expert-major (the programs at work share one expert's operands in L2), one
     program per SM walking them (BY_SIZE: dealt in order of their experts' rows, ``gluon_sm90.wgrad_block``, by_size_ptr
     ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
-    trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``). SIDE: a fourth partition (SIDE_WARPS warps in the loader's
-    warpgroup, which then has LOADER_REGS registers per thread for both) quantises the side_* rows into tile columns
-    beside the MMAs (``tile_cols.tile_cols_partition``, its arguments without the prefix, its buffers SIDE_BUFS x
-    (BM, SIDE_COLS); SIDE_EB a power of two >= side_E; POW2 its power-of-two scales); without SIDE they are not
-    read."""
+    trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
@@ -263,29 +254,12 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
     num_p = P // BM
     num_q = Q // BN
-    if SIDE:
-        side_bufs = gl.allocate_shared_memory(gl.bfloat16, [SIDE_BUFS, BM, SIDE_COLS],
-                                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        gl.warp_specialize([
-            (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                    as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, TRACE, num_warps)),
-            (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                    as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, TRACE, num_warps)),
-            (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                             as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, TRACE,
-                             LOADER_WARPS)),
-            (tile_cols_partition, (side_a_ptr, side_q_ptr, side_s_ptr, side_row_slot_ptr, side_offsets_ptr,
-                                   side_tile_expert_ptr, side_tile_row_ptr, side_bufs, side_C, side_E, side_top_k,
-                                   side_tiles, SIDE_EB, POW2, SIDE_WARPS)),
-        ], [num_warps, LOADER_WARPS, SIDE_WARPS], [MMA_REGS, LOADER_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                    as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, TRACE, num_warps)),
-            (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                    as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, TRACE, num_warps)),
-            (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                             as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, TRACE,
-                             LOADER_WARPS)),
-        ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
+    gl.warp_specialize([
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, TRACE, num_warps)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, TRACE, num_warps)),
+        (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+                         as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, TRACE, LOADER_WARPS)),
+    ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
