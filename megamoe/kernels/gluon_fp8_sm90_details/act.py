@@ -96,7 +96,7 @@ def _store_tile_cols(buf, inv, q_ptr, ld, col0, k0, blocks, t_layout: gl.constex
 def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
                          tile_expert_ptr, tile_row_ptr, dzq_ptr, dzs_ptr, dzt_ptr, dzts_ptr, hwt_ptr, hwts_ptr, N, I, E,
                          TILE_M: gl.constexpr, BM: gl.constexpr, PART_COLS: gl.constexpr, POW2: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         T_COLS: gl.constexpr, T_LANES_M: gl.constexpr, num_warps: gl.constexpr):
     """One program per (plan tile, 128 columns of I). preact (N, 2I) bf16 [g | u] and dh' (N, I) bf16 in sorted
     rows, weights (N,) fp32 by slot; out: the d(routing weight) partials (I / PART_COLS, N) fp32 by slot, dz 1x128
     into dzq (N, 2I) e4m3 and dzs (2I / 128, N) fp32, and dz's and h·w's tile columns into dzt (2I, NT * TILE_M) /
@@ -109,8 +109,11 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
     e = gl.load(tile_expert_ptr + t)
     if e < E:  # an idle tile: never read
         layout: gl.constexpr = row_segments(128, 2, num_warps)  # a block of BM rows: 8 bf16 per thread and row
-        # the second pass's blocks of 2 * BM rows: half a column's rows per thread, a warp across 16 columns
-        t_layout: gl.constexpr = gl.BlockedLayout([BM, 1], [2, 16], [1, num_warps], [0, 1])
+        # the second pass's blocks: BM rows of T_COLS columns per thread, T_LANES_M lanes down the rows
+        t_warps_n: gl.constexpr = 128 * T_LANES_M // (32 * T_COLS)
+        t_layout: gl.constexpr = gl.BlockedLayout([BM, T_COLS], [T_LANES_M, 32 // T_LANES_M],
+                                                  [num_warps // t_warps_n, t_warps_n], [0, 1])
+        RB: gl.constexpr = BM * T_LANES_M * (num_warps // t_warps_n)  # rows of a second-pass block
         row_layout: gl.constexpr = gl.SliceLayout(1, layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, layout)
         buf_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # unswizzled rows (2-D order: per block)
@@ -120,27 +123,31 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
         hw_buf = gl.allocate_shared_memory(gl.bfloat16, [NB, BM, 128], buf_layout)
         row0 = gl.load(tile_row_ptr + t)
         row_end = gl.load(offsets_ptr + e + 1)
-        blocks = gl.cdiv(gl.minimum(row_end - row0, TILE_M), 2 * BM)  # the second pass's; the first runs twice as many
+        blocks = gl.cdiv(gl.minimum(row_end - row0, TILE_M), RB)  # the second pass's; the first runs RB / BM as many
         col0 = pid_n * 128
         cols = col0 + gl.arange(0, 128, layout=col_layout)
-        local = gl.arange(0, 128, layout=col_layout) // PART_COLS
         amax_g = gl.zeros([BM, 128], gl.float32, layout)
         amax_u = gl.zeros([BM, 128], gl.float32, layout)
         amax_hw = gl.zeros([BM, 128], gl.float32, layout)
         # the rows of this tile that the first pass runs (of its expert, in whole blocks): loads past them are masked
-        row_stop = gl.minimum(row_end, row0 + 2 * BM * blocks)
+        row_stop = gl.minimum(row_end, row0 + RB * blocks)
         rows = row0 + gl.arange(0, BM, layout=row_layout)
         slots, wt, g, u, d = _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rows < row_stop, cols, I)
-        for b in range(2 * blocks):
+        for b in range(RB // BM * blocks):
             rmask = rows < row_stop
             next_rows = rows + BM
             next_slots, next_wt, next_g, next_u, next_d = _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr,
                                                                      next_rows, next_rows < row_stop, cols, I)
             dg, du, hw, dwh = swiglu_grads(g.to(gl.float32), u.to(gl.float32), d.to(gl.float32), wt)
-            for j in gl.static_range(128 // PART_COLS):  # as expert_bwd._store_dweight_parts
-                part_row = pid_n * (128 // PART_COLS) + j
-                gl.store(dweight_part_ptr + part_row.to(gl.int64) * N + slots,
-                         gl.sum(gl.where((local == j)[None, :], dwh, 0.0), axis=1), mask=rmask)
+            # as expert_bwd._store_dweight_parts: each PART_COLS columns' sums, one reduction for them all
+            parts = gl.sum(gl.reshape(dwh, [BM, 128 // PART_COLS, PART_COLS]), axis=2)
+            part_layout: gl.constexpr = parts.type.layout
+            part_rows = pid_n * (128 // PART_COLS) + gl.arange(0, 128 // PART_COLS,
+                                                                layout=gl.SliceLayout(0, part_layout))
+            part_slots = gl.convert_layout(slots, gl.SliceLayout(1, part_layout))
+            part_mask = gl.convert_layout(rmask, gl.SliceLayout(1, part_layout))
+            gl.store(dweight_part_ptr + part_rows[None, :].to(gl.int64) * N + part_slots[:, None], parts,
+                     mask=part_mask[:, None])
             dg_b = dg.to(gl.bfloat16)
             du_b = du.to(gl.bfloat16)
             _store_dz_rows(dg_b.to(gl.float32), rows, rmask, col0, pid_n, dzq_ptr, dzs_ptr, N, I, POW2)
@@ -165,7 +172,7 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
         gl.thread_barrier()  # every block's values in shared memory before any is read back
         ld = gl.num_programs(0).to(gl.int64) * TILE_M
         k0 = t64 * TILE_M
-        pairs: gl.constexpr = [NB // 2, 2 * BM, 128]  # the same bytes as blocks of 2 * BM rows
+        pairs: gl.constexpr = [TILE_M // RB, RB, 128]  # the same bytes as blocks of RB rows
         _store_tile_cols(dg_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_g, dzt_ptr, ld, col0, k0, blocks,
                          t_layout)
         _store_tile_cols(du_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_u, dzt_ptr, ld, I + col0, k0,
