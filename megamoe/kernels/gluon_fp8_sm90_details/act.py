@@ -96,7 +96,8 @@ def _store_tile_cols(buf, inv, q_ptr, ld, col0, k0, blocks, t_layout: gl.constex
 def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
                          tile_expert_ptr, tile_row_ptr, dzq_ptr, dzs_ptr, dzt_ptr, dzts_ptr, hwt_ptr, hwts_ptr, N, I, E,
                          TILE_M: gl.constexpr, BM: gl.constexpr, PART_COLS: gl.constexpr, POW2: gl.constexpr,
-                         T_COLS: gl.constexpr, T_LANES_M: gl.constexpr, num_warps: gl.constexpr):
+                         T_COLS: gl.constexpr, T_LANES_M: gl.constexpr, COLS_FIRST: gl.constexpr,
+                         num_warps: gl.constexpr):
     """One program per (plan tile, 128 columns of I). preact (N, 2I) bf16 [g | u] and dh' (N, I) bf16 in sorted
     rows, weights (N,) fp32 by slot; out: the d(routing weight) partials (I / PART_COLS, N) fp32 by slot, dz 1x128
     into dzq (N, 2I) e4m3 and dzs (2I / 128, N) fp32, and dz's and h·w's tile columns into dzt (2I, NT * TILE_M) /
@@ -104,8 +105,14 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
     first pass runs the tile's rows in blocks of BM, each block's loads issued before the previous one's values are
     computed, none past the tile's last block; the second reads them back in blocks of 2 * BM, a column's 2 * BM
     rows read and stored as one 16-byte run per thread at BM = 16."""
-    t = gl.program_id(0)
-    pid_n = gl.program_id(1)
+    if COLS_FIRST:  # one program per (tile, 128 columns), a tile's column blocks one after another
+        t = gl.program_id(0) // (I // 128)
+        pid_n = gl.program_id(0) % (I // 128)
+        num_tiles = gl.num_programs(0) // (I // 128)
+    else:
+        t = gl.program_id(0)
+        pid_n = gl.program_id(1)
+        num_tiles = gl.num_programs(0)
     e = gl.load(tile_expert_ptr + t)
     if e < E:  # an idle tile: never read
         layout: gl.constexpr = row_segments(128, 2, num_warps)  # a block of BM rows: 8 bf16 per thread and row
@@ -170,7 +177,7 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
         gl.store(dzts_ptr + t64 * 2 * I + I + cols, s_u)
         gl.store(hwts_ptr + t64 * I + cols, s_hw)
         gl.thread_barrier()  # every block's values in shared memory before any is read back
-        ld = gl.num_programs(0).to(gl.int64) * TILE_M
+        ld = num_tiles.to(gl.int64) * TILE_M
         k0 = t64 * TILE_M
         pairs: gl.constexpr = [TILE_M // RB, RB, 128]  # the same bytes as blocks of RB rows
         _store_tile_cols(dg_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_g, dzt_ptr, ld, col0, k0, blocks,
