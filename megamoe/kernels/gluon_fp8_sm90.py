@@ -120,9 +120,10 @@ WGRAD_WIDE_STAGES = 3
 ACT_BM = 16
 ACT_WARPS = 8
 ACT_MAXNREG = 128  # two programs an SM (2 x 256 threads x 128 registers: the register file)
-# Its second pass (``act.act_tile_cols_kernel``): columns per thread, and lanes down a column's rows.
-ACT_T_COLS = 1
-ACT_T_LANES_M = 2
+# Its second pass (``act.act_tile_cols_kernel``): columns per thread, and lanes down a column's rows; at (2, 1) a
+# warp reads a row's 64 columns, which Triton lowers to ``ldmatrix``.
+ACT_T_COLS = 2
+ACT_T_LANES_M = 1
 # Its programs' order: a tile's column blocks one after another (the products' rows read whole by the programs at work
 # together), or each column block over the tiles.
 ACT_COLS_FIRST = False
