@@ -207,15 +207,6 @@ def main(argv=None, device: str = "cuda") -> None:
         ("act step into dz's and h·w's 128x1 (one kernel)",
          lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k), None, act_tile_cols_bytes, None),
     ]
-    # the act kernel with its tile columns stored the other way (by TMA or by pointers) than the layer's
-    busy = plan.tile_expert_NT.lt(plan.offsets_E1.numel() - 1).sum().item()
-    tma_stores = not gluon_fp8_sm90.ACT_TMA_STORES
-    name = f"act step into dz's and h·w's 128x1 ({'TMA' if tma_stores else 'pointer'} stores)"
-    stages.append((name, lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k,
-                                                               tma_stores=tma_stores), None, act_tile_cols_bytes, None))
-    twins[name] = ("act step into dz's and h·w's 128x1 (one kernel)", lambda out: (
-        out[0], out[1][:rows], out[2][:, :rows], out[3][0][:, :busy * 128], out[3][1][:busy], out[4][0][:, :busy * 128],
-        out[4][1][:busy]))
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
     # each weight gradient in blocks of 128 and 256 columns, the layer's width also in the other order

@@ -120,15 +120,11 @@ WGRAD_WIDE_STAGES = 3
 ACT_BM = 16
 ACT_WARPS = 8
 ACT_MAXNREG = 128  # two programs an SM (2 x 256 threads x 128 registers: the register file)
-# Its second pass's pointer stores (``act._store_tile_cols``): columns per thread, and lanes down a column's rows. At
-# (2, 2) two lanes write a column's 32 rows as one 32-byte piece; one lane to a column (16-byte pieces) was 15-20%
-# slower on an H100, `ldmatrix` reads or not (docs/PERFORMANCE.md).
+# Its second pass (``act._store_tile_cols``): columns per thread, and lanes down a column's rows. At (2, 2) two lanes
+# write a column's 32 rows as one 32-byte piece; one lane to a column (16-byte pieces) was 15-20% slower on an H100,
+# `ldmatrix` reads or not, and TMA stores of whole lines level (docs/PERFORMANCE.md).
 ACT_T_COLS = 2
 ACT_T_LANES_M = 2
-# Its second pass's stores by TMA instead (``act._store_tile_cols_tma``): whole 128-byte lines of the tile columns
-# through a (64, 128) e4m3 stage.
-ACT_TMA_STORES = True
-ACT_TMA_BLOCK = [64, 128]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -285,7 +281,7 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
 def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.Tensor, plan,
                          dweight_part: torch.Tensor, dzq: torch.Tensor, dzs: torch.Tensor,
                          dz_t: tuple[torch.Tensor, torch.Tensor], hw_t: tuple[torch.Tensor, torch.Tensor],
-                         part_cols: int, tma_stores: bool | None = None) -> None:
+                         part_cols: int) -> None:
     """The SwiGLU backward of the plan's sorted rows from their gate and up products, through
     ``act_tile_cols_kernel``: the d(routing weight) partials (sums of dh'·h over each ``part_cols`` columns) into
     dweight_part (I / part_cols, N) fp32 by slot, dz = [dg | du] (routing weight applied) quantised 1x128 into dzq
@@ -294,8 +290,7 @@ def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.
     are written.
 
     preact (N, 2I) and dh (N, I) bf16, weights (N,) fp32 by slot, all contiguous; I a multiple of 128 and of
-    ``part_cols``; N >= 1; an sm90 GPU; ``plan`` built with BLOCK_M = 128 rows per tile. ``tma_stores``: the tile
-    columns stored by TMA (None: ACT_TMA_STORES)."""
+    ``part_cols``; N >= 1; an sm90 GPU; ``plan`` built with BLOCK_M = 128 rows per tile."""
     num_rows, two_i = preact.shape
     inter = two_i // 2
     num_tiles = plan.tile_expert_NT.numel()
@@ -303,16 +298,12 @@ def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.
     assert inter % SCALE_BLOCK == 0 and SCALE_BLOCK % part_cols == 0 and BLOCK_M == 128
     assert dweight_part.shape == (inter // part_cols, num_rows) and dzq.shape == (num_rows, two_i)
     assert dz_t[0].shape == (two_i, num_tiles * BLOCK_M) and hw_t[1].shape == (num_tiles, inter)
-    tma_stores = ACT_TMA_STORES if tma_stores is None else tma_stores
-    dz_cols, hw_cols = ((_fp8_desc(dz_t[0], ACT_TMA_BLOCK), _fp8_desc(hw_t[0], ACT_TMA_BLOCK)) if tma_stores
-                        else (dz_t[0], hw_t[0]))
     act_tile_cols_kernel[(num_tiles, inter // SCALE_BLOCK)](
         preact_ptr=preact, dh_ptr=dh, weights_ptr=weights, dweight_part_ptr=dweight_part,
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
-        tile_row_ptr=plan.tile_row_NT, dzq_ptr=dzq, dzs_ptr=dzs, dzt_ptr=dz_cols, dzts_ptr=dz_t[1], hwt_ptr=hw_cols,
+        tile_row_ptr=plan.tile_row_NT, dzq_ptr=dzq, dzs_ptr=dzs, dzt_ptr=dz_t[0], dzts_ptr=dz_t[1], hwt_ptr=hw_t[0],
         hwts_ptr=hw_t[1], N=num_rows, I=inter, E=plan.offsets_E1.numel() - 1, TILE_M=BLOCK_M, BM=ACT_BM,
-        PART_COLS=part_cols, POW2=fp8_pow2_scales(), T_COLS=ACT_T_COLS, T_LANES_M=ACT_T_LANES_M, TMA_STORES=tma_stores,
-        num_warps=ACT_WARPS,
+        PART_COLS=part_cols, POW2=fp8_pow2_scales(), T_COLS=ACT_T_COLS, T_LANES_M=ACT_T_LANES_M, num_warps=ACT_WARPS,
         maxnreg=ACT_MAXNREG)
 
 
@@ -323,8 +314,7 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
-                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False,
-                act_tma: bool = ACT_TMA_STORES):
+                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
     it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
@@ -334,8 +324,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
     (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
-    sorted-rows, up or weight-gradient kernel; ``act_tma``: the act kernel's tile columns stored by TMA
-    (``fp8_act_tile_cols_ws``)."""
+    sorted-rows, up or weight-gradient kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -353,10 +342,10 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
                     "row_dest_ptr": "*i64" if row_dest else "*i32", "trace_ptr": "*i64"}
         sizes = {"N_OUT", "K"}
     elif name == "fp8_act":
-        blocks = {"dzt_ptr": ACT_TMA_BLOCK, "hwt_ptr": ACT_TMA_BLOCK} if act_tma else {}
+        blocks = {}
         constexprs = {"TILE_M": BLOCK_M, "BM": ACT_BM, "PART_COLS": 64,  # expert_bwd.PART_COLS
                       "POW2": pow2, "T_COLS": ACT_T_COLS, "T_LANES_M": ACT_T_LANES_M,
-                      "TMA_STORES": act_tma, "num_warps": ACT_WARPS}
+                      "num_warps": ACT_WARPS}
         pointers = {"preact_ptr": "*bf16", "dh_ptr": "*bf16", "weights_ptr": "*fp32", "dweight_part_ptr": "*fp32",
                     "dzq_ptr": "*fp8e4nv", "dzs_ptr": "*fp32", "dzt_ptr": "*fp8e4nv", "dzts_ptr": "*fp32",
                     "hwt_ptr": "*fp8e4nv", "hwts_ptr": "*fp32"}
@@ -392,5 +381,6 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
              if arg.endswith("_ptr") or (sizes_divisible and arg in sizes)}
     src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": ACT_WARPS, "maxnreg": ACT_MAXNREG} if name == "fp8_act" else {"num_warps": MATH_WARPS, "maxnreg": FP8_MAXNREG}
+    options = ({"num_warps": ACT_WARPS, "maxnreg": ACT_MAXNREG} if name == "fp8_act"
+               else {"num_warps": MATH_WARPS, "maxnreg": FP8_MAXNREG})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
     AMAX_FLOOR,
@@ -94,42 +93,18 @@ def _store_tile_cols(buf, inv, q_ptr, ld, col0, k0, blocks, t_layout: gl.constex
 
 
 @gluon.jit
-def _store_tile_cols_tma(buf, inv_buf, q_desc, row0, k0, valid, stage):
-    """The tile's values in ``buf`` ([TILE_M, 128] bf16 in shared memory, rows from ``valid`` on as zeros) quantised by
-    column (``inv_buf``: each column's factor, [128] fp32 in shared memory) into the tile columns of ``q_desc`` at
-    rows row0 .. and columns k0 ..: each half of 64 columns turned into ``stage`` ([64, TILE_M] e4m3, a column's rows
-    16 bytes a thread) and stored by TMA, whole 128-byte lines of q."""
-    TILE_M: gl.constexpr = buf.type.shape[0]
-    HALF: gl.constexpr = stage.type.shape[0]
-    num_warps: gl.constexpr = gl.num_warps()
-    # 16 rows of two columns per thread, two lanes down a column (the 2-byte pairs of a row read as 32-bit words)
-    layout: gl.constexpr = gl.BlockedLayout([16, 2], [2, 16], [num_warps // 2, 2], [0, 1])
-    rows = gl.arange(0, TILE_M, layout=gl.SliceLayout(1, layout))
-    for h in gl.static_range(128 // HALF):
-        v = buf.slice(h * HALF, HALF, dim=1).load(layout).to(gl.float32)
-        inv = inv_buf.slice(h * HALF, HALF).load(gl.SliceLayout(0, layout))
-        q = quantize_by(gl.where((rows < valid)[:, None], v, 0.0), inv[None, :])
-        tma.store_wait(0)
-        gl.thread_barrier()  # the last half's store has read the stage
-        stage.permute((1, 0)).store(q)
-        fence_async_shared()
-        gl.thread_barrier()  # every thread's part written before the store reads it
-        tma.async_copy_shared_to_global(q_desc, [row0 + h * HALF, k0], stage)
-
-
-@gluon.jit
 def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
                          tile_expert_ptr, tile_row_ptr, dzq_ptr, dzs_ptr, dzt_ptr, dzts_ptr, hwt_ptr, hwts_ptr, N, I, E,
                          TILE_M: gl.constexpr, BM: gl.constexpr, PART_COLS: gl.constexpr, POW2: gl.constexpr,
-                         T_COLS: gl.constexpr, T_LANES_M: gl.constexpr, TMA_STORES: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         T_COLS: gl.constexpr, T_LANES_M: gl.constexpr, num_warps: gl.constexpr):
     """One program per (plan tile, 128 columns of I). preact (N, 2I) bf16 [g | u] and dh' (N, I) bf16 in sorted
     rows, weights (N,) fp32 by slot; out: the d(routing weight) partials (I / PART_COLS, N) fp32 by slot, dz 1x128
     into dzq (N, 2I) e4m3 and dzs (2I / 128, N) fp32, and dz's and h·w's tile columns into dzt (2I, NT * TILE_M) /
     dzts (NT, 2I) and hwt (I, NT * TILE_M) / hwts (NT, I) (``quant``'s 128x1 format; idle tiles not written). The
     first pass runs the tile's rows in blocks of BM, each block's loads issued before the previous one's values are
-    computed, none past the tile's last block; the second reads them back in blocks of 2 * BM, a column's 2 * BM
-    rows read and stored as one 16-byte run per thread at BM = 16."""
+    computed, none past the tile's last block; the second reads them back in blocks of RB rows, each thread BM rows
+    of T_COLS columns, T_LANES_M lanes down a column (at BM = 16 a column's rows one 16-byte run per thread, the
+    runs of a column's lanes one piece of q)."""
     t = gl.program_id(0)
     pid_n = gl.program_id(1)
     e = gl.load(tile_expert_ptr + t)
@@ -149,8 +124,7 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
         hw_buf = gl.allocate_shared_memory(gl.bfloat16, [NB, BM, 128], buf_layout)
         row0 = gl.load(tile_row_ptr + t)
         row_end = gl.load(offsets_ptr + e + 1)
-        valid = gl.minimum(row_end - row0, TILE_M)
-        blocks = gl.cdiv(valid, RB)  # the second pass's; the first runs RB / BM as many
+        blocks = gl.cdiv(gl.minimum(row_end - row0, TILE_M), RB)  # the second pass's; the first runs RB / BM as many
         col0 = pid_n * 128
         cols = col0 + gl.arange(0, 128, layout=col_layout)
         amax_g = gl.zeros([BM, 128], gl.float32, layout)
@@ -196,30 +170,13 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
         gl.store(dzts_ptr + t64 * 2 * I + cols, s_g)
         gl.store(dzts_ptr + t64 * 2 * I + I + cols, s_u)
         gl.store(hwts_ptr + t64 * I + cols, s_hw)
-        if TMA_STORES:
-            inv_bufs = gl.allocate_shared_memory(gl.float32, [3, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            inv_bufs.index(0).store(inv_g)
-            inv_bufs.index(1).store(inv_u)
-            inv_bufs.index(2).store(inv_hw)
-            stage = gl.allocate_shared_memory(gl.float8e4nv, dzt_ptr.block_type.shape, dzt_ptr.layout)
-            gl.thread_barrier()  # every block's values in shared memory before any is read back
-            whole: gl.constexpr = [TILE_M, 128]  # the same bytes as one block of the tile's rows
-            k0 = t * TILE_M
-            _store_tile_cols_tma(dg_buf._reinterpret(gl.bfloat16, whole, buf_layout), inv_bufs.index(0), dzt_ptr,
-                                 col0, k0, valid, stage)
-            _store_tile_cols_tma(du_buf._reinterpret(gl.bfloat16, whole, buf_layout), inv_bufs.index(1), dzt_ptr,
-                                 I + col0, k0, valid, stage)
-            _store_tile_cols_tma(hw_buf._reinterpret(gl.bfloat16, whole, buf_layout), inv_bufs.index(2), hwt_ptr,
-                                 col0, k0, valid, stage)
-            tma.store_wait(0)
-        else:
-            gl.thread_barrier()  # every block's values in shared memory before any is read back
-            ld = gl.num_programs(0).to(gl.int64) * TILE_M
-            k0 = t64 * TILE_M
-            pairs: gl.constexpr = [TILE_M // RB, RB, 128]  # the same bytes as blocks of RB rows
-            _store_tile_cols(dg_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_g, dzt_ptr, ld, col0, k0,
-                             blocks, t_layout)
-            _store_tile_cols(du_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_u, dzt_ptr, ld, I + col0, k0,
-                             blocks, t_layout)
-            _store_tile_cols(hw_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_hw, hwt_ptr, ld, col0, k0,
-                             blocks, t_layout)
+        gl.thread_barrier()  # every block's values in shared memory before any is read back
+        ld = gl.num_programs(0).to(gl.int64) * TILE_M
+        k0 = t64 * TILE_M
+        pairs: gl.constexpr = [TILE_M // RB, RB, 128]  # the same bytes as blocks of RB rows
+        _store_tile_cols(dg_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_g, dzt_ptr, ld, col0, k0, blocks,
+                         t_layout)
+        _store_tile_cols(du_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_u, dzt_ptr, ld, I + col0, k0,
+                         blocks, t_layout)
+        _store_tile_cols(hw_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_hw, hwt_ptr, ld, col0, k0, blocks,
+                         t_layout)
