@@ -120,11 +120,6 @@ WGRAD_WIDE_STAGES = 3
 ACT_BM = 16
 ACT_WARPS = 8
 ACT_MAXNREG = 128  # two programs an SM (2 x 256 threads x 128 registers: the register file)
-# Its second pass (``act._store_tile_cols``): columns per thread, and lanes down a column's rows. At (2, 2) two lanes
-# write a column's 32 rows as one 32-byte piece; one lane to a column (16-byte pieces) was 15-20% slower on an H100,
-# `ldmatrix` reads or not, and TMA stores of whole lines level (docs/PERFORMANCE.md).
-ACT_T_COLS = 2
-ACT_T_LANES_M = 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -303,8 +298,7 @@ def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, dzq_ptr=dzq, dzs_ptr=dzs, dzt_ptr=dz_t[0], dzts_ptr=dz_t[1], hwt_ptr=hw_t[0],
         hwts_ptr=hw_t[1], N=num_rows, I=inter, E=plan.offsets_E1.numel() - 1, TILE_M=BLOCK_M, BM=ACT_BM,
-        PART_COLS=part_cols, POW2=fp8_pow2_scales(), T_COLS=ACT_T_COLS, T_LANES_M=ACT_T_LANES_M, num_warps=ACT_WARPS,
-        maxnreg=ACT_MAXNREG)
+        PART_COLS=part_cols, POW2=fp8_pow2_scales(), num_warps=ACT_WARPS, maxnreg=ACT_MAXNREG)
 
 
 # The kernels by name, for the ahead-of-time compile check.
@@ -344,8 +338,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     elif name == "fp8_act":
         blocks = {}
         constexprs = {"TILE_M": BLOCK_M, "BM": ACT_BM, "PART_COLS": 64,  # expert_bwd.PART_COLS
-                      "POW2": pow2, "T_COLS": ACT_T_COLS, "T_LANES_M": ACT_T_LANES_M,
-                      "num_warps": ACT_WARPS}
+                      "POW2": pow2, "num_warps": ACT_WARPS}
         pointers = {"preact_ptr": "*bf16", "dh_ptr": "*bf16", "weights_ptr": "*fp32", "dweight_part_ptr": "*fp32",
                     "dzq_ptr": "*fp8e4nv", "dzs_ptr": "*fp32", "dzt_ptr": "*fp8e4nv", "dzts_ptr": "*fp32",
                     "hwt_ptr": "*fp8e4nv", "hwts_ptr": "*fp32"}

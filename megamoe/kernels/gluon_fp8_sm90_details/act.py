@@ -96,25 +96,26 @@ def _store_tile_cols(buf, inv, q_ptr, ld, col0, k0, blocks, t_layout: gl.constex
 def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
                          tile_expert_ptr, tile_row_ptr, dzq_ptr, dzs_ptr, dzt_ptr, dzts_ptr, hwt_ptr, hwts_ptr, N, I, E,
                          TILE_M: gl.constexpr, BM: gl.constexpr, PART_COLS: gl.constexpr, POW2: gl.constexpr,
-                         T_COLS: gl.constexpr, T_LANES_M: gl.constexpr, num_warps: gl.constexpr):
+                         num_warps: gl.constexpr):
     """One program per (plan tile, 128 columns of I). preact (N, 2I) bf16 [g | u] and dh' (N, I) bf16 in sorted
     rows, weights (N,) fp32 by slot; out: the d(routing weight) partials (I / PART_COLS, N) fp32 by slot, dz 1x128
     into dzq (N, 2I) e4m3 and dzs (2I / 128, N) fp32, and dz's and h·w's tile columns into dzt (2I, NT * TILE_M) /
     dzts (NT, 2I) and hwt (I, NT * TILE_M) / hwts (NT, I) (``quant``'s 128x1 format; idle tiles not written). The
     first pass runs the tile's rows in blocks of BM, each block's loads issued before the previous one's values are
     computed, none past the tile's last block; the second reads them back in blocks of RB rows, each thread BM rows
-    of T_COLS columns, T_LANES_M lanes down a column (at BM = 16 a column's rows one 16-byte run per thread, the
-    runs of a column's lanes one piece of q)."""
+    of two columns, two lanes down a column (at BM = 16 a column's rows one 16-byte run per thread, the runs of a
+    column's two lanes one 32-byte piece of q)."""
     t = gl.program_id(0)
     pid_n = gl.program_id(1)
     e = gl.load(tile_expert_ptr + t)
     if e < E:  # an idle tile: never read
         layout: gl.constexpr = row_segments(128, 2, num_warps)  # a block of BM rows: 8 bf16 per thread and row
-        # the second pass's blocks: BM rows of T_COLS columns per thread, T_LANES_M lanes down the rows
-        t_warps_n: gl.constexpr = 128 * T_LANES_M // (32 * T_COLS)
-        t_layout: gl.constexpr = gl.BlockedLayout([BM, T_COLS], [T_LANES_M, 32 // T_LANES_M],
-                                                  [num_warps // t_warps_n, t_warps_n], [0, 1])
-        RB: gl.constexpr = BM * T_LANES_M * (num_warps // t_warps_n)  # rows of a second-pass block
+        # the second pass's blocks: BM rows of two columns per thread, two lanes down a column, four warps across the
+        # 128 columns. A column's 32-byte piece of q is written by one instruction; with one lane to a column (16-byte
+        # pieces) the kernel was 15-20% slower, `ldmatrix` reads or not, and TMA stores of whole lines were level
+        # (docs/PERFORMANCE.md).
+        t_layout: gl.constexpr = gl.BlockedLayout([BM, 2], [2, 16], [num_warps // 4, 4], [0, 1])
+        RB: gl.constexpr = 2 * BM * (num_warps // 4)  # rows of a second-pass block
         row_layout: gl.constexpr = gl.SliceLayout(1, layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, layout)
         buf_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # unswizzled rows (2-D order: per block)
@@ -173,10 +174,10 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
         gl.thread_barrier()  # every block's values in shared memory before any is read back
         ld = gl.num_programs(0).to(gl.int64) * TILE_M
         k0 = t64 * TILE_M
-        pairs: gl.constexpr = [TILE_M // RB, RB, 128]  # the same bytes as blocks of RB rows
-        _store_tile_cols(dg_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_g, dzt_ptr, ld, col0, k0, blocks,
+        rb_blocks: gl.constexpr = [TILE_M // RB, RB, 128]  # the same bytes as blocks of RB rows
+        _store_tile_cols(dg_buf._reinterpret(gl.bfloat16, rb_blocks, buf_layout), inv_g, dzt_ptr, ld, col0, k0, blocks,
                          t_layout)
-        _store_tile_cols(du_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_u, dzt_ptr, ld, I + col0, k0,
+        _store_tile_cols(du_buf._reinterpret(gl.bfloat16, rb_blocks, buf_layout), inv_u, dzt_ptr, ld, I + col0, k0,
                          blocks, t_layout)
-        _store_tile_cols(hw_buf._reinterpret(gl.bfloat16, pairs, buf_layout), inv_hw, hwt_ptr, ld, col0, k0, blocks,
+        _store_tile_cols(hw_buf._reinterpret(gl.bfloat16, rb_blocks, buf_layout), inv_hw, hwt_ptr, ld, col0, k0, blocks,
                          t_layout)
