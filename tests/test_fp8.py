@@ -623,15 +623,14 @@ def test_fp8_quantisers_on_the_gpu_match_reference_bit_for_bit(scales):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("async_loads", [None, False])
 @pytest.mark.parametrize("case", ["edges", "30B"])
-def test_act_step_into_tile_columns_is_the_act_step_then_the_quantiser(case, async_loads, scales):
+def test_act_step_into_tile_columns_is_the_act_step_then_the_quantiser(case, scales):
     """The FP8 weight gradients' act step in one Gluon kernel (``expert_bwd.act_bwd_tile_cols`` on sm90): bit for bit
     the act step writing dz and h·w in bf16 (``act_bwd_from_preact`` with dz's 1x128 quantisation) followed by
     ``quantize_tile_cols`` on them, on the routed rows and busy tiles (the rest is never written). "edges": experts
     with no rows, one row, partial and several tiles, products over 2 decades (subnormal and zero e4m3 values) and NaN
     rows past the routed ones (never read); "30B": the 30B layer's I (six column blocks), a skewed routing of 64
-    experts. ``async_loads``: the kernel's first-pass loads (None: the launcher's)."""
+    experts."""
     from megamoe.kernels import expert_bwd
     from megamoe.kernels.gluon_fp8_sm90 import fp8_ws_supported
     from megamoe.kernels.plan import build_plan
@@ -650,8 +649,7 @@ def test_act_step_into_tile_columns_is_the_act_step_then_the_quantiser(case, asy
     busy = plan.tile_expert_NT.lt(plan.offsets_E1.numel() - 1).sum().item()
     dz, hw, *expected = expert_bwd.act_bwd_from_preact(products, dh, weights, plan, 1, quant_dz=True)
     expected += [quant.quantize_tile_cols(dz, plan), quant.quantize_tile_cols(hw, plan)]
-    dweight, dzq, dzs, dz_t, hw_t = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, 1,
-                                                                 async_loads=async_loads)
+    dweight, dzq, dzs, dz_t, hw_t = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, 1)
     assert torch.equal(dweight, expected[0])
     assert torch.equal(bits(dzq[:routed]), bits(expected[1][:routed]))
     assert torch.equal(dzs[:, :routed], expected[2][:, :routed])

@@ -207,15 +207,6 @@ def main(argv=None, device: str = "cuda") -> None:
         ("act step into dz's and h·w's 128x1 (one kernel)",
          lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k), None, act_tile_cols_bytes, None),
     ]
-    # the act kernel with the other first-pass loads
-    busy = plan.tile_expert_NT.lt(plan.offsets_E1.numel() - 1).sum().item()
-    other_loads = not gluon_fp8_sm90.ACT_ASYNC_LOADS
-    name = f"act step into dz's and h·w's 128x1 ({'copied ahead' if other_loads else 'pointer loads'})"
-    stages.append((name, lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k,
-                                                              async_loads=other_loads), None, act_tile_cols_bytes, None))
-    twins[name] = ("act step into dz's and h·w's 128x1 (one kernel)", lambda out: (
-        out[0], out[1][:rows], out[2][:, :rows], out[3][0][:, :busy * 128], out[3][1][:busy],
-        out[4][0][:, :busy * 128], out[4][1][:busy]))
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
     # each weight gradient in blocks of 128 and 256 columns, the layer's width also in the other order

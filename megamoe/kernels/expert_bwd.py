@@ -474,15 +474,13 @@ def act_bwd_from_preact(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: in
     return (*outputs, dzq, dzs) if quant_dz else outputs
 
 
-def act_bwd_tile_cols(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: int, gluon: bool = True,
-                      async_loads: bool | None = None):
+def act_bwd_tile_cols(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: int, gluon: bool = True):
     """The act step for the FP8 weight gradients (``autograd.FP8_WGRAD``), from the forward's gate and up products
     (N, 2I): d(routing weight) (T, K) fp32, dz quantised 1x128 (dzq, dzs: ``dz_fp8_outputs``), and dz's and h·w's
     tile columns ((q, s) each, ``quant.quantize_tile_cols``'s format) quantised from their values in the products'
     dtype. On sm90 with bf16 products in one kernel (``gluon_fp8_sm90.fp8_act_tile_cols_ws``: neither dz nor h·w is
     written to memory in bf16), bit for bit what ``act_bwd_from_preact`` and ``quantize_tile_cols`` make of them
-    (the products left as they were), which run elsewhere or with ``gluon=False``. ``async_loads``: the Gluon
-    kernel's first-pass loads (None: the launcher's)."""
+    (the products left as they were), which run elsewhere or with ``gluon=False``."""
     num_slots, two_i = preact_NH.shape
     if not (gluon and num_slots and fp8_ws_supported(preact_NH, preact_NH.dtype)):
         dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact_NH, dh_NI, topk_weights_TK, plan, top_k,
@@ -493,7 +491,7 @@ def act_bwd_tile_cols(preact_NH, dh_NI, topk_weights_TK, plan: Plan, top_k: int,
     dzq, dzs = dz_fp8_outputs(num_slots, two_i, preact_NH.device)
     dz_t, hw_t = tile_cols_outputs(two_i, plan, preact_NH.device), tile_cols_outputs(inter, plan, preact_NH.device)
     fp8_act_tile_cols_ws(preact_NH, dh_NI, topk_weights_TK.reshape(-1), plan, dweight_part, dzq, dzs, dz_t, hw_t,
-                         PART_COLS, async_loads)
+                         PART_COLS)
     return dweight_part.sum(dim=0).view(-1, top_k), dzq, dzs, dz_t, hw_t
 
 

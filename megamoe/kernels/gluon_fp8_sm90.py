@@ -120,9 +120,6 @@ WGRAD_WIDE_STAGES = 3
 ACT_BM = 16
 ACT_WARPS = 8
 ACT_MAXNREG = 128  # two programs an SM (2 x 256 threads x 128 registers: the register file)
-# Its first pass's loads: every block of the tile copied (cp.async) into shared memory at the start, where the block's
-# results then go, or each block loaded into registers while the one before it is computed.
-ACT_ASYNC_LOADS = True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,7 +276,7 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
 def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.Tensor, plan,
                          dweight_part: torch.Tensor, dzq: torch.Tensor, dzs: torch.Tensor,
                          dz_t: tuple[torch.Tensor, torch.Tensor], hw_t: tuple[torch.Tensor, torch.Tensor],
-                         part_cols: int, async_loads: bool | None = None) -> None:
+                         part_cols: int) -> None:
     """The SwiGLU backward of the plan's sorted rows from their gate and up products, through
     ``act_tile_cols_kernel``: the d(routing weight) partials (sums of dh'·h over each ``part_cols`` columns) into
     dweight_part (I / part_cols, N) fp32 by slot, dz = [dg | du] (routing weight applied) quantised 1x128 into dzq
@@ -288,8 +285,7 @@ def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.
     are written.
 
     preact (N, 2I) and dh (N, I) bf16, weights (N,) fp32 by slot, all contiguous; I a multiple of 128 and of
-    ``part_cols``; N >= 1; an sm90 GPU; ``plan`` built with BLOCK_M = 128 rows per tile. ``async_loads``: the
-    first pass's loads (None: ACT_ASYNC_LOADS)."""
+    ``part_cols``; N >= 1; an sm90 GPU; ``plan`` built with BLOCK_M = 128 rows per tile."""
     num_rows, two_i = preact.shape
     inter = two_i // 2
     num_tiles = plan.tile_expert_NT.numel()
@@ -302,8 +298,7 @@ def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, dzq_ptr=dzq, dzs_ptr=dzs, dzt_ptr=dz_t[0], dzts_ptr=dz_t[1], hwt_ptr=hw_t[0],
         hwts_ptr=hw_t[1], N=num_rows, I=inter, E=plan.offsets_E1.numel() - 1, TILE_M=BLOCK_M, BM=ACT_BM,
-        PART_COLS=part_cols, POW2=fp8_pow2_scales(),
-        ASYNC_LOADS=ACT_ASYNC_LOADS if async_loads is None else async_loads, num_warps=ACT_WARPS, maxnreg=ACT_MAXNREG)
+        PART_COLS=part_cols, POW2=fp8_pow2_scales(), num_warps=ACT_WARPS, maxnreg=ACT_MAXNREG)
 
 
 # The kernels by name, for the ahead-of-time compile check.
@@ -313,8 +308,7 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
-                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False,
-                act_async_loads: bool = ACT_ASYNC_LOADS):
+                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
     it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
@@ -324,7 +318,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
     (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
-    sorted-rows, up or weight-gradient kernel; ``act_async_loads``: the act kernel's first-pass loads."""
+    sorted-rows, up or weight-gradient kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -344,7 +338,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     elif name == "fp8_act":
         blocks = {}
         constexprs = {"TILE_M": BLOCK_M, "BM": ACT_BM, "PART_COLS": 64,  # expert_bwd.PART_COLS
-                      "POW2": pow2, "ASYNC_LOADS": act_async_loads, "num_warps": ACT_WARPS}
+                      "POW2": pow2, "num_warps": ACT_WARPS}
         pointers = {"preact_ptr": "*bf16", "dh_ptr": "*bf16", "weights_ptr": "*fp32", "dweight_part_ptr": "*fp32",
                     "dzq_ptr": "*fp8e4nv", "dzs_ptr": "*fp32", "dzt_ptr": "*fp8e4nv", "dzts_ptr": "*fp32",
                     "hwt_ptr": "*fp8e4nv", "hwts_ptr": "*fp32"}

@@ -17,53 +17,25 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
     AMAX_FLOOR,
     fp8_scales,
     quantize_by,
 )
-from megamoe.kernels.gluon_sm90 import barriers, row_segments
+from megamoe.kernels.gluon_sm90 import row_segments
 
 
 @gluon.jit
 def _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rmask, cols, I):
     """Sorted rows ``rows`` (masked: zeros) of g, u and dh' at columns ``cols`` of I, in the products' dtype, and the
     rows' slots and routing weights."""
-    slots, wt = _load_slots(weights_ptr, row_slot_ptr, rows, rmask)
+    slots = gl.load(row_slot_ptr + rows, mask=rmask, other=0).to(gl.int64)
     offs = rows[:, None].to(gl.int64) * 2 * I + cols[None, :]
     g = gl.load(preact_ptr + offs, mask=rmask[:, None], other=0.0)
     u = gl.load(preact_ptr + offs + I, mask=rmask[:, None], other=0.0)
     d = gl.load(dh_ptr + rows[:, None].to(gl.int64) * I + cols[None, :], mask=rmask[:, None], other=0.0)
-    return slots, wt, g, u, d
-
-
-@gluon.jit
-def _load_slots(weights_ptr, row_slot_ptr, rows, rmask):
-    """Sorted rows ``rows``' slots and routing weights (masked: slot 0, weight 0)."""
-    slots = gl.load(row_slot_ptr + rows, mask=rmask, other=0).to(gl.int64)
-    return slots, gl.load(weights_ptr + slots, mask=rmask, other=0.0)
-
-
-@gluon.jit
-def _copy_rows(g_buf, u_buf, d_buf, ready, preact_ptr, dh_ptr, row0, row_stop, cols, I, blocks,
-               layout: gl.constexpr):
-    """Copy (cp.async) the first ``blocks`` blocks of the tile's sorted rows from ``row0`` (those from ``row_stop``
-    on: zeros) of g, u and dh' at columns ``cols`` of I into ``g_buf``, ``u_buf``, ``d_buf`` ([NB, BM, 128]), each
-    thread its 16-byte pieces of ``layout`` (as it reads them back: no barrier between the threads); block b's
-    copies arrive on ``ready[b]`` (one arrival per thread)."""
-    BM: gl.constexpr = g_buf.type.shape[1]
-    for b in range(blocks):
-        rows = row0 + b * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-        rmask = (rows < row_stop)[:, None]
-        offs = rows[:, None].to(gl.int64) * 2 * I + cols[None, :]
-        async_copy.async_copy_global_to_shared(g_buf.index(b), preact_ptr + offs, mask=rmask)
-        async_copy.async_copy_global_to_shared(u_buf.index(b), preact_ptr + offs + I, mask=rmask)
-        async_copy.async_copy_global_to_shared(d_buf.index(b), dh_ptr + rows[:, None].to(gl.int64) * I + cols[None, :],
-                                               mask=rmask)
-        async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
+    return slots, gl.load(weights_ptr + slots, mask=rmask, other=0.0), g, u, d
 
 
 @gluon.jit
@@ -124,7 +96,7 @@ def _store_tile_cols(buf, inv, q_ptr, ld, col0, k0, blocks, t_layout: gl.constex
 def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_slot_ptr, offsets_ptr,
                          tile_expert_ptr, tile_row_ptr, dzq_ptr, dzs_ptr, dzt_ptr, dzts_ptr, hwt_ptr, hwts_ptr, N, I, E,
                          TILE_M: gl.constexpr, BM: gl.constexpr, PART_COLS: gl.constexpr, POW2: gl.constexpr,
-                         ASYNC_LOADS: gl.constexpr, num_warps: gl.constexpr):
+                         num_warps: gl.constexpr):
     """One program per (plan tile, 128 columns of I). preact (N, 2I) bf16 [g | u] and dh' (N, I) bf16 in sorted
     rows, weights (N,) fp32 by slot; out: the d(routing weight) partials (I / PART_COLS, N) fp32 by slot, dz 1x128
     into dzq (N, 2I) e4m3 and dzs (2I / 128, N) fp32, and dz's and h·w's tile columns into dzt (2I, NT * TILE_M) /
@@ -162,28 +134,12 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
         # the rows of this tile that the first pass runs (of its expert, in whole blocks): loads past them are masked
         row_stop = gl.minimum(row_end, row0 + RB * blocks)
         rows = row0 + gl.arange(0, BM, layout=row_layout)
-        if ASYNC_LOADS:
-            # every block's g, u and dh' in flight at once, copied into the buffers that its results take
-            ready = barriers(NB, num_warps * 32)
-            gl.thread_barrier()  # the barriers initialised before any thread arrives on them
-            _copy_rows(dg_buf, du_buf, hw_buf, ready, preact_ptr, dh_ptr, row0, row_stop, cols, I, RB // BM * blocks,
-                       layout)
-            slots, wt = _load_slots(weights_ptr, row_slot_ptr, rows, rows < row_stop)
-        else:
-            slots, wt, g, u, d = _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rows < row_stop,
-                                            cols, I)
+        slots, wt, g, u, d = _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr, rows, rows < row_stop, cols, I)
         for b in range(RB // BM * blocks):
             rmask = rows < row_stop
             next_rows = rows + BM
-            if ASYNC_LOADS:
-                next_slots, next_wt = _load_slots(weights_ptr, row_slot_ptr, next_rows, next_rows < row_stop)
-                mbarrier.wait(ready.index(b), 0)
-                g = dg_buf.index(b).load(layout)
-                u = du_buf.index(b).load(layout)
-                d = hw_buf.index(b).load(layout)
-            else:
-                next_slots, next_wt, next_g, next_u, next_d = _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr,
-                                                                         next_rows, next_rows < row_stop, cols, I)
+            next_slots, next_wt, next_g, next_u, next_d = _load_rows(preact_ptr, dh_ptr, weights_ptr, row_slot_ptr,
+                                                                     next_rows, next_rows < row_stop, cols, I)
             dg, du, hw, dwh = swiglu_grads(g.to(gl.float32), u.to(gl.float32), d.to(gl.float32), wt)
             # as expert_bwd._store_dweight_parts: each PART_COLS columns' sums, one reduction for them all
             parts = gl.sum(gl.reshape(dwh, [BM, 128 // PART_COLS, PART_COLS]), axis=2)
@@ -207,9 +163,7 @@ def act_tile_cols_kernel(preact_ptr, dh_ptr, weights_ptr, dweight_part_ptr, row_
             amax_g = gl.maximum(amax_g, gl.abs(dg))
             amax_u = gl.maximum(amax_u, gl.abs(du))
             amax_hw = gl.maximum(amax_hw, gl.abs(hw))
-            rows, slots, wt = next_rows, next_slots, next_wt
-            if not ASYNC_LOADS:
-                g, u, d = next_g, next_u, next_d
+            rows, slots, wt, g, u, d = next_rows, next_slots, next_wt, next_g, next_u, next_d
         s_g, inv_g = scales_of_rounded(gl.max(amax_g, axis=0), POW2)
         s_u, inv_u = scales_of_rounded(gl.max(amax_u, axis=0), POW2)
         s_hw, inv_hw = scales_of_rounded(gl.max(amax_hw, axis=0), POW2)
