@@ -2,6 +2,7 @@
 is typed in):
 
     python -m megamoe.bench.report [benchmarks/results] [--readme README.md] [--page benchmarks/README.md]
+                                   [--no-plots]
 
 prints the README's summary tables — one GPU (the training step of each impl per problem), megamoe beside
 SonicMoE (both memory modes, with the bytes each keeps), megamoe's blockwise FP8 beside its bf16 modes and the FP8
@@ -9,7 +10,8 @@ baseline, expert parallelism on real ranks, and the training runs
 (``train/``) — and (re)draws each JSON file's PNG next to it and the one-GPU summary plot
 (``summary.png``). ``--readme`` writes the tables into that file between its ``<!-- report:... -->`` markers;
 ``--page`` writes the full results page: every row of every result, the EP machinery on virtual ranks, and each
-result's provenance (GPU, versions, date, commit or source digest, command).
+result's provenance (GPU, versions, date, commit or source digest, command). ``--no-plots``: the tables only, the PNGs
+left as they are.
 """
 
 from __future__ import annotations
@@ -402,17 +404,13 @@ def main(argv=None) -> None:
     p.add_argument("folder", nargs="?", default="benchmarks/results", help="the benchmark JSON files")
     p.add_argument("--readme", type=Path, help="write the summary tables into this Markdown file's report sections")
     p.add_argument("--page", type=Path, help="write the full results page to this file")
+    p.add_argument("--no-plots", action="store_true",
+                   help="tables only: leave the PNGs beside the JSON files as they are (redrawing them all takes "
+                        "most of the report's time)")
     args = p.parse_args(argv)
     runs = load(Path(args.folder))
-    for info in runs["layer"]:
-        plot(info, info["_path"].with_suffix(".png"))
-    for info in runs["loopback"]:
-        plot_loopback(info, info["_path"].with_suffix(".png"))
-    for info in runs["ep"]:
-        plot(info, info["_path"].with_suffix(".png"),
-             problem=f"{info['preset']} T={info['tokens_per_rank']}/rank {info['routing']} routing, EP={info['ep']}")
-    if runs["layer"]:
-        plot_summary(runs["layer"], Path(args.folder) / "summary.png")
+    if not args.no_plots:
+        plot_all(runs, Path(args.folder))
     sections = {"one-gpu": summary_table(runs["layer"]), "sonicmoe": sonicmoe_table(runs["layer"]),
                 "fp8": fp8_table(runs["layer"]),
                 "ep": ep_summary_table(runs["ep"]), "train": train_table(Path(args.folder))}
@@ -421,6 +419,19 @@ def main(argv=None) -> None:
         args.readme.write_text(update_readme(args.readme.read_text(), sections))
     if args.page:
         args.page.write_text(page(runs))
+
+
+def plot_all(runs: dict, folder: Path) -> None:
+    """A PNG beside each layer, loopback and expert-parallel result, and the summary plot in ``folder``."""
+    for info in runs["layer"]:
+        plot(info, info["_path"].with_suffix(".png"))
+    for info in runs["loopback"]:
+        plot_loopback(info, info["_path"].with_suffix(".png"))
+    for info in runs["ep"]:
+        plot(info, info["_path"].with_suffix(".png"),
+             problem=f"{info['preset']} T={info['tokens_per_rank']}/rank {info['routing']} routing, EP={info['ep']}")
+    if runs["layer"]:
+        plot_summary(runs["layer"], folder / "summary.png")
 
 
 if __name__ == "__main__":
