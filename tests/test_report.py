@@ -140,19 +140,21 @@ def test_readme_tables_keep_each_problems_newest_run():
 
 
 def test_tables_name_each_runs_gpu():
-    """A table of runs on two GPUs names each row's GPU, short, and lists both GPUs in full below it."""
+    """A table of runs on two GPUs names each row's GPU, short, lists both GPUs in full below it, and keeps each
+    GPU's newest run of a problem (a newer run on one GPU does not hide the other's)."""
     def run(gpu, date):
         return {"preset": "p", "tokens": 8, "routing": "random", "gpu": gpu, "torch": "t", "triton": "3",
                 "date": date, "commit": "0123abcdef", "sonicmoe_gemms": "c",
                 "results": [{"impl": impl, "fwd_ms": 1, "fwd_bwd_ms": 2, "ac_step_ms": 2, "saved_activation_bytes": 0}
                             for impl in ("megamoe", "megamoe_fp8", "grouped_mm_fp8_compiled")]}
 
-    runs = [run("NVIDIA H200", "2026-01-01"), run("NVIDIA H100 80GB HBM3", "2026-02-01")]
+    runs = [run("NVIDIA H200", "2025-12-01"), run("NVIDIA H200", "2026-01-01"),
+            run("NVIDIA H100 80GB HBM3", "2026-02-01")]
     table = report.fp8_table(runs)
     firsts = list(dict.fromkeys(line.split(" | ")[0] for line in table.splitlines()[2:] if line.startswith("| ")))
-    assert firsts == ["| p T=8 random (H100, 2026-02-01, 0123abc)"]  # the problem's newest run only
-    assert "\nNVIDIA H100 80GB HBM3, torch t, triton 3, 2026-02-01; " in table
-    both = report._versions(runs)
+    assert firsts == ["| p T=8 random (H100, 2026-02-01, 0123abc)", "| p T=8 random (H200, 2026-01-01, 0123abc)"]
+    assert "\nNVIDIA H100 80GB HBM3 and NVIDIA H200, torch t, triton 3, 2026-01-01 to 2026-02-01; " in table
+    both = report._versions(runs[1:])
     assert both.startswith("NVIDIA H200 and NVIDIA H100 80GB HBM3, torch t, triton 3, 2026-01-01 to 2026-02-01")
 
 

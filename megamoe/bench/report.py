@@ -164,12 +164,13 @@ def _newest_first(runs: list[dict]) -> list[dict]:
 
 
 def _newest_per_problem(runs: list[dict], also=None) -> list[dict]:
-    """Each problem's newest run and, where ``also(run)`` holds for an older run but not the newest, the newest such
-    run too (a baseline the newest run did not measure), in ``_newest_first``'s order: the README's tables; the
-    history is on the results page and in docs/PERFORMANCE.md."""
+    """Each problem's newest run on each GPU (a newer run on another GPU does not hide the last one on this) and,
+    where ``also(run)`` holds for an older run but not the newest, the newest such run too (a baseline the newest run
+    did not measure), in ``_newest_first``'s order: the README's tables; the history is on the results page and in
+    docs/PERFORMANCE.md."""
     kept, seen = [], set()
     for info in _newest_first(runs):
-        problem = (info["preset"], info["tokens"], info["routing"])
+        problem = (info["preset"], info["tokens"], info["routing"], _gpu(info))
         first = problem not in seen
         if first or (also is not None and also(info) and (problem, "also") not in seen):
             kept.append(info)
@@ -219,7 +220,7 @@ def sonicmoe_table(runs: list[dict]) -> str:
                          f"{peak} | {vs[0]} | {vs[1]} |")
     gemms = sorted({info.get("sonicmoe_gemms", "?") for info in measured})
     lines += ["", (f"SonicMoE's GEMMs at: {', '.join(gemms)}; {_versions(measured)}; all impls in the same process "
-                   "per run; each problem's newest run (older ones: benchmarks/README.md).")]
+                   "per run; each problem's newest run on each GPU (older ones: benchmarks/README.md).")]
     return "\n".join(lines)
 
 
@@ -249,8 +250,8 @@ def fp8_table(runs: list[dict]) -> str:
             lines.append(f"| {_problem(info)} | {name} | {r['fwd_ms']:.2f} | "
                          f"{r['fwd_bwd_ms']:.2f} | {r['ac_step_ms']:.2f} | {r['saved_activation_bytes'] / 2**20:.0f} | "
                          f"{vs_bf16} | {vs_base} |")
-    lines += ["", (f"{_versions(measured)}; all impls in the same process per run; each problem's newest run, and its "
-                   "newest with the FP8 baseline (older ones: benchmarks/README.md).")]
+    lines += ["", (f"{_versions(measured)}; all impls in the same process per run; each problem's newest run on each "
+                   "GPU, and its newest with the FP8 baseline (older ones: benchmarks/README.md).")]
     return "\n".join(lines)
 
 
