@@ -265,36 +265,6 @@ def test_fp8_up_products_only_are_the_full_kernels_products(num_tokens, num_expe
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing", GPU_CASES)
-@pytest.mark.parametrize("h_out", [True, False])
-def test_fp8_up_products_by_tma_are_the_pointer_stores(num_tokens, num_experts, top_k, dim, inter, routing, h_out):
-    """The up kernel's products stored by TMA where a warpgroup's 64 rows are all one expert's (``tma_preact``):
-    bit for bit the masked pointer stores, h too, and nothing written past the routed rows."""
-    from megamoe.kernels.gluon_fp8_sm90 import fp8_up_swiglu_ws
-
-    gen = torch.Generator().manual_seed(num_tokens * 5 + dim + inter)
-    topk_idx = make_routing(num_tokens, num_experts, top_k, routing, gen)
-    plan, offsets = build(topk_idx, num_experts)
-    rows, routed = num_tokens * top_k, offsets[-1]
-    x_q, x_s = quantize_rows(make_data((num_tokens, dim), "random", gen))
-    w13_q, w13_s = quantize_weights(make_data((num_experts, 2 * inter, dim), "random", gen, group_dims=2) / 16)
-    outs = []
-    for tma in (True, False):
-        h = ((torch.full((rows, inter), float("nan"), device="cuda").to(torch.float8_e4m3fn),
-              torch.full((inter // GROUP, rows), float("nan"), device="cuda")) if h_out else (None, None))
-        pre = torch.full((rows, 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16)
-        fp8_up_swiglu_ws(x_q, x_s, w13_q, w13_s, *h, plan, top_k, preact=pre, tma_preact=tma)
-        outs.append((pre, *h))
-    torch.cuda.synchronize()
-    (pre_tma, *h_tma), (pre_ptr, *h_ptr) = outs
-    assert torch.isfinite(pre_tma[:routed].float()).all() and torch.isnan(pre_tma[routed:].float()).all()
-    assert torch.equal(pre_tma[:routed], pre_ptr[:routed])
-    if h_out:
-        assert torch.equal(h_tma[0][:routed].view(torch.uint8), h_ptr[0][:routed].view(torch.uint8))
-        assert torch.equal(h_tma[1][:, :routed], h_ptr[1][:, :routed])
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing",
                          GPU_CASES + [(4096, 128, 8, 256, 256, "random")])  # (many blocks per program, 2 K-steps each)
 @pytest.mark.parametrize("block_n", [128, 256])

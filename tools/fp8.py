@@ -168,22 +168,6 @@ def main(argv=None, device: str = "cuda") -> None:
          lambda: expert_fwd.up_products_fp8(xq, xs, w13q, w13s, plan, top_k, preact), up_flops, None,
          (rows, 2 * inter, dim)),
     ]
-    # the up kernel's products stored by TMA and by pointer stores (each with its own products buffer, compared)
-    def up_stores(tma, h_out, out):
-        def run():
-            h = (torch.empty_like(hq), torch.empty_like(hs)) if h_out else (None, None)
-            gluon_fp8_sm90.fp8_up_swiglu_ws(xq, xs, w13q, w13s, *h, plan, top_k, preact=out, tma_preact=tma)
-            return (*h, out[:rows]) if h_out else (out[:rows], )
-        return run
-
-    for h_out, what in ((True, "up, products stored"), (False, "up, products only")):
-        for tma in (True, False):
-            name = f"{what} ({'TMA' if tma else 'pointer'} stores)"
-            stages.append((name, up_stores(tma, h_out, torch.empty_like(preact)), up_flops, None,
-                           (rows, 2 * inter, dim)))
-        twins[f"{what} (pointer stores)"] = (
-            f"{what} (TMA stores)", (lambda out: (out[0][:rows], out[1][:, :rows], out[2])) if h_out else
-            (lambda out: out))
     rows_gemms = (("down", (expert_fwd.DOWN_FP8, hq, hs, w2q, w2s, flat_weights), down_flops, (rows, dim, inter)),
                   ("dh'", (expert_bwd.DH_FP8, dyq, dys, w2tq, w2ts, None), down_flops, (rows, inter, dim)),
                   ("dx", (expert_bwd.DX_FP8, dzq, dzs, w13tq, w13ts, None), up_flops, (rows, dim, 2 * inter)))

@@ -82,10 +82,6 @@ MATH_WARPS = 4  # per MMA partition: one warpgroup
 # its epilogue stores h and the bf16 pre-activations (``gluon_sm90.store_staged``): 4 stages, 212 KB.
 ROWS_STAGES = 6
 UP_STAGES = 4
-# The up kernel's products (saved mode, and the keep-nothing backward's recompute): stored by TMA from each MMA
-# warpgroup's staging buffer where its 64 rows are all one expert's (``up._store_products``), else by masked pointer
-# stores from it.
-UP_TMA_PREACT = True
 ROWS_LOADER_WARPS = 1
 UP_LOADER_WARPS = 4  # one gathering thread per tile row: 128
 # Registers per thread (setmaxnreg) of the partitions. A kernel has three warpgroups (the loader's warp sits
@@ -141,12 +137,6 @@ def _fp8_layout(block: tuple[int, ...]) -> gl.NVMMASharedLayout:
 def _bf16_layout(block: tuple[int, ...]) -> gl.NVMMASharedLayout:
     """The shared-memory layout of a bf16 TMA block, built once per shape."""
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-
-
-@functools.cache
-def _bf16_scratch(device: torch.device) -> torch.Tensor:
-    """A (64, 64) bf16 tensor on ``device`` that an unused descriptor argument can point at."""
-    return torch.zeros(FP8_BM // 2, FP8_BN // 2, device=device, dtype=torch.bfloat16)
 
 
 def _fp8_desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -218,14 +208,12 @@ def rows_block_n(n_out: int, block_n: int | None = None) -> int:
 
 def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor,
                      h_q: torch.Tensor | None, h_s: torch.Tensor | None, plan, top_k: int,
-                     preact: torch.Tensor | None = None, *, trace: torch.Tensor | None = None,
-                     tma_preact: bool | None = None) -> None:
+                     preact: torch.Tensor | None = None, *, trace: torch.Tensor | None = None) -> None:
     """h = silu(x W1gᵀ) * (x W1uᵀ) for the plan's sorted rows (row r: token ``row_slot[r] // top_k``), blockwise
     dequantised operands, through ``up_ws_kernel``; quantised per row and 128 columns into h_q (N, I)
     float8_e4m3fn and h_s (I // 128, N) fp32; with ``preact`` (N, 2I) bf16 also g and u (h_q and h_s None:
     only those). Only the routed rows are written. ``trace``: as for ``fp8_rows_gemm_ws`` (the same points: the
-    epilogue, SwiGLU and h's quantisation with its stores, lies between points 2 and 3). ``tma_preact``: the
-    products' stores (None: UP_TMA_PREACT).
+    epilogue, SwiGLU and h's quantisation with its stores, lies between points 2 and 3).
 
     x_q (T, D) float8_e4m3fn, x_s (D // 128, T) fp32, w13_q (E, 2I, D) float8_e4m3fn (gate rows then up
     rows), w13_s (E, 2I // 128, D // 128) fp32, all contiguous; D and I multiples of 128; an sm90 GPU."""
@@ -240,17 +228,13 @@ def fp8_up_swiglu_ws(x_q: torch.Tensor, x_s: torch.Tensor, w13_q: torch.Tensor, 
     assert h_out == (h_s is not None) and (h_out or preact is not None) and BLOCK_M == FP8_BM
     assert not h_out or (h_q.shape == (num_rows, inter) and h_s.shape == (inter // SCALE_BLOCK, num_rows))
     assert preact is None or (preact.shape == (num_rows, two_i) and preact.dtype == torch.bfloat16)
-    block = [FP8_BM // 2, FP8_BN // 2]  # an MMA warpgroup's staging buffer
-    preact_desc = TensorDescriptor.from_tensor(preact if preact is not None else _bf16_scratch(x_q.device),
-                                               block, _bf16_layout(tuple(block)))
     up_ws_kernel[(sm_count(x_q.device.index),)](
         x_ptr=x_q, x_s_ptr=x_s, w13_desc=_fp8_desc(w13_q.view(num_experts, 2, inter, dim), [1, 1, FP8_BN, FP8_BK]),
         w13_s_ptr=w13_s, h_q_ptr=h_q if h_out else x_q, h_s_ptr=h_s if h_out else x_s,
-        preact_ptr=preact if preact is not None else h_s, preact_desc=preact_desc,
+        preact_ptr=preact if preact is not None else h_s,
         row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, T=num_tokens, N=num_rows, D=dim, I=inter, E=num_experts, top_k=top_k,
-        EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None,
-        TMA_PREACT=preact is not None and (UP_TMA_PREACT if tma_preact is None else tma_preact), H_OUT=h_out,
+        EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, PREACT=preact is not None, H_OUT=h_out,
         POW2=fp8_pow2_scales(), **trace_args(trace, x_s),
         STAGES=UP_STAGES, LOADER_WARPS=UP_LOADER_WARPS, MMA_REGS=UP_MATH_REGS, LOADER_REGS=UP_LOADER_REGS,
         num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
@@ -324,8 +308,7 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
-                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False,
-                tma_preact: bool = UP_TMA_PREACT):
+                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
     it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
@@ -335,7 +318,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
     (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
-    sorted-rows, up or weight-gradient kernel; ``tma_preact``: the up kernel's products stored by TMA."""
+    sorted-rows, up or weight-gradient kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -370,9 +353,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64"}
         sizes = {"P", "Q"}
     else:
-        blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK], "preact_desc": ([FP8_BM // 2, FP8_BN // 2], "bf16")}
-        constexprs = {**common, "PREACT": preact, "TMA_PREACT": preact and tma_preact, "H_OUT": h_out, "POW2": pow2,
-                      "TRACE": trace,
+        blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}
+        constexprs = {**common, "PREACT": preact, "H_OUT": h_out, "POW2": pow2, "TRACE": trace,
                       "STAGES": UP_STAGES, "LOADER_WARPS": UP_LOADER_WARPS,
                       "MMA_REGS": UP_MATH_REGS, "LOADER_REGS": UP_LOADER_REGS}
         pointers = {"x_ptr": "*fp8e4nv", "x_s_ptr": "*fp32", "w13_s_ptr": "*fp32", "h_q_ptr": "*fp8e4nv",

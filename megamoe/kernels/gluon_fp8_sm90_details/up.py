@@ -106,15 +106,14 @@ def _up_stage(as_bufs, bs_bufs, ready, step, STAGES: gl.constexpr, WG: gl.conste
 
 
 @gluon.jit
-def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, preact_desc, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready,
-                      empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n, work,
-                      WG: gl.constexpr, PREACT: gl.constexpr, TMA_PREACT: gl.constexpr, H_OUT: gl.constexpr,
-                      POW2: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
+                      g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n, work, WG: gl.constexpr,
+                      PREACT: gl.constexpr, H_OUT: gl.constexpr, POW2: gl.constexpr, TRACE: gl.constexpr,
+                      num_warps: gl.constexpr):
     """MMA partition ``WG`` (rows WG*64 .. WG*64+63 of each tile) of ``up_ws_kernel``: per K-step the gate
     block's MMA, its promotion, the up block's MMA (into the same temporary) and its promotion; then h = silu(g) *
     u in fp32, quantised per row over the block's 128 columns into h_q / h_s (POW2: power-of-two scales), and with
-    PREACT g and u rounded to bf16 into ``preact`` (TMA_PREACT: by TMA stores through ``preact_desc`` where the
-    warpgroup's 64 rows are all its expert's, ``_store_products``). TRACE: the sorted-rows MMA partitions' stamps
+    PREACT g and u rounded to bf16 into ``preact``. TRACE: the sorted-rows MMA partitions' stamps
     (``gluon_sm90.TRACE_BLOCKS``)."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     BK: gl.constexpr = x_bufs.type.shape[2]
@@ -145,52 +144,22 @@ def _up_mma_partition(h_q_ptr, h_s_ptr, preact_ptr, preact_desc, offsets_ptr, ti
                 acc_u = acc_u + tmp * scale_u[:, None]
                 step += 1
             stamp(trace_ptr, WG, block, 2, TRACE, num_warps)
-            _up_epilogue(acc_g, acc_u, staging.index(WG), h_q_ptr, h_s_ptr, preact_ptr, preact_desc, first, end, n0,
-                         N, I, PREACT, TMA_PREACT, H_OUT, POW2, num_warps)
+            _up_epilogue(acc_g, acc_u, staging.index(WG), h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I,
+                         PREACT, H_OUT, POW2, num_warps)
         else:  # all 64 rows past the expert: hand the stages back untouched
             step = pass_stages(ready, empty, step, D, BK)
         stamp(trace_ptr, WG, block, 3, TRACE, num_warps)
         row0, end, e_next, row0_next = row0_next, end_next, e_after, row0_after
-    if TMA_PREACT:
-        tma.store_wait(0)  # the last products' stores have read the staging buffer before the program ends
 
 
 @gluon.jit
-def _store_products(val, stage, preact_desc, preact_ptr, first, end, c0, off, I, num_warps: gl.constexpr):
-    """One warpgroup's (64, 128) block of g or u (``val``, fp32; rounded to bf16) into preact (N, 2I) at rows [first, end) and columns
-    off + c0 .. (``off``: 0 for g, I for u) through its staging buffer ``stage`` (64 x 64): where all 64 rows are its
-    expert's, as two TMA stores of 64 columns that run on under what follows (each waiting for the last store to
-    have read the buffer); else (an expert's last rows, the rest past it) by ``store_staged``'s masked pointer
-    stores."""
-    ROWS: gl.constexpr = val.type.shape[0]
-    COLS: gl.constexpr = val.type.shape[1]
-    tma.store_wait(0)
-    if first + ROWS <= end:
-        lo, hi = gl.split(gl.permute(gl.reshape(val, [ROWS, 2, COLS // 2]), [0, 2, 1]))
-        stage.store(lo.to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(preact_desc, [first, off + c0], stage)
-        tma.store_wait(0)
-        stage.store(hi.to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(preact_desc, [first, off + c0 + COLS // 2], stage)
-    else:
-        store_staged(val.to(gl.bfloat16), stage, preact_ptr + off, first, end, c0, 2 * I, I, num_warps)
-
-
-@gluon.jit
-def _up_h(acc_g, acc_u, stage, preact_ptr, preact_desc, first, end, c0, I, PREACT: gl.constexpr,
-          TMA_PREACT: gl.constexpr, num_warps: gl.constexpr):
+def _up_h(acc_g, acc_u, stage, preact_ptr, first, end, c0, I, PREACT: gl.constexpr, num_warps: gl.constexpr):
     """h = silu(g) * u (fp32) of one warpgroup's 64 rows and the columns c0 .. of g and u; with PREACT g and u
     (bf16) into preact (N, 2I) at columns c0 and I + c0 (rows [first, end)), through the warpgroup's staging
-    buffer ``stage`` (``gluon_sm90.store_staged``; TMA_PREACT: ``_store_products``)."""
+    buffer ``stage`` (``gluon_sm90.store_staged``)."""
     if PREACT:
-        if TMA_PREACT:
-            _store_products(acc_g, stage, preact_desc, preact_ptr, first, end, c0, 0, I, num_warps)
-            _store_products(acc_u, stage, preact_desc, preact_ptr, first, end, c0, I, I, num_warps)
-        else:
-            store_staged(acc_g.to(gl.bfloat16), stage, preact_ptr, first, end, c0, 2 * I, I, num_warps)
-            store_staged(acc_u.to(gl.bfloat16), stage, preact_ptr + I, first, end, c0, 2 * I, I, num_warps)
+        store_staged(acc_g.to(gl.bfloat16), stage, preact_ptr, first, end, c0, 2 * I, I, num_warps)
+        store_staged(acc_u.to(gl.bfloat16), stage, preact_ptr + I, first, end, c0, 2 * I, I, num_warps)
     return acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
 
 
@@ -203,30 +172,26 @@ def _store_h_s(scale, h_s_ptr, first, end, group, N):
 
 
 @gluon.jit
-def _up_epilogue(acc_g, acc_u, stage, h_q_ptr, h_s_ptr, preact_ptr, preact_desc, first, end, n0, N, I,
-                 PREACT: gl.constexpr, TMA_PREACT: gl.constexpr, H_OUT: gl.constexpr, POW2: gl.constexpr,
-                 num_warps: gl.constexpr):
+def _up_epilogue(acc_g, acc_u, stage, h_q_ptr, h_s_ptr, preact_ptr, first, end, n0, N, I, PREACT: gl.constexpr,
+                 H_OUT: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
     """One warpgroup's (64, 128) block of h = silu(g) * u, quantised as the FP8 path quantises everywhere:
     amax = max(max|h|, 1e-12) over the row's 128 columns, q = fp8(h * (448 / amax)) (round to nearest even,
     saturated to ±448), scale amax / 448 (both divisions IEEE; POW2: ``common.fp8_scales``); q into h_q (N, I) rows
     [first, end), the scale into h_s (I // 128, N); with PREACT g and u (bf16) into preact (N, 2I) at columns n0 and
     I + n0. Without H_OUT only the latter (the FP8 backward's recompute)."""
     BN: gl.constexpr = acc_g.type.shape[1]
-    h = _up_h(acc_g, acc_u, stage, preact_ptr, preact_desc, first, end, n0, I, PREACT, TMA_PREACT, num_warps)
+    h = _up_h(acc_g, acc_u, stage, preact_ptr, first, end, n0, I, PREACT, num_warps)
     if H_OUT:
         scale, inv = fp8_scales(gl.maximum(gl.max(gl.abs(h), axis=1), AMAX_FLOOR), POW2)
         q = quantize_by(h, inv[:, None])
         _store_h_s(scale, h_s_ptr, first, end, n0 // BN, N)
-        if TMA_PREACT:
-            tma.store_wait(0)  # the products' last store has read the staging buffer
         store_staged(q, stage, h_q_ptr, first, end, n0, I, I, num_warps)
 
 
 @gluon.jit
-def up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_ptr, preact_desc, row_slot_ptr,
-                      offsets_ptr, tile_expert_ptr, tile_row_ptr, trace_ptr, T, N, D, I, E, top_k, EB: gl.constexpr,
-                      TILE_M: gl.constexpr, PREACT: gl.constexpr, TMA_PREACT: gl.constexpr, H_OUT: gl.constexpr,
-                      POW2: gl.constexpr,
+def up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
+                      tile_expert_ptr, tile_row_ptr, trace_ptr, T, N, D, I, E, top_k, EB: gl.constexpr,
+                      TILE_M: gl.constexpr, PREACT: gl.constexpr, H_OUT: gl.constexpr, POW2: gl.constexpr,
                       TRACE: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """x (T, D) fp8 gathered by token and x_s (D // 128, T) fp32; w13_desc: W13 (E, 2, I, D) fp8 (gate rows, then
@@ -252,14 +217,12 @@ def up_ws_kernel(x_ptr, x_s_ptr, w13_desc, w13_s_ptr, h_q_ptr, h_s_ptr, preact_p
     ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)  # the TMA bytes' arrival + each thread's cp.async
     empty = barriers(STAGES, 2)  # one arrival per MMA warpgroup
     gl.warp_specialize([
-        (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, preact_desc, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                             ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n,
-                             work,
-                             0, PREACT, TMA_PREACT, H_OUT, POW2, TRACE, num_warps)),
-        (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, preact_desc, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-                             ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n,
-                             work,
-                             1, PREACT, TMA_PREACT, H_OUT, POW2, TRACE, num_warps)),
+        (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n, work,
+                             0, PREACT, H_OUT, POW2, TRACE, num_warps)),
+        (_up_mma_partition, (h_q_ptr, h_s_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
+                             x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, staging, trace_ptr, N, D, I, num_n, work,
+                             1, PREACT, H_OUT, POW2, TRACE, num_warps)),
         (_up_loader, (x_ptr, x_s_ptr, w13_desc, w13_s_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
                       ready, empty, x_bufs, g_bufs, u_bufs, as_bufs, bs_bufs, trace_ptr, T, D, I, top_k, num_n,
                       work, TRACE, LOADER_WARPS)),
