@@ -29,13 +29,8 @@ from megamoe.kernels.gluon_sm90 import (
     wgrad_block,
 )
 
-
-@gluon.constexpr_function
-def half_cols(bm, bn):
-    """The columns of an accumulator (and of one store) in a block of ``bm`` x ``bn``: 128-row blocks run 128
-    columns at a time (one chain of 128, or two halves of 256); 256-row blocks (each warpgroup 128 rows) two halves
-    of ``bn`` / 2, so that two accumulators and a temporary fit a warpgroup's registers."""
-    return bn // 2 if bm > 128 else 128
+# Each accumulator's columns: a block's at 128 columns, each half's at 256.
+ACC_COLS = gl.constexpr(128)
 
 
 @gluon.jit
@@ -76,18 +71,10 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, re
 def _wgrad_scale(as_bufs, bs_bufs, s, c0: gl.constexpr, WG: gl.constexpr, tmp):
     """The outer product of stage ``s``'s scales for the chain ``tmp`` of columns ``c0`` ..: A's of this warpgroup's
     rows times B's of the columns, read from the stage, in ``tmp``'s layout."""
-    sa, sb = _wgrad_scale_vectors(as_bufs, bs_bufs, s, c0, WG, tmp)
-    return sa[:, None] * sb[None, :]
-
-
-@gluon.jit
-def _wgrad_scale_vectors(as_bufs, bs_bufs, s, c0: gl.constexpr, WG: gl.constexpr, tmp):
-    """Stage ``s``'s scales for the chain ``tmp`` of columns ``c0`` ..: (A's of this warpgroup's rows, B's of the
-    columns), read from the stage in the slices of ``tmp``'s layout."""
     layout: gl.constexpr = tmp.type.layout
     sa = as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, layout))
     sb = bs_bufs.index(s).slice(c0, tmp.type.shape[1]).load(gl.SliceLayout(0, layout))
-    return sa, sb
+    return sa[:, None] * sb[None, :]
 
 
 @gluon.jit
@@ -144,7 +131,7 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
 @gluon.jit
 def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_smem, out_desc, e, p0,
                      q0, trace_ptr, block, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
-                     TRACE: gl.constexpr, SCALES_EARLY: gl.constexpr, num_warps: gl.constexpr):
+                     TRACE: gl.constexpr, num_warps: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
     ``acc0``, the right chain, its promotion into ``acc1``, the stage freed. With LAST (the block's last K-step) the
     left half is stored at [e, p0, q0] under the right chain. TRACE: with FIRST (its first), the block's point 1 (its
@@ -155,65 +142,53 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
     if FIRST:
         stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
     tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
-    if SCALES_EARLY:  # the scale vectors read while the chain runs, the outer product formed at the promotion
-        sa, sb = _wgrad_scale_vectors(as_bufs, bs_bufs, s, 0, WG, acc0)  # acc0: tmp's shape and layout
-        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-        acc0 = promote(acc0, tmp, sa[:, None] * sb[None, :])
-    else:
-        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-        acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
+    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+    acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
     tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
     if LAST:
         store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
-    if SCALES_EARLY:
-        sa, sb = _wgrad_scale_vectors(as_bufs, bs_bufs, s, HB, WG, acc1)
-        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-        mbarrier.arrive(empty.index(s), count=1)
-        acc1 = promote(acc1, tmp, sa[:, None] * sb[None, :])
-    else:
-        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-        scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
-        mbarrier.arrive(empty.index(s), count=1)
-        acc1 = promote(acc1, tmp, scale)
+    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+    scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
+    mbarrier.arrive(empty.index(s), count=1)
+    acc1 = promote(acc1, tmp, scale)
     return acc0, acc1, tmp
 
 
 @gluon.jit
 def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem, out_desc, e, p0, q0,
                      trace_ptr, block, WG: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr,
-                     SCALES_EARLY: gl.constexpr, num_warps: gl.constexpr):
-    """A block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves (of 128 in a 256-column block, of
-    64 in a 256-row one) with an accumulator each and one temporary (3 x 64 registers per thread: no second temporary
-    fits for issue-ahead, so each promotion runs under the other warpgroup's MMAs); the left half stored at [e, p0,
-    q0] under the last K-step's right chain; TRACE as ``_wgrad_wide_step``. Returns (the right half's accumulator, to
-    be stored at [e, p0, q0 + the half's width]; the next ring step)."""
+                     num_warps: gl.constexpr):
+    """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
+    accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
+    each promotion runs under the other warpgroup's MMAs); the left half stored at [e, p0, q0] under the last K-step's
+    right chain; TRACE as ``_wgrad_wide_step``. Returns (the right half's accumulator, to be stored at [e, p0, q0 +
+    128]; the next ring step)."""
     HALF: gl.constexpr = as_bufs.type.shape[1]
-    HB: gl.constexpr = half_cols(a_bufs.type.shape[1], b_bufs.type.shape[1])
-    acc0 = gl.zeros([HALF, HB], gl.float32, acc_layout)
-    acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
-    tmp = gl.zeros([HALF, HB], gl.float32, acc_layout)  # every chain's destination registers
+    acc0 = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)
+    acc1 = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)
+    tmp = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)  # every chain's destination registers
     if steps == 1:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
                                            c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, TRACE,
-                                           SCALES_EARLY, num_warps)
+                                           num_warps)
     else:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
                                            c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, False, TRACE,
-                                           SCALES_EARLY, num_warps)
+                                           num_warps)
         for k in range(1, steps - 1):
             acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + k, acc0, acc1,
                                                tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, False,
-                                               TRACE, SCALES_EARLY, num_warps)
+                                               TRACE, num_warps)
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0,
                                            acc1, tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, True,
-                                           TRACE, SCALES_EARLY, num_warps)
+                                           TRACE, num_warps)
     return acc1, step + steps
 
 
 @gluon.jit
 def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
                          num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
-                         SCALES_EARLY: gl.constexpr, num_warps: gl.constexpr):
+                         num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
     B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
@@ -224,7 +199,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
-    HB: gl.constexpr = half_cols(BM, BN)
+    HB: gl.constexpr = ACC_COLS
     HALF: gl.constexpr = as_bufs.type.shape[1]
     acc_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
     step = 0
@@ -237,7 +212,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
             if steps > 0:
                 acc1, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem,
                                               out_desc, e, p0, q0, trace_ptr, block_index(tile), WG, TRACE, acc_layout,
-                                              SCALES_EARLY, num_warps)
+                                              num_warps)
                 stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
                 store_block(acc1.to(out_desc.dtype), c_smem, out_desc, e, p0, q0 + HB)
             else:
@@ -263,7 +238,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
 @gluon.jit
 def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr, by_size_ptr,
                     EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
-                    SCALES_EARLY: gl.constexpr, LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                    LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                     num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B (Q,
     NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q) bf16,
@@ -281,11 +256,9 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     num_q = Q // BN
     gl.warp_specialize([
         (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, TRACE, SCALES_EARLY,
-                                num_warps)),
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, TRACE, num_warps)),
         (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, TRACE, SCALES_EARLY,
-                                num_warps)),
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, TRACE, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
                          as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
