@@ -65,12 +65,10 @@ from megamoe.kernels.gluon_fp8_sm90 import (
 from megamoe.kernels.gluon_sm90 import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.quant import (
-    AMAX_FLOOR,
     FP8,
     quantize_groups,
     quantize_rows,
     quantize_tile_cols,
-    scale_and_inverse,
     tile_cols_outputs,
 )
 from megamoe.kernels.tuning import TunedKernel, configs
@@ -315,16 +313,12 @@ def _expert_wgrad_fp8_kernel(
     b_scale_ptr,  # (NT, Q) fp32
     out_ptr,  # (E, P, Q) out: dW[e] = sum over the expert's tiles t of deq(a)[tile t]^T deq(b)[tile t]
     offsets_ptr,
-    b_amax_ptr,  # with B_AMAX: (E, Q) fp32, b's column amax per expert (row stride b_amax_stride, 0: one row)
-    P, Q, b_amax_stride,
+    P, Q,
     EB: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    B_AMAX: tl.constexpr, POW2: tl.constexpr,
 ):
     """``_expert_wgrad_kernel`` on FP8 operands quantised 128x1 along the tokens: one K-step per plan tile of the
     expert (BK = TILE_M), whose product is promoted with the outer product of the two operands' scales of that
-    tile. Tiles hold zeros past their expert's end, so no step needs a mask. P and Q multiples of 128. B_AMAX: b's
-    scales are its expert's in every tile (``quant.quantize_tile_cols``'s ``col_amax``; POW2 as it quantised): each
-    step is promoted with a's scales alone, and the sum times b's column scales once, at the end."""
+    tile. Tiles hold zeros past their expert's end, so no step needs a mask. P and Q multiples of 128."""
     tl.static_assert(BK == TILE_M, "a K-step is one plan tile: one scale per column and operand")
     e, p0, q0, start, end = _wgrad_block(tl.program_id(0), offsets_ptr, P, Q, BM, BN)
     ps = p0 + tl.arange(0, BM)
@@ -333,14 +327,8 @@ def _expert_wgrad_fp8_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for t in range(first, first + tl.cdiv(end - start, BK)):
         sa = tl.load(a_scale_ptr + t * P + ps)
-        if B_AMAX:
-            acc += tl.dot(a_desc.load([p0, t * BK]), b_desc.load([q0, t * BK]).T) * sa[:, None]
-        else:
-            sb = tl.load(b_scale_ptr + t * Q + qs)
-            acc += tl.dot(a_desc.load([p0, t * BK]), b_desc.load([q0, t * BK]).T) * (sa[:, None] * sb[None, :])
-    if B_AMAX:
-        sb, _ = scale_and_inverse(tl.maximum(tl.load(b_amax_ptr + e * b_amax_stride + qs), AMAX_FLOOR), POW2)
-        acc = acc * sb[None, :]
+        sb = tl.load(b_scale_ptr + t * Q + qs)
+        acc += tl.dot(a_desc.load([p0, t * BK]), b_desc.load([q0, t * BK]).T) * (sa[:, None] * sb[None, :])
     tl.store(out_ptr + e.to(tl.int64) * P * Q + ps[:, None] * Q + qs[None, :], acc.to(out_ptr.dtype.element_ty))
 
 
@@ -655,27 +643,21 @@ def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, *, gemm: str | 
 
 
 def wgrad_fp8(aq_PL, as_TP, bq_QL, bs_TQ, plan: Plan, out_dtype: torch.dtype, block_n: int | None = None,
-              by_size: bool | None = None, b_amax: torch.Tensor | None = None) -> torch.Tensor:
+              by_size: bool | None = None) -> torch.Tensor:
     """``expert_wgrad`` on FP8 operands in tile columns (``quant.quantize_tile_cols``: a's (P, NT*128) e4m3 and
     (NT, P) fp32 scales, b's the same with Q): (E, P, Q) in ``out_dtype``, an expert without rows exact zeros. On
     sm90 with a bf16 output through the warp-specialized Gluon kernel (``gluon_fp8_sm90_details.wgrad``, its
     block width ``block_n``: ``gluon_fp8_sm90.wgrad_block_n``; ``by_size``: its blocks' order, as
-    ``gluon_fp8_sm90.fp8_wgrad_ws`` takes it), elsewhere ``WGRAD_FP8``. P and Q multiples of 128. ``b_amax``: the
-    ``col_amax`` b was quantised with ((Q,) or (E, Q) fp32, contiguous): b's scales are then its expert's in every
-    tile, and each K-step is promoted with a's alone, b's applied once to the sum."""
+    ``gluon_fp8_sm90.fp8_wgrad_ws`` takes it), elsewhere ``WGRAD_FP8``. P and Q multiples of 128."""
     p, q = aq_PL.shape[0], bq_QL.shape[0]
     num_experts = plan.offsets_E1.numel() - 1
     dw = torch.empty(num_experts, p, q, device=aq_PL.device, dtype=out_dtype)
-    if b_amax is not None:
-        assert b_amax.dtype == torch.float32 and b_amax.is_contiguous() and b_amax.shape in ((q,), (num_experts, q))
     if fp8_ws_supported(aq_PL, out_dtype):
-        fp8_wgrad_ws(aq_PL, as_TP, bq_QL, bs_TQ, dw, plan.offsets_E1, block_n, by_size=by_size, b_amax=b_amax)
+        fp8_wgrad_ws(aq_PL, as_TP, bq_QL, bs_TQ, dw, plan.offsets_E1, block_n, by_size=by_size)
         return dw
     WGRAD_FP8[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
         a_desc=descriptor(aq_PL), b_desc=descriptor(bq_QL), a_scale_ptr=as_TP, b_scale_ptr=bs_TQ, out_ptr=dw,
-        offsets_ptr=plan.offsets_E1, b_amax_ptr=bs_TQ if b_amax is None else b_amax, P=p, Q=q,
-        b_amax_stride=0 if b_amax is None or b_amax.dim() == 1 else q, EB=triton.next_power_of_2(num_experts),
-        TILE_M=BLOCK_M, B_AMAX=b_amax is not None, POW2=fp8_pow2_scales(), dtype=FP8,
+        offsets_ptr=plan.offsets_E1, P=p, Q=q, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, dtype=FP8,
     )
     return dw
 

@@ -247,7 +247,7 @@ def wgrad_block_n(q: int, block_n: int | None = None) -> int:
 
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
                  offsets: torch.Tensor, block_n: int | None = None, *, by_size: bool | None = None,
-                 trace: torch.Tensor | None = None, b_amax: torch.Tensor | None = None) -> None:
+                 trace: torch.Tensor | None = None) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``wgrad_ws_kernel``; an expert without rows gets zeros.
 
@@ -255,9 +255,7 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
     multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``block_n``: the output block's
     width (``wgrad_block_n``); ``by_size``: the blocks dealt in order of their experts' rows (None:
-    ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block trace, as for ``fp8_rows_gemm_ws``; ``b_amax``: the
-    ``col_amax`` b was quantised with ((Q,) or (E, Q) fp32, ``quant.quantize_tile_cols``): b's scales its expert's in
-    every tile, promoted with a's alone (``wgrad_ws_kernel``'s B_AMAX)."""
+    ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block trace, as for ``fp8_rows_gemm_ws``."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
     assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -269,10 +267,8 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [block_n, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
-        Q=q, tiles=tiles, b_amax_ptr=b_s if b_amax is None else b_amax,
-        b_amax_stride=0 if b_amax is None or b_amax.dim() == 1 else q, EB=triton.next_power_of_2(num_experts),
+        Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
         STAGES=WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, **wgrad_by_size(offsets, by_size),
-        B_AMAX=b_amax is not None, POW2=fp8_pow2_scales(),
         **trace_args(trace, a_s), LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
@@ -312,8 +308,7 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
-                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False,
-                b_amax: bool = False):
+                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
     it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
@@ -322,9 +317,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     ``row_dest`` too); ``preact``: the up kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its
     products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
-    (None: ``gluon_sm90.WGRAD_BY_SIZE``), ``b_amax`` its B scales per expert (``fp8_wgrad_ws``'s ``b_amax``);
-    ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the sorted-rows, up or weight-gradient
-    kernel."""
+    (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
+    sorted-rows, up or weight-gradient kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -354,9 +348,9 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS,
                       "STAGES": WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, "TRACE": trace,
                       "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size, "MMA_REGS": MATH_REGS,
-                      "LOADER_REGS": ROWS_LOADER_REGS, "B_AMAX": b_amax, "POW2": pow2}
+                      "LOADER_REGS": ROWS_LOADER_REGS}
         blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
-        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "b_amax_ptr": "*fp32", "trace_ptr": "*i64"}
+        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64"}
         sizes = {"P", "Q"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}

@@ -13,8 +13,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
-    AMAX_FLOOR,
-    fp8_scales,
     issue_chain,
     promote,
     ring,
@@ -38,13 +36,12 @@ ACC_COLS = gl.constexpr(128)
 @gluon.jit
 def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
                   bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB: gl.constexpr, BY_SIZE: gl.constexpr,
-                  B_AMAX: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                  TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``wgrad_ws_kernel``: per K-step (one plan tile t of the block's
     expert), the blocks of A (128, 128) at [p0, 128 t] and of B (BN, 128) at [q0, 128 t] through TMA (zeros past the
     expert's rows are in the tensors), and the tile's scales of the block's 128 P-columns (two warpgroup halves) and
-    (unless B_AMAX: B's scales the expert's, read by the MMA warps once a block) BN Q-columns through ``cp.async``,
-    each thread's copies arriving on the stage's ready barrier. TRACE: its stamps (partition 2 of
-    ``gluon_sm90.TRACE_BLOCKS``)."""
+    BN Q-columns through ``cp.async``, each thread's copies arriving on the stage's ready barrier. TRACE: its stamps
+    (partition 2 of ``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -63,8 +60,7 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, re
             tma.async_copy_global_to_shared(b_desc, [q0, t * BK], ready.index(s), b_bufs.index(s))
             async_copy.async_copy_global_to_shared(as_bufs.index(2 * s), a_s_ptr + t * P + p0 + lanes_a)
             async_copy.async_copy_global_to_shared(as_bufs.index(2 * s + 1), a_s_ptr + t * P + p0 + HALF + lanes_a)
-            if not B_AMAX:
-                async_copy.async_copy_global_to_shared(bs_bufs.index(s), b_s_ptr + t * Q + q0 + lanes_b)
+            async_copy.async_copy_global_to_shared(bs_bufs.index(s), b_s_ptr + t * Q + q0 + lanes_b)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
             stamp_first(trace_ptr, 2, block_index(tile), 1, t == first, TRACE, num_warps)
@@ -72,41 +68,27 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, re
 
 
 @gluon.jit
-def _wgrad_scale(as_bufs, bs_bufs, s, c0: gl.constexpr, WG: gl.constexpr, tmp, B_AMAX: gl.constexpr):
+def _wgrad_scale(as_bufs, bs_bufs, s, c0: gl.constexpr, WG: gl.constexpr, tmp):
     """The outer product of stage ``s``'s scales for the chain ``tmp`` of columns ``c0`` ..: A's of this warpgroup's
-    rows times B's of the columns, read from the stage, in ``tmp``'s layout; with B_AMAX A's alone (broadcast over
-    the columns: B's are applied to the block's sum, ``_b_scaled``)."""
+    rows times B's of the columns, read from the stage, in ``tmp``'s layout."""
     layout: gl.constexpr = tmp.type.layout
-    scale = as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, layout))[:, None]
-    if not B_AMAX:
-        scale = scale * bs_bufs.index(s).slice(c0, tmp.type.shape[1]).load(gl.SliceLayout(0, layout))[None, :]
-    return scale
+    sa = as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, layout))
+    sb = bs_bufs.index(s).slice(c0, tmp.type.shape[1]).load(gl.SliceLayout(0, layout))
+    return sa[:, None] * sb[None, :]
 
 
 @gluon.jit
-def _b_scaled(acc, b_amax_ptr, b_amax_stride, e, q0, B_AMAX: gl.constexpr, POW2: gl.constexpr):
-    """With B_AMAX, a block's sum ``acc`` (columns q0 ..) times B's scales of expert ``e`` (``fp8_scales`` of its
-    column amax, as the quantiser took them); without, ``acc``."""
-    if B_AMAX:
-        layout: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
-        cols = q0 + gl.arange(0, acc.type.shape[1], layout=layout)
-        sb, _ = fp8_scales(gl.maximum(gl.load(b_amax_ptr + e * b_amax_stride + cols), AMAX_FLOOR), POW2)
-        return acc * sb[None, :]
-    return acc
-
-
-@gluon.jit
-def _wgrad_promote(acc, tmp, as_bufs, bs_bufs, empty, s, WG: gl.constexpr, B_AMAX: gl.constexpr):
-    """``acc`` + the finished chain ``tmp`` of stage ``s`` times the outer product of the stage's scales (B_AMAX:
-    ``_wgrad_scale``), which is then freed."""
-    scale = _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp, B_AMAX)
+def _wgrad_promote(acc, tmp, as_bufs, bs_bufs, empty, s, WG: gl.constexpr):
+    """``acc`` + the finished chain ``tmp`` of stage ``s`` times the outer product of the stage's scales, which is
+    then freed."""
+    scale = _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp)
     mbarrier.arrive(empty.index(s), count=1)
     return promote(acc, tmp, scale)
 
 
 @gluon.jit
 def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, trace_ptr, block, WG: gl.constexpr,
-                      B_AMAX: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
+                      TRACE: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
     """A block's ``steps`` (>= 1) K-steps for one warpgroup with the next chain issued before a finished one is
     promoted (the pattern of ``rows._rows_main_narrow``, whose comments say why each wait is
     to zero chains in flight). The scales are read at the promotion, under the next chain: held from the stage's
@@ -125,37 +107,35 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
         s1 = stage_ready(ready, step + 1, STAGES)
         tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
         tmp1 = issue_chain(a_bufs, b_bufs, s1, 0, tmp1, WG)
-        acc = _wgrad_promote(acc, tmp0, as_bufs, bs_bufs, empty, s0, WG, B_AMAX)
+        acc = _wgrad_promote(acc, tmp0, as_bufs, bs_bufs, empty, s0, WG)
         s0 = stage_ready(ready, step + 2, STAGES)
         tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
         tmp0 = issue_chain(a_bufs, b_bufs, s0, 0, tmp0, WG)
-        acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG, B_AMAX)
+        acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG)
         step += 2
     if steps % 2 == 0:  # two steps left: `step` in flight, and the next
         s1 = stage_ready(ready, step + 1, STAGES)
         done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
         tmp1 = issue_chain(a_bufs, b_bufs, s1, 0, tmp1, WG)
-        acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG, B_AMAX)
+        acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG)
         tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
-        acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG, B_AMAX)
+        acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG)
         step += 2
     else:  # one step left, in flight
         done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-        acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG, B_AMAX)
+        acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG)
         step += 1
     return acc, step
 
 
 @gluon.jit
 def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_smem, out_desc, e, p0,
-                     q0, b_amax_ptr, b_amax_stride, trace_ptr, block, WG: gl.constexpr, FIRST: gl.constexpr,
-                     LAST: gl.constexpr, B_AMAX: gl.constexpr, POW2: gl.constexpr, TRACE: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     q0, trace_ptr, block, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
+                     TRACE: gl.constexpr, num_warps: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
     ``acc0``, the right chain, its promotion into ``acc1``, the stage freed. With LAST (the block's last K-step) the
-    left half is stored at [e, p0, q0] under the right chain (not with B_AMAX: B's scales beside the three blocks of
-    registers spilled; its caller stores it). TRACE: with FIRST (its first), the block's point 1 (its first stage
-    ready). Returns (acc0, acc1, tmp)."""
+    left half is stored at [e, p0, q0] under the right chain. TRACE: with FIRST (its first), the block's point 1 (its
+    first stage ready). Returns (acc0, acc1, tmp)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HB: gl.constexpr = tmp.type.shape[1]
     s = stage_ready(ready, step, STAGES)
@@ -163,12 +143,12 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
         stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
     tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-    acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp, B_AMAX))
+    acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
     tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
-    if LAST and not B_AMAX:
+    if LAST:
         store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
     tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-    scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp, B_AMAX)
+    scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
     mbarrier.arrive(empty.index(s), count=1)
     acc1 = promote(acc1, tmp, scale)
     return acc0, acc1, tmp
@@ -176,43 +156,42 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
 
 @gluon.jit
 def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem, out_desc, e, p0, q0,
-                     b_amax_ptr, b_amax_stride, trace_ptr, block, WG: gl.constexpr, B_AMAX: gl.constexpr,
-                     POW2: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
+                     trace_ptr, block, WG: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr,
+                     num_warps: gl.constexpr):
     """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
     accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
     each promotion runs under the other warpgroup's MMAs); the left half stored at [e, p0, q0] under the last K-step's
-    right chain, unless B_AMAX; TRACE as ``_wgrad_wide_step``. Returns (the left half's accumulator, to be stored at
-    [e, p0, q0] with B_AMAX; the right half's, to be stored at [e, p0, q0 + 128]; the next ring step)."""
+    right chain; TRACE as ``_wgrad_wide_step``. Returns (the right half's accumulator, to be stored at [e, p0, q0 +
+    128]; the next ring step)."""
     HALF: gl.constexpr = as_bufs.type.shape[1]
     acc0 = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)
     acc1 = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)
     tmp = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)  # every chain's destination registers
     if steps == 1:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_smem, out_desc, e, p0, q0, b_amax_ptr, b_amax_stride, trace_ptr, block, WG,
-                                           True, True, B_AMAX, POW2, TRACE, num_warps)
+                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, TRACE,
+                                           num_warps)
     else:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_smem, out_desc, e, p0, q0, b_amax_ptr, b_amax_stride, trace_ptr, block, WG,
-                                           True, False, B_AMAX, POW2, TRACE, num_warps)
+                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, False, TRACE,
+                                           num_warps)
         for k in range(1, steps - 1):
             acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + k, acc0, acc1,
-                                               tmp, c_smem, out_desc, e, p0, q0, b_amax_ptr, b_amax_stride, trace_ptr,
-                                               block, WG, False, False, B_AMAX, POW2, TRACE, num_warps)
+                                               tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, False,
+                                               TRACE, num_warps)
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0,
-                                           acc1, tmp, c_smem, out_desc, e, p0, q0, b_amax_ptr, b_amax_stride, trace_ptr,
-                                           block, WG, False, True, B_AMAX, POW2, TRACE, num_warps)
-    return acc0, acc1, step + steps
+                                           acc1, tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, True,
+                                           TRACE, num_warps)
+    return acc1, step + steps
 
 
 @gluon.jit
-def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, b_amax_ptr, b_amax_stride, ready, empty, a_bufs,
-                         b_bufs, as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, WG: gl.constexpr,
-                         BY_SIZE: gl.constexpr, B_AMAX: gl.constexpr, POW2: gl.constexpr, TRACE: gl.constexpr,
+def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
+                         num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
                          num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
-    B's of the block's columns; B_AMAX: A's alone, and the sum times B's, ``_b_scaled``); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
+    B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
     ``c_smem`` and a TMA store that runs on under the MMAs that follow. A block of 128 columns promotes under its
     next K-step's MMA (``_wgrad_main_ahead``); one of 256 runs as two column halves (``_wgrad_main_wide``), its right
     half stored at its end. An expert without rows gets zeros. TRACE: the warpgroup's stamps (partition WG of
@@ -231,14 +210,10 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, b_amax_ptr,
             steps = (last - first + BK - 1) // BK
             p0 = p0 + WG * HALF
             if steps > 0:
-                acc0, acc1, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps,
-                                                    c_smem, out_desc, e, p0, q0, b_amax_ptr, b_amax_stride, trace_ptr,
-                                                    block_index(tile), WG, B_AMAX, POW2, TRACE, acc_layout, num_warps)
+                acc1, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem,
+                                              out_desc, e, p0, q0, trace_ptr, block_index(tile), WG, TRACE, acc_layout,
+                                              num_warps)
                 stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
-                if B_AMAX:
-                    acc0 = _b_scaled(acc0, b_amax_ptr, b_amax_stride, e, q0, B_AMAX, POW2)
-                    store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
-                acc1 = _b_scaled(acc1, b_amax_ptr, b_amax_stride, e, q0 + HB, B_AMAX, POW2)
                 store_block(acc1.to(out_desc.dtype), c_smem, out_desc, e, p0, q0 + HB)
             else:
                 zeros = gl.zeros([HALF, HB], gl.float32, acc_layout).to(out_desc.dtype)
@@ -253,9 +228,8 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, b_amax_ptr,
             acc = gl.zeros([HALF, HB], gl.float32, acc_layout)
             if steps > 0:
                 acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, trace_ptr,
-                                              block_index(tile), WG, B_AMAX, TRACE, acc_layout, num_warps)
+                                              block_index(tile), WG, TRACE, acc_layout, num_warps)
                 stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
-                acc = _b_scaled(acc, b_amax_ptr, b_amax_stride, e, q0, B_AMAX, POW2)
             store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
             stamp(trace_ptr, WG, block_index(tile), 3, TRACE, num_warps)
     tma.store_wait(0)
@@ -263,17 +237,15 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, b_amax_ptr,
 
 @gluon.jit
 def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr, by_size_ptr,
-                    b_amax_ptr, b_amax_stride, EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr,
-                    B_AMAX: gl.constexpr, POW2: gl.constexpr, TRACE: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                    MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                    EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
+                    LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                    num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B (Q,
     NT * 128) fp8, block (BN, BK), BN 128 or 256; a_s (NT, P) and b_s (NT, Q) fp32; out_desc: out (E, P, Q) bf16,
     block (1, BM / 2, 128) (one warpgroup's rows, the columns of one store). Blocks: ``tiles``
     = E * P/BM * Q/BN output blocks, expert-major (the programs at work share one expert's operands in L2), one
     program per SM walking them (BY_SIZE: dealt in order of their experts' rows, ``gluon_sm90.wgrad_block``, by_size_ptr
-    ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. B_AMAX: B's scales its
-    expert's in every tile, from b_amax (E, Q) fp32 (row stride b_amax_stride, 0: one row for all; POW2 as B was
-    quantised): each K-step promoted with A's scales alone, B's applied to the block's sum. TRACE: stamps into
+    ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
     trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -283,14 +255,11 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     num_p = P // BM
     num_q = Q // BN
     gl.warp_specialize([
-        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, b_amax_ptr, b_amax_stride, ready,
-                                empty, a_bufs, b_bufs, as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE,
-                                B_AMAX, POW2, TRACE, num_warps)),
-        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, b_amax_ptr, b_amax_stride, ready,
-                                empty, a_bufs, b_bufs, as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE,
-                                B_AMAX, POW2, TRACE, num_warps)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, TRACE, num_warps)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, TRACE, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                         as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, B_AMAX, TRACE,
-                         LOADER_WARPS)),
+                         as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
