@@ -1,7 +1,9 @@
 """What coarser token-axis scales would cost the FP8 weight gradients in accuracy (CPU, torch's e4m3 cast).
 
 dW = aᵀ b over one expert's rows (a: rows x P, b: rows x Q), both operands e4m3 with fp32 scales along the token
-axis, against the float64 product, under four scalings:
+axis, against the float64 product, under five scalings (the accuracy half of a trade whose speed half measured
+nothing: dW13 with b's scales out of its K-loop ran as fast as the recipe's, docs/PERFORMANCE.md, "x's scales in dW13
+one per channel over the layer"):
 
 * ``tile/tile``: both per channel and 128 rows, DeepSeek-V3's 128x1 groups (``reference.quantize_tile_cols``), what
   ``autograd.FP8_WGRAD`` computes;
@@ -10,8 +12,8 @@ axis, against the float64 product, under four scalings:
   goes");
 * ``expert/expert``: both per channel over all the rows;
 * ``tile/layer``: b per channel over all the layer's rows (``--layer-rows``, the expert's among them, of the same
-  distribution): a scale that the forward could take from x for free (one pass over the tokens, not over each
-  expert's rows), at the price of the layer's amax standing for the expert's;
+  distribution): the cheapest of these to compute (one pass over the tokens, not over each expert's rows), at the
+  price of the layer's amax standing for the expert's;
 * ``tile/block``: b per 128 rows x 128 channels (the weights' block shape), so that a 128-column half of a block
   promotes by one scale per row, a's times b's block's, as the sorted-rows kernel does (the same "A's row scales
   only" timing: the promotion's cost, not where b's scale is applied).
