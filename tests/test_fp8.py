@@ -604,6 +604,38 @@ def test_fp8_wgrad_bf16_gpu_computes_the_recipe(shape, poison_cuda, monkeypatch)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["random", "dropped", "one"])
+def test_gluon_tile_cols_quantiser_writes_the_triton_kernels_bits(routing, scales):
+    """The Gluon tile-column quantiser (``quant.quantize_tile_cols(..., gluon=True)``, sm90, 16-bit rows): the Triton
+    kernel's bytes and scales, from sorted rows and from the tokens' rows, over values spanning e4m3's normal and
+    subnormal range, an all-zero group, partial and idle tiles and rows past the routed ones (NaN, never read); its
+    memory handed over (``over``) as the Triton kernel's."""
+    from megamoe.kernels.expert_bwd import gather_rows
+    from megamoe.kernels.plan import build_plan
+
+    for dtype in (torch.bfloat16, torch.float16):
+        x, idx, _, _, _, dy = make_problem(700, 256, 128, 6, 3, routing, dtype=dtype, device="cuda")
+        x = x * torch.logspace(-4, 4, 700, device="cuda")[:, None].to(dtype)
+        x[:, 5] = 0.0
+        plan = build_plan(idx, 6)
+        busy = int(sum(-(-c // 128) for c in (plan.offsets_E1[1:] - plan.offsets_E1[:-1]).tolist()))
+        x_sorted, dy_sorted = gather_rows(x, dy, plan, 3)
+        x_sorted[int(plan.offsets_E1[-1]):] = float("nan")
+        for rows, top_k in ((x, 3), (dy, 3), (x_sorted, None), (dy_sorted, None)):
+            q, s = quant.quantize_tile_cols(rows, plan, top_k, gluon=True)
+            q_ref, s_ref = quant.quantize_tile_cols(rows, plan, top_k, gluon=False)
+            assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128])), (dtype, top_k)
+            assert torch.equal(s[:busy], s_ref[:busy]), (dtype, top_k)
+            assert_scale_kind(s[:busy], scales)
+        over = torch.empty(q.numel() + 4 * s.numel(), device="cuda", dtype=torch.uint8)
+        q_over, s_over = quant.quantize_tile_cols(x, plan, 3, over=over, gluon=True)
+        assert q_over.data_ptr() == over.data_ptr()
+        q_ref, s_ref = quant.quantize_tile_cols(x, plan, 3, gluon=False)
+        assert torch.equal(bits(q_over[:, :busy * 128]), bits(q_ref[:, :busy * 128]))
+        assert torch.equal(s_over[:busy], s_ref[:busy])
+
+
+@pytest.mark.gpu
 def test_fp8_quantisers_on_the_gpu_match_reference_bit_for_bit(scales):
     gen = torch.Generator().manual_seed(3)
     a = (torch.randn(3000, 2048, generator=gen) * torch.logspace(-6, 4, 3000)[:, None]).to(torch.bfloat16)

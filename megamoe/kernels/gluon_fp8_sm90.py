@@ -64,6 +64,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from megamoe.env import device_capability, fp8_pow2_scales, sm_count
 from megamoe.kernels.gluon_fp8_sm90_details.act import act_tile_cols_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.rows import rows_ws_kernel
+from megamoe.kernels.gluon_fp8_sm90_details.tile_cols import (
+    TILE_COLS_WARPS,
+    tile_cols_kernel,
+)
 from megamoe.kernels.gluon_fp8_sm90_details.up import up_ws_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.wgrad import wgrad_ws_kernel
 from megamoe.kernels.gluon_sm90 import WGRAD_BY_SIZE, trace_args, wgrad_by_size
@@ -301,9 +305,24 @@ def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.
         PART_COLS=part_cols, POW2=fp8_pow2_scales(), num_warps=ACT_WARPS, maxnreg=ACT_MAXNREG)
 
 
+def fp8_tile_cols_ws(a: torch.Tensor, plan, top_k: int | None, q: torch.Tensor, s: torch.Tensor) -> None:
+    """``a``'s sorted rows quantised 128x1 into the tile columns q (C, NT * 128) e4m3 and s (NT, C) fp32 through
+    ``tile_cols_kernel``, bit for bit ``quant.quantize_tile_cols``'s Triton kernel. ``a`` (N, C) sorted rows, or
+    with ``top_k`` (T, C) the tokens' rows, each sorted row read from its token; contiguous, 16-bit, C a multiple of
+    128; an sm90 GPU; ``plan`` built with BLOCK_M = 128 rows per tile."""
+    num_tiles = plan.tile_expert_NT.numel()
+    cols = a.shape[1]
+    assert a.dtype in (torch.bfloat16, torch.float16) and a.is_contiguous() and cols % SCALE_BLOCK == 0
+    assert q.shape == (cols, num_tiles * BLOCK_M) and s.shape == (num_tiles, cols) and BLOCK_M == 128
+    tile_cols_kernel[(num_tiles, cols // SCALE_BLOCK)](
+        a_ptr=a, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
+        tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N, C=cols, E=plan.offsets_E1.numel() - 1,
+        TOP_K=top_k or 0, POW2=fp8_pow2_scales(), num_warps=TILE_COLS_WARPS)
+
+
 # The kernels by name, for the ahead-of-time compile check.
 KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgrad_ws_kernel,
-           "fp8_act": act_tile_cols_kernel}
+           "fp8_act": act_tile_cols_kernel, "fp8_tile_cols": tile_cols_kernel}
 
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
@@ -315,7 +334,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     make multiples of 128, are specialised as 16-divisible, as Triton does at run time. ``weighted`` / ``to_slots``
     / ``row_dest``: the sorted-rows kernel's variant (down projection: the first two; an expert-parallel owner's:
     ``row_dest`` too); ``preact``: the up kernel's saved-activation variant, ``h_out=False`` (with ``preact``) its
-    products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``) power-of-two scales;
+    products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``, and the tile-column quantiser's,
+    ``fp8_tile_cols``, reading the tokens' rows at top-8) power-of-two scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
     (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
     sorted-rows, up or weight-gradient kernel."""
@@ -343,6 +363,11 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
                     "dzq_ptr": "*fp8e4nv", "dzs_ptr": "*fp32", "dzt_ptr": "*fp8e4nv", "dzts_ptr": "*fp32",
                     "hwt_ptr": "*fp8e4nv", "hwts_ptr": "*fp32"}
         sizes = {"I"}
+    elif name == "fp8_tile_cols":
+        blocks = {}
+        constexprs = {"TOP_K": 8, "POW2": pow2, "num_warps": TILE_COLS_WARPS}
+        pointers = {"a_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+        sizes = {"C"}
     elif name == "fp8_wgrad":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [block_n, FP8_BK]}
         constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS,
@@ -375,5 +400,6 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
              if arg.endswith("_ptr") or (sizes_divisible and arg in sizes)}
     src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = ({"num_warps": ACT_WARPS, "maxnreg": ACT_MAXNREG} if name == "fp8_act"
+               else {"num_warps": TILE_COLS_WARPS} if name == "fp8_tile_cols"
                else {"num_warps": MATH_WARPS, "maxnreg": FP8_MAXNREG})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

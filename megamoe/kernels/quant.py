@@ -39,6 +39,7 @@ import triton.language as tl
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megamoe.env import fp8_pow2_scales, interpreting
+from megamoe.kernels.gluon_fp8_sm90 import fp8_tile_cols_ws, fp8_ws_supported
 from megamoe.kernels.plan import BLOCK_M, Plan
 
 GROUP = 128  # values per scale along a GEMM's inner dimension (and the weights' block edge)
@@ -190,6 +191,10 @@ WEIGHT_SLICE, ROWS_BM = 32, 32
 # in all, no spills). Measured on the H200 against 64 columns (docs/PERFORMANCE.md): the gathered (N, D) copies (x's
 # and dy's) 10% faster, the others level; 8 warps were 25-35% slower at either width.
 TILE_COLS_BC = 128
+# The tile-column quantiser of 16-bit rows on sm90 in Gluon (``gluon_fp8_sm90.fp8_tile_cols_ws``: a warp holds whole
+# columns, so neither the amax nor the stores go through shared memory; the same bits): off until timed against the
+# Triton kernel (``python -m tools.fp8``, rows "(Gluon)").
+TILE_COLS_GLUON = False
 KERNELS = (_quantize_rows_kernel, _quantize_weight_kernel, _quantize_tile_cols_kernel)
 
 
@@ -227,17 +232,21 @@ def tile_cols_outputs(cols: int, plan: Plan, device, over: torch.Tensor | None =
 
 
 def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None,
-                       over: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       over: torch.Tensor | None = None, gluon: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (C, NT * 128) e4m3, s (NT, C) fp32): ``a``'s sorted rows in 128x1 groups, one per plan tile and column
     (the tile-column format above; NT = the plan's tile count, a static bound, so no host sync). C a multiple of
     ``TILE_COLS_BC``, ``a`` contiguous; rows past the routed count are not read. ``top_k``: ``a`` holds the tokens'
     rows (T, C) instead, and each sorted row is read from its token (``row_slot[r] // top_k``), so that no sorted
-    copy of them is needed. ``over``: memory to write them into where it is large enough (``tile_cols_outputs``)."""
+    copy of them is needed. ``over``: memory to write them into where it is large enough (``tile_cols_outputs``).
+    ``gluon`` (None: ``TILE_COLS_GLUON``): on sm90 with bf16 rows the Gluon kernel, the same bits."""
     num_tiles = plan.tile_expert_NT.numel()
     cols = a_NC.shape[1]
     if cols % TILE_COLS_BC:
         raise ValueError(f"quantize_tile_cols needs a multiple of {TILE_COLS_BC} columns, got {cols}")
     q, s = tile_cols_outputs(cols, plan, a_NC.device, over)
+    if (TILE_COLS_GLUON if gluon is None else gluon) and fp8_ws_supported(a_NC, a_NC.dtype):
+        fp8_tile_cols_ws(a_NC, plan, top_k, q, s)
+        return q, s
     _quantize_tile_cols_kernel[(num_tiles, cols // TILE_COLS_BC)](
         a_ptr=a_NC, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N, C=cols, E=plan.offsets_E1.numel() - 1,
