@@ -18,8 +18,8 @@ that ``FP8_WGRAD`` changes both ways: with it, dh' from dy's rows quantised per 
 as the layer runs it), x and dy quantised into tile columns from the tokens' rows, the act step writing dz's and h·w's
 tile columns (``expert_bwd.act_bwd_tile_cols``), the two FP8 GEMMs and dx's combine; without, the sort of x and dy
 with dy quantised beside and dh' on the sorted rows, the act step writing dz and h·w in bf16, and the two bf16 GEMMs,
-dW13's with the combine inside. dh' is also timed both ways on its own, and the tile-column quantiser in Gluon
-("(Gluon)", ``quant.TILE_COLS_GLUON``) beside the Triton kernel, checked bitwise against it. The
+dW13's with the combine inside. dh' is also timed both ways on its own, and the tile-column quantiser's Triton kernel
+("(Triton)") beside the layer's (on sm90 the Gluon one, ``quant.TILE_COLS_GLUON``), checked bitwise against it. The
 act step into tile columns is also timed on its own, beside the act step followed by the tile-column quantiser on its
 dz and h·w. The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n)
 product of each GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each
@@ -195,10 +195,10 @@ def main(argv=None, device: str = "cuda") -> None:
          None),
         ("wgrad: quantize 128x1 (N, D) from the tokens' rows", lambda: quant.quantize_tile_cols(x, plan, top_k),
          None, tile_cols_bytes(dim), None),
-        ("wgrad: quantize 128x1 (N, D) (Gluon)", lambda: quant.quantize_tile_cols(x_sorted, plan, gluon=True), None,
+        ("wgrad: quantize 128x1 (N, D) (Triton)", lambda: quant.quantize_tile_cols(x_sorted, plan, gluon=False), None,
          tile_cols_bytes(dim), None),
-        ("wgrad: quantize 128x1 (N, D) from the tokens' rows (Gluon)",
-         lambda: quant.quantize_tile_cols(x, plan, top_k, gluon=True), None, tile_cols_bytes(dim), None),
+        ("wgrad: quantize 128x1 (N, D) from the tokens' rows (Triton)",
+         lambda: quant.quantize_tile_cols(x, plan, top_k, gluon=False), None, tile_cols_bytes(dim), None),
         ("act step on the products, dz 1x128 beside",
          lambda: expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True), None,
          num_slots * inter * (4 + 2 + 4 + 2 + 2) + dzs.numel() * 4, None),
@@ -206,7 +206,7 @@ def main(argv=None, device: str = "cuda") -> None:
          None),
         ("wgrad: quantize 128x1 (N, I)", lambda: quant.quantize_tile_cols(hw, plan), None, tile_cols_bytes(inter),
          None),
-        ("wgrad: quantize 128x1 (N, 2I) (Gluon)", lambda: quant.quantize_tile_cols(dz, plan, gluon=True), None,
+        ("wgrad: quantize 128x1 (N, 2I) (Triton)", lambda: quant.quantize_tile_cols(dz, plan, gluon=False), None,
          tile_cols_bytes(2 * inter), None),
         ("act step, then dz's and h·w's 128x1",
          lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k, gluon=False), None,
@@ -219,7 +219,7 @@ def main(argv=None, device: str = "cuda") -> None:
     def busy_tiles(out):  # the tile columns that the quantisers write (idle tiles' columns are never written)
         return out[0][:, :busy * 128], out[1][:busy]
 
-    twins.update({name + " (Gluon)": (name, busy_tiles) for name in (
+    twins.update({name + " (Triton)": (name, busy_tiles) for name in (
         "wgrad: quantize 128x1 (N, D)", "wgrad: quantize 128x1 (N, D) from the tokens' rows",
         "wgrad: quantize 128x1 (N, 2I)")})
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
