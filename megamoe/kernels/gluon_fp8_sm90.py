@@ -383,7 +383,9 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         sizes = {"I"}
     elif name in ("fp8_tile_cols", "fp8_tile_cols_ring"):
         blocks = {}
-        constexprs = {"TOP_K": 8, "POW2": pow2, "STAGES": TILE_COLS_STAGES, "num_warps": TILE_COLS_WARPS}
+        constexprs = {"TOP_K": 8, "POW2": pow2, "num_warps": TILE_COLS_WARPS}
+        if name == "fp8_tile_cols_ring":
+            constexprs["STAGES"] = TILE_COLS_STAGES
         pointers = {"a_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
         sizes = {"C"}
     elif name == "fp8_wgrad":
