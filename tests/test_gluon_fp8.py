@@ -435,8 +435,7 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "wide_wgrad_by_size": ("fp8_wgrad", dict(block_n=256, by_size=True)),
             "wide_rows_down": ("fp8_rows", dict(block_n=256)),
             "wide_rows_dh": ("fp8_rows", dict(block_n=256, weighted=False, to_slots=False)),
-            "tile_cols": ("fp8_tile_cols", {}), "tile_cols_pow2": ("fp8_tile_cols", dict(pow2=True)),
-            "tile_cols_ring": ("fp8_tile_cols_ring", {})}
+            "tile_cols": ("fp8_tile_cols", {}), "tile_cols_pow2": ("fp8_tile_cols", dict(pow2=True))}
 def report(item):
     kernel, kw = item
     return ptxas_report(f.aot_compile(kernel, **kw))
@@ -479,7 +478,7 @@ def test_fp8_launchers_pass_each_kernel_exactly_its_parameters(monkeypatch):
     from megamoe.kernels.plan import build_plan
 
     launched = capture_launches(monkeypatch, f, ("rows_ws_kernel", "up_ws_kernel", "wgrad_ws_kernel",
-                                                 "act_tile_cols_kernel", "tile_cols_kernel", "tile_cols_ring_kernel"))
+                                                 "act_tile_cols_kernel", "tile_cols_kernel"))
     e4m3 = torch.float8_e4m3fn
     num_experts, rows, dim, inter = 4, 128, 256, 256
     plan = build_plan(torch.arange(rows).remainder(num_experts).view(-1, 2), num_experts)
@@ -506,9 +505,9 @@ def test_fp8_launchers_pass_each_kernel_exactly_its_parameters(monkeypatch):
     hw_t = torch.zeros(inter, tiles * 128, dtype=e4m3), torch.zeros(tiles, inter)
     f.fp8_act_tile_cols_ws(preact, dh, torch.ones(rows), plan, torch.zeros(inter // 64, rows), dz_q, dz_s, dz_t, hw_t,
                            64)
-    for top_k, ring in ((None, False), (2, False), (2, True)):
-        f.fp8_tile_cols_ws(preact, plan, top_k, *dz_t, ring=ring)
-    assert_launches_pass_parameters(launched, 12)
+    for top_k in (None, 2):
+        f.fp8_tile_cols_ws(preact, plan, top_k, *dz_t)
+    assert_launches_pass_parameters(launched, 11)
 
 
 def test_wgrad_block_n_defaults_where_it_divides_and_refuses_otherwise():

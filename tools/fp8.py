@@ -19,8 +19,7 @@ as the layer runs it), x and dy quantised into tile columns from the tokens' row
 tile columns (``expert_bwd.act_bwd_tile_cols``), the two FP8 GEMMs and dx's combine; without, the sort of x and dy
 with dy quantised beside and dh' on the sorted rows, the act step writing dz and h·w in bf16, and the two bf16 GEMMs,
 dW13's with the combine inside. dh' is also timed both ways on its own, and the tile-column quantiser's Triton kernel
-("(Triton)") and the Gluon one's persistent ring variant ("(ring)", ``gluon_fp8_sm90.TILE_COLS_RING``) beside the
-layer's (on sm90 the Gluon one, ``quant.TILE_COLS_GLUON``), each checked bitwise against it. The
+("(Triton)") beside the layer's (on sm90 the Gluon one, ``quant.TILE_COLS_GLUON``), checked bitwise against it. The
 act step into tile columns is also timed on its own, beside the act step followed by the tile-column quantiser on its
 dz and h·w. The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n)
 product of each GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each
@@ -138,13 +137,6 @@ def main(argv=None, device: str = "cuda") -> None:
         expert_bwd.expert_wgrad(dy_sorted_, hw_, plan, torch.bfloat16, gemm="dw2")
         expert_bwd.expert_wgrad_and_combine(dz_, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
 
-    def tile_cols_ring(rows_, top_k_=None):  # the Gluon tile-column quantiser's persistent ring variant
-        def run():
-            q, s = quant.tile_cols_outputs(rows_.shape[1], plan, rows_.device)
-            gluon_fp8_sm90.fp8_tile_cols_ws(rows_, plan, top_k_, q, s, ring=True)
-            return q, s
-        return run
-
     def rows_gemm(kernel, a, a_s, w, w_s, wts, block_n=128):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
                                                        block_n=block_n)
@@ -216,10 +208,6 @@ def main(argv=None, device: str = "cuda") -> None:
          None),
         ("wgrad: quantize 128x1 (N, 2I) (Triton)", lambda: quant.quantize_tile_cols(dz, plan, gluon=False), None,
          tile_cols_bytes(2 * inter), None),
-        ("wgrad: quantize 128x1 (N, D) (ring)", tile_cols_ring(x_sorted), None, tile_cols_bytes(dim), None),
-        ("wgrad: quantize 128x1 (N, D) from the tokens' rows (ring)", tile_cols_ring(x, top_k), None,
-         tile_cols_bytes(dim), None),
-        ("wgrad: quantize 128x1 (N, 2I) (ring)", tile_cols_ring(dz), None, tile_cols_bytes(2 * inter), None),
         ("act step, then dz's and h·w's 128x1",
          lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k, gluon=False), None,
          act_tile_cols_bytes, None),
@@ -231,7 +219,7 @@ def main(argv=None, device: str = "cuda") -> None:
     def busy_tiles(out):  # the tile columns that the quantisers write (idle tiles' columns are never written)
         return out[0][:, :busy * 128], out[1][:busy]
 
-    twins.update({name + variant: (name, busy_tiles) for variant in (" (Triton)", " (ring)") for name in (
+    twins.update({name + " (Triton)": (name, busy_tiles) for name in (
         "wgrad: quantize 128x1 (N, D)", "wgrad: quantize 128x1 (N, D) from the tokens' rows",
         "wgrad: quantize 128x1 (N, 2I)")})
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),

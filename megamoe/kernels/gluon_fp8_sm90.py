@@ -65,10 +65,8 @@ from megamoe.env import device_capability, fp8_pow2_scales, sm_count
 from megamoe.kernels.gluon_fp8_sm90_details.act import act_tile_cols_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.rows import rows_ws_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.tile_cols import (
-    TILE_COLS_STAGES,
     TILE_COLS_WARPS,
     tile_cols_kernel,
-    tile_cols_ring_kernel,
 )
 from megamoe.kernels.gluon_fp8_sm90_details.up import up_ws_kernel
 from megamoe.kernels.gluon_fp8_sm90_details.wgrad import wgrad_ws_kernel
@@ -307,30 +305,15 @@ def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.
         PART_COLS=part_cols, POW2=fp8_pow2_scales(), num_warps=ACT_WARPS, maxnreg=ACT_MAXNREG)
 
 
-# The tile-column quantiser as a persistent kernel whose rows arrive through a ring of shared memory
-# (``tile_cols_ring_kernel``, two programs an SM): off until timed against the one-block-a-program kernel.
-TILE_COLS_RING = False
-
-
-def fp8_tile_cols_ws(a: torch.Tensor, plan, top_k: int | None, q: torch.Tensor, s: torch.Tensor,
-                     ring: bool | None = None) -> None:
+def fp8_tile_cols_ws(a: torch.Tensor, plan, top_k: int | None, q: torch.Tensor, s: torch.Tensor) -> None:
     """``a``'s sorted rows quantised 128x1 into the tile columns q (C, NT * 128) e4m3 and s (NT, C) fp32 through
-    ``tile_cols_kernel`` (``ring``, None: ``TILE_COLS_RING``: ``tile_cols_ring_kernel``), bit for bit
-    ``quant.quantize_tile_cols``'s Triton kernel. ``a`` (N, C) sorted rows, or with ``top_k`` (T, C) the tokens'
-    rows, each sorted row read from its token; contiguous, 16-bit, C a multiple of 128; an sm90 GPU; ``plan`` built
-    with BLOCK_M = 128 rows per tile."""
+    ``tile_cols_kernel``, bit for bit ``quant.quantize_tile_cols``'s Triton kernel. ``a`` (N, C) sorted rows, or
+    with ``top_k`` (T, C) the tokens' rows, each sorted row read from its token; contiguous, 16-bit, C a multiple of
+    128; an sm90 GPU; ``plan`` built with BLOCK_M = 128 rows per tile."""
     num_tiles = plan.tile_expert_NT.numel()
     cols = a.shape[1]
     assert a.dtype in (torch.bfloat16, torch.float16) and a.is_contiguous() and cols % SCALE_BLOCK == 0
     assert q.shape == (cols, num_tiles * BLOCK_M) and s.shape == (num_tiles, cols) and BLOCK_M == 128
-    if TILE_COLS_RING if ring is None else ring:
-        work = num_tiles * (cols // SCALE_BLOCK)
-        tile_cols_ring_kernel[(min(work, 2 * sm_count(a.device.index)),)](
-            a_ptr=a, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
-            tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N, C=cols, E=plan.offsets_E1.numel() - 1,
-            NT=num_tiles, TOP_K=top_k or 0, POW2=fp8_pow2_scales(), STAGES=TILE_COLS_STAGES,
-            num_warps=TILE_COLS_WARPS)
-        return
     tile_cols_kernel[(num_tiles, cols // SCALE_BLOCK)](
         a_ptr=a, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N, C=cols, E=plan.offsets_E1.numel() - 1,
@@ -339,8 +322,7 @@ def fp8_tile_cols_ws(a: torch.Tensor, plan, top_k: int | None, q: torch.Tensor, 
 
 # The kernels by name, for the ahead-of-time compile check.
 KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgrad_ws_kernel,
-           "fp8_act": act_tile_cols_kernel, "fp8_tile_cols": tile_cols_kernel,
-           "fp8_tile_cols_ring": tile_cols_ring_kernel}
+           "fp8_act": act_tile_cols_kernel, "fp8_tile_cols": tile_cols_kernel}
 
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
@@ -381,11 +363,9 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
                     "dzq_ptr": "*fp8e4nv", "dzs_ptr": "*fp32", "dzt_ptr": "*fp8e4nv", "dzts_ptr": "*fp32",
                     "hwt_ptr": "*fp8e4nv", "hwts_ptr": "*fp32"}
         sizes = {"I"}
-    elif name in ("fp8_tile_cols", "fp8_tile_cols_ring"):
+    elif name == "fp8_tile_cols":
         blocks = {}
         constexprs = {"TOP_K": 8, "POW2": pow2, "num_warps": TILE_COLS_WARPS}
-        if name == "fp8_tile_cols_ring":
-            constexprs["STAGES"] = TILE_COLS_STAGES
         pointers = {"a_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
         sizes = {"C"}
     elif name == "fp8_wgrad":
@@ -420,6 +400,6 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
              if arg.endswith("_ptr") or (sizes_divisible and arg in sizes)}
     src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = ({"num_warps": ACT_WARPS, "maxnreg": ACT_MAXNREG} if name == "fp8_act"
-               else {"num_warps": TILE_COLS_WARPS} if name.startswith("fp8_tile_cols")
+               else {"num_warps": TILE_COLS_WARPS} if name == "fp8_tile_cols"
                else {"num_warps": MATH_WARPS, "maxnreg": FP8_MAXNREG})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

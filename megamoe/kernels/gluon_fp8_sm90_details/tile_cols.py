@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from megamoe.kernels.gluon_fp8_sm90_details.common import (
     AMAX_FLOOR,
@@ -67,68 +66,3 @@ def tile_cols_kernel(a_ptr, q_ptr, s_ptr, offsets_ptr, tile_expert_ptr, tile_row
         s_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])  # one column a thread
         gl.store(s_ptr + t.to(gl.int64) * C + col0 + gl.arange(0, 128, layout=s_layout),
                  gl.convert_layout(scale, s_layout))
-
-
-# The ring variant's copies: 16 lanes along a row's 128 columns (16 bytes each: a 256-byte row per half warp), two rows
-# a warp, the warps down the rows. Its stages hold the rows as they are, their 16-byte vectors swizzled by (row / 4) % 8:
-# rows 16 apart (the two rows a phase of 8 lanes reads in ``_LOAD_LAYOUT``) fall in opposite halves of the banks.
-_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [TILE_COLS_WARPS, 1], [1, 0]))
-_RING_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(8, 4, 8, [1, 0]))
-TILE_COLS_STAGES = 3
-
-
-@gluon.jit
-def _copy_block(a_ptr, stage, item, work, NT, C, E, offsets_ptr, tile_expert_ptr, tile_row_ptr, row_slot_ptr,
-                TOP_K: gl.constexpr):
-    """Issue the ``cp.async`` copies of work item ``item`` (plan tile item % NT, columns 128 * (item // NT) ..) into
-    the ring's ``stage`` and commit them as one group; rows past the tile's expert, idle tiles and items past the
-    work are zero-filled (an empty group keeps the count)."""
-    t = item % NT
-    e = gl.load(tile_expert_ptr + t, mask=item < work, other=E)
-    busy = e < E
-    row_layout: gl.constexpr = gl.SliceLayout(1, _COPY_LAYOUT)
-    rows = gl.load(tile_row_ptr + t, mask=busy, other=0) + gl.arange(0, 128, layout=row_layout)
-    rmask = (rows < gl.load(offsets_ptr + e + 1, mask=busy, other=0)) & busy
-    if TOP_K:
-        rows = gl.load(row_slot_ptr + rows, mask=rmask, other=0) // TOP_K
-    cols = (item // NT) * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, _COPY_LAYOUT))
-    async_copy.async_copy_global_to_shared(stage,
-                                           a_ptr + rows.to(gl.int64)[:, None] * (C // 8 * 8) + cols[None, :],
-                                           mask=rmask[:, None])
-    async_copy.commit_group()
-
-
-@gluon.jit
-def tile_cols_ring_kernel(a_ptr, q_ptr, s_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, row_slot_ptr, C, E, NT,
-                          TOP_K: gl.constexpr, POW2: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """``tile_cols_kernel``'s work, persistent: each program walks the (plan tile, 128 columns) items, tiles first,
-    their rows copied ``STAGES - 1`` items ahead into a ring of shared memory (``cp.async``, whole 256-byte rows), read
-    back in ``_LOAD_LAYOUT`` (a warp's whole columns) and quantised as there."""
-    work = NT * (C // 128)
-    ring = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, 128, 128], _RING_LAYOUT)
-    first = gl.program_id(0)
-    step = gl.num_programs(0)
-    for i in gl.static_range(STAGES - 1):  # a program's i-th item in stage i % STAGES
-        _copy_block(a_ptr, ring.index(i), first + i * step, work, NT, C, E, offsets_ptr, tile_expert_ptr,
-                    tile_row_ptr, row_slot_ptr, TOP_K)
-    for item in range(first, work, step):
-        j = (item - first) // step  # the program's j-th item: in stage j % STAGES
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()  # every thread's copies of this item in
-        a = ring.index(j % STAGES).load(_LOAD_LAYOUT)
-        # into the stage read at the last item, which every thread has passed (the barrier above)
-        _copy_block(a_ptr, ring.index((j + STAGES - 1) % STAGES), item + (STAGES - 1) * step, work, NT, C, E,
-                    offsets_ptr, tile_expert_ptr, tile_row_ptr, row_slot_ptr, TOP_K)
-        t = item % NT
-        if gl.load(tile_expert_ptr + t) < E:  # an idle tile: not written
-            amax = gl.max(gl.abs(a), axis=0).to(gl.float32)
-            scale, inv = fp8_scales(gl.maximum(amax, AMAX_FLOOR), POW2)
-            q = gl.convert_layout(quantize_by(a.to(gl.float32), inv[None, :]), _STORE_LAYOUT)
-            col0 = (item // NT) * 128
-            k = t.to(gl.int64) * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, _STORE_LAYOUT))
-            q_cols = col0 + gl.arange(0, 128, layout=gl.SliceLayout(0, _STORE_LAYOUT))
-            gl.store(q_ptr + q_cols.to(gl.int64)[None, :] * (NT.to(gl.int64) * 128) + k[:, None], q)
-            s_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])  # one column a thread
-            gl.store(s_ptr + t.to(gl.int64) * C + col0 + gl.arange(0, 128, layout=s_layout),
-                     gl.convert_layout(scale, s_layout))
-    async_copy.wait_group(0)
