@@ -193,8 +193,8 @@ WEIGHT_SLICE, ROWS_BM = 32, 32
 TILE_COLS_BC = 128
 # The tile-column quantiser of 16-bit rows on sm90 in Gluon (``gluon_fp8_sm90.fp8_tile_cols_ws``: a warp holds whole
 # columns, so neither the amax nor the stores go through shared memory; the same bits). Measured on an H100 against
-# the Triton kernel (``python -m tools.fp8``, rows "(Gluon)", docs/PERFORMANCE.md): from the tokens' rows (x's and dy's
-# copies) 6-7% faster at both layers, sorted rows 2%.
+# the Triton kernel (``python -m tools.fp8``, its rows "(Triton)", docs/PERFORMANCE.md): from the tokens' rows (x's and
+# dy's copies) 6-7% faster at both layers, sorted rows 2%.
 TILE_COLS_GLUON = True
 KERNELS = (_quantize_rows_kernel, _quantize_weight_kernel, _quantize_tile_cols_kernel)
 
