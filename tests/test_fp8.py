@@ -57,6 +57,11 @@ def bits(t):
     return t.view(torch.uint8) if t.dtype == quant.FP8 else t
 
 
+def busy_tiles(plan) -> int:
+    """The plan's busy tiles: the tile columns a quantiser writes (the idle tiles' are never written)."""
+    return int(sum(-(-c // 128) for c in (plan.offsets_E1[1:] - plan.offsets_E1[:-1]).tolist()))
+
+
 @pytest.fixture(params=["fp32", "pow2"])
 def scales(request):
     """Each kind of FP8 scale in turn (``env.set_fp8_scales``), back to the default afterwards."""
@@ -134,7 +139,7 @@ def test_quantize_tile_cols_reads_the_tokens_rows_as_their_sorted_copy(routing, 
     x, idx, _, _, _, dy = make_problem(300, 128, 128, 6, 3, routing, dtype=torch.bfloat16, device=DEVICE)
     x = x * torch.logspace(-6, 6, 300, device=DEVICE)[:, None].to(x.dtype)  # e4m3 normal and subnormal values
     plan = build_plan(idx, 6)
-    busy = int(sum(-(-c // 128) for c in (plan.offsets_E1[1:] - plan.offsets_E1[:-1]).tolist()))
+    busy = busy_tiles(plan)
     x_sorted, dy_sorted = gather_rows(x, dy, plan, 3)
     for tokens, sorted_rows in ((x, x_sorted), (dy, dy_sorted)):
         q, s = quant.quantize_tile_cols(tokens, plan, top_k=3)
@@ -605,34 +610,43 @@ def test_fp8_wgrad_bf16_gpu_computes_the_recipe(shape, poison_cuda, monkeypatch)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", ["random", "dropped", "one"])
-def test_gluon_tile_cols_quantiser_writes_the_triton_kernels_bits(routing, scales):
-    """The Gluon tile-column quantiser (``quant.quantize_tile_cols(..., gluon=True)``, sm90, 16-bit rows): the Triton
-    kernel's bytes and scales, from sorted rows and from the tokens' rows, over values spanning e4m3's normal and
-    subnormal range, an all-zero group, partial and idle tiles and rows past the routed ones (NaN, never read); its
-    memory handed over (``over``) as the Triton kernel's."""
+def test_gluon_tile_cols_quantiser_writes_the_triton_kernels_bits(routing, scales, monkeypatch):
+    """The Gluon tile-column quantiser (``quant.quantize_tile_cols(..., gluon=True)``, sm90, bf16 rows; fp16 rows take
+    the Triton kernel): the Triton kernel's bytes and scales, from sorted rows and from the tokens' rows, over values
+    spanning e4m3's normal and subnormal range, an all-zero group, partial and idle tiles and rows past the routed ones
+    (NaN, never read); its memory handed over (``over``) as the Triton kernel's. Each call with ``gluon=True`` is
+    checked to have launched the Gluon kernel."""
     from megamoe.kernels.expert_bwd import gather_rows
     from megamoe.kernels.plan import build_plan
 
-    for dtype in (torch.bfloat16, torch.float16):
-        x, idx, _, _, _, dy = make_problem(700, 256, 128, 6, 3, routing, dtype=dtype, device="cuda")
-        x = x * torch.logspace(-4, 4, 700, device="cuda")[:, None].to(dtype)
-        x[:, 5] = 0.0
-        plan = build_plan(idx, 6)
-        busy = int(sum(-(-c // 128) for c in (plan.offsets_E1[1:] - plan.offsets_E1[:-1]).tolist()))
-        x_sorted, dy_sorted = gather_rows(x, dy, plan, 3)
-        x_sorted[int(plan.offsets_E1[-1]):] = float("nan")
-        for rows, top_k in ((x, 3), (dy, 3), (x_sorted, None), (dy_sorted, None)):
-            q, s = quant.quantize_tile_cols(rows, plan, top_k, gluon=True)
-            q_ref, s_ref = quant.quantize_tile_cols(rows, plan, top_k, gluon=False)
-            assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128])), (dtype, top_k)
-            assert torch.equal(s[:busy], s_ref[:busy]), (dtype, top_k)
-            assert_scale_kind(s[:busy], scales)
-        over = torch.empty(q.numel() + 4 * s.numel(), device="cuda", dtype=torch.uint8)
-        q_over, s_over = quant.quantize_tile_cols(x, plan, 3, over=over, gluon=True)
-        assert q_over.data_ptr() == over.data_ptr()
-        q_ref, s_ref = quant.quantize_tile_cols(x, plan, 3, gluon=False)
-        assert torch.equal(bits(q_over[:, :busy * 128]), bits(q_ref[:, :busy * 128]))
-        assert torch.equal(s_over[:busy], s_ref[:busy])
+    launched = []
+    gluon_launcher = quant.fp8_tile_cols_ws
+
+    def counted(*args, **kwargs):
+        launched.append(True)
+        return gluon_launcher(*args, **kwargs)
+
+    monkeypatch.setattr(quant, "fp8_tile_cols_ws", counted)
+    x, idx, _, _, _, dy = make_problem(700, 256, 128, 6, 3, routing, dtype=torch.bfloat16, device="cuda")
+    x = x * torch.logspace(-4, 4, 700, device="cuda")[:, None].to(x.dtype)
+    x[:, 5] = 0.0
+    plan = build_plan(idx, 6)
+    busy = busy_tiles(plan)
+    x_sorted, dy_sorted = gather_rows(x, dy, plan, 3)
+    x_sorted[int(plan.offsets_E1[-1]):] = float("nan")
+    for rows, top_k in ((x, 3), (dy, 3), (x_sorted, None), (dy_sorted, None)):
+        q, s = quant.quantize_tile_cols(rows, plan, top_k, gluon=True)
+        q_ref, s_ref = quant.quantize_tile_cols(rows, plan, top_k, gluon=False)
+        assert torch.equal(bits(q[:, :busy * 128]), bits(q_ref[:, :busy * 128])), top_k
+        assert torch.equal(s[:busy], s_ref[:busy]), top_k
+        assert_scale_kind(s[:busy], scales)
+    over = torch.empty(q.numel() + 4 * s.numel(), device="cuda", dtype=torch.uint8)
+    q_over, s_over = quant.quantize_tile_cols(x, plan, 3, over=over, gluon=True)
+    assert q_over.data_ptr() == over.data_ptr()
+    q_ref, s_ref = quant.quantize_tile_cols(x, plan, 3, gluon=False)
+    assert torch.equal(bits(q_over[:, :busy * 128]), bits(q_ref[:, :busy * 128]))
+    assert torch.equal(s_over[:busy], s_ref[:busy])
+    assert len(launched) == 5  # the Gluon kernel, not the Triton one, for every gluon=True call
 
 
 @pytest.mark.gpu

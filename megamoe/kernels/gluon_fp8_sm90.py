@@ -48,7 +48,7 @@ columns its warpgroups issue each K-step's chain before the previous one's promo
 default where Q allows) they run two column halves without; they store their blocks through shared memory by TMA.
 
 See ``fp8_rows_gemm_ws``, ``fp8_up_swiglu_ws``, ``fp8_wgrad_ws``, ``fp8_act_tile_cols_ws`` (the FP8 weight
-gradients' act step) and ``fp8_tile_cols_ws`` (their tile-column quantiser of 16-bit rows, ``quant.quantize_tile_cols``
+gradients' act step) and ``fp8_tile_cols_ws`` (their tile-column quantiser of bf16 rows, ``quant.quantize_tile_cols``
 on sm90) for the five launchers; the kernels are in ``gluon_fp8_sm90_details`` (``rows``, ``up``, ``wgrad``, ``act``,
 ``tile_cols``, and their shared device helpers in ``common``).
 """

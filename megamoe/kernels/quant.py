@@ -191,7 +191,7 @@ WEIGHT_SLICE, ROWS_BM = 32, 32
 # in all, no spills). Measured on the H200 against 64 columns (docs/PERFORMANCE.md): the gathered (N, D) copies (x's
 # and dy's) 10% faster, the others level; 8 warps were 25-35% slower at either width.
 TILE_COLS_BC = 128
-# The tile-column quantiser of 16-bit rows on sm90 in Gluon (``gluon_fp8_sm90.fp8_tile_cols_ws``: a warp holds whole
+# The tile-column quantiser of bf16 rows on sm90 in Gluon (``gluon_fp8_sm90.fp8_tile_cols_ws``: a warp holds whole
 # columns, so neither the amax nor the stores go through shared memory; the same bits). Measured on an H100 against
 # the Triton kernel (``python -m tools.fp8``, its rows "(Triton)", docs/PERFORMANCE.md): from the tokens' rows (x's and
 # dy's copies) 6-7% faster at both layers, sorted rows 2%.
