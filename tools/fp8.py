@@ -137,6 +137,13 @@ def main(argv=None, device: str = "cuda") -> None:
         expert_bwd.expert_wgrad(dy_sorted_, hw_, plan, torch.bfloat16, gemm="dw2")
         expert_bwd.expert_wgrad_and_combine(dz_, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
 
+    def tile_cols_lines(rows_, top_k_=None):  # the Gluon tile-column quantiser's whole-line loads
+        def run():
+            q, s = quant.tile_cols_outputs(rows_.shape[1], plan, rows_.device)
+            gluon_fp8_sm90.fp8_tile_cols_ws(rows_, plan, top_k_, q, s, lines=True)
+            return q, s
+        return run
+
     def rows_gemm(kernel, a, a_s, w, w_s, wts, block_n=128):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
                                                        block_n=block_n)
@@ -208,6 +215,9 @@ def main(argv=None, device: str = "cuda") -> None:
          None),
         ("wgrad: quantize 128x1 (N, 2I) (Triton)", lambda: quant.quantize_tile_cols(dz, plan, gluon=False), None,
          tile_cols_bytes(2 * inter), None),
+        ("wgrad: quantize 128x1 (N, D) (lines)", tile_cols_lines(x_sorted), None, tile_cols_bytes(dim), None),
+        ("wgrad: quantize 128x1 (N, D) from the tokens' rows (lines)", tile_cols_lines(x, top_k), None,
+         tile_cols_bytes(dim), None),
         ("act step, then dz's and h·w's 128x1",
          lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k, gluon=False), None,
          act_tile_cols_bytes, None),
@@ -222,6 +232,8 @@ def main(argv=None, device: str = "cuda") -> None:
     twins.update({name + " (Triton)": (name, busy_tiles) for name in (
         "wgrad: quantize 128x1 (N, D)", "wgrad: quantize 128x1 (N, D) from the tokens' rows",
         "wgrad: quantize 128x1 (N, 2I)")})
+    twins.update({name + " (lines)": (name, busy_tiles) for name in (
+        "wgrad: quantize 128x1 (N, D)", "wgrad: quantize 128x1 (N, D) from the tokens' rows")})
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
     # each weight gradient in blocks of 128 and 256 columns, the layer's width also in the other order

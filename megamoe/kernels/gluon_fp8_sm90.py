@@ -306,11 +306,17 @@ def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.
         PART_COLS=part_cols, POW2=fp8_pow2_scales(), num_warps=ACT_WARPS, maxnreg=ACT_MAXNREG)
 
 
-def fp8_tile_cols_ws(a: torch.Tensor, plan, top_k: int | None, q: torch.Tensor, s: torch.Tensor) -> None:
+# The tile-column quantiser's whole-line loads (``tile_cols_kernel``'s LINES): off until timed.
+TILE_COLS_LINES = False
+
+
+def fp8_tile_cols_ws(a: torch.Tensor, plan, top_k: int | None, q: torch.Tensor, s: torch.Tensor,
+                     lines: bool | None = None) -> None:
     """``a``'s sorted rows quantised 128x1 into the tile columns q (C, NT * 128) e4m3 and s (NT, C) fp32 through
     ``tile_cols_kernel``, bit for bit ``quant.quantize_tile_cols``'s Triton kernel. ``a`` (N, C) sorted rows, or
     with ``top_k`` (T, C) the tokens' rows, each sorted row read from its token; contiguous, 16-bit, C a multiple of
-    128; an sm90 GPU; ``plan`` built with BLOCK_M = 128 rows per tile."""
+    128; an sm90 GPU; ``plan`` built with BLOCK_M = 128 rows per tile. ``lines`` (None: ``TILE_COLS_LINES``): the
+    kernel's LINES arrangement."""
     num_tiles = plan.tile_expert_NT.numel()
     cols = a.shape[1]
     assert a.dtype in (torch.bfloat16, torch.float16) and a.is_contiguous() and cols % SCALE_BLOCK == 0
@@ -318,7 +324,8 @@ def fp8_tile_cols_ws(a: torch.Tensor, plan, top_k: int | None, q: torch.Tensor, 
     tile_cols_kernel[(num_tiles, cols // SCALE_BLOCK)](
         a_ptr=a, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N, C=cols, E=plan.offsets_E1.numel() - 1,
-        TOP_K=top_k or 0, POW2=fp8_pow2_scales(), num_warps=TILE_COLS_WARPS)
+        TOP_K=top_k or 0, POW2=fp8_pow2_scales(), LINES=TILE_COLS_LINES if lines is None else lines,
+        num_warps=TILE_COLS_WARPS)
 
 
 # The kernels by name, for the ahead-of-time compile check.
@@ -328,7 +335,8 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
-                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False):
+                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False,
+                lines: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
     it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
@@ -338,8 +346,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``, and the tile-column quantiser's,
     ``fp8_tile_cols``, reading the tokens' rows at top-8) power-of-two scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
-    (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
-    sorted-rows, up or weight-gradient kernel."""
+    (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``lines``: the tile-column quantiser's LINES; ``trace``: the block-traced
+    variant (``gluon_sm90.TRACE_BLOCKS``) of the sorted-rows, up or weight-gradient kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -366,7 +374,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         sizes = {"I"}
     elif name == "fp8_tile_cols":
         blocks = {}
-        constexprs = {"TOP_K": 8, "POW2": pow2, "num_warps": TILE_COLS_WARPS}
+        constexprs = {"TOP_K": 8, "POW2": pow2, "LINES": lines, "num_warps": TILE_COLS_WARPS}
         pointers = {"a_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
         sizes = {"C"}
     elif name == "fp8_wgrad":
