@@ -249,6 +249,17 @@ def main(argv=None, device: str = "cuda") -> None:
                 stages.append((base + ORDERS["size" if by_size else "expert"][0],
                                lambda a=a, b=b, block_n=block_n, by_size=by_size: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, by_size=by_size), flops, None, dense))
+    def tile_major(cols):  # tile columns (C, NT * 128) rearranged as (NT * C, 128): each tile's columns together
+        return cols[0].view(cols[0].shape[0], -1, 128).transpose(0, 1).contiguous().view(-1, 128), cols[1]
+
+    for name, a, b, flops, dense in wgrad_gemms:  # the layer's width, its operands tile-major
+        a_tm, b_tm, block_n = tile_major(a), tile_major(b), gluon_fp8_sm90.wgrad_block_n(b[0].shape[0])
+
+        def run(a_tm=a_tm, b_tm=b_tm, block_n=block_n, p=a[0].shape[0], q=b[0].shape[0]):
+            out = torch.empty(plan.offsets_E1.numel() - 1, p, q, device=device, dtype=torch.bfloat16)
+            gluon_fp8_sm90.fp8_wgrad_ws(*a_tm, *b_tm, out, plan.offsets_E1, block_n, tile_major=True)
+            return out
+        stages.append((name + " FP8 (tile-major)", run, flops, None, dense))
     for name, _, b, _, _ in wgrad_gemms:  # every FP8 variant of a weight gradient against the layer's width and order
         wide = gluon_fp8_sm90.wgrad_block_n(b[0].shape[0]) == 256
         layer = name + " FP8" + (" (256 columns)" if wide else "")
