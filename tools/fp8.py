@@ -137,13 +137,6 @@ def main(argv=None, device: str = "cuda") -> None:
         expert_bwd.expert_wgrad(dy_sorted_, hw_, plan, torch.bfloat16, gemm="dw2")
         expert_bwd.expert_wgrad_and_combine(dz_, x_sorted_, plan, torch.bfloat16, dx_slots, idx, torch.bfloat16)
 
-    def tile_cols_lines(rows_, top_k_=None):  # the Gluon tile-column quantiser's whole-line loads
-        def run():
-            q, s = quant.tile_cols_outputs(rows_.shape[1], plan, rows_.device)
-            gluon_fp8_sm90.fp8_tile_cols_ws(rows_, plan, top_k_, q, s, lines=True)
-            return q, s
-        return run
-
     def rows_gemm(kernel, a, a_s, w, w_s, wts, block_n=128):
         return lambda: expert_fwd.sorted_rows_gemm_fp8(kernel, a, a_s, w, w_s, wts, plan, torch.bfloat16,
                                                        block_n=block_n)
@@ -215,9 +208,6 @@ def main(argv=None, device: str = "cuda") -> None:
          None),
         ("wgrad: quantize 128x1 (N, 2I) (Triton)", lambda: quant.quantize_tile_cols(dz, plan, gluon=False), None,
          tile_cols_bytes(2 * inter), None),
-        ("wgrad: quantize 128x1 (N, D) (lines)", tile_cols_lines(x_sorted), None, tile_cols_bytes(dim), None),
-        ("wgrad: quantize 128x1 (N, D) from the tokens' rows (lines)", tile_cols_lines(x, top_k), None,
-         tile_cols_bytes(dim), None),
         ("act step, then dz's and h·w's 128x1",
          lambda: expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k, gluon=False), None,
          act_tile_cols_bytes, None),
@@ -232,8 +222,6 @@ def main(argv=None, device: str = "cuda") -> None:
     twins.update({name + " (Triton)": (name, busy_tiles) for name in (
         "wgrad: quantize 128x1 (N, D)", "wgrad: quantize 128x1 (N, D) from the tokens' rows",
         "wgrad: quantize 128x1 (N, 2I)")})
-    twins.update({name + " (lines)": (name, busy_tiles) for name in (
-        "wgrad: quantize 128x1 (N, D)", "wgrad: quantize 128x1 (N, D) from the tokens' rows")})
     wgrad_gemms = (("dW13", dzt, xt, up_flops, (2 * inter, dim, rows)),
                    ("dW2", dyt, hwt, down_flops, (dim, inter, rows)))
     # each weight gradient in blocks of 128 and 256 columns, the layer's width also in the other order
@@ -249,17 +237,6 @@ def main(argv=None, device: str = "cuda") -> None:
                 stages.append((base + ORDERS["size" if by_size else "expert"][0],
                                lambda a=a, b=b, block_n=block_n, by_size=by_size: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, by_size=by_size), flops, None, dense))
-    def tile_major(cols):  # tile columns (C, NT * 128) rearranged as (NT * C, 128): each tile's columns together
-        return cols[0].view(cols[0].shape[0], -1, 128).transpose(0, 1).contiguous().view(-1, 128), cols[1]
-
-    for name, a, b, flops, dense in wgrad_gemms:  # the layer's width, its operands tile-major
-        a_tm, b_tm, block_n = tile_major(a), tile_major(b), gluon_fp8_sm90.wgrad_block_n(b[0].shape[0])
-
-        def run(a_tm=a_tm, b_tm=b_tm, block_n=block_n, p=a[0].shape[0], q=b[0].shape[0]):
-            out = torch.empty(plan.offsets_E1.numel() - 1, p, q, device=device, dtype=torch.bfloat16)
-            gluon_fp8_sm90.fp8_wgrad_ws(*a_tm, *b_tm, out, plan.offsets_E1, block_n, tile_major=True)
-            return out
-        stages.append((name + " FP8 (tile-major)", run, flops, None, dense))
     for name, _, b, _, _ in wgrad_gemms:  # every FP8 variant of a weight gradient against the layer's width and order
         wide = gluon_fp8_sm90.wgrad_block_n(b[0].shape[0]) == 256
         layer = name + " FP8" + (" (256 columns)" if wide else "")

@@ -252,7 +252,7 @@ def wgrad_block_n(q: int, block_n: int | None = None) -> int:
 
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
                  offsets: torch.Tensor, block_n: int | None = None, *, by_size: bool | None = None,
-                 tile_major: bool = False, trace: torch.Tensor | None = None) -> None:
+                 trace: torch.Tensor | None = None) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``wgrad_ws_kernel``; an expert without rows gets zeros.
 
@@ -260,16 +260,11 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
     multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``block_n``: the output block's
     width (``wgrad_block_n``); ``by_size``: the blocks dealt in order of their experts' rows (None:
-    ``gluon_sm90.WGRAD_BY_SIZE``); ``tile_major``: a_q (NT * P, 128) and b_q (NT * Q, 128) instead, each tile's
-    columns one after another (``wgrad_ws_kernel``'s TILE_MAJOR); ``trace``: the block trace, as for
-    ``fp8_rows_gemm_ws``."""
+    ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block trace, as for ``fp8_rows_gemm_ws``."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
     assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
-    if tile_major:
-        assert a_q.shape == (num_tiles * p, FP8_BK) and b_q.shape == (num_tiles * q, FP8_BK)
-    else:
-        assert a_q.shape == (p, num_tiles * FP8_BK) and b_q.shape == (q, num_tiles * FP8_BK)
+    assert a_q.shape == (p, num_tiles * FP8_BK) and b_q.shape == (q, num_tiles * FP8_BK)
     assert a_s.shape == (num_tiles, p) and b_s.shape == (num_tiles, q) and offsets.numel() == num_experts + 1
     block_n = wgrad_block_n(q, block_n)
     tiles = num_experts * (p // FP8_BM) * (q // block_n)
@@ -279,7 +274,7 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
         Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
         STAGES=WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, **wgrad_by_size(offsets, by_size),
-        TILE_MAJOR=tile_major, **trace_args(trace, a_s), LOADER_WARPS=ROWS_LOADER_WARPS,
+        **trace_args(trace, a_s), LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
 
@@ -311,17 +306,11 @@ def fp8_act_tile_cols_ws(preact: torch.Tensor, dh: torch.Tensor, weights: torch.
         PART_COLS=part_cols, POW2=fp8_pow2_scales(), num_warps=ACT_WARPS, maxnreg=ACT_MAXNREG)
 
 
-# The tile-column quantiser's whole-line loads (``tile_cols_kernel``'s LINES): off until timed.
-TILE_COLS_LINES = False
-
-
-def fp8_tile_cols_ws(a: torch.Tensor, plan, top_k: int | None, q: torch.Tensor, s: torch.Tensor,
-                     lines: bool | None = None) -> None:
+def fp8_tile_cols_ws(a: torch.Tensor, plan, top_k: int | None, q: torch.Tensor, s: torch.Tensor) -> None:
     """``a``'s sorted rows quantised 128x1 into the tile columns q (C, NT * 128) e4m3 and s (NT, C) fp32 through
     ``tile_cols_kernel``, bit for bit ``quant.quantize_tile_cols``'s Triton kernel. ``a`` (N, C) sorted rows, or
     with ``top_k`` (T, C) the tokens' rows, each sorted row read from its token; contiguous, 16-bit, C a multiple of
-    128; an sm90 GPU; ``plan`` built with BLOCK_M = 128 rows per tile. ``lines`` (None: ``TILE_COLS_LINES``): the
-    kernel's LINES arrangement."""
+    128; an sm90 GPU; ``plan`` built with BLOCK_M = 128 rows per tile."""
     num_tiles = plan.tile_expert_NT.numel()
     cols = a.shape[1]
     assert a.dtype in (torch.bfloat16, torch.float16) and a.is_contiguous() and cols % SCALE_BLOCK == 0
@@ -329,8 +318,7 @@ def fp8_tile_cols_ws(a: torch.Tensor, plan, top_k: int | None, q: torch.Tensor, 
     tile_cols_kernel[(num_tiles, cols // SCALE_BLOCK)](
         a_ptr=a, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
         tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N, C=cols, E=plan.offsets_E1.numel() - 1,
-        TOP_K=top_k or 0, POW2=fp8_pow2_scales(), LINES=TILE_COLS_LINES if lines is None else lines,
-        num_warps=TILE_COLS_WARPS)
+        TOP_K=top_k or 0, POW2=fp8_pow2_scales(), num_warps=TILE_COLS_WARPS)
 
 
 # The kernels by name, for the ahead-of-time compile check.
@@ -340,8 +328,7 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
-                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False,
-                lines: bool = False):
+                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
     it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
@@ -351,8 +338,8 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     products-only one; ``pow2``: the up kernel's (and the act step's, ``fp8_act``, and the tile-column quantiser's,
     ``fp8_tile_cols``, reading the tokens' rows at top-8) power-of-two scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
-    (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``lines``: the tile-column quantiser's LINES; ``trace``: the block-traced
-    variant (``gluon_sm90.TRACE_BLOCKS``) of the sorted-rows, up or weight-gradient kernel."""
+    (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
+    sorted-rows, up or weight-gradient kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -379,15 +366,15 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         sizes = {"I"}
     elif name == "fp8_tile_cols":
         blocks = {}
-        constexprs = {"TOP_K": 8, "POW2": pow2, "LINES": lines, "num_warps": TILE_COLS_WARPS}
+        constexprs = {"TOP_K": 8, "POW2": pow2, "num_warps": TILE_COLS_WARPS}
         pointers = {"a_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
         sizes = {"C"}
     elif name == "fp8_wgrad":
         blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [block_n, FP8_BK]}
         constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS,
                       "STAGES": WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, "TRACE": trace,
-                      "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size, "TILE_MAJOR": False,
-                      "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
+                      "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size, "MMA_REGS": MATH_REGS,
+                      "LOADER_REGS": ROWS_LOADER_REGS}
         blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
         pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64"}
         sizes = {"P", "Q"}

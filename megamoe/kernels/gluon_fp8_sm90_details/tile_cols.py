@@ -35,30 +35,21 @@ _LOAD_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(  # columns first: a row'
     [[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [8, 0]], _LANES, _WARPS, [], [128, 128]))
 _STORE_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(  # rows first: a column's 16 values, one 16-byte store
     [[1, 0], [2, 0], [4, 0], [8, 0], [0, 1], [0, 2], [0, 4]], _LANES, _WARPS, [], [128, 128]))
-# LINES: the same registers with 8 lanes across 64 columns and 4 down 64 rows, the warps one across and one down: a
-# warp's load reads whole 128-byte lines of 4 rows, its store 64 bytes into each of 8 columns, and the amax crosses the
-# two warps down the rows.
-_LINES_LANES = [[0, 8], [0, 16], [0, 32], [16, 0], [32, 0]]
-_LINES_WARPS = [[0, 64], [64, 0]]
-_LINES_LOAD_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
-    [[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [8, 0]], _LINES_LANES, _LINES_WARPS, [], [128, 128]))
-_LINES_STORE_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
-    [[1, 0], [2, 0], [4, 0], [8, 0], [0, 1], [0, 2], [0, 4]], _LINES_LANES, _LINES_WARPS, [], [128, 128]))
 TILE_COLS_WARPS = 4
 
 
 @gluon.jit
 def tile_cols_kernel(a_ptr, q_ptr, s_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, row_slot_ptr, C, E,
-                     TOP_K: gl.constexpr, POW2: gl.constexpr, LINES: gl.constexpr, num_warps: gl.constexpr):
+                     TOP_K: gl.constexpr, POW2: gl.constexpr, num_warps: gl.constexpr):
     """One program per (plan tile, 128 columns): a (N, C) 16-bit sorted rows (TOP_K 0), or (T, C) the tokens' rows
     (sorted row r read from row ``row_slot[r] // TOP_K``); out: q (C, NT * 128) e4m3, column c of tile t's rows at
     [c, 128 t : 128 t + 128], and s (NT, C) fp32. Rows past the tile's expert read as zeros (in no amax, quantised to
-    zeros); idle tiles are not written. LINES: ``_LINES_LOAD_LAYOUT``'s arrangement."""
+    zeros); idle tiles are not written."""
     t = gl.program_id(0)
     e = gl.load(tile_expert_ptr + t)
     if e < E:  # an idle tile: never read
-        load_layout: gl.constexpr = _LINES_LOAD_LAYOUT if LINES else _LOAD_LAYOUT
-        store_layout: gl.constexpr = _LINES_STORE_LAYOUT if LINES else _STORE_LAYOUT
+        load_layout: gl.constexpr = _LOAD_LAYOUT
+        store_layout: gl.constexpr = _STORE_LAYOUT
         rows = gl.load(tile_row_ptr + t) + gl.arange(0, 128, layout=gl.SliceLayout(1, load_layout))
         rmask = rows < gl.load(offsets_ptr + e + 1)
         if TOP_K:

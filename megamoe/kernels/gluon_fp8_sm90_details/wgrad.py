@@ -36,12 +36,11 @@ ACC_COLS = gl.constexpr(128)
 @gluon.jit
 def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
                   bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB: gl.constexpr, BY_SIZE: gl.constexpr,
-                  TILE_MAJOR: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                  TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``wgrad_ws_kernel``: per K-step (one plan tile t of the block's
     expert), the blocks of A (128, 128) at [p0, 128 t] and of B (BN, 128) at [q0, 128 t] through TMA (zeros past the
     expert's rows are in the tensors), and the tile's scales of the block's 128 P-columns (two warpgroup halves) and
-    BN Q-columns through ``cp.async``, each thread's copies arriving on the stage's ready barrier; with TILE_MAJOR the
-    operands are (NT * P, 128) and (NT * Q, 128), the blocks at [P t + p0, 0] and [Q t + q0, 0]. TRACE: its stamps
+    BN Q-columns through ``cp.async``, each thread's copies arriving on the stage's ready barrier. TRACE: its stamps
     (partition 2 of ``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -57,12 +56,8 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, re
         first = count_busy_tiles(offsets_ptr, e, EB, BK, num_warps)  # the tiles of the experts before e
         for t in range(first, first + (end - start + BK - 1) // BK):
             s = next_slot(empty, ready, step, nbytes)
-            if TILE_MAJOR:
-                tma.async_copy_global_to_shared(a_desc, [t * P + p0, 0], ready.index(s), a_bufs.index(s))
-                tma.async_copy_global_to_shared(b_desc, [t * Q + q0, 0], ready.index(s), b_bufs.index(s))
-            else:
-                tma.async_copy_global_to_shared(a_desc, [p0, t * BK], ready.index(s), a_bufs.index(s))
-                tma.async_copy_global_to_shared(b_desc, [q0, t * BK], ready.index(s), b_bufs.index(s))
+            tma.async_copy_global_to_shared(a_desc, [p0, t * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [q0, t * BK], ready.index(s), b_bufs.index(s))
             async_copy.async_copy_global_to_shared(as_bufs.index(2 * s), a_s_ptr + t * P + p0 + lanes_a)
             async_copy.async_copy_global_to_shared(as_bufs.index(2 * s + 1), a_s_ptr + t * P + p0 + HALF + lanes_a)
             async_copy.async_copy_global_to_shared(bs_bufs.index(s), b_s_ptr + t * Q + q0 + lanes_b)
@@ -242,8 +237,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
 
 @gluon.jit
 def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr, by_size_ptr,
-                    EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, TILE_MAJOR: gl.constexpr,
-                    TRACE: gl.constexpr,
+                    EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
                     LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                     num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B (Q,
@@ -251,9 +245,8 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     block (1, BM / 2, 128) (one warpgroup's rows, the columns of one store). Blocks: ``tiles``
     = E * P/BM * Q/BN output blocks, expert-major (the programs at work share one expert's operands in L2), one
     program per SM walking them (BY_SIZE: dealt in order of their experts' rows, ``gluon_sm90.wgrad_block``, by_size_ptr
-    ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TILE_MAJOR: A (NT * P,
-    128) and B (NT * Q, 128), tile t's columns at rows [P t, P t + P) and [Q t, Q t + Q) (``_wgrad_loader``). TRACE:
-    stamps into trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``)."""
+    ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
+    trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
@@ -267,7 +260,6 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
         (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
                                 as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, TRACE, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                         as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, TILE_MAJOR, TRACE,
-                         LOADER_WARPS)),
+                         as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
