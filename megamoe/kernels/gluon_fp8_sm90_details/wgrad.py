@@ -7,6 +7,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -131,7 +132,7 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
 
 
 @gluon.jit
-def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_smem, out_desc, e, p0,
+def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_left, out_desc, e, p0,
                      q0, trace_ptr, block, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
                      PROBE: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
@@ -148,7 +149,7 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
         acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
         acc1 = _probe_chain(a_bufs, b_bufs, s, HB, acc1, WG)
         if LAST and not PROBE & 1:
-            store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
+            _store_half(acc0.to(out_desc.dtype), c_left, out_desc, e, p0, q0, PROBE)
         acc1 = warpgroup_mma_wait(0, deps=(acc1, ))
         mbarrier.arrive(empty.index(s), count=1)
     else:
@@ -157,12 +158,25 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
         acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
         tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
         if LAST and not PROBE & 1:
-            store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
+            _store_half(acc0.to(out_desc.dtype), c_left, out_desc, e, p0, q0, PROBE)
         tmp = warpgroup_mma_wait(0, deps=(tmp, ))
         scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
         mbarrier.arrive(empty.index(s), count=1)
         acc1 = promote(acc1, tmp, scale)
     return acc0, acc1, tmp
+
+
+@gluon.jit
+def _store_half(out, c_smem, desc, e, p0, q0, PROBE: gl.constexpr):
+    """``gluon_sm90.store_block`` for one half of a 256-column block; with PROBE 8 (a buffer per half) it waits only
+    for the store before the last one (the other half's buffer), not for all of them."""
+    if PROBE & 8:
+        tma.store_wait(1)
+    else:
+        tma.store_wait(0)
+    c_smem.reshape(out.type.shape).store(out)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [e, p0, q0], c_smem)
 
 
 @gluon.jit
@@ -176,7 +190,7 @@ def _probe_chain(a_bufs, w_bufs, s, c0: gl.constexpr, acc, WG: gl.constexpr):
 
 
 @gluon.jit
-def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem, out_desc, e, p0, q0,
+def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_left, out_desc, e, p0, q0,
                      trace_ptr, block, WG: gl.constexpr, PROBE: gl.constexpr, TRACE: gl.constexpr,
                      acc_layout: gl.constexpr, num_warps: gl.constexpr):
     """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
@@ -190,24 +204,24 @@ def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps
     tmp = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)  # every chain's destination registers
     if steps == 1:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, PROBE,
+                                           c_left, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, PROBE,
                                            TRACE, num_warps)
     else:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, False, PROBE,
+                                           c_left, out_desc, e, p0, q0, trace_ptr, block, WG, True, False, PROBE,
                                            TRACE, num_warps)
         for k in range(1, steps - 1):
             acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + k, acc0, acc1,
-                                               tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, False,
+                                               tmp, c_left, out_desc, e, p0, q0, trace_ptr, block, WG, False, False,
                                                PROBE, TRACE, num_warps)
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0,
-                                           acc1, tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, True,
+                                           acc1, tmp, c_left, out_desc, e, p0, q0, trace_ptr, block, WG, False, True,
                                            PROBE, TRACE, num_warps)
     return acc1, step + steps
 
 
 @gluon.jit
-def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
+def _wgrad_mma_partition(out_desc, c_smem, c_right, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
                          num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, BY_SIZE: gl.constexpr, PROBE: gl.constexpr,
                          TRACE: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
@@ -235,12 +249,12 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
                                               out_desc, e, p0, q0, trace_ptr, block_index(tile), WG, PROBE, TRACE,
                                               acc_layout, num_warps)
                 stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
-                if not PROBE & 1:
-                    store_block(acc1.to(out_desc.dtype), c_smem, out_desc, e, p0, q0 + HB)
+                if not PROBE & 17:
+                    _store_half(acc1.to(out_desc.dtype), c_right, out_desc, e, p0, q0 + HB, PROBE)
             else:
                 zeros = gl.zeros([HALF, HB], gl.float32, acc_layout).to(out_desc.dtype)
-                store_block(zeros, c_smem, out_desc, e, p0, q0)
-                store_block(zeros, c_smem, out_desc, e, p0, q0 + HB)
+                _store_half(zeros, c_smem, out_desc, e, p0, q0, PROBE)
+                _store_half(zeros, c_right, out_desc, e, p0, q0 + HB, PROBE)
             stamp(trace_ptr, WG, block_index(tile), 3, TRACE, num_warps)
     else:
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
@@ -270,18 +284,20 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     program per SM walking them (BY_SIZE: dealt in order of their experts' rows, ``gluon_sm90.wgrad_block``, by_size_ptr
     ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
     trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``). PROBE (timing only, wrong sums at 256 columns; 0: the kernel):
-    bits 1 no output stores, 2 no promotion (the chains accumulate), 4 every K-step reads the block's first tile."""
+    bits 1 no output stores, 2 no promotion (the chains accumulate), 4 every K-step reads the block's first tile; 8
+    (the right sums) a store buffer per half of a 256-column block (``_store_half``); 16 the right halves not stored."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
     a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = ring(a_desc, b_desc, 1, BN, STAGES, LOADER_WARPS)
-    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [4 if PROBE & 8 else 2] + out_desc.block_type.shape,
+                                       out_desc.layout)
     num_p = P // BM
     num_q = Q // BN
     gl.warp_specialize([
-        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), c_bufs.index(2 if PROBE & 8 else 0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
                                 as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, PROBE, TRACE, num_warps)),
-        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), c_bufs.index(3 if PROBE & 8 else 1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
                                 as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, PROBE, TRACE, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
                          as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, PROBE, TRACE,
