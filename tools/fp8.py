@@ -246,11 +246,13 @@ def main(argv=None, device: str = "cuda") -> None:
                 gluon_fp8_sm90.fp8_wgrad_ws(*a, *b, out, plan.offsets_E1, 256, probe=probe)
                 return out
             stages.append((f"probe: {name} ({what})", run, flops, None, dense))
-        def halves(a=a, b=b, p=a[0].shape[0], q=b[0].shape[0]):
-            out = torch.empty(plan.offsets_E1.numel() - 1, p, q, device=device, dtype=torch.bfloat16)
-            gluon_fp8_sm90.fp8_wgrad_ws(*a, *b, out, plan.offsets_E1, 256, probe=8)
-            return out
-        stages.append((f"{name} FP8 (256 columns) (a store buffer per half)", halves, flops, None, dense))
+        for probe, what in ((8, "a store buffer per half"), (40, "right halves stored by the warps"),
+                            (72, "right halves' stores issued in the next block")):
+            def halves(a=a, b=b, probe=probe, p=a[0].shape[0], q=b[0].shape[0]):
+                out = torch.empty(plan.offsets_E1.numel() - 1, p, q, device=device, dtype=torch.bfloat16)
+                gluon_fp8_sm90.fp8_wgrad_ws(*a, *b, out, plan.offsets_E1, 256, probe=probe)
+                return out
+            stages.append((f"{name} FP8 (256 columns) ({what})", halves, flops, None, dense))
         out_bytes = (plan.offsets_E1.numel() - 1) * a[0].shape[0] * b[0].shape[0] * 2
         written = torch.empty(out_bytes // 2, device=device, dtype=torch.bfloat16)
         stages.append((f"probe: {name}'s output written by torch (zero_)", written.zero_, None, out_bytes, None))

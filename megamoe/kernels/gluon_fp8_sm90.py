@@ -272,7 +272,7 @@ def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: t
     block = [1, FP8_BM // 2, FP8_BN]  # one MMA warpgroup's rows, the columns of one store
     wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
         a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [block_n, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
-        out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
+        out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), out_ptr=out, offsets_ptr=offsets, P=p,
         Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
         STAGES=WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, **wgrad_by_size(offsets, by_size),
         PROBE=probe, **trace_args(trace, a_s), LOADER_WARPS=ROWS_LOADER_WARPS,
@@ -377,7 +377,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
                       "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size, "PROBE": 0,
                       "MMA_REGS": MATH_REGS, "LOADER_REGS": ROWS_LOADER_REGS}
         blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
-        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64"}
+        pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64", "out_ptr": "*bf16"}
         sizes = {"P", "Q"}
     else:
         blocks = {"w13_desc": [1, 1, FP8_BN, FP8_BK]}

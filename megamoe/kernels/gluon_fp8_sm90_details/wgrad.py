@@ -133,8 +133,8 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
 
 @gluon.jit
 def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_left, out_desc, e, p0,
-                     q0, trace_ptr, block, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
-                     PROBE: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                     q0, trace_ptr, block, c_right, pend, pe, pp, pq, WG: gl.constexpr, FIRST: gl.constexpr,
+                     LAST: gl.constexpr, PROBE: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
     ``acc0``, the right chain, its promotion into ``acc1``, the stage freed. With LAST (the block's last K-step) the
     left half is stored at [e, p0, q0] under the right chain. TRACE: with FIRST (its first), the block's point 1 (its
@@ -157,6 +157,9 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
         tmp = warpgroup_mma_wait(0, deps=(tmp, ))
         acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
         tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
+        if PROBE & 64 and FIRST:  # noqa: SIM102
+            if pend:  # the previous block's right half, in c_right since its end
+                tma.async_copy_shared_to_global(out_desc, [pe, pp, pq], c_right)
         if LAST and not PROBE & 1:
             _store_half(acc0.to(out_desc.dtype), c_left, out_desc, e, p0, q0, PROBE)
         tmp = warpgroup_mma_wait(0, deps=(tmp, ))
@@ -180,6 +183,24 @@ def _store_half(out, c_smem, desc, e, p0, q0, PROBE: gl.constexpr):
 
 
 @gluon.jit
+def _store_half_warps(out, c_smem, out_ptr, e, p0, q0, P, Q, num_warps: gl.constexpr):
+    """PROBE 32: a half block stored by the warpgroup's own global stores (16 bytes a thread), read back from
+    ``c_smem`` in rows, instead of by TMA."""
+    ROWS: gl.constexpr = out.type.shape[0]
+    COLS: gl.constexpr = out.type.shape[1]
+    view = c_smem.reshape([ROWS, COLS])
+    view.store(out)
+    gl.thread_barrier()
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    vals = view.load(layout)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    base = out_ptr + (e * P + p0).to(gl.int64) * Q + q0
+    gl.store(base + rows[:, None].to(gl.int64) * Q + cols[None, :], vals)
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _probe_chain(a_bufs, w_bufs, s, c0: gl.constexpr, acc, WG: gl.constexpr):
     """PROBE 2: ``issue_chain`` accumulating into ``acc`` (no promotion; the sums are not the gradient's)."""
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -191,8 +212,8 @@ def _probe_chain(a_bufs, w_bufs, s, c0: gl.constexpr, acc, WG: gl.constexpr):
 
 @gluon.jit
 def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_left, out_desc, e, p0, q0,
-                     trace_ptr, block, WG: gl.constexpr, PROBE: gl.constexpr, TRACE: gl.constexpr,
-                     acc_layout: gl.constexpr, num_warps: gl.constexpr):
+                     trace_ptr, block, c_right, pend, pe, pp, pq, WG: gl.constexpr, PROBE: gl.constexpr,
+                     TRACE: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
     """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
     accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
     each promotion runs under the other warpgroup's MMAs); the left half stored at [e, p0, q0] under the last K-step's
@@ -204,24 +225,28 @@ def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps
     tmp = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)  # every chain's destination registers
     if steps == 1:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_left, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, PROBE,
+                                           c_left, out_desc, e, p0, q0, trace_ptr, block, c_right, pend, pe, pp, pq, WG,
+                                           True, True, PROBE,
                                            TRACE, num_warps)
     else:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_left, out_desc, e, p0, q0, trace_ptr, block, WG, True, False, PROBE,
+                                           c_left, out_desc, e, p0, q0, trace_ptr, block, c_right, pend, pe, pp, pq, WG,
+                                           True, False, PROBE,
                                            TRACE, num_warps)
         for k in range(1, steps - 1):
             acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + k, acc0, acc1,
-                                               tmp, c_left, out_desc, e, p0, q0, trace_ptr, block, WG, False, False,
+                                               tmp, c_left, out_desc, e, p0, q0, trace_ptr, block, c_right, pend, pe,
+                                               pp, pq, WG, False, False,
                                                PROBE, TRACE, num_warps)
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0,
-                                           acc1, tmp, c_left, out_desc, e, p0, q0, trace_ptr, block, WG, False, True,
+                                           acc1, tmp, c_left, out_desc, e, p0, q0, trace_ptr, block, c_right, pend,
+                                           pe, pp, pq, WG, False, True,
                                            PROBE, TRACE, num_warps)
     return acc1, step + steps
 
 
 @gluon.jit
-def _wgrad_mma_partition(out_desc, c_smem, c_right, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
+def _wgrad_mma_partition(out_desc, out_ptr, P, Q, c_smem, c_right, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
                          num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, BY_SIZE: gl.constexpr, PROBE: gl.constexpr,
                          TRACE: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
@@ -239,6 +264,10 @@ def _wgrad_mma_partition(out_desc, c_smem, c_right, offsets_ptr, by_size_ptr, re
     acc_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
     step = 0
     if BN == 2 * HB:
+        pend = 0  # PROBE 64: a right half in c_right, its store to [pe, pp, pq] not yet issued
+        pe = 0
+        pp = 0
+        pq = 0
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             stamp(trace_ptr, WG, block_index(tile), 0, TRACE, num_warps)
             e, p0, q0, first, last = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
@@ -246,16 +275,33 @@ def _wgrad_mma_partition(out_desc, c_smem, c_right, offsets_ptr, by_size_ptr, re
             p0 = p0 + WG * HALF
             if steps > 0:
                 acc1, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem,
-                                              out_desc, e, p0, q0, trace_ptr, block_index(tile), WG, PROBE, TRACE,
-                                              acc_layout, num_warps)
+                                              out_desc, e, p0, q0, trace_ptr, block_index(tile), c_right, pend, pe,
+                                              pp, pq, WG, PROBE, TRACE, acc_layout, num_warps)
                 stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
-                if not PROBE & 17:
+                if PROBE & 32:
+                    _store_half_warps(acc1.to(out_desc.dtype), c_right, out_ptr, e, p0, q0 + HB, P, Q, num_warps)
+                elif PROBE & 64:
+                    tma.store_wait(1)  # the right half issued at this block's first K-step has left c_right
+                    c_right.reshape([HALF, HB]).store(acc1.to(out_desc.dtype))
+                    fence_async_shared()
+                    pend = 1
+                    pe = e
+                    pp = p0
+                    pq = q0 + HB
+                elif not PROBE & 17:
                     _store_half(acc1.to(out_desc.dtype), c_right, out_desc, e, p0, q0 + HB, PROBE)
             else:
+                if PROBE & 64:
+                    if pend:
+                        tma.async_copy_shared_to_global(out_desc, [pe, pp, pq], c_right)
+                    pend = 0
                 zeros = gl.zeros([HALF, HB], gl.float32, acc_layout).to(out_desc.dtype)
                 _store_half(zeros, c_smem, out_desc, e, p0, q0, PROBE)
                 _store_half(zeros, c_right, out_desc, e, p0, q0 + HB, PROBE)
             stamp(trace_ptr, WG, block_index(tile), 3, TRACE, num_warps)
+        if PROBE & 64:  # noqa: SIM102
+            if pend:
+                tma.async_copy_shared_to_global(out_desc, [pe, pp, pq], c_right)
     else:
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             stamp(trace_ptr, WG, block_index(tile), 0, TRACE, num_warps)
@@ -272,7 +318,8 @@ def _wgrad_mma_partition(out_desc, c_smem, c_right, offsets_ptr, by_size_ptr, re
 
 
 @gluon.jit
-def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr, by_size_ptr,
+def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, out_ptr, offsets_ptr, P, Q, tiles, trace_ptr,
+                    by_size_ptr,
                     EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, PROBE: gl.constexpr,
                     TRACE: gl.constexpr,
                     LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
@@ -285,7 +332,9 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
     trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``). PROBE (timing only, wrong sums at 256 columns; 0: the kernel):
     bits 1 no output stores, 2 no promotion (the chains accumulate), 4 every K-step reads the block's first tile; 8
-    (the right sums) a store buffer per half of a 256-column block (``_store_half``); 16 the right halves not stored."""
+    (the right sums) a store buffer per half of a 256-column block (``_store_half``); 16 the right halves not stored;
+    with 8, 32 (the right sums) the right halves stored by the warps' own stores (``_store_half_warps``), 64 (the right
+    sums) each right half's TMA store issued under the next block's first right chain."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
@@ -295,9 +344,9 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     num_p = P // BM
     num_q = Q // BN
     gl.warp_specialize([
-        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), c_bufs.index(2 if PROBE & 8 else 0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+        (_wgrad_mma_partition, (out_desc, out_ptr, P, Q, c_bufs.index(0), c_bufs.index(2 if PROBE & 8 else 0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
                                 as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, PROBE, TRACE, num_warps)),
-        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), c_bufs.index(3 if PROBE & 8 else 1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+        (_wgrad_mma_partition, (out_desc, out_ptr, P, Q, c_bufs.index(1), c_bufs.index(3 if PROBE & 8 else 1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
                                 as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, PROBE, TRACE, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
                          as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, PROBE, TRACE,
