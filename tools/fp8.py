@@ -238,7 +238,8 @@ def main(argv=None, device: str = "cuda") -> None:
                                lambda a=a, b=b, block_n=block_n, by_size=by_size: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, by_size=by_size), flops, None, dense))
     probes = {1: "no stores", 2: "no promotion", 3: "no stores, no promotion", 4: "one K-tile",
-              5: "one K-tile, no stores", 7: "one K-tile, no stores, no promotion", 16: "left halves stored"}
+              5: "one K-tile, no stores", 7: "one K-tile, no stores, no promotion", 16: "left halves stored",
+              128: "right halves stored", 256: "stores onto one block", 512: "stores to shared memory only"}
     for name, a, b, flops, dense in wgrad_gemms:  # the layer's kernel with parts left out (wrong sums; timing only)
         for probe, what in probes.items():
             def run(a=a, b=b, probe=probe, p=a[0].shape[0], q=b[0].shape[0]):

@@ -148,7 +148,7 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
         acc0 = _probe_chain(a_bufs, b_bufs, s, 0, acc0, WG)
         acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
         acc1 = _probe_chain(a_bufs, b_bufs, s, HB, acc1, WG)
-        if LAST and not PROBE & 1:
+        if LAST and not PROBE & 129:
             _store_half(acc0.to(out_desc.dtype), c_left, out_desc, e, p0, q0, PROBE)
         acc1 = warpgroup_mma_wait(0, deps=(acc1, ))
         mbarrier.arrive(empty.index(s), count=1)
@@ -160,7 +160,7 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
         if PROBE & 64 and FIRST:  # noqa: SIM102
             if pend:  # the previous block's right half, in c_right since its end
                 tma.async_copy_shared_to_global(out_desc, [pe, pp, pq], c_right)
-        if LAST and not PROBE & 1:
+        if LAST and not PROBE & 129:
             _store_half(acc0.to(out_desc.dtype), c_left, out_desc, e, p0, q0, PROBE)
         tmp = warpgroup_mma_wait(0, deps=(tmp, ))
         scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
@@ -179,7 +179,10 @@ def _store_half(out, c_smem, desc, e, p0, q0, PROBE: gl.constexpr):
         tma.store_wait(0)
     c_smem.reshape(out.type.shape).store(out)
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc, [e, p0, q0], c_smem)
+    if PROBE & 256:  # every block's halves onto expert 0's first block: the stores stay in L2
+        tma.async_copy_shared_to_global(desc, [0, p0 % 128, q0 % 256], c_smem)
+    elif not PROBE & 512:
+        tma.async_copy_shared_to_global(desc, [e, p0, q0], c_smem)
 
 
 @gluon.jit
@@ -334,7 +337,8 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, out_ptr, offsets
     bits 1 no output stores, 2 no promotion (the chains accumulate), 4 every K-step reads the block's first tile; 8
     (the right sums) a store buffer per half of a 256-column block (``_store_half``); 16 the right halves not stored;
     with 8, 32 (the right sums) the right halves stored by the warps' own stores (``_store_half_warps``), 64 (the right
-    sums) each right half's TMA store issued under the next block's first right chain."""
+    sums) each right half's TMA store issued under the next block's first right chain; 128 the left halves not stored;
+    256 every block stored onto expert 0's first block; 512 the halves written to shared memory, no TMA store."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
