@@ -237,26 +237,6 @@ def main(argv=None, device: str = "cuda") -> None:
                 stages.append((base + ORDERS["size" if by_size else "expert"][0],
                                lambda a=a, b=b, block_n=block_n, by_size=by_size: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, by_size=by_size), flops, None, dense))
-    probes = {1: "no stores", 2: "no promotion", 3: "no stores, no promotion", 4: "one K-tile",
-              5: "one K-tile, no stores", 7: "one K-tile, no stores, no promotion", 16: "left halves stored",
-              128: "right halves stored", 256: "stores onto one block", 512: "stores to shared memory only"}
-    for name, a, b, flops, dense in wgrad_gemms:  # the layer's kernel with parts left out (wrong sums; timing only)
-        for probe, what in probes.items():
-            def run(a=a, b=b, probe=probe, p=a[0].shape[0], q=b[0].shape[0]):
-                out = torch.empty(plan.offsets_E1.numel() - 1, p, q, device=device, dtype=torch.bfloat16)
-                gluon_fp8_sm90.fp8_wgrad_ws(*a, *b, out, plan.offsets_E1, 256, probe=probe)
-                return out
-            stages.append((f"probe: {name} ({what})", run, flops, None, dense))
-        for probe, what in ((8, "a store buffer per half"), (40, "right halves stored by the warps"),
-                            (72, "right halves' stores issued in the next block")):
-            def halves(a=a, b=b, probe=probe, p=a[0].shape[0], q=b[0].shape[0]):
-                out = torch.empty(plan.offsets_E1.numel() - 1, p, q, device=device, dtype=torch.bfloat16)
-                gluon_fp8_sm90.fp8_wgrad_ws(*a, *b, out, plan.offsets_E1, 256, probe=probe)
-                return out
-            stages.append((f"{name} FP8 (256 columns) ({what})", halves, flops, None, dense))
-        out_bytes = (plan.offsets_E1.numel() - 1) * a[0].shape[0] * b[0].shape[0] * 2
-        written = torch.empty(out_bytes // 2, device=device, dtype=torch.bfloat16)
-        stages.append((f"probe: {name}'s output written by torch (zero_)", written.zero_, None, out_bytes, None))
     for name, _, b, _, _ in wgrad_gemms:  # every FP8 variant of a weight gradient against the layer's width and order
         wide = gluon_fp8_sm90.wgrad_block_n(b[0].shape[0]) == 256
         layer = name + " FP8" + (" (256 columns)" if wide else "")

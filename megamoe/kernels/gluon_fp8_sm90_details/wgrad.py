@@ -7,10 +7,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
@@ -38,7 +36,7 @@ ACC_COLS = gl.constexpr(128)
 @gluon.jit
 def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
                   bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB: gl.constexpr, BY_SIZE: gl.constexpr,
-                  PROBE: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                  TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``wgrad_ws_kernel``: per K-step (one plan tile t of the block's
     expert), the blocks of A (128, 128) at [p0, 128 t] and of B (BN, 128) at [q0, 128 t] through TMA (zeros past the
     expert's rows are in the tensors), and the tile's scales of the block's 128 P-columns (two warpgroup halves) and
@@ -56,8 +54,7 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, re
         stamp(trace_ptr, 2, block_index(tile), 0, TRACE, num_warps)
         e, p0, q0, start, end = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
         first = count_busy_tiles(offsets_ptr, e, EB, BK, num_warps)  # the tiles of the experts before e
-        for t0 in range(first, first + (end - start + BK - 1) // BK):
-            t = first if PROBE & 4 else t0
+        for t in range(first, first + (end - start + BK - 1) // BK):
             s = next_slot(empty, ready, step, nbytes)
             tma.async_copy_global_to_shared(a_desc, [p0, t * BK], ready.index(s), a_bufs.index(s))
             tma.async_copy_global_to_shared(b_desc, [q0, t * BK], ready.index(s), b_bufs.index(s))
@@ -66,7 +63,7 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, re
             async_copy.async_copy_global_to_shared(bs_bufs.index(s), b_s_ptr + t * Q + q0 + lanes_b)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
-            stamp_first(trace_ptr, 2, block_index(tile), 1, t0 == first, TRACE, num_warps)
+            stamp_first(trace_ptr, 2, block_index(tile), 1, t == first, TRACE, num_warps)
         stamp(trace_ptr, 2, block_index(tile), 2, TRACE, num_warps)
 
 
@@ -132,9 +129,9 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
 
 
 @gluon.jit
-def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_left, out_desc, e, p0,
-                     q0, trace_ptr, block, c_right, pend, pe, pp, pq, WG: gl.constexpr, FIRST: gl.constexpr,
-                     LAST: gl.constexpr, PROBE: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_smem, out_desc, e, p0,
+                     q0, trace_ptr, block, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
+                     TRACE: gl.constexpr, num_warps: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
     ``acc0``, the right chain, its promotion into ``acc1``, the stage freed. With LAST (the block's last K-step) the
     left half is stored at [e, p0, q0] under the right chain. TRACE: with FIRST (its first), the block's point 1 (its
@@ -144,79 +141,23 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
     s = stage_ready(ready, step, STAGES)
     if FIRST:
         stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
-    if PROBE & 2:
-        acc0 = _probe_chain(a_bufs, b_bufs, s, 0, acc0, WG)
-        acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
-        acc1 = _probe_chain(a_bufs, b_bufs, s, HB, acc1, WG)
-        if LAST and not PROBE & 129:
-            _store_half(acc0.to(out_desc.dtype), c_left, out_desc, e, p0, q0, PROBE)
-        acc1 = warpgroup_mma_wait(0, deps=(acc1, ))
-        mbarrier.arrive(empty.index(s), count=1)
-    else:
-        tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
-        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-        acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
-        tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
-        if PROBE & 64 and FIRST:  # noqa: SIM102
-            if pend:  # the previous block's right half, in c_right since its end
-                tma.async_copy_shared_to_global(out_desc, [pe, pp, pq], c_right)
-        if LAST and not PROBE & 129:
-            _store_half(acc0.to(out_desc.dtype), c_left, out_desc, e, p0, q0, PROBE)
-        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-        scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
-        mbarrier.arrive(empty.index(s), count=1)
-        acc1 = promote(acc1, tmp, scale)
+    tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
+    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+    acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
+    tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
+    if LAST:
+        store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
+    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+    scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
+    mbarrier.arrive(empty.index(s), count=1)
+    acc1 = promote(acc1, tmp, scale)
     return acc0, acc1, tmp
 
 
 @gluon.jit
-def _store_half(out, c_smem, desc, e, p0, q0, PROBE: gl.constexpr):
-    """``gluon_sm90.store_block`` for one half of a 256-column block; with PROBE 8 (a buffer per half) it waits only
-    for the store before the last one (the other half's buffer), not for all of them."""
-    if PROBE & 8:
-        tma.store_wait(1)
-    else:
-        tma.store_wait(0)
-    c_smem.reshape(out.type.shape).store(out)
-    fence_async_shared()
-    if PROBE & 256:  # every block's halves onto expert 0's first block: the stores stay in L2
-        tma.async_copy_shared_to_global(desc, [0, p0 % 128, q0 % 256], c_smem)
-    elif not PROBE & 512:
-        tma.async_copy_shared_to_global(desc, [e, p0, q0], c_smem)
-
-
-@gluon.jit
-def _store_half_warps(out, c_smem, out_ptr, e, p0, q0, P, Q, num_warps: gl.constexpr):
-    """PROBE 32: a half block stored by the warpgroup's own global stores (16 bytes a thread), read back from
-    ``c_smem`` in rows, instead of by TMA."""
-    ROWS: gl.constexpr = out.type.shape[0]
-    COLS: gl.constexpr = out.type.shape[1]
-    view = c_smem.reshape([ROWS, COLS])
-    view.store(out)
-    gl.thread_barrier()
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    vals = view.load(layout)
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    base = out_ptr + (e * P + p0).to(gl.int64) * Q + q0
-    gl.store(base + rows[:, None].to(gl.int64) * Q + cols[None, :], vals)
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _probe_chain(a_bufs, w_bufs, s, c0: gl.constexpr, acc, WG: gl.constexpr):
-    """PROBE 2: ``issue_chain`` accumulating into ``acc`` (no promotion; the sums are not the gradient's)."""
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    BN: gl.constexpr = w_bufs.type.shape[-2]
-    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
-    w = w_bufs.index(s).reshape([BN, BK]).slice(c0, acc.type.shape[1])
-    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), w.permute((1, 0)), acc, use_acc=True, is_async=True)
-
-
-@gluon.jit
-def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_left, out_desc, e, p0, q0,
-                     trace_ptr, block, c_right, pend, pe, pp, pq, WG: gl.constexpr, PROBE: gl.constexpr,
-                     TRACE: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
+def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem, out_desc, e, p0, q0,
+                     trace_ptr, block, WG: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr,
+                     num_warps: gl.constexpr):
     """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
     accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
     each promotion runs under the other warpgroup's MMAs); the left half stored at [e, p0, q0] under the last K-step's
@@ -228,30 +169,26 @@ def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps
     tmp = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)  # every chain's destination registers
     if steps == 1:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_left, out_desc, e, p0, q0, trace_ptr, block, c_right, pend, pe, pp, pq, WG,
-                                           True, True, PROBE,
-                                           TRACE, num_warps)
+                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, TRACE,
+                                           num_warps)
     else:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_left, out_desc, e, p0, q0, trace_ptr, block, c_right, pend, pe, pp, pq, WG,
-                                           True, False, PROBE,
-                                           TRACE, num_warps)
+                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, False, TRACE,
+                                           num_warps)
         for k in range(1, steps - 1):
             acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + k, acc0, acc1,
-                                               tmp, c_left, out_desc, e, p0, q0, trace_ptr, block, c_right, pend, pe,
-                                               pp, pq, WG, False, False,
-                                               PROBE, TRACE, num_warps)
+                                               tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, False,
+                                               TRACE, num_warps)
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0,
-                                           acc1, tmp, c_left, out_desc, e, p0, q0, trace_ptr, block, c_right, pend,
-                                           pe, pp, pq, WG, False, True,
-                                           PROBE, TRACE, num_warps)
+                                           acc1, tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, True,
+                                           TRACE, num_warps)
     return acc1, step + steps
 
 
 @gluon.jit
-def _wgrad_mma_partition(out_desc, out_ptr, P, Q, c_smem, c_right, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
-                         num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, BY_SIZE: gl.constexpr, PROBE: gl.constexpr,
-                         TRACE: gl.constexpr, num_warps: gl.constexpr):
+def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
+                         num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
+                         num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
     B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
@@ -267,10 +204,6 @@ def _wgrad_mma_partition(out_desc, out_ptr, P, Q, c_smem, c_right, offsets_ptr, 
     acc_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
     step = 0
     if BN == 2 * HB:
-        pend = 0  # PROBE 64: a right half in c_right, its store to [pe, pp, pq] not yet issued
-        pe = 0
-        pp = 0
-        pq = 0
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             stamp(trace_ptr, WG, block_index(tile), 0, TRACE, num_warps)
             e, p0, q0, first, last = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
@@ -278,33 +211,15 @@ def _wgrad_mma_partition(out_desc, out_ptr, P, Q, c_smem, c_right, offsets_ptr, 
             p0 = p0 + WG * HALF
             if steps > 0:
                 acc1, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem,
-                                              out_desc, e, p0, q0, trace_ptr, block_index(tile), c_right, pend, pe,
-                                              pp, pq, WG, PROBE, TRACE, acc_layout, num_warps)
+                                              out_desc, e, p0, q0, trace_ptr, block_index(tile), WG, TRACE, acc_layout,
+                                              num_warps)
                 stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
-                if PROBE & 32:
-                    _store_half_warps(acc1.to(out_desc.dtype), c_right, out_ptr, e, p0, q0 + HB, P, Q, num_warps)
-                elif PROBE & 64:
-                    tma.store_wait(1)  # the right half issued at this block's first K-step has left c_right
-                    c_right.reshape([HALF, HB]).store(acc1.to(out_desc.dtype))
-                    fence_async_shared()
-                    pend = 1
-                    pe = e
-                    pp = p0
-                    pq = q0 + HB
-                elif not PROBE & 17:
-                    _store_half(acc1.to(out_desc.dtype), c_right, out_desc, e, p0, q0 + HB, PROBE)
+                store_block(acc1.to(out_desc.dtype), c_smem, out_desc, e, p0, q0 + HB)
             else:
-                if PROBE & 64:
-                    if pend:
-                        tma.async_copy_shared_to_global(out_desc, [pe, pp, pq], c_right)
-                    pend = 0
                 zeros = gl.zeros([HALF, HB], gl.float32, acc_layout).to(out_desc.dtype)
-                _store_half(zeros, c_smem, out_desc, e, p0, q0, PROBE)
-                _store_half(zeros, c_right, out_desc, e, p0, q0 + HB, PROBE)
+                store_block(zeros, c_smem, out_desc, e, p0, q0)
+                store_block(zeros, c_smem, out_desc, e, p0, q0 + HB)
             stamp(trace_ptr, WG, block_index(tile), 3, TRACE, num_warps)
-        if PROBE & 64:  # noqa: SIM102
-            if pend:
-                tma.async_copy_shared_to_global(out_desc, [pe, pp, pq], c_right)
     else:
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             stamp(trace_ptr, WG, block_index(tile), 0, TRACE, num_warps)
@@ -321,10 +236,8 @@ def _wgrad_mma_partition(out_desc, out_ptr, P, Q, c_smem, c_right, offsets_ptr, 
 
 
 @gluon.jit
-def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, out_ptr, offsets_ptr, P, Q, tiles, trace_ptr,
-                    by_size_ptr,
-                    EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, PROBE: gl.constexpr,
-                    TRACE: gl.constexpr,
+def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr, by_size_ptr,
+                    EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
                     LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                     num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B (Q,
@@ -333,27 +246,20 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, out_ptr, offsets
     = E * P/BM * Q/BN output blocks, expert-major (the programs at work share one expert's operands in L2), one
     program per SM walking them (BY_SIZE: dealt in order of their experts' rows, ``gluon_sm90.wgrad_block``, by_size_ptr
     ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
-    trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``). PROBE (timing only, wrong sums at 256 columns; 0: the kernel):
-    bits 1 no output stores, 2 no promotion (the chains accumulate), 4 every K-step reads the block's first tile; 8
-    (the right sums) a store buffer per half of a 256-column block (``_store_half``); 16 the right halves not stored;
-    with 8, 32 (the right sums) the right halves stored by the warps' own stores (``_store_half_warps``), 64 (the right
-    sums) each right half's TMA store issued under the next block's first right chain; 128 the left halves not stored;
-    256 every block stored onto expert 0's first block; 512 the halves written to shared memory, no TMA store."""
+    trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
     a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = ring(a_desc, b_desc, 1, BN, STAGES, LOADER_WARPS)
-    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [4 if PROBE & 8 else 2] + out_desc.block_type.shape,
-                                       out_desc.layout)
+    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
     num_p = P // BM
     num_q = Q // BN
     gl.warp_specialize([
-        (_wgrad_mma_partition, (out_desc, out_ptr, P, Q, c_bufs.index(0), c_bufs.index(2 if PROBE & 8 else 0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, PROBE, TRACE, num_warps)),
-        (_wgrad_mma_partition, (out_desc, out_ptr, P, Q, c_bufs.index(1), c_bufs.index(3 if PROBE & 8 else 1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, PROBE, TRACE, num_warps)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, TRACE, num_warps)),
+        (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, TRACE, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                         as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, PROBE, TRACE,
-                         LOADER_WARPS)),
+                         as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
