@@ -9,7 +9,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
@@ -35,14 +34,13 @@ ACC_COLS = gl.constexpr(128)
 
 
 @gluon.jit
-def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, a_r_ptr, b_r_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs,
-                  b_bufs, as_bufs, bs_bufs, ar_bufs, br_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB: gl.constexpr,
-                  BY_SIZE: gl.constexpr, RESCALE: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
+                  bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB: gl.constexpr, BY_SIZE: gl.constexpr,
+                  TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``wgrad_ws_kernel``: per K-step (one plan tile t of the block's
     expert), the blocks of A (128, 128) at [p0, 128 t] and of B (BN, 128) at [q0, 128 t] through TMA (zeros past the
     expert's rows are in the tensors), and the tile's scales of the block's 128 P-columns (two warpgroup halves) and
-    BN Q-columns through ``cp.async``, each thread's copies arriving on the stage's ready barrier; with RESCALE the
-    tile's scale ratios (a_r, b_r: ``fp8_wgrad_ws``) beside them into ar_bufs and br_bufs. TRACE: its stamps
+    BN Q-columns through ``cp.async``, each thread's copies arriving on the stage's ready barrier. TRACE: its stamps
     (partition 2 of ``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -63,10 +61,6 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, a_r_ptr, b_r_ptr, offsets_pt
             async_copy.async_copy_global_to_shared(as_bufs.index(2 * s), a_s_ptr + t * P + p0 + lanes_a)
             async_copy.async_copy_global_to_shared(as_bufs.index(2 * s + 1), a_s_ptr + t * P + p0 + HALF + lanes_a)
             async_copy.async_copy_global_to_shared(bs_bufs.index(s), b_s_ptr + t * Q + q0 + lanes_b)
-            if RESCALE:
-                async_copy.async_copy_global_to_shared(ar_bufs.index(2 * s), a_r_ptr + t * P + p0 + lanes_a)
-                async_copy.async_copy_global_to_shared(ar_bufs.index(2 * s + 1), a_r_ptr + t * P + p0 + HALF + lanes_a)
-                async_copy.async_copy_global_to_shared(br_bufs.index(s), b_r_ptr + t * Q + q0 + lanes_b)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
             stamp_first(trace_ptr, 2, block_index(tile), 1, t == first, TRACE, num_warps)
@@ -192,92 +186,9 @@ def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps
 
 
 @gluon.jit
-def _chain_into(a_bufs, w_bufs, s, c0: gl.constexpr, acc, WG: gl.constexpr, USE_ACC: gl.constexpr):
-    """``issue_chain`` into the accumulator ``acc`` itself (USE_ACC: added to it), not into a temporary."""
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    BN: gl.constexpr = w_bufs.type.shape[-2]
-    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
-    w = w_bufs.index(s).reshape([BN, BK]).slice(c0, acc.type.shape[1])
-    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), w.permute((1, 0)), acc, use_acc=USE_ACC,
-                         is_async=True)
-
-
-@gluon.jit
-def _rescaled(acc, ar_bufs, br_bufs, s, c0: gl.constexpr, WG: gl.constexpr):
-    """``acc`` times the outer product of stage ``s``'s vectors in ar_bufs (this warpgroup's rows) and br_bufs (the
-    columns c0 ..), pinned before the chain issued next (as ``common.promote``)."""
-    layout: gl.constexpr = acc.type.layout
-    ra = ar_bufs.index(2 * s + WG).load(gl.SliceLayout(1, layout))
-    rb = br_bufs.index(s).slice(c0, acc.type.shape[1]).load(gl.SliceLayout(0, layout))
-    return gl.inline_asm_elementwise("", "=r,0", [acc * (ra[:, None] * rb[None, :])], dtype=gl.float32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _wgrad_rescaled_step(a_bufs, b_bufs, as_bufs, bs_bufs, ar_bufs, br_bufs, ready, empty, step, acc0, acc1, c_smem,
-                         out_desc, e, p0, q0, trace_ptr, block, WG: gl.constexpr, FIRST: gl.constexpr,
-                         LAST: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """One K-step of ``_wgrad_main_rescaled`` for one warpgroup: the left chain into ``acc0`` (already in this tile's
-    units), the right half rescaled under it and its chain into ``acc1``; once the left chain is done, ``acc0``
-    rescaled to the next tile's units under the right chain (LAST: times this tile's scales, and stored at [e, p0,
-    q0]); the right chain waited for and the stage freed, so that no chain is in flight across K-steps (one carried
-    over and retired by a partial wait makes ptxas serialise every MMA, as ``rows._rows_main_narrow`` says). FIRST:
-    the chains start the sums. Returns (acc0, acc1: with LAST, times this tile's scales)."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    HB: gl.constexpr = ACC_COLS
-    s = stage_ready(ready, step, STAGES)
-    if FIRST:
-        stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
-        acc0 = _chain_into(a_bufs, b_bufs, s, 0, acc0, WG, False)
-        acc1 = _chain_into(a_bufs, b_bufs, s, HB, acc1, WG, False)
-    else:
-        acc0 = _chain_into(a_bufs, b_bufs, s, 0, acc0, WG, True)
-        acc1 = _chain_into(a_bufs, b_bufs, s, HB, _rescaled(acc1, ar_bufs, br_bufs, s, HB, WG), WG, True)
-    acc0 = warpgroup_mma_wait(1, deps=(acc0, ))
-    if LAST:
-        store_block(_rescaled(acc0, as_bufs, bs_bufs, s, 0, WG).to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
-    else:
-        acc0 = _rescaled(acc0, ar_bufs, br_bufs, stage_ready(ready, step + 1, STAGES), 0, WG)
-    acc1 = warpgroup_mma_wait(0, deps=(acc1, ))
-    if LAST:
-        acc1 = _rescaled(acc1, as_bufs, bs_bufs, s, HB, WG)
-    mbarrier.arrive(empty.index(s), count=1)
-    return acc0, acc1
-
-
-@gluon.jit
-def _wgrad_main_rescaled(a_bufs, b_bufs, as_bufs, bs_bufs, ar_bufs, br_bufs, ready, empty, step, steps, c_smem,
-                         out_desc, e, p0, q0, trace_ptr, block, WG: gl.constexpr, TRACE: gl.constexpr,
-                         acc_layout: gl.constexpr, num_warps: gl.constexpr):
-    """``_wgrad_main_wide`` with the chains accumulating straight into the two halves' accumulators, kept in units of
-    the current tile's scales: before tile t's chain a half is multiplied by the ratios of tile t-1's scales to tile
-    t's (ar_bufs, br_bufs), after the block's last chain by the last tile's scales (``_wgrad_rescaled_step``). No
-    temporary: each half is rescaled while the other half's chain runs. Returns as ``_wgrad_main_wide``."""
-    HALF: gl.constexpr = as_bufs.type.shape[1]
-    acc0 = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)
-    acc1 = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)
-    if steps == 1:
-        acc0, acc1 = _wgrad_rescaled_step(a_bufs, b_bufs, as_bufs, bs_bufs, ar_bufs, br_bufs, ready, empty, step, acc0,
-                                          acc1, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, TRACE,
-                                          num_warps)
-    else:
-        acc0, acc1 = _wgrad_rescaled_step(a_bufs, b_bufs, as_bufs, bs_bufs, ar_bufs, br_bufs, ready, empty, step, acc0,
-                                          acc1, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, False, TRACE,
-                                          num_warps)
-        for k in range(1, steps - 1):
-            acc0, acc1 = _wgrad_rescaled_step(a_bufs, b_bufs, as_bufs, bs_bufs, ar_bufs, br_bufs, ready, empty,
-                                              step + k, acc0, acc1, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG,
-                                              False, False, TRACE, num_warps)
-        acc0, acc1 = _wgrad_rescaled_step(a_bufs, b_bufs, as_bufs, bs_bufs, ar_bufs, br_bufs, ready, empty,
-                                          step + steps - 1, acc0, acc1, c_smem, out_desc, e, p0, q0, trace_ptr, block,
-                                          WG, False, True, TRACE, num_warps)
-    return acc1, step + steps
-
-
-@gluon.jit
 def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
-                         ar_bufs, br_bufs, num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, BY_SIZE: gl.constexpr,
-                         RESCALE: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                         num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
+                         num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
     B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
@@ -299,14 +210,9 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
             steps = (last - first + BK - 1) // BK
             p0 = p0 + WG * HALF
             if steps > 0:
-                if RESCALE:
-                    acc1, step = _wgrad_main_rescaled(a_bufs, b_bufs, as_bufs, bs_bufs, ar_bufs, br_bufs, ready, empty,
-                                                      step, steps, c_smem, out_desc, e, p0, q0, trace_ptr,
-                                                      block_index(tile), WG, TRACE, acc_layout, num_warps)
-                else:
-                    acc1, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem,
-                                                  out_desc, e, p0, q0, trace_ptr, block_index(tile), WG, TRACE,
-                                                  acc_layout, num_warps)
+                acc1, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem,
+                                              out_desc, e, p0, q0, trace_ptr, block_index(tile), WG, TRACE, acc_layout,
+                                              num_warps)
                 stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
                 store_block(acc1.to(out_desc.dtype), c_smem, out_desc, e, p0, q0 + HB)
             else:
@@ -330,9 +236,8 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
 
 
 @gluon.jit
-def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, a_r_ptr, b_r_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr,
-                    by_size_ptr, EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, RESCALE: gl.constexpr,
-                    TRACE: gl.constexpr,
+def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr, by_size_ptr,
+                    EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
                     LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                     num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B (Q,
@@ -341,29 +246,20 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, a_r_ptr, b_r_ptr, out_desc
     = E * P/BM * Q/BN output blocks, expert-major (the programs at work share one expert's operands in L2), one
     program per SM walking them (BY_SIZE: dealt in order of their experts' rows, ``gluon_sm90.wgrad_block``, by_size_ptr
     ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
-    trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``). RESCALE (BN 256): ``_wgrad_main_rescaled``, with a_r (NT, P) and
-    b_r (NT, Q) each tile's scales' ratios to the tile before."""
+    trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
     a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty = ring(a_desc, b_desc, 1, BN, STAGES, LOADER_WARPS)
-    # the scales' ratios per stage, as the scales (RESCALE; one stage's worth otherwise, never read)
-    ar_bufs = gl.allocate_shared_memory(gl.float32, [as_bufs.type.shape[0] if RESCALE else 2, as_bufs.type.shape[1]],
-                                        as_bufs.type.layout)
-    br_bufs = gl.allocate_shared_memory(gl.float32, [bs_bufs.type.shape[0] if RESCALE else 1, bs_bufs.type.shape[1]],
-                                        bs_bufs.type.layout)
     c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
     num_p = P // BM
     num_q = Q // BN
     gl.warp_specialize([
         (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                as_bufs, bs_bufs, ar_bufs, br_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE,
-                                RESCALE, TRACE, num_warps)),
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, TRACE, num_warps)),
         (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                as_bufs, bs_bufs, ar_bufs, br_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE,
-                                RESCALE, TRACE, num_warps)),
-        (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, a_r_ptr, b_r_ptr, offsets_ptr, by_size_ptr, ready, empty,
-                         a_bufs, b_bufs, as_bufs, bs_bufs, ar_bufs, br_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB,
-                         BY_SIZE, RESCALE, TRACE, LOADER_WARPS)),
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, TRACE, num_warps)),
+        (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
+                         as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
