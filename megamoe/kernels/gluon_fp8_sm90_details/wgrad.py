@@ -9,6 +9,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
+    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
@@ -131,7 +132,7 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
 @gluon.jit
 def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_smem, out_desc, e, p0,
                      q0, trace_ptr, block, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
-                     TRACE: gl.constexpr, num_warps: gl.constexpr):
+                     PROBE: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
     ``acc0``, the right chain, its promotion into ``acc1``, the stage freed. With LAST (the block's last K-step) the
     left half is stored at [e, p0, q0] under the right chain. TRACE: with FIRST (its first), the block's point 1 (its
@@ -141,23 +142,55 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
     s = stage_ready(ready, step, STAGES)
     if FIRST:
         stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
-    tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
-    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-    acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
-    tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
-    if LAST:
-        store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
-    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-    scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
-    mbarrier.arrive(empty.index(s), count=1)
-    acc1 = promote(acc1, tmp, scale)
+    if PROBE == 2:
+        acc0 = _probe_chain(a_bufs, b_bufs, s, 0, acc0, WG)
+        acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
+        acc1 = _probe_chain(a_bufs, b_bufs, s, HB, acc1, WG)
+        if LAST:
+            store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
+        acc1 = warpgroup_mma_wait(0, deps=(acc1, ))
+        mbarrier.arrive(empty.index(s), count=1)
+    else:
+        c = e.to(gl.float32) * 0.5 + 1.0  # PROBE 64's scale: one value per block, in a register
+        tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
+        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+        if PROBE == 32:
+            acc0 = promote(acc0, tmp, 1.0)
+        elif PROBE == 64:
+            acc0 = promote(acc0, tmp, c)
+        else:
+            acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
+        tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
+        if LAST:
+            store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
+        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+        if PROBE == 32:
+            mbarrier.arrive(empty.index(s), count=1)
+            acc1 = promote(acc1, tmp, 1.0)
+        elif PROBE == 64:
+            mbarrier.arrive(empty.index(s), count=1)
+            acc1 = promote(acc1, tmp, c)
+        else:
+            scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
+            mbarrier.arrive(empty.index(s), count=1)
+            acc1 = promote(acc1, tmp, scale)
     return acc0, acc1, tmp
 
 
 @gluon.jit
+def _probe_chain(a_bufs, w_bufs, s, c0: gl.constexpr, acc, WG: gl.constexpr):
+    """PROBE 2: ``issue_chain`` accumulating into ``acc`` (no promotion; the sums are not the gradient's)."""
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = w_bufs.type.shape[-2]
+    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
+    w = w_bufs.index(s).reshape([BN, BK]).slice(c0, acc.type.shape[1])
+    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), w.permute((1, 0)), acc, use_acc=True, is_async=True)
+
+
+@gluon.jit
 def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem, out_desc, e, p0, q0,
-                     trace_ptr, block, WG: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     trace_ptr, block, WG: gl.constexpr, PROBE: gl.constexpr, TRACE: gl.constexpr,
+                     acc_layout: gl.constexpr, num_warps: gl.constexpr):
     """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
     accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
     each promotion runs under the other warpgroup's MMAs); the left half stored at [e, p0, q0] under the last K-step's
@@ -169,26 +202,26 @@ def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps
     tmp = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)  # every chain's destination registers
     if steps == 1:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, TRACE,
+                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, PROBE, TRACE,
                                            num_warps)
     else:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, False, TRACE,
+                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, False, PROBE, TRACE,
                                            num_warps)
         for k in range(1, steps - 1):
             acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + k, acc0, acc1,
                                                tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, False,
-                                               TRACE, num_warps)
+                                               PROBE, TRACE, num_warps)
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0,
                                            acc1, tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, True,
-                                           TRACE, num_warps)
+                                           PROBE, TRACE, num_warps)
     return acc1, step + steps
 
 
 @gluon.jit
 def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
-                         num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, BY_SIZE: gl.constexpr, PROBE: gl.constexpr,
+                         TRACE: gl.constexpr, num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
     B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
@@ -211,8 +244,8 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
             p0 = p0 + WG * HALF
             if steps > 0:
                 acc1, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem,
-                                              out_desc, e, p0, q0, trace_ptr, block_index(tile), WG, TRACE, acc_layout,
-                                              num_warps)
+                                              out_desc, e, p0, q0, trace_ptr, block_index(tile), WG, PROBE, TRACE,
+                                              acc_layout, num_warps)
                 stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
                 store_block(acc1.to(out_desc.dtype), c_smem, out_desc, e, p0, q0 + HB)
             else:
@@ -237,7 +270,8 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
 
 @gluon.jit
 def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr, by_size_ptr,
-                    EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
+                    EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, PROBE: gl.constexpr,
+                    TRACE: gl.constexpr,
                     LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                     num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B (Q,
@@ -246,7 +280,8 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     = E * P/BM * Q/BN output blocks, expert-major (the programs at work share one expert's operands in L2), one
     program per SM walking them (BY_SIZE: dealt in order of their experts' rows, ``gluon_sm90.wgrad_block``, by_size_ptr
     ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
-    trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``)."""
+    trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``). PROBE (timing only, wrong sums; 0: the kernel): 2 the chains
+    accumulate straight into the accumulators, 32 the promotion a plain sum, 64 a multiply-add by one value per block."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
@@ -256,9 +291,9 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     num_q = Q // BN
     gl.warp_specialize([
         (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, TRACE, num_warps)),
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, PROBE, TRACE, num_warps)),
         (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, TRACE, num_warps)),
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, PROBE, TRACE, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
                          as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
