@@ -158,6 +158,10 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
             acc0 = promote(acc0, tmp, 1.0)
         elif PROBE == 64:
             acc0 = promote(acc0, tmp, c)
+        elif PROBE == 96:
+            acc0 = promote(acc0, tmp, _probe_rows(as_bufs, s, WG, tmp)[:, None])
+        elif PROBE == 128:
+            acc0 = promote(acc0, tmp, _probe_cols(bs_bufs, s, 0, tmp)[None, :])
         else:
             acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
         tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
@@ -170,11 +174,31 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
         elif PROBE == 64:
             mbarrier.arrive(empty.index(s), count=1)
             acc1 = promote(acc1, tmp, c)
+        elif PROBE == 96:
+            scale_rows = _probe_rows(as_bufs, s, WG, tmp)
+            mbarrier.arrive(empty.index(s), count=1)
+            acc1 = promote(acc1, tmp, scale_rows[:, None])
+        elif PROBE == 128:
+            scale_cols = _probe_cols(bs_bufs, s, HB, tmp)
+            mbarrier.arrive(empty.index(s), count=1)
+            acc1 = promote(acc1, tmp, scale_cols[None, :])
         else:
             scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
             mbarrier.arrive(empty.index(s), count=1)
             acc1 = promote(acc1, tmp, scale)
     return acc0, acc1, tmp
+
+
+@gluon.jit
+def _probe_rows(as_bufs, s, WG: gl.constexpr, tmp):
+    """PROBE 96: stage ``s``'s A scales of this warpgroup's rows alone, in ``tmp``'s row layout."""
+    return as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, tmp.type.layout))
+
+
+@gluon.jit
+def _probe_cols(bs_bufs, s, c0: gl.constexpr, tmp):
+    """PROBE 128: stage ``s``'s B scales of columns c0 .. alone, in ``tmp``'s column layout."""
+    return bs_bufs.index(s).slice(c0, tmp.type.shape[1]).load(gl.SliceLayout(0, tmp.type.layout))
 
 
 @gluon.jit
@@ -281,7 +305,8 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     program per SM walking them (BY_SIZE: dealt in order of their experts' rows, ``gluon_sm90.wgrad_block``, by_size_ptr
     ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
     trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``). PROBE (timing only, wrong sums; 0: the kernel): 2 the chains
-    accumulate straight into the accumulators, 32 the promotion a plain sum, 64 a multiply-add by one value per block."""
+    accumulate straight into the accumulators, 32 the promotion a plain sum, 64 a multiply-add by one value per block,
+    96 by the tile's A scales alone (a row's), 128 by its B scales alone (a column's)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
