@@ -237,6 +237,11 @@ def main(argv=None, device: str = "cuda") -> None:
                 stages.append((base + ORDERS["size" if by_size else "expert"][0],
                                lambda a=a, b=b, block_n=block_n, by_size=by_size: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, by_size=by_size), flops, None, dense))
+    for name, a, b, flops, dense in wgrad_gemms:  # the B scales grouped by thread, both widths
+        for block_n in (128, 256):
+            stages.append((f"{name} FP8 ({block_n} columns, B scales grouped)",
+                           lambda a=a, b=b, block_n=block_n: expert_bwd.wgrad_fp8(*a, *b, plan, torch.bfloat16, block_n,
+                                                                                  grouped=True), flops, None, dense))
     for name, a, b, flops, dense in wgrad_gemms:  # the layer's kernel promoting otherwise (wrong sums; timing only)
         for probe, what in ((2, "no promotion"), (32, "promotion a plain sum"), (64, "promotion by one value"),
                             (96, "promotion by row scales"), (128, "promotion by column scales")):
