@@ -244,7 +244,8 @@ def main(argv=None, device: str = "cuda") -> None:
                                                                                   grouped=True), flops, None, dense))
     for name, a, b, flops, dense in wgrad_gemms:  # the layer's kernel promoting otherwise (wrong sums; timing only)
         for probe, what in ((2, "no promotion"), (32, "promotion a plain sum"), (64, "promotion by one value"),
-                            (96, "promotion by row scales"), (128, "promotion by column scales")):
+                            (96, "promotion by row scales"), (128, "promotion by column scales"),
+                            (160, "row scales, column scales once a block")):
             def run(a=a, b=b, probe=probe, p=a[0].shape[0], q=b[0].shape[0]):
                 out = torch.empty(plan.offsets_E1.numel() - 1, p, q, device=device, dtype=torch.bfloat16)
                 gluon_fp8_sm90.fp8_wgrad_ws(*a, *b, out, plan.offsets_E1, 256, probe=probe)

@@ -171,7 +171,7 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
             acc0 = promote(acc0, tmp, 1.0)
         elif PROBE == 64:
             acc0 = promote(acc0, tmp, c)
-        elif PROBE == 96:
+        elif PROBE == 96 or PROBE == 160:
             acc0 = promote(acc0, tmp, _probe_rows(as_bufs, s, WG, tmp)[:, None])
         elif PROBE == 128:
             acc0 = promote(acc0, tmp, _probe_cols(bs_bufs, s, 0, tmp)[None, :])
@@ -179,9 +179,22 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
             acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp, GROUPED))
         tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
         if LAST:
-            store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
+            if PROBE == 160:
+                store_block((acc0 * _probe_cols(bs_bufs, s, 0, acc0)[None, :]).to(out_desc.dtype), c_smem, out_desc, e,
+                            p0, q0)
+            else:
+                store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
         tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-        if PROBE == 32:
+        if PROBE == 160:
+            scale_rows = _probe_rows(as_bufs, s, WG, tmp)
+            if LAST:
+                scale_cols = _probe_cols(bs_bufs, s, HB, tmp)
+                mbarrier.arrive(empty.index(s), count=1)
+                acc1 = promote(acc1, tmp, scale_rows[:, None]) * scale_cols[None, :]
+            else:
+                mbarrier.arrive(empty.index(s), count=1)
+                acc1 = promote(acc1, tmp, scale_rows[:, None])
+        elif PROBE == 32:
             mbarrier.arrive(empty.index(s), count=1)
             acc1 = promote(acc1, tmp, 1.0)
         elif PROBE == 64:
@@ -319,7 +332,8 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
     trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``). PROBE (timing only, wrong sums; 0: the kernel): 2 the chains
     accumulate straight into the accumulators, 32 the promotion a plain sum, 64 a multiply-add by one value per block,
-    96 by the tile's A scales alone (a row's), 128 by its B scales alone (a column's). GROUPED: a stage's B scales
+    96 by the tile's A scales alone (a row's), 128 by its B scales alone (a column's), 160 as 96 with the last tile's B
+    scales applied once before the block's stores (B's scales constant over K). GROUPED: a stage's B scales
     grouped by thread (``_GROUPED_LOAD``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
