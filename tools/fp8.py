@@ -237,20 +237,6 @@ def main(argv=None, device: str = "cuda") -> None:
                 stages.append((base + ORDERS["size" if by_size else "expert"][0],
                                lambda a=a, b=b, block_n=block_n, by_size=by_size: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, by_size=by_size), flops, None, dense))
-    for name, a, b, flops, dense in wgrad_gemms:  # the B scales grouped by thread, both widths
-        for block_n in (128, 256):
-            stages.append((f"{name} FP8 ({block_n} columns, B scales grouped)",
-                           lambda a=a, b=b, block_n=block_n: expert_bwd.wgrad_fp8(*a, *b, plan, torch.bfloat16, block_n,
-                                                                                  grouped=True), flops, None, dense))
-    for name, a, b, flops, dense in wgrad_gemms:  # the layer's kernel promoting otherwise (wrong sums; timing only)
-        for probe, what in ((2, "no promotion"), (32, "promotion a plain sum"), (64, "promotion by one value"),
-                            (96, "promotion by row scales"), (128, "promotion by column scales"),
-                            (160, "row scales, column scales once a block")):
-            def run(a=a, b=b, probe=probe, p=a[0].shape[0], q=b[0].shape[0]):
-                out = torch.empty(plan.offsets_E1.numel() - 1, p, q, device=device, dtype=torch.bfloat16)
-                gluon_fp8_sm90.fp8_wgrad_ws(*a, *b, out, plan.offsets_E1, 256, probe=probe)
-                return out
-            stages.append((f"probe: {name} ({what})", run, flops, None, dense))
     for name, _, b, _, _ in wgrad_gemms:  # every FP8 variant of a weight gradient against the layer's width and order
         wide = gluon_fp8_sm90.wgrad_block_n(b[0].shape[0]) == 256
         layer = name + " FP8" + (" (256 columns)" if wide else "")

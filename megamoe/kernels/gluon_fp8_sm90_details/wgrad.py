@@ -9,7 +9,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
@@ -32,18 +31,12 @@ from megamoe.kernels.gluon_sm90 import (
 
 # Each accumulator's columns: a block's at 128 columns, each half's at 256.
 ACC_COLS = gl.constexpr(128)
-# GROUPED: a stage's B scales stored grouped by the accumulator's threads. In a (64, 128) warpgroup MMA accumulator
-# (``gluon_sm90.wgmma_acc_layout``) a thread holds one column pair of every 8, picked by lane % 4: 32 columns, read
-# from scales in column order as 16 8-byte loads. Stored as [lane % 4][pair][2] (column 8 * pair + 2 * (lane % 4) +
-# i at 32 * (lane % 4) + 2 * pair + i) they are 32 contiguous floats a thread: 8 16-byte loads.
-_GROUPED_LOAD = gl.constexpr(gl.DistributedLinearLayout([[1], [2], [4], [8], [16]], [[32], [64], [0], [0], [0]],
-                                                        [[0], [0]], [], [128]))
 
 
 @gluon.jit
 def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs,
                   bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB: gl.constexpr, BY_SIZE: gl.constexpr,
-                  GROUPED: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                  TRACE: gl.constexpr, num_warps: gl.constexpr):
     """Loader partition (one warp) of ``wgrad_ws_kernel``: per K-step (one plan tile t of the block's
     expert), the blocks of A (128, 128) at [p0, 128 t] and of B (BN, 128) at [q0, 128 t] through TMA (zeros past the
     expert's rows are in the tensors), and the tile's scales of the block's 128 P-columns (two warpgroup halves) and
@@ -56,8 +49,6 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, re
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     lanes_a = gl.arange(0, HALF, layout=gl.BlockedLayout([HALF // (32 * num_warps)], [32], [num_warps], [0]))
     lanes_b = gl.arange(0, BN, layout=gl.BlockedLayout([BN // (32 * num_warps)], [32], [num_warps], [0]))
-    if GROUPED:  # the column each stored scale is read from (_GROUPED_LOAD)
-        lanes_b = lanes_b // 128 * 128 + lanes_b % 32 // 2 * 8 + lanes_b % 128 // 32 * 2 + lanes_b % 2
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         stamp(trace_ptr, 2, block_index(tile), 0, TRACE, num_warps)
@@ -77,32 +68,27 @@ def _wgrad_loader(a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, re
 
 
 @gluon.jit
-def _wgrad_scale(as_bufs, bs_bufs, s, c0: gl.constexpr, WG: gl.constexpr, tmp, GROUPED: gl.constexpr):
+def _wgrad_scale(as_bufs, bs_bufs, s, c0: gl.constexpr, WG: gl.constexpr, tmp):
     """The outer product of stage ``s``'s scales for the chain ``tmp`` of columns ``c0`` ..: A's of this warpgroup's
     rows times B's of the columns, read from the stage, in ``tmp``'s layout."""
     layout: gl.constexpr = tmp.type.layout
     sa = as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, layout))
-    if GROUPED:
-        grouped = bs_bufs.index(s).slice(c0, tmp.type.shape[1]).load(_GROUPED_LOAD)
-        sb = gl.convert_layout(grouped.reshape([4, 16, 2]).permute((1, 0, 2)).reshape([128]),
-                               gl.SliceLayout(0, layout))
-    else:
-        sb = bs_bufs.index(s).slice(c0, tmp.type.shape[1]).load(gl.SliceLayout(0, layout))
+    sb = bs_bufs.index(s).slice(c0, tmp.type.shape[1]).load(gl.SliceLayout(0, layout))
     return sa[:, None] * sb[None, :]
 
 
 @gluon.jit
-def _wgrad_promote(acc, tmp, as_bufs, bs_bufs, empty, s, WG: gl.constexpr, GROUPED: gl.constexpr):
+def _wgrad_promote(acc, tmp, as_bufs, bs_bufs, empty, s, WG: gl.constexpr):
     """``acc`` + the finished chain ``tmp`` of stage ``s`` times the outer product of the stage's scales, which is
     then freed."""
-    scale = _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp, GROUPED)
+    scale = _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp)
     mbarrier.arrive(empty.index(s), count=1)
     return promote(acc, tmp, scale)
 
 
 @gluon.jit
 def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, trace_ptr, block, WG: gl.constexpr,
-                      GROUPED: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
+                      TRACE: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
     """A block's ``steps`` (>= 1) K-steps for one warpgroup with the next chain issued before a finished one is
     promoted (the pattern of ``rows._rows_main_narrow``, whose comments say why each wait is
     to zero chains in flight). The scales are read at the promotion, under the next chain: held from the stage's
@@ -121,23 +107,23 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
         s1 = stage_ready(ready, step + 1, STAGES)
         tmp0 = warpgroup_mma_wait(0, deps=(tmp0, ))
         tmp1 = issue_chain(a_bufs, b_bufs, s1, 0, tmp1, WG)
-        acc = _wgrad_promote(acc, tmp0, as_bufs, bs_bufs, empty, s0, WG, GROUPED)
+        acc = _wgrad_promote(acc, tmp0, as_bufs, bs_bufs, empty, s0, WG)
         s0 = stage_ready(ready, step + 2, STAGES)
         tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
         tmp0 = issue_chain(a_bufs, b_bufs, s0, 0, tmp0, WG)
-        acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG, GROUPED)
+        acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG)
         step += 2
     if steps % 2 == 0:  # two steps left: `step` in flight, and the next
         s1 = stage_ready(ready, step + 1, STAGES)
         done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
         tmp1 = issue_chain(a_bufs, b_bufs, s1, 0, tmp1, WG)
-        acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG, GROUPED)
+        acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG)
         tmp1 = warpgroup_mma_wait(0, deps=(tmp1, ))
-        acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG, GROUPED)
+        acc = _wgrad_promote(acc, tmp1, as_bufs, bs_bufs, empty, s1, WG)
         step += 2
     else:  # one step left, in flight
         done0 = warpgroup_mma_wait(0, deps=(tmp0, ))
-        acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG, GROUPED)
+        acc = _wgrad_promote(acc, done0, as_bufs, bs_bufs, empty, s0, WG)
         step += 1
     return acc, step
 
@@ -145,7 +131,7 @@ def _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, step
 @gluon.jit
 def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp, c_smem, out_desc, e, p0,
                      q0, trace_ptr, block, WG: gl.constexpr, FIRST: gl.constexpr, LAST: gl.constexpr,
-                     PROBE: gl.constexpr, GROUPED: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                     TRACE: gl.constexpr, num_warps: gl.constexpr):
     """One K-step of a 256-column block for one warpgroup (``_wgrad_main_wide``): the left chain, its promotion into
     ``acc0``, the right chain, its promotion into ``acc1``, the stage freed. With LAST (the block's last K-step) the
     left half is stored at [e, p0, q0] under the right chain. TRACE: with FIRST (its first), the block's point 1 (its
@@ -155,92 +141,23 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
     s = stage_ready(ready, step, STAGES)
     if FIRST:
         stamp(trace_ptr, WG, block, 1, TRACE, num_warps)
-    if PROBE == 2:
-        acc0 = _probe_chain(a_bufs, b_bufs, s, 0, acc0, WG)
-        acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
-        acc1 = _probe_chain(a_bufs, b_bufs, s, HB, acc1, WG)
-        if LAST:
-            store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
-        acc1 = warpgroup_mma_wait(0, deps=(acc1, ))
-        mbarrier.arrive(empty.index(s), count=1)
-    else:
-        c = e.to(gl.float32) * 0.5 + 1.0  # PROBE 64's scale: one value per block, in a register
-        tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
-        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-        if PROBE == 32:
-            acc0 = promote(acc0, tmp, 1.0)
-        elif PROBE == 64:
-            acc0 = promote(acc0, tmp, c)
-        elif PROBE == 96 or PROBE == 160:
-            acc0 = promote(acc0, tmp, _probe_rows(as_bufs, s, WG, tmp)[:, None])
-        elif PROBE == 128:
-            acc0 = promote(acc0, tmp, _probe_cols(bs_bufs, s, 0, tmp)[None, :])
-        else:
-            acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp, GROUPED))
-        tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
-        if LAST:
-            if PROBE == 160:
-                store_block((acc0 * _probe_cols(bs_bufs, s, 0, acc0)[None, :]).to(out_desc.dtype), c_smem, out_desc, e,
-                            p0, q0)
-            else:
-                store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
-        tmp = warpgroup_mma_wait(0, deps=(tmp, ))
-        if PROBE == 160:
-            scale_rows = _probe_rows(as_bufs, s, WG, tmp)
-            if LAST:
-                scale_cols = _probe_cols(bs_bufs, s, HB, tmp)
-                mbarrier.arrive(empty.index(s), count=1)
-                acc1 = promote(acc1, tmp, scale_rows[:, None]) * scale_cols[None, :]
-            else:
-                mbarrier.arrive(empty.index(s), count=1)
-                acc1 = promote(acc1, tmp, scale_rows[:, None])
-        elif PROBE == 32:
-            mbarrier.arrive(empty.index(s), count=1)
-            acc1 = promote(acc1, tmp, 1.0)
-        elif PROBE == 64:
-            mbarrier.arrive(empty.index(s), count=1)
-            acc1 = promote(acc1, tmp, c)
-        elif PROBE == 96:
-            scale_rows = _probe_rows(as_bufs, s, WG, tmp)
-            mbarrier.arrive(empty.index(s), count=1)
-            acc1 = promote(acc1, tmp, scale_rows[:, None])
-        elif PROBE == 128:
-            scale_cols = _probe_cols(bs_bufs, s, HB, tmp)
-            mbarrier.arrive(empty.index(s), count=1)
-            acc1 = promote(acc1, tmp, scale_cols[None, :])
-        else:
-            scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp, GROUPED)
-            mbarrier.arrive(empty.index(s), count=1)
-            acc1 = promote(acc1, tmp, scale)
+    tmp = issue_chain(a_bufs, b_bufs, s, 0, tmp, WG)
+    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+    acc0 = promote(acc0, tmp, _wgrad_scale(as_bufs, bs_bufs, s, 0, WG, tmp))
+    tmp = issue_chain(a_bufs, b_bufs, s, HB, tmp, WG)
+    if LAST:
+        store_block(acc0.to(out_desc.dtype), c_smem, out_desc, e, p0, q0)
+    tmp = warpgroup_mma_wait(0, deps=(tmp, ))
+    scale = _wgrad_scale(as_bufs, bs_bufs, s, HB, WG, tmp)
+    mbarrier.arrive(empty.index(s), count=1)
+    acc1 = promote(acc1, tmp, scale)
     return acc0, acc1, tmp
 
 
 @gluon.jit
-def _probe_rows(as_bufs, s, WG: gl.constexpr, tmp):
-    """PROBE 96: stage ``s``'s A scales of this warpgroup's rows alone, in ``tmp``'s row layout."""
-    return as_bufs.index(2 * s + WG).load(gl.SliceLayout(1, tmp.type.layout))
-
-
-@gluon.jit
-def _probe_cols(bs_bufs, s, c0: gl.constexpr, tmp):
-    """PROBE 128: stage ``s``'s B scales of columns c0 .. alone, in ``tmp``'s column layout."""
-    return bs_bufs.index(s).slice(c0, tmp.type.shape[1]).load(gl.SliceLayout(0, tmp.type.layout))
-
-
-@gluon.jit
-def _probe_chain(a_bufs, w_bufs, s, c0: gl.constexpr, acc, WG: gl.constexpr):
-    """PROBE 2: ``issue_chain`` accumulating into ``acc`` (no promotion; the sums are not the gradient's)."""
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    BN: gl.constexpr = w_bufs.type.shape[-2]
-    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
-    w = w_bufs.index(s).reshape([BN, BK]).slice(c0, acc.type.shape[1])
-    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), w.permute((1, 0)), acc, use_acc=True, is_async=True)
-
-
-@gluon.jit
 def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem, out_desc, e, p0, q0,
-                     trace_ptr, block, WG: gl.constexpr, PROBE: gl.constexpr, GROUPED: gl.constexpr,
-                     TRACE: gl.constexpr, acc_layout: gl.constexpr, num_warps: gl.constexpr):
+                     trace_ptr, block, WG: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr,
+                     num_warps: gl.constexpr):
     """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
     accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
     each promotion runs under the other warpgroup's MMAs); the left half stored at [e, p0, q0] under the last K-step's
@@ -252,26 +169,26 @@ def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps
     tmp = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)  # every chain's destination registers
     if steps == 1:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, PROBE, GROUPED, TRACE,
+                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, TRACE,
                                            num_warps)
     else:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
-                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, False, PROBE, GROUPED, TRACE,
+                                           c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, False, TRACE,
                                            num_warps)
         for k in range(1, steps - 1):
             acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + k, acc0, acc1,
                                                tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, False,
-                                               PROBE, GROUPED, TRACE, num_warps)
+                                               TRACE, num_warps)
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step + steps - 1, acc0,
                                            acc1, tmp, c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, False, True,
-                                           PROBE, GROUPED, TRACE, num_warps)
+                                           TRACE, num_warps)
     return acc1, step + steps
 
 
 @gluon.jit
 def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, as_bufs, bs_bufs,
-                         num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, BY_SIZE: gl.constexpr, PROBE: gl.constexpr,
-                         GROUPED: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                         num_p, num_q, tiles, trace_ptr, WG: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
+                         num_warps: gl.constexpr):
     """MMA partition ``WG`` (P-rows WG*64 .. WG*64+63 of each block) of ``wgrad_ws_kernel``: per K-step the
     block's MMA into a temporary and its promotion with the outer product of the tile's scales (A's of the 64 rows,
     B's of the block's columns); then the bf16 block, 128 columns at a time, through the warpgroup's buffer
@@ -294,8 +211,8 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
             p0 = p0 + WG * HALF
             if steps > 0:
                 acc1, step = _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem,
-                                              out_desc, e, p0, q0, trace_ptr, block_index(tile), WG, PROBE, GROUPED, TRACE,
-                                              acc_layout, num_warps)
+                                              out_desc, e, p0, q0, trace_ptr, block_index(tile), WG, TRACE, acc_layout,
+                                              num_warps)
                 stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
                 store_block(acc1.to(out_desc.dtype), c_smem, out_desc, e, p0, q0 + HB)
             else:
@@ -311,7 +228,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
             acc = gl.zeros([HALF, HB], gl.float32, acc_layout)
             if steps > 0:
                 acc, step = _wgrad_main_ahead(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, trace_ptr,
-                                              block_index(tile), WG, GROUPED, TRACE, acc_layout, num_warps)
+                                              block_index(tile), WG, TRACE, acc_layout, num_warps)
                 stamp(trace_ptr, WG, block_index(tile), 2, TRACE, num_warps)
             store_block(acc.to(out_desc.dtype), c_smem, out_desc, e, p0 + WG * HALF, q0)
             stamp(trace_ptr, WG, block_index(tile), 3, TRACE, num_warps)
@@ -320,8 +237,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
 
 @gluon.jit
 def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, Q, tiles, trace_ptr, by_size_ptr,
-                    EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, PROBE: gl.constexpr,
-                    GROUPED: gl.constexpr, TRACE: gl.constexpr,
+                    EB: gl.constexpr, STAGES: gl.constexpr, BY_SIZE: gl.constexpr, TRACE: gl.constexpr,
                     LOADER_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                     num_warps: gl.constexpr):
     """a_desc: A (P, NT * 128) fp8 in tile columns (``quant.quantize_tile_cols``), block (BM, BK = 128); b_desc: B (Q,
@@ -330,11 +246,7 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     = E * P/BM * Q/BN output blocks, expert-major (the programs at work share one expert's operands in L2), one
     program per SM walking them (BY_SIZE: dealt in order of their experts' rows, ``gluon_sm90.wgrad_block``, by_size_ptr
     ``plan.experts_by_size``'s table). P a multiple of 128, Q of BN; EB a power of two >= E. TRACE: stamps into
-    trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``). PROBE (timing only, wrong sums; 0: the kernel): 2 the chains
-    accumulate straight into the accumulators, 32 the promotion a plain sum, 64 a multiply-add by one value per block,
-    96 by the tile's A scales alone (a row's), 128 by its B scales alone (a column's), 160 as 96 with the last tile's B
-    scales applied once before the block's stores (B's scales constant over K). GROUPED: a stage's B scales
-    grouped by thread (``_GROUPED_LOAD``)."""
+    trace_ptr (int64, ``gluon_sm90.TRACE_BLOCKS``)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     # B's scales of the block's Q-columns per stage
@@ -344,11 +256,10 @@ def wgrad_ws_kernel(a_desc, b_desc, a_s_ptr, b_s_ptr, out_desc, offsets_ptr, P, 
     num_q = Q // BN
     gl.warp_specialize([
         (_wgrad_mma_partition, (out_desc, c_bufs.index(0), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, PROBE, GROUPED, TRACE, num_warps)),
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 0, BY_SIZE, TRACE, num_warps)),
         (_wgrad_mma_partition, (out_desc, c_bufs.index(1), offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, PROBE, GROUPED, TRACE, num_warps)),
+                                as_bufs, bs_bufs, num_p, num_q, tiles, trace_ptr, 1, BY_SIZE, TRACE, num_warps)),
         (_wgrad_loader, (a_desc, b_desc, a_s_ptr, b_s_ptr, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs,
-                         as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, GROUPED, TRACE,
-                         LOADER_WARPS)),
+                         as_bufs, bs_bufs, P, Q, num_p, num_q, tiles, trace_ptr, EB, BY_SIZE, TRACE, LOADER_WARPS)),
     ], [num_warps, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
 
