@@ -271,10 +271,9 @@ def test_fp8_up_products_only_are_the_full_kernels_products(num_tokens, num_expe
 def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n):
     """The FP8 weight gradients: dW13 = dzᵀ x and dW2 = dyᵀ (h·w) shapes, (N, P) and (N, Q) sorted bf16 rows
     quantised 128x1 per plan tile (``quant.quantize_tile_cols``, bit for bit the reference's on CPU), against the
-    float64 per-expert products of the dequantised operands; experts without rows get zeros. The rows span six
-    decades (each tile's scales differ from the last tile's by up to ~10x) and a column of each operand is zero over
-    the first 128 rows (an all-zero group: the floor scale). Both block widths; a width that does not divide Q is
-    refused."""
+    float64 per-expert products of the dequantised operands; experts without rows get zeros. The sorted rows span six
+    decades (neighbouring tiles' scales 1.2-2.4x apart) and a column of each operand is zero over the first 128 rows
+    (an all-zero group: the floor scale). Both block widths; a width that does not divide Q is refused."""
     from megamoe import reference
     from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws
     from megamoe.kernels.quant import quantize_tile_cols
