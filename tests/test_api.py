@@ -594,7 +594,8 @@ def test_fp8_tool_times_the_stages_asked_for_and_refuses_a_name_it_lacks():
 def test_fp8_tool_checks_each_scheduling_variant_bitwise_against_the_layers(monkeypatch, tmp_path):
     """``python -m tools.fp8``'s table through the interpreter (timer and dense matmul stubbed): each variant that
     changes only when its kernel's instructions run is compared with the layer's own variant of its GEMM, and
-    recorded; a variant that wrote other bits would stop the command, after its record is written."""
+    recorded; a variant that wrote other bits would stop the command, after its record is written. With ``--rounds``
+    every stage's times are kept, their median reported."""
     import json
 
     import triton.testing
@@ -611,8 +612,9 @@ def test_fp8_tool_checks_each_scheduling_variant_bitwise_against_the_layers(monk
     monkeypatch.setattr(fp8, "scaled_mm_tflops", lambda m, n, k: 1.0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stub")
     args = ["--preset", "tiny-fp8", "--tokens", "64", "--out", str(tmp_path)]
-    fp8.main(args + ["--stages", "up,down,dW2 FP8"], device="cpu")
+    fp8.main(args + ["--stages", "up,down,dW2 FP8", "--rounds", "2"], device="cpu")
     record = json.loads(next(tmp_path.glob("fp8-kernels-tiny-fp8-t64-some-stages.json")).read_text())
+    assert record["rounds"] == 2 and all(r["ms_rounds"] == [1.0, 1.0] and r["ms"] == 1.0 for r in record["stages"])
     checked = {r["stage"]: r["bitwise_as"] for r in record["stages"] if "bitwise_as" in r}
     assert all(r["bitwise_equal"] for r in record["stages"] if "bitwise_as" in r)
     assert checked["up, products stored"] == "up (+ SwiGLU, h quantised)"

@@ -1,7 +1,8 @@
 """The FP8 path's kernels one by one against the same process's dense FP8 matmul: each FP8 GEMM's time and TFLOP/s,
 and each quantiser's GB/s.
 
-``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--routing random] [--out DIR]`` on an sm90 GPU.
+``python -m tools.fp8 [--preset qwen3-30b-a3b] [--tokens 16384] [--routing random] [--rounds N] [--out DIR]`` on an sm90
+GPU.
 Stages (bf16 inputs, the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N,
 D), and the backward's sort of the x and dy rows with and without dy's quantisation fused in (the FP8 path's); the
 weights' quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and
@@ -22,7 +23,9 @@ dW13's with the combine inside. dh' is also timed both ways on its own, and the 
 ("(Triton)") beside the layer's (on sm90 the Gluon one, ``quant.TILE_COLS_GLUON``), checked bitwise against it. The
 act step into tile columns is also timed on its own, beside the act step followed by the tile-column quantiser on its
 dz and h·w. The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n)
-product of each GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench``; bytes counted as each
+product of each GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench`` (``--rounds N``: the
+median of N, each stage timed once a round, the stages in turn: run to run, the 235B weight gradients' times move by
+more than many variants differ, docs/PERFORMANCE.md); bytes counted as each
 kernel reads and writes them once. ``--stages down,dx``: only the stages whose names contain one of these (each first
 call compiles its kernel: the whole table takes minutes on a fresh machine). Each variant that changes only when a
 kernel's instructions run (its blocks' width and order; the up kernel's products stored beside h) is checked to write
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
@@ -88,6 +92,10 @@ def main(argv=None, device: str = "cuda") -> None:
     p.add_argument("--stages", type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
                    help="comma-separated parts of stage names: time only those stages")
     p.add_argument("--routing", choices=ROUTINGS, default="random", help="how the tokens pick their experts")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="time every stage once in each of N rounds, the stages taking turns, and report each one's "
+                        "median (all N kept in the JSON, their spread printed), so that the GPU's clock drifting over "
+                        "the run meets every stage alike")
     args = p.parse_args(argv)
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("tools.fp8 times GPU kernels: it needs a CUDA GPU")
@@ -258,27 +266,38 @@ def main(argv=None, device: str = "cuda") -> None:
     copy_gbs = 2 * src.numel() / do_bench(lambda: dst.copy_(src), warmup=25, rep=200) / 1e6
     ceilings = {}
     results = []
+    times = {stage[0]: [] for stage in stages}
+    for round_ in range(1, args.rounds):  # all but the last round, the stages in turn; the last one prints the table
+        for name, fn, *_ in stages:
+            times[name].append(do_bench(fn, warmup=25, rep=200))
+        print(f"round {round_} of {args.rounds}: {len(stages)} stages timed", flush=True)
     print(f"{torch.cuda.get_device_name()}  {args.preset}  T={args.tokens}  (device copy {copy_gbs:.0f} GB/s)")
-    print(f"{'stage':36s} {'ms':>8s} {'TF/s':>7s} {'dense FP8 TF/s':>15s} {'GB/s':>7s} {'same':>5s}")
+    spread_head = f" {'spread':>7s}" if args.rounds > 1 else ""
+    print(f"{'stage':36s} {'ms':>8s} {'TF/s':>7s} {'dense FP8 TF/s':>15s} {'GB/s':>7s} {'same':>5s}{spread_head}")
     for name, fn, flops, nbytes, dense in stages:
-        ms = do_bench(fn, warmup=25, rep=200)
+        times[name].append(do_bench(fn, warmup=25, rep=200))
+        ms = statistics.median(times[name])
         if dense is not None and dense not in ceilings:
             ceilings[dense] = scaled_mm_tflops(*dense)
         r = {"stage": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
              "dense_fp8_tflops": ceilings.get(dense), "gbs": nbytes / ms / 1e6 if nbytes else None}
+        if args.rounds > 1:
+            r["ms_rounds"] = times[name]
         if name in twins:
             layer, view = twins[name]
             r["bitwise_as"], r["bitwise_equal"] = layer, same_outputs(view(fn()), view(every_stage[layer]()))
         results.append(r)
         same = {True: "yes", False: "NO"}.get(r.get("bitwise_equal"), "")
+        spread = f" {(max(times[name]) - min(times[name])) / ms:7.1%}" if args.rounds > 1 else ""
         print(f"{name:36s} {ms:8.3f} {r['tflops'] or 0:7.0f} {r['dense_fp8_tflops'] or 0:15.0f} {r['gbs'] or 0:7.0f} "
-              f"{same:>5s}")
+              f"{same:>5s}{spread}")
     if args.out:
         subset = "-some-stages" if args.stages else ""  # never in place of a whole table's record
         routing = "" if args.routing == "random" else f"-{args.routing}"
         write_record(args.out, f"fp8-kernels-{args.preset}-t{args.tokens}{routing}{subset}.json",
                      "python -m tools.fp8 " + " ".join(shlex.quote(a) for a in sys.argv[1:]), preset=args.preset,
-                     tokens=args.tokens, routing=args.routing, device_copy_gbs=copy_gbs, stages=results)
+                     tokens=args.tokens, routing=args.routing, rounds=args.rounds, device_copy_gbs=copy_gbs,
+                     stages=results)
     differ = [r["stage"] for r in results if r.get("bitwise_equal") is False]
     if differ:
         raise SystemExit(f"these variants do not write bitwise what the layer's variant of their GEMM writes: {differ}")
