@@ -267,14 +267,13 @@ def test_fp8_up_products_only_are_the_full_kernels_products(num_tokens, num_expe
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing",
                          GPU_CASES + [(4096, 128, 8, 256, 256, "random")])  # (many blocks per program, 2 K-steps each)
-@pytest.mark.parametrize("block_m,block_n", [(128, 128), (128, 256), (256, 128)])
-def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_m, block_n):
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n):
     """The FP8 weight gradients: dW13 = dzᵀ x and dW2 = dyᵀ (h·w) shapes, (N, P) and (N, Q) sorted bf16 rows
     quantised 128x1 per plan tile (``quant.quantize_tile_cols``, bit for bit the reference's on CPU), against the
     float64 per-expert products of the dequantised operands; experts without rows get zeros. The sorted rows span six
     decades (neighbouring tiles' scales 1.2-2.4x apart) and a column of each operand is zero over the first 128 rows
-    (an all-zero group: the floor scale). Each block shape (the 256-row one bit for bit the 128-row one where P allows
-    it); a width that does not divide Q is refused."""
+    (an all-zero group: the floor scale). Both block widths; a width that does not divide Q is refused."""
     from megamoe import reference
     from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws
     from megamoe.kernels.quant import quantize_tile_cols
@@ -296,14 +295,8 @@ def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_m,
             with pytest.raises(ValueError, match="block_n"):
                 fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n)
             continue
-        if p % block_m:
-            continue
-        fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n, block_m=block_m)
+        fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n)
         torch.cuda.synchronize()
-        if block_m > 128:
-            narrow = torch.empty_like(out)
-            fp8_wgrad_ws(aq, a_s, bq, b_s, narrow, plan.offsets_E1, block_n)
-            assert torch.equal(out, narrow)
         cpu_offsets = plan.offsets_E1.cpu()
         ref = torch.stack([ae @ be.t() for ae, be in zip(reference.dequantize_tile_cols(aq.cpu(), a_s.cpu(), cpu_offsets),
                                                          reference.dequantize_tile_cols(bq.cpu(), b_s.cpu(), cpu_offsets))])

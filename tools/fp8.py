@@ -245,9 +245,6 @@ def main(argv=None, device: str = "cuda") -> None:
                 stages.append((base + ORDERS["size" if by_size else "expert"][0],
                                lambda a=a, b=b, block_n=block_n, by_size=by_size: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, by_size=by_size), flops, None, dense))
-        if a[0].shape[0] % 256 == 0:  # blocks of 256 rows by 128 columns
-            stages.append((name + " FP8 (256 rows)", lambda a=a, b=b: expert_bwd.wgrad_fp8(
-                *a, *b, plan, torch.bfloat16, 128, block_m=256), flops, None, dense))
     for name, _, b, _, _ in wgrad_gemms:  # every FP8 variant of a weight gradient against the layer's width and order
         wide = gluon_fp8_sm90.wgrad_block_n(b[0].shape[0]) == 256
         layer = name + " FP8" + (" (256 columns)" if wide else "")

@@ -251,32 +251,29 @@ def wgrad_block_n(q: int, block_n: int | None = None) -> int:
 
 
 def fp8_wgrad_ws(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, out: torch.Tensor,
-                 offsets: torch.Tensor, block_n: int | None = None, *, block_m: int = FP8_BM,
-                 by_size: bool | None = None, trace: torch.Tensor | None = None) -> None:
+                 offsets: torch.Tensor, block_n: int | None = None, *, by_size: bool | None = None,
+                 trace: torch.Tensor | None = None) -> None:
     """out (E, P, Q) bf16: per expert e the sum over its sorted rows of the blockwise-dequantised outer products
     a[r]ᵀ b[r], through ``wgrad_ws_kernel``; an expert without rows gets zeros.
 
     a_q (P, NT * 128) and b_q (Q, NT * 128) float8_e4m3fn, a_s (NT, P) and b_s (NT, Q) fp32: the sorted rows in tile
     columns (``quant.quantize_tile_cols`` with the plan whose expert offsets are ``offsets`` (E + 1,) int32); P and Q
     multiples of 128; q's and s's rows contiguous; out contiguous; an sm90 GPU. ``block_n``: the output block's
-    width (``wgrad_block_n``); ``block_m``: its height, 128 or 256 (P a multiple of it; 256 rows only with 128
-    columns: each warpgroup's 128 rows as two halves of 64 columns); ``by_size``: the blocks dealt in order of their
-    experts' rows (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block trace, as for ``fp8_rows_gemm_ws``."""
+    width (``wgrad_block_n``); ``by_size``: the blocks dealt in order of their experts' rows (None:
+    ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block trace, as for ``fp8_rows_gemm_ws``."""
     num_experts, p, q = out.shape
     num_tiles = a_s.shape[0]
-    assert p % block_m == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert p % FP8_BM == 0 and q % FP8_BN == 0 and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert a_q.shape == (p, num_tiles * FP8_BK) and b_q.shape == (q, num_tiles * FP8_BK)
     assert a_s.shape == (num_tiles, p) and b_s.shape == (num_tiles, q) and offsets.numel() == num_experts + 1
     block_n = wgrad_block_n(q, block_n)
-    assert block_m == FP8_BM or (block_m == 2 * FP8_BM and block_n == FP8_BN)
-    tiles = num_experts * (p // block_m) * (q // block_n)
-    block = [1, block_m // 2, FP8_BN if block_m == FP8_BM else block_n // 2]  # a warpgroup's rows, one store's columns
+    tiles = num_experts * (p // FP8_BM) * (q // block_n)
+    block = [1, FP8_BM // 2, FP8_BN]  # one MMA warpgroup's rows, the columns of one store
     wgrad_ws_kernel[(min(tiles, sm_count(a_q.device.index)),)](
-        a_desc=_fp8_desc(a_q, [block_m, FP8_BK]), b_desc=_fp8_desc(b_q, [block_n, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
+        a_desc=_fp8_desc(a_q, [FP8_BM, FP8_BK]), b_desc=_fp8_desc(b_q, [block_n, FP8_BK]), a_s_ptr=a_s, b_s_ptr=b_s,
         out_desc=TensorDescriptor.from_tensor(out, block, _bf16_layout(tuple(block))), offsets_ptr=offsets, P=p,
         Q=q, tiles=tiles, EB=triton.next_power_of_2(num_experts),
-        STAGES=WGRAD_STAGES if (block_m, block_n) == (FP8_BM, FP8_BN) else WGRAD_WIDE_STAGES,
-        **wgrad_by_size(offsets, by_size),
+        STAGES=WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, **wgrad_by_size(offsets, by_size),
         **trace_args(trace, a_s), LOADER_WARPS=ROWS_LOADER_WARPS,
         MMA_REGS=MATH_REGS, LOADER_REGS=ROWS_LOADER_REGS, num_warps=MATH_WARPS, maxnreg=FP8_MAXNREG)
 
@@ -331,8 +328,7 @@ KERNELS = {"fp8_rows": rows_ws_kernel, "fp8_up": up_ws_kernel, "fp8_wgrad": wgra
 
 def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_dest: bool = False,
                 preact: bool = False, h_out: bool = True, sizes_divisible: bool = True,
-                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False,
-                block_m: int = FP8_BM):
+                pow2: bool = False, block_n: int = FP8_BN, by_size: bool | None = None, trace: bool = False):
     """The kernel ``name`` of ``KERNELS`` compiled ahead of time for sm_90a (no GPU needed), as its launcher configures
     it, 128 experts: the compiled kernel (``.asm["ptx"]``, ``.metadata.shared``), for
     ``tools.resources.ptxas_report``. Pointers, and with ``sizes_divisible`` the sizes that the launchers' asserts
@@ -343,7 +339,7 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
     ``fp8_tile_cols``, reading the tokens' rows at top-8) power-of-two scales;
     ``block_n``: the sorted-rows kernel's and the weight-gradient kernel's, ``by_size`` the latter's blocks' order
     (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``trace``: the block-traced variant (``gluon_sm90.TRACE_BLOCKS``) of the
-    sorted-rows, up or weight-gradient kernel; ``block_m``: the weight-gradient kernel's block height."""
+    sorted-rows, up or weight-gradient kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -374,13 +370,12 @@ def aot_compile(name: str, *, weighted: bool = True, to_slots: bool = True, row_
         pointers = {"a_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
         sizes = {"C"}
     elif name == "fp8_wgrad":
-        blocks = {"a_desc": [block_m, FP8_BK], "b_desc": [block_n, FP8_BK]}
+        blocks = {"a_desc": [FP8_BM, FP8_BK], "b_desc": [block_n, FP8_BK]}
         constexprs = {"EB": 128, "num_warps": MATH_WARPS, "LOADER_WARPS": ROWS_LOADER_WARPS,
-                      "STAGES": WGRAD_STAGES if (block_m, block_n) == (FP8_BM, FP8_BN) else WGRAD_WIDE_STAGES,
-                      "TRACE": trace,
+                      "STAGES": WGRAD_STAGES if block_n == FP8_BN else WGRAD_WIDE_STAGES, "TRACE": trace,
                       "BY_SIZE": WGRAD_BY_SIZE if by_size is None else by_size, "MMA_REGS": MATH_REGS,
                       "LOADER_REGS": ROWS_LOADER_REGS}
-        blocks["out_desc"] = ([1, block_m // 2, FP8_BN if block_m == FP8_BM else block_n // 2], "bf16")
+        blocks["out_desc"] = ([1, FP8_BM // 2, FP8_BN], "bf16")
         pointers = {"a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "trace_ptr": "*i64"}
         sizes = {"P", "Q"}
     else:

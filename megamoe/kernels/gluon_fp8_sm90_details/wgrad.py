@@ -29,13 +29,8 @@ from megamoe.kernels.gluon_sm90 import (
     wgrad_block,
 )
 
-
-@gluon.constexpr_function
-def half_cols(bm, bn):
-    """The columns of an accumulator (and of one store) in a block of ``bm`` x ``bn``: 128-row blocks run 128
-    columns at a time (one chain of 128, or two halves of 256); 256-row blocks (each warpgroup 128 rows) two halves
-    of ``bn`` / 2, so that two accumulators and a temporary fit a warpgroup's registers."""
-    return bn // 2 if bm > 128 else 128
+# Each accumulator's columns: a block's at 128 columns, each half's at 256.
+ACC_COLS = gl.constexpr(128)
 
 
 @gluon.jit
@@ -163,16 +158,15 @@ def _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0,
 def _wgrad_main_wide(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, steps, c_smem, out_desc, e, p0, q0,
                      trace_ptr, block, WG: gl.constexpr, TRACE: gl.constexpr, acc_layout: gl.constexpr,
                      num_warps: gl.constexpr):
-    """A block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves (of 128 in a 256-column block, of
-    64 in a 256-row one) with an accumulator each and one temporary (3 x 64 registers per thread: no second temporary
-    fits for issue-ahead, so each promotion runs under the other warpgroup's MMAs); the left half stored at [e, p0,
-    q0] under the last K-step's right chain; TRACE as ``_wgrad_wide_step``. Returns (the right half's accumulator, to
-    be stored at [e, p0, q0 + the half's width]; the next ring step)."""
+    """A 256-column block's ``steps`` (>= 1) K-steps for one warpgroup, as two column halves of 128 with an
+    accumulator each and one temporary (3 x 64 registers per thread: no second temporary fits for issue-ahead, so
+    each promotion runs under the other warpgroup's MMAs); the left half stored at [e, p0, q0] under the last K-step's
+    right chain; TRACE as ``_wgrad_wide_step``. Returns (the right half's accumulator, to be stored at [e, p0, q0 +
+    128]; the next ring step)."""
     HALF: gl.constexpr = as_bufs.type.shape[1]
-    HB: gl.constexpr = half_cols(a_bufs.type.shape[1], b_bufs.type.shape[1])
-    acc0 = gl.zeros([HALF, HB], gl.float32, acc_layout)
-    acc1 = gl.zeros([HALF, HB], gl.float32, acc_layout)
-    tmp = gl.zeros([HALF, HB], gl.float32, acc_layout)  # every chain's destination registers
+    acc0 = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)
+    acc1 = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)
+    tmp = gl.zeros([HALF, ACC_COLS], gl.float32, acc_layout)  # every chain's destination registers
     if steps == 1:
         acc0, acc1, tmp = _wgrad_wide_step(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, step, acc0, acc1, tmp,
                                            c_smem, out_desc, e, p0, q0, trace_ptr, block, WG, True, True, TRACE,
@@ -205,7 +199,7 @@ def _wgrad_mma_partition(out_desc, c_smem, offsets_ptr, by_size_ptr, ready, empt
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
-    HB: gl.constexpr = half_cols(BM, BN)
+    HB: gl.constexpr = ACC_COLS
     HALF: gl.constexpr = as_bufs.type.shape[1]
     acc_layout: gl.constexpr = wgmma_acc_layout(HB, num_warps, 32)
     step = 0
