@@ -217,7 +217,8 @@ def moe(
             the weights change: ``kernels.quant.fp8_weight``), fp32 scales and accumulation, promoted every 128
             of K; the routing weights, SwiGLU and combine in fp32; the weight gradients in FP8 from operands
             quantised 128x1 along the tokens (``megamoe.autograd.FP8_WGRAD``, ``MEGAMOE_FP8_WGRAD=0``: in bf16 from
-            the unquantised rows). D and I must be multiples of 128 (``ValueError`` otherwise). With ``group`` the
+            the unquantised rows; ``megamoe.autograd.FP8_WGRAD_X_SCALES``, ``MEGAMOE_FP8_WGRAD_X_SCALES=layer``: x's
+            with one scale per channel over the layer's tokens in dW13, faster, one GPU only). D and I must be multiples of 128 (``ValueError`` otherwise). With ``group`` the
             fused path sends each token's row to its owners in e4m3 with its scales (D + D/32 bytes against 2D in
             bf16) and takes the rows back in x's dtype; the backward's x and dy rows cross in x's dtype. On a GPU
             before Hopper a one-time warning and the bf16 reference.
@@ -253,6 +254,9 @@ def moe(
         validate(x, topk_idx, topk_weights, w13, w2, num_ranks=dist.get_world_size(group))
         if precision == "fp8":
             check_fp8_dims(x.shape[1], w2.shape[2])
+            if autograd.FP8_WGRAD and autograd.FP8_WGRAD_X_SCALES != "tile":
+                raise ValueError(f"x's FP8 weight-gradient scales {autograd.FP8_WGRAD_X_SCALES!r} "
+                                 "(MEGAMOE_FP8_WGRAD_X_SCALES) are for one GPU: with group=... use 'tile'")
         if ep_path(x, w2) == "fused":
             return moe_fused_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank, comm_sms,
                                 save_preact=save_for_backward == "preact", fp8=precision == "fp8",
@@ -279,7 +283,8 @@ def moe(
                   "running the (slow) reference implementation")
     if fp8 and not (x.is_cuda and torch.cuda.get_device_capability(x.device) < (9, 0)):
         # the recipe in plain PyTorch (slow), its weight gradients as the kernels' switch says
-        return reference.moe_loop_fp8(x, topk_idx, topk_weights, w13, w2, fp8_wgrad=autograd.FP8_WGRAD)
+        return reference.moe_loop_fp8(x, topk_idx, topk_weights, w13, w2, fp8_wgrad=autograd.FP8_WGRAD,
+                                      x_scales=autograd.FP8_WGRAD_X_SCALES)
     if reference.grouped_mm_supports(x.shape[1], w2.shape[2], x.dtype):
         return reference.moe_grouped_mm(x, topk_idx, topk_weights, w13, w2)
     return reference.moe_loop(x, topk_idx, topk_weights, w13, w2)

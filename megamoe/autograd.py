@@ -21,6 +21,7 @@ from torch import Tensor
 from megamoe.env import (
     custom_ops_forced,
     fp8_wgrad_requested,
+    fp8_wgrad_x_scales_requested,
     low_peak_backward_requested,
 )
 from megamoe.kernels.backward_fp8 import backward_rows_fp8, preact_buffer
@@ -49,6 +50,11 @@ from megamoe.kernels.quant import fp8_weight, quantize_rows
 # ``MEGAMOE_FP8_WGRAD=0`` clears it at import; the one-GPU backward reads it at every call, the expert-parallel
 # layer (``megamoe.moe(group=...)``) when its forward runs.
 FP8_WGRAD = fp8_wgrad_requested()
+# With FP8 weight gradients, x's scales in dW13 = dzᵀ x: "tile" (the recipe's 128x1 groups, the default) or "layer"
+# (one per channel over the layer's tokens, ``quant.channel_amax``: each K-step then promoted by dz's scales alone,
+# x's applied to the sum; ``env.fp8_wgrad_x_scales_requested``). One GPU only (``megamoe.moe`` refuses "layer" with
+# ``group``); the backward reads it at every call.
+FP8_WGRAD_X_SCALES = fp8_wgrad_x_scales_requested()
 # The one-GPU backward's order (bf16 weight gradients). True (low peak, the default): dW13 first (x's sorted rows freed
 # after it), then dx's slot rows and their combine on its own, dz freed before the combine: the backward's peak holds
 # one N x D block beside dz and the weight gradients, under SonicMoE's peak at the 30B layer. False: dx's slot rows
@@ -122,11 +128,12 @@ def experts_backward_fp8(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: 
                          preact: Tensor | None = None, low_peak: bool = False,
                          reuse_preact: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`experts_backward` in blockwise FP8 (``kernels.backward_fp8.backward_rows_fp8`` on the tokens' rows,
-    dx combined per token), FP8 weight gradients as :data:`FP8_WGRAD` says."""
+    dx combined per token), FP8 weight gradients as :data:`FP8_WGRAD` and :data:`FP8_WGRAD_X_SCALES` say."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     dx, dweight_TK, dw13, dw2 = backward_rows_fp8(
         dy, x, topk_weights.contiguous(), w13, w2, plan, topk_idx.shape[1],
-        lambda dx_slots_ND, _: combine(dx_slots_ND, topk_idx, x.dtype), fp8_wgrad=FP8_WGRAD, preact=preact,
+        lambda dx_slots_ND, _: combine(dx_slots_ND, topk_idx, x.dtype), fp8_wgrad=FP8_WGRAD,
+        x_scales=FP8_WGRAD_X_SCALES, preact=preact,
         reuse_preact=reuse_preact, combine_in_dw13=None if low_peak else topk_idx)
     return dx, dweight_TK.to(topk_weights.dtype), dw13, dw2
 

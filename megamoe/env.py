@@ -9,6 +9,8 @@ Environment variables (documented in docs/USAGE.md):
 * ``MEGAMOE_AUTOTUNE=0`` — fixed tile configs (:func:`autotune_requested`);
 * ``MEGAMOE_FP8_WGRAD`` — ``1`` (default) or ``0``: FP8 or bf16 weight gradients in ``precision="fp8"``
   (:func:`fp8_wgrad_requested`);
+* ``MEGAMOE_FP8_WGRAD_X_SCALES`` — ``tile`` (default) or ``layer``: x's scales in the FP8 dW13
+  (:func:`fp8_wgrad_x_scales_requested`);
 * ``MEGAMOE_LOW_PEAK_BACKWARD`` — ``0`` or ``1``: the one-GPU backward's order (:func:`low_peak_backward_requested`);
 * ``MEGAMOE_WGRAD_BY_SIZE`` — ``1`` (default) or ``0``: the weight-gradient kernels' blocks in order of their experts'
   rows or in expert order (:func:`wgrad_by_size_requested`);
@@ -113,6 +115,20 @@ def fp8_wgrad_requested() -> bool:
     (DeepSeek-V3's recipe; on the H200 as fast as the bf16 ones at the 30B layer and faster at the 235B one,
     docs/PERFORMANCE.md); ``0``: the bf16 weight gradients (exact products of the unquantised rows)."""
     return _switch("MEGAMOE_FP8_WGRAD", True)
+
+
+FP8_WGRAD_X_SCALES = ("tile", "layer")
+
+
+def fp8_wgrad_x_scales_requested() -> str:
+    """``MEGAMOE_FP8_WGRAD_X_SCALES``: the default of ``megamoe.autograd.FP8_WGRAD_X_SCALES``, read once, at import.
+    ``tile`` or unset: x quantised for the FP8 dW13 as the recipe's 128x1 groups (one scale per channel and 128 of an
+    expert's tokens); ``layer``: one scale per channel over the layer's tokens, so that the GEMM promotes each K-step
+    by dz's scales alone (faster; less accurate on heavy-tailed x: ``tools.fp8_wgrad_scales``, docs/PERFORMANCE.md)."""
+    value = os.environ.get("MEGAMOE_FP8_WGRAD_X_SCALES", "") or "tile"
+    if value not in FP8_WGRAD_X_SCALES:
+        raise ValueError(f"MEGAMOE_FP8_WGRAD_X_SCALES must be one of {FP8_WGRAD_X_SCALES}, got {value!r}")
+    return value
 
 
 FP8_SCALES = ("fp32", "pow2")

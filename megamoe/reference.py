@@ -32,7 +32,12 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from megamoe.env import fp8_pow2_scales, fp8_wgrad_requested
+from megamoe.env import (
+    FP8_WGRAD_X_SCALES,
+    fp8_pow2_scales,
+    fp8_wgrad_requested,
+    fp8_wgrad_x_scales_requested,
+)
 
 # TorchTitan pads each expert's group of rows to this multiple for bf16 grouped GEMMs (the weight
 # gradient is grouped along the row dimension, which needs 16-byte aligned group boundaries).
@@ -416,10 +421,11 @@ def moe_grouped_mm_fp8(
 E4M3_MAX, FP8_GROUP, AMAX_FLOOR = 448.0, 128, 1e-12
 
 
-def quantize_groups(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(v: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``v`` (..., G) fp32 -> (e4m3 (..., G), fp32 scales (...)): one group per last-dim row; with power-of-two
-    scales (``env.set_fp8_scales``) amax / 448 rounded up to a power of two, and v times its exact inverse."""
-    amax = v.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
+    scales (``env.set_fp8_scales``) amax / 448 rounded up to a power of two, and v times its exact inverse. ``amax``
+    (...): each group's scale from it instead of from its values (which saturate past it)."""
+    amax = (v.abs().amax(dim=-1) if amax is None else amax.float()).clamp_min(AMAX_FLOOR)
     # Tensor by tensor, both ways: ``448 / amax`` would be ``amax.reciprocal() * 448`` (torch's __rtruediv__), and
     # ``amax / 448`` a multiplication by the reciprocal on CUDA; the kernels divide with IEEE rounding.
     e4m3_max = torch.full_like(amax, E4M3_MAX)
@@ -451,22 +457,27 @@ def quantize_weight(w_ERC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
             q.permute(0, 2, 4, 1, 3).reshape(num_experts, c, r), s.transpose(1, 2).contiguous())
 
 
-def _quantize_cols(a_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_cols(a_RC: torch.Tensor, col_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One expert's rows (R, C) in 128x1 groups from its first row: (q (C, G*128) e4m3, zeros past R; s (G, C) fp32),
-    G = ceil(R / 128)."""
+    G = ceil(R / 128). ``col_amax`` (C,): every group's scale from its column's, as ``kernels.quant.quantize_tile_cols``
+    takes it."""
     num_rows, c = a_RC.shape
     groups = -(-num_rows // FP8_GROUP)
     padded = a_RC.float().new_zeros(groups * FP8_GROUP, c)
     padded[:num_rows] = a_RC.float()
-    q, s = quantize_groups(padded.reshape(groups, FP8_GROUP, c).transpose(1, 2))  # (G, C, 128), (G, C)
+    amax = None if col_amax is None else col_amax.expand(groups, c)
+    q, s = quantize_groups(padded.reshape(groups, FP8_GROUP, c).transpose(1, 2), amax)  # (G, C, 128), (G, C)
     return q.transpose(0, 1).reshape(c, groups * FP8_GROUP), s
 
 
-def quantize_tile_cols(a_NC: torch.Tensor, offsets_E1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tile_cols(a_NC: torch.Tensor, offsets_E1: torch.Tensor,
+                       col_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (C, G*128) e4m3, s (G, C) fp32), as ``kernels.quant.quantize_tile_cols`` for its busy tiles (G of them,
-    expert by expert): each expert's sorted rows [offsets[e], offsets[e+1]) of ``a`` (N, C) in 128x1 groups."""
+    expert by expert): each expert's sorted rows [offsets[e], offsets[e+1]) of ``a`` (N, C) in 128x1 groups;
+    ``col_amax``: (C,) or (E, C), the groups' scales from it."""
     bounds = offsets_E1.tolist()
-    parts = [_quantize_cols(a_NC[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+    amax = [None] * (len(bounds) - 1) if col_amax is None else col_amax.expand(len(bounds) - 1, a_NC.shape[1])
+    parts = [_quantize_cols(a_NC[lo:hi], m) for (lo, hi), m in zip(itertools.pairwise(bounds), amax)]
     # float8 tensors have no cat on CPU: their bytes do
     q = torch.cat([p[0].view(torch.uint8) for p in parts], dim=1).view(torch.float8_e4m3fn)
     return q, torch.cat([p[1] for p in parts])
@@ -495,9 +506,10 @@ def _fp8_rows(a: torch.Tensor) -> torch.Tensor:
     return dequantize_rows(*quantize_rows(a))
 
 
-def _fp8_cols(a_RC: torch.Tensor) -> torch.Tensor:
-    """One expert's rows (R, C) through 128x1 quantisation (groups from its first row) and back, fp32."""
-    q, s = _quantize_cols(a_RC)
+def _fp8_cols(a_RC: torch.Tensor, col_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert's rows (R, C) through 128x1 quantisation (groups from its first row; ``col_amax``: their scales
+    from it) and back, fp32."""
+    q, s = _quantize_cols(a_RC, col_amax)
     return (q.float() * s.repeat_interleave(FP8_GROUP, dim=0).t()).t()[:a_RC.shape[0]]
 
 
@@ -509,10 +521,11 @@ class _MoeLoopFP8(torch.autograd.Function):
     for dx = dz W13[e]; the weight gradients from the unquantised operands (dW13 = dz^T x, dW2 = dy^T (h w)), as the
     kernels compute them (in the operands' dtype). ``fp8_wgrad``: the weight gradients in FP8 instead (DeepSeek-V3's
     recipe, ``autograd.FP8_WGRAD``): each operand's rows of an expert, as the kernels hold them (x's dtype), in 128x1
-    groups from the expert's first row (sorted by slot: the plan's order)."""
+    groups from the expert's first row (sorted by slot: the plan's order); ``x_scales`` "layer": x's groups with one
+    scale per channel over all of x's rows (``autograd.FP8_WGRAD_X_SCALES``)."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w13, w2, fp8_wgrad=False):
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2, fp8_wgrad=False, x_scales="tile"):
         inter = w13.shape[1] // 2
         xd = _fp8_rows(x)
         w13d, w2d = (dequantize_weight(*quantize_weight(w)[:2]) for w in (w13, w2))
@@ -524,6 +537,7 @@ class _MoeLoopFP8(torch.autograd.Function):
             y.index_add_(0, tok, (_fp8_rows(h) @ w2d[e].t()) * topk_weights[tok, slot, None].float())
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2)
         ctx.fp8_wgrad = fp8_wgrad
+        ctx.x_scales = x_scales
         return y.to(x.dtype)
 
     @staticmethod
@@ -535,6 +549,7 @@ class _MoeLoopFP8(torch.autograd.Function):
         dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         dweight = torch.zeros(topk_weights.shape, dtype=torch.float32, device=x.device)
         dw13, dw2 = torch.zeros_like(w13, dtype=torch.float32), torch.zeros_like(w2, dtype=torch.float32)
+        x_amax = x.abs().amax(dim=0).float() if ctx.x_scales == "layer" and x.shape[0] else None
         for e in range(w13.shape[0]):
             tok, slot = torch.where(topk_idx == e)
             gu = xd[tok] @ w13d[e].t()
@@ -547,20 +562,27 @@ class _MoeLoopFP8(torch.autograd.Function):
             dz = torch.cat([dh * wt * u * (sig + g * sig * (1 - sig)), dh * wt * g * sig], dim=1)
             dx.index_add_(0, tok, _fp8_rows(dz.to(x.dtype)) @ w13d[e])
             if ctx.fp8_wgrad:
-                dw13[e] = _fp8_cols(dz.to(x.dtype)).t() @ _fp8_cols(x[tok])
+                dw13[e] = _fp8_cols(dz.to(x.dtype)).t() @ _fp8_cols(x[tok], x_amax)
                 dw2[e] = _fp8_cols(dy[tok]).t() @ _fp8_cols((h * wt).to(x.dtype))
             else:
                 dw13[e] = dz.t() @ x[tok].float()
                 dw2[e] = dy[tok].float().t() @ (h * wt)
-        return (dx.to(x.dtype), None, dweight.to(topk_weights.dtype), dw13.to(w13.dtype), dw2.to(w2.dtype), None)
+        return (dx.to(x.dtype), None, dweight.to(topk_weights.dtype), dw13.to(w13.dtype), dw2.to(w2.dtype), None,
+                None)
 
 
-def moe_loop_fp8(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI, fp8_wgrad: bool | None = None) -> torch.Tensor:
+def moe_loop_fp8(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI, fp8_wgrad: bool | None = None,
+                 x_scales: str | None = None) -> torch.Tensor:
     """The layer in megamoe's blockwise FP8 recipe (``_MoeLoopFP8``): the tests' measure of what FP8 itself costs
     against the fp32 reference, and the recipe the FP8 kernels must reproduce. D and I multiples of 128.
     ``fp8_wgrad``: with FP8 weight gradients (128x1 operands), as the kernels compute them with
     ``autograd.FP8_WGRAD``, or bf16 ones (False); None: as ``MEGAMOE_FP8_WGRAD`` sets that switch's default
-    (``env.fp8_wgrad_requested``)."""
+    (``env.fp8_wgrad_requested``). ``x_scales``: x's scales in FP8 weight gradients, "tile" or "layer" as
+    ``autograd.FP8_WGRAD_X_SCALES``; None: as ``MEGAMOE_FP8_WGRAD_X_SCALES`` sets its default."""
     if fp8_wgrad is None:
         fp8_wgrad = fp8_wgrad_requested()
-    return _MoeLoopFP8.apply(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI, fp8_wgrad)
+    if x_scales is None:
+        x_scales = fp8_wgrad_x_scales_requested()
+    if x_scales not in FP8_WGRAD_X_SCALES:
+        raise ValueError(f"x_scales must be one of {FP8_WGRAD_X_SCALES}, got {x_scales!r}")
+    return _MoeLoopFP8.apply(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI, fp8_wgrad, x_scales)

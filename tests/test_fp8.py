@@ -332,6 +332,69 @@ def fp8_wgrad_recipe(*problem):
     return reference.moe_loop_fp8(*problem, fp8_wgrad=True)
 
 
+def expert_amax(a: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(E, C) fp32: each expert's sorted rows' column amax (zeros for an expert without rows)."""
+    return torch.stack([a[lo:hi].float().abs().amax(dim=0) if hi > lo else a.new_zeros(a.shape[1]).float()
+                        for lo, hi in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
+
+
+@pytest.mark.parametrize("per", ["layer", "expert"])
+def test_quantize_tile_cols_with_given_amax_matches_reference_bit_for_bit(per, scales):
+    """``col_amax`` (one row for all the experts, or one per expert): every tile's scales are its expert's, taken
+    from that amax as the recipe takes a group's from its own, in all of the expert's tiles alike; bytes and scales
+    the reference's with the same amax (twice the rows' own per expert: no value reaches 448); the dequantised values
+    the rows' within e4m3's half step at the expert's scale. An amax of the wrong width is refused."""
+    gen = torch.Generator().manual_seed(6)
+    a = wgrad_rows(256, gen, decades=6.0)
+    plan = wgrad_plan()
+    offsets = plan.offsets_E1.cpu()
+    routed = a[:sum(WGRAD_COUNTS)]
+    amax = quant.channel_amax(routed) if per == "layer" else expert_amax(routed, offsets) * 2.0
+    q, s = quant.quantize_tile_cols(a.to(DEVICE), plan, col_amax=amax.contiguous().to(DEVICE))
+    qr, sr = reference.quantize_tile_cols(a, offsets, col_amax=amax)
+    busy = sr.shape[0]
+    assert torch.equal(bits(q[:, :busy * 128]).cpu(), bits(qr)) and torch.equal(s[:busy].cpu(), sr)
+    assert_scale_kind(s[:busy], scales)
+    tile_expert = plan.tile_expert_NT[:busy].cpu().long()
+    per_tile = amax.expand(len(WGRAD_COUNTS), 256)[tile_expert]  # each tile's expert's amax
+    _, expect_s = reference.quantize_groups(torch.zeros(busy, 256, 1), per_tile)
+    assert torch.equal(sr, expect_s)
+    assert not torch.equal(s[:busy], quant.quantize_tile_cols(a.to(DEVICE), plan)[1][:busy])
+    for e, part in enumerate(reference.dequantize_tile_cols(qr, sr, offsets)):
+        rows = routed[offsets[e]:offsets[e + 1]].t().float()
+        _, scale = reference.quantize_groups(torch.zeros(256, 1), amax.expand(len(WGRAD_COUNTS), 256)[e])
+        half_step = torch.maximum(rows.abs() * 2.0**-4, scale[:, None] * 2.0**-10)
+        assert ((part[:, :rows.shape[1]] - rows).abs() <= half_step).all(), e
+    with pytest.raises(AssertionError):
+        quant.quantize_tile_cols(a.to(DEVICE), plan, col_amax=amax[..., :128].contiguous().to(DEVICE))
+
+
+@pytest.mark.parametrize("per", ["layer", "expert"])
+def test_fp8_wgrad_gemm_with_b_const_computes_the_dequantised_products(per):
+    """b quantised with ``col_amax`` and the GEMM told so (``b_const``): dW[e] = sum over expert e's tiles of
+    deq(a)ᵀ deq(b), b's scales applied once to each block's sum (exact products, fp32 sums); an expert without rows
+    gets exact zeros."""
+    from megamoe.kernels import expert_bwd
+
+    gen = torch.Generator().manual_seed(7)
+    plan = wgrad_plan()
+    offsets = plan.offsets_E1.cpu()
+    a, b = wgrad_rows(256, gen, decades=4.0), wgrad_rows(128, gen, decades=4.0)
+    routed = b[:sum(WGRAD_COUNTS)]
+    amax = (quant.channel_amax(routed) if per == "layer" else expert_amax(routed, offsets)).contiguous().to(DEVICE)
+    (aq, a_s), (bq, b_s) = quant.quantize_tile_cols(a.to(DEVICE), plan), quant.quantize_tile_cols(b.to(DEVICE), plan,
+                                                                                                 col_amax=amax)
+    dw = expert_bwd.wgrad_fp8(aq, a_s, bq, b_s, plan, torch.float32, b_const=True)
+    ref = [ae @ be.t() for ae, be in zip(reference.dequantize_tile_cols(aq.cpu(), a_s.cpu(), offsets),
+                                         reference.dequantize_tile_cols(bq.cpu(), b_s.cpu(), offsets))]
+    assert torch.equal(dw[0].cpu(), torch.zeros(256, 128))
+    for e in range(1, len(WGRAD_COUNTS)):
+        assert rel_err(dw[e].cpu(), ref[e]) < 1e-6, (e, rel_err(dw[e].cpu(), ref[e]))
+    # the tile recipe's scales with this switch would be wrong: b's per-tile scales differ from the expert's
+    tiles = expert_bwd.wgrad_fp8(aq, a_s, *quant.quantize_tile_cols(b.to(DEVICE), plan), plan, torch.float32)
+    assert rel_err(dw[5].cpu(), tiles[5].cpu()) > 1e-4
+
+
 def bf16_wgrad_recipe(*problem):
     return reference.moe_loop_fp8(*problem, fp8_wgrad=False)
 
@@ -365,6 +428,50 @@ def test_fp8_layer_computes_its_weight_gradient_recipe(shape, mode, fp8_wgrad, m
             assert rel_err(o, r) > 5e-3, f"{name}: {rel_err(o, r):.2e} from the bf16 weight gradients"
 
 
+@pytest.mark.parametrize("shape, mode", FP8_WGRAD_CASES[:2], ids=[f"{shape_id(s)}-{m}" for s, m in FP8_WGRAD_CASES[:2]])
+def test_fp8_layer_with_x_scales_per_layer_computes_its_recipe(shape, mode, monkeypatch):
+    """``autograd.FP8_WGRAD_X_SCALES = "layer"`` (``MEGAMOE_FP8_WGRAD_X_SCALES=layer``): output and every gradient
+    equal to the recipe with x's dW13 scales one per channel over the layer's tokens, up to the order of fp32 sums,
+    and within twice its error of fp32; only dW13 differs from the layer with the recipe's 128x1 scales."""
+    from megamoe import autograd as ops
+
+    monkeypatch.setattr(ops, "FP8_WGRAD", True)
+    problem = make_problem(*shape, device=DEVICE)
+    quant.clear_weight_cache()
+    tile = run_with_grads(fp8_moe(mode), *problem)
+    monkeypatch.setattr(ops, "FP8_WGRAD_X_SCALES", "layer")
+    out = run_with_grads(fp8_moe(mode), *problem)
+
+    def recipe_fn(*a):
+        return reference.moe_loop_fp8(*a, fp8_wgrad=True, x_scales="layer")
+
+    recipe = run_with_grads(recipe_fn, *problem)
+    for name, o, r in zip(NAMES, out, recipe):
+        assert rel_err(o, r) < 2e-3, f"{name}: {rel_err(o, r):.2e} from the recipe"
+    assert_close_to_reference(out, problem, lowp=recipe_fn)
+    for name, o, t in zip(NAMES, out, tile):
+        assert torch.equal(o, t) is (name != "dw13"), name
+
+
+def test_x_scales_switch_refuses_unknown_values(monkeypatch):
+    """``MEGAMOE_FP8_WGRAD_X_SCALES`` takes "tile" (also unset or empty) or "layer"; the reference and the backward
+    refuse anything else by name."""
+    from megamoe.kernels.backward_fp8 import backward_rows_fp8
+
+    for value, want in (("", "tile"), ("tile", "tile"), ("layer", "layer")):
+        monkeypatch.setenv("MEGAMOE_FP8_WGRAD_X_SCALES", value)
+        assert env.fp8_wgrad_x_scales_requested() == want
+    monkeypatch.setenv("MEGAMOE_FP8_WGRAD_X_SCALES", "expert")
+    with pytest.raises(ValueError, match="MEGAMOE_FP8_WGRAD_X_SCALES"):
+        env.fp8_wgrad_x_scales_requested()
+    problem = make_problem(*FP8_SHAPES[0], device=DEVICE)
+    with pytest.raises(ValueError, match="x_scales"):
+        reference.moe_loop_fp8(*problem[:5], fp8_wgrad=True, x_scales="block")
+    with pytest.raises(ValueError, match="x_scales"):
+        backward_rows_fp8(*problem[:1], *problem[:1], None, None, None, None, 1, None, fp8_wgrad=True,
+                          x_scales="block")
+
+
 @pytest.mark.parametrize("mode", SAVE_MODES)
 def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeypatch):
     """With FP8 weight gradients the backward runs dx (dz's 1x128 rows into slot rows, then the combine) before
@@ -386,11 +493,11 @@ def test_fp8_wgrad_backward_frees_dz_rows_and_dx_slots_before_dw13(mode, monkeyp
         order.append("dx")
         return out
 
-    def spy_wgrad(*args):
+    def spy_wgrad(*args, **kwargs):
         order.append("dW13" if "dW2" in order else "dW2")
         if order[-1] == "dW13":
             assert [ref() for ref in dead_before_dw13] == [None] * 3
-        return wgrad(*args)
+        return wgrad(*args, **kwargs)
 
     def spy_tile_cols(rows, *args, **kwargs):
         order.append("tile cols")
@@ -592,15 +699,22 @@ def test_fp8_bf16_gpu_computes_the_recipe(shape, mode, poison_cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("x_scales", ["tile", "layer"])
 @pytest.mark.parametrize("shape", FP8_GPU_SHAPES, ids=[shape_id(s) for s in FP8_GPU_SHAPES])
-def test_fp8_wgrad_bf16_gpu_computes_the_recipe(shape, poison_cuda, monkeypatch):
+def test_fp8_wgrad_bf16_gpu_computes_the_recipe(shape, x_scales, poison_cuda, monkeypatch):
     """As ``test_fp8_bf16_gpu_computes_the_recipe``, with FP8 weight gradients (the Gluon k-grouped GEMM on
-    tile-column operands) against the recipe with FP8 weight gradients."""
+    tile-column operands) against the recipe with FP8 weight gradients; x's scales in dW13 per tile (the recipe) and
+    per channel over the layer (``autograd.FP8_WGRAD_X_SCALES``)."""
     from megamoe import autograd as ops
 
     monkeypatch.setattr(ops, "FP8_WGRAD", True)
+    monkeypatch.setattr(ops, "FP8_WGRAD_X_SCALES", x_scales)
     problem = gpu_problem(*shape)
     out = run_with_grads(fp8_moe(), *problem)
+
+    def fp8_wgrad_recipe(*a):
+        return reference.moe_loop_fp8(*a, fp8_wgrad=True, x_scales=x_scales)
+
     recipe = run_with_grads(fp8_wgrad_recipe, *problem)
     ref32 = run_with_grads(lambda *a: reference.moe_loop(*a, fp32=True), *problem)
     for name, o, r, r32 in zip(NAMES, out, recipe, ref32):

@@ -268,15 +268,18 @@ def test_fp8_up_products_only_are_the_full_kernels_products(num_tokens, num_expe
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dim,inter,routing",
                          GPU_CASES + [(4096, 128, 8, 256, 256, "random")])  # (many blocks per program, 2 K-steps each)
 @pytest.mark.parametrize("block_n", [128, 256])
-def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n):
+@pytest.mark.parametrize("b_scales", ["tile", "layer", "expert"])
+def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n, b_scales):
     """The FP8 weight gradients: dW13 = dzᵀ x and dW2 = dyᵀ (h·w) shapes, (N, P) and (N, Q) sorted bf16 rows
     quantised 128x1 per plan tile (``quant.quantize_tile_cols``, bit for bit the reference's on CPU), against the
     float64 per-expert products of the dequantised operands; experts without rows get zeros. The sorted rows span six
     decades (neighbouring tiles' scales 1.2-2.4x apart) and a column of each operand is zero over the first 128 rows
-    (an all-zero group: the floor scale). Both block widths; a width that does not divide Q is refused."""
+    (an all-zero group: the floor scale). Both block widths; a width that does not divide Q is refused. ``b_scales``:
+    B's scales per tile (the recipe), or its expert's in every tile, from one column amax over all the rows or one per
+    expert (``quantize_tile_cols``' ``col_amax``; the kernel's ``b_const``)."""
     from megamoe import reference
     from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws
-    from megamoe.kernels.quant import quantize_tile_cols
+    from megamoe.kernels.quant import channel_amax, quantize_tile_cols
 
     gen = torch.Generator().manual_seed(num_tokens * 5 + dim + inter)
     topk_idx = make_routing(num_tokens, num_experts, top_k, routing, gen)
@@ -289,13 +292,19 @@ def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n)
         a[:128, 7] = 0.0
         b[:128, 3] = 0.0
         a[offsets[-1]:] = float("nan")  # dropped slots' rows: never read
-        (aq, a_s), (bq, b_s) = quantize_tile_cols(a, plan), quantize_tile_cols(b, plan)
+        b_amax = None
+        if b_scales == "layer":
+            b_amax = channel_amax(b[:offsets[-1]])
+        elif b_scales == "expert":
+            b_amax = torch.stack([b[lo:hi].float().abs().amax(dim=0) if hi > lo else b.new_zeros(q).float()
+                                  for lo, hi in itertools.pairwise(offsets)])
+        (aq, a_s), (bq, b_s) = quantize_tile_cols(a, plan), quantize_tile_cols(b, plan, col_amax=b_amax)
         out = torch.full((num_experts, p, q), float("nan"), device="cuda", dtype=torch.bfloat16)
         if q % block_n:
             with pytest.raises(ValueError, match="block_n"):
-                fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n)
+                fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n, b_const=b_amax is not None)
             continue
-        fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n)
+        fp8_wgrad_ws(aq, a_s, bq, b_s, out, plan.offsets_E1, block_n, b_const=b_amax is not None)
         torch.cuda.synchronize()
         cpu_offsets = plan.offsets_E1.cpu()
         ref = torch.stack([ae @ be.t() for ae, be in zip(reference.dequantize_tile_cols(aq.cpu(), a_s.cpu(), cpu_offsets),
@@ -430,6 +439,8 @@ variants = {"rows_down": ("fp8_rows", dict(weighted=True, to_slots=True)),
             "up_any_size": ("fp8_up", dict(sizes_divisible=False)), "wgrad": ("fp8_wgrad", {}),
             "wgrad_any_size": ("fp8_wgrad", dict(sizes_divisible=False)),
             "wide_wgrad": ("fp8_wgrad", dict(block_n=256)),
+            "wgrad_b_const": ("fp8_wgrad", dict(b_const=True)),
+            "wide_wgrad_b_const": ("fp8_wgrad", dict(block_n=256, b_const=True)),
             "up_pow2": ("fp8_up", dict(pow2=True)), "up_preact_pow2": ("fp8_up", dict(preact=True, pow2=True)),
             "up_products_only": ("fp8_up", dict(preact=True, h_out=False)),
             "rows_down_traced": ("fp8_rows", dict(trace=True)), "up_traced": ("fp8_up", dict(trace=True)),
@@ -500,9 +511,10 @@ def test_fp8_launchers_pass_each_kernel_exactly_its_parameters(monkeypatch):
         f.fp8_up_swiglu_ws(a_q[:rows // 2], a_s[:, :rows // 2], w13_q, w13_s, *h_out, plan, 2, preact, trace=tr)
     tiles = plan.tile_expert_NT.numel()
     cols = torch.zeros(512, tiles * 128, dtype=e4m3), torch.zeros(tiles, 512)
-    for block_n, by_size, tr in ((128, False, None), (256, True, trace)):
+    for block_n, by_size, tr, b_const in ((128, False, None, False), (256, True, trace, False),
+                                          (256, True, None, True)):
         f.fp8_wgrad_ws(*cols, *cols, torch.zeros(num_experts, 512, 512, dtype=torch.bfloat16), plan.offsets_E1,
-                       block_n, by_size=by_size, trace=tr)
+                       block_n, by_size=by_size, trace=tr, b_const=b_const)
     preact, dh = torch.zeros(rows, 2 * inter, dtype=torch.bfloat16), torch.zeros(rows, inter, dtype=torch.bfloat16)
     dz_q, dz_s = torch.zeros(rows, 2 * inter, dtype=e4m3), torch.zeros(2 * inter // 128, rows)
     dz_t = torch.zeros(2 * inter, tiles * 128, dtype=e4m3), torch.zeros(tiles, 2 * inter)
@@ -511,7 +523,7 @@ def test_fp8_launchers_pass_each_kernel_exactly_its_parameters(monkeypatch):
                            64)
     for top_k in (None, 2):
         f.fp8_tile_cols_ws(preact, plan, top_k, *dz_t)
-    assert_launches_pass_parameters(launched, 11)
+    assert_launches_pass_parameters(launched, 12)
 
 
 def test_wgrad_block_n_defaults_where_it_divides_and_refuses_otherwise():

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import megamoe
-from megamoe import reference
+from megamoe import autograd, reference
 from megamoe.api import backend_for, ep_path
 from megamoe.kernels import quant
 from megamoe.parallel.all_to_all import moe_all_to_all
@@ -176,6 +176,13 @@ def check_fp8_rank(case, rank, num_ranks, group, device, exact):
     whole = [t.to(device) for t in (x, idx, w, w13, w2, dy)]
     local = [whole[0][tok], whole[1][tok], whole[2][tok], whole[3][exp].contiguous(), whole[4][exp].contiguous(),
              whole[5][tok]]
+    saved = autograd.FP8_WGRAD_X_SCALES
+    autograd.FP8_WGRAD_X_SCALES = "layer"  # one GPU only: refused by name, before anything is sent
+    try:
+        with pytest.raises(ValueError, match="MEGAMOE_FP8_WGRAD_X_SCALES"):
+            megamoe.moe(*local[:5], group=group, precision="fp8")
+    finally:
+        autograd.FP8_WGRAD_X_SCALES = saved
     for mode in ("none", "preact"):
         out = run_with_grads(functools.partial(megamoe.moe, group=group, precision="fp8", save_for_backward=mode),
                              *local)

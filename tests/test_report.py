@@ -139,6 +139,22 @@ def test_readme_tables_keep_each_problems_newest_run():
     assert problems(report.fp8_table(runs)) == [a, b, b_baseline]
 
 
+def test_readme_tables_leave_out_runs_of_a_recipe_option():
+    """A newer run with an option of the FP8 recipe (x's weight-gradient scales over the layer) does not stand for
+    the layer in the README's tables: the newest run of the default recipe does."""
+    def run(date, x_scales=None):
+        info = {"preset": "p", "tokens": 8, "routing": "random", "gpu": "G", "torch": "t", "triton": "3",
+                "date": date, "commit": "0123abcdef", "sonicmoe_gemms": "c",
+                "results": [{"impl": impl, "fwd_ms": 1, "fwd_bwd_ms": 2, "ac_step_ms": 2, "saved_activation_bytes": 0}
+                            for impl in ("sonicmoe", "megamoe", "megamoe_fp8")]}
+        return info if x_scales is None else {**info, "megamoe_fp8_wgrad_x_scales": x_scales}
+
+    runs = [run("2026-01-01"), run("2026-02-01", "tile"), run("2026-03-01", "layer")]
+    for table in (report.sonicmoe_table(runs), report.fp8_table(runs)):
+        firsts = list(dict.fromkeys(line.split(" | ")[0] for line in table.splitlines()[2:] if line.startswith("| ")))
+        assert firsts == ["| p T=8 random (G, 2026-02-01, 0123abc)"]
+
+
 def test_tables_name_each_runs_gpu():
     """A table of runs on two GPUs names each row's GPU, short, lists both GPUs in full below it, and keeps each
     GPU's newest run of a problem (a newer run on one GPU does not hide the other's)."""

@@ -19,8 +19,11 @@ that ``FP8_WGRAD`` changes both ways: with it, dh' from dy's rows quantised per 
 as the layer runs it), x and dy quantised into tile columns from the tokens' rows, the act step writing dz's and h·w's
 tile columns (``expert_bwd.act_bwd_tile_cols``), the two FP8 GEMMs and dx's combine; without, the sort of x and dy
 with dy quantised beside and dh' on the sorted rows, the act step writing dz and h·w in bf16, and the two bf16 GEMMs,
-dW13's with the combine inside. dh' is also timed both ways on its own, and the tile-column quantiser's Triton kernel
-("(Triton)") beside the layer's (on sm90 the Gluon one, ``quant.TILE_COLS_GLUON``), checked bitwise against it. The
+dW13's with the combine inside; and dW13 with x's scales one per channel over the layer (``autograd.FP8_WGRAD_X_SCALES
+= "layer"``: x's channel amax, its tile columns with it, the GEMM told that B's scales are its expert's in every tile;
+not the recipe's sums, so checked against nothing here), and the FP8 part again with it. dh' is also timed both ways on
+its own, and the tile-column quantiser's Triton kernel ("(Triton)") beside the layer's (on sm90 the Gluon one,
+``quant.TILE_COLS_GLUON``), checked bitwise against it. The
 act step into tile columns is also timed on its own, beside the act step followed by the tile-column quantiser on its
 dz and h·w. The ceiling beside them: ``torch._scaled_mm`` with one scale per tensor (e4m3) on an (N, K) x (K, n)
 product of each GEMM's size, and the device copy rate. Medians of ``triton.testing.do_bench`` (``--rounds N``: the
@@ -119,6 +122,8 @@ def main(argv=None, device: str = "cuda") -> None:
     dz = torch.randn(num_slots, 2 * inter, device=device, dtype=torch.bfloat16)
     hw = torch.randn(num_slots, inter, device=device, dtype=torch.bfloat16)
     dzt, xt, dyt, hwt = (quant.quantize_tile_cols(t, plan) for t in (dz, x_sorted, dy_sorted, hw))
+    x_amax = quant.channel_amax(x)  # x's scales per channel over the layer (autograd.FP8_WGRAD_X_SCALES = "layer")
+    xt_layer = quant.quantize_tile_cols(x, plan, top_k, col_amax=x_amax)
     num_tiles = plan.tile_expert_NT.numel()
 
     def tile_cols_bytes(cols):  # bf16 rows read; e4m3 tile columns and fp32 scales written
@@ -130,12 +135,13 @@ def main(argv=None, device: str = "cuda") -> None:
     products = torch.randn(num_slots, 2 * inter, device=device, dtype=torch.bfloat16)  # the act step's inputs
     dh = torch.randn(num_slots, inter, device=device, dtype=torch.bfloat16)
 
-    def fp8_wgrads():  # what the FP8 backward runs with autograd.FP8_WGRAD and bf16 runs without it
+    def fp8_wgrads(x_scales="tile"):  # what the FP8 backward runs with autograd.FP8_WGRAD and bf16 runs without it
         expert_bwd.dh_fp8_from_rows(dy, w2tq, w2ts, plan, plan, top_k, torch.bfloat16)
-        xt_, dyt_ = quant.quantize_tile_cols(x, plan, top_k), quant.quantize_tile_cols(dy, plan, top_k)
+        amax = quant.channel_amax(x) if x_scales == "layer" else None
+        xt_, dyt_ = quant.quantize_tile_cols(x, plan, top_k, col_amax=amax), quant.quantize_tile_cols(dy, plan, top_k)
         _, _, _, dzt_, hwt_ = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k)
         expert_bwd.wgrad_fp8(*dyt_, *hwt_, plan, torch.bfloat16)
-        expert_bwd.wgrad_fp8(*dzt_, *xt_, plan, torch.bfloat16)
+        expert_bwd.wgrad_fp8(*dzt_, *xt_, plan, torch.bfloat16, b_const=amax is not None)
         combine(dx_slots, idx, torch.bfloat16)
 
     def bf16_wgrads():
@@ -207,6 +213,9 @@ def main(argv=None, device: str = "cuda") -> None:
          tile_cols_bytes(dim), None),
         ("wgrad: quantize 128x1 (N, D) from the tokens' rows (Triton)",
          lambda: quant.quantize_tile_cols(x, plan, top_k, gluon=False), None, tile_cols_bytes(dim), None),
+        ("wgrad: x's channel amax (T, D)", lambda: quant.channel_amax(x), None, x.numel() * 2, None),
+        ("wgrad: quantize 128x1 (N, D) from the tokens' rows, the layer's amax",
+         lambda: quant.quantize_tile_cols(x, plan, top_k, col_amax=x_amax), None, tile_cols_bytes(dim), None),
         ("act step on the products, dz 1x128 beside",
          lambda: expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True), None,
          num_slots * inter * (4 + 2 + 4 + 2 + 2) + dzs.numel() * 4, None),
@@ -245,6 +254,12 @@ def main(argv=None, device: str = "cuda") -> None:
                 stages.append((base + ORDERS["size" if by_size else "expert"][0],
                                lambda a=a, b=b, block_n=block_n, by_size=by_size: expert_bwd.wgrad_fp8(
                                    *a, *b, plan, torch.bfloat16, block_n, by_size=by_size), flops, None, dense))
+    for block_n in (128, 256):  # dW13 with x's scales per channel over the layer: not the recipe's sums
+        if dim % block_n == 0:
+            stages.append(("dW13, x's scales over the layer (FP8" + (", 256 columns)" if block_n == 256 else ")"),
+                           lambda block_n=block_n: expert_bwd.wgrad_fp8(*dzt, *xt_layer, plan, torch.bfloat16, block_n,
+                                                                         b_const=True), up_flops, None,
+                           (2 * inter, dim, rows)))
     for name, _, b, _, _ in wgrad_gemms:  # every FP8 variant of a weight gradient against the layer's width and order
         wide = gluon_fp8_sm90.wgrad_block_n(b[0].shape[0]) == 256
         layer = name + " FP8" + (" (256 columns)" if wide else "")
@@ -256,6 +271,7 @@ def main(argv=None, device: str = "cuda") -> None:
         ("dW2 bf16", lambda: expert_bwd.expert_wgrad(dy_sorted, hw, plan, torch.bfloat16, gemm="dw2"), down_flops,
          None, None),
         ("the FP8 backward's part that FP8_WGRAD changes, FP8", fp8_wgrads, up_flops + 2 * down_flops, None, None),
+        ("the same, x's scales over the layer", lambda: fp8_wgrads("layer"), up_flops + 2 * down_flops, None, None),
         ("the FP8 backward's part that FP8_WGRAD changes, bf16", bf16_wgrads, up_flops + 2 * down_flops, None,
          None),
     ]

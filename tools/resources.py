@@ -308,8 +308,9 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      "BN": expert_bwd.ACT_FROM_PREACT.default["BN"], "QUANT_DZ": True,
                      # the backward's row copy with dy's quantisation (the FP8 path's)
                      "QUANT_B": True,
-                     # the tile-column quantiser reading the tokens' rows (the FP8 weight gradients' x and dy)
-                     "GATHER": True,
+                     # the tile-column quantiser reading the tokens' rows (the FP8 weight gradients' x and dy), with
+                     # the columns' amax given (x's scales per channel over the layer, autograd.FP8_WGRAD_X_SCALES)
+                     "GATHER": True, "GIVEN_AMAX": True,
                      # the FP8 quantisers' power-of-two scales (env.set_fp8_scales)
                      "POW2": True,
                      # the forward's dispatch in bf16 (compiled with FP8 rows and their scales too, below)

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import megamoe
-from megamoe import reference
+from megamoe import autograd, reference
 from megamoe.api import backend_for
 from megamoe.bench.common import (
     PRESETS,
@@ -113,7 +113,6 @@ def dx_first(fn: Callable) -> Callable:
     """``fn`` (megamoe) with the backward's dx-first order (``megamoe.autograd.LOW_PEAK_BACKWARD`` cleared: dx's slot
     rows before dW13, combined inside its launch; the forward reads the setting when it runs and its backward follows
     it), the setting of the process left as it was."""
-    from megamoe import autograd
 
     def call(*args, **kwargs):
         previous, autograd.LOW_PEAK_BACKWARD = autograd.LOW_PEAK_BACKWARD, False
@@ -353,6 +352,7 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
         "megamoe_autotune": autotune_enabled(torch.bfloat16),
         "megamoe_wgrad_by_size": gluon_sm90.WGRAD_BY_SIZE,  # MEGAMOE_WGRAD_BY_SIZE
         "megamoe_wgrad_taken": sorted(gluon_sm90.WGRAD_TAKEN),  # MEGAMOE_WGRAD_TAKEN
+        "megamoe_fp8_wgrad_x_scales": autograd.FP8_WGRAD_X_SCALES,  # MEGAMOE_FP8_WGRAD_X_SCALES
     }
     if any(impl.name == "sonicmoe" for impl in impls):
         info["sonicmoe_gemms"] = "autotuned" if args.sonicmoe_autotune else "default config (pinned)"

@@ -163,13 +163,19 @@ def _newest_first(runs: list[dict]) -> list[dict]:
     return sorted(by_date, key=lambda info: (info["preset"], info["tokens"], info["routing"]))
 
 
+def _recipes(info: dict) -> bool:
+    """Whether a run ran the FP8 recipe as it stands by default (not an option of it such as x's weight-gradient
+    scales over the layer, ``MEGAMOE_FP8_WGRAD_X_SCALES``): only those stand for the layer in the README."""
+    return info.get("megamoe_fp8_wgrad_x_scales", "tile") == "tile"
+
+
 def _newest_per_problem(runs: list[dict], also=None) -> list[dict]:
     """Each problem's newest run on each GPU (a newer run on another GPU does not hide the last one on this) and,
     where ``also(run)`` holds for an older run but not the newest, the newest such run too (a baseline the newest run
-    did not measure), in ``_newest_first``'s order: the README's tables; the history is on the results page and in
-    docs/PERFORMANCE.md."""
+    did not measure), in ``_newest_first``'s order, of the runs of the default recipe (``_recipes``): the README's
+    tables; the history is on the results page and in docs/PERFORMANCE.md."""
     kept, seen = [], set()
-    for info in _newest_first(runs):
+    for info in _newest_first([info for info in runs if _recipes(info)]):
         problem = (info["preset"], info["tokens"], info["routing"], _gpu(info))
         first = problem not in seen
         if first or (also is not None and also(info) and (problem, "also") not in seen):

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
+from megamoe.env import FP8_WGRAD_X_SCALES
 from megamoe.kernels.expert_bwd import (
     act_bwd_from_preact,
     act_bwd_tile_cols,
@@ -21,7 +22,12 @@ from megamoe.kernels.expert_bwd import (
 )
 from megamoe.kernels.expert_fwd import up_products_fp8
 from megamoe.kernels.plan import Plan
-from megamoe.kernels.quant import fp8_weight, quantize_rows, quantize_tile_cols
+from megamoe.kernels.quant import (
+    channel_amax,
+    fp8_weight,
+    quantize_rows,
+    quantize_tile_cols,
+)
 
 
 def preact_buffer(x: Tensor, num_rows: int, w13: Tensor) -> Tensor:
@@ -31,7 +37,8 @@ def preact_buffer(x: Tensor, num_rows: int, w13: Tensor) -> Tensor:
 
 
 def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2: Tensor, plan: Plan, top_k: int,
-                      dx_rows: Callable[[Tensor, Tensor], object], *, fp8_wgrad: bool, preact: Tensor | None = None,
+                      dx_rows: Callable[[Tensor, Tensor], object], *, fp8_wgrad: bool, x_scales: str = "tile",
+                      preact: Tensor | None = None,
                       reuse_preact: bool = False, combine_in_dw13: Tensor | None = None,
                       recompute_from: tuple | None = None, dx_dest: tuple[Tensor, Tensor] | None = None,
                       rows_from: tuple[Plan, int] | None = None) -> tuple[object, Tensor, Tensor, Tensor]:
@@ -42,7 +49,9 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     gradients from the unquantised rows in x's dtype (exact products, fp32 accumulation), or with ``fp8_wgrad`` from
     those rows quantised 128x1: x's and dy's read from their rows (no sorted copies), dz's and h·w's by the act step
     (``expert_bwd.act_bwd_tile_cols``: on sm90 neither is written in x's dtype), and dx before dW13, x's tile
-    columns made just before it (over handed-over products).
+    columns made just before it (over handed-over products); ``x_scales`` (``autograd.FP8_WGRAD_X_SCALES``): x's
+    scales in them, "tile" (the recipe's 128x1 groups) or "layer" (one per channel over ``x``'s rows, which dW13
+    then applies to its sums).
 
     ``dy``, ``x``: rows in x's dtype, each sorted row read from row ``row_slot[r] // top_k`` (the tokens' rows, or
     with ``top_k`` 1 and the identity row map rows already sorted: an owner's received rows); ``weights_TK``: the
@@ -58,6 +67,8 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     ``fp8_wgrad``): (a plan over the rows of ``x`` and ``dy``, its top_k) to read them through instead, the same
     tiles as ``plan`` but sorted rows that may share a row (an owner's token rows, each received once per token).
     Returns (dx_rows' result, d(routing weight) (T, K) fp32, dw13, dw2)."""
+    if x_scales not in FP8_WGRAD_X_SCALES:
+        raise ValueError(f"x_scales must be one of {FP8_WGRAD_X_SCALES}, got {x_scales!r}")
     w13q, w13s, w13tq, w13ts = fp8_weight(w13)
     _, _, w2tq, w2ts = fp8_weight(w2)
     assert rows_from is None or fp8_wgrad, "rows_from: the FP8 weight gradients' reads only"
@@ -90,7 +101,9 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
         del dzq, dzs
         dx = dx_rows(dx_slots_ND, dweight_TK)
         del dx_slots_ND
-        dw13 = wgrad_fp8(*dz_t, *quantize_tile_cols(x, read_plan, read_top_k, over=products_over), plan, w13.dtype)
+        x_amax = channel_amax(x) if x_scales == "layer" else None
+        x_t = quantize_tile_cols(x, read_plan, read_top_k, over=products_over, col_amax=x_amax)
+        dw13 = wgrad_fp8(*dz_t, *x_t, plan, w13.dtype, b_const=x_amax is not None)
         return dx, dweight_TK, dw13, dw2
     dz_NH, hw_NI, dweight_TK, dzq, dzs = act_bwd_from_preact(preact, dh_NI, weights_TK, plan, top_k, quant_dz=True,
                                                              dz_over_preact=reuse_preact)

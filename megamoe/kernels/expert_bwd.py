@@ -315,20 +315,29 @@ def _expert_wgrad_fp8_kernel(
     offsets_ptr,
     P, Q,
     EB: tl.constexpr, TILE_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    B_CONST: tl.constexpr,
 ):
     """``_expert_wgrad_kernel`` on FP8 operands quantised 128x1 along the tokens: one K-step per plan tile of the
     expert (BK = TILE_M), whose product is promoted with the outer product of the two operands' scales of that
-    tile. Tiles hold zeros past their expert's end, so no step needs a mask. P and Q multiples of 128."""
+    tile. Tiles hold zeros past their expert's end, so no step needs a mask. P and Q multiples of 128. B_CONST: b's
+    scales are the same in every tile of the expert (``quant.quantize_tile_cols``'s ``col_amax``): each step is
+    promoted with a's scales alone, and the sum times b's column scales of its last tile once, at the end."""
     tl.static_assert(BK == TILE_M, "a K-step is one plan tile: one scale per column and operand")
     e, p0, q0, start, end = _wgrad_block(tl.program_id(0), offsets_ptr, P, Q, BM, BN)
     ps = p0 + tl.arange(0, BM)
     qs = q0 + tl.arange(0, BN)
     first = busy_tiles(offsets_ptr, e, EB, TILE_M)  # the tiles of the experts before e
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for t in range(first, first + tl.cdiv(end - start, BK)):
+    last = first + tl.cdiv(end - start, BK)
+    for t in range(first, last):
         sa = tl.load(a_scale_ptr + t * P + ps)
-        sb = tl.load(b_scale_ptr + t * Q + qs)
-        acc += tl.dot(a_desc.load([p0, t * BK]), b_desc.load([q0, t * BK]).T) * (sa[:, None] * sb[None, :])
+        if B_CONST:
+            acc += tl.dot(a_desc.load([p0, t * BK]), b_desc.load([q0, t * BK]).T) * sa[:, None]
+        else:
+            sb = tl.load(b_scale_ptr + t * Q + qs)
+            acc += tl.dot(a_desc.load([p0, t * BK]), b_desc.load([q0, t * BK]).T) * (sa[:, None] * sb[None, :])
+    if B_CONST:  # an expert without rows has no tile to read: its zeros stay
+        acc = acc * tl.load(b_scale_ptr + (last - 1) * Q + qs, mask=(qs < Q) & (last > first), other=1.0)[None, :]
     tl.store(out_ptr + e.to(tl.int64) * P * Q + ps[:, None] * Q + qs[None, :], acc.to(out_ptr.dtype.element_ty))
 
 
@@ -643,21 +652,25 @@ def expert_wgrad(a_NP, b_NQ, plan: Plan, out_dtype: torch.dtype, *, gemm: str | 
 
 
 def wgrad_fp8(aq_PL, as_TP, bq_QL, bs_TQ, plan: Plan, out_dtype: torch.dtype, block_n: int | None = None,
-              by_size: bool | None = None) -> torch.Tensor:
+              by_size: bool | None = None, b_const: bool = False) -> torch.Tensor:
     """``expert_wgrad`` on FP8 operands in tile columns (``quant.quantize_tile_cols``: a's (P, NT*128) e4m3 and
     (NT, P) fp32 scales, b's the same with Q): (E, P, Q) in ``out_dtype``, an expert without rows exact zeros. On
     sm90 with a bf16 output through the warp-specialized Gluon kernel (``gluon_fp8_sm90_details.wgrad``, its
     block width ``block_n``: ``gluon_fp8_sm90.wgrad_block_n``; ``by_size``: its blocks' order, as
-    ``gluon_fp8_sm90.fp8_wgrad_ws`` takes it), elsewhere ``WGRAD_FP8``. P and Q multiples of 128."""
+    ``gluon_fp8_sm90.fp8_wgrad_ws`` takes it), elsewhere ``WGRAD_FP8``. P and Q multiples of 128. ``b_const``: b was
+    quantised with a ``col_amax`` (``quant.quantize_tile_cols``), so that its scales are the same in every tile of an
+    expert: each K-step is promoted with a's alone, b's applied once to the sum (faster; other roundings than the
+    outer-product promotion of the same operands)."""
     p, q = aq_PL.shape[0], bq_QL.shape[0]
     num_experts = plan.offsets_E1.numel() - 1
     dw = torch.empty(num_experts, p, q, device=aq_PL.device, dtype=out_dtype)
     if fp8_ws_supported(aq_PL, out_dtype):
-        fp8_wgrad_ws(aq_PL, as_TP, bq_QL, bs_TQ, dw, plan.offsets_E1, block_n, by_size=by_size)
+        fp8_wgrad_ws(aq_PL, as_TP, bq_QL, bs_TQ, dw, plan.offsets_E1, block_n, by_size=by_size, b_const=b_const)
         return dw
     WGRAD_FP8[lambda cfg: (num_experts * triton.cdiv(p, cfg["BM"]) * triton.cdiv(q, cfg["BN"]),)](
         a_desc=descriptor(aq_PL), b_desc=descriptor(bq_QL), a_scale_ptr=as_TP, b_scale_ptr=bs_TQ, out_ptr=dw,
-        offsets_ptr=plan.offsets_E1, P=p, Q=q, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M, dtype=FP8,
+        offsets_ptr=plan.offsets_E1, P=p, Q=q, EB=triton.next_power_of_2(num_experts), TILE_M=BLOCK_M,
+        B_CONST=b_const, dtype=FP8,
     )
     return dw
 

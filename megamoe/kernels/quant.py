@@ -160,13 +160,15 @@ def _quantize_tile_cols_kernel(
     s_ptr,  # (NT, C) fp32 out
     offsets_ptr, tile_expert_ptr, tile_row_ptr,
     row_slot_ptr,  # (N,) with GATHER: each sorted row's slot (token * top_k + k)
-    C, E, top_k,
-    GATHER: tl.constexpr, TILE_M: tl.constexpr, BC: tl.constexpr, POW2: tl.constexpr,
+    amax_ptr,  # with GIVEN_AMAX: (E, C) fp32, each expert's amax of each column (row stride amax_stride, 0: one row)
+    C, E, top_k, amax_stride,
+    GATHER: tl.constexpr, GIVEN_AMAX: tl.constexpr, TILE_M: tl.constexpr, BC: tl.constexpr, POW2: tl.constexpr,
 ):
     """One (plan tile, BC columns) per program: the tile's rows read as a (BC, TILE_M) block (rows past its
     expert's end as zeros: they count in no amax and quantise to zeros), so that each column's group is a row of
     the block (``quantize_groups``) and the block is stored as it lies in the transposed ``q``. GATHER: sorted row r
-    read from token row_slot[r] // top_k."""
+    read from token row_slot[r] // top_k. GIVEN_AMAX: each column's scale from the tile's expert's amax of it, not
+    from the tile's rows."""
     t = tl.program_id(0)
     e = tl.load(tile_expert_ptr + t)
     if e >= E:  # an idle tile: never read
@@ -178,7 +180,11 @@ def _quantize_tile_cols_kernel(
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     # int64: N * C and C * NT * 128 overflow int32 at real sizes
     a = tl.load(a_ptr + rows.to(tl.int64)[None, :] * C + cols[:, None], mask=rmask[None, :], other=0.0)
-    q, s = quantize_groups(a.to(tl.float32), POW2)
+    if GIVEN_AMAX:
+        s, inv = scale_and_inverse(tl.maximum(tl.load(amax_ptr + e * amax_stride + cols), AMAX_FLOOR), POW2)
+        q = to_e4m3(a.to(tl.float32) * inv[:, None])
+    else:
+        q, s = quantize_groups(a.to(tl.float32), POW2)
     ld = tl.num_programs(0).to(tl.int64) * TILE_M  # q's row: TILE_M columns per plan tile, one program row each
     tl.store(q_ptr + cols.to(tl.int64)[:, None] * ld + t * TILE_M + tl.arange(0, TILE_M)[None, :], q)
     tl.store(s_ptr + t.to(tl.int64) * C + cols, s)
@@ -233,27 +239,45 @@ def tile_cols_outputs(cols: int, plan: Plan, device, over: torch.Tensor | None =
 
 
 def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None,
-                       over: torch.Tensor | None = None, gluon: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       over: torch.Tensor | None = None, gluon: bool | None = None,
+                       col_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (C, NT * 128) e4m3, s (NT, C) fp32): ``a``'s sorted rows in 128x1 groups, one per plan tile and column
     (the tile-column format above; NT = the plan's tile count, a static bound, so no host sync). C a multiple of
     ``TILE_COLS_BC``, ``a`` contiguous; rows past the routed count are not read. ``top_k``: ``a`` holds the tokens'
     rows (T, C) instead, and each sorted row is read from its token (``row_slot[r] // top_k``), so that no sorted
     copy of them is needed. ``over``: memory to write them into where it is large enough (``tile_cols_outputs``).
-    ``gluon`` (None: ``TILE_COLS_GLUON``): on sm90 with bf16 rows the Gluon kernel, the same bits."""
+    ``gluon`` (None: ``TILE_COLS_GLUON``): on sm90 with bf16 rows the Gluon kernel, the same bits (not with
+    ``col_amax``: the Triton kernel takes it). ``col_amax``: each column's amax over more rows than a tile's, (C,) over
+    all of them (``channel_amax``) or (E, C) per expert, fp32 and contiguous: every tile's scales are then its
+    expert's (the same in all its tiles), ``amax / 448`` as the recipe's groups take theirs, and the rows must lie
+    within it (larger values saturate)."""
     num_tiles = plan.tile_expert_NT.numel()
+    num_experts = plan.offsets_E1.numel() - 1
     cols = a_NC.shape[1]
     if cols % TILE_COLS_BC:
         raise ValueError(f"quantize_tile_cols needs a multiple of {TILE_COLS_BC} columns, got {cols}")
+    if col_amax is not None:
+        assert col_amax.dtype == torch.float32 and col_amax.is_contiguous()
+        assert col_amax.shape in ((cols,), (num_experts, cols)), col_amax.shape
     q, s = tile_cols_outputs(cols, plan, a_NC.device, over)
-    if (TILE_COLS_GLUON if gluon is None else gluon) and fp8_ws_supported(a_NC, a_NC.dtype):
+    if col_amax is None and (TILE_COLS_GLUON if gluon is None else gluon) and fp8_ws_supported(a_NC, a_NC.dtype):
         fp8_tile_cols_ws(a_NC, plan, top_k, q, s)
         return q, s
     _quantize_tile_cols_kernel[(num_tiles, cols // TILE_COLS_BC)](
         a_ptr=a_NC, q_ptr=q, s_ptr=s, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
-        tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N, C=cols, E=plan.offsets_E1.numel() - 1,
-        top_k=top_k or 1, GATHER=top_k is not None, TILE_M=BLOCK_M, BC=TILE_COLS_BC, POW2=fp8_pow2_scales(),
-        num_warps=4)
+        tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N,
+        amax_ptr=s if col_amax is None else col_amax, C=cols, E=num_experts, top_k=top_k or 1,
+        amax_stride=0 if col_amax is None or col_amax.dim() == 1 else cols, GATHER=top_k is not None,
+        GIVEN_AMAX=col_amax is not None, TILE_M=BLOCK_M, BC=TILE_COLS_BC, POW2=fp8_pow2_scales(), num_warps=4)
     return q, s
+
+
+def channel_amax(a_TC: torch.Tensor) -> torch.Tensor:
+    """(C,) fp32: each column's largest magnitude over all of ``a``'s rows (zeros without rows; a NaN stays NaN), the
+    ``col_amax`` of ``quantize_tile_cols`` that gives every expert one scale per column from the layer's rows."""
+    if a_TC.shape[0] == 0:
+        return a_TC.new_zeros(a_TC.shape[1], dtype=torch.float32)
+    return a_TC.abs().amax(dim=0).float()
 
 
 def quantize_weight(w_ERC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
