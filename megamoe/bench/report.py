@@ -51,7 +51,8 @@ def table(runs: list[dict]) -> str:
     lines = [("| problem | impl | fwd ms | fwd+bwd ms | AC step ms | TFLOP/s | of dense | kept MiB | "
               "AC-step speed-up vs compiled |"), "|---|---|---|---|---|---|---|---|---|"]
     for info in runs:
-        problem = f"{info['preset']} T={info['tokens']} {info['routing']} ({_gpu(info)})"
+        option = "" if _recipes(info) else ", x's FP8 dW13 scales over the layer"
+        problem = f"{info['preset']} T={info['tokens']} {info['routing']} ({_gpu(info)}{option})"
         for r in info["results"]:
             sp = r.get("speedup_vs_grouped_mm_compiled", {}).get("ac_step_ms")
             lines.append(f"| {problem} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
