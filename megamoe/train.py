@@ -31,7 +31,7 @@ Also a template to copy. What it does, in order:
   clipping at 1.0; AdamW (β 0.9/0.95, weight decay 0.1) with
   linear warm-up and cosine decay to 10% of ``--lr``.
 - **Output** in ``--out``/``--name``: ``log.json`` (configuration — with FP8 experts whether their weight gradients
-  are FP8, ``fp8_weight_gradients`` —, per-step losses, eval losses, each step's expert load per decoder layer
+  are FP8, ``fp8_weight_gradients``, and with FP8 ones x's scales in dW13, ``fp8_wgrad_x_scales`` —, per-step losses, eval losses, each step's expert load per decoder layer
   (``expert_load``: the most-loaded expert's top-k assignments over the mean, every rank's tokens; 1 is
   balanced; the progress bar shows the largest), tokens/s — the
   median over the steps after the first 10 —, step and host times, MFU, peak memory; GPU, versions, date,
@@ -666,6 +666,9 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
         **meta, "compile_mode": args.compile_mode, "params": params_total, "precision": "bf16" if cuda else "fp32",
         # FP8 experts' weight gradients in FP8 (``MEGAMOE_FP8_WGRAD``) or in bf16; None for bf16 experts
         "fp8_weight_gradients": megamoe.autograd.FP8_WGRAD if args.precision == "fp8" else None,
+        # and with FP8 ones, x's scales in dW13 (``MEGAMOE_FP8_WGRAD_X_SCALES``: the recipe's "tile", or "layer")
+        "fp8_wgrad_x_scales": (megamoe.autograd.FP8_WGRAD_X_SCALES
+                               if args.precision == "fp8" and megamoe.autograd.FP8_WGRAD else None),
         "optimizer": "AdamW, bf16 states" if cuda else "AdamW, fp32",
         "first_step": start, "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / step_ms * 1e3 if step_ms else None, "step_ms_median": step_ms,
@@ -711,11 +714,15 @@ def moe_share(model, train, args, device, world, rank, step_loss) -> dict:
 
 def precision_label(run: dict) -> str:
     """`` (FP8)`` for a run with FP8 experts, saying whether their weight gradients were FP8 (``FP8 dW``) or bf16
-    where its log records it; empty for bf16 experts."""
+    where its log records it, and x's dW13 scales where they were an option's (``x over the layer``); empty for bf16
+    experts."""
     if run.get("expert_precision") != "fp8":
         return ""
     wgrad = run.get("fp8_weight_gradients")
-    return " (FP8)" if wgrad is None else f" (FP8, {'FP8' if wgrad else 'bf16'} dW)"
+    if wgrad is None:
+        return " (FP8)"
+    option = ", x over the layer" if run.get("fp8_wgrad_x_scales") == "layer" else ""
+    return f" (FP8, {'FP8' if wgrad else 'bf16'} dW{option})"
 
 
 def plot_runs(runs: list[dict], path: Path, labels: list[str] | None = None) -> None:

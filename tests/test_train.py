@@ -65,9 +65,9 @@ def test_log_has_the_documented_fields_and_a_plot(runs):
     for key in ("gpu", "torch", "transformers", "date", "command", "preset", "layers", "params", "experts",
                 "precision", "ep", "seq_len", "steps", "tokens_per_s", "step_ms_median", "mfu", "moe_share",
                 "moe_ms", "moe_share_of_step", "peak_mem_bytes", "final_eval_loss", "losses", "fp8_weight_gradients",
-                "expert_load"):
+                "fp8_wgrad_x_scales", "expert_load"):
         assert key in log, key
-    assert log["fp8_weight_gradients"] is None  # bf16 experts
+    assert log["fp8_weight_gradients"] is None and log["fp8_wgrad_x_scales"] is None  # bf16 experts
     # each step's load per decoder layer: the tiny preset's 8 experts, top-2, between balanced and all on two
     assert len(log["expert_load"]) == len(log["losses"]) and all(len(step) == log["layers"] for step in log["expert_load"])
     assert all(1.0 <= load <= 4.0 for step in log["expert_load"] for load in step)
@@ -83,6 +83,10 @@ def test_plot_labels_say_whether_fp8_weight_gradients_ran_where_the_log_records_
     assert precision_label({"expert_precision": "fp8"}) == " (FP8)"  # a log from before the field existed
     assert precision_label({"expert_precision": "fp8", "fp8_weight_gradients": False}) == " (FP8, bf16 dW)"
     assert precision_label({"expert_precision": "fp8", "fp8_weight_gradients": True}) == " (FP8, FP8 dW)"
+    assert precision_label({"expert_precision": "fp8", "fp8_weight_gradients": True,
+                            "fp8_wgrad_x_scales": "tile"}) == " (FP8, FP8 dW)"
+    assert precision_label({"expert_precision": "fp8", "fp8_weight_gradients": True,
+                            "fp8_wgrad_x_scales": "layer"}) == " (FP8, FP8 dW, x over the layer)"
 
 
 def test_resumed_run_continues_bitwise(runs, corpus):
