@@ -193,3 +193,9 @@ def test_train_table_names_micro_batches_and_code(tmp_path):
     assert f"| 1 x {run['seq_len']} | megamoe | {run['seed']} |" in rows[0] and rows[0].endswith(f"| {run['commit'][:7]} |")
     assert f"| 4 micro-batches of 1 x {run['seq_len']} | megamoe | 7 |" in rows[1]
     assert rows[1].endswith("| digest 9876543 |")
+    # runs on two GPUs name each row's; an FP8 run with x's dW13 scales over the layer says so
+    (tmp_path / "train" / "h100.json").write_text(json.dumps({**run, "gpu": "NVIDIA H100 80GB HBM3", "seed": 9,
+                                                              "expert_precision": "fp8", "fp8_wgrad_x_scales": "layer"}))
+    rows = [line for line in report.train_table(tmp_path).splitlines() if line.startswith("| qwen3")]
+    assert rows[0].startswith(f"| {run['preset']}, {run['layers']} layers ({report._gpu(run)}) |")
+    assert f"| megamoe (FP8, x's dW13 scales over the layer) | 9 |" in rows[1] and "layers (H100) |" in rows[1]

@@ -264,7 +264,8 @@ def fp8_table(runs: list[dict]) -> str:
 
 def train_table(folder: Path) -> str:
     """``python -m megamoe.train`` runs (``folder``/train/*.json): per run its throughput, MFU, the experts' share of
-    the step, the final eval loss and the code it ran."""
+    the step, the final eval loss and the code it ran; each run's GPU where they ran on more than one, and an FP8
+    run's option of the recipe where it had one (x's dW13 scales over the layer)."""
     runs = [json.loads(path.read_text()) for path in sorted((folder / "train").glob("*.json"))]
     lines = [("| model | tokens per step | experts | seed | steps | tokens/s | step ms | MFU | MoE share | peak GiB | "
               "eval loss | code |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -274,14 +275,18 @@ def train_table(folder: Path) -> str:
     def micro_batches(r):
         return r.get("micro_batches", 1)
 
+    several_gpus = len({_gpu(r) for r in runs}) > 1
+
     for r in sorted(runs, key=lambda r: (r["preset"], micro_batches(r), -r["seq_len"], r["experts"] != "megamoe",
                                          fp8(r), r["seed"])):
         share = "" if r["moe_share"] is None else f"{r['moe_share']:.3f}"
-        experts = f"{r['experts']} (FP8)" if fp8(r) else r["experts"]
+        option = ", x's dW13 scales over the layer" if r.get("fp8_wgrad_x_scales") == "layer" else ""
+        experts = f"{r['experts']} (FP8{option})" if fp8(r) else r["experts"]
+        model = f"{r['preset']}, {r['layers']} layers" + (f" ({_gpu(r)})" if several_gpus else "")
         per_step = f"{r['seqs_per_step']} x {r['seq_len']}"
         if micro_batches(r) > 1:
             per_step = f"{micro_batches(r)} micro-batches of {per_step}"
-        lines.append(f"| {r['preset']}, {r['layers']} layers | {per_step} | {experts} | "
+        lines.append(f"| {model} | {per_step} | {experts} | "
                      f"{r['seed']} | {r['steps']} | {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.1f} | "
                      f"{r['mfu']:.1%} | {share} | {r['peak_mem_bytes'] / 2**30:.1f} | {r['final_eval_loss']:.3f} | "
                      f"{_code(r)} |")
