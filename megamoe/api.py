@@ -217,11 +217,12 @@ def moe(
             the weights change: ``kernels.quant.fp8_weight``), fp32 scales and accumulation, promoted every 128
             of K; the routing weights, SwiGLU and combine in fp32; the weight gradients in FP8 from operands
             quantised 128x1 along the tokens (``megamoe.autograd.FP8_WGRAD``, ``MEGAMOE_FP8_WGRAD=0``: in bf16 from
-            the unquantised rows; ``megamoe.autograd.FP8_WGRAD_X_SCALES``, ``MEGAMOE_FP8_WGRAD_X_SCALES=layer``: x's
-            with one scale per channel over the layer's tokens in dW13, faster, one GPU only). D and I must be multiples of 128 (``ValueError`` otherwise). With ``group`` the
-            fused path sends each token's row to its owners in e4m3 with its scales (D + D/32 bytes against 2D in
-            bf16) and takes the rows back in x's dtype; the backward's x and dy rows cross in x's dtype. On a GPU
-            before Hopper a one-time warning and the bf16 reference.
+            the unquantised rows; ``megamoe.autograd.FP8_WGRAD_X_SCALES``, ``MEGAMOE_FP8_WGRAD_X_SCALES=layer`` or
+            ``expert``: x's with one scale per channel over the layer's tokens, or over each expert's, in dW13: faster,
+            options of the recipe, one GPU only). D and I must be multiples of 128 (``ValueError`` otherwise). With
+            ``group`` the fused path sends each token's row to its owners in e4m3 with its scales (D + D/32 bytes
+            against 2D in bf16) and takes the rows back in x's dtype; the backward's x and dy rows cross in x's
+            dtype. On a GPU before Hopper a one-time warning and the bf16 reference.
         save_for_backward: what the fused path keeps between forward and backward. ``"none"`` (default):
             only the inputs and the routing plan; the backward recomputes the gate/up GEMM — the mode for
             activation-checkpointed training, where megamoe's forward need not run twice. ``"preact"``: also

@@ -50,9 +50,10 @@ from megamoe.kernels.quant import fp8_weight, quantize_rows
 # ``MEGAMOE_FP8_WGRAD=0`` clears it at import; the one-GPU backward reads it at every call, the expert-parallel
 # layer (``megamoe.moe(group=...)``) when its forward runs.
 FP8_WGRAD = fp8_wgrad_requested()
-# With FP8 weight gradients, x's scales in dW13 = dzᵀ x: "tile" (the recipe's 128x1 groups, the default) or "layer"
+# With FP8 weight gradients, x's scales in dW13 = dzᵀ x: "tile" (the recipe's 128x1 groups, the default), "layer"
 # (one per channel over the layer's tokens, ``quant.channel_amax``: each K-step then promoted by dz's scales alone,
-# x's applied to the sum; ``env.fp8_wgrad_x_scales_requested``). One GPU only (``megamoe.moe`` refuses "layer" with
+# x's applied to the sum) or "expert" (one per channel over each expert's tokens, ``quant.expert_channel_amax``, the
+# same GEMM; ``env.fp8_wgrad_x_scales_requested``). One GPU only (``megamoe.moe`` refuses all but "tile" with
 # ``group``); the backward reads it at every call.
 FP8_WGRAD_X_SCALES = fp8_wgrad_x_scales_requested()
 # The one-GPU backward's order (bf16 weight gradients). True (low peak, the default): dW13 first (x's sorted rows freed

@@ -9,7 +9,7 @@ Environment variables (documented in docs/USAGE.md):
 * ``MEGAMOE_AUTOTUNE=0`` — fixed tile configs (:func:`autotune_requested`);
 * ``MEGAMOE_FP8_WGRAD`` — ``1`` (default) or ``0``: FP8 or bf16 weight gradients in ``precision="fp8"``
   (:func:`fp8_wgrad_requested`);
-* ``MEGAMOE_FP8_WGRAD_X_SCALES`` — ``tile`` (default) or ``layer``: x's scales in the FP8 dW13
+* ``MEGAMOE_FP8_WGRAD_X_SCALES`` — ``tile`` (default), ``layer`` or ``expert``: x's scales in the FP8 dW13
   (:func:`fp8_wgrad_x_scales_requested`);
 * ``MEGAMOE_LOW_PEAK_BACKWARD`` — ``0`` or ``1``: the one-GPU backward's order (:func:`low_peak_backward_requested`);
 * ``MEGAMOE_WGRAD_BY_SIZE`` — ``1`` (default) or ``0``: the weight-gradient kernels' blocks in order of their experts'
@@ -117,14 +117,16 @@ def fp8_wgrad_requested() -> bool:
     return _switch("MEGAMOE_FP8_WGRAD", True)
 
 
-FP8_WGRAD_X_SCALES = ("tile", "layer")
+FP8_WGRAD_X_SCALES = ("tile", "layer", "expert")
 
 
 def fp8_wgrad_x_scales_requested() -> str:
     """``MEGAMOE_FP8_WGRAD_X_SCALES``: the default of ``megamoe.autograd.FP8_WGRAD_X_SCALES``, read once, at import.
     ``tile`` or unset: x quantised for the FP8 dW13 as the recipe's 128x1 groups (one scale per channel and 128 of an
     expert's tokens); ``layer``: one scale per channel over the layer's tokens, so that the GEMM promotes each K-step
-    by dz's scales alone (faster; less accurate on heavy-tailed x: ``tools.fp8_wgrad_scales``, docs/PERFORMANCE.md)."""
+    by dz's scales alone (faster; less accurate on heavy-tailed x: ``tools.fp8_wgrad_scales``, docs/PERFORMANCE.md);
+    ``expert``: one per channel over each expert's tokens (the same GEMM; between the two in accuracy, and a pass over
+    x's gathered rows for the amax)."""
     value = os.environ.get("MEGAMOE_FP8_WGRAD_X_SCALES", "") or "tile"
     if value not in FP8_WGRAD_X_SCALES:
         raise ValueError(f"MEGAMOE_FP8_WGRAD_X_SCALES must be one of {FP8_WGRAD_X_SCALES}, got {value!r}")

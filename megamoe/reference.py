@@ -522,7 +522,7 @@ class _MoeLoopFP8(torch.autograd.Function):
     kernels compute them (in the operands' dtype). ``fp8_wgrad``: the weight gradients in FP8 instead (DeepSeek-V3's
     recipe, ``autograd.FP8_WGRAD``): each operand's rows of an expert, as the kernels hold them (x's dtype), in 128x1
     groups from the expert's first row (sorted by slot: the plan's order); ``x_scales`` "layer": x's groups with one
-    scale per channel over all of x's rows (``autograd.FP8_WGRAD_X_SCALES``)."""
+    scale per channel over all of x's rows, "expert": over the expert's rows (``autograd.FP8_WGRAD_X_SCALES``)."""
 
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, w13, w2, fp8_wgrad=False, x_scales="tile"):
@@ -562,7 +562,8 @@ class _MoeLoopFP8(torch.autograd.Function):
             dz = torch.cat([dh * wt * u * (sig + g * sig * (1 - sig)), dh * wt * g * sig], dim=1)
             dx.index_add_(0, tok, _fp8_rows(dz.to(x.dtype)) @ w13d[e])
             if ctx.fp8_wgrad:
-                dw13[e] = _fp8_cols(dz.to(x.dtype)).t() @ _fp8_cols(x[tok], x_amax)
+                amax = x[tok].abs().amax(dim=0).float() if ctx.x_scales == "expert" and len(tok) else x_amax
+                dw13[e] = _fp8_cols(dz.to(x.dtype)).t() @ _fp8_cols(x[tok], amax)
                 dw2[e] = _fp8_cols(dy[tok]).t() @ _fp8_cols((h * wt).to(x.dtype))
             else:
                 dw13[e] = dz.t() @ x[tok].float()

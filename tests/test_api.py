@@ -612,7 +612,7 @@ def test_fp8_tool_checks_each_scheduling_variant_bitwise_against_the_layers(monk
     monkeypatch.setattr(fp8, "scaled_mm_tflops", lambda m, n, k: 1.0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stub")
     args = ["--preset", "tiny-fp8", "--tokens", "64", "--out", str(tmp_path)]
-    fp8.main(args + ["--stages", "up,down,dW2 FP8,over the layer", "--rounds", "2"], device="cpu")
+    fp8.main(args + ["--stages", "up,down,dW2 FP8,over the layer,per expert", "--rounds", "2"], device="cpu")
     record = json.loads(next(tmp_path.glob("fp8-kernels-tiny-fp8-t64-some-stages.json")).read_text())
     assert record["rounds"] == 2 and all(r["ms_rounds"] == [1.0, 1.0] and r["ms"] == 1.0 for r in record["stages"])
     checked = {r["stage"]: r["bitwise_as"] for r in record["stages"] if "bitwise_as" in r}
@@ -621,6 +621,9 @@ def test_fp8_tool_checks_each_scheduling_variant_bitwise_against_the_layers(monk
     assert layer_scales == ["dW13, x's scales over the layer (FP8)", "dW13, x's scales over the layer (FP8, 256 columns)",
                             "the same, x's scales over the layer"]
     assert not set(layer_scales) & set(checked)
+    per_expert = [r["stage"] for r in record["stages"] if "per expert" in r["stage"]]
+    assert per_expert == ["wgrad: x's channel amax per expert (N, D) from the tokens' rows",
+                          "the same, x's scales per expert"] and not set(per_expert) & set(checked)
     assert all(r["bitwise_equal"] for r in record["stages"] if "bitwise_as" in r)
     assert checked["up, products stored"] == "up (+ SwiGLU, h quantised)"
     other_order = "dW2 FP8 (256 columns)" + ORDERS["expert" if gluon_sm90.WGRAD_BY_SIZE else "size"][0]

@@ -198,4 +198,4 @@ def test_train_table_names_micro_batches_and_code(tmp_path):
                                                               "expert_precision": "fp8", "fp8_wgrad_x_scales": "layer"}))
     rows = [line for line in report.train_table(tmp_path).splitlines() if line.startswith("| qwen3")]
     assert rows[0].startswith(f"| {run['preset']}, {run['layers']} layers ({report._gpu(run)}) |")
-    assert f"| megamoe (FP8, x's dW13 scales over the layer) | 9 |" in rows[1] and "layers (H100) |" in rows[1]
+    assert "| megamoe (FP8, x's dW13 scales over the layer) | 9 |" in rows[1] and "layers (H100) |" in rows[1]

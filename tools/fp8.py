@@ -21,7 +21,8 @@ tile columns (``expert_bwd.act_bwd_tile_cols``), the two FP8 GEMMs and dx's comb
 with dy quantised beside and dh' on the sorted rows, the act step writing dz and h·w in bf16, and the two bf16 GEMMs,
 dW13's with the combine inside; and dW13 with x's scales one per channel over the layer (``autograd.FP8_WGRAD_X_SCALES
 = "layer"``: x's channel amax, its tile columns with it, the GEMM told that B's scales are its expert's in every tile;
-not the recipe's sums, so checked against nothing here), and the FP8 part again with it. dh' is also timed both ways on
+not the recipe's sums, so checked against nothing here), and the FP8 part again with it, and with x's scales per
+expert (``"expert"``: x's channel amax per expert, its tile columns with it). dh' is also timed both ways on
 its own, and the tile-column quantiser's Triton kernel ("(Triton)") beside the layer's (on sm90 the Gluon one,
 ``quant.TILE_COLS_GLUON``), checked bitwise against it. The
 act step into tile columns is also timed on its own, beside the act step followed by the tile-column quantiser on its
@@ -124,6 +125,7 @@ def main(argv=None, device: str = "cuda") -> None:
     dzt, xt, dyt, hwt = (quant.quantize_tile_cols(t, plan) for t in (dz, x_sorted, dy_sorted, hw))
     x_amax = quant.channel_amax(x)  # x's scales per channel over the layer (autograd.FP8_WGRAD_X_SCALES = "layer")
     xt_layer = quant.quantize_tile_cols(x, plan, top_k, col_amax=x_amax)
+    x_expert_amax = quant.expert_channel_amax(x, plan, top_k)  # ... and per expert ("expert")
     num_tiles = plan.tile_expert_NT.numel()
 
     def tile_cols_bytes(cols):  # bf16 rows read; e4m3 tile columns and fp32 scales written
@@ -137,7 +139,11 @@ def main(argv=None, device: str = "cuda") -> None:
 
     def fp8_wgrads(x_scales="tile"):  # what the FP8 backward runs with autograd.FP8_WGRAD and bf16 runs without it
         expert_bwd.dh_fp8_from_rows(dy, w2tq, w2ts, plan, plan, top_k, torch.bfloat16)
-        amax = quant.channel_amax(x) if x_scales == "layer" else None
+        amax = None  # "tile": the recipe's
+        if x_scales == "layer":
+            amax = quant.channel_amax(x)
+        elif x_scales == "expert":
+            amax = quant.expert_channel_amax(x, plan, top_k)
         xt_, dyt_ = quant.quantize_tile_cols(x, plan, top_k, col_amax=amax), quant.quantize_tile_cols(dy, plan, top_k)
         _, _, _, dzt_, hwt_ = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k)
         expert_bwd.wgrad_fp8(*dyt_, *hwt_, plan, torch.bfloat16)
@@ -216,6 +222,10 @@ def main(argv=None, device: str = "cuda") -> None:
         ("wgrad: x's channel amax (T, D)", lambda: quant.channel_amax(x), None, x.numel() * 2, None),
         ("wgrad: quantize 128x1 (N, D) from the tokens' rows, the layer's amax",
          lambda: quant.quantize_tile_cols(x, plan, top_k, col_amax=x_amax), None, tile_cols_bytes(dim), None),
+        ("wgrad: x's channel amax per expert (N, D) from the tokens' rows",
+         lambda: quant.expert_channel_amax(x, plan, top_k), None, num_slots * dim * 2, None),
+        ("wgrad: quantize 128x1 (N, D) from the tokens' rows, the experts' amax",
+         lambda: quant.quantize_tile_cols(x, plan, top_k, col_amax=x_expert_amax), None, tile_cols_bytes(dim), None),
         ("act step on the products, dz 1x128 beside",
          lambda: expert_bwd.act_bwd_from_preact(products, dh, weights, plan, top_k, quant_dz=True), None,
          num_slots * inter * (4 + 2 + 4 + 2 + 2) + dzs.numel() * 4, None),
@@ -272,6 +282,7 @@ def main(argv=None, device: str = "cuda") -> None:
          None, None),
         ("the FP8 backward's part that FP8_WGRAD changes, FP8", fp8_wgrads, up_flops + 2 * down_flops, None, None),
         ("the same, x's scales over the layer", lambda: fp8_wgrads("layer"), up_flops + 2 * down_flops, None, None),
+        ("the same, x's scales per expert", lambda: fp8_wgrads("expert"), up_flops + 2 * down_flops, None, None),
         ("the FP8 backward's part that FP8_WGRAD changes, bf16", bf16_wgrads, up_flops + 2 * down_flops, None,
          None),
     ]

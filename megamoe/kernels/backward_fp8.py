@@ -24,6 +24,7 @@ from megamoe.kernels.expert_fwd import up_products_fp8
 from megamoe.kernels.plan import Plan
 from megamoe.kernels.quant import (
     channel_amax,
+    expert_channel_amax,
     fp8_weight,
     quantize_rows,
     quantize_tile_cols,
@@ -50,8 +51,8 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     those rows quantised 128x1: x's and dy's read from their rows (no sorted copies), dz's and h·w's by the act step
     (``expert_bwd.act_bwd_tile_cols``: on sm90 neither is written in x's dtype), and dx before dW13, x's tile
     columns made just before it (over handed-over products); ``x_scales`` (``autograd.FP8_WGRAD_X_SCALES``): x's
-    scales in them, "tile" (the recipe's 128x1 groups) or "layer" (one per channel over ``x``'s rows, which dW13
-    then applies to its sums).
+    scales in them, "tile" (the recipe's 128x1 groups), "layer" (one per channel over ``x``'s rows, which dW13 then
+    applies to its sums) or "expert" (one per channel over each expert's rows, likewise).
 
     ``dy``, ``x``: rows in x's dtype, each sorted row read from row ``row_slot[r] // top_k`` (the tokens' rows, or
     with ``top_k`` 1 and the identity row map rows already sorted: an owner's received rows); ``weights_TK``: the
@@ -101,7 +102,11 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
         del dzq, dzs
         dx = dx_rows(dx_slots_ND, dweight_TK)
         del dx_slots_ND
-        x_amax = channel_amax(x) if x_scales == "layer" else None
+        x_amax = None  # "tile": the recipe's scales, from each tile's rows
+        if x_scales == "layer":
+            x_amax = channel_amax(x)
+        elif x_scales == "expert":
+            x_amax = expert_channel_amax(x, read_plan, read_top_k)
         x_t = quantize_tile_cols(x, read_plan, read_top_k, over=products_over, col_amax=x_amax)
         dw13 = wgrad_fp8(*dz_t, *x_t, plan, w13.dtype, b_const=x_amax is not None)
         return dx, dweight_TK, dw13, dw2

@@ -154,6 +154,46 @@ def _quantize_weight_kernel(
 
 
 @triton.jit
+def _tile_block(a_ptr, t, e, offsets_ptr, tile_row_ptr, row_slot_ptr, C, top_k, GATHER: tl.constexpr,
+                TILE_M: tl.constexpr, BC: tl.constexpr):
+    """Plan tile ``t``'s rows (of expert ``e``) at the program's BC columns, as a (BC, TILE_M) block (rows past the
+    expert's end zeros), and those columns; GATHER: sorted row r read from token row_slot[r] // top_k."""
+    rows = tl.load(tile_row_ptr + t) + tl.arange(0, TILE_M)
+    rmask = rows < tl.load(offsets_ptr + e + 1)
+    if GATHER:
+        rows = tl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    # int64: N * C and C * NT * 128 overflow int32 at real sizes
+    return tl.load(a_ptr + rows.to(tl.int64)[None, :] * C + cols[:, None], mask=rmask[None, :], other=0.0), cols
+
+
+@triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _expert_amax_kernel(
+    a_ptr,  # (N, C) sorted rows, or with GATHER (T, C) the tokens' rows; any float dtype
+    amax_bits_ptr,  # (E, C) int32, zeros in: the bits of each expert's largest magnitude (fp32) of each column
+    offsets_ptr, tile_expert_ptr, tile_row_ptr, row_slot_ptr, C, E, top_k,
+    GATHER: tl.constexpr, TILE_M: tl.constexpr, BC: tl.constexpr,
+):
+    """One (plan tile, BC columns) per program, read as ``_quantize_tile_cols_kernel`` reads them: the tile's column
+    amax, taken into its expert's by an atomic max (max is exact and commutative: the same result in any order; a
+    NaN stays NaN)."""
+    t = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + t)
+    if e >= E:  # an idle tile: never read
+        return
+    a, cols = _tile_block(a_ptr, t, e, offsets_ptr, tile_row_ptr, row_slot_ptr, C, top_k, GATHER, TILE_M, BC)
+    amax = tl.reduce(tl.abs(a.to(tl.float32)), 1, _max_keeping_nan)  # >= 0, or a NaN with its sign bit clear
+    # on the bits as int32: non-negative floats (a NaN's above +inf) order as their bits do, the same on the GPU and in
+    # the interpreter (a float atomic max need not keep a NaN)
+    tl.atomic_max(amax_bits_ptr + e.to(tl.int64) * C + cols, amax.to(tl.int32, bitcast=True))
+
+
+@triton.jit
 def _quantize_tile_cols_kernel(
     a_ptr,  # (N, C) sorted rows, or with GATHER (T, C) the tokens' rows; any float dtype
     q_ptr,  # (C, NT * 128) e4m3 out: column c of tile t's rows at [c, 128 t : 128 t + 128]
@@ -173,13 +213,7 @@ def _quantize_tile_cols_kernel(
     e = tl.load(tile_expert_ptr + t)
     if e >= E:  # an idle tile: never read
         return
-    rows = tl.load(tile_row_ptr + t) + tl.arange(0, TILE_M)
-    rmask = rows < tl.load(offsets_ptr + e + 1)
-    if GATHER:
-        rows = tl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    # int64: N * C and C * NT * 128 overflow int32 at real sizes
-    a = tl.load(a_ptr + rows.to(tl.int64)[None, :] * C + cols[:, None], mask=rmask[None, :], other=0.0)
+    a, cols = _tile_block(a_ptr, t, e, offsets_ptr, tile_row_ptr, row_slot_ptr, C, top_k, GATHER, TILE_M, BC)
     if GIVEN_AMAX:
         s, inv = scale_and_inverse(tl.maximum(tl.load(amax_ptr + e * amax_stride + cols), AMAX_FLOOR), POW2)
         q = to_e4m3(a.to(tl.float32) * inv[:, None])
@@ -202,7 +236,7 @@ TILE_COLS_BC = 128
 # the Triton kernel (``python -m tools.fp8``, its rows "(Triton)", docs/PERFORMANCE.md): from the tokens' rows (x's and
 # dy's copies) 6-7% faster at both layers, sorted rows 2%.
 TILE_COLS_GLUON = True
-KERNELS = (_quantize_rows_kernel, _quantize_weight_kernel, _quantize_tile_cols_kernel)
+KERNELS = (_quantize_rows_kernel, _quantize_weight_kernel, _quantize_tile_cols_kernel, _expert_amax_kernel)
 
 
 def check_fp8_dims(dim: int, inter: int) -> None:
@@ -270,6 +304,22 @@ def quantize_tile_cols(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None,
         amax_stride=0 if col_amax is None or col_amax.dim() == 1 else cols, GATHER=top_k is not None,
         GIVEN_AMAX=col_amax is not None, TILE_M=BLOCK_M, BC=TILE_COLS_BC, POW2=fp8_pow2_scales(), num_warps=4)
     return q, s
+
+
+def expert_channel_amax(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None) -> torch.Tensor:
+    """(E, C) fp32: each expert's largest magnitude of each column over its sorted rows of ``a`` (zeros for an expert
+    without rows; a NaN stays NaN), read as ``quantize_tile_cols`` reads them (``top_k``: ``a`` holds the tokens' rows):
+    the ``col_amax`` that gives each expert one scale per column. One pass over the rows (no host sync)."""
+    num_experts = plan.offsets_E1.numel() - 1
+    cols = a_NC.shape[1]
+    if cols % TILE_COLS_BC:
+        raise ValueError(f"expert_channel_amax needs a multiple of {TILE_COLS_BC} columns, got {cols}")
+    amax = torch.zeros(num_experts, cols, device=a_NC.device, dtype=torch.int32)  # fp32 bits: 0.0
+    _expert_amax_kernel[(plan.tile_expert_NT.numel(), cols // TILE_COLS_BC)](
+        a_ptr=a_NC, amax_bits_ptr=amax, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
+        tile_row_ptr=plan.tile_row_NT, row_slot_ptr=plan.row_slot_N, C=cols, E=num_experts, top_k=top_k or 1,
+        GATHER=top_k is not None, TILE_M=BLOCK_M, BC=TILE_COLS_BC, num_warps=4)
+    return amax.view(torch.float32)
 
 
 def channel_amax(a_TC: torch.Tensor) -> torch.Tensor:
