@@ -666,7 +666,7 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
         **meta, "compile_mode": args.compile_mode, "params": params_total, "precision": "bf16" if cuda else "fp32",
         # FP8 experts' weight gradients in FP8 (``MEGAMOE_FP8_WGRAD``) or in bf16; None for bf16 experts
         "fp8_weight_gradients": megamoe.autograd.FP8_WGRAD if args.precision == "fp8" else None,
-        # and with FP8 ones, x's scales in dW13 (``MEGAMOE_FP8_WGRAD_X_SCALES``: the recipe's "tile", or "layer")
+        # and with FP8 ones, x's scales in dW13 (``MEGAMOE_FP8_WGRAD_X_SCALES``: the recipe's "tile", "layer", "expert")
         "fp8_wgrad_x_scales": (megamoe.autograd.FP8_WGRAD_X_SCALES
                                if args.precision == "fp8" and megamoe.autograd.FP8_WGRAD else None),
         "optimizer": "AdamW, bf16 states" if cuda else "AdamW, fp32",
@@ -714,14 +714,14 @@ def moe_share(model, train, args, device, world, rank, step_loss) -> dict:
 
 def precision_label(run: dict) -> str:
     """`` (FP8)`` for a run with FP8 experts, saying whether their weight gradients were FP8 (``FP8 dW``) or bf16
-    where its log records it, and x's dW13 scales where they were an option's (``x over the layer``); empty for bf16
-    experts."""
+    where its log records it, and x's dW13 scales where they were an option's (``x over the layer``, ``x per
+    expert``); empty for bf16 experts."""
     if run.get("expert_precision") != "fp8":
         return ""
     wgrad = run.get("fp8_weight_gradients")
     if wgrad is None:
         return " (FP8)"
-    option = ", x over the layer" if run.get("fp8_wgrad_x_scales") == "layer" else ""
+    option = {"layer": ", x over the layer", "expert": ", x per expert"}.get(run.get("fp8_wgrad_x_scales"), "")
     return f" (FP8, {'FP8' if wgrad else 'bf16'} dW{option})"
 
 

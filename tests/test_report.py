@@ -150,13 +150,14 @@ def test_readme_tables_leave_out_runs_of_a_recipe_option():
                              "tflops": 1.0} for impl in ("sonicmoe", "megamoe", "megamoe_fp8")]}
         return info if x_scales is None else {**info, "megamoe_fp8_wgrad_x_scales": x_scales}
 
-    runs = [run("2026-01-01"), run("2026-02-01", "tile"), run("2026-03-01", "layer")]
+    runs = [run("2026-01-01"), run("2026-02-01", "tile"), run("2026-03-01", "layer"), run("2026-04-01", "expert")]
     for table in (report.sonicmoe_table(runs), report.fp8_table(runs)):
         firsts = list(dict.fromkeys(line.split(" | ")[0] for line in table.splitlines()[2:] if line.startswith("| ")))
         assert firsts == ["| p T=8 random (G, 2026-02-01, 0123abc)"]
     # the results page's history keeps every run, the option's marked
     firsts = [line.split(" | ")[0] for line in report.table(runs).splitlines()[2:] if line.startswith("| ")]
-    assert firsts == ["| p T=8 random (G)"] * 6 + ["| p T=8 random (G, x's FP8 dW13 scales over the layer)"] * 3
+    assert firsts == (["| p T=8 random (G)"] * 6 + ["| p T=8 random (G, x's FP8 dW13 scales over the layer)"] * 3
+                      + ["| p T=8 random (G, x's FP8 dW13 scales per expert)"] * 3)
 
 
 def test_tables_name_each_runs_gpu():

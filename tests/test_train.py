@@ -87,6 +87,8 @@ def test_plot_labels_say_whether_fp8_weight_gradients_ran_where_the_log_records_
                             "fp8_wgrad_x_scales": "tile"}) == " (FP8, FP8 dW)"
     assert precision_label({"expert_precision": "fp8", "fp8_weight_gradients": True,
                             "fp8_wgrad_x_scales": "layer"}) == " (FP8, FP8 dW, x over the layer)"
+    assert precision_label({"expert_precision": "fp8", "fp8_weight_gradients": True,
+                            "fp8_wgrad_x_scales": "expert"}) == " (FP8, FP8 dW, x per expert)"
 
 
 def test_resumed_run_continues_bitwise(runs, corpus):

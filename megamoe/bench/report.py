@@ -51,7 +51,7 @@ def table(runs: list[dict]) -> str:
     lines = [("| problem | impl | fwd ms | fwd+bwd ms | AC step ms | TFLOP/s | of dense | kept MiB | "
               "AC-step speed-up vs compiled |"), "|---|---|---|---|---|---|---|---|---|"]
     for info in runs:
-        option = "" if _recipes(info) else ", x's FP8 dW13 scales over the layer"
+        option = _x_scales_option(info.get("megamoe_fp8_wgrad_x_scales"), "x's FP8 dW13 scales")
         problem = f"{info['preset']} T={info['tokens']} {info['routing']} ({_gpu(info)}{option})"
         for r in info["results"]:
             sp = r.get("speedup_vs_grouped_mm_compiled", {}).get("ac_step_ms")
@@ -164,6 +164,12 @@ def _newest_first(runs: list[dict]) -> list[dict]:
     return sorted(by_date, key=lambda info: (info["preset"], info["tokens"], info["routing"]))
 
 
+def _x_scales_option(value: str | None, what: str) -> str:
+    """``", {what} over the layer"`` or ``", {what} per expert"`` for a run with that option of the FP8 recipe
+    (``MEGAMOE_FP8_WGRAD_X_SCALES``, ``value``), else empty."""
+    return {"layer": f", {what} over the layer", "expert": f", {what} per expert"}.get(value, "")
+
+
 def _recipes(info: dict) -> bool:
     """Whether a run ran the FP8 recipe as it stands by default (not an option of it such as x's weight-gradient
     scales over the layer, ``MEGAMOE_FP8_WGRAD_X_SCALES``): only those stand for the layer in the README."""
@@ -265,7 +271,7 @@ def fp8_table(runs: list[dict]) -> str:
 def train_table(folder: Path) -> str:
     """``python -m megamoe.train`` runs (``folder``/train/*.json): per run its throughput, MFU, the experts' share of
     the step, the final eval loss and the code it ran; each run's GPU where they ran on more than one, and an FP8
-    run's option of the recipe where it had one (x's dW13 scales over the layer)."""
+    run's option of the recipe where it had one (x's dW13 scales over the layer or per expert)."""
     runs = [json.loads(path.read_text()) for path in sorted((folder / "train").glob("*.json"))]
     lines = [("| model | tokens per step | experts | seed | steps | tokens/s | step ms | MFU | MoE share | peak GiB | "
               "eval loss | code |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -280,7 +286,7 @@ def train_table(folder: Path) -> str:
     for r in sorted(runs, key=lambda r: (r["preset"], micro_batches(r), -r["seq_len"], r["experts"] != "megamoe",
                                          fp8(r), r["seed"])):
         share = "" if r["moe_share"] is None else f"{r['moe_share']:.3f}"
-        option = ", x's dW13 scales over the layer" if r.get("fp8_wgrad_x_scales") == "layer" else ""
+        option = _x_scales_option(r.get("fp8_wgrad_x_scales"), "x's dW13 scales")
         experts = f"{r['experts']} (FP8{option})" if fp8(r) else r["experts"]
         model = f"{r['preset']}, {r['layers']} layers" + (f" ({_gpu(r)})" if several_gpus else "")
         per_step = f"{r['seqs_per_step']} x {r['seq_len']}"
