@@ -163,8 +163,8 @@ def test_fp8_wgrad_backward_writes_x_tile_columns_over_the_saved_products(monkey
     original = backward_fp8.quantize_tile_cols
     over_products = []  # per tile-column quantisation: whether it wrote into memory handed to it
 
-    def spy(a, plan, top_k=None, over=None):
-        q, s = original(a, plan, top_k, over=over)
+    def spy(a, plan, top_k=None, over=None, col_amax=None):
+        q, s = original(a, plan, top_k, over=over, col_amax=col_amax)
         over_products.append(over is not None and q.untyped_storage().data_ptr() == over.untyped_storage().data_ptr())
         return q, s
 
