@@ -7,13 +7,12 @@ K, dW13 and dW2 ran 16-17% faster at 235B, before the amax pass that per-expert 
 
 * ``tile/tile``: both per channel and 128 rows, DeepSeek-V3's 128x1 groups (``reference.quantize_tile_cols``), what
   ``autograd.FP8_WGRAD`` computes;
-* ``tile/expert``: b per channel over all the expert's rows, so that its scale could leave the GEMM's K-loop for
-  the epilogue (the "A's row scales only" timing in docs/PERFORMANCE.md, "Where the weight-gradient kernel's time
-  goes");
+* ``tile/expert``: b per channel over all the expert's rows, so that its scale leaves the GEMM's K-loop for the
+  epilogue (dW13's with ``MEGAMOE_FP8_WGRAD_X_SCALES=expert``, b being x);
 * ``expert/expert``: both per channel over all the rows;
 * ``tile/layer``: b per channel over all the layer's rows (``--layer-rows``, the expert's among them, of the same
   distribution): the cheapest of these to compute (one pass over the tokens, not over each expert's rows), at the
-  price of the layer's amax standing for the expert's;
+  price of the layer's amax standing for the expert's (dW13's with ``MEGAMOE_FP8_WGRAD_X_SCALES=layer``);
 * ``tile/block``: b per 128 rows x 128 channels (the weights' block shape), so that a 128-column half of a block
   promotes by one scale per row, a's times b's block's, as the sorted-rows kernel does (the same "A's row scales
   only" timing: the promotion's cost, not where b's scale is applied).
