@@ -279,7 +279,11 @@ def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n,
     expert (``quantize_tile_cols``' ``col_amax``; the kernel's ``b_const``)."""
     from megamoe import reference
     from megamoe.kernels.gluon_fp8_sm90 import fp8_wgrad_ws
-    from megamoe.kernels.quant import channel_amax, quantize_tile_cols
+    from megamoe.kernels.quant import (
+        channel_amax,
+        expert_channel_amax,
+        quantize_tile_cols,
+    )
 
     gen = torch.Generator().manual_seed(num_tokens * 5 + dim + inter)
     topk_idx = make_routing(num_tokens, num_experts, top_k, routing, gen)
@@ -296,8 +300,7 @@ def test_fp8_wgrad(num_tokens, num_experts, top_k, dim, inter, routing, block_n,
         if b_scales == "layer":
             b_amax = channel_amax(b[:offsets[-1]])
         elif b_scales == "expert":
-            b_amax = torch.stack([b[lo:hi].float().abs().amax(dim=0) if hi > lo else b.new_zeros(q).float()
-                                  for lo, hi in itertools.pairwise(offsets)])
+            b_amax = expert_channel_amax(b, plan)
         (aq, a_s), (bq, b_s) = quantize_tile_cols(a, plan), quantize_tile_cols(b, plan, col_amax=b_amax)
         out = torch.full((num_experts, p, q), float("nan"), device="cuda", dtype=torch.bfloat16)
         if q % block_n:

@@ -139,11 +139,7 @@ def main(argv=None, device: str = "cuda") -> None:
 
     def fp8_wgrads(x_scales="tile"):  # what the FP8 backward runs with autograd.FP8_WGRAD and bf16 runs without it
         expert_bwd.dh_fp8_from_rows(dy, w2tq, w2ts, plan, plan, top_k, torch.bfloat16)
-        amax = None  # "tile": the recipe's
-        if x_scales == "layer":
-            amax = quant.channel_amax(x)
-        elif x_scales == "expert":
-            amax = quant.expert_channel_amax(x, plan, top_k)
+        amax = quant.x_scales_amax(x_scales, x, plan, top_k)
         xt_, dyt_ = quant.quantize_tile_cols(x, plan, top_k, col_amax=amax), quant.quantize_tile_cols(dy, plan, top_k)
         _, _, _, dzt_, hwt_ = expert_bwd.act_bwd_tile_cols(products, dh, weights, plan, top_k)
         expert_bwd.wgrad_fp8(*dyt_, *hwt_, plan, torch.bfloat16)

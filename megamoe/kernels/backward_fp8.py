@@ -23,11 +23,10 @@ from megamoe.kernels.expert_bwd import (
 from megamoe.kernels.expert_fwd import up_products_fp8
 from megamoe.kernels.plan import Plan
 from megamoe.kernels.quant import (
-    channel_amax,
-    expert_channel_amax,
     fp8_weight,
     quantize_rows,
     quantize_tile_cols,
+    x_scales_amax,
 )
 
 
@@ -102,11 +101,7 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
         del dzq, dzs
         dx = dx_rows(dx_slots_ND, dweight_TK)
         del dx_slots_ND
-        x_amax = None  # "tile": the recipe's scales, from each tile's rows
-        if x_scales == "layer":
-            x_amax = channel_amax(x)
-        elif x_scales == "expert":
-            x_amax = expert_channel_amax(x, read_plan, read_top_k)
+        x_amax = x_scales_amax(x_scales, x, read_plan, read_top_k)
         x_t = quantize_tile_cols(x, read_plan, read_top_k, over=products_over, col_amax=x_amax)
         dw13 = wgrad_fp8(*dz_t, *x_t, plan, w13.dtype, b_const=x_amax is not None)
         return dx, dweight_TK, dw13, dw2

@@ -322,6 +322,17 @@ def expert_channel_amax(a_NC: torch.Tensor, plan: Plan, top_k: int | None = None
     return amax.view(torch.float32)
 
 
+def x_scales_amax(x_scales: str, a_NC: torch.Tensor, plan: Plan, top_k: int | None = None) -> torch.Tensor | None:
+    """The ``col_amax`` that ``quantize_tile_cols`` takes for x's scales ``x_scales`` (``autograd.FP8_WGRAD_X_SCALES``):
+    None for "tile" (the recipe's, from each tile's rows), ``channel_amax`` for "layer", ``expert_channel_amax`` for
+    "expert" (``a`` and ``top_k`` as ``quantize_tile_cols`` takes them)."""
+    if x_scales == "layer":
+        return channel_amax(a_NC)
+    if x_scales == "expert":
+        return expert_channel_amax(a_NC, plan, top_k)
+    return None
+
+
 def channel_amax(a_TC: torch.Tensor) -> torch.Tensor:
     """(C,) fp32: each column's largest magnitude over all of ``a``'s rows (zeros without rows; a NaN stays NaN), the
     ``col_amax`` of ``quantize_tile_cols`` that gives every expert one scale per column from the layer's rows."""
