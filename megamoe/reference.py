@@ -578,7 +578,7 @@ def moe_loop_fp8(x_TD, topk_idx_TK, topk_weights_TK, w13_EHD, w2_EDI, fp8_wgrad:
     against the fp32 reference, and the recipe the FP8 kernels must reproduce. D and I multiples of 128.
     ``fp8_wgrad``: with FP8 weight gradients (128x1 operands), as the kernels compute them with
     ``autograd.FP8_WGRAD``, or bf16 ones (False); None: as ``MEGAMOE_FP8_WGRAD`` sets that switch's default
-    (``env.fp8_wgrad_requested``). ``x_scales``: x's scales in FP8 weight gradients, "tile" or "layer" as
+    (``env.fp8_wgrad_requested``). ``x_scales``: x's scales in FP8 weight gradients, "tile", "layer" or "expert" as
     ``autograd.FP8_WGRAD_X_SCALES``; None: as ``MEGAMOE_FP8_WGRAD_X_SCALES`` sets its default."""
     if fp8_wgrad is None:
         fp8_wgrad = fp8_wgrad_requested()

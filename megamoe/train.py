@@ -31,9 +31,9 @@ Also a template to copy. What it does, in order:
   clipping at 1.0; AdamW (β 0.9/0.95, weight decay 0.1) with
   linear warm-up and cosine decay to 10% of ``--lr``.
 - **Output** in ``--out``/``--name``: ``log.json`` (configuration — with FP8 experts whether their weight gradients
-  are FP8, ``fp8_weight_gradients``, and with FP8 ones x's scales in dW13, ``fp8_wgrad_x_scales`` —, per-step losses, eval losses, each step's expert load per decoder layer
-  (``expert_load``: the most-loaded expert's top-k assignments over the mean, every rank's tokens; 1 is
-  balanced; the progress bar shows the largest), tokens/s — the
+  are FP8, ``fp8_weight_gradients``, and with FP8 ones x's scales in dW13, ``fp8_wgrad_x_scales`` —, per-step
+  losses, eval losses, each step's expert load per decoder layer (``expert_load``: the most-loaded expert's top-k
+  assignments over the mean, every rank's tokens; 1 is balanced; the progress bar shows the largest), tokens/s — the
   median over the steps after the first 10 —, step and host times, MFU, peak memory; GPU, versions, date,
   commit, command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's and the
   optimizer's tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in ``state.json``;
