@@ -26,3 +26,36 @@ def test_the_multicast_delivers_both_halves_to_both_ctas():
     assert torch.cuda.get_device_capability() >= (9, 0)
     _, offsets = compile_probe()
     assert run_on_gpu(offsets) == {"offsets_as_compiled": True, "cta0_tile_equal": True, "ctas_buffers_equal": True}
+
+
+@pytest.mark.parametrize("bn, stages", [(128, 4), (256, 3)])
+def test_the_gemm_compiles_its_two_modes_apart(bn, stages):
+    """``tools.multicast_gemm`` for sm_90a (no GPU needed): the multicast mode's SASS holds the multicast TMA load and
+    the own mode's does not; both allocate the five buffers apart, at the offsets their asm names."""
+    from tools.multicast import sass_of
+    from tools.multicast_gemm import NAMES, compile_gemm
+
+    for multicast in (False, True):
+        compiled, offsets = compile_gemm(bn, stages, multicast)
+        assert ("UTMALDG.2D.MULTICAST" in sass_of(compiled)) is multicast
+        assert set(offsets) == set(NAMES) and len(set(offsets.values())) == len(NAMES), offsets
+        assert compiled.metadata.num_ctas == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bn, stages", [(128, 4), (256, 3)])
+@pytest.mark.parametrize("multicast", [False, True])
+def test_the_gemm_computes_a_times_b_transposed(bn, stages, multicast):
+    """On Hopper, both modes: C = A Bᵀ against float64 products of the bf16 operands, to bf16's rounding, for a grid
+    of clusters over several row and column blocks and more K-steps than ring slots (each slot refilled)."""
+    from tools.multicast_gemm import compile_gemm, gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(bn + multicast)
+    a = torch.randn(1024, 640, device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(3 * bn, 640, device="cuda", dtype=torch.bfloat16, generator=gen)
+    _, offsets = compile_gemm(bn, stages, multicast)
+    got = gemm(a, b, offsets, bn, stages, multicast).double()
+    want = a.double() @ b.double().t()
+    assert ((got - want).abs() <= 2 ** -8 * want.abs() + 1e-2).all()
+    with pytest.raises(ValueError, match="does not tile"):
+        gemm(a[:768], b, offsets, bn, stages, multicast)
