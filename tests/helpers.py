@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from megamoe import reference
@@ -110,6 +111,14 @@ def check_block_trace(trace: torch.Tensor, programs: int, num_blocks: int, parts
             assert phases[name]["block"] >= phases[name]["main"] and 0 < phases[name]["share"] <= 1
         else:
             assert math.isnan(phases[name]["block"]) and math.isnan(phases[name]["share"])
+
+
+def interpreter_only(gpu_counterpart: str):
+    """Marks a test that holds a kernel to the interpreter's arithmetic (exact products, IEEE fp32 sums): skipped on a
+    GPU, whose FP8 tensor cores sum a K-step's products more coarsely, so that one input's rounding to e4m3 can flip;
+    ``gpu_counterpart`` (named in the skip's reason) bounds the GPU's kernels instead."""
+    return pytest.mark.skipif(torch.cuda.is_available(),
+                              reason=f"the interpreter's exact sums; on a GPU {gpu_counterpart} checks the kernels")
 
 
 def capture_launches(monkeypatch, module, kernels: tuple[str, ...]) -> list:

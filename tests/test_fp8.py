@@ -21,6 +21,7 @@ from tests.helpers import (
     NAMES,
     assert_close_to_reference,
     gpu_problem,
+    interpreter_only,
     make_problem,
     run_with_grads,
 )
@@ -225,6 +226,7 @@ def test_quantize_tile_cols_matches_reference_bit_for_bit(dtype, scales):
         assert torch.equal(bits(q2[:, :busy * 128]), bits(q[:, :busy * 128])) and torch.equal(s2[:busy], s[:busy])
 
 
+@interpreter_only("tests/test_gluon_fp8.py::test_fp8_wgrad")
 def test_fp8_wgrad_gemm_computes_the_dequantised_products():
     """dW[e] = sum over expert e's tiles of deq(a)ᵀ deq(b) (the Triton kernel: exact products, fp32 sums and
     promotion); an expert without rows gets exact zeros, and the NaN rows past the routed ones reach nothing."""
@@ -397,6 +399,7 @@ def test_quantize_tile_cols_with_given_amax_matches_reference_bit_for_bit(per, s
         quant.quantize_tile_cols(a.to(DEVICE), plan, col_amax=amax[..., :128].contiguous().to(DEVICE))
 
 
+@interpreter_only("tests/test_gluon_fp8.py::test_fp8_wgrad")
 @pytest.mark.parametrize("per", ["layer", "expert"])
 def test_fp8_wgrad_gemm_with_b_const_computes_the_dequantised_products(per):
     """b quantised with ``col_amax`` and the GEMM told so (``b_const``): dW[e] = sum over expert e's tiles of
@@ -456,6 +459,7 @@ def test_fp8_layer_computes_its_weight_gradient_recipe(shape, mode, fp8_wgrad, m
             assert rel_err(o, r) > 5e-3, f"{name}: {rel_err(o, r):.2e} from the bf16 weight gradients"
 
 
+@interpreter_only("test_fp8_wgrad_bf16_gpu_computes_the_recipe")
 @pytest.mark.parametrize("x_scales", ["layer", "expert"])
 @pytest.mark.parametrize("shape, mode", FP8_WGRAD_CASES[:2], ids=[f"{shape_id(s)}-{m}" for s, m in FP8_WGRAD_CASES[:2]])
 def test_fp8_layer_with_coarser_x_scales_computes_its_recipe(shape, mode, x_scales, monkeypatch):
