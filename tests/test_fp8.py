@@ -295,6 +295,7 @@ def test_output_gemms_write_rows_anywhere_as_to_slots(dim):
 FP8_CASES = [(s, "none") for s in FP8_SHAPES] + [(FP8_SHAPES[i], "preact") for i in (2, 5, 7)]
 
 
+@interpreter_only("test_fp8_bf16_gpu_computes_the_recipe")
 @pytest.mark.parametrize("shape, mode", FP8_CASES, ids=[f"{shape_id(s)}-{m}" for s, m in FP8_CASES])
 def test_fp8_layer_computes_the_recipe(shape, mode):
     """Output and every gradient: equal to the recipe in plain PyTorch up to the order of fp32 sums (a sum can
@@ -309,6 +310,7 @@ def test_fp8_layer_computes_the_recipe(shape, mode):
     assert_close_to_reference(out, problem, lowp=reference.moe_loop_fp8)
 
 
+@interpreter_only("tests/test_gluon_fp8.py::test_fp8_up_swiglu_power_of_two_scales")
 @pytest.mark.parametrize("shape, mode", [(FP8_SHAPES[2], "none"), (FP8_SHAPES[7], "preact")],
                          ids=lambda v: shape_id(v) if isinstance(v, tuple) else v)
 def test_fp8_layer_with_power_of_two_scales_computes_its_recipe(shape, mode):
@@ -435,6 +437,7 @@ def bf16_wgrad_recipe(*problem):
 FP8_WGRAD_CASES = [(FP8_SHAPES[2], "none"), (FP8_SHAPES[5], "preact"), (FP8_SHAPES[8], "none")]
 
 
+@interpreter_only("test_fp8_wgrad_bf16_gpu_computes_the_recipe")
 @pytest.mark.parametrize("fp8_wgrad", [True, False], ids=["fp8-wgrad", "bf16-wgrad"])
 @pytest.mark.parametrize("shape, mode", FP8_WGRAD_CASES, ids=[f"{shape_id(s)}-{m}" for s, m in FP8_WGRAD_CASES])
 def test_fp8_layer_computes_its_weight_gradient_recipe(shape, mode, fp8_wgrad, monkeypatch):
@@ -655,8 +658,10 @@ def test_weight_cache_hit_miss_and_invalidation(monkeypatch):
         w2.mul_(-1.0)  # an in-place update bumps the version: w2 is quantised again, w13 is not
     y = step()
     assert len(calls) == 3 and calls[-1] is w2
-    assert torch.equal(y, reference.moe_loop_fp8(x, idx, w, w13.detach(), w2.detach())) or \
-        rel_err(y, reference.moe_loop_fp8(x, idx, w, w13.detach(), w2.detach())) < 2e-3
+    # computed with w2's new copy: within half the recipe's own error of fp32 (the GPU tests' rule: the tensor cores'
+    # sums flip a few FP8 roundings); the stale copy, of -w2, would be ~200% off
+    fresh = reference.moe_loop_fp8(x, idx, w, w13.detach(), w2.detach())
+    assert rel_err(y, fresh) < 0.5 * rel_err(fresh, reference.moe_loop(x, idx, w, w13.detach(), w2.detach(), fp32=True))
     torch.optim.SGD([w13, w2], lr=0.1).step()  # any optimizer step invalidates every copy
     y = step()
     assert len(calls) == 5
