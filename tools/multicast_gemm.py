@@ -10,10 +10,13 @@ modes that differ only in how B's tile reaches shared memory:
 - ``own``: the same cluster launch, ring and barriers; each CTA loads both halves of B's tile into its own slot alone
   (one arrival a phase).
 
-Both modes: a (128, BN) block a CTA (two MMA warpgroups of 64 rows), a ring of ``stages`` slots of A (128, 64) and
-B (BN, 64), one warpgroup MMA in flight, a slot refilled once the MMA after it has been issued; the block is written
-through shared memory by TMA stores. Every copy is issued from inline PTX (``tools.multicast`` says how a Gluon kernel
-names its tensor maps and buffers there), the barriers and MMAs are Gluon's.
+Both modes: a (128, BN) block a CTA, not persistent; a loader warp filling a ring of ``stages`` slots of A (128, 64)
+and B (BN, 64) and an MMA partition of two warpgroups (64 rows each, one MMA in flight, a slot released once the MMA
+after it is issued), which then writes the block through shared memory by TMA stores. Every copy is issued from inline
+PTX (``tools.multicast`` says how a Gluon kernel names its tensor maps and buffers there), the barriers, the MMAs and
+the warp specialisation are Gluon's. (A first version without a loader warp, whose MMA warps waited for the slot's
+release before refilling it, lost 20-42% with the multicast: each CTA's MMAs then waited on its peer's every K-step;
+docs/PERFORMANCE.md.)
 
 ``python -m tools.multicast_gemm [--preset P] [--out DIR]`` on an sm90 GPU: checks both modes against torch's matmul
 and times them (``do_bench`` medians) beside torch's matmul (cuBLAS) on the preset's up projection (M = 16 384 x 8
@@ -32,6 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -46,6 +50,44 @@ NUM_WARPS = 8
 SWIZZLED = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, cga_layout=CLUSTER)
 PARAMS_PER_DESC = 5  # a 2-D tensor descriptor argument: the tensor map, then two sizes and two strides
 SHAPES = {"qwen3-30b-a3b": (2048, 1536), "qwen3-235b-a22b": (4096, 3072)}  # (D, 2I): the up projection's K and N
+
+
+@gluon.jit
+def _loader(a_ring, b_ring, full, empty, row0, col0, rank, k_steps, LOAD_ASM: gl.constexpr):
+    """Producer partition (one warp): each K-step's A and B tiles into the ring, a slot refilled once it is released
+    (by both CTAs' MMAs where B is multicast: ``empty`` counts two arrivals then)."""
+    STAGES: gl.constexpr = a_ring.type.shape[0]
+    BN: gl.constexpr = b_ring.type.shape[1]
+    for k in range(k_steps):
+        s = k % STAGES
+        mbarrier.wait(empty.index(s), ((k // STAGES) & 1) ^ 1)
+        mbarrier.expect(full.index(s), (128 + BN) * 64 * 2)
+        gl.inline_asm_elementwise(LOAD_ASM, "=r,r,r,r,r,r", [s, k * 64, row0, col0, rank], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _mma(a_ring, b_ring, full, empty, c_buf, row0, col0, rank, k_steps, ACC_LAYOUT: gl.constexpr,
+         RELEASE_ASM: gl.constexpr, STORE_ASM: gl.constexpr):
+    """MMA partition (two warpgroups): one MMA in flight, each slot released once the MMA after it is issued; then
+    the block through shared memory to C by TMA."""
+    STAGES: gl.constexpr = a_ring.type.shape[0]
+    BN: gl.constexpr = b_ring.type.shape[1]
+    acc = gl.zeros([128, BN], gl.float32, ACC_LAYOUT)
+    for k in range(k_steps):
+        s = k % STAGES
+        mbarrier.wait(full.index(s), (k // STAGES) & 1)
+        acc = warpgroup_mma(a_ring.index(s), b_ring.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        if k > 0:  # step k - 1's MMA is done in every warp: its slot goes back to the loaders
+            gl.thread_barrier()
+            gl.inline_asm_elementwise(RELEASE_ASM, "=r,r,r", [(k - 1) % STAGES, rank], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    c_buf.store(acc.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+    gl.inline_asm_elementwise(STORE_ASM, "=r,r,r", [row0, col0], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -66,30 +108,14 @@ def multicast_gemm_kernel(a_desc, b_desc, c_desc, num_n, k_steps, BN: gl.constex
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=EMPTY_ARRIVALS)
-    gl.inline_asm_elementwise(SYNC_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)  # both CTAs' barriers initialised before either copies into the other
-    for i in gl.static_range(STAGES):
-        mbarrier.expect(full.index(i), (128 + BN) * 64 * 2)
-        gl.inline_asm_elementwise(LOAD_ASM, "=r,r,r,r,r,r", [gl.to_tensor(i), gl.to_tensor(i * 64), row0, col0, rank], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    acc = gl.zeros([128, BN], gl.float32, ACC_LAYOUT)
-    for k in range(k_steps):
-        s = k % STAGES
-        mbarrier.wait(full.index(s), (k // STAGES) & 1)
-        acc = warpgroup_mma(a_ring.index(s), b_ring.index(s).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=(acc, ))
-        if k > 0:  # the MMA of step k - 1 is done in every warp: its slot is released, then refilled
-            prev = (k - 1) % STAGES
-            gl.thread_barrier()
-            gl.inline_asm_elementwise(RELEASE_ASM, "=r,r,r", [prev, rank], dtype=gl.int32, is_pure=False, pack=1)
-            if k - 1 + STAGES < k_steps:
-                mbarrier.wait(empty.index(prev), ((k - 1) // STAGES) & 1)
-                mbarrier.expect(full.index(prev), (128 + BN) * 64 * 2)
-                gl.inline_asm_elementwise(LOAD_ASM, "=r,r,r,r,r,r", [prev, (k - 1 + STAGES) * 64, row0, col0, rank],
-                                          dtype=gl.int32, is_pure=False, pack=1)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    c_buf.store(acc.to(gl.bfloat16))
-    gl.inline_asm_elementwise(STORE_ASM, "=r,r,r", [row0, col0], dtype=gl.int32, is_pure=False, pack=1)
-    gl.inline_asm_elementwise(SYNC_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)  # no CTA exits while its peer may still arrive on its barriers
+    # both CTAs' barriers initialised before either copies into the other or arrives on it
+    gl.inline_asm_elementwise(SYNC_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.warp_specialize([
+        (_mma, (a_ring, b_ring, full, empty, c_buf, row0, col0, rank, k_steps, ACC_LAYOUT, RELEASE_ASM, STORE_ASM)),
+        (_loader, (a_ring, b_ring, full, empty, row0, col0, rank, k_steps, LOAD_ASM)),
+    ], [1], [48])
+    # no CTA exits while its peer may still copy into it or arrive on its barriers
+    gl.inline_asm_elementwise(SYNC_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 def _global(offset: int, reg: str) -> str:
@@ -102,7 +128,7 @@ def _desc(index: int, reg: str) -> str:
 
 
 def _load_asm(offsets: dict[str, int], bn: int, multicast: bool) -> str:
-    """Thread 0 loads slot $1's A (128, 64) at (row $3, k $2) and B's tile at (row $4, k $2): in ``multicast`` its
+    """Lane 0 (of the loader's one warp) loads slot $1's A (128, 64) at (row $3, k $2) and B's tile at (row $4, k $2): in ``multicast`` its
     half $5 into both CTAs (mask 0b11), else both halves into its own CTA; each copy completes bytes on ``full[$1]``
     of the CTA it lands in."""
     half = bn // 2
@@ -117,7 +143,7 @@ def _load_asm(offsets: dict[str, int], bn: int, multicast: bool) -> str:
  @p {b_copy} [d], [mb, {{$2, y}}], [f];"""
     return f"""{{
  .reg .pred p; .reg .b32 t, d, f, y; .reg .b64 ma, mb; .reg .b16 mask;
- mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.u16 mask, 3;
+ mov.u32 t, %laneid; setp.eq.u32 p, t, 0; mov.u16 mask, 3;
  {_global(offsets['full'], 'f')} mad.lo.u32 f, $1, 8, f;
  {_desc(0, 'ma')} {_desc(1, 'mb')}
  {_global(offsets['a_ring'], 'd')} mad.lo.u32 d, $1, {128 * 128}, d;
@@ -143,15 +169,14 @@ def _release_asm(offsets: dict[str, int], multicast: bool) -> str:
 
 
 def _store_asm(offsets: dict[str, int], bn: int) -> str:
-    """Every thread fences its shared stores to the async proxy; after a barrier thread 0 stores the block (128, BN)
-    by TMA from its 64-column panels (each 128 rows of 128 bytes, one after another) to rows $1, columns $2 + 64 j,
+    """Thread 0 (the MMA partition's threads' shared stores fenced to the async proxy and joined) stores the block
+    (128, BN) by TMA from its 64-column panels (each 128 rows of 128 bytes, one after another) to rows $1, columns $2 + 64 j,
     and waits until they are read."""
     stores = "\n ".join(f"add.u32 x, $2, {64 * j}; add.u32 s, c, {j * 128 * 128}; "
                         f"@p cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [mc, {{x, $1}}], [s];"
                         for j in range(bn // 64))
     return f"""{{
  .reg .pred p; .reg .b32 t, c, s, x; .reg .b64 mc;
- fence.proxy.async.shared::cta; bar.sync 0;
  mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;
  {_global(offsets['c_buf'], 'c')} {_desc(2, 'mc')}
  {stores}
