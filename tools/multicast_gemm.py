@@ -10,7 +10,7 @@ modes that differ only in how B's tile reaches shared memory:
 - ``own``: the same cluster launch, ring and barriers; each CTA loads both halves of B's tile into its own slot alone
   (one arrival a phase).
 
-Both modes: a (128, BN) block a CTA, not persistent; a loader warp filling a ring of ``stages`` slots of A (128, 64)
+Both modes: a (128, BN) block a CTA, not persistent; a loader warpgroup filling a ring of ``stages`` slots of A (128, 64)
 and B (BN, 64) and an MMA partition of two warpgroups (64 rows each, one MMA in flight, a slot released once the MMA
 after it is issued), which then writes the block through shared memory by TMA stores. Every copy is issued from inline
 PTX (``tools.multicast`` says how a Gluon kernel names its tensor maps and buffers there), the barriers, the MMAs and
@@ -53,26 +53,31 @@ SHAPES = {"qwen3-30b-a3b": (2048, 1536), "qwen3-235b-a22b": (4096, 3072)}  # (D,
 
 
 @gluon.jit
-def _loader(a_ring, b_ring, full, empty, row0, col0, rank, k_steps, LOAD_ASM: gl.constexpr):
-    """Producer partition (one warp): each K-step's A and B tiles into the ring, a slot refilled once it is released
-    (by both CTAs' MMAs where B is multicast: ``empty`` counts two arrivals then)."""
+def _loader(a_ring, b_ring, full, empty, row0, col0, rank, k_steps, LOAD_ASM: gl.constexpr, SYNC_ASM: gl.constexpr):
+    """Producer partition (a warpgroup, one thread issuing): each K-step's A and B tiles into the ring, a slot refilled
+    once it is released (by both CTAs' MMAs where B is multicast: ``empty`` counts two arrivals then). Between the
+    cluster's barriers (``SYNC_ASM``), which every thread of both CTAs must reach."""
     STAGES: gl.constexpr = a_ring.type.shape[0]
     BN: gl.constexpr = b_ring.type.shape[1]
+    gl.inline_asm_elementwise(SYNC_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     for k in range(k_steps):
         s = k % STAGES
         mbarrier.wait(empty.index(s), ((k // STAGES) & 1) ^ 1)
         mbarrier.expect(full.index(s), (128 + BN) * 64 * 2)
         gl.inline_asm_elementwise(LOAD_ASM, "=r,r,r,r,r,r", [s, k * 64, row0, col0, rank], dtype=gl.int32,
                                   is_pure=False, pack=1)
+    gl.inline_asm_elementwise(SYNC_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _mma(a_ring, b_ring, full, empty, c_buf, row0, col0, rank, k_steps, ACC_LAYOUT: gl.constexpr,
-         RELEASE_ASM: gl.constexpr, STORE_ASM: gl.constexpr):
+         RELEASE_ASM: gl.constexpr, STORE_ASM: gl.constexpr, SYNC_ASM: gl.constexpr):
     """MMA partition (two warpgroups): one MMA in flight, each slot released once the MMA after it is issued; then
-    the block through shared memory to C by TMA."""
+    the block through shared memory to C by TMA. Between the cluster's barriers, as the loader."""
     STAGES: gl.constexpr = a_ring.type.shape[0]
     BN: gl.constexpr = b_ring.type.shape[1]
+    # this CTA's barriers (initialised by these threads) and the peer's, before either CTA copies or arrives
+    gl.inline_asm_elementwise(SYNC_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     acc = gl.zeros([128, BN], gl.float32, ACC_LAYOUT)
     for k in range(k_steps):
         s = k % STAGES
@@ -88,6 +93,8 @@ def _mma(a_ring, b_ring, full, empty, c_buf, row0, col0, rank, k_steps, ACC_LAYO
     fence_async_shared()
     gl.thread_barrier()
     gl.inline_asm_elementwise(STORE_ASM, "=r,r,r", [row0, col0], dtype=gl.int32, is_pure=False, pack=1)
+    # no CTA exits while its peer may still copy into it or arrive on its barriers
+    gl.inline_asm_elementwise(SYNC_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -108,14 +115,13 @@ def multicast_gemm_kernel(a_desc, b_desc, c_desc, num_n, k_steps, BN: gl.constex
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=EMPTY_ARRIVALS)
-    # both CTAs' barriers initialised before either copies into the other or arrives on it
-    gl.inline_asm_elementwise(SYNC_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    # The cluster's barriers are in the partitions: every thread of both CTAs must arrive on one, and the worker
+    # warps wait for their partition from the kernel's start (a barrier here, outside the partitions, hangs).
     gl.warp_specialize([
-        (_mma, (a_ring, b_ring, full, empty, c_buf, row0, col0, rank, k_steps, ACC_LAYOUT, RELEASE_ASM, STORE_ASM)),
-        (_loader, (a_ring, b_ring, full, empty, row0, col0, rank, k_steps, LOAD_ASM)),
-    ], [1], [48])
-    # no CTA exits while its peer may still copy into it or arrive on its barriers
-    gl.inline_asm_elementwise(SYNC_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        (_mma, (a_ring, b_ring, full, empty, c_buf, row0, col0, rank, k_steps, ACC_LAYOUT, RELEASE_ASM, STORE_ASM,
+                SYNC_ASM)),
+        (_loader, (a_ring, b_ring, full, empty, row0, col0, rank, k_steps, LOAD_ASM, SYNC_ASM)),
+    ], [4], [48])
 
 
 def _global(offset: int, reg: str) -> str:
@@ -128,7 +134,7 @@ def _desc(index: int, reg: str) -> str:
 
 
 def _load_asm(offsets: dict[str, int], bn: int, multicast: bool) -> str:
-    """Lane 0 (of the loader's one warp) loads slot $1's A (128, 64) at (row $3, k $2) and B's tile at (row $4, k $2): in ``multicast`` its
+    """The loader's first thread loads slot $1's A (128, 64) at (row $3, k $2) and B's tile at (row $4, k $2): in ``multicast`` its
     half $5 into both CTAs (mask 0b11), else both halves into its own CTA; each copy completes bytes on ``full[$1]``
     of the CTA it lands in."""
     half = bn // 2
@@ -143,7 +149,7 @@ def _load_asm(offsets: dict[str, int], bn: int, multicast: bool) -> str:
  @p {b_copy} [d], [mb, {{$2, y}}], [f];"""
     return f"""{{
  .reg .pred p; .reg .b32 t, d, f, y; .reg .b64 ma, mb; .reg .b16 mask;
- mov.u32 t, %laneid; setp.eq.u32 p, t, 0; mov.u16 mask, 3;
+ mov.u32 t, %tid.x; and.b32 t, t, 127; setp.eq.u32 p, t, 0; mov.u16 mask, 3;
  {_global(offsets['full'], 'f')} mad.lo.u32 f, $1, 8, f;
  {_desc(0, 'ma')} {_desc(1, 'mb')}
  {_global(offsets['a_ring'], 'd')} mad.lo.u32 d, $1, {128 * 128}, d;
