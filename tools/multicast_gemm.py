@@ -10,9 +10,9 @@ modes that differ only in how B's tile reaches shared memory:
 - ``own``: the same cluster launch, ring and barriers; each CTA loads both halves of B's tile into its own slot alone
   (one arrival a phase).
 
-Both modes: a (128, BN) block a CTA, not persistent; a loader warpgroup filling a ring of ``stages`` slots of A (128, 64)
-and B (BN, 64) and an MMA partition of two warpgroups (64 rows each, one MMA in flight, a slot released once the MMA
-after it is issued), which then writes the block through shared memory by TMA stores. Every copy is issued from inline
+Both modes: a (128, BN) block a CTA, not persistent; a loader warpgroup filling a ring of ``stages`` slots of A
+(128, 64) and B (BN, 64) and an MMA partition of two warpgroups (64 rows each, one MMA in flight, a slot released once
+the MMA after it is issued), which then writes the block through shared memory by TMA stores. Every copy is issued from inline
 PTX (``tools.multicast`` says how a Gluon kernel names its tensor maps and buffers there), the barriers, the MMAs and
 the warp specialisation are Gluon's. (A first version without a loader warp, whose MMA warps waited for the slot's
 release before refilling it, lost 20-42% with the multicast: each CTA's MMAs then waited on its peer's every K-step;
@@ -134,9 +134,9 @@ def _desc(index: int, reg: str) -> str:
 
 
 def _load_asm(offsets: dict[str, int], bn: int, multicast: bool) -> str:
-    """The loader's first thread loads slot $1's A (128, 64) at (row $3, k $2) and B's tile at (row $4, k $2): in ``multicast`` its
-    half $5 into both CTAs (mask 0b11), else both halves into its own CTA; each copy completes bytes on ``full[$1]``
-    of the CTA it lands in."""
+    """The loader's first thread loads slot $1's A (128, 64) at (row $3, k $2) and B's tile at (row $4, k $2): in
+    ``multicast`` its half $5 into both CTAs (mask 0b11), else both halves into its own CTA; each copy completes bytes
+    on ``full[$1]`` of the CTA it lands in."""
     half = bn // 2
     b_copy = ("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
               + (".multicast::cluster" if multicast else ""))
@@ -176,8 +176,8 @@ def _release_asm(offsets: dict[str, int], multicast: bool) -> str:
 
 def _store_asm(offsets: dict[str, int], bn: int) -> str:
     """Thread 0 (the MMA partition's threads' shared stores fenced to the async proxy and joined) stores the block
-    (128, BN) by TMA from its 64-column panels (each 128 rows of 128 bytes, one after another) to rows $1, columns $2 + 64 j,
-    and waits until they are read."""
+    (128, BN) by TMA from its 64-column panels (each 128 rows of 128 bytes, one after another) to rows $1, columns
+    $2 + 64 j, and waits until they are read."""
     stores = "\n ".join(f"add.u32 x, $2, {64 * j}; add.u32 s, c, {j * 128 * 128}; "
                         f"@p cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [mc, {{x, $1}}], [s];"
                         for j in range(bn // 64))
@@ -234,7 +234,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, offsets: dict[str, int], bn: int, sta
     if m % (2 * BM) or n % bn or k % BK or k // BK < stages:
         raise ValueError(f"shape ({m}, {n}, {k}) does not tile by ({2 * BM}, {bn}, {BK}) with {stages} K-steps")
     c = torch.empty(m, n, device=a.device, dtype=torch.bfloat16)
-    descs = (TensorDescriptor.from_tensor(a, [BM, BK], SWIZZLED), TensorDescriptor.from_tensor(b, [bn // 2, BK], SWIZZLED),
+    descs = (TensorDescriptor.from_tensor(a, [BM, BK], SWIZZLED),
+             TensorDescriptor.from_tensor(b, [bn // 2, BK], SWIZZLED),
              TensorDescriptor.from_tensor(c, [BM, 64], SWIZZLED))
     multicast_gemm_kernel[(m // (2 * BM) * (n // bn),)](*descs, n // bn, k // BK,
                                                          **constexprs(offsets, bn, stages, multicast),
