@@ -14,9 +14,9 @@ Both modes: a (128, BN) block a CTA, not persistent; a loader warpgroup filling 
 (128, 64) and B (BN, 64) and an MMA partition of two warpgroups (64 rows each, one MMA in flight, a slot released once
 the MMA after it is issued), which then writes the block through shared memory by TMA stores. Every copy is issued
 from inline PTX (``tools.multicast`` says how a Gluon kernel names its tensor maps and buffers there), the barriers,
-the MMAs and the warp specialisation are Gluon's. (A first version without a loader warp, whose MMA warps waited for the slot's
-release before refilling it, lost 20-42% with the multicast: each CTA's MMAs then waited on its peer's every K-step;
-docs/PERFORMANCE.md.)
+the MMAs and the warp specialisation are Gluon's. (A first version without a loader, whose MMA warps waited for
+the slot's release before refilling it, lost 20-42% with the multicast: each CTA's MMAs then waited on its peer's
+every K-step; docs/PERFORMANCE.md.)
 
 ``python -m tools.multicast_gemm [--preset P] [--out DIR]`` on an sm90 GPU: checks both modes against torch's matmul
 and times them (``do_bench`` medians) beside torch's matmul (cuBLAS) on the preset's up projection (M = 16 384 x 8
