@@ -43,6 +43,7 @@ def test_the_gemm_compiles_its_two_modes_apart(bn, stages):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(120, method="thread")  # a hung kernel (docs/FACTS.md) stops the run, not a 10-minute stall
 @pytest.mark.parametrize("bn, stages", [(128, 4), (256, 3)])
 @pytest.mark.parametrize("multicast", [False, True])
 def test_the_gemm_computes_a_times_b_transposed(bn, stages, multicast):
