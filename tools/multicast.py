@@ -159,14 +159,23 @@ def shared_offsets(compiled) -> dict[str, int]:
             re.findall(r"%(\w+) = ttg.local_alloc \{allocation.offset = (\d+) : i32\}", str(module))}
 
 
-def compile_probe():
-    """The kernel compiled for sm_90a with its buffers' offsets in its asm (two compiles; the second must allocate
-    as the first did)."""
-    offsets = shared_offsets(_compile({"tile": 0, "full": 0, "released": 0}))
-    compiled = _compile(offsets)
-    if shared_offsets(compiled) != offsets:
-        raise RuntimeError(f"the allocator moved the buffers: {offsets} -> {shared_offsets(compiled)}")
+def compile_at_own_offsets(compile_with, names: tuple[str, ...]):
+    """(compiled, offsets): ``compile_with(offsets)`` (a kernel whose asm names the shared buffers ``names`` at those
+    offsets from ``global_smem``) compiled twice: with every buffer at 0, to read where the allocator puts them, then
+    with those offsets in its asm; the second compile must allocate them as the first did."""
+    def named(compiled) -> dict[str, int]:
+        return {name: offset for name, offset in shared_offsets(compiled).items() if name in names}
+
+    offsets = named(compile_with(dict.fromkeys(names, 0)))
+    compiled = compile_with(offsets)
+    if named(compiled) != offsets:
+        raise RuntimeError(f"the allocator moved the buffers: {offsets} -> {named(compiled)}")
     return compiled, offsets
+
+
+def compile_probe():
+    """The kernel compiled for sm_90a with its buffers' offsets in its asm (``compile_at_own_offsets``)."""
+    return compile_at_own_offsets(_compile, ("tile", "full", "released"))
 
 
 def sass_of(compiled) -> str:

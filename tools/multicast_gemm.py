@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.provenance import write_record
-from tools.multicast import CLUSTER, HOPPER, sass_of, shared_offsets
+from tools.multicast import CLUSTER, HOPPER, compile_at_own_offsets, sass_of
 
 BM, BK = 128, 64  # a CTA's rows; K-step (one 128-byte swizzle panel of bf16)
 NUM_WARPS = 8
@@ -217,14 +217,9 @@ def _compile(offsets: dict[str, int], bn: int, stages: int, multicast: bool):
 
 
 def compile_gemm(bn: int, stages: int, multicast: bool):
-    """The kernel compiled for sm_90a with its buffers' offsets in its asm, and the offsets."""
-    offsets = {name: offset for name, offset in shared_offsets(_compile(dict.fromkeys(NAMES, 0), bn, stages,
-                                                                        multicast)).items() if name in NAMES}
-    compiled = _compile(offsets, bn, stages, multicast)
-    moved = {name: offset for name, offset in shared_offsets(compiled).items() if name in NAMES}
-    if moved != offsets:
-        raise RuntimeError(f"the allocator moved the buffers: {offsets} -> {moved}")
-    return compiled, offsets
+    """The kernel compiled for sm_90a with its buffers' offsets in its asm, and the offsets
+    (``tools.multicast.compile_at_own_offsets``)."""
+    return compile_at_own_offsets(lambda offsets: _compile(offsets, bn, stages, multicast), NAMES)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, offsets: dict[str, int], bn: int, stages: int,
