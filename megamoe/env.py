@@ -118,6 +118,8 @@ def fp8_wgrad_requested() -> bool:
 
 
 FP8_WGRAD_X_SCALES = ("tile", "layer", "expert")
+# How results name the options of the recipe (the recipe's own "tile" is named by none).
+FP8_WGRAD_X_SCALES_NAMES = {"layer": "over the layer", "expert": "per expert"}
 
 
 def fp8_wgrad_x_scales_requested() -> str:

@@ -73,6 +73,7 @@ from megamoe.arguments import (
     positive_float,
     positive_int,
 )
+from megamoe.env import FP8_WGRAD_X_SCALES_NAMES
 from megamoe.integrations.transformers import (
     enable_activation_checkpointing,
     set_precision,
@@ -721,7 +722,8 @@ def precision_label(run: dict) -> str:
     wgrad = run.get("fp8_weight_gradients")
     if wgrad is None:
         return " (FP8)"
-    option = {"layer": ", x over the layer", "expert": ", x per expert"}.get(run.get("fp8_wgrad_x_scales"), "")
+    name = FP8_WGRAD_X_SCALES_NAMES.get(run.get("fp8_wgrad_x_scales"))
+    option = f", x {name}" if name else ""
     return f" (FP8, {'FP8' if wgrad else 'bf16'} dW{option})"
 
 

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 from megamoe.bench.layer import PLOT_KEYS, plot
+from megamoe.env import FP8_WGRAD_X_SCALES_NAMES
 from megamoe.parallel.fused import DEFAULT_COMM_SMS
 
 # Impls of the README's one-GPU table, in column order, with their column names.
@@ -167,7 +168,8 @@ def _newest_first(runs: list[dict]) -> list[dict]:
 def _x_scales_option(value: str | None, what: str) -> str:
     """``", {what} over the layer"`` or ``", {what} per expert"`` for a run with that option of the FP8 recipe
     (``MEGAMOE_FP8_WGRAD_X_SCALES``, ``value``), else empty."""
-    return {"layer": f", {what} over the layer", "expert": f", {what} per expert"}.get(value, "")
+    name = FP8_WGRAD_X_SCALES_NAMES.get(value)
+    return f", {what} {name}" if name else ""
 
 
 def _recipes(info: dict) -> bool:
