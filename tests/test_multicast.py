@@ -28,7 +28,7 @@ def test_the_multicast_delivers_both_halves_to_both_ctas():
     assert run_on_gpu(offsets) == {"offsets_as_compiled": True, "cta0_tile_equal": True, "ctas_buffers_equal": True}
 
 
-@pytest.mark.parametrize("bn, stages", [(128, 4), (256, 3)])
+@pytest.mark.parametrize("bn, stages", [(128, 4), (128, 6), (256, 3)])
 def test_the_gemm_compiles_its_two_modes_apart(bn, stages):
     """``tools.multicast_gemm`` for sm_90a (no GPU needed): the multicast mode's SASS holds the multicast TMA load and
     the own mode's does not; both allocate the five buffers apart, at the offsets their asm names."""
@@ -44,7 +44,7 @@ def test_the_gemm_compiles_its_two_modes_apart(bn, stages):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(120, method="thread")  # a hung kernel (docs/FACTS.md) stops the run, not a 10-minute stall
-@pytest.mark.parametrize("bn, stages", [(128, 4), (256, 3)])
+@pytest.mark.parametrize("bn, stages", [(128, 4), (128, 6), (256, 3)])
 @pytest.mark.parametrize("multicast", [False, True])
 def test_the_gemm_computes_a_times_b_transposed(bn, stages, multicast):
     """On Hopper, both modes: C = A Bᵀ against float64 products of the bf16 operands, to bf16's rounding, for a grid

@@ -238,7 +238,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, offsets: dict[str, int], bn: int, sta
     return c
 
 
-VARIANTS = [(bn, stages, multicast) for bn, stages in ((128, 4), (256, 3)) for multicast in (False, True)]
+VARIANTS = [(bn, stages, multicast) for bn, stages in ((128, 4), (128, 6), (256, 3)) for multicast in (False, True)]
 
 
 def variant_name(bn: int, stages: int, multicast: bool) -> str:
