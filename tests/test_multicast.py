@@ -29,15 +29,22 @@ def test_the_multicast_delivers_both_halves_to_both_ctas():
 
 
 @pytest.mark.parametrize("bn, stages", [(128, 4), (128, 6), (256, 3)])
-def test_the_gemm_compiles_its_two_modes_apart(bn, stages):
-    """``tools.multicast_gemm`` for sm_90a (no GPU needed): the multicast mode's SASS holds the multicast TMA load and
-    the own mode's does not; both allocate the five buffers apart, at the offsets their asm names."""
+def test_the_gemm_compiles_its_modes_apart(bn, stages):
+    """``tools.multicast_gemm`` for sm_90a (no GPU needed): the multicast modes' SASS holds the multicast TMA load and
+    the own mode's does not; the remote arrive at the scope each mode names; every mode allocates the five buffers
+    apart, at the offsets its asm names."""
     from tools.multicast import sass_of
-    from tools.multicast_gemm import NAMES, compile_gemm
+    from tools.multicast_gemm import MODES, NAMES, compile_gemm
 
-    for multicast in (False, True):
-        compiled, offsets = compile_gemm(bn, stages, multicast)
-        assert ("UTMALDG.2D.MULTICAST" in sass_of(compiled)) is multicast
+    remote_arrives = {"own": None, "multicast": "mbarrier.arrive.release.cluster.shared::cluster.b64",
+                      "multicast-cta": "mbarrier.arrive.shared::cluster.b64"}
+    assert set(remote_arrives) == set(MODES)
+    for mode, arrive in remote_arrives.items():
+        compiled, offsets = compile_gemm(bn, stages, mode)
+        ptx = compiled.asm["ptx"]
+        assert ("UTMALDG.2D.MULTICAST" in sass_of(compiled)) is (mode != "own")
+        assert ("mapa.shared::cluster" in ptx) is (arrive is not None)
+        assert arrive is None or arrive in ptx, mode
         assert set(offsets) == set(NAMES) and len(set(offsets.values())) == len(NAMES), offsets
         assert compiled.metadata.num_ctas == 2
 
@@ -45,18 +52,18 @@ def test_the_gemm_compiles_its_two_modes_apart(bn, stages):
 @pytest.mark.gpu
 @pytest.mark.timeout(120, method="thread")  # a hung kernel (docs/FACTS.md) stops the run, not a 10-minute stall
 @pytest.mark.parametrize("bn, stages", [(128, 4), (128, 6), (256, 3)])
-@pytest.mark.parametrize("multicast", [False, True])
-def test_the_gemm_computes_a_times_b_transposed(bn, stages, multicast):
-    """On Hopper, both modes: C = A Bᵀ against float64 products of the bf16 operands, to bf16's rounding, for a grid
+@pytest.mark.parametrize("mode", ["own", "multicast", "multicast-cta"])
+def test_the_gemm_computes_a_times_b_transposed(bn, stages, mode):
+    """On Hopper, every mode: C = A Bᵀ against float64 products of the bf16 operands, to bf16's rounding, for a grid
     of clusters over several row and column blocks and more K-steps than ring slots (each slot refilled)."""
     from tools.multicast_gemm import compile_gemm, gemm
 
-    gen = torch.Generator(device="cuda").manual_seed(bn + multicast)
+    gen = torch.Generator(device="cuda").manual_seed(bn + len(mode))
     a = torch.randn(1024, 640, device="cuda", dtype=torch.bfloat16, generator=gen)
     b = torch.randn(3 * bn, 640, device="cuda", dtype=torch.bfloat16, generator=gen)
-    _, offsets = compile_gemm(bn, stages, multicast)
-    got = gemm(a, b, offsets, bn, stages, multicast).double()
+    _, offsets = compile_gemm(bn, stages, mode)
+    got = gemm(a, b, offsets, bn, stages, mode).double()
     want = a.double() @ b.double().t()
     assert ((got - want).abs() <= 2 ** -8 * want.abs() + 1e-2).all()
     with pytest.raises(ValueError, match="does not tile"):
-        gemm(a[:640], b, offsets, bn, stages, multicast)  # 2.5 clusters of rows
+        gemm(a[:640], b, offsets, bn, stages, mode)  # 2.5 clusters of rows

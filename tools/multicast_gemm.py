@@ -1,16 +1,20 @@
 """Does multicasting the weight tile to a 2-CTA cluster make a Gluon bf16 GEMM faster on Hopper? (Issue "Ahead of
 SonicMoE in bf16": SonicMoE's forward GEMMs load each weight tile once for a cluster of two CTAs.)
 
-One dense GEMM, C (M, N) = A (M, K) Bᵀ, B (N, K), both K-major, the up projection's shape, in one kernel with two
-modes that differ only in how B's tile reaches shared memory:
+One dense GEMM, C (M, N) = A (M, K) Bᵀ, B (N, K), both K-major, the up projection's shape, in one kernel with three
+modes (``MODES``) that differ only in how B's tile reaches shared memory and how a ring slot is released:
 
 - ``multicast``: the cluster's two CTAs compute row blocks 2 m and 2 m + 1 of the same column block; each loads half
   of B's (BN, 64) tile per K-step and multicasts it into both CTAs' ring slot. A slot is refilled only once both CTAs'
-  MMAs are done with it: each CTA releases it on its own ``empty`` barrier and its peer's (two arrivals a phase).
+  MMAs are done with it: each CTA releases it on its own ``empty`` barrier and its peer's (two arrivals a phase), the
+  peer's by an arrive with release semantics at the cluster's scope.
+- ``multicast-cta``: the same, the peer's arrive at the CTA's scope (PTX's default, as CUTLASS's cluster barrier
+  arrives): the third version lost 11-46% with ``multicast``, about 0.3-0.4 us a K-step at both tile widths, as if
+  a fixed cost stood on the MMA partition's path every K-step (docs/PERFORMANCE.md).
 - ``own``: the same cluster launch, ring and barriers; each CTA loads both halves of B's tile into its own slot alone
   (one arrival a phase).
 
-Both modes: a (128, BN) block a CTA, not persistent; a loader warpgroup filling a ring of ``stages`` slots of A
+Every mode: a (128, BN) block a CTA, not persistent; a loader warpgroup filling a ring of ``stages`` slots of A
 (128, 64) and B (BN, 64) and an MMA partition of two warpgroups (64 rows each, one MMA in flight, a slot released once
 the MMA after it is issued), which then writes the block through shared memory by TMA stores. Every copy is issued
 from inline PTX (``tools.multicast`` says how a Gluon kernel names its tensor maps and buffers there), the barriers,
@@ -18,9 +22,9 @@ the MMAs and the warp specialisation are Gluon's. (A first version without a loa
 the slot's release before refilling it, lost 20-42% with the multicast: each CTA's MMAs then waited on its peer's
 every K-step; docs/PERFORMANCE.md.)
 
-``python -m tools.multicast_gemm [--preset P] [--out DIR]`` on an sm90 GPU: checks both modes against torch's matmul
+``python -m tools.multicast_gemm [--preset P] [--out DIR]`` on an sm90 GPU: checks every mode against torch's matmul
 and times them (``do_bench`` medians) beside torch's matmul (cuBLAS) on the preset's up projection (M = 16 384 x 8
-rows); JSON into ``--out``. Without a GPU it compiles both modes for sm_90a and reports the multicast in the SASS.
+rows); JSON into ``--out``. Without a GPU it compiles every mode for sm_90a and reports the multicast in the SASS.
 """
 
 from __future__ import annotations
@@ -160,10 +164,13 @@ def _load_asm(offsets: dict[str, int], bn: int, multicast: bool) -> str:
 }}"""
 
 
-def _release_asm(offsets: dict[str, int], multicast: bool) -> str:
-    """Thread 0 arrives on ``empty[$1]`` of its CTA and, with ``multicast``, of its peer (CTA $2 ^ 1)."""
-    remote = """xor.b32 r, $2, 1; mapa.shared::cluster.u32 r, e, r;
- @p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r];""" if multicast else ""
+def _release_asm(offsets: dict[str, int], mode: str) -> str:
+    """Thread 0 arrives on ``empty[$1]`` of its CTA and, where B is multicast, of its peer (CTA $2 ^ 1): with release
+    semantics at the cluster's scope (``multicast``) or at the CTA's, PTX's default (``multicast-cta``), which orders
+    nothing the peer reads (the slot was read by the MMAs, retired before the arrive)."""
+    scope = {"own": None, "multicast": ".release.cluster", "multicast-cta": ""}[mode]
+    remote = "" if scope is None else f"""xor.b32 r, $2, 1; mapa.shared::cluster.u32 r, e, r;
+ @p mbarrier.arrive{scope}.shared::cluster.b64 _, [r];"""
     return f"""{{
  .reg .pred p; .reg .b32 t, e, r;
  mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;
@@ -197,17 +204,18 @@ SYNC_ASM = ("fence.mbarrier_init.release.cluster; barrier.cluster.arrive.release
 NAMES = ("a_ring", "b_ring", "full", "empty", "c_buf")
 
 
-def constexprs(offsets: dict[str, int], bn: int, stages: int, multicast: bool) -> dict:
+def constexprs(offsets: dict[str, int], bn: int, stages: int, mode: str) -> dict:
+    multicast = mode != "own"
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, bn, 16],
                                     cga_layout=CLUSTER)
     return {"BN": bn, "STAGES": stages, "EMPTY_ARRIVALS": 2 if multicast else 1, "ACC_LAYOUT": acc,
             "BAR_LAYOUT": mbarrier.MBarrierLayout(cga_layout=[[0]]), "SMEM_LAYOUT": SWIZZLED, "RANK_ASM": RANK_ASM,
             "SYNC_ASM": SYNC_ASM, "LOAD_ASM": _load_asm(offsets, bn, multicast),
-            "RELEASE_ASM": _release_asm(offsets, multicast), "STORE_ASM": _store_asm(offsets, bn)}
+            "RELEASE_ASM": _release_asm(offsets, mode), "STORE_ASM": _store_asm(offsets, bn)}
 
 
-def _compile(offsets: dict[str, int], bn: int, stages: int, multicast: bool):
-    given = constexprs(offsets, bn, stages, multicast)
+def _compile(offsets: dict[str, int], bn: int, stages: int, mode: str):
+    given = constexprs(offsets, bn, stages, mode)
     signature = {"a_desc": f"tensordesc<bf16[{BM}, {BK}],{SWIZZLED}>",
                  "b_desc": f"tensordesc<bf16[{bn // 2}, {BK}],{SWIZZLED}>",
                  "c_desc": f"tensordesc<bf16[{BM}, 64],{SWIZZLED}>", "num_n": "i32", "k_steps": "i32",
@@ -216,14 +224,14 @@ def _compile(offsets: dict[str, int], bn: int, stages: int, multicast: bool):
     return triton.compile(source, target=HOPPER, options={"num_warps": NUM_WARPS, "num_ctas": 2})
 
 
-def compile_gemm(bn: int, stages: int, multicast: bool):
+def compile_gemm(bn: int, stages: int, mode: str):
     """The kernel compiled for sm_90a with its buffers' offsets in its asm, and the offsets
     (``tools.multicast.compile_at_own_offsets``)."""
-    return compile_at_own_offsets(lambda offsets: _compile(offsets, bn, stages, multicast), NAMES)
+    return compile_at_own_offsets(lambda offsets: _compile(offsets, bn, stages, mode), NAMES)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, offsets: dict[str, int], bn: int, stages: int,
-         multicast: bool) -> torch.Tensor:
+         mode: str) -> torch.Tensor:
     """C = A Bᵀ by the kernel (M a multiple of 256, N of ``bn``, K of 64 with at least ``stages`` steps)."""
     (m, k), n = a.shape, b.shape[0]
     if m % (2 * BM) or n % bn or k % BK or k // BK < stages:
@@ -233,16 +241,17 @@ def gemm(a: torch.Tensor, b: torch.Tensor, offsets: dict[str, int], bn: int, sta
              TensorDescriptor.from_tensor(b, [bn // 2, BK], SWIZZLED),
              TensorDescriptor.from_tensor(c, [BM, 64], SWIZZLED))
     multicast_gemm_kernel[(m // (2 * BM) * (n // bn),)](*descs, n // bn, k // BK,
-                                                         **constexprs(offsets, bn, stages, multicast),
+                                                         **constexprs(offsets, bn, stages, mode),
                                                          num_warps=NUM_WARPS, num_ctas=2)
     return c
 
 
-VARIANTS = [(bn, stages, multicast) for bn, stages in ((128, 4), (128, 6), (256, 3)) for multicast in (False, True)]
+MODES = ("own", "multicast", "multicast-cta")
+VARIANTS = [(bn, stages, mode) for bn, stages in ((128, 4), (128, 6), (256, 3)) for mode in MODES]
 
 
-def variant_name(bn: int, stages: int, multicast: bool) -> str:
-    return f"128x{bn}, {stages} stages, B " + ("multicast" if multicast else "own")
+def variant_name(bn: int, stages: int, mode: str) -> str:
+    return f"128x{bn}, {stages} stages, B {mode}"
 
 
 def main(argv=None) -> None:
