@@ -346,14 +346,15 @@ def expert_amax(a: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 def test_expert_channel_amax_is_each_experts_rows_amax(routing):
     """``expert_channel_amax``: each expert's largest magnitude of each column over its sorted rows, read from the
     tokens' rows (``top_k``) or from a sorted copy alike: exactly ``expert_amax`` of the sorted copy, zeros for an
-    expert without rows, a NaN in an expert's rows NaN in its amax (and only its); dropped slots' rows count in none.
-    Columns off the kernel's block are refused."""
+    expert without rows, a NaN in an expert's rows NaN in its amax (and only its), an infinity infinite (not NaN);
+    dropped slots' rows count in none. Columns off the kernel's block are refused."""
     from megamoe.kernels.expert_bwd import gather_rows
     from megamoe.kernels.plan import build_plan
 
     x, idx, _, _, _, dy = make_problem(300, 256, 128, 8, 2, routing, dtype=torch.bfloat16, device=DEVICE)
     x = x * torch.logspace(-3, 3, 300, device=DEVICE)[:, None].to(x.dtype)
     x[7, 5] = float("nan")
+    x[11, 9] = -float("inf")
     plan = build_plan(idx, 8)
     x_sorted, _ = gather_rows(x, dy, plan, 2)
     offsets = plan.offsets_E1.cpu()
@@ -364,6 +365,8 @@ def test_expert_channel_amax_is_each_experts_rows_amax(routing):
     nan_experts = {int(e) for e in idx[7].cpu() if e >= 0}
     assert {int(e) for e in torch.isnan(want[:, 5]).nonzero()} == nan_experts and torch.isnan(want).sum() == len(
         nan_experts)
+    inf_experts = {int(e) for e in idx[11].cpu() if e >= 0}
+    assert {int(e) for e in torch.isinf(want[:, 9]).nonzero()} == inf_experts
     if routing == "empty":
         assert (want[3:] == 0).all() and (want[:3] > 0).any()
     with pytest.raises(ValueError, match=f"multiple of {quant.TILE_COLS_BC} columns"):
