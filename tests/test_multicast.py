@@ -28,33 +28,31 @@ def test_the_multicast_delivers_both_halves_to_both_ctas():
     assert run_on_gpu(offsets) == {"offsets_as_compiled": True, "cta0_tile_equal": True, "ctas_buffers_equal": True}
 
 
-@pytest.mark.parametrize("bn, stages", [(128, 4), (128, 6), (256, 3)])
-def test_the_gemm_compiles_its_modes_apart(bn, stages):
-    """``tools.multicast_gemm`` for sm_90a (no GPU needed): the multicast modes' SASS holds the multicast TMA load and
-    the own mode's does not; the remote arrive at the scope each mode names; every mode allocates the five buffers
-    apart, at the offsets its asm names."""
+@pytest.mark.parametrize("bn, stages", [(128, 4), (256, 3)])
+def test_the_gemm_compiles_its_two_modes_apart(bn, stages):
+    """``tools.multicast_gemm`` for sm_90a (no GPU needed): the multicast mode's SASS holds the multicast TMA load and
+    its PTX the remote arrive at the CTA's scope (at the cluster's it cost ~0.3 us a K-step: docs/FACTS.md), the own
+    mode's neither; both allocate the five buffers apart, at the offsets their asm names."""
     from tools.multicast import sass_of
     from tools.multicast_gemm import MODES, NAMES, compile_gemm
 
-    remote_arrives = {"own": None, "multicast": "mbarrier.arrive.release.cluster.shared::cluster.b64",
-                      "multicast-cta": "mbarrier.arrive.shared::cluster.b64"}
-    assert set(remote_arrives) == set(MODES)
-    for mode, arrive in remote_arrives.items():
+    assert MODES == ("own", "multicast")
+    for mode in MODES:
         compiled, offsets = compile_gemm(bn, stages, mode)
         ptx = compiled.asm["ptx"]
-        assert ("UTMALDG.2D.MULTICAST" in sass_of(compiled)) is (mode != "own")
-        assert ("mapa.shared::cluster" in ptx) is (arrive is not None)
-        assert arrive is None or arrive in ptx, mode
+        assert ("UTMALDG.2D.MULTICAST" in sass_of(compiled)) is (mode == "multicast")
+        assert ("mbarrier.arrive.shared::cluster.b64" in ptx) is (mode == "multicast")
+        assert "release.cluster.shared::cluster" not in ptx
         assert set(offsets) == set(NAMES) and len(set(offsets.values())) == len(NAMES), offsets
         assert compiled.metadata.num_ctas == 2
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(120, method="thread")  # a hung kernel (docs/FACTS.md) stops the run, not a 10-minute stall
-@pytest.mark.parametrize("bn, stages", [(128, 4), (128, 6), (256, 3)])
-@pytest.mark.parametrize("mode", ["own", "multicast", "multicast-cta"])
+@pytest.mark.parametrize("bn, stages", [(128, 4), (256, 3)])
+@pytest.mark.parametrize("mode", ["own", "multicast"])
 def test_the_gemm_computes_a_times_b_transposed(bn, stages, mode):
-    """On Hopper, every mode: C = A Bᵀ against float64 products of the bf16 operands, to bf16's rounding, for a grid
+    """On Hopper, both modes: C = A Bᵀ against float64 products of the bf16 operands, to bf16's rounding, for a grid
     of clusters over several row and column blocks and more K-steps than ring slots (each slot refilled)."""
     from tools.multicast_gemm import compile_gemm, gemm
 

@@ -1,30 +1,28 @@
 """Does multicasting the weight tile to a 2-CTA cluster make a Gluon bf16 GEMM faster on Hopper? (Issue "Ahead of
 SonicMoE in bf16": SonicMoE's forward GEMMs load each weight tile once for a cluster of two CTAs.)
 
-One dense GEMM, C (M, N) = A (M, K) Bᵀ, B (N, K), both K-major, the up projection's shape, in one kernel with three
-modes (``MODES``) that differ only in how B's tile reaches shared memory and how a ring slot is released:
+One dense GEMM, C (M, N) = A (M, K) Bᵀ, B (N, K), both K-major, the up projection's shape, in one kernel with two
+modes (``MODES``) that differ only in how B's tile reaches shared memory:
 
 - ``multicast``: the cluster's two CTAs compute row blocks 2 m and 2 m + 1 of the same column block; each loads half
   of B's (BN, 64) tile per K-step and multicasts it into both CTAs' ring slot. A slot is refilled only once both CTAs'
   MMAs are done with it: each CTA releases it on its own ``empty`` barrier and its peer's (two arrivals a phase), the
-  peer's by an arrive with release semantics at the cluster's scope.
-- ``multicast-cta``: the same, the peer's arrive at the CTA's scope (PTX's default, as CUTLASS's cluster barrier
-  arrives): the third version lost 11-46% with ``multicast``, about 0.3-0.4 us a K-step at both tile widths, as if
-  a fixed cost stood on the MMA partition's path every K-step (docs/PERFORMANCE.md).
+  peer's by a remote arrive at the CTA's scope (PTX's default; at the cluster's scope it cost ~0.3 us a K-step and
+  the mode lost 11-46%: docs/FACTS.md).
 - ``own``: the same cluster launch, ring and barriers; each CTA loads both halves of B's tile into its own slot alone
   (one arrival a phase).
 
-Every mode: a (128, BN) block a CTA, not persistent; a loader warpgroup filling a ring of ``stages`` slots of A
+Both modes: a (128, BN) block a CTA, not persistent; a loader warpgroup filling a ring of ``stages`` slots of A
 (128, 64) and B (BN, 64) and an MMA partition of two warpgroups (64 rows each, one MMA in flight, a slot released once
 the MMA after it is issued), which then writes the block through shared memory by TMA stores. Every copy is issued
 from inline PTX (``tools.multicast`` says how a Gluon kernel names its tensor maps and buffers there), the barriers,
-the MMAs and the warp specialisation are Gluon's. (A first version without a loader, whose MMA warps waited for
-the slot's release before refilling it, lost 20-42% with the multicast: each CTA's MMAs then waited on its peer's
-every K-step; docs/PERFORMANCE.md.)
+the MMAs and the warp specialisation are Gluon's. (A first version without a loader, whose MMA warps refilled each
+released slot themselves, lost 15-42% with the multicast; it too released the peer's slot at the cluster's scope;
+docs/PERFORMANCE.md.)
 
-``python -m tools.multicast_gemm [--preset P] [--out DIR]`` on an sm90 GPU: checks every mode against torch's matmul
+``python -m tools.multicast_gemm [--preset P] [--out DIR]`` on an sm90 GPU: checks both modes against torch's matmul
 and times them (``do_bench`` medians) beside torch's matmul (cuBLAS) on the preset's up projection (M = 16 384 x 8
-rows); JSON into ``--out``. Without a GPU it compiles every mode for sm_90a and reports the multicast in the SASS.
+rows); JSON into ``--out``. Without a GPU it compiles both modes for sm_90a and reports the multicast in the SASS.
 """
 
 from __future__ import annotations
@@ -165,12 +163,10 @@ def _load_asm(offsets: dict[str, int], bn: int, multicast: bool) -> str:
 
 
 def _release_asm(offsets: dict[str, int], mode: str) -> str:
-    """Thread 0 arrives on ``empty[$1]`` of its CTA and, where B is multicast, of its peer (CTA $2 ^ 1): with release
-    semantics at the cluster's scope (``multicast``) or at the CTA's, PTX's default (``multicast-cta``), which orders
-    nothing the peer reads (the slot was read by the MMAs, retired before the arrive)."""
-    scope = {"own": None, "multicast": ".release.cluster", "multicast-cta": ""}[mode]
-    remote = "" if scope is None else f"""xor.b32 r, $2, 1; mapa.shared::cluster.u32 r, e, r;
- @p mbarrier.arrive{scope}.shared::cluster.b64 _, [r];"""
+    """Thread 0 arrives on ``empty[$1]`` of its CTA and, where B is multicast, of its peer (CTA $2 ^ 1), at the CTA's
+    scope: the slot was read by the MMAs, retired before the arrive, and the peer only overwrites it by TMA."""
+    remote = "" if mode == "own" else """xor.b32 r, $2, 1; mapa.shared::cluster.u32 r, e, r;
+ @p mbarrier.arrive.shared::cluster.b64 _, [r];"""
     return f"""{{
  .reg .pred p; .reg .b32 t, e, r;
  mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;
@@ -246,8 +242,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, offsets: dict[str, int], bn: int, sta
     return c
 
 
-MODES = ("own", "multicast", "multicast-cta")
-VARIANTS = [(bn, stages, mode) for bn, stages in ((128, 4), (128, 6), (256, 3)) for mode in MODES]
+MODES = ("own", "multicast")
+VARIANTS = [(bn, stages, mode) for bn, stages in ((128, 4), (256, 3)) for mode in MODES]
 
 
 def variant_name(bn: int, stages: int, mode: str) -> str:
