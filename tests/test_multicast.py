@@ -34,14 +34,13 @@ def test_the_gemm_compiles_its_two_modes_apart(bn, stages):
     its PTX the remote arrive at the CTA's scope (at the cluster's it cost ~0.3 us a K-step: docs/FACTS.md), the own
     mode's neither; both allocate the five buffers apart, at the offsets their asm names."""
     from tools.multicast import sass_of
-    from tools.multicast_gemm import MODES, NAMES, compile_gemm
+    from tools.multicast_gemm import NAMES, compile_gemm
 
-    assert MODES == ("own", "multicast")
-    for mode in MODES:
-        compiled, offsets = compile_gemm(bn, stages, mode)
+    for multicast in (False, True):
+        compiled, offsets = compile_gemm(bn, stages, multicast)
         ptx = compiled.asm["ptx"]
-        assert ("UTMALDG.2D.MULTICAST" in sass_of(compiled)) is (mode == "multicast")
-        assert ("mbarrier.arrive.shared::cluster.b64" in ptx) is (mode == "multicast")
+        assert ("UTMALDG.2D.MULTICAST" in sass_of(compiled)) is multicast
+        assert ("mbarrier.arrive.shared::cluster.b64" in ptx) is multicast
         assert "release.cluster.shared::cluster" not in ptx
         assert set(offsets) == set(NAMES) and len(set(offsets.values())) == len(NAMES), offsets
         assert compiled.metadata.num_ctas == 2
@@ -50,18 +49,18 @@ def test_the_gemm_compiles_its_two_modes_apart(bn, stages):
 @pytest.mark.gpu
 @pytest.mark.timeout(120, method="thread")  # a hung kernel (docs/FACTS.md) stops the run, not a 10-minute stall
 @pytest.mark.parametrize("bn, stages", [(128, 4), (256, 3)])
-@pytest.mark.parametrize("mode", ["own", "multicast"])
-def test_the_gemm_computes_a_times_b_transposed(bn, stages, mode):
+@pytest.mark.parametrize("multicast", [False, True])
+def test_the_gemm_computes_a_times_b_transposed(bn, stages, multicast):
     """On Hopper, both modes: C = A Bᵀ against float64 products of the bf16 operands, to bf16's rounding, for a grid
     of clusters over several row and column blocks and more K-steps than ring slots (each slot refilled)."""
     from tools.multicast_gemm import compile_gemm, gemm
 
-    gen = torch.Generator(device="cuda").manual_seed(bn + len(mode))
+    gen = torch.Generator(device="cuda").manual_seed(bn + multicast)
     a = torch.randn(1024, 640, device="cuda", dtype=torch.bfloat16, generator=gen)
     b = torch.randn(3 * bn, 640, device="cuda", dtype=torch.bfloat16, generator=gen)
-    _, offsets = compile_gemm(bn, stages, mode)
-    got = gemm(a, b, offsets, bn, stages, mode).double()
+    _, offsets = compile_gemm(bn, stages, multicast)
+    got = gemm(a, b, offsets, bn, stages, multicast).double()
     want = a.double() @ b.double().t()
     assert ((got - want).abs() <= 2 ** -8 * want.abs() + 1e-2).all()
     with pytest.raises(ValueError, match="does not tile"):
-        gemm(a[:640], b, offsets, bn, stages, mode)  # 2.5 clusters of rows
+        gemm(a[:640], b, offsets, bn, stages, multicast)  # 2.5 clusters of rows

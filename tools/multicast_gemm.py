@@ -2,7 +2,7 @@
 SonicMoE in bf16": SonicMoE's forward GEMMs load each weight tile once for a cluster of two CTAs.)
 
 One dense GEMM, C (M, N) = A (M, K) Bᵀ, B (N, K), both K-major, the up projection's shape, in one kernel with two
-modes (``MODES``) that differ only in how B's tile reaches shared memory:
+modes that differ only in how B's tile reaches shared memory:
 
 - ``multicast``: the cluster's two CTAs compute row blocks 2 m and 2 m + 1 of the same column block; each loads half
   of B's (BN, 64) tile per K-step and multicasts it into both CTAs' ring slot. A slot is refilled only once both CTAs'
@@ -162,11 +162,11 @@ def _load_asm(offsets: dict[str, int], bn: int, multicast: bool) -> str:
 }}"""
 
 
-def _release_asm(offsets: dict[str, int], mode: str) -> str:
-    """Thread 0 arrives on ``empty[$1]`` of its CTA and, where B is multicast, of its peer (CTA $2 ^ 1), at the CTA's
+def _release_asm(offsets: dict[str, int], multicast: bool) -> str:
+    """Thread 0 arrives on ``empty[$1]`` of its CTA and, with ``multicast``, of its peer (CTA $2 ^ 1), at the CTA's
     scope: the slot was read by the MMAs, retired before the arrive, and the peer only overwrites it by TMA."""
-    remote = "" if mode == "own" else """xor.b32 r, $2, 1; mapa.shared::cluster.u32 r, e, r;
- @p mbarrier.arrive.shared::cluster.b64 _, [r];"""
+    remote = """xor.b32 r, $2, 1; mapa.shared::cluster.u32 r, e, r;
+ @p mbarrier.arrive.shared::cluster.b64 _, [r];""" if multicast else ""
     return f"""{{
  .reg .pred p; .reg .b32 t, e, r;
  mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;
@@ -200,18 +200,17 @@ SYNC_ASM = ("fence.mbarrier_init.release.cluster; barrier.cluster.arrive.release
 NAMES = ("a_ring", "b_ring", "full", "empty", "c_buf")
 
 
-def constexprs(offsets: dict[str, int], bn: int, stages: int, mode: str) -> dict:
-    multicast = mode != "own"
+def constexprs(offsets: dict[str, int], bn: int, stages: int, multicast: bool) -> dict:
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, bn, 16],
                                     cga_layout=CLUSTER)
     return {"BN": bn, "STAGES": stages, "EMPTY_ARRIVALS": 2 if multicast else 1, "ACC_LAYOUT": acc,
             "BAR_LAYOUT": mbarrier.MBarrierLayout(cga_layout=[[0]]), "SMEM_LAYOUT": SWIZZLED, "RANK_ASM": RANK_ASM,
             "SYNC_ASM": SYNC_ASM, "LOAD_ASM": _load_asm(offsets, bn, multicast),
-            "RELEASE_ASM": _release_asm(offsets, mode), "STORE_ASM": _store_asm(offsets, bn)}
+            "RELEASE_ASM": _release_asm(offsets, multicast), "STORE_ASM": _store_asm(offsets, bn)}
 
 
-def _compile(offsets: dict[str, int], bn: int, stages: int, mode: str):
-    given = constexprs(offsets, bn, stages, mode)
+def _compile(offsets: dict[str, int], bn: int, stages: int, multicast: bool):
+    given = constexprs(offsets, bn, stages, multicast)
     signature = {"a_desc": f"tensordesc<bf16[{BM}, {BK}],{SWIZZLED}>",
                  "b_desc": f"tensordesc<bf16[{bn // 2}, {BK}],{SWIZZLED}>",
                  "c_desc": f"tensordesc<bf16[{BM}, 64],{SWIZZLED}>", "num_n": "i32", "k_steps": "i32",
@@ -220,14 +219,14 @@ def _compile(offsets: dict[str, int], bn: int, stages: int, mode: str):
     return triton.compile(source, target=HOPPER, options={"num_warps": NUM_WARPS, "num_ctas": 2})
 
 
-def compile_gemm(bn: int, stages: int, mode: str):
+def compile_gemm(bn: int, stages: int, multicast: bool):
     """The kernel compiled for sm_90a with its buffers' offsets in its asm, and the offsets
     (``tools.multicast.compile_at_own_offsets``)."""
-    return compile_at_own_offsets(lambda offsets: _compile(offsets, bn, stages, mode), NAMES)
+    return compile_at_own_offsets(lambda offsets: _compile(offsets, bn, stages, multicast), NAMES)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, offsets: dict[str, int], bn: int, stages: int,
-         mode: str) -> torch.Tensor:
+         multicast: bool) -> torch.Tensor:
     """C = A Bᵀ by the kernel (M a multiple of 256, N of ``bn``, K of 64 with at least ``stages`` steps)."""
     (m, k), n = a.shape, b.shape[0]
     if m % (2 * BM) or n % bn or k % BK or k // BK < stages:
@@ -237,17 +236,16 @@ def gemm(a: torch.Tensor, b: torch.Tensor, offsets: dict[str, int], bn: int, sta
              TensorDescriptor.from_tensor(b, [bn // 2, BK], SWIZZLED),
              TensorDescriptor.from_tensor(c, [BM, 64], SWIZZLED))
     multicast_gemm_kernel[(m // (2 * BM) * (n // bn),)](*descs, n // bn, k // BK,
-                                                         **constexprs(offsets, bn, stages, mode),
+                                                         **constexprs(offsets, bn, stages, multicast),
                                                          num_warps=NUM_WARPS, num_ctas=2)
     return c
 
 
-MODES = ("own", "multicast")
-VARIANTS = [(bn, stages, mode) for bn, stages in ((128, 4), (256, 3)) for mode in MODES]
+VARIANTS = [(bn, stages, multicast) for bn, stages in ((128, 4), (256, 3)) for multicast in (False, True)]
 
 
-def variant_name(bn: int, stages: int, mode: str) -> str:
-    return f"128x{bn}, {stages} stages, B {mode}"
+def variant_name(bn: int, stages: int, multicast: bool) -> str:
+    return f"128x{bn}, {stages} stages, B " + ("multicast" if multicast else "own")
 
 
 def main(argv=None) -> None:
