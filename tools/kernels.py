@@ -12,7 +12,8 @@ shows the best next to the default. Beside each GEMM, cuBLAS's rate on the same 
 orders the layer does not run them in (``ORDERS``: in expert order, by size, taken in turn), each checked to write
 bitwise what its layer stage writes (one that differs fails the command once the JSON is written). dW13 runs both
 ways the backward may order it (``BACKWARD_ORDER``: alone with dx's combine after it, the default, or with the
-combine inside); the totals take the layer's.
+combine inside); the totals take the layer's. On sm90 dh' also runs alone (``PARTS``), from dy's sorted rows without
+the copies of dy and x that its stage makes, checked to write bitwise the stage's dh'.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ from megamoe.kernels.gluon_sm90 import (
     WGRAD_CONFIG,
     WGRAD_TAKEN,
     WS_CONFIG,
+    dh_ws,
     expert_wgrad_ws,
     ws_supported,
 )
-from megamoe.kernels.plan import build_plan
+from megamoe.kernels.plan import BLOCK_M, build_plan
 from megamoe.kernels.tuning import TunedKernel
 from megamoe.provenance import utc_now, write_record
 
@@ -87,6 +89,9 @@ ORDERS = {"expert": (" (blocks in expert order)", {"by_size": False, "taken": Fa
           "size": (" (blocks by size)", {"by_size": True, "taken": False}),
           "taken": (" (blocks taken in turn)", {"taken": True})}
 VARIANTS = tuple(suffix for suffix, _ in ORDERS.values())
+# Parts of a stage timed alone on sm90: the suffix of a row's name, and the index of the stage's output that the part
+# writes (checked bitwise). Left out of the totals, as the variants.
+PARTS = {" (the GEMM alone)": 2}  # dh' from dy's sorted rows, without dy's sorted copy and x's (the stage's others)
 
 
 def layer_order(gemm: str) -> str:
@@ -161,6 +166,14 @@ def stages(problem, num_experts):
         "bwd dw13, combine": (run_dw13, 4 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
         "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
     }
+    if ws_supported(x):  # dh' without the copies beside it
+        dh_alone = torch.empty_like(dh)
+
+        def run_dh_alone():
+            dh_ws(dy_sorted, w2, dh_alone, plan, BLOCK_M)
+            return dh_alone
+
+        stages["bwd gather, dh' (the GEMM alone)"] = (run_dh_alone, 2 * unit, tuned(expert_bwd.DH))
     if ws_supported(x):  # the Gluon weight gradients with their blocks in the orders the layer does not run
         dw13, dw13_alone, dw2 = torch.empty_like(w13), torch.empty_like(w13), torch.empty_like(w2)
         combined = torch.empty_like(x)
@@ -190,7 +203,8 @@ def layer_totals(rows: list[dict], low_peak: bool) -> dict[str, float]:
     """Per memory mode (``ONE_MODE``) the sum of the timed ``rows``' ms that the layer runs in that mode and in the
     backward order ``low_peak`` (``BACKWARD_ORDER``): the variants (``VARIANTS``' suffixes) left out."""
     other_order = BACKWARD_ORDER[not low_peak]
-    return {mode: sum(r["ms"] for r in rows if not r["stage"].endswith(VARIANTS) and r["stage"] not in other_order
+    return {mode: sum(r["ms"] for r in rows if not r["stage"].endswith(VARIANTS + tuple(PARTS))
+                      and r["stage"] not in other_order
                       and all(r["stage"] not in names for other, names in ONE_MODE.items() if other != mode))
             for mode in ONE_MODE}
 
@@ -237,8 +251,11 @@ def main(argv=None) -> None:
                 best = min(best, (t, cfg), key=lambda b: b[0])
             key.default = default
             row.update(best_ms=best[0], best_config=best[1], best_tflops=flops / best[0] / 1e9)
-        layer = name[:name.rindex(" (")] if name.endswith(VARIANTS) else name  # without the order's suffix
-        if name != layer:
+        layer = name[:name.rindex(" (")] if name.endswith(VARIANTS + tuple(PARTS)) else name  # without the suffix
+        part = PARTS.get(name[len(layer):])
+        if part is not None:
+            row.update(bitwise_as=f"{layer}, output {part}", bitwise_equal=same_outputs(fn(), table[layer][0]()[part]))
+        elif name != layer:
             row.update(bitwise_as=layer, bitwise_equal=same_outputs(fn(), table[layer][0]()))
         if layer in shapes:
             if shapes[layer] not in ceilings:
