@@ -13,7 +13,8 @@ orders the layer does not run them in (``ORDERS``: in expert order, by size, tak
 bitwise what its layer stage writes (one that differs fails the command once the JSON is written). dW13 runs both
 ways the backward may order it (``BACKWARD_ORDER``: alone with dx's combine after it, the default, or with the
 combine inside); the totals take the layer's. On sm90 dh' also runs alone (``PARTS``), from dy's sorted rows without
-the copies of dy and x that its stage makes, checked to write bitwise the stage's dh'.
+the copies of dy and x that its stage makes, checked to write bitwise the stage's dh'; and the up kernel with its h
+stored by epilogue warps beside the next block's MMAs (``UP_HANDOFF``), checked to write bitwise the stage's h.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ from megamoe.kernels.combine import combine
 from megamoe.kernels.gluon_sm90 import (
     ACT_CONFIG,
     UP_CONFIG,
+    UP_HANDOFF_WARPS,
     WGRAD_BY_SIZE,
     WGRAD_CONFIG,
     WGRAD_TAKEN,
     WS_CONFIG,
     dh_ws,
     expert_wgrad_ws,
+    up_swiglu_ws,
     ws_supported,
 )
 from megamoe.kernels.plan import BLOCK_M, build_plan
@@ -88,7 +91,10 @@ BACKWARD_ORDER = {True: ("bwd dw13", "bwd dx combine"), False: ("bwd dw13, combi
 ORDERS = {"expert": (" (blocks in expert order)", {"by_size": False, "taken": False}),
           "size": (" (blocks by size)", {"by_size": True, "taken": False}),
           "taken": (" (blocks taken in turn)", {"taken": True})}
-VARIANTS = tuple(suffix for suffix, _ in ORDERS.values())
+# The up kernel with h stored by epilogue warps beside the next block's MMAs (``up_swiglu_ws(handoff=True)``, an
+# experiment): a variant of the keep-nothing up stage, checked to write bitwise its h.
+UP_HANDOFF = " (h through epilogue warps)"
+VARIANTS = (*(suffix for suffix, _ in ORDERS.values()), UP_HANDOFF)
 # Parts of a stage timed alone on sm90: the suffix of a row's name, and the index of the stage's output that the part
 # writes (checked bitwise). Left out of the totals, as the variants.
 PARTS = {" (the GEMM alone)": 2}  # dh' from dy's sorted rows, without dy's sorted copy and x's (the stage's others)
@@ -166,7 +172,15 @@ def stages(problem, num_experts):
         "bwd dw13, combine": (run_dw13, 4 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
         "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
     }
-    if ws_supported(x):  # dh' without the copies beside it
+    if ws_supported(x):  # the up kernel with its h handed off; dh' without the copies beside it
+        h_handoff = torch.empty_like(h)
+
+        def run_up_handoff():
+            up_swiglu_ws(x, w13, h_handoff, plan, top_k, BLOCK_M, handoff=True)
+            return h_handoff
+
+        stages["fwd up+swiglu" + UP_HANDOFF] = (run_up_handoff, 4 * unit, SimpleNamespace(
+            last_config={**UP_CONFIG, "EPILOGUE_WARPS": UP_HANDOFF_WARPS}))
         dh_alone = torch.empty_like(dh)
 
         def run_dh_alone():

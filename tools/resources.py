@@ -131,7 +131,8 @@ def ptxas_report(compiled) -> dict:
 WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
               "wgrad_combine_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
               "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
-              "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG)}
+              "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG),
+              "up_handoff_ws": ("up", ws.UP_TILE, ws.UP_HANDOFF_MAXNREG)}
 
 
 def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8, trace: bool = False,
@@ -169,7 +170,9 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
                           EPILOGUE_REGS=ws.ACT_EPILOGUE_REGS)
     else:
         fn, blocks = ws.KERNELS["up"], {"w13_desc": [1, 1, bn, bk]}
-        constexprs.update(EB=128, TILE_M=bm, BK=bk, LOADER_WARPS=ws.UP_LOADER_WARPS, SAVE_PREACT=name == "up_saved_ws")
+        constexprs.update(EB=128, TILE_M=bm, BK=bk, LOADER_WARPS=ws.UP_LOADER_WARPS, SAVE_PREACT=name == "up_saved_ws",
+                          HANDOFF=name == "up_handoff_ws", EPILOGUE_WARPS=ws.UP_HANDOFF_WARPS,
+                          EPILOGUE_REGS=ws.UP_HANDOFF_REGS)
 
     def arg_type(arg):  # the rest typed as for the Triton kernels (compile_for_hopper): pointers by name, else i32
         if arg in blocks:

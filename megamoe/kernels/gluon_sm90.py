@@ -96,6 +96,12 @@ UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.asy
 # The act kernel's block with four stages: 4 x 48 KB and the epilogue's 16 KB staging buffer (208 KB).
 UP_TILE = (*ACT_TILE[:3], 4)
 UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
+# The up kernel with h handed to epilogue warps (``up_swiglu_ws(handoff=True)``, keeping nothing): the same ring and
+# a 32 KB h block instead of the staging buffer (224 KB); 16 warps, so a launch cap of 128 registers, of which the
+# epilogue's warpgroup keeps 96 and the loader 80: the MMA warps get (64 K - 128 x 80 - 128 x 96) / 256 = 168.
+UP_HANDOFF_WARPS = 4
+UP_HANDOFF_MAXNREG = 128
+UP_HANDOFF_REGS = 96
 
 # The weight gradients' block with a finer ring: 6 stages of BK 32 (24 KB) beside the 64 KB output block (208 KB). The
 # same ring bytes as WS_TILE's 3 x 48 KB, in stages of half the size, so that the one or two the MMAs hold keep half the
@@ -946,16 +952,71 @@ def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_
 
 
 @gluon.jit
+def _up_handoff_mma_partition(ready, empty, h_ready, h_empty, x_bufs, g_bufs, u_bufs, h_smem, D, work, trace_ptr,
+                              TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """Default partition of ``_up_ws_kernel`` with HANDOFF: both GEMMs of each block, then h = silu(g) * u (the
+    same bits as ``_up_mma_partition``'s) into ``h_smem`` for the epilogue partition, and on to the next block's
+    GEMMs. TRACE: its stamps (partition 0 of ``TRACE_BLOCKS``; the block's end once h is handed over)."""
+    BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
+    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
+    step = 0
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        block = block_index(w)
+        stamp(trace_ptr, 0, block, 0, TRACE, num_warps)
+        acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, trace_ptr, block,
+                                               acc_layout, True, TRACE, num_warps)
+        h = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(h_smem.dtype)
+        mbarrier.wait(h_empty.index(0), (block & 1) ^ 1)  # the epilogue has read the previous block's
+        h_smem.store(h)
+        gl.thread_barrier()  # every thread's stores before the one arrival
+        mbarrier.arrive(h_ready.index(0), count=1)
+        stamp(trace_ptr, 0, block, 3, TRACE, num_warps)
+
+
+@gluon.jit
+def _up_epilogue_partition(h_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, h_ready, h_empty, h_smem, I, num_n,
+                           work, trace_ptr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """Epilogue partition of ``_up_ws_kernel`` with HANDOFF: each block's h from ``h_smem`` into its rows of h
+    (masked to the expert's rows and to I), ``CHUNK`` rows at a time in 16-byte row segments, while the MMA partition
+    runs the next block. TRACE: its stamps (partition 1 of ``TRACE_BLOCKS``: the block's start, its h ready, its
+    stores issued, its end once it has let go of h)."""
+    BM: gl.constexpr = h_smem.type.shape[0]
+    BN: gl.constexpr = h_smem.type.shape[1]
+    CHUNK: gl.constexpr = 32
+    layout: gl.constexpr = row_segments(BN, 2, num_warps)
+    for w in range(gl.program_id(0), work, gl.num_programs(0)):
+        block = block_index(w)
+        stamp(trace_ptr, 1, block, 0, TRACE, num_warps)
+        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
+        end = gl.load(offsets_ptr + e + 1)
+        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+        mbarrier.wait(h_ready.index(0), block & 1)
+        stamp(trace_ptr, 1, block, 1, TRACE, num_warps)
+        for c in gl.static_range(BM // CHUNK):
+            rows = row0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            mask = (rows < end)[:, None] & (cols < I)[None, :]
+            gl.store(h_ptr + rows.to(gl.int64)[:, None] * I + cols[None, :],
+                     h_smem.slice(c * CHUNK, CHUNK).load(layout), mask=mask)
+        stamp(trace_ptr, 1, block, 2, TRACE, num_warps)
+        gl.thread_barrier()  # every thread's reads of h_smem before the one arrival
+        mbarrier.arrive(h_empty.index(0), count=1)
+        stamp(trace_ptr, 1, block, 3, TRACE, num_warps)
+
+
+@gluon.jit
 def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, D, I,
                   E, top_k, trace_ptr, EB: gl.constexpr, TILE_M: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                  LOADER_WARPS: gl.constexpr, SAVE_PREACT: gl.constexpr, TRACE: gl.constexpr,
+                  LOADER_WARPS: gl.constexpr, SAVE_PREACT: gl.constexpr, HANDOFF: gl.constexpr,
+                  EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, TRACE: gl.constexpr,
                   num_warps: gl.constexpr):
     """The one-device up kernel (``expert_fwd._up_swiglu_fwd_kernel``): x (T, D)
     gathered by token, w13_desc (E, 2, I, D), block (1, 1, BN, BK); h (N, I) out in sorted rows, and with
     SAVE_PREACT the gate/up products (N, 2I) into preact (the saved-activation mode). Blocks:
     the busy tiles times the I-blocks. Each ready barrier counts the loader's TMA arrival and one
-    ``cp.async`` arrival per loader thread. The epilogue's stores go through a staging buffer of half a block.
-    TRACE: the MMA partition's and the loader's stamps into trace_ptr (int64, ``TRACE_BLOCKS``)."""
+    ``cp.async`` arrival per loader thread. The epilogue's stores go through a staging buffer of half a block; with
+    HANDOFF (not with SAVE_PREACT) the MMA partition hands each block's h through shared memory to a third partition
+    (``EPILOGUE_WARPS`` warps, ``EPILOGUE_REGS`` registers each), which stores it while the MMAs run the next block.
+    TRACE: the partitions' stamps into trace_ptr (int64, ``TRACE_BLOCKS``)."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     num_n = gl.cdiv(I, BN)
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -963,16 +1024,31 @@ def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
     x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, TILE_M, BK], x_layout)
     g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
     u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
-    staging = gl.allocate_shared_memory(w13_desc.dtype, [TILE_M, BN // 2],
-                                        staged_layout([TILE_M, BN // 2], w13_desc.dtype))
     ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)
     empty = barriers(STAGES)
-    gl.warp_specialize([
-        (_up_mma_partition, (h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
-                             g_bufs, u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT, TRACE, num_warps)),
-        (_up_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
-                      g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, TRACE, LOADER_WARPS)),
-    ], [LOADER_WARPS], [80])
+    if HANDOFF:
+        gl.static_assert(not SAVE_PREACT, "the hand-off carries h alone")
+        h_smem = gl.allocate_shared_memory(w13_desc.dtype, [TILE_M, BN], staged_layout([TILE_M, BN], w13_desc.dtype))
+        h_ready = barriers(1)
+        h_empty = barriers(1)
+        gl.warp_specialize([
+            (_up_handoff_mma_partition, (ready, empty, h_ready, h_empty, x_bufs, g_bufs, u_bufs, h_smem, D, work,
+                                         trace_ptr, TRACE, num_warps)),
+            (_up_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
+                          x_bufs, g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, TRACE, LOADER_WARPS)),
+            (_up_epilogue_partition, (h_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, h_ready, h_empty, h_smem, I,
+                                      num_n, work, trace_ptr, TRACE, EPILOGUE_WARPS)),
+        ], [LOADER_WARPS, EPILOGUE_WARPS], [80, EPILOGUE_REGS])
+    else:
+        staging = gl.allocate_shared_memory(w13_desc.dtype, [TILE_M, BN // 2],
+                                            staged_layout([TILE_M, BN // 2], w13_desc.dtype))
+        gl.warp_specialize([
+            (_up_mma_partition, (h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
+                                 g_bufs, u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT, TRACE,
+                                 num_warps)),
+            (_up_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
+                          x_bufs, g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, TRACE, LOADER_WARPS)),
+        ], [LOADER_WARPS], [80])
 
 
 def ws_supported(a: torch.Tensor) -> bool:
@@ -1093,16 +1169,23 @@ def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tenso
 
 
 def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, plan, top_k: int, tile_m: int,
-                 preact_NH: torch.Tensor | None = None, *, trace: torch.Tensor | None = None) -> None:
+                 preact_NH: torch.Tensor | None = None, *, handoff: bool = False,
+                 trace: torch.Tensor | None = None) -> None:
     """``expert_fwd.up_swiglu_fwd``'s one-device kernel through ``_up_ws_kernel`` into ``h_NI`` (and the gate/up
     products into ``preact_NH``, (N, 2I) in x's dtype, if given); 16-bit operands on an sm90 GPU
     (``ws_supported``), x contiguous with 16-byte aligned rows, at least one row; ``tile_m`` the plan's tile
-    height. ``trace``: the block trace (``trace_args``)."""
+    height. ``handoff`` (without ``preact_NH``): h stored by epilogue warps beside the next block's MMAs, the same
+    bits (an experiment: ``tools.kernels`` times it beside the layer's). ``trace``: the block trace
+    (``trace_args``)."""
     bm, bn, bk, stages = UP_TILE
     assert bm == tile_m, "a block is one plan tile"
+    if handoff and preact_NH is not None:
+        raise ValueError("up_swiglu_ws: the hand-off carries h alone, not the products (preact_NH)")
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
-    _launch_ws(_up_ws_kernel, sm_count(x_TD.device.index), stages=stages, x_ptr=x_TD,
+    _launch_ws(_up_ws_kernel, sm_count(x_TD.device.index), stages=stages,
+               maxnreg=UP_HANDOFF_MAXNREG if handoff else WS_MAXNREG, HANDOFF=handoff,
+               EPILOGUE_WARPS=UP_HANDOFF_WARPS, EPILOGUE_REGS=UP_HANDOFF_REGS, x_ptr=x_TD,
                w13_desc=_desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), h_ptr=h_NI,
                preact_ptr=h_NI if preact_NH is None else preact_NH, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
                tile_row_ptr=plan.tile_row_NT, D=dim, I=inter, E=num_experts, top_k=top_k,
