@@ -172,7 +172,8 @@ def stages(problem, num_experts):
         "bwd dw13, combine": (run_dw13, 4 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
         "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
     }
-    if ws_supported(x):  # the up kernel with its h handed off; dh' without the copies beside it
+    if ws_supported(x):  # the variants and parts of the Gluon kernels' stages: first the up kernel with its h handed
+        # off, and dh' without the copies beside it
         h_handoff = torch.empty_like(h)
 
         def run_up_handoff():
@@ -188,7 +189,7 @@ def stages(problem, num_experts):
             return dh_alone
 
         stages["bwd gather, dh' (the GEMM alone)"] = (run_dh_alone, 2 * unit, tuned(expert_bwd.DH))
-    if ws_supported(x):  # the Gluon weight gradients with their blocks in the orders the layer does not run
+        # the Gluon weight gradients with their blocks in the orders the layer does not run
         dw13, dw13_alone, dw2 = torch.empty_like(w13), torch.empty_like(w13), torch.empty_like(w2)
         combined = torch.empty_like(x)
         config = SimpleNamespace(last_config=WGRAD_CONFIG)
@@ -215,7 +216,8 @@ def stages(problem, num_experts):
 
 def layer_totals(rows: list[dict], low_peak: bool) -> dict[str, float]:
     """Per memory mode (``ONE_MODE``) the sum of the timed ``rows``' ms that the layer runs in that mode and in the
-    backward order ``low_peak`` (``BACKWARD_ORDER``): the variants (``VARIANTS``' suffixes) left out."""
+    backward order ``low_peak`` (``BACKWARD_ORDER``): the variants and the parts (``VARIANTS``' and ``PARTS``'
+    suffixes) left out."""
     other_order = BACKWARD_ORDER[not low_peak]
     return {mode: sum(r["ms"] for r in rows if not r["stage"].endswith(VARIANTS + tuple(PARTS))
                       and r["stage"] not in other_order
