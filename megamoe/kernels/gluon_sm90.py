@@ -926,6 +926,13 @@ def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile
 
 
 @gluon.jit
+def swiglu(acc_g, acc_u):
+    """h = silu(g) * u in fp32 from the gate and up accumulators: the one expression of every Gluon up kernel, so that
+    their h agree bit for bit."""
+    return acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
+
+
+@gluon.jit
 def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs,
                       u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT: gl.constexpr, TRACE: gl.constexpr,
                       num_warps: gl.constexpr):
@@ -943,7 +950,7 @@ def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_
         acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, trace_ptr, block,
                                                acc_layout, True, TRACE, num_warps)
         end = gl.load(offsets_ptr + e + 1)
-        h = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(dtype)
+        h = swiglu(acc_g, acc_u).to(dtype)
         store_staged(h, staging, h_ptr, row0, end, n0, I, I, num_warps)
         if SAVE_PREACT:
             store_staged(acc_g.to(dtype), staging, preact_ptr, row0, end, n0, 2 * I, I, num_warps)
@@ -954,7 +961,7 @@ def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_
 @gluon.jit
 def _up_handoff_mma_partition(ready, empty, h_ready, h_empty, x_bufs, g_bufs, u_bufs, h_smem, D, work, trace_ptr,
                               TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """Default partition of ``_up_ws_kernel`` with HANDOFF: both GEMMs of each block, then h = silu(g) * u (the
+    """Default partition of ``_up_ws_kernel`` with HANDOFF: both GEMMs of each block, then h (``swiglu``, the
     same bits as ``_up_mma_partition``'s) into ``h_smem`` for the epilogue partition, and on to the next block's
     GEMMs. TRACE: its stamps (partition 0 of ``TRACE_BLOCKS``; the block's end once h is handed over)."""
     BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
@@ -965,7 +972,7 @@ def _up_handoff_mma_partition(ready, empty, h_ready, h_empty, x_bufs, g_bufs, u_
         stamp(trace_ptr, 0, block, 0, TRACE, num_warps)
         acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, trace_ptr, block,
                                                acc_layout, True, TRACE, num_warps)
-        h = (acc_g / (1.0 + gl.exp(-acc_g)) * acc_u).to(h_smem.dtype)
+        h = swiglu(acc_g, acc_u).to(h_smem.dtype)
         mbarrier.wait(h_empty.index(0), (block & 1) ^ 1)  # the epilogue has read the previous block's
         h_smem.store(h)
         gl.thread_barrier()  # every thread's stores before the one arrival

@@ -33,6 +33,7 @@ from megamoe.kernels.gluon_sm90 import (
     stamp,
     stamp_first,
     store_staged,
+    swiglu,
     tile_block,
     wgmma_acc_layout,
 )
@@ -160,7 +161,7 @@ def _up_h(acc_g, acc_u, stage, preact_ptr, first, end, c0, I, PREACT: gl.constex
     if PREACT:
         store_staged(acc_g.to(gl.bfloat16), stage, preact_ptr, first, end, c0, 2 * I, I, num_warps)
         store_staged(acc_u.to(gl.bfloat16), stage, preact_ptr + I, first, end, c0, 2 * I, I, num_warps)
-    return acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
+    return swiglu(acc_g, acc_u)
 
 
 @gluon.jit
