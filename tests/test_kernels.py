@@ -821,15 +821,18 @@ def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, int
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gather_dy", [False, True], ids=["dy copied ahead", "dy gathered"])
 @pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", SIDE_COPY_SHAPES)
-def test_dh_kernel_copies_x_into_sorted_rows_beside_its_mmas(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
-    """``sorted_rows_and_dh`` on the GPU, where the dh' kernel copies x's rows beside its MMAs: the routed
-    x and dy rows equal ``gather_rows``' and dh' equals the kernel's without the copy, bit for bit (an expert
-    without rows, dropped slots; D inside one of the copy's 1 024-column chunks and over two)."""
+def test_dh_kernel_copies_x_into_sorted_rows_beside_its_mmas(num_tokens, dim, inter, num_experts, top_k, gather_dy,
+                                                             poison_cuda):
+    """``sorted_rows_and_dh`` on the GPU, where the dh' kernel copies x's rows beside its MMAs (and with
+    ``gather_dy``, an experiment, gathers dy's rows by token and copies them too): the routed x and dy rows equal
+    ``gather_rows``' and dh' equals the kernel's without the copy, bit for bit (an expert without rows, dropped
+    slots; D inside one of the copy's 1 024-column chunks and over two)."""
     from megamoe.kernels import expert_bwd
 
     (x, _, _, _, w2, dy), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
-    x_sorted, dy_sorted, dh = expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k)
+    x_sorted, dy_sorted, dh = expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k, gather_dy=gather_dy)
     want_x, want_dy = expert_bwd.gather_rows(x, dy, plan, top_k)
     assert torch.equal(x_sorted[:routed], want_x[:routed])
     assert torch.equal(dy_sorted[:routed], want_dy[:routed])

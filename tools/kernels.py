@@ -12,9 +12,10 @@ shows the best next to the default. Beside each GEMM, cuBLAS's rate on the same 
 orders the layer does not run them in (``ORDERS``: in expert order, by size, taken in turn), each checked to write
 bitwise what its layer stage writes (one that differs fails the command once the JSON is written). dW13 runs both
 ways the backward may order it (``BACKWARD_ORDER``: alone with dx's combine after it, the default, or with the
-combine inside); the totals take the layer's. On sm90 dh' also runs alone (``PARTS``), from dy's sorted rows without
-the copies of dy and x that its stage makes, checked to write bitwise the stage's dh'; and the up kernel with its h
-stored by epilogue warps beside the next block's MMAs (``UP_HANDOFF``), checked to write bitwise the stage's h.
+combine inside); the totals take the layer's. On sm90 dh' also runs alone and with x's copy alone (``PARTS``), from
+dy's sorted rows without the other copies that its stage makes, checked to write bitwise the stage's dh'; dh' gathering
+dy's rows with both copies beside it (``DH_GATHER``) and the up kernel with its h stored by epilogue warps beside the
+next block's MMAs (``UP_HANDOFF``), each checked to write bitwise what its stage writes.
 """
 
 from __future__ import annotations
@@ -94,10 +95,16 @@ ORDERS = {"expert": (" (blocks in expert order)", {"by_size": False, "taken": Fa
 # The up kernel with h stored by epilogue warps beside the next block's MMAs (``up_swiglu_ws(handoff=True)``, an
 # experiment): a variant of the keep-nothing up stage, checked to write bitwise its h.
 UP_HANDOFF = " (h through epilogue warps)"
-VARIANTS = (*(suffix for suffix, _ in ORDERS.values()), UP_HANDOFF)
+# dh' gathering dy's rows by token, with x's and dy's sorted copies beside its MMAs in one kernel
+# (``expert_bwd.sorted_rows_and_dh(gather_dy=True)``, an experiment): a variant of dh''s stage, checked to write
+# bitwise its three outputs.
+DH_GATHER = " (dy gathered, both copies beside)"
+VARIANTS = (*(suffix for suffix, _ in ORDERS.values()), UP_HANDOFF, DH_GATHER)
 # Parts of a stage timed alone on sm90: the suffix of a row's name, and the index of the stage's output that the part
 # writes (checked bitwise). Left out of the totals, as the variants.
-PARTS = {" (the GEMM alone)": 2}  # dh' from dy's sorted rows, without dy's sorted copy and x's (the stage's others)
+# dh' from dy's sorted rows: without dy's sorted copy and x's (the stage's others); with x's copy beside it (the
+# stage's kernel, without dy's copy ahead of it)
+PARTS = {" (the GEMM alone)": 2, " (the kernel with x's copy)": 2}
 
 
 def layer_order(gemm: str) -> str:
@@ -173,7 +180,7 @@ def stages(problem, num_experts):
         "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
     }
     if ws_supported(x):  # the variants and parts of the Gluon kernels' stages: first the up kernel with its h handed
-        # off, and dh' without the copies beside it
+        # off, dh' without the copies beside it or with x's alone, and dh' gathering dy
         h_handoff = torch.empty_like(h)
 
         def run_up_handoff():
@@ -189,6 +196,16 @@ def stages(problem, num_experts):
             return dh_alone
 
         stages["bwd gather, dh' (the GEMM alone)"] = (run_dh_alone, 2 * unit, tuned(expert_bwd.DH))
+        dh_with_x, x_copy, slot_row = torch.empty_like(dh), torch.empty_like(x_sorted), expert_bwd.slot_rows(plan)
+
+        def run_dh_with_x():
+            dh_ws(dy_sorted, w2, dh_with_x, plan, BLOCK_M, copy_x=(x, x_copy, slot_row, top_k))
+            return dh_with_x
+
+        stages["bwd gather, dh' (the kernel with x's copy)"] = (run_dh_with_x, 2 * unit, tuned(expert_bwd.DH))
+        stages["bwd gather, dh'" + DH_GATHER] = (
+            lambda: expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k, gather_dy=True), 2 * unit,
+            tuned(expert_bwd.DH))
         # the Gluon weight gradients with their blocks in the orders the layer does not run
         dw13, dw13_alone, dw2 = torch.empty_like(w13), torch.empty_like(w13), torch.empty_like(w2)
         combined = torch.empty_like(x)

@@ -62,7 +62,13 @@ from megamoe.kernels.gluon_fp8_sm90 import (
     fp8_wgrad_ws,
     fp8_ws_supported,
 )
-from megamoe.kernels.gluon_sm90 import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
+from megamoe.kernels.gluon_sm90 import (
+    act_bwd_ws,
+    dh_gather_ws,
+    dh_ws,
+    expert_wgrad_ws,
+    ws_supported,
+)
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.quant import (
     FP8,
@@ -552,7 +558,7 @@ def dx_slots_fp8(dzq_NH, dzs, w13tq_EDH, w13ts, plan: Plan, out_dtype: torch.dty
     return sorted_rows_gemm_fp8(DX_FP8, dzq_NH, dzs, w13tq_EDH, w13ts, None, plan, out_dtype, dest=dest)
 
 
-def _slot_rows(plan: Plan) -> torch.Tensor:
+def slot_rows(plan: Plan) -> torch.Tensor:
     """Each slot's sorted row (the inverse of the plan's row -> slot map)."""
     num_slots = plan.row_slot_N.numel()
     slot_row = torch.empty_like(plan.row_slot_N)
@@ -595,7 +601,7 @@ def gather_rows(x_TD, dy_TD, plan: Plan, top_k: int, quantize_dy: bool = False):
         if quantize_dy:
             return empty, empty, empty.to(FP8), torch.empty(dim // 128, 0, device=x_TD.device)
         return empty, empty
-    return tuple(_scatter_rows(x_TD, dy_TD, _slot_rows(plan), plan, top_k, quantize_b=quantize_dy))
+    return tuple(_scatter_rows(x_TD, dy_TD, slot_rows(plan), plan, top_k, quantize_b=quantize_dy))
 
 
 def sorted_quantized_rows(a_TD, plan: Plan, top_k: int, gather: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -614,20 +620,27 @@ def sorted_quantized_rows(a_TD, plan: Plan, top_k: int, gather: bool = False) ->
         routed = torch.arange(num_slots, device=a_TD.device) < plan.offsets_E1[-1]
         rows = torch.where(routed, plan.row_slot_N.long() // top_k, 0)
         return q_TD.view(torch.int64).index_select(0, rows).view(FP8), s_T.index_select(1, rows)
-    (q,) = _scatter_rows(q_TD.view(torch.uint8), None, _slot_rows(plan), plan, top_k)  # the bytes, as they are
+    (q,) = _scatter_rows(q_TD.view(torch.uint8), None, slot_rows(plan), plan, top_k)  # the bytes, as they are
     return q.view(FP8), s_T.index_select(1, plan.row_slot_N // top_k)
 
 
-def sorted_rows_and_dh(x_TD, dy_TD, w2_EDI, plan: Plan, top_k: int):
+def sorted_rows_and_dh(x_TD, dy_TD, w2_EDI, plan: Plan, top_k: int, *, gather_dy: bool = False):
     """(x_sorted, dy_sorted, dh'): ``gather_rows`` and ``dh_sorted`` together. On sm90 with 16-bit operands only
-    dy is copied ahead; x's copy runs inside the dh' kernel, beside its MMAs (``gluon_sm90._dh_ws_kernel``)."""
+    dy is copied ahead; x's copy runs inside the dh' kernel, beside its MMAs (``gluon_sm90._dh_ws_kernel``).
+    ``gather_dy`` (an experiment, sm90 only: ``tools.kernels`` times it beside the layer's stage): one kernel instead,
+    dh' gathering dy's rows by token and both copies beside its MMAs (``gluon_sm90.dh_gather_ws``)."""
     if not (plan.row_slot_N.numel() and ws_supported(dy_TD)):
+        assert not gather_dy, "gather_dy: the sm90 kernel, with at least one row"
         x_sorted, dy_sorted = gather_rows(x_TD, dy_TD, plan, top_k)
         return x_sorted, dy_sorted, dh_sorted(dy_sorted, w2_EDI, plan)
-    slot_row = _slot_rows(plan)
+    slot_row = slot_rows(plan)
+    dh = dy_TD.new_empty(plan.row_slot_N.numel(), w2_EDI.shape[2])
+    if gather_dy:
+        x_sorted, dy_sorted = (x_TD.new_empty(plan.row_slot_N.numel(), x_TD.shape[1]) for _ in range(2))
+        dh_gather_ws(dy_TD, w2_EDI, dh, plan, BLOCK_M, x_TD, x_sorted, dy_sorted, slot_row, top_k)
+        return x_sorted, dy_sorted, dh
     (dy_sorted,) = _scatter_rows(dy_TD, None, slot_row, plan, top_k)
     x_sorted = torch.empty_like(dy_sorted)
-    dh = torch.empty(dy_sorted.shape[0], w2_EDI.shape[2], device=dy_TD.device, dtype=dy_TD.dtype)
     dh_ws(dy_sorted, w2_EDI, dh, plan, BLOCK_M, copy_x=(x_TD, x_sorted, slot_row, top_k))
     return x_sorted, dy_sorted, dh
 
