@@ -535,28 +535,6 @@ def test_saved_mode_gluon_up_kernel_keeps_the_products_of_the_keep_nothing_forwa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=shape_id)
-def test_gluon_up_kernel_with_h_handed_to_epilogue_warps_writes_the_same_h(shape, poison_cuda):
-    """``gluon_sm90.up_swiglu_ws(handoff=True)`` (an experiment ``tools.kernels`` times): h bitwise the layer's up
-    kernel's, every routed row written (the buffers NaN-poisoned first), on the layers' shapes and off every block
-    size; the products cannot take that path."""
-    from megamoe.kernels.gluon_sm90 import up_swiglu_ws, ws_supported
-
-    x, idx, _, w13, _, _ = gpu_problem(*shape)
-    if not ws_supported(x):
-        pytest.skip("the Gluon kernels need sm90")
-    plan = build_plan(idx, w13.shape[0])
-    routed = int((idx >= 0).sum())
-    h = [torch.full((idx.numel(), w13.shape[1] // 2), float("nan"), device="cuda", dtype=x.dtype) for _ in range(2)]
-    up_swiglu_ws(x, w13, h[0], plan, idx.shape[1], BLOCK_M)
-    up_swiglu_ws(x, w13, h[1], plan, idx.shape[1], BLOCK_M, handoff=True)
-    assert not h[1][:routed].isnan().any()
-    assert torch.equal(h[1][:routed], h[0][:routed])
-    with pytest.raises(ValueError, match="h alone"):
-        up_swiglu_ws(x, w13, h[1], plan, idx.shape[1], BLOCK_M, torch.empty_like(h[1]), handoff=True)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(512, 2048, 768, 16, 4, "random"), (300, 520, 200, 13, 4, "dropped")],
                          ids=shape_id)
 def test_fused_fp32_gpu_matches_fp32_reference(shape, poison_cuda):
@@ -821,18 +799,15 @@ def test_warp_specialized_dh_matches_a_per_expert_reference(num_tokens, dim, int
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gather_dy", [False, True], ids=["dy copied ahead", "dy gathered"])
 @pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", SIDE_COPY_SHAPES)
-def test_dh_kernel_copies_x_into_sorted_rows_beside_its_mmas(num_tokens, dim, inter, num_experts, top_k, gather_dy,
-                                                             poison_cuda):
-    """``sorted_rows_and_dh`` on the GPU, where the dh' kernel copies x's rows beside its MMAs (and with
-    ``gather_dy``, an experiment, gathers dy's rows by token and copies them too): the routed x and dy rows equal
-    ``gather_rows``' and dh' equals the kernel's without the copy, bit for bit (an expert without rows, dropped
-    slots; D inside one of the copy's 1 024-column chunks and over two)."""
+def test_dh_kernel_copies_x_into_sorted_rows_beside_its_mmas(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
+    """``sorted_rows_and_dh`` on the GPU, where the dh' kernel copies x's rows beside its MMAs: the routed
+    x and dy rows equal ``gather_rows``' and dh' equals the kernel's without the copy, bit for bit (an expert
+    without rows, dropped slots; D inside one of the copy's 1 024-column chunks and over two)."""
     from megamoe.kernels import expert_bwd
 
     (x, _, _, _, w2, dy), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
-    x_sorted, dy_sorted, dh = expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k, gather_dy=gather_dy)
+    x_sorted, dy_sorted, dh = expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k)
     want_x, want_dy = expert_bwd.gather_rows(x, dy, plan, top_k)
     assert torch.equal(x_sorted[:routed], want_x[:routed])
     assert torch.equal(dy_sorted[:routed], want_dy[:routed])
@@ -1016,8 +991,6 @@ def test_warp_specialized_launchers_pass_each_kernel_exactly_its_parameters(monk
         g.dh_ws(x_sorted, w2, dh, plan, BLOCK_M, copy_x, trace=tr)
     g.act_bwd_ws(x_sorted, dh, w13, torch.ones(rows), plan, dz, dh, torch.zeros(inter // 64, rows), BLOCK_M, 64,
                  trace=trace)
-    for preact, handoff, tr in ((None, False, None), (dz, False, trace), (None, True, trace)):
-        g.up_swiglu_ws(x, w13, dh, plan, top_k, BLOCK_M, preact, handoff=handoff, trace=tr)
-    assert_launches_pass_parameters(launched, 9)
-    with pytest.raises(ValueError, match="h alone"):
-        g.up_swiglu_ws(x, w13, dh, plan, top_k, BLOCK_M, dz, handoff=True)
+    for preact, tr in ((None, None), (dz, trace)):
+        g.up_swiglu_ws(x, w13, dh, plan, top_k, BLOCK_M, preact, trace=tr)
+    assert_launches_pass_parameters(launched, 8)

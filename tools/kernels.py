@@ -13,9 +13,7 @@ orders the layer does not run them in (``ORDERS``: in expert order, by size, tak
 bitwise what its layer stage writes (one that differs fails the command once the JSON is written). dW13 runs both
 ways the backward may order it (``BACKWARD_ORDER``: alone with dx's combine after it, the default, or with the
 combine inside); the totals take the layer's. On sm90 dh' also runs alone and with x's copy alone (``PARTS``), from
-dy's sorted rows without the other copies that its stage makes, checked to write bitwise the stage's dh'; dh' gathering
-dy's rows with both copies beside it (``DH_GATHER``) and the up kernel with its h stored by epilogue warps beside the
-next block's MMAs (``UP_HANDOFF``), each checked to write bitwise what its stage writes.
+dy's sorted rows without the other copies that its stage makes, checked to write bitwise the stage's dh'.
 """
 
 from __future__ import annotations
@@ -39,14 +37,12 @@ from megamoe.kernels.combine import combine
 from megamoe.kernels.gluon_sm90 import (
     ACT_CONFIG,
     UP_CONFIG,
-    UP_HANDOFF_WARPS,
     WGRAD_BY_SIZE,
     WGRAD_CONFIG,
     WGRAD_TAKEN,
     WS_CONFIG,
     dh_ws,
     expert_wgrad_ws,
-    up_swiglu_ws,
     ws_supported,
 )
 from megamoe.kernels.plan import BLOCK_M, build_plan
@@ -92,14 +88,7 @@ BACKWARD_ORDER = {True: ("bwd dw13", "bwd dx combine"), False: ("bwd dw13, combi
 ORDERS = {"expert": (" (blocks in expert order)", {"by_size": False, "taken": False}),
           "size": (" (blocks by size)", {"by_size": True, "taken": False}),
           "taken": (" (blocks taken in turn)", {"taken": True})}
-# The up kernel with h stored by epilogue warps beside the next block's MMAs (``up_swiglu_ws(handoff=True)``, an
-# experiment): a variant of the keep-nothing up stage, checked to write bitwise its h.
-UP_HANDOFF = " (h through epilogue warps)"
-# dh' gathering dy's rows by token, with x's and dy's sorted copies beside its MMAs in one kernel
-# (``expert_bwd.sorted_rows_and_dh(gather_dy=True)``, an experiment): a variant of dh''s stage, checked to write
-# bitwise its three outputs.
-DH_GATHER = " (dy gathered, both copies beside)"
-VARIANTS = (*(suffix for suffix, _ in ORDERS.values()), UP_HANDOFF, DH_GATHER)
+VARIANTS = tuple(suffix for suffix, _ in ORDERS.values())
 # Parts of a stage timed alone on sm90: the suffix of a row's name, and the index of the stage's output that the part
 # writes (checked bitwise). Left out of the totals, as the variants.
 # dh' from dy's sorted rows: without dy's sorted copy and x's (the stage's others); with x's copy beside it (the
@@ -179,16 +168,8 @@ def stages(problem, num_experts):
         "bwd dw13, combine": (run_dw13, 4 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
         "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
     }
-    if ws_supported(x):  # the variants and parts of the Gluon kernels' stages: first the up kernel with its h handed
-        # off, dh' without the copies beside it or with x's alone, and dh' gathering dy
-        h_handoff = torch.empty_like(h)
-
-        def run_up_handoff():
-            up_swiglu_ws(x, w13, h_handoff, plan, top_k, BLOCK_M, handoff=True)
-            return h_handoff
-
-        stages["fwd up+swiglu" + UP_HANDOFF] = (run_up_handoff, 4 * unit, SimpleNamespace(
-            last_config={**UP_CONFIG, "EPILOGUE_WARPS": UP_HANDOFF_WARPS}))
+    if ws_supported(x):  # the variants and parts of the Gluon kernels' stages: first dh' without the copies beside it
+        # or with x's alone
         dh_alone = torch.empty_like(dh)
 
         def run_dh_alone():
@@ -203,9 +184,6 @@ def stages(problem, num_experts):
             return dh_with_x
 
         stages["bwd gather, dh' (the kernel with x's copy)"] = (run_dh_with_x, 2 * unit, tuned(expert_bwd.DH))
-        stages["bwd gather, dh'" + DH_GATHER] = (
-            lambda: expert_bwd.sorted_rows_and_dh(x, dy, w2, plan, top_k, gather_dy=True), 2 * unit,
-            tuned(expert_bwd.DH))
         # the Gluon weight gradients with their blocks in the orders the layer does not run
         dw13, dw13_alone, dw2 = torch.empty_like(w13), torch.empty_like(w13), torch.empty_like(w2)
         combined = torch.empty_like(x)

@@ -130,10 +130,8 @@ def ptxas_report(compiled) -> dict:
 # to combine, one slot: the combine partition idles) and for dW13 (the dx combine beside its MMAs, top-8).
 WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
               "wgrad_combine_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
-              "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "dh_gather_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG),
-              "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
-              "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG),
-              "up_handoff_ws": ("up", ws.UP_TILE, ws.UP_HANDOFF_MAXNREG)}
+              "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
+              "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG)}
 
 
 def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8, trace: bool = False,
@@ -141,7 +139,7 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
     """The Gluon kernel ``name`` of ``WS_KERNELS`` for sm_90a at its tile, with 16-bit operands (``dtype`` bf16
     or fp16), pointers and the D / I / P / Q sizes specialised as 16-divisible as at run time, 128 experts.
     ``sizes_divisible=False``: the sizes not so specialised, as at run time for sizes such as D = 520.
-    ``top_k``: the slots per token of the side copies (``dh_ws``, ``dh_gather_ws``, ``wgrad_combine_ws``); ``trace``: the
+    ``top_k``: the slots per token of the side copies (``dh_ws``, ``wgrad_combine_ws``); ``trace``: the
     block-traced variant (``gluon_sm90.TRACE_BLOCKS``); ``by_size``: the weight gradients' blocks in order of their
     experts' rows (None: ``gluon_sm90.WGRAD_BY_SIZE``); ``taken``: those blocks taken in turn (None: as the layer's
     dW13 takes them, ``gluon_sm90.WGRAD_TAKEN``)."""
@@ -165,18 +163,13 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
     elif name == "dh_ws":  # the x copy beside the MMAs, of top_k slots per token
         fn, blocks = ws.KERNELS["dh"], {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
         constexprs.update(EB=128, TILE_M=bm, TOP_K=top_k)
-    elif name == "dh_gather_ws":  # dy gathered by token, x's and dy's copies beside the MMAs
-        fn, blocks = ws.KERNELS["dh_gather"], {"w_desc": [1, bk, bn]}
-        constexprs.update(EB=128, TILE_M=bm, BK=bk, TOP_K=top_k)
     elif name == "act_ws":
         fn, blocks = ws.KERNELS["act"], {"x_desc": [bm, bk], "w13_desc": [1, 1, bn, bk]}
         constexprs.update(EB=128, TILE_M=bm, PART_COLS=expert_bwd.PART_COLS, EPILOGUE_WARPS=ws.ACT_EPILOGUE_WARPS,
                           EPILOGUE_REGS=ws.ACT_EPILOGUE_REGS)
     else:
         fn, blocks = ws.KERNELS["up"], {"w13_desc": [1, 1, bn, bk]}
-        constexprs.update(EB=128, TILE_M=bm, BK=bk, LOADER_WARPS=ws.UP_LOADER_WARPS, SAVE_PREACT=name == "up_saved_ws",
-                          HANDOFF=name == "up_handoff_ws", EPILOGUE_WARPS=ws.UP_HANDOFF_WARPS,
-                          EPILOGUE_REGS=ws.UP_HANDOFF_REGS)
+        constexprs.update(EB=128, TILE_M=bm, BK=bk, LOADER_WARPS=ws.UP_LOADER_WARPS, SAVE_PREACT=name == "up_saved_ws")
 
     def arg_type(arg):  # the rest typed as for the Triton kernels (compile_for_hopper): pointers by name, else i32
         if arg in blocks:

@@ -62,13 +62,7 @@ from megamoe.kernels.gluon_fp8_sm90 import (
     fp8_wgrad_ws,
     fp8_ws_supported,
 )
-from megamoe.kernels.gluon_sm90 import (
-    act_bwd_ws,
-    dh_gather_ws,
-    dh_ws,
-    expert_wgrad_ws,
-    ws_supported,
-)
+from megamoe.kernels.gluon_sm90 import act_bwd_ws, dh_ws, expert_wgrad_ws, ws_supported
 from megamoe.kernels.plan import BLOCK_M, Plan
 from megamoe.kernels.quant import (
     FP8,
@@ -624,23 +618,16 @@ def sorted_quantized_rows(a_TD, plan: Plan, top_k: int, gather: bool = False) ->
     return q.view(FP8), s_T.index_select(1, plan.row_slot_N // top_k)
 
 
-def sorted_rows_and_dh(x_TD, dy_TD, w2_EDI, plan: Plan, top_k: int, *, gather_dy: bool = False):
+def sorted_rows_and_dh(x_TD, dy_TD, w2_EDI, plan: Plan, top_k: int):
     """(x_sorted, dy_sorted, dh'): ``gather_rows`` and ``dh_sorted`` together. On sm90 with 16-bit operands only
-    dy is copied ahead; x's copy runs inside the dh' kernel, beside its MMAs (``gluon_sm90._dh_ws_kernel``).
-    ``gather_dy`` (an experiment, sm90 only: ``tools.kernels`` times it beside the layer's stage): one kernel instead,
-    dh' gathering dy's rows by token and both copies beside its MMAs (``gluon_sm90.dh_gather_ws``)."""
+    dy is copied ahead; x's copy runs inside the dh' kernel, beside its MMAs (``gluon_sm90._dh_ws_kernel``)."""
     if not (plan.row_slot_N.numel() and ws_supported(dy_TD)):
-        assert not gather_dy, "gather_dy: the sm90 kernel, with at least one row"
         x_sorted, dy_sorted = gather_rows(x_TD, dy_TD, plan, top_k)
         return x_sorted, dy_sorted, dh_sorted(dy_sorted, w2_EDI, plan)
     slot_row = slot_rows(plan)
-    dh = dy_TD.new_empty(plan.row_slot_N.numel(), w2_EDI.shape[2])
-    if gather_dy:
-        x_sorted, dy_sorted = (x_TD.new_empty(plan.row_slot_N.numel(), x_TD.shape[1]) for _ in range(2))
-        dh_gather_ws(dy_TD, w2_EDI, dh, plan, BLOCK_M, x_TD, x_sorted, dy_sorted, slot_row, top_k)
-        return x_sorted, dy_sorted, dh
     (dy_sorted,) = _scatter_rows(dy_TD, None, slot_row, plan, top_k)
     x_sorted = torch.empty_like(dy_sorted)
+    dh = torch.empty(dy_sorted.shape[0], w2_EDI.shape[2], device=dy_TD.device, dtype=dy_TD.dtype)
     dh_ws(dy_sorted, w2_EDI, dh, plan, BLOCK_M, copy_x=(x_TD, x_sorted, slot_row, top_k))
     return x_sorted, dy_sorted, dh
 

@@ -80,9 +80,6 @@ COPY_WARPS = gl.constexpr(2)
 # Registers per thread of the loader's warpgroup, which the side copy shares (the loader's and the copy's): a
 # pass's eight row chunks of 16-byte vectors; the MMA warps keep (64 K - 128 x 128) / 256 = 192 >= 168.
 SIDE_REGS = gl.constexpr(128)
-# Warps of dh''s gathering loader (``dh_gather_ws``, an experiment), beside the side copy's two in one warpgroup: 64
-# threads, 16 cp.async copies each per stage of 128 rows x 64 columns.
-DH_GATHER_WARPS = gl.constexpr(2)
 
 
 # (BM, BN, BK, STAGES) of the act kernel: 128 rows x 128 columns of gate and of up (the Triton kernel's
@@ -99,12 +96,6 @@ UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.asy
 # The act kernel's block with four stages: 4 x 48 KB and the epilogue's 16 KB staging buffer (208 KB).
 UP_TILE = (*ACT_TILE[:3], 4)
 UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
-# The up kernel with h handed to epilogue warps (``up_swiglu_ws(handoff=True)``, keeping nothing): the same ring and
-# a 32 KB h block instead of the staging buffer (224 KB); 16 warps, so a launch cap of 128 registers, of which the
-# epilogue's warpgroup keeps 96 and the loader 80: the MMA warps get (64 K - 128 x 80 - 128 x 96) / 256 = 168.
-UP_HANDOFF_WARPS = 4
-UP_HANDOFF_MAXNREG = 128
-UP_HANDOFF_REGS = 96
 
 # The weight gradients' block with a finer ring: 6 stages of BK 32 (24 KB) beside the 64 KB output block (208 KB). The
 # same ring bytes as WS_TILE's 3 x 48 KB, in stages of half the size, so that the one or two the MMAs hold keep half the
@@ -642,13 +633,13 @@ def _pass_items(first, group, cols, chunks, T, D, BD: gl.constexpr):
 
 
 @gluon.jit
-def _scatter_rows_partition(src_ptr, dst_ptr, src2_ptr, dst2_ptr, slot_row_ptr, offsets_ptr, T, D, E,
-                            TOP_K: gl.constexpr, TWO: gl.constexpr, num_warps: gl.constexpr):
-    """A side job beside the MMAs (``expert_bwd._scatter_rows_kernel``): each token's row of src (T, D) into its
-    TOP_K sorted rows of dst (N, D), and with TWO src2's into dst2 in the same passes; slots past the routed rows
-    (dropped) are not written. The programs share the (token, column chunk) items, several per pass when TOP_K is
-    small; the copy reads and writes HBM while the MMAs, which it does not feed, keep the tensor cores busy."""
-    BD: gl.constexpr = 16 * 32 * num_warps  # two 16-byte vectors per thread, item and tensor: one load, TOP_K stores
+def _scatter_rows_partition(src_ptr, dst_ptr, slot_row_ptr, offsets_ptr, T, D, E, TOP_K: gl.constexpr,
+                            num_warps: gl.constexpr):
+    """A side job beside the MMAs (``expert_bwd._scatter_rows_kernel`` for one tensor): each token's row of src
+    (T, D) into its TOP_K sorted rows of dst (N, D); slots past the routed rows (dropped) are not written. The
+    programs share the (token, column chunk) items, several per pass when TOP_K is small; the copy reads and
+    writes HBM while the MMAs, which it does not feed, keep the tensor cores busy."""
+    BD: gl.constexpr = 16 * 32 * num_warps  # two 16-byte vectors per thread and item: one load, TOP_K stores
     G: gl.constexpr = _items_per_pass(TOP_K)
     layout: gl.constexpr = _items_layout(16, num_warps)
     cols = gl.arange(0, BD, layout=gl.SliceLayout(0, layout))
@@ -657,17 +648,10 @@ def _scatter_rows_partition(src_ptr, dst_ptr, src2_ptr, dst2_ptr, slot_row_ptr, 
     chunks = gl.cdiv(D, BD)
     for first in range(gl.program_id(0) * G, T * chunks, gl.num_programs(0) * G):
         valid, t, c, mask = _pass_items(first, group, cols, chunks, T, D, BD)
-        src = t.to(gl.int64)[:, None] * D + c
-        row = gl.load(src_ptr + src, mask=mask)
-        if TWO:
-            row2 = gl.load(src2_ptr + src, mask=mask)
+        row = gl.load(src_ptr + t.to(gl.int64)[:, None] * D + c, mask=mask)
         for k in gl.static_range(TOP_K):
             r = gl.load(slot_row_ptr + t * TOP_K + k, mask=valid, other=0)
-            dst = r.to(gl.int64)[:, None] * D + c
-            keep = mask & (r < routed)[:, None]
-            gl.store(dst_ptr + dst, row, mask=keep)
-            if TWO:
-                gl.store(dst2_ptr + dst, row2, mask=keep)
+            gl.store(dst_ptr + r.to(gl.int64)[:, None] * D + c, row, mask=mask & (r < routed)[:, None])
 
 
 @gluon.jit
@@ -753,36 +737,8 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
                              K, num_n, work, trace_ptr, TRACE, num_warps)),
         (_tiles_loader, (a_desc, w_desc, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, w_bufs, K, num_n,
                          work, trace_ptr, False, TRACE)),
-        (_scatter_rows_partition, (x_ptr, x_sorted_ptr, x_ptr, x_sorted_ptr, slot_row_ptr, offsets_ptr, T, K, E, TOP_K,
-                                   False, COPY_WARPS)),
+        (_scatter_rows_partition, (x_ptr, x_sorted_ptr, slot_row_ptr, offsets_ptr, T, K, E, TOP_K, COPY_WARPS)),
     ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
-
-
-@gluon.jit
-def _dh_gather_ws_kernel(dy_ptr, w_desc, out_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, x_ptr,
-                         x_sorted_ptr, dy_sorted_ptr, slot_row_ptr, T, N_OUT, K, E, trace_ptr, EB: gl.constexpr,
-                         TILE_M: gl.constexpr, BK: gl.constexpr, TOP_K: gl.constexpr, STAGES: gl.constexpr,
-                         TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """``_dh_ws_kernel`` with dy's rows gathered by token (dy (T, K), ``_gather_loader``: ``DH_GATHER_WARPS`` warps)
-    instead of read from a sorted copy, and the side partition (``COPY_WARPS`` warps, beside the loader in one
-    warpgroup) copying both x and dy (T, K) into sorted rows (``x_sorted``, ``dy_sorted``) for the kernels after
-    this one, in the same passes; T >= 1. TRACE: the MMA partition's and the loader's stamps."""
-    BN: gl.constexpr = w_desc.block_type.shape[2]
-    num_n = gl.cdiv(N_OUT, BN)
-    work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BK], dy_ptr.dtype.element_ty)
-    a_bufs = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [STAGES, TILE_M, BK], a_layout)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready = barriers(STAGES, 1 + 32 * DH_GATHER_WARPS)
-    empty = barriers(STAGES)
-    gl.warp_specialize([
-        (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT,
-                             K, num_n, work, trace_ptr, TRACE, num_warps)),
-        (_gather_loader, (dy_ptr, w_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                          a_bufs, w_bufs, w_bufs, K, TOP_K, num_n, work, trace_ptr, False, TRACE, DH_GATHER_WARPS)),
-        (_scatter_rows_partition, (x_ptr, x_sorted_ptr, dy_ptr, dy_sorted_ptr, slot_row_ptr, offsets_ptr, T, K, E,
-                                   TOP_K, True, COPY_WARPS)),
-    ], [DH_GATHER_WARPS, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
 
 
 @gluon.jit
@@ -926,25 +882,21 @@ def _act_ws_kernel(x_desc, w13_desc, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweigh
 
 
 @gluon.jit
-def _gather_loader(a_ptr, w_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs,
-                   w_bufs, u_bufs, K, top_k, num_n, work, trace_ptr, GATE_UP: gl.constexpr, TRACE: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """Producer partition of the kernels whose A rows are gathered by token (the up kernel's x, dh''s dy): per
-    K-step, the expert's weight blocks through TMA (with ``GATE_UP`` the gate and up blocks of w (E, 2, I, K),
-    block (1, 1, BN, BK), into ``w_bufs`` and ``u_bufs``; else w (E, K, N), block (1, BK, BN), into ``w_bufs``) and
-    the block's rows of a (T, K), each sorted row's token ``row_slot // top_k``, through 16-byte ``cp.async`` copies
-    (rows past the expert's end zero-filled). Each thread's copies arrive on the stage's ready barrier when they
+def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs,
+               u_bufs, D, top_k, num_n, work, trace_ptr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """Producer partition (4 warps) of ``_up_ws_kernel``: per K-step, the gate and up weight blocks through
+    TMA and the block's x rows, gathered from their tokens through 16-byte ``cp.async`` copies (rows past
+    the expert's end zero-filled). Each thread's copies arrive on the stage's ready barrier when they
     land, so the barrier completes on the TMA bytes and every producer thread's copies. TRACE: its stamps
     (partition 2 of ``TRACE_BLOCKS``)."""
-    BM: gl.constexpr = a_bufs.type.shape[1]
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    BN: gl.constexpr = w_desc.block_type.shape[2]
-    nbytes: gl.constexpr = (2 if GATE_UP else 1) * w_desc.block_type.nbytes
+    BM: gl.constexpr = x_bufs.type.shape[1]
+    BK: gl.constexpr = x_bufs.type.shape[2]
+    BN: gl.constexpr = w13_desc.block_type.shape[2]
     layout: gl.constexpr = row_segments(BK, 2, num_warps)
-    # K itself (its rows are 16-byte multiples: api.fused_supports), written so that the compiler knows it is a
-    # multiple of 8 elements even where K is not one of 16: else its row offsets and column mask could split a
-    # 16-byte copy, and cp.async has no 2-byte form (the kernel would not compile for K = 40, 136, 520).
-    K8 = K // 8 * 8
+    # D itself (its rows are 16-byte multiples: api.fused_supports), written so that the compiler knows it is a
+    # multiple of 8 elements even where D is not one of 16: else its row offsets and column mask could split a
+    # 16-byte copy, and cp.async has no 2-byte form (the kernel would not compile for D = 40, 136, 520).
+    D8 = D // 8 * 8
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         block = block_index(w)
@@ -954,17 +906,13 @@ def _gather_loader(a_ptr, w_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, ti
         rmask = rows < gl.load(offsets_ptr + e + 1)
         tok = (gl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k).to(gl.int64)
         cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
-        ptrs = a_ptr + tok[:, None] * K8 + cols[None, :]
-        for k in range(0, K, BK):
-            s = next_slot(empty, ready, step, nbytes)
-            if GATE_UP:
-                tma.async_copy_global_to_shared(w_desc, [e, 0, n0, k], ready.index(s), w_bufs.index(s))
-                tma.async_copy_global_to_shared(w_desc, [e, 1, n0, k], ready.index(s), u_bufs.index(s))
-            else:
-                tma.async_copy_global_to_shared(w_desc, [e, k, n0], ready.index(s), w_bufs.index(s))
+        ptrs = x_ptr + tok[:, None] * D8 + cols[None, :]
+        for k in range(0, D, BK):
+            s = next_slot(empty, ready, step, 2 * w13_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w13_desc, [e, 0, n0, k], ready.index(s), g_bufs.index(s))
+            tma.async_copy_global_to_shared(w13_desc, [e, 1, n0, k], ready.index(s), u_bufs.index(s))
             # Whole 16-byte chunks in or out: rows are 16-byte multiples (api.fused_supports).
-            async_copy.async_copy_global_to_shared(a_bufs.index(s), ptrs + k,
-                                                   mask=rmask[:, None] & (cols + k < K8)[None, :])
+            async_copy.async_copy_global_to_shared(x_bufs.index(s), ptrs + k, mask=rmask[:, None] & (cols + k < D8)[None, :])
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
             stamp_first(trace_ptr, 2, block, 1, k == 0, TRACE, num_warps)
@@ -1005,71 +953,16 @@ def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_
 
 
 @gluon.jit
-def _up_handoff_mma_partition(ready, empty, h_ready, h_empty, x_bufs, g_bufs, u_bufs, h_smem, D, work, trace_ptr,
-                              TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """Default partition of ``_up_ws_kernel`` with HANDOFF: both GEMMs of each block, then h (``swiglu``, the
-    same bits as ``_up_mma_partition``'s) into ``h_smem`` for the epilogue partition, and on to the next block's
-    GEMMs. TRACE: its stamps (partition 0 of ``TRACE_BLOCKS``; the block's end once h is handed over)."""
-    BN: gl.constexpr = g_bufs.type.shape[3]  # [STAGES, 1, 1, BN, BK]
-    acc_layout: gl.constexpr = wgmma_acc_layout(BN, num_warps, 16)
-    step = 0
-    for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        block = block_index(w)
-        stamp(trace_ptr, 0, block, 0, TRACE, num_warps)
-        acc_g, acc_u, step = _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, trace_ptr, block,
-                                               acc_layout, True, TRACE, num_warps)
-        h = swiglu(acc_g, acc_u).to(h_smem.dtype)
-        mbarrier.wait(h_empty.index(0), (block & 1) ^ 1)  # the epilogue has read the previous block's
-        h_smem.store(h)
-        gl.thread_barrier()  # every thread's stores before the one arrival
-        mbarrier.arrive(h_ready.index(0), count=1)
-        stamp(trace_ptr, 0, block, 3, TRACE, num_warps)
-
-
-@gluon.jit
-def _up_epilogue_partition(h_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, h_ready, h_empty, h_smem, I, num_n,
-                           work, trace_ptr, TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """Epilogue partition of ``_up_ws_kernel`` with HANDOFF: each block's h from ``h_smem`` into its rows of h
-    (masked to the expert's rows and to I), ``CHUNK`` rows at a time in 16-byte row segments, while the MMA partition
-    runs the next block. TRACE: its stamps (partition 1 of ``TRACE_BLOCKS``: the block's start, its h ready, its
-    stores issued, its end once it has let go of h)."""
-    BM: gl.constexpr = h_smem.type.shape[0]
-    BN: gl.constexpr = h_smem.type.shape[1]
-    CHUNK: gl.constexpr = 32
-    layout: gl.constexpr = row_segments(BN, 2, num_warps)
-    for w in range(gl.program_id(0), work, gl.num_programs(0)):
-        block = block_index(w)
-        stamp(trace_ptr, 1, block, 0, TRACE, num_warps)
-        e, row0, n0 = tile_block(w, tile_expert_ptr, tile_row_ptr, num_n, BN)
-        end = gl.load(offsets_ptr + e + 1)
-        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-        mbarrier.wait(h_ready.index(0), block & 1)
-        stamp(trace_ptr, 1, block, 1, TRACE, num_warps)
-        for c in gl.static_range(BM // CHUNK):
-            rows = row0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-            mask = (rows < end)[:, None] & (cols < I)[None, :]
-            gl.store(h_ptr + rows.to(gl.int64)[:, None] * I + cols[None, :],
-                     h_smem.slice(c * CHUNK, CHUNK).load(layout), mask=mask)
-        stamp(trace_ptr, 1, block, 2, TRACE, num_warps)
-        gl.thread_barrier()  # every thread's reads of h_smem before the one arrival
-        mbarrier.arrive(h_empty.index(0), count=1)
-        stamp(trace_ptr, 1, block, 3, TRACE, num_warps)
-
-
-@gluon.jit
 def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, D, I,
                   E, top_k, trace_ptr, EB: gl.constexpr, TILE_M: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                  LOADER_WARPS: gl.constexpr, SAVE_PREACT: gl.constexpr, HANDOFF: gl.constexpr,
-                  EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, TRACE: gl.constexpr,
+                  LOADER_WARPS: gl.constexpr, SAVE_PREACT: gl.constexpr, TRACE: gl.constexpr,
                   num_warps: gl.constexpr):
     """The one-device up kernel (``expert_fwd._up_swiglu_fwd_kernel``): x (T, D)
     gathered by token, w13_desc (E, 2, I, D), block (1, 1, BN, BK); h (N, I) out in sorted rows, and with
     SAVE_PREACT the gate/up products (N, 2I) into preact (the saved-activation mode). Blocks:
     the busy tiles times the I-blocks. Each ready barrier counts the loader's TMA arrival and one
-    ``cp.async`` arrival per loader thread. The epilogue's stores go through a staging buffer of half a block; with
-    HANDOFF (not with SAVE_PREACT) the MMA partition hands each block's h through shared memory to a third partition
-    (``EPILOGUE_WARPS`` warps, ``EPILOGUE_REGS`` registers each), which stores it while the MMAs run the next block.
-    TRACE: the partitions' stamps into trace_ptr (int64, ``TRACE_BLOCKS``)."""
+    ``cp.async`` arrival per loader thread. The epilogue's stores go through a staging buffer of half a block.
+    TRACE: the MMA partition's and the loader's stamps into trace_ptr (int64, ``TRACE_BLOCKS``)."""
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     num_n = gl.cdiv(I, BN)
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
@@ -1077,31 +970,16 @@ def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
     x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, TILE_M, BK], x_layout)
     g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
     u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
+    staging = gl.allocate_shared_memory(w13_desc.dtype, [TILE_M, BN // 2],
+                                        staged_layout([TILE_M, BN // 2], w13_desc.dtype))
     ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)
     empty = barriers(STAGES)
-    if HANDOFF:
-        gl.static_assert(not SAVE_PREACT, "the hand-off carries h alone")
-        h_smem = gl.allocate_shared_memory(w13_desc.dtype, [TILE_M, BN], staged_layout([TILE_M, BN], w13_desc.dtype))
-        h_ready = barriers(1)
-        h_empty = barriers(1)
-        gl.warp_specialize([
-            (_up_handoff_mma_partition, (ready, empty, h_ready, h_empty, x_bufs, g_bufs, u_bufs, h_smem, D, work,
-                                         trace_ptr, TRACE, num_warps)),
-            (_gather_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                              x_bufs, g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, True, TRACE, LOADER_WARPS)),
-            (_up_epilogue_partition, (h_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, h_ready, h_empty, h_smem, I,
-                                      num_n, work, trace_ptr, TRACE, EPILOGUE_WARPS)),
-        ], [LOADER_WARPS, EPILOGUE_WARPS], [80, EPILOGUE_REGS])
-    else:
-        staging = gl.allocate_shared_memory(w13_desc.dtype, [TILE_M, BN // 2],
-                                            staged_layout([TILE_M, BN // 2], w13_desc.dtype))
-        gl.warp_specialize([
-            (_up_mma_partition, (h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
-                                 g_bufs, u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT, TRACE,
-                                 num_warps)),
-            (_gather_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                              x_bufs, g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, True, TRACE, LOADER_WARPS)),
-        ], [LOADER_WARPS], [80])
+    gl.warp_specialize([
+        (_up_mma_partition, (h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
+                             g_bufs, u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT, TRACE, num_warps)),
+        (_up_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
+                      g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, TRACE, LOADER_WARPS)),
+    ], [LOADER_WARPS], [80])
 
 
 def ws_supported(a: torch.Tensor) -> bool:
@@ -1202,24 +1080,6 @@ def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor
                EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, TOP_K=top_k, **trace_args(trace, plan.offsets_E1))
 
 
-def dh_gather_ws(dy_TD: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int, x_TD: torch.Tensor,
-                 x_sorted: torch.Tensor, dy_sorted: torch.Tensor, slot_row: torch.Tensor, top_k: int, *,
-                 trace: torch.Tensor | None = None) -> None:
-    """``dh_ws`` with copy_x, but dy's rows gathered by token (dy (T, D), contiguous, 16-byte aligned rows) and both
-    x's and dy's rows copied into sorted order beside the MMAs (``x_sorted``, ``dy_sorted``, (N, D) out; ``slot_row``
-    each slot's sorted row): what ``expert_bwd.sorted_rows_and_dh`` computes, in one kernel instead of dy's copy and
-    then dh' (an experiment: ``tools.kernels`` times it beside the layer's stage). At least one token and one row."""
-    bm, bn, bk, stages = WS_TILE
-    assert bm == tile_m, "a block is one plan tile"
-    num_experts = w2_EDI.shape[0]
-    _launch_ws(_dh_gather_ws_kernel, sm_count(dy_TD.device.index), stages, dy_ptr=dy_TD,
-               w_desc=_desc(w2_EDI, [1, bk, bn]), out_ptr=out_NI, row_slot_ptr=plan.row_slot_N,
-               offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT,
-               x_ptr=x_TD, x_sorted_ptr=x_sorted, dy_sorted_ptr=dy_sorted, slot_row_ptr=slot_row, T=x_TD.shape[0],
-               N_OUT=out_NI.shape[1], K=dy_TD.shape[1], E=num_experts, EB=triton.next_power_of_2(num_experts),
-               TILE_M=tile_m, BK=bk, TOP_K=top_k, **trace_args(trace, plan.offsets_E1))
-
-
 def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tensor, weights_N: torch.Tensor, plan,
                dz_NH: torch.Tensor, hw_NI: torch.Tensor, dweight_part: torch.Tensor, tile_m: int,
                part_cols: int, *, trace: torch.Tensor | None = None) -> None:
@@ -1240,23 +1100,16 @@ def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tenso
 
 
 def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, plan, top_k: int, tile_m: int,
-                 preact_NH: torch.Tensor | None = None, *, handoff: bool = False,
-                 trace: torch.Tensor | None = None) -> None:
+                 preact_NH: torch.Tensor | None = None, *, trace: torch.Tensor | None = None) -> None:
     """``expert_fwd.up_swiglu_fwd``'s one-device kernel through ``_up_ws_kernel`` into ``h_NI`` (and the gate/up
     products into ``preact_NH``, (N, 2I) in x's dtype, if given); 16-bit operands on an sm90 GPU
     (``ws_supported``), x contiguous with 16-byte aligned rows, at least one row; ``tile_m`` the plan's tile
-    height. ``handoff`` (without ``preact_NH``): h stored by epilogue warps beside the next block's MMAs, the same
-    bits (an experiment: ``tools.kernels`` times it beside the layer's). ``trace``: the block trace
-    (``trace_args``)."""
+    height. ``trace``: the block trace (``trace_args``)."""
     bm, bn, bk, stages = UP_TILE
     assert bm == tile_m, "a block is one plan tile"
-    if handoff and preact_NH is not None:
-        raise ValueError("up_swiglu_ws: the hand-off carries h alone, not the products (preact_NH)")
     num_experts, two_i, dim = w13_EHD.shape
     inter = two_i // 2
-    _launch_ws(_up_ws_kernel, sm_count(x_TD.device.index), stages=stages,
-               maxnreg=UP_HANDOFF_MAXNREG if handoff else WS_MAXNREG, HANDOFF=handoff,
-               EPILOGUE_WARPS=UP_HANDOFF_WARPS, EPILOGUE_REGS=UP_HANDOFF_REGS, x_ptr=x_TD,
+    _launch_ws(_up_ws_kernel, sm_count(x_TD.device.index), stages=stages, x_ptr=x_TD,
                w13_desc=_desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), h_ptr=h_NI,
                preact_ptr=h_NI if preact_NH is None else preact_NH, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
                tile_row_ptr=plan.tile_row_NT, D=dim, I=inter, E=num_experts, top_k=top_k,
@@ -1265,5 +1118,4 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
 
 
 # The Gluon kernels by name, for the ahead-of-time compile check (``tools.resources``).
-KERNELS = {"wgrad": _wgrad_ws_kernel, "dh": _dh_ws_kernel, "dh_gather": _dh_gather_ws_kernel, "act": _act_ws_kernel,
-           "up": _up_ws_kernel}
+KERNELS = {"wgrad": _wgrad_ws_kernel, "dh": _dh_ws_kernel, "act": _act_ws_kernel, "up": _up_ws_kernel}
