@@ -567,12 +567,14 @@ def test_the_tools_compare_outputs_bit_for_bit():
 
 def test_kernels_tool_ceilings_do_each_gemm_stages_work():
     """``tools.kernels``' cuBLAS ceiling beside each GEMM stage does that stage's FLOPs (the rows shared evenly by
-    the experts), and only GEMM stages have one; the saved mode's act step reads the products its up stage stored."""
+    the experts), and only GEMM stages have one; the saved mode's act step reads the products its up stage stored.
+    On the GPU where there is one (the Triton kernels take no CPU tensors there), else in the interpreter."""
     from megamoe.bench.common import make_problem
     from tools.kernels import dense_shapes, stages
 
     dim, inter, num_experts, top_k = 64, 32, 4, 2
-    problem = make_problem(64, dim, inter, num_experts, top_k, "random", torch.float32, "cpu", 0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    problem = make_problem(64, dim, inter, num_experts, top_k, "random", torch.float32, device, 0)
     shapes = dense_shapes(int((problem[1] >= 0).sum()), num_experts, dim, inter)
     table = stages(problem, num_experts)
     assert {name for name, (_, flops, _) in table.items() if flops} == shapes.keys()
