@@ -103,6 +103,10 @@ UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
 # row kernels' K-loops, over D, ran 1-8% slower with such rings).
 WGRAD_TILE = (*WS_TILE[:2], 32, 6)
 WGRAD_CONFIG = {**WS_CONFIG, "BK": WGRAD_TILE[2], "num_stages": WGRAD_TILE[3]}
+# The weight gradients with one operand's rows gathered by token (``expert_wgrad_gather_ws``, an experiment): a loader
+# warpgroup, as the up kernel's, and no side partition, so 12 warps and WS_MAXNREG as the layer's kernel.
+WGRAD_GATHER_WARPS = gl.constexpr(4)
+WGRAD_GATHER_REGS = gl.constexpr(80)
 
 # Whether the weight-gradient kernels (this file's and the FP8 one) deal their blocks to the programs in order of their
 # experts' rows, most first, each full round of blocks dealt from alternate ends (``wgrad_block``), instead of in expert
@@ -557,6 +561,84 @@ def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, 
                    trace_ptr, counter_ptr, ids, id_full, id_empty, BY_SIZE, TAKEN, TRACE)),
         (_combine_partition, (rows_ptr, topk_idx_ptr, out_ptr, T, D, TOP_K, COPY_WARPS)),
     ], [1, COPY_WARPS], [SIDE_REGS, SIDE_REGS])
+
+
+@gluon.jit
+def _wgrad_gather_loader(t_desc, g_ptr, row_slot_ptr, offsets_ptr, by_size_ptr, ready, empty, t_bufs, g_bufs, num_p,
+                         num_q, tiles, G_COLS, top_k, trace_ptr, GATHER_A: gl.constexpr, BY_SIZE: gl.constexpr,
+                         TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """Producer partition (``WGRAD_GATHER_WARPS`` warps) of ``_wgrad_gather_ws_kernel``: per K-step (BK sorted rows of
+    the block's expert), the sorted operand's block through TMA (``t_desc``) and the other's rows gathered from their
+    tokens (``g_ptr`` (T, G_COLS), sorted row r at token ``row_slot[r] // top_k``) through 16-byte ``cp.async`` copies,
+    rows past the expert's end zero-filled; the next step's tokens loaded before this step's copies are issued. Each
+    thread's copies arrive on the stage's ready barrier when they land. GATHER_A: the gathered operand is a (its
+    columns P), else b (Q). TRACE: its stamps (partition 2 of ``TRACE_BLOCKS``)."""
+    BK: gl.constexpr = g_bufs.type.shape[1]
+    GW: gl.constexpr = g_bufs.type.shape[2]
+    TW: gl.constexpr = t_desc.block_type.shape[1]
+    BM: gl.constexpr = GW if GATHER_A else TW
+    BN: gl.constexpr = TW if GATHER_A else GW
+    layout: gl.constexpr = row_segments(GW, 2, num_warps)
+    # G_COLS itself (rows of 16-byte multiples), written so that the compiler knows it is a multiple of 8 elements
+    # (as ``_up_loader``'s D8).
+    G8 = G_COLS // 8 * 8
+    local = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
+    step = 0
+    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        block = block_index(tile)
+        stamp(trace_ptr, 2, block, 0, TRACE, num_warps)
+        _, p0, q0, start, end = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
+        g0 = p0 if GATHER_A else q0
+        t0 = q0 if GATHER_A else p0
+        cols = g0 + gl.arange(0, GW, layout=gl.SliceLayout(0, layout))
+        rows = start + local
+        tok = gl.load(row_slot_ptr + rows, mask=rows < end, other=0) // top_k
+        for r0 in range(start, end, BK):
+            rows = r0 + local
+            ahead = rows + BK
+            tok_next = gl.load(row_slot_ptr + ahead, mask=ahead < end, other=0) // top_k
+            s = next_slot(empty, ready, step, t_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(t_desc, [r0, t0], ready.index(s), t_bufs.index(s))
+            ptrs = g_ptr + tok.to(gl.int64)[:, None] * G8 + cols[None, :]
+            async_copy.async_copy_global_to_shared(g_bufs.index(s), ptrs, mask=(rows < end)[:, None] & (cols < G8)[None, :])
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            tok = tok_next
+            step += 1
+            stamp_first(trace_ptr, 2, block, 1, r0 == start, TRACE, num_warps)
+        stamp(trace_ptr, 2, block, 2, TRACE, num_warps)
+
+
+@gluon.jit
+def _wgrad_gather_ws_kernel(t_desc, g_ptr, dw_desc, row_slot_ptr, offsets_ptr, by_size_ptr, num_p, num_q, tiles, G_COLS,
+                            top_k, trace_ptr, GATHER_A: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
+                            BY_SIZE: gl.constexpr, num_warps: gl.constexpr):
+    """``_wgrad_ws_kernel`` (without the combine, nor the blocks taken in turn) with one operand's rows gathered by
+    token instead of read from a sorted copy (``_wgrad_gather_loader``): t_desc the other operand's (N, Q) or (N, P)
+    sorted rows, block (BK, BN) or (BK, BM); dw_desc: (E, P, Q), block (1, BM, BN). GATHER_A: a's rows gathered (and
+    t_desc b's), else b's."""
+    BM: gl.constexpr = dw_desc.block_type.shape[1]
+    BN: gl.constexpr = dw_desc.block_type.shape[2]
+    BK: gl.constexpr = t_desc.block_type.shape[0]
+    GW: gl.constexpr = BM if GATHER_A else BN
+    g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, GW], g_ptr.dtype.element_ty)
+    g_bufs = gl.allocate_shared_memory(g_ptr.dtype.element_ty, [STAGES, BK, GW], g_layout)
+    t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES] + t_desc.block_type.shape, t_desc.layout)
+    c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
+    ready = barriers(STAGES, 1 + 32 * WGRAD_GATHER_WARPS)
+    empty = barriers(STAGES)
+    if GATHER_A:
+        a_bufs = g_bufs
+        b_bufs = t_bufs
+    else:
+        a_bufs = t_bufs
+        b_bufs = g_bufs
+    gl.warp_specialize([
+        (_mma_partition, (dw_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
+                          trace_ptr, ready, ready, ready, BY_SIZE, False, TRACE, num_warps)),
+        (_wgrad_gather_loader, (t_desc, g_ptr, row_slot_ptr, offsets_ptr, by_size_ptr, ready, empty, t_bufs, g_bufs,
+                                num_p, num_q, tiles, G_COLS, top_k, trace_ptr, GATHER_A, BY_SIZE, TRACE,
+                                WGRAD_GATHER_WARPS)),
+    ], [WGRAD_GATHER_WARPS], [WGRAD_GATHER_REGS])
 
 
 @gluon.jit
@@ -1059,6 +1141,27 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
                **taken_args(taken, offsets_E1), **trace_args(trace, offsets_E1))
 
 
+def expert_wgrad_gather_ws(a: torch.Tensor, b: torch.Tensor, row_slot: torch.Tensor, top_k: int,
+                           offsets_E1: torch.Tensor, dw: torch.Tensor, *, gather_a: bool, by_size: bool | None = None,
+                           trace: torch.Tensor | None = None) -> None:
+    """``expert_wgrad_ws`` with one operand's rows gathered by token instead of read from a sorted copy (an
+    experiment: ``tools.kernels`` times it beside the layer's weight gradients). With ``gather_a``, a is (T, P) token
+    rows, its sorted row r token ``row_slot[r] // top_k`` (``plan.row_slot_N``), and b (N, Q) sorted rows (dW2 from dy's
+    tokens); else a (N, P) sorted and b (T, Q) token rows (dW13 from x's). 16-bit, contiguous, 16-byte aligned rows, on
+    an sm90 GPU, at least one row; the blocks dealt as ``by_size`` says (``wgrad_by_size``), never taken in turn;
+    ``trace``: the block trace. The same sums as ``expert_wgrad_ws`` on the sorted copies, bit for bit."""
+    bm, bn, bk, stages = WGRAD_TILE
+    num_experts, p, q = dw.shape
+    num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
+    tiles = num_experts * num_p * num_q
+    gathered, sorted_rows, block = (a, b, [bk, bn]) if gather_a else (b, a, [bk, bm])
+    assert gathered.data_ptr() % 16 == 0 and gathered.shape[1] % 8 == 0, "gathered rows: 16-byte aligned"
+    _launch_ws(_wgrad_gather_ws_kernel, min(tiles, sm_count(a.device.index)), stages, t_desc=_desc(sorted_rows, block),
+               g_ptr=gathered, dw_desc=_desc(dw, [1, bm, bn]), row_slot_ptr=row_slot, offsets_ptr=offsets_E1,
+               num_p=num_p, num_q=num_q, tiles=tiles, G_COLS=gathered.shape[1], top_k=top_k, GATHER_A=gather_a,
+               **wgrad_by_size(offsets_E1, by_size), **trace_args(trace, offsets_E1))
+
+
 def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,
           copy_x: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None, *,
           trace: torch.Tensor | None = None) -> None:
@@ -1118,4 +1221,5 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
 
 
 # The Gluon kernels by name, for the ahead-of-time compile check (``tools.resources``).
-KERNELS = {"wgrad": _wgrad_ws_kernel, "dh": _dh_ws_kernel, "act": _act_ws_kernel, "up": _up_ws_kernel}
+KERNELS = {"wgrad": _wgrad_ws_kernel, "wgrad_gather": _wgrad_gather_ws_kernel, "dh": _dh_ws_kernel,
+           "act": _act_ws_kernel, "up": _up_ws_kernel}
