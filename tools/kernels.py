@@ -13,7 +13,8 @@ orders the layer does not run them in (``ORDERS``: in expert order, by size, tak
 bitwise what its layer stage writes (one that differs fails the command once the JSON is written). dW13 runs both
 ways the backward may order it (``BACKWARD_ORDER``: alone with dx's combine after it, the default, or with the
 combine inside); the totals take the layer's. On sm90 dh' also runs alone and with x's copy alone (``PARTS``), from
-dy's sorted rows without the other copies that its stage makes, checked to write bitwise the stage's dh'; and dW13 and
+dy's sorted rows without the other copies that its stage makes, and from dy's tokens with no copy, each checked to
+write bitwise the stage's dh'; and dW13 and
 dW2 with x's or dy's rows gathered by token instead of read from their sorted copies (``GATHERED``), each checked to
 write bitwise what its stage writes.
 """
@@ -43,6 +44,7 @@ from megamoe.kernels.gluon_sm90 import (
     WGRAD_CONFIG,
     WGRAD_TAKEN,
     WS_CONFIG,
+    dh_gather_ws,
     dh_ws,
     expert_wgrad_gather_ws,
     expert_wgrad_ws,
@@ -99,8 +101,9 @@ VARIANTS = (*(suffix for suffix, _ in ORDERS.values()), *GATHERED.values())
 # Parts of a stage timed alone on sm90: the suffix of a row's name, and the index of the stage's output that the part
 # writes (checked bitwise). Left out of the totals, as the variants.
 # dh' from dy's sorted rows: without dy's sorted copy and x's (the stage's others); with x's copy beside it (the
-# stage's kernel, without dy's copy ahead of it)
-PARTS = {" (the GEMM alone)": 2, " (the kernel with x's copy)": 2}
+# stage's kernel, without dy's copy ahead of it); gathering dy's rows by token with no copy (``gluon_sm90.dh_gather_ws``,
+# an experiment)
+PARTS = {" (the GEMM alone)": 2, " (the kernel with x's copy)": 2, " (dy gathered, no copies)": 2}
 
 
 def layer_order(gemm: str) -> str:
@@ -191,6 +194,13 @@ def stages(problem, num_experts):
             return dh_with_x
 
         stages["bwd gather, dh' (the kernel with x's copy)"] = (run_dh_with_x, 2 * unit, tuned(expert_bwd.DH))
+        dh_gathered = torch.empty_like(dh)
+
+        def run_dh_gathered():
+            dh_gather_ws(dy, w2, dh_gathered, plan, BLOCK_M, top_k)
+            return dh_gathered
+
+        stages["bwd gather, dh' (dy gathered, no copies)"] = (run_dh_gathered, 2 * unit, tuned(expert_bwd.DH))
         # the Gluon weight gradients with their blocks in the orders the layer does not run
         dw13, dw13_alone, dw2 = torch.empty_like(w13), torch.empty_like(w13), torch.empty_like(w2)
         combined = torch.empty_like(x)

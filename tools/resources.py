@@ -128,10 +128,11 @@ def ptxas_report(compiled) -> dict:
 # The Gluon kernels (``kernels.gluon_sm90``) by report name, each with the Triton kernel (``KERNELS``) it replaces, its
 # tile and its launch's register cap; the weight-gradient kernel twice, as the layer runs it: for dW2 (no tokens
 # to combine, one slot: the combine partition idles) and for dW13 (the dx combine beside its MMAs, top-8); and the
-# weight gradients with x's rows (dW13's b) or dy's (dW2's a) gathered by token, an experiment.
+# weight gradients with x's rows (dW13's b) or dy's (dW2's a) gathered by token and dh' with dy's, experiments.
 WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
               "wgrad_combine_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
-              "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
+              "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "dh_gather_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG),
+              "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
               "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG),
               "gathered_dw13_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
               "gathered_dw2_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG)}
@@ -166,6 +167,9 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
     elif name == "dh_ws":  # the x copy beside the MMAs, of top_k slots per token
         fn, blocks = ws.KERNELS["dh"], {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
         constexprs.update(EB=128, TILE_M=bm, TOP_K=top_k)
+    elif name == "dh_gather_ws":  # dy's rows gathered by token, no side copy
+        fn, blocks = ws.KERNELS["dh_gather"], {"w_desc": [1, bk, bn]}
+        constexprs.update(EB=128, TILE_M=bm, BK=bk)
     elif name in ("gathered_dw13_ws", "gathered_dw2_ws"):  # b's rows (x's) or a's (dy's) gathered by token
         gather_a = name == "gathered_dw2_ws"
         fn, blocks = ws.KERNELS["wgrad_gather"], {"t_desc": [bk, bn] if gather_a else [bk, bm], "dw_desc": [1, bm, bn]}

@@ -107,6 +107,8 @@ WGRAD_CONFIG = {**WS_CONFIG, "BK": WGRAD_TILE[2], "num_stages": WGRAD_TILE[3]}
 # warpgroup, as the up kernel's, and no side partition, so 12 warps and WS_MAXNREG as the layer's kernel.
 WGRAD_GATHER_WARPS = gl.constexpr(4)
 WGRAD_GATHER_REGS = gl.constexpr(80)
+# dh' with dy's rows gathered by token (``dh_gather_ws``, an experiment) the same way: a loader warpgroup, no side copy.
+DH_GATHER_WARPS = gl.constexpr(4)
 
 # Whether the weight-gradient kernels (this file's and the FP8 one) deal their blocks to the programs in order of their
 # experts' rows, most first, each full round of blocks dealt from alternate ends (``wgrad_block``), instead of in expert
@@ -580,7 +582,7 @@ def _wgrad_gather_loader(t_desc, g_ptr, row_slot_ptr, offsets_ptr, by_size_ptr, 
     BN: gl.constexpr = TW if GATHER_A else GW
     layout: gl.constexpr = row_segments(GW, 2, num_warps)
     # G_COLS itself (rows of 16-byte multiples), written so that the compiler knows it is a multiple of 8 elements
-    # (as ``_up_loader``'s D8).
+    # (as ``_gather_loader``'s K8).
     G8 = G_COLS // 8 * 8
     local = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
     step = 0
@@ -824,6 +826,29 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
 
 
 @gluon.jit
+def _dh_gather_ws_kernel(dy_ptr, w_desc, out_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, N_OUT, K, E,
+                         top_k, trace_ptr, EB: gl.constexpr, TILE_M: gl.constexpr, BK: gl.constexpr,
+                         STAGES: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """``_dh_ws_kernel`` with dy's rows gathered by token (dy (T, K); ``_gather_loader``, a warpgroup, as the up
+    kernel's) instead of read from its sorted copy, and no side copy: 12 warps. TRACE: the MMA partition's and the
+    loader's stamps."""
+    BN: gl.constexpr = w_desc.block_type.shape[2]
+    num_n = gl.cdiv(N_OUT, BN)
+    work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BK], dy_ptr.dtype.element_ty)
+    a_bufs = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [STAGES, TILE_M, BK], a_layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = barriers(STAGES, 1 + 32 * DH_GATHER_WARPS)
+    empty = barriers(STAGES)
+    gl.warp_specialize([
+        (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT,
+                             K, num_n, work, trace_ptr, TRACE, num_warps)),
+        (_gather_loader, (dy_ptr, w_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
+                          a_bufs, w_bufs, w_bufs, K, top_k, num_n, work, trace_ptr, False, TRACE, DH_GATHER_WARPS)),
+    ], [DH_GATHER_WARPS], [80])
+
+
+@gluon.jit
 def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, trace_ptr, block, acc_layout: gl.constexpr,
                       GENERIC_WRITES: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """One block's K-loop over the ring for the gate and up accumulators (x rows times both weight
@@ -964,21 +989,25 @@ def _act_ws_kernel(x_desc, w13_desc, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweigh
 
 
 @gluon.jit
-def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs,
-               u_bufs, D, top_k, num_n, work, trace_ptr, TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """Producer partition (4 warps) of ``_up_ws_kernel``: per K-step, the gate and up weight blocks through
-    TMA and the block's x rows, gathered from their tokens through 16-byte ``cp.async`` copies (rows past
-    the expert's end zero-filled). Each thread's copies arrive on the stage's ready barrier when they
+def _gather_loader(a_ptr, w_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs,
+                   w_bufs, u_bufs, K, top_k, num_n, work, trace_ptr, GATE_UP: gl.constexpr, TRACE: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """Producer partition of the kernels whose A rows are gathered by token (the up kernel's x, dh''s dy): per
+    K-step, the expert's weight blocks through TMA (with ``GATE_UP`` the gate and up blocks of w (E, 2, I, K),
+    block (1, 1, BN, BK), into ``w_bufs`` and ``u_bufs``; else w (E, K, N), block (1, BK, BN), into ``w_bufs``) and
+    the block's rows of a (T, K), each sorted row's token ``row_slot // top_k``, through 16-byte ``cp.async`` copies
+    (rows past the expert's end zero-filled). Each thread's copies arrive on the stage's ready barrier when they
     land, so the barrier completes on the TMA bytes and every producer thread's copies. TRACE: its stamps
     (partition 2 of ``TRACE_BLOCKS``)."""
-    BM: gl.constexpr = x_bufs.type.shape[1]
-    BK: gl.constexpr = x_bufs.type.shape[2]
-    BN: gl.constexpr = w13_desc.block_type.shape[2]
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = w_desc.block_type.shape[2]
+    nbytes: gl.constexpr = (2 if GATE_UP else 1) * w_desc.block_type.nbytes
     layout: gl.constexpr = row_segments(BK, 2, num_warps)
-    # D itself (its rows are 16-byte multiples: api.fused_supports), written so that the compiler knows it is a
-    # multiple of 8 elements even where D is not one of 16: else its row offsets and column mask could split a
-    # 16-byte copy, and cp.async has no 2-byte form (the kernel would not compile for D = 40, 136, 520).
-    D8 = D // 8 * 8
+    # K itself (its rows are 16-byte multiples: api.fused_supports), written so that the compiler knows it is a
+    # multiple of 8 elements even where K is not one of 16: else its row offsets and column mask could split a
+    # 16-byte copy, and cp.async has no 2-byte form (the kernel would not compile for K = 40, 136, 520).
+    K8 = K // 8 * 8
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         block = block_index(w)
@@ -988,13 +1017,17 @@ def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile
         rmask = rows < gl.load(offsets_ptr + e + 1)
         tok = (gl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k).to(gl.int64)
         cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
-        ptrs = x_ptr + tok[:, None] * D8 + cols[None, :]
-        for k in range(0, D, BK):
-            s = next_slot(empty, ready, step, 2 * w13_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w13_desc, [e, 0, n0, k], ready.index(s), g_bufs.index(s))
-            tma.async_copy_global_to_shared(w13_desc, [e, 1, n0, k], ready.index(s), u_bufs.index(s))
+        ptrs = a_ptr + tok[:, None] * K8 + cols[None, :]
+        for k in range(0, K, BK):
+            s = next_slot(empty, ready, step, nbytes)
+            if GATE_UP:
+                tma.async_copy_global_to_shared(w_desc, [e, 0, n0, k], ready.index(s), w_bufs.index(s))
+                tma.async_copy_global_to_shared(w_desc, [e, 1, n0, k], ready.index(s), u_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(w_desc, [e, k, n0], ready.index(s), w_bufs.index(s))
             # Whole 16-byte chunks in or out: rows are 16-byte multiples (api.fused_supports).
-            async_copy.async_copy_global_to_shared(x_bufs.index(s), ptrs + k, mask=rmask[:, None] & (cols + k < D8)[None, :])
+            async_copy.async_copy_global_to_shared(a_bufs.index(s), ptrs + k,
+                                                   mask=rmask[:, None] & (cols + k < K8)[None, :])
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
             stamp_first(trace_ptr, 2, block, 1, k == 0, TRACE, num_warps)
@@ -1059,8 +1092,8 @@ def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
     gl.warp_specialize([
         (_up_mma_partition, (h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
                              g_bufs, u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT, TRACE, num_warps)),
-        (_up_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
-                      g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, TRACE, LOADER_WARPS)),
+        (_gather_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
+                          x_bufs, g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, True, TRACE, LOADER_WARPS)),
     ], [LOADER_WARPS], [80])
 
 
@@ -1183,6 +1216,22 @@ def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor
                EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, TOP_K=top_k, **trace_args(trace, plan.offsets_E1))
 
 
+def dh_gather_ws(dy_TD: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int, top_k: int, *,
+                 trace: torch.Tensor | None = None) -> None:
+    """``dh_ws`` (without the x copy) with dy's rows gathered by token from dy (T, D) (contiguous, 16-byte aligned rows;
+    sorted row r at token ``plan.row_slot_N[r] // top_k``) instead of read from its sorted copy (an experiment:
+    ``tools.kernels`` times it beside the layer's stage); the same bits. At least one row."""
+    bm, bn, bk, stages = WS_TILE
+    assert bm == tile_m, "a block is one plan tile"
+    assert dy_TD.data_ptr() % 16 == 0 and dy_TD.shape[1] % 8 == 0, "dy's rows: 16-byte aligned"
+    num_experts = w2_EDI.shape[0]
+    _launch_ws(_dh_gather_ws_kernel, sm_count(dy_TD.device.index), stages, dy_ptr=dy_TD,
+               w_desc=_desc(w2_EDI, [1, bk, bn]), out_ptr=out_NI, row_slot_ptr=plan.row_slot_N,
+               offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT,
+               N_OUT=out_NI.shape[1], K=dy_TD.shape[1], E=num_experts, top_k=top_k,
+               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, **trace_args(trace, plan.offsets_E1))
+
+
 def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tensor, weights_N: torch.Tensor, plan,
                dz_NH: torch.Tensor, hw_NI: torch.Tensor, dweight_part: torch.Tensor, tile_m: int,
                part_cols: int, *, trace: torch.Tensor | None = None) -> None:
@@ -1222,4 +1271,4 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
 
 # The Gluon kernels by name, for the ahead-of-time compile check (``tools.resources``).
 KERNELS = {"wgrad": _wgrad_ws_kernel, "wgrad_gather": _wgrad_gather_ws_kernel, "dh": _dh_ws_kernel,
-           "act": _act_ws_kernel, "up": _up_ws_kernel}
+           "dh_gather": _dh_gather_ws_kernel, "act": _act_ws_kernel, "up": _up_ws_kernel}
