@@ -101,8 +101,8 @@ VARIANTS = (*(suffix for suffix, _ in ORDERS.values()), *GATHERED.values())
 # Parts of a stage timed alone on sm90: the suffix of a row's name, and the index of the stage's output that the part
 # writes (checked bitwise). Left out of the totals, as the variants.
 # dh' from dy's sorted rows: without dy's sorted copy and x's (the stage's others); with x's copy beside it (the
-# stage's kernel, without dy's copy ahead of it); gathering dy's rows by token with no copy (``gluon_sm90.dh_gather_ws``,
-# an experiment)
+# stage's kernel, without dy's copy ahead of it); gathering dy's rows by token with no copy
+# (``gluon_sm90.dh_gather_ws``, an experiment)
 PARTS = {" (the GEMM alone)": 2, " (the kernel with x's copy)": 2, " (dy gathered, no copies)": 2}
 
 

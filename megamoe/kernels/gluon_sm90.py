@@ -602,7 +602,8 @@ def _wgrad_gather_loader(t_desc, g_ptr, row_slot_ptr, offsets_ptr, by_size_ptr, 
             s = next_slot(empty, ready, step, t_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(t_desc, [r0, t0], ready.index(s), t_bufs.index(s))
             ptrs = g_ptr + tok.to(gl.int64)[:, None] * G8 + cols[None, :]
-            async_copy.async_copy_global_to_shared(g_bufs.index(s), ptrs, mask=(rows < end)[:, None] & (cols < G8)[None, :])
+            mask = (rows < end)[:, None] & (cols < G8)[None, :]
+            async_copy.async_copy_global_to_shared(g_bufs.index(s), ptrs, mask=mask)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             tok = tok_next
             step += 1
