@@ -34,6 +34,10 @@ projection and dx as Gluon kernels did not, and stay Triton):
 
 The two side copies are memory-bound work that no MMA beside them waits for; run as kernels of their own
 they cost about 0.3 / 0.6 ms of a 30B / 235B step (docs/PERFORMANCE.md).
+
+Two experiments, which ``tools.kernels`` times beside the layer's kernels and the GPU tests check bitwise against them,
+gather their token rows as the up kernel does (``_gather_loader``'s way) instead of reading the sorted copies:
+``_wgrad_gather_ws_kernel`` (dW13 from x's tokens, dW2 from dy's) and ``_dh_gather_ws_kernel`` (dh' from dy's).
 """
 
 from __future__ import annotations
