@@ -493,8 +493,8 @@ def test_host_time_probe_times_both_paths_and_restores_the_launcher(capsys):
 def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
     """``python -m tools.kernels``: every stage timed, each GEMM's config recorded (on sm90 those of
     the up kernel, dh', the act kernel and the weight gradients are the warp-specialized kernels', the weight
-    gradients' with their ring of 6 stages of BK 32; the weight gradients' other orders, dh' alone and with x's copy
-    alone and the weight gradients with x's or dy's rows gathered beside, the same bits)."""
+    gradients' with their ring of 6 stages of BK 32; beside them, the same bits: the weight gradients' other orders
+    and with x's or dy's rows gathered by token, dh' alone, with x's copy alone and from dy's tokens)."""
     import json
 
     from tools.kernels import GATHERED, ORDERS, PARTS, layer_order, main
@@ -517,7 +517,7 @@ def test_per_kernel_benchmark_records_every_stage_and_its_config(tmp_path):
                     assert other["ms"] > 0 and other["bitwise_equal"], stage + suffix
         for stage in ("fwd down", "bwd dx"):
             assert not rows[stage]["config"].get("WARP_SPECIALIZED"), stage
-        for suffix in PARTS:  # dh' without the copies beside it, and with x's alone: the stage's dh'
+        for suffix in PARTS:  # dh' without the copies, with x's alone, from dy's tokens: the stage's dh'
             part = rows["bwd gather, dh'" + suffix]
             assert part["ms"] > 0 and part["bitwise_as"] == "bwd gather, dh', output 2" and part["bitwise_equal"]
         for gemm, suffix in GATHERED.items():  # x's or dy's rows gathered by token: the stage's gradient

@@ -14,9 +14,8 @@ bitwise what its layer stage writes (one that differs fails the command once the
 ways the backward may order it (``BACKWARD_ORDER``: alone with dx's combine after it, the default, or with the
 combine inside); the totals take the layer's. On sm90 dh' also runs alone and with x's copy alone (``PARTS``), from
 dy's sorted rows without the other copies that its stage makes, and from dy's tokens with no copy, each checked to
-write bitwise the stage's dh'; and dW13 and
-dW2 with x's or dy's rows gathered by token instead of read from their sorted copies (``GATHERED``), each checked to
-write bitwise what its stage writes.
+write bitwise the stage's dh'; and dW13 and dW2 with x's or dy's rows gathered by token instead of read from their
+sorted copies (``GATHERED``), each checked to write bitwise what its stage writes.
 """
 
 from __future__ import annotations
@@ -178,8 +177,8 @@ def stages(problem, num_experts):
         "bwd dw13, combine": (run_dw13, 4 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
         "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
     }
-    if ws_supported(x):  # the variants and parts of the Gluon kernels' stages: first dh' without the copies beside it
-        # or with x's alone
+    if ws_supported(x):  # the variants and parts of the Gluon kernels' stages: first dh' without the copies beside it,
+        # with x's alone, and from dy's tokens
         dh_alone = torch.empty_like(dh)
 
         def run_dh_alone():
