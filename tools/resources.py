@@ -180,7 +180,7 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
                           EPILOGUE_REGS=ws.ACT_EPILOGUE_REGS)
     else:
         fn, blocks = ws.KERNELS["up"], {"w13_desc": [1, 1, bn, bk]}
-        constexprs.update(EB=128, TILE_M=bm, BK=bk, LOADER_WARPS=ws.UP_LOADER_WARPS, SAVE_PREACT=name == "up_saved_ws")
+        constexprs.update(EB=128, TILE_M=bm, BK=bk, SAVE_PREACT=name == "up_saved_ws")
 
     def arg_type(arg):  # the rest typed as for the Triton kernels (compile_for_hopper): pointers by name, else i32
         if arg in blocks:

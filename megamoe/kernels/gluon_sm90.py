@@ -96,7 +96,10 @@ ACT_MAXNREG = 128  # 16 warps (8 MMA, the loader's warpgroup, 4 epilogue) x 32 x
 ACT_EPILOGUE_REGS = 152
 
 
-UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.async arrival each per stage
+# A loader that gathers its operand's rows by token (``_gather_loader``, ``_wgrad_gather_loader``): a warpgroup, 128
+# threads, one cp.async arrival each per stage, with 80 registers (the up kernel's, and two experiments').
+GATHER_WARPS = gl.constexpr(4)
+GATHER_REGS = gl.constexpr(80)
 # The act kernel's block with four stages: 4 x 48 KB and the epilogue's 16 KB staging buffer (208 KB).
 UP_TILE = (*ACT_TILE[:3], 4)
 UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
@@ -107,12 +110,6 @@ UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
 # row kernels' K-loops, over D, ran 1-8% slower with such rings).
 WGRAD_TILE = (*WS_TILE[:2], 32, 6)
 WGRAD_CONFIG = {**WS_CONFIG, "BK": WGRAD_TILE[2], "num_stages": WGRAD_TILE[3]}
-# The weight gradients with one operand's rows gathered by token (``expert_wgrad_gather_ws``, an experiment): a loader
-# warpgroup, as the up kernel's, and no side partition, so 12 warps and WS_MAXNREG as the layer's kernel.
-WGRAD_GATHER_WARPS = gl.constexpr(4)
-WGRAD_GATHER_REGS = gl.constexpr(80)
-# dh' with dy's rows gathered by token (``dh_gather_ws``, an experiment) the same way: a loader warpgroup, no side copy.
-DH_GATHER_WARPS = gl.constexpr(4)
 
 # Whether the weight-gradient kernels (this file's and the FP8 one) deal their blocks to the programs in order of their
 # experts' rows, most first, each full round of blocks dealt from alternate ends (``wgrad_block``), instead of in expert
@@ -570,10 +567,18 @@ def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, 
 
 
 @gluon.jit
+def gathered_bufs(dtype: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """The ring buffers of an operand that a loader gathers by token through ``cp.async`` (``GATHER_WARPS`` warps):
+    STAGES blocks of (ROWS, COLS) in the layout a TMA block of that shape has, which the MMAs read."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLS], dtype)
+    return gl.allocate_shared_memory(dtype, [STAGES, ROWS, COLS], layout)
+
+
+@gluon.jit
 def _wgrad_gather_loader(t_desc, g_ptr, row_slot_ptr, offsets_ptr, by_size_ptr, ready, empty, t_bufs, g_bufs, num_p,
                          num_q, tiles, G_COLS, top_k, trace_ptr, GATHER_A: gl.constexpr, BY_SIZE: gl.constexpr,
                          TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """Producer partition (``WGRAD_GATHER_WARPS`` warps) of ``_wgrad_gather_ws_kernel``: per K-step (BK sorted rows of
+    """Producer partition (``GATHER_WARPS`` warps) of ``_wgrad_gather_ws_kernel``: per K-step (BK sorted rows of
     the block's expert), the sorted operand's block through TMA (``t_desc``) and the other's rows gathered from their
     tokens (``g_ptr`` (T, G_COLS), sorted row r at token ``row_slot[r] // top_k``) through 16-byte ``cp.async`` copies,
     rows past the expert's end zero-filled; the next step's tokens loaded before this step's copies are issued. Each
@@ -627,11 +632,10 @@ def _wgrad_gather_ws_kernel(t_desc, g_ptr, dw_desc, row_slot_ptr, offsets_ptr, b
     BN: gl.constexpr = dw_desc.block_type.shape[2]
     BK: gl.constexpr = t_desc.block_type.shape[0]
     GW: gl.constexpr = BM if GATHER_A else BN
-    g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, GW], g_ptr.dtype.element_ty)
-    g_bufs = gl.allocate_shared_memory(g_ptr.dtype.element_ty, [STAGES, BK, GW], g_layout)
+    g_bufs = gathered_bufs(g_ptr.dtype.element_ty, STAGES, BK, GW)
     t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES] + t_desc.block_type.shape, t_desc.layout)
     c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
-    ready = barriers(STAGES, 1 + 32 * WGRAD_GATHER_WARPS)
+    ready = barriers(STAGES, 1 + 32 * GATHER_WARPS)
     empty = barriers(STAGES)
     if GATHER_A:
         a_bufs = g_bufs
@@ -643,9 +647,8 @@ def _wgrad_gather_ws_kernel(t_desc, g_ptr, dw_desc, row_slot_ptr, offsets_ptr, b
         (_mma_partition, (dw_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
                           trace_ptr, ready, ready, ready, BY_SIZE, False, TRACE, num_warps)),
         (_wgrad_gather_loader, (t_desc, g_ptr, row_slot_ptr, offsets_ptr, by_size_ptr, ready, empty, t_bufs, g_bufs,
-                                num_p, num_q, tiles, G_COLS, top_k, trace_ptr, GATHER_A, BY_SIZE, TRACE,
-                                WGRAD_GATHER_WARPS)),
-    ], [WGRAD_GATHER_WARPS], [WGRAD_GATHER_REGS])
+                                num_p, num_q, tiles, G_COLS, top_k, trace_ptr, GATHER_A, BY_SIZE, TRACE, GATHER_WARPS)),
+    ], [GATHER_WARPS], [GATHER_REGS])
 
 
 @gluon.jit
@@ -840,17 +843,16 @@ def _dh_gather_ws_kernel(dy_ptr, w_desc, out_ptr, row_slot_ptr, offsets_ptr, til
     BN: gl.constexpr = w_desc.block_type.shape[2]
     num_n = gl.cdiv(N_OUT, BN)
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BK], dy_ptr.dtype.element_ty)
-    a_bufs = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [STAGES, TILE_M, BK], a_layout)
+    a_bufs = gathered_bufs(dy_ptr.dtype.element_ty, STAGES, TILE_M, BK)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready = barriers(STAGES, 1 + 32 * DH_GATHER_WARPS)
+    ready = barriers(STAGES, 1 + 32 * GATHER_WARPS)
     empty = barriers(STAGES)
     gl.warp_specialize([
         (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT,
                              K, num_n, work, trace_ptr, TRACE, num_warps)),
         (_gather_loader, (dy_ptr, w_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                          a_bufs, w_bufs, w_bufs, K, top_k, num_n, work, trace_ptr, False, TRACE, DH_GATHER_WARPS)),
-    ], [DH_GATHER_WARPS], [80])
+                          a_bufs, w_bufs, w_bufs, K, top_k, num_n, work, trace_ptr, False, TRACE, GATHER_WARPS)),
+    ], [GATHER_WARPS], [GATHER_REGS])
 
 
 @gluon.jit
@@ -1075,8 +1077,7 @@ def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_
 @gluon.jit
 def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, D, I,
                   E, top_k, trace_ptr, EB: gl.constexpr, TILE_M: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                  LOADER_WARPS: gl.constexpr, SAVE_PREACT: gl.constexpr, TRACE: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  SAVE_PREACT: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """The one-device up kernel (``expert_fwd._up_swiglu_fwd_kernel``): x (T, D)
     gathered by token, w13_desc (E, 2, I, D), block (1, 1, BN, BK); h (N, I) out in sorted rows, and with
     SAVE_PREACT the gate/up products (N, 2I) into preact (the saved-activation mode). Blocks:
@@ -1086,20 +1087,19 @@ def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     num_n = gl.cdiv(I, BN)
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
-    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BK], x_ptr.dtype.element_ty)
-    x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, TILE_M, BK], x_layout)
+    x_bufs = gathered_bufs(x_ptr.dtype.element_ty, STAGES, TILE_M, BK)
     g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
     u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
     staging = gl.allocate_shared_memory(w13_desc.dtype, [TILE_M, BN // 2],
                                         staged_layout([TILE_M, BN // 2], w13_desc.dtype))
-    ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)
+    ready = barriers(STAGES, 1 + 32 * GATHER_WARPS)
     empty = barriers(STAGES)
     gl.warp_specialize([
         (_up_mma_partition, (h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
                              g_bufs, u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT, TRACE, num_warps)),
         (_gather_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                          x_bufs, g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, True, TRACE, LOADER_WARPS)),
-    ], [LOADER_WARPS], [80])
+                          x_bufs, g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, True, TRACE, GATHER_WARPS)),
+    ], [GATHER_WARPS], [GATHER_REGS])
 
 
 def ws_supported(a: torch.Tensor) -> bool:
@@ -1270,8 +1270,8 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
                w13_desc=_desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), h_ptr=h_NI,
                preact_ptr=h_NI if preact_NH is None else preact_NH, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
                tile_row_ptr=plan.tile_row_NT, D=dim, I=inter, E=num_experts, top_k=top_k,
-               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, LOADER_WARPS=UP_LOADER_WARPS,
-               SAVE_PREACT=preact_NH is not None, **trace_args(trace, plan.offsets_E1))
+               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, SAVE_PREACT=preact_NH is not None,
+               **trace_args(trace, plan.offsets_E1))
 
 
 # The Gluon kernels by name, for the ahead-of-time compile check (``tools.resources``).
