@@ -820,9 +820,9 @@ def test_gemms_gathering_token_rows_equal_those_of_the_sorted_copies(num_tokens,
                                                                     poison_cuda):
     """``gluon_sm90.expert_wgrad_gather_ws`` and ``dh_gather_ws`` (experiments ``tools.kernels`` times): dW13 with x's
     rows gathered by token (b) and dW2 with dy's (a) equal ``expert_wgrad_ws`` on the sorted copies bit for bit, in both
-    orders of the blocks, and dh' from dy's tokens equals it from dy's sorted rows, every routed row written; with an
-    expert without rows, dropped slots (NaN sorted rows past the routed ones, never read into a sum), D and I off the
-    blocks."""
+    orders of the blocks, and dh' from dy's tokens equals it from dy's sorted rows, every routed row written; each
+    also against its fp32 per-expert reference; with an expert without rows, dropped slots (NaN sorted rows past the
+    routed ones, never read into a sum), D and I off the blocks."""
     from megamoe.kernels import expert_bwd
     from megamoe.kernels.gluon_sm90 import (
         dh_gather_ws,
@@ -848,9 +848,15 @@ def test_gemms_gathering_token_rows_equal_those_of_the_sorted_copies(num_tokens,
                                by_size=by_size)
         assert torch.equal(got[0], want13) and torch.equal(got[1], want2), by_size
         assert not got[0][3].any() and not got[1][3].any()  # expert 3 has no rows: zeros
+    bounds = list(itertools.pairwise(plan.offsets_E1.tolist()))
+    for dw, a, b in ((got[0], dz, x_sorted), (got[1], dy_sorted, hw)):  # the sums of outer products in fp32
+        expected = torch.stack([a[lo:hi].float().T @ b[lo:hi].float() for lo, hi in bounds])
+        torch.testing.assert_close(dw.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
     dh = torch.full((rows, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
     dh_gather_ws(dy, w2, dh, plan, BLOCK_M, top_k)
     assert torch.equal(dh[:routed], expert_bwd.dh_sorted(dy_sorted, w2, plan)[:routed])
+    expected = torch.cat([dy_sorted[lo:hi].float() @ w2[e].float() for e, (lo, hi) in enumerate(bounds)])
+    torch.testing.assert_close(dh[:routed].float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
 @pytest.mark.gpu
