@@ -643,7 +643,7 @@ def _wgrad_gather_ws_kernel(t_desc, g_ptr, dw_desc, row_slot_ptr, offsets_ptr, b
     else:
         a_bufs = t_bufs
         b_bufs = g_bufs
-    gl.warp_specialize([
+    gl.warp_specialize([  # the block ring's three never read (not TAKEN: the fixed deal's partitions know their blocks)
         (_mma_partition, (dw_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
                           trace_ptr, ready, ready, ready, BY_SIZE, False, TRACE, num_warps)),
         (_wgrad_gather_loader, (t_desc, g_ptr, row_slot_ptr, offsets_ptr, by_size_ptr, ready, empty, t_bufs, g_bufs,
