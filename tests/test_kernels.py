@@ -816,51 +816,6 @@ def test_dh_kernel_copies_x_into_sorted_rows_beside_its_mmas(num_tokens, dim, in
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", SIDE_COPY_SHAPES)
-def test_gemms_gathering_token_rows_equal_those_of_the_sorted_copies(num_tokens, dim, inter, num_experts, top_k,
-                                                                    poison_cuda):
-    """``gluon_sm90.expert_wgrad_gather_ws`` and ``dh_gather_ws`` (experiments ``tools.kernels`` times): dW13 with x's
-    rows gathered by token (b) and dW2 with dy's (a) equal ``expert_wgrad_ws`` on the sorted copies bit for bit, in both
-    orders of the blocks, and dh' from dy's tokens equals it from dy's sorted rows, every routed row written; each
-    also against its fp32 per-expert reference; with an expert without rows, dropped slots (NaN sorted rows past the
-    routed ones, never read into a sum), D and I off the blocks."""
-    from megamoe.kernels import expert_bwd
-    from megamoe.kernels.gluon_sm90 import (
-        dh_gather_ws,
-        expert_wgrad_gather_ws,
-        expert_wgrad_ws,
-    )
-
-    (x, _, _, w13, w2, dy), plan, routed = edge_routing_problem(num_tokens, dim, inter, num_experts, top_k)
-    x_sorted, dy_sorted = expert_bwd.gather_rows(x, dy, plan, top_k)
-    rows = plan.row_slot_N.numel()
-    dz, hw = (torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) for cols in (2 * inter, inter))
-    for t in (dz, hw, x_sorted, dy_sorted):
-        t[routed:] = float("nan")
-    want13, want2, got = torch.empty_like(w13), torch.empty_like(w2), [torch.empty_like(w13), torch.empty_like(w2)]
-    expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, want13)
-    expert_wgrad_ws(dy_sorted, hw, plan.offsets_E1, want2)
-    for by_size in (False, True):
-        for g in got:
-            g.fill_(float("nan"))
-        expert_wgrad_gather_ws(dz, x, plan.row_slot_N, top_k, plan.offsets_E1, got[0], gather_a=False,
-                               by_size=by_size)
-        expert_wgrad_gather_ws(dy, hw, plan.row_slot_N, top_k, plan.offsets_E1, got[1], gather_a=True,
-                               by_size=by_size)
-        assert torch.equal(got[0], want13) and torch.equal(got[1], want2), by_size
-        assert not got[0][3].any() and not got[1][3].any()  # expert 3 has no rows: zeros
-    bounds = list(itertools.pairwise(plan.offsets_E1.tolist()))
-    for dw, a, b in ((got[0], dz, x_sorted), (got[1], dy_sorted, hw)):  # the sums of outer products in fp32
-        expected = torch.stack([a[lo:hi].float().T @ b[lo:hi].float() for lo, hi in bounds])
-        torch.testing.assert_close(dw.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
-    dh = torch.full((rows, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
-    dh_gather_ws(dy, w2, dh, plan, BLOCK_M, top_k)
-    assert torch.equal(dh[:routed], expert_bwd.dh_sorted(dy_sorted, w2, plan)[:routed])
-    expected = torch.cat([dy_sorted[lo:hi].float() @ w2[e].float() for e, (lo, hi) in enumerate(bounds)])
-    torch.testing.assert_close(dh[:routed].float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens, dim, inter, num_experts, top_k", SIDE_COPY_SHAPES)
 def test_weight_gradient_kernel_combines_dx_beside_its_mmas(num_tokens, dim, inter, num_experts, top_k, poison_cuda):
     """``expert_wgrad_and_combine`` on the GPU, where the dW13 kernel reduces the dx slot rows beside its
     MMAs: dW and the combined rows equal ``expert_wgrad`` and ``combine`` bit for bit, with dropped slots
@@ -1018,8 +973,7 @@ def test_warp_specialized_launchers_pass_each_kernel_exactly_its_parameters(monk
     from megamoe.kernels import gluon_sm90 as g
 
     launched = capture_launches(monkeypatch, g,
-                                ("_wgrad_ws_kernel", "_wgrad_gather_ws_kernel", "_dh_ws_kernel",
-                                 "_dh_gather_ws_kernel", "_act_ws_kernel", "_up_ws_kernel"))
+                                ("_wgrad_ws_kernel", "_dh_ws_kernel", "_act_ws_kernel", "_up_ws_kernel"))
     bf16 = torch.bfloat16
     num_experts, num_tokens, top_k, dim, inter = 4, 64, 2, 256, 256
     rows = num_tokens * top_k
@@ -1033,14 +987,10 @@ def test_warp_specialized_launchers_pass_each_kernel_exactly_its_parameters(monk
                                          (None, None, True, None)):
         g.expert_wgrad_ws(dz, x_sorted, plan.offsets_E1, torch.zeros_like(w13), combined, by_size=by_size, taken=taken,
                           trace=tr)
-    g.expert_wgrad_gather_ws(dz, x, plan.row_slot_N, top_k, plan.offsets_E1, torch.zeros_like(w13), gather_a=False)
-    g.expert_wgrad_gather_ws(x, dh, plan.row_slot_N, top_k, plan.offsets_E1, torch.zeros_like(w2), gather_a=True,
-                             by_size=True, trace=trace)
     for copy_x, tr in ((None, None), ((x, x_sorted, plan.row_slot_N, top_k), trace)):
         g.dh_ws(x_sorted, w2, dh, plan, BLOCK_M, copy_x, trace=tr)
-    g.dh_gather_ws(x, w2, dh, plan, BLOCK_M, top_k, trace=trace)
     g.act_bwd_ws(x_sorted, dh, w13, torch.ones(rows), plan, dz, dh, torch.zeros(inter // 64, rows), BLOCK_M, 64,
                  trace=trace)
     for preact, tr in ((None, None), (dz, trace)):
         g.up_swiglu_ws(x, w13, dh, plan, top_k, BLOCK_M, preact, trace=tr)
-    assert_launches_pass_parameters(launched, 11)
+    assert_launches_pass_parameters(launched, 8)

@@ -13,9 +13,7 @@ orders the layer does not run them in (``ORDERS``: in expert order, by size, tak
 bitwise what its layer stage writes (one that differs fails the command once the JSON is written). dW13 runs both
 ways the backward may order it (``BACKWARD_ORDER``: alone with dx's combine after it, the default, or with the
 combine inside); the totals take the layer's. On sm90 dh' also runs alone and with x's copy alone (``PARTS``), from
-dy's sorted rows without the other copies that its stage makes, and from dy's tokens with no copy, each checked to
-write bitwise the stage's dh'; and dW13 and dW2 with x's or dy's rows gathered by token instead of read from their
-sorted copies (``GATHERED``), each checked to write bitwise what its stage writes.
+dy's sorted rows without the other copies that its stage makes, checked to write bitwise the stage's dh'.
 """
 
 from __future__ import annotations
@@ -43,9 +41,7 @@ from megamoe.kernels.gluon_sm90 import (
     WGRAD_CONFIG,
     WGRAD_TAKEN,
     WS_CONFIG,
-    dh_gather_ws,
     dh_ws,
-    expert_wgrad_gather_ws,
     expert_wgrad_ws,
     ws_supported,
 )
@@ -92,17 +88,12 @@ BACKWARD_ORDER = {True: ("bwd dw13", "bwd dx combine"), False: ("bwd dw13, combi
 ORDERS = {"expert": (" (blocks in expert order)", {"by_size": False, "taken": False}),
           "size": (" (blocks by size)", {"by_size": True, "taken": False}),
           "taken": (" (blocks taken in turn)", {"taken": True})}
-# The weight gradients with x's rows (dW13) or dy's (dW2) gathered by token instead of read from their sorted copies
-# (``gluon_sm90.expert_wgrad_gather_ws``, an experiment; blocks by size): variants of the layer's stages, checked to
-# write bitwise what they write.
-GATHERED = {"dw13": " (x gathered)", "dw2": " (dy gathered)"}
-VARIANTS = (*(suffix for suffix, _ in ORDERS.values()), *GATHERED.values())
+VARIANTS = tuple(suffix for suffix, _ in ORDERS.values())
 # Parts of a stage timed alone on sm90: the suffix of a row's name, and the index of the stage's output that the part
 # writes (checked bitwise). Left out of the totals, as the variants.
 # dh' from dy's sorted rows: without dy's sorted copy and x's (the stage's others); with x's copy beside it (the
-# stage's kernel, without dy's copy ahead of it); gathering dy's rows by token with no copy
-# (``gluon_sm90.dh_gather_ws``, an experiment)
-PARTS = {" (the GEMM alone)": 2, " (the kernel with x's copy)": 2, " (dy gathered, no copies)": 2}
+# stage's kernel, without dy's copy ahead of it)
+PARTS = {" (the GEMM alone)": 2, " (the kernel with x's copy)": 2}
 
 
 def layer_order(gemm: str) -> str:
@@ -177,8 +168,8 @@ def stages(problem, num_experts):
         "bwd dw13, combine": (run_dw13, 4 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
         "bwd dw2": (run_dw2, 2 * unit, tuned(expert_bwd.WGRAD, WGRAD_CONFIG)),
     }
-    if ws_supported(x):  # the variants and parts of the Gluon kernels' stages: first dh' without the copies beside it,
-        # with x's alone, and from dy's tokens
+    if ws_supported(x):  # the variants and parts of the Gluon kernels' stages: first dh' without the copies beside it
+        # or with x's alone
         dh_alone = torch.empty_like(dh)
 
         def run_dh_alone():
@@ -193,13 +184,6 @@ def stages(problem, num_experts):
             return dh_with_x
 
         stages["bwd gather, dh' (the kernel with x's copy)"] = (run_dh_with_x, 2 * unit, tuned(expert_bwd.DH))
-        dh_gathered = torch.empty_like(dh)
-
-        def run_dh_gathered():
-            dh_gather_ws(dy, w2, dh_gathered, plan, BLOCK_M, top_k)
-            return dh_gathered
-
-        stages["bwd gather, dh' (dy gathered, no copies)"] = (run_dh_gathered, 2 * unit, tuned(expert_bwd.DH))
         # the Gluon weight gradients with their blocks in the orders the layer does not run
         dw13, dw13_alone, dw2 = torch.empty_like(w13), torch.empty_like(w13), torch.empty_like(w2)
         combined = torch.empty_like(x)
@@ -222,20 +206,6 @@ def stages(problem, num_experts):
                 stages["bwd dw13, combine" + suffix] = (run_dw13_other, 4 * unit, config)
             if name != layer_order("dw2"):
                 stages["bwd dw2" + suffix] = (run_dw2_other, 2 * unit, config)
-        dw13_gathered, dw2_gathered = torch.empty_like(w13), torch.empty_like(w2)
-
-        def run_dw13_gathered():  # x's rows from its tokens: b
-            expert_wgrad_gather_ws(dz, x, plan.row_slot_N, top_k, plan.offsets_E1, dw13_gathered, gather_a=False,
-                                   by_size=True)
-            return dw13_gathered
-
-        def run_dw2_gathered():  # dy's rows from its tokens: a
-            expert_wgrad_gather_ws(dy, hw, plan.row_slot_N, top_k, plan.offsets_E1, dw2_gathered, gather_a=True,
-                                   by_size=True)
-            return dw2_gathered
-
-        stages["bwd dw13" + GATHERED["dw13"]] = (run_dw13_gathered, 4 * unit, config)
-        stages["bwd dw2" + GATHERED["dw2"]] = (run_dw2_gathered, 2 * unit, config)
     return stages
 
 

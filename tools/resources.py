@@ -61,7 +61,7 @@ _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot
                   "topk_idx_ptr": "*i64", "recv_token_row_ptr": "*i32", "row_map_ptr": "*i32", "trace_ptr": "*i64",
                   "ready_ptr": "*i64", "peers_ptr": "*i64", "x_s_ptr": "*fp32", "xq_ptr": "*fp8e4nv",
                   "by_size_ptr": "*i32", "counter_ptr": "*i32", "amax_ptr": "*fp32"}
-_DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K", "G_COLS"}
+_DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "TRACE": False, "SAVE_PREACT": False,
                      # the EP sending programs: 16 of them, 128 experts (64 per rank), top-8, D = 2048
                      "SENDERS": 16, "LB": 64, "EB": 128, "CB": 128}
@@ -127,15 +127,11 @@ def ptxas_report(compiled) -> dict:
 
 # The Gluon kernels (``kernels.gluon_sm90``) by report name, each with the Triton kernel (``KERNELS``) it replaces, its
 # tile and its launch's register cap; the weight-gradient kernel twice, as the layer runs it: for dW2 (no tokens
-# to combine, one slot: the combine partition idles) and for dW13 (the dx combine beside its MMAs, top-8); and the
-# weight gradients with x's rows (dW13's b) or dy's (dW2's a) gathered by token and dh' with dy's, experiments.
+# to combine, one slot: the combine partition idles) and for dW13 (the dx combine beside its MMAs, top-8).
 WS_KERNELS = {"wgrad_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
               "wgrad_combine_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
-              "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "dh_gather_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG),
-              "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
-              "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG),
-              "gathered_dw13_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG),
-              "gathered_dw2_ws": ("wgrad", ws.WGRAD_TILE, ws.WS_MAXNREG)}
+              "dh_ws": ("dh", ws.WS_TILE, ws.WS_MAXNREG), "act_ws": ("act", ws.ACT_TILE, ws.ACT_MAXNREG),
+              "up_ws": ("up", ws.UP_TILE, ws.WS_MAXNREG), "up_saved_ws": ("up_saved", ws.UP_TILE, ws.WS_MAXNREG)}
 
 
 def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top_k: int = 8, trace: bool = False,
@@ -167,20 +163,13 @@ def compile_ws(name: str, dtype: str = "bf16", sizes_divisible: bool = True, top
     elif name == "dh_ws":  # the x copy beside the MMAs, of top_k slots per token
         fn, blocks = ws.KERNELS["dh"], {"a_desc": [bm, bk], "w_desc": [1, bk, bn]}
         constexprs.update(EB=128, TILE_M=bm, TOP_K=top_k)
-    elif name == "dh_gather_ws":  # dy's rows gathered by token, no side copy
-        fn, blocks = ws.KERNELS["dh_gather"], {"w_desc": [1, bk, bn]}
-        constexprs.update(EB=128, TILE_M=bm, BK=bk)
-    elif name in ("gathered_dw13_ws", "gathered_dw2_ws"):  # b's rows (x's) or a's (dy's) gathered by token
-        gather_a = name == "gathered_dw2_ws"
-        fn, blocks = ws.KERNELS["wgrad_gather"], {"t_desc": [bk, bn] if gather_a else [bk, bm], "dw_desc": [1, bm, bn]}
-        constexprs.update(GATHER_A=gather_a, BY_SIZE=ws.WGRAD_BY_SIZE if by_size is None else by_size)
     elif name == "act_ws":
         fn, blocks = ws.KERNELS["act"], {"x_desc": [bm, bk], "w13_desc": [1, 1, bn, bk]}
         constexprs.update(EB=128, TILE_M=bm, PART_COLS=expert_bwd.PART_COLS, EPILOGUE_WARPS=ws.ACT_EPILOGUE_WARPS,
                           EPILOGUE_REGS=ws.ACT_EPILOGUE_REGS)
     else:
         fn, blocks = ws.KERNELS["up"], {"w13_desc": [1, 1, bn, bk]}
-        constexprs.update(EB=128, TILE_M=bm, BK=bk, SAVE_PREACT=name == "up_saved_ws")
+        constexprs.update(EB=128, TILE_M=bm, BK=bk, LOADER_WARPS=ws.UP_LOADER_WARPS, SAVE_PREACT=name == "up_saved_ws")
 
     def arg_type(arg):  # the rest typed as for the Triton kernels (compile_for_hopper): pointers by name, else i32
         if arg in blocks:

@@ -34,10 +34,6 @@ projection and dx as Gluon kernels did not, and stay Triton):
 
 The two side copies are memory-bound work that no MMA beside them waits for; run as kernels of their own
 they cost about 0.3 / 0.6 ms of a 30B / 235B step (docs/PERFORMANCE.md).
-
-Two experiments, which ``tools.kernels`` times beside the layer's kernels and the GPU tests check bitwise against them,
-gather their token rows as the up kernel does (``_gather_loader``'s way) instead of reading the sorted copies:
-``_wgrad_gather_ws_kernel`` (dW13 from x's tokens, dW2 from dy's) and ``_dh_gather_ws_kernel`` (dh' from dy's).
 """
 
 from __future__ import annotations
@@ -96,10 +92,7 @@ ACT_MAXNREG = 128  # 16 warps (8 MMA, the loader's warpgroup, 4 epilogue) x 32 x
 ACT_EPILOGUE_REGS = 152
 
 
-# A loader that gathers its operand's rows by token (``_gather_loader``, ``_wgrad_gather_loader``): a warpgroup, 128
-# threads, one cp.async arrival each per stage, with 80 registers (the up kernel's, and two experiments').
-GATHER_WARPS = gl.constexpr(4)
-GATHER_REGS = gl.constexpr(80)
+UP_LOADER_WARPS = 4  # the up kernel's gathering loader: 128 threads, one cp.async arrival each per stage
 # The act kernel's block with four stages: 4 x 48 KB and the epilogue's 16 KB staging buffer (208 KB).
 UP_TILE = (*ACT_TILE[:3], 4)
 UP_CONFIG = {**WS_CONFIG, "BN": UP_TILE[1], "num_stages": UP_TILE[3]}
@@ -567,91 +560,6 @@ def _wgrad_ws_kernel(a_desc, b_desc, dw_desc, offsets_ptr, num_p, num_q, tiles, 
 
 
 @gluon.jit
-def gathered_bufs(dtype: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
-    """The ring buffers of an operand that a loader gathers by token through ``cp.async`` (``GATHER_WARPS`` warps):
-    STAGES blocks of (ROWS, COLS) in the layout a TMA block of that shape has, which the MMAs read."""
-    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLS], dtype)
-    return gl.allocate_shared_memory(dtype, [STAGES, ROWS, COLS], layout)
-
-
-@gluon.jit
-def _wgrad_gather_loader(t_desc, g_ptr, row_slot_ptr, offsets_ptr, by_size_ptr, ready, empty, t_bufs, g_bufs, num_p,
-                         num_q, tiles, G_COLS, top_k, trace_ptr, GATHER_A: gl.constexpr, BY_SIZE: gl.constexpr,
-                         TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """Producer partition (``GATHER_WARPS`` warps) of ``_wgrad_gather_ws_kernel``: per K-step (BK sorted rows of
-    the block's expert), the sorted operand's block through TMA (``t_desc``) and the other's rows gathered from their
-    tokens (``g_ptr`` (T, G_COLS), sorted row r at token ``row_slot[r] // top_k``) through 16-byte ``cp.async`` copies,
-    rows past the expert's end zero-filled; the next step's tokens loaded before this step's copies are issued. Each
-    thread's copies arrive on the stage's ready barrier when they land. GATHER_A: the gathered operand is a (its
-    columns P), else b (Q). TRACE: its stamps (partition 2 of ``TRACE_BLOCKS``)."""
-    BK: gl.constexpr = g_bufs.type.shape[1]
-    GW: gl.constexpr = g_bufs.type.shape[2]
-    TW: gl.constexpr = t_desc.block_type.shape[1]
-    BM: gl.constexpr = GW if GATHER_A else TW
-    BN: gl.constexpr = TW if GATHER_A else GW
-    layout: gl.constexpr = row_segments(GW, 2, num_warps)
-    # G_COLS itself (rows of 16-byte multiples), written so that the compiler knows it is a multiple of 8 elements
-    # (as ``_gather_loader``'s K8).
-    G8 = G_COLS // 8 * 8
-    local = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
-    step = 0
-    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        block = block_index(tile)
-        stamp(trace_ptr, 2, block, 0, TRACE, num_warps)
-        _, p0, q0, start, end = wgrad_block(tile, tiles, offsets_ptr, by_size_ptr, num_p, num_q, BM, BN, BY_SIZE)
-        g0 = p0 if GATHER_A else q0
-        t0 = q0 if GATHER_A else p0
-        cols = g0 + gl.arange(0, GW, layout=gl.SliceLayout(0, layout))
-        rows = start + local
-        tok = gl.load(row_slot_ptr + rows, mask=rows < end, other=0) // top_k
-        for r0 in range(start, end, BK):
-            rows = r0 + local
-            ahead = rows + BK
-            tok_next = gl.load(row_slot_ptr + ahead, mask=ahead < end, other=0) // top_k
-            s = next_slot(empty, ready, step, t_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(t_desc, [r0, t0], ready.index(s), t_bufs.index(s))
-            ptrs = g_ptr + tok.to(gl.int64)[:, None] * G8 + cols[None, :]
-            mask = (rows < end)[:, None] & (cols < G8)[None, :]
-            async_copy.async_copy_global_to_shared(g_bufs.index(s), ptrs, mask=mask)
-            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
-            tok = tok_next
-            step += 1
-            stamp_first(trace_ptr, 2, block, 1, r0 == start, TRACE, num_warps)
-        stamp(trace_ptr, 2, block, 2, TRACE, num_warps)
-
-
-@gluon.jit
-def _wgrad_gather_ws_kernel(t_desc, g_ptr, dw_desc, row_slot_ptr, offsets_ptr, by_size_ptr, num_p, num_q, tiles, G_COLS,
-                            top_k, trace_ptr, GATHER_A: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
-                            BY_SIZE: gl.constexpr, num_warps: gl.constexpr):
-    """``_wgrad_ws_kernel`` (without the combine, nor the blocks taken in turn) with one operand's rows gathered by
-    token instead of read from a sorted copy (``_wgrad_gather_loader``): t_desc the other operand's (N, Q) or (N, P)
-    sorted rows, block (BK, BN) or (BK, BM); dw_desc: (E, P, Q), block (1, BM, BN). GATHER_A: a's rows gathered (and
-    t_desc b's), else b's."""
-    BM: gl.constexpr = dw_desc.block_type.shape[1]
-    BN: gl.constexpr = dw_desc.block_type.shape[2]
-    BK: gl.constexpr = t_desc.block_type.shape[0]
-    GW: gl.constexpr = BM if GATHER_A else BN
-    g_bufs = gathered_bufs(g_ptr.dtype.element_ty, STAGES, BK, GW)
-    t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES] + t_desc.block_type.shape, t_desc.layout)
-    c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
-    ready = barriers(STAGES, 1 + 32 * GATHER_WARPS)
-    empty = barriers(STAGES)
-    if GATHER_A:
-        a_bufs = g_bufs
-        b_bufs = t_bufs
-    else:
-        a_bufs = t_bufs
-        b_bufs = g_bufs
-    gl.warp_specialize([  # the block ring's three never read (not TAKEN: the fixed deal's partitions know their blocks)
-        (_mma_partition, (dw_desc, offsets_ptr, by_size_ptr, ready, empty, a_bufs, b_bufs, c_smem, num_p, num_q, tiles,
-                          trace_ptr, ready, ready, ready, BY_SIZE, False, TRACE, num_warps)),
-        (_wgrad_gather_loader, (t_desc, g_ptr, row_slot_ptr, offsets_ptr, by_size_ptr, ready, empty, t_bufs, g_bufs,
-                                num_p, num_q, tiles, G_COLS, top_k, trace_ptr, GATHER_A, BY_SIZE, TRACE, GATHER_WARPS)),
-    ], [GATHER_WARPS], [GATHER_REGS])
-
-
-@gluon.jit
 def count_busy_tiles(offsets_ptr, E, EB: gl.constexpr, TILE_M: gl.constexpr, num_warps: gl.constexpr):
     """How many plan tiles hold rows (they come first in the tile table): the sum over experts of
     ceil(rows / TILE_M). EB: a power of two >= E."""
@@ -834,28 +742,6 @@ def _dh_ws_kernel(a_desc, w_desc, out_ptr, offsets_ptr, tile_expert_ptr, tile_ro
 
 
 @gluon.jit
-def _dh_gather_ws_kernel(dy_ptr, w_desc, out_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, N_OUT, K, E,
-                         top_k, trace_ptr, EB: gl.constexpr, TILE_M: gl.constexpr, BK: gl.constexpr,
-                         STAGES: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
-    """``_dh_ws_kernel`` with dy's rows gathered by token (dy (T, K); ``_gather_loader``, a warpgroup, as the up
-    kernel's) instead of read from its sorted copy, and no side copy: 12 warps. TRACE: the MMA partition's and the
-    loader's stamps."""
-    BN: gl.constexpr = w_desc.block_type.shape[2]
-    num_n = gl.cdiv(N_OUT, BN)
-    work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
-    a_bufs = gathered_bufs(dy_ptr.dtype.element_ty, STAGES, TILE_M, BK)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready = barriers(STAGES, 1 + 32 * GATHER_WARPS)
-    empty = barriers(STAGES)
-    gl.warp_specialize([
-        (_dh_mma_partition, (out_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs, w_bufs, N_OUT,
-                             K, num_n, work, trace_ptr, TRACE, num_warps)),
-        (_gather_loader, (dy_ptr, w_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                          a_bufs, w_bufs, w_bufs, K, top_k, num_n, work, trace_ptr, False, TRACE, GATHER_WARPS)),
-    ], [GATHER_WARPS], [GATHER_REGS])
-
-
-@gluon.jit
 def _gate_up_mainloop(ready, empty, x_bufs, g_bufs, u_bufs, step, D, trace_ptr, block, acc_layout: gl.constexpr,
                       GENERIC_WRITES: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
     """One block's K-loop over the ring for the gate and up accumulators (x rows times both weight
@@ -996,25 +882,21 @@ def _act_ws_kernel(x_desc, w13_desc, dh_ptr, weights_ptr, dz_ptr, hw_ptr, dweigh
 
 
 @gluon.jit
-def _gather_loader(a_ptr, w_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, a_bufs,
-                   w_bufs, u_bufs, K, top_k, num_n, work, trace_ptr, GATE_UP: gl.constexpr, TRACE: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """Producer partition of the kernels whose A rows are gathered by token (the up kernel's x, dh''s dy): per
-    K-step, the expert's weight blocks through TMA (with ``GATE_UP`` the gate and up blocks of w (E, 2, I, K),
-    block (1, 1, BN, BK), into ``w_bufs`` and ``u_bufs``; else w (E, K, N), block (1, BK, BN), into ``w_bufs``) and
-    the block's rows of a (T, K), each sorted row's token ``row_slot // top_k``, through 16-byte ``cp.async`` copies
-    (rows past the expert's end zero-filled). Each thread's copies arrive on the stage's ready barrier when they
+def _up_loader(x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs, g_bufs,
+               u_bufs, D, top_k, num_n, work, trace_ptr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+    """Producer partition (4 warps) of ``_up_ws_kernel``: per K-step, the gate and up weight blocks through
+    TMA and the block's x rows, gathered from their tokens through 16-byte ``cp.async`` copies (rows past
+    the expert's end zero-filled). Each thread's copies arrive on the stage's ready barrier when they
     land, so the barrier completes on the TMA bytes and every producer thread's copies. TRACE: its stamps
     (partition 2 of ``TRACE_BLOCKS``)."""
-    BM: gl.constexpr = a_bufs.type.shape[1]
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    BN: gl.constexpr = w_desc.block_type.shape[2]
-    nbytes: gl.constexpr = (2 if GATE_UP else 1) * w_desc.block_type.nbytes
+    BM: gl.constexpr = x_bufs.type.shape[1]
+    BK: gl.constexpr = x_bufs.type.shape[2]
+    BN: gl.constexpr = w13_desc.block_type.shape[2]
     layout: gl.constexpr = row_segments(BK, 2, num_warps)
-    # K itself (its rows are 16-byte multiples: api.fused_supports), written so that the compiler knows it is a
-    # multiple of 8 elements even where K is not one of 16: else its row offsets and column mask could split a
-    # 16-byte copy, and cp.async has no 2-byte form (the kernel would not compile for K = 40, 136, 520).
-    K8 = K // 8 * 8
+    # D itself (its rows are 16-byte multiples: api.fused_supports), written so that the compiler knows it is a
+    # multiple of 8 elements even where D is not one of 16: else its row offsets and column mask could split a
+    # 16-byte copy, and cp.async has no 2-byte form (the kernel would not compile for D = 40, 136, 520).
+    D8 = D // 8 * 8
     step = 0
     for w in range(gl.program_id(0), work, gl.num_programs(0)):
         block = block_index(w)
@@ -1024,17 +906,13 @@ def _gather_loader(a_ptr, w_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, ti
         rmask = rows < gl.load(offsets_ptr + e + 1)
         tok = (gl.load(row_slot_ptr + rows, mask=rmask, other=0) // top_k).to(gl.int64)
         cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
-        ptrs = a_ptr + tok[:, None] * K8 + cols[None, :]
-        for k in range(0, K, BK):
-            s = next_slot(empty, ready, step, nbytes)
-            if GATE_UP:
-                tma.async_copy_global_to_shared(w_desc, [e, 0, n0, k], ready.index(s), w_bufs.index(s))
-                tma.async_copy_global_to_shared(w_desc, [e, 1, n0, k], ready.index(s), u_bufs.index(s))
-            else:
-                tma.async_copy_global_to_shared(w_desc, [e, k, n0], ready.index(s), w_bufs.index(s))
+        ptrs = x_ptr + tok[:, None] * D8 + cols[None, :]
+        for k in range(0, D, BK):
+            s = next_slot(empty, ready, step, 2 * w13_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w13_desc, [e, 0, n0, k], ready.index(s), g_bufs.index(s))
+            tma.async_copy_global_to_shared(w13_desc, [e, 1, n0, k], ready.index(s), u_bufs.index(s))
             # Whole 16-byte chunks in or out: rows are 16-byte multiples (api.fused_supports).
-            async_copy.async_copy_global_to_shared(a_bufs.index(s), ptrs + k,
-                                                   mask=rmask[:, None] & (cols + k < K8)[None, :])
+            async_copy.async_copy_global_to_shared(x_bufs.index(s), ptrs + k, mask=rmask[:, None] & (cols + k < D8)[None, :])
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             step += 1
             stamp_first(trace_ptr, 2, block, 1, k == 0, TRACE, num_warps)
@@ -1077,7 +955,8 @@ def _up_mma_partition(h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_
 @gluon.jit
 def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, D, I,
                   E, top_k, trace_ptr, EB: gl.constexpr, TILE_M: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                  SAVE_PREACT: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                  LOADER_WARPS: gl.constexpr, SAVE_PREACT: gl.constexpr, TRACE: gl.constexpr,
+                  num_warps: gl.constexpr):
     """The one-device up kernel (``expert_fwd._up_swiglu_fwd_kernel``): x (T, D)
     gathered by token, w13_desc (E, 2, I, D), block (1, 1, BN, BK); h (N, I) out in sorted rows, and with
     SAVE_PREACT the gate/up products (N, 2I) into preact (the saved-activation mode). Blocks:
@@ -1087,19 +966,20 @@ def _up_ws_kernel(x_ptr, w13_desc, h_ptr, preact_ptr, row_slot_ptr, offsets_ptr,
     BN: gl.constexpr = w13_desc.block_type.shape[2]
     num_n = gl.cdiv(I, BN)
     work = count_busy_tiles(offsets_ptr, E, EB, TILE_M, num_warps) * num_n
-    x_bufs = gathered_bufs(x_ptr.dtype.element_ty, STAGES, TILE_M, BK)
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BK], x_ptr.dtype.element_ty)
+    x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, TILE_M, BK], x_layout)
     g_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
     u_bufs = gl.allocate_shared_memory(w13_desc.dtype, [STAGES] + w13_desc.block_type.shape, w13_desc.layout)
     staging = gl.allocate_shared_memory(w13_desc.dtype, [TILE_M, BN // 2],
                                         staged_layout([TILE_M, BN // 2], w13_desc.dtype))
-    ready = barriers(STAGES, 1 + 32 * GATHER_WARPS)
+    ready = barriers(STAGES, 1 + 32 * LOADER_WARPS)
     empty = barriers(STAGES)
     gl.warp_specialize([
         (_up_mma_partition, (h_ptr, preact_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
                              g_bufs, u_bufs, staging, D, I, num_n, work, trace_ptr, SAVE_PREACT, TRACE, num_warps)),
-        (_gather_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty,
-                          x_bufs, g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, True, TRACE, GATHER_WARPS)),
-    ], [GATHER_WARPS], [GATHER_REGS])
+        (_up_loader, (x_ptr, w13_desc, row_slot_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, ready, empty, x_bufs,
+                      g_bufs, u_bufs, D, top_k, num_n, work, trace_ptr, TRACE, LOADER_WARPS)),
+    ], [LOADER_WARPS], [80])
 
 
 def ws_supported(a: torch.Tensor) -> bool:
@@ -1179,27 +1059,6 @@ def expert_wgrad_ws(a_NP: torch.Tensor, b_NQ: torch.Tensor, offsets_E1: torch.Te
                **taken_args(taken, offsets_E1), **trace_args(trace, offsets_E1))
 
 
-def expert_wgrad_gather_ws(a: torch.Tensor, b: torch.Tensor, row_slot: torch.Tensor, top_k: int,
-                           offsets_E1: torch.Tensor, dw: torch.Tensor, *, gather_a: bool, by_size: bool | None = None,
-                           trace: torch.Tensor | None = None) -> None:
-    """``expert_wgrad_ws`` with one operand's rows gathered by token instead of read from a sorted copy (an
-    experiment: ``tools.kernels`` times it beside the layer's weight gradients). With ``gather_a``, a is (T, P) token
-    rows, its sorted row r token ``row_slot[r] // top_k`` (``plan.row_slot_N``), and b (N, Q) sorted rows (dW2 from dy's
-    tokens); else a (N, P) sorted and b (T, Q) token rows (dW13 from x's). 16-bit, contiguous, 16-byte aligned rows, on
-    an sm90 GPU, at least one row; the blocks dealt as ``by_size`` says (``wgrad_by_size``), never taken in turn;
-    ``trace``: the block trace. The same sums as ``expert_wgrad_ws`` on the sorted copies, bit for bit."""
-    bm, bn, bk, stages = WGRAD_TILE
-    num_experts, p, q = dw.shape
-    num_p, num_q = triton.cdiv(p, bm), triton.cdiv(q, bn)
-    tiles = num_experts * num_p * num_q
-    gathered, sorted_rows, block = (a, b, [bk, bn]) if gather_a else (b, a, [bk, bm])
-    assert gathered.data_ptr() % 16 == 0 and gathered.shape[1] % 8 == 0, "gathered rows: 16-byte aligned"
-    _launch_ws(_wgrad_gather_ws_kernel, min(tiles, sm_count(a.device.index)), stages, t_desc=_desc(sorted_rows, block),
-               g_ptr=gathered, dw_desc=_desc(dw, [1, bm, bn]), row_slot_ptr=row_slot, offsets_ptr=offsets_E1,
-               num_p=num_p, num_q=num_q, tiles=tiles, G_COLS=gathered.shape[1], top_k=top_k, GATHER_A=gather_a,
-               **wgrad_by_size(offsets_E1, by_size), **trace_args(trace, offsets_E1))
-
-
 def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int,
           copy_x: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None, *,
           trace: torch.Tensor | None = None) -> None:
@@ -1219,22 +1078,6 @@ def dh_ws(dy_sorted_ND: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor
                tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT, x_ptr=x, x_sorted_ptr=x_sorted,
                slot_row_ptr=slot_row, T=x.shape[0], N_OUT=out_NI.shape[1], K=dy_sorted_ND.shape[1], E=num_experts,
                EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, TOP_K=top_k, **trace_args(trace, plan.offsets_E1))
-
-
-def dh_gather_ws(dy_TD: torch.Tensor, w2_EDI: torch.Tensor, out_NI: torch.Tensor, plan, tile_m: int, top_k: int, *,
-                 trace: torch.Tensor | None = None) -> None:
-    """``dh_ws`` (without the x copy) with dy's rows gathered by token from dy (T, D) (contiguous, 16-byte aligned rows;
-    sorted row r at token ``plan.row_slot_N[r] // top_k``) instead of read from its sorted copy (an experiment:
-    ``tools.kernels`` times it beside the layer's stage); the same bits. At least one row."""
-    bm, bn, bk, stages = WS_TILE
-    assert bm == tile_m, "a block is one plan tile"
-    assert dy_TD.data_ptr() % 16 == 0 and dy_TD.shape[1] % 8 == 0, "dy's rows: 16-byte aligned"
-    num_experts = w2_EDI.shape[0]
-    _launch_ws(_dh_gather_ws_kernel, sm_count(dy_TD.device.index), stages, dy_ptr=dy_TD,
-               w_desc=_desc(w2_EDI, [1, bk, bn]), out_ptr=out_NI, row_slot_ptr=plan.row_slot_N,
-               offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT, tile_row_ptr=plan.tile_row_NT,
-               N_OUT=out_NI.shape[1], K=dy_TD.shape[1], E=num_experts, top_k=top_k,
-               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, **trace_args(trace, plan.offsets_E1))
 
 
 def act_bwd_ws(x_sorted: torch.Tensor, dh_NI: torch.Tensor, w13_EHD: torch.Tensor, weights_N: torch.Tensor, plan,
@@ -1270,10 +1113,9 @@ def up_swiglu_ws(x_TD: torch.Tensor, w13_EHD: torch.Tensor, h_NI: torch.Tensor, 
                w13_desc=_desc(w13_EHD.view(num_experts, 2, inter, dim), [1, 1, bn, bk]), h_ptr=h_NI,
                preact_ptr=h_NI if preact_NH is None else preact_NH, row_slot_ptr=plan.row_slot_N, offsets_ptr=plan.offsets_E1, tile_expert_ptr=plan.tile_expert_NT,
                tile_row_ptr=plan.tile_row_NT, D=dim, I=inter, E=num_experts, top_k=top_k,
-               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, SAVE_PREACT=preact_NH is not None,
-               **trace_args(trace, plan.offsets_E1))
+               EB=triton.next_power_of_2(num_experts), TILE_M=tile_m, BK=bk, LOADER_WARPS=UP_LOADER_WARPS,
+               SAVE_PREACT=preact_NH is not None, **trace_args(trace, plan.offsets_E1))
 
 
 # The Gluon kernels by name, for the ahead-of-time compile check (``tools.resources``).
-KERNELS = {"wgrad": _wgrad_ws_kernel, "wgrad_gather": _wgrad_gather_ws_kernel, "dh": _dh_ws_kernel,
-           "dh_gather": _dh_gather_ws_kernel, "act": _act_ws_kernel, "up": _up_ws_kernel}
+KERNELS = {"wgrad": _wgrad_ws_kernel, "dh": _dh_ws_kernel, "act": _act_ws_kernel, "up": _up_ws_kernel}
