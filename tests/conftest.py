@@ -8,45 +8,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.helpers import patch_the_language_once_per_launch
 
-def _patch_the_language_once_per_launch():
-    """The interpreter patches the ``triton.language`` modules that a function's globals name at each kernel launch,
-    and again at each call of a ``@triton.jit`` helper inside the kernel, with the same builder: where the launch has
-    patched the helper's modules already, the second patching changes nothing but costs ~2 ms a call, a fifth of an
-    FP8 test's time. Here a helper's patching inside a launch covers only the modules not yet patched in it."""
-    import inspect
-
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    patch, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
-    patched = None  # the modules patched in the launch under way; None outside launches
-
-    def modules(fn):
-        return {value for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
-
-    def patch_once(fn):
-        if patched is None or not modules(fn) <= patched:
-            scope = patch(fn)
-            if patched is not None:
-                patched.update(modules(fn))
-            return scope
-        return interpreter._LangPatchScope()
-
-    def launch_patching_once(self, *args, **kwargs):
-        nonlocal patched
-        patched = set()
-        try:
-            return launch(self, *args, **kwargs)
-        finally:
-            patched = None
-
-    interpreter._patch_lang = patch_once
-    interpreter.GridExecutor.__call__ = launch_patching_once
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_the_language_once_per_launch()
+patch_the_language_once_per_launch()
 # Tests run each kernel's fixed default config (fast, one known config); test_kernels.py has one
 # GPU test with autotuning on.
 os.environ["MEGAMOE_AUTOTUNE"] = "0"
