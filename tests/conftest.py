@@ -7,13 +7,14 @@ import torch
 # so it must be set before megamoe is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from tests.helpers import patch_the_language_once_per_launch
-
-patch_the_language_once_per_launch()
 # Tests run each kernel's fixed default config (fast, one known config); test_kernels.py has one
 # GPU test with autotuning on.
 os.environ["MEGAMOE_AUTOTUNE"] = "0"
+
+# tests.helpers imports megamoe: after the settings above
+from tests.helpers import patch_the_language_once_per_launch
+
+patch_the_language_once_per_launch()
 
 
 def pytest_collection_modifyitems(config, items):
