@@ -34,12 +34,14 @@ def patch_the_language_once_per_launch():
         return {value for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
 
     def patch_once(fn):
-        if patched is None or not modules(fn) <= patched:
-            scope = patch(fn)
-            if patched is not None:
-                patched.update(modules(fn))
-            return scope
-        return interpreter._LangPatchScope()
+        if patched is None:
+            return patch(fn)
+        wanted = modules(fn)
+        if wanted <= patched:
+            return interpreter._LangPatchScope()
+        scope = patch(fn)
+        patched.update(wanted)
+        return scope
 
     def launch_patching_once(self, *args, **kwargs):
         nonlocal patched
