@@ -12,9 +12,9 @@ if not torch.cuda.is_available():
 os.environ["MEGAMOE_AUTOTUNE"] = "0"
 
 # tests.helpers imports megamoe: after the settings above
-from tests.helpers import patch_the_language_once_per_launch
+from tests.helpers import speed_up_the_interpreter
 
-patch_the_language_once_per_launch()
+speed_up_the_interpreter()
 
 
 def pytest_collection_modifyitems(config, items):

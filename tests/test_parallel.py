@@ -26,8 +26,8 @@ from megamoe.kernels import quant
 from megamoe.parallel.all_to_all import moe_all_to_all
 from tests.helpers import (
     make_problem,
-    patch_the_language_once_per_launch,
     run_with_grads,
+    speed_up_the_interpreter,
 )
 
 TIMEOUT_S = 300  # a hang fails the test instead of stalling CI
@@ -74,7 +74,7 @@ def _worker(rank, num_ranks, init_file, test):
     # A rank still running shortly before spawn() gives up prints where it is (the parent's own dump,
     # from a time limit around pytest, shows only the join).
     faulthandler.dump_traceback_later(TIMEOUT_S - 20, exit=False)
-    patch_the_language_once_per_launch()
+    speed_up_the_interpreter()
     on_gpus = test in ("fused", "fsdp_gpu")
     if on_gpus:  # one GPU per rank (symmetric memory for the fused path)
         torch.cuda.set_device(rank)

@@ -1,5 +1,5 @@
 """The results tables in the README and the results page are the report's output on the committed JSON files
-(no number typed in by hand), the report draws a plot for each file, and a result names the commit of the
+(no number typed in by hand), every result has its plot, drawn by the report, and a result names the commit of the
 code that ran."""
 
 import json
@@ -23,9 +23,9 @@ def copy_results(tmp_path):
     return tmp_path
 
 
-def test_readme_and_results_page_are_the_reports_output_and_every_result_is_plotted(tmp_path, capsys):
+def test_readme_and_results_page_are_the_reports_output(tmp_path, capsys):
     folder = copy_results(tmp_path)
-    report.main([str(folder)])
+    report.main([str(folder), "--no-plots"])  # the plots: the test below
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     readme = (ROOT / "README.md").read_text().splitlines()
     assert len(printed) > 8 and any("EP=2" in line for line in printed)
@@ -35,8 +35,21 @@ def test_readme_and_results_page_are_the_reports_output_and_every_result_is_plot
     assert (ROOT / "benchmarks" / "README.md").read_text() == page, \
         "benchmarks/README.md out of date (python -m megamoe.bench.report --page benchmarks/README.md)"
     assert "| `qwen3-30b-a3b-t16384-random-ep1.json` |" in page and "virtual ranks" in page
+
+
+def test_every_result_has_its_plot_and_the_report_draws_each_kind(tmp_path):
+    """Every committed layer, loopback and expert-parallel result has its PNG beside it, and so does the summary;
+    the report draws the newest result of each kind and the summary (drawing all of them takes a minute; the
+    tables above read every result's timings, which are what the plots draw)."""
+    folder = ROOT / "benchmarks" / "results"
     results = {p.stem for pattern in ("*-ep*.json", "*-loopback*.json") for p in folder.glob(pattern)}
     assert results and results | {"summary"} == {p.stem for p in folder.glob("*.png")}
+    newest = [max(found, key=lambda info: info["date"]) for found in report.load(folder).values() if found]
+    assert len(newest) == 3, "a layer, a loopback and an expert-parallel result"
+    for info in newest:
+        shutil.copy(info["_path"], tmp_path)
+    report.plot_all(report.load(tmp_path), tmp_path)
+    assert {p.stem for p in tmp_path.glob("*.png")} == {info["_path"].stem for info in newest} | {"summary"}
 
 
 def test_readme_option_rewrites_stale_sections(tmp_path):
