@@ -36,7 +36,7 @@ def look_up_numpy_dtypes_in_one_table():
     def look_up(tt_dtype):
         if isinstance(tt_dtype, tl.block_type):
             tt_dtype = tt_dtype.element_ty
-        if isinstance(tt_dtype, tl.pointer_type):
+        if isinstance(tt_dtype, tl.pointer_type):  # unhashable (its __eq__ has no __hash__): the interpreter's answer
             return np.dtype(np.uint64)
         if tt_dtype not in table:
             table[tt_dtype] = ask(tt_dtype)
