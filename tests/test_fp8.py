@@ -719,6 +719,30 @@ def test_layer_benchmark_optstep_impl_quantises_the_weights_at_every_step(monkey
     assert all(torch.equal(y, ys[0]) for y in ys)
 
 
+def test_layer_benchmark_x_scales_impls_run_their_option_in_their_backward(monkeypatch):
+    """The layer benchmark's ``megamoe_fp8[_saved]_x_layer`` / ``_x_expert``: their option of x's dW13 scales is the
+    one their backward reads (inside ``Impl.within``, as the benchmark times and checks them), the process's setting
+    as it was afterwards; against the recipe's impl only dW13 differs."""
+    from megamoe import autograd as ops
+    from megamoe.bench.layer import X_SCALES_IMPLS, make_impls
+
+    assert sorted(X_SCALES_IMPLS) == ["megamoe_fp8_saved_x_expert", "megamoe_fp8_saved_x_layer",
+                                      "megamoe_fp8_x_expert", "megamoe_fp8_x_layer"]
+    monkeypatch.setattr(ops, "FP8_WGRAD", True)
+    seen, backward = [], ops.backward_rows_fp8
+    monkeypatch.setattr(ops, "backward_rows_fp8", lambda *a, **k: seen.append(k["x_scales"]) or backward(*a, **k))
+    problem = make_problem(*FP8_SHAPES[8], device=DEVICE)  # several tiles per expert: the options differ
+    recipe, option = make_impls(["megamoe_fp8_saved", "megamoe_fp8_saved_x_expert"], DEVICE)
+    assert (option.x_scales, option.keeps_activations) == ("expert", recipe.keeps_activations)
+    before = ops.FP8_WGRAD_X_SCALES
+    tile = recipe.within(run_with_grads)(recipe.fn, *problem)
+    out = option.within(run_with_grads)(option.fn, *problem)
+    assert seen == [before, "expert"] and ops.FP8_WGRAD_X_SCALES == before
+    for name, o, t in zip(NAMES, out, tile):
+        assert torch.equal(o, t) is (name != "dw13"), name
+    assert rel_err(out[NAMES.index("dw13")], tile[NAMES.index("dw13")]) < 5e-2
+
+
 def test_fp8_in_the_layer_is_the_functional_fp8_path():
     """``MegaMoE(precision="fp8")`` runs the FP8 experts: with the same weights its output differs from its bf16
     twin's by FP8's error (not by nothing, not by more)."""

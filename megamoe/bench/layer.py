@@ -17,6 +17,8 @@ training FLOPs 18·N·D·I for every impl (comparable across impls, like MFU).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -43,7 +45,7 @@ from megamoe.bench.common import (
     training_step,
     utc_now,
 )
-from megamoe.env import interpreting
+from megamoe.env import FP8_WGRAD_X_SCALES, interpreting
 from megamoe.kernels import gluon_sm90
 from megamoe.kernels.tuning import autotune_enabled
 from megamoe.models import pin_quack_default_configs
@@ -51,6 +53,11 @@ from megamoe.models import pin_quack_default_configs
 IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "sonicmoe", "megamoe", "megamoe_saved",
          "megamoe_saved_dx_first", "megamoe_cudagraph", "megamoe_fp8", "megamoe_fp8_saved", "megamoe_fp8_optstep",
          "grouped_mm_fp8", "grouped_mm_fp8_compiled")
+# megamoe's FP8 modes with an option of the recipe for x's dW13 scales (``MEGAMOE_FP8_WGRAD_X_SCALES``), set around
+# each of their calls and backwards, so that one process times them beside the recipe: megamoe_fp8_x_layer, ...
+X_SCALES_IMPLS = tuple(f"{mode}_x_{option}" for mode in ("megamoe_fp8", "megamoe_fp8_saved")
+                       for option in FP8_WGRAD_X_SCALES if option != "tile")
+IMPLS += X_SCALES_IMPLS
 DEFAULT_IMPLS = "grouped_mm,grouped_mm_compiled,megamoe"
 BASELINES = ("grouped_mm", "grouped_mm_compiled")
 # The CPU check: a tiny problem through what runs on a CPU, each against the fp32 reference ("loop").
@@ -64,6 +71,23 @@ class Impl:
     fn: Callable
     keeps_activations: bool  # True: under full checkpointing its step costs fwd + (fwd + bwd)
     cuda_graph: bool = False  # timed as CUDA-graph replays (no host launch cost); memory measured eagerly
+    x_scales: str | None = None  # FP8: x's dW13 scales in place of the process's (X_SCALES_IMPLS); None: those
+
+    def settings(self) -> contextlib.AbstractContextManager:
+        """The context its forward and backward run in: ``x_scales`` as ``autograd.FP8_WGRAD_X_SCALES`` (which
+        the backward reads), the process's setting restored after; nothing to set where ``x_scales`` is None."""
+        if self.x_scales is None:
+            return contextlib.nullcontext()
+        return autograd_setting("FP8_WGRAD_X_SCALES", self.x_scales)
+
+    def within(self, fn: Callable) -> Callable:
+        """``fn`` (a call and its backward) run in :meth:`settings`."""
+
+        def call(*args, **kwargs):
+            with self.settings():
+                return fn(*args, **kwargs)
+
+        return call
 
 
 def liger_moe() -> Callable:
@@ -109,17 +133,25 @@ def sonicmoe_moe(autotune: bool) -> Callable | None:
     return fn
 
 
+@contextlib.contextmanager
+def autograd_setting(name: str, value):
+    """``megamoe.autograd``'s setting ``name`` at ``value`` inside the context, as it was after."""
+    previous = getattr(autograd, name)
+    setattr(autograd, name, value)
+    try:
+        yield
+    finally:
+        setattr(autograd, name, previous)
+
+
 def dx_first(fn: Callable) -> Callable:
     """``fn`` (megamoe) with the backward's dx-first order (``megamoe.autograd.LOW_PEAK_BACKWARD`` cleared: dx's slot
     rows before dW13, combined inside its launch; the forward reads the setting when it runs and its backward follows
     it), the setting of the process left as it was."""
 
     def call(*args, **kwargs):
-        previous, autograd.LOW_PEAK_BACKWARD = autograd.LOW_PEAK_BACKWARD, False
-        try:
+        with autograd_setting("LOW_PEAK_BACKWARD", False):
             return fn(*args, **kwargs)
-        finally:
-            autograd.LOW_PEAK_BACKWARD = previous
 
     return call
 
@@ -172,6 +204,10 @@ def make_impls(names, device, sonicmoe_autotune: bool = False) -> list[Impl]:
             impls.append(Impl(name, after_optimizer_step(fn) if name == "megamoe_fp8_optstep" else fn, not fused))
         elif name == "megamoe_fp8_saved":
             impls.append(Impl(name, functools.partial(megamoe.moe, precision="fp8", save_for_backward="preact"), True))
+        elif name in X_SCALES_IMPLS:
+            mode, option = name.rsplit("_x_", 1)
+            (impl,) = make_impls([mode], device)
+            impls.append(dataclasses.replace(impl, name=name, x_scales=option))
         else:
             raise ValueError(f"unknown impl {name!r}; choose from {IMPLS}")
     return impls
@@ -194,9 +230,11 @@ def set_up(impl: Impl, problem) -> Timed:
     leaves = [t.detach().clone().requires_grad_() for t in (x, topk_weights, w13, w2)]
     xl, wl, w13l, w2l = leaves
 
+    @impl.within
     def fwd():
         return impl.fn(xl, topk_idx, wl, w13l, w2l)
 
+    @impl.within
     def fwd_bwd():
         fwd().backward(dy)
 
@@ -370,7 +408,8 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
         executed = (24 if impl.keeps_activations else 22) * unit
         r["tflops"] = executed / r["ac_step_ms"] / 1e9
         r["model_tflops"] = 18 * unit / r["ac_step_ms"] / 1e9
-        r["max_rel_err"] = max_rel_err(impl.fn, small)
+        with impl.settings():
+            r["max_rel_err"] = max_rel_err(impl.fn, small)
         results.append(r)
         rounds = f" (rounds: {', '.join(f'{v:.3f}' for v in r['fwd_bwd_ms_rounds'])})" if args.rounds > 1 else ""
         print(f"  {impl.name}: fwd {r['fwd_ms']:.3f} ms, fwd+bwd {r['fwd_bwd_ms']:.3f} ms{rounds}", flush=True)
@@ -382,8 +421,8 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
                 r[f"speedup_vs_{base}"] = {k: b[k] / r[k] for k in ("fwd_ms", "fwd_bwd_ms", "ac_step_ms")}
     info["results"] = results
     if args.profile:  # a CUDA-graph impl launches its eager twin's kernels: profiling it again would repeat that
-        info["_profile"] = kernel_tables({impl.name: training_step(impl.fn, problem)[1] for impl in impls
-                                          if not impl.cuda_graph})
+        info["_profile"] = kernel_tables({impl.name: impl.within(training_step(impl.fn, problem)[1])
+                                          for impl in impls if not impl.cuda_graph})
     return info
 
 

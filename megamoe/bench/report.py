@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from megamoe.bench.layer import PLOT_KEYS, plot
+from megamoe.bench.layer import PLOT_KEYS, X_SCALES_IMPLS, plot
 from megamoe.env import FP8_WGRAD_X_SCALES_NAMES
 from megamoe.parallel.fused import DEFAULT_COMM_SMS
 
@@ -240,9 +240,11 @@ def sonicmoe_table(runs: list[dict]) -> str:
 
 
 # megamoe's blockwise FP8 beside its bf16 modes and the FP8 baseline (torchao's rowwise recipe on grouped_mm), and
-# for each FP8 mode the bf16 one it replaces.
+# for each FP8 mode the bf16 one it replaces (the modes with an option of x's dW13 scales too, where a run has them).
 FP8_IMPLS = {"megamoe": None, "megamoe_fp8": "megamoe", "megamoe_fp8_optstep": "megamoe", "megamoe_saved": None,
-             "megamoe_fp8_saved": "megamoe_saved", "grouped_mm_fp8_compiled": None}
+             "megamoe_fp8_saved": "megamoe_saved",
+             **{name: "megamoe_saved" if name.startswith("megamoe_fp8_saved") else "megamoe" for name in X_SCALES_IMPLS},
+             "grouped_mm_fp8_compiled": None}
 
 
 def fp8_table(runs: list[dict]) -> str:
