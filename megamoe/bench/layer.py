@@ -429,13 +429,13 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
 def print_table(info: dict) -> None:
     print(f"\n{info['preset']}  T={info['tokens']}  routing={info['routing']}  {info['gpu']}  "
           f"(megamoe backend: {info['megamoe_backend']}; ceiling {info['matmul_tflops']:.0f} TFLOP/s)")
-    head = (f"{'impl':22s} {'fwd ms':>8s} {'fwd+bwd':>8s} {'AC step':>8s} {'TFLOP/s':>8s} {'saved MiB':>9s} "
+    head = (f"{'impl':26s} {'fwd ms':>8s} {'fwd+bwd':>8s} {'AC step':>8s} {'TFLOP/s':>8s} {'saved MiB':>9s} "
             f"{'peak MiB':>9s} {'rel err':>8s} {'AC x vs compiled':>17s}")
     print(head)
     print("-" * len(head))
     for r in info["results"]:
         sp = r.get("speedup_vs_grouped_mm_compiled", {}).get("ac_step_ms")
-        print(f"{r['impl']:22s} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} {r['ac_step_ms']:8.3f} "
+        print(f"{r['impl']:26s} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} {r['ac_step_ms']:8.3f} "
               f"{r['tflops']:8.0f} {r['saved_activation_bytes'] / 2**20:9.0f} {r['peak_extra_bytes'] / 2**20:9.0f} "
               f"{r['max_rel_err']:8.1e} {'' if sp is None else f'{sp:.2f}x':>17s}")
 
