@@ -37,11 +37,9 @@ from megamoe.api import backend_for
 from megamoe.bench.common import (
     PRESETS,
     dense_matmul_tflops,
-    git_commit,
     kernel_tables,
     make_problem,
     max_rel_err,
-    source_digest,
     training_step,
     utc_now,
 )
@@ -49,6 +47,7 @@ from megamoe.env import FP8_WGRAD_X_SCALES, interpreting
 from megamoe.kernels import gluon_sm90
 from megamoe.kernels.tuning import autotune_enabled
 from megamoe.models import pin_quack_default_configs
+from megamoe.provenance import gpu_record
 
 IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "sonicmoe", "megamoe", "megamoe_saved",
          "megamoe_saved_dx_first", "megamoe_cudagraph", "megamoe_fp8", "megamoe_fp8_saved", "megamoe_fp8_optstep",
@@ -373,18 +372,13 @@ def run_cpu(args) -> None:
 
 
 def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) -> dict:
-    import triton
-
     device = torch.device("cuda")
     dim, inter, num_experts, top_k = PRESETS[preset]
     torch._dynamo.reset()  # a fresh, static-shape compile of the baseline for every problem
     impls = make_impls([n.strip() for n in args.impls.split(",") if n.strip()], device, args.sonicmoe_autotune)
     info = {
-        "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
-        "megamoe": megamoe.__version__, "commit": git_commit(), "source_sha256": source_digest(),
-        "date": utc_now("seconds"),
-        "command": "python -m megamoe.bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "preset": preset, "tokens": tokens, "routing": routing, "ep": 1, "rounds": args.rounds,
+        **gpu_record("python -m megamoe.bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])),  # MEGAMOE_* too
+        "megamoe": megamoe.__version__, "preset": preset, "tokens": tokens, "routing": routing, "ep": 1, "rounds": args.rounds,
         "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k, "dtype": "bfloat16",
         "megamoe_backend": backend_for(torch.empty(0, device=device)),
         "megamoe_autotune": autotune_enabled(torch.bfloat16),
