@@ -117,16 +117,27 @@ def test_fp8_table_divides_each_bf16_twins_and_the_fp8_baselines_times_by_megamo
     info = {"preset": "p", "tokens": 8, "routing": "random", "gpu": "G", "torch": "t", "triton": "3", "date": "d",
             "commit": "0123abcdef-dirty", "source_sha256": "feedbeefcafe",
             "results": [row("megamoe", 2, 9, 9), row("megamoe_fp8", 1, 6, 6), row("megamoe_saved", 3, 8, 11, 2**21),
-                        row("megamoe_fp8_saved", 2, 5, 7, 2**21), row("grouped_mm_fp8_compiled", 5, 12, 18, 2**22)]}
+                        row("megamoe_fp8_saved", 2, 5, 7, 2**21), row("grouped_mm_fp8_compiled", 5, 12, 18, 2**22),
+                        row("megamoe_fp8_saved_x_expert", 2, 4, 6, 2**21)]}
     no_fp8 = {**info, "preset": "q", "results": info["results"][:1]}
     lines = report.fp8_table([info, no_fp8]).splitlines()
     problem = "p T=8 random (G, d, digest feedbee)"  # a run on uncommitted code is named by its source digest
-    assert lines[2:7] == [f"| {problem} | megamoe | 2.00 | 9.00 | 9.00 | 0 |  | 2.00x |",
+    assert lines[2:8] == [f"| {problem} | megamoe | 2.00 | 9.00 | 9.00 | 0 |  | 2.00x |",
                           f"| {problem} | megamoe_fp8 | 1.00 | 6.00 | 6.00 | 0 | **1.50x** | 3.00x |",
                           f"| {problem} | megamoe_saved | 3.00 | 8.00 | 11.00 | 2 |  | 1.64x |",
                           f"| {problem} | megamoe_fp8_saved | 2.00 | 5.00 | 7.00 | 2 | **1.60x** | 2.57x |",
+                          f"| {problem} | megamoe_fp8_saved_x_expert | 2.00 | 4.00 | 6.00 | 2 | **2.00x** | 3.00x |",
                           f"| {problem} | grouped_mm_fp8_compiled | 5.00 | 12.00 | 18.00 | 4 |  |  |"]
-    assert lines[7] == ""
+    assert lines[8] == ""
+
+
+def test_provenance_gives_the_command_with_the_switches_it_ran_under(tmp_path):
+    info = {"_path": tmp_path / "r.json", "gpu": "G", "torch": "t", "triton": "3", "date": "d",
+            "commit": "0123abcdef-dirty", "source_sha256": "feedbeefcafe", "command": "python -m megamoe.bench",
+            "environment": {"MEGAMOE_FP8_WGRAD_X_SCALES": "expert", "MEGAMOE_WGRAD_TAKEN": "none"}}
+    lines = report.provenance([info, {**info, "environment": {}}]).splitlines()
+    assert lines[2].endswith("| `MEGAMOE_FP8_WGRAD_X_SCALES=expert MEGAMOE_WGRAD_TAKEN=none python -m megamoe.bench` |")
+    assert lines[3].endswith("| `python -m megamoe.bench` |")
 
 
 def test_readme_tables_keep_each_problems_newest_run():

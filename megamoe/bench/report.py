@@ -356,15 +356,17 @@ def plot_summary(runs: list[dict], path: Path) -> None:
 
 
 def provenance(runs: list[dict]) -> str:
-    """Per result file: what ran where, when, and how."""
+    """Per result file: what ran where, when, and how (the command with the ``MEGAMOE_*`` switches it recorded)."""
     lines = ["| file | GPU | torch, triton | date | code | command |", "|---|---|---|---|---|---|"]
     for info in runs:
         commit = info.get("commit") or ""
         code = (f"commit {commit[:10]}" if _committed(info)
                 else f"source digest {info.get('source_sha256', '?')[:12]}"
                 + (f" (on {commit[:10]} with changes)" if commit else ""))
+        switches = "".join(f"{name}={value} " for name, value in info.get("environment", {}).items())
         lines.append(f"| `{info['_path'].name}` | {info.get('gpu', '?')} | {info.get('torch', '?')}, "
-                     f"{info.get('triton', '?')} | {info.get('date', '?')} | {code} | `{info.get('command', '?')}` |")
+                     f"{info.get('triton', '?')} | {info.get('date', '?')} | {code} | "
+                     f"`{switches}{info.get('command', '?')}` |")
     return "\n".join(lines)
 
 
