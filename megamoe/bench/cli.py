@@ -28,9 +28,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impls", default=None,
                    help=f"comma-separated, from {layer.IMPLS} (default: {layer.DEFAULT_IMPLS}; 'loop' is slow: opt "
                         f"in; 'liger' needs liger-kernel; 'sonicmoe' needs sonic-moe, and is skipped with a message "
-                        f"where it is not importable; megamoe_fp8[_saved]_x_layer and _x_expert: FP8 with that option of x's "
-                        f"dW13 scales, MEGAMOE_FP8_WGRAD_X_SCALES, beside the recipe in one process); with --ep from "
-                        f"{ep.EP_IMPLS} (default: all)")
+                        f"where it is not importable; megamoe_fp8[_saved]_x_layer and _x_expert: FP8 with that "
+                        f"option of x's dW13 scales, MEGAMOE_FP8_WGRAD_X_SCALES, beside the recipe in one process); "
+                        f"with --ep from {ep.EP_IMPLS} (default: all)")
     p.add_argument("--sonicmoe-autotune", action="store_true",
                    help="let SonicMoE's QuACK GEMMs autotune (default: pinned to their default config; autotuning one "
                         "layer shape took more than 9 minutes on an H200)")

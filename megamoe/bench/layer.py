@@ -378,7 +378,8 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
     impls = make_impls([n.strip() for n in args.impls.split(",") if n.strip()], device, args.sonicmoe_autotune)
     info = {
         **gpu_record("python -m megamoe.bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])),  # MEGAMOE_* too
-        "megamoe": megamoe.__version__, "preset": preset, "tokens": tokens, "routing": routing, "ep": 1, "rounds": args.rounds,
+        "megamoe": megamoe.__version__, "preset": preset, "tokens": tokens, "routing": routing, "ep": 1,
+        "rounds": args.rounds,
         "dim": dim, "intermediate": inter, "experts": num_experts, "top_k": top_k, "dtype": "bfloat16",
         "megamoe_backend": backend_for(torch.empty(0, device=device)),
         "megamoe_autotune": autotune_enabled(torch.bfloat16),

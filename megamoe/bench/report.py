@@ -243,7 +243,8 @@ def sonicmoe_table(runs: list[dict]) -> str:
 # for each FP8 mode the bf16 one it replaces (the modes with an option of x's dW13 scales too, where a run has them).
 FP8_IMPLS = {"megamoe": None, "megamoe_fp8": "megamoe", "megamoe_fp8_optstep": "megamoe", "megamoe_saved": None,
              "megamoe_fp8_saved": "megamoe_saved",
-             **{name: "megamoe_saved" if name.startswith("megamoe_fp8_saved") else "megamoe" for name in X_SCALES_IMPLS},
+             **{name: "megamoe_saved" if name.startswith("megamoe_fp8_saved") else "megamoe"
+                for name in X_SCALES_IMPLS},
              "grouped_mm_fp8_compiled": None}
 
 
