@@ -382,8 +382,11 @@ def test_benchmark_rounds_take_turns_and_report_each_impls_median(monkeypatch):
     events = []
     times = {"a": [3.0, 1.0, 2.0], "b": [5.0, 6.0, 4.0]}
 
-    def set_up(impl, problem):
+    given = []
+
+    def set_up(impl, problem, leaves):
         events.append(("set up", impl.name))
+        given.append(leaves)
         return SimpleNamespace(impl=impl, left=iter(times[impl.name]))
 
     def time_once(timed, rep_ms):
@@ -395,18 +398,23 @@ def test_benchmark_rounds_take_turns_and_report_each_impls_median(monkeypatch):
     monkeypatch.setattr(layer, "time_once", time_once)
     monkeypatch.setattr(layer, "memory", lambda timed: {"saved_activation_bytes": 0, "peak_extra_bytes": 0})
     impls = [layer.Impl("a", None, keeps_activations=True), layer.Impl("b", None, keeps_activations=False)]
-    a, b = layer.time_impls(impls, None, rep_ms=5, rounds=3)
+    problem = tuple(torch.full((2,), float(i)) for i in range(6))  # x, topk_idx, topk_weights, w13, w2, dy
+    a, b = layer.time_impls(impls, problem, rep_ms=5, rounds=3)
     assert events == [("set up", "a"), ("set up", "b")] + [("time", "a"), ("time", "b")] * 3
+    # one set of leaf copies (x, routing weights, w13, w2) for all impls: N impls hold the weights once
+    assert given[0] is given[1] and [t[0].item() for t in given[0]] == [0.0, 2.0, 3.0, 4.0]
+    assert all(t.requires_grad and t.is_leaf for t in given[0])
+    assert not any(t.data_ptr() == p.data_ptr() for t, p in zip(given[0], problem[:1] + problem[2:5]))
     assert (a["fwd_ms"], a["fwd_bwd_ms"], a["ac_step_ms"]) == (2.0, 4.0, 6.0)  # keeps activations: fwd + fwd+bwd
     assert (b["fwd_ms"], b["fwd_bwd_ms"], b["ac_step_ms"]) == (5.0, 10.0, 10.0)
     assert a["fwd_ms_rounds"] == [3.0, 1.0, 2.0] and b["fwd_bwd_ms_rounds"] == [10.0, 12.0, 8.0]
     assert a["timed_utc"] == ["3<", "7>"] and a["timed_utc_rounds"] == [["3<", "3>"], ["5<", "5>"], ["7<", "7>"]]
     events.clear()
-    a, b = layer.time_impls(impls, None, rep_ms=5)
+    a, b = layer.time_impls(impls, problem, rep_ms=5)
     assert events == [("set up", "a"), ("time", "a"), ("set up", "b"), ("time", "b")]
     assert a["fwd_bwd_ms"] == 6.0 and "fwd_ms_rounds" not in a
     with pytest.raises(ValueError, match="at least 1"):
-        layer.time_impls(impls, None, rep_ms=5, rounds=0)
+        layer.time_impls(impls, problem, rep_ms=5, rounds=0)
 
 
 @pytest.mark.parametrize("argv, message", [

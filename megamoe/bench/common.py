@@ -17,7 +17,7 @@ from megamoe.routing import route
 # PRESETS and the provenance helpers live in the package (the training script uses them too); the benchmarks
 # take them from here, with the rest of what they share.
 __all__ = ["PRESETS", "ROUTINGS", "dense_matmul_tflops", "git_commit", "grads_of", "kernel_tables",
-           "make_problem", "make_routing", "max_rel_err", "source_digest", "training_step", "utc_now"]
+           "leaf_copies", "make_problem", "make_routing", "max_rel_err", "source_digest", "training_step", "utc_now"]
 
 ROUTINGS = ("random", "balanced", "skewed")
 
@@ -76,12 +76,18 @@ def dense_matmul_tflops(device, m: int = 8192, n: int = 8192, k: int = 8192, bat
     return 2 * batch * m * n * k / ms / 1e9
 
 
-def training_step(fn: Callable, problem) -> tuple[Callable, Callable]:
-    """``(fwd, fwd_bwd)`` over fresh leaf copies of ``problem``'s x, routing weights, w13 and w2: ``fwd()``
-    runs ``fn`` on them; ``fwd_bwd()`` also runs the backward with the problem's dy and then drops the
-    gradients, so that no step accumulates into the last one's."""
-    x, topk_idx, topk_weights, w13, w2, dy = problem
-    leaves = [t.detach().clone().requires_grad_() for t in (x, topk_weights, w13, w2)]
+def leaf_copies(problem) -> list:
+    """Fresh leaf copies of ``problem``'s x, routing weights, w13 and w2: what a timed step differentiates."""
+    x, _, topk_weights, w13, w2, _ = problem
+    return [t.detach().clone().requires_grad_() for t in (x, topk_weights, w13, w2)]
+
+
+def training_step(fn: Callable, problem, leaves: list | None = None) -> tuple[Callable, Callable]:
+    """``(fwd, fwd_bwd)`` over ``leaves`` (default: fresh :func:`leaf_copies` of ``problem``): ``fwd()`` runs
+    ``fn`` on them; ``fwd_bwd()`` also runs the backward with the problem's dy and then drops the gradients, so
+    that no step accumulates into the last one's."""
+    topk_idx, dy = problem[1], problem[5]
+    leaves = leaf_copies(problem) if leaves is None else leaves
 
     def fwd():
         return fn(leaves[0], topk_idx, *leaves[1:])

@@ -38,6 +38,7 @@ from megamoe.bench.common import (
     PRESETS,
     dense_matmul_tflops,
     kernel_tables,
+    leaf_copies,
     make_problem,
     max_rel_err,
     training_step,
@@ -224,9 +225,10 @@ class Timed:
     eager_fwd_bwd: Callable
 
 
-def set_up(impl: Impl, problem) -> Timed:
-    x, topk_idx, topk_weights, w13, w2, dy = problem
-    leaves = [t.detach().clone().requires_grad_() for t in (x, topk_weights, w13, w2)]
+def set_up(impl: Impl, problem, leaves: list) -> Timed:
+    """``impl``'s calls on ``problem`` with ``leaves`` (:func:`leaf_copies`, shared by every impl of a run) as the
+    tensors they differentiate; no call leaves a gradient on them."""
+    topk_idx, dy = problem[1], problem[5]
     xl, wl, w13l, w2l = leaves
 
     @impl.within
@@ -291,17 +293,21 @@ def time_impls(impls: list[Impl], problem, rep_ms: int, rounds: int = 1) -> list
     """Each impl's times and memory on ``problem``. ``rounds`` 1: one impl after the other, each set up, timed
     and freed in turn. ``rounds`` N > 1: every impl set up first, then N rounds, each timing every impl once in
     the same order, so that a drift of the GPU's clock over the run meets all impls alike; each time is the median
-    of its N medians, which are kept too (``*_rounds``, with each round's window in ``timed_utc_rounds``)."""
+    of its N medians, which are kept too (``*_rounds``, with each round's window in ``timed_utc_rounds``).
+    Every impl differentiates the same leaf copies of the inputs and weights, so that N impls set up at once hold
+    one copy of the weights and, where they run in FP8, one set of its cached FP8 copies (the 235B layer's weights
+    are 4.5 GiB in bf16: eight impls with a copy each did not fit an 80 GB GPU)."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    leaves = leaf_copies(problem)
     if rounds == 1:
         results = []
         for impl in impls:
-            timed = set_up(impl, problem)
+            timed = set_up(impl, problem, leaves)
             results.append(_with_step(impl, {**time_once(timed, rep_ms), **memory(timed)}))
             del timed
         return results
-    timed = [set_up(impl, problem) for impl in impls]
+    timed = [set_up(impl, problem, leaves) for impl in impls]
     runs = [[time_once(t, rep_ms) for t in timed] for _ in range(rounds)]
     results = []
     for i, t in enumerate(timed):
@@ -416,7 +422,8 @@ def run_gpu(args, preset: str, tokens: int, routing: str, matmul_tflops: float) 
                 r[f"speedup_vs_{base}"] = {k: b[k] / r[k] for k in ("fwd_ms", "fwd_bwd_ms", "ac_step_ms")}
     info["results"] = results
     if args.profile:  # a CUDA-graph impl launches its eager twin's kernels: profiling it again would repeat that
-        info["_profile"] = kernel_tables({impl.name: impl.within(training_step(impl.fn, problem)[1])
+        leaves = leaf_copies(problem)  # one copy for all impls, as their timing had
+        info["_profile"] = kernel_tables({impl.name: impl.within(training_step(impl.fn, problem, leaves)[1])
                                           for impl in impls if not impl.cuda_graph})
     return info
 
