@@ -49,7 +49,11 @@ def patch_the_language_once_per_launch():
     """The interpreter patches the ``triton.language`` modules that a function's globals name at each kernel launch,
     and again at each call of a ``@triton.jit`` helper inside the kernel, with the same builder: where the launch has
     patched the helper's modules already, the second patching changes nothing but costs ~2 ms a call, a fifth of an
-    FP8 test's time. Here a helper's patching inside a launch covers only the modules not yet patched in it."""
+    FP8 test's time. Here a helper's patching inside a launch covers only the modules not yet patched in it, and
+    the launch's end undoes it with the launch's own. Triton 3.6 never undoes a helper's patching: after a kernel
+    that calls ``tl.sum`` (a helper whose globals name ``triton.language.core``, which the launch did not patch),
+    ``tl.core``'s builtins stayed bound to the interpreter's builder, and a Gluon kernel compiled later in the same
+    process for sm_90a failed on them (``'InterpreterBuilder' object has no attribute 'get_blocked_layout'``)."""
     import inspect
 
     import triton.language as tl
@@ -57,27 +61,42 @@ def patch_the_language_once_per_launch():
 
     patch, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
     patched = None  # the modules patched in the launch under way; None outside launches
+    helpers = None  # the scopes of the helpers' patchings in the launch under way, undone at its end
 
     def modules(fn):
         return {value for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
 
+    def undo_helpers_then(restore, scopes):
+        def undo():
+            while scopes:
+                scopes.pop().restore()
+            restore()
+
+        return undo
+
     def patch_once(fn):
+        nonlocal helpers
         if patched is None:
             return patch(fn)
         wanted = modules(fn)
-        if wanted <= patched:
-            return interpreter._LangPatchScope()
-        scope = patch(fn)
-        patched.update(wanted)
-        return scope
+        if helpers is None:  # the launch's own patching: the launch undoes it at its end, the helpers' first
+            helpers = []
+            scope = patch(fn)
+            scope.restore = undo_helpers_then(scope.restore, helpers)
+            patched.update(wanted)
+            return scope
+        if not wanted <= patched:
+            helpers.append(patch(fn))
+            patched.update(wanted)
+        return interpreter._LangPatchScope()
 
     def launch_patching_once(self, *args, **kwargs):
-        nonlocal patched
-        patched = set()
+        nonlocal patched, helpers
+        patched, helpers = set(), None
         try:
             return launch(self, *args, **kwargs)
         finally:
-            patched = None
+            patched = helpers = None
 
     interpreter._patch_lang = patch_once
     interpreter.GridExecutor.__call__ = launch_patching_once

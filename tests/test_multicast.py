@@ -2,6 +2,38 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_sums(x_ptr, out_ptr, N: tl.constexpr):
+    rows = tl.arange(0, N)
+    tl.store(out_ptr + rows, tl.sum(tl.load(x_ptr + rows[:, None] * N + rows[None, :]), axis=1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="kernels run in the interpreter only without a GPU")
+def test_an_interpreted_kernel_leaves_the_language_as_it_found_it():
+    """A kernel run by the interpreter (with the tests' patching, ``tests.helpers``) leaves ``triton.language`` as it
+    found it, its helpers' patches too: ``tl.sum`` is a helper whose globals name ``triton.language.core``, which the
+    launch does not patch. Triton 3.6 left ``tl.core``'s builtins bound to the interpreter's builder, and the sm_90a
+    compiles below failed on them when they ran after such a kernel in the same process."""
+    import inspect
+
+    spaces = (tl, tl.core, tl.math, tl.tensor, tl.dtype, tl.core.tensor_descriptor_base)
+
+    def resolved(space):  # what each name resolves to, without calling descriptors
+        names = set(dir(space)) - {"__annotations__"}  # made empty on first look, by the interpreter's getmembers
+        return {name: inspect.getattr_static(space, name) for name in names}
+
+    before = [resolved(space) for space in spaces]
+    x = torch.arange(16.0).reshape(4, 4)
+    out = torch.empty(4)
+    _row_sums[(1,)](x, out, N=4)
+    assert torch.equal(out, x.sum(1))
+    changed = [(space.__name__, name) for space, was in zip(spaces, before)
+               for name, value in resolved(space).items() if was.get(name) is not value]
+    assert not changed, changed
 
 
 def test_the_probe_compiles_to_a_multicast_copy_for_sm90a():
