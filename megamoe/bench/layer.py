@@ -54,10 +54,11 @@ IMPLS = ("loop", "grouped_mm", "grouped_mm_compiled", "liger", "sonicmoe", "mega
          "megamoe_saved_dx_first", "megamoe_cudagraph", "megamoe_fp8", "megamoe_fp8_saved", "megamoe_fp8_optstep",
          "grouped_mm_fp8", "grouped_mm_fp8_compiled")
 # megamoe's FP8 modes with an option of the recipe for x's dW13 scales (``MEGAMOE_FP8_WGRAD_X_SCALES``), set around
-# each of their calls and backwards, so that one process times them beside the recipe: megamoe_fp8_x_layer, ...
-X_SCALES_IMPLS = tuple(f"{mode}_x_{option}" for mode in ("megamoe_fp8", "megamoe_fp8_saved")
-                       for option in FP8_WGRAD_X_SCALES if option != "tile")
-IMPLS += X_SCALES_IMPLS
+# each of their calls and backwards, so that one process times them beside the recipe: name -> (mode, option), e.g.
+# megamoe_fp8_x_layer -> (megamoe_fp8, layer).
+X_SCALES_IMPLS = {f"{mode}_x_{option}": (mode, option) for mode in ("megamoe_fp8", "megamoe_fp8_saved")
+                  for option in FP8_WGRAD_X_SCALES if option != "tile"}
+IMPLS += tuple(X_SCALES_IMPLS)
 DEFAULT_IMPLS = "grouped_mm,grouped_mm_compiled,megamoe"
 BASELINES = ("grouped_mm", "grouped_mm_compiled")
 # The CPU check: a tiny problem through what runs on a CPU, each against the fp32 reference ("loop").
@@ -205,7 +206,7 @@ def make_impls(names, device, sonicmoe_autotune: bool = False) -> list[Impl]:
         elif name == "megamoe_fp8_saved":
             impls.append(Impl(name, functools.partial(megamoe.moe, precision="fp8", save_for_backward="preact"), True))
         elif name in X_SCALES_IMPLS:
-            mode, option = name.rsplit("_x_", 1)
+            mode, option = X_SCALES_IMPLS[name]
             (impl,) = make_impls([mode], device)
             impls.append(dataclasses.replace(impl, name=name, x_scales=option))
         else:

@@ -240,11 +240,11 @@ def sonicmoe_table(runs: list[dict]) -> str:
 
 
 # megamoe's blockwise FP8 beside its bf16 modes and the FP8 baseline (torchao's rowwise recipe on grouped_mm), and
-# for each FP8 mode the bf16 one it replaces (the modes with an option of x's dW13 scales too, where a run has them).
-FP8_IMPLS = {"megamoe": None, "megamoe_fp8": "megamoe", "megamoe_fp8_optstep": "megamoe", "megamoe_saved": None,
-             "megamoe_fp8_saved": "megamoe_saved",
-             **{name: "megamoe_saved" if name.startswith("megamoe_fp8_saved") else "megamoe"
-                for name in X_SCALES_IMPLS},
+# for each FP8 mode the bf16 one it replaces (the modes with an option of x's dW13 scales too, where a run has them:
+# their mode's twin).
+_MEGAMOE_MODES = {"megamoe": None, "megamoe_fp8": "megamoe", "megamoe_fp8_optstep": "megamoe", "megamoe_saved": None,
+                  "megamoe_fp8_saved": "megamoe_saved"}
+FP8_IMPLS = {**_MEGAMOE_MODES, **{name: _MEGAMOE_MODES[mode] for name, (mode, _) in X_SCALES_IMPLS.items()},
              "grouped_mm_fp8_compiled": None}
 
 
