@@ -456,13 +456,16 @@ def plot(info: dict, path: Path, keys=PLOT_KEYS, problem: str | None = None) -> 
 
     names = [r["impl"] for r in info["results"]]
     problem = problem or f"{info['preset']} T={info['tokens']} {info['routing']} routing"
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    # Past four impls the figure widens and the names slant, so that neither they nor the bars' labels overlap.
+    many = len(names) > 4
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.5 * len(names)), 5.0 if many else 4.5))
     width = 0.8 / len(keys)
     for i, (k, label) in enumerate(keys):
         vals = [r[k] for r in info["results"]]
         bars = ax.bar([j + i * width for j in range(len(names))], vals, width, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.set_xticks([j + width * (len(keys) - 1) / 2 for j in range(len(names))], names)
+    ax.set_xticks([j + width * (len(keys) - 1) / 2 for j in range(len(names))], names,
+                  rotation=20 if many else 0, ha="right" if many else "center")
     ax.set_ylabel("ms (lower is better)")
     ax.set_title(f"{problem} — {info['gpu']}\ntorch {info['torch']}, triton {info.get('triton', '?')}, "
                  f"{info['date'][:10]}", fontsize=9)
