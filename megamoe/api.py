@@ -214,7 +214,8 @@ def moe(
         precision: ``"bf16"`` — GEMM operands in the input dtype, fp32 accumulation. ``"fp8"``: blockwise e4m3
             GEMMs, DeepSeek-V3's recipe (``megamoe.kernels.quant``): x, h, dy and dz scaled per row per 128
             columns, the weights per 128x128 block (FP8 copies of both orientations made once and cached until
-            the weights change: ``kernels.quant.fp8_weight``), fp32 scales and accumulation, promoted every 128
+            the weights change: ``kernels.quant.fp8_weight``; or made at every call and kept by none:
+            ``megamoe.set_fp8_weight_cache("call")``), fp32 scales and accumulation, promoted every 128
             of K; the routing weights, SwiGLU and combine in fp32; the weight gradients in FP8 from operands
             quantised 128x1 along the tokens (``megamoe.autograd.FP8_WGRAD``, ``MEGAMOE_FP8_WGRAD=0``: in bf16 from
             the unquantised rows; ``megamoe.autograd.FP8_WGRAD_X_SCALES``, ``MEGAMOE_FP8_WGRAD_X_SCALES=layer`` or

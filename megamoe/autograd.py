@@ -117,8 +117,8 @@ def experts_forward_fp8(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: 
     """:func:`experts_forward` in blockwise FP8 (``kernels.quant``): x quantised 1x128, the weights' cached FP8
     copies, h quantised 1x128 in the up kernel's epilogue; y in x's dtype, summed in fp32."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
-    w13q, w13s, _, _ = fp8_weight(w13)
-    w2q, w2s, _, _ = fp8_weight(w2)
+    w13q, w13s, _, _ = fp8_weight(w13, transposed=False)
+    w2q, w2s, _, _ = fp8_weight(w2, transposed=False)
     hq, hs = up_swiglu_fp8(*quantize_rows(x), w13q, w13s, plan, topk_idx.shape[1], preact_NH=preact)
     slots_ND = down_fp8(hq, hs, w2q, w2s, topk_weights.contiguous(), plan, x.dtype)
     return combine(slots_ND, topk_idx, x.dtype)

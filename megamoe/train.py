@@ -23,15 +23,16 @@ Also a template to copy. What it does, in order:
   language-model loss alone.
 - **Step**: ``--micro-batches`` forward+backward passes (default 1; more: gradient accumulation, the loss and
   gradients their mean, FSDP2's reduction after the last; FP8 experts quantise their weights once per step, so
-  more micro-batches share it) of ``--seqs-per-step`` sequences each; full activation checkpointing of every
-  decoder layer (megamoe under
+  more micro-batches share it, or with ``--fp8-weight-cache call`` at every call, keeping no copies between layers)
+  of ``--seqs-per-step`` sequences each; full activation checkpointing of every decoder layer (megamoe under
   :func:`megamoe.checkpoint_context`, which does not rerun its forward; the others plainly), optionally
   ``torch.compile`` of every decoder layer (``--compile-mode layers``, or ``--compile``) or of the whole model in
   one graph (``--compile-mode model``, ``fullgraph=True``; without a GPU the ``aot_eager`` backend); gradient
   clipping at 1.0; AdamW (β 0.9/0.95, weight decay 0.1) with
   linear warm-up and cosine decay to 10% of ``--lr``.
 - **Output** in ``--out``/``--name``: ``log.json`` (configuration — with FP8 experts whether their weight gradients
-  are FP8, ``fp8_weight_gradients``, and with FP8 ones x's scales in dW13, ``fp8_wgrad_x_scales`` —, per-step
+  are FP8, ``fp8_weight_gradients``, with FP8 ones x's scales in dW13, ``fp8_wgrad_x_scales``, and their weight
+  copies' policy, ``fp8_weight_cache`` —, per-step
   losses, eval losses, each step's expert load per decoder layer (``expert_load``: the most-loaded expert's top-k
   assignments over the mean, every rank's tokens; 1 is balanced; the progress bar shows the largest), tokens/s — the
   median over the steps after the first 10 —, step and host times, MFU, peak memory; GPU, versions, date,
@@ -73,12 +74,13 @@ from megamoe.arguments import (
     positive_float,
     positive_int,
 )
-from megamoe.env import FP8_WGRAD_X_SCALES_NAMES
+from megamoe.env import FP8_WEIGHT_CACHES, FP8_WGRAD_X_SCALES_NAMES
 from megamoe.integrations.transformers import (
     enable_activation_checkpointing,
     set_precision,
     shard_experts,
 )
+from megamoe.kernels.quant import fp8_weight_cache
 from megamoe.models import (
     ATTENTION,
     COMPILE_MODES,
@@ -389,6 +391,12 @@ def parse_args(argv=None, cuda: bool | None = None):
                    help="megamoe's expert GEMMs: bf16, or fp8 (blockwise FP8, DeepSeek-V3's recipe; the weights' bf16 "
                         "master copy kept; --experts megamoe, layer dims multiples of 128; with --ep the rows cross "
                         "in FP8)")
+    p.add_argument("--fp8-weight-cache", choices=FP8_WEIGHT_CACHES,
+                   help="with --precision fp8, how long the expert weights' FP8 copies live (megamoe."
+                        "set_fp8_weight_cache; default: MEGAMOE_FP8_WEIGHT_CACHE, else step): step, until the "
+                        "optimizer changes the weights (every layer's copies held at once: 2 bytes per expert weight "
+                        "element), or call, made in every forward and backward and held by none (a quantisation in "
+                        "each; what FSDP2 runs of many layers need)")
     p.add_argument("--lr", type=positive_float, default=3e-4, help="peak learning rate")
     p.add_argument("--warmup", type=non_negative_int,
                    help=f"warm-up steps (default: {GPU_DEFAULTS['warmup']}, without a GPU {CPU_DEFAULTS['warmup']})")
@@ -429,6 +437,8 @@ def parse_args(argv=None, cuda: bool | None = None):
         p.error(f"--ep {args.ep} does not divide the world size {world}")
     if args.ep > 1 and args.experts != "megamoe":
         p.error("--ep runs the megamoe experts (transformers' own have no token exchange)")
+    if args.fp8_weight_cache and args.precision != "fp8":
+        p.error("--fp8-weight-cache sets how FP8 experts keep their weight copies: it needs --precision fp8")
     if args.precision == "fp8":
         dim, inter = PRESETS[args.preset or (GPU_DEFAULTS if cuda else CPU_DEFAULTS)["preset"]][:2]
         if args.experts != "megamoe":
@@ -522,6 +532,8 @@ def main(argv=None) -> dict | None:
     flops_per_token = model_flops_per_token(model.config, args.seq_len)
     model.train()
     expert_params = prepare(model, args.experts, args.compile_mode, mesh, ep_group, args.precision)
+    if args.fp8_weight_cache:
+        megamoe.set_fp8_weight_cache(args.fp8_weight_cache)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
     meta = {"preset": args.preset, "layers": args.layers, "experts": args.experts,
@@ -670,6 +682,8 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
         # and with FP8 ones, x's scales in dW13 (``MEGAMOE_FP8_WGRAD_X_SCALES``: the recipe's "tile", "layer", "expert")
         "fp8_wgrad_x_scales": (megamoe.autograd.FP8_WGRAD_X_SCALES
                                if args.precision == "fp8" and megamoe.autograd.FP8_WGRAD else None),
+        # and how long their weights' FP8 copies live (``megamoe.set_fp8_weight_cache``)
+        "fp8_weight_cache": fp8_weight_cache() if args.precision == "fp8" else None,
         "optimizer": "AdamW, bf16 states" if cuda else "AdamW, fp32",
         "first_step": start, "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / step_ms * 1e3 if step_ms else None, "step_ms_median": step_ms,

@@ -637,7 +637,7 @@ def _counting_weight_quantisations(monkeypatch):
     parameters), the weight cache emptied."""
     calls = []
     real = quant.quantize_weight
-    monkeypatch.setattr(quant, "quantize_weight", lambda w: calls.append(w) or real(w))
+    monkeypatch.setattr(quant, "quantize_weight", lambda w, *a, **k: calls.append(w) or real(w, *a, **k))
     quant.clear_weight_cache()
     x, idx, w, w13, w2, dy = make_problem(33, 128, 128, 4, 2, "random", device=DEVICE)
     return calls, (x, idx, w, torch.nn.Parameter(w13), torch.nn.Parameter(w2), dy)
@@ -700,6 +700,84 @@ def test_weight_cache_hits_for_the_checkpointed_backward(monkeypatch):
     assert twin._version == w13._version
     megamoe.moe(x, idx, w, twin, w2, precision="fp8")
     assert len(calls) == 3 and calls[-1] is twin
+
+
+def test_quantize_weight_makes_either_copy_alone_bit_for_bit():
+    """The straight or the transposed copy alone (what a call makes under the "call" policy): the bits that the pass
+    making both writes, None in the other copy's places; asking for neither is refused."""
+    w = torch.randn(2, 256, 128, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    both = quant.quantize_weight(w)
+    straight = quant.quantize_weight(w, transposed=False)
+    transposed = quant.quantize_weight(w, straight=False)
+    for i in (0, 1):  # data, scales
+        assert torch.equal(bits(straight[i]), bits(both[i])) and transposed[i] is None
+        assert torch.equal(bits(transposed[2 + i]), bits(both[2 + i])) and straight[2 + i] is None
+    with pytest.raises(ValueError, match="the straight copy, the transposed one or both"):
+        quant.quantize_weight(w, straight=False, transposed=False)
+
+
+@pytest.mark.parametrize("mode", SAVE_MODES)
+def test_weight_cache_call_policy_keeps_no_copy_and_computes_the_same(monkeypatch, mode):
+    """Under ``set_fp8_weight_cache("call")`` each forward makes both weights' straight copies and each backward
+    their transposed ones (and w13's straight one again without saved products: the recompute's), at every call,
+    and nothing is kept: y and every gradient bit for bit what the cached copies give. Setting the policy drops
+    what the cache held; an unknown policy is refused."""
+    x, idx, w, w13, w2, dy = make_problem(33, 128, 128, 4, 2, "random", device=DEVICE)
+    leaves = [t.requires_grad_() for t in (x, w, w13, w2)]
+
+    def run():
+        y = fp8_moe(mode)(x, idx, w, w13, w2)
+        return [y.detach(), *torch.autograd.grad(y, leaves, dy)]
+
+    quant.clear_weight_cache()
+    cached = run()
+    assert len(quant._weight_cache) == 2, "the step policy keeps both weights' copies"
+    made = []
+    real = quant.quantize_weight
+    monkeypatch.setattr(quant, "quantize_weight", lambda a, straight=True, transposed=True: made.append(
+        ("w13" if a is w13 else "w2", straight, transposed)) or real(a, straight, transposed))
+    megamoe.set_fp8_weight_cache("call")
+    try:
+        assert not quant._weight_cache and quant.fp8_weight_cache() == "call"
+        for _ in range(2):
+            out = run()
+            assert not quant._weight_cache
+            for name, a, b in zip(NAMES, out, cached):
+                assert torch.equal(a, b), name
+        with pytest.raises(ValueError, match="must be one of"):
+            megamoe.set_fp8_weight_cache("layer")
+    finally:
+        megamoe.set_fp8_weight_cache("step")
+    step = [("w13", True, False), ("w2", True, False),  # the forward
+            ("w13", mode == "none", True), ("w2", False, True)]  # the backward
+    assert made == step * 2
+
+
+def test_weight_cache_policy_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MEGAMOE_FP8_WEIGHT_CACHE", "call")
+    assert env.fp8_weight_cache_requested() == "call"
+    monkeypatch.setenv("MEGAMOE_FP8_WEIGHT_CACHE", "")
+    assert env.fp8_weight_cache_requested() == "step"
+    monkeypatch.setenv("MEGAMOE_FP8_WEIGHT_CACHE", "never")
+    with pytest.raises(ValueError, match="MEGAMOE_FP8_WEIGHT_CACHE must be one of"):
+        env.fp8_weight_cache_requested()
+
+
+def test_optimizer_step_frees_the_cached_copies_before_it_runs():
+    """Every copy is stale once an optimizer steps: dropped by the step's pre-hook, so that their memory is free
+    for the optimizer's own work, not held until each weight's next use."""
+    import weakref
+
+    x, idx, w, w13, w2, _dy = make_problem(33, 128, 128, 4, 2, "random", device=DEVICE)
+    w13, w2 = torch.nn.Parameter(w13), torch.nn.Parameter(w2)
+    quant.clear_weight_cache()
+    megamoe.moe(x, idx, w, w13, w2, precision="fp8")
+    copy = weakref.ref(quant.fp8_weight(w13)[2])
+    held_at_step = []
+    opt = torch.optim.SGD([w13, w2], lr=0.1)
+    opt.register_step_pre_hook(lambda *_: held_at_step.append(len(quant._weight_cache)))
+    opt.step()
+    assert held_at_step == [0] and copy() is None
 
 
 def test_layer_benchmark_optstep_impl_quantises_the_weights_at_every_step(monkeypatch):

@@ -228,8 +228,8 @@ def test_model_benchmark_checks_the_implementations_without_a_gpu(capsys, monkey
 def test_model_benchmark_optimizer_step_keeps_the_weights_and_counts_as_a_step(monkeypatch):
     """``--optimizer-step``'s step (``bench.model.step_fn``): an optimizer's step per training step, which leaves
     every weight bit for bit as it was (the timed steps keep computing the same) and counts as an optimizer step for
-    the FP8 weight copies (they are made again at the next step); without it, none. The flag is refused without a
-    GPU, where nothing is timed."""
+    the FP8 weight copies (it drops them: they are made again at the next step); without it, none. The flag is
+    refused without a GPU, where nothing is timed."""
     from megamoe.bench import model
     from megamoe.kernels import quant
     from megamoe.models import build
@@ -237,11 +237,13 @@ def test_model_benchmark_optimizer_step_keeps_the_weights_and_counts_as_a_step(m
     net = model.prepared(build("tiny", 2, 128, torch.float32, "cpu"), "megamoe", False, None, DEVICE)
     input_ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
-    for optimizer_step, steps in ((False, 0), (True, 2)):
-        counted = quant._optimizer_steps
+    fp8_shaped = torch.randn(1, 128, 128, device=DEVICE)
+    quant.clear_weight_cache()
+    for optimizer_step in (False, True):
+        quant.fp8_weight(fp8_shaped)  # a cached copy, which only an optimizer step drops
         step = model.step_fn(net, input_ids, optimizer_step)
         losses = [step() for _ in range(2)]
-        assert quant._optimizer_steps - counted == steps
+        assert len(quant._weight_cache) == (0 if optimizer_step else 1)
         assert torch.equal(losses[0], losses[1])
         assert all(p.grad is None for p in net.parameters())
         assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())
@@ -405,18 +407,20 @@ def test_model_benchmark_runs_megamoe_fp8_as_megamoe_with_fp8_gemms(capsys):
     modes; refused without a GPU (the CPU check's tiny preset is not FP8-shaped), with one line."""
     from megamoe.bench import model
 
-    for checkpoint, mode in ((False, "preact"), (True, None)):
-        m = model.prepared(tiny_model(device="cpu"), "megamoe_fp8", checkpoint, None)
-        experts = [e for e in m.modules() if hasattr(e, "gate_up_proj")]
-        assert {getattr(e, hf_megamoe.PRECISION, None) for e in experts} == {"fp8"}
-        assert {getattr(e, hf_megamoe.SAVE_FOR_BACKWARD, None) for e in experts} == {mode}
-        assert m.config._experts_implementation == "megamoe"
-    assert model.cell_name(True, "layers", "megamoe_fp8") == "checkpointed, layers, megamoe_fp8"
-    assert model.parse_args(["--experts", "megamoe,megamoe_fp8"], cuda=True).experts == ["megamoe", "megamoe_fp8"]
-    with pytest.raises(SystemExit):
-        model.parse_args(["--experts", "megamoe_fp8"], cuda=False)
-    assert capsys.readouterr().err.splitlines()[-1].startswith(
-        "python -m megamoe.bench.model: error: --experts megamoe_fp8 needs a CUDA GPU")
+    for name in ("megamoe_fp8", "megamoe_fp8_call"):
+        for checkpoint, mode in ((False, "preact"), (True, None)):
+            m = model.prepared(tiny_model(device="cpu"), name, checkpoint, None)
+            experts = [e for e in m.modules() if hasattr(e, "gate_up_proj")]
+            assert {getattr(e, hf_megamoe.PRECISION, None) for e in experts} == {"fp8"}
+            assert {getattr(e, hf_megamoe.SAVE_FOR_BACKWARD, None) for e in experts} == {mode}
+            assert m.config._experts_implementation == "megamoe"
+        assert model.cell_name(True, "layers", name) == f"checkpointed, layers, {name}"
+        assert model.parse_args(["--experts", f"megamoe,{name}"], cuda=True).experts == ["megamoe", name]
+        with pytest.raises(SystemExit):
+            model.parse_args(["--experts", name], cuda=False)
+        assert capsys.readouterr().err.splitlines()[-1].startswith(
+            f"python -m megamoe.bench.model: error: --experts {name} needs a CUDA GPU")
+    assert model.FP8_EXPERTS == {"megamoe_fp8": "step", "megamoe_fp8_call": "call"}
 
 
 def test_model_benchmark_arguments(capsys):

@@ -65,9 +65,10 @@ def test_log_has_the_documented_fields_and_a_plot(runs):
     for key in ("gpu", "torch", "transformers", "date", "command", "preset", "layers", "params", "experts",
                 "precision", "ep", "seq_len", "steps", "tokens_per_s", "step_ms_median", "mfu", "moe_share",
                 "moe_ms", "moe_share_of_step", "peak_mem_bytes", "final_eval_loss", "losses", "fp8_weight_gradients",
-                "fp8_wgrad_x_scales", "expert_load"):
+                "fp8_wgrad_x_scales", "fp8_weight_cache", "expert_load"):
         assert key in log, key
     assert log["fp8_weight_gradients"] is None and log["fp8_wgrad_x_scales"] is None  # bf16 experts
+    assert log["fp8_weight_cache"] is None
     # each step's load per decoder layer: the tiny preset's 8 experts, top-2, between balanced and all on two
     assert len(log["expert_load"]) == len(log["losses"]) and all(len(step) == log["layers"] for step in log["expert_load"])
     assert all(1.0 <= load <= 4.0 for step in log["expert_load"] for load in step)
@@ -189,6 +190,9 @@ def test_without_a_gpu_the_defaults_run_about_a_minute():
     (["--ep", "2"], "--ep needs several processes"),
     (["--precision", "fp8"], "--precision fp8 needs the layer's hidden and expert sizes to be multiples of 128"),
     (["--precision", "fp8", "--experts", "grouped_mm"], "--precision fp8 runs megamoe's experts"),
+    (["--fp8-weight-cache", "call"], ("--fp8-weight-cache sets how FP8 experts keep their weight copies: it needs "
+                                     "--precision fp8")),
+    (["--precision", "fp8", "--fp8-weight-cache", "layer"], "argument --fp8-weight-cache: invalid choice"),
     (["--steps", "0"], "argument --steps: must be at least 1, not 0"),
     (["--seq-len", "-3"], "argument --seq-len: must be at least 1, not -3"),
     (["--layers", "0"], "argument --layers: must be at least 1"),

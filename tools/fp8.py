@@ -5,7 +5,8 @@ and each quantiser's GB/s.
 GPU.
 Stages (bf16 inputs, the layer benchmark's problem): the row quantisation of x (T, D) and of the sorted dy rows (N,
 D), and the backward's sort of the x and dy rows with and without dy's quantisation fused in (the FP8 path's); the
-weights' quantisation (both orientations of w13 and w2); the gate/up GEMM (+ SwiGLU + h's quantisation), with and
+weights' quantisation (both orientations of w13 and w2, and each alone, as a call makes them under
+the "call" cache policy, ``quant.set_fp8_weight_cache``); the gate/up GEMM (+ SwiGLU + h's quantisation), with and
 without the products' store, and the products alone (the backward's recompute); down, dh' and dx
 (``expert_fwd.sorted_rows_gemm_fp8``) in blocks of 128 columns and, where N allows, of 256 (``ROWS_BLOCK_N``: the
 "(256 columns)" stages, as the layer runs them).
@@ -179,6 +180,13 @@ def main(argv=None, device: str = "cuda") -> None:
          dy.numel() * 3 + num_slots * dim * 2 + dys.numel() * 4, None),
         ("quantize w13 + w2 (both ways)", lambda: (quant.quantize_weight(w13), quant.quantize_weight(w2)), None,
          (w13.numel() + w2.numel()) * 4 + (w13s.numel() + w2s.numel()) * 8, None),
+        # what a call makes under the "call" cache policy: the forward's straight copies, the backward's transposed
+        ("quantize w13 + w2 (straight)", lambda: (quant.quantize_weight(w13, transposed=False),
+                                                  quant.quantize_weight(w2, transposed=False)), None,
+         (w13.numel() + w2.numel()) * 3 + (w13s.numel() + w2s.numel()) * 4, None),
+        ("quantize w13 + w2 (transposed)", lambda: (quant.quantize_weight(w13, straight=False),
+                                                    quant.quantize_weight(w2, straight=False)), None,
+         (w13.numel() + w2.numel()) * 3 + (w13s.numel() + w2s.numel()) * 4, None),
         ("up (+ SwiGLU, h quantised)", up(), up_flops, None, (rows, 2 * inter, dim)),
         ("up, products stored", up(preact), up_flops, None, (rows, 2 * inter, dim)),
         ("up, products only (the backward's recompute)",

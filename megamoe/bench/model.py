@@ -19,6 +19,9 @@ FP8 GEMMs (``set_precision(model, "fp8")``); with no optimizer step its FP8 weig
 are reused by every step after it, whereas a training step makes them again after each optimizer step:
 ``--optimizer-step`` ends every implementation's step with an optimizer step that leaves the weights as they are
 (``step_fn``), so that megamoe_fp8's step pays for its copies as at one micro-batch per optimizer step.
+``megamoe_fp8_call``: the same with the copies made at every call and kept by none
+(``megamoe.set_fp8_weight_cache("call")`` for the cell): every layer's copies alive at once against a quantisation in
+each forward and backward.
 
 Random weights can route very unevenly: ``megamoe.train``'s model at the 30B dimensions (built by the same
 ``megamoe.models.build``, with Qwen3's vocabulary) sent nearly every token of its second decoder layer to the same 8
@@ -57,6 +60,7 @@ from megamoe.integrations.transformers import (  # importing it registers "megam
     set_precision,
     set_save_for_backward,
 )
+from megamoe.kernels import quant
 from megamoe.models import (
     ATTENTION,
     ATTENTION_IMPLEMENTATIONS,
@@ -72,11 +76,13 @@ CHECKPOINTING = (False, True)  # the matrix's rows: no checkpointing, full check
 PROFILE_ROWS = 40  # kernels per --profile table: a 2-layer step runs ~30 kinds (attention, norms, the experts' own)
 # The implementations a cell can run: transformers' experts interfaces (models.EXPERTS), and megamoe with its
 # blockwise FP8 GEMMs (D and the expert width multiples of 128: the real presets, not the tiny one).
-MODEL_EXPERTS = (*EXPERTS, "megamoe_fp8")
+# megamoe in FP8 -> the policy of its FP8 weight copies in the cell (``kernels.quant.set_fp8_weight_cache``)
+FP8_EXPERTS = {"megamoe_fp8": "step", "megamoe_fp8_call": "call"}
+MODEL_EXPERTS = (*EXPERTS, *FP8_EXPERTS)
 
 
 def is_megamoe(experts: str) -> bool:
-    return experts in ("megamoe", "megamoe_fp8")
+    return experts == "megamoe" or experts in FP8_EXPERTS
 
 
 def prepared(model, experts: str, checkpoint: bool, compile_mode: str | None, device=None, fullgraph: bool = True):
@@ -87,7 +93,7 @@ def prepared(model, experts: str, checkpoint: bool, compile_mode: str | None, de
     if device is not None:
         model = model.to(device)
     model.set_experts_implementation("megamoe" if is_megamoe(experts) else experts)
-    if experts == "megamoe_fp8":
+    if experts in FP8_EXPERTS:
         set_precision(model, "fp8")
     model.train()
     if checkpoint:  # megamoe under its own policy; the others plainly, as users run them
@@ -213,14 +219,23 @@ def run_cell(base, experts: str, checkpoint: bool, compile_mode: str | None, inp
         result["megamoe_save_for_backward"] = "none" if checkpoint else "preact"
     model = prepared(base, experts, checkpoint, compile_mode, input_ids.device, fullgraph)
     if input_ids.is_cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step = step_fn(model, input_ids, optimizer_step)
-        ms, warmup_s = timed(step, iters)
-        result.update(step_ms=ms, tokens_per_s=input_ids.numel() / ms * 1e3, warmup_s=warmup_s,
-                      peak_mem_bytes=torch.cuda.max_memory_allocated(), loss=step().item())
-        if profile:
-            result["_profile"] = kernel_tables({cell_name(checkpoint, compile_mode, experts): step}, rows=PROFILE_ROWS)
+        if experts in FP8_EXPERTS:
+            result["fp8_weight_cache"] = FP8_EXPERTS[experts]
+        outside = quant.fp8_weight_cache()
+        quant.set_fp8_weight_cache(FP8_EXPERTS.get(experts, outside))
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            step = step_fn(model, input_ids, optimizer_step)
+            ms, warmup_s = timed(step, iters)
+            result.update(step_ms=ms, tokens_per_s=input_ids.numel() / ms * 1e3, warmup_s=warmup_s,
+                          peak_mem_bytes=torch.cuda.max_memory_allocated(), loss=step().item())
+            if profile:
+                result["_profile"] = kernel_tables({cell_name(checkpoint, compile_mode, experts): step},
+                                                   rows=PROFILE_ROWS)
+        finally:
+            quant.set_fp8_weight_cache(outside)
+            quant.clear_weight_cache()  # the cell's copies, before the next cell measures its peak
     else:
         loss, grads = loss_and_grads(model, input_ids)
         result.update(loss=loss, loss_diff=abs(loss - reference[0]), grad_diff=grad_diff(grads, reference[1]))
@@ -340,8 +355,9 @@ def parse_args(argv=None, cuda: bool | None = None):
     if args.optimizer_step and not cuda:
         p.error("--optimizer-step changes what the timed steps run: it needs a CUDA GPU (the check without one "
                 "times nothing)")
-    if "megamoe_fp8" in args.experts and not cuda:
-        p.error("--experts megamoe_fp8 needs a CUDA GPU: without one the check runs the tiny preset, whose widths "
+    fp8 = [e for e in args.experts if e in FP8_EXPERTS]
+    if fp8 and not cuda:
+        p.error(f"--experts {fp8[0]} needs a CUDA GPU: without one the check runs the tiny preset, whose widths "
                 "are not multiples of 128 (FP8's scale blocks)")
     return args
 

@@ -69,8 +69,8 @@ def backward_rows_fp8(dy: Tensor, x: Tensor, weights_TK: Tensor, w13: Tensor, w2
     Returns (dx_rows' result, d(routing weight) (T, K) fp32, dw13, dw2)."""
     if x_scales not in FP8_WGRAD_X_SCALES:
         raise ValueError(f"x_scales must be one of {FP8_WGRAD_X_SCALES}, got {x_scales!r}")
-    w13q, w13s, w13tq, w13ts = fp8_weight(w13)
-    _, _, w2tq, w2ts = fp8_weight(w2)
+    w13q, w13s, w13tq, w13ts = fp8_weight(w13, straight=preact is None)  # the recompute's operand
+    _, _, w2tq, w2ts = fp8_weight(w2, straight=False)
     assert rows_from is None or fp8_wgrad, "rows_from: the FP8 weight gradients' reads only"
     read_plan, read_top_k = rows_from or (plan, top_k)
     if fp8_wgrad:  # the weight gradients read x and dy from their rows: no sorted bf16 copies

@@ -36,9 +36,14 @@ import weakref
 import torch
 import triton
 import triton.language as tl
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from megamoe.env import fp8_pow2_scales, interpreting
+from megamoe.env import (
+    FP8_WEIGHT_CACHES,
+    fp8_pow2_scales,
+    fp8_weight_cache_requested,
+    interpreting,
+)
 from megamoe.kernels.gluon_fp8_sm90 import fp8_tile_cols_ws, fp8_ws_supported
 from megamoe.kernels.plan import BLOCK_M, Plan
 
@@ -128,10 +133,11 @@ def _quantize_weight_kernel(
     qt_ptr,  # (E, C, R) e4m3 out: the transposed copy
     st_ptr,  # (E, C / 128, R / 128) fp32 out
     R, C,
-    SLICE: tl.constexpr, POW2: tl.constexpr,
+    SLICE: tl.constexpr, POW2: tl.constexpr, STRAIGHT: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     """One 128x128 block per program, read in slices of SLICE rows twice (its amax, then its values): a whole
-    block in registers spilled."""
+    block in registers spilled. Writes the straight copy (q, s) if STRAIGHT, the transposed one (qt, st) if
+    TRANSPOSED."""
     e = tl.program_id(0).to(tl.int64)
     rb = tl.program_id(1)
     cb = tl.program_id(2)
@@ -147,10 +153,14 @@ def _quantize_weight_kernel(
         q = to_e4m3(tl.load(block + i * SLICE * C).to(tl.float32) * inv,
                     BITWISE_E4M3 or w_ptr.dtype.element_ty == tl.float32)
         r = rb * 128 + i * SLICE + tl.arange(0, SLICE)
-        tl.store(q_ptr + e * R * C + r[:, None] * C + c[None, :], q)
-        tl.store(qt_ptr + e * R * C + c[None, :] * R + r[:, None], q)
-    tl.store(s_ptr + (e * nrb + rb) * ncb + cb, s)
-    tl.store(st_ptr + (e * ncb + cb) * nrb + rb, s)
+        if STRAIGHT:
+            tl.store(q_ptr + e * R * C + r[:, None] * C + c[None, :], q)
+        if TRANSPOSED:
+            tl.store(qt_ptr + e * R * C + c[None, :] * R + r[:, None], q)
+    if STRAIGHT:
+        tl.store(s_ptr + (e * nrb + rb) * ncb + cb, s)
+    if TRANSPOSED:
+        tl.store(st_ptr + (e * ncb + cb) * nrb + rb, s)
 
 
 @triton.jit
@@ -341,53 +351,92 @@ def channel_amax(a_TC: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(a_TC, ord=float("inf"), dim=0).float()
 
 
-def quantize_weight(w_ERC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+WeightCopies = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def quantize_weight(w_ERC: torch.Tensor, straight: bool = True, transposed: bool = True) -> WeightCopies:
     """(q (E, R, C), s (E, R/128, C/128), qt (E, C, R), st (E, C/128, R/128)): ``w`` in 128x128 blocks and its
-    transpose, from one read of ``w``; R and C multiples of 128, ``w`` contiguous."""
+    transpose, from one read of ``w``; R and C multiples of 128, ``w`` contiguous. ``straight`` / ``transposed``
+    False: that copy is not made (None in its places)."""
+    if not (straight or transposed):
+        raise ValueError("quantize_weight: ask for the straight copy, the transposed one or both")
     num_experts, r, c = w_ERC.shape
-    q = torch.empty(num_experts, r, c, device=w_ERC.device, dtype=FP8)
-    qt = torch.empty(num_experts, c, r, device=w_ERC.device, dtype=FP8)
-    s = torch.empty(num_experts, r // GROUP, c // GROUP, device=w_ERC.device, dtype=torch.float32)
-    st = torch.empty(num_experts, c // GROUP, r // GROUP, device=w_ERC.device, dtype=torch.float32)
-    _quantize_weight_kernel[(num_experts, r // GROUP, c // GROUP)](w_ptr=w_ERC, q_ptr=q, s_ptr=s, qt_ptr=qt, st_ptr=st,
-                                                                   R=r, C=c, SLICE=WEIGHT_SLICE,
-                                                                   POW2=fp8_pow2_scales(), num_warps=8)
+
+    def copy(rows: int, cols: int, made: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not made:
+            return None, None
+        return (torch.empty(num_experts, rows, cols, device=w_ERC.device, dtype=FP8),
+                torch.empty(num_experts, rows // GROUP, cols // GROUP, device=w_ERC.device, dtype=torch.float32))
+
+    q, s = copy(r, c, straight)
+    qt, st = copy(c, r, transposed)
+    # a copy not made gets the other's pointers, never written (the kernel's flags)
+    _quantize_weight_kernel[(num_experts, r // GROUP, c // GROUP)](
+        w_ptr=w_ERC, q_ptr=q if straight else qt, s_ptr=s if straight else st, qt_ptr=qt if transposed else q,
+        st_ptr=st if transposed else s, R=r, C=c, SLICE=WEIGHT_SLICE, POW2=fp8_pow2_scales(), STRAIGHT=straight,
+        TRANSPOSED=transposed, num_warps=8)
     return q, s, qt, st
 
 
-# The FP8 copies of the expert weights, per weight: made once and reused for as long as the weights do not change —
-# every micro-batch's forward and backward of one optimizer step. Keyed on the weight's storage and geometry, not on
-# the tensor object: the backward may meet an alias of the parameter (a checkpointed region's saved tensors unpack
-# as new tensor objects on the same storage and version counter), which must hit the forward's copies.
-_weight_cache: dict[tuple, tuple[weakref.ref, tuple[int, int, bool], tuple[torch.Tensor, ...]]] = {}
-_optimizer_steps = 0  # any torch.optim optimizer's steps so far (the hook below)
+# The FP8 copies of the expert weights, per weight (under the "step" policy): made once and reused for as long as
+# the weights do not change — every micro-batch's forward and backward of one optimizer step. Keyed on the weight's
+# storage and geometry, not on the tensor object: the backward may meet an alias of the parameter (a checkpointed
+# region's saved tensors unpack as new tensor objects on the same storage and version counter), which must hit the
+# forward's copies.
+_weight_cache: dict[tuple, tuple[weakref.ref, tuple[int, bool], tuple[torch.Tensor, ...]]] = {}
+_weight_cache_policy = fp8_weight_cache_requested()
 
 
-def _count_optimizer_step(*_) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
+def set_fp8_weight_cache(policy: str) -> None:
+    """How long the expert weights' FP8 copies live, from now on (:func:`fp8_weight`): ``"step"`` (the default) keeps
+    each weight's copies until the weight changes (an in-place update, or any ``torch.optim`` optimizer's step): one
+    quantisation per weight and optimizer step, however many micro-batches and recomputes meet it, but every layer's
+    copies alive at once, from the layer's first forward of a step until the next optimizer step (2 bytes per expert
+    weight element, the two orientations, plus scales; under FSDP2, of the gathered weights, which FSDP's reshard does
+    not free). ``"call"`` keeps none: each forward makes the straight copies it reads and each backward the
+    transposed ones (and, without saved products, w13's straight copy again), freed when the call ends. Also set at
+    import by ``MEGAMOE_FP8_WEIGHT_CACHE``. Setting ``"call"`` drops every cached copy."""
+    global _weight_cache_policy
+    if policy not in FP8_WEIGHT_CACHES:
+        raise ValueError(f"the FP8 weight cache policy must be one of {FP8_WEIGHT_CACHES}, got {policy!r}")
+    _weight_cache_policy = policy
+    if policy == "call":
+        clear_weight_cache()
 
 
-# After any optimizer's step every cached copy is stale: the version counter alone misses weights whose storage is
-# written behind it (FSDP2 all-gathers into the unsharded parameters and preserves their version counters).
-register_optimizer_step_post_hook(_count_optimizer_step)
+def fp8_weight_cache() -> str:
+    """The policy of the expert weights' FP8 copies (:func:`set_fp8_weight_cache`)."""
+    return _weight_cache_policy
 
 
-def fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_weight(w)``, cached: a hit needs the tensor the copies were made from, or an alias of it (the same
-    storage, offset, shape and strides), at the same version (an in-place update bumps it; aliases share the
-    counter), with no optimizer step in between and the same kind of scales (``env.set_fp8_scales``). The entry
-    lives as long as the tensor it was made from; a storage address is trusted only while that tensor still holds
-    the storage (so a new storage at a freed one's address never hits). Inside a CUDA-graph capture nothing is
-    cached (a replay after the weights changed would read stale copies): the quantisation is captured with the step.
-    Weights written behind autograd's back (through ``.data``), or by an optimizer that is not a ``torch.optim``
-    one (FSDP2 gathers updated weights into the same storage at the same version), need :func:`clear_weight_cache`."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return quantize_weight(w)
+def _drop_stale_copies(*_) -> None:
+    clear_weight_cache()
+
+
+# An optimizer's step makes every cached copy stale: the version counter alone misses weights whose storage is written
+# behind it (FSDP2 all-gathers into the unsharded parameters and preserves their version counters). Dropped before the
+# step runs, so that the stale copies' memory is free for the optimizer's own.
+register_optimizer_step_pre_hook(_drop_stale_copies)
+
+
+def fp8_weight(w: torch.Tensor, *, straight: bool = True, transposed: bool = True) -> WeightCopies:
+    """``quantize_weight(w)``, cached under the ``"step"`` policy (:func:`set_fp8_weight_cache`): a hit needs the
+    tensor the copies were made from, or an alias of it (the same storage, offset, shape and strides), at the same
+    version (an in-place update bumps it; aliases share the counter), with no optimizer step in between (every copy is
+    dropped at a step) and the same kind of scales (``env.set_fp8_scales``). The entry lives as long as the tensor it
+    was made from; a storage address is trusted only while that tensor still holds the storage (so a new storage at a
+    freed one's address never hits). A cached entry holds both copies, whatever the call asks for. Under the
+    ``"call"`` policy, and inside a CUDA-graph capture (a replay after the weights changed would read stale copies:
+    the quantisation is captured with the step), nothing is cached and only the copies asked for are made
+    (``straight``, ``transposed``: ``quantize_weight``'s). Weights written behind autograd's back (through ``.data``),
+    or by an optimizer that is not a ``torch.optim`` one (FSDP2 gathers updated weights into the same storage at the
+    same version), need :func:`clear_weight_cache`."""
+    if _weight_cache_policy == "call" or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return quantize_weight(w, straight, transposed)
     storage = w.untyped_storage()._cdata
     key = (storage, w.storage_offset(), tuple(w.shape), w.stride(), w.dtype, w.device)
     hit = _weight_cache.get(key)
-    state = (w._version, _optimizer_steps, fp8_pow2_scales())
+    state = (w._version, fp8_pow2_scales())
     if hit is not None and hit[1] == state:
         owner = hit[0]()
         if owner is not None and owner.untyped_storage()._cdata == storage:

@@ -433,8 +433,8 @@ def owner_experts_fp8(ws: Workspace, w13_LHD: torch.Tensor, w2_LDI: torch.Tensor
     plan, counts = received_plan(ws)
     reset_arrivals(ws, counts)  # returns once every row is in
     xq, xs = recv_tokens_fp8(ws)
-    w13q, w13s, _, _ = fp8_weight(w13_LHD)
-    w2q, w2s, _, _ = fp8_weight(w2_LDI)
+    w13q, w13s, _, _ = fp8_weight(w13_LHD, transposed=False)
+    w2q, w2s, _, _ = fp8_weight(w2_LDI, transposed=False)
     hq, hs = up_swiglu_fp8(xq, xs, w13q, w13s, token_rows(ws, plan), 1, preact_NH=preact_C2I)
     down_fp8(hq, hs, w2q, w2s, ws.recv_weight, plan, ws.y_slots.dtype, dest=row_destinations(ws, plan))
     signal_returned(ws)
