@@ -140,6 +140,8 @@ def _worker(rank, num_ranks, init_file, test):
             check_fsdp(rank, num_ranks, "cpu")
         elif test == "fsdp_fp8":
             check_fsdp(rank, num_ranks, "cpu", precision="fp8")
+        elif test == "fsdp_fp8_call":
+            check_fsdp(rank, num_ranks, "cpu", precision="fp8", weight_cache="call")
         elif test == "fsdp_gpu":
             check_fsdp(rank, num_ranks, f"cuda:{rank}")
         elif test == "ep_fsdp":
@@ -236,7 +238,7 @@ def check_ep_selection(group):
         megamoe.moe(*local, group=group, comm_sms=4)  # the all-to-all path sends through NCCL
 
 
-def check_fsdp(rank, num_ranks, device, precision="bf16"):
+def check_fsdp(rank, num_ranks, device, precision="bf16", weight_cache="step"):
     """A transformers Qwen3-MoE model with megamoe experts under FSDP2 (each decoder layer and the root
     ``fully_shard``-ed, so the expert weights are sharded over the ranks along the expert dimension), each rank on
     its own batches: two SGD steps leave every parameter where one process's model gets on the mean loss of all
@@ -244,7 +246,9 @@ def check_fsdp(rank, num_ranks, device, precision="bf16"):
     ``precision="fp8"``: the experts' FP8 weight copies are remade after the first step (FSDP2 all-gathers the
     updated weights into the same unsharded parameters, behind their version counters: a stale copy would run the
     second step on the first step's weights), and made once per step (the backward's all-gather, after the
-    forward's reshard, hits the forward's copies: a miss would quantise each weight twice per step)."""
+    forward's reshard, hits the forward's copies: a miss would quantise each weight twice per step).
+    ``weight_cache="call"`` (``megamoe.set_fp8_weight_cache``): each weight quantised in the forward and again in
+    the backward, no copy held after it."""
     from unittest import mock
 
     from torch.distributed.fsdp import fully_shard
@@ -266,13 +270,16 @@ def check_fsdp(rank, num_ranks, device, precision="bf16"):
     assert isinstance(experts.gate_up_proj, DTensor) and experts.gate_up_proj.placements == (Shard(0),)
     assert experts.gate_up_proj.to_local().shape[0] == ref.config.num_experts // num_ranks
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    megamoe.set_fp8_weight_cache(weight_cache)
     for step in range(2):
         batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(100 * step + r)).to(device)
                    for r in range(num_ranks)]
         with mock.patch.object(quant, "quantize_weight", wraps=quant.quantize_weight) as quantised:
             model(input_ids=batches[rank], labels=batches[rank]).loss.backward()
-        expected = 2 if precision == "fp8" else 0  # w13 and w2 once each; bf16 quantises nothing
+        # w13 and w2 once each (or in the forward and the backward each); bf16 quantises nothing
+        expected = (2 if weight_cache == "step" else 4) if precision == "fp8" else 0
         assert quantised.call_count == expected, f"step {step}: weights quantised {quantised.call_count} times"
+        assert weight_cache == "step" or not quant._weight_cache
         opt.step()
         opt.zero_grad()
         (sum(ref(input_ids=b, labels=b).loss for b in batches) / num_ranks).backward()
@@ -444,6 +451,10 @@ def test_fsdp2_with_megamoe_experts_equals_one_process():
 
 def test_fsdp2_with_megamoe_fp8_experts_equals_one_process():
     spawn("fsdp_fp8", 2)
+
+
+def test_fsdp2_with_megamoe_fp8_experts_holding_no_weight_copies_equals_one_process():
+    spawn("fsdp_fp8_call", 2)
 
 
 def test_expert_parallelism_composes_with_fsdp2():

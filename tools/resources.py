@@ -323,7 +323,9 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      # too, the token-major kernel's companion, below)
                      "ROWS": True,
                      # the quantisers, at their launchers' blocks
-                     "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC}
+                     "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC,
+                     # the weight quantiser writing both copies (the "step" cache's pass)
+                     "STRAIGHT": True, "TRANSPOSED": True}
 
 
 def compile_other_kernel(fn, num_warps: int = 4, pointer_types: dict | None = None, **constexprs_over):
