@@ -247,6 +247,7 @@ def check_fsdp(rank, num_ranks, device, precision="bf16", weight_cache="step"):
     updated weights into the same unsharded parameters, behind their version counters: a stale copy would run the
     second step on the first step's weights), and made once per step (the backward's all-gather, after the
     forward's reshard, hits the forward's copies: a miss would quantise each weight twice per step).
+    The cached copies are the gathered weights', held after the backward (FSDP's reshard frees the bf16 ones only);
     ``weight_cache="call"`` (``megamoe.set_fp8_weight_cache``): each weight quantised in the forward and again in
     the backward, no copy held after it."""
     from unittest import mock
@@ -279,7 +280,9 @@ def check_fsdp(rank, num_ranks, device, precision="bf16", weight_cache="step"):
         # w13 and w2 once each (or in the forward and the backward each); bf16 quantises nothing
         expected = (2 if weight_cache == "step" else 4) if precision == "fp8" else 0
         assert quantised.call_count == expected, f"step {step}: weights quantised {quantised.call_count} times"
-        assert weight_cache == "step" or not quant._weight_cache
+        # cached: the copies of the gathered (unsharded) weights, held after the backward; or none
+        held = [copies[0].shape[0] for _, _, copies in quant._weight_cache.values()]
+        assert held == ([ref.config.num_experts] * 2 if weight_cache == "step" and precision == "fp8" else [])
         opt.step()
         opt.zero_grad()
         (sum(ref(input_ids=b, labels=b).loss for b in batches) / num_ranks).backward()
