@@ -80,7 +80,7 @@ from megamoe.integrations.transformers import (
     set_precision,
     shard_experts,
 )
-from megamoe.kernels.quant import fp8_weight_cache
+from megamoe.kernels.quant import fp8_weight_cache, weight_copies_bytes
 from megamoe.models import (
     ATTENTION,
     COMPILE_MODES,
@@ -548,6 +548,8 @@ def main(argv=None) -> dict | None:
     say(f"{args.preset}, {args.layers} layers, {params_total / 1e9:.3f} G parameters, experts {args.experts}, "
         f"{world} rank(s), ep {args.ep}; {train.count} training sequences of {args.seq_len} tokens "
         f"({data['documents']} documents, tokenizer vocab {data['vocab_size']})")
+    if args.precision == "fp8":
+        say(fp8_copies_line(model))
 
     def step_loss(ids):  # (the loss to train on, the language-model loss alone, assignments per router and expert)
         router_logits.clear()
@@ -725,6 +727,17 @@ def moe_share(model, train, args, device, world, rank, step_loss) -> dict:
     return {"moe_share": 1 - without / with_experts, "moe_ms": with_experts - without, "moe_share_method":
             f"ablation: fwd+bwd median of {args.moe_share_steps} steps with the experts ({with_experts:.2f} ms) and "
             f"with the experts replaced by zeros ({without:.2f} ms)"}
+
+
+def fp8_copies_line(model) -> str:
+    """What the FP8 experts' weight copies hold on this rank under the policy in force
+    (``megamoe.set_fp8_weight_cache``), in one line for the run's start."""
+    held = sum(weight_copies_bytes(p) for layer in model.model.layers for p in layer.mlp.experts.parameters())
+    if fp8_weight_cache() == "step":
+        return (f"FP8 expert weights: their copies held through each step, {held / 2**30:.2f} GiB on this rank "
+                "(--fp8-weight-cache call: none held, quantised in every forward and backward)")
+    return (f"FP8 expert weights: copies made in every forward and backward, none held ({held / 2**30:.2f} GiB "
+            "with --fp8-weight-cache step)")
 
 
 def precision_label(run: dict) -> str:

@@ -753,6 +753,11 @@ def test_weight_cache_call_policy_keeps_no_copy_and_computes_the_same(monkeypatc
     assert made == step * 2
 
 
+def test_weight_copies_bytes_are_what_quantize_weight_makes():
+    w = torch.randn(3, 256, 384).to(DEVICE)
+    assert quant.weight_copies_bytes(w) == sum(t.numel() * t.element_size() for t in quant.quantize_weight(w))
+
+
 def test_weight_cache_policy_from_the_environment(monkeypatch):
     monkeypatch.setenv("MEGAMOE_FP8_WEIGHT_CACHE", "call")
     assert env.fp8_weight_cache_requested() == "call"

@@ -211,6 +211,22 @@ def test_arguments_that_cannot_run_here_end_in_one_line(argv, message, capsys):
     assert "Traceback" not in err
 
 
+def test_the_start_line_says_what_the_fp8_weight_copies_hold():
+    from megamoe.kernels import quant
+    from megamoe.models import build
+
+    model = build("tiny", 2, 128, torch.float32, "cpu")
+    held = sum(quant.weight_copies_bytes(p) for layer in model.model.layers for p in layer.mlp.experts.parameters())
+    gib = f"{held / 2**30:.2f} GiB"
+    assert train.fp8_copies_line(model).startswith(f"FP8 expert weights: their copies held through each step, {gib}")
+    quant.set_fp8_weight_cache("call")
+    try:
+        assert train.fp8_copies_line(model).startswith("FP8 expert weights: copies made in every forward and backward, "
+                                                       f"none held ({gib} with --fp8-weight-cache step)")
+    finally:
+        quant.set_fp8_weight_cache("step")
+
+
 def test_precision_fp8_switches_every_megamoe_experts_module():
     from megamoe.integrations.transformers import PRECISION
     from megamoe.models import build

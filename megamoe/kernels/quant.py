@@ -451,6 +451,13 @@ def fp8_weight(w: torch.Tensor, *, straight: bool = True, transposed: bool = Tru
     return copies
 
 
+def weight_copies_bytes(w: torch.Tensor) -> int:
+    """The bytes of ``w``'s FP8 copies as :func:`quantize_weight` makes both (one byte per element each, and an fp32
+    scale per 128x128 block each): what the ``"step"`` policy holds per weight through a step. ``w`` (E, R, C), or
+    an FSDP2 parameter: its gathered size."""
+    return 2 * w.numel() + 2 * 4 * w.numel() // GROUP**2
+
+
 def clear_weight_cache() -> None:
     """Drop every cached FP8 weight copy (they are remade at the next use)."""
     _weight_cache.clear()
