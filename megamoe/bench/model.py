@@ -20,8 +20,8 @@ are reused by every step after it, whereas a training step makes them again afte
 ``--optimizer-step`` ends every implementation's step with an optimizer step that leaves the weights as they are
 (``step_fn``), so that megamoe_fp8's step pays for its copies as at one micro-batch per optimizer step.
 ``megamoe_fp8_call``: the same with the copies made at every call and kept by none
-(``megamoe.set_fp8_weight_cache("call")`` for the cell): every layer's copies alive at once against a quantisation in
-each forward and backward.
+(``megamoe.set_fp8_weight_cache("call")`` for the cell): no layer's copies held through the step, at the cost of a
+quantisation in each forward and backward.
 
 Random weights can route very unevenly: ``megamoe.train``'s model at the 30B dimensions (built by the same
 ``megamoe.models.build``, with Qwen3's vocabulary) sent nearly every token of its second decoder layer to the same 8
