@@ -326,6 +326,30 @@ def test_fused_layer_in_fp8_is_the_one_device_fp8_layer(custom_ops, mode, fp8_wg
             run_with_grads(functools.partial(layer, comm_sms=comm_sms), *problem)
 
 
+@pytest.mark.parametrize("mode", ["none", "preact"])
+def test_fused_layer_in_fp8_holds_no_weight_copy_under_the_call_policy(mode):
+    """``megamoe.set_fp8_weight_cache("call")`` on the fused expert-parallel FP8 layer: the owner makes the copies
+    each of its calls reads and none is held after the step; the same results as the one-device FP8 layer's on
+    cached copies (y, dx and d(routing weight) bit for bit, dw13 and dw2 to the order of fp32 sums)."""
+    import megamoe
+    from megamoe.kernels import quant
+    from megamoe.parallel import fused
+
+    _, (ws,), problem, _, _ = fp8_ranks(1)
+    expected = run_with_grads(lambda *a: megamoe.moe(*a, precision="fp8", save_for_backward=mode), *problem)
+    megamoe.set_fp8_weight_cache("call")
+    try:
+        got = run_with_grads(lambda *a: fused.fused_ep(*a, ws, (0, 0), mode == "preact", fp8=True, fp8_wgrad=True),
+                             *problem)
+        assert not quant._weight_cache
+    finally:
+        megamoe.set_fp8_weight_cache("step")
+    for name, a, b in zip(["y", "dx", "d(routing weight)"], got, expected):
+        assert torch.equal(a, b), name
+    for name, a, b in zip(["dw13", "dw2"], got[3:], expected[3:]):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), name
+
+
 def test_fp8_loopback_with_several_tiles_per_expert_matches_the_one_device_fp8_layer():
     """The FP8 loopback forward and backward with several plan tiles per expert, so that an owner's 128-row groups
     of an expert (the FP8 weight gradients' 128x1 operands) hold rows of several sources: y, dx and d(routing weight)
