@@ -114,8 +114,9 @@ def experts_backward(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tens
 def experts_forward_fp8(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                         offsets: Tensor, row_slot: Tensor, tile_expert: Tensor, tile_row: Tensor,
                         preact: Tensor | None = None) -> Tensor:
-    """:func:`experts_forward` in blockwise FP8 (``kernels.quant``): x quantised 1x128, the weights' cached FP8
-    copies, h quantised 1x128 in the up kernel's epilogue; y in x's dtype, summed in fp32."""
+    """:func:`experts_forward` in blockwise FP8 (``kernels.quant``): x quantised 1x128, the weights' straight FP8
+    copies (``quant.fp8_weight``: cached, or made here under the "call" policy), h quantised 1x128 in the up
+    kernel's epilogue; y in x's dtype, summed in fp32."""
     plan = Plan(offsets, row_slot, tile_expert, tile_row)
     w13q, w13s, _, _ = fp8_weight(w13, transposed=False)
     w2q, w2s, _, _ = fp8_weight(w2, transposed=False)

@@ -107,7 +107,8 @@ def set_save_for_backward(model: torch.nn.Module, mode: str) -> None:
 def set_precision(model: torch.nn.Module, precision: str) -> None:
     """The GEMM precision of every experts module of ``model`` (:func:`megamoe.moe`'s ``precision``): ``"bf16"``
     (the default) or ``"fp8"`` (blockwise FP8, DeepSeek-V3's recipe; the expert weights stay the bf16 master copy
-    and their FP8 copies are cached until the optimizer changes them; with :func:`shard_experts` too, the rows
+    and their FP8 copies are cached until the optimizer changes them, or made at every call under
+    ``megamoe.set_fp8_weight_cache("call")``; with :func:`shard_experts` too, the rows
     crossing to their owners in e4m3)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
