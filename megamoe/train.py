@@ -42,11 +42,12 @@ Also a template to copy. What it does, in order:
 
 MFU counts 6 FLOPs per token per active parameter of the attention projections, router, routed experts and LM
 head, plus causal attention's 6·S·H·hd per token per layer (S the sequence length), without the recompute of
-checkpointing, against 989 TFLOP/s (the H100/H200's dense bf16 peak). ``--moe-share-steps`` times extra
-forward+backward steps at the end with the experts and with the experts replaced by zeros (same routing):
-``moe_ms`` is the difference, ``moe_share`` its fraction of the forward+backward, ``moe_share_of_step`` its fraction
-of the training step (the median ``step_ms``: clipping and the optimizer step too), the share that an Amdahl estimate
-of tokens/s takes.
+checkpointing, against 989 TFLOP/s (the H100/H200's dense bf16 peak). ``--moe-share-steps`` times extra steps'
+forward+backward passes (``--micro-batches`` a step, and with FP8 experts their weight copies made in each step, as
+after an optimizer step) at the end with the experts and with the experts replaced by zeros (same routing):
+``moe_ms`` is the difference per step, ``moe_share`` its fraction of the forward+backward passes,
+``moe_share_of_step`` its fraction of the training step (the median ``step_ms``: clipping and the optimizer step too),
+the share that an Amdahl estimate of tokens/s takes.
 """
 
 from __future__ import annotations
@@ -80,7 +81,11 @@ from megamoe.integrations.transformers import (
     set_precision,
     shard_experts,
 )
-from megamoe.kernels.quant import fp8_weight_cache, weight_copies_bytes
+from megamoe.kernels.quant import (
+    clear_weight_cache,
+    fp8_weight_cache,
+    weight_copies_bytes,
+)
 from megamoe.models import (
     ATTENTION,
     COMPILE_MODES,
@@ -610,16 +615,7 @@ def main(argv=None) -> dict | None:
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-        lm_loss = counts = 0.0
-        for micro in range(args.micro_batches):  # the step's gradient: the mean over its micro-batches
-            if mesh is not None:  # FSDP2 reduces the gradients after the last micro-batch only
-                model.set_requires_gradient_sync(micro == args.micro_batches - 1)
-            index = (step * args.micro_batches + micro) * world + rank
-            ids = train.batch(index, args.seqs_per_step).to(device, non_blocking=True)
-            loss, micro_lm_loss, micro_counts = step_loss(ids)
-            (loss / args.micro_batches).backward()
-            lm_loss = lm_loss + micro_lm_loss / args.micro_batches
-            counts = counts + micro_counts
+        lm_loss, counts = step_passes(model, train, args, step, world, rank, device, step_loss, mesh)
         for p in expert_params:  # summed over the ep ranks' tokens; the loss is their mean
             if p.grad is not None:
                 p.grad.div_(args.ep)
@@ -646,7 +642,7 @@ def main(argv=None) -> dict | None:
         bar.close()
     result = summary(args, meta, log, start, tokens_per_step, flops_per_token, params_total, device)
     if args.moe_share_steps:
-        result.update(moe_share(model, train, args, device, world, rank, step_loss))
+        result.update(moe_share(model, train, args, device, world, rank, step_loss, mesh))
         if result["step_ms_median"]:  # of the whole training step (clipping and the optimizer step included)
             result["moe_share_of_step"] = result["moe_ms"] / result["step_ms_median"]
     if rank == 0:
@@ -698,11 +694,11 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
     }
 
 
-def moe_share(model, train, args, device, world, rank, step_loss) -> dict:
-    """Times ``--moe-share-steps`` forward+backward steps (no optimizer step) of the training loss ``step_loss`` with
-    the run's experts, then with the experts replaced by zeros: the experts' share of the step. (The training loss,
-    not a bare forward: it empties the routers' recorded logits, whose growing count a compiled model would
-    otherwise recompile on every step, up to dynamo's limit and on into eager frames.)"""
+def moe_share(model, train, args, device, world, rank, step_loss, mesh=None) -> dict:
+    """Times ``--moe-share-steps`` steps' forward+backward passes (:func:`step_passes`, no optimizer step) of the
+    training loss ``step_loss`` with the run's experts, then with the experts replaced by zeros: the experts' share
+    of the step. (The training loss, not a bare forward: it empties the routers' recorded logits, whose growing count a compiled
+    model would otherwise recompile on every step, up to dynamo's limit and on into eager frames.)"""
     from transformers.integrations import moe as hf_moe
 
     hf_moe.ExpertsInterface.register(NO_EXPERTS, _no_experts)
@@ -710,23 +706,43 @@ def moe_share(model, train, args, device, world, rank, step_loss) -> dict:
     def median_ms() -> float:
         times = []
         for i in range(args.moe_share_steps + 3):
-            ids = train.batch(i * world + rank, args.seqs_per_step).to(device)
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            # the FP8 experts' weight copies dropped, as by the optimizer step before every training step: the
+            # step's quantisation timed with its experts, not the copies of the last timed step reused
+            clear_weight_cache()
             begin.record()
-            step_loss(ids)[0].backward()
+            step_passes(model, train, args, i, world, rank, device, step_loss, mesh)
             end.record()
             end.synchronize()
             model.zero_grad(set_to_none=True)
             times.append(begin.elapsed_time(end))
         return statistics.median(times[3:])
 
+    copies = ", the FP8 weight copies made in each" if args.precision == "fp8" else ""
     with_experts = median_ms()
     model.set_experts_implementation(NO_EXPERTS)
     without = median_ms()
     model.set_experts_implementation(args.experts)
     return {"moe_share": 1 - without / with_experts, "moe_ms": with_experts - without, "moe_share_method":
-            f"ablation: fwd+bwd median of {args.moe_share_steps} steps with the experts ({with_experts:.2f} ms) and "
-            f"with the experts replaced by zeros ({without:.2f} ms)"}
+            f"ablation: median of {args.moe_share_steps} steps' forward+backward passes ({args.micro_batches} a "
+            f"step{copies}) with the experts ({with_experts:.2f} ms) and with the experts replaced by zeros "
+            f"({without:.2f} ms)"}
+
+
+def step_passes(model, train, args, step, world, rank, device, step_loss, mesh=None):
+    """The forward+backward passes of training step ``step`` (its ``--micro-batches``; the gradient their mean),
+    without the optimizer step; returns the step's language-model loss and expert counts."""
+    lm_loss = counts = 0.0
+    for micro in range(args.micro_batches):
+        if mesh is not None:  # FSDP2 reduces the gradients after the last micro-batch only
+            model.set_requires_gradient_sync(micro == args.micro_batches - 1)
+        index = (step * args.micro_batches + micro) * world + rank
+        ids = train.batch(index, args.seqs_per_step).to(device, non_blocking=True)
+        loss, micro_lm_loss, micro_counts = step_loss(ids)
+        (loss / args.micro_batches).backward()
+        lm_loss = lm_loss + micro_lm_loss / args.micro_batches
+        counts = counts + micro_counts
+    return lm_loss, counts
 
 
 def fp8_copies_line(model) -> str:

@@ -153,6 +153,61 @@ def test_micro_batches_accumulate_the_steps_gradient(runs, corpus):
                             str(checkpoint)))
 
 
+def test_moe_share_times_whole_steps_with_their_fp8_weight_copies(monkeypatch):
+    """The ablation's timed unit is a training step's forward+backward passes, --micro-batches of them (batches as
+    the loop reads them), each unit after the FP8 weight copies are dropped as the optimizer step drops them before
+    every training step: a step's quantisation is timed with its experts, and ``moe_ms`` is per step, as the
+    ``step_ms`` that ``moe_share_of_step`` divides it by. (CUDA's timing events stood in for: 2 ms with the experts,
+    1.5 without.)"""
+    calls = []
+    implementation = ["megamoe"]
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            calls.append("record")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 2.0 if implementation[0] == "megamoe" else 1.5
+
+    class Model:
+        def set_experts_implementation(self, name):
+            implementation[0] = name
+
+        def zero_grad(self, set_to_none):
+            pass
+
+    class Batches:
+        def batch(self, index, seqs):
+            return torch.full((seqs, 4), index)
+
+    weight = torch.ones((), requires_grad=True)
+
+    def step_loss(ids):
+        calls.append(("pass", int(ids[0, 0]), ids.shape[0]))
+        return weight * 2, 0.0, 0.0
+
+    monkeypatch.setattr(train.torch.cuda, "Event", Event)
+    monkeypatch.setattr(train, "clear_weight_cache", lambda: calls.append("drop copies"))
+    args = train.parse_args(["--moe-share-steps", "2", "--micro-batches", "3", "--seqs-per-step", "2"], cuda=True)
+    assert args.precision == "bf16"  # (the copies are dropped whatever the precision: a no-op without FP8 ones)
+    result = train.moe_share(Model(), Batches(), args, torch.device("cpu"), 2, 1, step_loss)
+    assert implementation == ["megamoe"]
+    assert result["moe_ms"] == pytest.approx(0.5) and result["moe_share"] == pytest.approx(0.25)
+
+    def step(i):  # rank 1 of 2 reads every other batch, 3 micro-batches of 2 sequences a step
+        return ["drop copies", "record", *[("pass", (i * 3 + m) * 2 + 1, 2) for m in range(3)], "record"]
+
+    # 3 untimed steps then 2 timed, with the experts and without
+    assert calls == [call for _ in range(2) for i in range(5) for call in step(i)]
+    assert "3 a step" in result["moe_share_method"] and "FP8 weight copies" not in result["moe_share_method"]
+
+
 def test_a_run_says_it_has_no_gpu_first_and_where_it_wrote_last(runs):
     """Without a GPU the first line says so (before the first step); the last lines give the eval loss rounded
     and the absolute paths of the log, the plot and the last checkpoint."""
