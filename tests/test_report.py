@@ -206,7 +206,8 @@ def test_tables_name_each_runs_gpu():
 def test_train_table_names_micro_batches_and_code(tmp_path):
     """A run that accumulates gradients over micro-batches says so in its tokens per step; one without the key
     (written before the option existed) counts as one micro-batch. Each row names the code that ran: its commit, or
-    its source digest where the tree had changes (two runs of one setting and seed, at two commits, stay apart)."""
+    its source digest where the tree had changes (two runs of one setting and seed, at two commits, stay apart); an FP8
+    run's MoE share from an ablation that reused its weight copies says so."""
     (tmp_path / "train").mkdir()
     run = json.loads((ROOT / "benchmarks" / "results" / "train" / "qwen3-30b-a3b-l2-megamoe-s0.json").read_text())
     run.pop("micro_batches", None)
@@ -224,3 +225,11 @@ def test_train_table_names_micro_batches_and_code(tmp_path):
     rows = [line for line in report.train_table(tmp_path).splitlines() if line.startswith("| qwen3")]
     assert rows[0].startswith(f"| {run['preset']}, {run['layers']} layers ({report._gpu(run)}) |")
     assert "| megamoe (FP8, x's dW13 scales over the layer) | 9 |" in rows[1] and "layers (H100) |" in rows[1]
+    # an FP8 run's share from an ablation that reused the weight copies says so; a bf16 one's needs not
+    assert f"| {run['moe_share']:.3f} (copies reused) |" in rows[1] and f"| {run['moe_share']:.3f} |" in rows[0]
+    (tmp_path / "train" / "h100.json").write_text(json.dumps({
+        **run, "gpu": "NVIDIA H100 80GB HBM3", "seed": 9, "expert_precision": "fp8",
+        "moe_share_method": "ablation: median of 5 steps' forward+backward passes (1 a step, the FP8 weight copies "
+                            "made in each) with the experts (1.00 ms) and with the experts replaced by zeros (0.50 ms)"}))
+    rows = [line for line in report.train_table(tmp_path).splitlines() if line.startswith("| qwen3")]
+    assert f"| megamoe (FP8) | 9 | {run['steps']} | " in rows[1] and f"| {run['moe_share']:.3f} |" in rows[1]
