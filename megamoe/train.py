@@ -35,8 +35,9 @@ Also a template to copy. What it does, in order:
   copies' policy, ``fp8_weight_cache`` —, per-step
   losses, eval losses, each step's expert load per decoder layer (``expert_load``: the most-loaded expert's top-k
   assignments over the mean, every rank's tokens; 1 is balanced; the progress bar shows the largest), tokens/s — the
-  median over the steps after the first 10 —, step and host times, MFU, peak memory; GPU, versions, date,
-  commit, command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's and the
+  median over the steps after the first 10 —, step and host times, MFU, peak memory, what the CUDA caching
+  allocator asked of the driver over those steps (``allocator_timed_steps``: segments got by ``cudaMalloc`` and
+  given back, and allocations retried after freeing its cache, each a stall); GPU, versions, date, commit, command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's and the
   optimizer's tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in ``state.json``;
   ``--resume DIR`` continues from one bitwise as if never stopped (same world size and ``--ep``).
 
@@ -182,15 +183,37 @@ class Sequences:
 
 # -- model -------------------------------------------------------------------------------------------------------
 
-def record_router_logits(model) -> list[torch.Tensor]:
-    """A list that every router of ``model`` appends its logits to, each forward (forward hooks)."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+class RouterLogits:
+    """Every router's logits of ``model``'s last forward, for the auxiliary loss: each router's forward hook keeps
+    its output on the router module. (An attribute store, which a compiled layer replays without a guard on what it
+    held; appending to one shared list made each decoder layer's compiled frame guard on the list's length, so that
+    each layer compiled an entry of its own and the layers past dynamo's recompile limit, 8, ran eagerly.)"""
 
-    recorded = []
-    for module in model.modules():
-        if isinstance(module, Qwen3MoeTopKRouter):
-            module.register_forward_hook(lambda _module, _inputs, outputs: recorded.append(outputs[0]))
-    return recorded
+    ATTR = "_megamoe_train_logits"
+
+    def __init__(self, model):
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)]
+        for router in self.routers:
+            setattr(router, self.ATTR, None)
+            router.register_forward_hook(_keep_router_logits)
+
+    def take(self) -> list[torch.Tensor]:
+        """The logits of the last forward, router by router; forgotten by the routers."""
+        logits = [getattr(router, self.ATTR) for router in self.routers]
+        self.clear()
+        if any(x is None for x in logits):
+            raise RuntimeError("a router did not run in the last forward: no logits to take")
+        return logits
+
+    def clear(self) -> None:
+        for router in self.routers:
+            setattr(router, self.ATTR, None)
+
+
+def _keep_router_logits(module, _inputs, outputs):
+    setattr(module, RouterLogits.ATTR, outputs[0])
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int,
@@ -258,9 +281,9 @@ def prepare(model, experts: str, compile_mode: str | None, mesh, ep_group, preci
         fully_shard(model, mesh=mesh["world"])
     expert_params = [p for layer in model.model.layers for p in layer.mlp.experts.parameters()] if ep_group else []
     if compile_mode is not None:
-        # The routers' hooks (record_router_logits) append to a list inside checkpointed layers, a side effect
+        # The routers' hooks (RouterLogits) store onto the routers inside checkpointed layers, a side effect
         # dynamo refuses in a compiled checkpoint unless it may leave it out of the backward's recompute, which
-        # the loop wants anyway (it discards what the recompute records).
+        # the loop wants anyway (the loss takes the forward's logits).
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         compile_model(model, compile_mode)
     return expert_params
@@ -532,7 +555,7 @@ def main(argv=None) -> dict | None:
     dtype = torch.bfloat16 if cuda else torch.float32
     vocab = data["vocab_size"] if args.preset == "tiny" else QWEN3_VOCAB
     model = build(args.preset, args.layers, vocab, dtype, device, seed=args.seed)
-    router_logits = record_router_logits(model)
+    router_logits = RouterLogits(model)
     params_total = sum(p.numel() for p in model.parameters())
     flops_per_token = model_flops_per_token(model.config, args.seq_len)
     model.train()
@@ -557,10 +580,9 @@ def main(argv=None) -> dict | None:
         say(fp8_copies_line(model))
 
     def step_loss(ids):  # (the loss to train on, the language-model loss alone, assignments per router and expert)
-        router_logits.clear()
         lm_loss = model(input_ids=ids, labels=ids).loss
-        aux, counts = load_balancing_loss(router_logits, model.config.num_experts, model.config.num_experts_per_tok)
-        router_logits.clear()  # what the backward's recompute records is not used
+        aux, counts = load_balancing_loss(router_logits.take(), model.config.num_experts,
+                                          model.config.num_experts_per_tok)
         return lm_loss + AUX_LOSS_COEF * aux, lm_loss.detach(), counts
 
     def evaluate() -> float:  # every rank runs every held-out sequence (FSDP2 and EP exchange in lockstep)
@@ -609,7 +631,10 @@ def main(argv=None) -> dict | None:
             bar.update(len(pending))
         pending.clear()
 
+    allocator = {}  # the CUDA caching allocator's counts at the first timed step (cudaMalloc / cudaFree / retries)
     for step in range(start, stop):
+        if cuda and step == start + TIMING_SKIP:
+            allocator = allocator_counts(device)
         host_start = time.perf_counter()
         begin = end = None
         if cuda:
@@ -641,6 +666,8 @@ def main(argv=None) -> dict | None:
     if bar is not None:
         bar.close()
     result = summary(args, meta, log, start, tokens_per_step, flops_per_token, params_total, device)
+    if allocator:  # over the timed steps (and the evals among them)
+        result["allocator_timed_steps"] = {k: v - allocator[k] for k, v in allocator_counts(device).items()}
     if args.moe_share_steps:
         result.update(moe_share(model, train, args, device, world, rank, step_loss, mesh))
         if result["step_ms_median"]:  # of the whole training step (clipping and the optimizer step included)
@@ -658,6 +685,14 @@ def main(argv=None) -> dict | None:
         dist.barrier()
         dist.destroy_process_group()
     return result
+
+
+def allocator_counts(device) -> dict:
+    """The CUDA caching allocator's cumulative counts: segments it got from the driver (``cudaMalloc``) and gave back
+    (``cudaFree``), and the allocations that failed and freed its whole cache to retry."""
+    stats = torch.cuda.memory_stats(device)
+    return {"cuda_mallocs": stats.get("num_device_alloc", 0), "cuda_frees": stats.get("num_device_free", 0),
+            "alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
 def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_total, device) -> dict:
@@ -690,15 +725,14 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
         "mfu_flops_per_token": flops_per_token, "mfu_peak_tflops": PEAK_TFLOPS,
         "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
         "final_eval_loss": log["eval"][-1]["loss"] if log["eval"] else None,
-        "moe_share": None, "moe_ms": None, "moe_share_of_step": None, **log,
+        "moe_share": None, "moe_ms": None, "moe_share_of_step": None, "allocator_timed_steps": None, **log,
     }
 
 
 def moe_share(model, train, args, device, world, rank, step_loss, mesh=None) -> dict:
     """Times ``--moe-share-steps`` steps' forward+backward passes (:func:`step_passes`, no optimizer step) of the
     training loss ``step_loss`` with the run's experts, then with the experts replaced by zeros: the experts' share
-    of the step. (The training loss, not a bare forward: it empties the routers' recorded logits, whose growing count a compiled
-    model would otherwise recompile on every step, up to dynamo's limit and on into eager frames.)"""
+    of the step."""
     from transformers.integrations import moe as hf_moe
 
     hf_moe.ExpertsInterface.register(NO_EXPERTS, _no_experts)

@@ -65,8 +65,9 @@ def test_log_has_the_documented_fields_and_a_plot(runs):
     for key in ("gpu", "torch", "transformers", "date", "command", "preset", "layers", "params", "experts",
                 "precision", "ep", "seq_len", "steps", "tokens_per_s", "step_ms_median", "mfu", "moe_share",
                 "moe_ms", "moe_share_of_step", "peak_mem_bytes", "final_eval_loss", "losses", "fp8_weight_gradients",
-                "fp8_wgrad_x_scales", "fp8_weight_cache", "expert_load"):
+                "fp8_wgrad_x_scales", "fp8_weight_cache", "expert_load", "allocator_timed_steps"):
         assert key in log, key
+    assert log["allocator_timed_steps"] is None  # (CUDA's allocator, on a GPU)
     assert log["fp8_weight_gradients"] is None and log["fp8_wgrad_x_scales"] is None  # bf16 experts
     assert log["fp8_weight_cache"] is None
     # each step's load per decoder layer: the tiny preset's 8 experts, top-2, between balanced and all on two
@@ -353,6 +354,27 @@ def test_whole_model_compiled_trains_as_eager(runs, corpus, experts):
     assert run["compile_mode"] == "model" and len(run["losses"]) == 2
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(results[experts]["losses"][:2]),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_layers_share_their_graphs_however_many_layers(runs, corpus):
+    """``--compile-mode layers``: every decoder layer runs the same compiled graphs (training, eval), so that a
+    model of more layers than dynamo's recompile limit (8) compiles no more than a 2-layer one and no layer runs
+    eagerly. (Routers appending to one shared list made every layer's frame guard on its length: an entry per
+    layer, and the layers past the limit eager.)"""
+    from torch._dynamo.utils import counters
+
+    out = runs[0]  # (its tokenizer cache)
+    graphs = {}
+    for layers in (2, 10):
+        torch._dynamo.reset()
+        counters.clear()
+        run = train.main(args_for(corpus, out, "megamoe", "--layers", str(layers), "--compile-mode", "layers",
+                                  "--steps", "2", "--eval-every", "2", "--no-checkpoint",
+                                  "--name", f"compiled-{layers}-layers"))
+        assert len(run["losses"]) == 2 and counters["frames"]["total"] == counters["frames"]["ok"]
+        graphs[layers] = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert 0 < graphs[10] == graphs[2] < 8, graphs
 
 
 @pytest.mark.parametrize("argv,mode", [([], None), (["--compile"], "layers"), (["--compile-mode", "layers"], "layers"),
