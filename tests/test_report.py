@@ -233,3 +233,8 @@ def test_train_table_names_micro_batches_and_code(tmp_path):
                             "made in each) with the experts (1.00 ms) and with the experts replaced by zeros (0.50 ms)"}))
     rows = [line for line in report.train_table(tmp_path).splitlines() if line.startswith("| qwen3")]
     assert f"| megamoe (FP8) | 9 | {run['steps']} | " in rows[1] and f"| {run['moe_share']:.3f} |" in rows[1]
+    # a share that is no share (the model timed slower without its experts) says the ablation failed
+    (tmp_path / "train" / "h100.json").write_text(json.dumps({**run, "gpu": "NVIDIA H100 80GB HBM3", "seed": 9,
+                                                              "moe_share": -0.04}))
+    rows = [line for line in report.train_table(tmp_path).splitlines() if line.startswith("| qwen3")]
+    assert "| megamoe | 9 |" in rows[1] and "| failed |" in rows[1]

@@ -291,7 +291,9 @@ def train_table(folder: Path) -> str:
     for r in sorted(runs, key=lambda r: (r["preset"], micro_batches(r), -r["seq_len"], r["experts"] != "megamoe",
                                          fp8(r), r["seed"])):
         share = "" if r["moe_share"] is None else f"{r['moe_share']:.3f}"
-        if share and fp8(r) and "weight copies" not in r.get("moe_share_method", ""):
+        if share and r["moe_share"] <= 0:
+            share = "failed"
+        elif share and fp8(r) and "weight copies" not in r.get("moe_share_method", ""):
             share += " (copies reused)"
         option = _x_scales_option(r.get("fp8_wgrad_x_scales"), "x's dW13 scales")
         experts = f"{r['experts']} (FP8{option})" if fp8(r) else r["experts"]
@@ -308,7 +310,9 @@ def train_table(folder: Path) -> str:
                    "TFLOP/s; MoE share: the experts' part of forward+backward, by ablation (of the whole step, "
                    "optimizer included: `moe_share_of_step` in runs that record it; \"copies reused\": an FP8 run's "
                    "ablation, before 3369c6e, that reused cached weight copies between its timed steps, leaving out "
-                   "quantisation every training step makes); code: the commit, or the source digest of a tree with changes.")]
+                   "quantisation every training step makes; \"failed\": the ablation timed the model without the "
+                   "experts slower than with them, its layers past dynamo's recompile limit run eagerly, before "
+                   "bc58270); code: the commit, or the source digest of a tree with changes.")]
     return "\n".join(lines)
 
 
