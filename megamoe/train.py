@@ -37,8 +37,9 @@ Also a template to copy. What it does, in order:
   assignments over the mean, every rank's tokens; 1 is balanced; the progress bar shows the largest), tokens/s — the
   median over the steps after the first 10 —, step and host times, MFU, peak memory, what the CUDA caching
   allocator asked of the driver over those steps (``allocator_timed_steps``: segments got by ``cudaMalloc`` and
-  given back, and allocations retried after freeing its cache, each a stall); GPU, versions, date, commit, command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's and the
-  optimizer's tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in ``state.json``;
+  given back, and allocations retried after freeing its cache, each a stall); GPU, versions, date, commit,
+  command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's and the optimizer's
+  tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in ``state.json``;
   ``--resume DIR`` continues from one bitwise as if never stopped (same world size and ``--ep``).
 
 MFU counts 6 FLOPs per token per active parameter of the attention projections, router, routed experts and LM

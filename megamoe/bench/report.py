@@ -310,9 +310,9 @@ def train_table(folder: Path) -> str:
                    "TFLOP/s; MoE share: the experts' part of forward+backward, by ablation (of the whole step, "
                    "optimizer included: `moe_share_of_step` in runs that record it; \"copies reused\": an FP8 run's "
                    "ablation, before 3369c6e, that reused cached weight copies between its timed steps, leaving out "
-                   "quantisation every training step makes; \"failed\": the ablation timed the model without the "
-                   "experts slower than with them, its layers past dynamo's recompile limit run eagerly, before "
-                   "bc58270); code: the commit, or the source digest of a tree with changes.")]
+                   "the quantisation that every training step makes; \"failed\": the ablation timed the model "
+                   "without the experts slower than with them, its layers past dynamo's recompile limit run eagerly, "
+                   "before bc58270); code: the commit, or the source digest of a tree with changes.")]
     return "\n".join(lines)
 
 
