@@ -35,7 +35,8 @@ Also a template to copy. What it does, in order:
   copies' policy, ``fp8_weight_cache`` —, per-step
   losses, eval losses, each step's expert load per decoder layer (``expert_load``: the most-loaded expert's top-k
   assignments over the mean, every rank's tokens; 1 is balanced; the progress bar shows the largest), tokens/s — the
-  median over the steps after the first 10 —, step and host times, MFU, peak memory, what the CUDA caching
+  median over the steps after the first 10 —, step and host times, each step's forward+backward passes
+  (``passes_ms``: the step less clipping and the optimizer step; their median ``passes_ms_median``), MFU, peak memory, what the CUDA caching
   allocator asked of the driver over those steps (``allocator_timed_steps``: segments got by ``cudaMalloc`` and
   given back, and allocations retried after freeing its cache, each a stall); GPU, versions, date, commit,
   command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's and the optimizer's
@@ -597,7 +598,7 @@ def main(argv=None) -> dict | None:
 
     tokens_per_step = args.seq_len * args.seqs_per_step * args.micro_batches * world
     stop = min(args.steps, args.stop_after if args.stop_after is not None else args.steps)
-    log = {"losses": [], "grad_norms": [], "eval": [], "step_ms": [], "host_ms": [], "expert_load": []}
+    log = {"losses": [], "grad_norms": [], "eval": [], "step_ms": [], "passes_ms": [], "host_ms": [], "expert_load": []}
     pending = []
     bar = None
     if rank == 0 and not args.quiet:
@@ -611,16 +612,17 @@ def main(argv=None) -> dict | None:
         if not pending:
             return
         if cuda:
-            pending[-1][4].synchronize()
+            pending[-1][3][2].synchronize()
         losses = all_mean(torch.stack([p[1] for p in pending]).float(), world).tolist()
         norms = torch.stack([p[2] for p in pending]).float().tolist()
-        loads = expert_load(all_mean(torch.stack([p[6] for p in pending]), world)).tolist()  # every rank's tokens
-        for (s, _, _, begin, end, host, _), loss, norm, load in zip(pending, losses, norms, loads):
+        loads = expert_load(all_mean(torch.stack([p[5] for p in pending]), world)).tolist()  # every rank's tokens
+        for (s, _, _, (begin, passed, end), host, _), loss, norm, load in zip(pending, losses, norms, loads):
             log["losses"].append(loss)
             log["grad_norms"].append(norm)
             log["expert_load"].append([round(x, 4) for x in load])
-            log["host_ms"].append(host)
-            log["step_ms"].append(begin.elapsed_time(end) if cuda else host)
+            log["host_ms"].append(host[0])
+            log["step_ms"].append(begin.elapsed_time(end) if cuda else host[0])
+            log["passes_ms"].append(begin.elapsed_time(passed) if cuda else host[1])
         if bar is not None:
             ms = log["step_ms"][-1]
             postfix = {"loss": f"{losses[-1]:.3f}", "tok/s": f"{tokens_per_step / ms * 1e3:,.0f}",
@@ -637,11 +639,14 @@ def main(argv=None) -> dict | None:
         if cuda and step == start + TIMING_SKIP:
             allocator = allocator_counts(device)
         host_start = time.perf_counter()
-        begin = end = None
+        begin = passed = end = None
         if cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin, passed, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
             begin.record()
         lm_loss, counts = step_passes(model, train, args, step, world, rank, device, step_loss, mesh)
+        host_passes = (time.perf_counter() - host_start) * 1e3
+        if cuda:
+            passed.record()
         for p in expert_params:  # summed over the ep ranks' tokens; the loss is their mean
             if p.grad is not None:
                 p.grad.div_(args.ep)
@@ -652,7 +657,8 @@ def main(argv=None) -> dict | None:
         opt.zero_grad(set_to_none=True)
         if cuda:
             end.record()
-        pending.append((step, lm_loss, norm.detach(), begin, end, (time.perf_counter() - host_start) * 1e3, counts))
+        pending.append((step, lm_loss, norm.detach(), (begin, passed, end),
+                        ((time.perf_counter() - host_start) * 1e3, host_passes), counts))
         last = step == stop - 1
         if (step + 1) % args.log_every == 0 or last:
             flush()
@@ -704,6 +710,7 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
     timed = log["step_ms"][TIMING_SKIP:] or log["step_ms"]
     step_ms = statistics.median(timed) if timed else None
     host = log["host_ms"][TIMING_SKIP:] or log["host_ms"]
+    passes = log["passes_ms"][TIMING_SKIP:] or log["passes_ms"]
     return {
         "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "triton": triton.__version__, "transformers": transformers.__version__, "megamoe": megamoe.__version__,
@@ -722,6 +729,7 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
         "first_step": start, "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / step_ms * 1e3 if step_ms else None, "step_ms_median": step_ms,
         "host_ms_median": statistics.median(host) if host else None,
+        "passes_ms_median": statistics.median(passes) if passes else None,
         "mfu": mfu(flops_per_token * tokens_per_step, step_ms) if cuda and step_ms else None,
         "mfu_flops_per_token": flops_per_token, "mfu_peak_tflops": PEAK_TFLOPS,
         "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,

@@ -65,8 +65,12 @@ def test_log_has_the_documented_fields_and_a_plot(runs):
     for key in ("gpu", "torch", "transformers", "date", "command", "preset", "layers", "params", "experts",
                 "precision", "ep", "seq_len", "steps", "tokens_per_s", "step_ms_median", "mfu", "moe_share",
                 "moe_ms", "moe_share_of_step", "peak_mem_bytes", "final_eval_loss", "losses", "fp8_weight_gradients",
-                "fp8_wgrad_x_scales", "fp8_weight_cache", "expert_load", "allocator_timed_steps"):
+                "fp8_wgrad_x_scales", "fp8_weight_cache", "expert_load", "allocator_timed_steps", "passes_ms",
+                "passes_ms_median"):
         assert key in log, key
+    # each step's passes: part of the step (the rest is clipping and the optimizer step)
+    assert len(log["passes_ms"]) == len(log["step_ms"]) == len(log["losses"])
+    assert all(0 < passes < step for passes, step in zip(log["passes_ms"], log["step_ms"]))
     assert log["allocator_timed_steps"] is None  # (CUDA's allocator, on a GPU)
     assert log["fp8_weight_gradients"] is None and log["fp8_wgrad_x_scales"] is None  # bf16 experts
     assert log["fp8_weight_cache"] is None
