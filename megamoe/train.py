@@ -29,7 +29,9 @@ Also a template to copy. What it does, in order:
   ``torch.compile`` of every decoder layer (``--compile-mode layers``, or ``--compile``) or of the whole model in
   one graph (``--compile-mode model``, ``fullgraph=True``; without a GPU the ``aot_eager`` backend); gradient
   clipping at 1.0; AdamW (β 0.9/0.95, weight decay 0.1) with
-  linear warm-up and cosine decay to 10% of ``--lr``.
+  linear warm-up and cosine decay to 10% of ``--lr``, torch's fused implementation (one pass over each parameter's
+  weights, gradient and states; ``--optimizer foreach`` for its multi-tensor one, a pass per arithmetic step with
+  temporaries the size of the weights).
 - **Output** in ``--out``/``--name``: ``log.json`` (configuration — with FP8 experts whether their weight gradients
   are FP8, ``fp8_weight_gradients``, with FP8 ones x's scales in dW13, ``fp8_wgrad_x_scales``, and their weight
   copies' policy, ``fp8_weight_cache`` —, per-step
@@ -376,8 +378,8 @@ def load_checkpoint(folder: Path, model, opt, rank: int, expect: dict) -> int:
             entry = {}
             for key in keys:
                 value, field = tensors[key], key.rsplit("/", 1)[1]
-                if value.dim() == 0:  # AdamW's step count: stays where the optimizer keeps it (CPU)
-                    entry[field] = value.clone()
+                if value.dim() == 0:  # AdamW's step count: where the optimizer keeps it (fused: on the device)
+                    entry[field] = value.to(_local(p).device) if opt.defaults["fused"] else value.clone()
                 else:
                     entry[field] = torch.zeros_like(p)
                     _local(entry[field]).copy_(value)
@@ -428,6 +430,8 @@ def parse_args(argv=None, cuda: bool | None = None):
                         "element), or call, made in every forward and backward and held by none (a quantisation in "
                         "each; what FSDP2 runs of many layers need)")
     p.add_argument("--lr", type=positive_float, default=3e-4, help="peak learning rate")
+    p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+                   help="torch's AdamW implementation: fused (default) or foreach")
     p.add_argument("--warmup", type=non_negative_int,
                    help=f"warm-up steps (default: {GPU_DEFAULTS['warmup']}, without a GPU {CPU_DEFAULTS['warmup']})")
     p.add_argument("--seed", type=int, default=0, help="weights and data order")
@@ -565,7 +569,8 @@ def main(argv=None) -> dict | None:
     if args.fp8_weight_cache:
         megamoe.set_fp8_weight_cache(args.fp8_weight_cache)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            **{args.optimizer: True})
     meta = {"preset": args.preset, "layers": args.layers, "experts": args.experts,
             "expert_precision": args.precision, "seq_len": args.seq_len,
             "seqs_per_step": args.seqs_per_step, "micro_batches": args.micro_batches, "world": world, "ep": args.ep,
@@ -725,7 +730,7 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
                                if args.precision == "fp8" and megamoe.autograd.FP8_WGRAD else None),
         # and how long their weights' FP8 copies live (``megamoe.set_fp8_weight_cache``)
         "fp8_weight_cache": fp8_weight_cache() if args.precision == "fp8" else None,
-        "optimizer": "AdamW, bf16 states" if cuda else "AdamW, fp32",
+        "optimizer": f"AdamW ({args.optimizer}), " + ("bf16 states" if cuda else "fp32"),
         "first_step": start, "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / step_ms * 1e3 if step_ms else None, "step_ms_median": step_ms,
         "host_ms_median": statistics.median(host) if host else None,

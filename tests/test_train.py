@@ -109,6 +109,25 @@ def test_resumed_run_continues_bitwise(runs, corpus):
         assert resumed["eval"][-1] == results[experts]["eval"][-1]
 
 
+def test_foreach_adamw_takes_the_fused_ones_steps(runs, corpus):
+    """``--optimizer foreach`` is the same AdamW as the default fused one (to rounding), and either resumes the
+    other's checkpoint (the step count moved to where the resuming optimizer keeps it)."""
+    out, results, _ = runs
+    fused = results["megamoe"]
+    assert fused["optimizer"] == "AdamW (fused), fp32"
+    foreach = train.main(args_for(corpus, out, "megamoe", "--optimizer", "foreach", "--name", "foreach",
+                                  "--checkpoint-every", "3"))
+    assert foreach["optimizer"] == "AdamW (foreach), fp32"
+    torch.testing.assert_close(torch.tensor(foreach["losses"]), torch.tensor(fused["losses"]), rtol=1e-5, atol=1e-6)
+    for name, checkpoint in (("fused-from-foreach", out / "foreach" / "checkpoint-3"),
+                             ("foreach-from-fused", out / "tiny-l2-megamoe-s64x2-seed0" / "checkpoint-3")):
+        optimizer = name.split("-")[0]
+        resumed = train.main(args_for(corpus, out, "megamoe", "--optimizer", optimizer, "--resume", str(checkpoint),
+                                      "--name", name, "--no-checkpoint"))
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(fused["losses"][3:]), rtol=1e-5,
+                                   atol=1e-6, msg=name)
+
+
 def test_resume_refuses_another_configuration(runs, corpus):
     out, _, _ = runs
     checkpoint = out / "tiny-l2-megamoe-s64x2-seed0" / "checkpoint-3"
