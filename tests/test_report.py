@@ -238,3 +238,9 @@ def test_train_table_names_micro_batches_and_code(tmp_path):
                                                               "moe_share": -0.04}))
     rows = [line for line in report.train_table(tmp_path).splitlines() if line.startswith("| qwen3")]
     assert "| megamoe | 9 |" in rows[1] and "| failed |" in rows[1]
+    # a run with the fused AdamW says so, beside FP8 where both hold; the older runs (foreach) need not
+    (tmp_path / "train" / "h100.json").write_text(json.dumps({**run, "gpu": "NVIDIA H100 80GB HBM3", "seed": 9,
+                                                              "expert_precision": "fp8",
+                                                              "optimizer": "AdamW (fused), bf16 states"}))
+    rows = [line for line in report.train_table(tmp_path).splitlines() if line.startswith("| qwen3")]
+    assert "| megamoe (FP8, fused AdamW) | 9 |" in rows[1] and "| megamoe | 0 |" in rows[0]

@@ -296,7 +296,8 @@ def train_table(folder: Path) -> str:
         elif share and fp8(r) and "weight copies" not in r.get("moe_share_method", ""):
             share += " (copies reused)"
         option = _x_scales_option(r.get("fp8_wgrad_x_scales"), "x's dW13 scales")
-        experts = f"{r['experts']} (FP8{option})" if fp8(r) else r["experts"]
+        marks = ([f"FP8{option}"] if fp8(r) else []) + (["fused AdamW"] if "(fused)" in r.get("optimizer", "") else [])
+        experts = f"{r['experts']} ({', '.join(marks)})" if marks else r["experts"]
         model = f"{r['preset']}, {r['layers']} layers" + (f" ({_gpu(r)})" if several_gpus else "")
         per_step = f"{r['seqs_per_step']} x {r['seq_len']}"
         if micro_batches(r) > 1:
@@ -306,7 +307,8 @@ def train_table(folder: Path) -> str:
                      f"{r['mfu']:.1%} | {share} | {r['peak_mem_bytes'] / 2**30:.1f} | {r['final_eval_loss']:.3f} | "
                      f"{_code(r)} |")
     lines += ["", (f"{_versions(runs)}; bf16 (the experts' GEMMs too, but where marked FP8: blockwise), every decoder "
-                   "layer compiled and checkpointed; tokens/s: the median step after the first 10; MFU against 989 "
+                   "layer compiled and checkpointed; AdamW: torch's foreach implementation, but where marked fused (`megamoe.train`'s "
+                   "default from 915bb1f); tokens/s: the median step after the first 10; MFU against 989 "
                    "TFLOP/s; MoE share: the experts' part of forward+backward, by ablation (of the whole step, "
                    "optimizer included: `moe_share_of_step` in runs that record it; \"copies reused\": an FP8 run's "
                    "ablation, before 3369c6e, that reused cached weight copies between its timed steps, leaving out "
