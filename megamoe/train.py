@@ -38,10 +38,10 @@ Also a template to copy. What it does, in order:
   losses, eval losses, each step's expert load per decoder layer (``expert_load``: the most-loaded expert's top-k
   assignments over the mean, every rank's tokens; 1 is balanced; the progress bar shows the largest), tokens/s — the
   median over the steps after the first 10 —, step and host times, each step's forward+backward passes
-  (``passes_ms``: the step less clipping and the optimizer step; their median ``passes_ms_median``), MFU, peak memory, what the CUDA caching
-  allocator asked of the driver over those steps (``allocator_timed_steps``: segments got by ``cudaMalloc`` and
-  given back, and allocations retried after freeing its cache, each a stall); GPU, versions, date, commit,
-  command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's and the optimizer's
+  (``passes_ms``: the step less clipping and the optimizer step; their median ``passes_ms_median``), MFU, peak
+  memory, what the CUDA caching allocator asked of the driver over those steps (``allocator_timed_steps``: segments
+  got by ``cudaMalloc`` and given back, and allocations retried after freeing its cache, each a stall); GPU,
+  versions, date, commit, command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's and the optimizer's
   tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in ``state.json``;
   ``--resume DIR`` continues from one bitwise as if never stopped (same world size and ``--ep``).
 
@@ -569,8 +569,7 @@ def main(argv=None) -> dict | None:
     if args.fp8_weight_cache:
         megamoe.set_fp8_weight_cache(args.fp8_weight_cache)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                            **{args.optimizer: True})
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, **{args.optimizer: True})
     meta = {"preset": args.preset, "layers": args.layers, "experts": args.experts,
             "expert_precision": args.precision, "seq_len": args.seq_len,
             "seqs_per_step": args.seqs_per_step, "micro_batches": args.micro_batches, "world": world, "ep": args.ep,
