@@ -41,8 +41,8 @@ Also a template to copy. What it does, in order:
   (``passes_ms``: the step less clipping and the optimizer step; their median ``passes_ms_median``), MFU, peak
   memory, what the CUDA caching allocator asked of the driver over those steps (``allocator_timed_steps``: segments
   got by ``cudaMalloc`` and given back, and allocations retried after freeing its cache, each a stall); GPU,
-  versions, date, commit, command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's and the optimizer's
-  tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in ``state.json``;
+  versions, date, commit, command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's
+  and the optimizer's tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in ``state.json``;
   ``--resume DIR`` continues from one bitwise as if never stopped (same world size and ``--ep``).
 
 MFU counts 6 FLOPs per token per active parameter of the attention projections, router, routed experts and LM
@@ -68,6 +68,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -199,8 +200,8 @@ class RouterLogits:
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
         self.routers = [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)]
+        self.clear()
         for router in self.routers:
-            setattr(router, self.ATTR, None)
             router.register_forward_hook(_keep_router_logits)
 
     def take(self) -> list[torch.Tensor]:
@@ -616,17 +617,17 @@ def main(argv=None) -> dict | None:
         if not pending:
             return
         if cuda:
-            pending[-1][3][2].synchronize()
-        losses = all_mean(torch.stack([p[1] for p in pending]).float(), world).tolist()
-        norms = torch.stack([p[2] for p in pending]).float().tolist()
-        loads = expert_load(all_mean(torch.stack([p[5] for p in pending]), world)).tolist()  # every rank's tokens
-        for (s, _, _, (begin, passed, end), host, _), loss, norm, load in zip(pending, losses, norms, loads):
+            pending[-1].end.synchronize()
+        losses = all_mean(torch.stack([p.lm_loss for p in pending]).float(), world).tolist()
+        norms = torch.stack([p.norm for p in pending]).float().tolist()
+        loads = expert_load(all_mean(torch.stack([p.counts for p in pending]), world)).tolist()  # every rank's tokens
+        for p, loss, norm, load in zip(pending, losses, norms, loads):
             log["losses"].append(loss)
             log["grad_norms"].append(norm)
             log["expert_load"].append([round(x, 4) for x in load])
-            log["host_ms"].append(host[0])
-            log["step_ms"].append(begin.elapsed_time(end) if cuda else host[0])
-            log["passes_ms"].append(begin.elapsed_time(passed) if cuda else host[1])
+            log["host_ms"].append(p.host_ms)
+            log["step_ms"].append(p.begin.elapsed_time(p.end) if cuda else p.host_ms)
+            log["passes_ms"].append(p.begin.elapsed_time(p.passed) if cuda else p.host_passes_ms)
         if bar is not None:
             ms = log["step_ms"][-1]
             postfix = {"loss": f"{losses[-1]:.3f}", "tok/s": f"{tokens_per_step / ms * 1e3:,.0f}",
@@ -661,8 +662,8 @@ def main(argv=None) -> dict | None:
         opt.zero_grad(set_to_none=True)
         if cuda:
             end.record()
-        pending.append((step, lm_loss, norm.detach(), (begin, passed, end),
-                        ((time.perf_counter() - host_start) * 1e3, host_passes), counts))
+        pending.append(_Pending(lm_loss, norm.detach(), counts, begin, passed, end,
+                                (time.perf_counter() - host_start) * 1e3, host_passes))
         last = step == stop - 1
         if (step + 1) % args.log_every == 0 or last:
             flush()
@@ -696,6 +697,21 @@ def main(argv=None) -> dict | None:
         dist.barrier()
         dist.destroy_process_group()
     return result
+
+
+class _Pending(NamedTuple):
+    """A training step's results until :func:`main`'s ``flush`` reads them: its language-model loss, gradient norm
+    and expert counts (on the device); CUDA events at its start, after its passes and at its end (None on CPU); the
+    host's milliseconds for the step and for its passes."""
+
+    lm_loss: torch.Tensor
+    norm: torch.Tensor
+    counts: torch.Tensor
+    begin: torch.cuda.Event | None
+    passed: torch.cuda.Event | None
+    end: torch.cuda.Event | None
+    host_ms: float
+    host_passes_ms: float
 
 
 def allocator_counts(device) -> dict:
