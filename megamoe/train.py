@@ -34,16 +34,17 @@ Also a template to copy. What it does, in order:
   temporaries the size of the weights).
 - **Output** in ``--out``/``--name``: ``log.json`` (configuration — with FP8 experts whether their weight gradients
   are FP8, ``fp8_weight_gradients``, with FP8 ones x's scales in dW13, ``fp8_wgrad_x_scales``, and their weight
-  copies' policy, ``fp8_weight_cache`` —, per-step
-  losses, eval losses, each step's expert load per decoder layer (``expert_load``: the most-loaded expert's top-k
-  assignments over the mean, every rank's tokens; 1 is balanced; the progress bar shows the largest), tokens/s — the
-  median over the steps after the first 10 —, step and host times, each step's forward+backward passes
-  (``passes_ms``: the step less clipping and the optimizer step; their median ``passes_ms_median``), MFU, peak
-  memory, what the CUDA caching allocator asked of the driver over those steps (``allocator_timed_steps``: segments
-  got by ``cudaMalloc`` and given back, and allocations retried after freeing its cache, each a stall); GPU,
-  versions, date, commit, command), ``loss.png``, and checkpoints (``--checkpoint-every``): per rank, the model's
-  and the optimizer's tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in ``state.json``;
-  ``--resume DIR`` continues from one bitwise as if never stopped (same world size and ``--ep``).
+  copies' policy, ``fp8_weight_cache`` —, per-step losses, eval losses, each step's expert load per decoder layer
+  (``expert_load``: the most-loaded expert's top-k assignments over the mean, every rank's tokens; 1 is balanced; the
+  progress bar shows the largest), tokens/s — the median over the steps after the first 10 —, step and host times,
+  each step's forward+backward passes (``passes_ms``), its gradients' clipping (``clip_ms``: the expert gradients'
+  mean over ``--ep``, the norm and the scaling) and its optimizer step (``optimizer_ms``: AdamW and zeroing the
+  gradients), the three making up ``step_ms``, with their medians (``passes_ms_median``, ``clip_ms_median``,
+  ``optimizer_ms_median``), MFU, peak memory, what the CUDA caching allocator asked of the driver over those steps
+  (``allocator_timed_steps``: segments got by ``cudaMalloc`` and given back, and allocations retried after freeing its
+  cache, each a stall); GPU, versions, date, commit, command), ``loss.png``, and checkpoints (``--checkpoint-every``):
+  per rank, the model's and the optimizer's tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in
+  ``state.json``; ``--resume DIR`` continues from one bitwise as if never stopped (same world size and ``--ep``).
 
 MFU counts 6 FLOPs per token per active parameter of the attention projections, router, routed experts and LM
 head, plus causal attention's 6·S·H·hd per token per layer (S the sequence length), without the recompute of
@@ -603,7 +604,8 @@ def main(argv=None) -> dict | None:
 
     tokens_per_step = args.seq_len * args.seqs_per_step * args.micro_batches * world
     stop = min(args.steps, args.stop_after if args.stop_after is not None else args.steps)
-    log = {"losses": [], "grad_norms": [], "eval": [], "step_ms": [], "passes_ms": [], "host_ms": [], "expert_load": []}
+    log = {"losses": [], "grad_norms": [], "eval": [], "step_ms": [], "passes_ms": [], "clip_ms": [], "optimizer_ms": [],
+           "host_ms": [], "expert_load": []}
     pending = []
     bar = None
     if rank == 0 and not args.quiet:
@@ -626,8 +628,9 @@ def main(argv=None) -> dict | None:
             log["grad_norms"].append(norm)
             log["expert_load"].append([round(x, 4) for x in load])
             log["host_ms"].append(p.host_ms)
-            log["step_ms"].append(p.begin.elapsed_time(p.end) if cuda else p.host_ms)
-            log["passes_ms"].append(p.begin.elapsed_time(p.passed) if cuda else p.host_passes_ms)
+            log["step_ms"].append(_elapsed_ms(p.marks[0], p.marks[-1]))
+            for key, begin, end in zip(("passes_ms", "clip_ms", "optimizer_ms"), p.marks, p.marks[1:]):
+                log[key].append(_elapsed_ms(begin, end))
         if bar is not None:
             ms = log["step_ms"][-1]
             postfix = {"loss": f"{losses[-1]:.3f}", "tok/s": f"{tokens_per_step / ms * 1e3:,.0f}",
@@ -644,26 +647,20 @@ def main(argv=None) -> dict | None:
         if cuda and step == start + TIMING_SKIP:
             allocator = allocator_counts(device)
         host_start = time.perf_counter()
-        begin = passed = end = None
-        if cuda:
-            begin, passed, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            begin.record()
+        marks = [_mark(cuda)]
         lm_loss, counts = step_passes(model, train, args, step, world, rank, device, step_loss, mesh)
-        host_passes = (time.perf_counter() - host_start) * 1e3
-        if cuda:
-            passed.record()
+        marks.append(_mark(cuda))
         for p in expert_params:  # summed over the ep ranks' tokens; the loss is their mean
             if p.grad is not None:
                 p.grad.div_(args.ep)
         norm = clip_gradients(params, expert_params, 1.0, ep_group)
+        marks.append(_mark(cuda))
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if cuda:
-            end.record()
-        pending.append(_Pending(lm_loss, norm.detach(), counts, begin, passed, end,
-                                (time.perf_counter() - host_start) * 1e3, host_passes))
+        marks.append(_mark(cuda))
+        pending.append(_Pending(lm_loss, norm.detach(), counts, tuple(marks), (time.perf_counter() - host_start) * 1e3))
         last = step == stop - 1
         if (step + 1) % args.log_every == 0 or last:
             flush()
@@ -701,17 +698,28 @@ def main(argv=None) -> dict | None:
 
 class _Pending(NamedTuple):
     """A training step's results until :func:`main`'s ``flush`` reads them: its language-model loss, gradient norm
-    and expert counts (on the device); CUDA events at its start, after its passes and at its end (None on CPU); the
-    host's milliseconds for the step and for its passes."""
+    and expert counts (on the device); its marks (:func:`_mark`) at its start, after its passes, after clipping
+    and at its end; the host's milliseconds for the step."""
 
     lm_loss: torch.Tensor
     norm: torch.Tensor
     counts: torch.Tensor
-    begin: torch.cuda.Event | None
-    passed: torch.cuda.Event | None
-    end: torch.cuda.Event | None
+    marks: tuple
     host_ms: float
-    host_passes_ms: float
+
+
+def _mark(cuda: bool):
+    """A point in a training step: on a GPU a CUDA event recorded on the stream (read after the step, no sync), on
+    CPU the host's clock."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _elapsed_ms(begin, end) -> float:
+    return begin.elapsed_time(end) if isinstance(begin, torch.cuda.Event) else (end - begin) * 1e3
 
 
 def allocator_counts(device) -> dict:
@@ -730,7 +738,7 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
     timed = log["step_ms"][TIMING_SKIP:] or log["step_ms"]
     step_ms = statistics.median(timed) if timed else None
     host = log["host_ms"][TIMING_SKIP:] or log["host_ms"]
-    passes = log["passes_ms"][TIMING_SKIP:] or log["passes_ms"]
+    phases = {key: log[key][TIMING_SKIP:] or log[key] for key in ("passes_ms", "clip_ms", "optimizer_ms")}
     return {
         "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "triton": triton.__version__, "transformers": transformers.__version__, "megamoe": megamoe.__version__,
@@ -749,7 +757,7 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
         "first_step": start, "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / step_ms * 1e3 if step_ms else None, "step_ms_median": step_ms,
         "host_ms_median": statistics.median(host) if host else None,
-        "passes_ms_median": statistics.median(passes) if passes else None,
+        **{f"{key}_median": statistics.median(ms) if ms else None for key, ms in phases.items()},
         "mfu": mfu(flops_per_token * tokens_per_step, step_ms) if cuda and step_ms else None,
         "mfu_flops_per_token": flops_per_token, "mfu_peak_tflops": PEAK_TFLOPS,
         "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,

@@ -5,7 +5,9 @@ the script runs under torchrun with FSDP2 and expert parallelism (gloo)."""
 import contextlib
 import io
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -66,11 +68,14 @@ def test_log_has_the_documented_fields_and_a_plot(runs):
                 "precision", "ep", "seq_len", "steps", "tokens_per_s", "step_ms_median", "mfu", "moe_share",
                 "moe_ms", "moe_share_of_step", "peak_mem_bytes", "final_eval_loss", "losses", "fp8_weight_gradients",
                 "fp8_wgrad_x_scales", "fp8_weight_cache", "expert_load", "allocator_timed_steps", "passes_ms",
-                "passes_ms_median"):
+                "passes_ms_median", "clip_ms", "clip_ms_median", "optimizer_ms", "optimizer_ms_median"):
         assert key in log, key
-    # each step's passes: part of the step (the rest is clipping and the optimizer step)
-    assert len(log["passes_ms"]) == len(log["step_ms"]) == len(log["losses"])
-    assert all(0 < passes < step for passes, step in zip(log["passes_ms"], log["step_ms"]))
+    # each step in three parts: its passes, the clipping and the optimizer step, one after the other
+    phases = list(zip(log["passes_ms"], log["clip_ms"], log["optimizer_ms"], log["step_ms"]))
+    assert len(phases) == len(log["losses"])
+    assert all(min(parts) > 0 and math.isclose(sum(parts), step, rel_tol=1e-9) for *parts, step in phases)
+    for key in ("passes_ms", "clip_ms", "optimizer_ms"):
+        assert log[f"{key}_median"] == statistics.median(log[key][train.TIMING_SKIP:] or log[key])
     assert log["allocator_timed_steps"] is None  # (CUDA's allocator, on a GPU)
     assert log["fp8_weight_gradients"] is None and log["fp8_wgrad_x_scales"] is None  # bf16 experts
     assert log["fp8_weight_cache"] is None
