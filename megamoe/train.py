@@ -619,7 +619,7 @@ def main(argv=None) -> dict | None:
         if not pending:
             return
         if cuda:
-            pending[-1].end.synchronize()
+            pending[-1].marks[-1].synchronize()
         losses = all_mean(torch.stack([p.lm_loss for p in pending]).float(), world).tolist()
         norms = torch.stack([p.norm for p in pending]).float().tolist()
         loads = expert_load(all_mean(torch.stack([p.counts for p in pending]), world)).tolist()  # every rank's tokens
