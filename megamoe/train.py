@@ -306,20 +306,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def clip_gradients(params, expert_params, max_norm: float, ep_group) -> torch.Tensor:
-    """Scales every gradient so that their global norm is at most ``max_norm``; returns the norm before. Under
-    expert parallelism each rank's expert gradients are its own experts': their squares are summed over the ep
-    group; everything else is a DTensor (FSDP2) or the whole model."""
+def clip_gradients(params, expert_params, max_norm: float, ep_group, expert_divisor: int = 1) -> torch.Tensor:
+    """Divides the expert gradients by ``expert_divisor`` and then scales every gradient so that their global norm
+    is at most ``max_norm``; returns the norm before the scaling. The division is folded into the norm and the
+    scaling, not a pass of its own. Under expert parallelism each rank's expert gradients are its own experts':
+    their squares are summed over the ep group; everything else is a DTensor (FSDP2) or the whole model."""
     experts = {id(p) for p in expert_params}
-    groups = [[p.grad for p in params if p.grad is not None and id(p) not in experts],
-              [p.grad for p in expert_params if p.grad is not None]]
+    others = [p.grad for p in params if p.grad is not None and id(p) not in experts]
+    expert_grads = [p.grad for p in expert_params if p.grad is not None]
     squares = []
-    for grads in groups:
+    for grads, divisor in ((others, 1), (expert_grads, expert_divisor)):
         if not grads:
             continue
         norm = torch.nn.utils.get_total_norm(grads)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        squares.append(norm.float().square())
+        squares.append((norm.float() / divisor).square())
     total = torch.stack(squares).sum()
     if ep_group is not None and len(squares) == 2:
         expert_sq = squares[1].clone()
@@ -327,7 +328,9 @@ def clip_gradients(params, expert_params, max_norm: float, ep_group) -> torch.Te
         total = squares[0] + expert_sq
     total = total.sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_([_local(p.grad) for p in params if p.grad is not None], scale)  # shards of two meshes
+    for grads, divisor in ((others, 1), (expert_grads, expert_divisor)):
+        if grads:
+            torch._foreach_mul_([_local(g) for g in grads], scale / divisor)  # shards of two meshes
     return total
 
 
@@ -650,10 +653,8 @@ def main(argv=None) -> dict | None:
         marks = [_mark(cuda)]
         lm_loss, counts = step_passes(model, train, args, step, world, rank, device, step_loss, mesh)
         marks.append(_mark(cuda))
-        for p in expert_params:  # summed over the ep ranks' tokens; the loss is their mean
-            if p.grad is not None:
-                p.grad.div_(args.ep)
-        norm = clip_gradients(params, expert_params, 1.0, ep_group)
+        # the expert gradients are summed over the ep ranks' tokens; the loss is their mean
+        norm = clip_gradients(params, expert_params, 1.0, ep_group, expert_divisor=args.ep)
         marks.append(_mark(cuda))
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)

@@ -162,6 +162,29 @@ def test_under_torchrun_with_fsdp2_and_expert_parallelism(runs, corpus, tmp_path
         {"rank0.safetensors", "rank1.safetensors", "state.json"}
 
 
+@pytest.mark.parametrize("divisor", [1, 2, 3])
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])
+def test_clipping_divides_the_expert_gradients_without_a_pass_of_its_own(divisor, max_norm):
+    """``clip_gradients(..., expert_divisor=n)`` gives what dividing the expert gradients by n and then torch's
+    ``clip_grad_norm_`` give: the same norm and the same gradients, clipped (max_norm 0.5) or not (1e3)."""
+    torch.manual_seed(0)
+    shapes = {"embed": (7, 5), "experts_w13": (4, 6, 5), "experts_w2": (4, 5, 3), "head": (5, 7)}
+    params = {name: torch.nn.Parameter(torch.randn(shape)) for name, shape in shapes.items()}
+    for p in params.values():
+        p.grad = torch.randn_like(p) * 3
+    expert_params = [params["experts_w13"], params["experts_w2"]]
+    reference = {name: torch.nn.Parameter(p.detach().clone()) for name, p in params.items()}
+    for name, p in reference.items():
+        p.grad = params[name].grad / (divisor if name.startswith("experts") else 1)
+    expected_norm = torch.nn.utils.clip_grad_norm_(list(reference.values()), max_norm)
+
+    norm = train.clip_gradients(list(params.values()), expert_params, max_norm, None, expert_divisor=divisor)
+    torch.testing.assert_close(norm, expected_norm)
+    assert (norm > max_norm) == (max_norm == 0.5)  # the two cases are the two they claim to be
+    for name, p in params.items():
+        torch.testing.assert_close(p.grad, reference[name].grad, msg=name)
+
+
 def test_micro_batches_accumulate_the_steps_gradient(runs, corpus):
     """--micro-batches 2 of one sequence each: the same sequences per step as one micro-batch of two (the step's
     loss their mean, so the first step's loss is the same; the gradient likewise but for the router's auxiliary
