@@ -621,8 +621,7 @@ def main(argv=None) -> dict | None:
     def flush():
         if not pending:
             return
-        if cuda:
-            pending[-1].marks[-1].synchronize()
+        _wait(pending[-1].marks[-1])  # the last step's end
         losses = all_mean(torch.stack([p.lm_loss for p in pending]).float(), world).tolist()
         norms = torch.stack([p.norm for p in pending]).float().tolist()
         loads = expert_load(all_mean(torch.stack([p.counts for p in pending]), world)).tolist()  # every rank's tokens
@@ -721,6 +720,12 @@ def _mark(cuda: bool):
 
 def _elapsed_ms(begin, end) -> float:
     return begin.elapsed_time(end) if isinstance(begin, torch.cuda.Event) else (end - begin) * 1e3
+
+
+def _wait(mark) -> None:
+    """Waits until a :func:`_mark` is reached (on CPU it has been)."""
+    if isinstance(mark, torch.cuda.Event):
+        mark.synchronize()
 
 
 def allocator_counts(device) -> dict:
