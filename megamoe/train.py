@@ -314,8 +314,9 @@ def clip_gradients(params, expert_params, max_norm: float, ep_group, expert_divi
     experts = {id(p) for p in expert_params}
     others = [p.grad for p in params if p.grad is not None and id(p) not in experts]
     expert_grads = [p.grad for p in expert_params if p.grad is not None]
+    groups = ((others, 1), (expert_grads, expert_divisor))
     squares = []
-    for grads, divisor in ((others, 1), (expert_grads, expert_divisor)):
+    for grads, divisor in groups:
         if not grads:
             continue
         norm = torch.nn.utils.get_total_norm(grads)
@@ -328,7 +329,7 @@ def clip_gradients(params, expert_params, max_norm: float, ep_group, expert_divi
         total = squares[0] + expert_sq
     total = total.sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for grads, divisor in ((others, 1), (expert_grads, expert_divisor)):
+    for grads, divisor in groups:
         if grads:
             torch._foreach_mul_([_local(g) for g in grads], scale / divisor)  # shards of two meshes
     return total
@@ -741,10 +742,14 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
     import triton
 
     cuda = device.type == "cuda"
-    timed = log["step_ms"][TIMING_SKIP:] or log["step_ms"]
-    step_ms = statistics.median(timed) if timed else None
-    host = log["host_ms"][TIMING_SKIP:] or log["host_ms"]
-    phases = {key: log[key][TIMING_SKIP:] or log[key] for key in ("passes_ms", "clip_ms", "optimizer_ms")}
+
+    def timed_median(values):  # over the steps after the first TIMING_SKIP, or all of a shorter run's
+        timed = values[TIMING_SKIP:] or values
+        return statistics.median(timed) if timed else None
+
+    medians = {f"{key}_median": timed_median(log[key])
+               for key in ("step_ms", "host_ms", "passes_ms", "clip_ms", "optimizer_ms")}
+    step_ms = medians["step_ms_median"]
     return {
         "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "triton": triton.__version__, "transformers": transformers.__version__, "megamoe": megamoe.__version__,
@@ -761,9 +766,7 @@ def summary(args, meta, log, start, tokens_per_step, flops_per_token, params_tot
         "fp8_weight_cache": fp8_weight_cache() if args.precision == "fp8" else None,
         "optimizer": f"AdamW ({args.optimizer}), " + ("bf16 states" if cuda else "fp32"),
         "first_step": start, "tokens_per_step": tokens_per_step,
-        "tokens_per_s": tokens_per_step / step_ms * 1e3 if step_ms else None, "step_ms_median": step_ms,
-        "host_ms_median": statistics.median(host) if host else None,
-        **{f"{key}_median": statistics.median(ms) if ms else None for key, ms in phases.items()},
+        "tokens_per_s": tokens_per_step / step_ms * 1e3 if step_ms else None, **medians,
         "mfu": mfu(flops_per_token * tokens_per_step, step_ms) if cuda and step_ms else None,
         "mfu_flops_per_token": flops_per_token, "mfu_peak_tflops": PEAK_TFLOPS,
         "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
