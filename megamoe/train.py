@@ -88,6 +88,7 @@ from megamoe.integrations.transformers import (
     set_precision,
     shard_experts,
 )
+from megamoe.kernels.grads import scale_
 from megamoe.kernels.quant import (
     clear_weight_cache,
     fp8_weight_cache,
@@ -331,7 +332,7 @@ def clip_gradients(params, expert_params, max_norm: float, ep_group, expert_divi
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for grads, divisor in groups:
         if grads:
-            torch._foreach_mul_([_local(g) for g in grads], scale / divisor)  # shards of two meshes
+            scale_([_local(g) for g in grads], scale / divisor)  # shards of two meshes
     return total
 
 
