@@ -1,9 +1,9 @@
 """Every GEMM kernel's default config compiles for Hopper (sm_90a) inside the shared memory, bf16 with
 warpgroup MMAs, and so does every kernel without a tile config (the backward's row copies, the
-expert-parallel protocol), and the Gluon kernels (also with sizes not 16-divisible) — checked on any
-machine, no GPU needed (Triton compiles ahead of time for a named target; the interpreter that runs the
-CPU tests accepts code that does not compile). Runs in a subprocess because the CPU test session
-interprets the kernels instead."""
+expert-parallel protocol, the quantisers, the training loop's gradient scaling), and the Gluon kernels (also
+with sizes not 16-divisible) — checked on any machine, no GPU needed (Triton compiles ahead of time for a named
+target; the interpreter that runs the CPU tests accepts code that does not compile). Runs in a subprocess
+because the CPU test session interprets the kernels instead."""
 
 import os
 import subprocess

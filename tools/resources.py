@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megamoe.kernels import expert_bwd, expert_fwd, quant
+from megamoe.kernels import expert_bwd, expert_fwd, grads, quant
 from megamoe.kernels import gluon_fp8_sm90 as ws8
 from megamoe.kernels import gluon_sm90 as ws
 from megamoe.kernels.tuning import TunedKernel, fit_dtype
@@ -60,7 +60,8 @@ _POINTER_TYPES = {"weights_ptr": "*fp32", "dweight_part_ptr": "*fp32", "row_slot
                   "recv_weight_ptr": "*fp32", "send_list_ptr": "*i32", "slot_row_ptr": "*i32",
                   "topk_idx_ptr": "*i64", "recv_token_row_ptr": "*i32", "row_map_ptr": "*i32", "trace_ptr": "*i64",
                   "ready_ptr": "*i64", "peers_ptr": "*i64", "x_s_ptr": "*fp32", "xq_ptr": "*fp8e4nv",
-                  "by_size_ptr": "*i32", "counter_ptr": "*i32", "amax_ptr": "*fp32"}
+                  "by_size_ptr": "*i32", "counter_ptr": "*i32", "amax_ptr": "*fp32", "t_ptr": "*bf16",
+                  "scale_ptr": "*fp32"}
 _DIVISIBLE_INTS = {"D", "I", "P", "Q", "N_OUT", "K"}
 _EXTRA_CONSTEXPRS = {"PREC": "tf32", "TILE_M": 128, "PART_COLS": 64, "EVEN_K": True, "TRACE": False, "SAVE_PREACT": False,
                      # the EP sending programs: 16 of them, 128 experts (64 per rank), top-8, D = 2048
@@ -296,9 +297,10 @@ def main(argv=None) -> None:
         print(f"act_from_preact with QUANT_DZ={quant_dz}: compiles without spills", flush=True)
 
 
-# The kernels without a tile config: the backward's row copies and the expert-parallel protocol's
-# kernels, checked to compile for sm_90a.
-OTHER_KERNELS = (*expert_bwd.KERNELS, *protocol.KERNELS, *senders.KERNELS, *owner.KERNELS, *quant.KERNELS)
+# The kernels without a tile config: the backward's row copies, the expert-parallel protocol's kernels, the
+# quantisers and the training loop's gradient scaling, checked to compile for sm_90a.
+OTHER_KERNELS = (*expert_bwd.KERNELS, *protocol.KERNELS, *senders.KERNELS, *owner.KERNELS, *quant.KERNELS,
+                 *grads.KERNELS)
 _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "KB": 8, "EB": 128, "CB": 128, "BD": 256,
                      "LB": 16, "NB": 8, "TB": 16, "BLOCK": 1024,
                      # the bounded wait-and-reset of the write-backs (protocol.wait_returned)
@@ -325,7 +327,9 @@ _OTHER_CONSTEXPRS = {"HAS_DY": True, "HAS_B": True, "CARRIES": True, "RB": 16, "
                      # the quantisers, at their launchers' blocks
                      "SLICE": quant.WEIGHT_SLICE, "BC": quant.TILE_COLS_BC,
                      # the weight quantiser writing both copies (the "step" cache's pass)
-                     "STRAIGHT": True, "TRANSPOSED": True}
+                     "STRAIGHT": True, "TRANSPOSED": True,
+                     # the gradient scaling as the GPU runs it (the interpreter's bf16 rounding on the bits is off)
+                     "ON_THE_BITS": False}
 
 
 def compile_other_kernel(fn, num_warps: int = 4, pointer_types: dict | None = None, **constexprs_over):

@@ -54,6 +54,9 @@ def _scale_kernel(
         tl.store(t_ptr + offs, product.to(t_ptr.dtype.element_ty), mask=mask)
 
 
+KERNELS = (_scale_kernel,)  # compiled for sm_90a without a GPU in tests/test_compile.py
+
+
 def scale_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
     """Multiplies each of ``tensors`` in place by ``scale`` (a 0-dim fp32 tensor on their device): the product
     in fp32, rounded to nearest even in the tensor's dtype. CUDA tensors (and any under Triton's interpreter) go
