@@ -1,11 +1,11 @@
 """Gradients multiplied in place by an fp32 scalar that stays on the device: the training loop's clipping.
 
-``scale_(tensors, scale)`` computes ``(t.float() * scale).to(t.dtype)`` for each tensor, as torch's
-``torch._foreach_mul_(tensors, scale)`` does (``clip_grad_norm_``'s scaling), bit for bit. torch runs that
-product of bf16 gradients and an fp32 0-dim CUDA tensor on its mixed-dtype path, well short of HBM speed: at the
-30B dims the scaling was most of the training step's clipping (docs/PERFORMANCE.md, "The clipping"). Here one
-plain streaming kernel per tensor reads and writes each gradient once at full width; the scale is read on the
-device, so nothing waits for the host.
+``scale_(tensors, scale)`` computes ``(t.float() * scale).to(t.dtype)`` for each tensor, the product torch's
+``torch._foreach_mul_(tensors, scale)`` computes (``clip_grad_norm_``'s scaling: bf16 gradients times an fp32 0-dim
+tensor, two dtypes in one op). With torch's, the 6-layer model's clipping took 22.6 ms where its bytes take ~9
+(docs/PERFORMANCE.md, "The clipping's scaling"). Here one plain streaming kernel per tensor reads and writes each
+gradient once, in 16-byte accesses where its length is a multiple of 16; the scale is read on the device, so
+nothing waits for the host.
 """
 
 from __future__ import annotations
