@@ -42,7 +42,9 @@ Also a template to copy. What it does, in order:
   gradients), the three making up ``step_ms``, with their medians (``passes_ms_median``, ``clip_ms_median``,
   ``optimizer_ms_median``), MFU, peak memory, what the CUDA caching allocator asked of the driver over those steps
   (``allocator_timed_steps``: segments got by ``cudaMalloc`` and given back, and allocations retried after freeing its
-  cache, each a stall); GPU, versions, date, commit, command), ``loss.png``, and checkpoints (``--checkpoint-every``):
+  cache, each a stall); GPU, versions, date, commit, command), ``loss.png``, with ``--profile A-B`` ``profile.json``
+  (torch's profiler over steps A to B: each part's host and device time per step, and each kernel's, with the part
+  that launched it; ``megamoe.profiling``), and checkpoints (``--checkpoint-every``):
   per rank, the model's and the optimizer's tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in
   ``state.json``; ``--resume DIR`` continues from one bitwise as if never stopped (same world size and ``--ep``).
 
@@ -103,12 +105,17 @@ from megamoe.models import (
     compile_model,
     experts_problem,
 )
+from megamoe.profiling import StepProfiler, parse_steps
 from megamoe.provenance import git_commit, source_digest, utc_now
 
 QWEN3_VOCAB = 151_936  # Qwen3's vocabulary size (the model's embedding and LM head; the tokenizer uses fewer ids)
 PEAK_TFLOPS = 989.0  # dense bf16, H100 / H200 SXM
 EVAL_EVERY_DOC = 50  # every 50th document is held out
 TIMING_SKIP = 10  # steps left out of the medians (compilation, autotuning, allocator warm-up)
+# what profile.json repeats of log.json, so that it stands alone
+PROFILE_PROVENANCE = ("gpu", "torch", "triton", "megamoe", "commit", "source_sha256", "date", "command", "preset",
+                      "layers", "experts", "expert_precision", "seq_len", "seqs_per_step", "micro_batches", "world",
+                      "ep", "seed", "compile_mode", "optimizer")
 AUX_LOSS_COEF = 0.001
 # What fits one H200 (141 GB) with bf16 weights, gradients and AdamW states (8 bytes per parameter): the 2-layer
 # 30B-dims run peaked at 38.7 GiB (16 384 tokens, checkpointed); each further layer adds ~4.6 GiB (0.62 G
@@ -400,6 +407,13 @@ def load_checkpoint(folder: Path, model, opt, rank: int, expect: dict) -> int:
 
 # -- the run -----------------------------------------------------------------------------------------------------
 
+def _profile_steps(text: str) -> tuple[int, int]:
+    try:
+        return parse_steps(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -457,6 +471,10 @@ def parse_args(argv=None, cuda: bool | None = None):
     p.add_argument("--stop-after", type=positive_int, help="leave after this step (the schedule still spans --steps)")
     p.add_argument("--moe-share-steps", type=non_negative_int, default=0,
                    help="after training: time this many steps with and without the experts (moe_share; GPU only)")
+    p.add_argument("--profile", type=_profile_steps, metavar="A-B",
+                   help="run torch.profiler over steps A to B (counted from 1; A alone: one step) and write where their "
+                        "device time went, per part of the step and per kernel, to profile.json beside log.json "
+                        "(megamoe.profiling); those steps run slower, and count in the log's times")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/train"), help="runs and the data cache")
     p.add_argument("--name", help="run folder name (default: from preset, experts, seq-len, seed)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -647,21 +665,28 @@ def main(argv=None) -> dict | None:
         pending.clear()
 
     allocator = {}  # the CUDA caching allocator's counts at the first timed step (cudaMalloc / cudaFree / retries)
+    if args.profile and not start < args.profile[0] <= args.profile[1] <= stop:
+        raise ValueError(f"--profile {args.profile[0]}-{args.profile[1]}: this run trains steps {start + 1} to {stop}")
+    profiler = StepProfiler(args.profile, cuda)
     for step in range(start, stop):
         if cuda and step == start + TIMING_SKIP:
             allocator = allocator_counts(device)
+        profiler.begin(step)
         host_start = time.perf_counter()
         marks = [_mark(cuda)]
-        lm_loss, counts = step_passes(model, train, args, step, world, rank, device, step_loss, mesh)
+        with profiler.phase("passes"):
+            lm_loss, counts = step_passes(model, train, args, step, world, rank, device, step_loss, mesh)
         marks.append(_mark(cuda))
-        # the expert gradients are summed over the ep ranks' tokens; the loss is their mean
-        norm = clip_gradients(params, expert_params, 1.0, ep_group, expert_divisor=args.ep)
+        with profiler.phase("clip"):  # the expert gradients are summed over the ep ranks' tokens; the loss is their mean
+            norm = clip_gradients(params, expert_params, 1.0, ep_group, expert_divisor=args.ep)
         marks.append(_mark(cuda))
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with profiler.phase("optimizer"):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, args)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         marks.append(_mark(cuda))
+        profiler.end(step)
         pending.append(_Pending(lm_loss, norm.detach(), counts, tuple(marks), (time.perf_counter() - host_start) * 1e3))
         last = step == stop - 1
         if (step + 1) % args.log_every == 0 or last:
@@ -687,11 +712,15 @@ def main(argv=None) -> dict | None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "log.json").write_text(json.dumps(result, indent=1) + "\n")
         plot_runs([result], run_dir / "loss.png")
+        if profiler.summary is not None:
+            provenance = {key: result[key] for key in PROFILE_PROVENANCE}
+            (run_dir / "profile.json").write_text(json.dumps({**provenance, **profiler.summary}, indent=1) + "\n")
         written = run_dir.resolve()
         checkpoints = sorted(written.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
         say(f"done: final eval loss {result['final_eval_loss']:.4f}, {result['tokens_per_s'] or 0:,.0f} tokens/s\n"
             f"  log:        {written / 'log.json'}\n  loss curve: {written / 'loss.png'}\n"
-            f"  checkpoint: {checkpoints[-1] if checkpoints and not args.no_checkpoint else 'none (--no-checkpoint)'}")
+            f"  checkpoint: {checkpoints[-1] if checkpoints and not args.no_checkpoint else 'none (--no-checkpoint)'}"
+            + (f"\n  profile:    {written / 'profile.json'}" if profiler.summary is not None else ""))
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

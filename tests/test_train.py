@@ -308,6 +308,9 @@ def test_without_a_gpu_the_defaults_run_about_a_minute():
     (["--resume", "/no/such/folder"], "--resume /no/such/folder: no such checkpoint folder"),
     (["--compile", "--compile-mode", "model"], "argument --compile-mode: not allowed with argument --compile"),
     (["--plot", "a/log.json"], "--plot draws into --out, which must then be a .png path (got benchmarks/out/train)"),
+    (["--profile", "3-2"], "argument --profile: --profile 3-2: the steps must be 1 <= A <= B"),
+    (["--profile", "0"], "argument --profile: --profile 0: the steps must be 1 <= A <= B"),
+    (["--profile", "2:4"], "argument --profile: --profile takes steps as A-B (or A), counted from 1; got '2:4'"),
 ])
 def test_arguments_that_cannot_run_here_end_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -316,6 +319,26 @@ def test_arguments_that_cannot_run_here_end_in_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith(f"python -m megamoe.train: error: {message}")
     assert "Traceback" not in err
+
+
+def test_profile_says_where_the_profiled_steps_went(corpus, tmp_path):
+    """--profile 2-3: profile.json beside log.json, with its provenance, the two steps, and each part of a step
+    timed on the host (on CPU no device events: the device's columns are zero and the kernel table empty)."""
+    with contextlib.redirect_stdout(io.StringIO()) as stdout:
+        result = train.main(args_for(corpus, tmp_path, "megamoe", "--steps", "4", "--eval-every", "4", "--no-checkpoint",
+                                     "--profile", "2-3", "--name", "profiled"))
+    profile = json.loads((tmp_path / "profiled" / "profile.json").read_text())
+    assert f"profile:    {(tmp_path / 'profiled' / 'profile.json').resolve()}" in stdout.getvalue()
+    assert profile["steps"] == [2, 3]
+    assert all(profile[key] == result[key] for key in train.PROFILE_PROVENANCE)
+    phases = profile["phases"]
+    assert set(phases) == {"passes", "clip", "optimizer", "other"}
+    for name in ("passes", "clip", "optimizer"):  # each part's ranges recorded, per step, within the step's time
+        assert 0 < phases[name]["host_ms"] < max(result[f"{name}_ms"][1:3]), name
+    assert phases["other"]["host_ms"] == 0
+    assert all(part["device_ms"] == part["idle_ms"] == 0 for part in phases.values()) and profile["kernels"] == []
+    with pytest.raises(ValueError, match="--profile 4-5: this run trains steps 1 to 4"):
+        train.main(args_for(corpus, tmp_path, "megamoe", "--steps", "4", "--profile", "4-5"))
 
 
 def test_the_start_line_says_what_the_fp8_weight_copies_hold():

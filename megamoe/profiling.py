@@ -1,0 +1,120 @@
+"""Where a training step's device time goes, kernel by kernel: ``python -m megamoe.train --profile A-B``.
+
+:class:`StepProfiler` runs ``torch.profiler`` over the training steps A to B (counted from 1, as the log counts
+them) and marks each step's three parts (:data:`PHASES`) as host ranges; :func:`summarise` reads the profiler's
+trace back: every device kernel, memcpy and memset is put in the part whose host range launched it (through the
+launch's correlation id), and summed by name. The result (``profile.json`` beside the run's ``log.json``): per part,
+the host's and the device's milliseconds per step and the device's idle time before that part's kernels; per kernel
+name, its part, milliseconds and launches per step, longest first.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import tempfile
+
+import torch
+
+PHASES = ("passes", "clip", "optimizer")  # a training step's parts, in order (megamoe.train's step_ms split)
+_RANGE = "megamoe.train/"  # the host ranges' name prefix
+_DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCHES = ("cuda_runtime", "cuda_driver")
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """``"A-B"`` (or ``"A"``: one step) → (A, B), the first and last step profiled, counted from 1."""
+    first, _, last = text.partition("-")
+    try:
+        bounds = int(first), int(last or first)
+    except ValueError:
+        raise ValueError(f"--profile takes steps as A-B (or A), counted from 1; got {text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ValueError(f"--profile {text}: the steps must be 1 <= A <= B")
+    return bounds
+
+
+class StepProfiler:
+    """``torch.profiler`` over training steps ``first`` to ``last`` (counted from 1), or nothing when ``steps`` is
+    None. Call :meth:`begin` before each step (the loop's index, from 0) and :meth:`end` after it; wrap each part of
+    the step in :meth:`phase`. After the last profiled step, :attr:`summary` holds :func:`summarise`'s result."""
+
+    def __init__(self, steps: tuple[int, int] | None, cuda: bool):
+        self.first, self.last = steps or (0, -1)
+        self.cuda = cuda
+        self.summary: dict | None = None
+        self._profiler = None
+
+    def begin(self, step: int) -> None:
+        if step + 1 == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+                torch.cuda.synchronize()  # the profiled steps alone: none of the earlier steps' kernels
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.__enter__()
+
+    def end(self, step: int) -> None:
+        if self._profiler is None or step + 1 != self.last:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        self._profiler.__exit__(None, None, None)
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "trace.json")
+            self._profiler.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+        self._profiler = None
+        self.summary = {"steps": [self.first, self.last], **summarise(trace, self.last - self.first + 1)}
+
+    def phase(self, name: str):
+        """A host range for the part ``name`` of :data:`PHASES` while profiling (else nothing)."""
+        if self._profiler is None:
+            return contextlib.nullcontext()
+        return torch.profiler.record_function(_RANGE + name)
+
+
+def summarise(trace: dict, steps: int) -> dict:
+    """A ``torch.profiler`` chrome trace of ``steps`` training steps, per step: ``phases`` (each part's host
+    milliseconds, its device events' busy milliseconds and the device's idle milliseconds before them, from the end
+    of the previous event) and ``kernels`` (name, part, ms and launches per step; longest first). A device event
+    launched outside the parts' ranges counts under ``"other"``."""
+    events = trace["traceEvents"]
+    ranges = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("name", "").startswith(_RANGE):
+            ranges[e["name"][len(_RANGE):]].append((e["ts"], e["ts"] + e["dur"]))
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in _LAUNCHES and "correlation" in e.get("args", {})}
+
+    def part(event) -> str:
+        ts = launches.get(event.get("args", {}).get("correlation"))
+        if ts is not None:
+            for name in PHASES:
+                if any(a <= ts <= b for a, b in ranges[name]):
+                    return name
+        return "other"
+
+    device = sorted((e for e in events if e.get("cat") in _DEVICE_EVENTS), key=lambda e: e["ts"])
+    busy, idle = collections.Counter(), collections.Counter()
+    kernels = collections.defaultdict(lambda: [0.0, 0])
+    finished = None  # the end of the device's work so far
+    for e in device:
+        name = part(e)
+        busy[name] += e["dur"]
+        if finished is not None and e["ts"] > finished:
+            idle[name] += e["ts"] - finished
+        finished = max(finished or 0.0, e["ts"] + e["dur"])
+        kernel = kernels[(e["name"], name)]
+        kernel[0] += e["dur"]
+        kernel[1] += 1
+    per_step = 1e3 * steps  # trace microseconds → milliseconds per step
+    phases = {name: {"host_ms": sum(b - a for a, b in ranges[name]) / per_step, "device_ms": busy[name] / per_step,
+                     "idle_ms": idle[name] / per_step} for name in (*PHASES, "other")}
+    table = [{"name": name, "part": where, "ms": total / per_step, "launches": count / steps}
+             for (name, where), (total, count) in kernels.items()]
+    table.sort(key=lambda k: -k["ms"])
+    return {"phases": phases, "kernels": table}

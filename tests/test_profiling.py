@@ -1,0 +1,45 @@
+"""``megamoe.profiling.summarise``: each device event counted in the part of the step whose host range launched it
+(through the launch's correlation id), per step, with the device's idle time before it."""
+
+from megamoe.profiling import PHASES, summarise
+
+
+def annotation(part, begin, end):
+    return {"cat": "user_annotation", "name": f"megamoe.train/{part}", "ts": begin, "dur": end - begin}
+
+
+def launch(correlation, ts):
+    return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "args": {"correlation": correlation}}
+
+
+def kernel(name, correlation, ts, dur, cat="kernel"):
+    return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+
+def test_device_time_goes_to_the_part_that_launched_it():
+    """Two steps (trace times in microseconds): a GEMM launched twice a step in the passes, a scaling kernel in the
+    clipping, an AdamW kernel and a memset in the optimizer step, and one kernel launched outside every range."""
+    events = []
+    for step, t0 in enumerate((0, 1000)):
+        events += [annotation("passes", t0, t0 + 100), annotation("clip", t0 + 100, t0 + 130),
+                   annotation("optimizer", t0 + 130, t0 + 200)]
+        c = 10 * step
+        events += [launch(c + 1, t0 + 10), kernel("gemm", c + 1, t0 + 20, 50),
+                   launch(c + 2, t0 + 50), kernel("gemm", c + 2, t0 + 75, 20),  # 5 us idle after the first
+                   launch(c + 3, t0 + 110), kernel("scale", c + 3, t0 + 120, 10),  # 25 us idle
+                   launch(c + 4, t0 + 150), kernel("adamw", c + 4, t0 + 160, 30),  # 30 us idle
+                   launch(c + 5, t0 + 160), kernel("Memset", c + 5, t0 + 190, 4, cat="gpu_memset")]
+    events += [launch(99, 1500), kernel("eval", 99, 1600, 8)]  # after both steps' ranges: "other"
+    events.append({"cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 3})  # a host op: not device time
+    out = summarise({"traceEvents": events}, steps=2)
+
+    ms = 1e-3 / 2  # microseconds over two steps, in milliseconds per step
+    # idle before the passes' kernels: 5 us in each step, and the 826 between step 1's memset and step 2's GEMM
+    assert out["phases"]["passes"] == {"host_ms": 200 * ms, "device_ms": 140 * ms, "idle_ms": 836 * ms}
+    assert out["phases"]["clip"] == {"host_ms": 60 * ms, "device_ms": 20 * ms, "idle_ms": 50 * ms}
+    assert out["phases"]["optimizer"] == {"host_ms": 140 * ms, "device_ms": 68 * ms, "idle_ms": 60 * ms}
+    assert out["phases"]["other"] == {"host_ms": 0, "device_ms": 8 * ms, "idle_ms": 406 * ms}
+    assert list(out["phases"]) == [*PHASES, "other"]
+    table = [(k["name"], k["part"], k["ms"], k["launches"]) for k in out["kernels"]]
+    assert table == [("gemm", "passes", 140 * ms, 2), ("adamw", "optimizer", 60 * ms, 1), ("scale", "clip", 20 * ms, 1),
+                     ("Memset", "optimizer", 8 * ms, 1), ("eval", "other", 8 * ms, 0.5)]
