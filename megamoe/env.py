@@ -158,13 +158,14 @@ def fp8_pow2_scales() -> bool:
 
 set_fp8_scales(os.environ.get("MEGAMOE_FP8_SCALES", "fp32"))
 
-FP8_WEIGHT_CACHES = ("step", "call")
+FP8_WEIGHT_CACHES = ("step", "ahead", "call")
 
 
 def fp8_weight_cache_requested() -> str:
     """``MEGAMOE_FP8_WEIGHT_CACHE``: the policy of the expert weights' FP8 copies at import
-    (``kernels.quant.set_fp8_weight_cache``): ``step`` or unset, kept until the weights change; ``call``, made at
-    every call and kept by none."""
+    (``kernels.quant.set_fp8_weight_cache``): ``step`` or unset, kept until the weights change; ``ahead``, likewise,
+    and made again right after each optimizer step on a stream of their own; ``call``, made at every call and kept
+    by none."""
     value = os.environ.get("MEGAMOE_FP8_WEIGHT_CACHE", "") or "step"
     if value not in FP8_WEIGHT_CACHES:
         raise ValueError(f"MEGAMOE_FP8_WEIGHT_CACHE must be one of {FP8_WEIGHT_CACHES}, got {value!r}")

@@ -94,6 +94,7 @@ from megamoe.kernels.grads import scale_
 from megamoe.kernels.quant import (
     clear_weight_cache,
     fp8_weight_cache,
+    make_weight_copies_ahead,
     weight_copies_bytes,
 )
 from megamoe.models import (
@@ -448,8 +449,9 @@ def parse_args(argv=None, cuda: bool | None = None):
                    help="with --precision fp8, how long the expert weights' FP8 copies live (megamoe."
                         "set_fp8_weight_cache; default: MEGAMOE_FP8_WEIGHT_CACHE, else step): step, until the "
                         "optimizer changes the weights (every layer's copies held at once: 2 bytes per expert weight "
-                        "element), or call, made in every forward and backward and held by none (a quantisation in "
-                        "each; what FSDP2 runs of many layers need)")
+                        "element); ahead, the same, made again right after each optimizer step on a CUDA stream of "
+                        "their own, beside the next forward's first layers; or call, made in every forward and "
+                        "backward and held by none (a quantisation in each; what FSDP2 runs of many layers need)")
     p.add_argument("--lr", type=positive_float, default=3e-4, help="peak learning rate")
     p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                    help="torch's AdamW implementation: fused (default) or foreach")
@@ -817,9 +819,10 @@ def moe_share(model, train, args, device, world, rank, step_loss, mesh=None) -> 
         times = []
         for i in range(args.moe_share_steps + 3):
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            # the FP8 experts' weight copies dropped, as by the optimizer step before every training step: the
-            # step's quantisation timed with its experts, not the copies of the last timed step reused
+            # the FP8 experts' weight copies dropped (and under "ahead" made again), as by the optimizer step before
+            # every training step: the step's quantisation timed with its experts, not the last timed step's copies
             clear_weight_cache()
+            make_weight_copies_ahead(model.parameters())
             begin.record()
             step_passes(model, train, args, i, world, rank, device, step_loss, mesh)
             end.record()
@@ -859,8 +862,9 @@ def fp8_copies_line(model) -> str:
     """What the FP8 experts' weight copies hold on this rank under the policy in force
     (``megamoe.set_fp8_weight_cache``), in one line for the run's start."""
     held = sum(weight_copies_bytes(p) for layer in model.model.layers for p in layer.mlp.experts.parameters())
-    if fp8_weight_cache() == "step":
-        return (f"FP8 expert weights: their copies held through each step, {held / 2**30:.2f} GiB on this rank "
+    if fp8_weight_cache() != "call":
+        ahead = ", made right after each optimizer step" if fp8_weight_cache() == "ahead" else ""
+        return (f"FP8 expert weights: their copies held through each step{ahead}, {held / 2**30:.2f} GiB on this rank "
                 "(--fp8-weight-cache call: none held, quantised in every forward and backward)")
     return (f"FP8 expert weights: copies made in every forward and backward, none held ({held / 2**30:.2f} GiB "
             "with --fp8-weight-cache step)")

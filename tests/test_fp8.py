@@ -761,6 +761,8 @@ def test_weight_copies_bytes_are_what_quantize_weight_makes():
 def test_weight_cache_policy_from_the_environment(monkeypatch):
     monkeypatch.setenv("MEGAMOE_FP8_WEIGHT_CACHE", "call")
     assert env.fp8_weight_cache_requested() == "call"
+    monkeypatch.setenv("MEGAMOE_FP8_WEIGHT_CACHE", "ahead")
+    assert env.fp8_weight_cache_requested() == "ahead"
     monkeypatch.setenv("MEGAMOE_FP8_WEIGHT_CACHE", "")
     assert env.fp8_weight_cache_requested() == "step"
     monkeypatch.setenv("MEGAMOE_FP8_WEIGHT_CACHE", "never")
@@ -783,6 +785,44 @@ def test_optimizer_step_frees_the_cached_copies_before_it_runs():
     opt.register_step_pre_hook(lambda *_: held_at_step.append(len(quant._weight_cache)))
     opt.step()
     assert held_at_step == [0] and copy() is None
+
+
+def test_weight_cache_ahead_policy_makes_the_copies_at_the_optimizer_step(monkeypatch):
+    """Under ``"ahead"`` an optimizer step's post-hook quantises again each weight met since the step before that the
+    optimizer holds: the next forward and backward make no copy and compute what the ``"step"`` policy computes, bit
+    for bit (on a GPU the copies come from a side stream). A weight the optimizer does not hold (as FSDP2's gathered
+    ones) is quantised at its next use instead."""
+    calls, (x, idx, w, w13, w2, dy) = _counting_weight_quantisations(monkeypatch)
+    opt = torch.optim.SGD([w13, w2], lr=0.1)
+
+    def run():
+        y = megamoe.moe(x, idx, w, w13, w2, precision="fp8")
+        y.backward(dy)
+        out = [y.detach(), w13.grad, w2.grad]
+        opt.zero_grad()
+        return out
+
+    megamoe.set_fp8_weight_cache("ahead")
+    try:
+        run()
+        assert len(calls) == 2
+        opt.step()
+        assert len(calls) == 4 and calls[2] is w13 and calls[3] is w2 and len(quant._weight_cache) == 2
+        ahead = run()
+        assert len(calls) == 4, "the step after made both weights' copies: the forward and backward hit them"
+        megamoe.set_fp8_weight_cache("step")
+        quant.clear_weight_cache()
+        for name, a, b in zip(("y", "dw13", "dw2"), ahead, run()):
+            assert torch.equal(a, b), name
+        megamoe.set_fp8_weight_cache("ahead")
+        other = w13.detach().clone()  # another storage: not a weight the optimizer updates
+        quant.clear_weight_cache()
+        megamoe.moe(x, idx, w, other, w2, precision="fp8")
+        assert len(calls) == 8 and calls[-2] is other and calls[-1] is w2
+        opt.step()
+        assert len(calls) == 9 and calls[-1] is w2 and len(quant._weight_cache) == 1
+    finally:
+        megamoe.set_fp8_weight_cache("step")
 
 
 def test_layer_benchmark_optstep_impl_quantises_the_weights_at_every_step(monkeypatch):

@@ -349,8 +349,11 @@ def test_the_start_line_says_what_the_fp8_weight_copies_hold():
     held = sum(quant.weight_copies_bytes(p) for layer in model.model.layers for p in layer.mlp.experts.parameters())
     gib = f"{held / 2**30:.2f} GiB"
     assert train.fp8_copies_line(model).startswith(f"FP8 expert weights: their copies held through each step, {gib}")
-    quant.set_fp8_weight_cache("call")
+    quant.set_fp8_weight_cache("ahead")
     try:
+        assert train.fp8_copies_line(model).startswith("FP8 expert weights: their copies held through each step, made "
+                                                       f"right after each optimizer step, {gib}")
+        quant.set_fp8_weight_cache("call")
         assert train.fp8_copies_line(model).startswith("FP8 expert weights: copies made in every forward and backward, "
                                                        f"none held ({gib} with --fp8-weight-cache step)")
     finally:

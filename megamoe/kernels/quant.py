@@ -36,7 +36,10 @@ import weakref
 import torch
 import triton
 import triton.language as tl
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from megamoe.env import (
     FP8_WEIGHT_CACHES,
@@ -378,13 +381,18 @@ def quantize_weight(w_ERC: torch.Tensor, straight: bool = True, transposed: bool
     return q, s, qt, st
 
 
-# The FP8 copies of the expert weights, per weight (under the "step" policy): made once and reused for as long as
-# the weights do not change — every micro-batch's forward and backward of one optimizer step. Keyed on the weight's
-# storage and geometry, not on the tensor object: the backward may meet an alias of the parameter (a checkpointed
-# region's saved tensors unpack as new tensor objects on the same storage and version counter), which must hit the
-# forward's copies.
-_weight_cache: dict[tuple, tuple[weakref.ref, tuple[int, bool], tuple[torch.Tensor, ...]]] = {}
+# The FP8 copies of the expert weights, per weight (under the "step" and "ahead" policies): made once and reused for
+# as long as the weights do not change — every micro-batch's forward and backward of one optimizer step. Keyed on the
+# weight's storage and geometry, not on the tensor object: the backward may meet an alias of the parameter (a
+# checkpointed region's saved tensors unpack as new tensor objects on the same storage and version counter), which
+# must hit the forward's copies. An entry: (a weak reference to the weight, its state when quantised, the copies, and
+# under "ahead" the CUDA event that marks them made on the side stream, else None).
+_weight_cache: dict[tuple, tuple[weakref.ref, tuple[int, bool], tuple[torch.Tensor, ...], object]] = {}
 _weight_cache_policy = fp8_weight_cache_requested()
+# Under "ahead": every weight whose copies were asked for since the last optimizer step (key → weak reference), which
+# the step's post-hook quantises again; and the side stream per device that does it.
+_quantised: dict[tuple, weakref.ref] = {}
+_ahead_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def set_fp8_weight_cache(policy: str) -> None:
@@ -393,13 +401,20 @@ def set_fp8_weight_cache(policy: str) -> None:
     quantisation per weight and optimizer step, however many micro-batches and recomputes meet it, but every layer's
     copies alive at once, from the layer's first forward of a step until the next optimizer step (2 bytes per expert
     weight element, the two orientations, plus scales; under FSDP2, of the gathered weights, which FSDP's reshard does
-    not free). ``"call"`` keeps none: each forward makes the straight copies it reads and each backward the
-    transposed ones (and, without saved products, w13's straight copy again), freed when the call ends. Also set at
-    import by ``MEGAMOE_FP8_WEIGHT_CACHE``. Setting ``"call"`` drops every cached copy."""
+    not free). ``"ahead"``: as ``"step"``, but right after an optimizer step the copies of the weights quantised since
+    the step before are made again, on a CUDA stream of their own, so that the quantisation can run beside the next
+    forward's first layers instead of in front of each layer's experts; only for weights that the optimizer itself
+    updated (a parameter it holds, or an alias: not FSDP2's gathered weights, whose copies are made at first use, as
+    under ``"step"``); every layer's copies are then held from the step on. ``"call"`` keeps none: each forward makes
+    the straight copies it reads and each backward the transposed ones (and, without saved products, w13's straight
+    copy again), freed when the call ends. Also set at import by ``MEGAMOE_FP8_WEIGHT_CACHE``. Setting ``"call"``
+    drops every cached copy."""
     global _weight_cache_policy
     if policy not in FP8_WEIGHT_CACHES:
         raise ValueError(f"the FP8 weight cache policy must be one of {FP8_WEIGHT_CACHES}, got {policy!r}")
     _weight_cache_policy = policy
+    if policy != "ahead":
+        _quantised.clear()
     if policy == "call":
         clear_weight_cache()
 
@@ -413,41 +428,88 @@ def _drop_stale_copies(*_) -> None:
     clear_weight_cache()
 
 
+def _make_copies_ahead(optimizer, *_) -> None:
+    if _weight_cache_policy == "ahead":
+        make_weight_copies_ahead([p for group in optimizer.param_groups for p in group["params"]])
+
+
 # An optimizer's step makes every cached copy stale: the version counter alone misses weights whose storage is written
 # behind it (FSDP2 all-gathers into the unsharded parameters and preserves their version counters). Dropped before the
-# step runs, so that the stale copies' memory is free for the optimizer's own.
+# step runs, so that the stale copies' memory is free for the optimizer's own; under "ahead" made again after it.
 register_optimizer_step_pre_hook(_drop_stale_copies)
+register_optimizer_step_post_hook(_make_copies_ahead)
 
 
-def fp8_weight(w: torch.Tensor, *, straight: bool = True, transposed: bool = True) -> WeightCopies:
-    """``quantize_weight(w)``, cached under the ``"step"`` policy (:func:`set_fp8_weight_cache`): a hit needs the
-    tensor the copies were made from, or an alias of it (the same storage, offset, shape and strides), at the same
-    version (an in-place update bumps it; aliases share the counter), with no optimizer step in between (every copy is
-    dropped at a step) and the same kind of scales (``env.set_fp8_scales``). The entry lives as long as the tensor it
-    was made from; a storage address is trusted only while that tensor still holds the storage (so a new storage at a
-    freed one's address never hits). A cached entry holds both copies, whatever the call asks for. Under the
-    ``"call"`` policy, and inside a CUDA-graph capture (a replay after the weights changed would read stale copies:
-    the quantisation is captured with the step), nothing is cached and only the copies asked for are made
-    (``straight``, ``transposed``: ``quantize_weight``'s). Weights written behind autograd's back (through ``.data``),
-    or by an optimizer that is not a ``torch.optim`` one (FSDP2 gathers updated weights into the same storage at the
-    same version), need :func:`clear_weight_cache`."""
-    if _weight_cache_policy == "call" or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        return quantize_weight(w, straight, transposed)
-    storage = w.untyped_storage()._cdata
-    key = (storage, w.storage_offset(), tuple(w.shape), w.stride(), w.dtype, w.device)
-    hit = _weight_cache.get(key)
-    state = (w._version, fp8_pow2_scales())
-    if hit is not None and hit[1] == state:
-        owner = hit[0]()
-        if owner is not None and owner.untyped_storage()._cdata == storage:
-            return hit[2]
-    copies = quantize_weight(w)
+def _cache_key(w: torch.Tensor) -> tuple:
+    return (w.untyped_storage()._cdata, w.storage_offset(), tuple(w.shape), w.stride(), w.dtype, w.device)
+
+
+def _cache(key: tuple, w: torch.Tensor, copies: WeightCopies, made=None) -> None:
+    """Holds ``copies`` of ``w`` under ``key`` (``made``: the event after which they may be read, or None)."""
 
     def drop(ref):  # when ``w`` dies, its entry goes (unless a later tensor's entry has taken the key)
         if key in _weight_cache and _weight_cache[key][0] is ref:
             del _weight_cache[key]
 
-    _weight_cache[key] = (weakref.ref(w, drop), state, copies)
+    _weight_cache[key] = (weakref.ref(w, drop), (w._version, fp8_pow2_scales()), copies, made)
+
+
+def make_weight_copies_ahead(params) -> None:
+    """Under the ``"ahead"`` policy, what an optimizer step's post-hook does: makes the copies of every weight whose
+    copies were asked for since the last step and that is one of ``params`` (or an alias of one: the same storage and
+    geometry), on a side CUDA stream after the work queued so far (on CPU, at once). Cached as :func:`fp8_weight`
+    would cache them; each :func:`fp8_weight` that hits them waits for them on its own stream."""
+    if _weight_cache_policy != "ahead":
+        return
+    updated = {_cache_key(p.detach()) for p in params}
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    met = list(_quantised.items())
+    _quantised.clear()  # from now on, the weights the next step asks for
+    for key, ref in met:
+        w = ref()
+        if w is None or key not in updated or w.untyped_storage()._cdata != key[0]:
+            continue
+        if w.is_cuda and not capturing:
+            main = torch.cuda.current_stream(w.device)
+            side = _ahead_streams.setdefault(w.device, torch.cuda.Stream(w.device))
+            side.wait_stream(main)  # after the optimizer's update of w
+            with torch.cuda.stream(side):
+                copies = quantize_weight(w)
+            for t in copies:
+                t.record_stream(main)  # read, and freed, on the main stream
+            made = torch.cuda.Event()
+            made.record(side)
+            _cache(key, w, copies, made)
+        else:
+            _cache(key, w, quantize_weight(w))
+
+
+def fp8_weight(w: torch.Tensor, *, straight: bool = True, transposed: bool = True) -> WeightCopies:
+    """``quantize_weight(w)``, cached under the ``"step"`` and ``"ahead"`` policies (:func:`set_fp8_weight_cache`): a
+    hit needs the tensor the copies were made from, or an alias of it (the same storage, offset, shape and strides), at
+    the same version (an in-place update bumps it; aliases share the counter), with no optimizer step in between
+    (every copy is dropped at a step; under ``"ahead"`` the step makes them again) and the same kind of scales
+    (``env.set_fp8_scales``). The entry lives as long as the tensor it was made from; a storage address is trusted only
+    while that tensor still holds the storage (so a new storage at a freed one's address never hits). A cached entry
+    holds both copies, whatever the call asks for. Under the ``"call"`` policy, and inside a CUDA-graph capture (a
+    replay after the weights changed would read stale copies: the quantisation is captured with the step), nothing
+    is cached and only the copies asked for are made (``straight``, ``transposed``: ``quantize_weight``'s). Weights
+    written behind autograd's back (through ``.data``), or by an optimizer that is not a ``torch.optim`` one (FSDP2
+    gathers updated weights into the same storage at the same version), need :func:`clear_weight_cache`."""
+    if _weight_cache_policy == "call" or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return quantize_weight(w, straight, transposed)
+    key = _cache_key(w)
+    if _weight_cache_policy == "ahead":
+        _quantised[key] = weakref.ref(w)
+    hit = _weight_cache.get(key)
+    if hit is not None and hit[1] == (w._version, fp8_pow2_scales()):
+        owner = hit[0]()
+        if owner is not None and owner.untyped_storage()._cdata == key[0]:
+            if hit[3] is not None:  # made ahead on the side stream
+                torch.cuda.current_stream(w.device).wait_event(hit[3])
+            return hit[2]
+    copies = quantize_weight(w)
+    _cache(key, w, copies)
     return copies
 
 
@@ -460,4 +522,7 @@ def weight_copies_bytes(w: torch.Tensor) -> int:
 
 def clear_weight_cache() -> None:
     """Drop every cached FP8 weight copy (they are remade at the next use)."""
+    for _, _, copies, made in _weight_cache.values():
+        if made is not None:  # copies being made ahead: their stream's work done before anything reuses their memory
+            torch.cuda.current_stream(copies[0].device).wait_event(made)
     _weight_cache.clear()
