@@ -459,9 +459,10 @@ def make_weight_copies_ahead(params) -> None:
     copies were asked for since the last step and that is one of ``params`` (or an alias of one: the same storage and
     geometry), on a side CUDA stream after the work queued so far (on CPU, at once). Cached as :func:`fp8_weight`
     would cache them; each :func:`fp8_weight` that hits them waits for them on its own stream."""
-    if _weight_cache_policy != "ahead":
+    if _weight_cache_policy != "ahead" or not _quantised:
         return
-    updated = {_cache_key(p.detach()) for p in params}
+    # (a tensor subclass, such as FSDP2's DTensor shards, is not what the layers read: never a key that was met)
+    updated = {_cache_key(t) for t in (p.detach() for p in params) if type(t) is torch.Tensor}
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     met = list(_quantised.items())
     _quantised.clear()  # from now on, the weights the next step asks for
