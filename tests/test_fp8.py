@@ -821,6 +821,10 @@ def test_weight_cache_ahead_policy_makes_the_copies_at_the_optimizer_step(monkey
         assert len(calls) == 8 and calls[-2] is other and calls[-1] is w2
         opt.step()
         assert len(calls) == 9 and calls[-1] is w2 and len(quant._weight_cache) == 1
+        quant.clear_weight_cache()
+        megamoe.moe(x, idx, w, w13.detach(), w2, precision="fp8")  # w13 met through an alias (gone after the call)
+        opt.step()
+        assert len(calls) == 13 and calls[-2] is w13 and calls[-1] is w2 and len(quant._weight_cache) == 2
     finally:
         megamoe.set_fp8_weight_cache("step")
 

@@ -389,9 +389,9 @@ def quantize_weight(w_ERC: torch.Tensor, straight: bool = True, transposed: bool
 # under "ahead" the CUDA event that marks them made on the side stream, else None).
 _weight_cache: dict[tuple, tuple[weakref.ref, tuple[int, bool], tuple[torch.Tensor, ...], object]] = {}
 _weight_cache_policy = fp8_weight_cache_requested()
-# Under "ahead": every weight whose copies were asked for since the last optimizer step (key → weak reference), which
-# the step's post-hook quantises again; and the side stream per device that does it.
-_quantised: dict[tuple, weakref.ref] = {}
+# Under "ahead": the keys of the weights whose copies were asked for since the last optimizer step, which the step's
+# post-hook quantises again (those the optimizer holds); and the side stream per device that does it.
+_quantised: set[tuple] = set()
 _ahead_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -455,34 +455,34 @@ def _cache(key: tuple, w: torch.Tensor, copies: WeightCopies, made=None) -> None
 
 
 def make_weight_copies_ahead(params) -> None:
-    """Under the ``"ahead"`` policy, what an optimizer step's post-hook does: makes the copies of every weight whose
-    copies were asked for since the last step and that is one of ``params`` (or an alias of one: the same storage and
-    geometry), on a side CUDA stream after the work queued so far (on CPU, at once). Cached as :func:`fp8_weight`
-    would cache them; each :func:`fp8_weight` that hits them waits for them on its own stream."""
+    """Under the ``"ahead"`` policy, what an optimizer step's post-hook does: for each of ``params`` whose copies were
+    asked for since the last step (through it or an alias of it: the same storage and geometry), makes them on a side
+    CUDA stream after the work queued so far (on CPU, at once), cached as :func:`fp8_weight` would cache them; each
+    :func:`fp8_weight` that hits them waits for them on its own stream. Parameters that are tensor subclasses (FSDP2's
+    DTensor shards) are never what the layers read: skipped."""
     if _weight_cache_policy != "ahead" or not _quantised:
         return
-    # (a tensor subclass, such as FSDP2's DTensor shards, is not what the layers read: never a key that was met)
-    updated = {_cache_key(t) for t in (p.detach() for p in params) if type(t) is torch.Tensor}
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    met = list(_quantised.items())
+    met = set(_quantised)
     _quantised.clear()  # from now on, the weights the next step asks for
-    for key, ref in met:
-        w = ref()
-        if w is None or key not in updated or w.untyped_storage()._cdata != key[0]:
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    for p in params:
+        key = _cache_key(p) if type(p.detach()) is torch.Tensor else None
+        if key not in met:
             continue
-        if w.is_cuda and not capturing:
-            main = torch.cuda.current_stream(w.device)
-            side = _ahead_streams.setdefault(w.device, torch.cuda.Stream(w.device))
-            side.wait_stream(main)  # after the optimizer's update of w
+        met.discard(key)
+        if p.is_cuda and not capturing:
+            main = torch.cuda.current_stream(p.device)
+            side = _ahead_streams.setdefault(p.device, torch.cuda.Stream(p.device))
+            side.wait_stream(main)  # after the optimizer's update of p
             with torch.cuda.stream(side):
-                copies = quantize_weight(w)
+                copies = quantize_weight(p)
             for t in copies:
                 t.record_stream(main)  # read, and freed, on the main stream
             made = torch.cuda.Event()
             made.record(side)
-            _cache(key, w, copies, made)
+            _cache(key, p, copies, made)
         else:
-            _cache(key, w, quantize_weight(w))
+            _cache(key, p, quantize_weight(p))
 
 
 def fp8_weight(w: torch.Tensor, *, straight: bool = True, transposed: bool = True) -> WeightCopies:
@@ -501,7 +501,7 @@ def fp8_weight(w: torch.Tensor, *, straight: bool = True, transposed: bool = Tru
         return quantize_weight(w, straight, transposed)
     key = _cache_key(w)
     if _weight_cache_policy == "ahead":
-        _quantised[key] = weakref.ref(w)
+        _quantised.add(key)
     hit = _weight_cache.get(key)
     if hit is not None and hit[1] == (w._version, fp8_pow2_scales()):
         owner = hit[0]()
