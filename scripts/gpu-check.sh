@@ -28,6 +28,9 @@
 #                                          and 1: the run-to-run spread), 300 steps each
 #   bash scripts/gpu-check.sh train-fp8-more  FP8 from seed 1 (FP8's own spread), then FP8 and bf16 with 4 micro-batches
 #                                          per optimizer step (40 steps, timed: the weights' quantisation shared)
+#   bash scripts/gpu-check.sh train-step   where a 6-layer step's time goes: 20 steps each of bf16, FP8 with its weight
+#                                          copies made at first use (step) and right after the optimizer step (ahead),
+#                                          each with --profile over steps 16-18 (train-NAME-profile.json)
 #   bash scripts/gpu-check.sh ep           on 2+ GPUs: the fused EP tests on real ranks, then the EP benchmark
 # Logs (and the benchmark JSON/PNG) go to $GPU_CHECK_OUT (default benchmarks/out/gpu-check); copy the JSON you
 # mean to publish into benchmarks/results/ and run `python -m megamoe.bench.report`. Optional baselines install
@@ -36,13 +39,13 @@
 # Every GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv beside the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu-check.sh tests|loopback|ep-waits|wgrad-order|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|train-fp8|train-fp8-more|ep}
+stage=${1:?usage: gpu-check.sh tests|loopback|ep-waits|wgrad-order|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|train-fp8|train-fp8-more|train-step|ep}
 shift
 case $stage in  # before anything is installed or started
-tests|loopback|ep-waits|wgrad-order|layer|fp8|model|train|train-fp8|train-fp8-more|ep) ;;
+tests|loopback|ep-waits|wgrad-order|layer|fp8|model|train|train-fp8|train-fp8-more|train-step|ep) ;;
 *)
     echo "unknown stage $stage: tests, loopback, ep-waits, wgrad-order, layer, fp8, model, train, train-fp8," \
-        "train-fp8-more or ep" >&2
+        "train-fp8-more, train-step or ep" >&2
     exit 2
     ;;
 esac
@@ -75,7 +78,7 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit (a hang dump
 
 train_runs() {  # train_runs "NAME SECONDS ARGS..." ...: megamoe.train runs within one budget (TRAIN_BUDGET_S, default
     # 590 s), each skipped when less than its SECONDS are left; checkpoints left out (11 GB each at 2 layers); each
-    # run's log.json copied to $out/train-NAME.json
+    # run's log.json copied to $out/train-NAME.json (and a --profile's profile.json to $out/train-NAME-profile.json)
     local deadline=$(($(date +%s) + ${TRAIN_BUDGET_S:-590})) rc=0 run name limit rest left
     local common=(--preset qwen3-30b-a3b --layers 2 --compile --no-checkpoint --quiet --eval-every 100
                   --out /tmp/megamoe-train)
@@ -86,6 +89,7 @@ train_runs() {  # train_runs "NAME SECONDS ARGS..." ...: megamoe.train runs with
         # shellcheck disable=SC2086  # $rest is the run's own argument list
         step "train-$name" "$limit" "${py[@]}" -m megamoe.train "${common[@]}" --name "$name" $rest || rc=$?
         cp /tmp/megamoe-train/"$name"/log.json "$out/train-$name.json" 2> /dev/null
+        cp /tmp/megamoe-train/"$name"/profile.json "$out/train-$name-profile.json" 2> /dev/null
     done
     exit "$rc"
 }
@@ -239,6 +243,13 @@ train-fp8-more)
     train_runs "megamoe-fp8-s1 170 --experts megamoe --precision fp8 --seed 1" \
         "megamoe-fp8-mb4 150 --experts megamoe --precision fp8 --micro-batches 4 --steps 40 --eval-every 40" \
         "megamoe-mb4 150 --experts megamoe --micro-batches 4 --steps 40 --eval-every 40"
+    ;;
+train-step)
+    # 6 layers at the 30B dims (the yardstick's model), 20 steps each, the medians over steps 11-20; the profile over
+    # 16-18 runs slower than the steps around it and counts in them
+    short=(--layers 6 --steps 20 --eval-every 20 --eval-seqs 1 --profile 16-18)
+    train_runs "l6-bf16 150 ${short[*]}" "l6-fp8-step 150 ${short[*]} --precision fp8" \
+        "l6-fp8-ahead 150 ${short[*]} --precision fp8 --fp8-weight-cache ahead"
     ;;
 ep)
     [ "$gpus" -ge 2 ] || { echo "stage ep needs 2+ GPUs; this machine has $gpus" >&2; exit 2; }
