@@ -281,7 +281,7 @@ def check_fsdp(rank, num_ranks, device, precision="bf16", weight_cache="step"):
         expected = (2 if weight_cache == "step" else 4) if precision == "fp8" else 0
         assert quantised.call_count == expected, f"step {step}: weights quantised {quantised.call_count} times"
         # cached: the copies of the gathered (unsharded) weights, held after the backward; or none
-        held = [copies[0].shape[0] for _, _, copies in quant._weight_cache.values()]
+        held = [copies[0].shape[0] for _, _, copies, _ in quant._weight_cache.values()]
         assert held == ([ref.config.num_experts] * 2 if weight_cache == "step" and precision == "fp8" else [])
         opt.step()
         opt.zero_grad()

@@ -259,6 +259,17 @@ def test_moe_share_times_whole_steps_with_their_fp8_weight_copies(monkeypatch):
     assert calls == [call for _ in range(2) for i in range(5) for call in step(i)]
     assert "3 a step" in result["moe_share_method"] and "FP8 weight copies" not in result["moe_share_method"]
 
+    # under the "ahead" policy each timed step's copies are made again after the drop, as the optimizer step makes them
+    Model.parameters = lambda self: iter([weight])
+    monkeypatch.setattr(train, "fp8_weight_cache", lambda: "ahead")
+    monkeypatch.setattr(train, "make_weight_copies_ahead", lambda params: calls.append(("ahead", list(params))))
+    calls.clear()
+    train.moe_share(Model(), Batches(), args, torch.device("cpu"), 2, 1, step_loss)
+    ahead = [call for call in calls if call[0] == "ahead"]
+    assert len(ahead) == 10 and all(params == [weight] for _, params in ahead)
+    assert [c for c in calls if c[0] != "ahead"] == [call for _ in range(2) for i in range(5) for call in step(i)]
+    assert all(calls[i - 1] == "drop copies" for i, call in enumerate(calls) if call[0] == "ahead")
+
 
 def test_a_run_says_it_has_no_gpu_first_and_where_it_wrote_last(runs):
     """Without a GPU the first line says so (before the first step); the last lines give the eval loss rounded
