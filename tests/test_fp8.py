@@ -825,6 +825,13 @@ def test_weight_cache_ahead_policy_makes_the_copies_at_the_optimizer_step(monkey
         megamoe.moe(x, idx, w, w13.detach(), w2, precision="fp8")  # w13 met through an alias (gone after the call)
         opt.step()
         assert len(calls) == 13 and calls[-2] is w13 and calls[-1] is w2 and len(quant._weight_cache) == 2
+        # two optimizers: the second's step drops the copies made after the first's; its own weight's survive
+        megamoe.moe(x, idx, w, w13, w2, precision="fp8")
+        first, second = torch.optim.SGD([w13], lr=0.1), torch.optim.SGD([w2], lr=0.1)
+        first.step()
+        second.step()
+        assert len(calls) == 15 and calls[-2] is w13 and calls[-1] is w2
+        assert [entry[0]() for entry in quant._weight_cache.values()] == [w2]
     finally:
         megamoe.set_fp8_weight_cache("step")
 

@@ -389,26 +389,27 @@ def quantize_weight(w_ERC: torch.Tensor, straight: bool = True, transposed: bool
 # under "ahead" the CUDA event that marks them made on the side stream, else None).
 _weight_cache: dict[tuple, tuple[weakref.ref, tuple[int, bool], tuple[torch.Tensor, ...], object]] = {}
 _weight_cache_policy = fp8_weight_cache_requested()
-# Under "ahead": the keys of the weights whose copies were asked for since the last optimizer step, which the step's
-# post-hook quantises again (those the optimizer holds); and the side stream per device that does it.
+# Under "ahead": the keys of the weights whose copies were asked for since their last ones were made ahead, which an
+# optimizer step's post-hook quantises again (those the optimizer holds); and the side stream per device that does it.
 _quantised: set[tuple] = set()
 _ahead_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def set_fp8_weight_cache(policy: str) -> None:
-    """How long the expert weights' FP8 copies live, from now on (:func:`fp8_weight`): ``"step"`` (the default) keeps
-    each weight's copies until the weight changes (an in-place update, or any ``torch.optim`` optimizer's step): one
-    quantisation per weight and optimizer step, however many micro-batches and recomputes meet it, but every layer's
-    copies alive at once, from the layer's first forward of a step until the next optimizer step (2 bytes per expert
-    weight element, the two orientations, plus scales; under FSDP2, of the gathered weights, which FSDP's reshard does
-    not free). ``"ahead"``: as ``"step"``, but right after an optimizer step the copies of the weights quantised since
-    the step before are made again, on a CUDA stream of their own, so that the quantisation can run beside the next
-    forward's first layers instead of in front of each layer's experts; only for weights that the optimizer itself
-    updated (a parameter it holds, or an alias: not FSDP2's gathered weights, whose copies are made at first use, as
-    under ``"step"``); every layer's copies are then held from the step on. ``"call"`` keeps none: each forward makes
-    the straight copies it reads and each backward the transposed ones (and, without saved products, w13's straight
-    copy again), freed when the call ends. Also set at import by ``MEGAMOE_FP8_WEIGHT_CACHE``. Setting ``"call"``
-    drops every cached copy."""
+    """How long the expert weights' FP8 copies live, from now on (:func:`fp8_weight`): ``"step"`` (the default)
+    keeps each weight's copies until the weight changes (an in-place update, or any ``torch.optim`` optimizer's
+    step): one quantisation per weight and optimizer step, however many micro-batches and recomputes meet it, but
+    every layer's copies alive at once, from the layer's first forward of a step until the next optimizer step (2
+    bytes per expert weight element, the two orientations, plus scales; under FSDP2, of the gathered weights, which
+    FSDP's reshard does not free). ``"ahead"``: as ``"step"``, but right after an optimizer step the copies of each
+    weight used since its last copies were made are made again, on a CUDA stream of their own, so that the quantisation can run beside
+    the next forward's first layers instead of in front of each layer's experts; only for weights that the optimizer
+    itself updated (a parameter it holds, or an alias: not FSDP2's gathered weights, whose copies are made at first
+    use, as under ``"step"``); every layer's copies are then held from the step on. (Every optimizer's step drops
+    every copy before it runs, so with several optimizers only the copies made after the last one's step survive,
+    and the next forward makes the rest.) ``"call"`` keeps none: each forward makes the straight copies it reads and
+    each backward the transposed ones (and, without saved products, w13's straight copy again), freed when the call
+    ends. Also set at import by ``MEGAMOE_FP8_WEIGHT_CACHE``. Setting ``"call"`` drops every cached copy."""
     global _weight_cache_policy
     if policy not in FP8_WEIGHT_CACHES:
         raise ValueError(f"the FP8 weight cache policy must be one of {FP8_WEIGHT_CACHES}, got {policy!r}")
@@ -455,21 +456,19 @@ def _cache(key: tuple, w: torch.Tensor, copies: WeightCopies, made=None) -> None
 
 
 def make_weight_copies_ahead(params) -> None:
-    """Under the ``"ahead"`` policy, what an optimizer step's post-hook does: for each of ``params`` whose copies were
-    asked for since the last step (through it or an alias of it: the same storage and geometry), makes them on a side
-    CUDA stream after the work queued so far (on CPU, at once), cached as :func:`fp8_weight` would cache them; each
-    :func:`fp8_weight` that hits them waits for them on its own stream. Parameters that are tensor subclasses (FSDP2's
-    DTensor shards) are never what the layers read: skipped."""
+    """Under the ``"ahead"`` policy, what an optimizer step's post-hook does: for each of ``params`` whose copies
+    were asked for since its last ones were made here (through it or an alias of it: the same storage and geometry),
+    makes them on a side CUDA stream after the work queued so far (on CPU, at once), cached as :func:`fp8_weight`
+    would cache them; each :func:`fp8_weight` that hits them waits for them on its own stream. Parameters that are
+    tensor subclasses (FSDP2's DTensor shards) are never what the layers read: skipped."""
     if _weight_cache_policy != "ahead" or not _quantised:
         return
-    met = set(_quantised)
-    _quantised.clear()  # from now on, the weights the next step asks for
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     for p in params:
         key = _cache_key(p) if type(p.detach()) is torch.Tensor else None
-        if key not in met:
+        if key not in _quantised:
             continue
-        met.discard(key)
+        _quantised.discard(key)  # (the others stay for another optimizer's step)
         if p.is_cuda and not capturing:
             main = torch.cuda.current_stream(p.device)
             side = _ahead_streams.setdefault(p.device, torch.cuda.Stream(p.device))
