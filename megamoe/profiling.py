@@ -1,4 +1,5 @@
-"""Where a training step's device time goes, kernel by kernel: ``python -m megamoe.train --profile A-B``.
+"""Where a training step's device time goes, kernel by kernel: ``python -m megamoe.train --profile A-B``; and
+``python -m megamoe.profiling A.json B.json ...`` to read such profiles side by side (:func:`compare`).
 
 :class:`StepProfiler` runs ``torch.profiler`` over the training steps A to B (counted from 1, as the log counts
 them) and marks each step's three parts (:data:`PHASES`) as host ranges; :func:`summarise` reads the profiler's
@@ -118,3 +119,42 @@ def summarise(trace: dict, steps: int) -> dict:
              for (name, where), (total, count) in kernels.items()]
     table.sort(key=lambda k: -k["ms"])
     return {"phases": phases, "kernels": table}
+
+
+def compare(profiles: list[dict], names: list[str], top: int = 25) -> str:
+    """The profiles side by side, as text: each part's device and idle milliseconds per step, then the ``top``
+    kernels by their largest time in any profile (ms per step in each, the part that launched them)."""
+    width = max(16, *(len(n) + 2 for n in names))
+    lines = ["part        " + "".join(f"{n:>{width}}" for n in names) + "   (device ms / idle ms per step)"]
+    for part in (*PHASES, "other"):
+        cells = "".join(f"{p['phases'][part]['device_ms']:>{width - 8}.2f} / {p['phases'][part]['idle_ms']:5.2f}"
+                        for p in profiles)
+        lines.append(f"{part:12}{cells}")
+    times = collections.defaultdict(lambda: [0.0] * len(profiles))
+    for i, p in enumerate(profiles):
+        for k in p["kernels"]:
+            times[(k["name"], k["part"])][i] += k["ms"]
+    lines.append("kernel (part)" + " " * 56 + "".join(f"{n:>{width}}" for n in names))
+    for (name, part), ms in sorted(times.items(), key=lambda item: -max(item[1]))[:top]:
+        label = f"{name[:60]} ({part})"
+        lines.append(f"{label:69}" + "".join(f"{t:>{width}.3f}" for t in ms))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    import argparse
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m megamoe.profiling",
+                                description="profile.json files of megamoe.train --profile, side by side")
+    p.add_argument("profiles", nargs="+", type=Path, help="profile.json files")
+    p.add_argument("--top", type=int, default=25, help="kernels to list (default 25)")
+    args = p.parse_args(argv)
+    runs = [json.loads(path.read_text()) for path in args.profiles]
+    # a run folder's profile.json goes by the folder's name, a renamed copy by its own
+    names = [path.parent.name if path.name == "profile.json" else path.stem for path in args.profiles]
+    print(compare(runs, names, args.top))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,8 @@
 """``megamoe.profiling.summarise``: each device event counted in the part of the step whose host range launched it
 (through the launch's correlation id), per step, with the device's idle time before it."""
 
+import json
+
 from megamoe.profiling import PHASES, summarise
 
 
@@ -43,3 +45,29 @@ def test_device_time_goes_to_the_part_that_launched_it():
     table = [(k["name"], k["part"], k["ms"], k["launches"]) for k in out["kernels"]]
     assert table == [("gemm", "passes", 140 * ms, 2), ("adamw", "optimizer", 60 * ms, 1), ("scale", "clip", 20 * ms, 1),
                      ("Memset", "optimizer", 8 * ms, 1), ("eval", "other", 8 * ms, 0.5)]
+
+
+def test_compare_puts_the_profiles_side_by_side(tmp_path, capsys):
+    """Each part's device and idle time per profile, then the kernels by their largest time, each profile's time
+    in its column (0 where a profile lacks the kernel); the command line reads the files."""
+    from megamoe import profiling
+
+    def profile(gemm_ms, quant_ms):
+        kernels = [{"name": "gemm", "part": "passes", "ms": gemm_ms, "launches": 2}]
+        if quant_ms:
+            kernels.append({"name": "quantize_weight", "part": "passes", "ms": quant_ms, "launches": 1})
+        phases = {part: {"host_ms": 1.0, "device_ms": 0.0, "idle_ms": 0.0} for part in (*PHASES, "other")}
+        phases["passes"]["device_ms"] = gemm_ms + quant_ms
+        return {"phases": phases, "kernels": kernels}
+
+    bf16, fp8 = profile(9.0, 0.0), profile(7.0, 1.5)
+    lines = profiling.compare([bf16, fp8], ["bf16", "fp8"]).splitlines()
+    assert lines[1].split() == ["passes", "9.00", "/", "0.00", "8.50", "/", "0.00"]
+    assert lines[6].split() == ["gemm", "(passes)", "9.000", "7.000"]
+    assert lines[7].split() == ["quantize_weight", "(passes)", "0.000", "1.500"]
+    for name, run in (("bf16", bf16), ("fp8", fp8)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "profile.json").write_text(json.dumps(run))
+    profiling.main([str(tmp_path / "bf16" / "profile.json"), str(tmp_path / "fp8" / "profile.json"), "--top", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[1:3] == ["bf16", "fp8"] and len(out) == 7 and out[-1].split()[0] == "gemm"
