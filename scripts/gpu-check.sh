@@ -91,7 +91,7 @@ train_runs() {  # train_runs "NAME SECONDS ARGS..." ...: megamoe.train runs with
         cp /tmp/megamoe-train/"$name"/log.json "$out/train-$name.json" 2> /dev/null
         cp /tmp/megamoe-train/"$name"/profile.json "$out/train-$name-profile.json" 2> /dev/null
     done
-    exit "$rc"
+    return "$rc"
 }
 
 case $stage in
@@ -250,6 +250,9 @@ train-step)
     short=(--layers 6 --steps 20 --eval-every 20 --eval-seqs 1 --profile 16-18)
     train_runs "l6-bf16 150 ${short[*]}" "l6-fp8-step 150 ${short[*]} --precision fp8" \
         "l6-fp8-ahead 150 ${short[*]} --precision fp8 --fp8-weight-cache ahead"
+    rc=$?
+    "$PY" -m megamoe.profiling "$out"/train-l6-*-profile.json --top 40 | tee "$out/train-step-profiles.txt"
+    exit "$rc"
     ;;
 ep)
     [ "$gpus" -ge 2 ] || { echo "stage ep needs 2+ GPUs; this machine has $gpus" >&2; exit 2; }
