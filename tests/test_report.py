@@ -244,3 +244,10 @@ def test_train_table_names_micro_batches_and_code(tmp_path):
                                                               "optimizer": "AdamW (fused), bf16 states"}))
     rows = [line for line in report.train_table(tmp_path).splitlines() if line.startswith("| qwen3")]
     assert "| megamoe (FP8, fused AdamW) | 9 |" in rows[1] and "| megamoe | 0 |" in rows[0]
+    # an FP8 run whose weight copies were made ahead (or in every call) says so; the default policy needs not
+    for policy, mark in (("ahead", "copies made ahead"), ("call", "copies per call")):
+        (tmp_path / "train" / "h100.json").write_text(json.dumps({**run, "gpu": "NVIDIA H100 80GB HBM3", "seed": 9,
+                                                                  "expert_precision": "fp8", "fp8_weight_cache": policy,
+                                                                  "optimizer": "AdamW (fused), bf16 states"}))
+        rows = [line for line in report.train_table(tmp_path).splitlines() if line.startswith("| qwen3")]
+        assert f"| megamoe (FP8, {mark}, fused AdamW) | 9 |" in rows[1]

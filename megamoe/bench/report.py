@@ -273,6 +273,10 @@ def fp8_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# an FP8 training run's weight-copy policy other than the default "step", as its row marks it
+COPIES_MARKS = {"ahead": "copies made ahead", "call": "copies per call"}
+
+
 def train_table(folder: Path) -> str:
     """``python -m megamoe.train`` runs (``folder``/train/*.json): per run its throughput, MFU, the experts' share of
     the step, the final eval loss and the code it ran; each run's GPU where they ran on more than one, and an FP8
@@ -296,7 +300,9 @@ def train_table(folder: Path) -> str:
         elif share and fp8(r) and "weight copies" not in r.get("moe_share_method", ""):
             share += " (copies reused)"
         option = _x_scales_option(r.get("fp8_wgrad_x_scales"), "x's dW13 scales")
-        marks = ([f"FP8{option}"] if fp8(r) else []) + (["fused AdamW"] if "(fused)" in r.get("optimizer", "") else [])
+        copies = COPIES_MARKS.get(r.get("fp8_weight_cache")) if fp8(r) else None
+        marks = (([f"FP8{option}"] if fp8(r) else []) + ([copies] if copies else [])
+                 + (["fused AdamW"] if "(fused)" in r.get("optimizer", "") else []))
         experts = f"{r['experts']} ({', '.join(marks)})" if marks else r["experts"]
         model = f"{r['preset']}, {r['layers']} layers" + (f" ({_gpu(r)})" if several_gpus else "")
         per_step = f"{r['seqs_per_step']} x {r['seq_len']}"
@@ -308,7 +314,8 @@ def train_table(folder: Path) -> str:
                      f"{_code(r)} |")
     lines += ["", (f"{_versions(runs)}; bf16 (the experts' GEMMs too, but where marked FP8: blockwise), every decoder "
                    "layer compiled and checkpointed; AdamW: torch's foreach implementation, but where marked fused "
-                   "(`megamoe.train`'s default from 915bb1f); tokens/s: the median step after the first 10; MFU "
+                   "(`megamoe.train`'s default from 915bb1f); FP8 weight copies made at each layer's first use in "
+                   "a step, but where marked made ahead (right after the optimizer step) or per call; tokens/s: the median step after the first 10; MFU "
                    "against 989 TFLOP/s; MoE share: the experts' part of forward+backward, by ablation (of the whole "
                    "step, optimizer included: `moe_share_of_step` in runs that record it; \"copies reused\": an FP8 run's "
                    "ablation, before 3369c6e, that reused cached weight copies between its timed steps, leaving out "
