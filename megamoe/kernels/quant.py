@@ -463,13 +463,14 @@ def make_weight_copies_ahead(params) -> None:
     tensor subclasses (FSDP2's DTensor shards) are never what the layers read: skipped."""
     if _weight_cache_policy != "ahead" or not _quantised:
         return
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return  # a captured step caches nothing (fp8_weight): its copies are made at first use
     for p in params:
         key = _cache_key(p) if type(p.detach()) is torch.Tensor else None
         if key not in _quantised:
             continue
         _quantised.discard(key)  # (the others stay for another optimizer's step)
-        if p.is_cuda and not capturing:
+        if p.is_cuda:
             main = torch.cuda.current_stream(p.device)
             side = _ahead_streams.setdefault(p.device, torch.cuda.Stream(p.device))
             side.wait_stream(main)  # after the optimizer's update of p
