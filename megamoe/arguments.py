@@ -35,6 +35,18 @@ def positive_float(text: str) -> float:
     return value
 
 
+def step_range(text: str) -> tuple[int, int]:
+    """argparse type: ``"A-B"`` (or ``"A"``: one step) → (A, B), training steps counted from 1, ``1 <= A <= B``."""
+    first, _, last = text.partition("-")
+    try:
+        bounds = int(first), int(last or first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--profile takes steps as A-B (or A), counted from 1; got {text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"--profile {text}: the steps must be 1 <= A <= B")
+    return bounds
+
+
 def csv_of(allowed):
     """argparse type: a comma-separated list, each item in ``allowed`` (or converted by it, when it is callable)."""
     def parse(text: str) -> list:

@@ -25,24 +25,12 @@ _DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 _LAUNCHES = ("cuda_runtime", "cuda_driver")
 
 
-def parse_steps(text: str) -> tuple[int, int]:
-    """``"A-B"`` (or ``"A"``: one step) → (A, B), the first and last step profiled, counted from 1."""
-    first, _, last = text.partition("-")
-    try:
-        bounds = int(first), int(last or first)
-    except ValueError:
-        raise ValueError(f"--profile takes steps as A-B (or A), counted from 1; got {text!r}") from None
-    if not 1 <= bounds[0] <= bounds[1]:
-        raise ValueError(f"--profile {text}: the steps must be 1 <= A <= B")
-    return bounds
-
-
 class StepProfiler:
     """``torch.profiler`` over training steps ``first`` to ``last`` (counted from 1), or nothing when ``steps`` is
     None. Call :meth:`begin` before each step (the loop's index, from 0) and :meth:`end` after it; wrap each part of
     the step in :meth:`phase`. After the last profiled step, :attr:`summary` holds :func:`summarise`'s result."""
 
-    def __init__(self, steps: tuple[int, int] | None, cuda: bool):
+    def __init__(self, steps: tuple[int, int] | None, cuda: bool):  # (``arguments.step_range``'s)
         self.first, self.last = steps or (0, -1)
         self.cuda = cuda
         self.summary: dict | None = None

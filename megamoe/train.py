@@ -83,6 +83,7 @@ from megamoe.arguments import (
     non_negative_int,
     positive_float,
     positive_int,
+    step_range,
 )
 from megamoe.env import FP8_WEIGHT_CACHES, FP8_WGRAD_X_SCALES_NAMES
 from megamoe.integrations.transformers import (
@@ -106,7 +107,7 @@ from megamoe.models import (
     compile_model,
     experts_problem,
 )
-from megamoe.profiling import StepProfiler, parse_steps
+from megamoe.profiling import StepProfiler
 from megamoe.provenance import git_commit, source_digest, utc_now
 
 QWEN3_VOCAB = 151_936  # Qwen3's vocabulary size (the model's embedding and LM head; the tokenizer uses fewer ids)
@@ -408,13 +409,6 @@ def load_checkpoint(folder: Path, model, opt, rank: int, expect: dict) -> int:
 
 # -- the run -----------------------------------------------------------------------------------------------------
 
-def _profile_steps(text: str) -> tuple[int, int]:
-    try:
-        return parse_steps(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -473,7 +467,7 @@ def parse_args(argv=None, cuda: bool | None = None):
     p.add_argument("--stop-after", type=positive_int, help="leave after this step (the schedule still spans --steps)")
     p.add_argument("--moe-share-steps", type=non_negative_int, default=0,
                    help="after training: time this many steps with and without the experts (moe_share; GPU only)")
-    p.add_argument("--profile", type=_profile_steps, metavar="A-B",
+    p.add_argument("--profile", type=step_range, metavar="A-B",
                    help="run torch.profiler over steps A to B (counted from 1; A alone: one step) and write where their "
                         "device time went, per part of the step and per kernel, to profile.json beside log.json "
                         "(megamoe.profiling); those steps run slower, and count in the log's times")
