@@ -816,8 +816,7 @@ def moe_share(model, train, args, device, world, rank, step_loss, mesh=None) -> 
             # the FP8 experts' weight copies dropped (and under "ahead" made again), as by the optimizer step before
             # every training step: the step's quantisation timed with its experts, not the last timed step's copies
             clear_weight_cache()
-            if fp8_weight_cache() == "ahead":
-                make_weight_copies_ahead(model.parameters())
+            make_weight_copies_ahead(model.parameters())
             begin.record()
             step_passes(model, train, args, i, world, rank, device, step_loss, mesh)
             end.record()

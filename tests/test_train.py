@@ -234,6 +234,9 @@ def test_moe_share_times_whole_steps_with_their_fp8_weight_copies(monkeypatch):
         def zero_grad(self, set_to_none):
             pass
 
+        def parameters(self):
+            return iter([weight])
+
     class Batches:
         def batch(self, index, seqs):
             return torch.full((seqs, 4), index)
@@ -259,9 +262,7 @@ def test_moe_share_times_whole_steps_with_their_fp8_weight_copies(monkeypatch):
     assert calls == [call for _ in range(2) for i in range(5) for call in step(i)]
     assert "3 a step" in result["moe_share_method"] and "FP8 weight copies" not in result["moe_share_method"]
 
-    # under the "ahead" policy each timed step's copies are made again after the drop, as the optimizer step makes them
-    Model.parameters = lambda self: iter([weight])
-    monkeypatch.setattr(train, "fp8_weight_cache", lambda: "ahead")
+    # each timed step's copies are made again after the drop (under "ahead"), as the optimizer step makes them
     monkeypatch.setattr(train, "make_weight_copies_ahead", lambda params: calls.append(("ahead", list(params))))
     calls.clear()
     train.moe_share(Model(), Batches(), args, torch.device("cpu"), 2, 1, step_loss)

@@ -430,8 +430,7 @@ def _drop_stale_copies(*_) -> None:
 
 
 def _make_copies_ahead(optimizer, *_) -> None:
-    if _weight_cache_policy == "ahead":
-        make_weight_copies_ahead([p for group in optimizer.param_groups for p in group["params"]])
+    make_weight_copies_ahead(p for group in optimizer.param_groups for p in group["params"])
 
 
 # An optimizer's step makes every cached copy stale: the version counter alone misses weights whose storage is written
