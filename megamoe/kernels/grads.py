@@ -1,11 +1,12 @@
 """Gradients multiplied in place by an fp32 scalar that stays on the device: the training loop's clipping.
 
-``scale_(tensors, scale)`` computes ``(t.float() * scale).to(t.dtype)`` for each tensor, the product torch's
-``torch._foreach_mul_(tensors, scale)`` computes (``clip_grad_norm_``'s scaling: bf16 gradients times an fp32 0-dim
-tensor, two dtypes in one op). With torch's, the 6-layer model's clipping took 22.6 ms where its bytes take ~9
-(docs/PERFORMANCE.md, "The clipping's scaling"). Here one plain streaming kernel per tensor reads and writes each
-gradient once, in 16-byte accesses where its length is a multiple of 16; the scale is read on the device, so
-nothing waits for the host.
+``scale_(tensors, scale)`` computes ``(t.float() * scale).to(t.dtype)`` for each tensor: the fp32 product rounded
+once. It replaces torch's ``torch._foreach_mul_(tensors, scale)`` (``clip_grad_norm_``'s scaling: bf16 gradients
+times an fp32 0-dim tensor, two dtypes in one op), with which the 6-layer model's clipping took 22.6 ms where its
+bytes take ~9 (docs/PERFORMANCE.md, "The clipping's scaling"). Not torch's bits on the GPU: there torch rounds the
+factor to the gradients' dtype before it multiplies (docs/FACTS.md); on the CPU it does not, and the two agree. Here
+one plain streaming kernel per tensor reads and writes each gradient once, in 16-byte accesses where its length is a
+multiple of 16; the scale is read on the device, so nothing waits for the host.
 """
 
 from __future__ import annotations
@@ -60,21 +61,21 @@ KERNELS = (_scale_kernel,)  # compiled for sm_90a without a GPU in tests/test_co
 def scale_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
     """Multiplies each of ``tensors`` in place by ``scale`` (a 0-dim fp32 tensor on their device): the product
     in fp32, rounded to nearest even in the tensor's dtype. CUDA tensors (and any under Triton's interpreter) go
-    through the kernel, one launch each, and must be contiguous; CPU tensors through torch, the same bits. All on
-    the scale's device."""
+    through the kernel, one launch each; CPU tensors through torch, the same bits. All contiguous, bf16, fp16 or
+    fp32, on the scale's device."""
     if scale.dim() != 0 or scale.dtype != torch.float32:
         raise ValueError(f"scale must be a 0-dim fp32 tensor, got {scale.dtype} of shape {tuple(scale.shape)}")
     for t in tensors:
         if t.device != scale.device:
             raise ValueError(f"a tensor on {t.device} and the scale on {scale.device}")
-    if not (scale.is_cuda or interpreting()):
-        torch._foreach_mul_(tensors, scale)  # CPU tensors: torch's own scaling, the same bits
-        return
-    for t in tensors:
         if not t.is_contiguous():
             raise ValueError(f"scale_ needs contiguous tensors, got one of shape {tuple(t.shape)} and strides "
                              f"{t.stride()}")
         if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"scale_ scales bf16, fp16 or fp32 tensors, got {t.dtype}")
+    if not (scale.is_cuda or interpreting()):
+        torch._foreach_mul_(tensors, scale)  # CPU tensors: torch's own scaling, the same bits on the CPU
+        return
+    for t in tensors:
         if t.numel():
             _scale_kernel[(triton.cdiv(t.numel(), BLOCK),)](t, scale, t.numel(), BLOCK=BLOCK, num_warps=8)
