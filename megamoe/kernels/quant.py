@@ -31,6 +31,7 @@ rounded up to a power of two and ``inv = 1 / s``, both exact (``scale_and_invers
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -357,10 +358,13 @@ def channel_amax(a_TC: torch.Tensor) -> torch.Tensor:
 WeightCopies = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
-def quantize_weight(w_ERC: torch.Tensor, straight: bool = True, transposed: bool = True) -> WeightCopies:
+def quantize_weight(w_ERC: torch.Tensor, straight: bool = True, transposed: bool = True, *,
+                    stream: torch.cuda.Stream | None = None) -> WeightCopies:
     """(q (E, R, C), s (E, R/128, C/128), qt (E, C, R), st (E, C/128, R/128)): ``w`` in 128x128 blocks and its
     transpose, from one read of ``w``; R and C multiples of 128, ``w`` contiguous. ``straight`` / ``transposed``
-    False: that copy is not made (None in its places)."""
+    False: that copy is not made (None in its places). ``stream``: the CUDA stream the quantisation runs on (the
+    current one by default); the copies are allocated on the current stream either way, from its pool, and a caller
+    that passes another stream orders the two."""
     if not (straight or transposed):
         raise ValueError("quantize_weight: ask for the straight copy, the transposed one or both")
     num_experts, r, c = w_ERC.shape
@@ -374,10 +378,11 @@ def quantize_weight(w_ERC: torch.Tensor, straight: bool = True, transposed: bool
     q, s = copy(r, c, straight)
     qt, st = copy(c, r, transposed)
     # a copy not made gets the other's pointers, never written (the kernel's flags)
-    _quantize_weight_kernel[(num_experts, r // GROUP, c // GROUP)](
-        w_ptr=w_ERC, q_ptr=q if straight else qt, s_ptr=s if straight else st, qt_ptr=qt if transposed else q,
-        st_ptr=st if transposed else s, R=r, C=c, SLICE=WEIGHT_SLICE, POW2=fp8_pow2_scales(), STRAIGHT=straight,
-        TRANSPOSED=transposed, num_warps=8)
+    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+        _quantize_weight_kernel[(num_experts, r // GROUP, c // GROUP)](
+            w_ptr=w_ERC, q_ptr=q if straight else qt, s_ptr=s if straight else st, qt_ptr=qt if transposed else q,
+            st_ptr=st if transposed else s, R=r, C=c, SLICE=WEIGHT_SLICE, POW2=fp8_pow2_scales(), STRAIGHT=straight,
+            TRANSPOSED=transposed, num_warps=8)
     return q, s, qt, st
 
 
@@ -473,10 +478,13 @@ def make_weight_copies_ahead(params) -> None:
             main = torch.cuda.current_stream(p.device)
             side = _ahead_streams.setdefault(p.device, torch.cuda.Stream(p.device))
             side.wait_stream(main)  # after the optimizer's update of p
-            with torch.cuda.stream(side):
-                copies = quantize_weight(p)
+            # Allocated on the main stream, where they are read and freed: from the side stream's own pool, each
+            # step's copies would need fresh device memory while the last step's, freed on the main stream, wait
+            # in the main pool (cudaMalloc in every step, and frees that synchronise the device once memory runs
+            # short). Written on the side stream: recorded there, so their memory is not reused before that ends.
+            copies = quantize_weight(p, stream=side)
             for t in copies:
-                t.record_stream(main)  # read, and freed, on the main stream
+                t.record_stream(side)
             made = torch.cuda.Event()
             made.record(side)
             _cache(key, p, copies, made)
