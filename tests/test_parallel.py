@@ -140,8 +140,8 @@ def _worker(rank, num_ranks, init_file, test):
             check_fsdp(rank, num_ranks, "cpu")
         elif test == "fsdp_fp8":
             check_fsdp(rank, num_ranks, "cpu", precision="fp8")
-        elif test == "fsdp_fp8_call":
-            check_fsdp(rank, num_ranks, "cpu", precision="fp8", weight_cache="call")
+        elif test in ("fsdp_fp8_call", "fsdp_fp8_ahead"):
+            check_fsdp(rank, num_ranks, "cpu", precision="fp8", weight_cache=test.removeprefix("fsdp_fp8_"))
         elif test == "fsdp_gpu":
             check_fsdp(rank, num_ranks, f"cuda:{rank}")
         elif test == "ep_fsdp":
@@ -249,7 +249,9 @@ def check_fsdp(rank, num_ranks, device, precision="bf16", weight_cache="step"):
     forward's reshard, hits the forward's copies: a miss would quantise each weight twice per step).
     The cached copies are the gathered weights', held after the backward (FSDP's reshard frees the bf16 ones only);
     ``weight_cache="call"`` (``megamoe.set_fp8_weight_cache``): each weight quantised in the forward and again in
-    the backward, no copy held after it."""
+    the backward, no copy held after it. ``"ahead"``: as ``"step"``, the optimizer step making none (its parameters
+    are the DTensor shards, not the gathered weights that the layers read). No copy is held after an optimizer
+    step under any policy."""
     from unittest import mock
 
     from torch.distributed.fsdp import fully_shard
@@ -278,12 +280,16 @@ def check_fsdp(rank, num_ranks, device, precision="bf16", weight_cache="step"):
         with mock.patch.object(quant, "quantize_weight", wraps=quant.quantize_weight) as quantised:
             model(input_ids=batches[rank], labels=batches[rank]).loss.backward()
         # w13 and w2 once each (or in the forward and the backward each); bf16 quantises nothing
-        expected = (2 if weight_cache == "step" else 4) if precision == "fp8" else 0
+        expected = (4 if weight_cache == "call" else 2) if precision == "fp8" else 0
         assert quantised.call_count == expected, f"step {step}: weights quantised {quantised.call_count} times"
-        # cached: the copies of the gathered (unsharded) weights, held after the backward; or none
-        held = [copies[0].shape[0] for _, _, copies, _ in quant._weight_cache.values()]
-        assert held == ([ref.config.num_experts] * 2 if weight_cache == "step" and precision == "fp8" else [])
+        # cached: the copies of the gathered (unsharded) weights, held after the backward; or none (under "ahead",
+        # the reference model's optimizer made its weights' copies too: left out)
+        ref_weights = {id(q) for q in ref.parameters()}
+        held = [copies[0].shape[0] for owner, _, copies, _ in quant._weight_cache.values()
+                if id(owner()) not in ref_weights]
+        assert held == ([ref.config.num_experts] * 2 if weight_cache != "call" and precision == "fp8" else [])
         opt.step()
+        assert not quant._weight_cache, "copies held after the optimizer step (made ahead from a DTensor shard?)"
         opt.zero_grad()
         (sum(ref(input_ids=b, labels=b).loss for b in batches) / num_ranks).backward()
         ref_opt.step()
@@ -458,6 +464,10 @@ def test_fsdp2_with_megamoe_fp8_experts_equals_one_process():
 
 def test_fsdp2_with_megamoe_fp8_experts_holding_no_weight_copies_equals_one_process():
     spawn("fsdp_fp8_call", 2)
+
+
+def test_fsdp2_with_megamoe_fp8_experts_copies_made_ahead_equals_one_process():
+    spawn("fsdp_fp8_ahead", 2)
 
 
 def test_expert_parallelism_composes_with_fsdp2():
