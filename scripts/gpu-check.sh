@@ -30,7 +30,8 @@
 #                                          per optimizer step (40 steps, timed: the weights' quantisation shared)
 #   bash scripts/gpu-check.sh train-step   where a 6-layer step's time goes: 20 steps each of bf16, FP8 with its weight
 #                                          copies made at first use (step) and right after the optimizer step (ahead),
-#                                          each with --profile over steps 16-18 (train-NAME-profile.json)
+#                                          each with --profile over steps 16-18 (train-NAME-profile.json); then the
+#                                          layer benchmark's profile of the same experts (train-step-bench/), ~9 min
 #   bash scripts/gpu-check.sh ep           on 2+ GPUs: the fused EP tests on real ranks, then the EP benchmark
 # Logs (and the benchmark JSON/PNG) go to $GPU_CHECK_OUT (default benchmarks/out/gpu-check); copy the JSON you
 # mean to publish into benchmarks/results/ and run `python -m megamoe.bench.report`. Optional baselines install
@@ -252,6 +253,10 @@ train-step)
         "l6-fp8-ahead 150 ${short[*]} --precision fp8 --fp8-weight-cache ahead"
     rc=$?
     "$PY" -m megamoe.profiling "$out"/train-l6-*-profile.json --top 40 | tee "$out/train-step-profiles.txt"
+    # the same experts in the layer benchmark, kernel by kernel: what the benchmark times around the kernels that
+    # training's profiles hold (its megamoe::/_FusedMoE rows against the training's "megamoe's ops")
+    step train-step-bench 150 "${py[@]}" -m megamoe.bench --preset qwen3-30b-a3b --routing random \
+        --impls megamoe,megamoe_fp8 --profile --no-plot --out "$out/train-step-bench" || rc=$?
     exit "$rc"
     ;;
 ep)
