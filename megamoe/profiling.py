@@ -7,8 +7,7 @@ trace back: every device kernel, memcpy and memset is put in the part whose host
 launch's correlation id), and summed by name. The result (``profile.json`` beside the run's ``log.json``): per part,
 the host's and the device's milliseconds per step, the device's idle time before that part's kernels, and the device
 time of the kernels that megamoe launched (inside its custom ops ``megamoe::*`` or, eager, its autograd Functions:
-the experts' forward and backward); per kernel
-name, its part, milliseconds and launches per step, longest first.
+the experts' forward and backward); per kernel name, its part, milliseconds and launches per step, longest first.
 """
 
 from __future__ import annotations
@@ -76,8 +75,8 @@ def summarise(trace: dict, steps: int) -> dict:
     """A ``torch.profiler`` chrome trace of ``steps`` training steps, per step: ``phases`` (each part's host
     milliseconds, its device events' busy milliseconds, the device's idle milliseconds before them, from the end of
     the previous event, and ``megamoe_ms``, the busy milliseconds of the events launched inside a megamoe custom op
-    or autograd Function on the launching thread) and ``kernels`` (name, part, ms and launches per step; longest first). A device event
-    launched outside the parts' ranges counts under ``"other"``."""
+    or autograd Function on the launching thread) and ``kernels`` (name, part, ms and launches per step; longest
+    first). A device event launched outside the parts' ranges counts under ``"other"``."""
     events = trace["traceEvents"]
     ranges = collections.defaultdict(list)
     ops = collections.defaultdict(list)  # per host thread, megamoe's custom ops' ranges
