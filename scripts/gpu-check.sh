@@ -32,6 +32,8 @@
 #                                          copies made at first use (step) and right after the optimizer step (ahead),
 #                                          each with --profile over steps 16-18 (train-NAME-profile.json); then the
 #                                          layer benchmark's profile of the same experts (train-step-bench/), ~9 min
+#   bash scripts/gpu-check.sh power        bf16 and FP8 layers back to back and after idle gaps (tools.power), 30B and
+#                                          235B: the power cap's share of each (power-PRESET.json), ~3 min
 #   bash scripts/gpu-check.sh ep           on 2+ GPUs: the fused EP tests on real ranks, then the EP benchmark
 # Logs (and the benchmark JSON/PNG) go to $GPU_CHECK_OUT (default benchmarks/out/gpu-check); copy the JSON you
 # mean to publish into benchmarks/results/ and run `python -m megamoe.bench.report`. Optional baselines install
@@ -40,13 +42,13 @@
 # Every GPU's SM clock, power and temperature are sampled 4 times a second into clocks.csv beside the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu-check.sh tests|loopback|ep-waits|wgrad-order|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|train-fp8|train-fp8-more|train-step|ep}
+stage=${1:?usage: gpu-check.sh tests|loopback|ep-waits|wgrad-order|layer [30b|235b|1k|65k ...]|fp8 [tests|kernels|30b|235b ...]|model [EXPERTS ...]|train|train-fp8|train-fp8-more|train-step|power|ep}
 shift
 case $stage in  # before anything is installed or started
-tests|loopback|ep-waits|wgrad-order|layer|fp8|model|train|train-fp8|train-fp8-more|train-step|ep) ;;
+tests|loopback|ep-waits|wgrad-order|layer|fp8|model|train|train-fp8|train-fp8-more|train-step|power|ep) ;;
 *)
     echo "unknown stage $stage: tests, loopback, ep-waits, wgrad-order, layer, fp8, model, train, train-fp8," \
-        "train-fp8-more, train-step or ep" >&2
+        "train-fp8-more, train-step, power or ep" >&2
     exit 2
     ;;
 esac
@@ -258,6 +260,12 @@ train-step)
     step train-step-bench 150 "${py[@]}" -m megamoe.bench --preset qwen3-30b-a3b --routing random \
         --impls megamoe,megamoe_fp8 --profile --no-plot --out "$out/train-step-bench" || rc=$?
     exit "$rc"
+    ;;
+power)
+    for preset in qwen3-30b-a3b qwen3-235b-a22b; do
+        step "power-$preset" 240 "${py[@]}" -m tools.power --preset "$preset" --json "$out/power-$preset.json" \
+            || exit $?
+    done
     ;;
 ep)
     [ "$gpus" -ge 2 ] || { echo "stage ep needs 2+ GPUs; this machine has $gpus" >&2; exit 2; }
