@@ -36,7 +36,8 @@ Also a template to copy. What it does, in order:
   are FP8, ``fp8_weight_gradients``, with FP8 ones x's scales in dW13, ``fp8_wgrad_x_scales``, and their weight
   copies' policy, ``fp8_weight_cache`` —, per-step losses, eval losses, each step's expert load per decoder layer
   (``expert_load``: the most-loaded expert's top-k assignments over the mean, every rank's tokens; 1 is balanced; the
-  progress bar shows the largest), tokens/s — the median over the steps after the first 10 —, step and host times,
+  progress bar shows the largest), the last step's assignments per decoder layer and expert (``expert_counts``: the
+  routing the layer benchmark can be set against), tokens/s — the median over the steps after the first 10 —, step and host times,
   each step's forward+backward passes (``passes_ms``), its gradients' clipping (``clip_ms``: the expert gradients'
   mean over ``--ep``, the norm and the scaling) and its optimizer step (``optimizer_ms``: AdamW and zeroing the
   gradients), the three making up ``step_ms``, with their medians (``passes_ms_median``, ``clip_ms_median``,
@@ -624,7 +625,7 @@ def main(argv=None) -> dict | None:
     tokens_per_step = args.seq_len * args.seqs_per_step * args.micro_batches * world
     stop = min(args.steps, args.stop_after if args.stop_after is not None else args.steps)
     log = {"losses": [], "grad_norms": [], "eval": [], "step_ms": [], "passes_ms": [], "clip_ms": [], "optimizer_ms": [],
-           "host_ms": [], "expert_load": []}
+           "host_ms": [], "expert_load": [], "expert_counts": None}
     pending = []
     bar = None
     if rank == 0 and not args.quiet:
@@ -640,7 +641,9 @@ def main(argv=None) -> dict | None:
         _wait(pending[-1].marks[-1])  # the last step's end
         losses = all_mean(torch.stack([p.lm_loss for p in pending]).float(), world).tolist()
         norms = torch.stack([p.norm for p in pending]).float().tolist()
-        loads = expert_load(all_mean(torch.stack([p.counts for p in pending]), world)).tolist()  # every rank's tokens
+        counts = all_mean(torch.stack([p.counts for p in pending]), world)  # per rank, averaged over the ranks
+        loads = expert_load(counts).tolist()  # every rank's tokens
+        log["expert_counts"] = (counts[-1] * world).round().int().tolist()  # the latest step's, every rank's tokens
         for p, loss, norm, load in zip(pending, losses, norms, loads):
             log["losses"].append(loss)
             log["grad_norms"].append(norm)

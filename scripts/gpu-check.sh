@@ -33,7 +33,8 @@
 #                                          each with --profile over steps 16-18 (train-NAME-profile.json); then the
 #                                          layer benchmark's profile of the same experts (train-step-bench/), ~9 min
 #   bash scripts/gpu-check.sh power        bf16 and FP8 layers back to back and after idle gaps (tools.power), 30B and
-#                                          235B: the power cap's share of each (power-PRESET.json), ~3 min
+#                                          235B: the power cap's share of each (power-PRESET.json), at 30B also on the
+#                                          routing of train-step's bf16 run where its log is here, ~4 min
 #   bash scripts/gpu-check.sh ep           on 2+ GPUs: the fused EP tests on real ranks, then the EP benchmark
 # Logs (and the benchmark JSON/PNG) go to $GPU_CHECK_OUT (default benchmarks/out/gpu-check); copy the JSON you
 # mean to publish into benchmarks/results/ and run `python -m megamoe.bench.report`. Optional baselines install
@@ -262,10 +263,14 @@ train-step)
     exit "$rc"
     ;;
 power)
-    for preset in qwen3-30b-a3b qwen3-235b-a22b; do
-        step "power-$preset" 240 "${py[@]}" -m tools.power --preset "$preset" --json "$out/power-$preset.json" \
-            || exit $?
-    done
+    # at 30B also on the routing of train-step's bf16 run where it is here (its log's last step, the median layer)
+    counts=()
+    [ -f "$out/train-l6-bf16.json" ] && grep -q '"expert_counts": \[' "$out/train-l6-bf16.json" \
+        && counts=(--counts "$out/train-l6-bf16.json")
+    step power-qwen3-30b-a3b 240 "${py[@]}" -m tools.power --preset qwen3-30b-a3b "${counts[@]}" \
+        --json "$out/power-qwen3-30b-a3b.json" || exit $?
+    step power-qwen3-235b-a22b 240 "${py[@]}" -m tools.power --preset qwen3-235b-a22b \
+        --json "$out/power-qwen3-235b-a22b.json"
     ;;
 ep)
     [ "$gpus" -ge 2 ] || { echo "stage ep needs 2+ GPUs; this machine has $gpus" >&2; exit 2; }

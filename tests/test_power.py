@@ -3,6 +3,7 @@ after a gap each call waits for the device, the host sleeps, a spin kernel is qu
 its two events; back to back (gap 0) nothing syncs until the end. Each call starts with the gradients cleared."""
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -75,3 +76,42 @@ def test_without_a_gpu_it_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs|CUDA GPU"):
         power.main([])
+
+
+def test_routing_from_counts_gives_each_expert_its_rows_and_no_token_an_expert_twice():
+    """Counts as a young router leaves them: one expert on every token, some on none, the rest uneven."""
+    num_tokens, top_k, num_experts = 64, 4, 16
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(num_experts, dtype=torch.int64)
+    counts[3] = num_tokens  # every token
+    counts[[0, 7]] = 0
+    rest = [e for e in range(num_experts) if e not in (0, 3, 7)]
+    share = torch.multinomial(torch.linspace(1, 5, len(rest)), num_tokens * (top_k - 1), replacement=True,
+                              generator=gen)
+    counts[rest] = torch.bincount(share, minlength=len(rest))
+    assert counts.sum() == num_tokens * top_k and counts.max() == num_tokens
+    idx, weights = power.routing_from_counts(counts.tolist(), num_tokens, top_k, "cpu", gen)
+    assert idx.shape == (num_tokens, top_k) and idx.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(torch.bincount(idx.flatten(), minlength=num_experts), counts)
+    assert all(len(set(row)) == top_k for row in idx.tolist())
+    torch.testing.assert_close(weights.sum(dim=1), torch.ones(num_tokens))
+    assert not torch.equal(idx[:, 0], torch.sort(idx[:, 0]).values), "the tokens are shuffled"
+    for bad in (counts[:-1].tolist() + [counts[-1].item() + 1],  # one row too many
+                [num_tokens + 1] + [0] * (num_experts - 1)):  # more rows than tokens on one expert
+        with pytest.raises(ValueError, match="counts must be one per expert"):
+            power.routing_from_counts(bad, num_tokens, top_k, "cpu", gen)
+
+
+def test_counts_come_from_a_training_log_at_the_median_layer_by_default(tmp_path):
+    log = tmp_path / "log.json"
+    layers = [[4, 4, 4, 4], [16, 0, 0, 0], [8, 4, 2, 2]]  # loads 1, 4 and 2: the median is layer 2's
+    log.write_text(json.dumps({"expert_counts": layers}))
+    assert power.counts_of(str(log)) == (f"{log}:2", 2, [8, 4, 2, 2])
+    assert power.counts_of(f"{log}:1") == (f"{log}:1", 1, [16, 0, 0, 0])
+    with pytest.raises(argparse.ArgumentTypeError, match="has layers 0 to 2"):
+        power.counts_of(f"{log}:3")
+    log.write_text(json.dumps({"expert_load": [[1.0]]}))
+    with pytest.raises(argparse.ArgumentTypeError, match="holds no expert_counts"):
+        power.counts_of(str(log))
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot read"):
+        power.counts_of(str(tmp_path / "missing.json"))

@@ -82,6 +82,10 @@ def test_log_has_the_documented_fields_and_a_plot(runs):
     # each step's load per decoder layer: the tiny preset's 8 experts, top-2, between balanced and all on two
     assert len(log["expert_load"]) == len(log["losses"]) and all(len(step) == log["layers"] for step in log["expert_load"])
     assert all(1.0 <= load <= 4.0 for step in log["expert_load"] for load in step)
+    # the last step's assignments per layer and expert: every token's top-2, and the load they give
+    counts = torch.tensor(log["expert_counts"], dtype=torch.float32)
+    assert counts.shape == (log["layers"], 8) and (counts.sum(dim=1) == 2 * log["tokens_per_step"]).all()
+    assert torch.allclose(counts.amax(dim=1) / counts.mean(dim=1), torch.tensor(log["expert_load"][-1]), rtol=1e-3)
     assert log["params"] == results["megamoe"]["params"] > 0 and log["corpus_digest"]
     assert (run_dir / "loss.png").stat().st_size > 0
     assert {p.name for p in (run_dir / "checkpoint-3").iterdir()} == {"rank0.safetensors", "state.json"}
