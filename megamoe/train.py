@@ -36,9 +36,9 @@ Also a template to copy. What it does, in order:
   are FP8, ``fp8_weight_gradients``, with FP8 ones x's scales in dW13, ``fp8_wgrad_x_scales``, and their weight
   copies' policy, ``fp8_weight_cache`` —, per-step losses, eval losses, each step's expert load per decoder layer
   (``expert_load``: the most-loaded expert's top-k assignments over the mean, every rank's tokens; 1 is balanced; the
-  progress bar shows the largest), the last step's assignments per decoder layer and expert (``expert_counts``: the
-  routing the layer benchmark can be set against), tokens/s — the median over the steps after the first 10 —, step and host times,
-  each step's forward+backward passes (``passes_ms``), its gradients' clipping (``clip_ms``: the expert gradients'
+  progress bar shows the largest), the last step's assignments per decoder layer and expert (``expert_counts``, which
+  ``python -m tools.power --counts`` times the layer on), tokens/s — the median over the steps after the first 10 —,
+  step and host times, each step's forward+backward passes (``passes_ms``), its gradients' clipping (``clip_ms``: the expert gradients'
   mean over ``--ep``, the norm and the scaling) and its optimizer step (``optimizer_ms``: AdamW and zeroing the
   gradients), the three making up ``step_ms``, with their medians (``passes_ms_median``, ``clip_ms_median``,
   ``optimizer_ms_median``), MFU, peak memory, what the CUDA caching allocator asked of the driver over those steps
