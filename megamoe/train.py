@@ -38,16 +38,16 @@ Also a template to copy. What it does, in order:
   (``expert_load``: the most-loaded expert's top-k assignments over the mean, every rank's tokens; 1 is balanced; the
   progress bar shows the largest), the last step's assignments per decoder layer and expert (``expert_counts``, which
   ``python -m tools.power --counts`` times the layer on), tokens/s — the median over the steps after the first 10 —,
-  step and host times, each step's forward+backward passes (``passes_ms``), its gradients' clipping (``clip_ms``:
-  the expert gradients' mean over ``--ep``, the norm and the scaling) and its optimizer step (``optimizer_ms``: AdamW
-  and zeroing the gradients), the three making up ``step_ms``, with their medians (``passes_ms_median``,
-  ``clip_ms_median``, ``optimizer_ms_median``), MFU, peak memory, what the CUDA caching allocator asked of the driver over those steps
-  (``allocator_timed_steps``: segments got by ``cudaMalloc`` and given back, and allocations retried after freeing its
-  cache, each a stall); GPU, versions, date, commit, command), ``loss.png``, with ``--profile A-B`` ``profile.json``
-  (torch's profiler over steps A to B: each part's host and device time per step, and each kernel's, with the part
-  that launched it; ``megamoe.profiling``), and checkpoints (``--checkpoint-every``):
-  per rank, the model's and the optimizer's tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in
-  ``state.json``; ``--resume DIR`` continues from one bitwise as if never stopped (same world size and ``--ep``).
+  step and host times, each step's forward+backward passes (``passes_ms``), its gradients' clipping (``clip_ms``: the
+  expert gradients' mean over ``--ep``, the norm and the scaling) and its optimizer step (``optimizer_ms``: AdamW and
+  zeroing the gradients), the three making up ``step_ms``, with their medians (``passes_ms_median``,
+  ``clip_ms_median``, ``optimizer_ms_median``), MFU, peak memory, what the CUDA caching allocator asked of the driver
+  over those steps (``allocator_timed_steps``: segments got by ``cudaMalloc`` and given back, and allocations retried
+  after freeing its cache, each a stall); GPU, versions, date, commit, command), ``loss.png``, with ``--profile A-B``
+  ``profile.json`` (torch's profiler over steps A to B: each part's host and device time per step, and each kernel's,
+  with the part that launched it; ``megamoe.profiling``), and checkpoints (``--checkpoint-every``): per rank, the
+  model's and the optimizer's tensors in ``rank{r}.safetensors`` (with the RNG states) and the step in ``state.json``;
+  ``--resume DIR`` continues from one bitwise as if never stopped (same world size and ``--ep``).
 
 MFU counts 6 FLOPs per token per active parameter of the attention projections, router, routed experts and LM
 head, plus causal attention's 6·S·H·hd per token per layer (S the sequence length), without the recompute of
