@@ -469,8 +469,8 @@ def parse_args(argv=None, cuda: bool | None = None):
     p.add_argument("--moe-share-steps", type=non_negative_int, default=0,
                    help="after training: time this many steps with and without the experts (moe_share; GPU only)")
     p.add_argument("--profile", type=step_range, metavar="A-B",
-                   help="run torch.profiler over steps A to B (counted from 1; A alone: one step) and write where their "
-                        "device time went, per part of the step and per kernel, to profile.json beside log.json "
+                   help="run torch.profiler over steps A to B (counted from 1; A alone: one step) and write where "
+                        "their device time went, per part of the step and per kernel, to profile.json beside log.json "
                         "(megamoe.profiling); those steps run slower, and count in the log's times")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/train"), help="runs and the data cache")
     p.add_argument("--name", help="run folder name (default: from preset, experts, seq-len, seed)")
@@ -676,7 +676,8 @@ def main(argv=None) -> dict | None:
         with profiler.phase("passes"):
             lm_loss, counts = step_passes(model, train, args, step, world, rank, device, step_loss, mesh)
         marks.append(_mark(cuda))
-        with profiler.phase("clip"):  # the expert gradients are summed over the ep ranks' tokens; the loss is their mean
+        # the expert gradients are summed over the ep ranks' tokens; the loss is their mean
+        with profiler.phase("clip"):
             norm = clip_gradients(params, expert_params, 1.0, ep_group, expert_divisor=args.ep)
         marks.append(_mark(cuda))
         with profiler.phase("optimizer"):

@@ -26,8 +26,9 @@ def kernel(name, correlation, ts, dur, cat="kernel"):
 
 def test_device_time_goes_to_the_part_that_launched_it():
     """Two steps (trace times in microseconds): a GEMM launched twice a step in the passes, the second time by a
-    megamoe op (the custom op, then the eager path's autograd Function), a scaling kernel in the clipping (launched by another thread while a megamoe op ran on the first: not
-    the op's), an AdamW kernel and a memset in the optimizer step, and one kernel launched outside every range."""
+    megamoe op (the custom op, then the eager path's autograd Function), a scaling kernel in the clipping (launched by
+    another thread while a megamoe op ran on the first: not the op's), an AdamW kernel and a memset in the optimizer
+    step, and one kernel launched outside every range."""
     events = []
     for step, t0 in enumerate((0, 1000)):
         events += [annotation("passes", t0, t0 + 100), annotation("clip", t0 + 100, t0 + 130),

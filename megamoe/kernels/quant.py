@@ -401,20 +401,20 @@ _ahead_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def set_fp8_weight_cache(policy: str) -> None:
-    """How long the expert weights' FP8 copies live, from now on (:func:`fp8_weight`): ``"step"`` (the default)
-    keeps each weight's copies until the weight changes (an in-place update, or any ``torch.optim`` optimizer's
-    step): one quantisation per weight and optimizer step, however many micro-batches and recomputes meet it, but
-    every layer's copies alive at once, from the layer's first forward of a step until the next optimizer step (2
-    bytes per expert weight element, the two orientations, plus scales; under FSDP2, of the gathered weights, which
-    FSDP's reshard does not free). ``"ahead"``: as ``"step"``, but right after an optimizer step the copies of each
-    weight used since its last copies were made are made again, on a CUDA stream of their own, so that the quantisation can run beside
-    the next forward's first layers instead of in front of each layer's experts; only for weights that the optimizer
+    """How long the expert weights' FP8 copies live, from now on (:func:`fp8_weight`): ``"step"`` (the default) keeps
+    each weight's copies until the weight changes (an in-place update, or any ``torch.optim`` optimizer's step): one
+    quantisation per weight and optimizer step, however many micro-batches and recomputes meet it, but every layer's
+    copies alive at once, from the layer's first forward of a step until the next optimizer step (2 bytes per expert
+    weight element, the two orientations, plus scales; under FSDP2, of the gathered weights, which FSDP's reshard does
+    not free). ``"ahead"``: as ``"step"``, but right after an optimizer step the copies of each weight used since its
+    last copies were made are made again, on a CUDA stream of their own, so that the quantisation can run beside the
+    next forward's first layers instead of in front of each layer's experts; only for weights that the optimizer
     itself updated (a parameter it holds, or an alias: not FSDP2's gathered weights, whose copies are made at first
     use, as under ``"step"``); every layer's copies are then held from the step on. (Every optimizer's step drops
-    every copy before it runs, so with several optimizers only the copies made after the last one's step survive,
-    and the next forward makes the rest.) ``"call"`` keeps none: each forward makes the straight copies it reads and
-    each backward the transposed ones (and, without saved products, w13's straight copy again), freed when the call
-    ends. Also set at import by ``MEGAMOE_FP8_WEIGHT_CACHE``. Setting ``"call"`` drops every cached copy."""
+    every copy before it runs, so with several optimizers only the copies made after the last one's step survive, and
+    the next forward makes the rest.) ``"call"`` keeps none: each forward makes the straight copies it reads and each
+    backward the transposed ones (and, without saved products, w13's straight copy again), freed when the call ends.
+    Also set at import by ``MEGAMOE_FP8_WEIGHT_CACHE``. Setting ``"call"`` drops every cached copy."""
     global _weight_cache_policy
     if policy not in FP8_WEIGHT_CACHES:
         raise ValueError(f"the FP8 weight cache policy must be one of {FP8_WEIGHT_CACHES}, got {policy!r}")
